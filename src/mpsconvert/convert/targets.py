@@ -1,0 +1,148 @@
+"""Which tensors to quantize, read from the model's own definition (built on the meta device).
+
+Names are not guessed: transformers builds the architecture without weights, and every
+`nn.Linear` in it is a candidate. Default ignores are found by role, not by name alone:
+the output embedding (lm_head), MoE routers (a Linear that outputs one logit per expert),
+shared-expert gates; embeddings and norms are not Linear and stay as they are. Layer types
+we do not quantize (GPT-2's Conv1D, fused 3-D MoE experts, convolutions) are reported.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SourceError
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass
+class Plan:
+    """The decision for every Linear-like module of a model."""
+
+    architecture: str
+    quantize: dict[str, tuple[int, int]] = field(default_factory=dict)  # module -> (out, in)
+    ignored: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays
+    skipped: dict[str, str] = field(default_factory=dict)  # non-Linear weight modules -> what they are
+    prefix: str = ""  # base_model_prefix, for checkpoints saved without/with it
+
+    def module_for_tensor(self, tensor_name: str) -> str | None:
+        """The quantized module a checkpoint key `<module>.weight` belongs to, or None."""
+        if not tensor_name.endswith(".weight"):
+            return None
+        mod = tensor_name[: -len(".weight")]
+        if mod in self.quantize:
+            return mod
+        if self.prefix:
+            if f"{self.prefix}.{mod}" in self.quantize:
+                return f"{self.prefix}.{mod}"
+            if mod.startswith(self.prefix + ".") and mod[len(self.prefix) + 1 :] in self.quantize:
+                return mod[len(self.prefix) + 1 :]
+        return None
+
+
+def _model_class(config):
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def build_meta_model(path, trust_remote_code: bool = False):
+    """Instantiate the architecture with no weights (meta tensors): cheap at any model size."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        msg = str(e).splitlines()[0]
+        if "trust_remote_code" in msg:
+            raise SourceError(
+                "this model's architecture is defined by code inside the repo",
+                "review that code, then pass --trust-remote-code to allow running it",
+            ) from e
+        raise SourceError(f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model") from e
+    cls = _model_class(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"):
+                if cls.__name__.startswith("Auto"):
+                    model = cls.from_config(config, trust_remote_code=trust_remote_code)
+                else:
+                    model = cls(config)
+        except Exception as e:  # an architecture transformers cannot build is a user-facing problem
+            raise SourceError(
+                f"transformers could not build {cls.__name__} for this config: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "upgrade transformers, or pass --trust-remote-code if the repo defines its own model",
+            ) from e
+    return config, model
+
+
+def _num_experts(config) -> int | None:
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key in _EXPERT_KEYS:
+            v = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(v, int) and v > 1:
+                return v
+    return None
+
+
+def matches(name: str, patterns: list[str]) -> str | None:
+    """The first pattern that names this module: glob (`*.mlp.down_proj`), `re:` regex, or a
+    bare name matching the module or its last components (`lm_head`, `mlp.gate`)."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.search(p[3:], name):
+                return p
+        elif fnmatch.fnmatchcase(name, p) or name == p or name.endswith("." + p):
+            return p
+    return None
+
+
+def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
+    """Decide every Linear (and report every other weight-bearing layer) of a meta model."""
+    ignore = list(ignore or [])
+    plan = Plan(architecture=type(model).__name__, prefix=getattr(model, "base_model_prefix", "") or "")
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    n_experts = _num_experts(config)
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        kind = type(mod).__name__
+        if isinstance(mod, torch.nn.Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            if out_emb is not None and mod is out_emb:
+                plan.ignored[name] = "output embedding (lm_head): kept in full precision by default"
+            elif n_experts and mod.out_features == n_experts and ("gate" in leaf or "router" in leaf):
+                plan.ignored[name] = f"MoE router ({n_experts} experts): kept in full precision"
+            elif "shared_expert_gate" in leaf or (n_experts and mod.out_features == 1 and "gate" in leaf):
+                plan.ignored[name] = "shared-expert gate: kept in full precision"
+            elif (p := matches(name, ignore)) is not None:
+                plan.ignored[name] = f"--ignore {p}"
+            else:
+                plan.quantize[name] = (mod.out_features, mod.in_features)
+        elif kind == "Conv1D":
+            plan.skipped[name] = "GPT-2 style Conv1D (weight stored [in, out]): compressed-tensors targets nn.Linear only, kept as is"
+        elif isinstance(mod, torch.nn.Embedding):
+            plan.skipped[name] = "embedding: never quantized (transformers reads it as a dense lookup table)"
+        elif isinstance(mod, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+            plan.skipped[name] = f"{kind}: only nn.Linear layers are quantized, kept as is"
+        else:
+            fused = [p for p, t in mod.named_parameters(recurse=False) if t.ndim == 3]
+            if fused:
+                plan.skipped[name] = f"fused MoE experts ({', '.join(fused)}; 3-D parameters): kept as is"
+    return plan
+
+
+def plan_for(path, ignore: list[str] | None = None, trust_remote_code: bool = False) -> Plan:
+    config, model = build_meta_model(path, trust_remote_code)
+    return plan_from_model(model, config, ignore)

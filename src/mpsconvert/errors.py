@@ -1,0 +1,31 @@
+"""One error type for everything the user can fix: the CLI prints it as one line and exits non-zero."""
+
+
+class MpsconvertError(Exception):
+    """A problem with the user's input or environment, with what to do about it.
+
+    `str(err)` is a single line: the problem, then the fix after "; ".
+    """
+
+    exit_code = 2
+
+    def __init__(self, problem: str, fix: str | None = None):
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem}; {fix}" if fix else problem)
+
+
+class SourceError(MpsconvertError):
+    """The model source (repo id or folder) cannot be used."""
+
+
+class QuantizationError(MpsconvertError):
+    """A tensor cannot be quantized (NaN/inf, unsupported dtype)."""
+
+
+class ArtifactError(MpsconvertError):
+    """An artifact is missing, incomplete, tampered with or inconsistent."""
+
+
+class DeviceError(MpsconvertError):
+    """The requested device is not available or ran out of memory."""

@@ -1,0 +1,88 @@
+"""The compressed-tensors `quantization_config` that vLLM and transformers read, both ways.
+
+Written by hand from the format's field names so that writing an artifact does not need the
+compressed-tensors package; tests check it parses with compressed-tensors' own pydantic models.
+"""
+
+from __future__ import annotations
+
+from ..errors import ArtifactError
+from .schemes import Scheme
+
+_STRATEGY = {"tensor": "tensor", "row": "channel"}
+_GRANULARITY = {"tensor": "tensor", "channel": "row"}
+
+
+def _args(strategy: str, dynamic: bool) -> dict:
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": strategy,
+        "block_structure": None,
+        "dynamic": dynamic,
+        "actorder": None,
+        "observer": None if dynamic else "minmax",
+        "observer_kwargs": {},
+    }
+
+
+def quantization_config(scheme: Scheme, ignore: list[str], targets: list[str] | None = None) -> dict:
+    """The `quantization_config` block for config.json."""
+    acts = scheme.activations
+    input_activations = None
+    if acts == "token":
+        input_activations = _args("token", dynamic=True)
+    elif acts == "tensor":
+        input_activations = _args("tensor", dynamic=False)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": targets or ["Linear"],
+                "weights": _args(_STRATEGY[scheme.weights], dynamic=False),
+                "input_activations": input_activations,
+                "output_activations": None,
+                "format": "float-quantized",
+            }
+        },
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+def scheme_from_config(qc: dict) -> Scheme:
+    """Read our Scheme back from any compressed-tensors FP8 `quantization_config`."""
+    if qc.get("quant_method") != "compressed-tensors":
+        raise ArtifactError(
+            f"quantization_config has quant_method {qc.get('quant_method')!r}",
+            "only compressed-tensors FP8 checkpoints can be loaded",
+        )
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ArtifactError(f"quantization_config has {len(groups)} config groups", "expected exactly one FP8 group")
+    group = next(iter(groups.values()))
+    w = group.get("weights") or {}
+    if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in _GRANULARITY:
+        raise ArtifactError(
+            f"weights are {w.get('type')}/{w.get('num_bits')} bits/{w.get('strategy')}",
+            "only FP8 (float, 8 bits) per-tensor or per-channel weights are supported",
+        )
+    a = group.get("input_activations")
+    if a is None:
+        name = "fp8-weight-only"
+    elif a.get("dynamic") and a.get("strategy") == "token":
+        name = "fp8-dynamic"
+    elif not a.get("dynamic") and a.get("strategy") == "tensor":
+        name = "fp8"
+    else:
+        raise ArtifactError(
+            f"input activations {a.get('strategy')}/dynamic={a.get('dynamic')} are not supported",
+            "expected dynamic per-token, static per-tensor, or none",
+        )
+    return Scheme(name=name, weights=_GRANULARITY[w["strategy"]])

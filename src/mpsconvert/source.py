@@ -1,0 +1,214 @@
+"""Model id / folder / revision -> a local snapshot we can convert, without running any code.
+
+Hub repos are fetched with huggingface_hub (its cache, token and offline mode), and only the
+files conversion needs. Pickle checkpoints (.bin, .pt, ...) are never downloaded or opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SourceError
+
+# What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
+ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.json",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.jinja",
+    "*.py",  # only used when the user passes --trust-remote-code
+    "*.md",
+]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# Non-weight files copied into the artifact as they are.
+COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".md", ".py")
+SKIP_COPY = {"config.json", "model.safetensors.index.json", "mpsconvert.json"}
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class Snapshot:
+    """A model on local disk, with where it came from."""
+
+    path: Path
+    kind: str  # "hub" or "local"
+    repo_id: str | None = None
+    revision: str | None = None
+    commit: str | None = None
+    weight_files: list[str] = field(default_factory=list)  # safetensors files, in order
+    weight_map: dict[str, str] = field(default_factory=dict)  # tensor name -> file
+    config: dict = field(default_factory=dict)
+
+    @property
+    def total_weight_bytes(self) -> int:
+        return sum((self.path / f).stat().st_size for f in self.weight_files)
+
+    def copy_files(self) -> list[str]:
+        """Non-weight files to carry into the artifact (tokenizer, generation config, ...)."""
+        out = []
+        for p in sorted(self.path.rglob("*")):
+            rel = p.relative_to(self.path).as_posix()
+            if p.is_dir() or rel in SKIP_COPY or rel.startswith("."):
+                continue
+            if p.suffix in COPY_SUFFIXES and not rel.endswith(".safetensors.index.json"):
+                out.append(rel)
+        return out
+
+    def known_sha256(self, name: str) -> str | None:
+        """The sha256 the HF cache already knows (LFS blobs are named by it), else None."""
+        p = self.path / name
+        if p.is_symlink():
+            blob = Path(os.readlink(p)).name
+            if _SHA256.match(blob):
+                return blob
+        return None
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "id": self.repo_id or self.path.name,
+            "revision": self.revision,
+            "commit": self.commit,
+        }
+
+
+def resolve(src: str, revision: str | None = None, token: str | None = None) -> Snapshot:
+    """A repo id or a folder -> a checked Snapshot. Raises SourceError with a fix on any problem."""
+    path = Path(src).expanduser()
+    if path.exists() or src.startswith((".", "/", "~")) or os.sep in src.strip("/").replace("/", "", 1):
+        if not path.exists():
+            raise SourceError(f"model folder {src} does not exist", "check the path, or pass a Hugging Face repo id")
+        if not path.is_dir():
+            raise SourceError(f"{src} is a file, not a model folder", "pass the folder that holds config.json")
+        snap = Snapshot(path=path.resolve(), kind="local", revision=revision)
+        _from_cache_layout(snap)
+        return _inventory(snap)
+    if not _REPO_ID.match(src):
+        raise SourceError(f"{src!r} is neither an existing folder nor a valid repo id", "use org/name or a path")
+    return _inventory(_download(src, revision, token))
+
+
+def _from_cache_layout(snap: Snapshot) -> None:
+    """A folder inside the HF cache (models--org--name/snapshots/<commit>) keeps its provenance."""
+    parts = snap.path.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        snap.repo_id = parts[-3][len("models--") :].replace("--", "/")
+        snap.commit = parts[-1]
+
+
+def _download(repo_id: str, revision: str | None, token: str | None) -> Snapshot:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hf_errors
+
+    token = token or os.environ.get("HF_TOKEN") or None
+    rev = revision or "main"
+    try:
+        local = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=ALLOW_PATTERNS)
+    except hf_errors.GatedRepoError as e:
+        raise SourceError(
+            f"{repo_id} is gated: your account has not been granted access",
+            "accept its terms on huggingface.co, then pass --token or set HF_TOKEN",
+        ) from e
+    except hf_errors.RepositoryNotFoundError as e:
+        raise SourceError(
+            f"{repo_id} was not found on the Hugging Face hub (or it is private)",
+            "check the id; for a private repo pass --token or set HF_TOKEN",
+        ) from e
+    except hf_errors.RevisionNotFoundError as e:
+        raise SourceError(f"{repo_id} has no revision {rev!r}", "check --revision (a branch, tag or commit)") from e
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise SourceError(
+            f"{repo_id}@{rev} is not in the local Hugging Face cache and {why}",
+            "connect and retry, download it first with `hf download`, or pass a local folder",
+        ) from e
+    except hf_errors.HfHubHTTPError as e:
+        raise SourceError(f"downloading {repo_id} failed: {str(e).splitlines()[0]}", "retry, or pass a local folder") from e
+    except OSError as e:
+        raise SourceError(f"downloading {repo_id} failed: {e}", "check disk space and HF_HOME, then retry") from e
+    snap = Snapshot(path=Path(local), kind="hub", repo_id=repo_id, revision=rev)
+    snap.commit = Path(local).name
+    return snap
+
+
+def _inventory(snap: Snapshot) -> Snapshot:
+    p = snap.path
+    cfg = p / "config.json"
+    files = [f.name for f in p.iterdir()] if p.is_dir() else []
+    if not cfg.is_file():
+        raise SourceError(
+            f"{p} has no config.json, so it is not a Hugging Face model folder",
+            "pass the folder that holds config.json and *.safetensors",
+        )
+    try:
+        snap.config = json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceError(f"{cfg} is not valid JSON ({e})", "fix or re-download config.json") from e
+    if not isinstance(snap.config, dict):
+        raise SourceError(f"{cfg} is not a JSON object", "fix or re-download config.json")
+    if "quantization_config" in snap.config:
+        qm = snap.config["quantization_config"].get("quant_method", "?")
+        raise SourceError(f"{p} is already quantized ({qm})", "convert the original BF16/FP16/FP32 checkpoint instead")
+
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        snap.weight_map = _read_index(index)
+        snap.weight_files = sorted(set(snap.weight_map.values()))
+    else:
+        st = sorted(f for f in files if f.endswith(".safetensors"))
+        if "model.safetensors" in st:
+            st = ["model.safetensors"]
+        snap.weight_files = st
+    if not snap.weight_files:
+        pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
+        if not pickles and snap.kind == "hub":
+            pickles = _remote_pickles(snap)
+        if pickles:
+            raise SourceError(
+                f"{snap.repo_id or p} has only pickle weights ({', '.join(pickles[:3])}); "
+                "mpsconvert never unpickles, since loading a pickle can run arbitrary code",
+                "convert them to safetensors first in a trusted environment (e.g. `save_pretrained(..., safe_serialization=True)`) "
+                "or use a repo that ships *.safetensors",
+            )
+        raise SourceError(f"{p} has no *.safetensors weights", "pass a folder or repo with safetensors weights")
+    for f in snap.weight_files:
+        if not (p / f).is_file():
+            raise SourceError(f"weight file {f} listed in {p.name} is missing", "re-download the model")
+    return snap
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        body = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceError(f"{index} is not valid JSON ({e})", "re-download model.safetensors.index.json") from e
+    wm = body.get("weight_map") if isinstance(body, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise SourceError(f"{index} has no weight_map", "re-download model.safetensors.index.json")
+    for name, f in wm.items():
+        if not isinstance(f, str) or not f.endswith(".safetensors") or "/" in f or "\\" in f or f in (".", "..") or f.startswith("."):
+            raise SourceError(
+                f"{index} maps {name!r} to {f!r}, which is not a plain .safetensors file name in the snapshot",
+                "the index is corrupt or malicious; re-download it",
+            )
+    return wm
+
+
+def _remote_pickles(snap: Snapshot) -> list[str]:
+    """Ask the hub which weight files a repo has, to explain a pickle-only repo (best effort)."""
+    try:
+        from huggingface_hub import HfApi
+
+        names = HfApi().list_repo_files(snap.repo_id, revision=snap.commit)
+    except Exception:  # offline or unreachable: the generic "no safetensors" error follows
+        return []
+    return sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
