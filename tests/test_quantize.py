@@ -1,0 +1,168 @@
+"""End to end: tiny models of several architectures -> FP8 artifact -> transformers + compressed-tensors."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from mpsconvert.convert import fp8
+from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.manifests.manifest import Manifest
+from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.source import resolve
+
+CAUSAL = ["llama", "llama_bf16", "qwen2_tied", "mistral", "llama_sharded", "gpt2"]
+
+
+def convert(src, out, scheme="fp8-dynamic", weights=None, **kw):
+    return quantize_snapshot(resolve(str(src)), out, Options(scheme=Scheme.make(scheme, weights), **kw))
+
+
+def artifact_tensors(out):
+    sd = {}
+    for f in sorted(out.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+def reference_model(cls, src, out, dynamic: bool):
+    """The source model with our dequantized weights put in (and, for the dynamic scheme, the
+    inputs of each quantized Linear fake-quantized per token, as compressed-tensors does)."""
+    ref = cls.from_pretrained(src)
+    sd = artifact_tensors(out)
+    quantized = {k[: -len(".weight_scale")] for k in sd if k.endswith(".weight_scale")}
+    prefix = getattr(ref, "base_model_prefix", "")
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            key = name if name in quantized else name.removeprefix(prefix + ".")
+            if key in quantized:
+                mod.weight.copy_(fp8.dequantize(sd[key + ".weight"], sd[key + ".weight_scale"], mod.weight.dtype))
+                if dynamic:
+                    mod.register_forward_pre_hook(lambda m, a: (fp8.fake_quantize(a[0], fp8.per_token_scale(a[0].float())),))
+    return ref, quantized
+
+
+@pytest.mark.parametrize("arch", CAUSAL)
+@pytest.mark.parametrize("scheme,weights", [("fp8-dynamic", "row"), ("fp8-weight-only", "tensor")])
+def test_causal_lm_loads_with_transformers_and_matches_dequantized_reference(tiny_models, tmp_path, arch, scheme, weights):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_models[arch]
+    out = tmp_path / "fp8"
+    man = convert(src, out, scheme, weights)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    ref, quantized = reference_model(AutoModelForCausalLM, src, out, dynamic=scheme == "fp8-dynamic")
+    if arch != "gpt2":
+        assert len(quantized) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), ref.eval()(ids).logits.float()
+    tol = 5e-2 if arch == "llama_bf16" else 2e-4  # bf16 rounding of the simulated activations
+    assert (got - want).abs().max() <= tol * want.abs().max()
+    assert man.summary["tensors_quantized"] == len(quantized)
+
+
+def test_gpt2_conv1d_is_reported_as_skipped_not_silently_dropped(tiny_models, tmp_path):
+    man = convert(tiny_models["gpt2"], tmp_path / "o")
+    conv = {k: v for k, v in man.skipped.items() if "Conv1D" in v}
+    assert "transformer.h.0.attn.c_attn" in conv and "transformer.h.1.mlp.c_proj" in conv
+    assert man.tensors == {}  # GPT-2 has no nn.Linear besides the tied lm_head
+    assert man.summary["modules_skipped"] >= 8
+
+
+def test_embeddings_are_never_quantized_and_tied_lm_head_stays_tied(tiny_models, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    src, out = tiny_models["qwen2_tied"], tmp_path / "o"
+    man = convert(src, out)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        emb = f.get_tensor("model.embed_tokens.weight")
+    with safe_open(src / "model.safetensors", "pt") as f:
+        assert torch.equal(emb, f.get_tensor("model.embed_tokens.weight"))  # copied bit for bit
+    assert emb.dtype == torch.float32 and "model.embed_tokens.weight_scale" not in keys
+    assert "lm_head.weight" not in keys
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in qc["ignore"]
+    assert not any("embed" in k for k in man.tensors)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.model.embed_tokens.weight, emb)
+
+
+def test_bert_encoder_loads_and_matches(tiny_models, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModel
+
+    src, out = tiny_models["bert"], tmp_path / "o"
+    man = convert(src, out, "fp8-weight-only")
+    assert "pooler.dense.weight" in man.tensors and "encoder.layer.0.attention.self.query.weight" in man.tensors
+    model = AutoModel.from_pretrained(out).eval()
+    ref, _ = reference_model(AutoModel, src, out, dynamic=False)
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model(ids).last_hidden_state, ref.eval()(ids).last_hidden_state
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_gives_sharded_artifact_with_index(tiny_models, tmp_path):
+    src, out = tiny_models["llama_sharded"], tmp_path / "o"
+    n_src = len(list(src.glob("*.safetensors")))
+    assert n_src > 1
+    convert(src, out)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == [f"model-{i:05d}-of-{n_src:05d}.safetensors" for i in range(1, n_src + 1)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for name, shard in index["weight_map"].items():
+        with safe_open(out / shard, "pt") as f:
+            assert name in f.keys()
+    assert index["metadata"]["total_size"] == sum((out / s).stat().st_size for s in shards)
+
+
+def test_ct_config_parses_with_compressed_tensors(tiny_models, tmp_path):
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    for scheme in ("fp8-dynamic", "fp8-weight-only"):
+        out = tmp_path / scheme
+        convert(tiny_models["llama"], out, scheme)
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        parsed = ct.QuantizationConfig.model_validate(qc)
+        g = parsed.config_groups["group_0"]
+        assert g.weights.type == "float" and g.weights.num_bits == 8 and g.weights.strategy == "channel"
+        assert (g.input_activations is None) == (scheme == "fp8-weight-only")
+
+
+def test_manifest_records_source_recipe_tensors_and_outputs(tiny_models, tmp_path):
+    from mpsconvert.manifests.hashing import sha256_file
+
+    src, out = tiny_models["llama"], tmp_path / "o"
+    convert(src, out, ignore=["mlp.down_proj"])
+    m = Manifest.read(out)
+    assert m.source["files"]["model.safetensors"] == sha256_file(src / "model.safetensors")
+    assert m.recipe["name"] == "fp8-dynamic" and m.recipe["weights"] == "row"
+    assert m.recipe["ignored_modules"]["model.layers.0.mlp.down_proj"] == "--ignore mlp.down_proj"
+    assert len(m.tensors) == 12
+    rec = m.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert rec["shape"] == [64, 64] and rec["weight_scale_shape"] == [64, 1] and rec["sqnr_db"] > 25
+    for name, f in m.files.items():
+        assert sha256_file(out / name) == f["sha256"], name
+    assert {"torch", "transformers", "safetensors"} <= set(m.versions)
+    worst = min(m.tensors.items(), key=lambda kv: kv[1]["sqnr_db"])
+    assert m.summary["worst_sqnr_tensor"] == worst[0]
+
+
+def test_non_weight_files_are_copied(tiny_models, tmp_path):
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(tiny_models["llama"], src)
+    (src / "tokenizer_config.json").write_text("{}")
+    (src / "sub").mkdir()
+    (src / "sub" / "config.json").write_text('{"x": 1}')
+    convert(src, tmp_path / "o")
+    assert (tmp_path / "o" / "tokenizer_config.json").read_text() == "{}"
+    assert (tmp_path / "o" / "generation_config.json").is_file()
+    assert (tmp_path / "o" / "sub" / "config.json").read_text() == '{"x": 1}'
