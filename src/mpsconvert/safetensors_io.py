@@ -14,6 +14,8 @@ import json
 import math
 import os
 import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +133,31 @@ def read_header(path: Path) -> Header:
     return Header(path=path, tensors=ordered, metadata=meta, data_start=data_start, file_size=size)
 
 
+class _Background:
+    """One worker thread for ordered, GIL-free work (sha256 updates, file writes) so that it
+    overlaps the quantization math; at most `depth` jobs (and their buffers) wait at a time."""
+
+    def __init__(self, depth: int = 2):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-io")
+        self._pending: deque[Future] = deque()
+        self._depth = depth
+
+    def submit(self, fn, *args) -> None:
+        self._pending.append(self._pool.submit(fn, *args))
+        while len(self._pending) > self._depth:
+            self._pending.popleft().result()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def shutdown(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 class ShardReader:
     """Reads tensors of one validated file, in offset order, hashing every byte as it passes.
 
@@ -142,6 +169,7 @@ class ShardReader:
         self.header = header
         self._f = open(header.path, "rb", buffering=0)
         self._hash = hashlib.sha256()
+        self._bg = _Background()
         self._pos = 0
         self._feed(header.data_start)
 
@@ -155,7 +183,7 @@ class ShardReader:
             if not k:
                 raise ArtifactError(f"{self.header.path.name} ended early (truncated?)", "re-download it")
             got += k
-        self._hash.update(view)
+        self._bg.submit(self._hash.update, view)
         self._pos = upto
         return buf
 
@@ -167,10 +195,14 @@ class ShardReader:
     def sha256(self) -> str:
         if self._pos != self.header.file_size:
             raise RuntimeError("sha256 is only known after the whole file was read")
+        self._bg.drain()
         return self._hash.hexdigest()
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._bg.shutdown()
+        finally:
+            self._f.close()
 
     def __enter__(self):
         return self
@@ -204,10 +236,14 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self._hash = hashlib.sha256()
         self._f = open(self.path, "wb")
+        self._bg = _Background()
         self._next = 0
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
     def _emit(self, data) -> None:
+        self._bg.submit(self._write, data)
+
+    def _write(self, data) -> None:
         self._hash.update(data)
         self._f.write(data)
 
@@ -216,7 +252,7 @@ class ShardWriter:
         if self._next >= len(self._order) or self._order[self._next] != name:
             raise RuntimeError(f"ShardWriter: {name!r} out of order")
         if isinstance(data, torch.Tensor):
-            data = data.contiguous().view(torch.uint8).numpy().data if data.numel() else b""
+            data = data.contiguous().view(torch.uint8).numpy() if data.numel() else b""
         mv = memoryview(data).cast("B")
         if mv.nbytes != self._sizes[name]:
             raise RuntimeError(f"ShardWriter: {name!r} has {mv.nbytes} bytes, declared {self._sizes[name]}")
@@ -227,10 +263,15 @@ class ShardWriter:
         """Finish the file (fsync) and return its sha256."""
         if self._next != len(self._order):
             raise RuntimeError(f"ShardWriter: {len(self._order) - self._next} tensors never written")
+        self._bg.shutdown()
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
         return self._hash.hexdigest()
 
     def abort(self) -> None:
+        try:
+            self._bg.shutdown()
+        except Exception:  # the write that failed is what the caller is already handling
+            pass
         self._f.close()

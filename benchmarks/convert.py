@@ -1,0 +1,151 @@
+"""Conversion speed and memory: mpsconvert vs llm-compressor's model_free_ptq vs a plain copy.
+
+Builds a synthetic Llama-3.2-1B-shaped BF16 checkpoint (1.24B parameters, ~1 GB shards, random
+weights: conversion cost does not depend on the values), then runs each contender in its own
+process, in one run, and prints wall time and peak RSS with ratios.
+
+    python benchmarks/convert.py [--workdir DIR] [--layers 16] [--keep]
+
+The page cache is warmed by reading the source once before timing, so every contender reads
+from memory; each writes its own output folder on the same disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def build_checkpoint(root: Path, layers: int, shard_bytes: int = 1 << 30) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter, vocab, kv = 2048, 8192, 128256, 512
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": vocab, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "rope_theta": 500000.0,
+    }
+    src = root / "src"
+    src.mkdir(parents=True)
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+
+    tensors = [("model.embed_tokens.weight", (vocab, hidden)), ("model.norm.weight", (hidden,))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors += [
+            (p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (hidden, hidden)), (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+        ]
+    shards, cur, size = [], {}, 0
+    for name, shape in tensors:
+        n = 2
+        for d in shape:
+            n *= d
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = shape
+        size += n
+    shards.append(cur)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        data = {k: (torch.ones(s, dtype=torch.bfloat16) if len(s) == 1 else rand(*s)) for k, s in shard.items()}
+        save_file(data, src / fname, metadata={"format": "pt"})
+        total += (src / fname).stat().st_size
+        weight_map.update({k: fname for k in shard})
+        del data
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return src
+
+
+CONTENDERS = {
+    "copy": "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])",
+    "mpsconvert": (
+        "import sys; from mpsconvert.source import resolve; from mpsconvert.convert.quantize import Options, quantize_snapshot;"
+        "quantize_snapshot(resolve(sys.argv[1]), sys.argv[2], Options())"
+    ),
+    "llm-compressor": (
+        "import sys; from llmcompressor import model_free_ptq;"
+        "model_free_ptq(sys.argv[1], sys.argv[2], scheme='FP8_DYNAMIC', ignore=['lm_head'], device='cpu')"
+    ),
+}
+
+
+def run(name: str, src: Path, out: Path) -> dict:
+    """Run one contender in a fresh process; wall time and that process's peak RSS (wait4)."""
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", CONTENDERS[name], str(src), str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    err = proc.stderr.read().decode(errors="replace")
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{name} failed:\n{err[-3000:]}")
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / (1 << 20), "out_bytes": size}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--layers", type=int, default=16, help="16 layers = 1.24B parameters (Llama-3.2-1B shapes)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=list(CONTENDERS))
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
+    try:
+        t = time.perf_counter()
+        src = root / "src" if (root / "src" / "config.json").exists() else build_checkpoint(root, args.layers)
+        files = sorted(src.glob("*.safetensors"))
+        src_bytes = sum(f.stat().st_size for f in files)
+        largest = max(f.stat().st_size for f in files)
+        print(f"checkpoint: {len(files)} shards, {src_bytes / 1e9:.2f} GB, largest shard {largest / (1 << 30):.2f} GiB "
+              f"(built in {time.perf_counter() - t:.0f} s)")
+        for f in files:  # warm the page cache so that all contenders read from memory
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
+        results = {}
+        for name in CONTENDERS:
+            if name in args.skip:
+                continue
+            out = root / f"out-{name}"
+            shutil.rmtree(out, ignore_errors=True)
+            results[name] = run(name, src, out)
+            shutil.rmtree(out, ignore_errors=True)
+            r = results[name]
+            print(f"  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   output {r['out_bytes'] / 1e9:.2f} GB", flush=True)
+        ours = results.get("mpsconvert")
+        if ours:
+            print()
+            if "llm-compressor" in results:
+                lc = results["llm-compressor"]
+                print(f"mpsconvert is {lc['wall_s'] / ours['wall_s']:.2f}x faster than llm-compressor model_free_ptq, "
+                      f"peak RSS {ours['peak_rss_gib'] / lc['peak_rss_gib']:.2f}x of it")
+            if "copy" in results:
+                print(f"mpsconvert takes {ours['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy")
+            print(f"mpsconvert peak RSS = largest shard + {ours['peak_rss_gib'] - largest / (1 << 30):+.2f} GiB")
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
