@@ -1,0 +1,129 @@
+"""The CLI: bad inputs get one clear line, a non-zero exit, and leave nothing behind."""
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from mpsconvert.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def leftovers(parent):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".mpsconvert-tmp"))
+
+
+def assert_clean_failure(res, tmp_path, match):
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    assert match in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_help_lists_commands_and_options():
+    res = run("--help")
+    assert res.exit_code == 0 and "quantize" in res.output and "inspect" in res.output
+    res = run("quantize", "--help")
+    for opt in ("--scheme", "--weights", "--revision", "--token", "--ignore", "--force", "-o"):
+        assert opt in res.output
+
+
+def test_quantize_then_inspect(tiny_models, tmp_path):
+    res = run("quantize", tiny_models["llama"], "-o", tmp_path / "out", "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output)
+    assert summary["tensors_quantized"] == 14 and summary["ratio"] < 1
+    res = run("inspect", tmp_path / "out")
+    assert res.exit_code == 0 and "fp8-dynamic" in res.output and "worst SQNR" in res.output
+    res = run("inspect", tmp_path / "out", "--json")
+    assert json.loads(res.output)["recipe"]["name"] == "fp8-dynamic"
+    res = run("inspect", tmp_path / "out", "--tensors")
+    assert "model.layers.1.mlp.down_proj.weight" in res.output
+
+
+def test_missing_path(tmp_path):
+    assert_clean_failure(run("quantize", tmp_path / "nope", "-o", tmp_path / "out"), tmp_path, "does not exist")
+
+
+def test_non_hf_folder(tmp_path):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "a.txt").write_text("hi")
+    assert_clean_failure(run("quantize", tmp_path / "junk", "-o", tmp_path / "out"), tmp_path, "no config.json")
+
+
+def test_pickle_only(tmp_path, tiny_models):
+    d = tmp_path / "pkl"
+    d.mkdir()
+    shutil.copy(tiny_models["llama"] / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    assert_clean_failure(run("quantize", d, "-o", tmp_path / "out"), tmp_path, "only pickle weights")
+
+
+@pytest.mark.parametrize("corrupt", ["header_json", "header_len", "truncated", "offsets"])
+def test_corrupt_safetensors(tmp_path, tiny_models, corrupt):
+    d = tmp_path / "bad"
+    shutil.copytree(tiny_models["llama"], d)
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    if corrupt == "header_json":
+        data[8:12] = b"\xff\xfe{{"
+    elif corrupt == "header_len":
+        data[:8] = struct.pack("<Q", len(data) * 2)
+    elif corrupt == "truncated":
+        data = data[: len(data) - 100]
+    else:
+        hdr = json.loads(data[8 : 8 + n])
+        k = next(k for k in hdr if k != "__metadata__")
+        hdr[k]["data_offsets"][1] += 4
+        raw = json.dumps(hdr).encode().ljust(n)
+        data[8 : 8 + n] = raw[:n] if len(raw) >= n else raw
+    f.write_bytes(bytes(data))
+    assert_clean_failure(run("quantize", d, "-o", tmp_path / "out"), tmp_path, "model.safetensors is not a valid safetensors file")
+
+
+def test_nan_weights_name_the_tensor(tmp_path, tiny_models):
+    d = tmp_path / "nan"
+    shutil.copytree(tiny_models["llama"], d)
+    from safetensors.torch import load_file
+
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.1.mlp.gate_proj.weight"][5, 7] = float("nan")
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    assert_clean_failure(run("quantize", d, "-o", tmp_path / "out"), tmp_path, "'model.layers.1.mlp.gate_proj.weight' contains NaN")
+
+
+def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_models):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    res = run("quantize", tiny_models["llama"], "-o", out)
+    assert res.exit_code == 2 and "already exists" in res.output and "--force" in res.output
+    assert (out / "precious.txt").read_text() == "keep me"
+    # --force with a failing conversion must not destroy what was there
+    d = tmp_path / "nan"
+    shutil.copytree(tiny_models["llama"], d)
+    from safetensors.torch import load_file
+
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("inf")
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    res = run("quantize", d, "-o", out, "--force")
+    assert res.exit_code == 2 and (out / "precious.txt").read_text() == "keep me"
+    res = run("quantize", tiny_models["llama"], "-o", out, "--force")
+    assert res.exit_code == 0 and not (out / "precious.txt").exists() and (out / "mpsconvert.json").is_file()
+    assert leftovers(tmp_path) == []
+
+
+def test_inspect_of_a_non_artifact(tmp_path):
+    res = run("inspect", tmp_path)
+    assert res.exit_code == 2 and "no mpsconvert.json" in res.output
