@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -24,19 +26,30 @@ console = Console(stderr=True)
 out = Console()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that cleanup (temporary outputs) runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def friendly_errors(fn):
-    """Turn MpsconvertError into `error: <problem>; <fix>` and exit code 2; Ctrl-C into exit 130."""
+    """Turn MpsconvertError into `error: <problem>; <fix>` and exit code 2; Ctrl-C into exit 130,
+    SIGTERM into 143, after the partial output is removed."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return fn(*args, **kwargs)
         except MpsconvertError as e:
             console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             sys.exit(e.exit_code)
-        except KeyboardInterrupt:
-            console.print("[bold red]interrupted[/]: nothing was written")
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            console.print("[bold red]interrupted[/]: partial output removed, nothing was written")
+            sys.exit(143 if isinstance(e, Terminated) else 130)
 
     return wrapper
 

@@ -95,7 +95,8 @@ def read_header(path: Path) -> Header:
         raise bad(f"header is not JSON ({e})") from e
     if not isinstance(body, dict):
         raise bad("header is not a JSON object")
-    meta = body.pop("__metadata__", None) or {}
+    meta = body.pop("__metadata__", None)
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise bad("__metadata__ must map strings to strings")
     data_start = 8 + n

@@ -59,6 +59,7 @@ class Snapshot:
             if p.is_dir() or rel in SKIP_COPY or rel.startswith("."):
                 continue
             if p.suffix in COPY_SUFFIXES and not rel.endswith(".safetensors.index.json"):
+                check_inside(self, rel)
                 out.append(rel)
         return out
 
@@ -183,7 +184,27 @@ def _inventory(snap: Snapshot) -> Snapshot:
     for f in snap.weight_files:
         if not (p / f).is_file():
             raise SourceError(f"weight file {f} listed in {p.name} is missing", "re-download the model")
+        check_inside(snap, f)
     return snap
+
+
+def allowed_root(snap: Snapshot) -> Path:
+    """Files may live in the snapshot folder, or (HF cache) in its repo folder's blobs."""
+    parts = snap.path.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith(("models--", "datasets--")):
+        return snap.path.parent.parent.resolve()
+    return snap.path.resolve()
+
+
+def check_inside(snap: Snapshot, rel: str) -> Path:
+    """Resolve `rel` and refuse symlinks that lead out of the snapshot (e.g. to ~/.ssh)."""
+    real = (snap.path / rel).resolve()
+    if not real.is_relative_to(allowed_root(snap)):
+        raise SourceError(
+            f"{rel} in {snap.path} is a link to {real}, outside the model folder",
+            "remove the link or copy the real file into the folder",
+        )
+    return real
 
 
 def _read_index(index: Path) -> dict[str, str]:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .. import atomic
-from ..errors import QuantizationError
+from ..errors import QuantizationError, SourceError
 from ..manifests.ct_config import quantization_config
 from ..manifests.hashing import sha256_file
 from ..manifests.manifest import Manifest
@@ -69,10 +69,42 @@ def _finalize_plan(plan: Plan, headers: dict) -> dict[str, str]:
     return found
 
 
+def check_tensor_layout(snap: Snapshot, headers: dict) -> None:
+    """No tensor stored twice, and the index (if any) agrees with what the shards hold."""
+    seen: dict[str, str] = {}
+    for f, h in headers.items():
+        for name in h.tensors:
+            if name in seen:
+                raise SourceError(f"tensor {name!r} is stored in both {seen[name]} and {f}", "the checkpoint is corrupt; re-download it")
+            seen[name] = f
+    if snap.weight_map:
+        for name, f in snap.weight_map.items():
+            if seen.get(name) != f:
+                where = f"in {seen[name]}" if name in seen else "in no shard"
+                raise SourceError(f"{INDEX_NAME} puts {name!r} in {f}, but it is {where}", "the checkpoint is corrupt; re-download it")
+        extra = sorted(set(seen) - set(snap.weight_map))
+        if extra:
+            raise SourceError(f"{len(extra)} stored tensors are missing from {INDEX_NAME} (e.g. {extra[0]!r})", "the checkpoint is corrupt; re-download it")
+
+
+def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) -> int:
+    """Bytes the artifact will take: FP8 weights, their scales, copied tensors, plus slack."""
+    total = 1 << 20
+    for h in headers.values():
+        for name, info in h.tensors.items():
+            if name in tensor_module:
+                total += math.prod(info.shape) + 4 * info.shape[0] + 8  # 1-byte codes + F32 scales
+            else:
+                total += info.nbytes
+        total += h.data_start
+    return total
+
+
 def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
     scheme = opts.scheme
     plan = plan_for(snap.path, opts.ignore, opts.trust_remote_code)
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
+    check_tensor_layout(snap, headers)
     tensor_module = _finalize_plan(plan, headers)
     if scheme.needs_calibration:
         missing = sorted(set(tensor_module.values()) - set(opts.input_scales or {}))
@@ -89,7 +121,7 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
     files: dict[str, dict] = {}
     total_in = total_out = 0
 
-    with atomic.output_dir(out, force=opts.force) as tmp:
+    with atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, scheme)) as tmp:
         for src_name, out_name in zip(snap.weight_files, names):
             header = headers[src_name]
             entries = []
