@@ -64,7 +64,7 @@ def build_meta_model(path, trust_remote_code: bool = False):
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as e:
         msg = str(e).splitlines()[0]
-        if "trust_remote_code" in msg:
+        if "trust_remote_code" in msg or "custom code" in msg:
             raise SourceError(
                 "this model's architecture is defined by code inside the repo",
                 "review that code, then pass --trust-remote-code to allow running it",
@@ -137,8 +137,13 @@ def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
         elif isinstance(mod, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
             plan.skipped[name] = f"{kind}: only nn.Linear layers are quantized, kept as is"
         else:
-            fused = [p for p, t in mod.named_parameters(recurse=False) if t.ndim == 3]
-            if fused:
+            own = dict(mod.named_parameters(recurse=False))
+            fused = [p for p, t in own.items() if t.ndim == 3]
+            w = own.get("weight")
+            leaf = name.rsplit(".", 1)[-1]
+            if n_experts and w is not None and w.ndim == 2 and w.shape[0] == n_experts and ("gate" in leaf or "router" in leaf):
+                plan.skipped[name] = f"MoE router ({kind}, {n_experts} experts): kept in full precision"
+            elif fused:
                 plan.skipped[name] = f"fused MoE experts ({', '.join(fused)}; 3-D parameters): kept as is"
     return plan
 
