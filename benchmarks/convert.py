@@ -108,11 +108,18 @@ def main():
     ap.add_argument("--layers", type=int, default=16, help="16 layers = 1.24B parameters (Llama-3.2-1B shapes)")
     ap.add_argument("--skip", nargs="*", default=[], choices=list(CONTENDERS))
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
+    if args.build_only:
+        build_checkpoint(root, args.layers)
+        return
     try:
         t = time.perf_counter()
-        src = root / "src" if (root / "src" / "config.json").exists() else build_checkpoint(root, args.layers)
+        src = root / "src"
+        if not (src / "config.json").exists():
+            # Built in a child process so that its memory does not count in the contenders' peak RSS.
+            subprocess.run([sys.executable, __file__, "--build-only", "--workdir", str(root), "--layers", str(args.layers)], check=True)
         files = sorted(src.glob("*.safetensors"))
         src_bytes = sum(f.stat().st_size for f in files)
         largest = max(f.stat().st_size for f in files)
