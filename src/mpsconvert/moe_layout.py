@@ -40,6 +40,7 @@ class ExpertParam:
     layout: str = "missing"  # "per-expert" | "fused" | "missing" | "unsupported"
     key: str | None = None  # checkpoint key, fused layout
     slices: list[Slice] = field(default_factory=list)  # per-expert layout, in (expert, row) order
+    split: list[Slice] = field(default_factory=list)  # fused layout: the per-expert tensors transformers would save
     why: str = ""  # for "missing" / "unsupported"
 
     @property
@@ -54,6 +55,8 @@ class ExpertParam:
         d = {"module": self.module, "param": self.param, "shape": list(self.shape), "layout": self.layout}
         if self.key:
             d["key"] = self.key
+        if self.split:
+            d["split_into"] = len(self.split)
         if self.slices:
             d["checkpoint_tensors"] = len(self.slices)
             d["example_key"] = self.slices[0].key
@@ -97,18 +100,31 @@ def _default_gate_impl():
     return _default_apply_gate
 
 
-def checkpoint_names(model, name: str, shape: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint keys transformers' save path writes for one fused parameter, each with
-    the global row labels (expert * N + row) it holds.
+def save_slices(model, name: str, shape: tuple[int, int, int]) -> list[Slice] | None:
+    """The per-expert 2-D tensors transformers' save path writes for one fused parameter
+    (None when it writes the parameter fused).
 
-    The parameter gets label values 0..E*N-1; the reverse conversion splits and renames them
-    exactly as `save_pretrained` would.
+    The parameter gets label values 0..E*N-1 (expert * N + row); the reverse conversion
+    splits and renames them exactly as `save_pretrained` would, and each output's labels say
+    which expert rows it holds.
     """
     from transformers.core_model_loading import revert_weight_conversion
 
-    labels = {name: torch.arange(shape[0] * shape[1], dtype=torch.float64).reshape(shape[0], shape[1], 1)}
+    E, N, _ = shape
+    labels = {name: torch.arange(E * N, dtype=torch.float64).reshape(E, N, 1)}
     out = revert_weight_conversion(_Unloaded(model), labels)
-    return [(key, t.reshape(-1)) for key, t in out.items()]
+    slices = []
+    for key, lab in out.items():
+        lab = lab.reshape(-1)
+        first = int(lab[0])
+        e, start = divmod(first, N)
+        stop = start + lab.numel()
+        if key == name or stop > N or not torch.equal(lab, torch.arange(first, first + lab.numel(), dtype=lab.dtype)):
+            return None  # saved fused, or not as row blocks of single experts
+        slices.append(Slice(key, e, start, stop))
+    if sum(sl.stop - sl.start for sl in slices) != E * N:
+        return None
+    return sorted(slices, key=lambda sl: (sl.expert, sl.start))
 
 
 def checkpoint_module_name(model, module: str) -> str:
@@ -122,6 +138,14 @@ def checkpoint_module_name(model, module: str) -> str:
         return module
     keys = [k for k in out if k.endswith(".weight")]
     return keys[0][: -len(".weight")] if len(keys) == 1 else module
+
+
+def _like(key: str, model_name: str, stored_name: str) -> str:
+    """Rename `key` the way the checkpoint renamed `model_name` to `stored_name` (base prefix)."""
+    if stored_name.endswith(model_name):  # checkpoint adds a prefix
+        return stored_name[: len(stored_name) - len(model_name)] + key
+    cut = len(model_name) - len(stored_name)  # checkpoint drops one
+    return key[cut:]
 
 
 def _strip_or_add_prefix(key: str, stored: dict, prefix: str) -> str | None:
@@ -151,34 +175,29 @@ def find_layout(model, stored: dict[str, tuple[int, ...]]) -> dict[str, ExpertPa
                 ep.layout, ep.why = "unsupported", f"{why}: kept as is"
                 continue
             key = _strip_or_add_prefix(ep.name, stored, prefix)
+            split = save_slices(model, ep.name, ep.shape)
             if key is not None:
                 if tuple(stored[key]) == ep.shape:
                     ep.layout, ep.key = "fused", key
+                    if split and key != ep.name:  # the checkpoint drops/adds the base prefix: so do the split names
+                        split = [Slice(_like(sl.key, ep.name, key), sl.expert, sl.start, sl.stop) for sl in split]
+                    ep.split = split or []
                 else:
                     ep.layout = "unsupported"
                     ep.why = f"checkpoint stores {key} as {list(stored[key])}, the model holds {list(ep.shape)}: kept as is"
                 continue
-            params[ep.name] = ep.shape
-        for pname, shape in params.items():
-            ep = result[pname]
-            E, N, K = shape
-            slices, covered = [], 0
-            for key, lab in checkpoint_names(model, pname, shape):
-                skey = _strip_or_add_prefix(key, stored, prefix)
-                first = int(lab[0])
-                e, start = divmod(first, N)
-                stop = start + lab.numel()
-                expected = torch.arange(first, first + lab.numel(), dtype=lab.dtype)
-                if skey is None or stop > N or not torch.equal(lab, expected) or tuple(stored[skey]) != (stop - start, K):
-                    ep.why = f"checkpoint has no 2-D tensor {key} of shape [{stop - start}, {K}]"
+            if split is None:
+                ep.why = f"no checkpoint tensor {ep.name}, and transformers saves it fused: kept as is"
+                continue
+            found = []
+            for sl in split:
+                skey = _strip_or_add_prefix(sl.key, stored, prefix)
+                if skey is None or tuple(stored[skey]) != (sl.stop - sl.start, ep.shape[2]):
+                    ep.why = f"checkpoint has no 2-D tensor {sl.key} of shape [{sl.stop - sl.start}, {ep.shape[2]}]: kept as is"
                     break
-                slices.append(Slice(skey, e, start, stop))
-                covered += stop - start
-            if not ep.why and covered == E * N:
-                ep.layout = "per-expert"
-                ep.slices = sorted(slices, key=lambda s: (s.expert, s.start))
+                found.append(Slice(skey, sl.expert, sl.start, sl.stop))
             else:
-                ep.why = (ep.why or f"checkpoint tensors cover {covered} of {E * N} expert rows") + ": kept as is"
+                ep.layout, ep.slices = "per-expert", found
     return result
 
 

@@ -7,8 +7,12 @@ matching output shard. The artifact folder is built under a temporary name and r
 MoE experts are quantized in the layout the checkpoint has (see `moe_layout`): one 2-D tensor
 per expert and projection is quantized exactly like a Linear weight (`<m>.weight` F8 +
 `<m>.weight_scale` [N, 1] or [1] + `<m>.input_scale` [1]: the names vLLM's and transformers'
-compressed-tensors MoE loaders read); a fused 3-D tensor `<p>` [E, N, K] is quantized per
-expert, with `<p>_scale` [E, N, 1] (row) or [E, 1, 1] (tensor) and `<p>_input_scale` [E].
+compressed-tensors MoE loaders read). A fused 3-D tensor `<p>` [E, N, K] is by default
+written as those same per-expert tensors, under the names transformers' save mapping gives
+them (`experts_layout="per-expert"`): transformers + compressed-tensors and vLLM load only
+per-expert FP8 experts (transformers would read fused FP8 codes as BF16 values, ignoring the
+scales). `experts_layout="checkpoint"` keeps it fused: `<p>` F8 [E, N, K] with `<p>_scale`
+[E, N, 1] (row) or [E, 1, 1] (tensor) and `<p>_input_scale` [E]; mpsconvert's runtime loads both.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from . import fp8
 from .targets import Plan, plan_for
 
 INDEX_NAME = "model.safetensors.index.json"
+EXPERTS_LAYOUTS = ("per-expert", "checkpoint")
 Progress = Callable[[int, str], None]  # (bytes done since last call, tensor name)
 
 
@@ -49,6 +54,13 @@ class Options:
     input_scales: dict[str, float | list[float]] | None = None
     calibration: dict | None = None  # what produced input_scales, for the manifest
     device: str = "cpu"
+    # Fused 3-D experts in the checkpoint: "per-expert" (write them split, loadable everywhere)
+    # or "checkpoint" (keep them fused: only mpsconvert's runtime loads that).
+    experts_layout: str = "per-expert"
+
+    def __post_init__(self):
+        if self.experts_layout not in EXPERTS_LAYOUTS:
+            raise QuantizationError(f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}")
 
     def expert_input_scale(self, ep: ExpertParam, expert: int, module: str | None = None) -> float | None:
         """A calibrated input scale of one expert: `input_scales[<experts module>.<param>]`
@@ -73,13 +85,14 @@ class ExpertTensor:
 
     param: ExpertParam
     expert: int | None  # None: the fused tensor of all experts
+    split: tuple = ()  # fused tensor written as these per-expert slices (moe_layout.Slice)
 
     @property
     def module(self) -> str:
         return self.param.name
 
 
-def _expert_tensors(plan: Plan, headers: dict) -> dict[str, ExpertTensor]:
+def _expert_tensors(plan: Plan, headers: dict, experts_layout: str) -> dict[str, ExpertTensor]:
     """checkpoint key -> the expert weight it holds, for every experts module we can quantize;
     the others go to `plan.skipped` with the reason."""
     if not plan.experts:
@@ -89,7 +102,7 @@ def _expert_tensors(plan: Plan, headers: dict) -> dict[str, ExpertTensor]:
     plan.expert_layout = find_layout(plan.meta_model, stored)
     for ep in plan.expert_layout.values():
         if ep.layout == "fused":
-            found[ep.key] = ExpertTensor(ep, None)
+            found[ep.key] = ExpertTensor(ep, None, tuple(ep.split) if experts_layout == "per-expert" else ())
         elif ep.layout == "per-expert":
             for sl in ep.slices:
                 found[sl.key] = ExpertTensor(ep, sl.expert)
@@ -123,7 +136,7 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
     plan = plan_for(snap.path, opts.ignore, opts.trust_remote_code)
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     tensor_module = _finalize_plan(plan, headers)
-    expert_tensors = _expert_tensors(plan, headers)
+    expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
     if scheme.needs_calibration:
         missing = sorted(set(tensor_module.values()) - set(opts.input_scales or {}))
         missing += sorted(
@@ -219,6 +232,7 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
         )
         if plan.expert_layout:
             manifest.extra["moe"] = {
+                "experts_layout": opts.experts_layout,
                 "experts": {n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
                 "scales": "per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
                 "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]",
@@ -231,14 +245,20 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
 def _quantize_one(
     writer: ShardWriter, name: str, info: TensorInfo, buf, module: str, scheme: Scheme, opts: Options, input_scale: float | None = None
 ) -> dict:
-    w = as_tensor(buf, info)
+    return _quantize_tensor(writer, name, as_tensor(buf, info), module, scheme, opts, input_scale, info.dtype)
+
+
+def _quantize_tensor(
+    writer: ShardWriter, name: str, w: torch.Tensor, module: str, scheme: Scheme, opts: Options, input_scale: float | None, source_dtype: str
+) -> dict:
+    """One 2-D weight -> `<m>.weight` codes, `<m>.weight_scale` (+ `<m>.input_scale`), its record."""
     q, scale, stats = fp8.quantize(w, scheme.weights, name=name)
     writer.write(name, q)
     writer.write(name + "_scale", scale.contiguous())
     record = {
         "module": module,
-        "shape": list(info.shape),
-        "source_dtype": info.dtype,
+        "shape": list(w.shape),
+        "source_dtype": source_dtype,
         "dtype": "F8_E4M3",
         "weight_scale_shape": list(scale.shape),
         **stats.as_dict(),
@@ -253,14 +273,20 @@ def _quantize_one(
 def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme) -> list:
     """Header entries written in place of one expert checkpoint tensor."""
     if et.expert is not None:  # one expert's 2-D rows: exactly a Linear weight
-        entries = [(name, "F8_E4M3", info.shape), (name + "_scale", "F32", (1,) if scheme.weights == "tensor" else (info.shape[0], 1))]
-        if scheme.needs_calibration:
-            entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
-        return entries
-    E, N, _ = info.shape
+        return _linear_entries(name, tuple(info.shape), scheme)
+    E, N, K = info.shape
+    if et.split:
+        return [e for sl in et.split for e in _linear_entries(sl.key, (sl.stop - sl.start, K), scheme)]
     entries = [(name, "F8_E4M3", info.shape), (name + "_scale", "F32", (E, 1, 1) if scheme.weights == "tensor" else (E, N, 1))]
     if scheme.needs_calibration:
         entries.append((name + "_input_scale", "F32", (E,)))
+    return entries
+
+
+def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
+    entries = [(name, "F8_E4M3", shape), (name + "_scale", "F32", (1,) if scheme.weights == "tensor" else (shape[0], 1))]
+    if scheme.needs_calibration:
+        entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
     return entries
 
 
@@ -272,6 +298,16 @@ def _quantize_expert(writer: ShardWriter, name: str, info: TensorInfo, buf, et: 
         return rec
     w = as_tensor(buf, info)
     E, N, K = w.shape
+    if et.split:  # write the fused tensor as per-expert Linear weights
+        records = {}
+        for sl in et.split:
+            module = sl.key[: -len(".weight")]
+            part = w[sl.expert, sl.start : sl.stop]
+            records.update(
+                _quantize_tensor(writer, sl.key, part, module, scheme, opts, opts.expert_input_scale(et.param, sl.expert, module), info.dtype)
+            )
+            records[sl.key].update(experts_module=et.param.module, param=et.param.param, expert=sl.expert, split_from=name)
+        return records
     codes = torch.empty(E, N, K, dtype=fp8.FP8_DTYPE)
     scales, per_expert = [], []
     sig = err = 0.0

@@ -25,12 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..convert import fp8
 from ..errors import ArtifactError
 from ..moe_layout import ExpertParam, find_layout
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-_SCALE_FLOOR = 1e-12
+FP8 = fp8.FP8_DTYPE
 DECODE_PAIRS = 16  # token-expert pairs at or below which the GEMV kernel beats a grouped GEMM
 
 
@@ -61,15 +60,14 @@ def scaled_grouped_mm_available(device: torch.device) -> bool:
 def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None):
     """BF16 rows -> (e4m3 codes, float32 row scale [S]): per token (scale None) or the given
     per-row static scale."""
-    if scale is None:
-        scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=_SCALE_FLOOR)
-    q = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    scale = fp8.per_token_scale(x).reshape(-1) if scale is None else scale
+    q = (x.float() / scale[:, None]).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8)
     return q, scale
 
 
 def fake_quantize_rows(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    q, s = quantize_rows(x, scale)
-    return (q.float() * s[:, None]).to(x.dtype)
+    """The values the FP8 path multiplies: x through e4m3 with its row scale."""
+    return fp8.fake_quantize(x, fp8.per_token_scale(x) if scale is None else scale[:, None])
 
 
 @dataclass

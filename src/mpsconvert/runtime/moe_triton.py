@@ -9,6 +9,8 @@ Imported only when a CUDA device is used; `available()` says whether it can run.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # triton is optional: absent on CPU-only and MPS installs
@@ -22,15 +24,12 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+_CONFIGS = ((16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 512, 8), (64, 256, 8))  # BLOCK_N, BLOCK_K, warps
+# TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests); the autotuner needs a GPU driver.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 if triton is not None:
 
-    @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-            for bn, bk, w in ((16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 512, 8), (64, 256, 8))
-        ],
-        key=["N", "K"],
-    )
     @triton.jit
     def _expert_gemv_kernel(
         x_ptr, tok_ptr, ids_ptr, w_ptr, s_ptr, y_ptr,
@@ -55,6 +54,14 @@ if triton is not None:
         s = tl.load(s_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)
         tl.store(y_ptr + pid_s * stride_ym + offs_n, (acc * s).to(y_ptr.dtype.element_ty), mask=n_ok)
 
+    if _INTERPRET:
+        _kernel = _expert_gemv_kernel
+    else:
+        _kernel = triton.autotune(
+            configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in _CONFIGS],
+            key=["N", "K"],
+        )(_expert_gemv_kernel)
+
 
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
@@ -66,9 +73,11 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: to
     x = x.contiguous()
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     grid = lambda meta: (P, triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-    _expert_gemv_kernel[grid](
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 32} if _INTERPRET else {}
+    _kernel[grid](
         x, tok, ids, codes, scale, y,
         N, K,
         x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), y.stride(0),
+        **fixed,
     )  # fmt: skip
     return y
