@@ -286,10 +286,10 @@ def _fp8_param(ep: ExpertParam, tensors, device) -> tuple[torch.Tensor, torch.Te
     return codes, scale, input_scale
 
 
-def _activations_from(model, tensors) -> str | None:
+def _activations_from(model, qc=None) -> str | None:
     from ..manifests.ct_config import scheme_from_config
 
-    qc = getattr(model.config, "quantization_config", None)
+    qc = qc if qc is not None else getattr(model.config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else None
     if isinstance(qc, dict) and "quantization_config" in qc and "config_groups" not in qc:
@@ -315,7 +315,7 @@ def replace_moe_experts(model, tensors, device, activations: str | None = FROM_C
     """
     device = torch.device(device)
     if activations == FROM_CONFIG:
-        activations = _activations_from(model, tensors)
+        activations = _activations_from(model)
     keys = _keys(tensors)
     stored = {k: tuple(_shape(tensors, k)) for k in keys}
     layout = find_layout(model, stored)
@@ -381,6 +381,12 @@ def load_fp8_experts(model, artifact_dir, device, activations: str | None = FROM
     """Entry point for `runtime.load`: swap `model`'s experts for FP8 ones read from the
     artifact folder (the model may hold BF16 experts, e.g. loaded through transformers +
     compressed-tensors, or be empty)."""
+    import json
+    from pathlib import Path
+
+    if activations == FROM_CONFIG:
+        config = json.loads((Path(artifact_dir) / "config.json").read_text())
+        activations = _activations_from(model, config.get("quantization_config") or {})
     return replace_moe_experts(model, ArtifactTensors(artifact_dir), device, activations)
 
 
