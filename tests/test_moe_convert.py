@@ -168,3 +168,18 @@ def test_static_scheme_needs_expert_scales(tmp_path):
     assert report.activations == "tensor"
     assert torch.allclose(mod.gate_up_input_scale, torch.tensor([0.01, 0.02, 0.03, 0.04]))
     assert torch.allclose(mod.down_input_scale, torch.tensor([0.001, 0.002, 0.003, 0.004]))
+
+
+def test_cli_experts_layout(tmp_path):
+    from click.testing import CliRunner
+
+    from mpsconvert.cli import main
+
+    src = tiny_moe_checkpoint(tmp_path / "src", "mixtral", fused=True, layers=1)
+    r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "out"), "--experts-layout", "checkpoint", "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output[r.output.index("{") :])
+    assert summary["expert_tensors_quantized"] == 2  # gate_up_proj and down_proj, fused
+    assert "model.layers.0.mlp.experts.gate_up_proj_scale" in _tensors(tmp_path / "out")
+    r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "bad"), "--experts-layout", "nope"])
+    assert r.exit_code == 2 and not (tmp_path / "bad").exists()

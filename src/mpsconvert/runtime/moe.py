@@ -19,6 +19,7 @@ Paths, chosen once per module from the device and the torch build, and reported:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +53,27 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def scaled_grouped_mm_available(device: torch.device) -> bool:
+    """FP8 x FP8 grouped matmul with row-wise scales: CUDA SM90+ builds (probed once)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    key = str(device)
+    if key not in _PROBED:
+        try:
+            a = torch.zeros(32, 32, dtype=FP8, device=device)
+            b = torch.zeros(2, 32, 32, dtype=FP8, device=device).transpose(-2, -1)
+            offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+            torch._scaled_grouped_mm(a, b, torch.ones(32, device=device), torch.ones(2, 32, device=device), offs=offs, out_dtype=torch.bfloat16)
+            _PROBED[key] = True
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            _PROBED[key] = False
+            warnings.warn(f"torch._scaled_grouped_mm is present but failed on {device} ({str(e).splitlines()[0][:120]}): "
+                          "FP8 experts run the dequantized grouped_mm path", stacklevel=2)  # fmt: skip
+    return _PROBED[key]
+
+
+_PROBED: dict[str, bool] = {}
 
 
 def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None):
