@@ -12,7 +12,7 @@ from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.runtime.moe import load_fp8_experts
 from mpsconvert.source import resolve
-from models import tiny_moe_checkpoint, tiny_moe_model
+from .models import tiny_moe_checkpoint, tiny_moe_model
 
 NEVER = 3
 

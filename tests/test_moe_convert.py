@@ -17,7 +17,7 @@ from mpsconvert.errors import QuantizationError
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.runtime.moe import FP8Experts, load_fp8_experts
 from mpsconvert.source import resolve
-from models import MOE_ARCHS, tiny_moe_checkpoint
+from .models import MOE_ARCHS, tiny_moe_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")

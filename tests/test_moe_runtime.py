@@ -106,7 +106,7 @@ TRITON_CHECK = textwrap.dedent(
     import torch
     from mpsconvert.runtime import moe_triton
     from mpsconvert.runtime.moe import reference_forward
-    from test_moe_runtime import _experts, _routing
+    from tests.test_moe_runtime import _experts, _routing
     E, N, K = 4, 48, 96
     g = torch.Generator().manual_seed(0)
     codes = (torch.randn(E, N, K, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -130,13 +130,13 @@ TRITON_CHECK = textwrap.dedent(
 def test_triton_decode_gemv_interpreted():
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "src"), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
 def test_replace_refuses_experts_without_scales(tmp_path):
-    from models import tiny_moe_model
+    from .models import tiny_moe_model
 
     model = tiny_moe_model("qwen3_moe", layers=1)
     tensors = {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64, dtype=fp8.FP8_DTYPE),

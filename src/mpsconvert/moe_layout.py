@@ -87,7 +87,7 @@ def unsupported_reason(mod) -> str | None:
         return "interleaved gate/up rows"
     if getattr(mod, "has_gate", True) is False:
         return "experts without a gate projection"
-    if type(mod)._apply_gate is not _default_gate_impl():
+    if getattr(type(mod), "_apply_gate", None) is not _default_gate_impl():
         return f"a custom gating function ({type(mod).__name__}._apply_gate)"
     return None
 
@@ -119,7 +119,7 @@ def save_slices(model, name: str, shape: tuple[int, int, int]) -> list[Slice] | 
         first = int(lab[0])
         e, start = divmod(first, N)
         stop = start + lab.numel()
-        if key == name or stop > N or not torch.equal(lab, torch.arange(first, first + lab.numel(), dtype=lab.dtype)):
+        if key == name or not key.endswith(".weight") or stop > N or not torch.equal(lab, torch.arange(first, first + lab.numel(), dtype=lab.dtype)):
             return None  # saved fused, or not as row blocks of single experts
         slices.append(Slice(key, e, start, stop))
     if sum(sl.stop - sl.start for sl in slices) != E * N:
@@ -134,7 +134,7 @@ def checkpoint_module_name(model, module: str) -> str:
 
     try:
         out = revert_weight_conversion(_Unloaded(model), {f"{module}.weight": torch.zeros(1)})
-    except Exception:  # no mapping that applies: the model's name is the checkpoint's
+    except (ValueError, KeyError, RuntimeError, AttributeError):  # no mapping applies: the names agree
         return module
     keys = [k for k in out if k.endswith(".weight")]
     return keys[0][: -len(".weight")] if len(keys) == 1 else module

@@ -27,12 +27,12 @@ from typing import Callable
 import torch
 
 from .. import atomic
-from ..moe_layout import ExpertParam, find_layout
 from ..errors import QuantizationError
 from ..manifests.ct_config import quantization_config
 from ..manifests.hashing import sha256_file
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
+from ..moe_layout import ExpertParam, find_layout
 from ..safetensors_io import ShardReader, ShardWriter, TensorInfo, as_tensor, read_header
 from ..source import Snapshot
 from . import fp8
@@ -139,12 +139,10 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
     expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
     if scheme.needs_calibration:
         missing = sorted(set(tensor_module.values()) - set(opts.input_scales or {}))
-        missing += sorted(
-            {et.module for key, et in expert_tensors.items() if opts.expert_input_scale(et.param, et.expert or 0, key[: -len(".weight")]) is None}
-        )
+        missing += sorted({et.module for key, et in expert_tensors.items() if not _has_input_scales(opts, key, et)})
         if missing:
             raise QuantizationError(
-                f"scheme fp8 needs a calibrated input scale for every quantized Linear; {len(missing)} have none (e.g. {missing[0]})",
+                f"scheme fp8 needs a calibrated input scale for every quantized Linear and expert; {len(missing)} have none (e.g. {missing[0]})",
                 "run calibration (`mpsconvert quantize --scheme fp8 --calib-data ...` or `mpsconvert calibrate`)",
             )
     progress = progress or (lambda n, name: None)
@@ -161,11 +159,7 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
             entries = []
             for name, info in header.tensors.items():
                 if name in tensor_module:
-                    entries.append((name, "F8_E4M3", info.shape))
-                    scale_shape = (1,) if scheme.weights == "tensor" else (info.shape[0], 1)
-                    entries.append((name + "_scale", "F32", scale_shape))
-                    if scheme.needs_calibration:
-                        entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
+                    entries += _linear_entries(name, tuple(info.shape), scheme)
                 elif name in expert_tensors:
                     entries += _expert_entries(name, info, expert_tensors[name], scheme)
                 else:
@@ -283,7 +277,16 @@ def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Schem
     return entries
 
 
+def _has_input_scales(opts: Options, key: str, et: ExpertTensor) -> bool:
+    if et.expert is not None:
+        return opts.expert_input_scale(et.param, et.expert, key[: -len(".weight")]) is not None
+    if et.split:
+        return all(opts.expert_input_scale(et.param, sl.expert, sl.key[: -len(".weight")]) is not None for sl in et.split)
+    return all(opts.expert_input_scale(et.param, e) is not None for e in range(et.param.num_experts))
+
+
 def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
+    """Header entries of one quantized 2-D weight: codes, weight_scale (+ input_scale)."""
     entries = [(name, "F8_E4M3", shape), (name + "_scale", "F32", (1,) if scheme.weights == "tensor" else (shape[0], 1))]
     if scheme.needs_calibration:
         entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
@@ -310,7 +313,6 @@ def _quantize_expert(writer: ShardWriter, name: str, info: TensorInfo, buf, et: 
         return records
     codes = torch.empty(E, N, K, dtype=fp8.FP8_DTYPE)
     scales, per_expert = [], []
-    sig = err = 0.0
     for e in range(E):
         q, scale, stats = fp8.quantize(w[e], scheme.weights, name=f"{name}[{e}]")
         codes[e] = q

@@ -148,11 +148,10 @@ def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
         elif n_experts and _is_router(name, mod, n_experts):
             # transformers 5 routers (`*TopKRouter`) are not nn.Linear; list them (under the
             # model's and the checkpoint's name) so every loader keeps them in full precision.
-            why = f"MoE router ({n_experts} experts): kept in full precision"
-            plan.ignored[name] = why
+            plan.ignored[name] = f"MoE router ({kind}, {n_experts} experts): kept in full precision"
             disk = checkpoint_module_name(model, name)
             if disk != name:
-                plan.ignored[disk] = why + f" (checkpoint name of {name})"
+                plan.ignored[disk] = f"checkpoint name of the MoE router {name}: kept in full precision"
         else:
             fused = [p for p, t in mod.named_parameters(recurse=False) if t.ndim == 3]
             if fused:
