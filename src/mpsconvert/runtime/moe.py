@@ -156,7 +156,7 @@ class FP8Experts(nn.Module):
             self.register_buffer("down_dense", self._dense(self.down_codes, self.down_scale))
 
     def _dense(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (codes.float() * scale[:, :, None]).to(self.dtype)
+        return (fp8.fp8_to_float(codes) * scale[:, :, None]).to(self.dtype)
 
     def choose_path(self, device: torch.device) -> str:
         if self.activations is not None and scaled_grouped_mm_available(device):
