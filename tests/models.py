@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def tiny_moe_config(arch: str, num_experts: int = 4, layers: int = 2):
@@ -24,6 +24,8 @@ def tiny_moe_config(arch: str, num_experts: int = 4, layers: int = 2):
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=num_experts,
                                            decoder_sparse_step=1, **common)  # fmt: skip
+    if arch == "olmoe":
+        return transformers.OlmoeConfig(intermediate_size=32, num_experts=num_experts, eos_token_id=1, pad_token_id=0, **common)
     raise ValueError(arch)
 
 
