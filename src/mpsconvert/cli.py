@@ -103,10 +103,13 @@ def main():
 @click.option("--ignore", multiple=True, metavar="PATTERN",
               help="Keep matching Linear modules unquantized (glob, `re:` regex, or a name suffix such as mlp.down_proj). Repeatable.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
+@click.option("--experts-layout", type=click.Choice(["per-expert", "checkpoint"]), default="per-expert", show_default=True,
+              help="MoE checkpoints that store experts fused (3-D): per-expert writes one FP8 tensor per expert and projection "
+                   "(loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused (loads only in mpsconvert's runtime).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @friendly_errors
-def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, force, as_json):
+def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
     from .convert.quantize import Options, quantize_snapshot
     from .manifests.schemes import Scheme
@@ -115,7 +118,7 @@ def quantize(source, output, scheme, weights, revision, token, ignore, trust_rem
     sch = Scheme.make(scheme, weights)
     snap = resolve(source, revision=revision, token=token)
     output = output or Path(f"{(snap.repo_id or snap.path.name).split('/')[-1]}-{scheme}")
-    opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code)
+    opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout)
     if sch.needs_calibration:
         raise MpsconvertError("scheme fp8 needs calibration data", "use --scheme fp8-dynamic, or calibrate first")
     total = snap.total_weight_bytes
@@ -133,7 +136,8 @@ def print_summary(manifest, output: Path, as_json: bool) -> None:
     t = Table(title=f"{output}", show_header=False, box=None)
     t.add_row("scheme", f"{manifest.recipe['name']} (weights per {manifest.recipe['weights']}, activations: {manifest.recipe['activations'] or 'bf16'})")
     t.add_row("weights", f"{_human(s['weight_bytes_before'])} -> {_human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
-    t.add_row("quantized", f"{s['tensors_quantized']} Linear weights")
+    n_exp = s.get("expert_tensors_quantized", 0)
+    t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
     t.add_row("kept (Linear)", f"{s['linear_ignored']}: " + ", ".join(list(manifest.recipe["ignored_modules"])[:4]) + (" ..." if s["linear_ignored"] > 4 else ""))
     if s["modules_skipped"]:
         kinds = sorted({r.split(":")[0] for r in manifest.skipped.values()})

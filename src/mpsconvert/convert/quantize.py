@@ -3,6 +3,16 @@
 Memory stays near one tensor: each source shard is read tensor by tensor in file order (hashed
 as it passes), each tensor is quantized or copied byte for byte, and written straight into the
 matching output shard. The artifact folder is built under a temporary name and renamed at the end.
+
+MoE experts are quantized in the layout the checkpoint has (see `moe_layout`): one 2-D tensor
+per expert and projection is quantized exactly like a Linear weight (`<m>.weight` F8 +
+`<m>.weight_scale` [N, 1] or [1] + `<m>.input_scale` [1]: the names vLLM's and transformers'
+compressed-tensors MoE loaders read). A fused 3-D tensor `<p>` [E, N, K] is by default
+written as those same per-expert tensors, under the names transformers' save mapping gives
+them (`experts_layout="per-expert"`): transformers + compressed-tensors and vLLM load only
+per-expert FP8 experts (transformers would read fused FP8 codes as BF16 values, ignoring the
+scales). `experts_layout="checkpoint"` keeps it fused: `<p>` F8 [E, N, K] with `<p>_scale`
+[E, N, 1] (row) or [E, 1, 1] (tensor) and `<p>_input_scale` [E]; mpsconvert's runtime loads both.
 """
 
 from __future__ import annotations
@@ -22,12 +32,14 @@ from ..manifests.ct_config import quantization_config
 from ..manifests.hashing import sha256_file
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
+from ..moe_layout import ExpertParam, find_layout
 from ..safetensors_io import ShardReader, ShardWriter, TensorInfo, as_tensor, read_header
 from ..source import Snapshot
 from . import fp8
 from .targets import Plan, plan_for
 
 INDEX_NAME = "model.safetensors.index.json"
+EXPERTS_LAYOUTS = ("per-expert", "checkpoint")
 Progress = Callable[[int, str], None]  # (bytes done since last call, tensor name)
 
 
@@ -37,16 +49,66 @@ class Options:
     ignore: list[str] = field(default_factory=list)
     force: bool = False
     trust_remote_code: bool = False
-    # Static activation scales (module -> dequant scale), required by the "fp8" scheme.
-    input_scales: dict[str, float] | None = None
+    # Static activation scales (module -> dequant scale), required by the "fp8" scheme. MoE
+    # experts: "<experts module>.<param>" -> one scale per expert (calibrate.experts).
+    input_scales: dict[str, float | list[float]] | None = None
     calibration: dict | None = None  # what produced input_scales, for the manifest
     device: str = "cpu"
+    # Fused 3-D experts in the checkpoint: "per-expert" (write them split, loadable everywhere)
+    # or "checkpoint" (keep them fused: only mpsconvert's runtime loads that).
+    experts_layout: str = "per-expert"
+
+    def __post_init__(self):
+        if self.experts_layout not in EXPERTS_LAYOUTS:
+            raise QuantizationError(f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}")
+
+    def expert_input_scale(self, ep: ExpertParam, expert: int, module: str | None = None) -> float | None:
+        """A calibrated input scale of one expert: `input_scales[<experts module>.<param>]`
+        ([E] values, as `calibrate.experts` writes them) or a per-module float."""
+        scales = self.input_scales or {}
+        if ep.name in scales:
+            return float(scales[ep.name][expert])
+        if module is not None and module in scales:
+            return float(scales[module])
+        return None
 
 
 def output_shard_names(n: int) -> list[str]:
     if n == 1:
         return ["model.safetensors"]
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """A checkpoint tensor holding MoE expert weights: one expert's rows, or a fused [E, N, K]."""
+
+    param: ExpertParam
+    expert: int | None  # None: the fused tensor of all experts
+    split: tuple = ()  # fused tensor written as these per-expert slices (moe_layout.Slice)
+
+    @property
+    def module(self) -> str:
+        return self.param.name
+
+
+def _expert_tensors(plan: Plan, headers: dict, experts_layout: str) -> dict[str, ExpertTensor]:
+    """checkpoint key -> the expert weight it holds, for every experts module we can quantize;
+    the others go to `plan.skipped` with the reason."""
+    if not plan.experts:
+        return {}
+    stored = {name: tuple(info.shape) for h in headers.values() for name, info in h.tensors.items() if info.dtype in ("F32", "F16", "BF16")}
+    found: dict[str, ExpertTensor] = {}
+    plan.expert_layout = find_layout(plan.meta_model, stored)
+    for ep in plan.expert_layout.values():
+        if ep.layout == "fused":
+            found[ep.key] = ExpertTensor(ep, None, tuple(ep.split) if experts_layout == "per-expert" else ())
+        elif ep.layout == "per-expert":
+            for sl in ep.slices:
+                found[sl.key] = ExpertTensor(ep, sl.expert)
+        else:
+            plan.skipped[ep.name] = f"MoE experts ({ep.layout}): {ep.why}"
+    return found
 
 
 def _finalize_plan(plan: Plan, headers: dict) -> dict[str, str]:
@@ -106,11 +168,13 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     check_tensor_layout(snap, headers)
     tensor_module = _finalize_plan(plan, headers)
+    expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
     if scheme.needs_calibration:
         missing = sorted(set(tensor_module.values()) - set(opts.input_scales or {}))
+        missing += sorted({et.module for key, et in expert_tensors.items() if not _has_input_scales(opts, key, et)})
         if missing:
             raise QuantizationError(
-                f"scheme fp8 needs a calibrated input scale for every quantized Linear; {len(missing)} have none (e.g. {missing[0]})",
+                f"scheme fp8 needs a calibrated input scale for every quantized Linear and expert; {len(missing)} have none (e.g. {missing[0]})",
                 "run calibration (`mpsconvert quantize --scheme fp8 --calib-data ...` or `mpsconvert calibrate`)",
             )
     progress = progress or (lambda n, name: None)
@@ -127,11 +191,9 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
             entries = []
             for name, info in header.tensors.items():
                 if name in tensor_module:
-                    entries.append((name, "F8_E4M3", info.shape))
-                    scale_shape = (1,) if scheme.weights == "tensor" else (info.shape[0], 1)
-                    entries.append((name + "_scale", "F32", scale_shape))
-                    if scheme.needs_calibration:
-                        entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
+                    entries += _linear_entries(name, tuple(info.shape), scheme)
+                elif name in expert_tensors:
+                    entries += _expert_entries(name, info, expert_tensors[name], scheme)
                 else:
                     entries.append((name, info.dtype, info.shape))
             writer = ShardWriter(tmp / out_name, entries, metadata={"format": "pt"})
@@ -141,6 +203,8 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
                         buf = reader.read(info)
                         if name in tensor_module:
                             tensors.update(_quantize_one(writer, name, info, buf, tensor_module[name], scheme, opts))
+                        elif name in expert_tensors:
+                            tensors.update(_quantize_expert(writer, name, info, buf, expert_tensors[name], scheme, opts))
                         else:
                             writer.write(name, buf)
                         del buf
@@ -192,31 +256,132 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
             files=dict(sorted(files.items())),
             device=opts.device,
         )
+        if plan.expert_layout:
+            manifest.extra["moe"] = {
+                "experts_layout": opts.experts_layout,
+                "experts": {n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
+                "scales": "per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
+                "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]",
+            }
         manifest.summary = summarize(manifest, plan, total_in, total_out)
         manifest.write(tmp)
     return manifest
 
 
-def _quantize_one(writer: ShardWriter, name: str, info: TensorInfo, buf, module: str, scheme: Scheme, opts: Options) -> dict:
-    w = as_tensor(buf, info)
+def _quantize_one(
+    writer: ShardWriter, name: str, info: TensorInfo, buf, module: str, scheme: Scheme, opts: Options, input_scale: float | None = None
+) -> dict:
+    return _quantize_tensor(writer, name, as_tensor(buf, info), module, scheme, opts, input_scale, info.dtype)
+
+
+def _quantize_tensor(
+    writer: ShardWriter, name: str, w: torch.Tensor, module: str, scheme: Scheme, opts: Options, input_scale: float | None, source_dtype: str
+) -> dict:
+    """One 2-D weight -> `<m>.weight` codes, `<m>.weight_scale` (+ `<m>.input_scale`), its record."""
     q, scale, stats = fp8.quantize(w, scheme.weights, name=name)
     writer.write(name, q)
     writer.write(name + "_scale", scale.contiguous())
     record = {
         "module": module,
-        "shape": list(info.shape),
-        "source_dtype": info.dtype,
+        "shape": list(w.shape),
+        "source_dtype": source_dtype,
         "dtype": "F8_E4M3",
         "weight_scale_shape": list(scale.shape),
         **stats.as_dict(),
     }
     if scheme.needs_calibration:
-        s = float(opts.input_scales[module])
-        if not (math.isfinite(s) and s > 0):
-            raise QuantizationError(f"calibrated input scale of {module} is {s}", "re-run calibration")
+        s = _check_input_scale(input_scale if input_scale is not None else float(opts.input_scales[module]), module)
         writer.write(name[: -len("weight")] + "input_scale", torch.tensor([s], dtype=torch.float32))
         record["input_scale"] = s
     return {name: record}
+
+
+def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme) -> list:
+    """Header entries written in place of one expert checkpoint tensor."""
+    if et.expert is not None:  # one expert's 2-D rows: exactly a Linear weight
+        return _linear_entries(name, tuple(info.shape), scheme)
+    E, N, K = info.shape
+    if et.split:
+        return [e for sl in et.split for e in _linear_entries(sl.key, (sl.stop - sl.start, K), scheme)]
+    entries = [(name, "F8_E4M3", info.shape), (name + "_scale", "F32", (E, 1, 1) if scheme.weights == "tensor" else (E, N, 1))]
+    if scheme.needs_calibration:
+        entries.append((name + "_input_scale", "F32", (E,)))
+    return entries
+
+
+def _has_input_scales(opts: Options, key: str, et: ExpertTensor) -> bool:
+    if et.expert is not None:
+        return opts.expert_input_scale(et.param, et.expert, key[: -len(".weight")]) is not None
+    if et.split:
+        return all(opts.expert_input_scale(et.param, sl.expert, sl.key[: -len(".weight")]) is not None for sl in et.split)
+    return all(opts.expert_input_scale(et.param, e) is not None for e in range(et.param.num_experts))
+
+
+def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
+    """Header entries of one quantized 2-D weight: codes, weight_scale (+ input_scale)."""
+    entries = [(name, "F8_E4M3", shape), (name + "_scale", "F32", (1,) if scheme.weights == "tensor" else (shape[0], 1))]
+    if scheme.needs_calibration:
+        entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
+    return entries
+
+
+def _quantize_expert(writer: ShardWriter, name: str, info: TensorInfo, buf, et: ExpertTensor, scheme: Scheme, opts: Options) -> dict:
+    if et.expert is not None:
+        module = name[: -len(".weight")]
+        rec = _quantize_one(writer, name, info, buf, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module))
+        rec[name].update(experts_module=et.param.module, param=et.param.param, expert=et.expert)
+        return rec
+    w = as_tensor(buf, info)
+    E, N, K = w.shape
+    if et.split:  # write the fused tensor as per-expert Linear weights
+        records = {}
+        for sl in et.split:
+            module = sl.key[: -len(".weight")]
+            part = w[sl.expert, sl.start : sl.stop]
+            records.update(
+                _quantize_tensor(writer, sl.key, part, module, scheme, opts, opts.expert_input_scale(et.param, sl.expert, module), info.dtype)
+            )
+            records[sl.key].update(experts_module=et.param.module, param=et.param.param, expert=sl.expert, split_from=name)
+        return records
+    codes = torch.empty(E, N, K, dtype=fp8.FP8_DTYPE)
+    scales, per_expert = [], []
+    for e in range(E):
+        q, scale, stats = fp8.quantize(w[e], scheme.weights, name=f"{name}[{e}]")
+        codes[e] = q
+        scales.append(scale.reshape(-1, 1))
+        per_expert.append(stats)
+    writer.write(name, codes)
+    writer.write(name + "_scale", torch.stack(scales).contiguous())
+    sqnrs = [s.sqnr_db for s in per_expert]
+    record = {
+        "module": et.module,
+        "experts_module": et.param.module,
+        "param": et.param.param,
+        "shape": list(info.shape),
+        "source_dtype": info.dtype,
+        "dtype": "F8_E4M3",
+        "weight_scale_shape": [E, 1, 1] if scheme.weights == "tensor" else [E, N, 1],
+        "amax": max(s.amax for s in per_expert),
+        "scale_min": min(s.scale_min for s in per_expert),
+        "scale_max": max(s.scale_max for s in per_expert),
+        # the worst expert stands for the tensor, each expert's own figure is listed
+        "sqnr_db": None if all(math.isinf(x) for x in sqnrs) else round(min(sqnrs), 4),
+        "experts_sqnr_db": [None if math.isinf(x) else round(x, 4) for x in sqnrs],
+        "zero_rows": sum(s.zero_rows for s in per_expert),
+    }
+    if scheme.needs_calibration:
+        vals = [opts.expert_input_scale(et.param, e) for e in range(E)]
+        for e, v in enumerate(vals):
+            _check_input_scale(v, f"{et.module}[expert {e}]")
+        writer.write(name + "_input_scale", torch.tensor(vals, dtype=torch.float32))
+        record["input_scale"] = vals
+    return {name: record}
+
+
+def _check_input_scale(s: float | None, what: str) -> float:
+    if s is None or not (math.isfinite(s) and s > 0):
+        raise QuantizationError(f"calibrated input scale of {what} is {s}", "re-run calibration")
+    return s
 
 
 def summarize(manifest: Manifest, plan: Plan, bytes_in: int, bytes_out: int) -> dict:
@@ -231,6 +396,7 @@ def summarize(manifest: Manifest, plan: Plan, bytes_in: int, bytes_out: int) -> 
         "weight_bytes_after": bytes_out,
         "ratio": round(bytes_out / bytes_in, 4) if bytes_in else None,
         "tensors_quantized": len(manifest.tensors),
+        "expert_tensors_quantized": sum(1 for r in manifest.tensors.values() if "experts_module" in r),
         "linear_ignored": len(plan.ignored),
         "modules_skipped": len(plan.skipped),
         "worst_sqnr_db": None if worst is None else worst[1],

@@ -4,7 +4,9 @@ Names are not guessed: transformers builds the architecture without weights, and
 `nn.Linear` in it is a candidate. Default ignores are found by role, not by name alone:
 the output embedding (lm_head), MoE routers (a Linear that outputs one logit per expert),
 shared-expert gates; embeddings and norms are not Linear and stay as they are. Layer types
-we do not quantize (GPT-2's Conv1D, fused 3-D MoE experts, convolutions) are reported.
+we do not quantize (GPT-2's Conv1D, convolutions) are reported. Fused 3-D MoE experts
+(transformers 5's `*Experts` modules) are listed in `Plan.experts`: whether and how they are
+quantized depends on how the checkpoint stores them (`moe_layout.find_layout`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SourceError
+from ..moe_layout import checkpoint_module_name, experts_modules
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -30,6 +33,9 @@ class Plan:
     ignored: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays
     skipped: dict[str, str] = field(default_factory=dict)  # non-Linear weight modules -> what they are
     prefix: str = ""  # base_model_prefix, for checkpoints saved without/with it
+    experts: list[str] = field(default_factory=list)  # fused 3-D experts modules
+    expert_layout: dict = field(default_factory=dict)  # "<module>.<param>" -> moe_layout.ExpertParam
+    meta_model: object = field(default=None, repr=False)  # the weightless model the plan was read from
 
     def module_for_tensor(self, tensor_name: str) -> str | None:
         """The quantized module a checkpoint key `<module>.weight` belongs to, or None."""
@@ -114,8 +120,11 @@ def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
     plan = Plan(architecture=type(model).__name__, prefix=getattr(model, "base_model_prefix", "") or "")
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     n_experts = _num_experts(config)
+    fused_experts = experts_modules(model)
+    plan.experts = list(fused_experts)
+    plan.meta_model = model
     for name, mod in model.named_modules():
-        if not name:
+        if not name or name in fused_experts:
             continue
         kind = type(mod).__name__
         if isinstance(mod, torch.nn.Linear):
@@ -136,16 +145,29 @@ def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
             plan.skipped[name] = "embedding: never quantized (transformers reads it as a dense lookup table)"
         elif isinstance(mod, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
             plan.skipped[name] = f"{kind}: only nn.Linear layers are quantized, kept as is"
+        elif n_experts and _is_router(name, mod, n_experts):
+            # transformers 5 routers (`*TopKRouter`) are not nn.Linear; list them (under the
+            # model's and the checkpoint's name) so every loader keeps them in full precision.
+            plan.ignored[name] = f"MoE router ({kind}, {n_experts} experts): kept in full precision"
+            disk = checkpoint_module_name(model, name)
+            if disk != name:
+                plan.ignored[disk] = f"checkpoint name of the MoE router {name}: kept in full precision"
         else:
-            own = dict(mod.named_parameters(recurse=False))
-            fused = [p for p, t in own.items() if t.ndim == 3]
-            w = own.get("weight")
-            leaf = name.rsplit(".", 1)[-1]
-            if n_experts and w is not None and w.ndim == 2 and w.shape[0] == n_experts and ("gate" in leaf or "router" in leaf):
-                plan.skipped[name] = f"MoE router ({kind}, {n_experts} experts): kept in full precision"
-            elif fused:
-                plan.skipped[name] = f"fused MoE experts ({', '.join(fused)}; 3-D parameters): kept as is"
+            fused = [p for p, t in mod.named_parameters(recurse=False) if t.ndim == 3]
+            if fused:
+                plan.skipped[name] = f"3-D parameters ({', '.join(fused)}) of {kind}: not an experts layout we know, kept as is"
     return plan
+
+
+def _is_router(name: str, mod, n_experts: int) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    w = getattr(mod, "weight", None)
+    return (
+        isinstance(w, torch.nn.Parameter)
+        and w.ndim == 2
+        and w.shape[0] == n_experts
+        and ("gate" in leaf or "router" in leaf)
+    )
 
 
 def plan_for(path, ignore: list[str] | None = None, trust_remote_code: bool = False) -> Plan:

@@ -1,0 +1,91 @@
+"""Decode-time MoE GEMV in Triton: y[p] = (W[ids[p]] @ x[tok[p]]) * scale[ids[p]].
+
+At batch 1 only the top-k experts run, each a matrix-vector product that is bound by how fast
+the weights stream from memory. This kernel reads just the routed experts' FP8 rows (half the
+bytes of BF16), converts them in registers and multiplies by BF16 activations, so no weight is
+ever dequantized to memory and no activation quantization kernel runs.
+Imported only when a CUDA device is used; `available()` says whether it can run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional: absent on CPU-only and MPS installs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+# BLOCK_N, BLOCK_K, SPLIT_K, warps. Split-K gives the down projection (N=4096, K=14336 at
+# Mixtral size, 2 pairs) enough programs to fill the GPU; the autotuner picks per (N, K).
+_CONFIGS = (
+    (16, 256, 1, 4), (32, 256, 1, 4), (64, 128, 1, 4), (8, 512, 1, 4), (16, 512, 1, 4),
+    (16, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 4), (8, 512, 4, 4), (16, 512, 8, 4), (64, 256, 2, 8),
+)  # fmt: skip
+# TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests); the autotuner needs a GPU driver.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_gemv_kernel(
+        x_ptr, tok_ptr, ids_ptr, w_ptr, s_ptr, y_ptr,
+        N, K,
+        stride_xm, stride_we, stride_wn, stride_se, stride_ym,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_s = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        t = tl.load(tok_ptr + pid_s).to(tl.int64)
+        e = tl.load(ids_ptr + pid_s).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        w_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + t * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        s = tl.load(s_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)
+        # y is a zeroed float32 buffer: the K splits add their partial sums
+        tl.atomic_add(y_ptr + pid_s * stride_ym + offs_n, acc * s, mask=n_ok)
+
+    if _INTERPRET:
+        _kernel = _expert_gemv_kernel
+    else:
+        _kernel = triton.autotune(
+            configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w) for bn, bk, sk, w in _CONFIGS],
+            key=["N", "K"],
+            reset_to_zero=["y_ptr"],
+        )(_expert_gemv_kernel)
+
+
+def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
+    scale[E, N]) -> y [P, N] in x's dtype."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    P = ids.numel()
+    E, N, K = codes.shape
+    x = x.contiguous()
+    y = torch.zeros(P, N, dtype=torch.float32, device=x.device)
+    grid = lambda meta: (P, triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2} if _INTERPRET else {}
+    _kernel[grid](
+        x, tok, ids, codes, scale, y,
+        N, K,
+        x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), y.stride(0),
+        **fixed,
+    )  # fmt: skip
+    return y.to(x.dtype)
