@@ -52,3 +52,13 @@ def test_remote_code_architecture_needs_explicit_trust(tmp_path, tiny_models):
     (d / "modeling_x.py").write_text("raise SystemExit('remote code ran')\n")
     with pytest.raises(SourceError, match="--trust-remote-code"):
         plan_for(d)
+
+
+def test_config_without_architectures_still_keeps_lm_head(tmp_path, tiny_models):
+    d = tmp_path / "noarch"
+    shutil.copytree(tiny_models["llama"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["architectures"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    plan = plan_for(d)
+    assert "lm_head" in plan.ignored and len(plan.quantize) == 14

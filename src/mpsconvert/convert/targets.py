@@ -59,6 +59,13 @@ def _model_class(config):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
+    # No usable `architectures`: prefer the causal-LM class where the model type has one, so that
+    # an lm_head (which loaders build for generation) is planned and kept, never left expecting
+    # scales; planned modules missing from the checkpoint are dropped later.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
     return transformers.AutoModel
 
 
