@@ -16,7 +16,7 @@ from mpsconvert.errors import ArtifactError, DeviceError
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.runtime.fp8linear import FP8Linear
-from mpsconvert.runtime.load import load
+from mpsconvert.runtime.loader import load
 from mpsconvert.source import resolve
 
 from models import runtime_tiny_llama

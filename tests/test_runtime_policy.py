@@ -79,9 +79,11 @@ def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, w
     assert lay.weight is not None and lay.dense_weight is None
 
 
+@pytest.mark.filterwarnings("ignore:mpsconvert kernel")
 def test_kernel_that_cannot_run_is_recorded_and_skipped(tmp_path, with_triton):
     m = fake({(1, "bf16"): 30.0, (1, "gemv"): 25.0, (2048, "dequant"): 500.0, (2048, "bf16"): 300.0})
-    dec, pre = policy(m, tmp_path).apply(Model(layer()))
+    with pytest.warns(UserWarning, match="scaled_mm_row cannot run a 64x32 layer on FakeGPU"):
+        dec, pre = policy(m, tmp_path).apply(Model(layer()))
     assert dec.timings_us["scaled_mm_row"].startswith("error: RuntimeError: scaled_mm_row unsupported")
     assert (dec.choice, pre.choice) == ("gemv", "dequant")
     with pytest.raises(DeviceError, match="no FP8 kernel runs"):

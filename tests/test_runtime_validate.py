@@ -86,7 +86,7 @@ def _direct_scores(arts, seq_len, n):
     """The same numbers computed here directly from the two models' logits."""
     import transformers
 
-    from mpsconvert.runtime.load import load
+    from mpsconvert.runtime.loader import load
 
     tok = transformers.AutoTokenizer.from_pretrained(arts / "llama-fp8")
     base = transformers.AutoModelForCausalLM.from_pretrained(arts / "llama", dtype=torch.bfloat16)
@@ -127,7 +127,7 @@ def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
 def test_validate_encoder_embedding_cosine(arts):
     import transformers
 
-    from mpsconvert.runtime.load import load
+    from mpsconvert.runtime.loader import load
 
     opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
                            latency=False, write=False)

@@ -250,15 +250,19 @@ def print_validation(r: dict, explain: bool = False) -> None:
 
 
 def print_kernels(decisions: list) -> None:
-    kt = Table("layer shape (N x K)", "layers", "bucket", "tokens", "kernel", "how", "timings (us)", title="kernel policy")
+    """One line per layer shape and bucket: the kernel, how it was decided, what was measured (fastest first)."""
+    out.print("[bold]kernel policy[/] (per layer shape and token bucket; us per call, fastest first)")
+    notes: dict[str, list[str]] = {}
     for d in decisions:
-        timings = ", ".join(f"{k} {v}" for k, v in d["timings_us"].items()) or "-"
-        kt.add_row(f"{d['shape'][0]} x {d['shape'][1]}", str(d["layers"]), d["bucket"], str(d["m"]), d["choice"], d["source"], timings)
-    out.print(kt)
-    for d in decisions:
+        ok = sorted((v, k) for k, v in d["timings_us"].items() if not isinstance(v, str))
+        bad = [f"{k} ({v})" for k, v in d["timings_us"].items() if isinstance(v, str)]
+        measured = " | ".join(f"{k} {v:.1f}" for v, k in ok) + (f"; cannot run: {', '.join(bad)}" if bad else "")
+        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m']}: [bold]{d['choice']}[/] "
+                  f"\\[{d['source']}]" + (f"  {measured}" if measured else ""), highlight=False)
         if d["note"]:
-            out.print(f"  {d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['note']}")
-
+            notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
+    for note, where in notes.items():
+        out.print(f"  note ({', '.join(where)}): {note}", highlight=False)
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..convert.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from ..convert.fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_token_scale
 from . import triton_gemv
 
 KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "gemv", "dequant", "bf16", "dense_qact")
@@ -35,7 +35,7 @@ DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at 
 def _quantize_acts(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 codes, dequant scale [M, 1] per token, or the static [1, 1])."""
     if input_scale is None:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=SCALE_FLOOR)
+        scale = per_token_scale(x)
     else:
         scale = input_scale.float().reshape(1, 1)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -92,8 +92,6 @@ def run(kernel: str, mod, x: torch.Tensor) -> torch.Tensor:
     if kernel == "scaled_mm_tensor":
         return scaled_mm(mod, x, rowwise=False)
     if kernel == "dequant":
-        from ..convert.fp8 import dequantize
-
         return F.linear(x, dequantize(mod.weight, mod.weight_scale, x.dtype), mod.bias)
     raise ValueError(f"unknown kernel {kernel!r}")
 

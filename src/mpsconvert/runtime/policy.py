@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -121,8 +122,11 @@ class KernelPolicy:
             for c in cands:
                 try:
                     d.timings_us[c] = round(float(self.measure(c, layer, m)), 3)
-                except Exception as e:  # a kernel that cannot run this shape is recorded, not hidden
+                except Exception as e:  # a kernel that cannot run this shape is recorded and reported, not hidden
                     d.timings_us[c] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                    warnings.warn(f"mpsconvert kernel {c} cannot run a {sig[0]}x{sig[1]} layer on {self.device_name} "
+                                  f"({d.timings_us[c][7:]}); the policy chooses among the others (see validate --explain)",
+                                  stacklevel=2)
             self._cache[key] = {"timings_us": d.timings_us, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         return d
 
@@ -151,8 +155,8 @@ class KernelPolicy:
             for d, best in ((dec, bd), (pre, bp)):
                 d.choice = best if best != "bf16" else self._best(d.timings_us, exclude=("bf16",))
                 if best == "bf16":
-                    d.note = (f"BF16 was faster here ({d.timings_us['bf16']} us) but not in the other bucket; "
-                              "FP8 kept (a second, BF16 copy would double this layer's memory)")
+                    d.note = ("BF16 was faster here but not in the other bucket; FP8 kept "
+                              "(a second, BF16 copy would double this layer's memory)")
         return dec, pre
 
     def apply(self, model: torch.nn.Module, progress: Callable[[str], None] | None = None) -> list[Decision]:

@@ -24,6 +24,7 @@ from .. import devices
 from ..errors import MpsconvertError, SourceError
 from . import metrics
 
+PEAK_NOTE = "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
@@ -144,6 +145,7 @@ def _latency_causal(model, ids: torch.Tensor, opts: ValidateOptions, dev, use_co
         "prefill": metrics.latency_stats(pre) | {"tokens": t},
         "decode": dec | {"tokens": len(per_token), "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None},
         "peak_memory_bytes": _peak(dev),
+        "peak_memory_note": PEAK_NOTE,
     }
 
 
@@ -151,13 +153,14 @@ def _latency_encoder(model, batch: dict, opts: ValidateOptions, dev) -> dict:
     devices.reset_peak(dev)
     with torch.no_grad():
         pre = _time(lambda: model(**batch), dev, opts.repeats, opts.warmup)
-    return {"prefill": metrics.latency_stats(pre) | {"tokens": int(batch["input_ids"].numel())}, "peak_memory_bytes": _peak(dev)}
+    return {"prefill": metrics.latency_stats(pre) | {"tokens": int(batch["input_ids"].numel())}, "peak_memory_bytes": _peak(dev),
+            "peak_memory_note": PEAK_NOTE}
 
 
 def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
     import transformers
 
-    from .load import load, model_bytes
+    from .loader import load, model_bytes
 
     artifact = Path(artifact)
     progress = progress or (lambda phase, done, total: None)
