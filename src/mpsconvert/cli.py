@@ -212,6 +212,10 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
     print_validation(result, explain)
 
 
+def _speed(ratio: float) -> str:
+    return f"{ratio:.2f}x " + ("faster" if ratio >= 1 else "(slower)")
+
+
 def print_validation(r: dict, explain: bool = False) -> None:
     a = r["accuracy"]
     t = Table(title=f"{r['scheme']} (weights per {r['weights']}) vs BF16 on {r['device_name']} ({r['device']})")
@@ -232,11 +236,11 @@ def print_validation(r: dict, explain: bool = False) -> None:
     if lat:
         b, f = lat["bf16"], lat["fp8"]
         t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
-                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", f"{r['speedup']['prefill']:.2f}x faster")
+                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['speedup']['prefill']))
         if "decode" in b:
             t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
                       f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
-                      f"{r['speedup']['decode']:.2f}x faster")
+                      _speed(r['speedup']['decode']))
         if b.get("peak_memory_bytes") is not None:
             t.add_row("peak device memory", _human(b["peak_memory_bytes"]), _human(f["peak_memory_bytes"]),
                       f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")

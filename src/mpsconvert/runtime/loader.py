@@ -139,6 +139,11 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
 
     path = Path(path)
     dev = devices.choose(device)
+    if dev.type == "mps" and not devices.capabilities(dev).fp8_tensors:
+        from ..errors import DeviceError
+
+        raise DeviceError(f"this torch ({torch.__version__}) cannot hold float8_e4m3fn tensors on MPS",
+                          "upgrade torch (FP8 on MPS needs a recent release), or pass device='cpu'")
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ArtifactError(f"{path} has no config.json", "pass the folder that `mpsconvert quantize` wrote")
