@@ -177,3 +177,22 @@ def test_unavailable_device_is_an_error_not_a_fallback(tiny):
         pytest.skip("CUDA present")
     with pytest.raises(DeviceError, match="CUDA is not available"):
         load(arts["fp8-dynamic"], device="cuda")
+
+
+def test_verify_catches_quantized_ignored_module_and_manifest_mismatch(tiny, tmp_path):
+    import json
+
+    _, arts = tiny
+    art = tmp_path / "art"
+    shutil.copytree(arts["fp8-dynamic"], art)
+    assert verify_artifact(art).ok
+    probs = verify_artifact(art, ignored={"model.layers.0.mlp.up_proj"}).problems
+    assert probs == ["model.layers.0.mlp.up_proj is quantized but the quantization_config ignores it"]
+    m = json.loads((art / "mpsconvert.json").read_text())
+    m["tensors"]["model.layers.0.mlp.up_proj.weight"]["shape"] = [64, 64]
+    (art / "mpsconvert.json").write_text(json.dumps(m))
+    assert any("records F8_E4M3[64, 64]" in p for p in verify_artifact(art).problems)
+    cfg = json.loads((art / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    (art / "config.json").write_text(json.dumps(cfg))
+    assert any("only FP8" in p for p in verify_artifact(art, check_hashes=False).problems)

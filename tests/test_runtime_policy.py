@@ -164,3 +164,14 @@ def test_fused_projection_matches_separate_layers():
     t1, t2 = layer(16, 32, "tensor", "tensor", seed=4, input_scale=0.1), layer(16, 32, "tensor", "tensor", seed=5, input_scale=0.2)
     with pytest.raises(ValueError, match="static input scales differ"):
         FusedFP8([t1, t2])
+
+
+@pytest.mark.parametrize("gran,act,iscale,rowwise", [("row", "token", None, True), ("tensor", "tensor", 0.05, False)])
+def test_mps_call_form_matches_cuda_call_form(gran, act, iscale, rowwise):
+    """The F.scaled_mm (ScalingType) call used on MPS gives what torch._scaled_mm gives, on CPU where both run."""
+    lay = layer(48, 32, gran, act, input_scale=iscale)
+    x = (torch.randn(6, 32) * 0.1).to(torch.bfloat16)
+    xq, xs = kernels.quantize_acts(x, lay.input_scale if act == "tensor" else None)
+    a = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=False)
+    b = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=True)
+    assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)

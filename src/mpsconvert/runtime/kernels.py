@@ -54,7 +54,10 @@ def quantize_acts(x: torch.Tensor, input_scale: torch.Tensor | None):
     return _quantize_acts(x, input_scale)
 
 
-def _mm(xq, x_scale, mod, rowwise: bool, out_dtype):
+def _mm(xq, x_scale, mod, rowwise: bool, out_dtype, functional: bool | None = None):
+    """The FP8 GEMM. MPS uses the public `F.scaled_mm` (ScalingType API, torch >= 2.10); CUDA the
+    `torch._scaled_mm` that torch.compile and CUDA graphs handle today. `functional` forces one
+    (tests run the MPS call form on CPU, where both exist)."""
     w = mod.weight
     ws = mod.weight_scale.float()
     n = w.shape[0]
@@ -63,9 +66,9 @@ def _mm(xq, x_scale, mod, rowwise: bool, out_dtype):
         sb = ws.reshape(1, -1).expand(1, n).contiguous() if ws.numel() == 1 else ws.reshape(1, n)
     else:
         sa, sb = x_scale.reshape(()), ws.reshape(())
-    if xq.device.type == "mps":
+    if functional if functional is not None else xq.device.type == "mps":
         if not hasattr(F, "scaled_mm"):
-            raise RuntimeError("this torch has no torch.nn.functional.scaled_mm (torch >= 2.10 needed for FP8 matmul on MPS)")
+            raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (torch >= 2.10 needed for FP8 matmul on MPS)")
         kind = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
         return F.scaled_mm(xq, w.t(), sa, kind, sb, kind, output_dtype=out_dtype)
     # Fast accumulation, as torchao float8 inference uses: ~5-10% faster on Hopper at 2048 tokens;
