@@ -175,3 +175,14 @@ def test_mps_call_form_matches_cuda_call_form(gran, act, iscale, rowwise):
     a = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=False)
     b = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=True)
     assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_unwritable_cache_warns_and_still_decides(tmp_path, with_triton):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    m = fake({(1, "gemv"): 1.0, (1, "bf16"): 2.0, (1, "scaled_mm_row"): 3.0, (2048, "scaled_mm_row"): 1.0,
+              (2048, "dequant"): 3.0, (2048, "bf16"): 2.0})
+    pol = KernelPolicy(CUDA, prefill_m=2048, measure=m, cache=blocker / "sub" / "k.json", device_name="FakeGPU")
+    with pytest.warns(UserWarning, match="kernel cache .* not written"):
+        dec, pre = pol.apply(Model(layer()))
+    assert (dec.choice, pre.choice) == ("gemv", "scaled_mm_row")

@@ -99,9 +99,12 @@ class KernelPolicy:
     def _write_cache(self) -> None:
         if self.cache_file is None:
             return
-        self.cache_file.parent.mkdir(parents=True, exist_ok=True)
         fresh = self._read_cache() | self._cache  # keep entries another process wrote meanwhile
-        atomic.write_text(self.cache_file, json.dumps(fresh, indent=1, sort_keys=True) + "\n")
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(self.cache_file, json.dumps(fresh, indent=1, sort_keys=True) + "\n")
+        except OSError as e:  # a read-only home must not stop a load; the next load measures again
+            warnings.warn(f"mpsconvert kernel cache {self.cache_file} not written ({e.strerror}); set MPSCONVERT_CACHE_DIR", stacklevel=2)
 
     # -- deciding ----------------------------------------------------------------------------
     def _bucket(self, layer: FP8Linear, bucket: str) -> Decision:
