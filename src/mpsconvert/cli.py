@@ -182,5 +182,108 @@ def inspect(artifact, as_json, show_tensors):
         out.print(tt)
 
 
+# --- validate (runtime) -------------------------------------------------------------------------
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--baseline", metavar="SRC", help="BF16 model to compare against (hub id or folder) [default: the manifest's source].")
+@click.option("--eval-data", "eval_data", type=click.Path(dir_okay=False), help="Eval text: .jsonl with a 'text' field per line, or .txt.")
+@click.option("--device", type=click.Choice(["auto", "mps", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Where both models run; an unavailable device is an error, never a fallback.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per accuracy sample.")
+@click.option("--max-samples", type=int, default=8, show_default=True, help="Accuracy samples (of --seq-len tokens).")
+@click.option("--prefill-len", type=int, default=512, show_default=True, help="Prompt length timed for prefill.")
+@click.option("--decode-tokens", type=int, default=32, show_default=True, help="Tokens timed for decode (batch 1).")
+@click.option("--repeats", type=int, default=10, show_default=True, help="Timed prefill runs (after --warmup).")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--no-latency", is_flag=True, help="Accuracy only.")
+@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="torch.compile + CUDA graphs for decode (auto: on CUDA).")
+@click.option("--no-write", is_flag=True, help="Do not record the results in the artifact's manifest.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+@click.option("--explain", is_flag=True, help="Also print the kernel chosen for every layer shape, with the timings behind it.")
+@friendly_errors
+def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, warmup,
+             no_latency, compile_mode, no_write, as_json, explain):
+    """Check ARTIFACT against its BF16 baseline: accuracy (perplexity, KL, top-1 / embedding cosine) and latency."""
+    from rich.progress import MofNCompleteColumn
+
+    from .runtime.validate import ValidateOptions
+    from .runtime.validate import validate as run_validate
+
+    opts = ValidateOptions(baseline=baseline, eval_data=eval_data, device=device, seq_len=seq_len, max_samples=max_samples,
+                           prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, warmup=warmup,
+                           latency=not no_latency, compile=compile_mode, write=not no_write)
+    with Progress(TextColumn("[bold]{task.description}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not console.is_terminal) as prog:
+        tasks: dict = {}
+
+        def progress(phase, done, total):
+            if phase not in tasks:
+                tasks[phase] = prog.add_task(phase, total=total)
+            prog.update(tasks[phase], completed=done, total=total)
+
+        result = run_validate(artifact, opts, progress)
+    if as_json:
+        out.print_json(json.dumps(result))
+        return
+    print_validation(result, explain)
+
+
+def _speed(ratio: float) -> str:
+    return f"{ratio:.2f}x " + ("faster" if ratio >= 1 else "(slower)")
+
+
+def print_validation(r: dict, explain: bool = False) -> None:
+    a = r["accuracy"]
+    t = Table(title=f"{r['scheme']} (weights per {r['weights']}) vs BF16 on {r['device_name']} ({r['device']})")
+    t.add_column("metric")
+    t.add_column("BF16", justify="right")
+    t.add_column("FP8", justify="right")
+    t.add_column("FP8 vs BF16", justify="right")
+    if r["kind"] == "causal-lm":
+        t.add_row(f"perplexity ({a['tokens']} tokens)", f"{a['perplexity_bf16']:.3f}", f"{a['perplexity_fp8']:.3f}",
+                  f"{a['perplexity_delta']:+.3f} ({a['perplexity_delta_pct']:+.2f}%)")
+        t.add_row("mean KL(bf16 || fp8)", "", "", f"{a['mean_kl']:.5f} nats")
+        t.add_row("top-1 agreement", "", "", f"{100 * a['top1_agreement']:.2f}%")
+    else:
+        t.add_row(f"embedding cosine ({a['sentences']} sentences)", "", "", f"mean {a['cosine_mean']:.5f}, min {a['cosine_min']:.5f}")
+    wb = r["weight_bytes"]
+    t.add_row("weights in memory", _human(wb["bf16"]), _human(wb["fp8"]), f"{wb['fp8'] / wb['bf16']:.3f}x")
+    lat = r.get("latency")
+    if lat:
+        b, f = lat["bf16"], lat["fp8"]
+        t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
+                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['speedup']['prefill']))
+        if "decode" in b:
+            t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
+                      f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
+                      _speed(r['speedup']['decode']))
+        if b.get("peak_memory_bytes") is not None:
+            t.add_row("peak device memory", _human(b["peak_memory_bytes"]), _human(f["peak_memory_bytes"]),
+                      f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")
+    out.print(t)
+    for d in r.get("dequantized_at_load") or []:
+        out.print(f"note: {d}")
+    if explain:
+        print_kernels(r["kernels"])
+    if r.get("recorded"):
+        out.print(f"recorded in {r['recorded']}")
+
+
+def print_kernels(decisions: list) -> None:
+    """One line per layer shape and bucket: the kernel, how it was decided, what was measured (fastest first)."""
+    out.print("[bold]kernel policy[/] (per layer shape and token bucket; us per call, fastest first)")
+    notes: dict[str, list[str]] = {}
+    for d in decisions:
+        ok = sorted((v, k) for k, v in d["timings_us"].items() if not isinstance(v, str))
+        bad = [f"{k} ({v})" for k, v in d["timings_us"].items() if isinstance(v, str)]
+        measured = " | ".join(f"{k} {v:.1f}" for v, k in ok) + (f"; cannot run: {', '.join(bad)}" if bad else "")
+        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m']}: [bold]{d['choice']}[/] "
+                  f"\\[{d['source']}]" + (f"  {measured}" if measured else ""), highlight=False)
+        if d["note"]:
+            notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
+    for note, where in notes.items():
+        out.print(f"  note ({', '.join(where)}): {note}", highlight=False)
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,93 @@
+"""FP8Linear: an nn.Linear replacement that keeps e4m3 weights and runs the kernel chosen for it.
+
+Why a module of our own: transformers' compressed-tensors path needs the compressed-tensors
+package (absent on many GPU stacks) and runs one kernel for every shape. Here the weight stays
+FP8 in device memory (half of BF16), and each layer runs the kernel the policy measured fastest
+for its shape: one for decode (few tokens, `M <= DECODE_MAX_M`) and one for prefill.
+On CPU the weight is dequantized once at load and the layer runs BF16 (FP8 matmul on CPU is
+orders of magnitude slower), and then no FP8 copy is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..convert.fp8 import FP8_DTYPE, dequantize
+from . import kernels
+
+# Activations with at most this many rows (tokens x batch) use the decode kernel.
+DECODE_MAX_M = 4
+BUCKETS = ("decode", "prefill")
+
+
+class FP8Linear(nn.Module):
+    """y = x @ (weight * weight_scale).T + bias, with weight in float8_e4m3fn."""
+
+    def __init__(self, in_features: int, out_features: int, *, weights: str, activations: str | None, bias: bool,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weights, self.activations, self.dtype = weights, activations, dtype
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        scale_shape = (1,) if weights == "tensor" else (out_features, 1)
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.dense_weight: torch.Tensor | None = None
+        self.kernels = {"decode": "dequant", "prefill": "dequant"}
+
+    @classmethod
+    def from_tensors(cls, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str | None,
+                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     dtype: torch.dtype = torch.bfloat16) -> "FP8Linear":
+        """Wrap loaded tensors (already on their device) without copying the FP8 weight."""
+        if weight.dtype != FP8_DTYPE:
+            raise TypeError(f"FP8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
+        n, k = weight.shape
+        mod = cls(k, n, weights="tensor" if weight_scale.numel() == 1 else "row", activations=activations,
+                  bias=bias is not None, dtype=dtype, device="meta")
+        mod.weight = weight
+        mod.weight_scale = weight_scale.float().reshape(mod.weight_scale.shape).contiguous()
+        if activations == "tensor":
+            if input_scale is None:
+                raise ValueError("the static scheme needs an input_scale")
+            mod.input_scale = input_scale.float().reshape(1).to(weight.device)
+        mod.bias = None if bias is None else bias.to(device=weight.device, dtype=dtype)
+        return mod
+
+    @property
+    def signature(self) -> tuple:
+        """What determines the kernel choice: shape, scale granularity, activation scheme."""
+        return (self.out_features, self.in_features, self.weights, self.activations)
+
+    def set_kernels(self, decode: str, prefill: str) -> None:
+        """Install the chosen kernels. 'bf16' for both replaces the FP8 weight by a dense one."""
+        for k in (decode, prefill):
+            if k not in kernels.KERNELS:
+                raise ValueError(f"unknown kernel {k!r}")
+        if decode in kernels.DENSE and prefill in kernels.DENSE:
+            if self.dense_weight is None:
+                self.dense_weight = dequantize(self.weight, self.weight_scale, self.dtype)
+            self.weight = None  # no FP8 copy kept beside the dense one
+        elif decode in kernels.DENSE or prefill in kernels.DENSE:
+            raise ValueError("bf16 for one bucket only would keep two copies of the weight; choose FP8 kernels or bf16 for both")
+        elif self.weight is None:
+            raise ValueError("this layer's FP8 weight was already replaced by a dense BF16 one")
+        self.kernels = {"decode": decode, "prefill": prefill}
+
+    def weight_bytes(self) -> int:
+        tensors = [self.weight, self.weight_scale, self.input_scale, self.bias, self.dense_weight]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        kernel = self.kernels["decode"] if x2.shape[0] <= DECODE_MAX_M else self.kernels["prefill"]
+        return kernels.run(kernel, self, x2).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weights={self.weights}, "
+                f"activations={self.activations}, decode={self.kernels['decode']}, prefill={self.kernels['prefill']}")

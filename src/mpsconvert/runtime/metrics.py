@@ -1,0 +1,93 @@
+"""Accuracy and latency statistics for `validate`: small pure functions, float64 where it matters.
+
+Causal LMs are compared on next-token distributions at every position that has a next token:
+perplexity of each model on the eval text, mean KL(baseline || fp8) (how much information the
+FP8 model loses about the baseline's prediction) and top-1 agreement (how often both pick the
+same next token). Encoders are compared on sentence embeddings, mean-pooled over the attention
+mask as sentence-transformers does for all-MiniLM-L6-v2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def token_nll(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-position negative log-likelihood of `labels` (already shifted), float64, masked positions dropped."""
+    logp = F.log_softmax(logits.double(), dim=-1)
+    nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return nll[mask.bool()] if mask is not None else nll.reshape(-1)
+
+
+def kl_divergence(base_logits: torch.Tensor, test_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-position KL(base || test) in nats, float64."""
+    lp = F.log_softmax(base_logits.double(), dim=-1)
+    lq = F.log_softmax(test_logits.double(), dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return kl[mask.bool()] if mask is not None else kl.reshape(-1)
+
+
+def top1_agree(base_logits: torch.Tensor, test_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    same = base_logits.argmax(-1) == test_logits.argmax(-1)
+    return same[mask.bool()] if mask is not None else same.reshape(-1)
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """sentence-transformers' mean pooling: average of the token embeddings where mask == 1."""
+    m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(a.double(), b.double(), dim=-1)
+
+
+@dataclass
+class CausalLMScores:
+    """Running sums over batches; `result()` gives the reported numbers."""
+
+    tokens: int = 0
+    nll_base: float = 0.0
+    nll_test: float = 0.0
+    kl: float = 0.0
+    agree: int = 0
+
+    def update(self, base_logits, test_logits, input_ids, attention_mask=None) -> None:
+        """Logits [B, T, V] of both models on the same `input_ids` [B, T]; position t predicts t+1."""
+        b, t = base_logits[:, :-1], test_logits[:, :-1]
+        labels = input_ids[:, 1:]
+        mask = attention_mask[:, 1:] * attention_mask[:, :-1] if attention_mask is not None else None
+        self.nll_base += float(token_nll(b, labels, mask).sum())
+        self.nll_test += float(token_nll(t, labels, mask).sum())
+        self.kl += float(kl_divergence(b, t, mask).sum())
+        agree = top1_agree(b, t, mask)
+        self.agree += int(agree.sum())
+        self.tokens += int(agree.numel())
+
+    def result(self) -> dict:
+        n = max(self.tokens, 1)
+        ppl_b, ppl_t = math.exp(self.nll_base / n), math.exp(self.nll_test / n)
+        return {
+            "tokens": self.tokens,
+            "perplexity_bf16": ppl_b,
+            "perplexity_fp8": ppl_t,
+            "perplexity_delta": ppl_t - ppl_b,
+            "perplexity_delta_pct": 100.0 * (ppl_t - ppl_b) / ppl_b,
+            "mean_kl": self.kl / n,
+            "top1_agreement": self.agree / n,
+        }
+
+
+def latency_stats(seconds: list[float]) -> dict:
+    """Median and p95 (nearest rank) in milliseconds."""
+    s = sorted(seconds)
+    if not s:
+        return {"median_ms": None, "p95_ms": None, "n": 0}
+    p95 = s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)]
+    mid = len(s) // 2
+    median = s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
+    return {"median_ms": 1e3 * median, "p95_ms": 1e3 * p95, "n": len(s)}

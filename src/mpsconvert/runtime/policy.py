@@ -1,0 +1,233 @@
+"""Which kernel each FP8 layer runs, decided by measuring on this machine and cached.
+
+Why measure: the fastest way to run an FP8 layer depends on device, shape and token count
+(on the H200 `_scaled_mm` row-wise is ~1.7x BF16 at 2048 tokens but slower than BF16 at one
+token; on MPS `scaled_mm` is reported slow for big matmuls and fast for GEMVs). So for every
+distinct layer signature (N, K, weight granularity, activation scheme) and each bucket (decode:
+`M = decode_m` tokens, prefill: `M = prefill_m`), every candidate kernel of kernels.py is timed
+and the fastest wins. A BF16 weight is kept only when BF16 beats every FP8 kernel in both buckets
+(a BF16 copy for one bucket would double that layer's memory); such a fallback is recorded.
+
+Decisions are cached in `$MPSCONVERT_CACHE_DIR/kernels.json` (default
+`~/.cache/mpsconvert/kernels.json`), keyed by device name, torch and triton versions, shape,
+scheme and token count, so a second load measures nothing. CPU is decided by rule, not
+measured: dequantize once and run BF16 (FP8 matmul on CPU takes minutes per call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import atomic, devices
+from . import kernels
+from .fp8linear import BUCKETS, FP8Linear
+
+# measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
+Measure = Callable[[str, FP8Linear, int], float]
+
+
+def cache_path() -> Path:
+    root = os.environ.get("MPSCONVERT_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels.json"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "mpsconvert" / "kernels.json"
+
+
+def _triton_version() -> str | None:
+    from . import triton_gemv
+
+    return getattr(triton_gemv.triton, "__version__", None)
+
+
+@dataclass
+class Decision:
+    """The choice for one layer signature and bucket, with the evidence."""
+
+    shape: tuple[int, int]  # (N, K)
+    weights: str
+    activations: str | None
+    bucket: str
+    m: int
+    timings_us: dict = field(default_factory=dict)  # kernel -> us, or "error: ..." when it cannot run
+    choice: str = ""
+    source: str = "measured"  # measured | cache | rule
+    note: str = ""
+    layers: int = 0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+class KernelPolicy:
+    def __init__(self, device: torch.device, *, prefill_m: int = 512, decode_m: int = 1, measure: Measure | None = None,
+                 cache: Path | None | bool = None, device_name: str | None = None):
+        self.device = device
+        self.prefill_m, self.decode_m = prefill_m, decode_m
+        self.measure = measure or self._measure
+        self.cache_file = cache_path() if cache is None or cache is True else (None if cache is False else Path(cache))
+        self.device_name = device_name or devices.capabilities(device).name
+        self.decisions: list[Decision] = []
+        self._cache = self._read_cache()
+
+    # -- cache -------------------------------------------------------------------------------
+    def key(self, sig: tuple, bucket: str, m: int) -> str:
+        n, k, w, a = sig
+        return (f"{self.device_name}|torch {torch.__version__}|triton {_triton_version()}|{n}x{k}|weights={w}|"
+                f"acts={a or 'bf16'}|{bucket} M={m}")
+
+    def _read_cache(self) -> dict:
+        if self.cache_file is None or not self.cache_file.is_file():
+            return {}
+        try:
+            body = json.loads(self.cache_file.read_text(encoding="utf-8"))
+            return body if isinstance(body, dict) else {}
+        except (OSError, json.JSONDecodeError):
+            return {}  # a broken cache is re-measured and rewritten, never trusted
+
+    def _write_cache(self) -> None:
+        if self.cache_file is None:
+            return
+        fresh = self._read_cache() | self._cache  # keep entries another process wrote meanwhile
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(self.cache_file, json.dumps(fresh, indent=1, sort_keys=True) + "\n")
+        except OSError as e:  # a read-only home must not stop a load; the next load measures again
+            warnings.warn(f"mpsconvert kernel cache {self.cache_file} not written ({e.strerror}); set MPSCONVERT_CACHE_DIR", stacklevel=2)
+
+    # -- deciding ----------------------------------------------------------------------------
+    def _bucket(self, layer: FP8Linear, bucket: str) -> Decision:
+        m = self.decode_m if bucket == "decode" else self.prefill_m
+        sig = layer.signature
+        d = Decision(shape=sig[:2], weights=sig[2], activations=sig[3], bucket=bucket, m=m)
+        cands = kernels.candidates(self.device.type, layer.activations, layer.weights, bucket)
+        if self.device.type == "cpu":
+            d.timings_us, d.choice, d.source = {}, cands[0], "rule"
+            d.note = ("CPU: weights dequantized once at load (FP8 matmul on CPU is orders of magnitude slower)"
+                      + ("; activations rounded through e4m3 as the scheme says" if cands[0] == "dense_qact" else ""))
+            return d
+        key = self.key(sig, bucket, m)
+        hit = self._cache.get(key)
+        if hit and set(hit.get("timings_us", {})) == set(cands):
+            d.timings_us, d.source = hit["timings_us"], "cache"
+        else:
+            for c in cands:
+                try:
+                    d.timings_us[c] = round(float(self.measure(c, layer, m)), 3)
+                except Exception as e:  # a kernel that cannot run this shape is recorded and reported, not hidden
+                    d.timings_us[c] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                    warnings.warn(f"mpsconvert kernel {c} cannot run a {sig[0]}x{sig[1]} layer on {self.device_name} "
+                                  f"({d.timings_us[c][7:]}); the policy chooses among the others (see validate --explain)",
+                                  stacklevel=2)
+            self._cache[key] = {"timings_us": d.timings_us, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        return d
+
+    @staticmethod
+    def _best(timings: dict, exclude: tuple = ()) -> str | None:
+        ok = {k: v for k, v in timings.items() if isinstance(v, (int, float)) and k not in exclude}
+        return min(ok, key=ok.get) if ok else None
+
+    def decide(self, layer: FP8Linear) -> tuple[Decision, Decision]:
+        dec, pre = (self._bucket(layer, b) for b in BUCKETS)
+        if self.device.type == "cpu":
+            return dec, pre
+        bd, bp = self._best(dec.timings_us), self._best(pre.timings_us)
+        if bd is None or bp is None:
+            from ..errors import DeviceError
+
+            raise DeviceError(
+                f"no FP8 kernel runs a {layer.out_features}x{layer.in_features} layer on {self.device_name}: "
+                f"{dec.timings_us} / {pre.timings_us}",
+                "pass --device cpu, or report this with the message above",
+            )
+        if bd == "bf16" and bp == "bf16":
+            dec.choice = pre.choice = "bf16"
+            dec.note = pre.note = "fallback: BF16 measured faster than every FP8 kernel in both buckets; this layer keeps a BF16 weight"
+        else:
+            for d, best in ((dec, bd), (pre, bp)):
+                d.choice = best if best != "bf16" else self._best(d.timings_us, exclude=("bf16",))
+                if best == "bf16":
+                    d.note = ("BF16 was faster here but not in the other bucket; FP8 kept "
+                              "(a second, BF16 copy would double this layer's memory)")
+        return dec, pre
+
+    def apply(self, model: torch.nn.Module, progress: Callable[[str], None] | None = None) -> list[Decision]:
+        """Decide once per distinct layer signature, install the kernels on every FP8Linear."""
+        groups: dict[tuple, list[FP8Linear]] = {}
+        for mod in model.modules():
+            if isinstance(mod, FP8Linear):
+                groups.setdefault(mod.signature, []).append(mod)
+        self.decisions = []
+        for sig, layers in groups.items():
+            if progress:
+                progress(f"{sig[0]}x{sig[1]}")
+            dec, pre = self.decide(layers[0])
+            for layer in layers:
+                layer.set_kernels(dec.choice, pre.choice)
+            dec.layers = pre.layers = len(layers)
+            self.decisions += [dec, pre]
+        if self.device.type != "cpu":
+            self._write_cache()
+        return self.decisions
+
+    # -- timing ------------------------------------------------------------------------------
+    def _measure(self, kernel: str, layer: FP8Linear, m: int) -> float:
+        x = torch.randn(m, layer.in_features, device=self.device, dtype=layer.dtype)
+        if kernel == "bf16":  # time a dense twin of the same shape; the layer itself is untouched
+            dense = torch.randn(layer.out_features, layer.in_features, device=self.device, dtype=layer.dtype)
+            fn = lambda: torch.nn.functional.linear(x, dense, layer.bias)  # noqa: E731
+        else:
+            fn = lambda: kernels.run(kernel, layer, x)  # noqa: E731
+        return time_call(fn, self.device)
+
+    def explain(self) -> list[dict]:
+        return [d.as_dict() for d in self.decisions]
+
+
+def time_call(fn: Callable[[], object], device: torch.device, reps: int = 20, rounds: int = 5) -> float:
+    """Median microseconds per call. CUDA: `reps` calls captured in a CUDA graph and replayed
+    (launch overhead excluded, as under CUDA graphs); else host clock around synchronize."""
+    for _ in range(3):
+        fn()
+    devices.synchronize(device)
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / reps)
+        return statistics.median(times)
+    times = []
+    for _ in range(rounds):
+        devices.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        devices.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e6 / reps)
+    return statistics.median(times)

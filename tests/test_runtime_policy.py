@@ -1,0 +1,188 @@
+"""The kernel policy's choices from injected measurements, its cache, and the kernels' arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mpsconvert.convert import fp8
+from mpsconvert.errors import DeviceError
+from mpsconvert.runtime import kernels, triton_gemv
+from mpsconvert.runtime.fp8linear import FP8Linear
+from mpsconvert.runtime.fuse import FusedFP8
+from mpsconvert.runtime.policy import KernelPolicy
+
+CUDA = torch.device("cuda")  # never touched: measurements are injected, device_name given
+
+
+def layer(n=64, k=32, gran="row", act="token", seed=0, input_scale=None):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    q, s, _ = fp8.quantize(w, gran)
+    isc = torch.tensor([input_scale]) if input_scale is not None else None
+    return FP8Linear.from_tensors(q, s, activations=act, input_scale=isc)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+
+def fake(table):
+    """measure(kernel, layer, m) from a table {(m, kernel): us}; missing -> the kernel cannot run."""
+    calls = []
+
+    def measure(kernel, lay, m):
+        calls.append((kernel, lay.signature, m))
+        if (m, kernel) not in table:
+            raise RuntimeError(f"{kernel} unsupported")
+        return table[(m, kernel)]
+
+    measure.calls = calls
+    return measure
+
+
+@pytest.fixture
+def with_triton(monkeypatch):
+    monkeypatch.setattr(triton_gemv, "available", lambda: True)
+
+
+def policy(measure, tmp_path, **kw):
+    return KernelPolicy(CUDA, prefill_m=2048, decode_m=1, measure=measure, cache=tmp_path / "k.json", device_name="FakeGPU", **kw)
+
+
+def test_fastest_kernel_per_bucket(tmp_path, with_triton):
+    m = fake({(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "bf16"): 34.0,
+              (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0})
+    model = Model(layer(), layer(seed=1))
+    decisions = policy(m, tmp_path).apply(model)
+    assert [(d.bucket, d.choice, d.layers) for d in decisions] == [("decode", "gemv", 2), ("prefill", "scaled_mm_row", 2)]
+    assert all(l.kernels == {"decode": "gemv", "prefill": "scaled_mm_row"} for l in model.layers)
+    assert all(l.weight.dtype == torch.float8_e4m3fn and l.dense_weight is None for l in model.layers)  # FP8 kept
+    assert {c[0] for c in m.calls if c[2] == 1} == {"scaled_mm_row", "gemv", "bf16"}  # one signature measured once
+
+
+def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, with_triton):
+    both = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 40.0, (1, "bf16"): 30.0,
+                 (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
+    lay = layer()
+    dec, pre = policy(both, tmp_path).apply(Model(lay))
+    assert dec.choice == pre.choice == "bf16" and "fallback" in dec.note
+    assert lay.weight is None and lay.dense_weight.dtype == torch.bfloat16  # the FP8 copy is not kept beside it
+    one = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 20.0, (1, "bf16"): 30.0,
+                (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
+    lay = layer()
+    dec, pre = policy(one, tmp_path / "b").apply(Model(lay))
+    assert (dec.choice, pre.choice) == ("gemv", "scaled_mm_row") and "FP8 kept" in pre.note
+    assert lay.weight is not None and lay.dense_weight is None
+
+
+@pytest.mark.filterwarnings("ignore:mpsconvert kernel")
+def test_kernel_that_cannot_run_is_recorded_and_skipped(tmp_path, with_triton):
+    m = fake({(1, "bf16"): 30.0, (1, "gemv"): 25.0, (2048, "dequant"): 500.0, (2048, "bf16"): 300.0})
+    with pytest.warns(UserWarning, match="scaled_mm_row cannot run a 64x32 layer on FakeGPU"):
+        dec, pre = policy(m, tmp_path).apply(Model(layer()))
+    assert dec.timings_us["scaled_mm_row"].startswith("error: RuntimeError: scaled_mm_row unsupported")
+    assert (dec.choice, pre.choice) == ("gemv", "dequant")
+    with pytest.raises(DeviceError, match="no FP8 kernel runs"):
+        policy(fake({}), tmp_path / "c").apply(Model(layer()))
+
+
+def test_candidates_follow_scheme_and_device(with_triton):
+    assert kernels.candidates("cuda", "tensor", "tensor", "prefill") == ["scaled_mm_tensor", "dequant", "bf16"]
+    assert kernels.candidates("cuda", "tensor", "row", "decode") == ["scaled_mm_row", "gemv", "bf16"]
+    assert kernels.candidates("cuda", None, "row", "decode") == ["gemv", "bf16"]  # weight-only never quantizes x
+    assert kernels.candidates("mps", "token", "row", "decode") == ["scaled_mm_row", "dequant", "bf16"]  # no Triton on MPS
+    assert kernels.candidates("cpu", "token", "row", "decode") == ["dense_qact"]
+    assert kernels.candidates("cpu", None, "row", "prefill") == ["bf16"]
+
+
+def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_triton):
+    table = {(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "bf16"): 34.0,
+             (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0}
+    first = fake(table)
+    policy(first, tmp_path).apply(Model(layer()))
+    body = json.loads((tmp_path / "k.json").read_text())
+    key = next(k for k in body if k.endswith("decode M=1"))
+    assert key.startswith("FakeGPU|torch ") and "64x32|weights=row|acts=token" in key
+    again = fake(table)
+    dec, pre = policy(again, tmp_path).apply(Model(layer()))
+    assert again.calls == [] and dec.source == pre.source == "cache" and dec.choice == "gemv"
+    other = fake(table | {(1, "scaled_mm_tensor"): 1.0, (2048, "scaled_mm_tensor"): 1.0})
+    policy(other, tmp_path).apply(Model(layer(gran="tensor", act="tensor", input_scale=0.05)))  # another scheme: measured
+    assert other.calls
+    (tmp_path / "k.json").write_text("{not json")  # a broken cache is re-measured, never trusted
+    fresh = fake(table)
+    policy(fresh, tmp_path).apply(Model(layer()))
+    assert fresh.calls
+
+
+def test_cpu_is_decided_by_rule_without_measuring(tmp_path):
+    m = fake({})
+    lay = layer()
+    dec, pre = KernelPolicy(torch.device("cpu"), measure=m, cache=False).apply(Model(lay))
+    assert m.calls == [] and dec.source == "rule" and pre.choice == "dense_qact"
+    assert lay.weight is None and lay.dense_weight is not None
+
+
+@pytest.mark.parametrize("gran,act,iscale", [("row", "token", None), ("tensor", "tensor", 0.05), ("row", None, None)])
+def test_kernels_compute_the_same_thing(gran, act, iscale):
+    """dequant, scaled_mm (torch._scaled_mm runs on CPU for tiny shapes) and the CPU dense path agree with
+    the direct computation: x rounded through e4m3 as the scheme says, times the dequantized weight."""
+    lay = layer(48, 32, gran, act, input_scale=iscale)
+    x = (torch.randn(6, 32) * 0.1).to(torch.bfloat16)
+    w = fp8.dequantize(lay.weight, lay.weight_scale, torch.float32)
+    xf = x.float()
+    if act == "token":
+        xf = fp8.fake_quantize(xf, fp8.per_token_scale(xf))
+    elif act == "tensor":
+        xf = fp8.fake_quantize(xf, torch.tensor(iscale))
+    want = xf @ w.T
+    names = ["dense_qact" if act else "bf16"] + ([{"row": "scaled_mm_row", "tensor": "scaled_mm_tensor"}[gran]] if act else [])
+    for name in names:
+        probe = layer(48, 32, gran, act, input_scale=iscale)
+        probe.set_kernels(name, name)
+        got = probe(x).float()
+        assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), (name, (got - want).abs().max())
+    lay.set_kernels("dequant", "dequant")
+    assert torch.allclose(lay(x).float(), x.float() @ w.T, rtol=1e-2, atol=1e-2)  # weight-only arithmetic
+    with pytest.raises(ValueError, match="two copies"):
+        layer().set_kernels("bf16", "scaled_mm_row")
+
+
+def test_fused_projection_matches_separate_layers():
+    q, k, v = layer(64, 32, seed=1), layer(32, 32, seed=2), layer(32, 32, seed=3)
+    fused = FusedFP8([q, k, v])
+    assert fused.inner.weight.shape == (128, 32) and fused.inner.weights == "row"
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    for lay in (q, k, v, fused.inner):
+        lay.set_kernels("scaled_mm_row", "scaled_mm_row")
+    for a, b in zip(fused(x), (q(x), k(x), v(x))):
+        assert torch.equal(a, b)
+    t1, t2 = layer(16, 32, "tensor", "tensor", seed=4, input_scale=0.1), layer(16, 32, "tensor", "tensor", seed=5, input_scale=0.2)
+    with pytest.raises(ValueError, match="static input scales differ"):
+        FusedFP8([t1, t2])
+
+
+@pytest.mark.parametrize("gran,act,iscale,rowwise", [("row", "token", None, True), ("tensor", "tensor", 0.05, False)])
+def test_mps_call_form_matches_cuda_call_form(gran, act, iscale, rowwise):
+    """The F.scaled_mm (ScalingType) call used on MPS gives what torch._scaled_mm gives, on CPU where both run."""
+    lay = layer(48, 32, gran, act, input_scale=iscale)
+    x = (torch.randn(6, 32) * 0.1).to(torch.bfloat16)
+    xq, xs = kernels.quantize_acts(x, lay.input_scale if act == "tensor" else None)
+    a = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=False)
+    b = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=True)
+    assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_unwritable_cache_warns_and_still_decides(tmp_path, with_triton):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    m = fake({(1, "gemv"): 1.0, (1, "bf16"): 2.0, (1, "scaled_mm_row"): 3.0, (2048, "scaled_mm_row"): 1.0,
+              (2048, "dequant"): 3.0, (2048, "bf16"): 2.0})
+    pol = KernelPolicy(CUDA, prefill_m=2048, measure=m, cache=blocker / "sub" / "k.json", device_name="FakeGPU")
+    with pytest.warns(UserWarning, match="kernel cache .* not written"):
+        dec, pre = pol.apply(Model(layer()))
+    assert (dec.choice, pre.choice) == ("gemv", "scaled_mm_row")

@@ -1,0 +1,167 @@
+"""validate: metrics against direct computation, then the whole command on tiny models."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mpsconvert.cli import main
+from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.manifests.manifest import Manifest
+from mpsconvert.runtime import metrics
+from mpsconvert.runtime.validate import ValidateOptions, validate
+from mpsconvert.source import resolve
+
+from .models import SHARED_DATA, runtime_tiny_bert, runtime_tiny_llama
+
+
+def _softmax(row):
+    e = np.exp(row - row.max())
+    return e / e.sum()
+
+
+def test_causal_metrics_match_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 7, 11, generator=g) * 3
+    test = base + torch.randn(2, 7, 11, generator=g) * 0.5
+    ids = torch.randint(0, 11, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0  # padding at the end of the second row
+    s = metrics.CausalLMScores()
+    s.update(base, test, ids, mask)
+    r = s.result()
+    nll_b = nll_t = kl = agree = n = 0.0
+    for b in range(2):
+        for t in range(6):
+            if not (mask[b, t] and mask[b, t + 1]):
+                continue
+            p, q = _softmax(base[b, t].double().numpy()), _softmax(test[b, t].double().numpy())
+            y = int(ids[b, t + 1])
+            nll_b -= math.log(p[y])
+            nll_t -= math.log(q[y])
+            kl += float((p * np.log(p / q)).sum())
+            agree += int(p.argmax() == q.argmax())
+            n += 1
+    assert r["tokens"] == n == 6 + 4
+    assert r["perplexity_bf16"] == pytest.approx(math.exp(nll_b / n), rel=1e-9)
+    assert r["perplexity_fp8"] == pytest.approx(math.exp(nll_t / n), rel=1e-9)
+    assert r["perplexity_delta"] == pytest.approx(math.exp(nll_t / n) - math.exp(nll_b / n), rel=1e-9)
+    assert r["mean_kl"] == pytest.approx(kl / n, rel=1e-9)
+    assert r["top1_agreement"] == pytest.approx(agree / n)
+    same = metrics.CausalLMScores()
+    same.update(base, base, ids)
+    assert same.result()["mean_kl"] == pytest.approx(0.0, abs=1e-12) and same.result()["top1_agreement"] == 1.0
+
+
+def test_mean_pool_cosine_and_latency_stats():
+    h = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    pooled = metrics.mean_pool(h, m)
+    assert torch.equal(pooled[0], (h[0, 0] + h[0, 1]) / 2) and torch.equal(pooled[1], h[1, 0])
+    a, b = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[0.0, 1.0], [2.0, 2.0]])
+    assert metrics.cosine(a, b).tolist() == pytest.approx([0.0, 1.0])
+    st = metrics.latency_stats([0.003, 0.001, 0.002, 0.010])
+    assert st["median_ms"] == pytest.approx(2.5) and st["p95_ms"] == pytest.approx(10.0) and st["n"] == 4
+    st = metrics.latency_stats([0.001 * i for i in range(1, 21)])  # nearest-rank p95 of 1..20 ms is 19 ms
+    assert st["p95_ms"] == pytest.approx(19.0) and st["median_ms"] == pytest.approx(10.5)
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rt-val")
+    llama = runtime_tiny_llama(root / "llama")
+    bert = runtime_tiny_bert(root / "bert")
+    quantize_snapshot(resolve(str(llama)), root / "llama-fp8", Options())
+    quantize_snapshot(resolve(str(bert)), root / "bert-fp8", Options())
+    return root
+
+
+def _direct_scores(arts, seq_len, n):
+    """The same numbers computed here directly from the two models' logits."""
+    import transformers
+
+    from mpsconvert.runtime.loader import load
+
+    tok = transformers.AutoTokenizer.from_pretrained(arts / "llama-fp8")
+    base = transformers.AutoModelForCausalLM.from_pretrained(arts / "llama", dtype=torch.bfloat16)
+    fp8m = load(arts / "llama-fp8", device="cpu")
+    ids = []
+    for line in (SHARED_DATA / "wiki_eval.jsonl").read_text().splitlines():
+        ids += tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        if len(ids) >= seq_len * n:
+            break
+    x = torch.tensor(ids[: seq_len * n]).reshape(n, seq_len)
+    with torch.no_grad():
+        lb, lf = base(x).logits.double(), fp8m(x).logits.double()
+    lpb, lpf = lb.log_softmax(-1)[:, :-1], lf.log_softmax(-1)[:, :-1]
+    y = x[:, 1:, None]
+    return {"perplexity_bf16": float((-lpb.gather(-1, y)).mean().exp()), "perplexity_fp8": float((-lpf.gather(-1, y)).mean().exp()),
+            "mean_kl": float((lpb.exp() * (lpb - lpf)).sum(-1).mean()), "top1_agreement": float((lb.argmax(-1) == lf.argmax(-1))[:, :-1].double().mean())}
+
+
+def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
+    opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=64,
+                           max_samples=3, prefill_len=32, decode_tokens=3, repeats=2, warmup=1, write=True, kernel_cache=False)
+    phases = []
+    r = validate(arts / "llama-fp8", opts, progress=lambda p, d, t: phases.append(p))
+    direct = _direct_scores(arts, 64, 3)
+    for k, v in direct.items():
+        assert r["accuracy"][k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert r["accuracy"]["tokens"] == 3 * 63 and 0 < r["accuracy"]["mean_kl"] < 0.05
+    lat = r["latency"]
+    for name in ("bf16", "fp8"):
+        assert lat[name]["prefill"]["n"] == 2 and lat[name]["prefill"]["tokens"] == 32
+        assert lat[name]["decode"]["tokens"] == 3 and lat[name]["decode"]["median_ms"] <= lat[name]["decode"]["p95_ms"]
+    assert r["speedup"]["decode"] == pytest.approx(lat["bf16"]["decode"]["median_ms"] / lat["fp8"]["decode"]["median_ms"])
+    assert {"accuracy", "latency"} <= set(phases)
+    recorded = Manifest.read(arts / "llama-fp8").extra["validation"]["CPU (cpu)"]
+    assert recorded["accuracy"] == r["accuracy"] and recorded["settings"]["seq_len"] == 64 and recorded["device"] == "cpu"
+
+
+def test_validate_encoder_embedding_cosine(arts):
+    import transformers
+
+    from mpsconvert.runtime.loader import load
+
+    opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
+                           latency=False, write=False)
+    r = validate(arts / "bert-fp8", opts)
+    assert r["kind"] == "encoder" and r["accuracy"]["sentences"] == 8
+    tok = transformers.AutoTokenizer.from_pretrained(arts / "bert-fp8")
+    base = transformers.AutoModel.from_pretrained(arts / "bert", dtype=torch.bfloat16)
+    fp8m = load(arts / "bert-fp8", device="cpu")
+    texts = [json.loads(l)["text"] for l in (SHARED_DATA / "wiki_eval.jsonl").read_text().splitlines()]
+    sents = [s.strip() for t in texts for s in t.split(". ") if len(s.strip()) > 20][:8]
+    batch = tok(sents, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        def emb(m):
+            h = m(**batch).last_hidden_state.double()
+            w = batch["attention_mask"][..., None].double()
+            return (h * w).sum(1) / w.sum(1)
+        cos = torch.nn.functional.cosine_similarity(emb(base), emb(fp8m), dim=-1)
+    assert r["accuracy"]["cosine_mean"] == pytest.approx(float(cos.mean()), abs=2e-3)
+    assert 0.9 < r["accuracy"]["cosine_min"] <= r["accuracy"]["cosine_mean"] <= 1.0
+
+
+def test_cli_validate_json_explain_and_errors(arts):
+    runner = CliRunner()
+    args = ["validate", str(arts / "llama-fp8"), "--baseline", str(arts / "llama"), "--eval-data", str(SHARED_DATA / "wiki_eval.jsonl"),
+            "--device", "cpu", "--seq-len", "32", "--max-samples", "2", "--no-latency", "--no-write"]
+    res = runner.invoke(main, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    body = json.loads(res.stdout)
+    assert body["kind"] == "causal-lm" and body["accuracy"]["tokens"] == 62 and "latency" not in body
+    res = runner.invoke(main, args + ["--explain"])
+    assert res.exit_code == 0, res.output
+    assert "perplexity" in res.stdout and "top-1 agreement" in res.stdout and "kernel policy" in res.stdout and "dense_qact" in res.stdout
+    llmc = Path(__file__).parent / "data" / "llmc" / "oneshot"  # no manifest: its source is unknown
+    res = runner.invoke(main, ["validate", str(llmc), "--device", "cpu", "--eval-data", str(SHARED_DATA / "wiki_eval.jsonl")])
+    assert res.exit_code == 2 and "pass --baseline" in res.output
+    res = runner.invoke(main, args[:4] + ["--eval-data", "/nonexistent.jsonl", "--device", "cpu"])
+    assert res.exit_code == 2 and "does not exist" in res.output
