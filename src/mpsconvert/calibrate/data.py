@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -164,24 +163,28 @@ def _from_files(kind: str, where: str, root: Path, files: list[Path]) -> Corpus:
 
 
 def draw(corpus: Corpus, tokenizer, num_samples: int, seq_len: int, seed: int) -> Samples:
-    """Deterministic token windows: documents in a seeded shuffle, up to ceil(N / docs) windows of
-    `seq_len` tokens from each (so a small corpus is used fully and a large one broadly)."""
+    """Deterministic token windows: the first `num_samples` documents of a seeded shuffle, taken
+    round-robin (window 0 of each, then window 1 of each, ...), so every drawn document is used
+    before any document gives a second window, and a large corpus costs only N tokenizations."""
     if num_samples < 1 or seq_len < MIN_WINDOW_TOKENS:
         raise DataError(f"--num-samples must be >= 1 and --seq-len >= {MIN_WINDOW_TOKENS}", "pass larger values")
     order = list(range(len(corpus.texts)))
     random.Random(seed).shuffle(order)
-    per_doc = max(1, math.ceil(num_samples / len(order)))
+    docs = [(d, tokenizer(corpus.texts[d], add_special_tokens=True, verbose=False)["input_ids"]) for d in order[:num_samples]]
     samples = Samples(input_ids=[])
-    for doc in order:
-        ids = tokenizer(corpus.texts[doc], add_special_tokens=True)["input_ids"]
-        for w in range(per_doc):
+    w = 0
+    while docs:
+        kept = []
+        for doc, ids in docs:
             window = ids[w * seq_len : (w + 1) * seq_len]
             if len(window) < min(MIN_WINDOW_TOKENS, seq_len) or (w > 0 and len(window) < seq_len // 4):
-                break
+                continue  # this document has no (further) window worth a forward pass
+            kept.append((doc, ids))
             samples.input_ids.append(list(window))
             samples.drawn.append({"doc": doc, "start": w * seq_len, "tokens": len(window)})
             if len(samples.input_ids) == num_samples:
                 return samples
+        docs, w = kept, w + 1
     if not samples.input_ids:
         raise DataError("no calibration document is long enough to tokenize into a window", f"give documents of at least {MIN_WINDOW_TOKENS} tokens")
     return samples

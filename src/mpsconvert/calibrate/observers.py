@@ -17,9 +17,7 @@ import torch
 
 from ..convert import fp8
 from ..errors import QuantizationError
-
-OBSERVERS = ("minmax", "percentile", "mse")
-DEFAULT_PERCENTILE = 99.99
+from . import DEFAULT_PERCENTILE, OBSERVERS
 BINS_PER_OCTAVE = 64
 LOG2_LO, LOG2_HI = -32, 32
 NBINS = (LOG2_HI - LOG2_LO) * BINS_PER_OCTAVE  # + 1 zero bin in front
