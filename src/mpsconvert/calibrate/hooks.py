@@ -11,6 +11,7 @@ weights), so per-expert static scales exist for when fused experts are quantized
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -18,10 +19,27 @@ import torch
 from .observers import Observer
 
 
-def linear_hook(obs: Observer):
+class _LastInput:
+    """q/k/v (and gate/up) read the same tensor: summarise it once, feed every observer.
+
+    Holds only a weak reference to the last input, so no activation outlives its forward."""
+
+    def __init__(self):
+        self.ref = None
+        self.stats = None
+
+    def stats_for(self, obs: Observer, x: torch.Tensor):
+        last = self.ref() if self.ref is not None else None
+        if last is not x or self.stats is None or self.stats[:2] != (type(obs), x._version):
+            self.ref = weakref.ref(x)
+            self.stats = (type(obs), x._version, obs.summarize(x))
+        return self.stats[2]
+
+
+def linear_hook(obs: Observer, memo: _LastInput):
     def hook(_module, args):
         if args:
-            obs.update(args[0])
+            obs.accumulate(memo.stats_for(obs, args[0]))
 
     return hook
 
@@ -84,13 +102,14 @@ def observing(model: torch.nn.Module, linears: list[str], make: Callable[[], Obs
     handles = []
     obs: dict[str, Observer] = {}
     experts: dict[str, ExpertsObserver] = {}
+    memo = _LastInput()
     try:
         for name in linears:
             mod = modules.get(name)
             if mod is None:
                 continue
             obs[name] = make()
-            handles.append(mod.register_forward_pre_hook(linear_hook(obs[name])))
+            handles.append(mod.register_forward_pre_hook(linear_hook(obs[name], memo)))
         for name, mod in fused_experts(model).items():
             experts[name] = ExpertsObserver(mod, make)
             handles.append(mod.register_forward_hook(experts[name].hook, with_kwargs=True))

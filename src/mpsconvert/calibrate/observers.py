@@ -38,12 +38,21 @@ class Observer:
         self.count = 0
 
     def update(self, x: torch.Tensor) -> None:
+        self.accumulate(self.summarize(x))
+
+    def summarize(self, x: torch.Tensor):
+        """What one batch contributes (reusable by every observer of the same input tensor)."""
         x = x.detach()
-        self.count += x.numel()
         if x.numel() == 0:
-            return
-        m = x.abs().amax().float()
-        self.amax_t = m if self.amax_t is None else torch.maximum(self.amax_t, m)
+            return 0, None
+        # One pass, no |x| temporary: the inf-norm is the absolute maximum.
+        return x.numel(), torch.linalg.vector_norm(x, float("inf")).float()
+
+    def accumulate(self, stats) -> None:
+        n, m = stats
+        self.count += n
+        if m is not None:
+            self.amax_t = m if self.amax_t is None else torch.maximum(self.amax_t, m)
 
     @property
     def amax(self) -> float:
@@ -71,16 +80,21 @@ class LogHistogram(Observer):
         super().__init__()
         self.counts: torch.Tensor | None = None
 
-    def update(self, x: torch.Tensor) -> None:
-        super().update(x)
+    def summarize(self, x: torch.Tensor):
+        n, m = super().summarize(x)
         flat = x.detach().reshape(-1)
-        if self.counts is None:
-            self.counts = torch.zeros(NBINS + 1, dtype=torch.int64, device=x.device)
+        counts = torch.zeros(NBINS + 1, dtype=torch.int64, device=x.device)
         for i in range(0, flat.numel(), _CHUNK):
             a = flat[i : i + _CHUNK].abs().float()
             idx = torch.log2(a).sub_(LOG2_LO).mul_(BINS_PER_OCTAVE).floor_()
             idx = torch.nan_to_num_(idx, nan=0.0, neginf=-1.0).clamp_(-1, NBINS - 1).long().add_(1)
-            self.counts += torch.bincount(idx, minlength=NBINS + 1)
+            counts += torch.bincount(idx, minlength=NBINS + 1)
+        return n, m, counts
+
+    def accumulate(self, stats) -> None:
+        n, m, counts = stats
+        super().accumulate((n, m))
+        self.counts = counts if self.counts is None else self.counts + counts
 
     def bins(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(counts [NBINS+1] float64 on CPU, lower edges [NBINS] of the non-zero bins)."""
