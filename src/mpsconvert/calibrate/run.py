@@ -259,12 +259,30 @@ def _unload(module):
     module.to("meta")
 
 
+@contextlib.contextmanager
+def _params_on_meta():
+    """Modules built inside get their parameters on the meta device (initialisers then run on
+    meta, for free) while buffers stay real: rotary frequencies and position ids are computed
+    in __init__ and are not stored in checkpoints."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
 def _skeleton(config, trust_remote_code: bool):
     """The model with parameters on meta and real buffers (rotary frequencies, position ids)."""
-    from accelerate import init_empty_weights
-
     cls = _model_class(config)
-    with init_empty_weights(include_buffers=False):
+    with _params_on_meta():
         if cls.__name__.startswith("Auto"):
             model = cls.from_config(config, trust_remote_code=trust_remote_code)
         else:
