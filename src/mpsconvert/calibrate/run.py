@@ -15,7 +15,6 @@ Samples are run one at a time (batch 1, no padding), so both modes see identical
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,6 @@ from ..convert.targets import Plan, _model_class, plan_for
 from ..errors import QuantizationError, SourceError
 from . import data, hooks, observers
 
-log = logging.getLogger("mpsconvert.calibrate")
 Progress = Callable[[int, int, str], None]  # (done, total, label)
 
 
@@ -54,7 +52,7 @@ class Calibration:
     scales: dict[str, float]  # Linear module -> static input dequant scale (clip / 448)
     expert_scales: dict[str, dict[str, list[float]]]  # fused experts module -> projection -> per-expert scale
     record: dict  # what produced them: for the manifest's recipe.calibration
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # for the caller to show (the CLI prints them)
     seconds: float = 0.0
     peak_memory: dict = field(default_factory=dict)
 
@@ -105,8 +103,6 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
     for name, rec in expert_record.items():
         if rec["never_routed"]:
             warnings.append(f"{name}: experts {rec['never_routed']} were never routed to; they got the max scale of the layer's routed experts")
-    for w in warnings:
-        log.warning(w)
     record = {
         "device": device.type,
         **make().describe(),
