@@ -265,6 +265,9 @@ def inspect(artifact, as_json, show_tensors):
     t = Table(title=str(artifact), show_header=False, box=None)
     t.add_row("source", f"{src.get('id')} ({src.get('kind')}" + (f", commit {src['commit'][:12]}" if src.get("commit") else "") + ")")
     t.add_row("scheme", f"{m.recipe['name']}: weights per {m.recipe['weights']}, activations {m.recipe['activations'] or 'bf16'}")
+    if cal := m.recipe.get("calibration"):
+        t.add_row("calibration", f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x {cal.get('seq_len')} tokens "
+                  f"of {(cal.get('data') or {}).get('id')} (sha256 {str((cal.get('data') or {}).get('sha256'))[:12]}), {len(cal.get('fallbacks') or {})} fallback(s)")
     s = m.summary
     t.add_row("architecture", str(s.get("architecture")))
     t.add_row("weights", f"{_human(s['weight_bytes_before'])} -> {_human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")

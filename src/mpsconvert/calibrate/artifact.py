@@ -35,6 +35,9 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def save_scales(path: Path, cal: Calibration) -> None:
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ArtifactError(f"cannot write {path}: folder {path.parent} does not exist", "create it, or choose another -o")
     body = {
         "format": SCALES_FORMAT,
         "version": SCALES_VERSION,
@@ -42,7 +45,7 @@ def save_scales(path: Path, cal: Calibration) -> None:
         "expert_input_scales": cal.expert_scales,
         "calibration": cal.record,
     }
-    atomic.write_text(Path(path), json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    atomic.write_text(path, json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n")
 
 
 def load_scales(path: Path) -> tuple[dict[str, float], dict]:
