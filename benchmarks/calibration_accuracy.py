@@ -49,6 +49,7 @@ def variants(num_samples: int, seq_len: int):
         ("fp8 percentile 99.99", "fp8", "tensor", CalibOptions(observer="percentile", **ours)),
         ("fp8 mse", "fp8", "tensor", CalibOptions(observer="mse", **ours)),
         ("fp8 naive minmax, 32 docs (row)", "fp8", "row", CalibOptions(data=calib, num_samples=32, seq_len=seq_len, observer="minmax", device="cpu")),
+        ("fp8 minmax (row)", "fp8", "row", CalibOptions(observer="minmax", **ours)),
         ("fp8 mse (row)", "fp8", "row", CalibOptions(observer="mse", **ours)),
     ]
 
@@ -97,7 +98,7 @@ def embeddings(path: Path, wins) -> torch.Tensor:
     return torch.stack(out)
 
 
-def run_model(name: str, src: Path, work: Path, windows: int, num_samples: int) -> list[dict]:
+def run_model(name: str, src: Path, work: Path, windows: int, num_samples: int, only: str | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(src))
@@ -113,6 +114,8 @@ def run_model(name: str, src: Path, work: Path, windows: int, num_samples: int) 
         rows.append({"model": name, "variant": "fp32 (source)", "cos_mean": 1.0, "cos_min": 1.0})
     cache: dict = {}
     for label, scheme, weights, copts in variants(num_samples, calib_seq):
+        if only and label not in only.split(";"):
+            continue
         art, secs = build(src, work / name, label, scheme, weights, copts, cache)
         if name == "smollm2":
             ppl = perplexity(art, wins)
@@ -130,6 +133,7 @@ def main():
     ap.add_argument("--windows", type=int, default=32, help="eval windows (first N)")
     ap.add_argument("--num-samples", type=int, default=64, help="calibration windows for our observers")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--variants", help="only these variants, ';'-separated labels (the source is always measured)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy shared machine)")
     args = ap.parse_args()
     if args.threads:
@@ -143,7 +147,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="calib-acc-") as work:
         for name in args.models.split(","):
             src = _sources.smollm2() if name == "smollm2" else _sources.minilm()
-            rows += run_model(name, src, Path(work), args.windows, args.num_samples)
+            rows += run_model(name, src, Path(work), args.windows, args.num_samples, args.variants)
     print(f"\n{'model':8} {'variant':34} {'metric':>22}")
     for r in rows:
         if "ppl" in r:
@@ -154,11 +158,12 @@ def main():
     by = {(r["model"], r["variant"]): r for r in rows}
     for w in ("", " (row)"):
         naive = by.get(("smollm2", f"fp8 naive minmax, 32 docs{w}"))
-        if naive:
-            best = min((r for r in rows if r["model"] == "smollm2" and r["variant"].startswith("fp8 ") and "naive" not in r["variant"] and r["variant"].endswith(w or "")
-                        and (w or "(row)" not in r["variant"])), key=lambda r: r["ppl"])
-            print(f"smollm2 static{w or ' (tensor)'}: best ours {best['variant']} {best['delta_pct']:+.2f}% vs naive minmax {naive['delta_pct']:+.2f}% "
-                  f"-> {naive['delta_pct'] - best['delta_pct']:.2f} points of perplexity better")
+        ours = [r for r in rows if r["model"] == "smollm2" and r["variant"].startswith("fp8 ") and "naive" not in r["variant"]
+                and r["variant"].endswith("(row)") == bool(w)]
+        if naive and ours:
+            best = min(ours, key=lambda r: r["ppl"])
+            print(f"smollm2 static, weights per {'row' if w else 'tensor'}: best ours '{best['variant']}' {best['delta_pct']:+.2f}% vs naive minmax "
+                  f"{naive['delta_pct']:+.2f}% -> {naive['delta_pct'] - best['delta_pct']:+.2f} percentage points")
     print(f"total {time.perf_counter() - t0:.0f} s on cpu, {torch.get_num_threads()} thread(s) (eval windows: first {args.windows}; "
           f"calibration windows: naive 32, ours {args.num_samples})")
     if args.json_out:
