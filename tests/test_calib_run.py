@@ -34,6 +34,7 @@ def test_sequential_gives_the_same_scales_as_the_whole_model(request, which, obs
     whole = calibrate(path, CalibOptions(**opts))
     seq = calibrate(path, CalibOptions(sequential=True, **opts))
     assert whole.record["mode"] == "whole-model" and seq.record["mode"] == "sequential"
+    assert seq.record["weights_loader"] == ["direct"]  # names match: no conversion path
     assert set(whole.scales) == set(plan_for(path).quantize)  # every quantized Linear has a scale
     assert seq.scales == whole.scales  # bit for bit: same inputs, same ops
     assert {m: r["values"] for m, r in seq.record["modules"].items()} == {m: r["values"] for m, r in whole.record["modules"].items()}
@@ -82,6 +83,11 @@ def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, build
             assert all(per[e] == max(routed) for e in never)  # the documented fallback
         assert any(name in w and str(never) in w for w in cal.warnings)
     json.dumps(cal.record, allow_nan=False)  # no NaN anywhere in what the manifest records
+    # transformers 5 stores experts per expert in the checkpoint and fuses them on load: the
+    # sequential loader goes through transformers' conversion and still matches bit for bit.
+    seq = calibrate(path, CalibOptions(data=CALIB, num_samples=1, seq_len=16, device="cpu", observer="mse", sequential=True))
+    assert seq.record["weights_loader"] == ["transformers-conversion"]
+    assert seq.scales == cal.scales and seq.expert_scales == cal.expert_scales
 
 
 def test_unobserved_expert_linear_falls_back_to_its_siblings():

@@ -90,9 +90,9 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
     t0 = time.perf_counter()
     with torch.no_grad(), devices.oom_hint(device, "calibration"):
         if opts.sequential:
-            obs, experts = _run_sequential(model_dir, config, plan, samples, device, make, opts, progress)
+            obs, experts, how = _run_sequential(model_dir, config, plan, samples, device, make, opts, progress)
         else:
-            obs, experts = _run_whole(model_dir, config, plan, samples, device, make, opts, progress)
+            obs, experts, how = _run_whole(model_dir, config, plan, samples, device, make, opts, progress)
         devices.synchronize(device)
     seconds = time.perf_counter() - t0
     peak = devices.memory(device)
@@ -107,6 +107,7 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
         "device": device.type,
         **make().describe(),
         "mode": "sequential" if opts.sequential else "whole-model",
+        **how,
         "dtype": str(_model_dtype(config)).replace("torch.", ""),
         "data": corpus.source,
         "num_samples_requested": opts.num_samples,
@@ -137,7 +138,7 @@ def _run_whole(model_dir, config, plan, samples, device, make, opts, progress):
             progress(i + 1, len(samples.input_ids), "samples")
     del model
     devices.empty_cache(device)
-    return obs, experts
+    return obs, experts, {"weights_loader": "transformers from_pretrained"}
 
 
 def _runner(model, plan: Plan):
@@ -197,12 +198,18 @@ class Weights:
                 self.where[name] = f.name
             self.files[f.name] = safe_open(str(f), framework="pt")
 
-    def key(self, name: str) -> str | None:
+    def variants(self, name: str) -> list[str]:
+        """The names a model tensor may be stored under: as is, with or without base_model_prefix."""
         p = self.prefix
-        for k in (name, f"{p}.{name}" if p else None, name[len(p) + 1 :] if p and name.startswith(p + ".") else None):
-            if k is not None and k in self.where:
-                return k
-        return None
+        out = [name]
+        if p:
+            out.append(f"{p}.{name}")
+            if name.startswith(p + "."):
+                out.append(name[len(p) + 1 :])
+        return out
+
+    def key(self, name: str) -> str | None:
+        return next((k for k in self.variants(name) if k in self.where), None)
 
     def get(self, name: str) -> torch.Tensor | None:
         k = self.key(name)
@@ -222,33 +229,48 @@ def _blocks(model) -> tuple[str, torch.nn.ModuleList]:
     return best[0], best[1]
 
 
-def _materialize(module, prefix: str, weights: Weights, device, dtype, tied: dict[str, torch.Tensor]):
-    """Load every parameter of `module` (named `prefix.<param>` in the model) onto the device."""
+def _materialize(module, prefix: str, weights: Weights, device, dtype, model=None, model_dir=None) -> str:
+    """Load every parameter of `module` (named `prefix.<param>` in the model) onto the device.
+
+    Returns which loader ran: "direct" when the checkpoint stores the model's own names and
+    shapes, else "transformers-conversion": the block's checkpoint tensors go through
+    transformers' own load-time weight conversion (e.g. per-expert MoE weights fused into 3-D
+    parameters), so --sequential sees exactly the weights from_pretrained would build."""
     state = {}
-    missing = []
+    convert = False
     for name, p in module.named_parameters(recurse=True):
-        full = f"{prefix}.{name}" if prefix else name
-        t = weights.get(full)
-        if t is None and full in tied:
-            t = tied[full]
-        if t is None:
-            missing.append(full)
-            continue
-        if tuple(t.shape) != tuple(p.shape):
-            raise QuantizationError(
-                f"--sequential: checkpoint tensor for {full} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}",
-                "this checkpoint needs transformers' weight conversion: calibrate without --sequential",
-            )
+        t = weights.get(f"{prefix}.{name}" if prefix else name)
+        if t is None or tuple(t.shape) != tuple(p.shape):
+            convert = True
+            break
         state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    if missing:
-        raise QuantizationError(
-            f"--sequential: {len(missing)} parameter(s) are not stored under the model's names (e.g. {missing[0]})",
-            "this checkpoint needs transformers' weight conversion: calibrate without --sequential",
-        )
+    if convert:
+        _convert_into(module, prefix, weights, device, dtype, model, model_dir)
+        state = {}
     for name, buf in module.named_buffers(recurse=True):
         if buf.device.type != device.type:
             state[name] = buf.to(device)
     module.load_state_dict(state, strict=False, assign=True)
+    return "transformers-conversion" if convert else "direct"
+
+
+def _convert_into(module, prefix: str, weights: Weights, device, dtype, model, model_dir) -> None:
+    fix = "calibrate without --sequential (transformers converts this checkpoint when it loads the whole model)"
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+    except ImportError as e:
+        raise QuantizationError(f"--sequential: {prefix} is not stored under the model's names and this transformers has no weight-conversion API", fix) from e
+    heads = tuple(v + "." for v in weights.variants(prefix))
+    keys = [k for k in weights.where if k.startswith(heads)]
+    state = {k: weights.files[weights.where[k]].get_slice(k) for k in keys}
+    config = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map={"": device}, dtype=dtype,
+                                 weight_mapping=get_model_conversion_mapping(model))
+    convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=config)
+    left = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise QuantizationError(f"--sequential: {len(left)} parameter(s) of {prefix} could not be loaded from the checkpoint (e.g. {left[0]})", fix)
 
 
 def _unload(module):
@@ -326,6 +348,7 @@ def _run_sequential(model_dir, config, plan, samples, device, make, opts, progre
     _load_outside(model, config, blocks_name, weights, device, dtype, under="" if run is model else model.base_model_prefix)
     n = len(samples.input_ids)
     total_steps = n * (len(blocks) + 1)
+    loaders: set[str] = set()
     with hooks.observing(model, list(plan.quantize), make) as (obs, experts):
         inputs = []  # per sample: (args, kwargs) of the current block
 
@@ -343,7 +366,7 @@ def _run_sequential(model_dir, config, plan, samples, device, make, opts, progre
             h.remove()
         outputs = [None] * n
         for b, block in enumerate(blocks):
-            _materialize(block, f"{blocks_name}.{b}", weights, device, dtype, {})
+            loaders.add(_materialize(block, f"{blocks_name}.{b}", weights, device, dtype, model, model_dir))
             for s, (args, kwargs) in enumerate(inputs):
                 out = block(*args, **kwargs)
                 outputs[s] = out
@@ -369,7 +392,7 @@ def _run_sequential(model_dir, config, plan, samples, device, make, opts, progre
         del inputs, outputs
     del model
     devices.empty_cache(device)
-    return obs, experts
+    return obs, experts, {"weights_loader": sorted(loaders)}
 
 
 # --- from observers to scales ----------------------------------------------------------------
