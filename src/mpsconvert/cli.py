@@ -89,6 +89,61 @@ def main():
     """
 
 
+def calibration_options(fn):
+    """The options shared by `quantize --scheme fp8` and `calibrate`."""
+    from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # torch-free, so --help stays fast
+
+    opts = [
+        click.option("--calib-data", metavar="FILE|DIR|DATASET",
+                     help="Calibration text: a .txt file (documents separated by blank lines), a .jsonl/.json/.parquet file "
+                          "with a 'text' field, a folder of those, or a Hugging Face dataset repo id "
+                          "[default: the small built-in set of prose, code and dialogue]."),
+        click.option("--num-samples", type=click.IntRange(min=1), default=128, show_default=True, help="Token windows to calibrate on."),
+        click.option("--seq-len", type=click.IntRange(min=16), default=512, show_default=True, help="Tokens per window."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed of the (deterministic) document shuffle."),
+        click.option("--observer", type=click.Choice(OBSERVERS), default="minmax", show_default=True,
+                     help="minmax: the true maximum |x| (best measured on SmolLM2 and MiniLM). percentile: the --percentile of |x| "
+                          "(clips outlier activations, which LLMs need: it hurts them badly). "
+                          "mse: the clip that minimises the FP8 error on the observed activations."),
+        click.option("--percentile", type=float, default=DEFAULT_PERCENTILE, show_default=True, help="For --observer percentile."),
+        click.option("--device", default="auto", show_default=True, metavar="auto|mps|cuda[:N]|cpu",
+                     help="Where calibration runs (auto: mps, then cuda, then cpu; a missing device is an error)."),
+        click.option("--sequential", is_flag=True,
+                     help="Layer by layer: load one block's weights at a time from the safetensors (peak memory ~ one block "
+                          "plus activations), for models larger than memory. Same scales as the whole-model run."),
+        click.option("--data-revision", help="Revision of a --calib-data dataset repo [default: main]."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _calib_opts(calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision, ignore=(), trust_remote_code=False, token=None):
+    from .calibrate.run import CalibOptions
+
+    return CalibOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, seed=seed, observer=observer,
+                        percentile=percentile, device=device, sequential=sequential, ignore=list(ignore),
+                        trust_remote_code=trust_remote_code, data_revision=data_revision, token=token)
+
+
+def run_calibration(model_dir: Path, copts):
+    """Calibrate with a progress bar; print where it ran and every warning (fallbacks included)."""
+    from rich.progress import MofNCompleteColumn
+
+    from .calibrate.run import calibrate
+
+    with Progress(TextColumn("[bold]calibrate[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, disable=not console.is_terminal) as prog:
+        task = prog.add_task("", total=None)
+        cal = calibrate(model_dir, copts, progress=lambda done, total, label: prog.update(task, completed=done, total=total, description=label))
+    r = cal.record
+    console.print(f"calibrated on {r['device']} ({r['mode']}, observer {r['observer']}): {r['num_samples']} samples, "
+                  f"{r['tokens']} tokens in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} samples/s)", highlight=False)
+    for w in cal.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+    return cal
+
+
 @main.command()
 @click.argument("source")
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), help="Output folder [default: <name>-<scheme>].")
@@ -108,8 +163,12 @@ def main():
                    "(loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused (loads only in mpsconvert's runtime).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--scales", "scales_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="For --scheme fp8: use the input scales from `mpsconvert calibrate -o FILE` instead of calibrating.")
+@calibration_options
 @friendly_errors
-def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json):
+def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
+             scales_file, calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
     from .convert.quantize import Options, quantize_snapshot
     from .manifests.schemes import Scheme
@@ -120,7 +179,18 @@ def quantize(source, output, scheme, weights, revision, token, ignore, trust_rem
     output = output or Path(f"{(snap.repo_id or snap.path.name).split('/')[-1]}-{scheme}")
     opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout)
     if sch.needs_calibration:
-        raise MpsconvertError("scheme fp8 needs calibration data", "use --scheme fp8-dynamic, or calibrate first")
+        if scales_file is not None:
+            from .calibrate.artifact import load_scales
+
+            opts.input_scales, opts.calibration = load_scales(scales_file)
+            opts.calibration = {**opts.calibration, "scales_file": str(scales_file)}
+        else:
+            cal = run_calibration(snap.path, _calib_opts(calib_data, num_samples, seq_len, seed, observer, percentile, device,
+                                                         sequential, data_revision, ignore, trust_remote_code, token))
+            opts.input_scales, opts.calibration = cal.scales, cal.record
+        opts.device = opts.calibration.get("device", opts.device)
+    elif scales_file is not None or calib_data is not None:
+        raise MpsconvertError(f"--calib-data/--scales only apply to --scheme fp8 (got --scheme {scheme})", "add --scheme fp8, or drop them")
     total = snap.total_weight_bytes
     with byte_progress(total, "quantize") as prog:
         task = prog.add_task("", total=total)
@@ -148,6 +218,55 @@ def print_summary(manifest, output: Path, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("target")
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write the scales to this JSON file (for `quantize --scheme fp8 --scales FILE`) instead of into the artifact.")
+@click.option("--revision", help="Branch, tag or commit of a hub model repo [default: main].")
+@click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos and datasets.")
+@click.option("--ignore", multiple=True, metavar="PATTERN", help="Linear modules left unquantized (as given to quantize). Repeatable.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
+@calibration_options
+@friendly_errors
+def calibrate(target, output, revision, token, ignore, trust_remote_code,
+              calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision):
+    """Measure static FP8 input scales for TARGET on real text.
+
+    \b
+    TARGET an FP8 artifact folder: calibrate the model as it will run (its FP8 weights) and write
+           <m>.input_scale into it (atomically; config and manifest become the static scheme).
+    TARGET a source (hub id or folder): needs -o FILE; `quantize SRC --scheme fp8 --scales FILE` uses it.
+    """
+    from .calibrate.artifact import dequantized_snapshot, is_artifact, save_scales, write_into_artifact
+
+    copts = _calib_opts(calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential,
+                        data_revision, ignore, trust_remote_code, token)
+    path = Path(target).expanduser()
+    if is_artifact(path):
+        from .manifests.manifest import Manifest
+
+        recipe = Manifest.read(path).recipe
+        copts.ignore = list(recipe.get("ignore_patterns") or copts.ignore)
+        with dequantized_snapshot(path) as snap_dir:
+            cal = run_calibration(snap_dir, copts)
+        cal.record["weights"] = "the artifact's FP8 weights, dequantized"
+        if output is not None:
+            save_scales(output, cal)
+            out.print(f"wrote {len(cal.scales)} input scales to {output}")
+            return
+        write_into_artifact(path, cal)
+        out.print(f"wrote {len(cal.scales)} input scales into {path} (scheme fp8, static per-tensor activations)")
+        return
+    if output is None:
+        raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
+    from .source import resolve
+
+    snap = resolve(target, revision=revision, token=token)
+    cal = run_calibration(snap.path, copts)
+    save_scales(output, cal)
+    out.print(f"wrote {len(cal.scales)} input scales to {output}")
+
+
+@main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every quantized tensor with its SQNR.")
@@ -164,6 +283,9 @@ def inspect(artifact, as_json, show_tensors):
     t = Table(title=str(artifact), show_header=False, box=None)
     t.add_row("source", f"{src.get('id')} ({src.get('kind')}" + (f", commit {src['commit'][:12]}" if src.get("commit") else "") + ")")
     t.add_row("scheme", f"{m.recipe['name']}: weights per {m.recipe['weights']}, activations {m.recipe['activations'] or 'bf16'}")
+    if cal := m.recipe.get("calibration"):
+        t.add_row("calibration", f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x {cal.get('seq_len')} tokens "
+                  f"of {(cal.get('data') or {}).get('id')} (sha256 {str((cal.get('data') or {}).get('sha256'))[:12]}), {len(cal.get('fallbacks') or {})} fallback(s)")
     s = m.summary
     t.add_row("architecture", str(s.get("architecture")))
     t.add_row("weights", f"{_human(s['weight_bytes_before'])} -> {_human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")

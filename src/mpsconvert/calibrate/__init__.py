@@ -1,0 +1,8 @@
+"""Static FP8 activation scales from real text: data, observers, hooks, device runs, outputs.
+
+`run.calibrate(model_dir, CalibOptions)` -> `Calibration` (module -> input scale, plus the record
+kept in the manifest); `artifact` writes them into an artifact or a scales file.
+"""
+
+OBSERVERS = ("minmax", "percentile", "mse")
+DEFAULT_PERCENTILE = 99.99

@@ -1,0 +1,184 @@
+"""Calibration results on disk: a scales file, or written into an existing FP8 artifact.
+
+An artifact is calibrated as it will run: its FP8 weights are dequantized (codes * scale, in
+the source dtype) into a temporary safetensors snapshot that transformers loads like any source,
+so the activations observed are those of the quantized model. Writing the scales back rebuilds
+the artifact under a temporary name (atomic.output_dir) with `<m>.input_scale` added after each
+`<m>.weight_scale`, the index, config (static input_activations), manifest recipe, per-tensor
+records and file hashes updated, then swaps it in: a failure leaves the artifact as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .. import atomic
+from ..convert import fp8
+from ..errors import ArtifactError
+from ..manifests.ct_config import quantization_config, scheme_from_config
+from ..manifests.hashing import sha256_file
+from ..manifests.manifest import MANIFEST_NAME, Manifest
+from ..manifests.schemes import Scheme
+from ..safetensors_io import ShardReader, ShardWriter, read_header
+from .run import Calibration
+
+SCALES_FORMAT = "mpsconvert-input-scales"
+SCALES_VERSION = 1
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def save_scales(path: Path, cal: Calibration) -> None:
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ArtifactError(f"cannot write {path}: folder {path.parent} does not exist", "create it, or choose another -o")
+    body = {
+        "format": SCALES_FORMAT,
+        "version": SCALES_VERSION,
+        "input_scales": cal.scales,
+        "expert_input_scales": cal.expert_scales,
+        "calibration": cal.record,
+    }
+    atomic.write_text(path, json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n")
+
+
+def load_scales(path: Path) -> tuple[dict[str, float], dict]:
+    """(module -> input scale, calibration record) from a scales file written by `calibrate -o`."""
+    path = Path(path)
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ArtifactError(f"scales file {path} does not exist", "run `mpsconvert calibrate SRC -o scales.json` first") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e})", "re-run `mpsconvert calibrate ... -o` to rebuild it") from e
+    if not isinstance(body, dict) or body.get("format") != SCALES_FORMAT or body.get("version") != SCALES_VERSION:
+        raise ArtifactError(f"{path} is not an mpsconvert scales file (version {SCALES_VERSION})", "write one with `mpsconvert calibrate SRC -o FILE`")
+    scales = body.get("input_scales")
+    if not isinstance(scales, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in scales.values()):
+        raise ArtifactError(f"{path}: input_scales must map module names to finite positive numbers", "re-run calibration")
+    return {k: float(v) for k, v in scales.items()}, body.get("calibration") or {}
+
+
+def is_artifact(path: Path) -> bool:
+    return (Path(path) / MANIFEST_NAME).is_file() and (Path(path) / "config.json").is_file()
+
+
+def _weight_files(folder: Path) -> list[str]:
+    index = folder / INDEX_NAME
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def dequantized_snapshot(artifact: Path):
+    """A temporary source-dtype snapshot of an FP8 artifact (deleted on exit)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    artifact = Path(artifact)
+    manifest = Manifest.read(artifact)
+    dtypes = {name: rec.get("source_dtype", "BF16") for name, rec in manifest.tensors.items()}
+    st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    tmp = Path(tempfile.mkdtemp(prefix="mpsconvert-calib-"))
+    try:
+        for f in _weight_files(artifact):
+            tensors = {}
+            with safe_open(str(artifact / f), framework="pt") as sf:
+                keys = set(sf.keys())
+                for k in keys:
+                    if k.endswith(".input_scale") or (k.endswith(".weight_scale") and k[: -len("_scale")] in keys):
+                        continue
+                    t = sf.get_tensor(k)
+                    if t.dtype == fp8.FP8_DTYPE and k + "_scale" in keys:
+                        t = fp8.dequantize(t, sf.get_tensor(k + "_scale"), st_dtype.get(dtypes.get(k, "BF16"), torch.bfloat16))
+                    tensors[k] = t
+            save_file(tensors, str(tmp / f), metadata={"format": "pt"})
+        if (artifact / INDEX_NAME).is_file():
+            body = json.loads((artifact / INDEX_NAME).read_text(encoding="utf-8"))
+            body["weight_map"] = {k: v for k, v in body["weight_map"].items() if not k.endswith(("weight_scale", "input_scale"))}
+            (tmp / INDEX_NAME).write_text(json.dumps(body), encoding="utf-8")
+        config = json.loads((artifact / "config.json").read_text(encoding="utf-8"))
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        for p in artifact.iterdir():
+            if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", INDEX_NAME, MANIFEST_NAME):
+                shutil.copyfile(p, tmp / p.name)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
+    """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static."""
+    artifact = Path(artifact)
+    manifest = Manifest.read(artifact)
+    config = json.loads((artifact / "config.json").read_text(encoding="utf-8"))
+    qc = config.get("quantization_config") or {}
+    old = scheme_from_config(qc)
+    scheme = Scheme(name="fp8", weights=old.weights)
+    weight_of = {name: rec["module"] for name, rec in manifest.tensors.items()}
+    missing = sorted(set(weight_of.values()) - set(cal.scales))
+    if missing:
+        raise ArtifactError(
+            f"calibration has no input scale for {len(missing)} quantized Linear(s) of {artifact} (e.g. {missing[0]})",
+            "calibrate with the same --ignore patterns the artifact was made with",
+        )
+    files = _weight_files(artifact)
+    weight_map: dict[str, str] = {}
+    with atomic.output_dir(artifact, force=True) as tmp:
+        for f in files:
+            header = read_header(artifact / f)
+            entries = []
+            for name, info in header.tensors.items():
+                if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
+                    continue  # replaced below
+                entries.append((name, info.dtype, info.shape))
+                if name.endswith(".weight_scale") and name[: -len("_scale")] in weight_of:
+                    entries.append((name[: -len("weight_scale")] + "input_scale", "F32", (1,)))
+            writer = ShardWriter(tmp / f, entries, metadata=header.metadata or {"format": "pt"})
+            try:
+                with ShardReader(header) as reader:
+                    for name, info in header.tensors.items():
+                        buf = reader.read(info)
+                        if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
+                            continue
+                        writer.write(name, buf)
+                        if name.endswith(".weight_scale") and (w := name[: -len("_scale")]) in weight_of:
+                            s = cal.scales[weight_of[w]]
+                            writer.write(name[: -len("weight_scale")] + "input_scale", torch.tensor([s], dtype=torch.float32))
+                            manifest.tensors[w]["input_scale"] = s
+                digest = writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            for name, *_ in entries:
+                weight_map[name] = f
+            manifest.files[f] = {"sha256": digest, "size": (tmp / f).stat().st_size}
+        if (artifact / INDEX_NAME).is_file():
+            body = json.loads((artifact / INDEX_NAME).read_text(encoding="utf-8"))
+            body["weight_map"] = dict(sorted(weight_map.items()))
+            body.setdefault("metadata", {})["total_size"] = sum(manifest.files[f]["size"] for f in files)
+            atomic.write_text(tmp / INDEX_NAME, json.dumps(body, indent=2) + "\n")
+        config["quantization_config"] = quantization_config(scheme, qc.get("ignore", []), qc.get("config_groups", {}).get("group_0", {}).get("targets"))
+        atomic.write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for rel in list(manifest.files):
+            if rel in files:
+                continue
+            src = artifact / rel
+            if rel not in ("config.json", INDEX_NAME):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, tmp / rel)
+            manifest.files[rel] = {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
+        manifest.recipe.update(scheme.as_dict())
+        manifest.recipe["calibration"] = cal.record
+        if cal.expert_scales:
+            manifest.extra["calibration_experts"] = cal.expert_scales
+        manifest.write(tmp)
+    return manifest
