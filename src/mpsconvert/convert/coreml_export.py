@@ -262,11 +262,11 @@ def build_torch_model(artifact: Path) -> TorchModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if task == "causal-lm":
-            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="eager")
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
         else:
             # The pooler (BERT's [CLS] dense+tanh) is not part of the embeddings output.
             extra = {"add_pooling_layer": False} if config.model_type in ("bert", "roberta", "xlm-roberta", "camembert") else {}
-            model = transformers.AutoModel.from_config(config, torch_dtype=torch.float32, attn_implementation="eager", **extra)
+            model = transformers.AutoModel.from_config(config, dtype=torch.float32, attn_implementation="eager", **extra)
     used = _load_into(model, dense)
     model.eval()
     normalize = task == "encoder" and _uses_normalize(artifact)

@@ -41,7 +41,7 @@ def diff(context, node):
         raise NotImplementedError("diff of a bool tensor is not supported")
     rank = x.rank
     dim = dim % rank
-    parts = [p for p in (prepend, x, append) if p is not None and not (hasattr(p, "val") and p.val is None and p.op is None)]
+    parts = [p for p in (prepend, x, append) if p is not None]
     if len(parts) > 1:
         x = mb.concat(values=parts, axis=dim)
     for _ in range(n):
