@@ -322,6 +322,25 @@ def _quiet():
             lg.setLevel(lv)
 
 
+# Ops kept in fp32 inside the FP16 program: RMSNorm's mean of squares overflows fp16 (x**2 >
+# 65504 once |x| > 256, which real LLM activations reach: SmolLM2-135M's logits lose all
+# agreement). They are few and small (one value per token), so this costs little.
+FP32_OPS = ("pow", "reduce_mean", "rsqrt", "sqrt", "reduce_sum_square", "reduce_l2_norm")
+
+
+def _keep_fp16(op) -> bool:
+    """op_selector for coremltools' FP16ComputePrecision: False keeps `op` in fp32."""
+    if op.op_type in FP32_OPS:
+        return False
+    if op.op_type in ("add", "sub", "mul", "real_div", "maximum"):
+        # the `+ eps` (and friends) between a mean of squares and its rsqrt
+        for v in op.inputs.values():
+            src = getattr(v, "op", None)
+            if src is not None and src.op_type in FP32_OPS and src.op_type != "rsqrt" and src.op_type != "sqrt":
+                return False
+    return True
+
+
 def _ct_inputs(tm: TorchModel, seq: SeqLen):
     import coremltools as ct
 
@@ -336,7 +355,7 @@ def _convert_with(frontend: str, tm: TorchModel, seq: SeqLen):
     common = dict(
         outputs=[ct.TensorType(name=tm.output_name)],
         minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT16,
+        compute_precision=ct.transform.FP16ComputePrecision(op_selector=_keep_fp16),
         convert_to="mlprogram",
         skip_model_load=True,
     )
@@ -612,7 +631,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
         "seq_len": {"min": opts.seq_len.lo, "max": opts.seq_len.hi, "flexible": opts.seq_len.is_range},
         "weights": opts.weights,
         "activations": "fp16 (the artifact's FP8 activation quantization has no Core ML equivalent and is not applied)",
-        "compute_precision": "fp16",
+        "compute_precision": f"fp16 (fp32 for {', '.join(FP32_OPS)} and their eps add: RMSNorm overflows fp16)",
         "minimum_deployment_target": DEPLOYMENT_TARGET,
         "frontend": conv["frontend"],
         "failed_frontends": conv["failed_frontends"],

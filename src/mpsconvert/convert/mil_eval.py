@@ -7,7 +7,8 @@ MIL op class has a `value_inference` (constexpr ops: `materialized_val_inference
 for constant folding. They are given concrete input values through a thin view of the op.
 
 Ops whose definition has no Python implementation are implemented here, in `_IMPLEMENTED`.
-`linear` and `matmul` are replaced too: numpy's float16 matmul accumulates slowly in a scalar
+`constexpr_lut_to_dense` with one shared LUT is a numpy take (coremltools' version repeats the
+LUT per element: gigabytes for a real model). `linear` and `matmul` are replaced too: numpy's float16 matmul accumulates slowly in a scalar
 loop; here fp16 inputs are multiplied in float32 and rounded once to fp16, as Core ML's GPU and
 Neural Engine accumulate. `select` is replaced because coremltools' definition fails when `cond`
 is a tensor and both branches are scalars. Every other op runs coremltools' code, in the
@@ -180,6 +181,16 @@ def _sdpa(op, view):
     return (p @ v).astype(_out_dtype(op))
 
 
+def _lut_to_dense(op, view):
+    # coremltools' decompress repeats the whole LUT for every element (256 entries per weight:
+    # 450 MB for one 1536x576 matrix); a LUT shared by the tensor is a plain take.
+    lut = np.asarray(view.lut.val)
+    idx = np.asarray(view.indices.val)
+    if lut.shape[-1] == 1 and all(d == 1 for d in lut.shape[:-2]):
+        return lut.reshape(-1)[idx.astype(np.intp)]
+    return type(op).materialized_val_inference(view)
+
+
 def _select(op, view):
     # coremltools' select.value_inference types its result from `a` and `b` only and so fails
     # when both are scalars and `cond` is a tensor (the attention mask's where(mask, 0, -inf)).
@@ -187,6 +198,7 @@ def _select(op, view):
 
 
 _IMPLEMENTED = {
+    "constexpr_lut_to_dense": _lut_to_dense,
     "select": _select,
     "linear": _linear,
     "matmul": _matmul,
