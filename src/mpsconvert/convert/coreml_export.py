@@ -75,7 +75,7 @@ class SeqLen:
     @property
     def example(self) -> int:
         """The length traced with: inside the range and not 1 (a dim of 1 gets specialized)."""
-        return self.lo if not self.is_range else max(self.lo, min(self.hi, max(2, min(16, self.hi))))
+        return self.lo if not self.is_range else max(self.lo, 2, min(self.hi, 16))
 
     def __str__(self) -> str:
         return f"{self.lo}:{self.hi}" if self.is_range else str(self.lo)
@@ -96,14 +96,15 @@ def _is_causal_lm(config) -> bool:
     return any(a.endswith("ForCausalLM") for a in (config.architectures or []))
 
 
+# Encoder-only families whose AutoModel returns last_hidden_state from (input_ids, attention_mask).
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "electra", "albert", "deberta", "deberta-v2", "modernbert")
+
+
 def _is_encoder(config) -> bool:
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False):
         return False
     archs = config.architectures or []
-    import transformers
-
-    encoder_types = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "albert", "camembert", "deberta", "deberta-v2", "modernbert", "nomic_bert", "new"}
-    return config.model_type in encoder_types and all(a.endswith(("Model", "ForMaskedLM")) for a in archs) and hasattr(transformers, "AutoModel")
+    return config.model_type in ENCODER_TYPES and all(a.endswith(("Model", "ForMaskedLM")) for a in archs)
 
 
 def task_of(config) -> str:
