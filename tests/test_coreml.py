@@ -283,3 +283,22 @@ def test_cli_quantize_coreml_and_check_only(work):
     assert json.loads(r.output)["check"]["weights"]["codes_bit_exact"] is True
     r = CliRunner().invoke(main, ["export-coreml", str(out)])
     assert r.exit_code == 2 and "--force" in r.output
+
+
+def test_checks_catch_a_package_that_does_not_match_the_artifact(llama, work):
+    """Negative control: change one row scale of the artifact after export; the weight check
+    must name the tensor and the reference evaluation must see the logits move."""
+    from safetensors.torch import load_file, save_file
+
+    art = _copy(llama, work, "llama-tampered")
+    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    assert check_package(art, n_samples=1)["ok"]
+    st = art / "model.safetensors"
+    tensors = load_file(str(st))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name + "_scale"] = tensors[name + "_scale"] * 4
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    res = check_package(art, n_samples=1)
+    bad = [n for n, r in res["weights"]["tensors"].items() if not r["ok"]]
+    assert bad == [name] and not res["weights"]["all_ok"] and not res["ok"]
+    assert res["reference_eval"]["cosine_min"] < 0.9999
