@@ -203,8 +203,9 @@ def _check_coreml(artifact, samples, as_json, export_record=None):
 
 
 def print_coreml_check(artifact, res: dict) -> None:
-    m = __import__("mpsconvert.manifests.manifest", fromlist=["Manifest"]).Manifest.read(artifact)
-    rec = m.extra.get("coreml", {})
+    from .manifests.manifest import Manifest
+
+    rec = Manifest.read(artifact).extra.get("coreml", {})
     t = Table(title=f"{artifact}/{res['package']}", show_header=False, box=None)
 
     def feat(f):
@@ -212,7 +213,7 @@ def print_coreml_check(artifact, res: dict) -> None:
         return f"{f['name']} {f['dtype']} {f['shape'] or '?'}{rng}"
 
     t.add_row("task", f"{rec.get('task')}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
-    t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, fp16 compute")
+    t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, {rec.get('compute_precision')}")
     t.add_row("inputs", "; ".join(feat(f) for f in res["spec"]["inputs"]))
     t.add_row("outputs", "; ".join(feat(f) for f in res["spec"]["outputs"]))
     ops = res["spec"]["ops"]

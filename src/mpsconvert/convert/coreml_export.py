@@ -291,14 +291,15 @@ def example_inputs(tm: TorchModel, length: int, seed: int = 0) -> tuple[torch.Te
 # --------------------------------------------------------------------------- conversion
 
 
-def _op_from_error(e: BaseException) -> str | None:
-    """The torch op a coremltools conversion error is about, if it names one."""
+def _op_from_error(e: BaseException) -> tuple[str | None, bool]:
+    """(the torch op a coremltools conversion error is about, whether it has no converter at all)."""
     text = str(e)
-    for pat in (r"convert function for op '([^']+)' not implemented", r"Unsupported fx node [^,]+, kind (\S+)", r"op '([^']+)'"):
+    for pat, missing in ((r"convert function for op '([^']+)' not implemented", True), (r"Unsupported fx node [^,]+, kind (\S+)", True),
+                         (r"op '([^']+)'", False)):
         m = re.search(pat, text)
         if m:
-            return m.group(1)
-    return None
+            return m.group(1), missing
+    return None, False
 
 
 def _short(e: BaseException) -> str:
@@ -391,8 +392,8 @@ def convert(tm: TorchModel, seq: SeqLen, frontend: str = "auto"):
             last = e
             continue
         return ml, {"frontend": fe, "failed_frontends": attempts, "registered_ops": list(added)}
-    ops = sorted({op for op in (_op_from_error(last),) if op})
-    what = f"torch op {ops[0]!r} has no Core ML converter" if ops else "conversion failed"
+    op, missing = _op_from_error(last)
+    what = "conversion failed" if op is None else f"torch op {op!r} has no Core ML converter" if missing else f"converting torch op {op!r} failed"
     detail = "; ".join(f"{fe}: {msg}" for fe, msg in attempts.items())
     raise ExportError(
         f"Core ML export of {type(tm.module.model).__name__} failed: {what} ({detail})",
