@@ -166,9 +166,14 @@ def run_calibration(model_dir: Path, copts):
 @click.option("--scales", "scales_file", type=click.Path(path_type=Path, dir_okay=False),
               help="For --scheme fp8: use the input scales from `mpsconvert calibrate -o FILE` instead of calibrating.")
 @calibration_options
+@click.option("--coreml", is_flag=True, help="Also export a Core ML package (model.mlpackage) into the artifact; see `export-coreml`.")
+@click.option("--coreml-weights", type=click.Choice(("fp8-lut", "int8", "fp16")), default="fp8-lut", show_default=True,
+              help="With --coreml: how the FP8 weights are stored in the package.")
+@click.option("--coreml-seq-len", default="128", show_default=True, metavar="N|LO:HI", help="With --coreml: sequence length or range.")
 @friendly_errors
 def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
-             scales_file, calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision):
+             scales_file, calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision,
+             coreml, coreml_weights, coreml_seq_len):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
     from .convert.quantize import Options, quantize_snapshot
     from .manifests.schemes import Scheme
@@ -196,6 +201,8 @@ def quantize(source, output, scheme, weights, revision, token, ignore, trust_rem
         task = prog.add_task("", total=total)
         manifest = quantize_snapshot(snap, output, opts, progress=lambda n, name: prog.update(task, advance=n, description=name[-48:]))
     print_summary(manifest, output, as_json)
+    if coreml:
+        _export_coreml(output, coreml_seq_len, coreml_weights, force=True, frontend="auto", check=True, samples=3, as_json=as_json)
 
 
 def print_summary(manifest, output: Path, as_json: bool) -> None:
@@ -406,6 +413,103 @@ def print_kernels(decisions: list) -> None:
             notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
     for note, where in notes.items():
         out.print(f"  note ({', '.join(where)}): {note}", highlight=False)
+# --------------------------------------------------------------------------- Core ML (issue 5)
+
+
+def _export_coreml(artifact, seq_len, weights, force, frontend, check, samples, as_json):
+    from .convert.coreml_export import ExportOptions, SeqLen, export_coreml
+
+    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend)
+    with console.status("Core ML export") as st:
+        rec = export_coreml(artifact, opts, status=lambda msg: st.update(f"Core ML export: {msg}"))
+    failed = "; ".join(f"{k} failed ({v})" for k, v in rec["failed_frontends"].items())
+    console.print(f"Core ML: {rec['package']} written with {rec['frontend']}" + (f" ({failed})" if failed else ""), highlight=False)
+    if check:
+        _check_coreml(artifact, samples, as_json, export_record=rec)
+    elif as_json:
+        out.print_json(json.dumps(rec))
+
+
+def _check_coreml(artifact, samples, as_json, export_record=None):
+    from .convert.coreml_check import check_package, record_check
+
+    with console.status("checking the Core ML package (reference evaluation, not the Core ML runtime)"):
+        res = check_package(artifact, n_samples=samples)
+    record_check(artifact, res)
+    if as_json:
+        out.print_json(json.dumps({"export": export_record, "check": res}))
+    else:
+        print_coreml_check(artifact, res)
+    if not res["ok"]:
+        raise MpsconvertError(f"the Core ML package in {artifact} failed its checks (see above)", "re-export with --coreml-weights fp16 to compare, or report the model")
+
+
+def print_coreml_check(artifact, res: dict) -> None:
+    from .manifests.manifest import Manifest
+
+    rec = Manifest.read(artifact).extra.get("coreml", {})
+    t = Table(title=f"{artifact}/{res['package']}", show_header=False, box=None)
+
+    def feat(f):
+        rng = f" range {f['range']}" if f.get("range") else ""
+        return f"{f['name']} {f['dtype']} {f['shape'] or '?'}{rng}"
+
+    t.add_row("task", f"{rec.get('task')}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
+    t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, {rec.get('compute_precision')}")
+    t.add_row("inputs", "; ".join(feat(f) for f in res["spec"]["inputs"]))
+    t.add_row("outputs", "; ".join(feat(f) for f in res["spec"]["outputs"]))
+    ops = res["spec"]["ops"]
+    t.add_row("ops", ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if k != "const")[:160])
+    t.add_row("weights", f"{rec.get('weights')}: {_human(res['weight_bytes'])} in the package vs {_human(res['fp8_safetensors_bytes'])} FP8 safetensors ({res['size_ratio']:.3f}x)")
+    w = res["weights"]
+    line = f"{w['checked']} FP8 tensors read back from weight.bin: " + ("all ok" if w["all_ok"] else "MISMATCH")
+    if w["codes_bit_exact"] is not None:
+        line += f"; codes bit-exact: {w['codes_bit_exact']}; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values, max {w['max_ulp_diff']} ulp"
+    elif w["min_fraction_equal_fp16_dequant"] is not None:
+        line += f"; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values"
+    t.add_row("weight check", line)
+    ev = res.get("reference_eval")
+    if ev:
+        line = f"cosine min {ev['cosine_min']:.7f} (mean {ev['cosine_mean']:.7f}), max |diff| {ev['max_abs_diff']:.3g}"
+        if "top1_agreement" in ev:
+            line += f", top-1 agreement {ev['top1_agreement']:.1%} over {ev['positions']} positions"
+        t.add_row("reference eval", line + (" ok" if ev["ok"] else " FAILED"))
+        t.add_row("", f"{ev['inputs']}; vs {ev['reference']}")
+        t.add_row("", f"[bold]{ev['evaluator']}[/]; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}")
+    out.print(t)
+
+
+@main.command("export-coreml")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--seq-len", default="128", show_default=True, metavar="N|LO:HI",
+              help="Fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
+@click.option("--coreml-weights", type=click.Choice(("fp8-lut", "int8", "fp16")), default="fp8-lut", show_default=True,
+              help="fp8-lut: the FP8 codes as an 8-bit palette of the e4m3 values (one byte per weight). "
+                   "int8: coremltools linear quantization. fp16: dense.")
+@click.option("--frontend", type=click.Choice(("auto", "torch.export", "torch.jit.trace")), default="auto", show_default=True,
+              help="auto: torch.export, then torch.jit.trace where that fails (the one that ran is printed and recorded).")
+@click.option("--force", is_flag=True, help="Replace an existing model.mlpackage.")
+@click.option("--check-only", is_flag=True, help="Do not export: check the package already in ARTIFACT.")
+@click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
+@click.option("--samples", default=3, show_default=True, help="Text samples for the reference evaluation.")
+@click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
+@friendly_errors
+def export_coreml_cmd(artifact, seq_len, coreml_weights, frontend, force, check_only, no_check, samples, as_json):
+    """Export an FP8 ARTIFACT to a Core ML ML program (ARTIFACT/model.mlpackage), then check it.
+
+    \b
+    Causal LMs: input_ids -> logits. Encoders: input_ids, attention_mask -> embeddings
+    (mean-pooled last hidden state, L2-normalized if the model's modules.json says so).
+    Minimum target macOS 15 / iOS 18, FP16 compute; activations are not FP8-quantized.
+    The checks run anywhere: spec, op counts, weights read back from the package, and a reference
+    evaluation of the program with coremltools' Python op definitions (NOT the Core ML runtime)
+    against PyTorch with the artifact's dequantized weights.
+    """
+    if check_only:
+        _check_coreml(artifact, samples, as_json)
+        return
+    _export_coreml(artifact, seq_len, coreml_weights, force, frontend, not no_check, samples, as_json)
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,262 @@
+"""A reference evaluation of a saved ML program with numpy: NOT the Core ML runtime.
+
+Core ML runs only on Apple platforms. To know on Linux that a package computes the right thing,
+the program is read back from the `.mlpackage` (its protobuf and weight.bin, through coremltools'
+milproto loader) and its ops are run in order with coremltools' own Python op definitions: each
+MIL op class has a `value_inference` (constexpr ops: `materialized_val_inference`), normally used
+for constant folding. They are given concrete input values through a thin view of the op.
+
+Ops whose definition has no Python implementation are implemented here, in `_IMPLEMENTED`.
+`constexpr_lut_to_dense` with one shared LUT is a numpy take (coremltools' version repeats the
+LUT per element: gigabytes for a real model). `linear` and `matmul` are replaced too: numpy's float16 matmul accumulates slowly in a scalar
+loop; here fp16 inputs are multiplied in float32 and rounded once to fp16, as Core ML's GPU and
+Neural Engine accumulate. `select` is replaced because coremltools' definition fails when `cond`
+is a tensor and both branches are scalars. Every other op runs coremltools' code, in the
+program's dtypes (fp16).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types as _pytypes
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+
+def load_program(package: Path):
+    """The MIL program of a saved .mlpackage (weights read from its weight.bin)."""
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+
+    ml = ct.models.MLModel(str(package), skip_model_load=True)
+    spec = ml.get_spec()
+    return milproto_load(spec, spec.specificationVersion, ml.weights_dir), spec
+
+
+class _Val:
+    """A Var with a concrete value: what value_inference reads (`.val`, `.shape`, `.dtype`)."""
+
+    def __init__(self, var, value):
+        self._var = var
+        if isinstance(value, np.bool_):  # numpy 2 refuses np.bool_ for keepdims= and friends
+            value = bool(value)
+        self.val = value
+        self.sym_val = value
+
+    @property
+    def shape(self):
+        return tuple(np.shape(self.val))
+
+    @property
+    def rank(self):
+        return len(self.shape)
+
+    @property
+    def sym_type(self):
+        """The type with the concrete shape (the program's may be symbolic: a RangeDim)."""
+        from coremltools.converters.mil.mil import types
+
+        dt = self._var.dtype
+        return types.tensor(dt, self.shape) if self.shape else dt
+
+    def __getattr__(self, name):
+        return getattr(self._var, name)
+
+
+class _OpView:
+    """An op whose inputs are _Val: methods of the op class run with `self` = this view."""
+
+    def __init__(self, op, env: dict):
+        self._op = op
+
+        def wrap(v):
+            if v is None:
+                return None
+            if isinstance(v, (list, tuple)):
+                return tuple(wrap(x) for x in v)
+            return _Val(v, env[v.name] if v.name in env else v.val)
+
+        self._input_vars = {k: wrap(v) for k, v in op._input_vars.items()}
+
+    def __getattr__(self, name):
+        if name in self._input_vars:
+            return self._input_vars[name]
+        attr = inspect.getattr_static(type(self._op), name, None)
+        if isinstance(attr, _pytypes.FunctionType):  # a plain method: bound to the view
+            return _pytypes.MethodType(attr, self)
+        return getattr(self._op, name)  # static/class methods, properties, attributes
+
+
+def _f32(v: _Val | None):
+    return None if v is None else np.asarray(v.val, dtype=np.float32)
+
+
+def _out_dtype(op):
+    from coremltools.converters.mil.mil import types
+
+    return types.nptype_from_builtin(op.outputs[0].dtype)
+
+
+def _linear(op, view):
+    y = _f32(view.x) @ _f32(view.weight).T
+    if view.bias is not None:
+        y = y + _f32(view.bias)
+    return y.astype(_out_dtype(op))
+
+
+def _matmul(op, view):
+    x, y = _f32(view.x), _f32(view.y)
+    if view.transpose_x.val:
+        x = np.swapaxes(x, -1, -2)
+    if view.transpose_y.val:
+        y = np.swapaxes(y, -1, -2)
+    return np.matmul(x, y).astype(_out_dtype(op))
+
+
+def _silu(op, view):
+    x = _f32(view.x)
+    return (x / (1.0 + np.exp(-x))).astype(_out_dtype(op))
+
+
+def _gelu(op, view):
+    x = _f32(view.x)
+    mode = view.mode.val if view.mode is not None else "EXACT"
+    if mode == "TANH_APPROXIMATION":
+        y = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    elif mode == "SIGMOID_APPROXIMATION":
+        y = x / (1 + np.exp(-1.702 * x))
+    else:
+        from math import erf
+
+        y = 0.5 * x * (1 + np.vectorize(erf, otypes=[np.float32])(x / math.sqrt(2)))
+    return y.astype(_out_dtype(op))
+
+
+def _erf(op, view):
+    from math import erf
+
+    return np.vectorize(erf, otypes=[np.float32])(_f32(view.x)).astype(_out_dtype(op))
+
+
+def _layer_norm(op, view):
+    x = _f32(view.x)
+    axes = tuple(int(a) for a in np.atleast_1d(view.axes.val)) if view.axes is not None else (-1,)
+    eps = float(view.epsilon.val) if view.epsilon is not None else 1e-5
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps)
+    if view.gamma is not None:
+        y = y * _f32(view.gamma)
+    if view.beta is not None:
+        y = y + _f32(view.beta)
+    return y.astype(_out_dtype(op))
+
+
+def _gather_nd(op, view):
+    x = np.asarray(view.x.val)
+    idx = np.asarray(view.indices.val).astype(np.int64)
+    bd = int(view.batch_dims.val) if getattr(view, "batch_dims", None) is not None else 0
+    if bd:
+        raise NotImplementedError("gather_nd with batch_dims > 0")
+    k = idx.shape[-1]
+    flat = idx.reshape(-1, k)
+    dims = np.array(x.shape[:k])
+    flat = np.where(flat < 0, flat + dims, flat)
+    out = x[tuple(flat.T)]
+    return out.reshape(idx.shape[:-1] + x.shape[k:])
+
+
+def _sdpa(op, view):
+    q, k, v = _f32(view.query), _f32(view.key), _f32(view.value)
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+    if view.attn_mask is not None:
+        m = np.asarray(view.attn_mask.val)
+        s = np.where(m, s, -np.inf) if m.dtype == bool else s + m.astype(np.float32)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return (p @ v).astype(_out_dtype(op))
+
+
+def _lut_to_dense(op, view):
+    # coremltools' decompress repeats the whole LUT for every element (256 entries per weight:
+    # 450 MB for one 1536x576 matrix); a LUT shared by the tensor is a plain take.
+    lut = np.asarray(view.lut.val)
+    idx = np.asarray(view.indices.val)
+    if lut.shape[-1] == 1 and all(d == 1 for d in lut.shape[:-2]):
+        return lut.reshape(-1)[idx.astype(np.intp)]
+    return type(op).materialized_val_inference(view)
+
+
+def _select(op, view):
+    # coremltools' select.value_inference types its result from `a` and `b` only and so fails
+    # when both are scalars and `cond` is a tensor (the attention mask's where(mask, 0, -inf)).
+    return np.where(np.asarray(view.cond.val), np.asarray(view.a.val), np.asarray(view.b.val)).astype(_out_dtype(op))
+
+
+_IMPLEMENTED = {
+    "constexpr_lut_to_dense": _lut_to_dense,
+    "select": _select,
+    "linear": _linear,
+    "matmul": _matmul,
+    "silu": _silu,
+    "gelu": _gelu,
+    "erf": _erf,
+    "layer_norm": _layer_norm,
+    "gather_nd": _gather_nd,
+    "scaled_dot_product_attention": _sdpa,
+}
+
+
+def _has_definition(op) -> bool:
+    return any("value_inference" in c.__dict__ for c in type(op).__mro__ if c.__name__ != "Operation")
+
+
+class EvalError(RuntimeError):
+    pass
+
+
+def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main") -> tuple[dict[str, np.ndarray], Counter]:
+    """Run `prog` on `inputs` (name -> array). Returns (outputs by name, ops evaluated by how:
+    'coremltools:<op>' or 'mpsconvert:<op>')."""
+    from coremltools.converters.mil.mil import types
+
+    f = prog.functions[function]
+    env: dict[str, np.ndarray] = {}
+    for name, var in f.inputs.items():
+        if name not in inputs:
+            raise EvalError(f"input {name!r} not given")
+        env[var.name] = np.asarray(inputs[name]).astype(types.nptype_from_builtin(var.dtype))
+    how: Counter = Counter()
+    for op in f.operations:
+        if op.blocks:
+            raise EvalError(f"op {op.op_type} ({op.name}) has nested blocks: control flow is not evaluated")
+        if op.op_type == "const":
+            env[op.outputs[0].name] = op.outputs[0].val
+            continue
+        view = _OpView(op, env)
+        try:
+            if op.op_type in _IMPLEMENTED:
+                val = _IMPLEMENTED[op.op_type](op, view)
+                how[f"mpsconvert:{op.op_type}"] += 1
+            elif op.op_type.startswith("constexpr_"):
+                val = type(op).materialized_val_inference(view)
+                how[f"coremltools:{op.op_type}"] += 1
+            elif _has_definition(op):
+                val = type(op).value_inference(view)
+                how[f"coremltools:{op.op_type}"] += 1
+            else:
+                raise EvalError(f"op {op.op_type} has no Python definition in coremltools or mpsconvert.convert.mil_eval")
+        except EvalError:
+            raise
+        except Exception as e:
+            given = {k: (np.asarray(v.val).dtype.name, np.shape(v.val)) for k, v in view._input_vars.items() if isinstance(v, _Val)}
+            raise EvalError(f"evaluating op {op.op_type} ({op.name}) failed: {type(e).__name__}: {e}; inputs {given}") from e
+        vals = val if len(op.outputs) > 1 else (val,)
+        for out, v in zip(op.outputs, vals):
+            # Keep the program's declared dtype (numpy promotes: real_div of int32 gives float64).
+            env[out.name] = np.asarray(v).astype(types.nptype_from_builtin(out.dtype), copy=False)
+    return {v.name: env[v.name] for v in f.outputs}, how

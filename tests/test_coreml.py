@@ -1,0 +1,304 @@
+"""Core ML export: spec, FP8 weights read back from the package, reference evaluation vs PyTorch,
+and failures that leave the artifact as it was. Tiny random Llama and BERT models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("coremltools")
+
+from mpsconvert.convert import coreml_ops, fp8, mil_eval  # noqa: E402
+from mpsconvert.convert.coreml_check import check_package, coreml_runtime_check  # noqa: E402
+from mpsconvert.convert.coreml_export import (  # noqa: E402
+    PACKAGE_NAME,
+    ExportError,
+    ExportOptions,
+    SeqLen,
+    export_coreml,
+    read_artifact_weights,
+)
+from mpsconvert.convert.quantize import Options, quantize_snapshot  # noqa: E402
+from mpsconvert.errors import MpsconvertError  # noqa: E402
+from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
+from mpsconvert.manifests.manifest import Manifest  # noqa: E402
+from mpsconvert.manifests.schemes import Scheme  # noqa: E402
+from mpsconvert.source import resolve  # noqa: E402
+
+from .models import coreml_tiny_bert, coreml_tiny_llama  # noqa: E402
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every file under folder -> sha256 (what "left as it was" means)."""
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("coreml")
+
+
+def _artifact(work: Path, name: str, build, scheme: Scheme = Scheme()) -> Path:
+    src = work / f"src-{name}"
+    if not src.exists():
+        build(src)
+    art = work / f"art-{name}"
+    if not art.exists():
+        quantize_snapshot(resolve(str(src)), art, Options(scheme=scheme))
+    return art
+
+
+@pytest.fixture(scope="module")
+def llama(work):
+    return _artifact(work, "llama", coreml_tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def bert(work):
+    return _artifact(work, "bert", coreml_tiny_bert)
+
+
+def _copy(art: Path, work: Path, name: str) -> Path:
+    dst = work / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(art, dst)
+    return dst
+
+
+def test_seq_len_parsing():
+    assert SeqLen.parse("128") == SeqLen(128, 128) and not SeqLen.parse("128").is_range
+    r = SeqLen.parse("1:512")
+    assert r.is_range and (r.lo, r.hi) == (1, 512) and 1 < r.example <= 512
+    for bad in ("0", "8:4", "abc", "1:", ":5"):
+        with pytest.raises(MpsconvertError):
+            SeqLen.parse(bad)
+
+
+def test_registered_converters_convert_and_compute_right():
+    """diff (with prepend), new_ones, integer-free `&` and where(scalar) through both frontends."""
+    import coremltools as ct
+
+    added = coreml_ops.register()
+    for op in ("diff", "new_ones", "alias", "__and__"):
+        assert op in added
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            d = torch.diff(x, dim=-1, prepend=x[:, :1] - 1)
+            m = (d > 0) & (x > 0)
+            ones = x.new_ones(x.shape)
+            return torch.where(m, ones * d, 0.5) + torch.diff(x, n=2, dim=1).sum()
+
+    x = torch.randn(2, 8)
+    want = M()(x).numpy()
+    for fe in ("torch.export", "torch.jit.trace"):
+        if fe == "torch.export":
+            src = torch.export.export(M(), (x,), strict=False).run_decompositions({})
+            kw = {}
+        else:
+            src = torch.jit.trace(M(), (x,))
+            kw = {"inputs": [ct.TensorType(name="x", shape=x.shape)]}
+        ml = ct.convert(src, minimum_deployment_target=ct.target.iOS18, convert_to="mlprogram",
+                        compute_precision=ct.precision.FLOAT32, skip_model_load=True, **kw)
+        prog = ml._mil_program
+        name = list(prog.functions["main"].inputs)[0]
+        outs, _ = mil_eval.evaluate(prog, {name: x.numpy()})
+        np.testing.assert_allclose(list(outs.values())[0], want, rtol=1e-5, atol=1e-5, err_msg=fe)
+
+
+def test_llama_fixed_fp8_lut(llama, work):
+    art = _copy(llama, work, "llama-fixed")
+    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("16")))
+    assert rec["frontend"] in ("torch.export", "torch.jit.trace") and rec["task"] == "causal-lm"
+    res = check_package(art)
+    spec = res["spec"]
+    assert spec["specification_version"] >= 9  # iOS18 / macOS15
+    assert spec["inputs"] == [{"name": "input_ids", "dtype": "int32", "shape": [1, 16]}]
+    assert spec["outputs"][0]["name"] == "logits" and spec["outputs"][0]["dtype"] == "fp16"
+    # every FP8 weight is a palette over its codes, no dense copy left
+    _, quant = read_artifact_weights(art)
+    assert spec["ops"]["constexpr_lut_to_dense"] == len(quant) == 14
+    w = res["weights"]
+    assert w["all_ok"] and w["codes_bit_exact"] and w["max_ulp_diff"] <= 1 and not w["missing"]
+    assert res["size_ratio"] <= 1.1
+    ev = res["reference_eval"]
+    assert ev["ok"] and ev["cosine_min"] > 0.999 and ev["top1_agreement"] >= 0.95
+    assert "not the Core ML runtime" in ev["evaluator"]
+    # the manifest records the package with hashes that match the files
+    m = Manifest.read(art)
+    assert m.extra["coreml"]["weights"] == "fp8-lut"
+    pkg_files = {k: v for k, v in m.files.items() if k.startswith(PACKAGE_NAME + "/")}
+    assert pkg_files and all(sha256_file(art / k) == v["sha256"] for k, v in pkg_files.items())
+    assert not [p for p in art.iterdir() if p.name.startswith(".mpsconvert-tmp")]
+
+
+def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
+    """Decode one weight from the saved package by hand (no mpsconvert check code)."""
+    art = _copy(llama, work, "llama-decode")
+    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    prog, _ = mil_eval.load_program(art / PACKAGE_NAME)
+    ops = {op.name: op for op in prog.functions["main"].operations}
+    name = "model.layers.1.mlp.down_proj.weight"
+    enc = rec["encoded_tensors"][name]
+    _, quant = read_artifact_weights(art)
+    q, s = quant[name]
+    lut_op = ops[enc["lut"]]
+    idx = lut_op.indices.val
+    assert idx.dtype == np.uint8 and np.array_equal(idx, q.view(torch.uint8).numpy())
+    lut = lut_op.lut.val.reshape(-1).astype(np.float32)
+    row = ops[enc["row_scale"]].outputs[0].val.astype(np.float32)
+    applied = lut[idx] * row[:, None]
+    want = fp8.dequantize(q, s, torch.float32).numpy()
+    np.testing.assert_allclose(applied, want, rtol=2**-11, atol=0)
+
+
+def test_per_tensor_scale_is_folded_and_bit_exact(work):
+    art = _artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=1), Scheme.make("fp8-weight-only", "tensor"))
+    art = _copy(art, work, "llama-tensor-export")
+    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    res = check_package(art, n_samples=2)
+    w = res["weights"]
+    assert w["all_ok"] and w["codes_bit_exact"]
+    assert w["min_fraction_equal_fp16_dequant"] == 1.0 and w["max_ulp_diff"] == 0
+    assert "constexpr_blockwise_shift_scale" not in res["spec"]["ops"]
+    assert res["reference_eval"]["cosine_min"] > 0.999
+
+
+def test_llama_range(llama, work):
+    art = _copy(llama, work, "llama-range")
+    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("1:32")))
+    assert rec["seq_len"] == {"min": 1, "max": 32, "flexible": True}
+    res = check_package(art)
+    (inp,) = res["spec"]["inputs"]
+    assert inp["name"] == "input_ids" and inp["range"] == [[1, 1], [1, 32]]
+    assert res["weights"]["all_ok"] and res["reference_eval"]["ok"]
+
+
+def test_bert_encoder_range(bert, work):
+    art = _copy(bert, work, "bert-range")
+    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("2:32")))
+    assert rec["task"] == "encoder" and rec["pooling"] == "mean"
+    assert rec["fp8_tensors_not_exported"] == ["pooler.dense.weight"]  # BERT's pooler is not in the output
+    res = check_package(art, n_samples=4)  # odd samples have masked padding
+    names = [f["name"] for f in res["spec"]["inputs"]]
+    assert names == ["input_ids", "attention_mask"]
+    assert all(f["range"] == [[1, 1], [2, 32]] for f in res["spec"]["inputs"])
+    assert res["spec"]["outputs"][0]["name"] == "embeddings"
+    assert res["weights"]["all_ok"] and res["weights"]["codes_bit_exact"]
+    assert res["reference_eval"]["cosine_min"] > 0.999
+
+
+def test_int8_and_fp16_modes(llama, work):
+    sizes = {}
+    for mode in ("fp16", "int8"):
+        art = _copy(llama, work, f"llama-{mode}")
+        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8"), weights=mode))
+        res = check_package(art, n_samples=1)
+        assert res["weights"]["all_ok"] and res["reference_eval"]["ok"]
+        sizes[mode] = res["weight_bytes"]
+        if mode == "fp16":
+            assert res["weights"]["min_fraction_equal_fp16_dequant"] == 1.0
+            assert "constexpr_lut_to_dense" not in res["spec"]["ops"]
+        else:
+            assert res["spec"]["ops"].get("constexpr_blockwise_shift_scale", 0) >= 14
+    assert sizes["int8"] < sizes["fp16"]
+
+
+def test_jit_fallback_is_recorded(llama, work, monkeypatch):
+    art = _copy(llama, work, "llama-fallback")
+
+    def boom(*a, **k):
+        raise RuntimeError("export refused for the test")
+
+    monkeypatch.setattr(torch.export, "export", boom)
+    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    assert rec["frontend"] == "torch.jit.trace"
+    assert "export refused for the test" in rec["failed_frontends"]["torch.export"]
+    assert Manifest.read(art).extra["coreml"]["frontend"] == "torch.jit.trace"
+
+
+def test_unconvertible_op_names_it_and_leaves_artifact(llama, work, monkeypatch):
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
+
+    art = _copy(llama, work, "llama-badop")
+    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))  # an existing package must survive too
+    before = _tree(art)
+    table = dict(_TORCH_OPS_REGISTRY.name_to_func_mapping)
+    table.pop("silu")
+    monkeypatch.setattr(_TORCH_OPS_REGISTRY, "name_to_func_mapping", table)
+    with pytest.raises(ExportError, match="silu"):
+        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8"), force=True))
+    assert _tree(art) == before
+
+
+def test_unsupported_architecture_names_it_and_leaves_artifact(llama, work):
+    art = _copy(llama, work, "llama-arch")
+    cfg = json.loads((art / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForSequenceClassification"]
+    (art / "config.json").write_text(json.dumps(cfg))
+    before = _tree(art)
+    with pytest.raises(ExportError, match="LlamaForSequenceClassification"):
+        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    assert _tree(art) == before
+
+
+def test_existing_package_needs_force(llama, work):
+    art = _copy(llama, work, "llama-force")
+    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    with pytest.raises(MpsconvertError, match="--force"):
+        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("12"), force=True))
+    assert rec["seq_len"]["max"] == 12
+
+
+def test_runtime_check_skips_off_macos(llama):
+    import sys
+
+    if sys.platform == "darwin":
+        pytest.skip("runs Core ML for real on macOS")
+    res = coreml_runtime_check(llama)
+    assert res["status"] == "skipped" and "needs macOS" in res["reason"]
+
+
+def test_cli_quantize_coreml_and_check_only(work):
+    from click.testing import CliRunner
+
+    from mpsconvert.cli import main
+
+    src = work / "src-llama-cli"
+    coreml_tiny_llama(src, seed=2)
+    out = work / "art-llama-cli"
+    r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--coreml", "--coreml-seq-len", "8"])
+    assert r.exit_code == 0, r.output
+    assert "not the Core ML runtime" in r.output and (out / PACKAGE_NAME).is_dir()
+    assert Manifest.read(out).extra["coreml"]["check"]["ok"] is True
+    r = CliRunner().invoke(main, ["export-coreml", str(out), "--check-only", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["check"]["weights"]["codes_bit_exact"] is True
+    r = CliRunner().invoke(main, ["export-coreml", str(out)])
+    assert r.exit_code == 2 and "--force" in r.output
+
+
+def test_checks_catch_a_package_that_does_not_match_the_artifact(llama, work):
+    """Negative control: change one row scale of the artifact after export; the weight check
+    must name the tensor and the reference evaluation must see the logits move."""
+    from safetensors.torch import load_file, save_file
+
+    art = _copy(llama, work, "llama-tampered")
+    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    assert check_package(art, n_samples=1)["ok"]
+    st = art / "model.safetensors"
+    tensors = load_file(str(st))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name + "_scale"] = tensors[name + "_scale"] * 4
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    res = check_package(art, n_samples=1)
+    bad = [n for n, r in res["weights"]["tensors"].items() if not r["ok"]]
+    assert bad == [name] and not res["weights"]["all_ok"] and not res["ok"]
+    assert res["reference_eval"]["cosine_min"] < 0.9999
