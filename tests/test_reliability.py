@@ -285,3 +285,24 @@ def test_killing_a_real_conversion_at_several_points_then_rerunning(medium_model
     _assert_complete_or_absent(out)
     assert _states(tmp_path, "out")[0] == []  # the re-run removed what the killed runs left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("where", ["weights", "scale_region", "config"])
+def test_one_flipped_byte_is_caught_by_verify_and_by_load(tiny_models, tmp_path, where):
+    from click.testing import CliRunner
+
+    from mpsconvert.cli import main
+    from mpsconvert.runtime import load
+
+    out = tmp_path / "out"
+    quantize_snapshot(source.resolve(str(tiny_models["llama"])), out, Options())
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+    f = out / ("config.json" if where == "config" else "model.safetensors")
+    data = bytearray(f.read_bytes())
+    pos = {"weights": len(data) // 2, "scale_region": len(data) - 3, "config": len(data) // 2}[where]
+    data[pos] ^= 0x01
+    f.write_bytes(bytes(data))
+    res = CliRunner().invoke(main, ["verify", str(out)])
+    assert res.exit_code == 1 and f"{f.name} does not match the sha256" in res.output
+    with pytest.raises(ArtifactError, match="failed verification"):
+        load(out, device="cpu")

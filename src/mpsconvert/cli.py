@@ -352,10 +352,34 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
             prog.update(tasks[phase], completed=done, total=total)
 
         result = run_validate(artifact, opts, progress)
+    result["coreml"] = _coreml_runtime(artifact, record=not no_write)
     if as_json:
         out.print_json(json.dumps(result))
         return
     print_validation(result, explain)
+    cm = result["coreml"]
+    if cm is not None:
+        if cm.get("status") == "skipped":
+            out.print(f"Core ML package: not run here ({cm['reason']})", highlight=False)
+        else:
+            out.print_json(json.dumps(cm))
+
+
+def _coreml_runtime(artifact: Path, record: bool) -> dict | None:
+    """The Core ML part of validate: only for artifacts with a package; on macOS only (else 'skipped')."""
+    from .manifests.manifest import Manifest
+
+    m = Manifest.read(artifact) if (artifact / "mpsconvert.json").is_file() else None
+    if m is None or "coreml" not in m.extra:
+        return None
+    from .convert.coreml_check import coreml_runtime_check
+
+    res = coreml_runtime_check(artifact)
+    if record and res.get("status") != "skipped":
+        m = Manifest.read(artifact)
+        m.extra["coreml_runtime"] = res
+        m.write(artifact)
+    return res
 
 
 def _speed(ratio: float) -> str:
@@ -477,6 +501,32 @@ def print_coreml_check(artifact, res: dict) -> None:
         t.add_row("", f"{ev['inputs']}; vs {ev['reference']}")
         t.add_row("", f"[bold]{ev['evaluator']}[/]; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}")
     out.print(t)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--no-hashes", is_flag=True, help="Skip the sha256 check (structure only; much faster on big artifacts).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the artifact.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@friendly_errors
+def verify(artifact, no_hashes, trust_remote_code, as_json):
+    """Check every file of ARTIFACT against its manifest's sha256, and its internal consistency
+    (every FP8 weight has its scale; shapes and dtypes as config.json says). Exit 1 on any problem."""
+    from .runtime.loader import verify as verify_artifact
+
+    report = verify_artifact(artifact, check_hashes=not no_hashes, trust_remote_code=trust_remote_code)
+    if as_json:
+        out.print_json(json.dumps(report.as_dict()))
+    else:
+        bad = {f: v for f, v in report.files.items() if v != "ok"}
+        out.print(f"{artifact}: {len(report.files)} files hashed, {len(bad)} wrong; {len(report.quantized)} FP8 modules "
+                  f"({report.scheme}, weights per {report.weights})" if report.hashes_checked
+                  else f"{artifact}: hashes not checked; {len(report.quantized)} FP8 modules", highlight=False)
+        for p in report.problems:
+            out.print(f"  [red]problem:[/] {p}", highlight=False)
+        out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
+    if not report.ok:
+        sys.exit(1)
 
 
 @main.command("export-coreml")

@@ -78,6 +78,7 @@ class Snapshot:
             "id": self.repo_id or self.path.name,
             "revision": self.revision,
             "commit": self.commit,
+            "path": str(self.path) if self.kind == "local" else None,
         }
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from .. import devices
 from ..convert.fp8 import FP8_DTYPE, dequantize
-from ..errors import ArtifactError
+from ..errors import MpsconvertError, ArtifactError
 from ..manifests.ct_config import scheme_from_config
 from ..manifests.verify import check_artifact
 from .fp8linear import FP8Linear
@@ -147,15 +147,17 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ArtifactError(f"{path} has no config.json", "pass the folder that `mpsconvert quantize` wrote")
-    qc = json.loads(config_path.read_text(encoding="utf-8")).get("quantization_config")
+    try:
+        qc = json.loads(config_path.read_text(encoding="utf-8")).get("quantization_config")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        if verify:  # a damaged config.json: say what the manifest says about it
+            check_artifact(path, check_hashes=True, progress=progress)
+        raise ArtifactError(f"{config_path} is not a valid JSON object ({e})", "re-create the artifact") from e
     if not qc:
         raise ArtifactError(f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint")
     scheme = scheme_from_config(qc)
     config, model = build_empty(path, trust_remote_code)
-    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    from ..convert.targets import matches
-
-    ignored = {n for n in linears if matches(n, list(qc.get("ignore") or []))}
+    linears, ignored = _linear_layout(model, qc)
     report = check_artifact(path, check_hashes=verify, shapes=linears, ignored=ignored, progress=progress)
     info = LoadInfo(path=str(path), device=str(dev), dtype=str(dtype).replace("torch.", ""), scheme=scheme.name,
                     weights=scheme.weights, verify=report.as_dict())
@@ -237,3 +239,26 @@ def model_bytes(model: nn.Module) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
+
+
+def _linear_layout(model, qc: dict) -> tuple[dict, set]:
+    """The Linear shapes of the model built from config, and which of them the config ignores."""
+    from ..convert.targets import matches
+
+    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return linears, {n for n in linears if matches(n, list(qc.get("ignore") or []))}
+
+
+def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, progress=None):
+    """What `mpsconvert verify` checks: every file's sha256 against the manifest, and the
+    artifact's consistency with the model its config.json builds. Returns the report."""
+    from ..manifests.verify import verify_artifact
+
+    path = Path(path)
+    try:
+        qc = json.loads((path / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+        _, model = build_empty(path, trust_remote_code)
+        linears, ignored = _linear_layout(model, qc)
+    except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact says which
+        linears, ignored = None, None
+    return verify_artifact(path, check_hashes=check_hashes, shapes=linears, ignored=ignored, progress=progress)
