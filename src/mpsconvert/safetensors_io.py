@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
+import warnings
 import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -162,33 +164,35 @@ class _Background:
 class ShardReader:
     """Reads tensors of one validated file, in offset order, hashing every byte as it passes.
 
-    Reading in offset order means the running sha256 equals the whole file's hash at the end,
-    without a second pass over the file.
+    The file is memory-mapped: tensors are views of the page cache (no copy), and each range is
+    dropped from this process's memory (madvise DONTNEED) once hashed, so resident memory stays
+    near one tensor plus what is queued. Reading in offset order means the running sha256
+    equals the whole file's hash at the end, without a second pass over the file.
     """
 
     def __init__(self, header: Header):
         self.header = header
         self._f = open(header.path, "rb", buffering=0)
+        self._map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if header.file_size else None
+        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
         self._hash = hashlib.sha256()
         self._bg = _Background()
         self._pos = 0
         self._feed(header.data_start)
 
-    def _feed(self, upto: int) -> bytes:
-        n = upto - self._pos
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._f.readinto(view[got:])
-            if not k:
-                raise ArtifactError(f"{self.header.path.name} ended early (truncated?)", "re-download it")
-            got += k
-        self._bg.submit(self._hash.update, view)
-        self._pos = upto
-        return buf
+    def _hash_and_drop(self, start: int, end: int) -> None:
+        self._hash.update(self._view[start:end])
+        page = mmap.PAGESIZE
+        lo, hi = (start + page - 1) // page * page, end // page * page
+        if hi > lo and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # later reads refault from the page cache
 
-    def read(self, info: TensorInfo) -> bytearray:
+    def _feed(self, upto: int) -> memoryview:
+        start, self._pos = self._pos, upto
+        self._bg.submit(self._hash_and_drop, start, upto)
+        return self._view[start:upto]
+
+    def read(self, info: TensorInfo) -> memoryview:
         if info.start != self._pos:
             raise RuntimeError("ShardReader.read must follow file order")
         return self._feed(info.end)
@@ -203,6 +207,12 @@ class ShardReader:
         try:
             self._bg.shutdown()
         finally:
+            self._view.release()
+            if self._map is not None:
+                try:
+                    self._map.close()
+                except BufferError:  # a tensor view is still alive; the mapping goes with it
+                    pass
             self._f.close()
 
     def __enter__(self):
@@ -212,11 +222,13 @@ class ShardReader:
         self.close()
 
 
-def as_tensor(buf: bytearray, info: TensorInfo) -> torch.Tensor:
-    """Zero-copy view of raw little-endian bytes as a torch tensor."""
+def as_tensor(buf, info: TensorInfo) -> torch.Tensor:
+    """Zero-copy, read-only view of raw little-endian bytes as a torch tensor (never written to)."""
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.torch_dtype)
-    return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": we only read it
+        return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
 
 
 class ShardWriter:

@@ -163,6 +163,19 @@ def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) ->
 
 
 def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
+    """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest."""
+    # One torch thread fewer than cores: the sha256 and write threads need the rest, and
+    # oversubscribed intra-op threads made a whole conversion ~15% slower on 2 cores
+    # (benchmarks/convert.py).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        return _quantize_snapshot(snap, out, opts, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
     scheme = opts.scheme
     plan = plan_for(snap.path, opts.ignore, opts.trust_remote_code)
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
