@@ -282,6 +282,16 @@ class ShardWriter:
         self._f.close()
         return self._hash.hexdigest()
 
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Finish the file on success (its sha256 in `.digest`); on any error, abort."""
+        if exc_type is None:
+            self.digest = self.close()
+        else:
+            self.abort()
+
     def abort(self) -> None:
         try:
             self._bg.shutdown()

@@ -142,22 +142,17 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
                 entries.append((name, info.dtype, info.shape))
                 if name.endswith(".weight_scale") and name[: -len("_scale")] in weight_of:
                     entries.append((name[: -len("weight_scale")] + "input_scale", "F32", (1,)))
-            writer = ShardWriter(tmp / f, entries, metadata=header.metadata or {"format": "pt"})
-            try:
-                with ShardReader(header) as reader:
-                    for name, info in header.tensors.items():
-                        buf = reader.read(info)
-                        if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
-                            continue
-                        writer.write(name, buf)
-                        if name.endswith(".weight_scale") and (w := name[: -len("_scale")]) in weight_of:
-                            s = cal.scales[weight_of[w]]
-                            writer.write(name[: -len("weight_scale")] + "input_scale", torch.tensor([s], dtype=torch.float32))
-                            manifest.tensors[w]["input_scale"] = s
-                digest = writer.close()
-            except BaseException:
-                writer.abort()
-                raise
+            with ShardReader(header) as reader, ShardWriter(tmp / f, entries, metadata=header.metadata or {"format": "pt"}) as writer:
+                for name, info in header.tensors.items():
+                    buf = reader.read(info)
+                    if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
+                        continue
+                    writer.write(name, buf)
+                    if name.endswith(".weight_scale") and (w := name[: -len("_scale")]) in weight_of:
+                        s = cal.scales[weight_of[w]]
+                        writer.write(name[: -len("weight_scale")] + "input_scale", torch.tensor([s], dtype=torch.float32))
+                        manifest.tensors[w]["input_scale"] = s
+            digest = writer.digest
             for name, *_ in entries:
                 weight_map[name] = f
             manifest.files[f] = {"sha256": digest, "size": (tmp / f).stat().st_size}

@@ -209,24 +209,19 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                     entries += _expert_entries(name, info, expert_tensors[name], scheme)
                 else:
                     entries.append((name, info.dtype, info.shape))
-            writer = ShardWriter(tmp / out_name, entries, metadata={"format": "pt"})
-            try:
-                with ShardReader(header) as reader:
-                    for name, info in header.tensors.items():
-                        buf = reader.read(info)
-                        if name in tensor_module:
-                            tensors.update(_quantize_one(writer, name, info, buf, tensor_module[name], scheme, opts))
-                        elif name in expert_tensors:
-                            tensors.update(_quantize_expert(writer, name, info, buf, expert_tensors[name], scheme, opts))
-                        else:
-                            writer.write(name, buf)
-                        del buf
-                        progress(info.nbytes, name)
-                    source_files[src_name] = snap.known_sha256(src_name) or reader.sha256()
-                digest = writer.close()
-            except BaseException:
-                writer.abort()
-                raise
+            with ShardReader(header) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
+                for name, info in header.tensors.items():
+                    buf = reader.read(info)
+                    if name in tensor_module:
+                        tensors.update(_quantize_one(writer, name, info, buf, tensor_module[name], scheme, opts))
+                    elif name in expert_tensors:
+                        tensors.update(_quantize_expert(writer, name, info, buf, expert_tensors[name], scheme, opts))
+                    else:
+                        writer.write(name, buf)
+                    del buf
+                    progress(info.nbytes, name)
+                source_files[src_name] = snap.known_sha256(src_name) or reader.sha256()
+            digest = writer.digest
             for name, *_ in entries:
                 weight_map[name] = out_name
             size = (tmp / out_name).stat().st_size
