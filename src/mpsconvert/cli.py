@@ -215,7 +215,8 @@ def print_summary(manifest, output: Path, as_json: bool) -> None:
     t.add_row("weights", f"{_human(s['weight_bytes_before'])} -> {_human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
     n_exp = s.get("expert_tensors_quantized", 0)
     t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
-    t.add_row("kept (Linear)", f"{s['linear_ignored']}: " + ", ".join(list(manifest.recipe["ignored_modules"])[:4]) + (" ..." if s["linear_ignored"] > 4 else ""))
+    kept = list(manifest.recipe["ignored_modules"])
+    t.add_row("kept (Linear)", f"{len(kept)}: " + ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else "") if kept else "none")
     if s["modules_skipped"]:
         kinds = sorted({r.split(":")[0] for r in manifest.skipped.values()})
         t.add_row("skipped", f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})")
