@@ -86,11 +86,6 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return (amax.float() / FP8_MAX).clamp_(min=SCALE_FLOOR)
 
 
-def compute_scale(w: torch.Tensor, granularity: str, name: str = "tensor") -> torch.Tensor:
-    """The dequant scale of a 2-D weight: shape [1] for 'tensor', [N, 1] for 'row'."""
-    return compute_scale_from_rows(row_amax(w, name), granularity)
-
-
 def quantize(
     w: torch.Tensor, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, QuantStats]:
@@ -109,8 +104,9 @@ def quantize(
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     n, k = w.shape
     fused_amax = scale is None and granularity == "row"
-    if scale is None and granularity == "tensor":
-        scale = scales_from_amax(row_amax(w, name).amax().reshape(1))
+    rows_amax = row_amax(w, name) if scale is None and granularity == "tensor" else None
+    if rows_amax is not None:
+        scale = scales_from_amax(rows_amax.amax().reshape(1))
     if scale is not None:
         scale = scale.float().to(w.device)
         row_scale = scale.reshape(-1, 1).expand(n, 1) if scale.numel() == 1 else scale.reshape(n, 1)
@@ -122,12 +118,10 @@ def quantize(
     zero_rows = 0
     for i in range(0, n, step):
         wf = w[i : i + step].float()
+        a = rows_amax[i : i + step] if rows_amax is not None else wf.abs().amax(dim=1, keepdim=True)
         if fused_amax:
-            a = wf.abs().amax(dim=1, keepdim=True)
             _check_finite(a, name)
             row_scale[i : i + step] = scales_from_amax(a)
-        else:
-            a = wf.abs().amax(dim=1, keepdim=True)
         amax_max = torch.maximum(amax_max, a.max())
         zero_rows += int((a == 0).sum())
         t = wf / row_scale[i : i + step]
@@ -164,14 +158,6 @@ def _sqnr(w: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor) -> tuple[fl
     if sig == 0.0:
         return -math.inf, w.shape[0]
     return 10.0 * math.log10(sig / err), w.shape[0]
-
-
-def compute_scale_from_rows(amax_rows: torch.Tensor, granularity: str) -> torch.Tensor:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if granularity == "tensor":
-        return scales_from_amax(amax_rows.amax().reshape(1))
-    return scales_from_amax(amax_rows)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
