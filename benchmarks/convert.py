@@ -4,10 +4,11 @@ Builds a synthetic Llama-3.2-1B-shaped BF16 checkpoint (1.24B parameters, ~1 GB 
 weights: conversion cost does not depend on the values), then runs each contender in its own
 process, in one run, and prints wall time and peak RSS with ratios.
 
-    python benchmarks/convert.py [--workdir DIR] [--layers 16] [--keep]
+    python benchmarks/convert.py [--workdir DIR] [--layers 16] [--repeat 3] [--keep]
 
 The page cache is warmed by reading the source once before timing, so every contender reads
-from memory; each writes its own output folder on the same disk.
+from memory; each writes its own output folder on the same disk. Runs are interleaved and the
+medians compared: on a shared 2-core VM one run of the same command swings by +-20%.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,24 +77,25 @@ def build_checkpoint(root: Path, layers: int, shard_bytes: int = 1 << 30) -> Pat
     return src
 
 
+# Each contender is a command line run in a fresh process: ours is the CLI a user runs.
 CONTENDERS = {
-    "copy": "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])",
-    "mpsconvert": (
-        "import sys; from mpsconvert.source import resolve; from mpsconvert.convert.quantize import Options, quantize_snapshot;"
-        "quantize_snapshot(resolve(sys.argv[1]), sys.argv[2], Options())"
-    ),
-    "llm-compressor": (
+    "copy": ["-c", "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])"],
+    "mpsconvert": ["-m", "mpsconvert.cli", "quantize", "{src}", "-o", "{out}"],
+    "llm-compressor": [
+        "-c",
         "import sys; from llmcompressor import model_free_ptq;"
-        "model_free_ptq(sys.argv[1], sys.argv[2], scheme='FP8_DYNAMIC', ignore=['lm_head'], device='cpu')"
-    ),
+        "model_free_ptq(sys.argv[1], sys.argv[2], scheme='FP8_DYNAMIC', ignore=['lm_head'], device='cpu')",
+    ],
 }
 
 
 def run(name: str, src: Path, out: Path) -> dict:
     """Run one contender in a fresh process; wall time and that process's peak RSS (wait4)."""
+    argv = [a.format(src=src, out=out) for a in CONTENDERS[name]]
+    if "{src}" not in CONTENDERS[name]:
+        argv += [str(src), str(out)]
     t = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", CONTENDERS[name], str(src), str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
     err = proc.stderr.read().decode(errors="replace")
@@ -107,6 +110,7 @@ def main():
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--layers", type=int, default=16, help="16 layers = 1.24B parameters (Llama-3.2-1B shapes)")
     ap.add_argument("--skip", nargs="*", default=[], choices=list(CONTENDERS))
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each contender, interleaved; the median is compared")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -129,16 +133,20 @@ def main():
             with open(f, "rb") as fh:
                 while fh.read(64 << 20):
                     pass
-        results = {}
-        for name in CONTENDERS:
-            if name in args.skip:
-                continue
-            out = root / f"out-{name}"
-            shutil.rmtree(out, ignore_errors=True)
-            results[name] = run(name, src, out)
-            shutil.rmtree(out, ignore_errors=True)
-            r = results[name]
-            print(f"  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   output {r['out_bytes'] / 1e9:.2f} GB", flush=True)
+        runs: dict[str, list[dict]] = {name: [] for name in CONTENDERS if name not in args.skip}
+        for i in range(args.repeat):  # interleaved, so that a noisy spell of the machine hits every contender
+            for name in runs:
+                out = root / f"out-{name}"
+                shutil.rmtree(out, ignore_errors=True)
+                r = run(name, src, out)
+                shutil.rmtree(out, ignore_errors=True)
+                runs[name].append(r)
+                print(f"  run {i + 1}  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   output {r['out_bytes'] / 1e9:.2f} GB", flush=True)
+        results = {name: {"wall_s": statistics.median(r["wall_s"] for r in rs), "peak_rss_gib": max(r["peak_rss_gib"] for r in rs)}
+                   for name, rs in runs.items()}
+        print(f"\nmedian of {args.repeat} runs (peak RSS: the largest):")
+        for name, r in results.items():
+            print(f"  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB")
         ours = results.get("mpsconvert")
         if ours:
             print()
@@ -148,7 +156,7 @@ def main():
                       f"peak RSS {ours['peak_rss_gib'] / lc['peak_rss_gib']:.2f}x of it")
             if "copy" in results:
                 print(f"mpsconvert takes {ours['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy")
-            print(f"mpsconvert peak RSS = largest shard + {ours['peak_rss_gib'] - largest / (1 << 30):+.2f} GiB")
+            print(f"mpsconvert peak RSS = largest shard {ours['peak_rss_gib'] - largest / (1 << 30):+.2f} GiB")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -14,12 +14,19 @@ import fcntl
 import os
 import shutil
 import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from .errors import MpsconvertError
 
 TMP_PREFIX = ".mpsconvert-tmp-"
 LOCK_PREFIX = ".mpsconvert-lock-"
+# Set by the CLI's SIGINT/SIGTERM handlers. The KeyboardInterrupt they raise can be lost when it
+# lands in a finalizer or a weakref callback (CPython ignores exceptions there), so the commit
+# step checks this too: an output is never published after the user asked to stop.
+stop_requested = threading.Event()
 
 
 def _umask() -> int:
@@ -43,6 +50,34 @@ def write_text(path: Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+class BackgroundSync:
+    """Runs fsyncs on a thread of their own, so that one file's flush to disk overlaps the work
+    on the next; `wait` (before the rename that publishes them) re-raises any failure."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-fsync")
+        self._jobs: list[Future] = []
+
+    def add(self, fn: Callable[[], None]) -> None:
+        self._jobs.append(self._pool.submit(fn))
+
+    def wait(self) -> None:
+        try:
+            for job in self._jobs:
+                job.result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "BackgroundSync":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.wait()
+        else:  # the error being raised matters more than a failed flush of a file about to go
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def os_error(e: OSError, where: Path) -> MpsconvertError:
@@ -127,6 +162,8 @@ def output_dir(target: Path, force: bool = False, min_free: int = 0):
             raise os_error(e, parent) from e
         try:
             yield tmp
+            if stop_requested.is_set():
+                raise KeyboardInterrupt("stop requested before the output was published")
             if target.exists():
                 old = parent / f"{TMP_PREFIX}{target.name}-old"
                 os.replace(target, old)

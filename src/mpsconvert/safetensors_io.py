@@ -9,18 +9,25 @@ data_offsets}}, then the data. Every header is validated before any offset in it
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import functools
 import hashlib
 import json
 import math
 import mmap
 import os
-import warnings
+import queue
 import struct
+import threading
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 
 from .errors import ArtifactError
@@ -44,6 +51,7 @@ DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
 }
 TORCH_TO_ST = {v[1]: k for k, v in DTYPES.items() if v[1] is not None}
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+_COPY_BLOCK = 16 << 20  # ShardWriter.copy reads the source in blocks of this size
 
 
 @dataclass(frozen=True)
@@ -142,17 +150,21 @@ class _Background:
 
     def __init__(self, depth: int = 2):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-io")
-        self._pending: deque[Future] = deque()
+        self._pending: deque[tuple[Future, bool]] = deque()
         self._depth = depth
 
-    def submit(self, fn, *args) -> None:
-        self._pending.append(self._pool.submit(fn, *args))
-        while len(self._pending) > self._depth:
-            self._pending.popleft().result()
+    def submit(self, fn, *args, holds_buffer: bool = True) -> None:
+        """Queue a job; jobs that hold a caller's buffer wait while `depth` of them are queued
+        (jobs that hold none, such as a copy from a file, never make the caller wait)."""
+        self._pending.append((self._pool.submit(fn, *args), holds_buffer))
+        while sum(held for _, held in self._pending) > self._depth:
+            self._pending.popleft()[0].result()
+        while self._pending and self._pending[0][0].done():
+            self._pending.popleft()[0].result()  # an error surfaces at the next submit
 
     def drain(self) -> None:
         while self._pending:
-            self._pending.popleft().result()
+            self._pending.popleft()[0].result()
 
     def shutdown(self) -> None:
         try:
@@ -161,59 +173,76 @@ class _Background:
             self._pool.shutdown(wait=True)
 
 
-class ShardReader:
-    """Reads tensors of one validated file, in offset order, hashing every byte as it passes.
+class BufferPool:
+    """A few reusable byte buffers for reading and writing blocks.
 
-    The file is memory-mapped: tensors are views of the page cache (no copy), and each range is
-    dropped from this process's memory (madvise DONTNEED) once hashed, so resident memory stays
-    near one tensor plus what is queued. Reading in offset order means the running sha256
-    equals the whole file's hash at the end, without a second pass over the file.
+    Freshly allocated memory costs a page fault per 4 KiB on first touch, which on the machines
+    we measured cost a third of the quantization math itself (benchmarks/convert.py); a
+    pool touches its buffers once. `acquire` blocks until a buffer is free, so the blocks in
+    flight (being filled, quantized, queued for writing) and with them peak memory are bounded.
     """
 
-    def __init__(self, header: Header):
+    def __init__(self, count: int = 6, nbytes: int = 16 << 20):
+        self.nbytes = nbytes
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put(torch.zeros(nbytes, dtype=torch.uint8))
+
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """A uint8 tensor of `nbytes` and the callback that gives it back (None: not pooled,
+        for a block larger than the pool's buffers)."""
+        if nbytes > self.nbytes:
+            return torch.empty(nbytes, dtype=torch.uint8), None
+        buf = self._free.get()
+        return buf[:nbytes], functools.partial(self._free.put, buf)
+
+
+class ShardReader:
+    """Reads the tensors of one validated file with positional reads into pooled buffers.
+
+    Plain reads cost a third of what touching a memory map does (one page fault per 4 KiB,
+    measured in benchmarks/convert.py), and a tensor can be read in blocks of rows, so that
+    memory stays at a few blocks whatever the tensor's size. The file's sha256 is not computed
+    here: `Snapshot.sha256` hashes source files on its own thread, from the start of a run.
+    """
+
+    def __init__(self, header: Header, pool: BufferPool | None = None):
         self.header = header
-        self._f = open(header.path, "rb", buffering=0)
-        self._map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if header.file_size else None
-        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
-        self._hash = hashlib.sha256()
-        self._bg = _Background()
-        self._pos = 0
-        self._feed(header.data_start)
+        self.pool = pool or BufferPool(count=2)
+        self._fd = os.open(header.path, os.O_RDONLY)
 
-    def _hash_and_drop(self, start: int, end: int) -> None:
-        self._hash.update(self._view[start:end])
-        page = mmap.PAGESIZE
-        lo, hi = (start + page - 1) // page * page, end // page * page
-        if hi > lo and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # later reads refault from the page cache
-
-    def _feed(self, upto: int) -> memoryview:
-        start, self._pos = self._pos, upto
-        self._bg.submit(self._hash_and_drop, start, upto)
-        return self._view[start:upto]
+    def read_into(self, buf: torch.Tensor, offset: int) -> torch.Tensor:
+        """Fill the uint8 tensor `buf` with the file's bytes from `offset` (absolute)."""
+        mv = memoryview(buf.numpy()).cast("B")
+        done = 0
+        while done < mv.nbytes:
+            n = os.preadv(self._fd, [mv[done:]], offset + done)
+            if n == 0:
+                raise ArtifactError(f"{self.header.path.name} became shorter while it was being read", "do not modify the source during a conversion")
+            done += n
+        return buf
 
     def read(self, info: TensorInfo) -> memoryview:
-        if info.start != self._pos:
-            raise RuntimeError("ShardReader.read must follow file order")
-        return self._feed(info.end)
+        """A whole tensor's bytes, in a buffer of its own."""
+        return memoryview(self.read_into(torch.empty(info.nbytes, dtype=torch.uint8), info.start).numpy()).cast("B")
 
-    def sha256(self) -> str:
-        if self._pos != self.header.file_size:
-            raise RuntimeError("sha256 is only known after the whole file was read")
-        self._bg.drain()
-        return self._hash.hexdigest()
+    def blocks(self, start: int, nbytes: int, align: int = 1):
+        """(pooled uint8 tensor, release callback) for consecutive blocks of [start, start + nbytes),
+        each a multiple of `align` bytes (whole rows) unless a single unit exceeds the pool's buffers."""
+        step = max(align, self.pool.nbytes // align * align)
+        for off in range(0, nbytes, step):
+            n = min(step, nbytes - off)
+            buf, release = self.pool.acquire(n)
+            try:
+                self.read_into(buf, start + off)
+            except BaseException:
+                if release:
+                    release()
+                raise
+            yield buf, release
 
     def close(self) -> None:
-        try:
-            self._bg.shutdown()
-        finally:
-            self._view.release()
-            if self._map is not None:
-                try:
-                    self._map.close()
-                except BufferError:  # a tensor view is still alive; the mapping goes with it
-                    pass
-            self._f.close()
+        os.close(self._fd)
 
     def __enter__(self):
         return self
@@ -231,8 +260,140 @@ def as_tensor(buf, info: TensorInfo) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=info.torch_dtype).reshape(info.shape)
 
 
+class OutputFile:
+    """A file written once, front to back, bypassing the page cache where the OS allows it.
+
+    On Linux the data goes through O_DIRECT from page-aligned staging buffers (the disk DMAs
+    them; a write costs no CPU and evicts nothing), double-buffered so that one buffer is
+    written while the next fills. Buffered writes cost 1-3 ns per byte of kernel time on the
+    machines benchmarks/convert.py ran on, as much as the quantization math. Where O_DIRECT
+    is refused (tmpfs, some network and FUSE filesystems, macOS) it writes through the page
+    cache; `mode` says which path ran. The file's final size is reserved up front when known,
+    so that a full disk fails at once rather than half-way.
+    """
+
+    ALIGN = 4096
+    STAGE = 8 << 20
+
+    def __init__(self, path: Path, size: int | None = None):
+        self.path = Path(path)
+        self.size = 0
+        direct = getattr(os, "O_DIRECT", 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._fd = -1
+        try:
+            self._fd = os.open(self.path, flags | direct, 0o666) if direct else -1
+            self.mode = "direct" if direct else "buffered"
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.mode = "buffered (O_DIRECT refused by the filesystem)"
+        if self._fd < 0:
+            self._fd = os.open(self.path, flags, 0o666)
+            if not direct:
+                self.mode = "buffered (no O_DIRECT on this OS)"
+        if size and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(self._fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    os.close(self._fd)
+                    raise
+                # EOPNOTSUPP / EINVAL: the filesystem cannot reserve; the writes will tell
+        self._maps = [mmap.mmap(-1, self.STAGE) for _ in range(2)] if self.direct else []  # page-aligned
+        self._stages = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]  # numpy copies release the GIL
+        self._fill = 0  # bytes in the current stage
+        self._cur = 0
+        self._flushed = 0  # file offset of the current stage
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-write") if self.direct else None
+        self._inflight: list[Future | None] = [None, None]
+
+    @property
+    def direct(self) -> bool:
+        return self.mode == "direct"
+
+    def _pwrite_all(self, view, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or self.mode != "direct":
+                    raise
+                # Opened with O_DIRECT, but this filesystem refuses direct writes: go buffered.
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.mode = "buffered (O_DIRECT writes refused by the filesystem)"
+
+    def _stage_out(self, nbytes: int) -> None:
+        """Hand the current stage (padded to ALIGN) to the write thread; switch stages."""
+        buf, off = self._stages[self._cur], self._flushed
+        padded = -(-nbytes // self.ALIGN) * self.ALIGN
+        buf[nbytes:padded] = 0
+        self._inflight[self._cur] = self._io.submit(self._pwrite_all, memoryview(self._maps[self._cur])[:padded], off)
+        self._cur ^= 1
+        self._flushed += nbytes
+        self._fill = 0
+        job, self._inflight[self._cur] = self._inflight[self._cur], None
+        if job is not None:
+            job.result()  # that stage is free again (and its write error, if any, surfaces)
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.size += mv.nbytes
+        if not self._stages:
+            done = 0
+            while done < mv.nbytes:
+                done += os.write(self._fd, mv[done:])
+            return
+        src = np.frombuffer(mv, dtype=np.uint8)
+        pos = 0
+        while pos < mv.nbytes:
+            n = min(self.STAGE - self._fill, mv.nbytes - pos)
+            self._stages[self._cur][self._fill : self._fill + n] = src[pos : pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == self.STAGE:
+                self._stage_out(self.STAGE)
+
+    def finish(self) -> None:
+        """Write what is staged; the file is then exactly the bytes written."""
+        if self._stages:
+            if self._fill:
+                self._stage_out(self._fill)  # its padding is cut off below
+            for job in self._inflight:
+                if job is not None:
+                    job.result()
+            self._inflight = [None, None]
+            self._io.shutdown(wait=True)
+        os.ftruncate(self._fd, self.size)
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True, cancel_futures=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._stages = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view is still referenced somewhere; it goes with it
+                pass
+        self._maps = []
+
+
 class ShardWriter:
-    """Writes a safetensors file whose tensor list is known up front, data streamed in order."""
+    """Writes a safetensors file whose tensor list is known up front, data streamed in order.
+
+    A tensor's bytes may come in several `write` calls (blocks of rows), or be copied from a
+    source file by `copy`. The sha256, the copies and the file writes run on a background
+    thread; a block's `release` callback (a pooled buffer going back) is called once its bytes
+    are written. `close` returns at once: the last writes and copies overlap whatever the
+    caller does next (the next shard), `digest` waits for them, and `sync` makes the file durable.
+    """
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):
         self.path = Path(path)
@@ -247,48 +408,113 @@ class ShardWriter:
             off += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
+        self.size = 8 + len(raw) + off
         self._hash = hashlib.sha256()
-        self._f = open(self.path, "wb")
-        self._bg = _Background()
+        self._f = OutputFile(self.path, size=self.size)
+        self._bg = _Background(depth=3)
         self._next = 0
+        self._filled = 0  # bytes of tensor self._order[self._next] written so far
+        self._copy_buf: np.ndarray | None = None
+        self._closed = False
+        self._digest: str | None = None
+        self._digest_lock = threading.Lock()  # `sync` may wait for it on another thread
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
-    def _emit(self, data) -> None:
-        self._bg.submit(self._write, data)
+    def _emit(self, data, release: Callable[[], None] | None = None) -> None:
+        self._bg.submit(self._job, data, release)
+
+    def _job(self, data, release) -> None:
+        try:
+            self._write(data)
+        finally:
+            if release is not None:
+                release()
 
     def _write(self, data) -> None:
         self._hash.update(data)
         self._f.write(data)
 
-    def write(self, name: str, data) -> None:
-        """`data`: a bytes-like object or a CPU tensor, exactly the declared size, in order."""
+    def _advance(self, name: str, nbytes: int) -> None:
         if self._next >= len(self._order) or self._order[self._next] != name:
             raise RuntimeError(f"ShardWriter: {name!r} out of order")
+        if self._filled + nbytes > self._sizes[name]:
+            raise RuntimeError(f"ShardWriter: {name!r} got {self._filled + nbytes} bytes, declared {self._sizes[name]}")
+        self._filled += nbytes
+        if self._filled == self._sizes[name]:
+            self._next += 1
+            self._filled = 0
+
+    def write(self, name: str, data, release: Callable[[], None] | None = None) -> None:
+        """Append `data` (a bytes-like object or a CPU tensor) to tensor `name`: tensors in the
+        declared order, each exactly its declared size in total. `data` must not change until
+        `release` is called (or, without one, until `digest` returned)."""
         if isinstance(data, torch.Tensor):
             data = data.contiguous().view(torch.uint8).numpy() if data.numel() else b""
         mv = memoryview(data).cast("B")
-        if mv.nbytes != self._sizes[name]:
-            raise RuntimeError(f"ShardWriter: {name!r} has {mv.nbytes} bytes, declared {self._sizes[name]}")
-        self._emit(mv)
-        self._next += 1
+        self._advance(name, mv.nbytes)
+        self._emit(mv, release)
 
-    def close(self) -> str:
-        """Finish the file (fsync) and return its sha256."""
+    def copy(self, name: str, source: Path, start: int, nbytes: int) -> None:
+        """Append bytes [start, start + nbytes) of the file `source` to tensor `name`, on the
+        background thread (the caller does not wait for them)."""
+        self._advance(name, nbytes)
+        self._bg.submit(self._copy_job, Path(source), start, nbytes, holds_buffer=False)
+
+    def _copy_job(self, source: Path, start: int, nbytes: int) -> None:
+        if self._copy_buf is None:
+            self._copy_buf = np.empty(_COPY_BLOCK, dtype=np.uint8)
+        view = memoryview(self._copy_buf)
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            done = 0
+            while done < nbytes:
+                n = os.preadv(fd, [view[: min(_COPY_BLOCK, nbytes - done)]], start + done)
+                if n == 0:
+                    raise ArtifactError(f"{source.name} became shorter while it was being read", "do not modify the source during a conversion")
+                self._write(view[:n])
+                done += n
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Every tensor was given: queue the end of the file, without waiting for it."""
         if self._next != len(self._order):
             raise RuntimeError(f"ShardWriter: {len(self._order) - self._next} tensors never written")
-        self._bg.shutdown()
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        return self._hash.hexdigest()
+        self._bg.submit(self._f.finish, holds_buffer=False)
+        self._closed = True
+
+    @property
+    def digest(self) -> str:
+        """The file's sha256, once everything queued is written (waits for it)."""
+        with self._digest_lock:
+            if self._digest is None:
+                if not self._closed:
+                    raise RuntimeError("ShardWriter.digest is known after close()")
+                self._bg.shutdown()
+                self._copy_buf = None
+                self._digest = self._hash.hexdigest()
+            return self._digest
+
+    @property
+    def write_mode(self) -> str:
+        """How the bytes reached the disk: "direct" (O_DIRECT) or why they went "buffered"."""
+        return self._f.mode
+
+    def sync(self) -> None:
+        """Wait for the writes, fsync and close the file: may run on another thread."""
+        try:
+            self.digest
+            self._f.sync()
+        finally:
+            self._f.close()
 
     def __enter__(self) -> "ShardWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Finish the file on success (its sha256 in `.digest`); on any error, abort."""
+        """On success, close (the writes finish in the background); on any error, abort."""
         if exc_type is None:
-            self.digest = self.close()
+            self.close()
         else:
             self.abort()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import SourceError
+from .manifests.hashing import BackgroundHasher
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
 ALLOW_PATTERNS = [
@@ -46,6 +47,7 @@ class Snapshot:
     weight_files: list[str] = field(default_factory=list)  # safetensors files, in order
     weight_map: dict[str, str] = field(default_factory=dict)  # tensor name -> file
     config: dict = field(default_factory=dict)
+    _hasher: BackgroundHasher | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def total_weight_bytes(self) -> int:
@@ -71,6 +73,25 @@ class Snapshot:
             if _SHA256.match(blob):
                 return blob
         return None
+
+    def start_hashing(self) -> None:
+        """Start hashing the weight files whose sha256 the cache does not already know, on a
+        background thread (idempotent): a conversion's first seconds are imports and planning,
+        during which a second core is otherwise idle."""
+        if self._hasher is None:
+            self._hasher = BackgroundHasher([self.path / f for f in self.weight_files if self.known_sha256(f) is None])
+
+    def sha256(self, name: str) -> str:
+        """A weight file's sha256: the cache's, or the background hasher's (started if needed)."""
+        known = self.known_sha256(name)
+        if known is not None:
+            return known
+        self.start_hashing()
+        return self._hasher.sha256(self.path / name)
+
+    def stop_hashing(self) -> None:
+        if self._hasher is not None:
+            self._hasher.cancel()
 
     def as_dict(self) -> dict:
         return {

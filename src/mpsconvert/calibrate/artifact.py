@@ -152,6 +152,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
                         s = cal.scales[weight_of[w]]
                         writer.write(name[: -len("weight_scale")] + "input_scale", torch.tensor([s], dtype=torch.float32))
                         manifest.tensors[w]["input_scale"] = s
+            writer.sync()
             digest = writer.digest
             for name, *_ in entries:
                 weight_map[name] = f

@@ -70,20 +70,141 @@ def _check_finite(amax: torch.Tensor, name: str) -> None:
         )
 
 
-def row_amax(w: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-    """Per-row absolute maximum of a 2-D tensor as float32 [N, 1], chunked."""
-    n, k = w.shape
-    out = torch.empty(n, 1, dtype=torch.float32, device=w.device)
-    step = max(1, _CHUNK_ELEMS // max(k, 1))
-    for i in range(0, n, step):
-        out[i : i + step] = w[i : i + step].abs().amax(dim=1, keepdim=True).float()
-    _check_finite(out, name)
-    return out
-
-
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """scale = amax / 448, floored so that all-zero rows get a valid positive scale."""
     return (amax.float() / FP8_MAX).clamp_(min=SCALE_FLOOR)
+
+
+class StreamQuantizer:
+    """Quantizes one [N, K] weight fed as consecutive blocks of rows, in order.
+
+    Conversion reads a tensor block by block (the reader's buffers), so no whole tensor, let
+    alone a float32 copy of one, is ever held. Per-row scales are computed in the same pass as
+    the cast. A per-tensor scale needs the whole tensor's amax first: feed every block to
+    `observe` (a first pass) before `quantize`. A given `scale` (broadcast to [N, 1]) is used
+    as is, and values beyond +-448 are then clamped before the cast; with our own amax-derived
+    scales |w / scale| <= 448 already (rounding stays below e4m3's 464 overflow threshold).
+    The SQNR is exact up to 2**20 elements and measured on evenly spaced rows beyond that
+    (about 2**20 elements): decoding every code again would double the cost of a conversion.
+    """
+
+    def __init__(self, n: int, k: int, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None):
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        self.n, self.k, self.name = n, k, name
+        self.granularity = granularity
+        self._given = scale is not None
+        self._row_amax = torch.empty(n, 1, dtype=torch.float32)
+        if scale is not None:
+            scale = scale.float().cpu()
+            self._scale = scale.reshape(1) if scale.numel() == 1 else scale.reshape(n, 1)
+        elif granularity == "row":
+            self._scale = torch.empty(n, 1, dtype=torch.float32)
+        else:
+            self._scale = None  # known once every block went through observe()
+        self._observed = 0
+        self._pos = 0
+        self._stride = max(1, (n * k) // _SQNR_ELEMS)
+        self._sig = self._err = 0.0
+        self._sampled = 0
+        rows = max(1, _CHUNK_ELEMS // max(k, 1))
+        self._f32 = torch.empty(rows, k, dtype=torch.float32)
+        self._tmp = torch.empty(rows, k, dtype=torch.float32)
+
+    @property
+    def needs_observe(self) -> bool:
+        """True while a per-tensor scale still waits for the first pass over the tensor."""
+        return self._scale is None
+
+    def _chunks(self, block: torch.Tensor):
+        step = self._f32.shape[0]
+        for i in range(0, block.shape[0], step):
+            c = block[i : i + step]
+            f = self._f32[: c.shape[0]]
+            f.copy_(c)
+            yield i, c.shape[0], f
+
+    def _amax_rows(self, f: torch.Tensor, out: torch.Tensor) -> None:
+        a = self._tmp[: f.shape[0]]
+        torch.abs(f, out=a)
+        torch.amax(a, dim=1, keepdim=True, out=out)
+
+    def observe(self, block: torch.Tensor) -> None:
+        """First pass for a per-tensor scale: the rows' amax, block by block in order."""
+        if self._scale is not None:
+            raise RuntimeError("observe() is only needed for a per-tensor scale computed from the weight")
+        start = self._observed
+        for i, b, f in self._chunks(block):
+            self._amax_rows(f, self._row_amax[start + i : start + i + b])
+        self._observed += block.shape[0]
+        _check_finite(self._row_amax[start : self._observed], self.name)
+        if self._observed == self.n:
+            self._scale = scales_from_amax(self._row_amax.amax().reshape(1))
+
+    def quantize(self, block: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """e4m3 codes of the next rows of the weight (a float tensor [b, K]), into `out` if given."""
+        if self._scale is None:
+            raise RuntimeError("a per-tensor scale needs observe() over the whole tensor first")
+        if block.ndim != 2 or block.shape[1] != self.k or self._pos + block.shape[0] > self.n:
+            raise RuntimeError(f"block {tuple(block.shape)} does not continue [{self.n}, {self.k}] at row {self._pos}")
+        start = self._pos
+        if out is None:
+            out = torch.empty(block.shape, dtype=FP8_DTYPE)
+        own_rows = self.granularity == "row" and not self._given
+        known_amax = self._observed == self.n
+        for i, b, f in self._chunks(block):
+            r0 = start + i
+            a = self._row_amax[r0 : r0 + b]
+            if not known_amax:
+                self._amax_rows(f, a)
+            if own_rows:
+                _check_finite(a, self.name)
+                s = self._scale[r0 : r0 + b]
+                torch.clamp(a / FP8_MAX, min=SCALE_FLOOR, out=s)
+            else:
+                s = self._scale if self._scale.numel() == 1 else self._scale[r0 : r0 + b]
+            t = self._tmp[:b]
+            torch.div(f, s, out=t)
+            if self._given:
+                t.clamp_(-FP8_MAX, FP8_MAX)
+            out[i : i + b].copy_(t)
+        self._pos += block.shape[0]
+        self._sample_error(block, out, start)
+        return out
+
+    def _sample_error(self, block: torch.Tensor, codes: torch.Tensor, start: int) -> None:
+        first = -start % self._stride
+        if first >= block.shape[0]:
+            return
+        rows = slice(first, None, self._stride)
+        wf = block[rows].float().contiguous()
+        s = self._scale if self._scale.numel() == 1 else self._scale[start + first :: self._stride][: wf.shape[0]]
+        d = fp8_to_float(codes[rows]).mul_(s).sub_(wf)
+        self._sig += float(torch.dot(wf.view(-1), wf.view(-1)))
+        self._err += float(torch.dot(d.view(-1), d.view(-1)))
+        self._sampled += wf.shape[0]
+
+    def finish(self) -> tuple[torch.Tensor, QuantStats]:
+        """The dequant scale ([1] or [N, 1]) and the error stats, once every row was quantized."""
+        if self._pos != self.n:
+            raise RuntimeError(f"{self.name}: {self.n - self._pos} rows never quantized")
+        _check_finite(self._row_amax, self.name)
+        if self._err == 0.0:
+            sqnr = math.inf
+        elif self._sig == 0.0:
+            sqnr = -math.inf
+        else:
+            sqnr = 10.0 * math.log10(self._sig / self._err)
+        scale = self._scale
+        stats = QuantStats(
+            amax=float(self._row_amax.max()) if self.n else 0.0,
+            scale_min=float(scale.min()),
+            scale_max=float(scale.max()),
+            sqnr_db=sqnr,
+            zero_rows=int((self._row_amax == 0).sum()),
+            sqnr_rows=self._sampled,
+        )
+        return scale, stats
 
 
 def quantize(
@@ -92,72 +213,22 @@ def quantize(
     """Quantize a 2-D float weight [N, K] to e4m3 codes plus its dequant scale, with error stats.
 
     `scale` may be given (e.g. a calibrated or shared scale); it must broadcast to [N, 1].
-    Row scales are computed chunk by chunk in the same pass as the cast. The SQNR is exact for
-    tensors up to 2**20 elements and measured on evenly spaced rows (about 2**20 elements)
-    beyond that: decoding every code again would double the cost of a conversion on CPU.
     """
     if w.ndim != 2:
         raise QuantizationError(f"tensor {name!r} has shape {tuple(w.shape)}, expected 2-D [out, in]")
     if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise QuantizationError(f"tensor {name!r} has dtype {w.dtype}, expected a float weight")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    n, k = w.shape
-    fused_amax = scale is None and granularity == "row"
-    rows_amax = row_amax(w, name) if scale is None and granularity == "tensor" else None
-    if rows_amax is not None:
-        scale = scales_from_amax(rows_amax.amax().reshape(1))
-    if scale is not None:
-        scale = scale.float().to(w.device)
-        row_scale = scale.reshape(-1, 1).expand(n, 1) if scale.numel() == 1 else scale.reshape(n, 1)
-    else:
-        scale = row_scale = torch.empty(n, 1, dtype=torch.float32, device=w.device)
-    q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
-    step = max(1, _CHUNK_ELEMS // max(k, 1))
-    amax_max = torch.zeros((), dtype=torch.float32, device=w.device)
-    zero_rows = 0
-    for i in range(0, n, step):
-        wf = w[i : i + step].float()
-        a = rows_amax[i : i + step] if rows_amax is not None else wf.abs().amax(dim=1, keepdim=True)
-        if fused_amax:
-            _check_finite(a, name)
-            row_scale[i : i + step] = scales_from_amax(a)
-        amax_max = torch.maximum(amax_max, a.max())
-        zero_rows += int((a == 0).sum())
-        t = wf / row_scale[i : i + step]
-        t.clamp_(-FP8_MAX, FP8_MAX)
-        q[i : i + step] = t.to(FP8_DTYPE)
-    _check_finite(amax_max, name)
-    sqnr, sampled = _sqnr(w, q, row_scale)
-    stats = QuantStats(
-        amax=float(amax_max),
-        scale_min=float(scale.min()),
-        scale_max=float(scale.max()),
-        sqnr_db=sqnr,
-        zero_rows=zero_rows,
-        sqnr_rows=sampled,
-    )
-    return q, scale.reshape(1) if scale.numel() == 1 else scale.reshape(n, 1), stats
+    device = w.device
+    w = w.cpu()
+    qz = StreamQuantizer(*w.shape, granularity=granularity, name=name, scale=scale)
+    if qz.needs_observe:
+        qz.observe(w)
+    q = qz.quantize(w)
+    s, stats = qz.finish()
+    return q.to(device), s.to(device), stats
 
 
 _SQNR_ELEMS = 1 << 20
-
-
-def _sqnr(w: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor) -> tuple[float, int]:
-    """10*log10(|w|^2 / |w - dequant(q)|^2) over all rows, or evenly spaced rows of a large tensor."""
-    n, k = w.shape
-    stride = max(1, (n * k) // _SQNR_ELEMS)
-    if stride > 1:
-        w, q, row_scale = w[::stride], q[::stride], row_scale[::stride]
-    wf = w.float()
-    d = fp8_to_float(q).mul_(row_scale).sub_(wf)
-    sig = float(torch.dot(wf.view(-1), wf.view(-1)))
-    err = float(torch.dot(d.view(-1), d.view(-1)))
-    if err == 0.0:
-        return math.inf, w.shape[0]
-    if sig == 0.0:
-        return -math.inf, w.shape[0]
-    return 10.0 * math.log10(sig / err), w.shape[0]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

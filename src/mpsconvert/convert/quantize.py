@@ -33,7 +33,7 @@ from ..manifests.hashing import sha256_file
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
-from ..safetensors_io import ShardReader, ShardWriter, TensorInfo, as_tensor, read_header
+from ..safetensors_io import BufferPool, ShardReader, ShardWriter, TensorInfo, read_header
 from ..source import Snapshot
 from . import fp8
 from .targets import Plan, plan_for
@@ -41,6 +41,9 @@ from .targets import Plan, plan_for
 INDEX_NAME = "model.safetensors.index.json"
 EXPERTS_LAYOUTS = ("per-expert", "checkpoint")
 Progress = Callable[[int, str], None]  # (bytes done since last call, tensor name)
+# Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
+# flight bound the memory a conversion needs beyond the runtime itself, whatever the model.
+BLOCK_BYTES = 16 << 20
 
 
 @dataclass
@@ -169,8 +172,12 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
     # (benchmarks/convert.py).
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads - 1))
+    snap.start_hashing()  # if the caller did not already: overlaps the planning below
     try:
         return _quantize_snapshot(snap, out, opts, progress)
+    except BaseException:
+        snap.stop_hashing()
+        raise
     finally:
         torch.set_num_threads(threads)
 
@@ -198,36 +205,44 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     files: dict[str, dict] = {}
     total_in = total_out = 0
 
-    with atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, scheme)) as tmp:
+    pool = BufferPool(count=8, nbytes=BLOCK_BYTES)
+    with atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, scheme)) as tmp, atomic.BackgroundSync() as syncs:
+        writers = {}
         for src_name, out_name in zip(snap.weight_files, names):
             header = headers[src_name]
+            # Quantized tensors first, tensors copied as they are last: the writer thread copies
+            # those (an embedding is half a GB) while this thread goes on to the next shard.
+            work = [n for n in header.tensors if n in tensor_module or n in expert_tensors]
+            work += [n for n in header.tensors if n not in tensor_module and n not in expert_tensors]
             entries = []
-            for name, info in header.tensors.items():
+            for name in work:
+                info = header.tensors[name]
                 if name in tensor_module:
                     entries += _linear_entries(name, tuple(info.shape), scheme)
                 elif name in expert_tensors:
                     entries += _expert_entries(name, info, expert_tensors[name], scheme)
                 else:
                     entries.append((name, info.dtype, info.shape))
-            with ShardReader(header) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
-                for name, info in header.tensors.items():
-                    buf = reader.read(info)
+            with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
+                for name in work:
+                    info = header.tensors[name]
                     if name in tensor_module:
-                        tensors.update(_quantize_one(writer, name, info, buf, tensor_module[name], scheme, opts))
+                        tensors.update(_quantize_one(reader, writer, name, info, tensor_module[name], scheme, opts))
                     elif name in expert_tensors:
-                        tensors.update(_quantize_expert(writer, name, info, buf, expert_tensors[name], scheme, opts))
+                        tensors.update(_quantize_expert(reader, writer, name, info, expert_tensors[name], scheme, opts))
                     else:
-                        writer.write(name, buf)
-                    del buf
+                        writer.copy(name, header.path, info.start, info.nbytes)
                     progress(info.nbytes, name)
-                source_files[src_name] = snap.known_sha256(src_name) or reader.sha256()
-            digest = writer.digest
+            syncs.add(writer.sync)
+            writers[out_name] = writer
             for name, *_ in entries:
                 weight_map[name] = out_name
-            size = (tmp / out_name).stat().st_size
-            files[out_name] = {"sha256": digest, "size": size}
             total_in += header.file_size
-            total_out += size
+            total_out += writer.size
+        for out_name, writer in writers.items():
+            files[out_name] = {"sha256": writer.digest, "size": writer.size}
+        for src_name in snap.weight_files:  # hashed on the snapshot's thread meanwhile
+            source_files[src_name] = snap.sha256(src_name)
 
         if len(names) > 1:
             index = {"metadata": {"total_size": sum(files[n]["size"] for n in names)}, "weight_map": dict(sorted(weight_map.items()))}
@@ -271,37 +286,82 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                 "scales": "per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
                 "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]",
             }
+        # How the shards reached the disk (O_DIRECT or the page cache, and why): it depends on the
+        # filesystem, not on the inputs, so it lives in the block that differs between runs.
+        manifest.created["shard_writes"] = ", ".join(sorted({w.write_mode for w in writers.values()}))
         manifest.summary = summarize(manifest, plan, total_in, total_out)
         manifest.write(tmp)
     return manifest
 
 
 def _quantize_one(
-    writer: ShardWriter, name: str, info: TensorInfo, buf, module: str, scheme: Scheme, opts: Options, input_scale: float | None = None
+    reader: ShardReader, writer: ShardWriter, name: str, info: TensorInfo, module: str, scheme: Scheme, opts: Options,
+    input_scale: float | None = None,
 ) -> dict:
-    return _quantize_tensor(writer, name, as_tensor(buf, info), module, scheme, opts, input_scale, info.dtype)
+    n, k = info.shape
+    return _quantize_rows(reader, writer, name, info, 0, n, k, module, scheme, opts, input_scale)
 
 
-def _quantize_tensor(
-    writer: ShardWriter, name: str, w: torch.Tensor, module: str, scheme: Scheme, opts: Options, input_scale: float | None, source_dtype: str
+def _quantize_matrix(reader: ShardReader, writer: ShardWriter, out_name: str, info: TensorInfo, first_row: int, n: int, k: int,
+                     granularity: str, name: str) -> tuple[torch.Tensor, fp8.QuantStats]:
+    """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
+    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks);
+    returns the dequant scale and the stats."""
+    row_bytes = k * (info.nbytes // max(1, math.prod(info.shape)))
+    start, nbytes = info.start + first_row * row_bytes, n * row_bytes
+    qz = fp8.StreamQuantizer(n, k, granularity, name)
+
+    def rows(buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(info.torch_dtype).view(-1, k)
+
+    def quantize_block(buf: torch.Tensor, release) -> None:
+        w = rows(buf)
+        out, give_back = reader.pool.acquire(w.shape[0] * k)
+        try:
+            codes = qz.quantize(w, out=out.view(fp8.FP8_DTYPE).view(-1, k))
+        finally:
+            if release is not None:
+                release()
+        writer.write(out_name, codes, give_back)
+
+    if qz.needs_observe and nbytes <= reader.pool.nbytes:  # one block: read it once
+        for buf, release in reader.blocks(start, nbytes, row_bytes):
+            qz.observe(rows(buf))
+            quantize_block(buf, release)
+    else:
+        if qz.needs_observe:  # per-tensor scale: a first pass for the amax (page-cache reads)
+            for buf, release in reader.blocks(start, nbytes, row_bytes):
+                try:
+                    qz.observe(rows(buf))
+                finally:
+                    if release is not None:
+                        release()
+        for buf, release in reader.blocks(start, nbytes, row_bytes):
+            quantize_block(buf, release)
+    return qz.finish()
+
+
+def _quantize_rows(
+    reader: ShardReader, writer: ShardWriter, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, module: str,
+    scheme: Scheme, opts: Options, input_scale: float | None,
 ) -> dict:
-    """One 2-D weight -> `<m>.weight` codes, `<m>.weight_scale` (+ `<m>.input_scale`), its record."""
-    q, scale, stats = fp8.quantize(w, scheme.weights, name=name)
-    writer.write(name, q)
-    writer.write(name + "_scale", scale.contiguous())
+    """One 2-D weight (or rows of a fused one) -> `<m>.weight` codes, `<m>.weight_scale`
+    (+ `<m>.input_scale`), and its record."""
+    scale, stats = _quantize_matrix(reader, writer, out_name, info, first_row, n, k, scheme.weights, out_name)
+    writer.write(out_name + "_scale", scale.contiguous())
     record = {
         "module": module,
-        "shape": list(w.shape),
-        "source_dtype": source_dtype,
+        "shape": [n, k],
+        "source_dtype": info.dtype,
         "dtype": "F8_E4M3",
         "weight_scale_shape": list(scale.shape),
         **stats.as_dict(),
     }
     if scheme.needs_calibration:
         s = _check_input_scale(input_scale if input_scale is not None else float(opts.input_scales[module]), module)
-        writer.write(name[: -len("weight")] + "input_scale", torch.tensor([s], dtype=torch.float32))
+        writer.write(out_name[: -len("weight")] + "input_scale", torch.tensor([s], dtype=torch.float32))
         record["input_scale"] = s
-    return {name: record}
+    return {out_name: record}
 
 
 def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme) -> list:
@@ -333,32 +393,27 @@ def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
     return entries
 
 
-def _quantize_expert(writer: ShardWriter, name: str, info: TensorInfo, buf, et: ExpertTensor, scheme: Scheme, opts: Options) -> dict:
+def _quantize_expert(reader: ShardReader, writer: ShardWriter, name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme,
+                     opts: Options) -> dict:
     if et.expert is not None:
         module = name[: -len(".weight")]
-        rec = _quantize_one(writer, name, info, buf, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module))
+        rec = _quantize_one(reader, writer, name, info, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module))
         rec[name].update(experts_module=et.param.module, param=et.param.param, expert=et.expert)
         return rec
-    w = as_tensor(buf, info)
-    E, N, K = w.shape
+    E, N, K = info.shape
     if et.split:  # write the fused tensor as per-expert Linear weights
         records = {}
         for sl in et.split:
             module = sl.key[: -len(".weight")]
-            part = w[sl.expert, sl.start : sl.stop]
-            records.update(
-                _quantize_tensor(writer, sl.key, part, module, scheme, opts, opts.expert_input_scale(et.param, sl.expert, module), info.dtype)
-            )
+            records.update(_quantize_rows(reader, writer, sl.key, info, sl.expert * N + sl.start, sl.stop - sl.start, K, module,
+                                          scheme, opts, opts.expert_input_scale(et.param, sl.expert, module)))
             records[sl.key].update(experts_module=et.param.module, param=et.param.param, expert=sl.expert, split_from=name)
         return records
-    codes = torch.empty(E, N, K, dtype=fp8.FP8_DTYPE)
     scales, per_expert = [], []
     for e in range(E):
-        q, scale, stats = fp8.quantize(w[e], scheme.weights, name=f"{name}[{e}]")
-        codes[e] = q
+        scale, stats = _quantize_matrix(reader, writer, name, info, e * N, N, K, scheme.weights, f"{name}[{e}]")
         scales.append(scale.reshape(-1, 1))
         per_expert.append(stats)
-    writer.write(name, codes)
     writer.write(name + "_scale", torch.stack(scales).contiguous())
     sqnrs = [s.sqnr_db for s in per_expert]
     record = {
