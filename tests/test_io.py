@@ -120,7 +120,7 @@ def test_output_file_writes_exact_bytes_on_every_path(tmp_path, monkeypatch, for
             return real_pwrite(fd, buf, off)
 
         monkeypatch.setattr(safetensors_io.os, "pwrite", refuse)
-    f = OutputFile(tmp_path / "x.bin", size=len(data))
+    f = OutputFile(tmp_path / "x.bin")
     for part in _chunks(data, sizes):
         f.write(part)
     f.finish()
@@ -135,19 +135,6 @@ def test_output_file_writes_exact_bytes_on_every_path(tmp_path, monkeypatch, for
         assert f.mode == "buffered (O_DIRECT writes refused by the filesystem)"
     else:
         assert f.mode in ("direct", "buffered (O_DIRECT refused by the filesystem)")
-
-
-def test_output_file_reserves_its_size_so_a_full_disk_fails_at_once(tmp_path, monkeypatch):
-    if not hasattr(os, "posix_fallocate"):
-        pytest.skip("no posix_fallocate on this OS")
-
-    def full(fd, off, n):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(safetensors_io.os, "posix_fallocate", full)
-    with pytest.raises(OSError) as e:
-        OutputFile(tmp_path / "x.bin", size=1 << 30)
-    assert e.value.errno == errno.ENOSPC
 
 
 def test_shard_writer_takes_blocks_and_copies_and_finishes_in_the_background(tmp_path):

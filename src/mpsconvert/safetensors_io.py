@@ -174,26 +174,32 @@ class _Background:
 
 
 class BufferPool:
-    """A few reusable byte buffers for reading and writing blocks.
+    """Reusable byte buffers for reading and writing blocks, made on first need, `count` at most.
 
     Freshly allocated memory costs a page fault per 4 KiB on first touch, which on the machines
-    we measured cost a third of the quantization math itself (benchmarks/convert.py); a
-    pool touches its buffers once. `acquire` blocks until a buffer is free, so the blocks in
+    we measured cost a third of the quantization math itself (benchmarks/convert.py); pooled
+    buffers are touched once. `acquire` blocks while all `count` are in use, so the blocks in
     flight (being filled, quantized, queued for writing) and with them peak memory are bounded.
     """
 
     def __init__(self, count: int = 6, nbytes: int = 16 << 20):
         self.nbytes = nbytes
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        for _ in range(count):
-            self._free.put(torch.zeros(nbytes, dtype=torch.uint8))
+        self._left = count  # buffers not made yet
+        self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """A uint8 tensor of `nbytes` and the callback that gives it back (None: not pooled,
         for a block larger than the pool's buffers)."""
         if nbytes > self.nbytes:
             return torch.empty(nbytes, dtype=torch.uint8), None
-        buf = self._free.get()
+        try:
+            buf = self._free.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                make = self._left > 0
+                self._left -= make
+            buf = torch.empty(self.nbytes, dtype=torch.uint8) if make else self._free.get()
         return buf[:nbytes], functools.partial(self._free.put, buf)
 
 
@@ -268,38 +274,30 @@ class OutputFile:
     written while the next fills. Buffered writes cost 1-3 ns per byte of kernel time on the
     machines benchmarks/convert.py ran on, as much as the quantization math. Where O_DIRECT
     is refused (tmpfs, some network and FUSE filesystems, macOS) it writes through the page
-    cache; `mode` says which path ran. The file's final size is reserved up front when known,
-    so that a full disk fails at once rather than half-way.
+    cache; `mode` says which path ran. (Reserving the size up front with posix_fallocate made
+    no difference to O_DIRECT here, and glibc emulates it byte by byte where a filesystem
+    lacks fallocate; `atomic.output_dir` checks the free space before anything is written.)
     """
 
     ALIGN = 4096
     STAGE = 8 << 20
 
-    def __init__(self, path: Path, size: int | None = None):
+    def __init__(self, path: Path):
         self.path = Path(path)
         self.size = 0
         direct = getattr(os, "O_DIRECT", 0)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self._fd = -1
-        try:
-            self._fd = os.open(self.path, flags | direct, 0o666) if direct else -1
-            self.mode = "direct" if direct else "buffered"
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.mode = "buffered (O_DIRECT refused by the filesystem)"
+        self.mode = "direct" if direct else "buffered (no O_DIRECT on this OS)"
+        if direct:
+            try:
+                self._fd = os.open(self.path, flags | direct, 0o666)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.mode = "buffered (O_DIRECT refused by the filesystem)"
         if self._fd < 0:
             self._fd = os.open(self.path, flags, 0o666)
-            if not direct:
-                self.mode = "buffered (no O_DIRECT on this OS)"
-        if size and hasattr(os, "posix_fallocate"):
-            try:
-                os.posix_fallocate(self._fd, 0, size)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    os.close(self._fd)
-                    raise
-                # EOPNOTSUPP / EINVAL: the filesystem cannot reserve; the writes will tell
         self._maps = [mmap.mmap(-1, self.STAGE) for _ in range(2)] if self.direct else []  # page-aligned
         self._stages = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]  # numpy copies release the GIL
         self._fill = 0  # bytes in the current stage
@@ -410,7 +408,7 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.size = 8 + len(raw) + off
         self._hash = hashlib.sha256()
-        self._f = OutputFile(self.path, size=self.size)
+        self._f = OutputFile(self.path)
         self._bg = _Background(depth=3)
         self._next = 0
         self._filled = 0  # bytes of tensor self._order[self._next] written so far

@@ -9,6 +9,7 @@ CPU the conversion is memory-bound and a whole-tensor float32 copy would double 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ FP8_MAX = 448.0
 # Floor for the scale of an all-zero row or tensor: its codes are all zero, and the scale
 # stays a finite positive number that no reader divides by zero with.
 SCALE_FLOOR = 1e-12
-_CHUNK_ELEMS = 1 << 18
+_CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per work buffer: L3-resident, and few Python calls per block
 
 GRANULARITIES = ("tensor", "row")
 
@@ -75,14 +76,29 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return (amax.float() / FP8_MAX).clamp_(min=SCALE_FLOOR)
 
 
+_scratch = threading.local()
+
+
+def _scratch_buffers(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float32 [rows, K] work buffers of the calling thread, kept between tensors: fresh
+    memory costs a page fault per 4 KiB, which on a VM is as dear as the math on it."""
+    if getattr(_scratch, "shape", None) != (rows, k):
+        _scratch.shape = (rows, k)
+        _scratch.bufs = (torch.empty(rows, k, dtype=torch.float32), torch.empty(rows, k, dtype=torch.float32))
+    return _scratch.bufs
+
+
 class StreamQuantizer:
-    """Quantizes one [N, K] weight fed as consecutive blocks of rows, in order.
+    """Quantizes one [N, K] weight fed as blocks of rows.
 
     Conversion reads a tensor block by block (the reader's buffers), so no whole tensor, let
-    alone a float32 copy of one, is ever held. Per-row scales are computed in the same pass as
-    the cast. A per-tensor scale needs the whole tensor's amax first: feed every block to
-    `observe` (a first pass) before `quantize`. A given `scale` (broadcast to [N, 1]) is used
-    as is, and values beyond +-448 are then clamped before the cast; with our own amax-derived
+    alone a float32 copy of one, is ever held. Blocks are given in order, or with their first
+    row (`start`) from several threads at once: each block writes only its own rows' scales,
+    and the error sums are kept per block and added in row order, so the result does not
+    depend on which thread ran what. Per-row scales are computed in the same pass as the cast.
+    A per-tensor scale needs the whole tensor's amax first: feed every block to `observe` (a
+    first pass, in order) before `quantize`. A given `scale` (broadcast to [N, 1]) is used as
+    is, and values beyond +-448 are then clamped before the cast; with our own amax-derived
     scales |w / scale| <= 448 already (rounding stays below e4m3's 464 overflow threshold).
     The SQNR is exact up to 2**20 elements and measured on evenly spaced rows beyond that
     (about 2**20 elements): decoding every code again would double the cost of a conversion.
@@ -103,13 +119,12 @@ class StreamQuantizer:
         else:
             self._scale = None  # known once every block went through observe()
         self._observed = 0
-        self._pos = 0
+        self._lock = threading.Lock()
+        self._next = 0  # first row after the furthest block handed out
+        self._done = 0  # rows quantized
+        self._errors: dict[int, tuple[float, float, int]] = {}  # block start -> (signal, error, rows)
         self._stride = max(1, (n * k) // _SQNR_ELEMS)
-        self._sig = self._err = 0.0
-        self._sampled = 0
-        rows = max(1, _CHUNK_ELEMS // max(k, 1))
-        self._f32 = torch.empty(rows, k, dtype=torch.float32)
-        self._tmp = torch.empty(rows, k, dtype=torch.float32)
+        self._rows = max(1, _CHUNK_ELEMS // max(k, 1))
 
     @property
     def needs_observe(self) -> bool:
@@ -117,84 +132,94 @@ class StreamQuantizer:
         return self._scale is None
 
     def _chunks(self, block: torch.Tensor):
-        step = self._f32.shape[0]
-        for i in range(0, block.shape[0], step):
-            c = block[i : i + step]
-            f = self._f32[: c.shape[0]]
+        f32, tmp = _scratch_buffers(self._rows, self.k)
+        for i in range(0, block.shape[0], self._rows):
+            c = block[i : i + self._rows]
+            f = f32[: c.shape[0]]
             f.copy_(c)
-            yield i, c.shape[0], f
+            yield i, c.shape[0], f, tmp[: c.shape[0]]
 
-    def _amax_rows(self, f: torch.Tensor, out: torch.Tensor) -> None:
-        a = self._tmp[: f.shape[0]]
-        torch.abs(f, out=a)
-        torch.amax(a, dim=1, keepdim=True, out=out)
+    @staticmethod
+    def _amax_rows(f: torch.Tensor, tmp: torch.Tensor, out: torch.Tensor) -> None:
+        torch.abs(f, out=tmp)
+        torch.amax(tmp, dim=1, keepdim=True, out=out)
 
     def observe(self, block: torch.Tensor) -> None:
         """First pass for a per-tensor scale: the rows' amax, block by block in order."""
         if self._scale is not None:
             raise RuntimeError("observe() is only needed for a per-tensor scale computed from the weight")
         start = self._observed
-        for i, b, f in self._chunks(block):
-            self._amax_rows(f, self._row_amax[start + i : start + i + b])
+        for i, b, f, tmp in self._chunks(block):
+            self._amax_rows(f, tmp, self._row_amax[start + i : start + i + b])
         self._observed += block.shape[0]
         _check_finite(self._row_amax[start : self._observed], self.name)
         if self._observed == self.n:
             self._scale = scales_from_amax(self._row_amax.amax().reshape(1))
 
-    def quantize(self, block: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """e4m3 codes of the next rows of the weight (a float tensor [b, K]), into `out` if given."""
+    def quantize(self, block: torch.Tensor, out: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
+        """e4m3 codes of rows [start, start + b) of the weight (a float tensor [b, K]; by
+        default the rows after the last block), into `out` if given."""
         if self._scale is None:
             raise RuntimeError("a per-tensor scale needs observe() over the whole tensor first")
-        if block.ndim != 2 or block.shape[1] != self.k or self._pos + block.shape[0] > self.n:
-            raise RuntimeError(f"block {tuple(block.shape)} does not continue [{self.n}, {self.k}] at row {self._pos}")
-        start = self._pos
+        b = block.shape[0]
+        with self._lock:
+            start = self._next if start is None else start
+            if block.ndim != 2 or block.shape[1] != self.k or start < 0 or start + b > self.n:
+                raise RuntimeError(f"block {tuple(block.shape)} does not continue [{self.n}, {self.k}] at row {start}")
+            self._next = max(self._next, start + b)
         if out is None:
             out = torch.empty(block.shape, dtype=FP8_DTYPE)
         own_rows = self.granularity == "row" and not self._given
         known_amax = self._observed == self.n
-        for i, b, f in self._chunks(block):
+        for i, rows, f, t in self._chunks(block):
             r0 = start + i
-            a = self._row_amax[r0 : r0 + b]
+            a = self._row_amax[r0 : r0 + rows]
             if not known_amax:
-                self._amax_rows(f, a)
+                self._amax_rows(f, t, a)
             if own_rows:
                 _check_finite(a, self.name)
-                s = self._scale[r0 : r0 + b]
+                s = self._scale[r0 : r0 + rows]
                 torch.clamp(a / FP8_MAX, min=SCALE_FLOOR, out=s)
             else:
-                s = self._scale if self._scale.numel() == 1 else self._scale[r0 : r0 + b]
-            t = self._tmp[:b]
+                s = self._scale if self._scale.numel() == 1 else self._scale[r0 : r0 + rows]
             torch.div(f, s, out=t)
             if self._given:
                 t.clamp_(-FP8_MAX, FP8_MAX)
-            out[i : i + b].copy_(t)
-        self._pos += block.shape[0]
-        self._sample_error(block, out, start)
+            out[i : i + rows].copy_(t)
+        err = self._sample_error(block, out, start)
+        with self._lock:
+            if start in self._errors:
+                raise RuntimeError(f"{self.name}: rows from {start} quantized twice")
+            self._errors[start] = err
+            self._done += b
         return out
 
-    def _sample_error(self, block: torch.Tensor, codes: torch.Tensor, start: int) -> None:
+    def _sample_error(self, block: torch.Tensor, codes: torch.Tensor, start: int) -> tuple[float, float, int]:
         first = -start % self._stride
         if first >= block.shape[0]:
-            return
+            return 0.0, 0.0, 0
         rows = slice(first, None, self._stride)
         wf = block[rows].float().contiguous()
         s = self._scale if self._scale.numel() == 1 else self._scale[start + first :: self._stride][: wf.shape[0]]
         d = fp8_to_float(codes[rows]).mul_(s).sub_(wf)
-        self._sig += float(torch.dot(wf.view(-1), wf.view(-1)))
-        self._err += float(torch.dot(d.view(-1), d.view(-1)))
-        self._sampled += wf.shape[0]
+        return float(torch.dot(wf.view(-1), wf.view(-1))), float(torch.dot(d.view(-1), d.view(-1))), wf.shape[0]
 
     def finish(self) -> tuple[torch.Tensor, QuantStats]:
         """The dequant scale ([1] or [N, 1]) and the error stats, once every row was quantized."""
-        if self._pos != self.n:
-            raise RuntimeError(f"{self.name}: {self.n - self._pos} rows never quantized")
+        if self._done != self.n:
+            raise RuntimeError(f"{self.name}: {self.n - self._done} rows never quantized")
         _check_finite(self._row_amax, self.name)
-        if self._err == 0.0:
+        sig = err = 0.0
+        sampled = 0
+        for start in sorted(self._errors):  # row order: the same sums whatever ran where
+            s_, e_, r_ = self._errors[start]
+            sig, err, sampled = sig + s_, err + e_, sampled + r_
+        if err == 0.0:
             sqnr = math.inf
-        elif self._sig == 0.0:
+        elif sig == 0.0:
             sqnr = -math.inf
         else:
-            sqnr = 10.0 * math.log10(self._sig / self._err)
+            sqnr = 10.0 * math.log10(sig / err)
         scale = self._scale
         stats = QuantStats(
             amax=float(self._row_amax.max()) if self.n else 0.0,
@@ -202,7 +227,7 @@ class StreamQuantizer:
             scale_max=float(scale.max()),
             sqnr_db=sqnr,
             zero_rows=int((self._row_amax == 0).sum()),
-            sqnr_rows=self._sampled,
+            sqnr_rows=sampled,
         )
         return scale, stats
 

@@ -1,8 +1,12 @@
 """The data-free pipeline: snapshot -> plan -> shard-by-shard FP8 writer -> artifact + manifest.
 
-Memory stays near one tensor: each source shard is read tensor by tensor in file order (hashed
-as it passes), each tensor is quantized or copied byte for byte, and written straight into the
-matching output shard. The artifact folder is built under a temporary name and renamed at the end.
+Memory stays at a few 16 MiB blocks whatever the model: each tensor is read in blocks of rows
+into pooled buffers, quantized on `QUANT_THREADS` threads (or copied byte for byte by the
+writer's thread), and streamed into the matching output shard, which goes to disk through
+O_DIRECT where the filesystem allows (`safetensors_io`). The source files are hashed on their
+own thread from the start of the run, while torch and transformers load. The artifact folder
+is built under a temporary name and renamed at the end. Where the time goes, and what each of
+these choices saved, is measured by benchmarks/convert.py (see the README).
 
 MoE experts are quantized in the layout the checkpoint has (see `moe_layout`): one 2-D tensor
 per expert and projection is quantized exactly like a Linear weight (`<m>.weight` F8 +
@@ -19,7 +23,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,6 +51,10 @@ Progress = Callable[[int, str], None]  # (bytes done since last call, tensor nam
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
 # flight bound the memory a conversion needs beyond the runtime itself, whatever the model.
 BLOCK_BYTES = 16 << 20
+# Threads that quantize blocks, each with one torch thread: block-level parallelism beats
+# intra-op threads on 1M-element chunks. Two on 2 cores (0.1-0.2 s faster than one there, the
+# writer thread taking the rest); beyond 4 the single sha256-and-write thread is the limit.
+QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
 
 
 @dataclass
@@ -167,11 +178,11 @@ def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) ->
 
 def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
     """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest."""
-    # One torch thread fewer than cores: the sha256 and write threads need the rest, and
-    # oversubscribed intra-op threads made a whole conversion ~15% slower on 2 cores
+    # One torch thread per quantizing thread (QUANT_THREADS of them): the cores left hash and
+    # write, and oversubscribed intra-op threads made a whole conversion ~15% slower on 2 cores
     # (benchmarks/convert.py).
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - 1))
+    torch.set_num_threads(1)
     snap.start_hashing()  # if the caller did not already: overlaps the planning below
     try:
         return _quantize_snapshot(snap, out, opts, progress)
@@ -205,8 +216,12 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     files: dict[str, dict] = {}
     total_in = total_out = 0
 
-    pool = BufferPool(count=8, nbytes=BLOCK_BYTES)
-    with atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, scheme)) as tmp, atomic.BackgroundSync() as syncs:
+    pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
+    with (
+        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, scheme)) as tmp,
+        atomic.BackgroundSync() as syncs,
+        ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
+    ):
         writers = {}
         for src_name, out_name in zip(snap.weight_files, names):
             header = headers[src_name]
@@ -224,12 +239,13 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                 else:
                     entries.append((name, info.dtype, info.shape))
             with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
+                sh = _Shard(reader, writer, workers, QUANT_THREADS + 1)
                 for name in work:
                     info = header.tensors[name]
                     if name in tensor_module:
-                        tensors.update(_quantize_one(reader, writer, name, info, tensor_module[name], scheme, opts))
+                        tensors.update(_quantize_one(sh, name, info, tensor_module[name], scheme, opts))
                     elif name in expert_tensors:
-                        tensors.update(_quantize_expert(reader, writer, name, info, expert_tensors[name], scheme, opts))
+                        tensors.update(_quantize_expert(sh, name, info, expert_tensors[name], scheme, opts))
                     else:
                         writer.copy(name, header.path, info.start, info.nbytes)
                     progress(info.nbytes, name)
@@ -294,15 +310,26 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     return manifest
 
 
+@dataclass
+class _Shard:
+    """What quantizing one shard's tensors works with: its reader and writer, and the threads
+    that quantize blocks (`parallel` of them in flight)."""
+
+    reader: ShardReader
+    writer: ShardWriter
+    workers: ThreadPoolExecutor
+    parallel: int
+
+
 def _quantize_one(
-    reader: ShardReader, writer: ShardWriter, name: str, info: TensorInfo, module: str, scheme: Scheme, opts: Options,
+    sh: _Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, opts: Options,
     input_scale: float | None = None,
 ) -> dict:
     n, k = info.shape
-    return _quantize_rows(reader, writer, name, info, 0, n, k, module, scheme, opts, input_scale)
+    return _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale)
 
 
-def _quantize_matrix(reader: ShardReader, writer: ShardWriter, out_name: str, info: TensorInfo, first_row: int, n: int, k: int,
+def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int,
                      granularity: str, name: str) -> tuple[torch.Tensor, fp8.QuantStats]:
     """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
     to `out_name`, block by block (pooled buffers, so memory stays at a few blocks);
@@ -314,41 +341,52 @@ def _quantize_matrix(reader: ShardReader, writer: ShardWriter, out_name: str, in
     def rows(buf: torch.Tensor) -> torch.Tensor:
         return buf.view(info.torch_dtype).view(-1, k)
 
-    def quantize_block(buf: torch.Tensor, release) -> None:
-        w = rows(buf)
-        out, give_back = reader.pool.acquire(w.shape[0] * k)
+    def quantize_block(buf: torch.Tensor, release, row: int) -> torch.Tensor:
+        out, give_back = sh.reader.pool.acquire(buf.numel() // (row_bytes // k))
         try:
-            codes = qz.quantize(w, out=out.view(fp8.FP8_DTYPE).view(-1, k))
+            return qz.quantize(rows(buf), out=out.view(fp8.FP8_DTYPE).view(-1, k), start=row), give_back
         finally:
             if release is not None:
                 release()
-        writer.write(out_name, codes, give_back)
 
-    if qz.needs_observe and nbytes <= reader.pool.nbytes:  # one block: read it once
-        for buf, release in reader.blocks(start, nbytes, row_bytes):
+    if qz.needs_observe and nbytes <= sh.reader.pool.nbytes:  # one block: read it once
+        for buf, release in sh.reader.blocks(start, nbytes, row_bytes):
             qz.observe(rows(buf))
-            quantize_block(buf, release)
-    else:
-        if qz.needs_observe:  # per-tensor scale: a first pass for the amax (page-cache reads)
-            for buf, release in reader.blocks(start, nbytes, row_bytes):
-                try:
-                    qz.observe(rows(buf))
-                finally:
-                    if release is not None:
-                        release()
-        for buf, release in reader.blocks(start, nbytes, row_bytes):
-            quantize_block(buf, release)
+            sh.writer.write(out_name, *quantize_block(buf, release, 0))
+        return qz.finish()
+    if qz.needs_observe:  # per-tensor scale: a first pass for the amax (page-cache reads)
+        for buf, release in sh.reader.blocks(start, nbytes, row_bytes):
+            try:
+                qz.observe(rows(buf))
+            finally:
+                if release is not None:
+                    release()
+    # Blocks are quantized on the worker threads, a few at a time, and written in order.
+    inflight: deque = deque()
+    row = 0
+    try:
+        for buf, release in sh.reader.blocks(start, nbytes, row_bytes):
+            inflight.append(sh.workers.submit(quantize_block, buf, release, row))
+            row += buf.numel() // row_bytes
+            while len(inflight) > sh.parallel or (inflight and inflight[0].done()):
+                sh.writer.write(out_name, *inflight.popleft().result())
+        while inflight:
+            sh.writer.write(out_name, *inflight.popleft().result())
+    except BaseException:
+        for fut in inflight:  # let the workers finish with the buffers before they are reused
+            fut.cancel() or fut.exception()
+        raise
     return qz.finish()
 
 
 def _quantize_rows(
-    reader: ShardReader, writer: ShardWriter, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, module: str,
+    sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, module: str,
     scheme: Scheme, opts: Options, input_scale: float | None,
 ) -> dict:
     """One 2-D weight (or rows of a fused one) -> `<m>.weight` codes, `<m>.weight_scale`
     (+ `<m>.input_scale`), and its record."""
-    scale, stats = _quantize_matrix(reader, writer, out_name, info, first_row, n, k, scheme.weights, out_name)
-    writer.write(out_name + "_scale", scale.contiguous())
+    scale, stats = _quantize_matrix(sh, out_name, info, first_row, n, k, scheme.weights, out_name)
+    sh.writer.write(out_name + "_scale", scale.contiguous())
     record = {
         "module": module,
         "shape": [n, k],
@@ -359,7 +397,7 @@ def _quantize_rows(
     }
     if scheme.needs_calibration:
         s = _check_input_scale(input_scale if input_scale is not None else float(opts.input_scales[module]), module)
-        writer.write(out_name[: -len("weight")] + "input_scale", torch.tensor([s], dtype=torch.float32))
+        sh.writer.write(out_name[: -len("weight")] + "input_scale", torch.tensor([s], dtype=torch.float32))
         record["input_scale"] = s
     return {out_name: record}
 
@@ -393,11 +431,11 @@ def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
     return entries
 
 
-def _quantize_expert(reader: ShardReader, writer: ShardWriter, name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme,
+def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme,
                      opts: Options) -> dict:
     if et.expert is not None:
         module = name[: -len(".weight")]
-        rec = _quantize_one(reader, writer, name, info, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module))
+        rec = _quantize_one(sh, name, info, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module))
         rec[name].update(experts_module=et.param.module, param=et.param.param, expert=et.expert)
         return rec
     E, N, K = info.shape
@@ -405,16 +443,16 @@ def _quantize_expert(reader: ShardReader, writer: ShardWriter, name: str, info: 
         records = {}
         for sl in et.split:
             module = sl.key[: -len(".weight")]
-            records.update(_quantize_rows(reader, writer, sl.key, info, sl.expert * N + sl.start, sl.stop - sl.start, K, module,
+            records.update(_quantize_rows(sh, sl.key, info, sl.expert * N + sl.start, sl.stop - sl.start, K, module,
                                           scheme, opts, opts.expert_input_scale(et.param, sl.expert, module)))
             records[sl.key].update(experts_module=et.param.module, param=et.param.param, expert=sl.expert, split_from=name)
         return records
     scales, per_expert = [], []
     for e in range(E):
-        scale, stats = _quantize_matrix(reader, writer, name, info, e * N, N, K, scheme.weights, f"{name}[{e}]")
+        scale, stats = _quantize_matrix(sh, name, info, e * N, N, K, scheme.weights, f"{name}[{e}]")
         scales.append(scale.reshape(-1, 1))
         per_expert.append(stats)
-    writer.write(name + "_scale", torch.stack(scales).contiguous())
+    sh.writer.write(name + "_scale", torch.stack(scales).contiguous())
     sqnrs = [s.sqnr_db for s in per_expert]
     record = {
         "module": et.module,
@@ -436,7 +474,7 @@ def _quantize_expert(reader: ShardReader, writer: ShardWriter, name: str, info: 
         vals = [opts.expert_input_scale(et.param, e) for e in range(E)]
         for e, v in enumerate(vals):
             _check_input_scale(v, f"{et.module}[expert {e}]")
-        writer.write(name + "_input_scale", torch.tensor(vals, dtype=torch.float32))
+        sh.writer.write(name + "_input_scale", torch.tensor(vals, dtype=torch.float32))
         record["input_scale"] = vals
     return {name: record}
 
