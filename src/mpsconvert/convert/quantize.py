@@ -21,6 +21,7 @@ scales). `experts_layout="checkpoint"` keeps it fused: `<p>` F8 [E, N, K] with `
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -239,16 +240,21 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                 else:
                     entries.append((name, info.dtype, info.shape))
             with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
-                sh = _Shard(reader, writer, workers, QUANT_THREADS + 1)
-                for name in work:
-                    info = header.tensors[name]
-                    if name in tensor_module:
-                        tensors.update(_quantize_one(sh, name, info, tensor_module[name], scheme, opts))
-                    elif name in expert_tensors:
-                        tensors.update(_quantize_expert(sh, name, info, expert_tensors[name], scheme, opts))
-                    else:
-                        writer.copy(name, header.path, info.start, info.nbytes)
-                    progress(info.nbytes, name)
+                sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, tensors)
+                try:
+                    for name in work:
+                        info = header.tensors[name]
+                        if name in tensor_module:
+                            _quantize_one(sh, name, info, tensor_module[name], scheme, opts)
+                        elif name in expert_tensors:
+                            _quantize_expert(sh, name, info, expert_tensors[name], scheme, opts)
+                        else:
+                            sh.then(writer.copy, name, header.path, info.start, info.nbytes)
+                        sh.then(progress, info.nbytes, name)
+                    sh.pump(0)
+                except BaseException:
+                    sh.abandon()
+                    raise
             syncs.add(writer.sync)
             writers[out_name] = writer
             for name, *_ in entries:
@@ -312,28 +318,57 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
 
 @dataclass
 class _Shard:
-    """What quantizing one shard's tensors works with: its reader and writer, and the threads
-    that quantize blocks (`parallel` of them in flight)."""
+    """The ordered pipeline of one shard: blocks are quantized on the worker threads, up to
+    `parallel` steps ahead, across tensor boundaries (most Linear weights are one or two
+    blocks), while writes and the steps that need a finished tensor (its scale, its record)
+    run here, in the order they were queued."""
 
     reader: ShardReader
     writer: ShardWriter
     workers: ThreadPoolExecutor
     parallel: int
+    records: dict  # tensor name -> manifest record, filled as tensors finish
+    pending: deque = field(default_factory=deque)
+
+    def block(self, out_name: str, fn, *args) -> None:
+        """Run `fn(*args) -> (codes, release)` on a worker; its codes are appended to `out_name`."""
+        self.pending.append((out_name, self.workers.submit(fn, *args)))
+        self.pump(self.parallel)
+
+    def then(self, fn, *args) -> None:
+        """Run `fn(*args)` here once everything queued before it is written."""
+        self.pending.append((None, functools.partial(fn, *args)))
+        self.pump(self.parallel)
+
+    def pump(self, limit: int) -> None:
+        while self.pending and (len(self.pending) > limit or self.pending[0][0] is None or self.pending[0][1].done()):
+            out_name, job = self.pending.popleft()
+            if out_name is None:
+                job()
+            else:
+                self.writer.write(out_name, *job.result())
+
+    def abandon(self) -> None:
+        """After an error: let the workers finish with their buffers, drop what is queued."""
+        for out_name, job in self.pending:
+            if out_name is not None and not job.cancel():
+                job.exception()
+        self.pending.clear()
 
 
 def _quantize_one(
-    sh: _Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, opts: Options,
-    input_scale: float | None = None,
-) -> dict:
+    sh: _Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, opts: Options, input_scale: float | None = None,
+    **extra,
+) -> None:
     n, k = info.shape
-    return _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale)
+    _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, **extra)
 
 
-def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int,
-                     granularity: str, name: str) -> tuple[torch.Tensor, fp8.QuantStats]:
+def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, granularity: str, name: str,
+                     done: Callable[[torch.Tensor, fp8.QuantStats], None]) -> None:
     """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
-    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks);
-    returns the dequant scale and the stats."""
+    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks); then
+    `done(scale, stats)`, in order."""
     row_bytes = k * (info.nbytes // max(1, math.prod(info.shape)))
     start, nbytes = info.start + first_row * row_bytes, n * row_bytes
     qz = fp8.StreamQuantizer(n, k, granularity, name)
@@ -341,65 +376,61 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
     def rows(buf: torch.Tensor) -> torch.Tensor:
         return buf.view(info.torch_dtype).view(-1, k)
 
-    def quantize_block(buf: torch.Tensor, release, row: int) -> torch.Tensor:
-        out, give_back = sh.reader.pool.acquire(buf.numel() // (row_bytes // k))
+    def quantize_block(buf: torch.Tensor, release, out: torch.Tensor, give_back, row: int):
         try:
             return qz.quantize(rows(buf), out=out.view(fp8.FP8_DTYPE).view(-1, k), start=row), give_back
         finally:
             if release is not None:
                 release()
 
+    blocks = sh.reader.blocks(start, nbytes, row_bytes)
     if qz.needs_observe and nbytes <= sh.reader.pool.nbytes:  # one block: read it once
-        for buf, release in sh.reader.blocks(start, nbytes, row_bytes):
-            qz.observe(rows(buf))
-            sh.writer.write(out_name, *quantize_block(buf, release, 0))
-        return qz.finish()
-    if qz.needs_observe:  # per-tensor scale: a first pass for the amax (page-cache reads)
-        for buf, release in sh.reader.blocks(start, nbytes, row_bytes):
+        blocks = list(blocks)
+        qz.observe(rows(blocks[0][0]))
+    elif qz.needs_observe:  # per-tensor scale: a first pass for the amax (page-cache reads)
+        for buf, release in blocks:
             try:
                 qz.observe(rows(buf))
             finally:
                 if release is not None:
                     release()
-    # Blocks are quantized on the worker threads, a few at a time, and written in order.
-    inflight: deque = deque()
+        blocks = sh.reader.blocks(start, nbytes, row_bytes)
     row = 0
-    try:
-        for buf, release in sh.reader.blocks(start, nbytes, row_bytes):
-            inflight.append(sh.workers.submit(quantize_block, buf, release, row))
-            row += buf.numel() // row_bytes
-            while len(inflight) > sh.parallel or (inflight and inflight[0].done()):
-                sh.writer.write(out_name, *inflight.popleft().result())
-        while inflight:
-            sh.writer.write(out_name, *inflight.popleft().result())
-    except BaseException:
-        for fut in inflight:  # let the workers finish with the buffers before they are reused
-            fut.cancel() or fut.exception()
-        raise
-    return qz.finish()
+    for buf, release in blocks:
+        # The code buffer is taken here, not on the worker: only this thread ever waits for the
+        # pool, and what it waits for (workers, the writer) never waits for it.
+        out, give_back = sh.reader.pool.acquire(buf.numel() // (row_bytes // k))
+        sh.block(out_name, quantize_block, buf, release, out, give_back, row)
+        row += buf.numel() // row_bytes
+    sh.then(lambda: done(*qz.finish()))
 
 
 def _quantize_rows(
     sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, module: str,
-    scheme: Scheme, opts: Options, input_scale: float | None,
-) -> dict:
+    scheme: Scheme, opts: Options, input_scale: float | None, **extra,
+) -> None:
     """One 2-D weight (or rows of a fused one) -> `<m>.weight` codes, `<m>.weight_scale`
-    (+ `<m>.input_scale`), and its record."""
-    scale, stats = _quantize_matrix(sh, out_name, info, first_row, n, k, scheme.weights, out_name)
-    sh.writer.write(out_name + "_scale", scale.contiguous())
-    record = {
-        "module": module,
-        "shape": [n, k],
-        "source_dtype": info.dtype,
-        "dtype": "F8_E4M3",
-        "weight_scale_shape": list(scale.shape),
-        **stats.as_dict(),
-    }
-    if scheme.needs_calibration:
-        s = _check_input_scale(input_scale if input_scale is not None else float(opts.input_scales[module]), module)
-        sh.writer.write(out_name[: -len("weight")] + "input_scale", torch.tensor([s], dtype=torch.float32))
-        record["input_scale"] = s
-    return {out_name: record}
+    (+ `<m>.input_scale`), and its record (with `extra` fields) in `sh.records`."""
+    if scheme.needs_calibration:  # checked before any work is queued
+        input_scale = _check_input_scale(input_scale if input_scale is not None else float(opts.input_scales[module]), module)
+
+    def done(scale: torch.Tensor, stats: fp8.QuantStats) -> None:
+        sh.writer.write(out_name + "_scale", scale.contiguous())
+        record = {
+            "module": module,
+            "shape": [n, k],
+            "source_dtype": info.dtype,
+            "dtype": "F8_E4M3",
+            "weight_scale_shape": list(scale.shape),
+            **stats.as_dict(),
+            **extra,
+        }
+        if scheme.needs_calibration:
+            sh.writer.write(out_name[: -len("weight")] + "input_scale", torch.tensor([input_scale], dtype=torch.float32))
+            record["input_scale"] = input_scale
+        sh.records[out_name] = record
+
+    _quantize_matrix(sh, out_name, info, first_row, n, k, scheme.weights, out_name, done)
 
 
 def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme) -> list:
@@ -431,52 +462,57 @@ def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
     return entries
 
 
-def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme,
-                     opts: Options) -> dict:
+def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme, opts: Options) -> None:
     if et.expert is not None:
         module = name[: -len(".weight")]
-        rec = _quantize_one(sh, name, info, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module))
-        rec[name].update(experts_module=et.param.module, param=et.param.param, expert=et.expert)
-        return rec
+        _quantize_one(sh, name, info, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module),
+                      experts_module=et.param.module, param=et.param.param, expert=et.expert)
+        return
     E, N, K = info.shape
     if et.split:  # write the fused tensor as per-expert Linear weights
-        records = {}
         for sl in et.split:
             module = sl.key[: -len(".weight")]
-            records.update(_quantize_rows(sh, sl.key, info, sl.expert * N + sl.start, sl.stop - sl.start, K, module,
-                                          scheme, opts, opts.expert_input_scale(et.param, sl.expert, module)))
-            records[sl.key].update(experts_module=et.param.module, param=et.param.param, expert=sl.expert, split_from=name)
-        return records
+            _quantize_rows(sh, sl.key, info, sl.expert * N + sl.start, sl.stop - sl.start, K, module, scheme, opts,
+                           opts.expert_input_scale(et.param, sl.expert, module),
+                           experts_module=et.param.module, param=et.param.param, expert=sl.expert, split_from=name)
+        return
+    vals = [opts.expert_input_scale(et.param, e) for e in range(E)] if scheme.needs_calibration else []
+    for e, v in enumerate(vals):
+        _check_input_scale(v, f"{et.module}[expert {e}]")
     scales, per_expert = [], []
-    for e in range(E):
-        scale, stats = _quantize_matrix(sh, name, info, e * N, N, K, scheme.weights, f"{name}[{e}]")
+
+    def expert_done(scale: torch.Tensor, stats: fp8.QuantStats) -> None:
         scales.append(scale.reshape(-1, 1))
         per_expert.append(stats)
-    sh.writer.write(name + "_scale", torch.stack(scales).contiguous())
-    sqnrs = [s.sqnr_db for s in per_expert]
-    record = {
-        "module": et.module,
-        "experts_module": et.param.module,
-        "param": et.param.param,
-        "shape": list(info.shape),
-        "source_dtype": info.dtype,
-        "dtype": "F8_E4M3",
-        "weight_scale_shape": [E, 1, 1] if scheme.weights == "tensor" else [E, N, 1],
-        "amax": max(s.amax for s in per_expert),
-        "scale_min": min(s.scale_min for s in per_expert),
-        "scale_max": max(s.scale_max for s in per_expert),
-        # the worst expert stands for the tensor, each expert's own figure is listed
-        "sqnr_db": None if all(math.isinf(x) for x in sqnrs) else round(min(sqnrs), 4),
-        "experts_sqnr_db": [None if math.isinf(x) else round(x, 4) for x in sqnrs],
-        "zero_rows": sum(s.zero_rows for s in per_expert),
-    }
-    if scheme.needs_calibration:
-        vals = [opts.expert_input_scale(et.param, e) for e in range(E)]
-        for e, v in enumerate(vals):
-            _check_input_scale(v, f"{et.module}[expert {e}]")
-        sh.writer.write(name + "_input_scale", torch.tensor(vals, dtype=torch.float32))
-        record["input_scale"] = vals
-    return {name: record}
+
+    for e in range(E):
+        _quantize_matrix(sh, name, info, e * N, N, K, scheme.weights, f"{name}[{e}]", expert_done)
+
+    def done() -> None:
+        sh.writer.write(name + "_scale", torch.stack(scales).contiguous())
+        sqnrs = [s.sqnr_db for s in per_expert]
+        record = {
+            "module": et.module,
+            "experts_module": et.param.module,
+            "param": et.param.param,
+            "shape": list(info.shape),
+            "source_dtype": info.dtype,
+            "dtype": "F8_E4M3",
+            "weight_scale_shape": [E, 1, 1] if scheme.weights == "tensor" else [E, N, 1],
+            "amax": max(s.amax for s in per_expert),
+            "scale_min": min(s.scale_min for s in per_expert),
+            "scale_max": max(s.scale_max for s in per_expert),
+            # the worst expert stands for the tensor, each expert's own figure is listed
+            "sqnr_db": None if all(math.isinf(x) for x in sqnrs) else round(min(sqnrs), 4),
+            "experts_sqnr_db": [None if math.isinf(x) else round(x, 4) for x in sqnrs],
+            "zero_rows": sum(s.zero_rows for s in per_expert),
+        }
+        if scheme.needs_calibration:
+            sh.writer.write(name + "_input_scale", torch.tensor(vals, dtype=torch.float32))
+            record["input_scale"] = vals
+        sh.records[name] = record
+
+    sh.then(done)
 
 
 def _check_input_scale(s: float | None, what: str) -> float:
