@@ -127,3 +127,24 @@ def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_model
 def test_inspect_of_a_non_artifact(tmp_path):
     res = run("inspect", tmp_path)
     assert res.exit_code == 2 and "no mpsconvert.json" in res.output
+
+
+def test_the_program_exits_with_its_codes_and_flushes_its_output(tmp_path, tiny_models):
+    """`mpsconvert` (cli.entry) leaves through os._exit: codes and output must survive that."""
+    import subprocess
+    import sys
+
+    def prog(*args):
+        return subprocess.run([sys.executable, "-m", "mpsconvert.cli", *args], capture_output=True, text=True, timeout=300)
+
+    r = prog("--version")
+    assert r.returncode == 0 and "mpsconvert" in r.stdout
+    r = prog("quantize", str(tmp_path / "nope"), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2 and "does not exist" in r.stdout + r.stderr
+    r = prog("quantize", "--scheme", "fp9", str(tmp_path))
+    assert r.returncode == 2 and "fp9" in r.stderr  # click's usage error
+    out = tmp_path / "art"
+    r = prog("quantize", str(tiny_models["llama"]), "-o", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tensors_quantized"] > 0  # the summary was flushed before the exit
+    assert (out / "mpsconvert.json").is_file()

@@ -200,3 +200,21 @@ def test_cancelled_hasher_stops(tmp_path):
     h.cancel()
     h._thread.join(timeout=30)
     assert not h._thread.is_alive()
+
+
+@pytest.mark.parametrize("preadv", [True, False])
+def test_reader_blocks_cover_a_tensor_exactly_with_or_without_preadv(tmp_path, monkeypatch, preadv):
+    if not preadv and hasattr(os, "preadv"):
+        monkeypatch.delattr(safetensors_io.os, "preadv")  # as on a platform without it
+    t = torch.arange(37 * 11, dtype=torch.float32).reshape(37, 11)
+    save_file({"a": torch.ones(3), "t": t}, tmp_path / "x.safetensors")
+    h = read_header(tmp_path / "x.safetensors")
+    info = h.tensors["t"]
+    with ShardReader(h, BufferPool(count=1, nbytes=5 * 44)) as r:
+        got = []
+        for buf, release in r.blocks(info.start, info.nbytes, align=44):
+            assert buf.numel() % 44 == 0
+            got.append(buf.clone())
+            release()
+        assert torch.equal(torch.cat(got).view(torch.float32).view(37, 11), t)
+        assert torch.equal(safetensors_io.as_tensor(r.read(info), info), t)

@@ -312,3 +312,16 @@ def test_one_flipped_byte_is_caught_by_verify_and_by_load(tiny_models, tmp_path,
     assert res.exit_code == 1 and f"{f.name} does not match the sha256" in res.output
     with pytest.raises(ArtifactError, match="failed verification"):
         load(out, device="cpu")
+
+
+def test_an_output_is_never_published_after_a_stop_was_requested(tmp_path):
+    """The KeyboardInterrupt of a signal can be lost in a finalizer; the commit checks the flag."""
+    target = tmp_path / "out"
+    atomic.stop_requested.set()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with atomic.output_dir(target) as tmp:
+                (tmp / "x").write_text("x")
+    finally:
+        atomic.stop_requested.clear()
+    assert sorted(os.listdir(tmp_path)) == []

@@ -203,6 +203,16 @@ class BufferPool:
         return buf[:nbytes], functools.partial(self._free.put, buf)
 
 
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read into `view` from `offset`; returns the bytes read (0 at the end of the file).
+    os.preadv where the platform has it (Linux; macOS builds against a recent SDK), else a seek
+    and readv (the fd is then used by one thread at a time, as every caller here does)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.readv(fd, [view])
+
+
 class ShardReader:
     """Reads the tensors of one validated file with positional reads into pooled buffers.
 
@@ -222,7 +232,7 @@ class ShardReader:
         mv = memoryview(buf.numpy()).cast("B")
         done = 0
         while done < mv.nbytes:
-            n = os.preadv(self._fd, [mv[done:]], offset + done)
+            n = _pread_into(self._fd, mv[done:], offset + done)
             if n == 0:
                 raise ArtifactError(f"{self.header.path.name} became shorter while it was being read", "do not modify the source during a conversion")
             done += n
@@ -466,7 +476,7 @@ class ShardWriter:
         try:
             done = 0
             while done < nbytes:
-                n = os.preadv(fd, [view[: min(_COPY_BLOCK, nbytes - done)]], start + done)
+                n = _pread_into(fd, view[: min(_COPY_BLOCK, nbytes - done)], start + done)
                 if n == 0:
                     raise ArtifactError(f"{source.name} became shorter while it was being read", "do not modify the source during a conversion")
                 self._write(view[:n])
