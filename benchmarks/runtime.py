@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.runtime import triton_gemv
 from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.fuse import FusedFP8

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.runtime.validate import ValidateOptions, validate

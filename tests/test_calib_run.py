@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from .models import SHARED_DATA, calib_tiny_bert, calib_tiny_llama, calib_tiny_mixtral, calib_tiny_qwen2_moe
 from mpsconvert.calibrate.run import CalibOptions, calibrate
 from mpsconvert.cli import main
-from mpsconvert.convert.targets import plan_for
+from mpsconvert.targets import plan_for
 
 CALIB = str(SHARED_DATA / "wiki_calib.jsonl")
 
@@ -93,7 +93,7 @@ def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, build
 def test_unobserved_expert_linear_falls_back_to_its_siblings():
     from mpsconvert.calibrate import observers
     from mpsconvert.calibrate.run import _finalize
-    from mpsconvert.convert.targets import Plan
+    from mpsconvert.targets import Plan
 
     plan = Plan("X", quantize={f"m.layers.0.mlp.experts.{e}.w1": (4, 4) for e in range(3)} | {"m.layers.0.attn.q": (4, 4), "m.unused": (4, 4)})
     obs = {}
@@ -142,7 +142,7 @@ def test_static_artifact_is_deterministic_loads_with_compressed_tensors_and_matc
 
     from transformers import AutoModelForCausalLM
 
-    from mpsconvert.convert import fp8
+    from mpsconvert import fp8
 
     ids = torch.randint(0, 30000, (1, 40), generator=torch.Generator().manual_seed(1))
     ref = AutoModelForCausalLM.from_pretrained(str(llama)).eval()

@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("coremltools")
 
-from mpsconvert.convert import coreml_ops, fp8, mil_eval  # noqa: E402
+from mpsconvert import fp8  # noqa: E402
+from mpsconvert.convert import coreml_ops, mil_eval  # noqa: E402
 from mpsconvert.convert.coreml_check import check_package, coreml_runtime_check  # noqa: E402
 from mpsconvert.convert.coreml_export import (  # noqa: E402
     PACKAGE_NAME,

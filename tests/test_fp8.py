@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.errors import QuantizationError
 
 

@@ -12,8 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpsconvert import safetensors_io
-from mpsconvert.convert import fp8
+from mpsconvert import fp8, safetensors_io
 from mpsconvert.manifests.hashing import BackgroundHasher
 from mpsconvert.safetensors_io import BufferPool, OutputFile, ShardReader, ShardWriter, read_header
 

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import QuantizationError
 from mpsconvert.manifests.schemes import Scheme

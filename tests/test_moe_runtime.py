@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.errors import ArtifactError
 from mpsconvert.runtime.moe import FP8Experts, Route, grouped_mm_available, reference_forward, replace_moe_experts
 

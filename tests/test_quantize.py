@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.manifest import Manifest
 from mpsconvert.manifests.schemes import Scheme

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import ArtifactError, DeviceError
 from mpsconvert.manifests.schemes import Scheme

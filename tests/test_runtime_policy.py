@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mpsconvert.convert import fp8
+from mpsconvert import fp8
 from mpsconvert.errors import DeviceError
 from mpsconvert.runtime import kernels, triton_gemv
 from mpsconvert.runtime.fp8linear import FP8Linear

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mpsconvert.convert.targets import matches, plan_for
+from mpsconvert.targets import matches, plan_for
 from mpsconvert.errors import SourceError
 
 

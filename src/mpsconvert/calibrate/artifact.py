@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import atomic
-from ..convert import fp8
+from .. import fp8
 from ..errors import ArtifactError
 from ..manifests.ct_config import quantization_config, scheme_from_config
 from ..manifests.hashing import sha256_file

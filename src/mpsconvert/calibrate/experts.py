@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..convert import fp8
+from .. import fp8
 from ..errors import QuantizationError
 from ..moe_layout import experts_modules, unsupported_reason
 

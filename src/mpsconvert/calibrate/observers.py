@@ -6,7 +6,7 @@ device, so no host sync per batch), `percentile` and `mse` keep a fixed-size his
 match FP8's own log-spaced grid: every bin is ~1.1% wide, finer than e4m3's 6-12% steps, so
 the quantization error of the observed distribution can be evaluated from the histogram alone.
 
-The clip `c` becomes the static dequant scale `c / 448` (see convert.fp8.scales_from_amax).
+The clip `c` becomes the static dequant scale `c / 448` (see fp8.scales_from_amax).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..convert import fp8
+from .. import fp8
 from ..errors import QuantizationError
 from . import DEFAULT_PERCENTILE, OBSERVERS
 BINS_PER_OCTAVE = 64
@@ -136,7 +136,7 @@ class MSE(LogHistogram):
     """The clip <= amax that minimises the summed squared FP8 error over the observed values.
 
     Each non-empty bin is represented by MSE_POINTS_PER_BIN log-spaced points carrying its count;
-    each candidate clip is evaluated with the real e4m3 round trip (convert.fp8.fake_quantize),
+    each candidate clip is evaluated with the real e4m3 round trip (fp8.fake_quantize),
     clipping included. Ties go to the largest clip (minmax)."""
 
     kind = "mse"

@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from .. import devices
-from ..convert import fp8
-from ..convert.targets import Plan, _model_class, plan_for
+from .. import fp8
+from ..targets import Plan, _model_class, plan_for
 from ..errors import QuantizationError, SourceError
 from . import data, hooks, observers
 

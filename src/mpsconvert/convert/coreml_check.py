@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ArtifactError
 from ..manifests.manifest import Manifest
-from . import fp8
+from .. import fp8
 from .coreml_export import PACKAGE_NAME, build_torch_model, e4m3_lut, fp8_safetensors_bytes, weight_bytes_of_package
 
 REFERENCE_NAME = "pytorch fp32 (source architecture, the artifact's FP8 weights dequantized; activations not quantized)"

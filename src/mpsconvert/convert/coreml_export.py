@@ -34,7 +34,7 @@ from ..atomic import TMP_PREFIX
 from ..errors import MpsconvertError
 from ..manifests.hashing import sha256_file
 from ..manifests.manifest import Manifest
-from . import fp8
+from .. import fp8
 
 PACKAGE_NAME = "model.mlpackage"
 WEIGHT_MODES = ("fp8-lut", "int8", "fp16")

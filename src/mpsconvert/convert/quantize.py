@@ -43,8 +43,8 @@ from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
 from ..safetensors_io import BufferPool, ShardReader, ShardWriter, TensorInfo, read_header
 from ..source import Snapshot
-from . import fp8
-from .targets import Plan, plan_for
+from .. import fp8
+from ..targets import Plan, plan_for
 
 INDEX_NAME = "model.safetensors.index.json"
 EXPERTS_LAYOUTS = ("per-expert", "checkpoint")

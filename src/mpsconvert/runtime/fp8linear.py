@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..convert.fp8 import FP8_DTYPE, dequantize
+from ..fp8 import FP8_DTYPE, dequantize
 from . import kernels
 
 # Activations with at most this many rows (tokens x batch) use the decode kernel.

@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..convert.fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_token_scale
+from ..fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_token_scale
 from . import triton_gemv
 
 KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "gemv", "dequant", "bf16", "dense_qact")

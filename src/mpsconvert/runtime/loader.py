@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .. import devices
-from ..convert.fp8 import FP8_DTYPE, dequantize
+from ..fp8 import FP8_DTYPE, dequantize
 from ..errors import MpsconvertError, ArtifactError
 from ..manifests.ct_config import scheme_from_config
 from ..manifests.verify import check_artifact
@@ -78,7 +78,7 @@ def build_empty(path: Path, trust_remote_code: bool = False):
     """config.json -> (config, model with meta parameters and real buffers)."""
     import transformers
 
-    from ..convert.targets import _model_class
+    from ..targets import _model_class
 
     config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     cls = _model_class(config)
@@ -243,7 +243,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def _linear_layout(model, qc: dict) -> tuple[dict, set]:
     """The Linear shapes of the model built from config, and which of them the config ignores."""
-    from ..convert.targets import matches
+    from ..targets import matches
 
     linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     return linears, {n for n in linears if matches(n, list(qc.get("ignore") or []))}

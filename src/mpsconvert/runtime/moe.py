@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..convert import fp8
+from .. import fp8
 from ..errors import ArtifactError
 from ..moe_layout import ExpertParam, find_layout
 

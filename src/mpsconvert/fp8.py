@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import QuantizationError
+from .errors import QuantizationError
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

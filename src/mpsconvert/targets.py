@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SourceError
-from ..moe_layout import checkpoint_module_name, experts_modules
+from .errors import SourceError
+from .moe_layout import checkpoint_module_name, experts_modules
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
