@@ -21,6 +21,7 @@ FP8_MAX = 448.0
 # Floor for the scale of an all-zero row or tensor: its codes are all zero, and the scale
 # stays a finite positive number that no reader divides by zero with.
 SCALE_FLOOR = 1e-12
+_SQNR_ELEMS = 1 << 20  # tensors up to this size get an exact SQNR, larger ones a row sample of it
 _CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per work buffer: L3-resident, and few Python calls per block
 
 GRANULARITIES = ("tensor", "row")
@@ -179,7 +180,7 @@ class StreamQuantizer:
             if own_rows:
                 _check_finite(a, self.name)
                 s = self._scale[r0 : r0 + rows]
-                torch.clamp(a / FP8_MAX, min=SCALE_FLOOR, out=s)
+                s.copy_(scales_from_amax(a))
             else:
                 s = self._scale if self._scale.numel() == 1 else self._scale[r0 : r0 + rows]
             torch.div(f, s, out=t)
@@ -252,8 +253,6 @@ def quantize(
     s, stats = qz.finish()
     return q.to(device), s.to(device), stats
 
-
-_SQNR_ELEMS = 1 << 20
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

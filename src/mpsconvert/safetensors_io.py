@@ -173,6 +173,10 @@ class _Background:
             self._pool.shutdown(wait=True)
 
 
+def _nothing() -> None:
+    pass
+
+
 class BufferPool:
     """Reusable byte buffers for reading and writing blocks, made on first need, `count` at most.
 
@@ -188,11 +192,11 @@ class BufferPool:
         self._left = count  # buffers not made yet
         self._lock = threading.Lock()
 
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """A uint8 tensor of `nbytes` and the callback that gives it back (None: not pooled,
-        for a block larger than the pool's buffers)."""
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A uint8 tensor of `nbytes` and the callback that gives it back (a no-op for a block
+        larger than the pool's buffers, which gets memory of its own)."""
         if nbytes > self.nbytes:
-            return torch.empty(nbytes, dtype=torch.uint8), None
+            return torch.empty(nbytes, dtype=torch.uint8), _nothing
         try:
             buf = self._free.get_nowait()
         except queue.Empty:
@@ -213,6 +217,16 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return os.readv(fd, [view])
 
 
+def _read_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill `view` from `offset`; a file that ends early was changed under us."""
+    done = 0
+    while done < view.nbytes:
+        n = _pread_into(fd, view[done:], offset + done)
+        if n == 0:
+            raise ArtifactError(f"{Path(path).name} became shorter while it was being read", "do not modify the source during a conversion")
+        done += n
+
+
 class ShardReader:
     """Reads the tensors of one validated file with positional reads into pooled buffers.
 
@@ -229,13 +243,7 @@ class ShardReader:
 
     def read_into(self, buf: torch.Tensor, offset: int) -> torch.Tensor:
         """Fill the uint8 tensor `buf` with the file's bytes from `offset` (absolute)."""
-        mv = memoryview(buf.numpy()).cast("B")
-        done = 0
-        while done < mv.nbytes:
-            n = _pread_into(self._fd, mv[done:], offset + done)
-            if n == 0:
-                raise ArtifactError(f"{self.header.path.name} became shorter while it was being read", "do not modify the source during a conversion")
-            done += n
+        _read_exact(self._fd, memoryview(buf.numpy()).cast("B"), offset, self.header.path)
         return buf
 
     def read(self, info: TensorInfo) -> memoryview:
@@ -252,8 +260,7 @@ class ShardReader:
             try:
                 self.read_into(buf, start + off)
             except BaseException:
-                if release:
-                    release()
+                release()
                 raise
             yield buf, release
 
@@ -474,13 +481,10 @@ class ShardWriter:
         view = memoryview(self._copy_buf)
         fd = os.open(source, os.O_RDONLY)
         try:
-            done = 0
-            while done < nbytes:
-                n = _pread_into(fd, view[: min(_COPY_BLOCK, nbytes - done)], start + done)
-                if n == 0:
-                    raise ArtifactError(f"{source.name} became shorter while it was being read", "do not modify the source during a conversion")
-                self._write(view[:n])
-                done += n
+            for off in range(0, nbytes, _COPY_BLOCK):
+                part = view[: min(_COPY_BLOCK, nbytes - off)]
+                _read_exact(fd, part, start + off, source)
+                self._write(part)
         finally:
             os.close(fd)
 

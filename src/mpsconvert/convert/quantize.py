@@ -369,7 +369,8 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
     """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
     to `out_name`, block by block (pooled buffers, so memory stays at a few blocks); then
     `done(scale, stats)`, in order."""
-    row_bytes = k * (info.nbytes // max(1, math.prod(info.shape)))
+    elem = info.nbytes // max(1, math.prod(info.shape))
+    row_bytes = k * elem
     start, nbytes = info.start + first_row * row_bytes, n * row_bytes
     qz = fp8.StreamQuantizer(n, k, granularity, name)
 
@@ -380,8 +381,7 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
         try:
             return qz.quantize(rows(buf), out=out.view(fp8.FP8_DTYPE).view(-1, k), start=row), give_back
         finally:
-            if release is not None:
-                release()
+            release()
 
     blocks = sh.reader.blocks(start, nbytes, row_bytes)
     if qz.needs_observe and nbytes <= sh.reader.pool.nbytes:  # one block: read it once
@@ -392,14 +392,13 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
             try:
                 qz.observe(rows(buf))
             finally:
-                if release is not None:
-                    release()
+                release()
         blocks = sh.reader.blocks(start, nbytes, row_bytes)
     row = 0
     for buf, release in blocks:
         # The code buffer is taken here, not on the worker: only this thread ever waits for the
         # pool, and what it waits for (workers, the writer) never waits for it.
-        out, give_back = sh.reader.pool.acquire(buf.numel() // (row_bytes // k))
+        out, give_back = sh.reader.pool.acquire(buf.numel() // elem)  # one byte per weight
         sh.block(out_name, quantize_block, buf, release, out, give_back, row)
         row += buf.numel() // row_bytes
     sh.then(lambda: done(*qz.finish()))

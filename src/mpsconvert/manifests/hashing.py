@@ -5,6 +5,7 @@ transformers and building the model's plan."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -17,9 +18,9 @@ _BG_BLOCK = 32 << 20
 
 def sha256_file(path: Path, block: int = _BLOCK, stop: threading.Event | None = None) -> str:
     h = hashlib.sha256()
-    buf = bytearray(block)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size)))  # a config.json needs no 8 MiB
+        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
             if stop is not None and stop.is_set():
