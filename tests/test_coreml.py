@@ -22,8 +22,8 @@ from mpsconvert.convert.coreml_export import (  # noqa: E402
     ExportOptions,
     SeqLen,
     export_coreml,
-    read_artifact_weights,
 )
+from mpsconvert.convert.torch_model import read_artifact_weights  # noqa: E402
 from mpsconvert.convert.quantize import Options, quantize_snapshot  # noqa: E402
 from mpsconvert.errors import MpsconvertError  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402

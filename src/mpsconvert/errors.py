@@ -29,3 +29,19 @@ class ArtifactError(MpsconvertError):
 
 class DeviceError(MpsconvertError):
     """The requested device is not available or ran out of memory."""
+
+
+class DataError(MpsconvertError):
+    """Calibration or evaluation text that cannot be read or is empty."""
+
+
+class ExportError(MpsconvertError):
+    """The artifact cannot be exported to an Apple format (architecture, op or weights)."""
+
+
+class EvalError(MpsconvertError):
+    """The reference evaluation of an exported program could not run one of its ops."""
+
+
+class MissingExtraError(MpsconvertError):
+    """An optional dependency is not installed; the message names the extra that brings it."""

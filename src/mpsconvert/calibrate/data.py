@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MpsconvertError
+from ..errors import DataError
 from ..manifests.hashing import sha256_file
 
 BUILTIN = Path(__file__).parent / "data" / "builtin.jsonl"
@@ -25,10 +25,6 @@ _READABLE = (".parquet", ".jsonl", ".json", ".txt")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 # A window shorter than this carries too little context to be worth a forward pass.
 MIN_WINDOW_TOKENS = 16
-
-
-class DataError(MpsconvertError):
-    """Calibration data that cannot be read or is empty."""
 
 
 @dataclass

@@ -25,7 +25,8 @@ import torch
 from ..errors import ArtifactError
 from ..manifests.manifest import Manifest
 from .. import fp8
-from .coreml_export import PACKAGE_NAME, build_torch_model, e4m3_lut, fp8_safetensors_bytes, weight_bytes_of_package
+from .coreml_export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
+from .torch_model import build_torch_model, fp8_safetensors_bytes
 
 REFERENCE_NAME = "pytorch fp32 (source architecture, the artifact's FP8 weights dequantized; activations not quantized)"
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"

@@ -17,24 +17,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..atomic import TMP_PREFIX
-from ..errors import MpsconvertError
-from ..manifests.hashing import sha256_file
+from ..atomic import publish_folder
+from ..errors import ExportError, MpsconvertError
+from ..manifests.hashing import folder_files
 from ..manifests.manifest import Manifest
 from .. import fp8
+from .torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
 
 PACKAGE_NAME = "model.mlpackage"
 WEIGHT_MODES = ("fp8-lut", "int8", "fp16")
@@ -43,10 +40,6 @@ DEPLOYMENT_TARGET = "iOS18 / macOS15"
 # e4m3fn NaN codes (0x7f, 0xff) never occur in an artifact (values are clamped before the cast);
 # their LUT entries are 0 so that the palette holds only finite values.
 _NAN_CODES = (0x7F, 0xFF)
-
-
-class ExportError(MpsconvertError):
-    """The artifact cannot be exported to Core ML (architecture, op or weights)."""
 
 
 @dataclass(frozen=True)
@@ -87,205 +80,6 @@ class ExportOptions:
     weights: str = "fp8-lut"
     force: bool = False
     frontend: str = "auto"  # "auto" (torch.export, then torch.jit.trace), or one of FRONTENDS
-
-
-# --------------------------------------------------------------------------- the PyTorch model
-
-
-def _is_causal_lm(config) -> bool:
-    return any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-
-
-# Encoder-only families whose AutoModel returns last_hidden_state from (input_ids, attention_mask).
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "electra", "albert", "deberta", "deberta-v2", "modernbert")
-
-
-def _is_encoder(config) -> bool:
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False):
-        return False
-    archs = config.architectures or []
-    return config.model_type in ENCODER_TYPES and all(a.endswith(("Model", "ForMaskedLM")) for a in archs)
-
-
-def task_of(config) -> str:
-    """'causal-lm' (input_ids -> logits) or 'encoder' (input_ids, attention_mask -> embeddings)."""
-    if _is_causal_lm(config):
-        return "causal-lm"
-    if _is_encoder(config):
-        return "encoder"
-    archs = ", ".join(config.architectures or [config.model_type])
-    raise ExportError(
-        f"architecture {archs} is not supported for Core ML export",
-        "export works for causal LMs (*ForCausalLM: input_ids -> logits) and BERT-style encoders (input_ids, attention_mask -> embeddings)",
-    )
-
-
-def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """All tensors of the artifact as the model uses them (FP8 weights dequantized in fp32),
-    plus the FP8 weights themselves: name -> (codes float8_e4m3fn, scale fp32)."""
-    from safetensors import safe_open
-
-    files = sorted(artifact.glob("*.safetensors"))
-    if not files:
-        raise MpsconvertError(f"{artifact} has no .safetensors files", "is this an mpsconvert artifact?")
-    raw: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                raw[k] = st.get_tensor(k)
-    dense: dict[str, torch.Tensor] = {}
-    quant: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for k, t in raw.items():
-        if k.endswith((".weight_scale", ".input_scale")):
-            continue
-        if t.dtype == fp8.FP8_DTYPE:
-            scale = raw.get(k + "_scale")
-            if scale is None:
-                raise MpsconvertError(f"FP8 tensor {k} has no {k}_scale", "the artifact is incomplete: re-run `mpsconvert quantize`")
-            quant[k] = (t, scale.float())
-            dense[k] = fp8.dequantize(t, scale, torch.float32)
-        elif t.is_floating_point():
-            dense[k] = t.float()
-        else:
-            dense[k] = t
-    return dense, quant
-
-
-def _load_into(model, tensors: dict[str, torch.Tensor]) -> set[str]:
-    """Load checkpoint tensors into `model`, matching names with or without base_model_prefix.
-    Returns the checkpoint names that were used (e.g. not BERT's pooler when it is left out)."""
-    own = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    mapped = {}
-    used = set()
-    for k, v in tensors.items():
-        for cand in (k, f"{prefix}.{k}", k[len(prefix) + 1 :] if prefix and k.startswith(prefix + ".") else None):
-            if cand and cand in own:
-                mapped[cand] = v
-                used.add(k)
-                break
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    missing = [k for k in own if k not in mapped]
-    model.load_state_dict(mapped, strict=False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    # A tied output embedding (lm_head.weight) is the input embedding, not stored: fine.
-    own_after = model.state_dict()
-    really_missing = []
-    for k in missing:
-        ptr = own_after[k].data_ptr()
-        if not any(own_after[m].data_ptr() == ptr for m in mapped):
-            if not k.endswith(("position_ids", "token_type_ids", "inv_freq")):
-                really_missing.append(k)
-    if really_missing:
-        raise MpsconvertError(
-            f"the artifact has no tensor for {len(really_missing)} model parameter(s), e.g. {really_missing[0]}",
-            "the artifact does not match its config.json: re-run `mpsconvert quantize`",
-        )
-    return used
-
-
-def _uses_normalize(artifact: Path) -> bool:
-    """sentence-transformers models list their pipeline in modules.json (Pooling, Normalize)."""
-    p = artifact / "modules.json"
-    if not p.is_file():
-        return False
-    try:
-        mods = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return any("Normalize" in str(m.get("type", "")) for m in mods if isinstance(m, dict))
-
-
-class CausalLMForCoreML(torch.nn.Module):
-    """input_ids [1, T] -> logits [1, T, vocab]: no cache, every token attends causally."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
-
-
-class EncoderForCoreML(torch.nn.Module):
-    """input_ids, attention_mask [1, T] -> embeddings [1, hidden]: the masked mean of the last
-    hidden state (sentence-transformers' mean pooling), L2-normalized when the model's
-    modules.json has a Normalize step."""
-
-    def __init__(self, model, normalize: bool):
-        super().__init__()
-        self.model = model
-        self.normalize = normalize
-
-    def forward(self, input_ids, attention_mask):
-        h = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        m = attention_mask.unsqueeze(-1).to(h.dtype)
-        emb = (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
-        if self.normalize:
-            emb = emb / emb.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-        return emb
-
-
-@dataclass
-class TorchModel:
-    task: str
-    module: torch.nn.Module  # the wrapper above, fp32, eval
-    config: object
-    fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (codes, scale), those the model uses
-    normalize: bool = False
-    unused: list[str] = field(default_factory=list)  # FP8 tensors the exported graph does not use
-
-    @property
-    def input_names(self) -> list[str]:
-        return ["input_ids"] if self.task == "causal-lm" else ["input_ids", "attention_mask"]
-
-    @property
-    def output_name(self) -> str:
-        return "logits" if self.task == "causal-lm" else "embeddings"
-
-
-def build_torch_model(artifact: Path) -> TorchModel:
-    """The source architecture with the artifact's dequantized weights, fp32, eval mode."""
-    import transformers
-
-    artifact = Path(artifact)
-    cfg_dict = json.loads((artifact / "config.json").read_text())
-    cfg_dict.pop("quantization_config", None)  # the weights are given dense: no compressed-tensors loader
-    model_type = cfg_dict.get("model_type")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_dict.items() if k != "model_type"})
-    except (ValueError, KeyError) as e:
-        raise ExportError(f"transformers does not know model_type {model_type!r}", "upgrade transformers") from e
-    task = task_of(config)
-    dense, quant = read_artifact_weights(artifact)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if task == "causal-lm":
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-        else:
-            # The pooler (BERT's [CLS] dense+tanh) is not part of the embeddings output.
-            extra = {"add_pooling_layer": False} if config.model_type in ("bert", "roberta", "xlm-roberta", "camembert") else {}
-            model = transformers.AutoModel.from_config(config, dtype=torch.float32, attn_implementation="eager", **extra)
-    used = _load_into(model, dense)
-    model.eval()
-    normalize = task == "encoder" and _uses_normalize(artifact)
-    wrapper = CausalLMForCoreML(model) if task == "causal-lm" else EncoderForCoreML(model, normalize)
-    return TorchModel(
-        task=task, module=wrapper.eval(), config=config, normalize=normalize,
-        fp8_weights={k: v for k, v in quant.items() if k in used},
-        unused=sorted(k for k in quant if k not in used),
-    )
-
-
-def example_inputs(tm: TorchModel, length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    vocab = int(getattr(tm.config, "vocab_size", 100))
-    ids = torch.randint(0, vocab, (1, length), generator=g)
-    if tm.task == "causal-lm":
-        return (ids,)
-    return (ids, torch.ones(1, length, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------- conversion
@@ -563,39 +357,21 @@ def apply_weights(mlmodel, mode: str, fp8_weights: dict) -> tuple[object, dict]:
 # --------------------------------------------------------------------------- the package in the artifact
 
 
-def _package_files(pkg: Path, artifact: Path) -> dict[str, dict]:
-    out = {}
-    for p in sorted(pkg.rglob("*")):
-        if p.is_file():
-            out[p.relative_to(artifact).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-    return out
-
-
 def _save_package(mlmodel, artifact: Path, force: bool) -> Path:
-    """Save under a temporary name inside the artifact, then rename to model.mlpackage."""
+    """Save as model.mlpackage, whole or not at all (a temporary name inside the artifact, then a rename)."""
     target = artifact / PACKAGE_NAME
     if target.exists() and not force:
         raise MpsconvertError(f"{target} already exists", "pass --force to replace it")
-    tmp_root = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + "coreml-", dir=artifact))
-    try:
-        tmp_pkg = tmp_root / PACKAGE_NAME
+
+    def save(path: Path) -> None:
         with _quiet():
-            mlmodel.save(str(tmp_pkg))
-        if target.exists():
-            old = tmp_root / "old.mlpackage"
-            os.replace(target, old)
-        os.replace(tmp_pkg, target)
-    finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
-    return target
+            mlmodel.save(str(path))
+
+    return publish_folder(target, save, force)
 
 
 def weight_bytes_of_package(pkg: Path) -> int:
     return sum(p.stat().st_size for p in (pkg / "Data" / "com.apple.CoreML" / "weights").rglob("*") if p.is_file())
-
-
-def fp8_safetensors_bytes(artifact: Path) -> int:
-    return sum(p.stat().st_size for p in Path(artifact).glob("*.safetensors"))
 
 
 def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
@@ -646,7 +422,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
     }
     files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
-    files.update(_package_files(pkg, artifact))
+    files.update(folder_files(pkg, artifact))
     manifest.files = dict(sorted(files.items()))
     manifest.extra["coreml"] = record
     manifest.versions["coremltools"] = ct.__version__
