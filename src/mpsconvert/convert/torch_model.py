@@ -79,18 +79,34 @@ def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict
     return dense, quant
 
 
-def _load_into(model, tensors: dict[str, torch.Tensor]) -> set[str]:
+def _stored_dtypes(artifact: Path) -> dict[str, torch.dtype]:
+    """tensor -> dtype as the artifact stores it (from the safetensors headers)."""
+    from safetensors import safe_open
+
+    names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+    out = {}
+    for f in layout.weight_files(artifact):
+        with safe_open(str(Path(artifact) / f), framework="pt") as st:
+            for k in st.keys():
+                dt = names.get(st.get_slice(k).get_dtype())
+                if dt is not None:
+                    out[k] = dt
+    return out
+
+
+def _load_into(model, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Load checkpoint tensors into `model`, matching names with or without base_model_prefix.
-    Returns the checkpoint names that were used (e.g. not BERT's pooler when it is left out)."""
+    Returns checkpoint name -> model name for the tensors used (e.g. not BERT's pooler when it
+    is left out)."""
     own = model.state_dict()
     prefix = getattr(model, "base_model_prefix", "") or ""
     mapped = {}
-    used = set()
+    used: dict[str, str] = {}
     for k, v in tensors.items():
         for cand in (k, f"{prefix}.{k}", k[len(prefix) + 1 :] if prefix and k.startswith(prefix + ".") else None):
             if cand and cand in own:
                 mapped[cand] = v
-                used.add(k)
+                used[k] = cand
                 break
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -165,6 +181,7 @@ class TorchModel:
     fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (codes, scale), those the model uses
     normalize: bool = False
     unused: list[str] = field(default_factory=list)  # FP8 tensors the exported graph does not use
+    stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model tensor -> dtype in the artifact
 
     @property
     def model(self):
@@ -194,6 +211,7 @@ def build_torch_model(artifact: Path) -> TorchModel:
         raise ExportError(f"transformers does not know model_type {model_type!r}", "upgrade transformers") from e
     task = task_of(config)
     dense, quant = read_artifact_weights(artifact)
+    dtypes = _stored_dtypes(artifact)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if task == "causal-lm":
@@ -210,6 +228,7 @@ def build_torch_model(artifact: Path) -> TorchModel:
         task=task, module=wrapper.eval(), config=config, normalize=normalize,
         fp8_weights={k: v for k, v in quant.items() if k in used},
         unused=sorted(k for k in quant if k not in used),
+        stored_dtypes={m: dtypes[k] for k, m in used.items() if k in dtypes},
     )
 
 

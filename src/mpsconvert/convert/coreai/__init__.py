@@ -1,0 +1,38 @@
+"""Core AI export (Apple's successor of Core ML, macOS / iOS 27 and later): FP8 weights stored
+natively as f8E4M3FN, a stateful decoder for causal LMs, checks on the Linux CPU runtime.
+
+This module is light (no torch, no coreai): the CLI and the API read the names and options
+from it without importing the exporter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import MpsconvertError
+
+COMPUTE_DTYPES = ("fp16", "fp32")
+DEFAULT_MAX_LEN = 2048
+MINIMUM_OS = "macOS 27 / iOS 27 (Core AI)"
+RUNTIME_LABEL = "Core AI runtime, Linux CPU"
+
+
+@dataclass
+class CoreAIOptions:
+    """Settings of a Core AI export.
+
+    max_len: causal LMs: the KV cache length (input_ids T from 1 to max_len, position + T <=
+        max_len); encoders: the longest input.
+    compute: "fp16" (Apple GPUs and the Neural Engine run it natively) or "fp32".
+    force: replace an existing model.aimodel.
+    """
+
+    max_len: int = DEFAULT_MAX_LEN
+    compute: str = "fp16"
+    force: bool = False
+
+    def __post_init__(self):
+        if self.compute not in COMPUTE_DTYPES:
+            raise MpsconvertError(f"unknown --compute {self.compute!r}", f"use one of: {', '.join(COMPUTE_DTYPES)}")
+        if not isinstance(self.max_len, int) or self.max_len < 2:
+            raise MpsconvertError(f"--max-len {self.max_len!r} is too short", "use at least 2 (default 2048)")
