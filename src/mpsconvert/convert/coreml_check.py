@@ -26,20 +26,10 @@ from ..errors import ArtifactError
 from ..manifests.manifest import Manifest
 from .. import fp8
 from .coreml_export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
+from .compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, merge_parts, compare_outputs, sample_inputs
 from .torch_model import build_torch_model, fp8_safetensors_bytes
 
-REFERENCE_NAME = "pytorch fp32 (source architecture, the artifact's FP8 weights dequantized; activations not quantized)"
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
-# English sentences for the reference evaluation when no text is given (any real text works).
-DEFAULT_TEXTS = (
-    "The Eiffel Tower was built for the 1889 World's Fair in Paris and was at first criticised by many artists.",
-    "Photosynthesis converts light energy into chemical energy that is stored in glucose and other sugars.",
-    "In 1969 the Apollo 11 mission landed two astronauts on the Moon, and millions watched on television.",
-)
-# Agreement that counts as "the package computes the model" (fp16 compute vs fp32 reference).
-MIN_COSINE = 0.99
-MIN_TOP1 = 0.9
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model")
 _DTYPES = {65568: "fp32", 65552: "fp16", 131104: "int32", 131080: "int8"}
 
 
@@ -160,67 +150,6 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
 # --------------------------------------------------------------------------- reference evaluation
 
 
-def sample_inputs(artifact: Path, tm, seq: dict, texts=DEFAULT_TEXTS, n: int = 3) -> tuple[list[tuple[np.ndarray, ...]], str]:
-    """Inputs shaped for the package, and what they are. Real text through the artifact's
-    tokenizer: fixed length -> cut or padded (padding masked for encoders; LM text repeated to
-    fill); a range -> natural lengths clipped to it. An artifact without a tokenizer (tiny test
-    models) gets seeded random token ids, and the returned description says so."""
-    from transformers import AutoTokenizer
-
-    lo, hi = seq["min"], seq["max"]
-    tok = None
-    if any((Path(artifact) / f).is_file() for f in _TOKENIZER_FILES):
-        tok = AutoTokenizer.from_pretrained(str(artifact))
-    out = []
-    rng = np.random.default_rng(0)
-    vocab = int(getattr(tm.config, "vocab_size", 100))
-    for i in range(n):
-        if tok is None:
-            length = hi if lo == hi else int(rng.integers(lo, hi + 1))
-            ids = rng.integers(0, vocab, length).tolist()
-        else:
-            ids = tok(texts[i % len(texts)], add_special_tokens=tm.task == "encoder")["input_ids"]
-        if tm.task == "causal-lm":
-            while len(ids) < lo:
-                ids = ids + ids
-            out.append((np.array([ids[:hi]], dtype=np.int32),))
-        else:
-            ids = ids[:hi]
-            mask = [1] * len(ids)
-            pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
-            while len(ids) < lo:
-                ids.append(pad)
-                mask.append(0)
-            if tok is None and len(ids) > 2 and i % 2 == 1:  # exercise masking: pad the tail
-                mask[-(len(ids) // 3):] = [0] * (len(ids) // 3)
-            out.append((np.array([ids], dtype=np.int32), np.array([mask], dtype=np.int32)))
-    what = f"{n} real text sample(s) through the artifact's tokenizer" if tok is not None else f"{n} seeded random token id sample(s) (the artifact has no tokenizer)"
-    return out, what
-
-
-def compare_outputs(task: str, got: np.ndarray, ref: np.ndarray) -> dict:
-    got = got.astype(np.float64).reshape(-1, got.shape[-1])
-    ref = ref.astype(np.float64).reshape(-1, ref.shape[-1])
-    cos = (got * ref).sum(-1) / np.maximum(np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1), 1e-30)
-    out = {"cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "max_abs_diff": float(np.abs(got - ref).max()),
-           "ref_max_abs": float(np.abs(ref).max())}
-    if task == "causal-lm":
-        out["top1_agreement"] = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
-        out["positions"] = int(got.shape[0])
-    return out
-
-
-def _merge(task: str, parts: list[dict]) -> dict:
-    out = {"cosine_min": min(p["cosine_min"] for p in parts), "cosine_mean": float(np.mean([p["cosine_mean"] for p in parts])),
-           "max_abs_diff": max(p["max_abs_diff"] for p in parts), "samples": len(parts)}
-    if task == "causal-lm":
-        n = sum(p["positions"] for p in parts)
-        out["top1_agreement"] = sum(p["top1_agreement"] * p["positions"] for p in parts) / n
-        out["positions"] = n
-    out["ok"] = out["cosine_min"] >= MIN_COSINE and out.get("top1_agreement", 1.0) >= MIN_TOP1
-    return out
-
-
 def reference_eval(prog, tm, samples) -> dict:
     from . import mil_eval
 
@@ -231,7 +160,7 @@ def reference_eval(prog, tm, samples) -> dict:
         with torch.no_grad():
             ref = tm.module(*(torch.from_numpy(a.astype(np.int64)) for a in x)).float().numpy()
         parts.append(compare_outputs(tm.task, outs[tm.output_name], ref))
-    res = _merge(tm.task, parts)
+    res = merge_parts(tm.task, parts)
     res["evaluator"] = EVALUATOR_NAME
     res["reference"] = REFERENCE_NAME
     res["ops_by_implementation"] = {
