@@ -26,6 +26,7 @@ from ..errors import ArtifactError
 from ..manifests.manifest import Manifest
 from .. import fp8
 from .coreml_export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
+from . import compare, stateful
 from .compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, merge_parts, compare_outputs, sample_inputs
 from .torch_model import build_torch_model, fp8_safetensors_bytes
 
@@ -44,7 +45,7 @@ def _package(artifact: Path) -> Path:
 
 
 def _feature(f) -> dict:
-    a = f.type.multiArrayType
+    a = f.type.stateType.arrayType if f.type.WhichOneof("Type") == "stateType" else f.type.multiArrayType
     out = {"name": f.name, "dtype": _DTYPES.get(a.dataType, str(a.dataType)), "shape": list(a.shape)}
     if a.WhichOneof("ShapeFlexibility") == "shapeRange":
         out["range"] = [[r.lowerBound, r.upperBound] for r in a.shapeRange.sizeRanges]
@@ -57,6 +58,7 @@ def spec_summary(spec, prog) -> dict:
         "specification_version": spec.specificationVersion,  # 9 = iOS18 / macOS15
         "inputs": [_feature(f) for f in spec.description.input],
         "outputs": [_feature(f) for f in spec.description.output],
+        "states": [_feature(f) for f in spec.description.state],
         "ops": dict(sorted(ops.items())),
     }
 
@@ -170,8 +172,50 @@ def reference_eval(prog, tm, samples) -> dict:
     return res
 
 
-def check_package(artifact: Path, texts=DEFAULT_TEXTS, n_samples: int = 3, evaluate: bool = True) -> dict:
-    """Every check that needs no Apple hardware. Returns a dict (also stored by `record_check`)."""
+def mil_decoder(prog, how: Counter | None = None):
+    """`new_conversation()` for compare.check_decoder over the reference evaluator: states are
+    numpy arrays kept between calls, decoded weights are kept for the whole check."""
+    from . import mil_eval
+
+    cache: dict = {}
+    how = how if how is not None else Counter()
+    declared = mil_eval.state_inputs(prog)
+    max_len = min(shape[2] for shape, _ in declared.values())
+
+    def new_conversation():
+        states = mil_eval.new_states(prog)
+
+        def step(ids: np.ndarray, position: int) -> np.ndarray:
+            if position + ids.shape[1] > max_len:
+                raise ArtifactError(f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}", "use fewer tokens")
+            outs, h = mil_eval.evaluate(prog, {"input_ids": ids, "position": np.array([position], dtype=np.int32)}, states=states, cache=cache)
+            how.update(h)
+            return outs[stateful.OUTPUT_NAME][0]
+
+        return step
+
+    return new_conversation
+
+
+def reference_decode(prog, tm, artifact: Path, max_len: int, texts=None, prompt_len: int = compare.PROMPT_LEN,
+                     steps: int = 16, generate: int = compare.GENERATE, progress=None) -> dict:
+    """The stateful package through the reference evaluator: prefill, teacher-forced decode
+    through its states and greedy generation against PyTorch (compare.check_decoder)."""
+    how: Counter = Counter()
+    prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
+    ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
+    res = compare.check_decoder(mil_decoder(prog, how), tm, ids, prompt_len, steps, generate, progress)
+    return res | {"inputs": what, "evaluator": EVALUATOR_NAME, "reference": REFERENCE_NAME,
+                  "ops_by_implementation": {"coremltools": sum(v for k, v in how.items() if k.startswith("coremltools:")),
+                                            "mpsconvert": sorted({k.split(":", 1)[1] for k in how if k.startswith("mpsconvert:")})}}
+
+
+def check_package(artifact: Path, texts=None, n_samples: int = 3, evaluate: bool = True, prompt_len: int = compare.PROMPT_LEN,
+                  steps: int = 16, generate: int = compare.GENERATE, progress=None) -> dict:
+    """Every check that needs no Apple hardware. Returns a dict (also stored by `record_check`).
+
+    Stateful decoders: prefill + `steps` teacher-forced decode steps + `generate` greedy tokens
+    through the reference evaluator; stateless packages and encoders: `n_samples` one-pass samples."""
     from . import mil_eval
 
     artifact = Path(artifact)
@@ -190,8 +234,10 @@ def check_package(artifact: Path, texts=DEFAULT_TEXTS, n_samples: int = 3, evalu
         "weights": check_weights(prog, record, tm.fp8_weights),
     }
     res["size_ratio"] = round(res["weight_bytes"] / res["fp8_safetensors_bytes"], 4)
-    if evaluate:
-        samples, what = sample_inputs(artifact, tm, record["seq_len"], texts, n_samples)
+    if evaluate and record.get("kv_cache"):
+        res["reference_eval"] = reference_decode(prog, tm, artifact, record["max_len"], texts, prompt_len, steps, generate, progress)
+    elif evaluate:
+        samples, what = sample_inputs(artifact, tm, record["seq_len"], texts or DEFAULT_TEXTS, n_samples)
         res["reference_eval"] = reference_eval(prog, tm, samples) | {"inputs": what}
     res["ok"] = res["weights"]["all_ok"] and res.get("reference_eval", {}).get("ok", True)
     return res

@@ -31,6 +31,7 @@ from ..errors import ExportError, MpsconvertError
 from ..manifests.hashing import folder_files
 from ..manifests.manifest import Manifest
 from .. import fp8
+from . import stateful
 from .torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
 
 PACKAGE_NAME = "model.mlpackage"
@@ -76,10 +77,16 @@ class SeqLen:
 
 @dataclass
 class ExportOptions:
+    """seq_len: stateless packages and encoders (fixed or a range). kv_cache: causal LMs as the
+    stateful decoder (convert/stateful.py) with a cache of max_len; False keeps the stateless
+    input_ids -> logits form."""
+
     seq_len: SeqLen = SeqLen(128, 128)
     weights: str = "fp8-lut"
     force: bool = False
     frontend: str = "auto"  # "auto" (torch.export, then torch.jit.trace), or one of FRONTENDS
+    kv_cache: bool = True
+    max_len: int = 2048
 
 
 # --------------------------------------------------------------------------- conversion
@@ -137,19 +144,67 @@ def _keep_fp16(op) -> bool:
     return True
 
 
-def _ct_inputs(tm: TorchModel, seq: SeqLen):
+@dataclass
+class Target:
+    """What is converted: the torch module, how it is traced, and the Core ML interface it gets.
+
+    Stateless causal LMs and encoders: `tm.module` with inputs of `seq` length. The stateful
+    decoder (`convert/stateful.py`): input_ids [1, 1..max_len], position [1], one fp16 state per
+    layer and K/V (Core ML states are fp16; coremltools casts around them)."""
+
+    module: torch.nn.Module
+    example: tuple
+    input_names: list[str]
+    output_name: str
+    dynamic: dict | None
+    lengths: SeqLen  # of the sequence inputs
+    states: list = None  # StateSpec, stateful only
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.states)
+
+
+def stateless_target(tm: TorchModel, seq: SeqLen) -> Target:
+    dynamic = None
+    if seq.is_range:
+        d = torch.export.Dim("seq_len", min=seq.lo, max=seq.hi)
+        dynamic = {n: {1: d} for n in tm.input_names}
+    return Target(tm.module, example_inputs(tm, seq.example), tm.input_names, tm.output_name, dynamic, seq)
+
+
+def stateful_target(tm: TorchModel, max_len: int) -> Target:
+    # fp32 buffers: coremltools makes every state fp16 itself (reads cast to fp32, writes back to fp16)
+    wrapper = stateful.StatefulCausalLM(tm.model, max_len).eval()
+    seq = SeqLen(1, max_len)
+    ids = example_inputs(tm, seq.example)[0].to(torch.int32)
+    d = torch.export.Dim("seq_len", min=1, max=max_len)
+    return Target(wrapper, (ids, torch.zeros(1, dtype=torch.int32)), list(stateful.INPUT_NAMES), stateful.OUTPUT_NAME,
+                  {"input_ids": {1: d}, "position": None}, seq, wrapper.states())
+
+
+def _ct_inputs(target: Target):
     import coremltools as ct
 
+    seq = target.lengths
     dim = ct.RangeDim(seq.lo, seq.hi, default=seq.example) if seq.is_range else seq.lo
-    return [ct.TensorType(name=n, shape=(1, dim), dtype=np.int32) for n in tm.input_names]
+    inputs = [ct.TensorType(name=n, shape=(1, dim), dtype=np.int32) for n in target.input_names if n != "position"]
+    if target.stateful:
+        inputs.append(ct.TensorType(name="position", shape=(1,), dtype=np.int32))
+    return inputs
 
 
-def _convert_with(frontend: str, tm: TorchModel, seq: SeqLen):
+def _ct_states(target: Target):
     import coremltools as ct
 
-    example = example_inputs(tm, seq.example)
+    return [ct.StateType(wrapped_type=ct.TensorType(shape=s.shape, dtype=np.float16), name=s.name) for s in target.states or []]
+
+
+def _convert_with(frontend: str, target: Target):
+    import coremltools as ct
+
     common = dict(
-        outputs=[ct.TensorType(name=tm.output_name)],
+        outputs=[ct.TensorType(name=target.output_name)],
         minimum_deployment_target=ct.target.iOS18,
         compute_precision=ct.transform.FP16ComputePrecision(op_selector=_keep_fp16),
         convert_to="mlprogram",
@@ -157,18 +212,23 @@ def _convert_with(frontend: str, tm: TorchModel, seq: SeqLen):
     )
     with torch.no_grad():
         if frontend == "torch.export":
-            dynamic = None
-            if seq.is_range:
-                d = torch.export.Dim("seq_len", min=seq.lo, max=seq.hi)
-                dynamic = {n: {1: d} for n in tm.input_names}
-            ep = torch.export.export(tm.module, example, dynamic_shapes=dynamic, strict=False)
-            ep = ep.run_decompositions({})
+            if target.stateful:
+                ep = stateful.export_program(target.module, target.lengths.example)
+            else:
+                ep = torch.export.export(target.module, target.example, dynamic_shapes=target.dynamic, strict=False)
+                ep = ep.run_decompositions({})
+            # states come from the program's mutated buffers, named as the buffers are
             return ct.convert(ep, **common)
-        traced = torch.jit.trace(tm.module, example, strict=False, check_trace=False)
-        return ct.convert(traced, inputs=_ct_inputs(tm, seq), **common)
+        if target.stateful:
+            target.module.reset()
+        traced = torch.jit.trace(target.module, target.example, strict=False, check_trace=False)
+        if target.stateful:
+            target.module.reset()
+            common["states"] = _ct_states(target)
+        return ct.convert(traced, inputs=_ct_inputs(target), **common)
 
 
-def convert(tm: TorchModel, seq: SeqLen, frontend: str = "auto"):
+def convert(tm: TorchModel, target: Target, frontend: str = "auto"):
     """Convert with torch.export, falling back to torch.jit.trace. Returns (mlmodel, record)."""
     from . import coreml_ops
 
@@ -180,7 +240,7 @@ def convert(tm: TorchModel, seq: SeqLen, frontend: str = "auto"):
     for fe in order:
         try:
             with _quiet():
-                ml = _convert_with(fe, tm, seq)
+                ml = _convert_with(fe, target)
         except Exception as e:  # each failure is recorded; the last one is raised below, naming the op
             attempts[fe] = _short(e)
             last = e
@@ -392,10 +452,17 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
     status("building the PyTorch model from the artifact's weights")
     tm = build_torch_model(artifact)
     max_pos = getattr(tm.config, "max_position_embeddings", None)
-    if max_pos and opts.seq_len.hi > max_pos:
-        raise MpsconvertError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
-    status("converting to a Core ML ML program")
-    mlmodel, conv = convert(tm, opts.seq_len, opts.frontend)
+    stateful_lm = tm.task == "causal-lm" and opts.kv_cache
+    if stateful_lm:
+        if max_pos and opts.max_len > max_pos:
+            raise MpsconvertError(f"--max-len {opts.max_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+        target = stateful_target(tm, opts.max_len)
+    else:
+        if max_pos and opts.seq_len.hi > max_pos:
+            raise MpsconvertError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+        target = stateless_target(tm, opts.seq_len)
+    status("converting to a Core ML ML program" + (" (stateful decoder)" if stateful_lm else ""))
+    mlmodel, conv = convert(tm, target, opts.frontend)
     status(f"converted with {conv['frontend']}; encoding weights as {opts.weights}")
     mlmodel, weights = apply_weights(mlmodel, opts.weights, tm.fp8_weights)
     mlmodel.short_description = f"mpsconvert {manifest.recipe.get('name')} artifact of {manifest.source.get('id')} ({opts.weights} weights)"
@@ -403,10 +470,13 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
     record = {
         "package": PACKAGE_NAME,
         "task": tm.task,
-        "inputs": tm.input_names,
-        "output": tm.output_name,
+        "kv_cache": stateful_lm,
+        "inputs": target.input_names,
+        "output": target.output_name,
+        "states": [st.as_dict() | {"dtype": "float16"} for st in target.states or []],
         "pooling": ("mean" + (" + l2 normalize" if tm.normalize else "")) if tm.task == "encoder" else None,
-        "seq_len": {"min": opts.seq_len.lo, "max": opts.seq_len.hi, "flexible": opts.seq_len.is_range},
+        "seq_len": {"min": target.lengths.lo, "max": target.lengths.hi, "flexible": target.lengths.is_range},
+        "max_len": opts.max_len if stateful_lm else None,
         "weights": opts.weights,
         "activations": "fp16 (the artifact's FP8 activation quantization has no Core ML equivalent and is not applied)",
         "compute_precision": f"fp16 (fp32 for {', '.join(FP32_OPS)} and their eps add: RMSNorm overflows fp16)",

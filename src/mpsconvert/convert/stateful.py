@@ -96,8 +96,16 @@ class _StateLayer:
     def update(self, key_states, value_states, *args, **kwargs):
         pos = self.owner._positions  # [T] int64, set by forward()
         t = key_states.shape[2]
-        k_idx = pos.view(1, 1, t, 1).expand(key_states.shape)
-        v_idx = pos.view(1, 1, t, 1).expand(value_states.shape)
+        # Broadcast by adding zeros of the buffers' static sizes, not by expand(): coremltools
+        # makes every dimension of an expand with one symbolic size symbolic, and MIL's scatter
+        # then cannot check the index shape against the cache's.
+        kb, kh, _, kd = self.keys.shape
+        vb, vh, _, vd = self.values.shape
+        # (int32 arithmetic, then one cast to the int64 torch's scatter wants: coremltools keeps
+        # the cast, where an int64 sum would reach it as fp32.)
+        p32 = pos.to(torch.int32).view(1, 1, t, 1)
+        k_idx = (p32 + torch.zeros(kb, kh, 1, kd, dtype=torch.int32, device=pos.device)).to(torch.long)
+        v_idx = (p32 + torch.zeros(vb, vh, 1, vd, dtype=torch.int32, device=pos.device)).to(torch.long)
         self.keys.scatter_(2, k_idx, key_states.to(self.keys.dtype))
         self.values.scatter_(2, v_idx, value_states.to(self.values.dtype))
         return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)

@@ -23,12 +23,17 @@ class CoreAIOptions:
 
     max_len: causal LMs: the KV cache length (input_ids T from 1 to max_len, position + T <=
         max_len); encoders: the longest input.
-    compute: "fp16" (Apple GPUs and the Neural Engine run it natively) or "fp32".
+    compute: "fp32" (default) or "fp16". Dense tensors are stored in the artifact's dtype either
+        way and FP8 weights as f8E4M3FN, so the asset's size does not depend on it. fp32 is the
+        default because it is what the one Core AI runtime we can run (the Linux CPU runtime of
+        coreai-core 1.0.0b3) runs right and fast: on SmolLM2-135M fp16 gave 93.8% top-1 vs
+        PyTorch fp32 and was ~10x slower per decode step. fp16 is what Apple GPUs and the Neural
+        Engine run natively; it has not been run on Apple hardware here.
     force: replace an existing model.aimodel.
     """
 
     max_len: int = DEFAULT_MAX_LEN
-    compute: str = "fp16"
+    compute: str = "fp32"
     force: bool = False
 
     def __post_init__(self):

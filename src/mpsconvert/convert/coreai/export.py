@@ -9,11 +9,11 @@ interface Core ML packages have too); encoders keep the embeddings interface of 
 export. The path is coreai-torch's: `torch.export` -> `run_decompositions(get_decomp_table())`
 -> `TorchConverter().add_exported_program(...).to_coreai()` -> `save_asset`.
 
-Everything that is not an FP8 weight (embeddings, norms, biases, an unquantized lm_head) is
-stored in the compute dtype: fp16 by default, what Apple GPUs and the Neural Engine run natively
-(fp32 with `compute="fp32"`). The conversion of those tensors from the artifact's dtype is
-checked value by value and the count of values that fp16 does not hold exactly is recorded.
-Rotary frequency tables stay fp32 (fp16 would move the positions of long contexts).
+Everything that is not an FP8 weight (embeddings, norms, biases, an unquantized lm_head) keeps
+the dtype the artifact stores it in (BF16 for most models) and is cast to the compute dtype
+where the program reads it, so nothing is rounded and the asset stays the artifact's size. The
+compute dtype is fp32 by default, fp16 on request (see CoreAIOptions for why). Rotary frequency
+tables stay fp32 (fp16 would move the positions of long contexts).
 """
 
 from __future__ import annotations
