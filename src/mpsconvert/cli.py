@@ -98,7 +98,7 @@ def _human(n: float) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mpsconvert")
 def main():
-    """Convert Hugging Face models to FP8 (float8_e4m3fn) for Apple Silicon and Core ML, and check them.
+    """Convert Hugging Face models to FP8 (float8_e4m3fn) for Apple Silicon, Core ML and Core AI, and check them.
 
     \b
     Typical use:
@@ -187,11 +187,17 @@ def run_calibration(model_dir: Path, copts):
 @click.option("--coreml", is_flag=True, help="Also export a Core ML package (model.mlpackage) into the artifact; see `export-coreml`.")
 @click.option("--coreml-weights", type=click.Choice(("fp8-lut", "int8", "fp16")), default="fp8-lut", show_default=True,
               help="With --coreml: how the FP8 weights are stored in the package.")
-@click.option("--coreml-seq-len", default="128", show_default=True, metavar="N|LO:HI", help="With --coreml: sequence length or range.")
+@click.option("--coreml-seq-len", default="128", show_default=True, metavar="N|LO:HI",
+              help="With --coreml: sequence length or range of encoders and of --no-kv-cache packages.")
+@click.option("--coreai", is_flag=True, help="Also export a Core AI asset (model.aimodel) into the artifact; see `export-coreai`.")
+@click.option("--coreai-compute", type=click.Choice(("fp32", "fp16")), default="fp32", show_default=True, help="With --coreai: compute dtype.")
+@click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="With --coreml / --coreai: KV cache length of the stateful decoder (causal LMs); encoders (Core AI): longest input.")
+@click.option("--no-kv-cache", is_flag=True, help="With --coreml: the stateless input_ids -> logits form (no states, before macOS 15 / iOS 18).")
 @friendly_errors
 def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
              scales_file, calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision,
-             coreml, coreml_weights, coreml_seq_len):
+             coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
     from .manifests.schemes import Scheme
     from .source import resolve
@@ -222,7 +228,10 @@ def quantize(source, output, scheme, weights, revision, token, ignore, trust_rem
         manifest = quantize_snapshot(snap, output, opts, progress=lambda n, name: prog.update(task, advance=n, description=name[-48:]))
     print_summary(manifest, output, as_json)
     if coreml:
-        _export_coreml(output, coreml_seq_len, coreml_weights, force=True, frontend="auto", check=True, samples=3, as_json=as_json)
+        _export_coreml(output, coreml_seq_len, coreml_weights, force=True, frontend="auto", check=True, samples=3, as_json=as_json,
+                       kv_cache=not no_kv_cache, max_len=max_len)
+    if coreai:
+        _export_coreai(output, max_len, coreai_compute, force=True, check=True, as_json=as_json)
 
 
 def print_summary(manifest, output: Path, as_json: bool) -> None:
@@ -373,34 +382,83 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
             prog.update(tasks[phase], completed=done, total=total)
 
         result = run_validate(artifact, opts, progress)
-    result["coreml"] = _coreml_runtime(artifact, record=not no_write)
+    result["coreml"] = _coreml_runtime(artifact, record=not no_write, prefill_len=prefill_len, decode_tokens=decode_tokens)
+    with console.status("Core AI latency"):
+        result["coreai"] = _coreai_runtime(artifact, record=not no_write, latency=not no_latency, prefill_len=prefill_len,
+                                           decode_tokens=decode_tokens)
     if as_json:
         out.print_json(json.dumps(result))
         return
     print_validation(result, explain)
-    cm = result["coreml"]
-    if cm is not None:
-        if cm.get("status") == "skipped":
-            out.print(f"Core ML package: not run here ({cm['reason']})", highlight=False)
-        else:
-            out.print_json(json.dumps(cm))
+    print_apple_runtimes(result)
 
 
-def _coreml_runtime(artifact: Path, record: bool) -> dict | None:
+def _coreml_runtime(artifact: Path, record: bool, prefill_len: int = 64, decode_tokens: int = 16) -> dict | None:
     """The Core ML part of validate: only for artifacts with a package; on macOS only (else 'skipped')."""
+    from .manifests import layout
     from .manifests.manifest import Manifest
 
-    m = Manifest.read(artifact) if (artifact / "mpsconvert.json").is_file() else None
-    if m is None or "coreml" not in m.extra:
+    if not layout.is_artifact(artifact) or "coreml" not in Manifest.read(artifact).extra:
         return None
     from .convert.coreml_check import coreml_runtime_check
 
-    res = coreml_runtime_check(artifact)
+    res = coreml_runtime_check(artifact, prefill_len=prefill_len, decode_tokens=decode_tokens)
     if record and res.get("status") != "skipped":
-        m = Manifest.read(artifact)
-        m.extra["coreml_runtime"] = res
-        m.write(artifact)
+        with layout.update_manifest(artifact) as m:
+            m.extra["coreml_runtime"] = res
     return res
+
+
+def _coreai_runtime(artifact: Path, record: bool, latency: bool = True, prefill_len: int = 64, decode_tokens: int = 16) -> dict | None:
+    """The Core AI part of validate: decode tokens/s and prefill time of the asset beside PyTorch
+    on the CPU (Linux: the bundled CPU runtime, labelled; macOS 27+: per compute unit). Only for
+    artifacts with an asset; without the coreai extra, 'skipped' with the pip line."""
+    from .manifests import layout
+    from .manifests.manifest import Manifest
+
+    if not layout.is_artifact(artifact) or "coreai" not in Manifest.read(artifact).extra:
+        return None
+    if not latency:
+        return {"status": "skipped", "reason": "--no-latency"}
+    from .errors import MissingExtraError
+    from .extras import require
+
+    try:
+        require("coreai.authoring", "coreai", "the Core AI latency check")
+    except MissingExtraError as e:
+        return {"status": "skipped", "reason": str(e)}
+    from .convert.coreai.check import coreai_latency
+
+    res = coreai_latency(artifact, prefill_len=prefill_len, decode_tokens=decode_tokens)
+    if record and res.get("status") == "ran":
+        with layout.update_manifest(artifact) as m:
+            m.extra["coreai_runtime"] = res
+    return res
+
+
+def print_apple_runtimes(result: dict) -> None:
+    """The Core ML and Core AI rows of validate, or why they did not run."""
+    for key, name in (("coreml", "Core ML package"), ("coreai", "Core AI asset")):
+        r = result.get(key)
+        if r is None:
+            continue
+        if r.get("status") != "ran":
+            out.print(f"{name}: not run here ({r['reason']})", highlight=False)
+            continue
+        t = Table(title=f"{name}: latency beside PyTorch ({r.get('inputs', '')})")
+        for c in ("engine", "prefill ms", "decode median ms (p95)", "decode tokens/s", "vs PyTorch", "accuracy"):
+            t.add_column(c, justify="left" if c in ("engine", "accuracy") else "right")
+        for row in r["rows"]:
+            if "error" in row:
+                t.add_row(row["engine"], "", "", "", "", f"[red]{row['error']}[/]")
+                continue
+            ratio = row.get("decode_vs_pytorch_cpu", row.get("decode_vs_pytorch_mps", row.get("speedup_vs_pytorch_mps")))
+            acc = (f"prefill top-1 {row['prefill_top1']:.1%}, decode top-1 {row['decode_top1']:.1%}" if "prefill_top1" in row
+                   else f"cosine {row['cosine_min']:.5f}" if "cosine_min" in row else "")
+            dec = f"{row['decode_median_ms']:.2f} ({row['decode_p95_ms']:.2f})" if "decode_median_ms" in row else (f"{row['latency_ms']:.2f}" if "latency_ms" in row else "")
+            t.add_row(row["engine"], f"{row['prefill_ms']:.1f}" if "prefill_ms" in row else "", dec,
+                      f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "", f"{ratio:.3f}x" if ratio else "", acc)
+        out.print(t)
 
 
 def _speed(ratio: float) -> str:
@@ -458,28 +516,35 @@ def print_kernels(decisions: list) -> None:
             notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
     for note, where in notes.items():
         out.print(f"  note ({', '.join(where)}): {note}", highlight=False)
-# --------------------------------------------------------------------------- Core ML (issue 5)
+# --------------------------------------------------------------------------- Core ML and Core AI
 
 
-def _export_coreml(artifact, seq_len, weights, force, frontend, check, samples, as_json):
+def _export_coreml(artifact, seq_len, weights, force, frontend, check, samples, as_json, kv_cache=True, max_len=2048, steps=16):
+    from .extras import require
+
+    require("coremltools", "coreml", "Core ML export")
     from .convert.coreml_export import ExportOptions, SeqLen, export_coreml
 
-    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend)
+    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend, kv_cache=kv_cache, max_len=max_len)
     with console.status("Core ML export") as st:
         rec = export_coreml(artifact, opts, status=lambda msg: st.update(f"Core ML export: {msg}"))
     failed = "; ".join(f"{k} failed ({v})" for k, v in rec["failed_frontends"].items())
-    console.print(f"Core ML: {rec['package']} written with {rec['frontend']}" + (f" ({failed})" if failed else ""), highlight=False)
+    console.print(f"Core ML: {rec['package']} written with {rec['frontend']}" + (" (stateful decoder)" if rec.get("kv_cache") else "")
+                  + (f" ({failed})" if failed else ""), highlight=False)
     if check:
-        _check_coreml(artifact, samples, as_json, export_record=rec)
+        _check_coreml(artifact, samples, as_json, export_record=rec, steps=steps)
     elif as_json:
         out.print_json(json.dumps(rec))
 
 
-def _check_coreml(artifact, samples, as_json, export_record=None):
+def _check_coreml(artifact, samples, as_json, export_record=None, steps=16):
+    from .extras import require
+
+    require("coremltools", "coreml", "checking a Core ML package")
     from .convert.coreml_check import check_package, record_check
 
     with console.status("checking the Core ML package (reference evaluation, not the Core ML runtime)"):
-        res = check_package(artifact, n_samples=samples)
+        res = check_package(artifact, n_samples=samples, steps=steps)
     record_check(artifact, res)
     if as_json:
         out.print_json(json.dumps({"export": export_record, "check": res}))
@@ -489,20 +554,50 @@ def _check_coreml(artifact, samples, as_json, export_record=None):
         raise MpsconvertError(f"the Core ML package in {artifact} failed its checks (see above)", "re-export with --coreml-weights fp16 to compare, or report the model")
 
 
+def _feat(f) -> str:
+    rng = f" range {f['range']}" if f.get("range") else ""
+    shape = "x".join("?" if d is None else str(d) for d in f["shape"]) if f.get("shape") else "?"
+    return f"{f['name']} {f['dtype']} [{shape}]{rng}"
+
+
+def _states_line(states: list[dict]) -> str:
+    if not states:
+        return "none"
+    first = states[0]
+    return f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each {_feat(first).split(' ', 1)[1]}"
+
+
+def print_decoder_check(title: str, ev: dict) -> None:
+    """Prefill, teacher-forced decode and greedy generation against PyTorch, one row each."""
+    t = Table(title=title)
+    for c in ("check", "positions", "top-1 agreement", "cosine min", ""):
+        t.add_column(c, justify="left" if c in ("check", "") else "right")
+    th = ev["thresholds"]
+    p, d, g = ev["prefill"], ev["decode"], ev["generation"]
+    mark = lambda ok: "ok" if ok else "[red]FAILED[/]"  # noqa: E731
+    t.add_row(f"prefill, {ev['prompt_len']} tokens", str(p["positions"]), f"{p['top1_agreement']:.1%}", f"{p['cosine_min']:.6f}",
+              mark(p["top1_agreement"] >= th["prefill_top1"] and p["cosine_min"] >= th["cosine"]) + f" (>= {th['prefill_top1']:.0%})")
+    t.add_row(f"teacher-forced decode, {ev['steps']} steps", str(d["positions"]), f"{d['top1_agreement']:.1%}",
+              f"{d['cosine_min']:.6f}", mark(d["top1_agreement"] >= th["decode_top1"] and d["cosine_min"] >= th["cosine"]) + f" (>= {th['decode_top1']:.0%})")
+    t.add_row(f"greedy generation, {len(g['tokens'])} tokens", str(len(g["tokens"])), f"{g['agreeing_prefix']}/{len(g['tokens'])} same",
+              "", "same tokens as PyTorch" if g["agree"] else f"diverges at token {g['agreeing_prefix'] + 1}")
+    out.print(t)
+    out.print(f"  {ev['inputs']}; vs {ev['reference']}", highlight=False)
+    out.print(f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median {ev['decode_step_ms']['median']:.1f} ms", highlight=False)
+
+
 def print_coreml_check(artifact, res: dict) -> None:
     from .manifests.manifest import Manifest
 
     rec = Manifest.read(artifact).extra.get("coreml", {})
     t = Table(title=f"{artifact}/{res['package']}", show_header=False, box=None)
-
-    def feat(f):
-        rng = f" range {f['range']}" if f.get("range") else ""
-        return f"{f['name']} {f['dtype']} {f['shape'] or '?'}{rng}"
-
-    t.add_row("task", f"{rec.get('task')}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
+    kind = "stateful decoder" if rec.get("kv_cache") else ("stateless" if rec.get("task") == "causal-lm" else "")
+    t.add_row("task", f"{rec.get('task')} {kind}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
     t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, {rec.get('compute_precision')}")
-    t.add_row("inputs", "; ".join(feat(f) for f in res["spec"]["inputs"]))
-    t.add_row("outputs", "; ".join(feat(f) for f in res["spec"]["outputs"]))
+    t.add_row("inputs", "; ".join(_feat(f) for f in res["spec"]["inputs"]))
+    t.add_row("outputs", "; ".join(_feat(f) for f in res["spec"]["outputs"]))
+    if res["spec"].get("states"):
+        t.add_row("states", _states_line(res["spec"]["states"]))
     ops = res["spec"]["ops"]
     t.add_row("ops", ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if k != "const")[:160])
     t.add_row("weights", f"{rec.get('weights')}: {_human(res['weight_bytes'])} in the package vs {_human(res['fp8_safetensors_bytes'])} FP8 safetensors ({res['size_ratio']:.3f}x)")
@@ -514,7 +609,7 @@ def print_coreml_check(artifact, res: dict) -> None:
         line += f"; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values"
     t.add_row("weight check", line)
     ev = res.get("reference_eval")
-    if ev:
+    if ev and "prefill" not in ev:
         line = f"cosine min {ev['cosine_min']:.7f} (mean {ev['cosine_mean']:.7f}), max |diff| {ev['max_abs_diff']:.3g}"
         if "top1_agreement" in ev:
             line += f", top-1 agreement {ev['top1_agreement']:.1%} over {ev['positions']} positions"
@@ -522,6 +617,77 @@ def print_coreml_check(artifact, res: dict) -> None:
         t.add_row("", f"{ev['inputs']}; vs {ev['reference']}")
         t.add_row("", f"[bold]{ev['evaluator']}[/]; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}")
     out.print(t)
+    if ev and "prefill" in ev:
+        print_decoder_check("reference evaluation, not the Core ML runtime", ev)
+
+
+def _export_coreai(artifact, max_len, compute, force, check, as_json, prompt_len=64, steps=32):
+    from .extras import require
+
+    require("coreai.authoring", "coreai", "Core AI export")
+    from .convert.coreai import CoreAIOptions
+    from .convert.coreai.export import export_coreai
+
+    opts = CoreAIOptions(max_len=max_len, compute=compute, force=force)
+    with console.status("Core AI export") as st:
+        rec = export_coreai(artifact, opts, progress=lambda phase, done, total, detail="": st.update(f"Core AI export: {detail}"))
+    console.print(f"Core AI: {rec['asset']} written ({rec['task']}" + (", stateful decoder" if rec["task"] == "causal-lm" else "")
+                  + f", {rec['compute']} compute)", highlight=False)
+    if check:
+        _check_coreai(artifact, as_json, export_record=rec, prompt_len=prompt_len, steps=steps)
+    elif as_json:
+        out.print_json(json.dumps(rec))
+
+
+def _check_coreai(artifact, as_json, export_record=None, prompt_len=64, steps=32):
+    from rich.progress import MofNCompleteColumn
+
+    from .extras import require
+
+    require("coreai.authoring", "coreai", "checking a Core AI asset")
+    from .convert.coreai.check import check_asset, record_check, runtime_label
+
+    with Progress(TextColumn(f"[bold]checking on the {runtime_label()}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, disable=not console.is_terminal) as prog:
+        task = prog.add_task("", total=None)
+        res = check_asset(artifact, prompt_len=prompt_len, steps=steps,
+                          progress=lambda phase, done, total, detail="": prog.update(task, completed=done, total=total, description=detail))
+    record_check(artifact, res)
+    if as_json:
+        out.print_json(json.dumps({"export": export_record, "check": res}))
+    else:
+        print_coreai_check(artifact, res)
+    if not res["ok"]:
+        raise MpsconvertError(f"the Core AI asset in {artifact} failed its checks (see above)", "re-export with --compute fp32 to compare, or report the model")
+
+
+def print_coreai_check(artifact, res: dict) -> None:
+    from .manifests.manifest import Manifest
+
+    rec = Manifest.read(artifact).extra.get("coreai", {})
+    iface = rec.get("interface", {})
+    t = Table(title=f"{artifact}/{res['asset']}", show_header=False, box=None)
+    t.add_row("task", f"{rec.get('task')}" + (" stateful decoder" if rec.get("task") == "causal-lm" else f" ({rec.get('pooling')} pooling)"))
+    t.add_row("function main", "; ".join(_feat(f) for f in iface.get("inputs", [])) + " -> " + "; ".join(_feat(f) for f in iface.get("outputs", [])))
+    if iface.get("states"):
+        t.add_row("states", _states_line(iface["states"]))
+    t.add_row("interface", "as the decoder contract says" if res["interface"]["ok"] else "[red]" + "; ".join(res["interface"]["problems"]) + "[/]")
+    v = rec.get("versions", {})
+    t.add_row("converted with", f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; compute {rec.get('compute')}; needs {rec.get('minimum_os')}")
+    st = res["storage"]["storage_types"]
+    t.add_row("storage", ", ".join(f"{k} {n:,}" for k, n in sorted(st.items(), key=lambda kv: -kv[1]) if n > 1000) or str(st))
+    t.add_row("size", f"{_human(res['asset_bytes'])} asset vs {_human(res['fp8_safetensors_bytes'])} FP8 safetensors ({res['size_ratio']:.3f}x)")
+    w = res["weights"]
+    t.add_row("weight check", f"{w['checked']} FP8 tensors read back from the program: codes bit-exact {w['codes_bit_exact']}, scales exact "
+              f"{w['scales_exact']}; {w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for {w['fp8_values_in_artifact']:,} in the artifact"
+              + ("" if w["all_ok"] else " [red]MISMATCH[/]"))
+    out.print(t)
+    ev = res.get("runtime_eval")
+    if ev and "prefill" in ev:
+        print_decoder_check(ev["runtime"], ev)
+    elif ev:
+        out.print(f"{ev['runtime']}: embedding cosine min {ev['cosine_min']:.6f} over {ev['samples']} samples ({ev['inputs']})"
+                  + (" ok" if ev["ok"] else " [red]FAILED[/]"), highlight=False)
 
 
 @main.command()
@@ -552,8 +718,11 @@ def verify(artifact, no_hashes, trust_remote_code, as_json):
 
 @main.command("export-coreml")
 @click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="Causal LMs: KV cache length of the stateful decoder (input_ids of 1..N tokens, position + T <= N).")
+@click.option("--no-kv-cache", is_flag=True, help="Causal LMs: the stateless input_ids -> logits form (no states; before macOS 15 / iOS 18).")
 @click.option("--seq-len", default="128", show_default=True, metavar="N|LO:HI",
-              help="Fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
+              help="Encoders and --no-kv-cache: fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
 @click.option("--coreml-weights", type=click.Choice(("fp8-lut", "int8", "fp16")), default="fp8-lut", show_default=True,
               help="fp8-lut: the FP8 codes as an 8-bit palette of the e4m3 values (one byte per weight). "
                    "int8: coremltools linear quantization. fp16: dense.")
@@ -562,24 +731,63 @@ def verify(artifact, no_hashes, trust_remote_code, as_json):
 @click.option("--force", is_flag=True, help="Replace an existing model.mlpackage.")
 @click.option("--check-only", is_flag=True, help="Do not export: check the package already in ARTIFACT.")
 @click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
-@click.option("--samples", default=3, show_default=True, help="Text samples for the reference evaluation.")
+@click.option("--samples", default=3, show_default=True, help="Text samples for the reference evaluation (encoders, --no-kv-cache).")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Stateful decoders: teacher-forced decode steps of the reference evaluation.")
 @click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
 @friendly_errors
-def export_coreml_cmd(artifact, seq_len, coreml_weights, frontend, force, check_only, no_check, samples, as_json):
+def export_coreml_cmd(artifact, max_len, no_kv_cache, seq_len, coreml_weights, frontend, force, check_only, no_check, samples, decode_steps, as_json):
     """Export an FP8 ARTIFACT to a Core ML ML program (ARTIFACT/model.mlpackage), then check it.
 
     \b
-    Causal LMs: input_ids -> logits. Encoders: input_ids, attention_mask -> embeddings
-    (mean-pooled last hidden state, L2-normalized if the model's modules.json says so).
+    Causal LMs: the stateful decoder, function main(input_ids int32 [1, T], position int32 [1])
+    -> logits [1, T, vocab], the KV cache in states key_cache_i / value_cache_i (README: "The
+    stateful decoder interface"); --no-kv-cache: input_ids -> logits, no states.
+    Encoders: input_ids, attention_mask -> embeddings (mean-pooled last hidden state,
+    L2-normalized if the model's modules.json says so).
     Minimum target macOS 15 / iOS 18, FP16 compute; activations are not FP8-quantized.
     The checks run anywhere: spec, op counts, weights read back from the package, and a reference
     evaluation of the program with coremltools' Python op definitions (NOT the Core ML runtime)
-    against PyTorch with the artifact's dequantized weights.
+    against PyTorch with the artifact's dequantized weights: for decoders prefill, teacher-forced
+    decode through the states and greedy generation.
     """
     if check_only:
-        _check_coreml(artifact, samples, as_json)
+        _check_coreml(artifact, samples, as_json, steps=decode_steps)
         return
-    _export_coreml(artifact, seq_len, coreml_weights, force, frontend, not no_check, samples, as_json)
+    _export_coreml(artifact, seq_len, coreml_weights, force, frontend, not no_check, samples, as_json,
+                   kv_cache=not no_kv_cache, max_len=max_len, steps=decode_steps)
+
+
+@main.command("export-coreai")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input.")
+@click.option("--compute", type=click.Choice(("fp32", "fp16")), default="fp32", show_default=True,
+              help="Compute dtype. FP8 weights stay f8E4M3FN and other tensors keep the artifact's dtype either way.")
+@click.option("--force", is_flag=True, help="Replace an existing model.aimodel.")
+@click.option("--check-only", is_flag=True, help="Do not export: check the asset already in ARTIFACT.")
+@click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens of real text in the checked prefill.")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=32, show_default=True, help="Teacher-forced decode steps checked.")
+@click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
+@friendly_errors
+def export_coreai_cmd(artifact, max_len, compute, force, check_only, no_check, prompt_len, decode_steps, as_json):
+    """Export an FP8 ARTIFACT to a Core AI asset (ARTIFACT/model.aimodel), then check it.
+
+    \b
+    Core AI is Apple's successor of Core ML (macOS / iOS 27 and later). FP8 weights are stored
+    natively as f8E4M3FN constants with their per-tensor / per-row scales (one byte per weight).
+    Causal LMs: the same stateful decoder as export-coreml (function main(input_ids, position)
+    -> logits, KV cache in states key_cache_i / value_cache_i). Encoders: input_ids,
+    attention_mask -> embeddings.
+    The checks run the asset with the Core AI runtime bundled in coreai-core (Linux: CPU) against
+    PyTorch on the same dequantized weights: prefill, teacher-forced decode through the states,
+    greedy generation. Needs `pip install 'mpsconvert[coreai]'`.
+    """
+    if check_only:
+        _check_coreai(artifact, as_json, prompt_len=prompt_len, steps=decode_steps)
+        return
+    _export_coreai(artifact, max_len, compute, force, not no_check, as_json, prompt_len=prompt_len, steps=decode_steps)
 
 
 def entry() -> None:

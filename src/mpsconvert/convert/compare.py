@@ -175,6 +175,59 @@ def check_decoder(new_conversation: Callable[[], Step], tm: TorchModel, ids: np.
             "ok": bool(ok)}
 
 
+# --------------------------------------------------------------------------- latency
+
+
+def decode_timing(step, prompt: np.ndarray, tokens: int, warmup: int) -> dict:
+    """Prefill `prompt` once, then time `tokens` single-token calls (after `warmup` untimed ones)."""
+    t0 = time.perf_counter()
+    out = step(prompt[None], 0)
+    prefill = time.perf_counter() - t0
+    pos = len(prompt)
+    nxt = int(out[-1].argmax())
+    samples = []
+    for i in range(warmup + tokens):
+        t0 = time.perf_counter()
+        out = step(np.array([[nxt]], dtype=np.int32), pos)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            samples.append(dt)
+        pos += 1
+        nxt = int(out[-1].argmax())
+    st = timing.stats(samples)
+    return {"prefill_tokens": len(prompt), "prefill_ms": round(1e3 * prefill, 3), "decode_tokens": tokens,
+            "decode_median_ms": round(st["median_ms"], 3), "decode_p95_ms": round(st["p95_ms"], 3),
+            "decode_tokens_per_s": round(1e3 / st["median_ms"], 3)}
+
+
+def torch_decoder(tm: TorchModel, device: str = "cpu", dtype=None):
+    """PyTorch's own path (the artifact's weights dequantized, transformers' DynamicCache), as a
+    `new_conversation()` runner, for timing beside a package: fp32 on the CPU by default; the
+    device is synchronised after every call. The model is moved to `device` / `dtype`."""
+    import torch
+    from transformers import DynamicCache
+
+    from .. import devices
+
+    dev = torch.device(device)
+    model = tm.model.to(dev, dtype) if dtype is not None else tm.model.to(dev)
+
+    def new_conversation():
+        cache = DynamicCache(config=model.config)
+
+        def step(ids: np.ndarray, position: int) -> np.ndarray:
+            x = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=dev)
+            pos = torch.arange(position, position + x.shape[1], device=dev)[None]
+            with torch.no_grad():
+                out = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True).logits[0]
+            devices.synchronize(dev)
+            return out.float().cpu().numpy()
+
+        return step
+
+    return new_conversation
+
+
 # --------------------------------------------------------------------------- one-pass outputs
 
 

@@ -13,7 +13,6 @@ is measured beside PyTorch on MPS. Elsewhere it returns a "skipped: needs macOS"
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections import Counter
@@ -24,7 +23,7 @@ import torch
 
 from ..errors import ArtifactError
 from ..manifests.manifest import Manifest
-from .. import fp8
+from .. import fp8, timing
 from .coreml_export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
 from . import compare, stateful
 from .compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, merge_parts, compare_outputs, sample_inputs
@@ -255,75 +254,112 @@ def record_check(artifact: Path, result: dict) -> None:
 # --------------------------------------------------------------------------- macOS: Core ML itself
 
 COMPUTE_UNITS = ("all", "cpu_and_gpu", "cpu_and_ne")
+_UNIT_NAMES = {"all": "ALL", "cpu_and_gpu": "CPU_AND_GPU", "cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY"}
 
 
-def _median_ms(fn, runs: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+def coreml_decoder(ml):
+    """`new_conversation()` over a loaded stateful MLModel: `make_state()` per conversation,
+    `predict(inputs, state=state)` per call (the Core ML API for iOS18 / macOS15 states)."""
+
+    def new_conversation():
+        state = ml.make_state()
+
+        def step(ids: np.ndarray, position: int) -> np.ndarray:
+            out = ml.predict({"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)}, state=state)
+            return np.asarray(out[stateful.OUTPUT_NAME])[0]
+
+        return step
+
+    return new_conversation
 
 
-def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=DEFAULT_TEXTS) -> dict:
-    """Load the package with Core ML, compare with PyTorch, and time it per compute unit beside
-    PyTorch on MPS. On anything but macOS: {"status": "skipped", ...}, never an error."""
-    if sys.platform != "darwin":
-        return {"status": "skipped", "reason": "needs macOS: Core ML loads and runs .mlpackage files only on Apple platforms",
-                "platform": sys.platform}
-    import coremltools as ct
-
+def _mps_row(tm, fn) -> dict:
     from .. import devices
+
+    if not devices.mps_available():
+        return {"engine": "pytorch:mps fp16", "ok": None, "error": "MPS is not available to this torch build"}
+    return {"engine": "pytorch:mps fp16", **fn()}
+
+
+def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=None,
+                         prefill_len: int = 64, decode_tokens: int = 16, platform: str = sys.platform, ct=None) -> dict:
+    """Load the package with Core ML, compare with PyTorch, and time it per compute unit beside
+    PyTorch on MPS. Stateful decoders: prefill of `prefill_len` tokens and `decode_tokens`
+    single-token steps through `make_state()` states (median / p95, tokens/s), checked with
+    compare.check_decoder; stateless packages: one predict. On anything but macOS:
+    {"status": "skipped", ...}, never an error. `ct` is coremltools (a fake in tests)."""
+    if platform != "darwin":
+        return {"status": "skipped", "reason": "needs macOS: Core ML loads and runs .mlpackage files only on Apple platforms",
+                "platform": platform}
+    if ct is None:
+        import coremltools as ct
 
     artifact = Path(artifact)
     pkg = _package(artifact)
     record = Manifest.read(artifact).extra.get("coreml") or {}
     tm = build_torch_model(artifact)
-    samples, what = sample_inputs(artifact, tm, record.get("seq_len", {"min": 8, "max": 8}), texts, 1)
+    rows = []
+    if record.get("kv_cache"):
+        prompt, steps = compare.fit_to_cache(prefill_len, decode_tokens, 2, record["max_len"])
+        ids, what = compare.prompt_ids(artifact, tm, prompt + steps, texts)
+        for cu in compute_units:
+            row = {"engine": f"coreml:{cu}"}
+            try:
+                t = time.perf_counter()
+                ml = ct.models.MLModel(str(pkg), compute_units=getattr(ct.ComputeUnit, _UNIT_NAMES[cu]))
+                row["load_s"] = round(time.perf_counter() - t, 3)
+                acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
+                row.update({"prefill_top1": acc["prefill"]["top1_agreement"], "decode_top1": acc["decode"]["top1_agreement"],
+                            "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
+                row.update(compare.decode_timing(coreml_decoder(ml)(), ids[:prompt], steps, warmup=2))
+            except Exception as e:  # one compute unit failing is a result, reported in its row
+                row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            rows.append(row)
+        rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16)(), ids[:prompt], steps, 2)))
+        base = next((r.get("decode_tokens_per_s") for r in rows if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")), None)
+        for r in rows:
+            if base and r.get("decode_tokens_per_s"):
+                r["decode_vs_pytorch_mps"] = round(r["decode_tokens_per_s"] / base, 3)
+        return {"status": "ran", "kind": "stateful decoder", "reference": REFERENCE_NAME, "inputs": what, "prefill_tokens": prompt,
+                "decode_tokens": steps, "rows": rows, "ok": all(r.get("ok") is not False for r in rows)}
+    samples, what = sample_inputs(artifact, tm, record.get("seq_len", {"min": 8, "max": 8}), texts or DEFAULT_TEXTS, 1)
     x = samples[0]
     feeds = dict(zip(tm.input_names, x))
     with torch.no_grad():
         ref = tm.module(*(torch.from_numpy(a.astype(np.int64)) for a in x)).float().numpy()
-    units = {"all": ct.ComputeUnit.ALL, "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU, "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE}
-    rows = []
     for cu in compute_units:
         row = {"engine": f"coreml:{cu}"}
         try:
             t = time.perf_counter()
-            ml = ct.models.MLModel(str(pkg), compute_units=units[cu])
+            ml = ct.models.MLModel(str(pkg), compute_units=getattr(ct.ComputeUnit, _UNIT_NAMES[cu]))
             row["load_s"] = round(time.perf_counter() - t, 3)
             got = np.asarray(ml.predict(feeds)[tm.output_name])
             row.update(compare_outputs(tm.task, got, ref))
             row["ok"] = row["cosine_min"] >= min_cosine
-            row["latency_ms"] = round(_median_ms(lambda: ml.predict(feeds), runs), 3)
+            row["latency_ms"] = round(timing.median_ms(lambda: ml.predict(feeds), repeats=runs), 3)
         except Exception as e:  # one compute unit failing is a result, reported in its row
             row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
         rows.append(row)
-    row = {"engine": "pytorch:mps fp16"}
-    if devices.mps_available():
+
+    def mps():
         dev = torch.device("mps")
         mod = tm.module.to(dev, torch.float16)
         xt = tuple(torch.from_numpy(a.astype(np.int64)).to(dev) for a in x)
 
         def run():
             with torch.no_grad():
-                y = mod(*xt)
-            devices.synchronize(dev)
-            return y
+                return mod(*xt)
 
         got = run().float().cpu().numpy()
-        row.update(compare_outputs(tm.task, got, ref))
-        row["latency_ms"] = round(_median_ms(run, runs), 3)
-        row["ok"] = row["cosine_min"] >= min_cosine
-    else:
-        row.update({"ok": None, "error": "MPS is not available to this torch build"})
-    rows.append(row)
+        r = compare_outputs(tm.task, got, ref)
+        r["latency_ms"] = round(timing.median_ms(run, device=dev, repeats=runs), 3)
+        r["ok"] = r["cosine_min"] >= min_cosine
+        return r
+
+    rows.append(_mps_row(tm, mps))
     base = next((r["latency_ms"] for r in rows if r["engine"].startswith("pytorch") and "latency_ms" in r), None)
     for r in rows:
         if base and "latency_ms" in r:
             r["speedup_vs_pytorch_mps"] = round(base / r["latency_ms"], 3)
-    return {"status": "ran", "reference": REFERENCE_NAME, "inputs": what, "seq_len": int(x[0].shape[1]), "rows": rows,
+    return {"status": "ran", "kind": "one pass", "reference": REFERENCE_NAME, "inputs": what, "seq_len": int(x[0].shape[1]), "rows": rows,
             "ok": all(r.get("ok") is not False for r in rows)}

@@ -19,13 +19,11 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ... import timing
 from ...errors import ArtifactError, MpsconvertError
 from ...manifests import layout
 from ...manifests.manifest import Manifest
@@ -267,47 +265,6 @@ def record_check(artifact: Path, result: dict) -> None:
 # --------------------------------------------------------------------------- latency (validate)
 
 
-def _decode_timing(step, prompt: np.ndarray, tokens: int, warmup: int) -> dict:
-    """Prefill `prompt` once, then time `tokens` single-token calls (after `warmup` untimed ones)."""
-    t0 = time.perf_counter()
-    out = step(prompt[None], 0)
-    prefill = time.perf_counter() - t0
-    pos = len(prompt)
-    nxt = int(out[-1].argmax())
-    samples = []
-    for i in range(warmup + tokens):
-        t0 = time.perf_counter()
-        out = step(np.array([[nxt]], dtype=np.int32), pos)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            samples.append(dt)
-        pos += 1
-        nxt = int(out[-1].argmax())
-    st = timing.stats(samples)
-    return {"prefill_tokens": len(prompt), "prefill_ms": round(1e3 * prefill, 3), "decode_tokens": tokens,
-            "decode_median_ms": round(st["median_ms"], 3), "decode_p95_ms": round(st["p95_ms"], 3),
-            "decode_tokens_per_s": round(1e3 / st["median_ms"], 3)}
-
-
-def torch_cpu_decoder(tm):
-    """PyTorch's own path on the CPU (fp32, the artifact's weights dequantized, transformers'
-    DynamicCache): `new_conversation()` like the Core AI runner, for side-by-side timing."""
-    from transformers import DynamicCache
-
-    def new_conversation():
-        cache = DynamicCache(config=tm.model.config)
-
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            x = torch.as_tensor(ids, dtype=torch.long)
-            pos = torch.arange(position, position + x.shape[1])[None]
-            with torch.no_grad():
-                return tm.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True).logits[0].float().numpy()
-
-        return step
-
-    return new_conversation
-
-
 def coreai_latency(artifact: Path, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
                    units=None, platform: str = sys.platform, texts=None) -> dict:
     """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU, same prompt, same
@@ -330,12 +287,12 @@ def coreai_latency(artifact: Path, prefill_len: int = 64, decode_tokens: int = 1
             with quiet():
                 session = Session(_asset(artifact), unit=unit)
             with session:
-                row.update(_decode_timing(decoder_runner(session)(), ids, decode_tokens, warmup))
+                row.update(compare.decode_timing(decoder_runner(session)(), ids, decode_tokens, warmup))
         except Exception as e:  # one compute unit failing is a result, reported in its row
             row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         rows.append(row)
     torch_row = {"engine": f"PyTorch {torch.__version__} CPU, fp32 (dequantized weights, DynamicCache)",
-                 **_decode_timing(torch_cpu_decoder(tm)(), ids, decode_tokens, warmup)}
+                 **compare.decode_timing(compare.torch_decoder(tm)(), ids, decode_tokens, warmup)}
     rows.append(torch_row)
     for r in rows:
         if "decode_tokens_per_s" in r:

@@ -24,7 +24,6 @@ import torch
 
 from ...atomic import publish_folder
 from ...errors import ExportError, MpsconvertError
-from ...extras import require
 from ...manifests import layout
 from ...manifests.hashing import folder_files
 from ...manifests.manifest import Manifest
@@ -32,7 +31,7 @@ from ...progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
 from . import MINIMUM_OS, CoreAIOptions
-from .run import quiet, signature
+from .run import coreai_torch, quiet, signature
 from .weights import swap_fp8_linears
 
 ASSET_NAME = layout.COREAI_ASSET
@@ -121,9 +120,7 @@ def prepare(tm: TorchModel, opts: CoreAIOptions) -> tuple[torch.nn.Module, dict]
 
 def _export(module, tm: TorchModel, opts: CoreAIOptions):
     """torch.export + coreai-torch's decompositions; returns (program, input, output, state names)."""
-    import coreai_torch
-
-    table = coreai_torch.get_decomp_table()
+    table = coreai_torch().get_decomp_table()
     if tm.task == "causal-lm":
         ep = stateful.export_program(module, decompositions=table)
         mutated = set(ep.graph_signature.buffers_to_mutate.values())
@@ -145,12 +142,11 @@ def _export(module, tm: TorchModel, opts: CoreAIOptions):
 
 def convert(module, tm: TorchModel, opts: CoreAIOptions):
     """The Core AI program of `module` (an AIProgram, not yet saved), and its interface names."""
-    import coreai_torch
-
+    ct = coreai_torch()
     try:
         with quiet() as log:
             ep, inputs, outputs, states = _export(module, tm, opts)
-            prog = (coreai_torch.TorchConverter(mode=coreai_torch.TorchConverter.Mode.RELEASE)
+            prog = (ct.TorchConverter(mode=ct.TorchConverter.Mode.RELEASE)
                     .add_exported_program(ep, input_names=inputs, output_names=outputs, state_names=states or None)
                     .to_coreai())
     except MpsconvertError:
@@ -190,8 +186,7 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
         ExportError: the architecture, an op or a weight cannot be converted.
         MpsconvertError: the asset exists (pass force) or the settings do not fit the model.
     """
-    require("coreai.authoring", "coreai", "Core AI export")
-    require("coreai_torch", "coreai", "Core AI export")
+    coreai_torch()
     progress = or_silent(progress)
     artifact = Path(artifact)
     Manifest.read(artifact)  # an artifact, with a readable manifest, before any work

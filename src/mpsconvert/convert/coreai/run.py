@@ -38,6 +38,15 @@ def coreai():
     return require("coreai.runtime", "coreai", "Core AI")
 
 
+def coreai_torch():
+    """coreai-torch (it warns at import about any torch newer than the one it was validated with,
+    2.13.0, comparing local version suffixes too: 2.13.0+cpu; silenced)."""
+    coreai()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return require("coreai_torch", "coreai", "Core AI export")
+
+
 @contextlib.contextmanager
 def native_output_captured():
     """Send what native code prints on fd 1 and 2 (the runtime's "ODIE [default]: Loading ...")

@@ -103,7 +103,10 @@ def swap_fp8_linears(model: torch.nn.Module, fp8_weights: dict, dtype: torch.dty
         ExportError: an FP8 tensor is not the weight of an nn.Linear of the model (e.g. fused
             MoE experts, which transformers keeps as 3-D parameters).
     """
-    import coreai_torch._compression.custom_layers  # noqa: F401  (registers the coreai:: custom ops)
+    from .run import coreai_torch
+
+    coreai_torch()
+    import coreai_torch._compression.custom_layers  # noqa: F401, F811  (registers the coreai:: custom ops)
 
     modules = dict(model.named_modules())
     prefix = getattr(model, "base_model_prefix", "") or ""
