@@ -191,8 +191,9 @@ def run_calibration(model_dir: Path, copts):
               help="With --coreml: sequence length or range of encoders and of --no-kv-cache packages.")
 @click.option("--coreai", is_flag=True, help="Also export a Core AI asset (model.aimodel) into the artifact; see `export-coreai`.")
 @click.option("--coreai-compute", type=click.Choice(("fp32", "fp16")), default="fp32", show_default=True, help="With --coreai: compute dtype.")
-@click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,
-              help="With --coreml / --coreai: KV cache length of the stateful decoder (causal LMs); encoders (Core AI): longest input.")
+@click.option("--max-len", type=click.IntRange(min=2), default=None,
+              help="With --coreml / --coreai: KV cache length of the stateful decoder (causal LMs); encoders (Core AI): longest input "
+                   "[default: 2048, or the model's max_position_embeddings if smaller].")
 @click.option("--no-kv-cache", is_flag=True, help="With --coreml: the stateless input_ids -> logits form (no states, before macOS 15 / iOS 18).")
 @friendly_errors
 def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
@@ -519,7 +520,7 @@ def print_kernels(decisions: list) -> None:
 # --------------------------------------------------------------------------- Core ML and Core AI
 
 
-def _export_coreml(artifact, seq_len, weights, force, frontend, check, samples, as_json, kv_cache=True, max_len=2048, steps=16):
+def _export_coreml(artifact, seq_len, weights, force, frontend, check, samples, as_json, kv_cache=True, max_len=None, steps=16):
     from .extras import require
 
     require("coremltools", "coreml", "Core ML export")
@@ -718,8 +719,9 @@ def verify(artifact, no_hashes, trust_remote_code, as_json):
 
 @main.command("export-coreml")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,
-              help="Causal LMs: KV cache length of the stateful decoder (input_ids of 1..N tokens, position + T <= N).")
+@click.option("--max-len", type=click.IntRange(min=2), default=None,
+              help="Causal LMs: KV cache length of the stateful decoder (input_ids of 1..N tokens, position + T <= N) "
+                   "[default: 2048, or the model's max_position_embeddings if smaller].")
 @click.option("--no-kv-cache", is_flag=True, help="Causal LMs: the stateless input_ids -> logits form (no states; before macOS 15 / iOS 18).")
 @click.option("--seq-len", default="128", show_default=True, metavar="N|LO:HI",
               help="Encoders and --no-kv-cache: fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
@@ -760,8 +762,9 @@ def export_coreml_cmd(artifact, max_len, no_kv_cache, seq_len, coreml_weights, f
 
 @main.command("export-coreai")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,
-              help="Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input.")
+@click.option("--max-len", type=click.IntRange(min=2), default=None,
+              help="Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input "
+                   "[default: 2048, or the model's max_position_embeddings if smaller].")
 @click.option("--compute", type=click.Choice(("fp32", "fp16")), default="fp32", show_default=True,
               help="Compute dtype. FP8 weights stay f8E4M3FN and other tensors keep the artifact's dtype either way.")
 @click.option("--force", is_flag=True, help="Replace an existing model.aimodel.")

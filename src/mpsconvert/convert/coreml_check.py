@@ -86,8 +86,16 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
     ops = _op_by_name(prog)
     base = e4m3_lut()
     rows = {}
+    consts_2d = {}
+    for op in ops.values():
+        if op.op_type == "const" and isinstance(op.outputs[0].val, np.ndarray) and op.outputs[0].val.ndim == 2:
+            consts_2d.setdefault(op.outputs[0].val.shape, []).append(op.outputs[0].val)
     for name, enc in record["encoded_tensors"].items():
         q, s = fp8_weights[name]
+        if "experts_lut_exponent" in enc:  # fused MoE experts: LUT of e4m3 x 2^-k, row scale x 2^k after the matmul
+            k = enc["experts_lut_exponent"]
+            want_row = (s.float().reshape(s.shape[0], -1) * 2.0**k).to(torch.float16).numpy()
+            s = torch.tensor([2.0**-k])
         codes = q.view(torch.uint8).numpy()
         want16 = fp8.dequantize(q, s, torch.float16).numpy()
         r: dict = {}
@@ -118,6 +126,8 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
             # codes, LUT and fp16 row scale are checked bit for bit; the applied weight may then
             # differ from the FP16 dequantization by the row scale's fp16 rounding (<= 1 ulp).
             exact = r["weights_equal_fp16_dequant"] == 1.0 if enc["row_scale"] is None else r["max_ulp_diff"] <= 1
+            if "experts_lut_exponent" in enc:
+                r["row_scale_equal"] = any(np.array_equal(c.astype(np.float16), want_row) for c in consts_2d.get(want_row.shape, []))
             r["ok"] = bool(r["indices_equal_fp8_codes"] and r["lut_equal_e4m3"] and r.get("row_scale_equal", True) and exact)
         else:
             cand = [op for n, op in ops.items() if n == enc["op"] or (n.startswith(enc["op"]) and op.op_type.startswith("constexpr_"))]
@@ -230,7 +240,7 @@ def check_package(artifact: Path, texts=None, n_samples: int = 3, evaluate: bool
         "spec": spec_summary(spec, prog),
         "weight_bytes": weight_bytes_of_package(pkg),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
-        "weights": check_weights(prog, record, tm.fp8_weights),
+        "weights": check_weights(prog, record, {**tm.fp8_weights, **{n: (c, sc) for n, (c, sc, _) in tm.fp8_experts.items()}}),
     }
     res["size_ratio"] = round(res["weight_bytes"] / res["fp8_safetensors_bytes"], 4)
     if evaluate and record.get("kv_cache"):

@@ -86,7 +86,7 @@ class ExportOptions:
     force: bool = False
     frontend: str = "auto"  # "auto" (torch.export, then torch.jit.trace), or one of FRONTENDS
     kv_cache: bool = True
-    max_len: int = 2048
+    max_len: int | None = None  # None: 2048, or the model's max_position_embeddings when smaller
 
 
 # --------------------------------------------------------------------------- conversion
@@ -163,6 +163,42 @@ class Target:
     @property
     def stateful(self) -> bool:
         return bool(self.states)
+
+
+def _scaled_batched_mm(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' batched_mm experts forward with each expert weight = LUT values x a per-row
+    scale applied to the batched matmul's output (as `_fp8_lut_pass` does for Linears): the
+    weights stay a shared 256-entry palette over the FP8 codes."""
+    k = top_k_index.size(-1)
+    tokens, hidden = hidden_states.shape
+    ids = top_k_index.reshape(-1)
+    x = hidden_states.repeat_interleave(k, dim=0)
+    y = torch.bmm(self.gate_up_proj[ids], x.unsqueeze(-1)).squeeze(-1) * self.gate_up_proj_row_scale[ids]
+    y = self._apply_gate(y)
+    y = torch.bmm(self.down_proj[ids], y.unsqueeze(-1)).squeeze(-1) * self.down_proj_row_scale[ids]
+    y = y * top_k_weights.reshape(-1).unsqueeze(-1)
+    return y.view(tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def lut_experts(tm: TorchModel) -> tuple[dict, dict]:
+    """Prepare fused FP8 experts for `fp8-lut`: each parameter holds e4m3 x 2**-k (exact in fp16,
+    one shared palette) and a buffer holds the per-row scale x 2**k, applied after the matmul.
+    Returns (tensors for the LUT pass: name -> (codes, 2**-k as a tensor scale), record)."""
+    weights, record = {}, {}
+    for name, (codes, scale, keys) in tm.fp8_experts.items():
+        mod_name, _, param = name.rpartition(".")
+        mod = tm.model.get_submodule(mod_name)
+        s = scale.float().reshape(scale.shape[0], scale.shape[1])
+        k = lut_exponent(s.numpy())
+        with torch.no_grad():
+            getattr(mod, param).copy_(fp8.fp8_to_float(codes) * 2.0**-k)
+        mod.register_buffer(f"{param}_row_scale", (s * 2.0**k).to(torch.float16).float())
+        weights[name] = (codes, torch.tensor([2.0**-k]))
+        record[name] = {"lut_exponent": k, "row_scale": (s * 2.0**k).to(torch.float16).numpy(), "artifact_tensors": len(keys)}
+    for mod_name in {n.rpartition(".")[0] for n in tm.fp8_experts}:
+        mod = tm.model.get_submodule(mod_name)
+        mod.__class__ = type(f"LutExperts{type(mod).__name__}", (type(mod),), {"forward": _scaled_batched_mm})
+    return weights, record
 
 
 def stateless_target(tm: TorchModel, seq: SeqLen) -> Target:
@@ -271,13 +307,13 @@ def _digest(a: np.ndarray) -> str:
 
 
 def _weight_consts(prog) -> list:
-    """The const ops of a program that hold 2-D float weights."""
+    """The const ops of a program that hold 2-D float weights (3-D: fused MoE experts)."""
     out = []
     for f in prog.functions.values():
         for op in f.operations:
             if op.op_type == "const":
                 v = op.outputs[0].val
-                if isinstance(v, np.ndarray) and v.ndim == 2 and v.dtype in (np.float16, np.float32):
+                if isinstance(v, np.ndarray) and v.ndim in (2, 3) and v.dtype in (np.float16, np.float32):
                     out.append(op)
     return out
 
@@ -290,7 +326,8 @@ def match_fp8_consts(prog, fp8_weights: dict) -> dict[str, tuple[str, bool]]:
     for name, (q, s) in fp8_weights.items():
         w16 = fp8.dequantize(q, s, torch.float16).numpy()
         want.setdefault((w16.shape, _digest(w16)), []).append((name, False))
-        want.setdefault((w16.T.shape, _digest(w16.T)), []).append((name, True))
+        if w16.ndim == 2:
+            want.setdefault((w16.T.shape, _digest(w16.T)), []).append((name, True))
     found: dict[str, tuple[str, bool]] = {}
     for op in _weight_consts(prog):
         v = op.outputs[0].val
@@ -351,7 +388,7 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
                     if scale.size == 1:
                         # fp32 product, one fp16 rounding: exactly the artifact's FP16 dequantization.
                         lut = (lut_base * scale[0]).astype(np.float16)
-                        new = mb.constexpr_lut_to_dense(indices=idx.T.copy() if transposed else idx, lut=lut.reshape(1, 1, 256, 1), before_op=op, name=base + "_lut")
+                        new = mb.constexpr_lut_to_dense(indices=idx.T.copy() if transposed else idx, lut=lut.reshape((1,) * idx.ndim + (256, 1)), before_op=op, name=base + "_lut")
                         op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
                         info = {"lut": base + "_lut", "row_scale": None, "lut_exponent": None, "encoding": "lut(e4m3 x tensor scale, fp16)"}
                     else:
@@ -451,12 +488,17 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
         raise MpsconvertError(f"unknown --coreml-weights {opts.weights!r}", f"use one of: {', '.join(WEIGHT_MODES)}")
     status("building the PyTorch model from the artifact's weights")
     tm = build_torch_model(artifact)
+    fp8_tensors, experts = dict(tm.fp8_weights), {}
+    if tm.fp8_experts and opts.weights == "fp8-lut":
+        lut, experts = lut_experts(tm)
+        fp8_tensors.update(lut)
+    else:  # int8 / fp16: the experts' dequantized weights, encoded like any other
+        fp8_tensors.update({n: (c, s) for n, (c, s, _) in tm.fp8_experts.items()})
     max_pos = getattr(tm.config, "max_position_embeddings", None)
     stateful_lm = tm.task == "causal-lm" and opts.kv_cache
+    max_len = stateful.resolve_max_len(opts.max_len, tm.config) if stateful_lm else None
     if stateful_lm:
-        if max_pos and opts.max_len > max_pos:
-            raise MpsconvertError(f"--max-len {opts.max_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
-        target = stateful_target(tm, opts.max_len)
+        target = stateful_target(tm, max_len)
     else:
         if max_pos and opts.seq_len.hi > max_pos:
             raise MpsconvertError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
@@ -464,7 +506,10 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
     status("converting to a Core ML ML program" + (" (stateful decoder)" if stateful_lm else ""))
     mlmodel, conv = convert(tm, target, opts.frontend)
     status(f"converted with {conv['frontend']}; encoding weights as {opts.weights}")
-    mlmodel, weights = apply_weights(mlmodel, opts.weights, tm.fp8_weights)
+    mlmodel, weights = apply_weights(mlmodel, opts.weights, fp8_tensors)
+    for name, e in experts.items():
+        weights[name].update({"encoding": "lut(e4m3 x 2^-k, fp16) -> gather -> batched matmul -> x row scale x 2^k (fp16)",
+                              "experts_lut_exponent": e["lut_exponent"], "artifact_tensors": e["artifact_tensors"]})
     mlmodel.short_description = f"mpsconvert {manifest.recipe.get('name')} artifact of {manifest.source.get('id')} ({opts.weights} weights)"
     pkg = _save_package(mlmodel, artifact, opts.force)
     record = {
@@ -476,7 +521,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
         "states": [st.as_dict() | {"dtype": "float16"} for st in target.states or []],
         "pooling": ("mean" + (" + l2 normalize" if tm.normalize else "")) if tm.task == "encoder" else None,
         "seq_len": {"min": target.lengths.lo, "max": target.lengths.hi, "flexible": target.lengths.is_range},
-        "max_len": opts.max_len if stateful_lm else None,
+        "max_len": max_len,
         "weights": opts.weights,
         "activations": "fp16 (the artifact's FP8 activation quantization has no Core ML equivalent and is not applied)",
         "compute_precision": f"fp16 (fp32 for {', '.join(FP32_OPS)} and their eps add: RMSNorm overflows fp16)",
@@ -486,6 +531,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
         "registered_ops": conv["registered_ops"],
         "coremltools": ct.__version__,
         "fp8_tensors": len(tm.fp8_weights),
+        "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,
         "encoded_tensors": dict(sorted(weights.items())),
         "package_weight_bytes": weight_bytes_of_package(pkg),

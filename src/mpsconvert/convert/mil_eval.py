@@ -217,6 +217,24 @@ def _scatter_along_axis(op, view):
     return data
 
 
+def _topk(op, view):
+    # coremltools' iOS16 topk.value_inference calls super() on the op class, which a view is not
+    x = np.asarray(view.x.val)
+    k = int(view.k.val) if view.k is not None else 1
+    axis = int(view.axis.val) if view.axis is not None else -1
+    ascending = bool(view.ascending.val) if view.ascending is not None else False
+    order = np.argsort(x if ascending else -x, axis=axis, kind="stable")
+    idx = np.take(order, np.arange(k), axis=axis)
+    vals = np.take_along_axis(x, idx, axis=axis)
+    return vals.astype(_out_dtype(op)), idx.astype(types_np(op.outputs[1]))
+
+
+def types_np(var):
+    from coremltools.converters.mil.mil import types
+
+    return types.nptype_from_builtin(var.dtype)
+
+
 _IMPLEMENTED = {
     "constexpr_lut_to_dense": _lut_to_dense,
     "select": _select,
@@ -229,6 +247,7 @@ _IMPLEMENTED = {
     "gather_nd": _gather_nd,
     "scaled_dot_product_attention": _sdpa,
     "scatter_along_axis": _scatter_along_axis,
+    "topk": _topk,
 }
 # Ops that read or write the program's states (iOS18 stateful models), run by `evaluate` itself.
 STATE_OPS = ("read_state", "write_state", "coreml_update_state")

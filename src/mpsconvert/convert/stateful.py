@@ -34,6 +34,27 @@ OUTPUT_NAME = "logits"
 MASK_TYPES = ("full_attention", "sliding_attention")
 
 
+DEFAULT_MAX_LEN = 2048
+
+
+def resolve_max_len(requested: int | None, config) -> int:
+    """The cache length: `requested`, or 2048 capped at the model's max_position_embeddings.
+
+    Raises:
+        MpsconvertError: `requested` is above the model's max_position_embeddings, or below 2.
+    """
+    from ..errors import MpsconvertError
+
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if requested is None:
+        return min(DEFAULT_MAX_LEN, max_pos) if max_pos else DEFAULT_MAX_LEN
+    if requested < 2:
+        raise MpsconvertError(f"--max-len {requested} is too short", "use at least 2 (default 2048)")
+    if max_pos and requested > max_pos:
+        raise MpsconvertError(f"--max-len {requested} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+    return int(requested)
+
+
 def state_names(layers: int) -> list[str]:
     """The states of a model with `layers` decoder layers, in the order they are declared."""
     return [f"{kind}_cache_{i}" for i in range(layers) for kind in ("key", "value")]
@@ -148,8 +169,6 @@ class StatefulCausalLM(torch.nn.Module):
 
     def __init__(self, model, max_len: int, cache_dtype: torch.dtype | None = None):
         super().__init__()
-        if max_len < 2:
-            raise ExportError(f"--max-len {max_len} is too short", "use at least 2 (default 2048)")
         self.model = model
         self.max_len = int(max_len)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

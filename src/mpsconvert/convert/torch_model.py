@@ -79,6 +79,49 @@ def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict
     return dense, quant
 
 
+def _fuse_experts(model, dense: dict, quant: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]]:
+    """transformers 5 holds MoE experts fused (`experts.gate_up_proj [E, 2I, H]`, `down_proj
+    [E, H, I]`), checkpoints mostly one 2-D tensor per expert and projection. Which tensor holds
+    which rows comes from transformers' own mapping (`moe_layout.find_layout`). The dense fused
+    tensors replace the per-expert ones in `dense` (under the model's names); returns the FP8
+    form of each fused parameter: name -> (codes [E, N, K], per-row scale [E, N, 1], source
+    tensors). A layout transformers cannot map is an ExportError, never a silent dense copy."""
+    from .. import moe_layout
+
+    if not moe_layout.experts_modules(model):
+        return {}
+    stored = {k: tuple(v.shape) for k, v in dense.items()}
+    out = {}
+    for name, ep in moe_layout.find_layout(model, stored).items():
+        e, n, k = ep.shape
+        if ep.layout == "per-expert":
+            w = torch.empty(e, n, k)
+            codes = torch.empty(e, n, k, dtype=fp8.FP8_DTYPE)
+            scale = torch.empty(e, n, 1)
+            is_fp8 = all(sl.key in quant for sl in ep.slices)
+            for sl in ep.slices:
+                w[sl.expert, sl.start:sl.stop] = dense.pop(sl.key)
+                if is_fp8:
+                    c, sc = quant.pop(sl.key)
+                    codes[sl.expert, sl.start:sl.stop] = c
+                    scale[sl.expert, sl.start:sl.stop] = sc.reshape(-1, 1).expand(sl.stop - sl.start, 1)
+            dense[ep.name] = w
+            if is_fp8:
+                out[ep.name] = (codes, scale, [sl.key for sl in ep.slices])
+        elif ep.layout == "fused":
+            if ep.key in quant:
+                c, sc = quant.pop(ep.key)
+                out[ep.name] = (c, sc.reshape(e, -1, 1).expand(e, n, 1).contiguous(), [ep.key])
+            dense[ep.name] = dense.pop(ep.key)
+        else:
+            raise ExportError(f"MoE experts {ep.name}: {ep.why}", "this MoE layout cannot be exported yet; report the model")
+    return out
+
+
+def _has_experts(config) -> bool:
+    return any(getattr(config, a, None) for a in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
 def _stored_dtypes(artifact: Path) -> dict[str, torch.dtype]:
     """tensor -> dtype as the artifact stores it (from the safetensors headers)."""
     from safetensors import safe_open
@@ -108,6 +151,17 @@ def _load_into(model, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
                 mapped[cand] = v
                 used[k] = cand
                 break
+    for key in [k for k in own if k not in mapped]:  # modules the checkpoint names differently (Mixtral's block_sparse_moe.gate)
+        mod, _, leaf = key.rpartition(".")
+        if mod:
+            from ..moe_layout import checkpoint_module_name
+
+            stored = checkpoint_module_name(model, mod)
+            for cand in (f"{stored}.{leaf}", f"{prefix}.{stored}.{leaf}"):
+                if stored != mod and cand in tensors:
+                    mapped[key] = tensors[cand]
+                    used[cand] = key
+                    break
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     missing = [k for k in own if k not in mapped]
@@ -182,6 +236,8 @@ class TorchModel:
     normalize: bool = False
     unused: list[str] = field(default_factory=list)  # FP8 tensors the exported graph does not use
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model tensor -> dtype in the artifact
+    # fused MoE expert parameters: name -> (codes [E, N, K], per-row scale [E, N, 1], artifact tensors)
+    fp8_experts: dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]] = field(default_factory=dict)
 
     @property
     def model(self):
@@ -215,11 +271,15 @@ def build_torch_model(artifact: Path) -> TorchModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if task == "causal-lm":
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+            # batched_mm experts: every token's experts gathered and multiplied at once, no
+            # data-dependent loop (which torch.export cannot trace)
+            moe = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager", **moe)
         else:
             # The pooler (BERT's [CLS] dense+tanh) is not part of the embeddings output.
             extra = {"add_pooling_layer": False} if config.model_type in ("bert", "roberta", "xlm-roberta", "camembert") else {}
             model = transformers.AutoModel.from_config(config, dtype=torch.float32, attn_implementation="eager", **extra)
+    experts = _fuse_experts(model, dense, quant)
     used = _load_into(model, dense)
     model.eval()
     normalize = task == "encoder" and _uses_normalize(artifact)
@@ -229,6 +289,7 @@ def build_torch_model(artifact: Path) -> TorchModel:
         fp8_weights={k: v for k, v in quant.items() if k in used},
         unused=sorted(k for k in quant if k not in used),
         stored_dtypes={m: dtypes[k] for k, m in used.items() if k in dtypes},
+        fp8_experts=experts,
     )
 
 

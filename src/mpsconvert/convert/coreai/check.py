@@ -143,7 +143,11 @@ def read_fp8_constants(asset_dir: Path) -> list[dict]:
         if c["dtype"] != "f8E4M3FN" or c["resource"] is None or var not in scale_of:
             continue
         s = consts.get(scale_of[var])
-        scale = _dense_values(s["dense"], s["shape"], s["dtype"]) if s and s["dense"] is not None else None
+        scale = None
+        if s and s["dense"] is not None:
+            scale = _dense_values(s["dense"], s["shape"], s["dtype"])
+        elif s and s["resource"] in blobs and _NP_DTYPES.get(s["dtype"]) is not None:  # a large scale is a resource blob too
+            scale = np.frombuffer(blobs[s["resource"]], dtype=_NP_DTYPES[s["dtype"]]).reshape(s["shape"])
         out.append({"shape": c["shape"], "bytes": blobs.get(c["resource"], b""), "scale": scale,
                     "scale_dtype": s["dtype"] if s else None})
     return out
@@ -158,14 +162,15 @@ def check_weights(asset_dir: Path, tm, record: dict) -> dict:
         by_digest.setdefault((tuple(c["shape"]), hashlib.sha256(c["bytes"]).hexdigest()), []).append(c)
     dtype = TORCH_DTYPES[record["compute"]]
     rows = {}
-    for name, (codes, scale) in tm.fp8_weights.items():
+    tensors = {**tm.fp8_weights, **{n: (c, s) for n, (c, s, _) in tm.fp8_experts.items()}}
+    for name, (codes, scale) in tensors.items():
         enc = record["encoded_tensors"].get(name, {})
         key = (tuple(codes.shape), hashlib.sha256(codes.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
         cands = by_digest.get(key, [])
         want = (blockwise_scale(scale.float(), tuple(codes.shape)) * 2.0 ** enc.get("fp16_shift", 0)).to(dtype).numpy()
         scale_ok = any(c["scale"] is not None and c["scale"].shape == want.shape and c["scale"].tobytes() == want.tobytes() for c in cands)
         rows[name] = {"codes_equal": bool(cands), "scale_equal": scale_ok, "ok": bool(cands) and scale_ok}
-    n_values = sum(int(c.numel()) for c, _ in tm.fp8_weights.values())
+    n_values = sum(int(c.numel()) for c, _ in tensors.values())
     stored = record.get("storage", {}).get("storage_types", {})
     return {
         "tensors": rows,

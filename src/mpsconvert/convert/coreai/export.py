@@ -18,6 +18,7 @@ tables stay fp32 (fp16 would move the positions of long contexts).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
 from . import MINIMUM_OS, CoreAIOptions
 from .run import coreai_torch, quiet, signature
-from .weights import swap_fp8_linears
+from .weights import swap_fp8_experts, swap_fp8_linears
 
 ASSET_NAME = layout.COREAI_ASSET
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
@@ -109,8 +110,8 @@ def prepare(tm: TorchModel, opts: CoreAIOptions) -> tuple[torch.nn.Module, dict]
     stateful decoder (causal LMs) or the embeddings wrapper (encoders). Returns (module, record)."""
     dtype = TORCH_DTYPES[opts.compute]
     model = tm.model
-    dense = keep_stored_dtypes(model, tm.stored_dtypes, dtype, _fp8_param_names(model, tm.fp8_weights))
-    encoded = swap_fp8_linears(model, tm.fp8_weights, dtype)
+    dense = keep_stored_dtypes(model, tm.stored_dtypes, dtype, _fp8_param_names(model, tm.fp8_weights) | set(tm.fp8_experts))
+    encoded = swap_fp8_linears(model, tm.fp8_weights, dtype) | swap_fp8_experts(model, tm.fp8_experts, dtype)
     if tm.task == "causal-lm":
         module = stateful.StatefulCausalLM(model, opts.max_len, cache_dtype=dtype).eval()
     else:
@@ -195,9 +196,7 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
         raise MpsconvertError(f"{target} already exists", "pass --force to replace it")
     progress("coreai export", 0, 4, "building the PyTorch model from the artifact's weights")
     tm = build_torch_model(artifact)
-    max_pos = getattr(tm.config, "max_position_embeddings", None)
-    if max_pos and opts.max_len > max_pos:
-        raise MpsconvertError(f"--max-len {opts.max_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+    opts = replace(opts, max_len=stateful.resolve_max_len(opts.max_len, tm.config))
     module, weights = prepare(tm, opts)
     progress("coreai export", 1, 4, "torch.export and coreai-torch conversion")
     prog, names = convert(module, tm, opts)

@@ -128,3 +128,59 @@ def swap_fp8_linears(model: torch.nn.Module, fp8_weights: dict, dtype: torch.dty
         record[name] = {"module": target, "scale_shape": list(layer.scale.shape), "scale_dtype": str(dtype).replace("torch.", ""),
                         "fp16_shift": layer.shift}
     return record
+
+
+def _dequantized(param: str):
+    def get(self):
+        return torch.ops.coreai.constexpr_blockwise_shift_scale(
+            getattr(self, f"{param}_codes"), getattr(self, f"{param}_scale"), None, None, None, self.fp8_dtype)
+    return property(get)
+
+
+_EXPERT_CLASSES: dict[type, type] = {}
+
+
+def _fp8_experts_class(cls: type) -> type:
+    """`cls` with its fused expert parameters read as Core AI dequantizations of FP8 buffers."""
+    if cls not in _EXPERT_CLASSES:
+        _EXPERT_CLASSES[cls] = type(f"Fp8{cls.__name__}", (cls,), {"gate_up_proj": _dequantized("gate_up_proj"),
+                                                                   "down_proj": _dequantized("down_proj")})
+    return _EXPERT_CLASSES[cls]
+
+
+def swap_fp8_experts(model: torch.nn.Module, fp8_experts: dict, dtype: torch.dtype) -> dict[str, dict]:
+    """Fused MoE experts (transformers 5's `experts.gate_up_proj [E, 2I, H]` / `down_proj`) read
+    their weights from FP8 codes [E, N, K] and per-row scales [E, N, 1] through
+    `blockwise_shift_scale` (3-D works as 2-D does), so they too stay f8E4M3FN in the asset.
+
+    Returns:
+        parameter name -> how it is stored.
+    """
+    from .run import coreai_torch
+
+    coreai_torch()
+    import coreai_torch._compression.custom_layers  # noqa: F401, F811  (registers the coreai:: custom ops)
+
+    record = {}
+    by_module: dict[str, dict] = {}
+    for name, (codes, scale, keys) in fp8_experts.items():
+        mod_name, _, param = name.rpartition(".")
+        by_module.setdefault(mod_name, {})[param] = (codes, scale, keys)
+    for mod_name, params in by_module.items():
+        mod = model.get_submodule(mod_name)
+        if set(params) != {"gate_up_proj", "down_proj"}:
+            raise ExportError(f"MoE experts {mod_name} have FP8 weights for {sorted(params)} only",
+                              "Core AI export needs both gate_up_proj and down_proj in FP8, or neither")
+        for param, (codes, scale, keys) in params.items():
+            s = blockwise_scale(scale.float(), tuple(codes.shape))
+            shift = fp16_shift(s) if dtype == torch.float16 else 0
+            if shift:
+                raise ExportError(f"MoE experts {mod_name}.{param} have scales below fp16's normal range", "export with --compute fp32")
+            del mod._parameters[param]
+            mod.register_buffer(f"{param}_codes", codes.contiguous())
+            mod.register_buffer(f"{param}_scale", s.to(dtype).contiguous())
+            record[f"{mod_name}.{param}"] = {"module": mod_name, "scale_shape": list(s.shape), "scale_dtype": str(dtype).replace("torch.", ""),
+                                             "fp16_shift": 0, "artifact_tensors": len(keys)}
+        mod.fp8_dtype = dtype
+        mod.__class__ = _fp8_experts_class(type(mod))
+    return record
