@@ -77,7 +77,9 @@ def run(src: Path, name: str, modes: list[str], seq_len: str, samples: int) -> l
     rows = []
     for mode in modes:
         t = time.perf_counter()
-        rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse(seq_len), weights=mode, force=True))
+        # stateless packages (--no-kv-cache): this benchmark compares weight encodings on one pass;
+        # benchmarks/apple_decoders.py measures the stateful decoders
+        rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse(seq_len), weights=mode, force=True, kv_cache=False))
         export_s = time.perf_counter() - t
         t = time.perf_counter()
         res = check_package(art, texts=texts(samples), n_samples=samples)

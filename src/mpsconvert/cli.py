@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -59,7 +60,7 @@ def friendly_errors(fn):
         try:
             result = fn(*args, **kwargs)
         except MpsconvertError as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)  # escape: "[coreai]" is not markup
             sys.exit(e.exit_code)
         except KeyboardInterrupt as e:
             console.print("[bold red]interrupted[/]: partial output removed")

@@ -23,6 +23,7 @@ per layer type) and a `Cache` whose layers are these buffers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -108,14 +109,14 @@ class _StateLayer:
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, owner: "StatefulCausalLM", index: int):
-        self.owner = owner
+    def __init__(self, owner: "StatefulCausalLM", index: int, positions: torch.Tensor):
+        self.positions = positions  # [T] int64: where this call's tokens go
         self.keys = getattr(owner, f"key_cache_{index}")
         self.values = getattr(owner, f"value_cache_{index}")
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        pos = self.owner._positions  # [T] int64, set by forward()
+        pos = self.positions
         t = key_states.shape[2]
         # Broadcast by adding zeros of the buffers' static sizes, not by expand(): coremltools
         # makes every dimension of an expand with one symbolic size symbolic, and MIL's scatter
@@ -148,6 +149,7 @@ class _StateLayer:
         pass
 
 
+@functools.lru_cache(maxsize=None)
 def _cache_class():
     """A transformers Cache whose layers are `_StateLayer`s (built lazily: transformers is heavy)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -179,7 +181,6 @@ class StatefulCausalLM(torch.nn.Module):
         for i, (ks, vs) in enumerate(self.shapes):
             self.register_buffer(f"key_cache_{i}", torch.zeros(ks[0], ks[1], self.max_len, ks[3], dtype=dtype), persistent=False)
             self.register_buffer(f"value_cache_{i}", torch.zeros(vs[0], vs[1], self.max_len, vs[3], dtype=dtype), persistent=False)
-        self._positions = None
 
     @property
     def num_layers(self) -> int:
@@ -204,7 +205,6 @@ class StatefulCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1]
         positions = position.to(torch.long).reshape(1) + torch.arange(t, device=input_ids.device)
-        self._positions = positions
         dtype = self.model.get_input_embeddings().weight.dtype
         if self.layer_types is not None:
             mask = {kind: self._mask(positions, self.sliding_window if kind == "sliding_attention" else None, dtype)
@@ -213,7 +213,7 @@ class StatefulCausalLM(torch.nn.Module):
             mask = self._mask(positions, self.sliding_window, dtype)
         # Built per call: the layers hold the buffers themselves, which .to() would replace.
         Cache, layer_cls = _cache_class()
-        cache = Cache(layers=[layer_cls(self, i) for i in range(self.num_layers)])
+        cache = Cache(layers=[layer_cls(self, i, positions) for i in range(self.num_layers)])
         out = self.model(input_ids=input_ids.to(torch.long), position_ids=positions[None], attention_mask=mask,
                          cache=cache, use_cache=True)
         return out.logits

@@ -226,6 +226,7 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
         "converter": "torch.export -> coreai_torch.get_decomp_table() -> TorchConverter (release mode)",
         "versions": _versions(),
         "fp8_tensors": len(tm.fp8_weights),
+        "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,
         **weights,
         "storage": storage_summary(target),
