@@ -65,8 +65,9 @@ def coreai(art: Path, max_len: int | None, compute: str = "fp32", steps: int = 3
 
 
 def coreml(art: Path, max_len: int | None, steps: int = 16) -> dict:
-    from mpsconvert.convert.coreml_check import check_package, record_check
-    from mpsconvert.convert.coreml_export import ExportOptions, export_coreml
+    from mpsconvert.convert.coreml import ExportOptions
+    from mpsconvert.convert.coreml.check import check_package, record_check
+    from mpsconvert.convert.coreml.export import export_coreml
 
     t = time.perf_counter()
     rec = export_coreml(art, ExportOptions(max_len=max_len, force=True))

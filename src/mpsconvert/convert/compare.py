@@ -71,7 +71,7 @@ def fit_to_cache(prompt_len: int, steps: int, generate: int, max_len: int) -> tu
 
 def builtin_prose() -> list[str]:
     """The English prose documents bundled with mpsconvert (also the default calibration text)."""
-    from ..calibrate.data import BUILTIN
+    from ..texts import BUILTIN
 
     docs = [json.loads(line) for line in BUILTIN.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [d["text"] for d in docs if d.get("kind") == "prose"]

@@ -80,14 +80,3 @@ class CausalLMScores:
             "mean_kl": self.kl / n,
             "top1_agreement": self.agree / n,
         }
-
-
-def latency_stats(seconds: list[float]) -> dict:
-    """Median and p95 (nearest rank) in milliseconds."""
-    s = sorted(seconds)
-    if not s:
-        return {"median_ms": None, "p95_ms": None, "n": 0}
-    p95 = s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)]
-    mid = len(s) // 2
-    median = s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
-    return {"median_ms": 1e3 * median, "p95_ms": 1e3 * p95, "n": len(s)}

@@ -12,20 +12,18 @@ artifact's manifest (`validation`, written atomically) with device and settings.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from .. import devices
-from ..errors import MpsconvertError, SourceError
+from .. import devices, timing
+from ..errors import DataError, MpsconvertError, SourceError
+from ..progress import Progress, or_silent
 from . import metrics
 
 PEAK_NOTE = "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
 @dataclass
@@ -51,7 +49,8 @@ def _is_causal(config) -> bool:
 
 def resolve_baseline(artifact: Path, baseline: str | None) -> str:
     """--baseline, else the manifest's source: a hub id via source.resolve, or a recorded local path."""
-    from ..manifests.manifest import MANIFEST_NAME, Manifest
+    from ..manifests.layout import MANIFEST_NAME
+    from ..manifests.manifest import Manifest
     from ..source import resolve
 
     if baseline:
@@ -68,49 +67,21 @@ def resolve_baseline(artifact: Path, baseline: str | None) -> str:
 
 
 def read_texts(path: str | None) -> tuple[list[str], str]:
-    if path is None:
-        import importlib.resources as res
+    """The eval documents (texts.read_documents; None: the bundled set) and where they came from."""
+    from ..texts import BUILTIN, read_documents
 
-        cands = sorted(p for p in (res.files("mpsconvert") / "calibrate" / "data").iterdir() if p.name.endswith(".jsonl")) \
-            if (res.files("mpsconvert") / "calibrate" / "data").is_dir() else []
-        if not cands:
-            raise MpsconvertError("no --eval-data given and no bundled eval text", "pass --eval-data FILE (.jsonl with a 'text' field, or .txt)")
-        path = str(cands[-1])
-    p = Path(path)
+    p = Path(path) if path is not None else BUILTIN
     if not p.is_file():
-        raise MpsconvertError(f"eval data {path} does not exist", "pass a .jsonl (one {'text': ...} per line) or .txt file")
-    if p.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
-            if not line.strip():
-                continue
-            try:
-                texts.append(json.loads(line)["text"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise MpsconvertError(f"{path} line {i + 1} has no 'text' field ({e})", "one JSON object with a 'text' string per line") from e
-    else:
-        texts = [t for t in p.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+        raise DataError(f"eval data {path} does not exist", "pass a .jsonl (one {'text': ...} per line), .json, .parquet or .txt file")
+    texts = [t for t in read_documents(p) if t.strip()]
     if not texts:
-        raise MpsconvertError(f"{path} holds no text", "pass a file with some text in it")
+        raise DataError(f"{p} holds no text", "pass a file with some text in it")
     return texts, str(p)
 
 
 def _peak(dev) -> int | None:
     m = devices.memory(dev)
     return m.get("peak_allocated", m.get("driver_allocated"))
-
-
-def _time(fn, dev, repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        devices.synchronize(dev)
-        t0 = time.perf_counter()
-        fn()
-        devices.synchronize(dev)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _latency_causal(model, ids: torch.Tensor, opts: ValidateOptions, dev, use_compile: bool) -> dict:
@@ -126,7 +97,7 @@ def _latency_causal(model, ids: torch.Tensor, opts: ValidateOptions, dev, use_co
         return model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(t, device=dev)).logits
 
     with torch.no_grad():
-        pre = _time(prefill, dev, opts.repeats, opts.warmup)
+        pre = timing.wall_samples(prefill, dev, opts.repeats, opts.warmup)
         step = torch.compile(model.forward, mode="reduce-overhead") if use_compile else model.forward
         logits = prefill()
         tok = logits[:, -1:].argmax(-1)
@@ -140,9 +111,9 @@ def _latency_causal(model, ids: torch.Tensor, opts: ValidateOptions, dev, use_co
             devices.synchronize(dev)
             if i >= opts.warmup:  # the first calls compile / capture the graph
                 per_token.append(time.perf_counter() - t0)
-    dec = metrics.latency_stats(per_token)
+    dec = timing.stats(per_token)
     return {
-        "prefill": metrics.latency_stats(pre) | {"tokens": t},
+        "prefill": timing.stats(pre) | {"tokens": t},
         "decode": dec | {"tokens": len(per_token), "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None},
         "peak_memory_bytes": _peak(dev),
         "peak_memory_note": PEAK_NOTE,
@@ -152,8 +123,8 @@ def _latency_causal(model, ids: torch.Tensor, opts: ValidateOptions, dev, use_co
 def _latency_encoder(model, batch: dict, opts: ValidateOptions, dev) -> dict:
     devices.reset_peak(dev)
     with torch.no_grad():
-        pre = _time(lambda: model(**batch), dev, opts.repeats, opts.warmup)
-    return {"prefill": metrics.latency_stats(pre) | {"tokens": int(batch["input_ids"].numel())}, "peak_memory_bytes": _peak(dev),
+        pre = timing.wall_samples(lambda: model(**batch), dev, opts.repeats, opts.warmup)
+    return {"prefill": timing.stats(pre) | {"tokens": int(batch["input_ids"].numel())}, "peak_memory_bytes": _peak(dev),
             "peak_memory_note": PEAK_NOTE}
 
 
@@ -163,17 +134,17 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     from .loader import load, model_bytes
 
     artifact = Path(artifact)
-    progress = progress or (lambda phase, done, total: None)
+    progress = or_silent(progress)
     dev = devices.choose(opts.device)
     use_compile = opts.compile == "on" or (opts.compile == "auto" and dev.type == "cuda")
     base_path = resolve_baseline(artifact, opts.baseline)
     texts, data_path = read_texts(opts.eval_data)
     tok = transformers.AutoTokenizer.from_pretrained(str(artifact))
-    progress("load fp8", 0, 1)
+    progress("load fp8", 0, 1, "")
     fp8_model = load(artifact, device=opts.device, prefill_m=opts.prefill_len, kernel_cache=opts.kernel_cache)
     causal = _is_causal(fp8_model.config)
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    progress("load bf16", 0, 1)
+    progress("load bf16", 0, 1, "")
     with devices.oom_hint(dev, "loading the BF16 baseline"):
         base_model = cls.from_pretrained(base_path, dtype=torch.bfloat16).to(dev).eval()
     models = {"bf16": base_model, "fp8": fp8_model}
@@ -207,7 +178,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
             for i in range(n):
                 x = chunks[i : i + 1].to(dev)
                 scores.update(base_model(x).logits, fp8_model(x).logits, x)
-                progress("accuracy", i + 1, n)
+                progress("accuracy", i + 1, n, "")
         result["accuracy"] = scores.result()
         sample = chunks[:1].to(dev)
         if opts.latency and opts.prefill_len > opts.seq_len:
@@ -220,7 +191,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
             ef = metrics.mean_pool(fp8_model(**batch).last_hidden_state, batch["attention_mask"])
         cos = metrics.cosine(eb, ef)
         result["accuracy"] = {"sentences": len(sents), "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
-        progress("accuracy", 1, 1)
+        progress("accuracy", 1, 1, "")
     if opts.latency:
         result["latency"] = {}
         if not use_compile:  # warm both models first: on CPU the first model timed otherwise pays one-off costs
@@ -232,7 +203,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
             with devices.oom_hint(dev, f"timing the {name} model"):
                 result["latency"][name] = (_latency_causal(model, sample, opts, dev, use_compile) if causal
                                            else _latency_encoder(model, batch, opts, dev))
-            progress("latency", i + 1, len(models))
+            progress("latency", i + 1, len(models), name)
             torch._dynamo.reset() if use_compile else None
         lb, lf = result["latency"]["bf16"], result["latency"]["fp8"]
         result["speedup"] = {"prefill": lb["prefill"]["median_ms"] / lf["prefill"]["median_ms"]}
@@ -246,14 +217,13 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
 
 def _record(artifact: Path, result: dict) -> None:
     """Add the run to the manifest's `validation` block, keyed by device and scheme (atomic write)."""
-    from ..manifests.manifest import MANIFEST_NAME, Manifest
+    from ..manifests.layout import MANIFEST_NAME, update_manifest
 
     if not (artifact / MANIFEST_NAME).is_file():
         result["recorded"] = None  # a checkpoint from another tool: nothing to write into
         return
-    m = Manifest.read(artifact)
-    runs = m.extra.get("validation") or {}
-    runs[f"{result['device_name']} ({result['device']})"] = result
-    m.extra["validation"] = runs
-    m.write(artifact)
+    with update_manifest(artifact) as m:
+        runs = m.extra.get("validation") or {}
+        runs[f"{result['device_name']} ({result['device']})"] = result
+        m.extra["validation"] = runs
     result["recorded"] = str(artifact / MANIFEST_NAME)

@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ArtifactError
-from ..manifests.manifest import Manifest
-from .. import fp8, timing
-from .coreml_export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
-from . import compare, stateful
-from .compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, merge_parts, compare_outputs, sample_inputs
-from .torch_model import build_torch_model, fp8_safetensors_bytes
+from ...errors import ArtifactError
+from ...manifests.layout import update_manifest
+from ...manifests.manifest import Manifest
+from ... import fp8, timing
+from .. import compare, stateful
+from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
+from ..torch_model import build_torch_model, fp8_safetensors_bytes
+from .export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
 
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
 _DTYPES = {65568: "fp32", 65552: "fp16", 131104: "int32", 131080: "int8"}
@@ -254,11 +255,10 @@ def check_package(artifact: Path, texts=None, n_samples: int = 3, evaluate: bool
 
 def record_check(artifact: Path, result: dict) -> None:
     """Keep the Linux-side check in manifest.extra["coreml"]["check"] (without per-tensor rows)."""
-    m = Manifest.read(artifact)
     slim = {k: v for k, v in result.items() if k != "weights"}
     slim["weights"] = {k: v for k, v in result["weights"].items() if k != "tensors"}
-    m.extra.setdefault("coreml", {})["check"] = slim
-    m.write(artifact)
+    with update_manifest(artifact) as m:
+        m.extra.setdefault("coreml", {})["check"] = slim
 
 
 # --------------------------------------------------------------------------- macOS: Core ML itself
@@ -284,7 +284,7 @@ def coreml_decoder(ml):
 
 
 def _mps_row(tm, fn) -> dict:
-    from .. import devices
+    from ... import devices
 
     if not devices.mps_available():
         return {"engine": "pytorch:mps fp16", "ok": None, "error": "MPS is not available to this torch build"}

@@ -26,67 +26,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..atomic import publish_folder
-from ..errors import ExportError, MpsconvertError
-from ..manifests.hashing import folder_files
-from ..manifests.manifest import Manifest
-from .. import fp8
-from . import stateful
-from .torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
+from ...atomic import publish_folder
+from ...errors import ExportError, MpsconvertError
+from ...manifests.hashing import folder_files
+from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
+from ...manifests.layout import update_manifest
+from ...manifests.manifest import Manifest
+from ... import fp8
+from ...progress import Progress, or_silent
+from .. import stateful
+from ..torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
 
-PACKAGE_NAME = "model.mlpackage"
-WEIGHT_MODES = ("fp8-lut", "int8", "fp16")
-FRONTENDS = ("torch.export", "torch.jit.trace")
+from . import FRONTENDS, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402,F401  (light: the CLI and API read them without this module)
 DEPLOYMENT_TARGET = "iOS18 / macOS15"
 # e4m3fn NaN codes (0x7f, 0xff) never occur in an artifact (values are clamped before the cast);
 # their LUT entries are 0 so that the palette holds only finite values.
 _NAN_CODES = (0x7F, 0xFF)
 
 
-@dataclass(frozen=True)
-class SeqLen:
-    """A fixed sequence length (lo == hi) or a range lo..hi (a Core ML RangeDim)."""
 
-    lo: int
-    hi: int
-
-    @classmethod
-    def parse(cls, text: str | int) -> "SeqLen":
-        s = str(text).strip()
-        m = re.fullmatch(r"(\d+)(?::(\d+))?", s)
-        if not m:
-            raise MpsconvertError(f"--seq-len {s!r} is not a length or a range", "use e.g. --seq-len 128 or --seq-len 1:512")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) else lo
-        if lo < 1 or hi < lo:
-            raise MpsconvertError(f"--seq-len {s!r} is empty or starts below 1", "use 1 <= LO <= HI, e.g. --seq-len 1:512")
-        return cls(lo, hi)
-
-    @property
-    def is_range(self) -> bool:
-        return self.hi > self.lo
-
-    @property
-    def example(self) -> int:
-        """The length traced with: inside the range and not 1 (a dim of 1 gets specialized)."""
-        return self.lo if not self.is_range else max(self.lo, 2, min(self.hi, 16))
-
-    def __str__(self) -> str:
-        return f"{self.lo}:{self.hi}" if self.is_range else str(self.lo)
-
-
-@dataclass
-class ExportOptions:
-    """seq_len: stateless packages and encoders (fixed or a range). kv_cache: causal LMs as the
-    stateful decoder (convert/stateful.py) with a cache of max_len; False keeps the stateless
-    input_ids -> logits form."""
-
-    seq_len: SeqLen = SeqLen(128, 128)
-    weights: str = "fp8-lut"
-    force: bool = False
-    frontend: str = "auto"  # "auto" (torch.export, then torch.jit.trace), or one of FRONTENDS
-    kv_cache: bool = True
-    max_len: int | None = None  # None: 2048, or the model's max_position_embeddings when smaller
 
 
 # --------------------------------------------------------------------------- conversion
@@ -266,7 +224,7 @@ def _convert_with(frontend: str, target: Target):
 
 def convert(tm: TorchModel, target: Target, frontend: str = "auto"):
     """Convert with torch.export, falling back to torch.jit.trace. Returns (mlmodel, record)."""
-    from . import coreml_ops
+    from . import ops as coreml_ops
 
     added = coreml_ops.register()
     order = list(FRONTENDS) if frontend == "auto" else [frontend]
@@ -287,7 +245,7 @@ def convert(tm: TorchModel, target: Target, frontend: str = "auto"):
     detail = "; ".join(f"{fe}: {msg}" for fe, msg in attempts.items())
     raise ExportError(
         f"Core ML export of {type(tm.module.model).__name__} failed: {what} ({detail})",
-        "add a converter for it in mpsconvert/convert/coreml_ops.py, or export a different architecture",
+        "add a converter for it in mpsconvert/convert/coreml/ops.py, or export a different architecture",
     ) from last
 
 
@@ -471,7 +429,11 @@ def weight_bytes_of_package(pkg: Path) -> int:
     return sum(p.stat().st_size for p in (pkg / "Data" / "com.apple.CoreML" / "weights").rglob("*") if p.is_file())
 
 
-def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
+def fp8_safetensors_bytes(artifact: Path) -> int:
+    return sum(p.stat().st_size for p in Path(artifact).glob("*.safetensors"))
+
+
+def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None = None) -> dict:
     """Export `artifact` to `<artifact>/model.mlpackage`; returns manifest.extra["coreml"].
 
     Nothing in the artifact changes unless the whole export succeeds: the package is built under a
@@ -479,7 +441,12 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
     """
     import coremltools as ct
 
-    status = status or (lambda msg: None)
+    progress = or_silent(progress)
+    steps = iter(range(1, 4))
+
+    def status(msg: str) -> None:
+        progress("coreml export", next(steps), 3, msg)
+
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     if (artifact / PACKAGE_NAME).exists() and not opts.force:
@@ -537,10 +504,10 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
         "package_weight_bytes": weight_bytes_of_package(pkg),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
     }
-    files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
-    files.update(folder_files(pkg, artifact))
-    manifest.files = dict(sorted(files.items()))
-    manifest.extra["coreml"] = record
-    manifest.versions["coremltools"] = ct.__version__
-    manifest.write(artifact)
+    with update_manifest(artifact) as manifest:
+        files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
+        files.update(folder_files(pkg, artifact))
+        manifest.files = dict(sorted(files.items()))
+        manifest.extra["coreml"] = record
+        manifest.versions["coremltools"] = ct.__version__
     return record
