@@ -77,7 +77,9 @@ def coreml(art: Path, max_len: int | None, steps: int = 16) -> dict:
     check_s = time.perf_counter() - t
     record_check(art, res)
     ev, w = res["reference_eval"], res["weights"]
-    return {"engine": "core ml", "frontend": rec["frontend"], "max_len": rec["max_len"], "states": res["spec"]["states"],
+    states = res["spec"]["states"]
+    return {"engine": "core ml", "frontend": rec["frontend"], "max_len": rec["max_len"], "states": states,
+            "states_summary": f"{len(states)} x {states[0]['dtype']} {states[0]['shape']}" if states else None,
             "package_weight_bytes": res["weight_bytes"], "size_ratio": res["size_ratio"], "fp8_tensors": w["checked"],
             "weights_ok": w["all_ok"], "codes_bit_exact": w["codes_bit_exact"], "max_ulp_diff": w["max_ulp_diff"],
             "prefill": ev["prefill"], "decode": {k: v for k, v in ev["decode"].items() if k != "per_step_top1"},
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
         print(f"  {row['engine']}: prefill {row.get('prefill_ms', float('nan')):.1f} ms, decode {row.get('decode_tokens_per_s', float('nan')):.2f} tokens/s "
               f"({row.get('decode_vs_pytorch_cpu', float('nan')):.3f}x PyTorch CPU)")
     if a.out:
-        a.out.write_text(json.dumps(rows, indent=2))
+        slim = [{k: v for k, v in r.items() if k != "states" or r["engine"] != "core ml"} for r in rows]
+        a.out.write_text(json.dumps(slim, indent=2) + "\n")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

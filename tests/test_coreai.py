@@ -17,7 +17,8 @@ from mpsconvert.convert.coreai import weights as cw
 from mpsconvert.convert.coreai.run import parse_signature, specialization
 from mpsconvert.errors import ExportError, MpsconvertError
 
-from .models import coreml_tiny_bert, coreml_tiny_llama, runtime_tiny_llama, tiny_mistral, tiny_moe_checkpoint, tiny_qwen2_tied
+from .models import (coreml_tiny_bert, coreml_tiny_llama, runtime_tiny_llama, tiny_artifact, tiny_mistral, tiny_moe_checkpoint,
+                     tiny_qwen2_tied, tree_hashes)
 
 # --------------------------------------------------------------------------- no coreai needed
 
@@ -126,15 +127,9 @@ from mpsconvert.convert.coreai import CoreAIOptions  # noqa: E402
 from mpsconvert.convert.coreai.check import check_asset, coreai_latency, decoder_runner, read_fp8_constants  # noqa: E402
 from mpsconvert.convert.coreai.export import ASSET_NAME, export_coreai  # noqa: E402
 from mpsconvert.convert.coreai.run import Session  # noqa: E402
-from mpsconvert.convert.quantize import Options, quantize_snapshot  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.schemes import Scheme  # noqa: E402
-from mpsconvert.source import resolve  # noqa: E402
-
-
-def _tree(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +137,6 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("coreai")
 
 
-def _artifact(work: Path, name: str, build, scheme: Scheme = Scheme()) -> Path:
-    src = work / f"src-{name}"
-    if not src.exists():
-        build(src)
-    art = work / f"art-{name}"
-    if not art.exists():
-        quantize_snapshot(resolve(str(src)), art, Options(scheme=scheme))
-    return art
 
 
 BUILDERS = {
@@ -165,7 +152,7 @@ def exported(work):
     """Every architecture quantized (fp8-dynamic) and exported once, with its check."""
     out = {}
     for name, build in BUILDERS.items():
-        art = _artifact(work, name, build)
+        art = tiny_artifact(work, name, build)
         rec = export_coreai(art, CoreAIOptions(max_len=64))
         out[name] = (art, rec, check_asset(art, prompt_len=40, steps=16, generate=4))
     return out
@@ -260,7 +247,7 @@ def test_states_carry_the_cache_between_calls(exported):
 
 
 def test_fp16_compute_and_per_tensor_scales(work):
-    art = _artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=3), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=3), Scheme.make("fp8-weight-only", "tensor"))
     rec = export_coreai(art, CoreAIOptions(max_len=32, compute="fp16"))
     assert all(e["scale_shape"] == [1, 1] and e["scale_dtype"] == "float16" for e in rec["encoded_tensors"].values())
     res = check_asset(art, prompt_len=16, steps=8, generate=2)
@@ -270,7 +257,7 @@ def test_fp16_compute_and_per_tensor_scales(work):
 
 
 def test_encoder_keeps_the_embeddings_interface(work):
-    art = _artifact(work, "bert", coreml_tiny_bert)
+    art = tiny_artifact(work, "bert", coreml_tiny_bert)
     rec = export_coreai(art, CoreAIOptions(max_len=32))
     assert rec["task"] == "encoder" and not rec["interface"]["states"]
     assert [i["name"] for i in rec["interface"]["inputs"]] == ["input_ids", "attention_mask"]
@@ -302,7 +289,7 @@ def test_failed_export_leaves_the_artifact_as_it_was(exported, work, monkeypatch
     src, _, _ = exported["qwen2-tied"]
     art = work / "qwen2-fail"
     shutil.copytree(src, art)
-    before = _tree(art)
+    before = tree_hashes(art)
 
     def boom(self, *a, **k):
         raise RuntimeError("no lowering for aten.frobnicate for the test")
@@ -310,12 +297,12 @@ def test_failed_export_leaves_the_artifact_as_it_was(exported, work, monkeypatch
     monkeypatch.setattr(coreai_torch.TorchConverter, "to_coreai", boom)
     with pytest.raises(ExportError, match="frobnicate"):
         export_coreai(art, CoreAIOptions(max_len=64, force=True))
-    assert _tree(art) == before
+    assert tree_hashes(art) == before
     with pytest.raises(MpsconvertError, match="--force"):  # an existing asset needs --force
         export_coreai(art, CoreAIOptions(max_len=64))
     with pytest.raises(MpsconvertError, match="max_position_embeddings"):
         export_coreai(art, CoreAIOptions(max_len=100000, force=True))
-    assert _tree(art) == before
+    assert tree_hashes(art) == before
 
 
 def test_latency_on_linux_is_labelled_beside_pytorch_cpu(exported):
@@ -383,3 +370,27 @@ def test_cli_quantize_coreai_and_check_only(work):
     assert body["check"]["weights"]["codes_bit_exact"] is True and body["check"]["runtime_eval"]["decode"]["positions"] == 8
     r = CliRunner().invoke(main, ["export-coreai", str(out)])
     assert r.exit_code == 2 and "--force" in r.output
+
+
+def test_validate_runs_the_core_ai_latency_beside_pytorch(exported, work):
+    """`validate` on an artifact with an asset: the Core AI rows come with the PyTorch ones, are
+    recorded, and the CLI prints them (on macOS the Core ML part would run; here it says why not)."""
+    import mpsconvert
+    from click.testing import CliRunner
+
+    from mpsconvert.cli import main
+
+    art, _, _ = exported["llama"]
+    opts = mpsconvert.validate_options(baseline=str(work / "src-llama"), device="cpu", seq_len=32, max_samples=1,
+                                       prefill_len=16, decode_tokens=4, repeats=2, warmup=1)
+    res = mpsconvert.validate(art, options=opts)
+    assert res.coreai["status"] == "ran" and res.coreml is None
+    engines = [r["engine"] for r in res.coreai["rows"]]
+    assert engines[-1].startswith("PyTorch") and (engines[0] == "Core AI runtime, Linux CPU" or not sys.platform.startswith("linux"))
+    assert all(r["decode_tokens"] == 4 for r in res.coreai["rows"])
+    assert Manifest.read(art).extra["coreai_runtime"]["rows"][0]["engine"] == engines[0]
+    r = CliRunner().invoke(main, ["validate", str(art), "--baseline", str(work / "src-llama"), "--device", "cpu", "--seq-len", "32",
+                                  "--max-samples", "1", "--prefill-len", "16", "--decode-tokens", "2", "--repeats", "1", "--warmup", "1",
+                                  "--no-write"])
+    assert r.exit_code == 0, r.output
+    assert "Core AI asset: latency beside PyTorch" in r.output and "same prompt for every row" in r.output

@@ -26,12 +26,7 @@ from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.schemes import Scheme  # noqa: E402
 
-from .models import coreml_tiny_bert, coreml_tiny_llama  # noqa: E402
-
-
-def _tree(folder: Path) -> dict[str, str]:
-    """Every file under folder -> sha256 (what "left as it was" means)."""
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+from .models import coreml_tiny_bert, coreml_tiny_llama, tiny_artifact, tree_hashes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +34,16 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("coreml")
 
 
-def _artifact(work: Path, name: str, build, scheme: Scheme = Scheme()) -> Path:
-    src = work / f"src-{name}"
-    if not src.exists():
-        build(src)
-    art = work / f"art-{name}"
-    if not art.exists():
-        mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights)
-    return art
 
 
 @pytest.fixture(scope="module")
 def llama(work):
-    return _artifact(work, "llama", coreml_tiny_llama)
+    return tiny_artifact(work, "llama", coreml_tiny_llama)
 
 
 @pytest.fixture(scope="module")
 def bert(work):
-    return _artifact(work, "bert", coreml_tiny_bert)
+    return tiny_artifact(work, "bert", coreml_tiny_bert)
 
 
 def _copy(art: Path, work: Path, name: str) -> Path:
@@ -155,7 +142,7 @@ def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
 
 
 def test_per_tensor_scale_is_folded_and_bit_exact(work):
-    art = _artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=1), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=1), Scheme.make("fp8-weight-only", "tensor"))
     art = _copy(art, work, "llama-tensor-export")
     mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
     res = check_package(art, n_samples=2)
@@ -224,13 +211,13 @@ def test_unconvertible_op_names_it_and_leaves_artifact(llama, work, monkeypatch)
 
     art = _copy(llama, work, "llama-badop")
     mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)  # an existing package must survive too
-    before = _tree(art)
+    before = tree_hashes(art)
     table = dict(_TORCH_OPS_REGISTRY.name_to_func_mapping)
     table.pop("silu")
     monkeypatch.setattr(_TORCH_OPS_REGISTRY, "name_to_func_mapping", table)
     with pytest.raises(ExportError, match="silu"):
         mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", force=True, check=False)
-    assert _tree(art) == before
+    assert tree_hashes(art) == before
 
 
 def test_unsupported_architecture_names_it_and_leaves_artifact(llama, work):
@@ -238,10 +225,10 @@ def test_unsupported_architecture_names_it_and_leaves_artifact(llama, work):
     cfg = json.loads((art / "config.json").read_text())
     cfg["architectures"] = ["LlamaForSequenceClassification"]
     (art / "config.json").write_text(json.dumps(cfg))
-    before = _tree(art)
+    before = tree_hashes(art)
     with pytest.raises(ExportError, match="LlamaForSequenceClassification"):
         mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
-    assert _tree(art) == before
+    assert tree_hashes(art) == before
 
 
 def test_existing_package_needs_force(llama, work):
@@ -318,7 +305,7 @@ STATEFUL = {
 def stateful_packages(work):
     out = {}
     for name, build in STATEFUL.items():
-        art = _copy(_artifact(work, f"sf-{name}", build), work, f"sf-{name}-export")
+        art = _copy(tiny_artifact(work, f"sf-{name}", build), work, f"sf-{name}-export")
         rec = export_coreml(art, ExportOptions(max_len=48))
         out[name] = (art, rec, check_package(art, prompt_len=32, steps=8, generate=3))
     return out
@@ -441,7 +428,7 @@ def test_failed_stateful_export_leaves_artifact(stateful_packages, work, monkeyp
     from mpsconvert.convert.coreml import export as coreml_export
 
     art = _copy(stateful_packages["mistral"][0], work, "sf-mistral-fail")
-    before = _tree(art)
+    before = tree_hashes(art)
 
     def boom(frontend, target):
         raise RuntimeError(f"{frontend} refused for the test")
@@ -449,7 +436,7 @@ def test_failed_stateful_export_leaves_artifact(stateful_packages, work, monkeyp
     monkeypatch.setattr(coreml_export, "_convert_with", boom)
     with pytest.raises(ExportError, match="refused for the test"):
         export_coreml(art, ExportOptions(max_len=48, force=True))
-    assert _tree(art) == before
+    assert tree_hashes(art) == before
 
 
 def test_cli_no_kv_cache_keeps_the_stateless_form(stateful_packages, work):

@@ -71,22 +71,14 @@ class CoreMLResult:
         return {"export": self.record, "check": self.check}
 
 
-@dataclass
-class CoreAIResult:
+class CoreAIResult(CoreMLResult):
     """A Core AI asset in an artifact: the manifest's `coreai` record and, when checked, the
-    checks (interface, f8E4M3FN weights read back, the Core AI runtime against PyTorch)."""
-
-    artifact: Path
-    asset: Path
-    record: dict
-    check: dict | None = None
+    checks (interface, f8E4M3FN weights read back, the Core AI runtime against PyTorch);
+    `package` is the asset (also `asset`)."""
 
     @property
-    def ok(self) -> bool:
-        return self.check is None or bool(self.check.get("ok"))
-
-    def as_dict(self) -> dict:
-        return {"export": self.record, "check": self.check}
+    def asset(self) -> Path:
+        return self.package
 
 
 @dataclass

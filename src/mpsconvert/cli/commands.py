@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -38,6 +39,18 @@ def calibration_options(fn):
     for o in reversed(opts):
         fn = o(fn)
     return fn
+
+
+@contextlib.contextmanager
+def _showing_failed_checks(show, as_json: bool):
+    """An export or check whose checks ran and failed raises ExportError with the result: show
+    what the checks found before the one-line error."""
+    try:
+        yield
+    except ExportError as e:
+        if getattr(e, "result", None) is not None:
+            show(e.result, as_json)
+        raise
 
 
 def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision, **kw):
@@ -229,18 +242,13 @@ def export_coreml(artifact, max_len, no_kv_cache, seq_len, coreml_weights, front
     against PyTorch with the artifact's dequantized weights; decoders: prefill, teacher-forced
     decode through the states, greedy generation.
     """
-    with render.progress_bars() as progress:
-        try:
-            if check_only:
-                res = api.check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress)
-            else:
-                res = api.export_coreml(artifact, seq_len=seq_len, weights=coreml_weights, frontend=frontend, force=force,
-                                        kv_cache=not no_kv_cache, max_len=max_len, check=not no_check, samples=samples,
-                                        decode_steps=decode_steps, progress=progress)
-        except ExportError as e:
-            if getattr(e, "result", None) is not None:  # the checks ran and failed: show what they found
-                render.coreml_check(e.result, as_json)
-            raise
+    with render.progress_bars() as progress, _showing_failed_checks(render.coreml_check, as_json):
+        if check_only:
+            res = api.check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress)
+        else:
+            res = api.export_coreml(artifact, seq_len=seq_len, weights=coreml_weights, frontend=frontend, force=force,
+                                    kv_cache=not no_kv_cache, max_len=max_len, check=not no_check, samples=samples,
+                                    decode_steps=decode_steps, progress=progress)
     if check_only:
         render.coreml_check(res, as_json)
     else:
@@ -273,17 +281,12 @@ def export_coreai(artifact, max_len, compute, force, check_only, no_check, promp
     CPU) against PyTorch on the same dequantized weights: prefill, teacher-forced decode through
     the states, greedy generation. Needs `pip install 'mpsconvert[coreai]'`.
     """
-    with render.progress_bars() as progress:
-        try:
-            if check_only:
-                res = api.check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
-            else:
-                res = api.export_coreai(artifact, max_len=max_len, compute=compute, force=force, check=not no_check,
-                                        prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
-        except ExportError as e:
-            if getattr(e, "result", None) is not None:
-                render.coreai_check(e.result, as_json)
-            raise
+    with render.progress_bars() as progress, _showing_failed_checks(render.coreai_check, as_json):
+        if check_only:
+            res = api.check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
+        else:
+            res = api.export_coreai(artifact, max_len=max_len, compute=compute, force=force, check=not no_check,
+                                    prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
     if check_only:
         render.coreai_check(res, as_json)
     else:

@@ -213,7 +213,7 @@ def apple_runtimes(r: dict) -> None:
         if rt.get("status") != "ran":
             result(f"{name}: not run here ({rt['reason']})")
             continue
-        t = Table(title=f"{name}: latency beside PyTorch ({rt.get('inputs', '')})")
+        t = Table(title=f"{name}: latency beside PyTorch")
         for c in ("engine", "prefill ms", "decode median ms (p95)", "decode tokens/s", "vs PyTorch", "accuracy"):
             t.add_column(c, justify="left" if c in ("engine", "accuracy") else "right")
         for row in rt["rows"]:
@@ -228,6 +228,7 @@ def apple_runtimes(r: dict) -> None:
             t.add_row(row["engine"], f"{row['prefill_ms']:.1f}" if "prefill_ms" in row else "", dec,
                       f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "", f"{ratio:.3f}x" if ratio else "", acc)
         out.print(t)
+        result(f"  same prompt for every row: {rt.get('inputs', '')}")
 
 
 def kernels(decisions: list) -> None:

@@ -283,6 +283,14 @@ def coreml_decoder(ml):
     return new_conversation
 
 
+def _load(ct, pkg: Path, unit: str, row: dict):
+    """The package loaded by Core ML for one compute unit; the load time goes into `row`."""
+    t = time.perf_counter()
+    ml = ct.models.MLModel(str(pkg), compute_units=getattr(ct.ComputeUnit, _UNIT_NAMES[unit]))
+    row["load_s"] = round(time.perf_counter() - t, 3)
+    return ml
+
+
 def _mps_row(tm, fn) -> dict:
     from ... import devices
 
@@ -315,9 +323,7 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
         for cu in compute_units:
             row = {"engine": f"coreml:{cu}"}
             try:
-                t = time.perf_counter()
-                ml = ct.models.MLModel(str(pkg), compute_units=getattr(ct.ComputeUnit, _UNIT_NAMES[cu]))
-                row["load_s"] = round(time.perf_counter() - t, 3)
+                ml = _load(ct, pkg, cu, row)
                 acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
                 row.update({"prefill_top1": acc["prefill"]["top1_agreement"], "decode_top1": acc["decode"]["top1_agreement"],
                             "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
@@ -340,9 +346,7 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
     for cu in compute_units:
         row = {"engine": f"coreml:{cu}"}
         try:
-            t = time.perf_counter()
-            ml = ct.models.MLModel(str(pkg), compute_units=getattr(ct.ComputeUnit, _UNIT_NAMES[cu]))
-            row["load_s"] = round(time.perf_counter() - t, 3)
+            ml = _load(ct, pkg, cu, row)
             got = np.asarray(ml.predict(feeds)[tm.output_name])
             row.update(compare_outputs(tm.task, got, ref))
             row["ok"] = row["cosine_min"] >= min_cosine
