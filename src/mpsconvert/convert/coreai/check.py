@@ -271,9 +271,9 @@ def record_check(artifact: Path, result: dict) -> None:
 
 
 def coreai_latency(artifact: Path, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
-                   units=None, platform: str = sys.platform, texts=None) -> dict:
+                   units=None, platform: str = sys.platform, texts=None, prefill_repeats: int = 3) -> dict:
     """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU, same prompt, same
-    number of tokens. Linux: the bundled CPU runtime (labelled). macOS: one row per compute unit
+    number of tokens (compare.decode_timing). Linux: the bundled CPU runtime (labelled). macOS: one row per compute unit
     (`units`, default cpu / gpu / neural_engine) through the OS runtime; a unit that fails is a
     row with its error. Encoders and assets without a stateful decoder: skipped, with why."""
     artifact = Path(artifact)
@@ -292,12 +292,12 @@ def coreai_latency(artifact: Path, prefill_len: int = 64, decode_tokens: int = 1
             with quiet():
                 session = Session(_asset(artifact), unit=unit)
             with session:
-                row.update(compare.decode_timing(decoder_runner(session)(), ids, decode_tokens, warmup))
+                row.update(compare.decode_timing(decoder_runner(session), ids, decode_tokens, warmup, prefill_repeats))
         except Exception as e:  # one compute unit failing is a result, reported in its row
             row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         rows.append(row)
     torch_row = {"engine": f"PyTorch {torch.__version__} CPU, fp32 (dequantized weights, DynamicCache)",
-                 **compare.decode_timing(compare.torch_decoder(tm)(), ids, decode_tokens, warmup)}
+                 **compare.decode_timing(compare.torch_decoder(tm), ids, decode_tokens, warmup, prefill_repeats)}
     rows.append(torch_row)
     for r in rows:
         if "decode_tokens_per_s" in r:

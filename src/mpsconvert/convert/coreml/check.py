@@ -327,11 +327,11 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
                 acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
                 row.update({"prefill_top1": acc["prefill"]["top1_agreement"], "decode_top1": acc["decode"]["top1_agreement"],
                             "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
-                row.update(compare.decode_timing(coreml_decoder(ml)(), ids[:prompt], steps, warmup=2))
+                row.update(compare.decode_timing(coreml_decoder(ml), ids[:prompt], steps, warmup=2))
             except Exception as e:  # one compute unit failing is a result, reported in its row
                 row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             rows.append(row)
-        rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16)(), ids[:prompt], steps, 2)))
+        rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2)))
         base = next((r.get("decode_tokens_per_s") for r in rows if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")), None)
         for r in rows:
             if base and r.get("decode_tokens_per_s"):
