@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared/data beside the checkout (also from a worktree nested inside one)
+SHARED_DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),
+                   Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def _save(model, path: Path, dtype=torch.float32, **kw) -> Path:

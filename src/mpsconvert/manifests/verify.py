@@ -43,6 +43,7 @@ class VerifyReport:
     weights: str | None = None
     quantized: dict = field(default_factory=dict)  # module -> [N, K]
     shards: list = field(default_factory=list)
+    headers: dict = field(default_factory=dict, repr=False)  # shard -> validated Header (not reported)
 
     @property
     def ok(self) -> bool:
@@ -57,8 +58,10 @@ def _problem(report: VerifyReport, msg: str) -> None:
     report.problems.append(msg)
 
 
-def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress=None) -> None:
-    report.hashes_checked = True
+def check_sizes(folder: Path, manifest: Manifest, report: VerifyReport) -> list[str]:
+    """Every file the manifest lists exists with its recorded size (a stat each, no reading);
+    returns the names whose contents still need their sha256 checked."""
+    present = []
     for name, rec in sorted(manifest.files.items()):
         p = folder / name
         if not p.is_file():
@@ -69,13 +72,29 @@ def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progre
         if size != rec.get("size"):
             report.files[name] = f"size {size}, manifest says {rec.get('size')}"
             _problem(report, f"{name} is {size} bytes but {MANIFEST_NAME} records {rec.get('size')} (truncated or replaced)")
-        elif sha256_file(p) != rec.get("sha256"):
+        else:
+            present.append(name)
+    return present
+
+
+def check_digests(manifest: Manifest, report: VerifyReport, sha256: dict[str, str]) -> None:
+    """The sha256 of each file (computed by the caller, e.g. while loading it) against the manifest."""
+    report.hashes_checked = True
+    for name, digest in sorted(sha256.items()):
+        if digest != manifest.files[name].get("sha256"):
             report.files[name] = "sha256 mismatch"
             _problem(report, f"{name} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted)")
         else:
             report.files[name] = "ok"
+
+
+def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress=None) -> None:
+    digests = {}
+    for name in check_sizes(folder, manifest, report):
+        digests[name] = sha256_file(folder / name)
         if progress:
-            progress(name, size)
+            progress(name, manifest.files[name].get("size", 0))
+    check_digests(manifest, report, digests)
 
 
 def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
@@ -106,6 +125,7 @@ def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
             if shard in headers and tensor not in headers[shard].tensors:
                 _problem(report, f"{INDEX_NAME} puts {tensor} in {shard}, which does not hold it")
     report.shards = sorted(headers)
+    report.headers = headers
     return headers
 
 
@@ -180,7 +200,11 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
 
 def check_artifact(path, **kw) -> VerifyReport:
     """verify_artifact, raising the problems as one ArtifactError (what a loader wants)."""
-    report = verify_artifact(path, **kw)
+    return raise_problems(path, verify_artifact(path, **kw))
+
+
+def raise_problems(path, report: VerifyReport) -> VerifyReport:
+    """The report if sound, else its problems as one ArtifactError."""
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
         raise ArtifactError(

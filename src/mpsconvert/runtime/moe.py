@@ -275,8 +275,11 @@ class MoEReport:
         return {"replaced": self.replaced, "skipped": self.skipped, "activations": self.activations}
 
 
-def _fp8_param(ep: ExpertParam, tensors, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes [E, N, K], scale [E, N] or [E, 1], input scale [E] or None) from the artifact."""
+def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes [E, N, K], scale [E, N] or [E, 1], input scale [E] or None) from the artifact.
+    `codes`: the experts' codes already assembled on the device (the loader streams each
+    per-expert tensor into its rows), so only the scales are read from `tensors`."""
     E, N, K = ep.shape
 
     def get(key):
@@ -284,18 +287,22 @@ def _fp8_param(ep: ExpertParam, tensors, device) -> tuple[torch.Tensor, torch.Te
         return None if t is None else t.to(device)
 
     if ep.layout == "fused":
-        codes, scale, ins = get(ep.key), get(ep.key + "_scale"), get(ep.key + "_input_scale")
+        codes = codes if codes is not None else get(ep.key)
+        scale, ins = get(ep.key + "_scale"), get(ep.key + "_input_scale")
         if codes is None or codes.dtype != FP8 or scale is None:
             raise ArtifactError(f"{ep.key} is not stored as FP8 with a {ep.key}_scale", "re-create the artifact with mpsconvert quantize")
         return codes, scale.float().reshape(E, -1), ins
-    codes = torch.empty(E, N, K, dtype=FP8, device=device)
+    assembled = codes is not None
+    codes = codes if assembled else torch.empty(E, N, K, dtype=FP8, device=device)
     scale = torch.empty(E, N, dtype=torch.float32, device=device)
     ins = [None] * E
     for sl in ep.slices:
-        w, s = get(sl.key), get(sl.key + "_scale")
-        if w is None or w.dtype != FP8 or s is None:
+        w = None if assembled else get(sl.key)
+        s = get(sl.key + "_scale")
+        if (not assembled and (w is None or w.dtype != FP8)) or s is None:
             raise ArtifactError(f"{sl.key} is not stored as FP8 with a weight_scale", "re-create the artifact with mpsconvert quantize")
-        codes[sl.expert, sl.start : sl.stop] = w
+        if not assembled:
+            codes[sl.expert, sl.start : sl.stop] = w
         scale[sl.expert, sl.start : sl.stop] = s.float().reshape(-1).expand(sl.stop - sl.start)
         i = get(sl.key[: -len("weight")] + "input_scale")
         if i is not None:
@@ -303,6 +310,13 @@ def _fp8_param(ep: ExpertParam, tensors, device) -> tuple[torch.Tensor, torch.Te
             ins[sl.expert] = i.float().reshape(()) if ins[sl.expert] is None else torch.maximum(ins[sl.expert], i.float().reshape(()))
     input_scale = torch.stack(ins) if all(v is not None for v in ins) else None
     return codes, scale, input_scale
+
+
+def scale_keys(ep: ExpertParam) -> list[str]:
+    """The checkpoint keys of one expert parameter's scales (weight and, when stored, input)."""
+    if ep.layout == "fused":
+        return [ep.key + "_scale", ep.key + "_input_scale"]
+    return [k for sl in ep.slices for k in (sl.key + "_scale", sl.key[: -len("weight")] + "input_scale")]
 
 
 def _activations_from(model, qc=None) -> str | None:
