@@ -341,10 +341,12 @@ def inspect(artifact, as_json, show_tensors):
               help="Where both models run; an unavailable device is an error, never a fallback.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per accuracy sample.")
 @click.option("--max-samples", type=int, default=8, show_default=True, help="Accuracy samples (of --seq-len tokens).")
-@click.option("--prefill-len", type=int, default=512, show_default=True, help="Prompt length timed for prefill.")
+@click.option("--prefill-len", type=int, default=512, show_default=True, help="Tokens of the one sequence (batch 1) timed for prefill; encoders too.")
 @click.option("--decode-tokens", type=int, default=32, show_default=True, help="Tokens timed for decode (batch 1).")
-@click.option("--repeats", type=int, default=10, show_default=True, help="Timed prefill runs (after --warmup).")
-@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--repeats", type=int, default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 3 on CPU].")
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear.")
+@click.option("--warmup", type=int, default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
 @click.option("--no-latency", is_flag=True, help="Accuracy only.")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="torch.compile + CUDA graphs for decode (auto: on CUDA).")
@@ -352,7 +354,7 @@ def inspect(artifact, as_json, show_tensors):
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @click.option("--explain", is_flag=True, help="Also print the kernel chosen for every layer shape, with the timings behind it.")
 @friendly_errors
-def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, warmup,
+def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, rounds, warmup,
              no_latency, compile_mode, no_write, as_json, explain):
     """Check ARTIFACT against its BF16 baseline: accuracy (perplexity, KL, top-1 / embedding cosine) and latency."""
     from rich.progress import MofNCompleteColumn
@@ -361,7 +363,7 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
     from .runtime.validate import validate as run_validate
 
     opts = ValidateOptions(baseline=baseline, eval_data=eval_data, device=device, seq_len=seq_len, max_samples=max_samples,
-                           prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, warmup=warmup,
+                           prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, rounds=rounds, warmup=warmup,
                            latency=not no_latency, compile=compile_mode, write=not no_write)
     with Progress(TextColumn("[bold]{task.description}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not console.is_terminal) as prog:
@@ -403,8 +405,13 @@ def _coreml_runtime(artifact: Path, record: bool) -> dict | None:
     return res
 
 
-def _speed(ratio: float) -> str:
-    return f"{ratio:.2f}x " + ("faster" if ratio >= 1 else "(slower)")
+def _speed(v: dict) -> str:
+    """'1.42x faster (spread 6%)', or 'no clear difference (0.97x, spread 12%)': a verdict only
+    where the difference exceeds the run-to-run spread measured in the same run."""
+    spread = f"spread {100 * v['spread']:.0f}%"
+    if v["verdict"] == "no clear difference":
+        return f"no clear difference ({v['ratio']:.2f}x, {spread})"
+    return f"{v['ratio']:.2f}x {v['verdict']} ({spread})"
 
 
 def print_validation(r: dict, explain: bool = False) -> None:
@@ -427,11 +434,11 @@ def print_validation(r: dict, explain: bool = False) -> None:
     if lat:
         b, f = lat["bf16"], lat["fp8"]
         t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
-                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['speedup']['prefill']))
+                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['verdict']['prefill']))
         if "decode" in b:
             t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
                       f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
-                      _speed(r['speedup']['decode']))
+                      _speed(r['verdict']['decode']))
         if b.get("peak_memory_bytes") is not None:
             t.add_row("peak device memory", _human(b["peak_memory_bytes"]), _human(f["peak_memory_bytes"]),
                       f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")
