@@ -92,8 +92,10 @@ if triton is not None:
         # grid is fixed-point 2**-9, rounded by adding and removing 1.5 * 2**14.
         c = v * 1048577.0
         hi = c - (c - v)
-        fixed = (v + 24576.0) - 24576.0
-        return tl.where(tl.abs(v) < 0.015625, fixed, hi)
+        a = tl.abs(v)
+        fixed = (a + 24576.0) - 24576.0
+        fixed = tl.where(v < 0, -fixed, fixed)  # keeps the sign of values that round to zero (-0)
+        return tl.where(a < 0.015625, fixed, hi)
 
     @triton.jit
     def _round_to(v, dt: tl.constexpr, PRE_ROUND: tl.constexpr):
