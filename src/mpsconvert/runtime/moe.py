@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import fp8
 from ..errors import ArtifactError
+from . import act_quant
 from ..moe_layout import ExpertParam, find_layout
 
 FP8 = fp8.FP8_DTYPE
@@ -78,10 +79,13 @@ _PROBED: dict[str, bool] = {}
 
 def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None):
     """BF16 rows -> (e4m3 codes, float32 row scale [S]): per token (scale None) or the given
-    per-row static scale."""
-    scale = fp8.per_token_scale(x).reshape(-1) if scale is None else scale
-    q = (x.float() / scale[:, None]).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8)
-    return q, scale
+    per-row static scale (act_quant: one Triton kernel on CUDA in eager mode)."""
+    q, s = act_quant.quantize(x, rows_scale=scale)
+    return q, s.reshape(-1)
+
+
+def _is_silu(fn) -> bool:
+    return fn is F.silu or isinstance(fn, nn.SiLU)
 
 
 def fake_quantize_rows(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -183,25 +187,42 @@ class FP8Experts(nn.Module):
         if self.decode_path and T * k <= self.decode_pairs:
             return self._forward_gemv(x, top_k_index, top_k_weights).to(hidden_states.dtype)
         route = Route.make(top_k_index, top_k_weights, self.num_experts)
-        xs = x[route.token_ids]
-        h = self._project(xs, route, "gate_up")
-        gate, up = h.chunk(2, dim=-1)
-        h = self.act_fn(gate) * up
-        y = self._project(h, route, "down")
+        if self.path == "scaled_grouped_mm":
+            y = self._forward_fp8(x, route)
+        else:
+            h = self._project(x[route.token_ids], route, "gate_up")
+            gate, up = h.chunk(2, dim=-1)
+            y = self._project(self.act_fn(gate) * up, route, "down")
         y = y * route.weights[:, None].to(y.dtype)
         out = torch.zeros(T * k, H, dtype=y.dtype, device=y.device)
         out[route.perm] = y
         return out.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
 
+    def _forward_fp8(self, x: torch.Tensor, route: Route) -> torch.Tensor:
+        """FP8 x FP8 grouped GEMMs. Dynamic activations are quantized per token before the
+        gather (each token once, not once per expert it is routed to, and the gather then moves
+        codes instead of BF16), and SiLU(gate) * up is quantized in the same kernel that computes
+        it, so the product never goes to memory in BF16."""
+        static = self.activations == "tensor"
+        if static:  # each expert has its own input scale: quantized after the gather
+            q, s = act_quant.quantize(x[route.token_ids], rows_scale=self.gate_up_input_scale[route.expert_ids])
+        else:
+            q, s = act_quant.quantize(x)
+            q, s = q[route.token_ids], s[route.token_ids]
+        h = torch._scaled_grouped_mm(q, self.gate_up_codes.transpose(-2, -1), s.reshape(-1), self.gate_up_scale,
+                                     offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True)  # fmt: skip
+        rows = self.down_input_scale[route.expert_ids] if static else None
+        if _is_silu(self.act_fn):
+            q, s = act_quant.silu_mul_quantize(h, rows_scale=rows)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            q, s = act_quant.quantize(self.act_fn(gate) * up, rows_scale=rows)
+        return torch._scaled_grouped_mm(q, self.down_codes.transpose(-2, -1), s.reshape(-1), self.down_scale,
+                                        offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True)  # fmt: skip
+
     def _project(self, x: torch.Tensor, route: Route, which: str) -> torch.Tensor:
         in_scale = getattr(self, f"{which}_input_scale")
         row_scale = in_scale[route.expert_ids] if self.activations == "tensor" else None
-        if self.path == "scaled_grouped_mm":
-            q, s = quantize_rows(x, row_scale)
-            w = getattr(self, f"{which}_codes").transpose(-2, -1)  # [E, K, N] column-major
-            return torch._scaled_grouped_mm(
-                q, w, s, getattr(self, f"{which}_scale"), offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True
-            )
         if self.activations is not None:
             x = fake_quantize_rows(x, row_scale)
         w = getattr(self, f"{which}_dense")
