@@ -166,8 +166,11 @@ def test_fp8_grouped_path_quantizes_once_per_token_and_fuses_silu(monkeypatch, a
     one step, offsets and scales) against the per-expert reference, with the GEMM emulated."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm, raising=False)
     mod = _experts(activations, path="scaled_grouped_mm")
+    for name in ("gate_up_scale", "down_scale"):  # powers of two: the reference's BF16 weights are then exact
+        getattr(mod, name).copy_(torch.exp2(torch.log2(getattr(mod, name)).round()))
     x, idx, w = _routing(33, skip=(4,))
     with torch.no_grad():
         got, ref = mod(x, idx, w).float(), reference_forward(mod, x, idx, w).float()
-    # the reference multiplies BF16-rounded dequantized weights, the FP8 path codes x scale exactly
-    assert (got - ref).norm() <= 0.01 * ref.norm()
+    # 1-2%: where the two differ by a BF16 rounding an e4m3 rounding can flip, a step of ~6% for
+    # that value; a wrong expert, scale or token costs an error of the outputs' own size
+    assert (got - ref).norm() <= 0.03 * ref.norm()
