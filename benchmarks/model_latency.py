@@ -7,8 +7,9 @@ by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), 
 `mpsconvert quantize` on it (the CLI, default fp8-dynamic), then times, in this one process:
 
   bf16      transformers `from_pretrained(..., dtype=bfloat16, device_map=cuda)` of the source
-  ours      `mpsconvert.runtime.load(artifact)` (verification on), kernels measured cold, then a
-            second load with the kernel cache warm
+  ours      `mpsconvert.runtime.load(artifact)` (verification on), kernels measured cold
+  ours-warm a second load: kernel cache and page cache warm (load time only)
+  *-cold    bf16-cold / ours-cold: the page cache dropped first, files read from disk (load only)
   ct        transformers + compressed-tensors `from_pretrained(artifact)`
   ct-opt    the same with `CompressedTensorsConfig(use_optimized_inference=True)`
 
@@ -160,6 +161,13 @@ def kernel_checks(device) -> dict:
         for kern in ("gemv", "gemv_splitk"):
             y = kernels.run(kern, lay, x).double()
             out[f"{kern} {n}x{k}: rel err"] = float((y - ref).norm() / ref.norm())
+        xq = fp8.fake_quantize(x.float(), fp8.per_token_scale(x.float())).double()  # W8A8: the scheme's rounding of x
+        ref8 = xq @ (qw.double() * sw.double().reshape(-1, 1)).T
+        try:
+            y = kernels.run("gemv_w8a8", lay, x).double()
+            out[f"gemv_w8a8 {n}x{k}: rel err"] = float((y - ref8).norm() / ref8.norm())
+        except Exception as e:  # reported; the policy then never picks it (it records the same error)
+            out[f"gemv_w8a8 {n}x{k}"] = f"{type(e).__name__}: {str(e)[:200]}"
     log("kernel checks", out)
     return out
 
@@ -186,7 +194,8 @@ def summary(xs: list[float]) -> dict:
 
 CATEGORIES = (("gemm", ("gemm", "cutlass", "cublas", "sm90_", "nvjet", "scaled_mm", "gemv", "xmma", "wgmma")),
               ("act quant (triton)", ("_quant_rows",)), ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
-              ("copies/casts", ("copy", "cast", "memcpy", "to_copy", "cat")), ("other", ("",)))  # fmt: skip
+              ("copies/casts", ("copy", "memcpy", "to_copy", "catarray")), ("other", ("",)))  # fmt: skip
+# (an elementwise kernel over strided tensors is `gpu_kernel_impl_nocast`: "other", not a cast)
 
 
 def profile(fn) -> dict:
@@ -201,9 +210,16 @@ def profile(fn) -> dict:
         sync()
         wall = time.perf_counter() - t
     spans, cats, launches = [], {c: 0.0 for c, _ in CATEGORIES}, 0
+    per_kernel: dict[str, list] = {}
+    syncs = 0
     for ev in p.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
+            if any(k in ev.name for k in ("Synchronize", "_local_scalar_dense", "DtoH")):
+                syncs += 1
             continue
+        k = per_kernel.setdefault(ev.name[:90], [0, 0.0])
+        k[0] += 1
+        k[1] += ev.time_range.end - ev.time_range.start
         start, dur = ev.time_range.start, ev.time_range.end - ev.time_range.start
         spans.append((start, start + dur))
         launches += 1
@@ -221,8 +237,10 @@ def profile(fn) -> dict:
         elif e > end:
             busy += e - end
             end = e
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:14]
     return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches,
-            "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}}  # fmt: skip
+            "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs,
+            "top_kernels_ms": [[name, n, round(t / 1e3, 3)] for name, (n, t) in top]}  # fmt: skip
 
 
 def decoder_layers(model):
@@ -249,6 +267,13 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
     from transformers import StaticCache
 
     row: dict = {}
+    if name.endswith("-cold"):  # the files from disk, not the page cache (root on the device machine)
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            row["page_cache_dropped"] = True
+        except OSError as e:
+            row["page_cache_dropped"] = f"no: {e.strerror}"
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     sync()
     t = time.perf_counter()
@@ -264,7 +289,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
     total, emb = weight_bytes(model)
     row["weight_bytes"] = total
     log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"))
-    if name.endswith("-warm"):  # a second load, caches warm: only the load is of interest
+    if name.endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
         del model
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -382,9 +407,9 @@ def agreement() -> dict:
 def loaders(name: str, src: Path, art: Path, device, args):
     import transformers
 
-    if name == "bf16":
+    if name in ("bf16", "bf16-cold"):
         return lambda: transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
-    if name in ("ours", "ours-warm"):
+    if name in ("ours", "ours-warm", "ours-cold"):
         from mpsconvert.runtime import load
 
         return lambda: load(art, device=str(device), prefill_m=args.prefill)

@@ -83,6 +83,10 @@ def test_eager_gpu_path_of_fp8linear_interpreted():
             got = lay(x1).float()
             want1 = x1.float() @ wd.T + lay.bias.float()
             assert torch.allclose(got, want1, rtol=1e-2, atol=1e-2), (dec, (got - want1).abs().max())
+        lay.set_kernels("gemv_w8a8", mm)  # decode on the tensor cores: the scheme's own rounding of x
+        got = lay(x1).float()
+        want8 = fp8.fake_quantize(x1.float(), fp8.per_token_scale(x1.float()) if act == "token" else torch.tensor(isc)) @ wd.T + lay.bias.float()
+        assert torch.allclose(got, want8, rtol=1e-2, atol=2e-2), ("gemv_w8a8", (got - want8).abs().max())
     print("ok")
     """)
 
@@ -133,13 +137,22 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     assert a.q_proj.weight.data_ptr() == a.fused_q_proj_k_proj_v_proj.inner.weight.data_ptr()  # members are views
     storages = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, FP8Linear)}
     assert len(storages) == 3 and sum(g.inner.weight.untyped_storage().nbytes() for g in groups) == weights  # no copy kept
-    calls = []
+    from mpsconvert.runtime import act_quant
+
+    quantized, fused = [], []
+    real_quantize = act_quant.quantize
+    act_quant.quantize = lambda *a, **k: (quantized.append(1), real_quantize(*a, **k))[1]
     for g in groups:
-        g.inner.register_forward_hook(lambda *a: calls.append(1))
-        g.inner.project = (lambda inner: lambda x: (calls.append(1), FP8Linear.project(inner, x))[1])(g.inner)
-    out = model(x)
-    assert torch.equal(out, ref) and len(calls) == 3 and all(g.hits == 2 for g in groups)
-    assert all(g._x is None for g in groups)  # nothing held after the last member took its slice
+        g.inner.project = (lambda inner: lambda x: (fused.append(1), FP8Linear.project(inner, x))[1])(g.inner)
+    try:
+        out = model(x)  # prefill (8 rows): one quantization per group, each member its own GEMM
+        assert torch.equal(out, ref) and len(quantized) == 3 and not fused and all(g.hits == 2 for g in groups)
+        quantized.clear()
+        x1 = x[:2]  # decode (2 rows): one fused GEMM per group
+        assert torch.equal(model(x1), Stack()(x1)) and len(fused) == 3
+    finally:
+        act_quant.quantize = real_quantize
+    assert all(g._x is None for g in groups)  # nothing held after the last member took its share
 
 
 def test_members_with_different_inputs_get_their_own_products():
@@ -182,15 +195,16 @@ def test_shared_input_under_torch_compile_one_frame_no_recompiles():
     torch._dynamo.reset()
 
 
-def test_inductor_runs_one_gemm_per_group():
+def test_inductor_runs_one_gemm_per_group_at_decode():
     from torch._inductor.utils import run_and_get_code
 
     model = Stack(2)
     _shared(model)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        _, codes = run_and_get_code(torch.compile(model), (torch.randn(8, 32) * 0.1).to(torch.bfloat16))
-    assert "\n".join(codes).count("extern_kernels._scaled_mm(") == 2  # one per layer, not three
+    for rows, gemms in ((2, 2), (8, 6)):  # decode: one fused GEMM per layer; prefill: one per member
+        torch._dynamo.reset()
+        with torch.no_grad():
+            _, codes = run_and_get_code(torch.compile(model), (torch.randn(rows, 32) * 0.1).to(torch.bfloat16))
+        assert "\n".join(codes).count("extern_kernels._scaled_mm(") == gemms
     torch._dynamo.reset()
 
 

@@ -10,6 +10,9 @@ scales prepared once in the layouts the kernels take, optional input_scale [1], 
   in eager mode, plain ops that Inductor fuses under torch.compile) and run `torch._scaled_mm`
   (CUDA) or `F.scaled_mm` (MPS, torch >= 2.10 API) with row-wise or tensor-wise scales.
 - ``gemv``: the Triton FP8-weight GEMV (triton_gemv.py), BF16 activations, for decode.
+- ``gemv_w8a8``: decode as the scheme computes it (activations quantized as for `_scaled_mm`),
+  the e4m3 x e4m3 product on the tensor cores with the few rows padded to 16 (triton_gemv.py):
+  no weight is converted element by element, which is what bounds the BF16-activation GEMV.
 - ``gemv_splitk``: the same product through the MoE decode kernel (moe_triton.py, one expert):
   split-K with atomic adds, which fills the GPU where few output rows leave programs idle.
 - ``dequant``: dequantize the weight on every call, then a BF16 matmul (weights stay FP8 in
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from ..fp8 import dequantize
 from . import act_quant, moe_triton, triton_gemv
 
-KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "gemv", "gemv_splitk", "dequant", "bf16", "dense_qact")
+KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
 
 
@@ -57,20 +60,28 @@ def _mm(xq, sa, w, sb, out_dtype, functional: bool | None = None):
     return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=True)
 
 
-def scaled_mm_row(mod, x):
-    xq, xs = act_quant.quantize(x, _static(mod))
+def scaled_mm_row(mod, x, quantized=None):
+    xq, xs = quantized if quantized is not None else act_quant.quantize(x, _static(mod))
     y = _mm(xq, xs, mod.weight, mod.scale_row, x.dtype)
     return y + mod.bias if mod.bias is not None else y
 
 
-def scaled_mm_tensor(mod, x):
-    xq, _ = act_quant.quantize(x, mod.input_scale)
+def scaled_mm_tensor(mod, x, quantized=None):
+    xq, _ = quantized if quantized is not None else act_quant.quantize(x, mod.input_scale)
     y = _mm(xq, mod.input_scale_0d, mod.weight, mod.scale_0d, x.dtype)
     return y + mod.bias if mod.bias is not None else y
 
 
+QUANTIZING = (scaled_mm_row, scaled_mm_tensor)  # kernels that take an input quantized once for several layers
+
+
 def gemv(mod, x):
     return triton_gemv.gemv(x, mod.weight, mod.scale_flat, mod.bias)
+
+
+def gemv_w8a8(mod, x):
+    xq, xs = act_quant.quantize(x, _static(mod))
+    return triton_gemv.dot_gemv(xq, xs, mod.weight, mod.scale_flat, mod.bias, x.dtype)
 
 
 def gemv_splitk(mod, x):
@@ -92,7 +103,7 @@ def dense_qact(mod, x):
     return F.linear((xq.float() * xs).to(x.dtype), mod.dense_weight, mod.bias)
 
 
-FNS = {"scaled_mm_row": scaled_mm_row, "scaled_mm_tensor": scaled_mm_tensor, "gemv": gemv, "gemv_splitk": gemv_splitk,
+FNS = {"scaled_mm_row": scaled_mm_row, "scaled_mm_tensor": scaled_mm_tensor, "gemv": gemv, "gemv_w8a8": gemv_w8a8, "gemv_splitk": gemv_splitk,
        "dequant": dequant, "bf16": bf16, "dense_qact": dense_qact}  # fmt: skip
 
 
@@ -116,7 +127,7 @@ def candidates(device_type: str, activations: str | None, weights: str, bucket: 
     if activations is not None:
         out.append("scaled_mm_tensor" if (activations == "tensor" and weights == "tensor") else "scaled_mm_row")
     if device_type == "cuda" and bucket == "decode" and triton_gemv.available():
-        out += ["gemv", "gemv_splitk"]
+        out += ["gemv", "gemv_splitk"] + (["gemv_w8a8"] if activations is not None else [])
     if device_type == "mps" or bucket == "prefill" or not out:
         out.append("dequant")
     out.append("bf16")
