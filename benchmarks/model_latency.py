@@ -172,6 +172,36 @@ def kernel_checks(device) -> dict:
     return out
 
 
+def host_cost(device) -> dict:
+    """Host microseconds per eager call of the matmuls the layers launch (100 calls queued, one
+    synchronisation): what bounds an eager prefill when the GPU work per call is short."""
+    from mpsconvert import fp8
+    from mpsconvert.runtime import act_quant
+
+    out = {}
+    x = torch.randn(2048, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16)
+    qw, sw, _ = fp8.quantize(w, "row")
+    xq, xs = act_quant.quantize(x)
+    sb = sw.reshape(1, -1)
+    calls = {"F.linear bf16": lambda: torch.nn.functional.linear(x, w),
+             "_scaled_mm rowwise": lambda: torch._scaled_mm(xq, qw.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+             "act_quant (Triton)": lambda: act_quant.quantize(x)}  # fmt: skip
+    for name, fn in calls.items():
+        for _ in range(5):
+            fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(100):
+            fn()
+        host = (time.perf_counter() - t) / 100
+        sync()
+        total = (time.perf_counter() - t) / 100
+        out[name] = {"host_us": round(host * 1e6, 1), "wall_us": round(total * 1e6, 1)}
+    log("host cost per call", out)
+    return out
+
+
 def samples(fn, repeats: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -409,9 +439,10 @@ def loaders(name: str, src: Path, art: Path, device, args):
 
     if name in ("bf16", "bf16-cold"):
         return lambda: transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
-    if name in ("ours", "ours-warm", "ours-cold"):
-        from mpsconvert.runtime import load
+    if name in ("ours", "ours-warm", "ours-cold", "ours-fusedgemm"):
+        from mpsconvert.runtime import fuse, load
 
+        fuse.PREFILL_SHARES = "gemm" if name == "ours-fusedgemm" else "quantization"
         return lambda: load(art, device=str(device), prefill_m=args.prefill)
     if name in ("ct", "ct-opt"):
         from transformers import CompressedTensorsConfig
@@ -481,6 +512,7 @@ def main(argv=None):
     if device.type == "cuda":
         try:
             report["kernel_checks"] = kernel_checks(device)
+            report["host_cost"] = host_cost(device)
         except Exception as e:
             report["kernel_checks"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             traceback.print_exc()

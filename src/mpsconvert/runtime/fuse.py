@@ -31,6 +31,9 @@ from torch import nn
 from . import act_quant, kernels
 from .fp8linear import DECODE_MAX_M, FP8Linear
 
+# What siblings share at prefill: "quantization" (one quantized input, a GEMM per member, contiguous
+# outputs) or "gemm" (one fused GEMM, strided output slices). Decode always shares the fused GEMV.
+PREFILL_SHARES = "quantization"
 # Sibling projections that read one input, by the names transformers gives them.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
@@ -105,7 +108,7 @@ class SharedInput(nn.Module):
         fused GEMM saves; a decode row's slices are contiguous.)"""
         x2 = x.reshape(-1, x.shape[-1])
         inner = self.inner
-        if x2.shape[0] <= DECODE_MAX_M or inner._fns[1] not in kernels.QUANTIZING:
+        if x2.shape[0] <= DECODE_MAX_M or PREFILL_SHARES == "gemm" or inner._fns[1] not in kernels.QUANTIZING:
             return "out", inner.project(x).split(self.sizes, dim=-1)
         x2 = x2 if x2.dtype == inner.dtype else x2.to(inner.dtype)
         return "q", act_quant.quantize(x2, inner.input_scale if inner.activations == "tensor" else None)
