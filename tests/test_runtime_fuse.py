@@ -137,7 +137,7 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     assert a.q_proj.weight.data_ptr() == a.fused_q_proj_k_proj_v_proj.inner.weight.data_ptr()  # members are views
     storages = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, FP8Linear)}
     assert len(storages) == 3 and sum(g.inner.weight.untyped_storage().nbytes() for g in groups) == weights  # no copy kept
-    from mpsconvert.runtime import act_quant
+    from mpsconvert.runtime import act_quant, fuse
 
     quantized, fused = [], []
     real_quantize = act_quant.quantize
@@ -145,13 +145,17 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     for g in groups:
         g.inner.project = (lambda inner: lambda x: (fused.append(1), FP8Linear.project(inner, x))[1])(g.inner)
     try:
-        out = model(x)  # prefill (8 rows): one quantization per group, each member its own GEMM
-        assert torch.equal(out, ref) and len(quantized) == 3 and not fused and all(g.hits == 2 for g in groups)
+        out = model(x)  # prefill (8 rows), the default: one quantization and one fused GEMM per group
+        assert torch.equal(out, ref) and len(quantized) == 3 and len(fused) == 3 and all(g.hits == 2 for g in groups)
+        quantized.clear(), fused.clear()
+        fuse.PREFILL_SHARES = "quantization"  # one quantization per group, each member its own GEMM
+        assert torch.equal(model(x), ref) and len(quantized) == 3 and not fused
         quantized.clear()
-        x1 = x[:2]  # decode (2 rows): one fused GEMM per group
+        x1 = x[:2]  # decode (2 rows): one fused GEMM per group either way
         assert torch.equal(model(x1), Stack()(x1)) and len(fused) == 3
     finally:
         act_quant.quantize = real_quantize
+        fuse.PREFILL_SHARES = "gemm"
     assert all(g._x is None for g in groups)  # nothing held after the last member took its share
 
 
@@ -195,17 +199,23 @@ def test_shared_input_under_torch_compile_one_frame_no_recompiles():
     torch._dynamo.reset()
 
 
-def test_inductor_runs_one_gemm_per_group_at_decode():
+def test_inductor_runs_one_gemm_per_group():
     from torch._inductor.utils import run_and_get_code
+
+    from mpsconvert.runtime import fuse
 
     model = Stack(2)
     _shared(model)
-    for rows, gemms in ((2, 2), (8, 6)):  # decode: one fused GEMM per layer; prefill: one per member
+    try:
+        for rows, mode, gemms in ((2, "gemm", 2), (8, "gemm", 2), (8, "quantization", 6)):
+            fuse.PREFILL_SHARES = mode
+            torch._dynamo.reset()
+            with torch.no_grad():
+                _, codes = run_and_get_code(torch.compile(model), (torch.randn(rows, 32) * 0.1).to(torch.bfloat16))
+            assert "\n".join(codes).count("extern_kernels._scaled_mm(") == gemms, (rows, mode)
+    finally:
+        fuse.PREFILL_SHARES = "gemm"
         torch._dynamo.reset()
-        with torch.no_grad():
-            _, codes = run_and_get_code(torch.compile(model), (torch.randn(rows, 32) * 0.1).to(torch.bfloat16))
-        assert "\n".join(codes).count("extern_kernels._scaled_mm(") == gemms
-    torch._dynamo.reset()
 
 
 def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):

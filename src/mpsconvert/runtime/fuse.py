@@ -1,5 +1,4 @@
-"""Layers that read the same input (q/k/v, gate/up) share one activation quantization (prefill)
-or one FP8 GEMV (decode), in the loaded model.
+"""Layers that read the same input (q/k/v, gate/up) run as one FP8 GEMM, in the loaded model.
 
 Why: with dynamic activations each FP8 layer quantizes its input; three layers reading the same
 hidden state would quantize it three times and launch three GEMMs. One fused layer quantizes
@@ -12,8 +11,8 @@ In a transformers model the three projections are called one after another by th
 code (`self.q_proj(h)`, `self.k_proj(h)`, `self.v_proj(h)`), which we do not change. So each
 member stays an FP8Linear whose weight is a view of the fused weight, and `SharedInput` runs the
 fused GEMM on the first member's call and hands the other members their slices when they are
-called with the very same tensor (same object, unmodified: `_version`). At prefill the shared
-work is the input's quantization and each member runs its own GEMM on it (see `_shared`). A member called with
+called with the very same tensor (same object, unmodified: `_version`). What is shared at
+prefill is a switch, measured (PREFILL_SHARES). A member called with
 another input gets its own product, so the outputs are always the members' own; if the members
 of a group turn out not to share their input, the group stops fusing (`shared = False`).
 The same hand-over is traced by torch.compile (dynamo records the stash as a side effect and
@@ -31,9 +30,13 @@ from torch import nn
 from . import act_quant, kernels
 from .fp8linear import DECODE_MAX_M, FP8Linear
 
-# What siblings share at prefill: "quantization" (one quantized input, a GEMM per member, contiguous
-# outputs) or "gemm" (one fused GEMM, strided output slices). Decode always shares the fused GEMV.
-PREFILL_SHARES = "quantization"
+# What siblings share at prefill: "gemm" (one quantization and one fused GEMM; the members get
+# strided slices of its output) or "quantization" (one quantized input, a GEMM per member,
+# contiguous outputs). Measured on the H200 in one run (benchmarks/model_latency.py, Llama-3-8B
+# shape, 32 layers, 2048 tokens, eager): "gemm" 46.99 ms (GPU busy 43.26), "quantization"
+# 49.12 ms (GPU busy 40.16 ms, but the host fell behind), BF16 60.03 ms; compiled, "gemm" was
+# 1.59x BF16 and "quantization" 1.50x (two runs). Decode always shares the fused GEMV.
+PREFILL_SHARES = "gemm"
 # Sibling projections that read one input, by the names transformers gives them.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
@@ -101,11 +104,11 @@ class SharedInput(nn.Module):
             start = stop
 
     def _shared(self, member: FP8Linear, x: torch.Tensor):
-        """What the first member computes for all: decode (few rows), the fused GEMM's output,
-        split; prefill, the quantized input, on which each member runs its own GEMM. (Slices of
-        a fused prefill output are strided, and the model's elementwise ops on strided tensors
-        ran ~5 ms slower per 2048-token Llama-8B prefill than on contiguous ones, more than the
-        fused GEMM saves; a decode row's slices are contiguous.)"""
+        """What the first member computes for all: the fused GEMM's output, split (decode, and
+        prefill by default), or with PREFILL_SHARES = "quantization" at prefill the quantized
+        input, on which each member runs its own GEMM (contiguous outputs: the model's
+        elementwise ops on them ran ~3 ms less GPU time per 2048-token Llama-8B prefill, but the
+        three GEMM launches cost more host time than that saved; see PREFILL_SHARES)."""
         x2 = x.reshape(-1, x.shape[-1])
         inner = self.inner
         if x2.shape[0] <= DECODE_MAX_M or PREFILL_SHARES == "gemm" or inner._fns[1] not in kernels.QUANTIZING:
