@@ -31,10 +31,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 import _sources  # noqa: E402
 
-from mpsconvert.calibrate.run import CalibOptions, calibrate  # noqa: E402
-from mpsconvert.convert.quantize import Options, quantize_snapshot  # noqa: E402
-from mpsconvert.manifests.schemes import Scheme  # noqa: E402
-from mpsconvert.source import resolve  # noqa: E402
+import mpsconvert  # noqa: E402
+from mpsconvert import calibration_options as CalibOptions  # noqa: E402
 
 
 def variants(num_samples: int, seq_len: int):
@@ -55,16 +53,17 @@ def variants(num_samples: int, seq_len: int):
 
 
 def build(src: Path, work: Path, label: str, scheme: str, weights: str, copts, cache: dict) -> tuple[Path, float]:
+    """The user's path: `calibrate SRC -o scales.json` once per observer setting, then
+    `quantize SRC --scheme fp8 --scales scales.json` (or a data-free scheme)."""
     t0 = time.perf_counter()
-    opts = Options(scheme=Scheme.make(scheme, weights), force=True)
+    scales = None
     if copts is not None:
         key = (copts.observer, copts.num_samples)
+        scales = work / f"scales-{copts.observer}-{copts.num_samples}.json"
         if key not in cache:
-            cache[key] = calibrate(src, copts)
-        cal = cache[key]
-        opts.input_scales, opts.calibration, opts.device = cal.scales, cal.record, cal.record["device"]
+            cache[key] = mpsconvert.calibrate(src, scales, options=copts)
     out = work / label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
-    quantize_snapshot(resolve(str(src)), out, opts)
+    mpsconvert.quantize(src, out, scheme=scheme, weights=weights, scales_file=scales, force=True)
     return out, time.perf_counter() - t0
 
 

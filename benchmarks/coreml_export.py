@@ -66,18 +66,16 @@ def texts(n: int) -> list[str]:
 
 
 def run(src: Path, name: str, modes: list[str], seq_len: str, samples: int) -> list[dict]:
-    from mpsconvert.convert.coreml_check import check_package
-    from mpsconvert.convert.coreml_export import ExportOptions, SeqLen, export_coreml
-    from mpsconvert.convert.quantize import Options, quantize_snapshot
-    from mpsconvert.source import resolve
+    import mpsconvert
+    from mpsconvert.convert.coreml.check import check_package  # with this benchmark's own texts
 
     art = CACHE / f"{name}-fp8-dynamic"
     if not (art / "mpsconvert.json").is_file():
-        quantize_snapshot(resolve(str(src)), art, Options(force=True))
+        mpsconvert.quantize(src, art, force=True)
     rows = []
     for mode in modes:
         t = time.perf_counter()
-        rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse(seq_len), weights=mode, force=True))
+        rec = mpsconvert.export_coreml(art, seq_len=seq_len, weights=mode, force=True, check=False).record
         export_s = time.perf_counter() - t
         t = time.perf_counter()
         res = check_package(art, texts=texts(samples), n_samples=samples)

@@ -41,11 +41,7 @@ def main():
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mpsconvert import runtime
-    from mpsconvert.convert.quantize import Options, quantize_snapshot
-    from mpsconvert.manifests.schemes import Scheme
-    from mpsconvert.runtime.validate import ValidateOptions, validate
-    from mpsconvert.source import resolve
+    import mpsconvert
 
     root = Path(args.workdir or tempfile.mkdtemp())
     torch.manual_seed(0)
@@ -59,9 +55,9 @@ def main():
     for scheme in ("fp8-dynamic", "fp8-weight-only"):
         out = root / scheme
         t = time.perf_counter()
-        quantize_snapshot(resolve(str(src)), out, Options(scheme=Scheme.make(scheme)))
-        gpu = runtime.load(out, device=args.device)
-        cpu = runtime.load(out, device="cpu")
+        mpsconvert.quantize(src, out, scheme=scheme)
+        gpu = mpsconvert.load(out, device=args.device)
+        cpu = mpsconvert.load(out, device="cpu")
         with torch.no_grad():
             a = gpu(ids.to(args.device)).logits.float().cpu()
             b = cpu(ids).logits.float()
@@ -69,8 +65,9 @@ def main():
         kinds = sorted({type(m).__name__ for m in gpu.modules() if "FP8" in type(m).__name__ or "Fused" in type(m).__name__})
         fp8_params = sum(p.numel() for p in gpu.parameters() if p.dtype == torch.float8_e4m3fn) + \
             sum(b_.numel() for b_ in gpu.buffers() if b_.dtype == torch.float8_e4m3fn)
-        v = validate(out, ValidateOptions(baseline=str(src), eval_data=args.eval_data, device=args.device, seq_len=256,
-                                          max_samples=4, prefill_len=256, decode_tokens=16, repeats=5, warmup=2, compile="off"))
+        v = mpsconvert.validate(out, options=mpsconvert.validate_options(
+            baseline=str(src), eval_data=args.eval_data, device=args.device, seq_len=256, max_samples=4, prefill_len=256,
+            decode_tokens=16, repeats=5, warmup=2, compile="off")).as_dict()
         results[scheme] = {"gpu_vs_cpu_rel_err": rel, "modules": kinds, "fp8_elements_on_gpu": fp8_params,
                            "accuracy": v.get("accuracy"), "speedup_eager": v.get("speedup"), "seconds": time.perf_counter() - t}
         print(f"{scheme}: GPU vs CPU logits rel err {rel:.4f}; modules {kinds}; FP8 elements on GPU {fp8_params}; "

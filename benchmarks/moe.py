@@ -155,7 +155,7 @@ def graph_time(fn, x, device, iters):
 def kernel_only(mod: FP8Experts, bf16_experts, S: int, device, iters: int) -> dict:
     """The grouped matmuls alone (gate_up and down, S rows split evenly over the experts):
     separates the kernels from routing, activation quantization and gathers."""
-    from mpsconvert.runtime.moe import _grouped_mm_fn
+    from mpsconvert.runtime.moe import grouped_mm_fn
 
     E = mod.num_experts
     offs = torch.linspace(S // E, S, E, device=device).round().to(torch.int32)
@@ -166,7 +166,7 @@ def kernel_only(mod: FP8Experts, bf16_experts, S: int, device, iters: int) -> di
             x = torch.randn(S, K, device=device).to(torch.bfloat16)
             q, sa = quantize_rows(x, None)
             codes, sb = getattr(mod, f"{which}_codes"), getattr(mod, f"{which}_scale")
-            t16 = timeit(lambda _: _grouped_mm_fn()(x, w16.transpose(-2, -1), offs=offs), x, device, iters)
+            t16 = timeit(lambda _: grouped_mm_fn()(x, w16.transpose(-2, -1), offs=offs), x, device, iters)
             t8 = timeit(lambda _: torch._scaled_grouped_mm(q, codes.transpose(-2, -1), sa, sb, offs=offs,
                                                            out_dtype=torch.bfloat16, use_fast_accum=True), x, device, iters)  # fmt: skip
             tq = timeit(lambda _: quantize_rows(x, None), x, device, iters)

@@ -39,7 +39,8 @@ from mpsconvert import fp8
 from mpsconvert.runtime import triton_gemv
 from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.fuse import FusedFP8
-from mpsconvert.runtime.policy import KernelPolicy, time_call
+from mpsconvert.runtime.policy import KernelPolicy
+from mpsconvert.timing import per_call_us
 
 SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
           "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}
@@ -184,7 +185,7 @@ def run_variant(name, build, xs, ref_out, results, policy_out):
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
             err = ((y.float() - ref_out[bucket].float()).norm() / ref_out[bucket].float().norm()).item()
-            us = time_call(lambda: compiled(x), DEV, reps=10 if bucket == "prefill" else 50, rounds=7)
+            us = per_call_us(lambda: compiled(x), DEV, reps=10 if bucket == "prefill" else 50, rounds=7)
             row[bucket] = {"us": round(us, 2), "rel_err_vs_bf16_eager": round(err, 5), "compile_s": round(compile_s, 1)}
             log(f"   {name:15s} {bucket:7s} {us:10.1f} us   rel.err {err:.4f}   (compile {compile_s:.0f}s)")
     results[name] = row

@@ -25,7 +25,7 @@ import torch
 from mpsconvert import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.schemes import Scheme
-from mpsconvert.runtime.validate import ValidateOptions, validate
+import mpsconvert
 from mpsconvert.source import resolve
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -116,11 +116,11 @@ def main(argv=None):
                                 "samples": args.calib_samples, "seq_len": args.seq_len}
         out = args.work / f"{bf16.name}-{name}"
         quantize_snapshot(snap, out, opts)
-        vo = ValidateOptions(baseline=str(bf16), eval_data=str(args.eval_data), device=args.device, seq_len=args.seq_len,
+        vo = mpsconvert.validate_options(baseline=str(bf16), eval_data=str(args.eval_data), device=args.device, seq_len=args.seq_len,
                              max_samples=args.max_samples, prefill_len=args.prefill_len, decode_tokens=args.decode_tokens,
                              latency=name in args.latency.split(","))
         try:
-            r = validate(out, vo)
+            r = mpsconvert.validate(out, options=vo).as_dict()
         except Exception as e:  # keep the other schemes' numbers; this one's failure is printed in full
             import traceback
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import mpsconvert
 from .models import SHARED_DATA, calib_tiny_bert, calib_tiny_llama, calib_tiny_mixtral, calib_tiny_qwen2_moe
 from mpsconvert.calibrate.run import CalibOptions, calibrate
 from mpsconvert.cli import main
@@ -126,10 +127,10 @@ def _files(folder):
 
 
 def test_static_artifact_is_deterministic_loads_with_compressed_tensors_and_matches(llama, tmp_path):
-    args = ["quantize", str(llama), "--scheme", "fp8", "--calib-data", CALIB, "--num-samples", "4", "--seq-len", "64", "--observer", "mse", "--force"]
-    r1 = _run(args + ["-o", str(tmp_path / "a")])
-    assert r1.exit_code == 0, r1.output
-    assert _run(args + ["-o", str(tmp_path / "b")]).exit_code == 0
+    calibration = mpsconvert.calibration_options(data=CALIB, num_samples=4, seq_len=64, observer="mse")
+    for out in ("a", "b"):
+        res = mpsconvert.quantize(llama, tmp_path / out, scheme="fp8", calibration=calibration, force=True)
+        assert res.calibration.record["observer"] == "mse" and res.output == tmp_path / out
     assert _files(tmp_path / "a") == _files(tmp_path / "b")  # same seed, same bytes
 
     m = json.loads((tmp_path / "a" / "mpsconvert.json").read_text())
@@ -173,10 +174,10 @@ def test_static_artifact_is_deterministic_loads_with_compressed_tensors_and_matc
 
 def test_calibrate_into_an_artifact_and_via_a_scales_file(llama, tmp_path):
     dyn = tmp_path / "dyn"
-    assert _run(["quantize", str(llama), "-o", str(dyn)]).exit_code == 0
+    mpsconvert.quantize(llama, dyn)
     before = json.loads((dyn / "mpsconvert.json").read_text())
-    r = _run(["calibrate", str(dyn), "--calib-data", CALIB, "--num-samples", "3", "--seq-len", "32"])
-    assert r.exit_code == 0, r.output
+    res = mpsconvert.calibrate(dyn, options=mpsconvert.calibration_options(data=CALIB, num_samples=3, seq_len=32))
+    assert res.into_artifact and res.written_to == dyn
     after = json.loads((dyn / "mpsconvert.json").read_text())
     assert after["recipe"]["name"] == "fp8" and after["recipe"]["weights"] == "row"
     assert after["recipe"]["calibration"]["weights"] == "the artifact's FP8 weights, dequantized"
@@ -197,11 +198,9 @@ def test_calibrate_into_an_artifact_and_via_a_scales_file(llama, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mpsconvert-tmp")]
 
     scales = tmp_path / "scales.json"
-    r = _run(["calibrate", str(llama), "-o", str(scales), "--calib-data", CALIB, "--num-samples", "3", "--seq-len", "32", "--sequential"])
-    assert r.exit_code == 0, r.output
+    mpsconvert.calibrate(llama, scales, options=mpsconvert.calibration_options(data=CALIB, num_samples=3, seq_len=32, sequential=True))
     body = json.loads(scales.read_text())
-    r = _run(["quantize", str(llama), "--scheme", "fp8", "--scales", str(scales), "-o", str(tmp_path / "s")])
-    assert r.exit_code == 0, r.output
+    mpsconvert.quantize(llama, tmp_path / "s", scheme="fp8", scales_file=scales)
     m = json.loads((tmp_path / "s" / "mpsconvert.json").read_text())
     assert m["recipe"]["calibration"]["mode"] == "sequential"
     assert {rec["module"]: rec["input_scale"] for rec in m["tensors"].values()} == body["input_scales"]

@@ -13,23 +13,17 @@ import torch
 
 pytest.importorskip("coremltools")
 
+import mpsconvert  # noqa: E402
 from mpsconvert import fp8  # noqa: E402
-from mpsconvert.convert import coreml_ops, mil_eval  # noqa: E402
-from mpsconvert.convert.coreml_check import check_package, coreml_runtime_check  # noqa: E402
-from mpsconvert.convert.coreml_export import (  # noqa: E402
-    PACKAGE_NAME,
-    ExportError,
-    ExportOptions,
-    SeqLen,
-    export_coreml,
-    read_artifact_weights,
-)
-from mpsconvert.convert.quantize import Options, quantize_snapshot  # noqa: E402
+from mpsconvert.convert.coreml import mil_eval  # noqa: E402
+from mpsconvert.convert.coreml import ops as coreml_ops  # noqa: E402
+from mpsconvert.convert.coreml.check import check_package, coreml_runtime_check  # noqa: E402
+from mpsconvert.convert.coreml.export import PACKAGE_NAME, SeqLen, read_artifact_weights  # noqa: E402
+from mpsconvert.errors import ExportError  # noqa: E402
 from mpsconvert.errors import MpsconvertError  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.schemes import Scheme  # noqa: E402
-from mpsconvert.source import resolve  # noqa: E402
 
 from .models import coreml_tiny_bert, coreml_tiny_llama  # noqa: E402
 
@@ -50,7 +44,7 @@ def _artifact(work: Path, name: str, build, scheme: Scheme = Scheme()) -> Path:
         build(src)
     art = work / f"art-{name}"
     if not art.exists():
-        quantize_snapshot(resolve(str(src)), art, Options(scheme=scheme))
+        mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights)
     return art
 
 
@@ -115,7 +109,7 @@ def test_registered_converters_convert_and_compute_right():
 
 def test_llama_fixed_fp8_lut(llama, work):
     art = _copy(llama, work, "llama-fixed")
-    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("16")))
+    rec = mpsconvert.export_coreml(art, seq_len="16", check=False).record
     assert rec["frontend"] in ("torch.export", "torch.jit.trace") and rec["task"] == "causal-lm"
     res = check_package(art)
     spec = res["spec"]
@@ -142,7 +136,7 @@ def test_llama_fixed_fp8_lut(llama, work):
 def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
     """Decode one weight from the saved package by hand (no mpsconvert check code)."""
     art = _copy(llama, work, "llama-decode")
-    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    rec = mpsconvert.export_coreml(art, seq_len="8", check=False).record
     prog, _ = mil_eval.load_program(art / PACKAGE_NAME)
     ops = {op.name: op for op in prog.functions["main"].operations}
     name = "model.layers.1.mlp.down_proj.weight"
@@ -162,7 +156,7 @@ def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
 def test_per_tensor_scale_is_folded_and_bit_exact(work):
     art = _artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=1), Scheme.make("fp8-weight-only", "tensor"))
     art = _copy(art, work, "llama-tensor-export")
-    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    mpsconvert.export_coreml(art, seq_len="8", check=False)
     res = check_package(art, n_samples=2)
     w = res["weights"]
     assert w["all_ok"] and w["codes_bit_exact"]
@@ -173,7 +167,7 @@ def test_per_tensor_scale_is_folded_and_bit_exact(work):
 
 def test_llama_range(llama, work):
     art = _copy(llama, work, "llama-range")
-    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("1:32")))
+    rec = mpsconvert.export_coreml(art, seq_len="1:32", check=False).record
     assert rec["seq_len"] == {"min": 1, "max": 32, "flexible": True}
     res = check_package(art)
     (inp,) = res["spec"]["inputs"]
@@ -183,7 +177,7 @@ def test_llama_range(llama, work):
 
 def test_bert_encoder_range(bert, work):
     art = _copy(bert, work, "bert-range")
-    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("2:32")))
+    rec = mpsconvert.export_coreml(art, seq_len="2:32", check=False).record
     assert rec["task"] == "encoder" and rec["pooling"] == "mean"
     assert rec["fp8_tensors_not_exported"] == ["pooler.dense.weight"]  # BERT's pooler is not in the output
     res = check_package(art, n_samples=4)  # odd samples have masked padding
@@ -199,7 +193,7 @@ def test_int8_and_fp16_modes(llama, work):
     sizes = {}
     for mode in ("fp16", "int8"):
         art = _copy(llama, work, f"llama-{mode}")
-        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8"), weights=mode))
+        mpsconvert.export_coreml(art, seq_len="8", weights=mode, check=False)
         res = check_package(art, n_samples=1)
         assert res["weights"]["all_ok"] and res["reference_eval"]["ok"]
         sizes[mode] = res["weight_bytes"]
@@ -218,7 +212,7 @@ def test_jit_fallback_is_recorded(llama, work, monkeypatch):
         raise RuntimeError("export refused for the test")
 
     monkeypatch.setattr(torch.export, "export", boom)
-    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    rec = mpsconvert.export_coreml(art, seq_len="8", check=False).record
     assert rec["frontend"] == "torch.jit.trace"
     assert "export refused for the test" in rec["failed_frontends"]["torch.export"]
     assert Manifest.read(art).extra["coreml"]["frontend"] == "torch.jit.trace"
@@ -228,13 +222,13 @@ def test_unconvertible_op_names_it_and_leaves_artifact(llama, work, monkeypatch)
     from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
 
     art = _copy(llama, work, "llama-badop")
-    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))  # an existing package must survive too
+    mpsconvert.export_coreml(art, seq_len="8", check=False)  # an existing package must survive too
     before = _tree(art)
     table = dict(_TORCH_OPS_REGISTRY.name_to_func_mapping)
     table.pop("silu")
     monkeypatch.setattr(_TORCH_OPS_REGISTRY, "name_to_func_mapping", table)
     with pytest.raises(ExportError, match="silu"):
-        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8"), force=True))
+        mpsconvert.export_coreml(art, seq_len="8", force=True, check=False)
     assert _tree(art) == before
 
 
@@ -245,16 +239,16 @@ def test_unsupported_architecture_names_it_and_leaves_artifact(llama, work):
     (art / "config.json").write_text(json.dumps(cfg))
     before = _tree(art)
     with pytest.raises(ExportError, match="LlamaForSequenceClassification"):
-        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+        mpsconvert.export_coreml(art, seq_len="8", check=False)
     assert _tree(art) == before
 
 
 def test_existing_package_needs_force(llama, work):
     art = _copy(llama, work, "llama-force")
-    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    mpsconvert.export_coreml(art, seq_len="8", check=False)
     with pytest.raises(MpsconvertError, match="--force"):
-        export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
-    rec = export_coreml(art, ExportOptions(seq_len=SeqLen.parse("12"), force=True))
+        mpsconvert.export_coreml(art, seq_len="8", check=False)
+    rec = mpsconvert.export_coreml(art, seq_len="12", force=True, check=False).record
     assert rec["seq_len"]["max"] == 12
 
 
@@ -292,7 +286,7 @@ def test_checks_catch_a_package_that_does_not_match_the_artifact(llama, work):
     from safetensors.torch import load_file, save_file
 
     art = _copy(llama, work, "llama-tampered")
-    export_coreml(art, ExportOptions(seq_len=SeqLen.parse("8")))
+    mpsconvert.export_coreml(art, seq_len="8", check=False)
     assert check_package(art, n_samples=1)["ok"]
     st = art / "model.safetensors"
     tensors = load_file(str(st))

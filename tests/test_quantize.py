@@ -7,17 +7,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import mpsconvert
 from mpsconvert import fp8
-from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.manifest import Manifest
-from mpsconvert.manifests.schemes import Scheme
-from mpsconvert.source import resolve
 
 CAUSAL = ["llama", "llama_bf16", "qwen2_tied", "mistral", "llama_sharded", "gpt2"]
 
 
 def convert(src, out, scheme="fp8-dynamic", weights=None, **kw):
-    return quantize_snapshot(resolve(str(src)), out, Options(scheme=Scheme.make(scheme, weights), **kw))
+    return mpsconvert.quantize(src, out, scheme=scheme, weights=weights, **kw).manifest
 
 
 def artifact_tensors(out):

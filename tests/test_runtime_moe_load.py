@@ -143,7 +143,7 @@ def test_validate_moe_artifact(arts, tmp_path, layout):
 
     src, art = arts[("mixtral", "fp8-dynamic", layout)]
     opts = ValidateOptions(baseline=str(src), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=32,
-                           max_samples=2, prefill_len=16, decode_tokens=2, repeats=2, warmup=1, write=False, kernel_cache=False)
+                           max_samples=2, prefill_len=16, decode_tokens=2, repeats=2, rounds=1, warmup=1, write=False, kernel_cache=False)
     r = validate(art, opts)
     assert r["kind"] == "causal-lm" and r["accuracy"]["tokens"] == 2 * 31
     assert 0 < r["accuracy"]["mean_kl"] < 0.1 and r["accuracy"]["top1_agreement"] > 0.8

@@ -11,12 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import mpsconvert
 from mpsconvert.cli import main
-from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.manifest import Manifest
+from mpsconvert import timing
 from mpsconvert.runtime import metrics
-from mpsconvert.runtime.validate import ValidateOptions, validate
-from mpsconvert.source import resolve
+from mpsconvert.runtime.validate import ValidateOptions
 
 from .models import SHARED_DATA, runtime_tiny_bert, runtime_tiny_llama
 
@@ -66,9 +66,9 @@ def test_mean_pool_cosine_and_latency_stats():
     assert torch.equal(pooled[0], (h[0, 0] + h[0, 1]) / 2) and torch.equal(pooled[1], h[1, 0])
     a, b = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[0.0, 1.0], [2.0, 2.0]])
     assert metrics.cosine(a, b).tolist() == pytest.approx([0.0, 1.0])
-    st = metrics.latency_stats([0.003, 0.001, 0.002, 0.010])
+    st = timing.stats([0.003, 0.001, 0.002, 0.010])
     assert st["median_ms"] == pytest.approx(2.5) and st["p95_ms"] == pytest.approx(10.0) and st["n"] == 4
-    st = metrics.latency_stats([0.001 * i for i in range(1, 21)])  # nearest-rank p95 of 1..20 ms is 19 ms
+    st = timing.stats([0.001 * i for i in range(1, 21)])  # nearest-rank p95 of 1..20 ms is 19 ms
     assert st["p95_ms"] == pytest.approx(19.0) and st["median_ms"] == pytest.approx(10.5)
 
 
@@ -77,8 +77,8 @@ def arts(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt-val")
     llama = runtime_tiny_llama(root / "llama")
     bert = runtime_tiny_bert(root / "bert")
-    quantize_snapshot(resolve(str(llama)), root / "llama-fp8", Options())
-    quantize_snapshot(resolve(str(bert)), root / "bert-fp8", Options())
+    mpsconvert.quantize(llama, root / "llama-fp8")
+    mpsconvert.quantize(bert, root / "bert-fp8")
     return root
 
 
@@ -109,7 +109,7 @@ def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
     opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=64,
                            max_samples=3, prefill_len=32, decode_tokens=3, repeats=2, rounds=2, warmup=1, write=True, kernel_cache=False)
     phases = []
-    r = validate(arts / "llama-fp8", opts, progress=lambda p, d, t: phases.append(p))
+    r = mpsconvert.validate(arts / "llama-fp8", options=opts, progress=lambda p, d, t, detail: phases.append(p)).as_dict()
     direct = _direct_scores(arts, 64, 3)
     for k, v in direct.items():
         assert r["accuracy"][k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
@@ -130,17 +130,17 @@ def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
 
 def test_verdict_only_beyond_the_measured_spread():
     def timed(*rounds):
-        return metrics.round_stats([[x / 1e3 for x in r] for r in rounds])
+        return timing.round_stats([[x / 1e3 for x in r] for r in rounds])
 
     base = timed([10.0, 10.2], [10.1, 10.3], [9.9, 10.0])  # round medians 10.1, 10.2, 9.95: spread 2.5%
     assert base["round_medians_ms"] == pytest.approx([9.95, 10.1, 10.2]) and base["spread"] == pytest.approx(0.25 / 10.1)
     fast = timed([5.0], [5.05], [4.95])
-    assert metrics.verdict(base, fast)["verdict"] == "faster" and metrics.verdict(fast, base)["verdict"] == "slower"
+    assert timing.verdict(base, fast)["verdict"] == "faster" and timing.verdict(fast, base)["verdict"] == "slower"
     noisy = timed([8.0], [14.0], [10.0])  # spread 60%: a 1.1x ratio says nothing
-    v = metrics.verdict(base, noisy)
+    v = timing.verdict(base, noisy)
     assert v["verdict"] == "no clear difference" and v["spread"] == pytest.approx(0.6) and v["ratio"] == pytest.approx(1.01, abs=0.01)
-    assert metrics.verdict(base, timed([10.05], [10.1], [10.0]))["verdict"] == "no clear difference"
-    one = metrics.round_stats([[0.010, 0.012, 0.011]])  # one round: its samples' range stands in
+    assert timing.verdict(base, timed([10.05], [10.1], [10.0]))["verdict"] == "no clear difference"
+    one = timing.round_stats([[0.010, 0.012, 0.011]])  # one round: its samples' range stands in
     assert one["spread"] == pytest.approx(0.002 / 0.011)
 
 
@@ -151,7 +151,7 @@ def test_validate_encoder_embedding_cosine(arts):
 
     opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
                            latency=False, write=False)
-    r = validate(arts / "bert-fp8", opts)
+    r = mpsconvert.validate(arts / "bert-fp8", options=opts).as_dict()
     assert r["kind"] == "encoder" and r["accuracy"]["sentences"] == 8
     tok = transformers.AutoTokenizer.from_pretrained(arts / "bert-fp8")
     base = transformers.AutoModel.from_pretrained(arts / "bert", dtype=torch.bfloat16)
@@ -190,7 +190,7 @@ def test_cli_validate_json_explain_and_errors(arts):
 def test_encoder_latency_is_one_sequence_of_prefill_len(arts):
     opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
                            prefill_len=48, repeats=2, rounds=2, warmup=1, write=False, kernel_cache=False)
-    r = validate(arts / "bert-fp8", opts)
+    r = mpsconvert.validate(arts / "bert-fp8", options=opts).as_dict()
     for name in ("bf16", "fp8"):
         assert r["latency"][name]["prefill"]["tokens"] == 48 and r["latency"][name]["prefill"]["n"] == 4
     assert set(r["verdict"]) == {"prefill"} and r["verdict"]["prefill"]["ratio"] == pytest.approx(r["speedup"]["prefill"])

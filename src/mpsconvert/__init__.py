@@ -1,7 +1,45 @@
-"""mpsconvert: FP8 (float8_e4m3fn) artifacts for Apple Silicon and Core ML, checked against BF16."""
+"""mpsconvert: FP8 (float8_e4m3fn) artifacts for Apple Silicon, Core ML and Core AI, checked against BF16.
+
+The library API (mpsconvert/api.py) is re-exported here:
+
+    from mpsconvert import quantize, calibrate, validate, verify, inspect, export_coreml, load
+"""
 
 __version__ = "0.1.0"
 
-from .errors import MpsconvertError  # noqa: E402
+from .errors import (  # noqa: E402
+    ArtifactError,
+    DataError,
+    DeviceError,
+    EvalError,
+    ExportError,
+    MissingExtraError,
+    MpsconvertError,
+    QuantizationError,
+    SourceError,
+)
+from .api import (  # noqa: E402
+    CalibrateResult,
+    CoreMLResult,
+    QuantizeResult,
+    ValidationResult,
+    calibrate,
+    calibration_options,
+    check_coreml,
+    export_coreml,
+    inspect,
+    load,
+    quantize,
+    validate,
+    validate_options,
+    verify,
+)
 
-__all__ = ["MpsconvertError", "__version__"]
+__all__ = [
+    "__version__",
+    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "load",
+    "calibration_options", "validate_options",
+    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult",
+    "MpsconvertError", "SourceError", "QuantizationError", "ArtifactError", "DeviceError", "DataError",
+    "ExportError", "EvalError", "MissingExtraError",
+]

@@ -1,4 +1,10 @@
-"""One error type for everything the user can fix: the CLI prints it as one line and exits non-zero."""
+"""Every error mpsconvert raises on purpose, in one hierarchy rooted at `MpsconvertError`.
+
+Each is a problem the user can act on: `str(err)` is one line, the problem then the fix after
+"; ". The CLI prints it as `error: ...` and exits with `exit_code` (2); anything that is not an
+MpsconvertError is a bug and keeps its traceback. Catch `MpsconvertError` to handle them all,
+or a subclass for one kind of trouble (as huggingface_hub's errors are meant to be used).
+"""
 
 
 class MpsconvertError(Exception):
@@ -20,7 +26,7 @@ class SourceError(MpsconvertError):
 
 
 class QuantizationError(MpsconvertError):
-    """A tensor cannot be quantized (NaN/inf, unsupported dtype)."""
+    """A tensor cannot be quantized (NaN/inf, unsupported dtype), or a scheme's inputs are missing."""
 
 
 class ArtifactError(MpsconvertError):
@@ -29,3 +35,19 @@ class ArtifactError(MpsconvertError):
 
 class DeviceError(MpsconvertError):
     """The requested device is not available or ran out of memory."""
+
+
+class DataError(MpsconvertError):
+    """Calibration or evaluation text that cannot be read or is empty."""
+
+
+class ExportError(MpsconvertError):
+    """The artifact cannot be exported to an Apple format (architecture, op or weights)."""
+
+
+class EvalError(MpsconvertError):
+    """The reference evaluation of an exported program could not run one of its ops."""
+
+
+class MissingExtraError(MpsconvertError):
+    """An optional dependency is not installed; the message names the extra that brings it."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import QuantizationError
+from .scales import Granularity
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -24,7 +25,6 @@ SCALE_FLOOR = 1e-12
 _SQNR_ELEMS = 1 << 20  # tensors up to this size get an exact SQNR, larger ones a row sample of it
 _CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per work buffer: L3-resident, and few Python calls per block
 
-GRANULARITIES = ("tensor", "row")
 
 
 @dataclass(frozen=True)
@@ -106,16 +106,14 @@ class StreamQuantizer:
     """
 
     def __init__(self, n: int, k: int, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None):
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         self.n, self.k, self.name = n, k, name
-        self.granularity = granularity
+        self.granularity = Granularity(granularity)
         self._given = scale is not None
         self._row_amax = torch.empty(n, 1, dtype=torch.float32)
         if scale is not None:
             scale = scale.float().cpu()
             self._scale = scale.reshape(1) if scale.numel() == 1 else scale.reshape(n, 1)
-        elif granularity == "row":
+        elif self.granularity is Granularity.ROW:
             self._scale = torch.empty(n, 1, dtype=torch.float32)
         else:
             self._scale = None  # known once every block went through observe()
@@ -170,7 +168,7 @@ class StreamQuantizer:
             self._next = max(self._next, start + b)
         if out is None:
             out = torch.empty(block.shape, dtype=FP8_DTYPE)
-        own_rows = self.granularity == "row" and not self._given
+        own_rows = self.granularity is Granularity.ROW and not self._given
         known_amax = self._observed == self.n
         for i, rows, f, t in self._chunks(block):
             r0 = start + i

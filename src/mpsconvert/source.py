@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .errors import SourceError
 from .manifests.hashing import BackgroundHasher
+from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_FILE, is_plain_shard_name
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
 ALLOW_PATTERNS = [
@@ -30,7 +31,7 @@ ALLOW_PATTERNS = [
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Non-weight files copied into the artifact as they are.
 COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".md", ".py")
-SKIP_COPY = {"config.json", "model.safetensors.index.json", "mpsconvert.json"}
+SKIP_COPY = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -165,7 +166,7 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Snapshot
 
 def _inventory(snap: Snapshot) -> Snapshot:
     p = snap.path
-    cfg = p / "config.json"
+    cfg = p / CONFIG_NAME
     files = [f.name for f in p.iterdir()] if p.is_dir() else []
     if not cfg.is_file():
         raise SourceError(
@@ -182,14 +183,14 @@ def _inventory(snap: Snapshot) -> Snapshot:
         qm = snap.config["quantization_config"].get("quant_method", "?")
         raise SourceError(f"{p} is already quantized ({qm})", "convert the original BF16/FP16/FP32 checkpoint instead")
 
-    index = p / "model.safetensors.index.json"
+    index = p / INDEX_NAME
     if index.is_file():
         snap.weight_map = _read_index(index)
         snap.weight_files = sorted(set(snap.weight_map.values()))
     else:
         st = sorted(f for f in files if f.endswith(".safetensors"))
-        if "model.safetensors" in st:
-            st = ["model.safetensors"]
+        if SINGLE_FILE in st:
+            st = [SINGLE_FILE]
         snap.weight_files = st
     if not snap.weight_files:
         pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
@@ -233,12 +234,12 @@ def _read_index(index: Path) -> dict[str, str]:
     try:
         body = json.loads(index.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"{index} is not valid JSON ({e})", "re-download model.safetensors.index.json") from e
+        raise SourceError(f"{index} is not valid JSON ({e})", f"re-download {INDEX_NAME}") from e
     wm = body.get("weight_map") if isinstance(body, dict) else None
     if not isinstance(wm, dict) or not wm:
-        raise SourceError(f"{index} has no weight_map", "re-download model.safetensors.index.json")
+        raise SourceError(f"{index} has no weight_map", f"re-download {INDEX_NAME}")
     for name, f in wm.items():
-        if not isinstance(f, str) or not f.endswith(".safetensors") or "/" in f or "\\" in f or f in (".", "..") or f.startswith("."):
+        if not is_plain_shard_name(f):
             raise SourceError(
                 f"{index} maps {name!r} to {f!r}, which is not a plain .safetensors file name in the snapshot",
                 "the index is corrupt or malicious; re-download it",

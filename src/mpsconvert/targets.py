@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from .errors import SourceError
+from .modeldef import build_from
 from .moe_layout import checkpoint_module_name, experts_modules
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -50,54 +49,6 @@ class Plan:
             if mod.startswith(self.prefix + ".") and mod[len(self.prefix) + 1 :] in self.quantize:
                 return mod[len(self.prefix) + 1 :]
         return None
-
-
-def _model_class(config):
-    import transformers
-
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls
-    # No usable `architectures`: prefer the causal-LM class where the model type has one, so that
-    # an lm_head (which loaders build for generation) is planned and kept, never left expecting
-    # scales; planned modules missing from the checkpoint are dropped later.
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForCausalLM
-    return transformers.AutoModel
-
-
-def build_meta_model(path, trust_remote_code: bool = False):
-    """Instantiate the architecture with no weights (meta tensors): cheap at any model size."""
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        msg = str(e).splitlines()[0]
-        if "trust_remote_code" in msg or "custom code" in msg:
-            raise SourceError(
-                "this model's architecture is defined by code inside the repo",
-                "review that code, then pass --trust-remote-code to allow running it",
-            ) from e
-        raise SourceError(f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model") from e
-    cls = _model_class(config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            with torch.device("meta"):
-                if cls.__name__.startswith("Auto"):
-                    model = cls.from_config(config, trust_remote_code=trust_remote_code)
-                else:
-                    model = cls(config)
-        except Exception as e:  # an architecture transformers cannot build is a user-facing problem
-            raise SourceError(
-                f"transformers could not build {cls.__name__} for this config: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                "upgrade transformers, or pass --trust-remote-code if the repo defines its own model",
-            ) from e
-    return config, model
 
 
 def _num_experts(config) -> int | None:
@@ -178,5 +129,6 @@ def _is_router(name: str, mod, n_experts: int) -> bool:
 
 
 def plan_for(path, ignore: list[str] | None = None, trust_remote_code: bool = False) -> Plan:
-    config, model = build_meta_model(path, trust_remote_code)
+    """The plan of the model in folder `path`, read from its weightless definition."""
+    config, model = build_from(path, buffers="meta", trust_remote_code=trust_remote_code)
     return plan_from_model(model, config, ignore)

@@ -24,14 +24,14 @@ from .. import fp8
 from ..errors import ArtifactError
 from ..manifests.ct_config import quantization_config, scheme_from_config
 from ..manifests.hashing import sha256_file
-from ..manifests.manifest import MANIFEST_NAME, Manifest
+from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, weight_files
+from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..safetensors_io import ShardReader, ShardWriter, read_header
 from .run import Calibration
 
 SCALES_FORMAT = "mpsconvert-input-scales"
 SCALES_VERSION = 1
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def save_scales(path: Path, cal: Calibration) -> None:
@@ -65,17 +65,6 @@ def load_scales(path: Path) -> tuple[dict[str, float], dict]:
     return {k: float(v) for k, v in scales.items()}, body.get("calibration") or {}
 
 
-def is_artifact(path: Path) -> bool:
-    return (Path(path) / MANIFEST_NAME).is_file() and (Path(path) / "config.json").is_file()
-
-
-def _weight_files(folder: Path) -> list[str]:
-    index = folder / INDEX_NAME
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    return sorted(p.name for p in folder.glob("*.safetensors"))
-
-
 @contextlib.contextmanager
 def dequantized_snapshot(artifact: Path):
     """A temporary source-dtype snapshot of an FP8 artifact (deleted on exit)."""
@@ -88,7 +77,7 @@ def dequantized_snapshot(artifact: Path):
     st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     tmp = Path(tempfile.mkdtemp(prefix="mpsconvert-calib-"))
     try:
-        for f in _weight_files(artifact):
+        for f in weight_files(artifact):
             tensors = {}
             with safe_open(str(artifact / f), framework="pt") as sf:
                 keys = set(sf.keys())
@@ -104,11 +93,11 @@ def dequantized_snapshot(artifact: Path):
             body = json.loads((artifact / INDEX_NAME).read_text(encoding="utf-8"))
             body["weight_map"] = {k: v for k, v in body["weight_map"].items() if not k.endswith(("weight_scale", "input_scale"))}
             (tmp / INDEX_NAME).write_text(json.dumps(body), encoding="utf-8")
-        config = json.loads((artifact / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((artifact / CONFIG_NAME).read_text(encoding="utf-8"))
         config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        (tmp / CONFIG_NAME).write_text(json.dumps(config), encoding="utf-8")
         for p in artifact.iterdir():
-            if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", INDEX_NAME, MANIFEST_NAME):
+            if p.is_file() and p.suffix != ".safetensors" and p.name not in (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME):
                 shutil.copyfile(p, tmp / p.name)
         yield tmp
     finally:
@@ -119,7 +108,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
     """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static."""
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
-    config = json.loads((artifact / "config.json").read_text(encoding="utf-8"))
+    config = json.loads((artifact / CONFIG_NAME).read_text(encoding="utf-8"))
     qc = config.get("quantization_config") or {}
     old = scheme_from_config(qc)
     scheme = Scheme(name="fp8", weights=old.weights)
@@ -130,7 +119,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
             f"calibration has no input scale for {len(missing)} quantized Linear(s) of {artifact} (e.g. {missing[0]})",
             "calibrate with the same --ignore patterns the artifact was made with",
         )
-    files = _weight_files(artifact)
+    files = weight_files(artifact)
     weight_map: dict[str, str] = {}
     with atomic.output_dir(artifact, force=True) as tmp:
         for f in files:
@@ -168,7 +157,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
             if rel in files:
                 continue
             src = artifact / rel
-            if rel not in ("config.json", INDEX_NAME):
+            if rel not in (CONFIG_NAME, INDEX_NAME):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, tmp / rel)
             manifest.files[rel] = {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}

@@ -10,25 +10,19 @@ drawn is recorded so that a run can be repeated and audited from the manifest al
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MpsconvertError
+from ..errors import DataError
 from ..manifests.hashing import sha256_file
+from ..texts import BUILTIN, READABLE, read_documents
 
-BUILTIN = Path(__file__).parent / "data" / "builtin.jsonl"
-DATASET_PATTERNS = ["*.parquet", "*.jsonl", "*.json", "*.txt"]
-_READABLE = (".parquet", ".jsonl", ".json", ".txt")
+DATASET_PATTERNS = ["*" + s for s in READABLE]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 # A window shorter than this carries too little context to be worth a forward pass.
 MIN_WINDOW_TOKENS = 16
-
-
-class DataError(MpsconvertError):
-    """Calibration data that cannot be read or is empty."""
 
 
 @dataclass
@@ -54,55 +48,8 @@ def _combined_sha256(files: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def _texts_from_records(records, where: str) -> list[str]:
-    out = []
-    for i, rec in enumerate(records):
-        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise DataError(f"{where}: record {i + 1} has no string field 'text'", "give one JSON object per line with a 'text' field")
-        out.append(rec["text"])
-    return out
-
-
-def read_file(path: Path) -> list[str]:
-    """The documents in one file, by its extension (anything unknown is read as plain text)."""
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path)
-            if "text" not in table.column_names:
-                raise DataError(f"{path}: parquet file has no 'text' column (columns: {', '.join(table.column_names)})", "use a dataset with a 'text' column")
-            return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
-        raw = path.read_text(encoding="utf-8")
-        if suffix == ".jsonl":
-            records = []
-            for n, line in enumerate(raw.splitlines(), 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{n}: not valid JSON ({e.msg})", "give one JSON object per line with a 'text' field") from e
-            return _texts_from_records(records, str(path))
-        if suffix == ".json":
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e.msg})", "give a list of objects with a 'text' field") from e
-            if isinstance(body, dict) and isinstance(body.get("text"), list):
-                return [t for t in body["text"] if isinstance(t, str)]
-            if not isinstance(body, list):
-                raise DataError(f"{path}: JSON is not a list of records", "give a list of objects with a 'text' field, or JSONL")
-            return _texts_from_records(body, str(path))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text", "convert it to UTF-8") from e
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}", "check the path") from e
-    return [d for d in re.split(r"\n\s*\n", raw)]
-
-
 def _dataset_files(root: Path) -> list[Path]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in _READABLE and not p.name.startswith("."))
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in READABLE and not p.name.startswith("."))
     files = [p for p in files if p.name.lower() not in ("dataset_infos.json", "dataset_info.json", "state.json")]
     # A dataset with splits: calibrate on the training split only, never on its test data.
     train = [p for p in files if "train" in p.relative_to(root).as_posix().lower()]
@@ -112,7 +59,7 @@ def _dataset_files(root: Path) -> list[Path]:
 def load(spec: str | None, revision: str | None = None, token: str | None = None) -> Corpus:
     """Read the documents of a calibration source (None: the built-in set)."""
     if spec is None:
-        return _from_files("builtin", "mpsconvert/calibrate/data/builtin.jsonl", BUILTIN.parent, [BUILTIN])
+        return _from_files("builtin", "mpsconvert/data/builtin.jsonl", BUILTIN.parent, [BUILTIN])
     path = Path(spec).expanduser()
     if path.is_file():
         return _from_files("file", str(path.resolve()), path.parent, [path])
@@ -154,7 +101,7 @@ def _from_files(kind: str, where: str, root: Path, files: list[Path]) -> Corpus:
     texts: list[str] = []
     hashes: dict[str, str] = {}
     for f in files:
-        texts.extend(t for t in read_file(f) if t.strip())
+        texts.extend(t for t in read_documents(f) if t.strip())
         hashes[f.relative_to(root).as_posix()] = sha256_file(f)
     if not texts:
         raise DataError(f"calibration data {where} holds no non-empty text", "give a file with some text in it")

@@ -18,17 +18,14 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from .. import devices
-from .. import fp8
-from ..targets import Plan, _model_class, plan_for
+from .. import devices, fp8, modeldef
+from ..targets import Plan, plan_for
 from ..errors import QuantizationError, SourceError
+from ..progress import Progress, or_silent
 from . import data, hooks, observers
-
-Progress = Callable[[int, int, str], None]  # (done, total, label)
 
 
 @dataclass
@@ -68,7 +65,7 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
     """Calibrate the model in `model_dir` (a safetensors snapshot) and return its input scales."""
     import transformers
 
-    progress = progress or (lambda done, total, label: None)
+    progress = or_silent(progress)
     make = observers.make(opts.observer, opts.percentile)
     plan = plan or plan_for(model_dir, opts.ignore, opts.trust_remote_code)
     device = devices.choose(opts.device)
@@ -129,13 +126,13 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
 # --- whole model -----------------------------------------------------------------------------
 
 def _run_whole(model_dir, config, plan, samples, device, make, opts, progress):
-    model = _model_class(config).from_pretrained(str(model_dir), dtype=_model_dtype(config), trust_remote_code=opts.trust_remote_code)
+    model = modeldef.model_class(config).from_pretrained(str(model_dir), dtype=_model_dtype(config), trust_remote_code=opts.trust_remote_code)
     model.to(device).eval()
     run = _runner(model, plan)
     with hooks.observing(model, list(plan.quantize), make) as (obs, experts):
         for i, ids in enumerate(samples.input_ids):
             _forward(run, ids, device)
-            progress(i + 1, len(samples.input_ids), "samples")
+            progress("calibrate", i + 1, len(samples.input_ids), "samples")
     del model
     devices.empty_cache(device)
     return obs, experts, {"weights_loader": "transformers from_pretrained"}
@@ -277,37 +274,6 @@ def _unload(module):
     module.to("meta")
 
 
-@contextlib.contextmanager
-def _params_on_meta():
-    """Modules built inside get their parameters on the meta device (initialisers then run on
-    meta, for free) while buffers stay real: rotary frequencies and position ids are computed
-    in __init__ and are not stored in checkpoints."""
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None:
-            p = module._parameters[name]
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-
-    torch.nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
-
-
-def _skeleton(config, trust_remote_code: bool):
-    """The model with parameters on meta and real buffers (rotary frequencies, position ids)."""
-    cls = _model_class(config)
-    with _params_on_meta():
-        if cls.__name__.startswith("Auto"):
-            model = cls.from_config(config, trust_remote_code=trust_remote_code)
-        else:
-            model = cls(config)
-    return model.eval()
-
-
 def _load_outside(model, config, blocks_name: str, weights: Weights, device, dtype, under: str = "") -> None:
     """Load every parameter and buffer outside the blocks (embeddings, final norm, heads) once;
     with `under`, only those of that submodule (the part that runs)."""
@@ -341,7 +307,7 @@ def _load_outside(model, config, blocks_name: str, weights: Weights, device, dty
 
 def _run_sequential(model_dir, config, plan, samples, device, make, opts, progress):
     dtype = _model_dtype(config)
-    model = _skeleton(config, opts.trust_remote_code)
+    model = modeldef.build(config, buffers="real", trust_remote_code=opts.trust_remote_code).eval()
     weights = Weights(model_dir, getattr(model, "base_model_prefix", "") or "")
     blocks_name, blocks = _blocks(model)
     run = _runner(model, plan)
@@ -361,7 +327,7 @@ def _run_sequential(model_dir, config, plan, samples, device, make, opts, progre
             for i, ids in enumerate(samples.input_ids):
                 with contextlib.suppress(_Stop):
                     _forward(run, ids, device)
-                progress(i + 1, total_steps, "embeddings")
+                progress("calibrate", i + 1, total_steps, "embeddings")
         finally:
             h.remove()
         outputs = [None] * n
@@ -372,7 +338,7 @@ def _run_sequential(model_dir, config, plan, samples, device, make, opts, progre
                 outputs[s] = out
                 hidden = out[0] if isinstance(out, (tuple, list)) else out
                 inputs[s] = ((hidden, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": hidden})
-                progress(n * (b + 1) + s + 1, total_steps, f"block {b + 1}/{len(blocks)}")
+                progress("calibrate", n * (b + 1) + s + 1, total_steps, f"block {b + 1}/{len(blocks)}")
             _unload(block)
             devices.empty_cache(device)
         outside = [m for m in plan.quantize if not m.startswith(blocks_name + ".")]

@@ -22,10 +22,8 @@ scales). `experts_layout="checkpoint"` keeps it fused: `<p>` F8 [E, N, K] with `
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
-import shutil
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,19 +34,19 @@ import torch
 
 from .. import atomic
 from ..errors import QuantizationError, SourceError
-from ..manifests.ct_config import quantization_config
-from ..manifests.hashing import sha256_file
+from ..manifests import layout
+from ..manifests.layout import INDEX_NAME
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
 from ..safetensors_io import BufferPool, ShardReader, ShardWriter, TensorInfo, read_header
 from ..source import Snapshot
 from .. import fp8
+from ..progress import Progress, or_silent
 from ..targets import Plan, plan_for
+from . import EXPERTS_LAYOUTS
+from .assemble import Shards, assemble
 
-INDEX_NAME = "model.safetensors.index.json"
-EXPERTS_LAYOUTS = ("per-expert", "checkpoint")
-Progress = Callable[[int, str], None]  # (bytes done since last call, tensor name)
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
 # flight bound the memory a conversion needs beyond the runtime itself, whatever the model.
 BLOCK_BYTES = 16 << 20
@@ -86,12 +84,6 @@ class Options:
         if module is not None and module in scales:
             return float(scales[module])
         return None
-
-
-def output_shard_names(n: int) -> list[str]:
-    if n == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -195,13 +187,25 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
 
 
 def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
-    scheme = opts.scheme
+    plan, headers, tensor_module, expert_tensors = _prepare(snap, opts)
+    pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
+    with (
+        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, opts.scheme)) as tmp,
+        atomic.BackgroundSync() as syncs,
+        ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
+    ):
+        shards = _write_shards(snap, headers, tensor_module, expert_tensors, opts, tmp, pool, workers, syncs, or_silent(progress))
+        return assemble(tmp, snap, plan, opts, shards)
+
+
+def _prepare(snap: Snapshot, opts: Options):
+    """The plan, the checked shard headers, and which checkpoint tensors get quantized how."""
     plan = plan_for(snap.path, opts.ignore, opts.trust_remote_code)
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     check_tensor_layout(snap, headers)
     tensor_module = _finalize_plan(plan, headers)
     expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
-    if scheme.needs_calibration:
+    if opts.scheme.needs_calibration:
         missing = sorted(set(tensor_module.values()) - set(opts.input_scales or {}))
         missing += sorted({et.module for key, et in expert_tensors.items() if not _has_input_scales(opts, key, et)})
         if missing:
@@ -209,111 +213,60 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                 f"scheme fp8 needs a calibrated input scale for every quantized Linear and expert; {len(missing)} have none (e.g. {missing[0]})",
                 "run calibration (`mpsconvert quantize --scheme fp8 --calib-data ...` or `mpsconvert calibrate`)",
             )
-    progress = progress or (lambda n, name: None)
-    names = output_shard_names(len(snap.weight_files))
-    tensors: dict[str, dict] = {}
-    weight_map: dict[str, str] = {}
-    source_files: dict[str, str] = {}
-    files: dict[str, dict] = {}
-    total_in = total_out = 0
+    return plan, headers, tensor_module, expert_tensors
 
-    pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
-    with (
-        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, scheme)) as tmp,
-        atomic.BackgroundSync() as syncs,
-        ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
-    ):
-        writers = {}
-        for src_name, out_name in zip(snap.weight_files, names):
-            header = headers[src_name]
-            # Quantized tensors first, tensors copied as they are last: the writer thread copies
-            # those (an embedding is half a GB) while this thread goes on to the next shard.
-            work = [n for n in header.tensors if n in tensor_module or n in expert_tensors]
-            work += [n for n in header.tensors if n not in tensor_module and n not in expert_tensors]
-            entries = []
-            for name in work:
-                info = header.tensors[name]
-                if name in tensor_module:
-                    entries += _linear_entries(name, tuple(info.shape), scheme)
-                elif name in expert_tensors:
-                    entries += _expert_entries(name, info, expert_tensors[name], scheme)
-                else:
-                    entries.append((name, info.dtype, info.shape))
-            with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
-                sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, tensors)
-                try:
-                    for name in work:
-                        info = header.tensors[name]
-                        if name in tensor_module:
-                            _quantize_one(sh, name, info, tensor_module[name], scheme, opts)
-                        elif name in expert_tensors:
-                            _quantize_expert(sh, name, info, expert_tensors[name], scheme, opts)
-                        else:
-                            sh.then(writer.copy, name, header.path, info.start, info.nbytes)
-                        sh.then(progress, info.nbytes, name)
-                    sh.pump(0)
-                except BaseException:
-                    sh.abandon()
-                    raise
-            syncs.add(writer.sync)
-            writers[out_name] = writer
-            for name, *_ in entries:
-                weight_map[name] = out_name
-            total_in += header.file_size
-            total_out += writer.size
-        for out_name, writer in writers.items():
-            files[out_name] = {"sha256": writer.digest, "size": writer.size}
-        for src_name in snap.weight_files:  # hashed on the snapshot's thread meanwhile
-            source_files[src_name] = snap.sha256(src_name)
 
-        if len(names) > 1:
-            index = {"metadata": {"total_size": sum(files[n]["size"] for n in names)}, "weight_map": dict(sorted(weight_map.items()))}
-            atomic.write_text(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-            files[INDEX_NAME] = {"sha256": sha256_file(tmp / INDEX_NAME), "size": (tmp / INDEX_NAME).stat().st_size}
+def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_tensors: dict, opts: Options, tmp: Path,
+                  pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress) -> Shards:
+    """Stream every source shard into its output shard: quantized tensors first, then the ones
+    copied as they are (the writer thread copies those, an embedding is half a GB, while this
+    thread goes on to the next shard)."""
+    scheme = opts.scheme
+    out = Shards()
+    total = sum(h.file_size for h in headers.values())
+    done = [0]
 
-        config = dict(snap.config)
-        ignore = sorted(plan.ignored)
-        config["quantization_config"] = quantization_config(scheme, ignore)
-        atomic.write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-        files["config.json"] = {"sha256": sha256_file(tmp / "config.json"), "size": (tmp / "config.json").stat().st_size}
-        source_files["config.json"] = sha256_file(snap.path / "config.json")
-        for rel in snap.copy_files():
-            dst = tmp / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(snap.path / rel, dst)
-            digest = sha256_file(dst)
-            files[rel] = {"sha256": digest, "size": dst.stat().st_size}
-            source_files[rel] = digest
+    def advance(nbytes: int, name: str) -> None:
+        done[0] += nbytes
+        progress("quantize", done[0], total, name)
 
-        manifest = Manifest(
-            source=snap.as_dict() | {"files": dict(sorted(source_files.items()))},
-            recipe={
-                **scheme.as_dict(),
-                "format": "compressed-tensors/float-quantized",
-                "fp8_dtype": "float8_e4m3fn",
-                "scale": "amax / 448 (dequant multiplier), floor %g, clamp to +-448 before the cast" % fp8.SCALE_FLOOR,
-                "ignore_patterns": list(opts.ignore),
-                "ignored_modules": dict(sorted(plan.ignored.items())),
-                "calibration": opts.calibration,
-            },
-            tensors=dict(sorted(tensors.items())),
-            skipped=dict(sorted(plan.skipped.items())),
-            files=dict(sorted(files.items())),
-            device=opts.device,
-        )
-        if plan.expert_layout:
-            manifest.extra["moe"] = {
-                "experts_layout": opts.experts_layout,
-                "experts": {n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
-                "scales": "per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
-                "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]",
-            }
-        # How the shards reached the disk (O_DIRECT or the page cache, and why): it depends on the
-        # filesystem, not on the inputs, so it lives in the block that differs between runs.
-        manifest.created["shard_writes"] = ", ".join(sorted({w.write_mode for w in writers.values()}))
-        manifest.summary = summarize(manifest, plan, total_in, total_out)
-        manifest.write(tmp)
-    return manifest
+    for src_name, out_name in zip(snap.weight_files, layout.shard_names(len(snap.weight_files))):
+        header = headers[src_name]
+        work = [n for n in header.tensors if n in tensor_module or n in expert_tensors]
+        work += [n for n in header.tensors if n not in tensor_module and n not in expert_tensors]
+        entries = []
+        for name in work:
+            info = header.tensors[name]
+            if name in tensor_module:
+                entries += _linear_entries(name, tuple(info.shape), scheme)
+            elif name in expert_tensors:
+                entries += _expert_entries(name, info, expert_tensors[name], scheme)
+            else:
+                entries.append((name, info.dtype, info.shape))
+        with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
+            sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
+            try:
+                for name in work:
+                    info = header.tensors[name]
+                    if name in tensor_module:
+                        _quantize_one(sh, name, info, tensor_module[name], scheme, opts)
+                    elif name in expert_tensors:
+                        _quantize_expert(sh, name, info, expert_tensors[name], scheme, opts)
+                    else:
+                        sh.then(writer.copy, name, header.path, info.start, info.nbytes)
+                    sh.then(advance, info.nbytes, name)
+                sh.pump(0)
+            except BaseException:
+                sh.abandon()
+                raise
+        syncs.add(writer.sync)
+        for name, *_ in entries:
+            out.weight_map[name] = out_name
+        out.files[out_name] = {"sha256": writer.digest, "size": writer.size}
+        out.write_modes.add(writer.write_mode)
+        out.bytes_in += header.file_size
+        out.bytes_out += writer.size
+    return out
 
 
 @dataclass
@@ -439,7 +392,7 @@ def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Schem
     E, N, K = info.shape
     if et.split:
         return [e for sl in et.split for e in _linear_entries(sl.key, (sl.stop - sl.start, K), scheme)]
-    entries = [(name, "F8_E4M3", info.shape), (name + "_scale", "F32", (E, 1, 1) if scheme.weights == "tensor" else (E, N, 1))]
+    entries = [(name, "F8_E4M3", info.shape), (name + "_scale", "F32", scheme.experts_scale_shape(E, N, K))]
     if scheme.needs_calibration:
         entries.append((name + "_input_scale", "F32", (E,)))
     return entries
@@ -455,7 +408,7 @@ def _has_input_scales(opts: Options, key: str, et: ExpertTensor) -> bool:
 
 def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
     """Header entries of one quantized 2-D weight: codes, weight_scale (+ input_scale)."""
-    entries = [(name, "F8_E4M3", shape), (name + "_scale", "F32", (1,) if scheme.weights == "tensor" else (shape[0], 1))]
+    entries = [(name, "F8_E4M3", shape), (name + "_scale", "F32", scheme.scale_shape(*shape))]
     if scheme.needs_calibration:
         entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
     return entries
@@ -497,7 +450,7 @@ def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, 
             "shape": list(info.shape),
             "source_dtype": info.dtype,
             "dtype": "F8_E4M3",
-            "weight_scale_shape": [E, 1, 1] if scheme.weights == "tensor" else [E, N, 1],
+            "weight_scale_shape": list(scheme.experts_scale_shape(E, N, K)),
             "amax": max(s.amax for s in per_expert),
             "scale_min": min(s.scale_min for s in per_expert),
             "scale_max": max(s.scale_max for s in per_expert),
@@ -518,23 +471,3 @@ def _check_input_scale(s: float | None, what: str) -> float:
     if s is None or not (math.isfinite(s) and s > 0):
         raise QuantizationError(f"calibrated input scale of {what} is {s}", "re-run calibration")
     return s
-
-
-def summarize(manifest: Manifest, plan: Plan, bytes_in: int, bytes_out: int) -> dict:
-    worst = None
-    for name, rec in manifest.tensors.items():
-        s = rec.get("sqnr_db")
-        if s is not None and (worst is None or s < worst[1]):
-            worst = (name, s)
-    return {
-        "architecture": plan.architecture,
-        "weight_bytes_before": bytes_in,
-        "weight_bytes_after": bytes_out,
-        "ratio": round(bytes_out / bytes_in, 4) if bytes_in else None,
-        "tensors_quantized": len(manifest.tensors),
-        "expert_tensors_quantized": sum(1 for r in manifest.tensors.values() if "experts_module" in r),
-        "linear_ignored": len(plan.ignored),
-        "modules_skipped": len(plan.skipped),
-        "worst_sqnr_db": None if worst is None else worst[1],
-        "worst_sqnr_tensor": None if worst is None else worst[0],
-    }

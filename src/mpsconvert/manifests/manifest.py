@@ -15,9 +15,9 @@ from pathlib import Path
 from .. import __version__
 from ..atomic import write_text
 from ..errors import ArtifactError
+from .layout import MANIFEST_NAME
 
 SCHEMA_VERSION = 1
-MANIFEST_NAME = "mpsconvert.json"
 
 
 def library_versions() -> dict:

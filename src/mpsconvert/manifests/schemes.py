@@ -1,49 +1,78 @@
-"""Quantization schemes as plain config objects (the compressed-tensors way).
+"""Quantization schemes as typed config objects (the compressed-tensors way).
 
-A `Scheme` says what is stored (weight granularity) and how activations are treated at run
-time (dynamic per token, static per tensor, or left in BF16). The manifest and the
-compressed-tensors `quantization_config` are both derived from it.
+A `Scheme` says what is stored (the weight scale granularity) and how activations are treated
+at run time (quantized per token at run time, static per tensor from calibration, or left in
+BF16). The manifest's recipe and the compressed-tensors `quantization_config` are both derived
+from it, and `scale_shape` is the one rule for the shape of a weight's scale.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..errors import MpsconvertError
+from ..scales import Granularity, StrEnum, scale_shape
+
+
+class Activations(StrEnum):
+    """How a quantized Linear's input is treated: per token at run time, or one calibrated scale."""
+
+    TOKEN = "token"  # dynamic, per token
+    TENSOR = "tensor"  # static, per tensor (calibrated)
+
 
 SCHEMES = ("fp8-dynamic", "fp8", "fp8-weight-only")
-WEIGHT_GRANULARITIES = ("tensor", "row")
-# The default weight granularity of each scheme.
-DEFAULT_WEIGHTS = {"fp8-dynamic": "row", "fp8": "tensor", "fp8-weight-only": "row"}
+WEIGHT_GRANULARITIES = tuple(g.value for g in Granularity)
+# What each scheme does to activations (None: they stay BF16), and its default weight granularity.
+_ACTIVATIONS = {"fp8-dynamic": Activations.TOKEN, "fp8": Activations.TENSOR, "fp8-weight-only": None}
+DEFAULT_WEIGHTS = {"fp8-dynamic": Granularity.ROW, "fp8": Granularity.TENSOR, "fp8-weight-only": Granularity.ROW}
+
+
+def _unknown_scheme(name) -> MpsconvertError:
+    return MpsconvertError(f"unknown scheme {name!r}", f"use one of: {', '.join(SCHEMES)}")
 
 
 @dataclass(frozen=True)
 class Scheme:
+    """An FP8 scheme: `name` (fp8-dynamic | fp8 | fp8-weight-only) and the weight granularity."""
+
     name: str = "fp8-dynamic"
-    weights: str = "row"  # "tensor" -> weight_scale [1]; "row" -> weight_scale [N, 1]
+    weights: Granularity = Granularity.ROW
 
     def __post_init__(self):
         if self.name not in SCHEMES:
-            raise MpsconvertError(f"unknown scheme {self.name!r}", f"use one of: {', '.join(SCHEMES)}")
-        if self.weights not in WEIGHT_GRANULARITIES:
+            raise _unknown_scheme(self.name)
+        try:
+            object.__setattr__(self, "weights", Granularity(self.weights))
+        except ValueError:
             raise MpsconvertError(
                 f"unknown weight granularity {self.weights!r}", f"use one of: {', '.join(WEIGHT_GRANULARITIES)}"
-            )
+            ) from None
 
     @classmethod
     def make(cls, name: str, weights: str | None = None) -> "Scheme":
+        """The scheme `name` with `weights` granularity, or the scheme's default one."""
         if name not in SCHEMES:
-            raise MpsconvertError(f"unknown scheme {name!r}", f"use one of: {', '.join(SCHEMES)}")
+            raise _unknown_scheme(name)
         return cls(name=name, weights=weights or DEFAULT_WEIGHTS[name])
 
     @property
-    def activations(self) -> str | None:
-        """'token' (dynamic), 'tensor' (static, calibrated) or None (weight-only)."""
-        return {"fp8-dynamic": "token", "fp8": "tensor", "fp8-weight-only": None}[self.name]
+    def activations(self) -> Activations | None:
+        """TOKEN (dynamic), TENSOR (static, calibrated) or None (weight-only)."""
+        return _ACTIVATIONS[self.name]
 
     @property
     def needs_calibration(self) -> bool:
-        return self.activations == "tensor"
+        return self.activations is Activations.TENSOR
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, ...]:
+        """The shape of `<m>.weight_scale` for an [N, K] weight."""
+        return scale_shape(self.weights, n, k)
+
+    def experts_scale_shape(self, e: int, n: int, k: int) -> tuple[int, ...]:
+        """The shape of `<p>_scale` for fused experts [E, N, K]: [E, 1, 1] or [E, N, 1]."""
+        s = self.scale_shape(n, k)
+        return (e, *s) if len(s) == 2 else (e, 1, 1)
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"activations": self.activations}
+        return {"name": self.name, "weights": self.weights.value, "activations": self.activations.value if self.activations else None}

@@ -27,9 +27,11 @@ from ..errors import ArtifactError, MpsconvertError
 from ..safetensors_io import Header, read_header
 from .ct_config import scheme_from_config
 from .hashing import sha256_file
-from .manifest import MANIFEST_NAME, Manifest
+from . import layout
+from ..progress import Progress, or_silent
+from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
+from .manifest import Manifest
 
-INDEX_NAME = "model.safetensors.index.json"
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -88,32 +90,29 @@ def check_digests(manifest: Manifest, report: VerifyReport, sha256: dict[str, st
             report.files[name] = "ok"
 
 
-def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress=None) -> None:
-    digests = {}
+def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None) -> None:
+    progress = or_silent(progress)
+    total = sum(int(rec.get("size") or 0) for rec in manifest.files.values())
+    digests, done = {}, 0
     for name in check_sizes(folder, manifest, report):
         digests[name] = sha256_file(folder / name)
-        if progress:
-            progress(name, manifest.files[name].get("size", 0))
+        done += int(manifest.files[name].get("size") or 0)
+        progress("verify", done, total, name)
     check_digests(manifest, report, digests)
 
 
 def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            _problem(report, f"{INDEX_NAME} is not a valid index ({e})")
-            return {}
-        names = sorted(set(weight_map.values()))
-    else:
-        weight_map = None
-        names = ["model.safetensors"] if (folder / "model.safetensors").is_file() else sorted(p.name for p in folder.glob("*.safetensors"))
+    try:
+        weight_map = layout.read_weight_map(folder)
+        names = layout.weight_files(folder)
+    except ArtifactError as e:
+        _problem(report, e.problem)
+        return {}
     if not names:
         _problem(report, "no *.safetensors weights in the folder")
     headers = {}
     for n in names:
-        if "/" in n or n.startswith(".") or not (folder / n).is_file():
+        if not (folder / n).is_file():
             _problem(report, f"weight file {n!r} is missing")
             continue
         try:
@@ -146,7 +145,7 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
     if manifest is not None and check_hashes:
         _check_hashes(folder, manifest, report, progress)
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
         qc = config["quantization_config"]
         scheme = scheme_from_config(qc)
         report.scheme, report.weights = scheme.name, scheme.weights
@@ -172,10 +171,10 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         n, k = info.shape
         report.quantized[mod] = [n, k]
         sc = tensors.get(mod + ".weight_scale")
-        want = [1] if scheme.weights == "tensor" else [n, 1]
+        want = list(scheme.scale_shape(n, k))
         if sc is None:
             _problem(report, f"{name} has no {mod}.weight_scale")
-        elif sc.dtype not in FLOAT_SCALE_DTYPES or list(sc.shape) != want and not (scheme.weights == "tensor" and math.prod(sc.shape) == 1):
+        elif sc.dtype not in FLOAT_SCALE_DTYPES or list(sc.shape) != want and not (want == [1] and math.prod(sc.shape) == 1):
             _problem(report, f"{mod}.weight_scale is {sc.dtype}{list(sc.shape)}, the config's {scheme.weights} strategy needs a float {want}")
         if scheme.activations == "tensor":
             isc = tensors.get(mod + ".input_scale")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..fp8 import FP8_DTYPE, dequantize
+from ..scales import scale_shape
 from . import kernels
 
 # Activations with at most this many rows (tokens x batch) use the decode kernel.
@@ -38,8 +39,7 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weights, self.activations, self.dtype = weights, activations, dtype
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        scale_shape = (1,) if weights == "tensor" else (out_features, 1)
-        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.ones(scale_shape(weights, out_features, in_features), dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.dense_weight: torch.Tensor | None = None

@@ -28,19 +28,18 @@ How, and why this way:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .. import devices
+from .. import devices, modeldef
 from ..fp8 import FP8_DTYPE, dequantize
 from ..errors import MpsconvertError, ArtifactError
+from ..manifests import layout
 from ..manifests.ct_config import scheme_from_config
 from ..manifests.verify import check_artifact, check_digests, check_sizes, raise_problems, verify_artifact
 from ..safetensors_io import DTYPES
@@ -71,49 +70,6 @@ class LoadInfo:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-@contextlib.contextmanager
-def _params_on_meta():
-    """Create parameters on the meta device, buffers where they would normally be (CPU)."""
-    original = nn.Module.register_parameter
-
-    def register(module, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-def build_empty(path: Path, trust_remote_code: bool = False):
-    """config.json -> (config, model with meta parameters and real buffers)."""
-    import transformers
-
-    from ..targets import _model_class
-
-    config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    cls = _model_class(config)
-    with warnings.catch_warnings(), _params_on_meta():
-        warnings.simplefilter("ignore")
-        if cls.__name__.startswith("Auto"):
-            model = cls.from_config(config, trust_remote_code=trust_remote_code)
-        else:
-            model = cls(config)
-    return config, model
-
-
-def _weight_files(path: Path) -> list[str]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    if (path / "model.safetensors").is_file():
-        return ["model.safetensors"]
-    return sorted(p.name for p in path.glob("*.safetensors"))
 
 
 def _resolver(model: nn.Module, renamed: dict[str, str] | None = None):
@@ -163,7 +119,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     KernelPolicy (cache file or False; injected timer). share_inputs: fuse q/k/v and gate/up
     into one GEMM each on GPUs (fuse.py). progress(phase, done, total, detail).
     """
-    from ..manifests.manifest import MANIFEST_NAME, Manifest
+    from ..manifests.manifest import Manifest
 
     t0 = time.perf_counter()
     path = Path(path)
@@ -173,7 +129,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
 
         raise DeviceError(f"this torch ({torch.__version__}) cannot hold float8_e4m3fn tensors on MPS",
                           "upgrade torch (FP8 on MPS needs a recent release), or pass device='cpu'")
-    config_path = path / "config.json"
+    config_path = path / layout.CONFIG_NAME
     if not config_path.is_file():
         raise ArtifactError(f"{path} has no config.json", "pass the folder that `mpsconvert quantize` wrote")
     try:
@@ -185,10 +141,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     if not qc:
         raise ArtifactError(f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint")
     scheme = scheme_from_config(qc)
-    config, model = build_empty(path, trust_remote_code)
+    config, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
     linears, ignored = _linear_layout(model, qc)
     manifest = None
-    if verify and (path / MANIFEST_NAME).is_file():  # sizes first: a truncated file is named as such
+    if verify and (path / layout.MANIFEST_NAME).is_file():  # sizes first: a truncated file is named as such
         report = verify_artifact(path, check_hashes=False)
         if report.ok:
             manifest = Manifest.read(path)
@@ -387,8 +343,8 @@ def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, pro
 
     path = Path(path)
     try:
-        qc = json.loads((path / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
-        _, model = build_empty(path, trust_remote_code)
+        qc = json.loads((path / layout.CONFIG_NAME).read_text(encoding="utf-8")).get("quantization_config") or {}
+        _, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
         linears, ignored = _linear_layout(model, qc)
     except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact says which
         linears, ignored = None, None

@@ -35,13 +35,13 @@ FP8 = fp8.FP8_DTYPE
 DECODE_PAIRS = 16  # token-expert pairs at or below which the GEMV kernel beats a grouped GEMM
 
 
-def _grouped_mm_fn():
+def grouped_mm_fn():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a grouped matmul runs on this device for this dtype (probed, not assumed)."""
-    fn = _grouped_mm_fn()
+    fn = grouped_mm_fn()
     if fn is None:
         return False
     try:
@@ -227,7 +227,7 @@ class FP8Experts(nn.Module):
             x = fake_quantize_rows(x, row_scale)
         w = getattr(self, f"{which}_dense")
         if self.path == "grouped_mm":
-            return _grouped_mm_fn()(x, w.transpose(-2, -1), offs=route.offsets)
+            return grouped_mm_fn()(x, w.transpose(-2, -1), offs=route.offsets)
         return _loop_mm(x, w, route)
 
     def _forward_gemv(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

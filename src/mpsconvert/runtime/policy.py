@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from .. import atomic, devices
+from .. import atomic, devices, timing
+from ..progress import Progress, or_silent
 from . import kernels
 from .fp8linear import BUCKETS, FP8Linear
 
@@ -162,7 +162,7 @@ class KernelPolicy:
                               "(a second, BF16 copy would double this layer's memory)")
         return dec, pre
 
-    def apply(self, model: torch.nn.Module, progress: Callable[[str], None] | None = None) -> list[Decision]:
+    def apply(self, model: torch.nn.Module, progress: Progress | None = None) -> list[Decision]:
         """Decide once per distinct layer signature, install the kernels on every FP8Linear."""
         from .fuse import SharedInput, unshare
 
@@ -171,9 +171,9 @@ class KernelPolicy:
             if isinstance(mod, FP8Linear) and mod.group is None:  # members of a fused group run its inner layer
                 groups.setdefault(mod.signature, []).append(mod)
         self.decisions = []
+        progress = or_silent(progress)
         for i, (sig, layers) in enumerate(groups.items()):
-            if progress:
-                progress(f"{sig[0]}x{sig[1]}", i, len(groups))
+            progress("kernels", i, len(groups), f"{sig[0]}x{sig[1]}")
             dec, pre = self.decide(layers[0])
             for layer in layers:
                 layer.set_kernels(dec.choice, pre.choice)
@@ -203,45 +203,7 @@ class KernelPolicy:
             fn = lambda: torch.nn.functional.linear(x, dense, layer.bias)  # noqa: E731
         else:
             fn = lambda: kernels.run(kernel, layer, x)  # noqa: E731
-        return time_call(fn, self.device)
+        return timing.per_call_us(fn, self.device)
 
     def explain(self) -> list[dict]:
         return [d.as_dict() for d in self.decisions]
-
-
-def time_call(fn: Callable[[], object], device: torch.device, reps: int = 20, rounds: int = 5) -> float:
-    """Median microseconds per call. CUDA: `reps` calls captured in a CUDA graph and replayed
-    (launch overhead excluded, as under CUDA graphs); else host clock around synchronize."""
-    for _ in range(3):
-        fn()
-    devices.synchronize(device)
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000.0 / reps)
-        return statistics.median(times)
-    times = []
-    for _ in range(rounds):
-        devices.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        devices.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e6 / reps)
-    return statistics.median(times)

@@ -2,30 +2,31 @@
 
 Accuracy: both models see the same eval text. Causal LMs: perplexity of each, its delta, mean
 KL(bf16 || fp8) and top-1 agreement of next-token distributions (runtime/metrics.py). Encoders:
-cosine of mean-pooled sentence embeddings. Latency: prefill of `prefill_len` tokens and decode
-of `decode_tokens` tokens after it (batch 1, static KV cache), warm-up first, the device
-synchronised around every timed step, median and p95; on CUDA decode runs through
-torch.compile(mode="reduce-overhead") (CUDA graphs), the way transformers documents fast
-decoding. Peak device memory of each model's phase and its weight bytes. Results go into the
-artifact's manifest (`validation`, written atomically) with device and settings.
+cosine of mean-pooled sentence embeddings. Latency, on one sequence of `prefill_len` tokens at
+batch 1 for every model kind: prefill (`logits_to_keep=1`, what `generate` asks) and, for causal
+LMs, `decode_tokens` decode steps after it (static KV cache), the device synchronised around
+every timed step; on CUDA decode runs through torch.compile(mode="reduce-overhead") (CUDA
+graphs), the way transformers documents fast decoding. Timing runs in rounds that alternate the
+two models where nothing is compiled; a speed verdict is given only beyond the run-to-run spread
+of the rounds (timing.verdict), so that noise reads as "no clear difference". Peak device memory
+and each model's weight bytes. Results go into the artifact's manifest (`validation`, written
+atomically) with device and settings.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from .. import devices
-from ..errors import MpsconvertError, SourceError
+from .. import devices, timing
+from ..errors import DataError, MpsconvertError, SourceError
+from ..progress import Progress, or_silent
 from . import metrics
 
 PEAK_NOTE = "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
 @dataclass
@@ -52,7 +53,8 @@ def _is_causal(config) -> bool:
 
 def resolve_baseline(artifact: Path, baseline: str | None) -> str:
     """--baseline, else the manifest's source: a hub id via source.resolve, or a recorded local path."""
-    from ..manifests.manifest import MANIFEST_NAME, Manifest
+    from ..manifests.layout import MANIFEST_NAME
+    from ..manifests.manifest import Manifest
     from ..source import resolve
 
     if baseline:
@@ -69,49 +71,21 @@ def resolve_baseline(artifact: Path, baseline: str | None) -> str:
 
 
 def read_texts(path: str | None) -> tuple[list[str], str]:
-    if path is None:
-        import importlib.resources as res
+    """The eval documents (texts.read_documents; None: the bundled set) and where they came from."""
+    from ..texts import BUILTIN, read_documents
 
-        cands = sorted(p for p in (res.files("mpsconvert") / "calibrate" / "data").iterdir() if p.name.endswith(".jsonl")) \
-            if (res.files("mpsconvert") / "calibrate" / "data").is_dir() else []
-        if not cands:
-            raise MpsconvertError("no --eval-data given and no bundled eval text", "pass --eval-data FILE (.jsonl with a 'text' field, or .txt)")
-        path = str(cands[-1])
-    p = Path(path)
+    p = Path(path) if path is not None else BUILTIN
     if not p.is_file():
-        raise MpsconvertError(f"eval data {path} does not exist", "pass a .jsonl (one {'text': ...} per line) or .txt file")
-    if p.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
-            if not line.strip():
-                continue
-            try:
-                texts.append(json.loads(line)["text"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise MpsconvertError(f"{path} line {i + 1} has no 'text' field ({e})", "one JSON object with a 'text' string per line") from e
-    else:
-        texts = [t for t in p.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+        raise DataError(f"eval data {path} does not exist", "pass a .jsonl (one {'text': ...} per line), .json, .parquet or .txt file")
+    texts = [t for t in read_documents(p) if t.strip()]
     if not texts:
-        raise MpsconvertError(f"{path} holds no text", "pass a file with some text in it")
+        raise DataError(f"{p} holds no text", "pass a file with some text in it")
     return texts, str(p)
 
 
 def _peak(dev) -> int | None:
     m = devices.memory(dev)
     return m.get("peak_allocated", m.get("driver_allocated"))
-
-
-def _time(fn, dev, repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        devices.synchronize(dev)
-        t0 = time.perf_counter()
-        fn()
-        devices.synchronize(dev)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _accepts(model, arg: str) -> bool:
@@ -148,7 +122,7 @@ class _CausalTimer:
         opts, dev = self.opts, self.dev
         warm = opts.warmup if not self.prefill_rounds else 1
         with torch.no_grad():
-            self.prefill_rounds.append(_time(self._prefill, dev, opts.repeats, warm))
+            self.prefill_rounds.append(timing.wall_samples(self._prefill, dev, opts.repeats, warm))
             tok = self._prefill()[:, -1:].argmax(-1)
             per_token = []
             skip = opts.warmup if not self.decode_rounds else 0  # the first calls compile / capture the graph
@@ -164,9 +138,9 @@ class _CausalTimer:
             self.decode_rounds.append(per_token)
 
     def result(self) -> dict:
-        dec = metrics.round_stats(self.decode_rounds)
+        dec = timing.round_stats(self.decode_rounds)
         return {
-            "prefill": metrics.round_stats(self.prefill_rounds) | {"tokens": self.t},
+            "prefill": timing.round_stats(self.prefill_rounds) | {"tokens": self.t},
             "decode": dec | {"tokens": sum(map(len, self.decode_rounds)),
                              "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None},  # fmt: skip
         }
@@ -182,10 +156,10 @@ class _EncoderTimer:
     def round(self) -> None:
         warm = self.opts.warmup if not self.rounds else 1
         with torch.no_grad():
-            self.rounds.append(_time(lambda: self.model(**self.batch), self.dev, self.opts.repeats, warm))
+            self.rounds.append(timing.wall_samples(lambda: self.model(**self.batch), self.dev, self.opts.repeats, warm))
 
     def result(self) -> dict:
-        return {"prefill": metrics.round_stats(self.rounds) | {"tokens": int(self.batch["input_ids"].shape[1])}}
+        return {"prefill": timing.round_stats(self.rounds) | {"tokens": int(self.batch["input_ids"].shape[1])}}
 
 
 def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: bool, progress) -> dict:
@@ -199,7 +173,7 @@ def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: 
         for r in range(opts.rounds):
             for name, timer in timers.items():
                 timer.round()
-            progress("latency", r + 1, opts.rounds)
+            progress("latency", r + 1, opts.rounds, "rounds")
         for name, timer in timers.items():
             out[name] = timer.result() | {"peak_memory_bytes": _peak(dev), "peak_memory_note": PEAK_NOTE}
         return out
@@ -213,7 +187,7 @@ def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: 
         out[name] = timer.result() | {"peak_memory_bytes": _peak(dev), "peak_memory_note": PEAK_NOTE}
         del timer
         torch._dynamo.reset()
-        progress("latency", i + 1, len(models))
+        progress("latency", i + 1, len(models), name)
     return out
 
 
@@ -223,7 +197,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     from .loader import load, model_bytes
 
     artifact = Path(artifact)
-    progress = progress or (lambda phase, done, total: None)
+    progress = or_silent(progress)
     dev = devices.choose(opts.device)
     gpu = dev.type != "cpu"  # CPU runs are slow (BF16 matmul is emulated on most CPUs): fewer repeats
     opts = replace(opts, repeats=opts.repeats if opts.repeats is not None else (10 if gpu else 3),
@@ -232,11 +206,11 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     base_path = resolve_baseline(artifact, opts.baseline)
     texts, data_path = read_texts(opts.eval_data)
     tok = transformers.AutoTokenizer.from_pretrained(str(artifact))
-    progress("load fp8", 0, 1)
+    progress("load fp8", 0, 1, "")
     fp8_model = load(artifact, device=opts.device, prefill_m=opts.prefill_len, kernel_cache=opts.kernel_cache)
     causal = _is_causal(fp8_model.config)
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    progress("load bf16", 0, 1)
+    progress("load bf16", 0, 1, "")
     with devices.oom_hint(dev, "loading the BF16 baseline"):
         base_model = cls.from_pretrained(base_path, dtype=torch.bfloat16).to(dev).eval()
     models = {"bf16": base_model, "fp8": fp8_model}
@@ -270,7 +244,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
             for i in range(n):
                 x = chunks[i : i + 1].to(dev)
                 scores.update(base_model(x).logits, fp8_model(x).logits, x)
-                progress("accuracy", i + 1, n)
+                progress("accuracy", i + 1, n, "")
         result["accuracy"] = scores.result()
         sample = chunks[:1].to(dev)
         if opts.latency and opts.prefill_len > opts.seq_len:
@@ -290,7 +264,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         eb, ef = torch.stack(eb), torch.stack(ef)
         cos = metrics.cosine(eb, ef)
         result["accuracy"] = {"sentences": len(sents), "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
-        progress("accuracy", 1, 1)
+        progress("accuracy", 1, 1, "")
     if opts.latency:
         if causal:
             make = lambda model: _CausalTimer(model, sample, opts, dev, use_compile)  # noqa: E731
@@ -302,7 +276,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         lb, lf = result["latency"]["bf16"], result["latency"]["fp8"]
         phases = ("prefill", "decode") if causal else ("prefill",)
         result["speedup"] = {ph: lb[ph]["median_ms"] / lf[ph]["median_ms"] for ph in phases}
-        result["verdict"] = {ph: metrics.verdict(lb[ph], lf[ph]) for ph in phases}
+        result["verdict"] = {ph: timing.verdict(lb[ph], lf[ph]) for ph in phases}
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if opts.write:
         _record(artifact, result)
@@ -311,14 +285,13 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
 
 def _record(artifact: Path, result: dict) -> None:
     """Add the run to the manifest's `validation` block, keyed by device and scheme (atomic write)."""
-    from ..manifests.manifest import MANIFEST_NAME, Manifest
+    from ..manifests.layout import MANIFEST_NAME, update_manifest
 
     if not (artifact / MANIFEST_NAME).is_file():
         result["recorded"] = None  # a checkpoint from another tool: nothing to write into
         return
-    m = Manifest.read(artifact)
-    runs = m.extra.get("validation") or {}
-    runs[f"{result['device_name']} ({result['device']})"] = result
-    m.extra["validation"] = runs
-    m.write(artifact)
+    with update_manifest(artifact) as m:
+        runs = m.extra.get("validation") or {}
+        runs[f"{result['device_name']} ({result['device']})"] = result
+        m.extra["validation"] = runs
     result["recorded"] = str(artifact / MANIFEST_NAME)

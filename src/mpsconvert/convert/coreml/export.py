@@ -30,63 +30,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..atomic import TMP_PREFIX
-from ..errors import MpsconvertError
-from ..manifests.hashing import sha256_file
-from ..manifests.manifest import Manifest
-from .. import fp8
+from ...atomic import TMP_PREFIX
+from ...errors import ExportError, MpsconvertError
+from ...manifests.hashing import sha256_file
+from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
+from ...manifests.layout import CONFIG_NAME, update_manifest
+from ...manifests.manifest import Manifest
+from ... import fp8
+from ...progress import Progress, or_silent
 
-PACKAGE_NAME = "model.mlpackage"
-WEIGHT_MODES = ("fp8-lut", "int8", "fp16")
-FRONTENDS = ("torch.export", "torch.jit.trace")
+from . import FRONTENDS, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402,F401  (light: the CLI and API read them without this module)
 DEPLOYMENT_TARGET = "iOS18 / macOS15"
 # e4m3fn NaN codes (0x7f, 0xff) never occur in an artifact (values are clamped before the cast);
 # their LUT entries are 0 so that the palette holds only finite values.
 _NAN_CODES = (0x7F, 0xFF)
-
-
-class ExportError(MpsconvertError):
-    """The artifact cannot be exported to Core ML (architecture, op or weights)."""
-
-
-@dataclass(frozen=True)
-class SeqLen:
-    """A fixed sequence length (lo == hi) or a range lo..hi (a Core ML RangeDim)."""
-
-    lo: int
-    hi: int
-
-    @classmethod
-    def parse(cls, text: str | int) -> "SeqLen":
-        s = str(text).strip()
-        m = re.fullmatch(r"(\d+)(?::(\d+))?", s)
-        if not m:
-            raise MpsconvertError(f"--seq-len {s!r} is not a length or a range", "use e.g. --seq-len 128 or --seq-len 1:512")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) else lo
-        if lo < 1 or hi < lo:
-            raise MpsconvertError(f"--seq-len {s!r} is empty or starts below 1", "use 1 <= LO <= HI, e.g. --seq-len 1:512")
-        return cls(lo, hi)
-
-    @property
-    def is_range(self) -> bool:
-        return self.hi > self.lo
-
-    @property
-    def example(self) -> int:
-        """The length traced with: inside the range and not 1 (a dim of 1 gets specialized)."""
-        return self.lo if not self.is_range else max(self.lo, 2, min(self.hi, 16))
-
-    def __str__(self) -> str:
-        return f"{self.lo}:{self.hi}" if self.is_range else str(self.lo)
-
-
-@dataclass
-class ExportOptions:
-    seq_len: SeqLen = SeqLen(128, 128)
-    weights: str = "fp8-lut"
-    force: bool = False
-    frontend: str = "auto"  # "auto" (torch.export, then torch.jit.trace), or one of FRONTENDS
 
 
 # --------------------------------------------------------------------------- the PyTorch model
@@ -251,7 +208,7 @@ def build_torch_model(artifact: Path) -> TorchModel:
     import transformers
 
     artifact = Path(artifact)
-    cfg_dict = json.loads((artifact / "config.json").read_text())
+    cfg_dict = json.loads((artifact / CONFIG_NAME).read_text())
     cfg_dict.pop("quantization_config", None)  # the weights are given dense: no compressed-tensors loader
     model_type = cfg_dict.get("model_type")
     try:
@@ -376,7 +333,7 @@ def _convert_with(frontend: str, tm: TorchModel, seq: SeqLen):
 
 def convert(tm: TorchModel, seq: SeqLen, frontend: str = "auto"):
     """Convert with torch.export, falling back to torch.jit.trace. Returns (mlmodel, record)."""
-    from . import coreml_ops
+    from . import ops as coreml_ops
 
     added = coreml_ops.register()
     order = list(FRONTENDS) if frontend == "auto" else [frontend]
@@ -397,7 +354,7 @@ def convert(tm: TorchModel, seq: SeqLen, frontend: str = "auto"):
     detail = "; ".join(f"{fe}: {msg}" for fe, msg in attempts.items())
     raise ExportError(
         f"Core ML export of {type(tm.module.model).__name__} failed: {what} ({detail})",
-        "add a converter for it in mpsconvert/convert/coreml_ops.py, or export a different architecture",
+        "add a converter for it in mpsconvert/convert/coreml/ops.py, or export a different architecture",
     ) from last
 
 
@@ -598,7 +555,7 @@ def fp8_safetensors_bytes(artifact: Path) -> int:
     return sum(p.stat().st_size for p in Path(artifact).glob("*.safetensors"))
 
 
-def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
+def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None = None) -> dict:
     """Export `artifact` to `<artifact>/model.mlpackage`; returns manifest.extra["coreml"].
 
     Nothing in the artifact changes unless the whole export succeeds: the package is built under a
@@ -606,7 +563,12 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
     """
     import coremltools as ct
 
-    status = status or (lambda msg: None)
+    progress = or_silent(progress)
+    steps = iter(range(1, 4))
+
+    def status(msg: str) -> None:
+        progress("coreml export", next(steps), 3, msg)
+
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     if (artifact / PACKAGE_NAME).exists() and not opts.force:
@@ -645,10 +607,10 @@ def export_coreml(artifact: Path, opts: ExportOptions, status=None) -> dict:
         "package_weight_bytes": weight_bytes_of_package(pkg),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
     }
-    files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
-    files.update(_package_files(pkg, artifact))
-    manifest.files = dict(sorted(files.items()))
-    manifest.extra["coreml"] = record
-    manifest.versions["coremltools"] = ct.__version__
-    manifest.write(artifact)
+    with update_manifest(artifact) as manifest:
+        files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
+        files.update(_package_files(pkg, artifact))
+        manifest.files = dict(sorted(files.items()))
+        manifest.extra["coreml"] = record
+        manifest.versions["coremltools"] = ct.__version__
     return record

@@ -9,7 +9,6 @@ this module needs coremltools.
 
 from __future__ import annotations
 
-import numpy as np
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.frontend.torch import ops as _ops
 from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, register_torch_op

@@ -13,7 +13,6 @@ is measured beside PyTorch on MPS. Elsewhere it returns a "skipped: needs macOS"
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections import Counter
@@ -22,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ArtifactError
-from ..manifests.manifest import Manifest
-from .. import fp8
-from .coreml_export import PACKAGE_NAME, build_torch_model, e4m3_lut, fp8_safetensors_bytes, weight_bytes_of_package
+from ...errors import ArtifactError
+from ...manifests.layout import update_manifest
+from ...manifests.manifest import Manifest
+from ... import fp8, timing
+from .export import PACKAGE_NAME, build_torch_model, e4m3_lut, fp8_safetensors_bytes, weight_bytes_of_package
 
 REFERENCE_NAME = "pytorch fp32 (source architecture, the artifact's FP8 weights dequantized; activations not quantized)"
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
@@ -269,27 +269,15 @@ def check_package(artifact: Path, texts=DEFAULT_TEXTS, n_samples: int = 3, evalu
 
 def record_check(artifact: Path, result: dict) -> None:
     """Keep the Linux-side check in manifest.extra["coreml"]["check"] (without per-tensor rows)."""
-    m = Manifest.read(artifact)
     slim = {k: v for k, v in result.items() if k != "weights"}
     slim["weights"] = {k: v for k, v in result["weights"].items() if k != "tensors"}
-    m.extra.setdefault("coreml", {})["check"] = slim
-    m.write(artifact)
+    with update_manifest(artifact) as m:
+        m.extra.setdefault("coreml", {})["check"] = slim
 
 
 # --------------------------------------------------------------------------- macOS: Core ML itself
 
 COMPUTE_UNITS = ("all", "cpu_and_gpu", "cpu_and_ne")
-
-
-def _median_ms(fn, runs: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
 
 
 def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=DEFAULT_TEXTS) -> dict:
@@ -300,7 +288,7 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
                 "platform": sys.platform}
     import coremltools as ct
 
-    from .. import devices
+    from ... import devices
 
     artifact = Path(artifact)
     pkg = _package(artifact)
@@ -322,7 +310,7 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
             got = np.asarray(ml.predict(feeds)[tm.output_name])
             row.update(compare_outputs(tm.task, got, ref))
             row["ok"] = row["cosine_min"] >= min_cosine
-            row["latency_ms"] = round(_median_ms(lambda: ml.predict(feeds), runs), 3)
+            row["latency_ms"] = round(timing.median_ms(lambda: ml.predict(feeds), repeats=runs), 3)
         except Exception as e:  # one compute unit failing is a result, reported in its row
             row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
         rows.append(row)
@@ -340,7 +328,7 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
 
         got = run().float().cpu().numpy()
         row.update(compare_outputs(tm.task, got, ref))
-        row["latency_ms"] = round(_median_ms(run, runs), 3)
+        row["latency_ms"] = round(timing.median_ms(run, repeats=runs), 3)
         row["ok"] = row["cosine_min"] >= min_cosine
     else:
         row.update({"ok": None, "error": "MPS is not available to this torch build"})

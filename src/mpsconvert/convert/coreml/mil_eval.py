@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...errors import EvalError
+
 
 def load_program(package: Path):
     """The MIL program of a saved .mlpackage (weights read from its weight.bin)."""
@@ -215,10 +217,6 @@ def _has_definition(op) -> bool:
     return any("value_inference" in c.__dict__ for c in type(op).__mro__ if c.__name__ != "Operation")
 
 
-class EvalError(RuntimeError):
-    pass
-
-
 def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main") -> tuple[dict[str, np.ndarray], Counter]:
     """Run `prog` on `inputs` (name -> array). Returns (outputs by name, ops evaluated by how:
     'coremltools:<op>' or 'mpsconvert:<op>')."""
@@ -249,7 +247,7 @@ def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main") -> tup
                 val = type(op).value_inference(view)
                 how[f"coremltools:{op.op_type}"] += 1
             else:
-                raise EvalError(f"op {op.op_type} has no Python definition in coremltools or mpsconvert.convert.mil_eval")
+                raise EvalError(f"op {op.op_type} has no Python definition in coremltools or mpsconvert.convert.coreml.mil_eval", "add an implementation of it there")
         except EvalError:
             raise
         except Exception as e:

@@ -1,0 +1,507 @@
+"""The library's operations: what every command does, callable from Python.
+
+    from mpsconvert import quantize, validate, load
+    art = quantize("Qwen/Qwen2.5-0.5B", "qwen-fp8")          # -> QuantizeResult
+    report = validate("qwen-fp8")                            # -> ValidationResult
+    model = load("qwen-fp8", device="auto")                  # a transformers model with FP8 layers
+
+Each function takes typed keyword arguments, returns a small dataclass, and raises an
+`MpsconvertError` subclass (errors.py) for anything the caller can fix; the CLI is a thin layer
+over these functions. Every decision about *what* to do lives here or below (which output
+name, whether to calibrate or read scales, artifact or source, what to record); the modules
+below do the work. Importing this module is cheap (no torch): heavy imports happen inside the
+calls, so `mpsconvert --help` stays fast and a conversion starts hashing its source before
+torch loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import __version__  # noqa: F401  (re-exported for the CLI)
+from .atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
+from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
+from .convert import EXPERTS_LAYOUTS  # noqa: F401
+from .convert.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
+from .convert.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
+from .convert.coreml import ExportOptions, SeqLen
+from .errors import ExportError, MpsconvertError
+from .manifests import layout
+from .manifests.manifest import Manifest
+from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
+from .progress import Progress
+
+if TYPE_CHECKING:  # heavy modules, for annotations only
+    import torch
+
+    from .calibrate.run import CalibOptions, Calibration
+    from .manifests.verify import VerifyReport
+    from .runtime.validate import ValidateOptions
+
+__all__ = [
+    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "load",
+    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult", "ExportOptions", "SeqLen",
+    "calibration_options", "validate_options",
+]
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class CoreMLResult:
+    """A Core ML package in an artifact: the manifest's `coreml` record and, when checked, the
+    checks that run anywhere (spec, weights read back, reference evaluation)."""
+
+    artifact: Path
+    package: Path
+    record: dict
+    check: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.check is None or bool(self.check.get("ok"))
+
+    def as_dict(self) -> dict:
+        return {"export": self.record, "check": self.check}
+
+
+@dataclass
+class QuantizeResult:
+    """A written artifact: where it is and its manifest (with the summary `quantize` prints)."""
+
+    output: Path
+    manifest: Manifest
+    calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
+    coreml: CoreMLResult | None = None  # when a Core ML package was exported too
+
+    @property
+    def summary(self) -> dict:
+        return self.manifest.summary
+
+    def as_dict(self) -> dict:
+        return {"output": str(self.output), **self.summary}
+
+
+@dataclass
+class CalibrateResult:
+    """Static input scales: the calibration and where its scales were written."""
+
+    calibration: Calibration
+    written_to: Path
+    into_artifact: bool  # True: the artifact now has the static scheme; False: a scales file
+    manifest: Manifest | None = None  # the artifact's new manifest, when written into one
+
+
+@dataclass
+class ValidationResult:
+    """What `validate` measured: accuracy and latency of the FP8 artifact against its BF16
+    baseline on one device, with the settings and kernel decisions; `as_dict()` is what is
+    recorded in the manifest's `validation` block (plus the Core ML part)."""
+
+    kind: str  # "causal-lm" | "encoder"
+    device: str
+    device_name: str
+    scheme: str
+    weights: str
+    accuracy: dict
+    weight_bytes: dict
+    settings: dict
+    baseline: str
+    eval_data: str
+    torch: str
+    measured_at: str
+    kernels: list = field(default_factory=list)
+    dequantized_at_load: list = field(default_factory=list)
+    latency: dict | None = None
+    speedup: dict | None = None  # BF16 median / FP8 median per phase
+    verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"
+    recorded: str | None = None  # the manifest written, None when the checkpoint has none
+    coreml: dict | None = None  # Core ML runtime check (macOS) or why it was skipped; None without a package
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None or k in ("recorded", "coreml")}
+
+
+# --------------------------------------------------------------------------- options
+
+
+def calibration_options(**kw: Any) -> CalibOptions:
+    """Calibration settings (data, num_samples, seq_len, seed, observer, percentile, device,
+    sequential, ignore, trust_remote_code, data_revision, token): `calibrate.run.CalibOptions`."""
+    from .calibrate.run import CalibOptions
+
+    return CalibOptions(**kw)
+
+
+def validate_options(**kw: Any) -> ValidateOptions:
+    """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
+    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.validate.ValidateOptions`."""
+    from .runtime.validate import ValidateOptions
+
+    return ValidateOptions(**kw)
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def default_output(source_name: str, scheme: str) -> Path:
+    """`<last part of the repo id or folder name>-<scheme>`, in the current folder."""
+    return Path(f"{source_name.split('/')[-1]}-{scheme}")
+
+
+def quantize(
+    source: str | Path,
+    output: str | Path | None = None,
+    *,
+    scheme: str = "fp8-dynamic",
+    weights: str | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    ignore: list[str] | tuple[str, ...] = (),
+    trust_remote_code: bool = False,
+    experts_layout: str = "per-expert",
+    force: bool = False,
+    calibration: CalibOptions | None = None,
+    scales_file: str | Path | None = None,
+    coreml: ExportOptions | None = None,
+    progress: Progress | None = None,
+) -> QuantizeResult:
+    """Quantize a Hugging Face model to an FP8 compressed-tensors artifact.
+
+    Args:
+        source: a hub repo id (downloaded with huggingface_hub into its cache) or a local folder.
+        output: the artifact folder [default: `<name>-<scheme>` in the current folder].
+        scheme: "fp8-dynamic" (per-token activations at run time), "fp8" (static activation
+            scales from calibration) or "fp8-weight-only".
+        weights: weight scale granularity, "row" or "tensor" [default: the scheme's].
+        revision: branch, tag or commit of a hub repo.
+        token: Hugging Face token for gated or private repos (also for a calibration dataset).
+        ignore: Linear modules kept unquantized (globs, `re:` regexes or name suffixes).
+        trust_remote_code: allow an architecture defined by code in the repo.
+        experts_layout: fused MoE experts written "per-expert" (loads everywhere) or as in the
+            "checkpoint" (fused; only mpsconvert's runtime loads it).
+        force: replace an existing output (only once the new one is complete).
+        calibration: for scheme "fp8", how to calibrate [default: the built-in text, 128 x 512
+            tokens, minmax]; ignored when `scales_file` is given.
+        scales_file: for scheme "fp8", input scales written earlier by `calibrate(..., output=FILE)`.
+        coreml: also export a Core ML package into the artifact (and check it).
+        progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export").
+
+    Returns:
+        QuantizeResult: the output folder and its manifest; the calibration when one ran here;
+        the Core ML package when asked for.
+
+    Raises:
+        SourceError: the source cannot be found, downloaded or used (pickles, already quantized, ...).
+        QuantizationError: a tensor cannot be quantized (NaN/inf) or fp8 scales are missing.
+        ExportError: the artifact was written but its Core ML export failed (the message says so).
+        MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
+    """
+    from .source import resolve
+
+    sch = Scheme.make(scheme, weights)
+    if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
+        raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {scheme})", "add --scheme fp8, or drop them")
+    snap = resolve(str(source), revision=revision, token=token)
+    snap.start_hashing()  # before torch and transformers load: the hashing overlaps those seconds
+    from .convert.quantize import Options, quantize_snapshot
+
+    out = Path(output) if output is not None else default_output(snap.repo_id or snap.path.name, scheme)
+    opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout)
+    cal = None
+    if sch.needs_calibration:
+        if scales_file is not None:
+            from .calibrate.artifact import load_scales
+
+            opts.input_scales, record = load_scales(Path(scales_file))
+            opts.calibration = {**record, "scales_file": str(scales_file)}
+        else:
+            copts = replace(calibration or calibration_options(), ignore=list(ignore), trust_remote_code=trust_remote_code)
+            if copts.token is None:
+                copts = replace(copts, token=token)
+            cal = _calibrate_folder(snap.path, copts, progress)
+            opts.input_scales, opts.calibration = cal.scales, cal.record
+        opts.device = opts.calibration.get("device", opts.device)
+    manifest = quantize_snapshot(snap, out, opts, progress)
+    result = QuantizeResult(output=out, manifest=manifest, calibration=cal)
+    if coreml is not None:
+        try:
+            result.coreml = export_coreml(out, seq_len=str(coreml.seq_len), weights=coreml.weights, frontend=coreml.frontend,
+                                          force=True, progress=progress)
+        except MpsconvertError as e:
+            raise ExportError(f"{out} was written, but its Core ML export failed: {e.problem}",
+                              e.fix or "run `mpsconvert export-coreml` on it to retry") from e
+    return result
+
+
+# --------------------------------------------------------------------------- calibrate
+
+
+def _calibrate_folder(model_dir: Path, opts: CalibOptions, progress: Progress | None) -> Calibration:
+    from .calibrate.run import calibrate as run
+
+    return run(model_dir, opts, progress)
+
+
+def calibrate(
+    target: str | Path,
+    output: str | Path | None = None,
+    *,
+    options: CalibOptions | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    progress: Progress | None = None,
+) -> CalibrateResult:
+    """Measure static FP8 input scales on real text.
+
+    Args:
+        target: an FP8 artifact folder (calibrated as it will run, from its FP8 weights), or a
+            source model (hub id or folder).
+        output: a scales file to write (for `quantize(..., scheme="fp8", scales_file=...)`);
+            required for a source; for an artifact, omit it to write the scales into the artifact.
+        options: how to calibrate (`calibration_options(...)`); an artifact's own ignore
+            patterns are used for it.
+        revision, token: for a hub source (and the token for a calibration dataset).
+        progress: `progress("calibrate", done, total, detail)`.
+
+    Returns:
+        CalibrateResult: the calibration (scales, record, warnings) and where it was written.
+
+    Raises:
+        SourceError, DataError, QuantizationError, DeviceError, ArtifactError: as the inputs warrant.
+        MpsconvertError: a source given without `output`.
+    """
+    from .calibrate.artifact import dequantized_snapshot, save_scales, write_into_artifact
+    from .source import resolve
+
+    opts = options or calibration_options()
+    if opts.token is None and token is not None:
+        opts = replace(opts, token=token)
+    path = Path(target).expanduser()
+    if layout.is_artifact(path):
+        recipe = Manifest.read(path).recipe
+        opts = replace(opts, ignore=list(recipe.get("ignore_patterns") or opts.ignore))
+        with dequantized_snapshot(path) as snap_dir:
+            cal = _calibrate_folder(snap_dir, opts, progress)
+        cal.record["weights"] = "the artifact's FP8 weights, dequantized"
+        if output is not None:
+            save_scales(Path(output), cal)
+            return CalibrateResult(cal, Path(output), into_artifact=False)
+        return CalibrateResult(cal, path, into_artifact=True, manifest=write_into_artifact(path, cal))
+    if output is None:
+        raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
+    snap = resolve(str(target), revision=revision, token=token)
+    cal = _calibrate_folder(snap.path, opts, progress)
+    save_scales(Path(output), cal)
+    return CalibrateResult(cal, Path(output), into_artifact=False)
+
+
+# --------------------------------------------------------------------------- check
+
+
+def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code: bool = False,
+           progress: Progress | None = None) -> VerifyReport:
+    """Check an artifact: every file's sha256 against the manifest, and its consistency (every
+    FP8 weight has its scale, shapes and dtypes as config.json's model says).
+
+    Args:
+        artifact: the artifact folder (or any compressed-tensors FP8 checkpoint: then only the
+            structural checks run, and the report says hashes were not checked).
+        check_hashes: hash every file (False: structure only, much faster on big artifacts).
+        trust_remote_code: allow building an architecture defined by code in the artifact.
+        progress: `progress("verify", bytes_done, bytes_total, file)`.
+
+    Returns:
+        VerifyReport: every problem found (`report.ok` when there are none); never raises for a
+        bad artifact.
+    """
+    from .runtime.loader import verify as run
+
+    return run(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress)
+
+
+def inspect(artifact: str | Path) -> Manifest:
+    """The artifact's manifest: source, recipe, per-tensor records, files, and later checks.
+
+    Raises:
+        ArtifactError: no manifest, or one this version cannot read.
+    """
+    return Manifest.read(Path(artifact))
+
+
+def validate(artifact: str | Path, *, options: ValidateOptions | None = None, progress: Progress | None = None) -> ValidationResult:
+    """Accuracy and latency of an FP8 artifact against its BF16 baseline, on one device.
+
+    Causal LMs: perplexity of both, mean KL and top-1 agreement; encoders: embedding cosine.
+    Latency: prefill and decode (batch 1), median and p95, peak memory. Results are recorded in
+    the manifest (`validation`) unless `options.write` is False; an artifact with a Core ML
+    package also gets the Core ML runtime check (macOS only; elsewhere the result says why not).
+
+    Args:
+        artifact: the artifact folder.
+        options: `validate_options(...)` [default: the bundled text, 8 x 512 tokens, auto device].
+        progress: `progress(phase, done, total, detail)` (phases "load fp8", "load bf16",
+            "accuracy", "latency").
+
+    Returns:
+        ValidationResult.
+
+    Raises:
+        SourceError: the baseline is unknown or unavailable (pass `options.baseline`).
+        DataError: the eval text cannot be read or is too short.
+        DeviceError: the device is not there, or ran out of memory.
+        ArtifactError: the artifact fails verification.
+    """
+    from .runtime.validate import validate as run
+
+    opts = options or validate_options()
+    artifact = Path(artifact)
+    result = ValidationResult(**run(artifact, opts, progress))
+    result.coreml = _coreml_runtime(artifact, record=opts.write)
+    return result
+
+
+def _coreml_runtime(artifact: Path, record: bool) -> dict | None:
+    """The Core ML part of validate: only for artifacts with a package; on macOS only (else 'skipped')."""
+    if not layout.is_artifact(artifact) or "coreml" not in Manifest.read(artifact).extra:
+        return None
+    from .convert.coreml.check import coreml_runtime_check
+
+    res = coreml_runtime_check(artifact)
+    if record and res.get("status") != "skipped":
+        with layout.update_manifest(artifact) as m:
+            m.extra["coreml_runtime"] = res
+    return res
+
+
+# --------------------------------------------------------------------------- Core ML
+
+
+def export_coreml(
+    artifact: str | Path,
+    *,
+    seq_len: str | int = "128",
+    weights: str = "fp8-lut",
+    frontend: str = "auto",
+    force: bool = False,
+    check: bool = True,
+    samples: int = 3,
+    progress: Progress | None = None,
+) -> CoreMLResult:
+    """Export an FP8 artifact to a Core ML ML program (`<artifact>/model.mlpackage`), then check it.
+
+    Causal LMs: input_ids -> logits; encoders: input_ids, attention_mask -> embeddings. The
+    package is built under a temporary name and renamed; a failed export leaves the artifact as
+    it was.
+
+    Args:
+        artifact: the artifact folder.
+        seq_len: a fixed length ("128") or a flexible range ("1:512").
+        weights: "fp8-lut" (FP8 codes as an 8-bit palette, one byte per weight), "int8" or "fp16".
+        frontend: "auto" (torch.export, then torch.jit.trace), "torch.export" or "torch.jit.trace".
+        force: replace an existing package.
+        check: run the checks that work anywhere after the export (recorded in the manifest).
+        samples: text samples for the reference evaluation.
+        progress: `progress("coreml export", step, steps, message)`.
+
+    Returns:
+        CoreMLResult: the manifest's record of the package, and the check results.
+
+    Raises:
+        MissingExtraError: coremltools is not installed (`pip install 'mpsconvert[coreml]'`).
+        ExportError: the architecture or an op cannot be converted, or the package failed its checks.
+        MpsconvertError: the package exists (pass force), or the settings are invalid.
+    """
+    from .extras import require
+
+    require("coremltools", "coreml", "Core ML export")
+    from .convert.coreml.export import export_coreml as run
+
+    artifact = Path(artifact)
+    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend)
+    record = run(artifact, opts, progress)
+    result = CoreMLResult(artifact, artifact / record["package"], record)
+    if check:
+        result = check_coreml(artifact, samples=samples, progress=progress)
+    return result
+
+
+def check_coreml(artifact: str | Path, *, samples: int = 3, progress: Progress | None = None) -> CoreMLResult:
+    """Check the Core ML package already in an artifact (no Apple hardware needed): its spec,
+    every FP8 weight read back bit for bit, and a reference evaluation of the program (NOT the
+    Core ML runtime) against PyTorch; the result is recorded in the manifest.
+
+    Args:
+        artifact: the artifact folder holding `model.mlpackage`.
+        samples: text samples for the reference evaluation.
+        progress: `progress("coreml check", 0, None, message)`.
+
+    Returns:
+        CoreMLResult: the package's manifest record and the check results (`result.ok`).
+
+    Raises:
+        MissingExtraError: coremltools is not installed.
+        ArtifactError: there is no package, or it is not recorded in the manifest.
+        ExportError: the package failed its checks (recorded in the manifest first; the
+            exception's `result` holds the CoreMLResult).
+    """
+    from .extras import require
+
+    require("coremltools", "coreml", "checking a Core ML package")
+    from .convert.coreml.check import check_package, record_check
+
+    artifact = Path(artifact)
+    if progress:
+        progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
+    res = check_package(artifact, n_samples=samples)
+    record_check(artifact, res)
+    result = CoreMLResult(artifact, artifact / res["package"], Manifest.read(artifact).extra.get("coreml", {}), res)
+    if not result.ok:
+        err = ExportError(f"the Core ML package in {artifact} failed its checks: {_failed_checks(res)}",
+                          "re-export with --coreml-weights fp16 to compare, or report the model")
+        err.result = result  # what was checked, for the caller to show
+        raise err
+    return result
+
+
+def _failed_checks(res: dict) -> str:
+    bad = []
+    if not res["weights"]["all_ok"]:
+        bad.append(f"weights read back differ ({sum(1 for r in res['weights']['tensors'].values() if not r.get('ok'))} tensors)")
+    ev = res.get("reference_eval")
+    if ev and not ev["ok"]:
+        bad.append(f"reference evaluation cosine min {ev['cosine_min']:.4f}" + (f", top-1 {ev['top1_agreement']:.1%}" if "top1_agreement" in ev else ""))
+    return "; ".join(bad) or "see the recorded check"
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = None, verify: bool = True, **kw: Any):
+    """Load an FP8 artifact as a transformers model in eval mode, with FP8 layers on GPUs.
+
+    Args:
+        path: the artifact folder (ours, or any compressed-tensors FP8 checkpoint).
+        device: "auto" (mps > cuda > cpu), "mps", "cuda", "cuda:N" or "cpu"; an unavailable
+            device is an error, never a fallback.
+        dtype: the compute dtype of unquantized tensors and activations [default: bfloat16].
+        verify: check every file's sha256 against the manifest first.
+        **kw: `prefill_m`, `kernel_cache`, `measure`, `trust_remote_code`, `progress`
+            (see `runtime.loader.load`).
+
+    Returns:
+        The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each
+        layer shape runs.
+
+    Raises:
+        ArtifactError: the artifact fails verification or does not fit its config.
+        DeviceError: the device is not available or cannot hold FP8 tensors.
+    """
+    import torch
+
+    from .runtime.loader import load as run
+
+    return run(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)

@@ -1,0 +1,98 @@
+"""The `mpsconvert` program: the command group, error and signal handling, and the exit path.
+
+Every user-fixable problem is an MpsconvertError, printed as one line (`error: ...`) with a
+non-zero exit; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import signal
+import sys
+import threading
+
+import click
+
+from .. import api
+from ..errors import MpsconvertError
+from . import render
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that cleanup (temporary outputs) runs as for Ctrl-C."""
+
+
+_caught: list[int] = []  # signals received during the current command
+
+
+def _on_signal(signum, frame):
+    _caught.append(signum)
+    api.stop_requested.set()
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def friendly_errors(fn):
+    """Turn MpsconvertError into `error: <problem>; <fix>` and exit code 2; Ctrl-C into exit 130,
+    SIGTERM into 143, after the partial output is removed."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        api.stop_requested.clear()
+        _caught.clear()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _on_signal)
+            signal.signal(signal.SIGINT, _on_signal)
+        try:
+            result = fn(*args, **kwargs)
+        except MpsconvertError as e:
+            render.error(str(e))
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt as e:
+            render.console.print("[bold red]interrupted[/]: partial output removed")
+            sys.exit(143 if isinstance(e, Terminated) else 130)
+        if api.stop_requested.is_set():  # the signal came after the output was complete (or its exception was lost)
+            render.console.print("[bold red]interrupted[/] after the output was complete")
+            sys.exit(143 if signal.SIGTERM in _caught else 130)
+        return result
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(api.__version__, prog_name="mpsconvert")
+def main():
+    """Convert Hugging Face models to FP8 (float8_e4m3fn) for Apple Silicon and Core ML, and check them.
+
+    \b
+    Typical use:
+      mpsconvert quantize Qwen/Qwen2.5-0.5B -o qwen-fp8      # data-free, dynamic activations
+      mpsconvert inspect qwen-fp8
+    """
+
+
+def entry() -> None:
+    """The `mpsconvert` program: run the command, then exit without unloading the interpreter.
+
+    Tearing down torch and transformers module by module at exit takes about a second on 2
+    cores (a third of a small conversion, and the delay between Ctrl-C and the prompt coming
+    back). Nothing needs it: every output is written, synced and closed before a command
+    returns; atexit handlers still run and the streams are flushed.
+    """
+    try:
+        main()  # click's standalone mode: always ends in SystemExit
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to say
+            pass
+    os._exit(code)

@@ -1,0 +1,224 @@
+"""The commands: each parses its options, makes one API call, and renders the result."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .. import api
+from ..errors import ExportError
+from . import render
+from .app import friendly_errors, main
+
+
+def calibration_options(fn):
+    """The options shared by `quantize --scheme fp8` and `calibrate`."""
+    opts = [
+        click.option("--calib-data", metavar="FILE|DIR|DATASET",
+                     help="Calibration text: a .txt file (documents separated by blank lines), a .jsonl/.json/.parquet file "
+                          "with a 'text' field, a folder of those, or a Hugging Face dataset repo id "
+                          "[default: the small built-in set of prose, code and dialogue]."),
+        click.option("--num-samples", type=click.IntRange(min=1), default=128, show_default=True, help="Token windows to calibrate on."),
+        click.option("--seq-len", type=click.IntRange(min=16), default=512, show_default=True, help="Tokens per window."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed of the (deterministic) document shuffle."),
+        click.option("--observer", type=click.Choice(api.OBSERVERS), default="minmax", show_default=True,
+                     help="minmax: the true maximum |x| (best measured on SmolLM2 and MiniLM). percentile: the --percentile of |x| "
+                          "(clips outlier activations, which LLMs need: it hurts them badly). "
+                          "mse: the clip that minimises the FP8 error on the observed activations."),
+        click.option("--percentile", type=float, default=api.DEFAULT_PERCENTILE, show_default=True, help="For --observer percentile."),
+        click.option("--device", default="auto", show_default=True, metavar="auto|mps|cuda[:N]|cpu",
+                     help="Where calibration runs (auto: mps, then cuda, then cpu; a missing device is an error)."),
+        click.option("--sequential", is_flag=True,
+                     help="Layer by layer: load one block's weights at a time from the safetensors (peak memory ~ one block "
+                          "plus activations), for models larger than memory. Same scales as the whole-model run."),
+        click.option("--data-revision", help="Revision of a --calib-data dataset repo [default: main]."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision, **kw):
+    return api.calibration_options(data=calib_data, num_samples=num_samples, seq_len=seq_len, seed=seed, observer=observer,
+                                   percentile=percentile, device=device, sequential=sequential, data_revision=data_revision, **kw)
+
+
+@main.command()
+@click.argument("source")
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path), help="Output folder [default: <name>-<scheme>].")
+@click.option("--scheme", type=click.Choice(api.SCHEMES), default="fp8-dynamic", show_default=True,
+              help="fp8-dynamic: FP8 weights, activations quantized per token at run time. "
+                   "fp8: static per-tensor activation scales from calibration. "
+                   "fp8-weight-only: activations stay BF16.")
+@click.option("--weights", type=click.Choice(api.WEIGHT_GRANULARITIES), default=None,
+              help="Weight scale granularity [default: row for fp8-dynamic/fp8-weight-only, tensor for fp8].")
+@click.option("--revision", help="Branch, tag or commit of a hub repo [default: main].")
+@click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos.")
+@click.option("--ignore", multiple=True, metavar="PATTERN",
+              help="Keep matching Linear modules unquantized (glob, `re:` regex, or a name suffix such as mlp.down_proj). Repeatable.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
+@click.option("--experts-layout", type=click.Choice(api.EXPERTS_LAYOUTS), default="per-expert", show_default=True,
+              help="MoE checkpoints that store experts fused (3-D): per-expert writes one FP8 tensor per expert and projection "
+                   "(loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused (loads only in mpsconvert's runtime).")
+@click.option("--force", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--scales", "scales_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="For --scheme fp8: use the input scales from `mpsconvert calibrate -o FILE` instead of calibrating.")
+@calibration_options
+@click.option("--coreml", is_flag=True, help="Also export a Core ML package (model.mlpackage) into the artifact; see `export-coreml`.")
+@click.option("--coreml-weights", type=click.Choice(api.COREML_WEIGHT_MODES), default="fp8-lut", show_default=True,
+              help="With --coreml: how the FP8 weights are stored in the package.")
+@click.option("--coreml-seq-len", default="128", show_default=True, metavar="N|LO:HI", help="With --coreml: sequence length or range.")
+@friendly_errors
+def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
+             scales_file, coreml, coreml_weights, coreml_seq_len, **calib):
+    """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
+    coreml_opts = api.ExportOptions(seq_len=api.SeqLen.parse(coreml_seq_len), weights=coreml_weights) if coreml else None
+    with render.progress_bars() as progress:
+        res = api.quantize(source, output, scheme=scheme, weights=weights, revision=revision, token=token, ignore=list(ignore),
+                           trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
+                           calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, progress=progress)
+    if res.calibration is not None:
+        render.calibration(res.calibration)
+    render.quantize_summary(res, as_json)
+    if res.coreml is not None:
+        render.coreml_export(res.coreml, as_json)
+
+
+@main.command()
+@click.argument("target")
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write the scales to this JSON file (for `quantize --scheme fp8 --scales FILE`) instead of into the artifact.")
+@click.option("--revision", help="Branch, tag or commit of a hub model repo [default: main].")
+@click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos and datasets.")
+@click.option("--ignore", multiple=True, metavar="PATTERN", help="Linear modules left unquantized (as given to quantize). Repeatable.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
+@calibration_options
+@friendly_errors
+def calibrate(target, output, revision, token, ignore, trust_remote_code, **calib):
+    """Measure static FP8 input scales for TARGET on real text.
+
+    \b
+    TARGET an FP8 artifact folder: calibrate the model as it will run (its FP8 weights) and write
+           <m>.input_scale into it (atomically; config and manifest become the static scheme).
+    TARGET a source (hub id or folder): needs -o FILE; `quantize SRC --scheme fp8 --scales FILE` uses it.
+    """
+    opts = _calibration(**calib, ignore=list(ignore), trust_remote_code=trust_remote_code, token=token)
+    with render.progress_bars() as progress:
+        res = api.calibrate(target, output, options=opts, revision=revision, token=token, progress=progress)
+    render.calibration(res.calibration)
+    n = len(res.calibration.scales)
+    if res.into_artifact:
+        render.result(f"wrote {n} input scales into {res.written_to} (scheme fp8, static per-tensor activations)")
+    else:
+        render.result(f"wrote {n} input scales to {res.written_to}")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@click.option("--tensors", "show_tensors", is_flag=True, help="List every quantized tensor with its SQNR.")
+@friendly_errors
+def inspect(artifact, as_json, show_tensors):
+    """Show what an FP8 artifact holds: source, recipe, sizes, error stats and later checks."""
+    m = api.inspect(artifact)
+    if as_json:
+        render.out.print_json(m.to_json())
+    else:
+        render.inspect_table(artifact, m, show_tensors)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--baseline", metavar="SRC", help="BF16 model to compare against (hub id or folder) [default: the manifest's source].")
+@click.option("--eval-data", "eval_data", type=click.Path(dir_okay=False), help="Eval text: .jsonl with a 'text' field per line, or .txt.")
+@click.option("--device", type=click.Choice(["auto", "mps", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Where both models run; an unavailable device is an error, never a fallback.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per accuracy sample.")
+@click.option("--max-samples", type=int, default=8, show_default=True, help="Accuracy samples (of --seq-len tokens).")
+@click.option("--prefill-len", type=int, default=512, show_default=True, help="Tokens of the one sequence (batch 1) timed for prefill; encoders too.")
+@click.option("--decode-tokens", type=int, default=32, show_default=True, help="Tokens timed for decode (batch 1).")
+@click.option("--repeats", type=int, default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 3 on CPU].")
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear.")
+@click.option("--warmup", type=int, default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
+@click.option("--no-latency", is_flag=True, help="Accuracy only.")
+@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="torch.compile + CUDA graphs for decode (auto: on CUDA).")
+@click.option("--no-write", is_flag=True, help="Do not record the results in the artifact's manifest.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+@click.option("--explain", is_flag=True, help="Also print the kernel chosen for every layer shape, with the timings behind it.")
+@friendly_errors
+def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, rounds, warmup,
+             no_latency, compile_mode, no_write, as_json, explain):
+    """Check ARTIFACT against its BF16 baseline: accuracy (perplexity, KL, top-1 / embedding cosine) and latency."""
+    opts = api.validate_options(baseline=baseline, eval_data=eval_data, device=device, seq_len=seq_len, max_samples=max_samples,
+                                prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, rounds=rounds,
+                                warmup=warmup, latency=not no_latency, compile=compile_mode, write=not no_write)
+    with render.progress_bars() as progress:
+        res = api.validate(artifact, options=opts, progress=progress)
+    if as_json:
+        render.print_json(res.as_dict())
+    else:
+        render.validation(res, explain)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--no-hashes", is_flag=True, help="Skip the sha256 check (structure only; much faster on big artifacts).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the artifact.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@friendly_errors
+def verify(artifact, no_hashes, trust_remote_code, as_json):
+    """Check every file of ARTIFACT against its manifest's sha256, and its internal consistency
+    (every FP8 weight has its scale; shapes and dtypes as config.json says). Exit 1 on any problem."""
+    with render.progress_bars() as progress:
+        report = api.verify(artifact, check_hashes=not no_hashes, trust_remote_code=trust_remote_code, progress=progress)
+    render.verify_report(artifact, report, as_json)
+    if not report.ok:
+        sys.exit(1)
+
+
+@main.command("export-coreml")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--seq-len", default="128", show_default=True, metavar="N|LO:HI",
+              help="Fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
+@click.option("--coreml-weights", type=click.Choice(api.COREML_WEIGHT_MODES), default="fp8-lut", show_default=True,
+              help="fp8-lut: the FP8 codes as an 8-bit palette of the e4m3 values (one byte per weight). "
+                   "int8: coremltools linear quantization. fp16: dense.")
+@click.option("--frontend", type=click.Choice(("auto", *api.COREML_FRONTENDS)), default="auto", show_default=True,
+              help="auto: torch.export, then torch.jit.trace where that fails (the one that ran is printed and recorded).")
+@click.option("--force", is_flag=True, help="Replace an existing model.mlpackage.")
+@click.option("--check-only", is_flag=True, help="Do not export: check the package already in ARTIFACT.")
+@click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
+@click.option("--samples", default=3, show_default=True, help="Text samples for the reference evaluation.")
+@click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
+@friendly_errors
+def export_coreml(artifact, seq_len, coreml_weights, frontend, force, check_only, no_check, samples, as_json):
+    """Export an FP8 ARTIFACT to a Core ML ML program (ARTIFACT/model.mlpackage), then check it.
+
+    \b
+    Causal LMs: input_ids -> logits. Encoders: input_ids, attention_mask -> embeddings
+    (mean-pooled last hidden state, L2-normalized if the model's modules.json says so).
+    Minimum target macOS 15 / iOS 18, FP16 compute; activations are not FP8-quantized.
+    The checks run anywhere: spec, op counts, weights read back from the package, and a reference
+    evaluation of the program with coremltools' Python op definitions (NOT the Core ML runtime)
+    against PyTorch with the artifact's dequantized weights.
+    """
+    with render.progress_bars() as progress:
+        try:
+            if check_only:
+                res = api.check_coreml(artifact, samples=samples, progress=progress)
+            else:
+                res = api.export_coreml(artifact, seq_len=seq_len, weights=coreml_weights, frontend=frontend, force=force,
+                                        check=not no_check, samples=samples, progress=progress)
+        except ExportError as e:
+            if getattr(e, "result", None) is not None:  # the checks ran and failed: show what they found
+                render.coreml_check(e.result, as_json)
+            raise
+    if check_only:
+        render.coreml_check(res, as_json)
+    else:
+        render.coreml_export(res, as_json)

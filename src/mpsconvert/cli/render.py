@@ -1,0 +1,277 @@
+"""What the CLI shows: consoles, progress bars, tables and messages (no decisions, no work).
+
+Output that a script reads (`--json`, tables) goes to stdout; progress, status and errors go to
+stderr, and bars are hidden when stderr is not a terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+console = Console(stderr=True)  # progress, status, warnings, errors
+out = Console()  # results
+
+# Phases whose `done` / `total` count bytes (drawn with sizes and a speed); the others count items.
+BYTE_PHASES = ("quantize", "verify")
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@contextlib.contextmanager
+def progress_bars():
+    """Yield a `progress(phase, done, total, detail)` callback drawing one bar per phase on
+    stderr (hidden when stderr is not a terminal)."""
+    with contextlib.ExitStack() as stack:
+        bars: dict[bool, Progress] = {}
+        tasks: dict[str, tuple[Progress, int]] = {}
+
+        def bar(is_bytes: bool) -> Progress:
+            if is_bytes not in bars:
+                cols = (DownloadColumn(), TransferSpeedColumn()) if is_bytes else (MofNCompleteColumn(),)
+                bars[is_bytes] = stack.enter_context(Progress(
+                    TextColumn("[bold]{task.fields[phase]}[/]"), BarColumn(), *cols, TimeElapsedColumn(),
+                    TextColumn("{task.description}"), console=console, disable=not console.is_terminal))
+            return bars[is_bytes]
+
+        def update(phase: str, done: int, total: int | None, detail: str = "") -> None:
+            if phase not in tasks:
+                p = bar(phase in BYTE_PHASES)
+                tasks[phase] = (p, p.add_task("", total=total, phase=phase))
+            p, task = tasks[phase]
+            p.update(task, completed=done, total=total, description=detail[-48:])
+
+        yield update
+
+
+def print_json(body) -> None:
+    out.print_json(json.dumps(body))
+
+
+def warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def error(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def note(message: str) -> None:
+    console.print(message, highlight=False)
+
+
+def result(message: str) -> None:
+    out.print(message, highlight=False)
+
+
+# --------------------------------------------------------------------------- quantize / calibrate
+
+
+def calibration(cal) -> None:
+    """Where calibration ran, how fast, and every warning (fallbacks included)."""
+    r = cal.record
+    note(f"calibrated on {r['device']} ({r['mode']}, observer {r['observer']}): {r['num_samples']} samples, "
+         f"{r['tokens']} tokens in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} samples/s)")
+    for w in cal.warnings:
+        warn(w)
+
+
+def quantize_summary(res, as_json: bool) -> None:
+    manifest, s = res.manifest, res.summary
+    if as_json:
+        print_json(res.as_dict())
+        return
+    t = Table(title=f"{res.output}", show_header=False, box=None)
+    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {manifest.recipe['weights']}, activations: {manifest.recipe['activations'] or 'bf16'})")
+    t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
+    n_exp = s.get("expert_tensors_quantized", 0)
+    t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
+    kept = list(manifest.recipe["ignored_modules"])
+    t.add_row("kept (Linear)", f"{len(kept)}: " + ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else "") if kept else "none")
+    if s["modules_skipped"]:
+        kinds = sorted({r.split(":")[0] for r in manifest.skipped.values()})
+        t.add_row("skipped", f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})")
+    if s["worst_sqnr_db"] is not None:
+        t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
+    out.print(t)
+
+
+# --------------------------------------------------------------------------- inspect / verify
+
+
+def inspect_table(artifact, m, show_tensors: bool) -> None:
+    src = m.source
+    t = Table(title=str(artifact), show_header=False, box=None)
+    t.add_row("source", f"{src.get('id')} ({src.get('kind')}" + (f", commit {src['commit'][:12]}" if src.get("commit") else "") + ")")
+    t.add_row("scheme", f"{m.recipe['name']}: weights per {m.recipe['weights']}, activations {m.recipe['activations'] or 'bf16'}")
+    if cal := m.recipe.get("calibration"):
+        t.add_row("calibration", f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x {cal.get('seq_len')} tokens "
+                  f"of {(cal.get('data') or {}).get('id')} (sha256 {str((cal.get('data') or {}).get('sha256'))[:12]}), {len(cal.get('fallbacks') or {})} fallback(s)")
+    s = m.summary
+    t.add_row("architecture", str(s.get("architecture")))
+    t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
+    t.add_row("tensors", f"{s['tensors_quantized']} quantized, {s['linear_ignored']} Linear kept, {s['modules_skipped']} other modules skipped")
+    if s.get("worst_sqnr_db") is not None:
+        t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
+    t.add_row("files", f"{len(m.files)} ({human(sum(f['size'] for f in m.files.values()))})")
+    t.add_row("made with", f"mpsconvert {m.versions.get('mpsconvert')}, torch {m.versions.get('torch')}, transformers {m.versions.get('transformers')} on {m.device}")
+    for key, val in m.extra.items():
+        t.add_row(key, json.dumps(val)[:120])
+    out.print(t)
+    if show_tensors:
+        tt = Table("tensor", "shape", "scale", "SQNR dB")
+        for name, r in m.tensors.items():
+            tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "exact")
+        out.print(tt)
+
+
+def verify_report(artifact, report, as_json: bool) -> None:
+    if as_json:
+        print_json(report.as_dict())
+        return
+    bad = {f: v for f, v in report.files.items() if v != "ok"}
+    result(f"{artifact}: {len(report.files)} files hashed, {len(bad)} wrong; {len(report.quantized)} FP8 modules "
+           f"({report.scheme}, weights per {report.weights})" if report.hashes_checked
+           else f"{artifact}: hashes not checked; {len(report.quantized)} FP8 modules")
+    for p in report.problems:
+        out.print(f"  [red]problem:[/] {p}", highlight=False)
+    out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def _speed(v: dict) -> str:
+    """'1.42x faster (spread 6%)', or 'no clear difference (0.97x, spread 12%)': a verdict only
+    where the difference exceeds the run-to-run spread measured in the same run."""
+    spread = f"spread {100 * v['spread']:.0f}%"
+    if v["verdict"] == "no clear difference":
+        return f"no clear difference ({v['ratio']:.2f}x, {spread})"
+    return f"{v['ratio']:.2f}x {v['verdict']} ({spread})"
+
+
+def validation(res, explain: bool = False) -> None:
+    r = res.as_dict()
+    a = r["accuracy"]
+    t = Table(title=f"{r['scheme']} (weights per {r['weights']}) vs BF16 on {r['device_name']} ({r['device']})")
+    t.add_column("metric")
+    t.add_column("BF16", justify="right")
+    t.add_column("FP8", justify="right")
+    t.add_column("FP8 vs BF16", justify="right")
+    if r["kind"] == "causal-lm":
+        t.add_row(f"perplexity ({a['tokens']} tokens)", f"{a['perplexity_bf16']:.3f}", f"{a['perplexity_fp8']:.3f}",
+                  f"{a['perplexity_delta']:+.3f} ({a['perplexity_delta_pct']:+.2f}%)")
+        t.add_row("mean KL(bf16 || fp8)", "", "", f"{a['mean_kl']:.5f} nats")
+        t.add_row("top-1 agreement", "", "", f"{100 * a['top1_agreement']:.2f}%")
+    else:
+        t.add_row(f"embedding cosine ({a['sentences']} sentences)", "", "", f"mean {a['cosine_mean']:.5f}, min {a['cosine_min']:.5f}")
+    wb = r["weight_bytes"]
+    t.add_row("weights in memory", human(wb["bf16"]), human(wb["fp8"]), f"{wb['fp8'] / wb['bf16']:.3f}x")
+    lat = r.get("latency")
+    if lat:
+        b, f = lat["bf16"], lat["fp8"]
+        t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
+                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['verdict']['prefill']))
+        if "decode" in b:
+            t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
+                      f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
+                      _speed(r['verdict']['decode']))
+        if b.get("peak_memory_bytes") is not None:
+            t.add_row("peak device memory", human(b["peak_memory_bytes"]), human(f["peak_memory_bytes"]),
+                      f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")
+    out.print(t)
+    for d in r.get("dequantized_at_load") or []:
+        out.print(f"note: {d}")
+    if explain:
+        kernels(r["kernels"])
+    if r.get("recorded"):
+        out.print(f"recorded in {r['recorded']}")
+    cm = r.get("coreml")
+    if cm is not None:
+        if cm.get("status") == "skipped":
+            result(f"Core ML package: not run here ({cm['reason']})")
+        else:
+            print_json(cm)
+
+
+def kernels(decisions: list) -> None:
+    """One line per layer shape and bucket: the kernel, how it was decided, what was measured (fastest first)."""
+    out.print("[bold]kernel policy[/] (per layer shape and token bucket; us per call, fastest first)")
+    notes: dict[str, list[str]] = {}
+    for d in decisions:
+        ok = sorted((v, k) for k, v in d["timings_us"].items() if not isinstance(v, str))
+        bad = [f"{k} ({v})" for k, v in d["timings_us"].items() if isinstance(v, str)]
+        measured = " | ".join(f"{k} {v:.1f}" for v, k in ok) + (f"; cannot run: {', '.join(bad)}" if bad else "")
+        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m']}: [bold]{d['choice']}[/] "
+                  f"\\[{d['source']}]" + (f"  {measured}" if measured else ""), highlight=False)
+        if d["note"]:
+            notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
+    for note_, where in notes.items():
+        out.print(f"  note ({', '.join(where)}): {note_}", highlight=False)
+
+
+# --------------------------------------------------------------------------- Core ML
+
+
+def coreml_export(res, as_json: bool) -> None:
+    rec = res.record
+    failed = "; ".join(f"{k} failed ({v})" for k, v in rec["failed_frontends"].items())
+    note(f"Core ML: {rec['package']} written with {rec['frontend']}" + (f" ({failed})" if failed else ""))
+    if res.check is not None:
+        coreml_check(res, as_json)
+    elif as_json:
+        print_json(rec)
+
+
+def coreml_check(res, as_json: bool) -> None:
+    if as_json:
+        print_json(res.as_dict())
+        return
+    rec, chk = res.record, res.check
+    t = Table(title=f"{res.artifact}/{chk['package']}", show_header=False, box=None)
+
+    def feat(f):
+        rng = f" range {f['range']}" if f.get("range") else ""
+        return f"{f['name']} {f['dtype']} {f['shape'] or '?'}{rng}"
+
+    t.add_row("task", f"{rec.get('task')}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
+    t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, {rec.get('compute_precision')}")
+    t.add_row("inputs", "; ".join(feat(f) for f in chk["spec"]["inputs"]))
+    t.add_row("outputs", "; ".join(feat(f) for f in chk["spec"]["outputs"]))
+    ops = chk["spec"]["ops"]
+    t.add_row("ops", ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if k != "const")[:160])
+    t.add_row("weights", f"{rec.get('weights')}: {human(chk['weight_bytes'])} in the package vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)")
+    w = chk["weights"]
+    line = f"{w['checked']} FP8 tensors read back from weight.bin: " + ("all ok" if w["all_ok"] else "MISMATCH")
+    if w["codes_bit_exact"] is not None:
+        line += f"; codes bit-exact: {w['codes_bit_exact']}; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values, max {w['max_ulp_diff']} ulp"
+    elif w["min_fraction_equal_fp16_dequant"] is not None:
+        line += f"; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values"
+    t.add_row("weight check", line)
+    ev = chk.get("reference_eval")
+    if ev:
+        line = f"cosine min {ev['cosine_min']:.7f} (mean {ev['cosine_mean']:.7f}), max |diff| {ev['max_abs_diff']:.3g}"
+        if "top1_agreement" in ev:
+            line += f", top-1 agreement {ev['top1_agreement']:.1%} over {ev['positions']} positions"
+        t.add_row("reference eval", line + (" ok" if ev["ok"] else " FAILED"))
+        t.add_row("", f"{ev['inputs']}; vs {ev['reference']}")
+        t.add_row("", f"[bold]{ev['evaluator']}[/]; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}")
+    out.print(t)

@@ -1,0 +1,60 @@
+"""Core ML export of an FP8 artifact (`model.mlpackage`) and its checks.
+
+`export.py` builds the PyTorch model from the artifact and converts it, keeping FP8 codes as an
+8-bit palette; `ops.py` adds the torch converters coremltools lacks; `check.py` checks a saved
+package anywhere (spec, weights read back, reference evaluation) and with Core ML on macOS;
+`mil_eval.py` is the numpy reference evaluator. This module holds only the export's options and
+imports nothing heavy, so the CLI and the API read them without loading coremltools or torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ...errors import MpsconvertError
+
+WEIGHT_MODES = ("fp8-lut", "int8", "fp16")
+FRONTENDS = ("torch.export", "torch.jit.trace")
+
+
+@dataclass(frozen=True)
+class SeqLen:
+    """A fixed sequence length (lo == hi) or a range lo..hi (a Core ML RangeDim)."""
+
+    lo: int
+    hi: int
+
+    @classmethod
+    def parse(cls, text: str | int) -> "SeqLen":
+        s = str(text).strip()
+        m = re.fullmatch(r"(\d+)(?::(\d+))?", s)
+        if not m:
+            raise MpsconvertError(f"--seq-len {s!r} is not a length or a range", "use e.g. --seq-len 128 or --seq-len 1:512")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+        if lo < 1 or hi < lo:
+            raise MpsconvertError(f"--seq-len {s!r} is empty or starts below 1", "use 1 <= LO <= HI, e.g. --seq-len 1:512")
+        return cls(lo, hi)
+
+    @property
+    def is_range(self) -> bool:
+        return self.hi > self.lo
+
+    @property
+    def example(self) -> int:
+        """The length traced with: inside the range and not 1 (a dim of 1 gets specialized)."""
+        return self.lo if not self.is_range else max(self.lo, 2, min(self.hi, 16))
+
+    def __str__(self) -> str:
+        return f"{self.lo}:{self.hi}" if self.is_range else str(self.lo)
+
+
+@dataclass
+class ExportOptions:
+    """How to export: sequence length(s), how FP8 weights are stored, replace, which frontend."""
+
+    seq_len: SeqLen = SeqLen(128, 128)
+    weights: str = "fp8-lut"  # one of WEIGHT_MODES
+    force: bool = False
+    frontend: str = "auto"  # "auto" (torch.export, then torch.jit.trace), or one of FRONTENDS

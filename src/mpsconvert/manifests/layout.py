@@ -1,0 +1,89 @@
+"""The artifact's file layout, in one place: what each file is called, which files hold the
+weights, and how the manifest is updated.
+
+An artifact is a Hugging Face model folder (config.json, safetensors weights, tokenizer files)
+plus our manifest. Weights are one `model.safetensors`, or shards named
+`model-0000i-of-0000N.safetensors` listed by `model.safetensors.index.json`. Apple exports live
+inside the artifact (`model.mlpackage`, `model.aimodel`) and are listed in the manifest too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from ..errors import ArtifactError
+
+MANIFEST_NAME = "mpsconvert.json"
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+COREML_PACKAGE = "model.mlpackage"
+COREAI_ASSET = "model.aimodel"
+
+
+def shard_names(n: int) -> list[str]:
+    """The weight file names of an artifact with `n` shards (transformers' own naming)."""
+    if n == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def is_plain_shard_name(name) -> bool:
+    """A `.safetensors` file name with no folder part, no `..` and no leading dot: the only kind
+    of name an index may point to (anything else could reach outside the folder)."""
+    return (isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
+            and not name.startswith(".") and name not in (".", ".."))
+
+
+def read_weight_map(folder: Path) -> dict[str, str] | None:
+    """tensor -> shard from the folder's index (None when there is none), every shard a plain name.
+
+    Raises:
+        ArtifactError: the index is not valid JSON, has no weight_map, or names a file that is
+            not a plain `.safetensors` name.
+    """
+    index = Path(folder) / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        body = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{INDEX_NAME} is not valid JSON ({e})", "re-create the artifact") from e
+    wm = body.get("weight_map") if isinstance(body, dict) else None
+    if not isinstance(wm, dict):
+        raise ArtifactError(f"{INDEX_NAME} has no weight_map", "re-create the artifact")
+    bad = next((f for f in wm.values() if not is_plain_shard_name(f)), None)
+    if bad is not None:
+        raise ArtifactError(f"{INDEX_NAME} names {bad!r}, which is not a plain .safetensors file name in the folder",
+                            "the index is corrupt or was tampered with; re-create the artifact")
+    return wm
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The safetensors files holding a model's weights: the index's shards, else
+    `model.safetensors`, else every `*.safetensors` in the folder (sorted)."""
+    folder = Path(folder)
+    wm = read_weight_map(folder)
+    if wm is not None:
+        return sorted(set(wm.values()))
+    if (folder / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+def is_artifact(folder: Path) -> bool:
+    """Whether `folder` is an mpsconvert artifact (it has our manifest and a config)."""
+    return (Path(folder) / MANIFEST_NAME).is_file() and (Path(folder) / CONFIG_NAME).is_file()
+
+
+@contextlib.contextmanager
+def update_manifest(folder: Path):
+    """Read the artifact's manifest, let the caller change it, write it back atomically (only
+    if the block exits without an error)."""
+    from .manifest import Manifest
+
+    m = Manifest.read(folder)
+    yield m
+    m.write(folder)

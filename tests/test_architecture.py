@@ -1,0 +1,95 @@
+"""The layering the README and docs/architecture.md describe, checked on the source itself:
+dependencies go one way, cli -> api -> (convert, calibrate, runtime) -> (manifests, source) ->
+the bottom layer, and the CLI uses only the API, the error types and its own rendering."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
+BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "targets", "texts", "safetensors_io",
+          "atomic", "devices", "moe_layout"}
+MIDDLE = {"convert", "calibrate", "runtime"}
+# what each layer may import from the package (by the first component of the module path)
+ALLOWED = {
+    "cli": {"api", "errors", "cli"},
+    "api": BOTTOM | MIDDLE | {"manifests", "source", "api", ""},
+    **{m: BOTTOM | {"manifests", "source", m} for m in MIDDLE},
+    "manifests": BOTTOM | {"manifests", ""},  # "": the package's own `__version__`
+    "source": BOTTOM | {"manifests"},
+    **{b: BOTTOM for b in BOTTOM},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules a file imports (relative imports resolved), as dotted paths."""
+    rel = path.relative_to(PKG).with_suffix("")
+    here = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                if not node.module:  # `from . import x`: a module, or a name of the package (`__version__`)
+                    out |= {".".join([*base, a.name]) if not a.name.startswith("__") else ".".join(base) for a in node.names}
+                    continue
+            elif node.module and node.module.startswith("mpsconvert"):
+                mod = node.module.removeprefix("mpsconvert").lstrip(".")
+            else:
+                continue
+            out.add(mod)
+        elif isinstance(node, ast.Import):
+            out |= {a.name.removeprefix("mpsconvert").lstrip(".") for a in node.names if a.name.startswith("mpsconvert")}
+    return out
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" else ""
+
+
+FILES = sorted(p for p in PKG.rglob("*.py") if p.relative_to(PKG).as_posix() != "__init__.py")
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(PKG).as_posix())
+def test_dependencies_go_one_way(path):
+    layer = _layer(path)
+    allowed = ALLOWED[layer]
+    bad = sorted(m for m in _imports(path) if m.split(".")[0] not in allowed)
+    assert not bad, f"{path.relative_to(PKG)} ({layer}) imports {bad}; allowed: {sorted(allowed)}"
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """Negative control: the import parser resolves relative imports (else the test above is empty)."""
+    assert "api" in _imports(PKG / "cli" / "commands.py")
+    assert "manifests.layout" in _imports(PKG / "convert" / "quantize.py")
+    assert "errors" in _imports(PKG / "fp8.py")
+
+
+def test_importing_the_api_loads_no_torch():
+    """`mpsconvert --help` and the start of a conversion (hashing the source) come before torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, mpsconvert, mpsconvert.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
+
+
+def test_the_public_api_is_documented():
+    import inspect as pyinspect
+
+    import mpsconvert
+
+    for name in ("quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "load"):
+        fn = getattr(mpsconvert, name)
+        doc = pyinspect.getdoc(fn) or ""
+        assert doc and ("Returns" in doc or name == "inspect"), name
+        params = [p for p in pyinspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        for p in params:
+            assert p.annotation is not pyinspect.Parameter.empty, f"{name}({p.name}) has no type"
