@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-# ../shared/data beside the checkout (a worktree nested inside the checkout looks further up).
+# ../shared/data beside the checkout (also from a worktree nested inside one)
 SHARED_DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),
                    Path(__file__).resolve().parents[2] / "shared" / "data")
 
@@ -73,12 +73,12 @@ def tiny_llama_sharded(path: Path, dtype=torch.float32) -> Path:
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
-def tiny_moe_config(arch: str, num_experts: int = 4, layers: int = 2):
+def tiny_moe_config(arch: str, num_experts: int = 4, layers: int = 2, vocab: int = 128):
     """A tiny random MoE config of a transformers 5 architecture (hidden sizes multiples of 16)."""
     import transformers
 
     common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, vocab_size=128, num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+                  head_dim=16, vocab_size=vocab, num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
     if arch == "mixtral":
         return transformers.MixtralConfig(intermediate_size=96, num_local_experts=num_experts, **common)
     if arch == "qwen2_moe":

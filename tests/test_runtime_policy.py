@@ -54,24 +54,24 @@ def policy(measure, tmp_path, **kw):
 
 
 def test_fastest_kernel_per_bucket(tmp_path, with_triton):
-    m = fake({(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "bf16"): 34.0,
+    m = fake({(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "gemv_splitk"): 22.0, (1, "gemv_w8a8"): 23.0, (1, "bf16"): 34.0,
               (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0})
     model = Model(layer(), layer(seed=1))
     decisions = policy(m, tmp_path).apply(model)
     assert [(d.bucket, d.choice, d.layers) for d in decisions] == [("decode", "gemv", 2), ("prefill", "scaled_mm_row", 2)]
     assert all(l.kernels == {"decode": "gemv", "prefill": "scaled_mm_row"} for l in model.layers)
     assert all(l.weight.dtype == torch.float8_e4m3fn and l.dense_weight is None for l in model.layers)  # FP8 kept
-    assert {c[0] for c in m.calls if c[2] == 1} == {"scaled_mm_row", "gemv", "bf16"}  # one signature measured once
+    assert {c[0] for c in m.calls if c[2] == 1} == {"scaled_mm_row", "gemv", "gemv_splitk", "gemv_w8a8", "bf16"}  # one signature measured once
 
 
 def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, with_triton):
-    both = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 40.0, (1, "bf16"): 30.0,
+    both = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 40.0, (1, "gemv_splitk"): 45.0, (1, "gemv_w8a8"): 46.0, (1, "bf16"): 30.0,
                  (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
     lay = layer()
     dec, pre = policy(both, tmp_path).apply(Model(lay))
     assert dec.choice == pre.choice == "bf16" and "fallback" in dec.note
     assert lay.weight is None and lay.dense_weight.dtype == torch.bfloat16  # the FP8 copy is not kept beside it
-    one = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 20.0, (1, "bf16"): 30.0,
+    one = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 20.0, (1, "gemv_splitk"): 21.0, (1, "gemv_w8a8"): 22.0, (1, "bf16"): 30.0,
                 (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
     lay = layer()
     dec, pre = policy(one, tmp_path / "b").apply(Model(lay))
@@ -81,7 +81,7 @@ def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, w
 
 @pytest.mark.filterwarnings("ignore:mpsconvert kernel")
 def test_kernel_that_cannot_run_is_recorded_and_skipped(tmp_path, with_triton):
-    m = fake({(1, "bf16"): 30.0, (1, "gemv"): 25.0, (2048, "dequant"): 500.0, (2048, "bf16"): 300.0})
+    m = fake({(1, "bf16"): 30.0, (1, "gemv"): 25.0, (1, "gemv_splitk"): 26.0, (1, "gemv_w8a8"): 27.0, (2048, "dequant"): 500.0, (2048, "bf16"): 300.0})
     with pytest.warns(UserWarning, match="scaled_mm_row cannot run a 64x32 layer on FakeGPU"):
         dec, pre = policy(m, tmp_path).apply(Model(layer()))
     assert dec.timings_us["scaled_mm_row"].startswith("error: RuntimeError: scaled_mm_row unsupported")
@@ -92,15 +92,15 @@ def test_kernel_that_cannot_run_is_recorded_and_skipped(tmp_path, with_triton):
 
 def test_candidates_follow_scheme_and_device(with_triton):
     assert kernels.candidates("cuda", "tensor", "tensor", "prefill") == ["scaled_mm_tensor", "dequant", "bf16"]
-    assert kernels.candidates("cuda", "tensor", "row", "decode") == ["scaled_mm_row", "gemv", "bf16"]
-    assert kernels.candidates("cuda", None, "row", "decode") == ["gemv", "bf16"]  # weight-only never quantizes x
+    assert kernels.candidates("cuda", "tensor", "row", "decode") == ["scaled_mm_row", "gemv", "gemv_splitk", "gemv_w8a8", "bf16"]
+    assert kernels.candidates("cuda", None, "row", "decode") == ["gemv", "gemv_splitk", "bf16"]  # weight-only never quantizes x
     assert kernels.candidates("mps", "token", "row", "decode") == ["scaled_mm_row", "dequant", "bf16"]  # no Triton on MPS
     assert kernels.candidates("cpu", "token", "row", "decode") == ["dense_qact"]
     assert kernels.candidates("cpu", None, "row", "prefill") == ["bf16"]
 
 
 def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_triton):
-    table = {(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "bf16"): 34.0,
+    table = {(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "gemv_splitk"): 22.0, (1, "gemv_w8a8"): 23.0, (1, "bf16"): 34.0,
              (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0}
     first = fake(table)
     policy(first, tmp_path).apply(Model(layer()))
@@ -172,15 +172,16 @@ def test_mps_call_form_matches_cuda_call_form(gran, act, iscale, rowwise):
     lay = layer(48, 32, gran, act, input_scale=iscale)
     x = (torch.randn(6, 32) * 0.1).to(torch.bfloat16)
     xq, xs = kernels.quantize_acts(x, lay.input_scale if act == "tensor" else None)
-    a = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=False)
-    b = kernels._mm(xq, xs, lay, rowwise, torch.bfloat16, functional=True)
+    sa, sb = (xs, lay.scale_row) if rowwise else (lay.input_scale_0d, lay.scale_0d)
+    a = kernels._mm(xq, sa, lay.weight, sb, torch.bfloat16, functional=False)
+    b = kernels._mm(xq, sa, lay.weight, sb, torch.bfloat16, functional=True)
     assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
 
 
 def test_unwritable_cache_warns_and_still_decides(tmp_path, with_triton):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    m = fake({(1, "gemv"): 1.0, (1, "bf16"): 2.0, (1, "scaled_mm_row"): 3.0, (2048, "scaled_mm_row"): 1.0,
+    m = fake({(1, "gemv"): 1.0, (1, "gemv_splitk"): 1.5, (1, "gemv_w8a8"): 1.6, (1, "bf16"): 2.0, (1, "scaled_mm_row"): 3.0, (2048, "scaled_mm_row"): 1.0,
               (2048, "dequant"): 3.0, (2048, "bf16"): 2.0})
     pol = KernelPolicy(CUDA, prefill_m=2048, measure=m, cache=blocker / "sub" / "k.json", device_name="FakeGPU")
     with pytest.warns(UserWarning, match="kernel cache .* not written"):

@@ -107,7 +107,7 @@ def _direct_scores(arts, seq_len, n):
 
 def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
     opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=64,
-                           max_samples=3, prefill_len=32, decode_tokens=3, repeats=2, warmup=1, write=True, kernel_cache=False)
+                           max_samples=3, prefill_len=32, decode_tokens=3, repeats=2, rounds=2, warmup=1, write=True, kernel_cache=False)
     phases = []
     r = mpsconvert.validate(arts / "llama-fp8", options=opts, progress=lambda p, d, t, detail: phases.append(p)).as_dict()
     direct = _direct_scores(arts, 64, 3)
@@ -116,12 +116,32 @@ def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
     assert r["accuracy"]["tokens"] == 3 * 63 and 0 < r["accuracy"]["mean_kl"] < 0.05
     lat = r["latency"]
     for name in ("bf16", "fp8"):
-        assert lat[name]["prefill"]["n"] == 2 and lat[name]["prefill"]["tokens"] == 32
-        assert lat[name]["decode"]["tokens"] == 3 and lat[name]["decode"]["median_ms"] <= lat[name]["decode"]["p95_ms"]
+        assert lat[name]["prefill"]["n"] == 4 and lat[name]["prefill"]["tokens"] == 32  # 2 rounds of 2
+        assert len(lat[name]["prefill"]["round_medians_ms"]) == 2 and lat[name]["prefill"]["spread"] >= 0
+        assert lat[name]["decode"]["tokens"] == 6 and lat[name]["decode"]["median_ms"] <= lat[name]["decode"]["p95_ms"]
+    v = r["verdict"]["decode"]
+    assert v["ratio"] == pytest.approx(r["speedup"]["decode"]) and v["verdict"] in ("faster", "slower", "no clear difference")
+    assert (v["verdict"] == "no clear difference") == (1 / (1 + v["spread"]) <= v["ratio"] <= 1 + v["spread"])
     assert r["speedup"]["decode"] == pytest.approx(lat["bf16"]["decode"]["median_ms"] / lat["fp8"]["decode"]["median_ms"])
     assert {"accuracy", "latency"} <= set(phases)
     recorded = Manifest.read(arts / "llama-fp8").extra["validation"]["CPU (cpu)"]
     assert recorded["accuracy"] == r["accuracy"] and recorded["settings"]["seq_len"] == 64 and recorded["device"] == "cpu"
+
+
+def test_verdict_only_beyond_the_measured_spread():
+    def timed(*rounds):
+        return timing.round_stats([[x / 1e3 for x in r] for r in rounds])
+
+    base = timed([10.0, 10.2], [10.1, 10.3], [9.9, 10.0])  # round medians 10.1, 10.2, 9.95: spread 2.5%
+    assert base["round_medians_ms"] == pytest.approx([9.95, 10.1, 10.2]) and base["spread"] == pytest.approx(0.25 / 10.1)
+    fast = timed([5.0], [5.05], [4.95])
+    assert timing.verdict(base, fast)["verdict"] == "faster" and timing.verdict(fast, base)["verdict"] == "slower"
+    noisy = timed([8.0], [14.0], [10.0])  # spread 60%: a 1.1x ratio says nothing
+    v = timing.verdict(base, noisy)
+    assert v["verdict"] == "no clear difference" and v["spread"] == pytest.approx(0.6) and v["ratio"] == pytest.approx(1.01, abs=0.01)
+    assert timing.verdict(base, timed([10.05], [10.1], [10.0]))["verdict"] == "no clear difference"
+    one = timing.round_stats([[0.010, 0.012, 0.011]])  # one round: its samples' range stands in
+    assert one["spread"] == pytest.approx(0.002 / 0.011)
 
 
 def test_validate_encoder_embedding_cosine(arts):
@@ -165,3 +185,12 @@ def test_cli_validate_json_explain_and_errors(arts):
     assert res.exit_code == 2 and "pass --baseline" in res.output
     res = runner.invoke(main, args[:4] + ["--eval-data", "/nonexistent.jsonl", "--device", "cpu"])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_encoder_latency_is_one_sequence_of_prefill_len(arts):
+    opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
+                           prefill_len=48, repeats=2, rounds=2, warmup=1, write=False, kernel_cache=False)
+    r = mpsconvert.validate(arts / "bert-fp8", options=opts).as_dict()
+    for name in ("bf16", "fp8"):
+        assert r["latency"][name]["prefill"]["tokens"] == 48 and r["latency"][name]["prefill"]["n"] == 4
+    assert set(r["verdict"]) == {"prefill"} and r["verdict"]["prefill"]["ratio"] == pytest.approx(r["speedup"]["prefill"])

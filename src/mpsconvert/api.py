@@ -130,7 +130,8 @@ class ValidationResult:
     kernels: list = field(default_factory=list)
     dequantized_at_load: list = field(default_factory=list)
     latency: dict | None = None
-    speedup: dict | None = None
+    speedup: dict | None = None  # BF16 median / FP8 median per phase
+    verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"
     recorded: str | None = None  # the manifest written, None when the checkpoint has none
     coreml: dict | None = None  # Core ML runtime check (macOS) or why it was skipped; None without a package
     coreai: dict | None = None  # Core AI latency beside PyTorch (Linux CPU runtime, or per unit on macOS); None without an asset
@@ -152,7 +153,7 @@ def calibration_options(**kw: Any) -> CalibOptions:
 
 def validate_options(**kw: Any) -> ValidateOptions:
     """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
-    decode_tokens, repeats, warmup, latency, compile, write): `runtime.validate.ValidateOptions`."""
+    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.validate.ValidateOptions`."""
     from .runtime.validate import ValidateOptions
 
     return ValidateOptions(**kw)

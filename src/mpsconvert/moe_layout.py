@@ -140,6 +140,32 @@ def checkpoint_module_name(model, module: str) -> str:
     return keys[0][: -len(".weight")] if len(keys) == 1 else module
 
 
+def saved_names(model, names: list[str]) -> dict[str, str]:
+    """{name a checkpoint stores it under: model name} for parameters that transformers renames
+    on save (Mixtral's `mlp.gate.weight` is stored as `block_sparse_moe.gate.weight`), by one
+    run of the reverse conversion on labels (the value i marks names[i]). Names it keeps are
+    left out; so is everything when this transformers has no conversion API or it cannot run on
+    these parameters (then each module is asked on its own, by `checkpoint_module_name`)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # older transformers: checkpoints carry the model's own names
+        return {}
+    labels = {n: torch.tensor([float(i)]) for i, n in enumerate(names)}
+    try:
+        out = revert_weight_conversion(_Unloaded(model), labels)
+    except (ValueError, KeyError, RuntimeError, AttributeError, IndexError):
+        out = {}
+        for mod in {n.rpartition(".")[0] for n in names}:
+            stored = checkpoint_module_name(model, mod)
+            if stored != mod:
+                out.update({stored + n[len(mod):]: torch.tensor([float(i)]) for i, n in enumerate(names) if n.rpartition(".")[0] == mod})
+    renamed = {}
+    for key, lab in out.items():
+        if lab.numel() == 1 and float(lab) == int(lab) and 0 <= int(lab) < len(names) and names[int(lab)] != key:
+            renamed[key] = names[int(lab)]
+    return renamed
+
+
 def _like(key: str, model_name: str, stored_name: str) -> str:
     """Rename `key` the way the checkpoint renamed `model_name` to `stored_name` (base prefix)."""
     if stored_name.endswith(model_name):  # checkpoint adds a prefix

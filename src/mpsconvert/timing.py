@@ -83,3 +83,36 @@ def per_call_us(fn: Callable[[], object], device, reps: int = 20, rounds: int = 
         return statistics.median(times)
     samples = wall_samples(lambda: [fn() for _ in range(reps)], device, repeats=rounds, warmup=0)
     return statistics.median(samples) * 1e6 / reps
+
+
+def round_stats(rounds: list[list[float]]) -> dict:
+    """`stats` of all samples of a measurement taken in rounds, plus each round's median and the
+    run-to-run spread: how far apart the round medians lie, relative to their median
+    ((max - min) / median). With a single round the samples' own range stands in for it."""
+    samples = [x for r in rounds for x in r]
+    out = stats(samples)
+    medians = sorted(stats(r)["median_ms"] for r in rounds if r)
+    if len(medians) >= 2:
+        mid = stats([m / 1e3 for m in medians])["median_ms"]
+        spread = (medians[-1] - medians[0]) / mid if mid else None
+    elif samples:
+        spread = (max(samples) - min(samples)) / (out["median_ms"] / 1e3) if out["median_ms"] else None
+    else:
+        spread = None
+    return out | {"round_medians_ms": medians, "spread": spread}
+
+
+def verdict(base: dict, test: dict) -> dict:
+    """Is `test` faster than `base` (two `round_stats`)? Only when the ratio of medians lies
+    beyond the run-to-run spread measured in the same run (the larger of the two spreads): then
+    'faster' or 'slower', otherwise 'no clear difference'. Two runs can then disagree only where
+    one of them says there is no clear difference."""
+    ratio = base["median_ms"] / test["median_ms"]
+    spread = max(base.get("spread") or 0.0, test.get("spread") or 0.0)
+    if ratio > 1 + spread:
+        word = "faster"
+    elif ratio < 1 / (1 + spread):
+        word = "slower"
+    else:
+        word = "no clear difference"
+    return {"ratio": ratio, "spread": spread, "verdict": word}

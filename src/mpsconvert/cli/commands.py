@@ -164,10 +164,12 @@ def inspect(artifact, as_json, show_tensors):
               help="Where both models run; an unavailable device is an error, never a fallback.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per accuracy sample.")
 @click.option("--max-samples", type=int, default=8, show_default=True, help="Accuracy samples (of --seq-len tokens).")
-@click.option("--prefill-len", type=int, default=512, show_default=True, help="Prompt length timed for prefill.")
+@click.option("--prefill-len", type=int, default=512, show_default=True, help="Tokens of the one sequence (batch 1) timed for prefill; encoders too.")
 @click.option("--decode-tokens", type=int, default=32, show_default=True, help="Tokens timed for decode (batch 1).")
-@click.option("--repeats", type=int, default=10, show_default=True, help="Timed prefill runs (after --warmup).")
-@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--repeats", type=int, default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 3 on CPU].")
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear.")
+@click.option("--warmup", type=int, default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
 @click.option("--no-latency", is_flag=True, help="Accuracy only.")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="torch.compile + CUDA graphs for decode (auto: on CUDA).")
@@ -175,12 +177,12 @@ def inspect(artifact, as_json, show_tensors):
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @click.option("--explain", is_flag=True, help="Also print the kernel chosen for every layer shape, with the timings behind it.")
 @friendly_errors
-def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, warmup,
+def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, rounds, warmup,
              no_latency, compile_mode, no_write, as_json, explain):
     """Check ARTIFACT against its BF16 baseline: accuracy (perplexity, KL, top-1 / embedding cosine) and latency."""
     opts = api.validate_options(baseline=baseline, eval_data=eval_data, device=device, seq_len=seq_len, max_samples=max_samples,
-                                prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, warmup=warmup,
-                                latency=not no_latency, compile=compile_mode, write=not no_write)
+                                prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, rounds=rounds,
+                                warmup=warmup, latency=not no_latency, compile=compile_mode, write=not no_write)
     with render.progress_bars() as progress:
         res = api.validate(artifact, options=opts, progress=progress)
     if as_json:

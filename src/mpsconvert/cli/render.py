@@ -161,8 +161,13 @@ def verify_report(artifact, report, as_json: bool) -> None:
 # --------------------------------------------------------------------------- validate
 
 
-def _speed(ratio: float) -> str:
-    return f"{ratio:.2f}x " + ("faster" if ratio >= 1 else "(slower)")
+def _speed(v: dict) -> str:
+    """'1.42x faster (spread 6%)', or 'no clear difference (0.97x, spread 12%)': a verdict only
+    where the difference exceeds the run-to-run spread measured in the same run."""
+    spread = f"spread {100 * v['spread']:.0f}%"
+    if v["verdict"] == "no clear difference":
+        return f"no clear difference ({v['ratio']:.2f}x, {spread})"
+    return f"{v['ratio']:.2f}x {v['verdict']} ({spread})"
 
 
 def validation(res, explain: bool = False) -> None:
@@ -186,11 +191,11 @@ def validation(res, explain: bool = False) -> None:
     if lat:
         b, f = lat["bf16"], lat["fp8"]
         t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
-                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['speedup']['prefill']))
+                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['verdict']['prefill']))
         if "decode" in b:
             t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
                       f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
-                      _speed(r['speedup']['decode']))
+                      _speed(r['verdict']['decode']))
         if b.get("peak_memory_bytes") is not None:
             t.add_row("peak device memory", human(b["peak_memory_bytes"]), human(f["peak_memory_bytes"]),
                       f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")

@@ -45,6 +45,7 @@ class VerifyReport:
     weights: str | None = None
     quantized: dict = field(default_factory=dict)  # module -> [N, K]
     shards: list = field(default_factory=list)
+    headers: dict = field(default_factory=dict, repr=False)  # shard -> validated Header (not reported)
 
     @property
     def ok(self) -> bool:
@@ -59,11 +60,10 @@ def _problem(report: VerifyReport, msg: str) -> None:
     report.problems.append(msg)
 
 
-def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None) -> None:
-    report.hashes_checked = True
-    progress = or_silent(progress)
-    total = sum(int(rec.get("size") or 0) for rec in manifest.files.values())
-    done = 0
+def check_sizes(folder: Path, manifest: Manifest, report: VerifyReport) -> list[str]:
+    """Every file the manifest lists exists with its recorded size (a stat each, no reading);
+    returns the names whose contents still need their sha256 checked."""
+    present = []
     for name, rec in sorted(manifest.files.items()):
         p = folder / name
         if not p.is_file():
@@ -74,13 +74,31 @@ def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progre
         if size != rec.get("size"):
             report.files[name] = f"size {size}, manifest says {rec.get('size')}"
             _problem(report, f"{name} is {size} bytes but {MANIFEST_NAME} records {rec.get('size')} (truncated or replaced)")
-        elif sha256_file(p) != rec.get("sha256"):
+        else:
+            present.append(name)
+    return present
+
+
+def check_digests(manifest: Manifest, report: VerifyReport, sha256: dict[str, str]) -> None:
+    """The sha256 of each file (computed by the caller, e.g. while loading it) against the manifest."""
+    report.hashes_checked = True
+    for name, digest in sorted(sha256.items()):
+        if digest != manifest.files[name].get("sha256"):
             report.files[name] = "sha256 mismatch"
             _problem(report, f"{name} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted)")
         else:
             report.files[name] = "ok"
-        done += int(rec.get("size") or 0)
+
+
+def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None) -> None:
+    progress = or_silent(progress)
+    total = sum(int(rec.get("size") or 0) for rec in manifest.files.values())
+    digests, done = {}, 0
+    for name in check_sizes(folder, manifest, report):
+        digests[name] = sha256_file(folder / name)
+        done += int(manifest.files[name].get("size") or 0)
         progress("verify", done, total, name)
+    check_digests(manifest, report, digests)
 
 
 def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
@@ -106,6 +124,7 @@ def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
             if shard in headers and tensor not in headers[shard].tensors:
                 _problem(report, f"{INDEX_NAME} puts {tensor} in {shard}, which does not hold it")
     report.shards = sorted(headers)
+    report.headers = headers
     return headers
 
 
@@ -180,7 +199,11 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
 
 def check_artifact(path, **kw) -> VerifyReport:
     """verify_artifact, raising the problems as one ArtifactError (what a loader wants)."""
-    report = verify_artifact(path, **kw)
+    return raise_problems(path, verify_artifact(path, **kw))
+
+
+def raise_problems(path, report: VerifyReport) -> VerifyReport:
+    """The report if sound, else its problems as one ArtifactError."""
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
         raise ArtifactError(

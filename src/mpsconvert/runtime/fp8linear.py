@@ -6,6 +6,12 @@ FP8 in device memory (half of BF16), and each layer runs the kernel the policy m
 for its shape: one for decode (few tokens, `M <= DECODE_MAX_M`) and one for prefill.
 On CPU the weight is dequantized once at load and the layer runs BF16 (FP8 matmul on CPU is
 orders of magnitude slower), and then no FP8 copy is kept.
+
+A call costs little host time, because eager prefill runs one Python call per layer: the two
+kernel functions are stored on the layer (no lookup by name), and every scale is prepared once
+in the layout its kernel takes (`scale_row` [1, N], `scale_flat`, 0-d views for tensor-wise
+scaling), so nothing is reshaped, expanded or made contiguous per call. Layers that read the
+same input (q/k/v, gate/up) can share one quantization and one GEMM: see fuse.py.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ BUCKETS = ("decode", "prefill")
 class FP8Linear(nn.Module):
     """y = x @ (weight * weight_scale).T + bias, with weight in float8_e4m3fn."""
 
+    group = None  # fuse.SharedInput this layer belongs to (set there, not a submodule)
+
     def __init__(self, in_features: int, out_features: int, *, weights: str, activations: str | None, bias: bool,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
@@ -36,6 +44,8 @@ class FP8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.dense_weight: torch.Tensor | None = None
         self.kernels = {"decode": "dequant", "prefill": "dequant"}
+        self._fns = (kernels.dequant, kernels.dequant)
+        self.prepare()
 
     @classmethod
     def from_tensors(cls, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str | None,
@@ -54,7 +64,16 @@ class FP8Linear(nn.Module):
                 raise ValueError("the static scheme needs an input_scale")
             mod.input_scale = input_scale.float().reshape(1).to(weight.device)
         mod.bias = None if bias is None else bias.to(device=weight.device, dtype=dtype)
+        mod.prepare()
         return mod
+
+    def prepare(self) -> None:
+        """Derive the scale layouts the kernels take (views where the layout allows), once."""
+        ws = self.weight_scale
+        row = ws.reshape(1, -1) if ws.numel() == self.out_features else ws.reshape(1, 1).expand(1, self.out_features).contiguous()
+        for name, value in (("scale_row", row), ("scale_flat", ws.reshape(-1)), ("scale_0d", ws.reshape(-1)[0] if ws.numel() == 1 else None),
+                            ("input_scale_0d", self.input_scale.reshape(()) if self.input_scale is not None else None)):
+            self.register_buffer(name, value, persistent=False)
 
     @property
     def signature(self) -> tuple:
@@ -75,18 +94,24 @@ class FP8Linear(nn.Module):
         elif self.weight is None:
             raise ValueError("this layer's FP8 weight was already replaced by a dense BF16 one")
         self.kernels = {"decode": decode, "prefill": prefill}
+        self._fns = (kernels.FNS[decode], kernels.FNS[prefill])
 
     def weight_bytes(self) -> int:
         tensors = [self.weight, self.weight_scale, self.input_scale, self.bias, self.dense_weight]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+        if self.group is not None:
+            return self.group.member_forward(self, x)
+        return self.project(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """This layer's own product, with the kernel of the bucket x's row count falls in."""
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        kernel = self.kernels["decode"] if x2.shape[0] <= DECODE_MAX_M else self.kernels["prefill"]
-        return kernels.run(kernel, self, x2).reshape(*lead, self.out_features)
+        fn = self._fns[0] if x2.shape[0] <= DECODE_MAX_M else self._fns[1]
+        return fn(self, x2).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, weights={self.weights}, "

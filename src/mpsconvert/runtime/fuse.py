@@ -1,4 +1,4 @@
-"""Fuse FP8 layers that read the same input (q/k/v, gate/up) into one FP8 GEMM.
+"""Layers that read the same input (q/k/v, gate/up) run as one FP8 GEMM, in the loaded model.
 
 Why: with dynamic activations each FP8 layer quantizes its input; three layers reading the same
 hidden state would quantize it three times and launch three GEMMs. One fused layer quantizes
@@ -6,6 +6,20 @@ once and runs one larger GEMM (better tensor-core occupancy, and for decode one 
 Concatenation is exact for row-wise scales; per-tensor scales that differ are expanded to rows
 (still exact, but the layer then runs row-wise kernels). Static input scales must agree, since
 the layers share one input.
+
+In a transformers model the three projections are called one after another by the model's own
+code (`self.q_proj(h)`, `self.k_proj(h)`, `self.v_proj(h)`), which we do not change. So each
+member stays an FP8Linear whose weight is a view of the fused weight, and `SharedInput` runs the
+fused GEMM on the first member's call and hands the other members their slices when they are
+called with the very same tensor (same object, unmodified: `_version`). What is shared at
+prefill is a switch, measured (PREFILL_SHARES). A member called with
+another input gets its own product, so the outputs are always the members' own; if the members
+of a group turn out not to share their input, the group stops fusing (`shared = False`).
+The same hand-over is traced by torch.compile (dynamo records the stash as a side effect and
+the graph holds one quantization and one GEMM per group; tests/test_runtime_fuse.py checks the
+generated code, and that neither a whole-model nor a per-layer compile recompiles). Leaving the
+members separate under compile is no substitute: Inductor does not merge three identical
+quantizations and GEMMs of one input (measured on its generated code: three `_scaled_mm`).
 """
 
 from __future__ import annotations
@@ -13,7 +27,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fp8linear import FP8Linear
+from . import act_quant, kernels
+from .fp8linear import DECODE_MAX_M, FP8Linear
+
+# What siblings share at prefill: "gemm" (one quantization and one fused GEMM; the members get
+# strided slices of its output) or "quantization" (one quantized input, a GEMM per member,
+# contiguous outputs). Measured on the H200 in one run (benchmarks/model_latency.py, Llama-3-8B
+# shape, 32 layers, 2048 tokens, eager): "gemm" 46.99 ms (GPU busy 43.26), "quantization"
+# 49.12 ms (GPU busy 40.16 ms, but the host fell behind), BF16 60.03 ms; compiled, "gemm" was
+# 1.59x BF16 and "quantization" 1.50x (two runs). Decode always shares the fused GEMV.
+PREFILL_SHARES = "gemm"
+# Sibling projections that read one input, by the names transformers gives them.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
 
 def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
@@ -41,7 +66,8 @@ def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
 
 
 class FusedFP8(nn.Module):
-    """One FP8 GEMM whose output is split back into the original layers' outputs."""
+    """One FP8 GEMM whose output is split back into the original layers' outputs (a layer stack
+    of our own, as benchmarks/runtime.py builds; loaded models use SharedInput)."""
 
     def __init__(self, layers: list[FP8Linear]):
         super().__init__()
@@ -50,3 +76,122 @@ class FusedFP8(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.inner(x).split(self.sizes, dim=-1)
+
+
+class SharedInput(nn.Module):
+    """Members that read one input: one quantization and one GEMM (`inner`) for all of them."""
+
+    def __init__(self, members: list[FP8Linear], names: list[str]):
+        super().__init__()
+        self.inner = fuse_fp8(members)
+        self.names = list(names)
+        self.sizes = [m.out_features for m in members]
+        self.shared = True
+        self.hits = self.misses = 0
+        self._all = (1 << len(members)) - 1
+        self._x = self._outs = None
+        self._version = -1
+        self._pending = 0
+        start = 0
+        for slot, m in enumerate(members):
+            stop = start + m.out_features
+            m.weight = self.inner.weight[start:stop]  # a view: the fused weight is the only copy
+            if self.inner.weight_scale.numel() != 1 and m.weight_scale.numel() != 1:
+                m.weight_scale = self.inner.weight_scale[start:stop]
+            m.prepare()
+            object.__setattr__(m, "group", self)  # a reference, not a submodule (no cycle, no double state_dict)
+            object.__setattr__(m, "slot", slot)
+            start = stop
+
+    def _shared(self, member: FP8Linear, x: torch.Tensor):
+        """What the first member computes for all: the fused GEMM's output, split (decode, and
+        prefill by default), or with PREFILL_SHARES = "quantization" at prefill the quantized
+        input, on which each member runs its own GEMM (contiguous outputs: the model's
+        elementwise ops on them ran ~3 ms less GPU time per 2048-token Llama-8B prefill, but the
+        three GEMM launches cost more host time than that saved; see PREFILL_SHARES)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        inner = self.inner
+        if x2.shape[0] <= DECODE_MAX_M or PREFILL_SHARES == "gemm" or inner._fns[1] not in kernels.QUANTIZING:
+            return "out", inner.project(x).split(self.sizes, dim=-1)
+        x2 = x2 if x2.dtype == inner.dtype else x2.to(inner.dtype)
+        return "q", act_quant.quantize(x2, inner.input_scale if inner.activations == "tensor" else None)
+
+    @staticmethod
+    def _take(member: FP8Linear, kind: str, value, x: torch.Tensor, slot: int) -> torch.Tensor:
+        if kind == "out":
+            return value[slot]
+        x2 = x.reshape(-1, x.shape[-1])
+        return member._fns[1](member, x2, value).view(*x.shape[:-1], member.out_features)
+
+    def _traced(self, member: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        """The same hand-over while dynamo traces: no counters and no `_version` (each would be a
+        guard that changes on every call); the stash is empty again once the last member took
+        its share, so the module's state at the end of a call is what it was at the start."""
+        slot = member.slot
+        if self._x is x and self._pending >> slot & 1:
+            self._pending = self._pending & ~(1 << slot)
+            kind, value = self._outs
+            if not self._pending:
+                self._x = self._outs = None
+            return self._take(member, kind, value, x, slot)
+        kind, value = self._shared(member, x)
+        self._x, self._outs, self._pending = x, (kind, value), self._all & ~(1 << slot)
+        return self._take(member, kind, value, x, slot)
+
+    def member_forward(self, member: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        slot = member.slot
+        if torch.compiler.is_compiling():
+            return self._traced(member, x)
+        if self._x is x and self._version == x._version and self._pending >> slot & 1:
+            self._pending &= ~(1 << slot)
+            kind, value = self._outs
+            if not self._pending:
+                self._x = self._outs = None
+            self.hits += 1
+            return self._take(member, kind, value, x, slot)
+        if self._pending:  # another input came while members still waited for theirs
+            self.misses += 1
+            if self.misses > 2 * self.hits + 2:
+                self.shared = False
+        if not self.shared:
+            self._x = self._outs = None
+            self._pending = 0
+            return member.project(x)
+        kind, value = self._shared(member, x)
+        self._x, self._version, self._outs, self._pending = x, x._version, (kind, value), self._all & ~(1 << slot)
+        return self._take(member, kind, value, x, slot)
+
+
+def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """(parent, member names) for every group of sibling FP8 layers that can share their input."""
+    found = []
+    for parent in model.modules():
+        for names in SIBLINGS:
+            mods = [parent._modules.get(n) for n in names]
+            if not all(isinstance(m, FP8Linear) and m.weight is not None and m.group is None for m in mods):
+                continue
+            first = mods[0]
+            if any(m.in_features != first.in_features or m.activations != first.activations or m.dtype != first.dtype for m in mods):
+                continue
+            if first.activations == "tensor" and len({float(m.input_scale) for m in mods}) != 1:
+                continue  # a static scheme needs one scale for the shared input
+            found.append((parent, list(names)))
+    return found
+
+
+def share_inputs(model: nn.Module) -> list[SharedInput]:
+    """Group every set of sibling FP8 layers of `model` (attached to their parent as
+    `fused_<names>`); returns the groups."""
+    groups = []
+    for parent, names in find_siblings(model):
+        group = SharedInput([parent._modules[n] for n in names], names)
+        parent.add_module("fused_" + "_".join(names), group)
+        groups.append(group)
+    return groups
+
+
+def unshare(parent: nn.Module, group: SharedInput) -> None:
+    """Undo one group (its members keep their views of the fused weight and compute alone)."""
+    for n in group.names:
+        object.__setattr__(parent._modules[n], "group", None)
+    del parent._modules["fused_" + "_".join(group.names)]

@@ -1,14 +1,20 @@
 """The candidate ways to compute one FP8 linear layer, per device. The policy picks among them.
 
-Each kernel takes the 2-D activations `x [M, K]` and an FP8Linear `mod` (weight e4m3 [N, K],
-weight_scale [1] or [N, 1], optional input_scale [1], bias) and returns `[M, N]`:
+Each kernel is a plain function `fn(mod, x)` of an FP8Linear `mod` (weight e4m3 [N, K], its
+scales prepared once in the layouts the kernels take, optional input_scale [1], bias) and the
+2-D activations `x [M, K]`, returning `[M, N]`. The layer stores the two functions it runs
+(decode, prefill), so a call does no lookup, no reshape of a scale and no `.contiguous()`:
 
 - ``scaled_mm_row`` / ``scaled_mm_tensor``: quantize the activations (per token for the dynamic
-  scheme, with the calibrated scale for the static one) and run `torch._scaled_mm` (CUDA) or
-  `F.scaled_mm` (MPS, torch >= 2.10 API) with row-wise or tensor-wise scales. On CUDA the
-  activation quantization is one torch.compile'd function, so amax/divide/clamp/cast fuse into
-  one pass instead of four eager kernels (which alone made the FP8 stack slower than BF16).
+  scheme, with the calibrated scale for the static one; runtime/act_quant.py: one Triton kernel
+  in eager mode, plain ops that Inductor fuses under torch.compile) and run `torch._scaled_mm`
+  (CUDA) or `F.scaled_mm` (MPS, torch >= 2.10 API) with row-wise or tensor-wise scales.
 - ``gemv``: the Triton FP8-weight GEMV (triton_gemv.py), BF16 activations, for decode.
+- ``gemv_w8a8``: decode as the scheme computes it (activations quantized as for `_scaled_mm`),
+  the e4m3 x e4m3 product on the tensor cores with the few rows padded to 16 (triton_gemv.py):
+  no weight is converted element by element, which is what bounds the BF16-activation GEMV.
+- ``gemv_splitk``: the same product through the MoE decode kernel (moe_triton.py, one expert):
+  split-K with atomic adds, which fills the GPU where few output rows leave programs idle.
 - ``dequant``: dequantize the weight on every call, then a BF16 matmul (weights stay FP8 in
   memory; only worth it where the matmul dwarfs the dequantization, e.g. MPS prefill).
 - ``bf16``: a dense weight dequantized once at load (CPU for weight-only schemes; elsewhere only
@@ -20,83 +26,92 @@ weight_scale [1] or [N, 1], optional input_scale [1], bias) and returns `[M, N]`
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from ..fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_token_scale
-from . import triton_gemv
+from ..fp8 import dequantize
+from . import act_quant, moe_triton, triton_gemv
 
-KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "gemv", "dequant", "bf16", "dense_qact")
+KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
 
 
-def _quantize_acts(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 codes, dequant scale [M, 1] per token, or the static [1, 1])."""
-    if input_scale is None:
-        scale = per_token_scale(x)
-    else:
-        scale = input_scale.float().reshape(1, 1)
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_quantize():
-    return torch.compile(_quantize_acts, dynamic=True, fullgraph=True)
+def _static(mod) -> torch.Tensor | None:
+    return mod.input_scale if mod.activations == "tensor" else None
 
 
 def quantize_acts(x: torch.Tensor, input_scale: torch.Tensor | None):
-    """Fused on CUDA (torch.compile), plain ops elsewhere (MPS/CPU have no Inductor GPU backend we rely on)."""
-    if x.device.type == "cuda" and not torch.compiler.is_compiling():  # inside a compiled model Inductor fuses it anyway
-        return _compiled_quantize()(x, input_scale)
-    return _quantize_acts(x, input_scale)
+    """x [M, K] -> (e4m3 codes, float32 dequant scale [M, 1]): per token, or the static scale."""
+    return act_quant.quantize(x, input_scale)
 
 
-def _mm(xq, x_scale, mod, rowwise: bool, out_dtype, functional: bool | None = None):
-    """The FP8 GEMM. MPS uses the public `F.scaled_mm` (ScalingType API, torch >= 2.10); CUDA the
-    `torch._scaled_mm` that torch.compile and CUDA graphs handle today. `functional` forces one
-    (tests run the MPS call form on CPU, where both exist)."""
-    w = mod.weight
-    ws = mod.weight_scale.float()
-    n = w.shape[0]
-    if rowwise:
-        sa = x_scale.expand(xq.shape[0], 1).contiguous() if x_scale.numel() == 1 else x_scale
-        sb = ws.reshape(1, -1).expand(1, n).contiguous() if ws.numel() == 1 else ws.reshape(1, n)
-    else:
-        sa, sb = x_scale.reshape(()), ws.reshape(())
+def _mm(xq, sa, w, sb, out_dtype, functional: bool | None = None):
+    """The FP8 GEMM xq @ w.T with scales sa (rows of x, or 0-d) and sb ([1, N], or 0-d). MPS uses
+    the public `F.scaled_mm` (ScalingType API, torch >= 2.10); CUDA the `torch._scaled_mm` that
+    torch.compile and CUDA graphs handle today. `functional` forces one (tests run the MPS call
+    form on CPU, where both exist)."""
     if functional if functional is not None else xq.device.type == "mps":
         if not hasattr(F, "scaled_mm"):
             raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (torch >= 2.10 needed for FP8 matmul on MPS)")
-        kind = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
+        kind = F.ScalingType.TensorWise if sa.ndim == 0 else F.ScalingType.RowWise
         return F.scaled_mm(xq, w.t(), sa, kind, sb, kind, output_dtype=out_dtype)
     # Fast accumulation, as torchao float8 inference uses: ~5-10% faster on Hopper at 2048 tokens;
     # its rounding is far below the e4m3 quantization error (validate measures the end result).
     return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=True)
 
 
-def scaled_mm(mod, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    xq, xs = quantize_acts(x, mod.input_scale if mod.activations == "tensor" else None)
-    y = _mm(xq, xs, mod, rowwise, x.dtype)
+def scaled_mm_row(mod, x, quantized=None):
+    xq, xs = quantized if quantized is not None else act_quant.quantize(x, _static(mod))
+    y = _mm(xq, xs, mod.weight, mod.scale_row, x.dtype)
     return y + mod.bias if mod.bias is not None else y
 
 
+def scaled_mm_tensor(mod, x, quantized=None):
+    xq, _ = quantized if quantized is not None else act_quant.quantize(x, mod.input_scale)
+    y = _mm(xq, mod.input_scale_0d, mod.weight, mod.scale_0d, x.dtype)
+    return y + mod.bias if mod.bias is not None else y
+
+
+QUANTIZING = (scaled_mm_row, scaled_mm_tensor)  # kernels that take an input quantized once for several layers
+
+
+def gemv(mod, x):
+    return triton_gemv.gemv(x, mod.weight, mod.scale_flat, mod.bias)
+
+
+def gemv_w8a8(mod, x):
+    xq, xs = act_quant.quantize(x, _static(mod))
+    return triton_gemv.dot_gemv(xq, xs, mod.weight, mod.scale_flat, mod.bias, x.dtype)
+
+
+def gemv_splitk(mod, x):
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+    y = moe_triton.expert_gemv(x, rows, torch.zeros_like(rows), mod.weight.unsqueeze(0), mod.scale_row)
+    return y + mod.bias if mod.bias is not None else y
+
+
+def dequant(mod, x):
+    return F.linear(x, dequantize(mod.weight, mod.weight_scale, x.dtype), mod.bias)
+
+
+def bf16(mod, x):
+    return F.linear(x, mod.dense_weight, mod.bias)
+
+
+def dense_qact(mod, x):
+    xq, xs = act_quant.torch_quantize(x, _static(mod))
+    return F.linear((xq.float() * xs).to(x.dtype), mod.dense_weight, mod.bias)
+
+
+FNS = {"scaled_mm_row": scaled_mm_row, "scaled_mm_tensor": scaled_mm_tensor, "gemv": gemv, "gemv_w8a8": gemv_w8a8, "gemv_splitk": gemv_splitk,
+       "dequant": dequant, "bf16": bf16, "dense_qact": dense_qact}  # fmt: skip
+
+
 def run(kernel: str, mod, x: torch.Tensor) -> torch.Tensor:
-    if kernel == "bf16":
-        return F.linear(x, mod.dense_weight, mod.bias)
-    if kernel == "dense_qact":
-        xq, xs = _quantize_acts(x, mod.input_scale if mod.activations == "tensor" else None)
-        return F.linear((xq.float() * xs).to(x.dtype), mod.dense_weight, mod.bias)
-    if kernel == "gemv":
-        return triton_gemv.fp8_gemv(x, mod.weight, mod.weight_scale.float(), mod.bias)
-    if kernel == "scaled_mm_row":
-        return scaled_mm(mod, x, rowwise=True)
-    if kernel == "scaled_mm_tensor":
-        return scaled_mm(mod, x, rowwise=False)
-    if kernel == "dequant":
-        return F.linear(x, dequantize(mod.weight, mod.weight_scale, x.dtype), mod.bias)
-    raise ValueError(f"unknown kernel {kernel!r}")
+    fn = FNS.get(kernel)
+    if fn is None:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    return fn(mod, x)
 
 
 def candidates(device_type: str, activations: str | None, weights: str, bucket: str) -> list[str]:
@@ -112,7 +127,7 @@ def candidates(device_type: str, activations: str | None, weights: str, bucket: 
     if activations is not None:
         out.append("scaled_mm_tensor" if (activations == "tensor" and weights == "tensor") else "scaled_mm_row")
     if device_type == "cuda" and bucket == "decode" and triton_gemv.available():
-        out.append("gemv")
+        out += ["gemv", "gemv_splitk"] + (["gemv_w8a8"] if activations is not None else [])
     if device_type == "mps" or bucket == "prefill" or not out:
         out.append("dequant")
     out.append("bf16")

@@ -1,24 +1,35 @@
 """Load an FP8 compressed-tensors checkpoint (ours or llm-compressor's) as a ready transformers model.
 
 How, and why this way:
-- The artifact is verified first (manifests/verify.py: sha256 against the manifest, scales and
-  shapes against config.json); a tampered or truncated file is refused with an ArtifactError.
-  `verify=False` skips the hashing (the structural checks a load needs still run).
 - The architecture is built from config.json with its parameters on the meta device (no memory,
   no random init) but its buffers real (rotary tables and position ids are computed in
-  `__init__` and are not in checkpoints). Tensors are then read with safetensors, one at a time,
-  straight to the target device in `dtype`.
+  `__init__` and are not in checkpoints).
+- The artifact's structure is checked first (manifests/verify.py: headers, scales and shapes
+  against config.json) and, with `verify=True`, every file's size against the manifest. Then
+  every destination tensor is allocated on the device and the shards are read once each, in
+  parallel (runtime/stream.py): each block is hashed as it passes and its tensor bytes are
+  copied straight to their place. Before the model is returned every file's sha256 is compared
+  with the manifest; a tampered or truncated file is refused with an ArtifactError.
+  `verify=False` skips the hashing (the structural checks still run).
 - Every Linear whose weight is stored as F8_E4M3 becomes an FP8Linear holding the e4m3 codes and
   scales on the device (no BF16 copy). On CPU each is dequantized once to `dtype` instead, since
   FP8 matmul on CPU is orders of magnitude slower. An FP8 tensor that belongs to a module we have
   no FP8 kernel for (llm-compressor's model-free path also quantizes `embed_tokens`) is
   dequantized once at load, and listed in `model.mpsconvert.dequantized`.
-- Kernels are then chosen per layer shape by runtime/policy.py (measured, cached).
+- MoE experts (transformers 5 fuses a layer's experts into one module of 3-D parameters) become
+  `FP8Experts`, whichever way the artifact stores them: per-expert 2-D tensors (the default, the
+  hub's layout; each streamed into its rows of the layer's [E, N, K] codes) or fused 3-D tensors
+  (`--experts-layout checkpoint`). Which key holds which rows is transformers' own mapping
+  (moe_layout.py); so are the other names it changes on save (Mixtral's router).
+- On GPUs, sibling layers that read one input (q/k/v, gate/up) share one activation quantization
+  and one GEMM (runtime/fuse.py). Kernels are then chosen per layer shape by runtime/policy.py
+  (measured once per machine, cached).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +41,9 @@ from ..fp8 import FP8_DTYPE, dequantize
 from ..errors import MpsconvertError, ArtifactError
 from ..manifests import layout
 from ..manifests.ct_config import scheme_from_config
-from ..manifests.verify import check_artifact
+from ..manifests.verify import check_artifact, check_digests, check_sizes, raise_problems, verify_artifact
+from ..safetensors_io import DTYPES
+from . import stream
 from .fp8linear import FP8Linear
 from .policy import KernelPolicy
 
@@ -51,19 +64,31 @@ class LoadInfo:
     dequantized: list = field(default_factory=list)  # FP8 tensors of non-Linear modules, made dense
     kernels: list = field(default_factory=list)  # policy decisions
     weight_bytes: int = 0
+    experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
+    shared_inputs: list = field(default_factory=list)  # sibling layers fused into one GEMM
+    seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def _resolver(model: nn.Module):
-    """checkpoint key -> model key, allowing for a saved-with/without base_model_prefix."""
+def _resolver(model: nn.Module, renamed: dict[str, str] | None = None):
+    """checkpoint key -> model key, allowing for a saved-with/without base_model_prefix and for
+    the names transformers changes on save (`renamed`: stored key -> model key; a renamed
+    `<m>.weight` renames its module's FP8 parts too)."""
     names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     modules = {n for n, _ in model.named_modules()}
     prefix = getattr(model, "base_model_prefix", "") or ""
+    renamed = renamed or {}
+    mod_renames = {k.rpartition(".")[0]: v.rpartition(".")[0] for k, v in renamed.items() if k.endswith(".weight")}
 
     def resolve(key: str) -> str | None:
         mod, _, leaf = key.rpartition(".")
+        if key in renamed:
+            key = renamed[key]
+        elif mod in mod_renames and leaf in _FP8_PARTS:
+            key = f"{mod_renames[mod]}.{leaf}"
+        mod = key.rpartition(".")[0]
         for cand in (key, f"{prefix}.{key}", key[len(prefix) + 1:] if key.startswith(prefix + ".") else None):
             if cand and (cand in names or (leaf in _FP8_PARTS and cand.rpartition(".")[0] in modules)):
                 return cand
@@ -84,15 +109,19 @@ def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
 
 
 def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify: bool = True, *,
-         prefill_m: int = 512, kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None):
+         prefill_m: int = 512, kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None,
+         share_inputs: bool = True):
     """Load an FP8 artifact as a transformers model in eval mode; `model.mpsconvert` says how.
 
     device: 'auto' | 'cuda' | 'cuda:N' | 'mps' | 'cpu' (devices.choose: an unavailable device is an
-    error, never a fallback). verify: check every file's sha256 against the manifest.
-    kernel_cache / measure: passed to KernelPolicy (cache file or False; injected timer).
+    error, never a fallback). verify: check every file's sha256 against the manifest (while the
+    files are read, before the model is returned). kernel_cache / measure: passed to
+    KernelPolicy (cache file or False; injected timer). share_inputs: fuse q/k/v and gate/up
+    into one GEMM each on GPUs (fuse.py). progress(phase, done, total, detail).
     """
-    from safetensors import safe_open
+    from ..manifests.manifest import Manifest
 
+    t0 = time.perf_counter()
     path = Path(path)
     dev = devices.choose(device)
     if dev.type == "mps" and not devices.capabilities(dev).fp8_tensors:
@@ -114,38 +143,33 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     scheme = scheme_from_config(qc)
     config, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
     linears, ignored = _linear_layout(model, qc)
-    report = check_artifact(path, check_hashes=verify, shapes=linears, ignored=ignored, progress=progress)
-    info = LoadInfo(path=str(path), device=str(dev), dtype=str(dtype).replace("torch.", ""), scheme=scheme.name,
-                    weights=scheme.weights, verify=report.as_dict())
+    manifest = None
+    if verify and (path / layout.MANIFEST_NAME).is_file():  # sizes first: a truncated file is named as such
+        report = verify_artifact(path, check_hashes=False)
+        if report.ok:
+            manifest = Manifest.read(path)
+            check_sizes(path, manifest, report)
+        raise_problems(path, report)
+    report = check_artifact(path, check_hashes=False, shapes=linears, ignored=ignored)
+    seconds = {"build_and_check": time.perf_counter() - t0}
 
-    resolve = _resolver(model)
-    fp8_modules = {resolve(m + ".weight").rpartition(".")[0] for m in report.quantized if resolve(m + ".weight")}
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    unexpected, loaded = [], set()
+    t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
-        for fname in layout.weight_files(path):
-            with safe_open(str(path / fname), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    target = resolve(key)
-                    if target is None:
-                        unexpected.append(key)
-                        continue
-                    t = f.get_tensor(key)
-                    mod_name, _, leaf = target.rpartition(".")
-                    if mod_name in fp8_modules and leaf in _FP8_PARTS:
-                        parts.setdefault(mod_name, {})[leaf] = t
-                        continue
-                    if t.is_floating_point():
-                        t = t.to(dtype)
-                    _set_tensor(model, target, t.to(dev))
-                    loaded.add(target)
-        if unexpected:
-            raise ArtifactError(
-                f"{len(unexpected)} checkpoint tensors have no place in {type(model).__name__} (e.g. {unexpected[0]})",
-                "is config.json the one this checkpoint was made with? (architectures whose keys transformers renames at load are not supported)",
-            )
-        for mod_name, p in parts.items():
-            _install(model, mod_name, p, scheme.activations, dev, dtype, info)
+        plan = _Plan(model, report, dtype, dev)
+        extra = {n: path / n for n in (manifest.files if manifest else {}) if n not in report.headers}
+        digests = stream.read_shards(list(report.headers.values()), plan.dests, dev, hash_files=manifest is not None,
+                                     extra_files=extra, progress=progress)
+        if dev.type != "cpu":
+            devices.synchronize(dev)
+        seconds["read_hash_copy"] = time.perf_counter() - t1
+        if manifest is not None:
+            check_digests(manifest, report, {n: d for n, d in digests.items() if n in manifest.files})
+            raise_problems(path, report)
+        info = LoadInfo(path=str(path), device=str(dev), dtype=str(dtype).replace("torch.", ""), scheme=scheme.name,
+                        weights=scheme.weights, verify=report.as_dict())
+        t2 = time.perf_counter()
+        plan.install(model, scheme.activations, info)
+        del plan
     model.tie_weights()
     for mod in model.modules():  # buffers made at __init__ on CPU (rotary tables, position ids)
         for name, buf in mod._buffers.items():
@@ -156,12 +180,115 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         raise ArtifactError(f"{len(missing)} tensors of {type(model).__name__} are not in the checkpoint (e.g. {missing[0]})",
                             "the checkpoint is incomplete; re-create it")
     model.eval().requires_grad_(False)
+    if share_inputs and dev.type != "cpu":
+        from .fuse import share_inputs as share
+
+        info.shared_inputs = [f"{n}: {'+'.join(g.names)}" for g in share(model) for n, m in model.named_modules() if m is g]
+    seconds["install"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
     policy = KernelPolicy(dev, prefill_m=prefill_m, measure=measure, cache=kernel_cache)
     info.kernels = [d.as_dict() for d in policy.apply(model, progress)]
+    seconds["kernels"] = time.perf_counter() - t3
     info.fp8_layers = sum(isinstance(m, FP8Linear) for m in model.modules())
     info.weight_bytes = model_bytes(model)
+    seconds["total"] = time.perf_counter() - t0
+    info.seconds = {k: round(v, 3) for k, v in seconds.items()}
     model.mpsconvert = info
     return model
+
+
+class _Plan:
+    """Where every checkpoint tensor goes: a destination on the device for its bytes, and what
+    becomes of it once filled (a parameter, an FP8Linear part, rows of an FP8Experts)."""
+
+    def __init__(self, model: nn.Module, report, dtype: torch.dtype, dev: torch.device):
+        from ..moe_layout import experts_modules, find_layout, saved_names
+        from .moe import FP8, scale_keys
+
+        self.dtype, self.dev = dtype, dev
+        stored = {k: info for h in report.headers.values() for k, info in h.tensors.items()}
+        self.dests: dict[str, torch.Tensor] = {}
+        self.params: dict[str, str] = {}  # model key -> checkpoint key
+        self.fp8: dict[str, dict[str, str]] = {}  # Linear module -> {part: checkpoint key}
+        self.experts: dict[str, dict] = {}  # experts module -> {param: (ExpertParam, codes)}
+        self.dense_experts: list = []  # (ExpertParam, 3-D parameter, pieces) of experts stored unquantized
+        claimed: set[str] = set()
+        expert_params = set()
+        if experts_modules(model):
+            for ep in find_layout(model, {k: i.shape for k, i in stored.items()}).values():
+                expert_params.add(ep.name)
+                if ep.layout not in ("fused", "per-expert"):
+                    raise ArtifactError(f"the experts {ep.name} cannot be loaded: {ep.why or ep.layout}",
+                                        "re-create the artifact with mpsconvert quantize")
+                pieces = [(ep.key, None)] if ep.layout == "fused" else [(sl.key, sl) for sl in ep.slices]
+                if all(stored[k].dtype == "F8_E4M3" for k, _ in pieces):
+                    codes = torch.empty(ep.shape, dtype=FP8, device=dev)
+                    for k, sl in pieces:
+                        self.dests[k] = codes if sl is None else codes[sl.expert, sl.start : sl.stop]
+                    for k in scale_keys(ep):
+                        if k in stored:
+                            self.dests[k] = self._alloc(stored[k])
+                            claimed.add(k)
+                    self.experts.setdefault(ep.module, {})[ep.param] = (ep, codes)
+                else:  # experts kept in full precision: assembled into the model's own 3-D parameter
+                    param = torch.empty(ep.shape, dtype=dtype, device=dev)
+                    for k, sl in pieces:
+                        dst = param if sl is None else param[sl.expert, sl.start : sl.stop]
+                        self.dests[k] = dst if stored[k].torch_dtype == dtype else self._alloc(stored[k])
+                    self.dense_experts.append((ep, param, pieces))
+                claimed.update(k for k, _ in pieces)
+        names = [n for n, _ in model.named_parameters() if n not in expert_params]
+        resolve = _resolver(model, saved_names(model, names))
+        fp8_modules = {t.rpartition(".")[0] for m in report.quantized if (t := resolve(m + ".weight"))}
+        unexpected = []
+        for key, info in stored.items():
+            if key in claimed:
+                continue
+            target = resolve(key)
+            if target is None:
+                unexpected.append(key)
+                continue
+            mod, _, leaf = target.rpartition(".")
+            self.dests[key] = self._alloc(info)
+            if mod in fp8_modules and leaf in _FP8_PARTS:
+                self.fp8.setdefault(mod, {})[leaf] = key
+            else:
+                self.params[target] = key
+        if unexpected:
+            raise ArtifactError(
+                f"{len(unexpected)} checkpoint tensors have no place in {type(model).__name__} (e.g. {unexpected[0]})",
+                "is config.json the one this checkpoint was made with?",
+            )
+
+    def _alloc(self, info) -> torch.Tensor:
+        return torch.empty(info.shape, dtype=DTYPES[info.dtype][1], device=self.dev)
+
+    def install(self, model: nn.Module, activations, info: LoadInfo) -> None:
+        from .moe import FP8Experts, _fp8_param
+
+        for target, key in self.params.items():
+            t = self.dests[key]
+            _set_tensor(model, target, t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t)
+        for mod_name, parts in self.fp8.items():
+            _install(model, mod_name, {leaf: self.dests[k] for leaf, k in parts.items()}, activations, self.dev, self.dtype, info)
+        for ep, param, pieces in self.dense_experts:
+            for k, sl in pieces:
+                dst = param if sl is None else param[sl.expert, sl.start : sl.stop]
+                if self.dests[k].data_ptr() != dst.data_ptr():  # stored in another dtype: converted here
+                    dst.copy_(self.dests[k])
+            _set_tensor(model, ep.name, param)
+        for mod_name, params in self.experts.items():
+            if set(params) != {"gate_up_proj", "down_proj"}:
+                raise ArtifactError(f"{mod_name} has FP8 {sorted(params)} only", "re-create the artifact with mpsconvert quantize")
+            (ep13, c13), (ep2, c2) = params["gate_up_proj"], params["down_proj"]
+            w13, s13, i13 = _fp8_param(ep13, self.dests, self.dev, codes=c13)
+            w2, s2, i2 = _fp8_param(ep2, self.dests, self.dev, codes=c2)
+            old = model.get_submodule(mod_name)
+            new = FP8Experts(w13, s13, w2, s2, old.act_fn, activations, i13, i2, dtype=self.dtype)
+            parent, _, leaf = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            info.experts[mod_name] = {"layout": ep13.layout, **new.paths, "experts": new.num_experts}
+        self.dests.clear()
 
 
 def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadInfo) -> None:
@@ -185,15 +312,19 @@ def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadI
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters and buffers (tied tensors counted once)."""
+    """Bytes of all parameters and buffers, each storage counted once (tied tensors, and the
+    views fused layers keep of one weight)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [m.dense_weight for m in model.modules() if isinstance(m, FP8Linear) and m.dense_weight is not None]
     for t in tensors:
-        if t is None or t.data_ptr() in seen:
+        if t is None:
             continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
     return total
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import fp8
 from ..errors import ArtifactError
+from . import act_quant
 from ..moe_layout import ExpertParam, find_layout
 
 FP8 = fp8.FP8_DTYPE
@@ -78,10 +79,13 @@ _PROBED: dict[str, bool] = {}
 
 def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None):
     """BF16 rows -> (e4m3 codes, float32 row scale [S]): per token (scale None) or the given
-    per-row static scale."""
-    scale = fp8.per_token_scale(x).reshape(-1) if scale is None else scale
-    q = (x.float() / scale[:, None]).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8)
-    return q, scale
+    per-row static scale (act_quant: one Triton kernel on CUDA in eager mode)."""
+    q, s = act_quant.quantize(x, rows_scale=scale)
+    return q, s.reshape(-1)
+
+
+def _is_silu(fn) -> bool:
+    return fn is F.silu or isinstance(fn, nn.SiLU)
 
 
 def fake_quantize_rows(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -183,25 +187,42 @@ class FP8Experts(nn.Module):
         if self.decode_path and T * k <= self.decode_pairs:
             return self._forward_gemv(x, top_k_index, top_k_weights).to(hidden_states.dtype)
         route = Route.make(top_k_index, top_k_weights, self.num_experts)
-        xs = x[route.token_ids]
-        h = self._project(xs, route, "gate_up")
-        gate, up = h.chunk(2, dim=-1)
-        h = self.act_fn(gate) * up
-        y = self._project(h, route, "down")
+        if self.path == "scaled_grouped_mm":
+            y = self._forward_fp8(x, route)
+        else:
+            h = self._project(x[route.token_ids], route, "gate_up")
+            gate, up = h.chunk(2, dim=-1)
+            y = self._project(self.act_fn(gate) * up, route, "down")
         y = y * route.weights[:, None].to(y.dtype)
         out = torch.zeros(T * k, H, dtype=y.dtype, device=y.device)
         out[route.perm] = y
         return out.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
 
+    def _forward_fp8(self, x: torch.Tensor, route: Route) -> torch.Tensor:
+        """FP8 x FP8 grouped GEMMs. Dynamic activations are quantized per token before the
+        gather (each token once, not once per expert it is routed to, and the gather then moves
+        codes instead of BF16), and SiLU(gate) * up is quantized in the same kernel that computes
+        it, so the product never goes to memory in BF16."""
+        static = self.activations == "tensor"
+        if static:  # each expert has its own input scale: quantized after the gather
+            q, s = act_quant.quantize(x[route.token_ids], rows_scale=self.gate_up_input_scale[route.expert_ids])
+        else:
+            q, s = act_quant.quantize(x)
+            q, s = q[route.token_ids], s[route.token_ids]
+        h = torch._scaled_grouped_mm(q, self.gate_up_codes.transpose(-2, -1), s.reshape(-1), self.gate_up_scale,
+                                     offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True)  # fmt: skip
+        rows = self.down_input_scale[route.expert_ids] if static else None
+        if _is_silu(self.act_fn):
+            q, s = act_quant.silu_mul_quantize(h, rows_scale=rows)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            q, s = act_quant.quantize(self.act_fn(gate) * up, rows_scale=rows)
+        return torch._scaled_grouped_mm(q, self.down_codes.transpose(-2, -1), s.reshape(-1), self.down_scale,
+                                        offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True)  # fmt: skip
+
     def _project(self, x: torch.Tensor, route: Route, which: str) -> torch.Tensor:
         in_scale = getattr(self, f"{which}_input_scale")
         row_scale = in_scale[route.expert_ids] if self.activations == "tensor" else None
-        if self.path == "scaled_grouped_mm":
-            q, s = quantize_rows(x, row_scale)
-            w = getattr(self, f"{which}_codes").transpose(-2, -1)  # [E, K, N] column-major
-            return torch._scaled_grouped_mm(
-                q, w, s, getattr(self, f"{which}_scale"), offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True
-            )
         if self.activations is not None:
             x = fake_quantize_rows(x, row_scale)
         w = getattr(self, f"{which}_dense")
@@ -275,8 +296,11 @@ class MoEReport:
         return {"replaced": self.replaced, "skipped": self.skipped, "activations": self.activations}
 
 
-def _fp8_param(ep: ExpertParam, tensors, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes [E, N, K], scale [E, N] or [E, 1], input scale [E] or None) from the artifact."""
+def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes [E, N, K], scale [E, N] or [E, 1], input scale [E] or None) from the artifact.
+    `codes`: the experts' codes already assembled on the device (the loader streams each
+    per-expert tensor into its rows), so only the scales are read from `tensors`."""
     E, N, K = ep.shape
 
     def get(key):
@@ -284,18 +308,22 @@ def _fp8_param(ep: ExpertParam, tensors, device) -> tuple[torch.Tensor, torch.Te
         return None if t is None else t.to(device)
 
     if ep.layout == "fused":
-        codes, scale, ins = get(ep.key), get(ep.key + "_scale"), get(ep.key + "_input_scale")
+        codes = codes if codes is not None else get(ep.key)
+        scale, ins = get(ep.key + "_scale"), get(ep.key + "_input_scale")
         if codes is None or codes.dtype != FP8 or scale is None:
             raise ArtifactError(f"{ep.key} is not stored as FP8 with a {ep.key}_scale", "re-create the artifact with mpsconvert quantize")
         return codes, scale.float().reshape(E, -1), ins
-    codes = torch.empty(E, N, K, dtype=FP8, device=device)
+    assembled = codes is not None
+    codes = codes if assembled else torch.empty(E, N, K, dtype=FP8, device=device)
     scale = torch.empty(E, N, dtype=torch.float32, device=device)
     ins = [None] * E
     for sl in ep.slices:
-        w, s = get(sl.key), get(sl.key + "_scale")
-        if w is None or w.dtype != FP8 or s is None:
+        w = None if assembled else get(sl.key)
+        s = get(sl.key + "_scale")
+        if (not assembled and (w is None or w.dtype != FP8)) or s is None:
             raise ArtifactError(f"{sl.key} is not stored as FP8 with a weight_scale", "re-create the artifact with mpsconvert quantize")
-        codes[sl.expert, sl.start : sl.stop] = w
+        if not assembled:
+            codes[sl.expert, sl.start : sl.stop] = w
         scale[sl.expert, sl.start : sl.stop] = s.float().reshape(-1).expand(sl.stop - sl.start)
         i = get(sl.key[: -len("weight")] + "input_scale")
         if i is not None:
@@ -303,6 +331,13 @@ def _fp8_param(ep: ExpertParam, tensors, device) -> tuple[torch.Tensor, torch.Te
             ins[sl.expert] = i.float().reshape(()) if ins[sl.expert] is None else torch.maximum(ins[sl.expert], i.float().reshape(()))
     input_scale = torch.stack(ins) if all(v is not None for v in ins) else None
     return codes, scale, input_scale
+
+
+def scale_keys(ep: ExpertParam) -> list[str]:
+    """The checkpoint keys of one expert parameter's scales (weight and, when stored, input)."""
+    if ep.layout == "fused":
+        return [ep.key + "_scale", ep.key + "_input_scale"]
+    return [k for sl in ep.slices for k in (sl.key + "_scale", sl.key[: -len("weight")] + "input_scale")]
 
 
 def _activations_from(model, qc=None) -> str | None:

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from .triton_gemv import autotune
+
 try:  # triton is optional: absent on CPU-only and MPS installs
     import triton
     import triton.language as tl
@@ -64,8 +66,8 @@ if triton is not None:
     if _INTERPRET:
         _kernel = _expert_gemv_kernel
     else:
-        _kernel = triton.autotune(
-            configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w) for bn, bk, sk, w in _CONFIGS],
+        _kernel = autotune(
+            [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w) for bn, bk, sk, w in _CONFIGS],
             key=["N", "K"],
             reset_to_zero=["y_ptr"],
         )(_expert_gemv_kernel)
@@ -73,9 +75,16 @@ if triton is not None:
 
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
-    scale[E, N]) -> y [P, N] in x's dtype."""
+    scale[E, N]) -> y [P, N] in x's dtype. The kernel itself in eager mode; under torch.compile
+    the custom op `mpsconvert::expert_gemv` (opaque to dynamo, with a fake implementation)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
+    if torch.compiler.is_compiling():
+        return _expert_gemv_op(x, tok, ids, codes, scale)
+    return _launch(x, tok, ids, codes, scale)
+
+
+def _launch(x, tok, ids, codes, scale):
     P = ids.numel()
     E, N, K = codes.shape
     x = x.contiguous()
@@ -89,3 +98,14 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: to
         **fixed,
     )  # fmt: skip
     return y.to(x.dtype)
+
+
+if triton is not None:
+
+    @torch.library.custom_op("mpsconvert::expert_gemv", mutates_args=())
+    def _expert_gemv_op(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return _launch(x, tok, ids, codes, scale)
+
+    @_expert_gemv_op.register_fake
+    def _(x, tok, ids, codes, scale):
+        return x.new_empty(ids.numel(), codes.shape[1])

@@ -164,9 +164,11 @@ class KernelPolicy:
 
     def apply(self, model: torch.nn.Module, progress: Progress | None = None) -> list[Decision]:
         """Decide once per distinct layer signature, install the kernels on every FP8Linear."""
+        from .fuse import SharedInput, unshare
+
         groups: dict[tuple, list[FP8Linear]] = {}
         for mod in model.modules():
-            if isinstance(mod, FP8Linear):
+            if isinstance(mod, FP8Linear) and mod.group is None:  # members of a fused group run its inner layer
                 groups.setdefault(mod.signature, []).append(mod)
         self.decisions = []
         progress = or_silent(progress)
@@ -177,6 +179,18 @@ class KernelPolicy:
                 layer.set_kernels(dec.choice, pre.choice)
             dec.layers = pre.layers = len(layers)
             self.decisions += [dec, pre]
+        for parent in list(model.modules()):
+            for name, group in list(parent._modules.items()):
+                if not isinstance(group, SharedInput):
+                    continue
+                members = [parent._modules[n] for n in group.names]
+                if group.inner.dense_weight is not None:  # BF16 won for the fused shape: no fusion, each member dense
+                    unshare(parent, group)
+                    for m in members:
+                        m.set_kernels("bf16", "bf16")
+                else:
+                    for m in members:  # used when the members turn out not to share an input
+                        m.set_kernels(**group.inner.kernels)
         if self.device.type != "cpu":
             self._write_cache()
         return self.decisions

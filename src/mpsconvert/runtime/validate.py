@@ -2,18 +2,21 @@
 
 Accuracy: both models see the same eval text. Causal LMs: perplexity of each, its delta, mean
 KL(bf16 || fp8) and top-1 agreement of next-token distributions (runtime/metrics.py). Encoders:
-cosine of mean-pooled sentence embeddings. Latency: prefill of `prefill_len` tokens and decode
-of `decode_tokens` tokens after it (batch 1, static KV cache), warm-up first, the device
-synchronised around every timed step, median and p95; on CUDA decode runs through
-torch.compile(mode="reduce-overhead") (CUDA graphs), the way transformers documents fast
-decoding. Peak device memory of each model's phase and its weight bytes. Results go into the
-artifact's manifest (`validation`, written atomically) with device and settings.
+cosine of mean-pooled sentence embeddings. Latency, on one sequence of `prefill_len` tokens at
+batch 1 for every model kind: prefill (`logits_to_keep=1`, what `generate` asks) and, for causal
+LMs, `decode_tokens` decode steps after it (static KV cache), the device synchronised around
+every timed step; on CUDA decode runs through torch.compile(mode="reduce-overhead") (CUDA
+graphs), the way transformers documents fast decoding. Timing runs in rounds that alternate the
+two models where nothing is compiled; a speed verdict is given only beyond the run-to-run spread
+of the rounds (timing.verdict), so that noise reads as "no clear difference". Peak device memory
+and each model's weight bytes. Results go into the artifact's manifest (`validation`, written
+atomically) with device and settings.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,8 +38,9 @@ class ValidateOptions:
     max_samples: int = 8
     prefill_len: int = 512
     decode_tokens: int = 32
-    repeats: int = 10
-    warmup: int = 3
+    repeats: int | None = None  # timed runs per round; None: 10 on a GPU, 3 on CPU
+    warmup: int | None = None  # untimed runs first; None: 3 on a GPU, 1 on CPU
+    rounds: int = 3  # the spread between rounds decides whether a speed difference is clear
     latency: bool = True
     compile: str = "auto"  # auto (CUDA only) | on | off
     write: bool = True
@@ -84,48 +88,107 @@ def _peak(dev) -> int | None:
     return m.get("peak_allocated", m.get("driver_allocated"))
 
 
-def _latency_causal(model, ids: torch.Tensor, opts: ValidateOptions, dev, use_compile: bool) -> dict:
-    from transformers import StaticCache
+def _accepts(model, arg: str) -> bool:
+    import inspect
 
-    ids = ids[:, : opts.prefill_len]
-    t = ids.shape[1]
-    devices.reset_peak(dev)
-    cache = StaticCache(config=model.config, max_cache_len=t + opts.decode_tokens + opts.warmup + 2)
-
-    def prefill():
-        cache.reset()
-        return model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(t, device=dev)).logits
-
-    with torch.no_grad():
-        pre = timing.wall_samples(prefill, dev, opts.repeats, opts.warmup)
-        step = torch.compile(model.forward, mode="reduce-overhead") if use_compile else model.forward
-        logits = prefill()
-        tok = logits[:, -1:].argmax(-1)
-        per_token = []
-        for i in range(opts.warmup + opts.decode_tokens):
-            pos = torch.tensor([t + i], device=dev)
-            devices.synchronize(dev)
-            t0 = time.perf_counter()
-            out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos).logits
-            tok = out[:, -1:].argmax(-1).clone()
-            devices.synchronize(dev)
-            if i >= opts.warmup:  # the first calls compile / capture the graph
-                per_token.append(time.perf_counter() - t0)
-    dec = timing.stats(per_token)
-    return {
-        "prefill": timing.stats(pre) | {"tokens": t},
-        "decode": dec | {"tokens": len(per_token), "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None},
-        "peak_memory_bytes": _peak(dev),
-        "peak_memory_note": PEAK_NOTE,
-    }
+    try:
+        return arg in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
-def _latency_encoder(model, batch: dict, opts: ValidateOptions, dev) -> dict:
-    devices.reset_peak(dev)
-    with torch.no_grad():
-        pre = timing.wall_samples(lambda: model(**batch), dev, opts.repeats, opts.warmup)
-    return {"prefill": timing.stats(pre) | {"tokens": int(batch["input_ids"].numel())}, "peak_memory_bytes": _peak(dev),
-            "peak_memory_note": PEAK_NOTE}
+class _CausalTimer:
+    """Prefill of the prompt and decode steps after it (batch 1, static KV cache), in rounds:
+    the first round also warms up (and compiles, on CUDA), every round adds samples."""
+
+    def __init__(self, model, ids: torch.Tensor, opts: ValidateOptions, dev, use_compile: bool):
+        from transformers import StaticCache
+
+        self.model, self.ids, self.opts, self.dev = model, ids[:, : opts.prefill_len], opts, dev
+        self.t = self.ids.shape[1]
+        self.cache = StaticCache(config=model.config, max_cache_len=self.t + opts.decode_tokens + opts.warmup + 2)
+        # what `generate` asks of a prefill: the last position's logits only
+        self.keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+        self.step = torch.compile(model.forward, mode="reduce-overhead") if use_compile else model.forward
+        self.prefill_rounds: list[list[float]] = []
+        self.decode_rounds: list[list[float]] = []
+
+    def _prefill(self):
+        self.cache.reset()
+        return self.model(self.ids, past_key_values=self.cache, use_cache=True,
+                          cache_position=torch.arange(self.t, device=self.dev), **self.keep).logits  # fmt: skip
+
+    def round(self) -> None:
+        opts, dev = self.opts, self.dev
+        warm = opts.warmup if not self.prefill_rounds else 1
+        with torch.no_grad():
+            self.prefill_rounds.append(timing.wall_samples(self._prefill, dev, opts.repeats, warm))
+            tok = self._prefill()[:, -1:].argmax(-1)
+            per_token = []
+            skip = opts.warmup if not self.decode_rounds else 0  # the first calls compile / capture the graph
+            for i in range(skip + opts.decode_tokens):
+                pos = torch.tensor([self.t + i], device=dev)
+                devices.synchronize(dev)
+                t0 = time.perf_counter()
+                out = self.step(tok, past_key_values=self.cache, use_cache=True, cache_position=pos).logits
+                tok = out[:, -1:].argmax(-1).clone()
+                devices.synchronize(dev)
+                if i >= skip:
+                    per_token.append(time.perf_counter() - t0)
+            self.decode_rounds.append(per_token)
+
+    def result(self) -> dict:
+        dec = timing.round_stats(self.decode_rounds)
+        return {
+            "prefill": timing.round_stats(self.prefill_rounds) | {"tokens": self.t},
+            "decode": dec | {"tokens": sum(map(len, self.decode_rounds)),
+                             "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None},  # fmt: skip
+        }
+
+
+class _EncoderTimer:
+    """One sequence of `prefill_len` tokens (batch 1) through the encoder, in rounds."""
+
+    def __init__(self, model, batch: dict, opts: ValidateOptions, dev):
+        self.model, self.batch, self.opts, self.dev = model, batch, opts, dev
+        self.rounds: list[list[float]] = []
+
+    def round(self) -> None:
+        warm = self.opts.warmup if not self.rounds else 1
+        with torch.no_grad():
+            self.rounds.append(timing.wall_samples(lambda: self.model(**self.batch), self.dev, self.opts.repeats, warm))
+
+    def result(self) -> dict:
+        return {"prefill": timing.round_stats(self.rounds) | {"tokens": int(self.batch["input_ids"].shape[1])}}
+
+
+def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: bool, progress) -> dict:
+    """Time every model in `opts.rounds` rounds. Without compilation the rounds alternate
+    between the models (BF16, FP8, BF16, ...), so that a machine that speeds up or slows down
+    during the run moves both, and the rounds' spread shows it. Compiled models are timed one
+    after the other (each has its own CUDA graphs, and dynamo is reset between them)."""
+    out = {}
+    if not use_compile:
+        timers = {name: make_timer(model) for name, model in models.items()}
+        for r in range(opts.rounds):
+            for name, timer in timers.items():
+                timer.round()
+            progress("latency", r + 1, opts.rounds, "rounds")
+        for name, timer in timers.items():
+            out[name] = timer.result() | {"peak_memory_bytes": _peak(dev), "peak_memory_note": PEAK_NOTE}
+        return out
+    for i, (name, model) in enumerate(models.items()):
+        devices.empty_cache(dev)
+        devices.reset_peak(dev)
+        with devices.oom_hint(dev, f"timing the {name} model"):
+            timer = make_timer(model)
+            for _ in range(opts.rounds):
+                timer.round()
+        out[name] = timer.result() | {"peak_memory_bytes": _peak(dev), "peak_memory_note": PEAK_NOTE}
+        del timer
+        torch._dynamo.reset()
+        progress("latency", i + 1, len(models), name)
+    return out
 
 
 def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
@@ -136,6 +199,9 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     artifact = Path(artifact)
     progress = or_silent(progress)
     dev = devices.choose(opts.device)
+    gpu = dev.type != "cpu"  # CPU runs are slow (BF16 matmul is emulated on most CPUs): fewer repeats
+    opts = replace(opts, repeats=opts.repeats if opts.repeats is not None else (10 if gpu else 3),
+                   warmup=opts.warmup if opts.warmup is not None else (3 if gpu else 1))
     use_compile = opts.compile == "on" or (opts.compile == "auto" and dev.type == "cuda")
     base_path = resolve_baseline(artifact, opts.baseline)
     texts, data_path = read_texts(opts.eval_data)
@@ -185,30 +251,32 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
             sample = torch.tensor(ids[: opts.prefill_len])[None].to(dev)
     else:
         sents = [s.strip() for t in texts for s in t.split(". ") if len(s.strip()) > 20][: opts.max_samples * 8]
-        batch = tok(sents, padding=True, truncation=True, max_length=min(opts.seq_len, 256), return_tensors="pt").to(dev)
+        order = sorted(range(len(sents)), key=lambda i: len(sents[i]))  # batches of similar length: little padding
+        eb, ef = [None] * len(sents), [None] * len(sents)
         with torch.no_grad():
-            eb = metrics.mean_pool(base_model(**batch).last_hidden_state, batch["attention_mask"])
-            ef = metrics.mean_pool(fp8_model(**batch).last_hidden_state, batch["attention_mask"])
+            for start in range(0, len(order), 8):
+                idx = order[start : start + 8]
+                batch = tok([sents[i] for i in idx], padding=True, truncation=True, max_length=min(opts.seq_len, 256),
+                            return_tensors="pt").to(dev)  # fmt: skip
+                for out, model in ((eb, base_model), (ef, fp8_model)):
+                    for i, e in zip(idx, metrics.mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])):
+                        out[i] = e
+        eb, ef = torch.stack(eb), torch.stack(ef)
         cos = metrics.cosine(eb, ef)
         result["accuracy"] = {"sentences": len(sents), "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
         progress("accuracy", 1, 1, "")
     if opts.latency:
-        result["latency"] = {}
-        if not use_compile:  # warm both models first: on CPU the first model timed otherwise pays one-off costs
-            short = ValidateOptions(**{**asdict(opts), "repeats": 1, "warmup": 1, "decode_tokens": 2})
-            for model in models.values():
-                _latency_causal(model, sample, short, dev, False) if causal else _latency_encoder(model, batch, short, dev)
-        for i, (name, model) in enumerate(models.items()):
-            devices.empty_cache(dev)
-            with devices.oom_hint(dev, f"timing the {name} model"):
-                result["latency"][name] = (_latency_causal(model, sample, opts, dev, use_compile) if causal
-                                           else _latency_encoder(model, batch, opts, dev))
-            progress("latency", i + 1, len(models), name)
-            torch._dynamo.reset() if use_compile else None
-        lb, lf = result["latency"]["bf16"], result["latency"]["fp8"]
-        result["speedup"] = {"prefill": lb["prefill"]["median_ms"] / lf["prefill"]["median_ms"]}
         if causal:
-            result["speedup"]["decode"] = lb["decode"]["median_ms"] / lf["decode"]["median_ms"]
+            make = lambda model: _CausalTimer(model, sample, opts, dev, use_compile)  # noqa: E731
+        else:  # one sequence of --prefill-len tokens, batch 1, as a causal prefill is timed
+            limit = getattr(fp8_model.config, "max_position_embeddings", None) or opts.prefill_len
+            one = tok(" ".join(texts), truncation=True, max_length=min(opts.prefill_len, limit), return_tensors="pt").to(dev)
+            make = lambda model: _EncoderTimer(model, dict(one), opts, dev)  # noqa: E731
+        result["latency"] = _latency(models, make, opts, dev, use_compile, progress)
+        lb, lf = result["latency"]["bf16"], result["latency"]["fp8"]
+        phases = ("prefill", "decode") if causal else ("prefill",)
+        result["speedup"] = {ph: lb[ph]["median_ms"] / lf[ph]["median_ms"] for ph in phases}
+        result["verdict"] = {ph: timing.verdict(lb[ph], lf[ph]) for ph in phases}
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if opts.write:
         _record(artifact, result)

@@ -1,0 +1,565 @@
+"""The user's path, timed: a whole transformers model loaded each way, with one routine, in one run.
+
+Builds a checkpoint of a real architecture with random weights (Llama-3-8B-shaped by default:
+hidden 4096, 32 q / 8 kv heads of 128, intermediate 14336, vocabulary 128256; `--layers N` of
+its 32 layers; `--arch mixtral`: Mixtral-8x7B-shaped, 8 experts top-2, vocabulary 32000), saved
+by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), runs
+`mpsconvert quantize` on it (the CLI, default fp8-dynamic), then times, in this one process:
+
+  bf16      transformers `from_pretrained(..., dtype=bfloat16, device_map=cuda)` of the source
+  ours      `mpsconvert.runtime.load(artifact)` (verification on), kernels measured cold
+  ours-warm a second load: kernel cache and page cache warm (load time only)
+  *-cold    bf16-cold / ours-cold: the page cache dropped first, files read from disk (load only)
+  ct        transformers + compressed-tensors `from_pretrained(artifact)`
+  ct-opt    the same with `CompressedTensorsConfig(use_optimized_inference=True)`
+
+with the same routine for each: load time (to a synchronised device); eager prefill of
+`--prefill` tokens (batch 1, `logits_to_keep=1` as `generate` asks; wall time, and GPU busy time
+from the profiler with where it goes); compiled prefill (each decoder layer `torch.compile`d,
+the regional compilation PyTorch recommends for compile time); compiled decode (the whole
+forward under `torch.compile(mode="reduce-overhead")`, static KV cache, one token, host
+synchronised per step with the argmax, as `validate` times it); peak device memory. Ratios are
+to BF16 from this run; the decode bandwidth fraction is the bytes a step must read (weights
+except the input embedding, plus the KV cache) over the step time and the device-to-device copy
+bandwidth measured at the start of the run. Kernel, Triton and HF caches live in a fresh
+folder of this run, so that nothing a warm machine kept can hide a cost.
+
+    python benchmarks/model_latency.py [--arch llama|mixtral] [--layers 32] [--prefill 2048]
+        [--variants bf16,ours,ct,ct-opt] [--work DIR] [--json out.json] [--budget SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_CACHE = Path(tempfile.mkdtemp(prefix="mpsconvert-bench-cache-"))
+for var, sub in (("MPSCONVERT_CACHE_DIR", "mpsconvert"), ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "hf"),
+                 ("TORCHINDUCTOR_CACHE_DIR", "inductor")):  # fmt: skip
+    os.environ[var] = str(RUN_CACHE / sub)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def config_for(arch: str, layers: int):
+    import transformers
+
+    if arch == "llama":
+        return transformers.LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, architectures=["LlamaForCausalLM"])  # fmt: skip
+    if arch == "mixtral":
+        return transformers.MixtralConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6, num_local_experts=8,
+            num_experts_per_tok=2, router_jitter_noise=0.0, tie_word_embeddings=False, architectures=["MixtralForCausalLM"])  # fmt: skip
+    if arch == "tiny":  # the script's own check on CPU
+        return transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=512, architectures=["LlamaForCausalLM"])  # fmt: skip
+    if arch == "tiny-moe":
+        return transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
+                                          architectures=["MixtralForCausalLM"])  # fmt: skip
+    raise SystemExit(f"unknown --arch {arch}")
+
+
+def build_checkpoint(cfg, folder: Path, device) -> dict:
+    """Random weights made on the device, saved by transformers."""
+    import transformers
+
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):  # transformers' own init (normal, std 0.02; norms 1), on the device
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="5GB")
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"seconds": round(time.perf_counter() - t, 1), "parameters": params,
+            "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}  # fmt: skip
+
+
+def quantize(src: Path, out: Path) -> dict:
+    t = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "mpsconvert.cli", "quantize", str(src), "-o", str(out), "--force", "--json"],
+                       env=env, capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        raise RuntimeError(f"mpsconvert quantize failed: {r.stderr[-2000:]}")
+    return {"seconds": round(time.perf_counter() - t, 1), "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read plus written per second (the decode floor's ceiling)."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    e.synchronize()
+    bw = 2 * a.numel() * 10 / (s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def kernel_checks(device) -> dict:
+    """Our Triton kernels on this GPU against the reference arithmetic, before anything is timed:
+    activation quantization bit for bit, the GEMVs against float64."""
+    from mpsconvert import fp8
+    from mpsconvert.runtime import act_quant, kernels
+    from mpsconvert.runtime.fp8linear import FP8Linear
+
+    out = {}
+    g = torch.Generator(device=device).manual_seed(0)
+    for k in (4096, 14336, 20000):
+        x = (torch.randn(257, k, device=device, generator=g) * 3).to(torch.bfloat16)
+        (q, s), (rq, rs) = act_quant.quantize(x), act_quant.torch_quantize(x)
+        out[f"quantize K={k}: codes differing"] = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+        out[f"quantize K={k}: scales equal"] = bool(torch.equal(s, rs))
+        h = torch.randn(64, 2 * k, device=device, generator=g).to(torch.bfloat16)
+        (q, s), (rq, rs) = act_quant.silu_mul_quantize(h), act_quant.torch_silu_mul_quantize(h)
+        out[f"silu*up quantize K={k}: codes differing"] = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+    for n, k in ((6144, 4096), (4096, 14336), (1024, 4096)):
+        w = torch.randn(n, k, device=device, generator=g) / k**0.5
+        qw, sw, _ = fp8.quantize(w, "row")
+        lay = FP8Linear.from_tensors(qw, sw, activations="token")
+        x = torch.randn(1, k, device=device, generator=g).to(torch.bfloat16)
+        ref = x.double() @ (qw.double() * sw.double().reshape(-1, 1)).T
+        for kern in ("gemv", "gemv_splitk"):
+            y = kernels.run(kern, lay, x).double()
+            out[f"{kern} {n}x{k}: rel err"] = float((y - ref).norm() / ref.norm())
+        xq = fp8.fake_quantize(x.float(), fp8.per_token_scale(x.float())).double()  # W8A8: the scheme's rounding of x
+        ref8 = xq @ (qw.double() * sw.double().reshape(-1, 1)).T
+        try:
+            y = kernels.run("gemv_w8a8", lay, x).double()
+            out[f"gemv_w8a8 {n}x{k}: rel err"] = float((y - ref8).norm() / ref8.norm())
+        except Exception as e:  # reported; the policy then never picks it (it records the same error)
+            out[f"gemv_w8a8 {n}x{k}"] = f"{type(e).__name__}: {str(e)[:200]}"
+    log("kernel checks", out)
+    return out
+
+
+def host_cost(device) -> dict:
+    """Host microseconds per eager call of the matmuls the layers launch (100 calls queued, one
+    synchronisation): what bounds an eager prefill when the GPU work per call is short."""
+    from mpsconvert import fp8
+    from mpsconvert.runtime import act_quant
+
+    out = {}
+    x = torch.randn(2048, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16)
+    qw, sw, _ = fp8.quantize(w, "row")
+    xq, xs = act_quant.quantize(x)
+    sb = sw.reshape(1, -1)
+    calls = {"F.linear bf16": lambda: torch.nn.functional.linear(x, w),
+             "_scaled_mm rowwise": lambda: torch._scaled_mm(xq, qw.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+             "act_quant (Triton)": lambda: act_quant.quantize(x)}  # fmt: skip
+    for name, fn in calls.items():
+        for _ in range(5):
+            fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(100):
+            fn()
+        host = (time.perf_counter() - t) / 100
+        sync()
+        total = (time.perf_counter() - t) / 100
+        out[name] = {"host_us": round(host * 1e6, 1), "wall_us": round(total * 1e6, 1)}
+    log("host cost per call", out)
+    return out
+
+
+def samples(fn, repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def summary(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    med = statistics.median(xs)
+    return {"median_ms": round(med * 1e3, 3), "min_ms": round(xs[0] * 1e3, 3), "max_ms": round(xs[-1] * 1e3, 3),
+            "spread": round((xs[-1] - xs[0]) / med, 4), "n": len(xs)}  # fmt: skip
+
+
+CATEGORIES = (("gemm", ("gemm", "cutlass", "cublas", "sm90_", "nvjet", "scaled_mm", "gemv", "xmma", "wgmma")),
+              ("act quant (triton)", ("_quant_rows",)), ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+              ("copies/casts", ("copy", "memcpy", "to_copy", "catarray")), ("other", ("",)))  # fmt: skip
+# (an elementwise kernel over strided tensors is `gpu_kernel_impl_nocast`: "other", not a cast)
+
+
+def profile(fn) -> dict:
+    """GPU busy time of one call (union of kernel intervals) and the kernel time by category."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    fn()
+    sync()
+    with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
+        t = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - t
+    spans, cats, launches = [], {c: 0.0 for c, _ in CATEGORIES}, 0
+    per_kernel: dict[str, list] = {}
+    syncs = 0
+    for ev in p.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            if any(k in ev.name for k in ("Synchronize", "_local_scalar_dense", "DtoH")):
+                syncs += 1
+            continue
+        k = per_kernel.setdefault(ev.name[:90], [0, 0.0])
+        k[0] += 1
+        k[1] += ev.time_range.end - ev.time_range.start
+        start, dur = ev.time_range.start, ev.time_range.end - ev.time_range.start
+        spans.append((start, start + dur))
+        launches += 1
+        low = ev.name.lower()
+        for c, keys in CATEGORIES:
+            if any(k in low for k in keys):
+                cats[c] += dur
+                break
+    spans.sort()
+    busy, end = 0.0, None
+    for s, e in spans:
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:14]
+    return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches,
+            "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs,
+            "top_kernels_ms": [[name, n, round(t / 1e3, 3)] for name, (n, t) in top]}  # fmt: skip
+
+
+def decoder_layers(model):
+    for name in ("model.layers", "model.decoder.layers", "transformer.h"):
+        mod = model
+        try:
+            for part in name.split("."):
+                mod = getattr(mod, part)
+            return mod
+        except AttributeError:
+            continue
+    raise RuntimeError("no decoder layers found")
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes of all parameters and buffers, bytes of the input embedding)."""
+    from mpsconvert.runtime.loader import model_bytes
+
+    emb = model.get_input_embeddings().weight
+    return model_bytes(model), emb.numel() * emb.element_size()
+
+
+def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> dict:
+    from transformers import StaticCache
+
+    row: dict = {}
+    if name.endswith("-cold"):  # the files from disk, not the page cache (root on the device machine)
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            row["page_cache_dropped"] = True
+        except OSError as e:
+            row["page_cache_dropped"] = f"no: {e.strerror}"
+    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    sync()
+    t = time.perf_counter()
+    model = load_fn()
+    sync()
+    row["load_s"] = round(time.perf_counter() - t, 2)
+    info = getattr(model, "mpsconvert", None)
+    if info is not None:
+        row["load_breakdown_s"] = info.seconds
+        row["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels]
+        row["shared_inputs"] = len(info.shared_inputs)
+        row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
+    total, emb = weight_bytes(model)
+    row["weight_bytes"] = total
+    log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"))
+    if name.endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
+        del model
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        return row
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prefill), device=device, generator=torch.Generator(device=device).manual_seed(0))
+
+    def prefill():
+        with torch.no_grad():
+            return model(ids, use_cache=False, logits_to_keep=1).logits
+
+    try:
+        row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
+        LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
+        row["eager_prefill_profile"] = profile(prefill) if device.type == "cuda" else None
+        log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms", row["eager_prefill_profile"])
+    except Exception as e:
+        row["eager_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    if args.compile and time.perf_counter() < deadline:
+        layers = decoder_layers(model)
+        try:
+            t = time.perf_counter()
+            for layer in layers:
+                layer.compile()
+            first = samples(prefill, 1, 0)[0]
+            row["compiled_prefill_compile_s"] = round(time.perf_counter() - t, 1)
+            row["compiled_prefill"] = summary(samples(prefill, args.repeats, 2))
+            LOGITS.setdefault(name, {})["compiled"] = prefill()[0, -1].float().cpu()
+            log(f"{name}: compiled prefill {row['compiled_prefill']['median_ms']} ms (first call {first:.1f} s)")
+        except Exception as e:
+            row["compiled_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            traceback.print_exc()
+        for layer in layers:
+            layer._compiled_call_impl = None
+        torch._dynamo.reset()
+    else:
+        row["compiled_prefill_skipped"] = "no --compile" if not args.compile else "time budget"
+    if time.perf_counter() < deadline:
+        try:
+            cache_len = args.prefill + args.decode + 16
+            cache = StaticCache(config=model.config, max_cache_len=cache_len)
+            with torch.no_grad():
+                model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(args.prefill, device=device), logits_to_keep=1)
+            step = torch.compile(model.forward, mode="reduce-overhead") if args.compile else model.forward
+            tok = ids[:, -1:].clone(memory_format=torch.contiguous_format)  # strides (1, 1), as every later token has: no recompile
+            per, t = [], time.perf_counter()
+            with torch.no_grad():
+                for i in range(args.decode + 3):
+                    pos = torch.tensor([args.prefill + i], device=device)
+                    sync()
+                    t1 = time.perf_counter()
+                    out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos).logits
+                    tok = out[:, -1:].argmax(-1).clone()
+                    sync()
+                    if i >= 3:
+                        per.append(time.perf_counter() - t1)
+                    elif i == 2:
+                        row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
+            row["decode"] = summary(per) | {"compiled": args.compile}
+            if device.type == "cuda":
+                state = {"tok": tok, "i": 0}
+
+                def one_step():
+                    with torch.no_grad():
+                        pos = torch.tensor([args.prefill + args.decode + 3 + state["i"] % 4], device=device)
+                        out = step(state["tok"], past_key_values=cache, use_cache=True, cache_position=pos).logits
+                        state["tok"] = out[:, -1:].argmax(-1).clone()
+                        state["i"] += 1
+
+                row["decode_profile"] = profile(one_step)
+            cfg = model.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
+            if getattr(cfg, "num_local_experts", None):  # MoE: a token reads top-k of the experts
+                frac = cfg.num_experts_per_tok / cfg.num_local_experts
+                ex = sum(b.numel() * b.element_size() for n, b in list(model.named_parameters()) + list(model.named_buffers())
+                         if ".experts." in n and not n.endswith("_dense"))  # fmt: skip
+                step_bytes = total - emb - ex * (1 - frac) + kv
+            else:
+                step_bytes = total - emb + kv
+            row["decode"]["bytes_per_step"] = int(step_bytes)
+            row["decode"]["bandwidth_fraction"] = round(step_bytes / (row["decode"]["median_ms"] / 1e3) / bw, 3) if bw == bw else None
+            log(f"{name}: decode {row['decode']['median_ms']} ms/token, {row['decode'].get('bandwidth_fraction')} of copy bandwidth")
+        except Exception as e:
+            row["decode_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            traceback.print_exc()
+        torch._dynamo.reset()
+    else:
+        row["decode_skipped"] = "time budget"
+    row["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    del model
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return row
+
+
+LOGITS: dict = {}  # variant -> {"eager"|"compiled": last-position logits of the prefill}
+
+
+def agreement() -> dict:
+    """Each variant's prefill logits against BF16's and, compiled, against its own eager ones."""
+    base = LOGITS.get("bf16", {}).get("eager")
+    out = {}
+    for name, d in LOGITS.items():
+        row = {}
+        if base is not None and "eager" in d:
+            row["rel_err_vs_bf16"] = round(float((d["eager"] - base).norm() / base.norm()), 4)
+            row["same_argmax_as_bf16"] = bool(d["eager"].argmax() == base.argmax())
+        if "compiled" in d and "eager" in d:
+            row["compiled_vs_eager_rel_err"] = round(float((d["compiled"] - d["eager"]).norm() / d["eager"].norm()), 4)
+        out[name] = row
+    return out
+
+
+def loaders(name: str, src: Path, art: Path, device, args):
+    import transformers
+
+    if name in ("bf16", "bf16-cold"):
+        return lambda: transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
+    if name in ("ours", "ours-warm", "ours-cold", "ours-fusedgemm"):
+        from mpsconvert.runtime import fuse, load
+
+        fuse.PREFILL_SHARES = "gemm" if name == "ours-fusedgemm" else "quantization"
+        return lambda: load(art, device=str(device), prefill_m=args.prefill)
+    if name in ("ct", "ct-opt"):
+        from transformers import CompressedTensorsConfig
+
+        qc = CompressedTensorsConfig(use_optimized_inference=name == "ct-opt")
+        return lambda: transformers.AutoModelForCausalLM.from_pretrained(art, dtype=torch.bfloat16, device_map=str(device),
+                                                                         quantization_config=qc).eval()  # fmt: skip
+    raise SystemExit(f"unknown variant {name}")
+
+
+def ratios(results: dict) -> dict:
+    base = results.get("bf16", {})
+    out = {}
+    for name, r in results.items():
+        row = {}
+        for key in ("eager_prefill", "compiled_prefill", "decode"):
+            if key in r and key in base:
+                row[key] = round(base[key]["median_ms"] / r[key]["median_ms"], 3)
+        if "load_s" in r and "load_s" in base:
+            row["load_vs_bf16"] = round(r["load_s"] / base["load_s"], 2)
+        out[name] = row
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32 for llama, 4 for mixtral)")
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--decode", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--variants", default="bf16,ours,ours-warm,ct-opt,ct")
+    ap.add_argument("--work", help="folder for the checkpoints (kept; reused when it holds them)")
+    ap.add_argument("--json", help="write the results here (also after each variant)")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds after which compiled phases are skipped")
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
+    device = torch.device(args.device)
+    deadline = T0 + args.budget
+    work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
+    src, art = work / f"{args.arch}-{layers}-bf16", work / f"{args.arch}-{layers}-fp8"
+    import transformers
+
+    report = {"env": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+                      "transformers": transformers.__version__, "arch": args.arch, "layers": layers, "prefill": args.prefill,
+                      "run_cache": str(RUN_CACHE)}}  # fmt: skip
+    try:
+        import compressed_tensors
+
+        report["env"]["compressed_tensors"] = compressed_tensors.__version__
+    except ImportError:
+        pass
+    log("env", report["env"])
+
+    def save():
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
+    if not (src / "config.json").is_file():
+        report["build"] = build_checkpoint(config_for(args.arch, layers), src, device)
+        log("built", report["build"])
+    if not (art / "mpsconvert.json").is_file():
+        report["quantize"] = quantize(src, art)
+        log("quantized", report["quantize"])
+    if device.type == "cuda":
+        try:
+            report["kernel_checks"] = kernel_checks(device)
+            report["host_cost"] = host_cost(device)
+        except Exception as e:
+            report["kernel_checks"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            traceback.print_exc()
+    report["copy_bandwidth_Bps"] = copy_bandwidth(device)
+    log(f"device-to-device copy: {report['copy_bandwidth_Bps'] / 1e12:.2f} TB/s")
+    save()
+    results = report["results"] = {}
+    for name in args.variants.split(","):
+        log(f"== {name}")
+        try:
+            results[name] = time_model(name, loaders(name, src, art, device, args), args, device, deadline, report["copy_bandwidth_Bps"])
+        except Exception as e:  # one variant failing must not cost the others' numbers
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        report["ratios_to_bf16"] = ratios(results)
+        report["logits_agreement"] = agreement()
+        save()
+    print_table(report)
+    print("logits:", json.dumps(report.get("logits_agreement")))
+    save()
+
+
+def print_table(report):
+    res, rat = report["results"], report.get("ratios_to_bf16", {})
+    env = report["env"]
+    print(f"\n{env['arch']} x{env['layers']} layers, prefill {env['prefill']} tokens, {env['device']}, torch {env['torch']}, "
+          f"transformers {env['transformers']}; ratio = BF16 time / variant time (load: variant / BF16)")  # fmt: skip
+    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} {'peak GiB':>8s}"
+    print(head)
+    for name, r in res.items():
+        if "error" in r:
+            print(f"{name:10s} ERROR {r['error'][:150]}")
+            continue
+        q = rat.get(name, {})
+
+        def cell(key, fmt="{:9.2f}"):
+            return fmt.format(r[key]["median_ms"]) if key in r else fmt.format(float("nan"))
+
+        busy = (r.get("eager_prefill_profile") or {}).get("gpu_busy_ms", float("nan"))
+        bw = (r.get("decode") or {}).get("bandwidth_fraction") or float("nan")
+        peak = (r.get("peak_memory_bytes") or 0) / 2**30
+        print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} {q.get('load_vs_bf16', float('nan')):6.2f} {cell('eager_prefill')} "
+              f"{q.get('eager_prefill', float('nan')):5.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
+              f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

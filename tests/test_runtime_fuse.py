@@ -1,0 +1,252 @@
+"""The eager fast path of FP8Linear on CPU: the Triton activation quantization (interpreted),
+shared-input groups in eager mode and under torch.compile, and the streaming loader."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mpsconvert import fp8
+from mpsconvert.runtime.fp8linear import FP8Linear
+from mpsconvert.runtime.fuse import SharedInput, share_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _interpreted(code: str) -> None:
+    """Run `code` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors) in a fresh process."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
+    _interpreted("""
+    import torch
+    from mpsconvert.runtime import act_quant as aq
+    g = torch.Generator().manual_seed(0)
+    def same(a, b):
+        assert torch.equal(a[1], b[1]), (a[1] - b[1]).abs().max()
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)), (a[0].float() - b[0].float()).abs().max()
+    for k in (64, 100, 4096):
+        x = (torch.randn(5, k, generator=g) * 3).to(torch.bfloat16)
+        x[1] = 0  # an all-zero row gets the floor scale
+        rows = torch.rand(5, generator=g) * 0.02 + 1e-3
+        for kw in ({}, {"scale": torch.tensor([0.01])}, {"rows_scale": rows}):
+            same(aq.quantize(x, **kw), aq.torch_quantize(x, **kw))
+        wide = torch.randn(4, 2 * k, generator=g).to(torch.bfloat16)
+        same(aq.quantize(wide[:, :k]), aq.torch_quantize(wide[:, :k]))  # rows with a stride
+        same(aq.silu_mul_quantize(wide), aq.torch_silu_mul_quantize(wide))
+    aq._ONE_PASS_MAX = 64  # rows longer than the register block: two passes over x
+    x = (torch.randn(3, 300, generator=g) * 3).to(torch.bfloat16)
+    same(aq.quantize(x), aq.torch_quantize(x))
+    h = torch.randn(3, 600, generator=g).to(torch.bfloat16)
+    same(aq.silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)), aq.torch_silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)))
+    print("ok")
+    """)
+
+
+def test_eager_gpu_path_of_fp8linear_interpreted():
+    """The kernels a CUDA layer runs in eager mode (Triton quantization + _scaled_mm, Triton
+    GEMVs), here on CPU tensors, against the direct computation."""
+    _interpreted("""
+    import torch
+    from mpsconvert import fp8
+    from mpsconvert.runtime.fp8linear import FP8Linear
+    g = torch.Generator().manual_seed(1)
+    for gran, act, isc in (("row", "token", None), ("tensor", "tensor", 0.05), ("row", "tensor", 0.05)):
+        w = torch.randn(48, 64, generator=g)
+        q, s, _ = fp8.quantize(w, gran)
+        lay = FP8Linear.from_tensors(q, s, activations=act, input_scale=torch.tensor([isc]) if isc else None,
+                                     bias=torch.randn(48, generator=g).to(torch.bfloat16))
+        x = (torch.randn(2, 7, 64, generator=g) * 0.2).to(torch.bfloat16)
+        wd = fp8.dequantize(lay.weight, lay.weight_scale, torch.float32)
+        xf = x.float()
+        xq = fp8.fake_quantize(xf, fp8.per_token_scale(xf) if act == "token" else torch.tensor(isc))
+        want = xq @ wd.T + lay.bias.float()
+        mm = "scaled_mm_tensor" if (gran, act) == ("tensor", "tensor") else "scaled_mm_row"
+        lay.set_kernels("gemv", mm)
+        got = lay(x).float()
+        assert got.shape == (2, 7, 48) and torch.allclose(got, want, rtol=2e-2, atol=2e-2), (gran, act, (got - want).abs().max())
+        x1 = x[:, :1]
+        for dec in ("gemv", "gemv_splitk"):  # decode: BF16 activations against the FP8 weight
+            lay.set_kernels(dec, mm)
+            got = lay(x1).float()
+            want1 = x1.float() @ wd.T + lay.bias.float()
+            assert torch.allclose(got, want1, rtol=1e-2, atol=1e-2), (dec, (got - want1).abs().max())
+        lay.set_kernels("gemv_w8a8", mm)  # decode on the tensor cores: the scheme's own rounding of x
+        got = lay(x1).float()
+        want8 = fp8.fake_quantize(x1.float(), fp8.per_token_scale(x1.float()) if act == "token" else torch.tensor(isc)) @ wd.T + lay.bias.float()
+        assert torch.allclose(got, want8, rtol=1e-2, atol=2e-2), ("gemv_w8a8", (got - want8).abs().max())
+    print("ok")
+    """)
+
+
+def _layer(n, k, seed, act="token", gran="row"):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    q, s, _ = fp8.quantize(w, gran)
+    lay = FP8Linear.from_tensors(q, s, activations=act)
+    lay.set_kernels("scaled_mm_row", "scaled_mm_row")  # torch._scaled_mm runs on CPU for small shapes
+    return lay
+
+
+class Attn(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = _layer(64, 32, seed), _layer(32, 32, seed + 1), _layer(32, 32, seed + 2)
+
+    def forward(self, x):
+        return x + self.q_proj(x)[..., :32] * self.k_proj(x) + self.v_proj(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(Attn(3 * i) for i in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _shared(model):
+    groups = share_inputs(model)
+    for g in groups:
+        g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
+    return groups
+
+
+def test_shared_input_is_one_gemm_and_the_same_outputs():
+    model = Stack()
+    x = (torch.randn(8, 32) * 0.1).to(torch.bfloat16)
+    ref = model(x)
+    weights = sum(m.weight.untyped_storage().nbytes() for m in model.modules() if isinstance(m, FP8Linear))
+    groups = _shared(model)
+    assert len(groups) == 3 and all(isinstance(g, SharedInput) and g.names == ["q_proj", "k_proj", "v_proj"] for g in groups)
+    a = model.layers[0]
+    assert a.q_proj.weight.data_ptr() == a.fused_q_proj_k_proj_v_proj.inner.weight.data_ptr()  # members are views
+    storages = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, FP8Linear)}
+    assert len(storages) == 3 and sum(g.inner.weight.untyped_storage().nbytes() for g in groups) == weights  # no copy kept
+    from mpsconvert.runtime import act_quant, fuse
+
+    quantized, fused = [], []
+    real_quantize = act_quant.quantize
+    act_quant.quantize = lambda *a, **k: (quantized.append(1), real_quantize(*a, **k))[1]
+    for g in groups:
+        g.inner.project = (lambda inner: lambda x: (fused.append(1), FP8Linear.project(inner, x))[1])(g.inner)
+    try:
+        out = model(x)  # prefill (8 rows), the default: one quantization and one fused GEMM per group
+        assert torch.equal(out, ref) and len(quantized) == 3 and len(fused) == 3 and all(g.hits == 2 for g in groups)
+        quantized.clear(), fused.clear()
+        fuse.PREFILL_SHARES = "quantization"  # one quantization per group, each member its own GEMM
+        assert torch.equal(model(x), ref) and len(quantized) == 3 and not fused
+        quantized.clear()
+        x1 = x[:2]  # decode (2 rows): one fused GEMM per group either way
+        assert torch.equal(model(x1), Stack()(x1)) and len(fused) == 3
+    finally:
+        act_quant.quantize = real_quantize
+        fuse.PREFILL_SHARES = "gemm"
+    assert all(g._x is None for g in groups)  # nothing held after the last member took its share
+
+
+def test_members_with_different_inputs_get_their_own_products():
+    model = Attn(0)
+    model.forward = lambda x: (model.q_proj(x)[..., :32], model.k_proj(x * 2), model.v_proj(x * 3))
+    x = (torch.randn(4, 32) * 0.1).to(torch.bfloat16)
+    ref = model.forward(x)
+    (g,) = _shared(model)
+    for _ in range(5):
+        out = model.forward(x)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert not g.shared  # stopped fusing: the members do not share their input
+    fresh = Attn(0)
+    want = fresh.k_proj(x * 2)
+    (g,) = _shared(fresh)
+    y = x.clone()
+    fresh.q_proj(y)
+    y.mul_(2)  # changed in place after q_proj read it: k_proj must not get the stale slice
+    assert torch.equal(fresh.k_proj(y), want) and g.shared and g.hits == 0
+
+
+def test_shared_input_under_torch_compile_one_frame_no_recompiles():
+    from torch._dynamo.testing import CompileCounter
+
+    model = Stack()
+    x = (torch.randn(8, 32) * 0.1).to(torch.bfloat16)
+    ref = model(x)
+    _shared(model)
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    compiled = torch.compile(model, backend=cnt, fullgraph=True)
+    for i in range(4):
+        out = compiled(x if i == 0 else (torch.randn(8, 32) * 0.1).to(torch.bfloat16))
+    assert cnt.frame_count == 1 and torch.equal(compiled(x), ref)
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    for layer in model.layers:  # per-layer (regional) compilation: one graph serves every layer
+        layer.compile(backend=cnt, fullgraph=True)
+    assert torch.equal(model(x), ref) and torch.equal(model(x), ref) and cnt.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_inductor_runs_one_gemm_per_group():
+    from torch._inductor.utils import run_and_get_code
+
+    from mpsconvert.runtime import fuse
+
+    model = Stack(2)
+    _shared(model)
+    try:
+        for rows, mode, gemms in ((2, "gemm", 2), (8, "gemm", 2), (8, "quantization", 6)):
+            fuse.PREFILL_SHARES = mode
+            torch._dynamo.reset()
+            with torch.no_grad():
+                _, codes = run_and_get_code(torch.compile(model), (torch.randn(rows, 32) * 0.1).to(torch.bfloat16))
+            assert "\n".join(codes).count("extern_kernels._scaled_mm(") == gemms, (rows, mode)
+    finally:
+        fuse.PREFILL_SHARES = "gemm"
+        torch._dynamo.reset()
+
+
+def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
+    from safetensors.torch import save_file
+
+    from mpsconvert.runtime import stream
+    from mpsconvert.safetensors_io import read_header
+
+    g = torch.Generator().manual_seed(0)
+    files = []
+    for i in range(3):
+        tensors = {f"t{i}.a": torch.randn(1000, 7, generator=g), f"t{i}.b": torch.randn(33, generator=g).to(torch.bfloat16),
+                   f"t{i}.c": (torch.randn(50, 64, generator=g) * 10).to(fp8.FP8_DTYPE), f"t{i}.skip": torch.randn(5)}
+        save_file(tensors, str(tmp_path / f"s{i}.safetensors"))
+        files.append(tensors)
+    (tmp_path / "config.json").write_text("{}")
+    headers = [read_header(tmp_path / f"s{i}.safetensors") for i in range(3)]
+    dests = {k: torch.empty_like(v) for f in files for k, v in f.items() if not k.endswith("skip")}
+    dests["t0.a"] = torch.empty(2000, 7)[::2]  # not contiguous: refused
+    with pytest.raises(ValueError, match="contiguous"):
+        stream.read_shards(headers, dests, torch.device("cpu"))
+    dests["t0.a"] = torch.empty(1000, 7)
+    seen = []
+    digests = stream.read_shards(headers, dests, torch.device("cpu"), extra_files={"config.json": tmp_path / "config.json"},
+                                 block=1000, progress=lambda *a: seen.append(a))  # fmt: skip  # blocks cut through tensors
+    for f in files:
+        for k, v in f.items():
+            if not k.endswith("skip"):
+                assert torch.equal(dests[k].view(torch.uint8), v.view(torch.uint8)), k
+    for i in range(3):
+        assert digests[f"s{i}.safetensors"] == hashlib.sha256((tmp_path / f"s{i}.safetensors").read_bytes()).hexdigest()
+    assert digests["config.json"] == hashlib.sha256(b"{}").hexdigest()
+    assert seen[-1][0] == "load" and max(s[1] for s in seen) == sum(h.file_size for h in headers)
+    assert stream.read_shards(headers, {}, torch.device("cpu"), hash_files=False) == {f"s{i}.safetensors": None for i in range(3)}
