@@ -75,7 +75,9 @@ def run(src: Path, name: str, modes: list[str], seq_len: str, samples: int) -> l
     rows = []
     for mode in modes:
         t = time.perf_counter()
-        rec = mpsconvert.export_coreml(art, seq_len=seq_len, weights=mode, force=True, check=False).record
+        # stateless packages (--no-kv-cache): this benchmark compares weight encodings on one pass;
+        # benchmarks/apple_decoders.py measures the stateful decoders
+        rec = mpsconvert.export_coreml(art, seq_len=seq_len, weights=mode, force=True, check=False, kv_cache=False).record
         export_s = time.perf_counter() - t
         t = time.perf_counter()
         res = check_package(art, texts=texts(samples), n_samples=samples)

@@ -255,3 +255,25 @@ def coreml_tiny_bert(path: Path, seed: int = 0) -> Path:
     model = transformers.BertModel(cfg)
     model.save_pretrained(path)
     return Path(path)
+
+
+def tree_hashes(folder: Path) -> dict[str, str]:
+    """Every file under folder -> sha256 (what "left as it was" means)."""
+    from mpsconvert.manifests.hashing import sha256_file
+
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def tiny_artifact(work: Path, name: str, build, scheme=None) -> Path:
+    """`build(work/src-<name>)` once, quantized once into work/art-<name> (default scheme: fp8-dynamic)."""
+    import mpsconvert
+    from mpsconvert.manifests.schemes import Scheme
+
+    scheme = scheme or Scheme()
+    src = work / f"src-{name}"
+    if not src.exists():
+        build(src)
+    art = work / f"art-{name}"
+    if not art.exists():
+        mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights)
+    return art

@@ -86,7 +86,8 @@ def test_the_public_api_is_documented():
 
     import mpsconvert
 
-    for name in ("quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "load"):
+    for name in ("quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai",
+                 "check_coreai", "coreai_latency", "load"):
         fn = getattr(mpsconvert, name)
         doc = pyinspect.getdoc(fn) or ""
         assert doc and ("Returns" in doc or name == "inspect"), name

@@ -2,7 +2,7 @@
 
 The library API (mpsconvert/api.py) is re-exported here:
 
-    from mpsconvert import quantize, calibrate, validate, verify, inspect, export_coreml, load
+    from mpsconvert import quantize, calibrate, validate, verify, inspect, export_coreml, export_coreai, load
 """
 
 __version__ = "0.1.0"
@@ -20,12 +20,16 @@ from .errors import (  # noqa: E402
 )
 from .api import (  # noqa: E402
     CalibrateResult,
+    CoreAIResult,
     CoreMLResult,
     QuantizeResult,
     ValidationResult,
     calibrate,
     calibration_options,
+    check_coreai,
     check_coreml,
+    coreai_latency,
+    export_coreai,
     export_coreml,
     inspect,
     load,
@@ -37,9 +41,9 @@ from .api import (  # noqa: E402
 
 __all__ = [
     "__version__",
-    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "load",
-    "calibration_options", "validate_options",
-    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult",
+    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai", "check_coreai",
+    "coreai_latency", "load", "calibration_options", "validate_options",
+    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult", "CoreAIResult",
     "MpsconvertError", "SourceError", "QuantizationError", "ArtifactError", "DeviceError", "DataError",
     "ExportError", "EvalError", "MissingExtraError",
 ]

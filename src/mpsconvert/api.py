@@ -26,6 +26,8 @@ from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS  # noqa: F401
 from .convert.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
 from .convert.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
+from .convert.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
+from .convert.coreai import CoreAIOptions
 from .convert.coreml import ExportOptions, SeqLen
 from .errors import ExportError, MpsconvertError
 from .manifests import layout
@@ -41,8 +43,9 @@ if TYPE_CHECKING:  # heavy modules, for annotations only
     from .runtime.validate import ValidateOptions
 
 __all__ = [
-    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "load",
-    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult", "ExportOptions", "SeqLen",
+    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai", "check_coreai",
+    "coreai_latency", "load",
+    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult", "CoreAIResult", "ExportOptions", "SeqLen", "CoreAIOptions",
     "calibration_options", "validate_options",
 ]
 
@@ -68,6 +71,16 @@ class CoreMLResult:
         return {"export": self.record, "check": self.check}
 
 
+class CoreAIResult(CoreMLResult):
+    """A Core AI asset in an artifact: the manifest's `coreai` record and, when checked, the
+    checks (interface, f8E4M3FN weights read back, the Core AI runtime against PyTorch);
+    `package` is the asset (also `asset`)."""
+
+    @property
+    def asset(self) -> Path:
+        return self.package
+
+
 @dataclass
 class QuantizeResult:
     """A written artifact: where it is and its manifest (with the summary `quantize` prints)."""
@@ -76,6 +89,7 @@ class QuantizeResult:
     manifest: Manifest
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
     coreml: CoreMLResult | None = None  # when a Core ML package was exported too
+    coreai: CoreAIResult | None = None  # when a Core AI asset was exported too
 
     @property
     def summary(self) -> dict:
@@ -120,9 +134,10 @@ class ValidationResult:
     verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"
     recorded: str | None = None  # the manifest written, None when the checkpoint has none
     coreml: dict | None = None  # Core ML runtime check (macOS) or why it was skipped; None without a package
+    coreai: dict | None = None  # Core AI latency beside PyTorch (Linux CPU runtime, or per unit on macOS); None without an asset
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None or k in ("recorded", "coreml")}
+        return {k: v for k, v in asdict(self).items() if v is not None or k in ("recorded", "coreml", "coreai")}
 
 
 # --------------------------------------------------------------------------- options
@@ -167,6 +182,7 @@ def quantize(
     calibration: CalibOptions | None = None,
     scales_file: str | Path | None = None,
     coreml: ExportOptions | None = None,
+    coreai: CoreAIOptions | None = None,
     progress: Progress | None = None,
 ) -> QuantizeResult:
     """Quantize a Hugging Face model to an FP8 compressed-tensors artifact.
@@ -188,7 +204,9 @@ def quantize(
             tokens, minmax]; ignored when `scales_file` is given.
         scales_file: for scheme "fp8", input scales written earlier by `calibrate(..., output=FILE)`.
         coreml: also export a Core ML package into the artifact (and check it).
-        progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export").
+        coreai: also export a Core AI asset into the artifact (and check it).
+        progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export",
+            "coreai export", "decode check").
 
     Returns:
         QuantizeResult: the output folder and its manifest; the calibration when one ran here;
@@ -197,7 +215,7 @@ def quantize(
     Raises:
         SourceError: the source cannot be found, downloaded or used (pickles, already quantized, ...).
         QuantizationError: a tensor cannot be quantized (NaN/inf) or fp8 scales are missing.
-        ExportError: the artifact was written but its Core ML export failed (the message says so).
+        ExportError: the artifact was written but its Core ML or Core AI export failed (the message says so).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
     from .source import resolve
@@ -230,10 +248,16 @@ def quantize(
     if coreml is not None:
         try:
             result.coreml = export_coreml(out, seq_len=str(coreml.seq_len), weights=coreml.weights, frontend=coreml.frontend,
-                                          force=True, progress=progress)
+                                          kv_cache=coreml.kv_cache, max_len=coreml.max_len, force=True, progress=progress)
         except MpsconvertError as e:
             raise ExportError(f"{out} was written, but its Core ML export failed: {e.problem}",
                               e.fix or "run `mpsconvert export-coreml` on it to retry") from e
+    if coreai is not None:
+        try:
+            result.coreai = export_coreai(out, max_len=coreai.max_len, compute=coreai.compute, force=True, progress=progress)
+        except MpsconvertError as e:
+            raise ExportError(f"{out} was written, but its Core AI export failed: {e.problem}",
+                              e.fix or "run `mpsconvert export-coreai` on it to retry") from e
     return result
 
 
@@ -360,20 +384,81 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
     opts = options or validate_options()
     artifact = Path(artifact)
     result = ValidationResult(**run(artifact, opts, progress))
-    result.coreml = _coreml_runtime(artifact, record=opts.write)
+    result.coreml = _coreml_runtime(artifact, opts)
+    result.coreai = _coreai_runtime(artifact, opts, progress)
     return result
 
 
-def _coreml_runtime(artifact: Path, record: bool) -> dict | None:
-    """The Core ML part of validate: only for artifacts with a package; on macOS only (else 'skipped')."""
+def _coreml_runtime(artifact: Path, opts: ValidateOptions) -> dict | None:
+    """The Core ML part of validate: only for artifacts with a package; on macOS only (else
+    'skipped'). Stateful decoders: prefill of `prefill_len` and `decode_tokens` steps through
+    `make_state()` states per compute unit, beside PyTorch on MPS."""
     if not layout.is_artifact(artifact) or "coreml" not in Manifest.read(artifact).extra:
         return None
     from .convert.coreml.check import coreml_runtime_check
 
-    res = coreml_runtime_check(artifact)
-    if record and res.get("status") != "skipped":
+    res = coreml_runtime_check(artifact, prefill_len=opts.prefill_len, decode_tokens=opts.decode_tokens)
+    if opts.write and res.get("status") != "skipped":
         with layout.update_manifest(artifact) as m:
             m.extra["coreml_runtime"] = res
+    return res
+
+
+def _coreai_runtime(artifact: Path, opts: ValidateOptions, progress: Progress | None) -> dict | None:
+    """The Core AI part of validate (only for artifacts with an asset): `coreai_latency`, or why
+    it was skipped (no latency asked for, the coreai extra missing)."""
+    if not layout.is_artifact(artifact) or "coreai" not in Manifest.read(artifact).extra:
+        return None
+    if not opts.latency:
+        return {"status": "skipped", "reason": "latency not asked for (--no-latency)"}
+    from .extras import require
+
+    try:
+        require("coreai.authoring", "coreai", "the Core AI latency check")
+    except MpsconvertError as e:
+        return {"status": "skipped", "reason": str(e)}
+    if progress:
+        progress("coreai latency", 0, None, "Core AI runtime beside PyTorch")
+    # at most 3 timed prefills: on the Linux CPU runtime one prefill of 512 tokens takes tens of seconds
+    return coreai_latency(artifact, prefill_len=opts.prefill_len, decode_tokens=opts.decode_tokens, warmup=min(opts.warmup, 2),
+                          prefill_repeats=min(opts.repeats, 3), write=opts.write)
+
+
+def coreai_latency(artifact: str | Path, *, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
+                   prefill_repeats: int = 3, units: list[str] | None = None, write: bool = True) -> dict:
+    """Prefill time and decode tokens/s of the artifact's Core AI asset beside PyTorch on the CPU,
+    same prompt (real text), same number of tokens.
+
+    On Linux the rows are "Core AI runtime, Linux CPU" (the runtime bundled in coreai-core) and
+    PyTorch CPU; on macOS 27+ one row per compute unit (`units`: cpu, gpu, neural_engine) through
+    the OS runtime. Recorded in the manifest's `coreai_runtime` unless `write` is False.
+
+    Args:
+        artifact: the artifact folder (with model.aimodel).
+        prefill_len: prompt tokens (shortened to fit the asset's cache).
+        decode_tokens: single-token steps timed after the prompt (median and p95).
+        warmup: untimed steps (and one untimed prefill) first.
+        prefill_repeats: timed prefills, each in a fresh conversation (median and p95).
+        units: macOS compute units [default: all three].
+        write: record the result in the manifest.
+
+    Returns:
+        {"status": "ran", "inputs", "rows": [...]} or {"status": "skipped", "reason"}.
+
+    Raises:
+        MissingExtraError: coreai-core is not installed.
+        ArtifactError: there is no asset.
+    """
+    from .extras import require
+
+    require("coreai.authoring", "coreai", "the Core AI latency check")
+    from .convert.coreai.check import coreai_latency as run
+
+    artifact = Path(artifact)
+    res = run(artifact, prefill_len=prefill_len, decode_tokens=decode_tokens, warmup=warmup, units=units, prefill_repeats=prefill_repeats)
+    if write and res.get("status") == "ran":
+        with layout.update_manifest(artifact) as m:
+            m.extra["coreai_runtime"] = res
     return res
 
 
@@ -386,20 +471,29 @@ def export_coreml(
     seq_len: str | int = "128",
     weights: str = "fp8-lut",
     frontend: str = "auto",
+    kv_cache: bool = True,
+    max_len: int | None = None,
     force: bool = False,
     check: bool = True,
     samples: int = 3,
+    decode_steps: int = 16,
     progress: Progress | None = None,
 ) -> CoreMLResult:
     """Export an FP8 artifact to a Core ML ML program (`<artifact>/model.mlpackage`), then check it.
 
-    Causal LMs: input_ids -> logits; encoders: input_ids, attention_mask -> embeddings. The
-    package is built under a temporary name and renamed; a failed export leaves the artifact as
-    it was.
+    Causal LMs: the stateful decoder (macOS 15 / iOS 18): `main(input_ids int32 [1, T], position
+    int32 [1]) -> logits [1, T, vocab]`, the KV cache in states `key_cache_i` / `value_cache_i`;
+    with `kv_cache=False` the stateless input_ids -> logits. Encoders: input_ids, attention_mask
+    -> embeddings. The package is built under a temporary name and renamed; a failed export
+    leaves the artifact as it was.
 
     Args:
         artifact: the artifact folder.
-        seq_len: a fixed length ("128") or a flexible range ("1:512").
+        seq_len: encoders and stateless packages: a fixed length ("128") or a range ("1:512").
+        kv_cache: causal LMs as the stateful decoder (default) or stateless.
+        max_len: the stateful decoder's cache length [default: 2048, or the model's
+            max_position_embeddings when smaller].
+        decode_steps: stateful decoders: teacher-forced decode steps in the reference evaluation.
         weights: "fp8-lut" (FP8 codes as an 8-bit palette, one byte per weight), "int8" or "fp16".
         frontend: "auto" (torch.export, then torch.jit.trace), "torch.export" or "torch.jit.trace".
         force: replace an existing package.
@@ -421,15 +515,15 @@ def export_coreml(
     from .convert.coreml.export import export_coreml as run
 
     artifact = Path(artifact)
-    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend)
+    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend, kv_cache=kv_cache, max_len=max_len)
     record = run(artifact, opts, progress)
     result = CoreMLResult(artifact, artifact / record["package"], record)
     if check:
-        result = check_coreml(artifact, samples=samples, progress=progress)
+        result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress)
     return result
 
 
-def check_coreml(artifact: str | Path, *, samples: int = 3, progress: Progress | None = None) -> CoreMLResult:
+def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None) -> CoreMLResult:
     """Check the Core ML package already in an artifact (no Apple hardware needed): its spec,
     every FP8 weight read back bit for bit, and a reference evaluation of the program (NOT the
     Core ML runtime) against PyTorch; the result is recorded in the manifest.
@@ -456,7 +550,7 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, progress: Progress |
     artifact = Path(artifact)
     if progress:
         progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
-    res = check_package(artifact, n_samples=samples)
+    res = check_package(artifact, n_samples=samples, steps=decode_steps, progress=progress)
     record_check(artifact, res)
     result = CoreMLResult(artifact, artifact / res["package"], Manifest.read(artifact).extra.get("coreml", {}), res)
     if not result.ok:
@@ -469,12 +563,112 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, progress: Progress |
 
 def _failed_checks(res: dict) -> str:
     bad = []
+    if res.get("interface") and not res["interface"]["ok"]:
+        bad.append("; ".join(res["interface"]["problems"]))
     if not res["weights"]["all_ok"]:
         bad.append(f"weights read back differ ({sum(1 for r in res['weights']['tensors'].values() if not r.get('ok'))} tensors)")
-    ev = res.get("reference_eval")
+    ev = res.get("reference_eval") or res.get("runtime_eval")
     if ev and not ev["ok"]:
-        bad.append(f"reference evaluation cosine min {ev['cosine_min']:.4f}" + (f", top-1 {ev['top1_agreement']:.1%}" if "top1_agreement" in ev else ""))
+        if "prefill" in ev:
+            bad.append(f"prefill top-1 {ev['prefill']['top1_agreement']:.1%}, decode top-1 {ev['decode']['top1_agreement']:.1%}, "
+                       f"cosine min {min(ev['prefill']['cosine_min'], ev['decode']['cosine_min']):.4f}")
+        else:
+            bad.append(f"cosine min {ev['cosine_min']:.4f}" + (f", top-1 {ev['top1_agreement']:.1%}" if "top1_agreement" in ev else ""))
     return "; ".join(bad) or "see the recorded check"
+
+
+# --------------------------------------------------------------------------- Core AI
+
+
+def export_coreai(
+    artifact: str | Path,
+    *,
+    max_len: int | None = None,
+    compute: str = "fp32",
+    force: bool = False,
+    check: bool = True,
+    prompt_len: int = 64,
+    decode_steps: int = 32,
+    progress: Progress | None = None,
+) -> CoreAIResult:
+    """Export an FP8 artifact to a Core AI asset (`<artifact>/model.aimodel`), then check it.
+
+    Core AI (macOS / iOS 27+) stores the FP8 weights natively: f8E4M3FN constants (the
+    artifact's bytes) with their per-tensor / per-row scales. Causal LMs get the stateful decoder
+    that Core ML packages have too; encoders the embeddings interface. Other tensors keep the
+    artifact's dtype. The asset is written under a temporary name and renamed; a failed export
+    leaves the artifact as it was.
+
+    Args:
+        artifact: the artifact folder.
+        max_len: causal LMs: the KV cache length; encoders: the longest input [default: 2048,
+            or the model's max_position_embeddings when smaller].
+        compute: "fp32" (default) or "fp16" (see convert/coreai/__init__.py for why fp32).
+        force: replace an existing asset.
+        check: run the checks after the export (recorded in the manifest).
+        prompt_len: tokens of real text in the checked prefill.
+        decode_steps: teacher-forced decode steps checked through the states.
+        progress: `progress(phase, done, total, detail)` ("coreai export", "decode check").
+
+    Returns:
+        CoreAIResult: the manifest's record of the asset, and the check results.
+
+    Raises:
+        MissingExtraError: coreai-core / coreai-torch are not installed (`pip install 'mpsconvert[coreai]'`).
+        ExportError: the architecture, an op or a weight cannot be converted, or the asset failed its checks.
+        MpsconvertError: the asset exists (pass force), or the settings do not fit the model.
+    """
+    from .extras import require
+
+    require("coreai.authoring", "coreai", "Core AI export")
+    from .convert.coreai.export import export_coreai as run
+
+    artifact = Path(artifact)
+    record = run(artifact, CoreAIOptions(max_len=max_len, compute=compute, force=force), progress)
+    result = CoreAIResult(artifact, artifact / record["asset"], record)
+    if check:
+        result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
+    return result
+
+
+def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: int = 32, generate: int = 4,
+                 progress: Progress | None = None) -> CoreAIResult:
+    """Check the Core AI asset already in an artifact: its interface, every f8E4M3FN weight read
+    back against the artifact, and the Core AI runtime bundled in coreai-core (on Linux: "Core AI
+    runtime, Linux CPU") against PyTorch on the same dequantized weights: prefill, teacher-forced
+    decode through the states, greedy generation. Recorded in the manifest (`coreai.check`).
+
+    Args:
+        artifact: the artifact folder.
+        prompt_len: tokens of real text in the prefill.
+        decode_steps: teacher-forced decode steps.
+        generate: greedy tokens compared with PyTorch's.
+        progress: `progress("decode check", done, total, detail)`.
+
+    Returns:
+        CoreAIResult with `check`.
+
+    Raises:
+        MissingExtraError: coreai-core is not installed.
+        ArtifactError: there is no asset, or it is not recorded in the manifest.
+        ExportError: the asset failed its checks (recorded first; the exception's `result` holds
+            the CoreAIResult).
+    """
+    from .extras import require
+
+    require("coreai.authoring", "coreai", "checking a Core AI asset")
+    from .convert.coreai.check import check_asset, record_check
+
+    artifact = Path(artifact)
+    res = check_asset(artifact, prompt_len=prompt_len, steps=decode_steps, generate=generate, progress=progress)
+    record_check(artifact, res)
+    result = CoreAIResult(artifact, artifact / res["asset"], Manifest.read(artifact).extra.get("coreai", {}), res)
+    if not result.ok:
+        err = ExportError(f"the Core AI asset in {artifact} failed its checks: {_failed_checks(res)}",
+                          "re-export with --compute fp32 to compare, or report the model")
+        err.result = result
+        raise err
+    return result
 
 
 # --------------------------------------------------------------------------- runtime

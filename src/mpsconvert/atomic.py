@@ -177,3 +177,22 @@ def output_dir(target: Path, force: bool = False, min_free: int = 0):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def publish_folder(target: Path, write: Callable[[Path], None], force: bool = False) -> Path:
+    """Write a folder-shaped package (an .mlpackage, an .aimodel) whole or not at all.
+
+    `write(path)` creates the package at `path`, a temporary path with the target's own name
+    (savers check the suffix); it then replaces `target` by rename. A failure, Ctrl-C or
+    SIGTERM leaves `target` (and an old package there) as it was.
+    """
+    target = Path(target).absolute()
+    with output_dir(target, force=force) as tmp:
+        inner = tmp / target.name
+        write(inner)
+        if not inner.is_dir():
+            raise MpsconvertError(f"writing {target.name} produced no folder", "report this: the saver wrote nothing")
+        for p in inner.iterdir():
+            os.replace(p, tmp / p.name)
+        inner.rmdir()
+    return target

@@ -63,7 +63,7 @@ def friendly_errors(fn):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(api.__version__, prog_name="mpsconvert")
 def main():
-    """Convert Hugging Face models to FP8 (float8_e4m3fn) for Apple Silicon and Core ML, and check them.
+    """Convert Hugging Face models to FP8 (float8_e4m3fn) for Apple Silicon, Core ML and Core AI, and check them.
 
     \b
     Typical use:

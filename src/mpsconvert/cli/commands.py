@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -40,6 +41,18 @@ def calibration_options(fn):
     return fn
 
 
+@contextlib.contextmanager
+def _showing_failed_checks(show, as_json: bool):
+    """An export or check whose checks ran and failed raises ExportError with the result: show
+    what the checks found before the one-line error."""
+    try:
+        yield
+    except ExportError as e:
+        if getattr(e, "result", None) is not None:
+            show(e.result, as_json)
+        raise
+
+
 def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, device, sequential, data_revision, **kw):
     return api.calibration_options(data=calib_data, num_samples=num_samples, seq_len=seq_len, seed=seed, observer=observer,
                                    percentile=percentile, device=device, sequential=sequential, data_revision=data_revision, **kw)
@@ -70,21 +83,34 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @click.option("--coreml", is_flag=True, help="Also export a Core ML package (model.mlpackage) into the artifact; see `export-coreml`.")
 @click.option("--coreml-weights", type=click.Choice(api.COREML_WEIGHT_MODES), default="fp8-lut", show_default=True,
               help="With --coreml: how the FP8 weights are stored in the package.")
-@click.option("--coreml-seq-len", default="128", show_default=True, metavar="N|LO:HI", help="With --coreml: sequence length or range.")
+@click.option("--coreml-seq-len", default="128", show_default=True, metavar="N|LO:HI",
+              help="With --coreml: sequence length or range of encoders and of --no-kv-cache packages.")
+@click.option("--coreai", is_flag=True, help="Also export a Core AI asset (model.aimodel) into the artifact; see `export-coreai`.")
+@click.option("--coreai-compute", type=click.Choice(api.COREAI_COMPUTE_DTYPES), default="fp32", show_default=True,
+              help="With --coreai: compute dtype.")
+@click.option("--max-len", type=click.IntRange(min=2), default=None,
+              help="With --coreml / --coreai: KV cache length of the stateful decoder (causal LMs); encoders (Core AI): longest "
+                   "input [default: 2048, or the model's max_position_embeddings if smaller].")
+@click.option("--no-kv-cache", is_flag=True, help="With --coreml: the stateless input_ids -> logits form (no states).")
 @friendly_errors
 def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
-             scales_file, coreml, coreml_weights, coreml_seq_len, **calib):
+             scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, **calib):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
-    coreml_opts = api.ExportOptions(seq_len=api.SeqLen.parse(coreml_seq_len), weights=coreml_weights) if coreml else None
+    coreml_opts = api.ExportOptions(seq_len=api.SeqLen.parse(coreml_seq_len), weights=coreml_weights, kv_cache=not no_kv_cache,
+                                    max_len=max_len) if coreml else None
+    coreai_opts = api.CoreAIOptions(max_len=max_len, compute=coreai_compute) if coreai else None
     with render.progress_bars() as progress:
         res = api.quantize(source, output, scheme=scheme, weights=weights, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
-                           calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, progress=progress)
+                           calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, coreai=coreai_opts,
+                           progress=progress)
     if res.calibration is not None:
         render.calibration(res.calibration)
     render.quantize_summary(res, as_json)
     if res.coreml is not None:
         render.coreml_export(res.coreml, as_json)
+    if res.coreai is not None:
+        render.coreai_export(res.coreai, as_json)
 
 
 @main.command()
@@ -183,8 +209,12 @@ def verify(artifact, no_hashes, trust_remote_code, as_json):
 
 @main.command("export-coreml")
 @click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--max-len", type=click.IntRange(min=2), default=None,
+              help="Causal LMs: KV cache length of the stateful decoder (input_ids of 1..N tokens, position + T <= N) "
+                   "[default: 2048, or the model's max_position_embeddings if smaller].")
+@click.option("--no-kv-cache", is_flag=True, help="Causal LMs: the stateless input_ids -> logits form (no states).")
 @click.option("--seq-len", default="128", show_default=True, metavar="N|LO:HI",
-              help="Fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
+              help="Encoders and --no-kv-cache: fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
 @click.option("--coreml-weights", type=click.Choice(api.COREML_WEIGHT_MODES), default="fp8-lut", show_default=True,
               help="fp8-lut: the FP8 codes as an 8-bit palette of the e4m3 values (one byte per weight). "
                    "int8: coremltools linear quantization. fp16: dense.")
@@ -193,32 +223,73 @@ def verify(artifact, no_hashes, trust_remote_code, as_json):
 @click.option("--force", is_flag=True, help="Replace an existing model.mlpackage.")
 @click.option("--check-only", is_flag=True, help="Do not export: check the package already in ARTIFACT.")
 @click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
-@click.option("--samples", default=3, show_default=True, help="Text samples for the reference evaluation.")
+@click.option("--samples", default=3, show_default=True, help="Text samples for the reference evaluation (encoders, --no-kv-cache).")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Stateful decoders: teacher-forced decode steps of the reference evaluation.")
 @click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
 @friendly_errors
-def export_coreml(artifact, seq_len, coreml_weights, frontend, force, check_only, no_check, samples, as_json):
+def export_coreml(artifact, max_len, no_kv_cache, seq_len, coreml_weights, frontend, force, check_only, no_check, samples,
+                  decode_steps, as_json):
     """Export an FP8 ARTIFACT to a Core ML ML program (ARTIFACT/model.mlpackage), then check it.
 
     \b
-    Causal LMs: input_ids -> logits. Encoders: input_ids, attention_mask -> embeddings
-    (mean-pooled last hidden state, L2-normalized if the model's modules.json says so).
+    Causal LMs: the stateful decoder, main(input_ids int32 [1, T], position int32 [1]) ->
+    logits [1, T, vocab], the KV cache in states key_cache_i / value_cache_i (README: "The
+    stateful decoder interface"); --no-kv-cache: input_ids -> logits, no states.
+    Encoders: input_ids, attention_mask -> embeddings (mean-pooled last hidden state,
+    L2-normalized if the model's modules.json says so).
     Minimum target macOS 15 / iOS 18, FP16 compute; activations are not FP8-quantized.
     The checks run anywhere: spec, op counts, weights read back from the package, and a reference
     evaluation of the program with coremltools' Python op definitions (NOT the Core ML runtime)
-    against PyTorch with the artifact's dequantized weights.
+    against PyTorch with the artifact's dequantized weights; decoders: prefill, teacher-forced
+    decode through the states, greedy generation.
     """
-    with render.progress_bars() as progress:
-        try:
-            if check_only:
-                res = api.check_coreml(artifact, samples=samples, progress=progress)
-            else:
-                res = api.export_coreml(artifact, seq_len=seq_len, weights=coreml_weights, frontend=frontend, force=force,
-                                        check=not no_check, samples=samples, progress=progress)
-        except ExportError as e:
-            if getattr(e, "result", None) is not None:  # the checks ran and failed: show what they found
-                render.coreml_check(e.result, as_json)
-            raise
+    with render.progress_bars() as progress, _showing_failed_checks(render.coreml_check, as_json):
+        if check_only:
+            res = api.check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress)
+        else:
+            res = api.export_coreml(artifact, seq_len=seq_len, weights=coreml_weights, frontend=frontend, force=force,
+                                    kv_cache=not no_kv_cache, max_len=max_len, check=not no_check, samples=samples,
+                                    decode_steps=decode_steps, progress=progress)
     if check_only:
         render.coreml_check(res, as_json)
     else:
         render.coreml_export(res, as_json)
+
+
+@main.command("export-coreai")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--max-len", type=click.IntRange(min=2), default=None,
+              help="Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input "
+                   "[default: 2048, or the model's max_position_embeddings if smaller].")
+@click.option("--compute", type=click.Choice(api.COREAI_COMPUTE_DTYPES), default="fp32", show_default=True,
+              help="Compute dtype. FP8 weights stay f8E4M3FN and other tensors keep the artifact's dtype either way.")
+@click.option("--force", is_flag=True, help="Replace an existing model.aimodel.")
+@click.option("--check-only", is_flag=True, help="Do not export: check the asset already in ARTIFACT.")
+@click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens of real text in the checked prefill.")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=32, show_default=True, help="Teacher-forced decode steps checked.")
+@click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
+@friendly_errors
+def export_coreai(artifact, max_len, compute, force, check_only, no_check, prompt_len, decode_steps, as_json):
+    """Export an FP8 ARTIFACT to a Core AI asset (ARTIFACT/model.aimodel), then check it.
+
+    \b
+    Core AI is Apple's successor of Core ML (macOS / iOS 27 and later). FP8 weights are stored
+    natively as f8E4M3FN constants with their per-tensor / per-row scales (one byte per weight).
+    Causal LMs: the same stateful decoder as export-coreml (main(input_ids, position) -> logits,
+    the KV cache in states key_cache_i / value_cache_i). Encoders: input_ids, attention_mask ->
+    embeddings. The checks run the asset with the Core AI runtime bundled in coreai-core (Linux:
+    CPU) against PyTorch on the same dequantized weights: prefill, teacher-forced decode through
+    the states, greedy generation. Needs `pip install 'mpsconvert[coreai]'`.
+    """
+    with render.progress_bars() as progress, _showing_failed_checks(render.coreai_check, as_json):
+        if check_only:
+            res = api.check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
+        else:
+            res = api.export_coreai(artifact, max_len=max_len, compute=compute, force=force, check=not no_check,
+                                    prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
+    if check_only:
+        render.coreai_check(res, as_json)
+    else:
+        render.coreai_export(res, as_json)

@@ -10,6 +10,7 @@ import contextlib
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -67,11 +68,12 @@ def print_json(body) -> None:
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def error(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escaped: "pip install 'mpsconvert[coreai]'" is text, not rich markup
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def note(message: str) -> None:
@@ -204,12 +206,34 @@ def validation(res, explain: bool = False) -> None:
         kernels(r["kernels"])
     if r.get("recorded"):
         out.print(f"recorded in {r['recorded']}")
-    cm = r.get("coreml")
-    if cm is not None:
-        if cm.get("status") == "skipped":
-            result(f"Core ML package: not run here ({cm['reason']})")
-        else:
-            print_json(cm)
+    apple_runtimes(r)
+
+
+def apple_runtimes(r: dict) -> None:
+    """The Core ML and Core AI rows of validate (latency beside PyTorch), or why they did not run."""
+    for key, name in (("coreml", "Core ML package"), ("coreai", "Core AI asset")):
+        rt = r.get(key)
+        if rt is None:
+            continue
+        if rt.get("status") != "ran":
+            result(f"{name}: not run here ({rt['reason']})")
+            continue
+        t = Table(title=f"{name}: latency beside PyTorch")
+        for c in ("engine", "prefill ms", "decode median ms (p95)", "decode tokens/s", "vs PyTorch", "accuracy"):
+            t.add_column(c, justify="left" if c in ("engine", "accuracy") else "right")
+        for row in rt["rows"]:
+            if "error" in row:
+                t.add_row(row["engine"], "", "", "", "", f"[red]{escape(row['error'])}[/]")
+                continue
+            ratio = row.get("decode_vs_pytorch_cpu", row.get("decode_vs_pytorch_mps", row.get("speedup_vs_pytorch_mps")))
+            acc = (f"prefill top-1 {row['prefill_top1']:.1%}, decode top-1 {row['decode_top1']:.1%}" if "prefill_top1" in row
+                   else f"cosine {row['cosine_min']:.5f}" if "cosine_min" in row else "")
+            dec = (f"{row['decode_median_ms']:.2f} ({row['decode_p95_ms']:.2f})" if "decode_median_ms" in row
+                   else f"{row['latency_ms']:.2f}" if "latency_ms" in row else "")
+            t.add_row(row["engine"], f"{row['prefill_ms']:.1f}" if "prefill_ms" in row else "", dec,
+                      f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "", f"{ratio:.3f}x" if ratio else "", acc)
+        out.print(t)
+        result(f"  same prompt for every row: {rt.get('inputs', '')}")
 
 
 def kernels(decisions: list) -> None:
@@ -228,13 +252,47 @@ def kernels(decisions: list) -> None:
         out.print(f"  note ({', '.join(where)}): {note_}", highlight=False)
 
 
-# --------------------------------------------------------------------------- Core ML
+# --------------------------------------------------------------------------- Core ML and Core AI
+
+
+def _feat(f) -> str:
+    rng = f" range {f['range']}" if f.get("range") else ""
+    shape = "x".join("?" if d is None else str(d) for d in f["shape"]) if f.get("shape") else "?"
+    return f"{f['name']} {f['dtype']} [{shape}]{rng}"
+
+
+def _states_line(states: list[dict]) -> str:
+    if not states:
+        return "none"
+    return f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each {_feat(states[0]).split(' ', 1)[1]}"
+
+
+def decoder_check(title: str, ev: dict) -> None:
+    """Prefill, teacher-forced decode and greedy generation against PyTorch, one row each."""
+    t = Table(title=title)
+    for c in ("check", "positions", "top-1 agreement", "cosine min", ""):
+        t.add_column(c, justify="left" if c in ("check", "") else "right")
+    th, p, d, g = ev["thresholds"], ev["prefill"], ev["decode"], ev["generation"]
+
+    def mark(ok: bool, need: float) -> str:
+        return ("ok" if ok else "[red]FAILED[/]") + f" (>= {need:.0%})"
+
+    t.add_row(f"prefill, {ev['prompt_len']} tokens", str(p["positions"]), f"{p['top1_agreement']:.1%}", f"{p['cosine_min']:.6f}",
+              mark(p["top1_agreement"] >= th["prefill_top1"] and p["cosine_min"] >= th["cosine"], th["prefill_top1"]))
+    t.add_row(f"teacher-forced decode, {ev['steps']} steps", str(d["positions"]), f"{d['top1_agreement']:.1%}", f"{d['cosine_min']:.6f}",
+              mark(d["top1_agreement"] >= th["decode_top1"] and d["cosine_min"] >= th["cosine"], th["decode_top1"]))
+    t.add_row(f"greedy generation, {len(g['tokens'])} tokens", str(len(g["tokens"])), f"{g['agreeing_prefix']}/{len(g['tokens'])} same", "",
+              "same tokens as PyTorch" if g["agree"] else f"diverges at token {g['agreeing_prefix'] + 1}")
+    out.print(t)
+    result(f"  {ev['inputs']}; vs {ev['reference']}")
+    out.print(f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median {ev['decode_step_ms']['median']:.1f} ms", highlight=False)
 
 
 def coreml_export(res, as_json: bool) -> None:
     rec = res.record
     failed = "; ".join(f"{k} failed ({v})" for k, v in rec["failed_frontends"].items())
-    note(f"Core ML: {rec['package']} written with {rec['frontend']}" + (f" ({failed})" if failed else ""))
+    note(f"Core ML: {rec['package']} written with {rec['frontend']}" + (" (stateful decoder)" if rec.get("kv_cache") else "")
+         + (f" ({failed})" if failed else ""))
     if res.check is not None:
         coreml_check(res, as_json)
     elif as_json:
@@ -247,15 +305,13 @@ def coreml_check(res, as_json: bool) -> None:
         return
     rec, chk = res.record, res.check
     t = Table(title=f"{res.artifact}/{chk['package']}", show_header=False, box=None)
-
-    def feat(f):
-        rng = f" range {f['range']}" if f.get("range") else ""
-        return f"{f['name']} {f['dtype']} {f['shape'] or '?'}{rng}"
-
-    t.add_row("task", f"{rec.get('task')}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
+    kind = " stateful decoder" if rec.get("kv_cache") else (" stateless" if rec.get("task") == "causal-lm" else "")
+    t.add_row("task", f"{rec.get('task')}{kind}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
     t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, {rec.get('compute_precision')}")
-    t.add_row("inputs", "; ".join(feat(f) for f in chk["spec"]["inputs"]))
-    t.add_row("outputs", "; ".join(feat(f) for f in chk["spec"]["outputs"]))
+    t.add_row("inputs", "; ".join(_feat(f) for f in chk["spec"]["inputs"]))
+    t.add_row("outputs", "; ".join(_feat(f) for f in chk["spec"]["outputs"]))
+    if chk["spec"].get("states"):
+        t.add_row("states", _states_line(chk["spec"]["states"]))
     ops = chk["spec"]["ops"]
     t.add_row("ops", ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if k != "const")[:160])
     t.add_row("weights", f"{rec.get('weights')}: {human(chk['weight_bytes'])} in the package vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)")
@@ -267,7 +323,7 @@ def coreml_check(res, as_json: bool) -> None:
         line += f"; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values"
     t.add_row("weight check", line)
     ev = chk.get("reference_eval")
-    if ev:
+    if ev and "prefill" not in ev:
         line = f"cosine min {ev['cosine_min']:.7f} (mean {ev['cosine_mean']:.7f}), max |diff| {ev['max_abs_diff']:.3g}"
         if "top1_agreement" in ev:
             line += f", top-1 agreement {ev['top1_agreement']:.1%} over {ev['positions']} positions"
@@ -275,3 +331,45 @@ def coreml_check(res, as_json: bool) -> None:
         t.add_row("", f"{ev['inputs']}; vs {ev['reference']}")
         t.add_row("", f"[bold]{ev['evaluator']}[/]; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}")
     out.print(t)
+    if ev and "prefill" in ev:
+        decoder_check("reference evaluation, not the Core ML runtime", ev)
+
+
+def coreai_export(res, as_json: bool) -> None:
+    rec = res.record
+    note(f"Core AI: {rec['asset']} written ({rec['task']}" + (", stateful decoder" if rec["task"] == "causal-lm" else "")
+         + f", {rec['compute']} compute)")
+    if res.check is not None:
+        coreai_check(res, as_json)
+    elif as_json:
+        print_json(rec)
+
+
+def coreai_check(res, as_json: bool) -> None:
+    if as_json:
+        print_json(res.as_dict())
+        return
+    rec, chk = res.record, res.check
+    iface = rec.get("interface", {})
+    t = Table(title=f"{res.artifact}/{chk['asset']}", show_header=False, box=None)
+    t.add_row("task", f"{rec.get('task')}" + (" stateful decoder" if rec.get("task") == "causal-lm" else f" ({rec.get('pooling')} pooling)"))
+    t.add_row("function main", "; ".join(_feat(f) for f in iface.get("inputs", [])) + " -> " + "; ".join(_feat(f) for f in iface.get("outputs", [])))
+    if iface.get("states"):
+        t.add_row("states", _states_line(iface["states"]))
+    t.add_row("interface", "as the decoder contract says" if chk["interface"]["ok"] else "[red]" + escape("; ".join(chk["interface"]["problems"])) + "[/]")
+    v = rec.get("versions", {})
+    t.add_row("converted with", f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; compute {rec.get('compute')}; needs {rec.get('minimum_os')}")
+    st = chk["storage"]["storage_types"]
+    t.add_row("storage", ", ".join(f"{k} {n:,}" for k, n in sorted(st.items(), key=lambda kv: -kv[1]) if n > 1000) or str(st))
+    t.add_row("size", f"{human(chk['asset_bytes'])} asset vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)")
+    w = chk["weights"]
+    t.add_row("weight check", f"{w['checked']} FP8 tensors read back from the program: codes bit-exact {w['codes_bit_exact']}, scales exact "
+              f"{w['scales_exact']}; {w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for {w['fp8_values_in_artifact']:,} in the artifact"
+              + ("" if w["all_ok"] else " [red]MISMATCH[/]"))
+    out.print(t)
+    ev = chk.get("runtime_eval")
+    if ev and "prefill" in ev:
+        decoder_check(ev["runtime"], ev)
+    elif ev:
+        result(f"{ev['runtime']}: embedding cosine min {ev['cosine_min']:.6f} over {ev['samples']} samples ({ev['inputs']})"
+               + (" ok" if ev["ok"] else " FAILED"))

@@ -1,7 +1,7 @@
 """Core ML export of an FP8 artifact (`model.mlpackage`) and its checks.
 
-`export.py` builds the PyTorch model from the artifact and converts it, keeping FP8 codes as an
-8-bit palette; `ops.py` adds the torch converters coremltools lacks; `check.py` checks a saved
+`export.py` converts the artifact's PyTorch model (`convert/torch_model.py`; causal LMs as the
+stateful decoder of `convert/stateful.py`), keeping FP8 codes as an 8-bit palette; `ops.py` adds the torch converters coremltools lacks; `check.py` checks a saved
 package anywhere (spec, weights read back, reference evaluation) and with Core ML on macOS;
 `mil_eval.py` is the numpy reference evaluator. This module holds only the export's options and
 imports nothing heavy, so the CLI and the API read them without loading coremltools or torch.
@@ -52,9 +52,16 @@ class SeqLen:
 
 @dataclass
 class ExportOptions:
-    """How to export: sequence length(s), how FP8 weights are stored, replace, which frontend."""
+    """How to export: the interface, how FP8 weights are stored, replace, which frontend.
+
+    kv_cache: causal LMs as the stateful decoder (convert/stateful.py) with a KV cache of
+    max_len tokens (None: 2048, or the model's max_position_embeddings when smaller); False
+    keeps the stateless input_ids -> logits form. seq_len: encoders and stateless packages
+    (fixed, or a range)."""
 
     seq_len: SeqLen = SeqLen(128, 128)
     weights: str = "fp8-lut"  # one of WEIGHT_MODES
     force: bool = False
     frontend: str = "auto"  # "auto" (torch.export, then torch.jit.trace), or one of FRONTENDS
+    kv_cache: bool = True
+    max_len: int | None = None

@@ -25,20 +25,12 @@ from ...errors import ArtifactError
 from ...manifests.layout import update_manifest
 from ...manifests.manifest import Manifest
 from ... import fp8, timing
-from .export import PACKAGE_NAME, build_torch_model, e4m3_lut, fp8_safetensors_bytes, weight_bytes_of_package
+from .. import compare, stateful
+from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
+from ..torch_model import build_torch_model, fp8_safetensors_bytes
+from .export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
 
-REFERENCE_NAME = "pytorch fp32 (source architecture, the artifact's FP8 weights dequantized; activations not quantized)"
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
-# English sentences for the reference evaluation when no text is given (any real text works).
-DEFAULT_TEXTS = (
-    "The Eiffel Tower was built for the 1889 World's Fair in Paris and was at first criticised by many artists.",
-    "Photosynthesis converts light energy into chemical energy that is stored in glucose and other sugars.",
-    "In 1969 the Apollo 11 mission landed two astronauts on the Moon, and millions watched on television.",
-)
-# Agreement that counts as "the package computes the model" (fp16 compute vs fp32 reference).
-MIN_COSINE = 0.99
-MIN_TOP1 = 0.9
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model")
 _DTYPES = {65568: "fp32", 65552: "fp16", 131104: "int32", 131080: "int8"}
 
 
@@ -53,7 +45,7 @@ def _package(artifact: Path) -> Path:
 
 
 def _feature(f) -> dict:
-    a = f.type.multiArrayType
+    a = f.type.stateType.arrayType if f.type.WhichOneof("Type") == "stateType" else f.type.multiArrayType
     out = {"name": f.name, "dtype": _DTYPES.get(a.dataType, str(a.dataType)), "shape": list(a.shape)}
     if a.WhichOneof("ShapeFlexibility") == "shapeRange":
         out["range"] = [[r.lowerBound, r.upperBound] for r in a.shapeRange.sizeRanges]
@@ -66,6 +58,7 @@ def spec_summary(spec, prog) -> dict:
         "specification_version": spec.specificationVersion,  # 9 = iOS18 / macOS15
         "inputs": [_feature(f) for f in spec.description.input],
         "outputs": [_feature(f) for f in spec.description.output],
+        "states": [_feature(f) for f in spec.description.state],
         "ops": dict(sorted(ops.items())),
     }
 
@@ -94,8 +87,16 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
     ops = _op_by_name(prog)
     base = e4m3_lut()
     rows = {}
+    consts_2d = {}
+    for op in ops.values():
+        if op.op_type == "const" and isinstance(op.outputs[0].val, np.ndarray) and op.outputs[0].val.ndim == 2:
+            consts_2d.setdefault(op.outputs[0].val.shape, []).append(op.outputs[0].val)
     for name, enc in record["encoded_tensors"].items():
         q, s = fp8_weights[name]
+        if "experts_lut_exponent" in enc:  # fused MoE experts: LUT of e4m3 x 2^-k, row scale x 2^k after the matmul
+            k = enc["experts_lut_exponent"]
+            want_row = (s.float().reshape(s.shape[0], -1) * 2.0**k).to(torch.float16).numpy()
+            s = torch.tensor([2.0**-k])
         codes = q.view(torch.uint8).numpy()
         want16 = fp8.dequantize(q, s, torch.float16).numpy()
         r: dict = {}
@@ -126,6 +127,8 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
             # codes, LUT and fp16 row scale are checked bit for bit; the applied weight may then
             # differ from the FP16 dequantization by the row scale's fp16 rounding (<= 1 ulp).
             exact = r["weights_equal_fp16_dequant"] == 1.0 if enc["row_scale"] is None else r["max_ulp_diff"] <= 1
+            if "experts_lut_exponent" in enc:
+                r["row_scale_equal"] = any(np.array_equal(c.astype(np.float16), want_row) for c in consts_2d.get(want_row.shape, []))
             r["ok"] = bool(r["indices_equal_fp8_codes"] and r["lut_equal_e4m3"] and r.get("row_scale_equal", True) and exact)
         else:
             cand = [op for n, op in ops.items() if n == enc["op"] or (n.startswith(enc["op"]) and op.op_type.startswith("constexpr_"))]
@@ -159,67 +162,6 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
 # --------------------------------------------------------------------------- reference evaluation
 
 
-def sample_inputs(artifact: Path, tm, seq: dict, texts=DEFAULT_TEXTS, n: int = 3) -> tuple[list[tuple[np.ndarray, ...]], str]:
-    """Inputs shaped for the package, and what they are. Real text through the artifact's
-    tokenizer: fixed length -> cut or padded (padding masked for encoders; LM text repeated to
-    fill); a range -> natural lengths clipped to it. An artifact without a tokenizer (tiny test
-    models) gets seeded random token ids, and the returned description says so."""
-    from transformers import AutoTokenizer
-
-    lo, hi = seq["min"], seq["max"]
-    tok = None
-    if any((Path(artifact) / f).is_file() for f in _TOKENIZER_FILES):
-        tok = AutoTokenizer.from_pretrained(str(artifact))
-    out = []
-    rng = np.random.default_rng(0)
-    vocab = int(getattr(tm.config, "vocab_size", 100))
-    for i in range(n):
-        if tok is None:
-            length = hi if lo == hi else int(rng.integers(lo, hi + 1))
-            ids = rng.integers(0, vocab, length).tolist()
-        else:
-            ids = tok(texts[i % len(texts)], add_special_tokens=tm.task == "encoder")["input_ids"]
-        if tm.task == "causal-lm":
-            while len(ids) < lo:
-                ids = ids + ids
-            out.append((np.array([ids[:hi]], dtype=np.int32),))
-        else:
-            ids = ids[:hi]
-            mask = [1] * len(ids)
-            pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
-            while len(ids) < lo:
-                ids.append(pad)
-                mask.append(0)
-            if tok is None and len(ids) > 2 and i % 2 == 1:  # exercise masking: pad the tail
-                mask[-(len(ids) // 3):] = [0] * (len(ids) // 3)
-            out.append((np.array([ids], dtype=np.int32), np.array([mask], dtype=np.int32)))
-    what = f"{n} real text sample(s) through the artifact's tokenizer" if tok is not None else f"{n} seeded random token id sample(s) (the artifact has no tokenizer)"
-    return out, what
-
-
-def compare_outputs(task: str, got: np.ndarray, ref: np.ndarray) -> dict:
-    got = got.astype(np.float64).reshape(-1, got.shape[-1])
-    ref = ref.astype(np.float64).reshape(-1, ref.shape[-1])
-    cos = (got * ref).sum(-1) / np.maximum(np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1), 1e-30)
-    out = {"cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "max_abs_diff": float(np.abs(got - ref).max()),
-           "ref_max_abs": float(np.abs(ref).max())}
-    if task == "causal-lm":
-        out["top1_agreement"] = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
-        out["positions"] = int(got.shape[0])
-    return out
-
-
-def _merge(task: str, parts: list[dict]) -> dict:
-    out = {"cosine_min": min(p["cosine_min"] for p in parts), "cosine_mean": float(np.mean([p["cosine_mean"] for p in parts])),
-           "max_abs_diff": max(p["max_abs_diff"] for p in parts), "samples": len(parts)}
-    if task == "causal-lm":
-        n = sum(p["positions"] for p in parts)
-        out["top1_agreement"] = sum(p["top1_agreement"] * p["positions"] for p in parts) / n
-        out["positions"] = n
-    out["ok"] = out["cosine_min"] >= MIN_COSINE and out.get("top1_agreement", 1.0) >= MIN_TOP1
-    return out
-
-
 def reference_eval(prog, tm, samples) -> dict:
     from . import mil_eval
 
@@ -230,7 +172,7 @@ def reference_eval(prog, tm, samples) -> dict:
         with torch.no_grad():
             ref = tm.module(*(torch.from_numpy(a.astype(np.int64)) for a in x)).float().numpy()
         parts.append(compare_outputs(tm.task, outs[tm.output_name], ref))
-    res = _merge(tm.task, parts)
+    res = merge_parts(tm.task, parts)
     res["evaluator"] = EVALUATOR_NAME
     res["reference"] = REFERENCE_NAME
     res["ops_by_implementation"] = {
@@ -240,8 +182,50 @@ def reference_eval(prog, tm, samples) -> dict:
     return res
 
 
-def check_package(artifact: Path, texts=DEFAULT_TEXTS, n_samples: int = 3, evaluate: bool = True) -> dict:
-    """Every check that needs no Apple hardware. Returns a dict (also stored by `record_check`)."""
+def mil_decoder(prog, how: Counter | None = None):
+    """`new_conversation()` for compare.check_decoder over the reference evaluator: states are
+    numpy arrays kept between calls, decoded weights are kept for the whole check."""
+    from . import mil_eval
+
+    cache: dict = {}
+    how = how if how is not None else Counter()
+    declared = mil_eval.state_inputs(prog)
+    max_len = min(shape[2] for shape, _ in declared.values())
+
+    def new_conversation():
+        states = mil_eval.new_states(prog)
+
+        def step(ids: np.ndarray, position: int) -> np.ndarray:
+            if position + ids.shape[1] > max_len:
+                raise ArtifactError(f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}", "use fewer tokens")
+            outs, h = mil_eval.evaluate(prog, {"input_ids": ids, "position": np.array([position], dtype=np.int32)}, states=states, cache=cache)
+            how.update(h)
+            return outs[stateful.OUTPUT_NAME][0]
+
+        return step
+
+    return new_conversation
+
+
+def reference_decode(prog, tm, artifact: Path, max_len: int, texts=None, prompt_len: int = compare.PROMPT_LEN,
+                     steps: int = 16, generate: int = compare.GENERATE, progress=None) -> dict:
+    """The stateful package through the reference evaluator: prefill, teacher-forced decode
+    through its states and greedy generation against PyTorch (compare.check_decoder)."""
+    how: Counter = Counter()
+    prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
+    ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
+    res = compare.check_decoder(mil_decoder(prog, how), tm, ids, prompt_len, steps, generate, progress)
+    return res | {"inputs": what, "evaluator": EVALUATOR_NAME, "reference": REFERENCE_NAME,
+                  "ops_by_implementation": {"coremltools": sum(v for k, v in how.items() if k.startswith("coremltools:")),
+                                            "mpsconvert": sorted({k.split(":", 1)[1] for k in how if k.startswith("mpsconvert:")})}}
+
+
+def check_package(artifact: Path, texts=None, n_samples: int = 3, evaluate: bool = True, prompt_len: int = compare.PROMPT_LEN,
+                  steps: int = 16, generate: int = compare.GENERATE, progress=None) -> dict:
+    """Every check that needs no Apple hardware. Returns a dict (also stored by `record_check`).
+
+    Stateful decoders: prefill + `steps` teacher-forced decode steps + `generate` greedy tokens
+    through the reference evaluator; stateless packages and encoders: `n_samples` one-pass samples."""
     from . import mil_eval
 
     artifact = Path(artifact)
@@ -257,11 +241,13 @@ def check_package(artifact: Path, texts=DEFAULT_TEXTS, n_samples: int = 3, evalu
         "spec": spec_summary(spec, prog),
         "weight_bytes": weight_bytes_of_package(pkg),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
-        "weights": check_weights(prog, record, tm.fp8_weights),
+        "weights": check_weights(prog, record, {**tm.fp8_weights, **{n: (c, sc) for n, (c, sc, _) in tm.fp8_experts.items()}}),
     }
     res["size_ratio"] = round(res["weight_bytes"] / res["fp8_safetensors_bytes"], 4)
-    if evaluate:
-        samples, what = sample_inputs(artifact, tm, record["seq_len"], texts, n_samples)
+    if evaluate and record.get("kv_cache"):
+        res["reference_eval"] = reference_decode(prog, tm, artifact, record["max_len"], texts, prompt_len, steps, generate, progress)
+    elif evaluate:
+        samples, what = sample_inputs(artifact, tm, record["seq_len"], texts or DEFAULT_TEXTS, n_samples)
         res["reference_eval"] = reference_eval(prog, tm, samples) | {"inputs": what}
     res["ok"] = res["weights"]["all_ok"] and res.get("reference_eval", {}).get("ok", True)
     return res
@@ -278,35 +264,89 @@ def record_check(artifact: Path, result: dict) -> None:
 # --------------------------------------------------------------------------- macOS: Core ML itself
 
 COMPUTE_UNITS = ("all", "cpu_and_gpu", "cpu_and_ne")
+_UNIT_NAMES = {"all": "ALL", "cpu_and_gpu": "CPU_AND_GPU", "cpu_and_ne": "CPU_AND_NE", "cpu_only": "CPU_ONLY"}
 
 
-def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=DEFAULT_TEXTS) -> dict:
-    """Load the package with Core ML, compare with PyTorch, and time it per compute unit beside
-    PyTorch on MPS. On anything but macOS: {"status": "skipped", ...}, never an error."""
-    if sys.platform != "darwin":
-        return {"status": "skipped", "reason": "needs macOS: Core ML loads and runs .mlpackage files only on Apple platforms",
-                "platform": sys.platform}
-    import coremltools as ct
+def coreml_decoder(ml):
+    """`new_conversation()` over a loaded stateful MLModel: `make_state()` per conversation,
+    `predict(inputs, state=state)` per call (the Core ML API for iOS18 / macOS15 states)."""
 
+    def new_conversation():
+        state = ml.make_state()
+
+        def step(ids: np.ndarray, position: int) -> np.ndarray:
+            out = ml.predict({"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)}, state=state)
+            return np.asarray(out[stateful.OUTPUT_NAME])[0]
+
+        return step
+
+    return new_conversation
+
+
+def _load(ct, pkg: Path, unit: str, row: dict):
+    """The package loaded by Core ML for one compute unit; the load time goes into `row`."""
+    t = time.perf_counter()
+    ml = ct.models.MLModel(str(pkg), compute_units=getattr(ct.ComputeUnit, _UNIT_NAMES[unit]))
+    row["load_s"] = round(time.perf_counter() - t, 3)
+    return ml
+
+
+def _mps_row(tm, fn) -> dict:
     from ... import devices
+
+    if not devices.mps_available():
+        return {"engine": "pytorch:mps fp16", "ok": None, "error": "MPS is not available to this torch build"}
+    return {"engine": "pytorch:mps fp16", **fn()}
+
+
+def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=None,
+                         prefill_len: int = 64, decode_tokens: int = 16, platform: str = sys.platform, ct=None) -> dict:
+    """Load the package with Core ML, compare with PyTorch, and time it per compute unit beside
+    PyTorch on MPS. Stateful decoders: prefill of `prefill_len` tokens and `decode_tokens`
+    single-token steps through `make_state()` states (median / p95, tokens/s), checked with
+    compare.check_decoder; stateless packages: one predict. On anything but macOS:
+    {"status": "skipped", ...}, never an error. `ct` is coremltools (a fake in tests)."""
+    if platform != "darwin":
+        return {"status": "skipped", "reason": "needs macOS: Core ML loads and runs .mlpackage files only on Apple platforms",
+                "platform": platform}
+    if ct is None:
+        import coremltools as ct
 
     artifact = Path(artifact)
     pkg = _package(artifact)
     record = Manifest.read(artifact).extra.get("coreml") or {}
     tm = build_torch_model(artifact)
-    samples, what = sample_inputs(artifact, tm, record.get("seq_len", {"min": 8, "max": 8}), texts, 1)
+    rows = []
+    if record.get("kv_cache"):
+        prompt, steps = compare.fit_to_cache(prefill_len, decode_tokens, 2, record["max_len"])
+        ids, what = compare.prompt_ids(artifact, tm, prompt + steps, texts)
+        for cu in compute_units:
+            row = {"engine": f"coreml:{cu}"}
+            try:
+                ml = _load(ct, pkg, cu, row)
+                acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
+                row.update({"prefill_top1": acc["prefill"]["top1_agreement"], "decode_top1": acc["decode"]["top1_agreement"],
+                            "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
+                row.update(compare.decode_timing(coreml_decoder(ml), ids[:prompt], steps, warmup=2))
+            except Exception as e:  # one compute unit failing is a result, reported in its row
+                row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            rows.append(row)
+        rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2)))
+        base = next((r.get("decode_tokens_per_s") for r in rows if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")), None)
+        for r in rows:
+            if base and r.get("decode_tokens_per_s"):
+                r["decode_vs_pytorch_mps"] = round(r["decode_tokens_per_s"] / base, 3)
+        return {"status": "ran", "kind": "stateful decoder", "reference": REFERENCE_NAME, "inputs": what, "prefill_tokens": prompt,
+                "decode_tokens": steps, "rows": rows, "ok": all(r.get("ok") is not False for r in rows)}
+    samples, what = sample_inputs(artifact, tm, record.get("seq_len", {"min": 8, "max": 8}), texts or DEFAULT_TEXTS, 1)
     x = samples[0]
     feeds = dict(zip(tm.input_names, x))
     with torch.no_grad():
         ref = tm.module(*(torch.from_numpy(a.astype(np.int64)) for a in x)).float().numpy()
-    units = {"all": ct.ComputeUnit.ALL, "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU, "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE}
-    rows = []
     for cu in compute_units:
         row = {"engine": f"coreml:{cu}"}
         try:
-            t = time.perf_counter()
-            ml = ct.models.MLModel(str(pkg), compute_units=units[cu])
-            row["load_s"] = round(time.perf_counter() - t, 3)
+            ml = _load(ct, pkg, cu, row)
             got = np.asarray(ml.predict(feeds)[tm.output_name])
             row.update(compare_outputs(tm.task, got, ref))
             row["ok"] = row["cosine_min"] >= min_cosine
@@ -314,28 +354,26 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
         except Exception as e:  # one compute unit failing is a result, reported in its row
             row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
         rows.append(row)
-    row = {"engine": "pytorch:mps fp16"}
-    if devices.mps_available():
+
+    def mps():
         dev = torch.device("mps")
         mod = tm.module.to(dev, torch.float16)
         xt = tuple(torch.from_numpy(a.astype(np.int64)).to(dev) for a in x)
 
         def run():
             with torch.no_grad():
-                y = mod(*xt)
-            devices.synchronize(dev)
-            return y
+                return mod(*xt)
 
         got = run().float().cpu().numpy()
-        row.update(compare_outputs(tm.task, got, ref))
-        row["latency_ms"] = round(timing.median_ms(run, repeats=runs), 3)
-        row["ok"] = row["cosine_min"] >= min_cosine
-    else:
-        row.update({"ok": None, "error": "MPS is not available to this torch build"})
-    rows.append(row)
+        r = compare_outputs(tm.task, got, ref)
+        r["latency_ms"] = round(timing.median_ms(run, device=dev, repeats=runs), 3)
+        r["ok"] = r["cosine_min"] >= min_cosine
+        return r
+
+    rows.append(_mps_row(tm, mps))
     base = next((r["latency_ms"] for r in rows if r["engine"].startswith("pytorch") and "latency_ms" in r), None)
     for r in rows:
         if base and "latency_ms" in r:
             r["speedup_vs_pytorch_mps"] = round(base / r["latency_ms"], 3)
-    return {"status": "ran", "reference": REFERENCE_NAME, "inputs": what, "seq_len": int(x[0].shape[1]), "rows": rows,
+    return {"status": "ran", "kind": "one pass", "reference": REFERENCE_NAME, "inputs": what, "seq_len": int(x[0].shape[1]), "rows": rows,
             "ok": all(r.get("ok") is not False for r in rows)}

