@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .errors import ArtifactError
+from .untrusted import parse_json
 
 DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
     "BOOL": (1, torch.bool),
@@ -99,12 +100,7 @@ def read_header(path: Path) -> Header:
             raw = f.read(n)
     except OSError as e:
         raise ArtifactError(f"cannot read {path}: {e.strerror}", "check the file's permissions") from e
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"header is not JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise bad("header is not a JSON object")
+    body = parse_json(raw, what=f"{path.name} is not a valid safetensors file: its header", expect=dict, fix="re-download or regenerate it")
     meta = body.pop("__metadata__", None)
     meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):

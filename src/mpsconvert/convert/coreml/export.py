@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...atomic import publish_folder
+from ... import atomic
 from ...errors import ExportError, MpsconvertError
-from ...manifests.hashing import folder_files
 from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
-from ...manifests.layout import update_manifest
+from ...manifests.layout import publish_package
+from ...manifests.verify import check_artifact
 from ...manifests.manifest import Manifest
 from ... import fp8
 from ...progress import Progress, or_silent
@@ -412,19 +412,6 @@ def apply_weights(mlmodel, mode: str, fp8_weights: dict) -> tuple[object, dict]:
 # --------------------------------------------------------------------------- the package in the artifact
 
 
-def _save_package(mlmodel, artifact: Path, force: bool) -> Path:
-    """Save as model.mlpackage, whole or not at all (a temporary name inside the artifact, then a rename)."""
-    target = artifact / PACKAGE_NAME
-    if target.exists() and not force:
-        raise MpsconvertError(f"{target} already exists", "pass --force to replace it")
-
-    def save(path: Path) -> None:
-        with _quiet():
-            mlmodel.save(str(path))
-
-    return publish_folder(target, save, force)
-
-
 def weight_bytes_of_package(pkg: Path) -> int:
     return sum(p.stat().st_size for p in (pkg / "Data" / "com.apple.CoreML" / "weights").rglob("*") if p.is_file())
 
@@ -436,9 +423,20 @@ def fp8_safetensors_bytes(artifact: Path) -> int:
 def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None = None) -> dict:
     """Export `artifact` to `<artifact>/model.mlpackage`; returns manifest.extra["coreml"].
 
-    Nothing in the artifact changes unless the whole export succeeds: the package is built under a
-    temporary name and renamed, then the manifest is rewritten atomically.
+    Under the artifact's lock, the artifact is verified first (every hash, before its config or
+    weights are used); nothing in it changes unless the whole export succeeds, and then the
+    package and the manifest that lists it appear together (layout.publish_package). coremltools'
+    own temporary packages go to a folder of this run in the system temp dir, removed after it
+    (or by the next run, after a kill).
     """
+    artifact = Path(artifact)
+    atomic.recover(artifact)
+    with atomic.writing(artifact), atomic.private_tempdir("coreml", redirect=True):
+        check_artifact(artifact, check_hashes=True)
+        return _export(artifact, opts, progress)
+
+
+def _export(artifact: Path, opts: ExportOptions, progress: Progress | None) -> dict:
     import coremltools as ct
 
     progress = or_silent(progress)
@@ -447,7 +445,6 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
     def status(msg: str) -> None:
         progress("coreml export", next(steps), 3, msg)
 
-    artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     if (artifact / PACKAGE_NAME).exists() and not opts.force:
         raise MpsconvertError(f"{artifact / PACKAGE_NAME} already exists", "pass --force to replace it")
@@ -478,7 +475,11 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
         weights[name].update({"encoding": "lut(e4m3 x 2^-k, fp16) -> gather -> batched matmul -> x row scale x 2^k (fp16)",
                               "experts_lut_exponent": e["lut_exponent"], "artifact_tensors": e["artifact_tensors"]})
     mlmodel.short_description = f"mpsconvert {manifest.recipe.get('name')} artifact of {manifest.source.get('id')} ({opts.weights} weights)"
-    pkg = _save_package(mlmodel, artifact, opts.force)
+
+    def save(path: Path) -> None:
+        with _quiet():
+            mlmodel.save(str(path))
+
     record = {
         "package": PACKAGE_NAME,
         "task": tm.task,
@@ -501,13 +502,13 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
         "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,
         "encoded_tensors": dict(sorted(weights.items())),
-        "package_weight_bytes": weight_bytes_of_package(pkg),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
     }
-    with update_manifest(artifact) as manifest:
-        files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
-        files.update(folder_files(pkg, artifact))
-        manifest.files = dict(sorted(files.items()))
-        manifest.extra["coreml"] = record
-        manifest.versions["coremltools"] = ct.__version__
+
+    def add_record(m: Manifest, pkg: Path) -> None:
+        record["package_weight_bytes"] = weight_bytes_of_package(pkg)
+        m.extra["coreml"] = record
+        m.versions["coremltools"] = ct.__version__
+
+    publish_package(artifact, PACKAGE_NAME, save, add_record)
     return record
