@@ -37,7 +37,7 @@ LOCK_PREFIX = ".mpsconvert-lock-"
 # step checks this too: an output is never published after the user asked to stop.
 stop_requested = threading.Event()
 KILL_ENV = "MPSCONVERT_KILL_AT"
-_held: set[Path] = set()  # targets this process holds the lock of (locks nest within one process)
+_held: set[Path] = set()  # targets this process holds the lock of (what staged_copy and held=True require)
 
 
 def kill_point(name: str) -> None:
@@ -119,9 +119,6 @@ def os_error(e: OSError, where: Path) -> MpsconvertError:
 def locked(target: Path):
     """Hold an exclusive lock for `target` (a file beside it); a second holder fails at once."""
     target = Path(target).absolute()
-    if target in _held:  # this process already holds it (a writer recording into its own manifest)
-        yield
-        return
     lock = target.parent / f"{LOCK_PREFIX}{target.name}"
     while True:
         try:
@@ -349,13 +346,14 @@ def private_tempdir(kind: str, redirect: bool = False):
 
 @contextlib.contextmanager
 def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours: Callable[[Path], bool] | None = None,
-               protect: tuple[Path, ...] = ()):
+               protect: tuple[Path, ...] = (), held: bool = False):
     """Yield a fresh temporary folder beside `target`; on success it becomes `target`.
 
     On any error (or Ctrl-C / SIGTERM) the temporary folder is removed and `target` is
     untouched. An existing `target` is replaced only with `force=True`, only if `is_ours`
     accepts it and it is not (inside) a `protect`ed path (check_replaceable), and only after the
     new one is complete. `min_free`: bytes the output needs, checked before anything is written.
+    `held`: the caller already holds `writing(target)` (it verified what it rebuilds under it).
     """
     target = Path(target).absolute()
     parent = target.parent
@@ -363,7 +361,9 @@ def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(e, parent) from e
-    with writing(target):
+    if held and target not in _held:
+        raise RuntimeError("output_dir(held=True) needs the target's lock (atomic.writing)")
+    with contextlib.nullcontext() if held else writing(target):
         check_replaceable(target, force=force, is_ours=is_ours, protect=protect)
         free = shutil.disk_usage(parent).free
         if min_free and free < min_free:

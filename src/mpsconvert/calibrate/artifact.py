@@ -135,8 +135,9 @@ def dequantized_snapshot(artifact: Path):
 
 
 def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
-    """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static."""
-    artifact = Path(artifact)
+    """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static.
+    The caller holds `atomic.writing(artifact)` (and verified the artifact under it)."""
+    artifact = Path(artifact).absolute()
     manifest = Manifest.read(artifact)
     config = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
     qc = config.get("quantization_config") or {}
@@ -151,7 +152,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
         )
     files = weight_files(artifact)
     weight_map: dict[str, str] = {}
-    with atomic.output_dir(artifact, force=True, is_ours=is_artifact) as tmp:
+    with atomic.output_dir(artifact, force=True, is_ours=is_artifact, held=True) as tmp:
         for f in files:
             if f not in manifest.files or sha256_file(inside(artifact, f, what="weights")) != manifest.files[f]["sha256"]:
                 raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
