@@ -532,3 +532,22 @@ class ShardWriter:
         except Exception:  # the write that failed is what the caller is already handling
             pass
         self._f.close()
+
+
+# exponent bits of each float dtype: all ones means inf or NaN
+_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F64": ("<u8", 0x7FF0000000000000)}
+
+
+def count_nonfinite(header: Header, info: TensorInfo, block: int = 16 <<20) -> int:
+    """How many NaN/inf values a float tensor holds, read from its bits through a memory map
+    in blocks (numpy has no bfloat16, and the bits answer for every dtype alike)."""
+    if info.dtype not in _EXPONENT or info.nbytes == 0:
+        return 0
+    dt, mask = _EXPONENT[info.dtype]
+    n = info.nbytes // np.dtype(dt).itemsize
+    mm = np.memmap(header.path, dtype=dt, mode="r", offset=info.start, shape=(n,))
+    try:
+        step = max(1, block // np.dtype(dt).itemsize)
+        return sum(int(np.count_nonzero((mm[i:i + step] & mask) == mask)) for i in range(0, n, step))
+    finally:
+        del mm

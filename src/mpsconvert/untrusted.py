@@ -71,7 +71,7 @@ def inside(folder: Path, rel: Any, *, what: str, error: type[MpsconvertError] = 
     real = p.resolve()
     base = Path(root or folder).resolve()
     if not real.is_relative_to(base):
-        raise error(f"{what} names {rel!r}, which leads to {real}, outside {folder}", "remove the link or copy the real file into the folder")
+        raise error(f"{what} names {rel!r}, a link to {real}, outside the model folder {folder}", "remove the link or copy the real file into the folder")
     return p
 
 

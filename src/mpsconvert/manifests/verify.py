@@ -244,7 +244,7 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         if not (folder / CONFIG_NAME).exists():
             _problem(report, "config.json is missing")
         else:
-            _problem(report, f"config.json has no readable quantization_config ({e.problem})")
+            _problem(report, f"config.json: {e}")
         return report
 
     headers = _shards(folder, report)
