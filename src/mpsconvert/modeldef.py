@@ -52,6 +52,9 @@ def load_config(path, trust_remote_code: bool = False):
                 "review that code, then pass --trust-remote-code to allow running it",
             ) from e
         raise SourceError(f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model") from e
+    except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:  # a config.json of the wrong shape
+        raise SourceError(f"transformers cannot read config.json: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+                          "fix config.json or re-create the model folder") from e
 
 
 @contextlib.contextmanager

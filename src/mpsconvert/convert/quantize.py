@@ -248,7 +248,8 @@ def _prepare(snap: Snapshot, opts: Options):
     check_against_model(plan, headers)
     tensor_module = _finalize_plan(plan, headers)
     expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
-    if not tensor_module and not expert_tensors and not plan.skipped:  # (skipped: layers we name, e.g. GPT-2's Conv1D)
+    # an error unless the plan names layers it keeps on purpose (GPT-2's Conv1D, MoE experts it cannot read)
+    if not tensor_module and not expert_tensors and not any(not r.startswith("embedding") for r in plan.skipped.values()):
         raise QuantizationError(
             f"nothing to quantize in {snap.path}: no float 2-D Linear weight stored that the plan would quantize "
             f"({len(plan.ignored)} Linear(s) ignored, architecture {plan.architecture})",
