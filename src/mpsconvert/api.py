@@ -305,7 +305,7 @@ def calibrate(
         MpsconvertError: a source given without `output`.
     """
     from .calibrate.artifact import dequantized_snapshot, save_scales, write_into_artifact
-    from .manifests.verify import check_artifact
+    from .manifests.verify import check_before_use
     from .source import resolve
 
     opts = options or calibration_options()
@@ -317,7 +317,7 @@ def calibrate(
         # Written into: under the artifact's lock from the check to the swap. Verified first, every
         # hash, before any of its config, code or weights is used (and never re-hashed unverified).
         with atomic.writing(path) if output is None else contextlib.nullcontext():
-            check_artifact(path, check_hashes=True)
+            check_before_use(path, opts.trust_remote_code)
             ignore = Manifest.read(path).recipe.get("ignore_patterns")
             if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
                 raise ArtifactError(f"{path}/{layout.MANIFEST_NAME}: recipe.ignore_patterns is not a list of patterns", "re-create the artifact")

@@ -112,7 +112,7 @@ def read_header(path: Path) -> Header:
         if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
             raise bad(f"entry {name!r} is malformed")
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPES or DTYPES[dtype][1] is None:
+        if not isinstance(dtype, str) or dtype not in DTYPES or DTYPES[dtype][1] is None:
             raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise bad(f"tensor {name!r} has an invalid shape {shape!r}")

@@ -297,6 +297,17 @@ def check_artifact(path, **kw) -> VerifyReport:
     return raise_problems(path, verify_artifact(path, **kw))
 
 
+def check_before_use(path, trust_remote_code: bool = False) -> VerifyReport:
+    """What every command that reads an artifact does first, before any of its code or data is
+    used: every hash and structural check (check_artifact), then config.json read by
+    transformers (code in the artifact is imported only now, after it matched its hash)."""
+    from .. import modeldef
+
+    report = check_artifact(path, check_hashes=True)
+    modeldef.load_config(path, trust_remote_code)
+    return report
+
+
 def raise_problems(path, report: VerifyReport) -> VerifyReport:
     """The report if sound, else its problems as one ArtifactError."""
     if not report.ok:

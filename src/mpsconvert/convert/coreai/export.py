@@ -27,7 +27,7 @@ from ... import atomic
 from ...errors import ExportError, MpsconvertError
 from ...manifests import layout
 from ...manifests.manifest import Manifest
-from ...manifests.verify import check_artifact
+from ...manifests.verify import check_before_use
 from ...progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
@@ -192,7 +192,7 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
     artifact = Path(artifact)
     atomic.recover(artifact)
     with atomic.writing(artifact), atomic.private_tempdir("coreai", redirect=True):
-        check_artifact(artifact, check_hashes=True)
+        check_before_use(artifact)
         return _export(artifact, opts, progress)
 
 

@@ -30,7 +30,7 @@ from ... import atomic
 from ...errors import ExportError, MpsconvertError
 from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
 from ...manifests.layout import publish_package
-from ...manifests.verify import check_artifact
+from ...manifests.verify import check_before_use
 from ...manifests.manifest import Manifest
 from ... import fp8
 from ...progress import Progress, or_silent
@@ -432,7 +432,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
     artifact = Path(artifact)
     atomic.recover(artifact)
     with atomic.writing(artifact), atomic.private_tempdir("coreml", redirect=True):
-        check_artifact(artifact, check_hashes=True)
+        check_before_use(artifact)
         return _export(artifact, opts, progress)
 
 
