@@ -517,3 +517,36 @@ def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, 
     monkeypatch.setattr(atomic.os, "fsync", real)
     assert mpsconvert.verify(art).ok and not (tmp_path / "scales.json").exists()
     assert not [p for p in art.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
+
+
+# --------------------------------------------------------------------------- Apple exports: kill-safe, reproducible
+
+
+@pytest.fixture(scope="module")
+def coreml_art(tmp_path_factory):
+    pytest.importorskip("coremltools")
+    from .models import coreml_tiny_llama, tiny_artifact
+
+    return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", coreml_tiny_llama)
+
+
+def test_export_coreml_killed_between_its_steps_then_rerun(coreml_art, tmp_path):
+    """The real command, SIGKILLed after the package is written and between the two renames of
+    its --force swap: the artifact always verifies and loads; the rerun completes and cleans up."""
+    art = tmp_path / "art"
+    shutil.copytree(coreml_art, art)
+    cmd = [sys.executable, "-m", "mpsconvert.cli", "export-coreml", str(art), "--no-kv-cache", "--seq-len", "8", "--no-check"]
+    assert subprocess.run(cmd, capture_output=True, timeout=600).returncode == 0
+    first = tree_hashes(art)
+    for point in ("package-written", "between-renames"):
+        r = subprocess.run([*cmd, "--force"], env={**os.environ, atomic.KILL_ENV: point}, capture_output=True, timeout=600)
+        assert r.returncode == -9, r.stderr.decode()[-1500:]
+        assert mpsconvert.verify(art).ok  # recovered by the reader if the kill fell between the renames
+        assert tree_hashes(art) == first
+    r = subprocess.run([*cmd, "--force"], capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()[-1500:]
+    assert mpsconvert.verify(art).ok
+    assert tree_hashes(art) == first  # byte-identical to the first export (reproducible)
+    assert not [p for p in list(art.iterdir()) + list(tmp_path.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
+    # the killed runs' own temp folders (coremltools' tmp*.mlpackage inside) were removed by the next run
+    assert not [p for p in Path(tempfile.gettempdir()).glob("mpsconvert-coreml-*")]

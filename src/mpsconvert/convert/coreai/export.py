@@ -193,10 +193,10 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
     atomic.recover(artifact)
     with atomic.writing(artifact), atomic.private_tempdir("coreai", redirect=True):
         check_before_use(artifact)
-        return _export(artifact, opts, progress)
+        return _export_verified(artifact, opts, progress)
 
 
-def _export(artifact: Path, opts: CoreAIOptions, progress: Progress | None) -> dict:
+def _export_verified(artifact: Path, opts: CoreAIOptions, progress: Progress | None) -> dict:
     progress = or_silent(progress)
     Manifest.read(artifact)
     target = artifact / ASSET_NAME

@@ -412,6 +412,23 @@ def apply_weights(mlmodel, mode: str, fp8_weights: dict) -> tuple[object, dict]:
 # --------------------------------------------------------------------------- the package in the artifact
 
 
+def stable_package_ids(pkg: Path) -> None:
+    """Make a saved package byte-identical from run to run: coremltools names the items of an
+    .mlpackage's Manifest.json by random uuid4s (the only bytes that differed between two
+    exports); they are keys only, so they become uuid5s of each item's path."""
+    import json
+    import uuid
+
+    mf = Path(pkg) / "Manifest.json"
+    body = json.loads(mf.read_text(encoding="utf-8"))
+    ids = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"mpsconvert:{item.get('path')}"))
+           for old, item in body.get("itemInfoEntries", {}).items()}
+    body["itemInfoEntries"] = {ids[k]: v for k, v in body["itemInfoEntries"].items()}
+    if body.get("rootModelIdentifier") in ids:
+        body["rootModelIdentifier"] = ids[body["rootModelIdentifier"]]
+    mf.write_text(json.dumps(body, indent=4, sort_keys=True), encoding="utf-8")
+
+
 def weight_bytes_of_package(pkg: Path) -> int:
     return sum(p.stat().st_size for p in (pkg / "Data" / "com.apple.CoreML" / "weights").rglob("*") if p.is_file())
 
@@ -433,10 +450,10 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
     atomic.recover(artifact)
     with atomic.writing(artifact), atomic.private_tempdir("coreml", redirect=True):
         check_before_use(artifact)
-        return _export(artifact, opts, progress)
+        return _export_verified(artifact, opts, progress)
 
 
-def _export(artifact: Path, opts: ExportOptions, progress: Progress | None) -> dict:
+def _export_verified(artifact: Path, opts: ExportOptions, progress: Progress | None) -> dict:
     import coremltools as ct
 
     progress = or_silent(progress)
@@ -479,6 +496,7 @@ def _export(artifact: Path, opts: ExportOptions, progress: Progress | None) -> d
     def save(path: Path) -> None:
         with _quiet():
             mlmodel.save(str(path))
+        stable_package_ids(path)
 
     record = {
         "package": PACKAGE_NAME,
