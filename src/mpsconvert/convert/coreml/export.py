@@ -413,11 +413,20 @@ def apply_weights(mlmodel, mode: str, fp8_weights: dict) -> tuple[object, dict]:
 
 
 def stable_package_ids(pkg: Path) -> None:
-    """Make a saved package byte-identical from run to run: coremltools names the items of an
-    .mlpackage's Manifest.json by random uuid4s (the only bytes that differed between two
-    exports); they are keys only, so they become uuid5s of each item's path."""
+    """Make a saved package byte-identical from run to run. Two things differed between two
+    exports of one artifact: coremltools names the items of an .mlpackage's Manifest.json by
+    random uuid4s (keys only: they become uuid5s of each item's path), and the spec's protobuf
+    maps are serialized in an order that varies between processes (rewritten here with
+    protobuf's deterministic serialization: the same message, in a fixed order)."""
     import json
     import uuid
+
+    from coremltools.proto import Model_pb2
+
+    spec_file = Path(pkg) / "Data" / "com.apple.CoreML" / "model.mlmodel"
+    spec = Model_pb2.Model()
+    spec.ParseFromString(spec_file.read_bytes())
+    spec_file.write_bytes(spec.SerializeToString(deterministic=True))
 
     mf = Path(pkg) / "Manifest.json"
     body = json.loads(mf.read_text(encoding="utf-8"))
