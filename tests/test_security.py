@@ -550,3 +550,11 @@ def test_export_coreml_killed_between_its_steps_then_rerun(coreml_art, tmp_path)
     assert not [p for p in list(art.iterdir()) + list(tmp_path.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
     # the killed runs' own temp folders (coremltools' tmp*.mlpackage inside) were removed by the next run
     assert not [p for p in Path(tempfile.gettempdir()).glob("mpsconvert-coreml-*")]
+
+
+def test_an_all_zero_weight_has_an_undefined_sqnr_not_an_exact_one(base, tmp_path):
+    d = _edit_source(base, tmp_path, lambda sd: sd["model.layers.0.mlp.up_proj.weight"].zero_())
+    _q(d, tmp_path / "out", force=False)
+    rec = Manifest.read(tmp_path / "out").tensors["model.layers.0.mlp.up_proj.weight"]
+    assert rec["sqnr_db"] is None and rec["sqnr_undefined"] is True
+    assert "exact" not in cli("inspect", tmp_path / "out", "--tensors").output.split("up_proj")[1].splitlines()[0]

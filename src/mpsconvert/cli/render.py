@@ -143,7 +143,7 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
         for name, r in m.tensors.items():
-            tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "exact")
+            tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "undefined (no signal)" if r.get("sqnr_undefined") else "exact")
         out.print(tt)
 
 

@@ -506,8 +506,8 @@ def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, 
             "scale_min": min(s.scale_min for s in per_expert),
             "scale_max": max(s.scale_max for s in per_expert),
             # the worst expert stands for the tensor, each expert's own figure is listed
-            "sqnr_db": None if all(math.isinf(x) for x in sqnrs) else round(min(sqnrs), 4),
-            "experts_sqnr_db": [None if math.isinf(x) else round(x, 4) for x in sqnrs],
+            "sqnr_db": None if not any(math.isfinite(x) for x in sqnrs) else round(min(x for x in sqnrs if math.isfinite(x)), 4),
+            "experts_sqnr_db": [None if not math.isfinite(x) else round(x, 4) for x in sqnrs],
             "zero_rows": sum(s.zero_rows for s in per_expert),
         }
         if scheme.needs_calibration:
