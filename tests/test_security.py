@@ -558,3 +558,21 @@ def test_an_all_zero_weight_has_an_undefined_sqnr_not_an_exact_one(base, tmp_pat
     rec = Manifest.read(tmp_path / "out").tensors["model.layers.0.mlp.up_proj.weight"]
     assert rec["sqnr_db"] is None and rec["sqnr_undefined"] is True
     assert "exact" not in cli("inspect", tmp_path / "out", "--tensors").output.split("up_proj")[1].splitlines()[0]
+
+
+def test_disk_full_while_a_package_is_written_is_one_line_and_changes_nothing(art):
+    """What export-coreml / export-coreai do when the disk fills while saving the package."""
+    import errno
+
+    from mpsconvert.manifests import layout
+
+    def write(p):
+        p.mkdir()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = tree_hashes(art)
+    with atomic.writing(art.absolute()):
+        with pytest.raises(MpsconvertError, match="is full"):
+            layout.publish_package(art.absolute(), layout.COREML_PACKAGE, write, lambda m, p: None)
+    assert tree_hashes(art) == before
+    assert not [p for p in art.parent.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]

@@ -538,11 +538,12 @@ def export_coreml(
     record = run(artifact, opts, progress)
     result = CoreMLResult(artifact, artifact / record["package"], record)
     if check:
-        result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress)
+        result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress, verify=False)
     return result
 
 
-def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None) -> CoreMLResult:
+def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None,
+                 verify: bool = True) -> CoreMLResult:
     """Check the Core ML package already in an artifact (no Apple hardware needed): its spec,
     every FP8 weight read back bit for bit, and a reference evaluation of the program (NOT the
     Core ML runtime) against PyTorch; the result is recorded in the manifest.
@@ -551,6 +552,7 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 
         artifact: the artifact folder holding `model.mlpackage`.
         samples: text samples for the reference evaluation.
         progress: `progress("coreml check", 0, None, message)`.
+        verify: check the artifact's hashes first (False: it was verified just now, by the export).
 
     Returns:
         CoreMLResult: the package's manifest record and the check results (`result.ok`).
@@ -567,6 +569,10 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 
     from .convert.coreml.check import check_package, record_check
 
     artifact = Path(artifact)
+    if verify:
+        from .manifests.verify import check_before_use
+
+        check_before_use(artifact)
     if progress:
         progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
     res = check_package(artifact, n_samples=samples, steps=decode_steps, progress=progress)
@@ -646,12 +652,12 @@ def export_coreai(
     record = run(artifact, CoreAIOptions(max_len=max_len, compute=compute, force=force), progress)
     result = CoreAIResult(artifact, artifact / record["asset"], record)
     if check:
-        result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
+        result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress, verify=False)
     return result
 
 
 def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: int = 32, generate: int = 4,
-                 progress: Progress | None = None) -> CoreAIResult:
+                 progress: Progress | None = None, verify: bool = True) -> CoreAIResult:
     """Check the Core AI asset already in an artifact: its interface, every f8E4M3FN weight read
     back against the artifact, and the Core AI runtime bundled in coreai-core (on Linux: "Core AI
     runtime, Linux CPU") against PyTorch on the same dequantized weights: prefill, teacher-forced
@@ -663,6 +669,7 @@ def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: in
         decode_steps: teacher-forced decode steps.
         generate: greedy tokens compared with PyTorch's.
         progress: `progress("decode check", done, total, detail)`.
+        verify: check the artifact's hashes first (False: it was verified just now, by the export).
 
     Returns:
         CoreAIResult with `check`.
@@ -679,6 +686,10 @@ def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: in
     from .convert.coreai.check import check_asset, record_check
 
     artifact = Path(artifact)
+    if verify:
+        from .manifests.verify import check_before_use
+
+        check_before_use(artifact)
     res = check_asset(artifact, prompt_len=prompt_len, steps=decode_steps, generate=generate, progress=progress)
     record_check(artifact, res)
     result = CoreAIResult(artifact, artifact / res["asset"], Manifest.read(artifact).extra.get("coreai", {}), res)
