@@ -22,9 +22,8 @@ import pytest
 
 import mpsconvert
 from mpsconvert.errors import MpsconvertError
-from mpsconvert.manifests.hashing import sha256_file
 
-from .models import resign, tiny_llama_sharded, tree_hashes
+from .models import resign, tiny_artifact, tiny_llama_sharded, tree_hashes
 
 CASES = int(os.environ.get("MPSCONVERT_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("MPSCONVERT_FUZZ_SEED", "14"))
@@ -170,11 +169,7 @@ def _mpsconvert_temp() -> set[str]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    work = tmp_path_factory.mktemp("fuzz")
-    src = tiny_llama_sharded(work / "src")
-    art = work / "art"
-    mpsconvert.quantize(src, art)
-    return art
+    return tiny_artifact(tmp_path_factory.mktemp("fuzz"), "llama-sharded", tiny_llama_sharded)
 
 
 def test_hostile_artifacts(base, tmp_path):

@@ -26,7 +26,7 @@ from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.untrusted import MAX_JSON_DEPTH, bad_relpath, inside, parse_json
 
-from .models import calib_tiny_llama, resign, tree_hashes
+from .models import calib_tiny_llama, resign, tiny_artifact, tree_hashes
 
 
 def cli(*args):
@@ -37,10 +37,8 @@ def cli(*args):
 def base(tmp_path_factory):
     """A tiny Llama with a tokenizer (so calibrate can run) and its fp8-dynamic artifact."""
     work = tmp_path_factory.mktemp("sec")
-    src = calib_tiny_llama(work / "src")
-    art = work / "art"
-    mpsconvert.quantize(src, art)
-    return src, art
+    art = tiny_artifact(work, "llama", calib_tiny_llama)
+    return work / "src-llama", art
 
 
 @pytest.fixture

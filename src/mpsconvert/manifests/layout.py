@@ -111,3 +111,18 @@ def publish_package(artifact: Path, name: str, write, record) -> None:
         m.files = dict(sorted(files.items()))
         record(m, pkg)
         m.write(tmp)
+
+
+@contextlib.contextmanager
+def exporting(artifact: Path, kind: str):
+    """The frame of every export into an artifact: a swap a kill cut in two is repaired, the
+    artifact's lock is held throughout, it is verified before any of it is used
+    (verify.check_before_use), and libraries' temporary files go to this run's own folder of the
+    system temp dir (`mpsconvert-<kind>-<pid>-*`, removed after, or by the next run after a kill)."""
+    from .verify import check_before_use
+
+    artifact = Path(artifact)
+    atomic.recover(artifact)
+    with atomic.writing(artifact), atomic.private_tempdir(kind, redirect=True):
+        check_before_use(artifact)
+        yield artifact

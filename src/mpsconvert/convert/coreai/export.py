@@ -23,11 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ... import atomic
 from ...errors import ExportError, MpsconvertError
 from ...manifests import layout
 from ...manifests.manifest import Manifest
-from ...manifests.verify import check_before_use
 from ...progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
@@ -189,10 +187,7 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
         MpsconvertError: the asset exists (pass force) or the settings do not fit the model.
     """
     coreai_torch()
-    artifact = Path(artifact)
-    atomic.recover(artifact)
-    with atomic.writing(artifact), atomic.private_tempdir("coreai", redirect=True):
-        check_before_use(artifact)
+    with layout.exporting(Path(artifact), "coreai") as artifact:
         return _export_verified(artifact, opts, progress)
 
 

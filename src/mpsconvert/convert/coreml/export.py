@@ -26,11 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ... import atomic
 from ...errors import ExportError, MpsconvertError
 from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
-from ...manifests.layout import publish_package
-from ...manifests.verify import check_before_use
+from ...manifests.layout import exporting, publish_package
 from ...manifests.manifest import Manifest
 from ... import fp8
 from ...progress import Progress, or_silent
@@ -455,10 +453,7 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
     own temporary packages go to a folder of this run in the system temp dir, removed after it
     (or by the next run, after a kill).
     """
-    artifact = Path(artifact)
-    atomic.recover(artifact)
-    with atomic.writing(artifact), atomic.private_tempdir("coreml", redirect=True):
-        check_before_use(artifact)
+    with exporting(Path(artifact), "coreml") as artifact:
         return _export_verified(artifact, opts, progress)
 
 
