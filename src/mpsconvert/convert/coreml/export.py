@@ -433,7 +433,7 @@ def stable_package_ids(pkg: Path) -> None:
     body["itemInfoEntries"] = {ids[k]: v for k, v in body["itemInfoEntries"].items()}
     if body.get("rootModelIdentifier") in ids:
         body["rootModelIdentifier"] = ids[body["rootModelIdentifier"]]
-    mf.write_text(json.dumps(body, indent=4, sort_keys=True), encoding="utf-8")
+    mf.write_text(json.dumps(body, indent=4, sort_keys=True) + "\n", encoding="utf-8")  # as libmodelpackage writes it on open
 
 
 def weight_bytes_of_package(pkg: Path) -> int:
