@@ -8,7 +8,21 @@ import json
 import os
 from pathlib import Path
 
-CACHE = Path(os.environ.get("MPSCONVERT_BENCH_CACHE", Path.home() / ".cache" / "mpsconvert-bench"))
+def _per_run_cache() -> Path:
+    """A cache of this run only (removed at exit), so that a warm machine cannot hide a missing
+    install step (accelerate for the GGUF, say). MPSCONVERT_BENCH_CACHE keeps one across runs on
+    purpose; the kernel-policy cache is made per run the same way unless MPSCONVERT_CACHE_DIR is set."""
+    import atexit
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="mpsconvert-bench-cache-"))
+    atexit.register(shutil.rmtree, d, True)
+    os.environ.setdefault("MPSCONVERT_CACHE_DIR", str(d / "kernels"))
+    return d
+
+
+CACHE = Path(os.environ["MPSCONVERT_BENCH_CACHE"]) if os.environ.get("MPSCONVERT_BENCH_CACHE") else _per_run_cache()
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

@@ -277,3 +277,15 @@ def tiny_artifact(work: Path, name: str, build, scheme=None) -> Path:
     if not art.exists():
         mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights)
     return art
+
+
+def resign(folder: Path, *names: str) -> None:
+    """Record the current size and sha256 of `names` in the artifact's manifest: an edit made
+    on purpose (a test changing config.json), or an attacker who can rewrite the manifest too."""
+    from mpsconvert.manifests.hashing import sha256_file
+
+    m = json.loads((Path(folder) / "mpsconvert.json").read_text())
+    for n in names:
+        p = Path(folder) / n
+        m["files"][n] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    (Path(folder) / "mpsconvert.json").write_text(json.dumps(m, indent=2))

@@ -16,11 +16,13 @@ torch loads.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__  # noqa: F401  (re-exported for the CLI)
+from . import atomic
 from .atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS  # noqa: F401
@@ -29,7 +31,7 @@ from .convert.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
 from .convert.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
 from .convert.coreai import CoreAIOptions
 from .convert.coreml import ExportOptions, SeqLen
-from .errors import ExportError, MpsconvertError
+from .errors import ArtifactError, ExportError, MpsconvertError
 from .manifests import layout
 from .manifests.manifest import Manifest
 from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
@@ -90,13 +92,14 @@ class QuantizeResult:
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
     coreml: CoreMLResult | None = None  # when a Core ML package was exported too
     coreai: CoreAIResult | None = None  # when a Core AI asset was exported too
+    manifest_sha256: str | None = None  # of the manifest file as written: pin it (`verify --manifest-sha256`)
 
     @property
     def summary(self) -> dict:
         return self.manifest.summary
 
     def as_dict(self) -> dict:
-        return {"output": str(self.output), **self.summary}
+        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256}
 
 
 @dataclass
@@ -209,8 +212,8 @@ def quantize(
             "coreai export", "decode check").
 
     Returns:
-        QuantizeResult: the output folder and its manifest; the calibration when one ran here;
-        the Core ML package when asked for.
+        QuantizeResult: the output folder and its manifest (and the manifest file's sha256, to
+        pin); the calibration when one ran here; the Core ML package when asked for.
 
     Raises:
         SourceError: the source cannot be found, downloaded or used (pickles, already quantized, ...).
@@ -258,6 +261,9 @@ def quantize(
         except MpsconvertError as e:
             raise ExportError(f"{out} was written, but its Core AI export failed: {e.problem}",
                               e.fix or "run `mpsconvert export-coreai` on it to retry") from e
+    from .manifests.manifest import manifest_sha256
+
+    result.manifest_sha256 = manifest_sha256(out)
     return result
 
 
@@ -299,22 +305,30 @@ def calibrate(
         MpsconvertError: a source given without `output`.
     """
     from .calibrate.artifact import dequantized_snapshot, save_scales, write_into_artifact
+    from .manifests.verify import check_before_use
     from .source import resolve
 
     opts = options or calibration_options()
     if opts.token is None and token is not None:
         opts = replace(opts, token=token)
     path = Path(target).expanduser()
+    atomic.recover(path)
     if layout.is_artifact(path):
-        recipe = Manifest.read(path).recipe
-        opts = replace(opts, ignore=list(recipe.get("ignore_patterns") or opts.ignore))
-        with dequantized_snapshot(path) as snap_dir:
-            cal = _calibrate_folder(snap_dir, opts, progress)
-        cal.record["weights"] = "the artifact's FP8 weights, dequantized"
-        if output is not None:
-            save_scales(Path(output), cal)
-            return CalibrateResult(cal, Path(output), into_artifact=False)
-        return CalibrateResult(cal, path, into_artifact=True, manifest=write_into_artifact(path, cal))
+        # Written into: under the artifact's lock from the check to the swap. Verified first, every
+        # hash, before any of its config, code or weights is used (and never re-hashed unverified).
+        with atomic.writing(path) if output is None else contextlib.nullcontext():
+            check_before_use(path, opts.trust_remote_code)
+            ignore = Manifest.read(path).recipe.get("ignore_patterns")
+            if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
+                raise ArtifactError(f"{path}/{layout.MANIFEST_NAME}: recipe.ignore_patterns is not a list of patterns", "re-create the artifact")
+            opts = replace(opts, ignore=list(ignore or opts.ignore))
+            with dequantized_snapshot(path) as snap_dir:
+                cal = _calibrate_folder(snap_dir, opts, progress)
+            cal.record["weights"] = "the artifact's FP8 weights, dequantized"
+            if output is not None:
+                save_scales(Path(output), cal)
+                return CalibrateResult(cal, Path(output), into_artifact=False)
+            return CalibrateResult(cal, path, into_artifact=True, manifest=write_into_artifact(path, cal))
     if output is None:
         raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
     snap = resolve(str(target), revision=revision, token=token)
@@ -327,7 +341,7 @@ def calibrate(
 
 
 def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code: bool = False,
-           progress: Progress | None = None) -> VerifyReport:
+           manifest_sha256: str | None = None, progress: Progress | None = None) -> VerifyReport:
     """Check an artifact: every file's sha256 against the manifest, and its consistency (every
     FP8 weight has its scale, shapes and dtypes as config.json's model says).
 
@@ -335,16 +349,21 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         artifact: the artifact folder (or any compressed-tensors FP8 checkpoint: then only the
             structural checks run, and the report says hashes were not checked).
         check_hashes: hash every file (False: structure only, much faster on big artifacts).
-        trust_remote_code: allow building an architecture defined by code in the artifact.
+        trust_remote_code: allow building an architecture defined by code in the artifact (only
+            once every file, that code included, matched its hash).
+        manifest_sha256: the sha256 the manifest file itself must have (printed by `quantize`):
+            pins the whole artifact, since the manifest holds every other file's hash.
         progress: `progress("verify", bytes_done, bytes_total, file)`.
 
     Returns:
-        VerifyReport: every problem found (`report.ok` when there are none); never raises for a
-        bad artifact.
+        VerifyReport: every problem found (`report.ok` when there are none; no manifest is a
+        problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
+        warnings; never raises for a bad artifact.
     """
     from .runtime.loader import verify as run
 
-    return run(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress)
+    return run(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress,
+               manifest_sha256=manifest_sha256)
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -519,11 +538,12 @@ def export_coreml(
     record = run(artifact, opts, progress)
     result = CoreMLResult(artifact, artifact / record["package"], record)
     if check:
-        result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress)
+        result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress, verify=False)
     return result
 
 
-def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None) -> CoreMLResult:
+def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None,
+                 verify: bool = True) -> CoreMLResult:
     """Check the Core ML package already in an artifact (no Apple hardware needed): its spec,
     every FP8 weight read back bit for bit, and a reference evaluation of the program (NOT the
     Core ML runtime) against PyTorch; the result is recorded in the manifest.
@@ -532,6 +552,7 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 
         artifact: the artifact folder holding `model.mlpackage`.
         samples: text samples for the reference evaluation.
         progress: `progress("coreml check", 0, None, message)`.
+        verify: check the artifact's hashes first (False: it was verified just now, by the export).
 
     Returns:
         CoreMLResult: the package's manifest record and the check results (`result.ok`).
@@ -548,6 +569,10 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 
     from .convert.coreml.check import check_package, record_check
 
     artifact = Path(artifact)
+    if verify:
+        from .manifests.verify import check_before_use
+
+        check_before_use(artifact)
     if progress:
         progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
     res = check_package(artifact, n_samples=samples, steps=decode_steps, progress=progress)
@@ -627,12 +652,12 @@ def export_coreai(
     record = run(artifact, CoreAIOptions(max_len=max_len, compute=compute, force=force), progress)
     result = CoreAIResult(artifact, artifact / record["asset"], record)
     if check:
-        result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
+        result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress, verify=False)
     return result
 
 
 def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: int = 32, generate: int = 4,
-                 progress: Progress | None = None) -> CoreAIResult:
+                 progress: Progress | None = None, verify: bool = True) -> CoreAIResult:
     """Check the Core AI asset already in an artifact: its interface, every f8E4M3FN weight read
     back against the artifact, and the Core AI runtime bundled in coreai-core (on Linux: "Core AI
     runtime, Linux CPU") against PyTorch on the same dequantized weights: prefill, teacher-forced
@@ -644,6 +669,7 @@ def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: in
         decode_steps: teacher-forced decode steps.
         generate: greedy tokens compared with PyTorch's.
         progress: `progress("decode check", done, total, detail)`.
+        verify: check the artifact's hashes first (False: it was verified just now, by the export).
 
     Returns:
         CoreAIResult with `check`.
@@ -660,6 +686,10 @@ def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: in
     from .convert.coreai.check import check_asset, record_check
 
     artifact = Path(artifact)
+    if verify:
+        from .manifests.verify import check_before_use
+
+        check_before_use(artifact)
     res = check_asset(artifact, prompt_len=prompt_len, steps=decode_steps, generate=generate, progress=progress)
     record_check(artifact, res)
     result = CoreAIResult(artifact, artifact / res["asset"], Manifest.read(artifact).extra.get("coreai", {}), res)
@@ -682,9 +712,10 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
         device: "auto" (mps > cuda > cpu), "mps", "cuda", "cuda:N" or "cpu"; an unavailable
             device is an error, never a fallback.
         dtype: the compute dtype of unquantized tensors and activations [default: bfloat16].
-        verify: check every file's sha256 against the manifest first.
-        **kw: `prefill_m`, `kernel_cache`, `measure`, `trust_remote_code`, `progress`
-            (see `runtime.loader.load`).
+        verify: check every file's sha256 against the manifest (code and config before they are
+            used, the weights as they are read, all before the model is returned).
+        **kw: `prefill_m`, `kernel_cache`, `measure`, `trust_remote_code`, `progress`,
+            `manifest_sha256` (the manifest file's pinned sha256) (see `runtime.loader.load`).
 
     Returns:
         The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each

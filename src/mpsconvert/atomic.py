@@ -4,6 +4,14 @@ A lock beside the target stops two runs from writing the same output at once. Te
 folders left by a run that was killed (SIGKILL cannot be caught) carry the `.mpsconvert-tmp-`
 prefix, so they never look like a finished artifact, and the next run into that target removes
 them. Disk-full and permission errors are reported as such, with the partial output removed.
+
+Writers into an existing artifact (an Apple export, calibration written back, a result recorded
+in the manifest) take the same lock (`writing`) and build the new state as a staged copy (hard
+links of the unchanged files, `staged_copy`), swapped in by the same two renames: a kill at any
+point leaves the old artifact or the new one, never a mix, and the next run (writer or reader,
+`recover`) puts things right. `--force` replaces only what `check_replaceable` allows.
+`kill_point` is the fault-injection hook the kill tests use (inert unless MPSCONVERT_KILL_AT
+names the point).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +36,15 @@ LOCK_PREFIX = ".mpsconvert-lock-"
 # lands in a finalizer or a weakref callback (CPython ignores exceptions there), so the commit
 # step checks this too: an output is never published after the user asked to stop.
 stop_requested = threading.Event()
+KILL_ENV = "MPSCONVERT_KILL_AT"
+_held: set[Path] = set()  # targets this process holds the lock of (what staged_copy and held=True require)
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process here if MPSCONVERT_KILL_AT names this point (the kill tests' hook:
+    a kill between two exact steps, which polling for files from outside cannot hit)."""
+    if os.environ.get(KILL_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _umask() -> int:
@@ -38,14 +56,22 @@ def _umask() -> int:
 def write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` atomically (temp file in the same folder, fsync, rename)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+    except OSError as e:
+        raise os_error(e, path) from e
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        kill_point("text-temp-written")
         os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise os_error(e, path) from e
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -92,6 +118,7 @@ def os_error(e: OSError, where: Path) -> MpsconvertError:
 @contextlib.contextmanager
 def locked(target: Path):
     """Hold an exclusive lock for `target` (a file beside it); a second holder fails at once."""
+    target = Path(target).absolute()
     lock = target.parent / f"{LOCK_PREFIX}{target.name}"
     while True:
         try:
@@ -113,31 +140,220 @@ def locked(target: Path):
         if same:
             break
         os.close(fd)
+    _held.add(target)
     try:
         yield
     finally:
+        _held.discard(target)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock)
         os.close(fd)
 
 
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
 def _recover(target: Path) -> None:
-    """Clean up after a killed run into `target` (we hold its lock, so nobody else is writing)."""
+    """Clean up after a killed run into `target` (we hold its lock, so nobody else is writing):
+    put back the old output if a kill fell between the two renames of a swap, else remove the
+    leftover `-old`; remove temporary folders beside it and temporary files inside it."""
     parent = target.parent
+    old = parent / f"{TMP_PREFIX}{target.name}-old"
+    if os.path.lexists(old):
+        if not os.path.lexists(target):
+            os.replace(old, target)  # killed between the two renames: put the old one back
+        else:
+            _remove(old)  # killed after them: the new one is in place, the old one was going
     for p in parent.glob(f"{TMP_PREFIX}{target.name}-*"):
-        if p.name.endswith("-old") and not target.exists():
-            os.replace(p, target)  # killed between the two renames of a --force: put the old one back
-        elif p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+        _remove(p)
+    if target.is_dir() and not target.is_symlink():
+        for p in target.glob(f"{TMP_PREFIX}*"):  # a manifest write or a package of an older version, killed
+            _remove(p)
 
 
 @contextlib.contextmanager
-def output_dir(target: Path, force: bool = False, min_free: int = 0):
+def writing(target: Path):
+    """Hold `target`'s lock and recover what a killed run left: what every writer into an
+    existing artifact does first."""
+    target = Path(target).absolute()
+    with locked(target):
+        _recover(target)
+        yield target
+
+
+def recover(target: Path) -> None:
+    """For readers: if a run was killed between the two renames of a swap (`target` gone, its
+    `-old` there), put the old one back first. Raises MpsconvertError if a run is writing it."""
+    target = Path(target).absolute()
+    if not os.path.lexists(target) and os.path.lexists(target.parent / f"{TMP_PREFIX}{target.name}-old"):
+        with writing(target):
+            pass
+
+
+def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bool] | None = None,
+                      protect: tuple[Path, ...] = ()) -> None:
+    """May an output at `target` be written? Only where nothing is, or (with `force`) over a
+    folder `is_ours` recognises (our manifest) that neither is, holds nor lies inside a path in
+    `protect` (the source). Everything else is refused in one line, with nothing touched."""
+    target = Path(target).absolute()
+    real = target.resolve()
+    for p in protect:
+        src = Path(p).resolve()
+        if real == src or src.is_relative_to(real):
+            raise MpsconvertError(f"output {target} {'is' if real == src else 'holds'} the source model {src}",
+                                  "choose an -o outside the source folder")
+        if os.path.lexists(target) and real.is_relative_to(src):
+            raise MpsconvertError(f"output {target} lies inside the source model {src}", "choose an -o outside the source folder")
+    if not os.path.lexists(target):
+        return
+    if target.is_symlink() or not target.is_dir():
+        kind = "a symlink" if target.is_symlink() else "a file"
+        raise MpsconvertError(f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
+                              "remove it yourself, or choose another -o")
+    if not force:
+        raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
+    if is_ours is not None and not is_ours(target):
+        raise MpsconvertError(f"output {target} exists and is not an mpsconvert artifact (no manifest); --force replaces only those",
+                              "choose another -o, or remove it yourself")
+
+
+def _swap(target: Path, tmp: Path) -> None:
+    """Publish `tmp` as `target` (replacing an old one by two renames that `_recover` completes)."""
+    if stop_requested.is_set():
+        raise KeyboardInterrupt("stop requested before the output was published")
+    if os.path.lexists(target):
+        old = target.parent / f"{TMP_PREFIX}{target.name}-old"
+        os.replace(target, old)
+        kill_point("between-renames")
+        os.replace(tmp, target)
+        kill_point("after-renames")
+        _remove(old)
+    else:
+        os.replace(tmp, target)
+
+
+def _new_tmp(target: Path) -> Path:
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=target.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a finished artifact gets normal permissions
+    except OSError as e:
+        raise os_error(e, target.parent) from e
+    return tmp
+
+
+@contextlib.contextmanager
+def _publishing(target: Path, tmp: Path):
+    """On success swap `tmp` in; on any error remove it (OS errors as one line)."""
+    try:
+        yield tmp
+        _swap(target, tmp)
+    except OSError as e:
+        _remove(tmp)
+        raise os_error(e, target) from e
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def staged_copy(target: Path, drop: tuple[str, ...] = ()):
+    """A copy of the folder `target` to change (its files hard-linked, so it costs no space:
+    nothing ever rewrites a file in place), swapped in for it on success. The caller holds
+    `writing(target)`. `drop`: top-level names not carried over (what the caller replaces)."""
+    target = Path(target).absolute()
+    if target not in _held:
+        raise RuntimeError("staged_copy needs the target's lock (atomic.writing)")
+    tmp = _new_tmp(target)
+    with _publishing(target, tmp):
+        for dirpath, dirs, files in os.walk(target):
+            here = Path(dirpath)
+            rel = here.relative_to(target)
+            if rel == Path("."):
+                dirs[:] = [d for d in dirs if d not in drop and not d.startswith(TMP_PREFIX)]
+                files = [f for f in files if f not in drop and not f.startswith(TMP_PREFIX)]
+            (tmp / rel).mkdir(exist_ok=True)
+            for d in dirs:
+                if (here / d).is_symlink():
+                    raise MpsconvertError(f"{here / d} is a symlink inside the artifact", "re-create the artifact")
+            for f in files:
+                src = here / f
+                if src.is_symlink():
+                    raise MpsconvertError(f"{src} is a symlink inside the artifact", "re-create the artifact")
+                try:
+                    os.link(src, tmp / rel / f)
+                except OSError:  # a filesystem without hard links: a real copy (same result, more space)
+                    shutil.copy2(src, tmp / rel / f)
+        kill_point("staged")
+        yield tmp
+        kill_point("staged-written")
+
+
+_TMPDIR_PREFIX = "mpsconvert-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_tempdirs(root: Path | None = None) -> list[Path]:
+    """Remove the system-temp folders (`mpsconvert-<kind>-<pid>-*`) of runs that were killed:
+    ours (same user) and whose process is gone. Returns what was removed."""
+    root = Path(root or tempfile.gettempdir())
+    gone = []
+    for p in root.glob(f"{_TMPDIR_PREFIX}*-*-*"):
+        parts = p.name.split("-")
+        if len(parts) < 4 or not parts[2].isdigit():
+            continue
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == os.getuid() and p.is_dir() and not p.is_symlink() and not _alive(int(parts[2])):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+@contextlib.contextmanager
+def private_tempdir(kind: str, redirect: bool = False):
+    """A folder in the system temp dir named for this process (`mpsconvert-<kind>-<pid>-*`), so
+    that a later run can tell a killed run's leftovers from a live one's and remove them
+    (`clean_stale_tempdirs`, called here first). `redirect`: also make it `tempfile`'s default
+    for the block, so libraries' temporary files (coremltools' tmp*.mlpackage) land in it."""
+    clean_stale_tempdirs()
+    d = Path(tempfile.mkdtemp(prefix=f"{_TMPDIR_PREFIX}{kind}-{os.getpid()}-"))
+    before = tempfile.tempdir
+    if redirect:
+        tempfile.tempdir = str(d)
+    try:
+        yield d
+    finally:
+        if redirect:
+            tempfile.tempdir = before
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours: Callable[[Path], bool] | None = None,
+               protect: tuple[Path, ...] = (), held: bool = False):
     """Yield a fresh temporary folder beside `target`; on success it becomes `target`.
 
     On any error (or Ctrl-C / SIGTERM) the temporary folder is removed and `target` is
-    untouched. An existing `target` is replaced only with `force=True`, and only after the new
-    one is complete. `min_free`: bytes the output needs, checked before anything is written.
+    untouched. An existing `target` is replaced only with `force=True`, only if `is_ours`
+    accepts it and it is not (inside) a `protect`ed path (check_replaceable), and only after the
+    new one is complete. `min_free`: bytes the output needs, checked before anything is written.
+    `held`: the caller already holds `writing(target)` (it verified what it rebuilds under it).
     """
     target = Path(target).absolute()
     parent = target.parent
@@ -145,54 +361,16 @@ def output_dir(target: Path, force: bool = False, min_free: int = 0):
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(e, parent) from e
-    with locked(target):
-        _recover(target)
-        if target.exists() and not force:
-            raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
+    if held and target not in _held:
+        raise RuntimeError("output_dir(held=True) needs the target's lock (atomic.writing)")
+    with contextlib.nullcontext() if held else writing(target):
+        check_replaceable(target, force=force, is_ours=is_ours, protect=protect)
         free = shutil.disk_usage(parent).free
         if min_free and free < min_free:
             raise MpsconvertError(
                 f"not enough disk space for {target}: needs about {min_free / 1e9:.2f} GB, {free / 1e9:.2f} GB free",
                 "free some space or choose another -o",
             )
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=parent))
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a finished artifact gets normal permissions
-        except OSError as e:
-            raise os_error(e, parent) from e
-        try:
+        tmp = _new_tmp(target)
+        with _publishing(target, tmp):
             yield tmp
-            if stop_requested.is_set():
-                raise KeyboardInterrupt("stop requested before the output was published")
-            if target.exists():
-                old = parent / f"{TMP_PREFIX}{target.name}-old"
-                os.replace(target, old)
-                os.replace(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise os_error(e, target) from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-
-def publish_folder(target: Path, write: Callable[[Path], None], force: bool = False) -> Path:
-    """Write a folder-shaped package (an .mlpackage, an .aimodel) whole or not at all.
-
-    `write(path)` creates the package at `path`, a temporary path with the target's own name
-    (savers check the suffix); it then replaces `target` by rename. A failure, Ctrl-C or
-    SIGTERM leaves `target` (and an old package there) as it was.
-    """
-    target = Path(target).absolute()
-    with output_dir(target, force=force) as tmp:
-        inner = tmp / target.name
-        write(inner)
-        if not inner.is_dir():
-            raise MpsconvertError(f"writing {target.name} produced no folder", "report this: the saver wrote nothing")
-        for p in inner.iterdir():
-            os.replace(p, tmp / p.name)
-        inner.rmdir()
-    return target

@@ -43,7 +43,8 @@ class QuantStats:
             "amax": self.amax,
             "scale_min": self.scale_min,
             "scale_max": self.scale_max,
-            "sqnr_db": None if math.isinf(self.sqnr_db) else round(self.sqnr_db, 4),
+            "sqnr_db": None if not math.isfinite(self.sqnr_db) else round(self.sqnr_db, 4),
+            **({"sqnr_undefined": True} if math.isnan(self.sqnr_db) else {}),
             "zero_rows": self.zero_rows,
             "sqnr_rows": self.sqnr_rows,
         }
@@ -213,7 +214,9 @@ class StreamQuantizer:
         for start in sorted(self._errors):  # row order: the same sums whatever ran where
             s_, e_, r_ = self._errors[start]
             sig, err, sampled = sig + s_, err + e_, sampled + r_
-        if err == 0.0:
+        if err == 0.0 and sig == 0.0:
+            sqnr = math.nan  # an all-zero (or all-underflowing) tensor: no signal, the ratio is undefined, not "exact"
+        elif err == 0.0:
             sqnr = math.inf
         elif sig == 0.0:
             sqnr = -math.inf

@@ -43,7 +43,7 @@ def load_config(path, trust_remote_code: bool = False):
     import transformers
 
     try:
-        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "trust_remote_code" in msg or "custom code" in msg:
@@ -52,6 +52,13 @@ def load_config(path, trust_remote_code: bool = False):
                 "review that code, then pass --trust-remote-code to allow running it",
             ) from e
         raise SourceError(f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model") from e
+    except Exception as e:  # a config.json of the wrong shape (transformers' dataclass validation, TypeError, ...)
+        raise SourceError(f"transformers cannot read config.json: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+                          "fix config.json or re-create the model folder") from e
+    archs = getattr(config, "architectures", None)
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise SourceError(f"config.json: architectures is {str(archs)[:60]!r}, not a list of class names", "fix config.json")
+    return config
 
 
 @contextlib.contextmanager

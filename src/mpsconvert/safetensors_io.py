@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .errors import ArtifactError
+from .untrusted import parse_json
 
 DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
     "BOOL": (1, torch.bool),
@@ -99,12 +100,7 @@ def read_header(path: Path) -> Header:
             raw = f.read(n)
     except OSError as e:
         raise ArtifactError(f"cannot read {path}: {e.strerror}", "check the file's permissions") from e
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"header is not JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise bad("header is not a JSON object")
+    body = parse_json(raw, what=f"{path.name} is not a valid safetensors file: its header", expect=dict, fix="re-download or regenerate it")
     meta = body.pop("__metadata__", None)
     meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
@@ -116,7 +112,7 @@ def read_header(path: Path) -> Header:
         if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
             raise bad(f"entry {name!r} is malformed")
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPES or DTYPES[dtype][1] is None:
+        if not isinstance(dtype, str) or dtype not in DTYPES or DTYPES[dtype][1] is None:
             raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
@@ -536,3 +532,22 @@ class ShardWriter:
         except Exception:  # the write that failed is what the caller is already handling
             pass
         self._f.close()
+
+
+# exponent bits of each float dtype: all ones means inf or NaN
+_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F64": ("<u8", 0x7FF0000000000000)}
+
+
+def count_nonfinite(header: Header, info: TensorInfo, block: int = 16 <<20) -> int:
+    """How many NaN/inf values a float tensor holds, read from its bits through a memory map
+    in blocks (numpy has no bfloat16, and the bits answer for every dtype alike)."""
+    if info.dtype not in _EXPONENT or info.nbytes == 0:
+        return 0
+    dt, mask = _EXPONENT[info.dtype]
+    n = info.nbytes // np.dtype(dt).itemsize
+    mm = np.memmap(header.path, dtype=dt, mode="r", offset=info.start, shape=(n,))
+    try:
+        step = max(1, block // np.dtype(dt).itemsize)
+        return sum(int(np.count_nonzero((mm[i:i + step] & mask) == mask)) for i in range(0, n, step))
+    finally:
+        del mm

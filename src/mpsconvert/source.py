@@ -6,7 +6,6 @@ files conversion needs. Pickle checkpoints (.bin, .pt, ...) are never downloaded
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from pathlib import Path
 from .errors import SourceError
 from .manifests.hashing import BackgroundHasher
 from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_FILE, is_plain_shard_name
+from .untrusted import inside, read_json
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
 ALLOW_PATTERNS = [
@@ -59,7 +59,7 @@ class Snapshot:
         out = []
         for p in sorted(self.path.rglob("*")):
             rel = p.relative_to(self.path).as_posix()
-            if p.is_dir() or rel in SKIP_COPY or rel.startswith("."):
+            if p.is_dir() or rel in SKIP_COPY or any(part.startswith(".") for part in rel.split("/")):
                 continue
             if p.suffix in COPY_SUFFIXES and not rel.endswith(".safetensors.index.json"):
                 check_inside(self, rel)
@@ -173,14 +173,11 @@ def _inventory(snap: Snapshot) -> Snapshot:
             f"{p} has no config.json, so it is not a Hugging Face model folder",
             "pass the folder that holds config.json and *.safetensors",
         )
-    try:
-        snap.config = json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"{cfg} is not valid JSON ({e})", "fix or re-download config.json") from e
-    if not isinstance(snap.config, dict):
-        raise SourceError(f"{cfg} is not a JSON object", "fix or re-download config.json")
+    check_inside(snap, CONFIG_NAME)
+    snap.config = read_json(cfg, what=str(cfg), error=SourceError, fix="fix or re-download config.json")
     if "quantization_config" in snap.config:
-        qm = snap.config["quantization_config"].get("quant_method", "?")
+        qc = snap.config["quantization_config"]
+        qm = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise SourceError(f"{p} is already quantized ({qm})", "convert the original BF16/FP16/FP32 checkpoint instead")
 
     index = p / INDEX_NAME
@@ -220,21 +217,14 @@ def allowed_root(snap: Snapshot) -> Path:
 
 
 def check_inside(snap: Snapshot, rel: str) -> Path:
-    """Resolve `rel` and refuse symlinks that lead out of the snapshot (e.g. to ~/.ssh)."""
-    real = (snap.path / rel).resolve()
-    if not real.is_relative_to(allowed_root(snap)):
-        raise SourceError(
-            f"{rel} in {snap.path} is a link to {real}, outside the model folder",
-            "remove the link or copy the real file into the folder",
-        )
-    return real
+    """Resolve `rel` and refuse odd names and symlinks that lead out of the snapshot (e.g. to
+    ~/.ssh): the one path rule (untrusted.inside), with the HF cache's blobs allowed."""
+    inside(snap.path, rel, what=f"the model folder {snap.path}", error=SourceError, root=allowed_root(snap))
+    return (snap.path / rel).resolve()
 
 
 def _read_index(index: Path) -> dict[str, str]:
-    try:
-        body = json.loads(index.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"{index} is not valid JSON ({e})", f"re-download {INDEX_NAME}") from e
+    body = read_json(index, what=str(index), error=SourceError, expect=None, fix=f"re-download {INDEX_NAME}")
     wm = body.get("weight_map") if isinstance(body, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise SourceError(f"{index} has no weight_map", f"re-download {INDEX_NAME}")

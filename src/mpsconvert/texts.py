@@ -9,11 +9,11 @@ in the package (`mpsconvert/data/builtin.jsonl`).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from .errors import DataError
+from .untrusted import parse_json
 
 BUILTIN = Path(__file__).parent / "data" / "builtin.jsonl"
 READABLE = (".parquet", ".jsonl", ".json", ".txt")
@@ -49,16 +49,11 @@ def read_documents(path: Path) -> list[str]:
             records = []
             for n, line in enumerate(raw.splitlines(), 1):
                 if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{n}: not valid JSON ({e.msg})", "give one JSON object per line with a 'text' field") from e
+                    records.append(parse_json(line, what=f"{path}:{n}", error=DataError, expect=None,
+                                              fix="give one JSON object per line with a 'text' field"))
             return _texts_from_records(records, str(path))
         if suffix == ".json":
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e.msg})", "give a list of objects with a 'text' field") from e
+            body = parse_json(raw, what=str(path), error=DataError, expect=None, fix="give a list of objects with a 'text' field")
             if isinstance(body, dict) and isinstance(body.get("text"), list):
                 return [t for t in body["text"] if isinstance(t, str)]
             if not isinstance(body, list):

@@ -6,6 +6,11 @@ so the activations observed are those of the quantized model. Writing the scales
 the artifact under a temporary name (atomic.output_dir) with `<m>.input_scale` added after each
 `<m>.weight_scale`, the index, config (static input_activations), manifest recipe, per-tensor
 records and file hashes updated, then swaps it in: a failure leaves the artifact as it was.
+
+Nothing unverified is carried over: the caller verifies the artifact first (api.calibrate), the
+snapshot and the rebuild read only files the manifest lists (each a plain path inside the
+artifact, untrusted.inside), and every file copied as it is must still have the sha256 the
+manifest records (else the rebuild would launder a tampered file into a fresh manifest).
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import contextlib
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,10 +28,12 @@ from .. import fp8
 from ..errors import ArtifactError
 from ..manifests.ct_config import quantization_config, scheme_from_config
 from ..manifests.hashing import sha256_file
-from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, weight_files
+from ..manifests.layout import (COREAI_ASSET, COREML_PACKAGE, CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_artifact,
+                                read_weight_map, weight_files)
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..safetensors_io import ShardReader, ShardWriter, read_header
+from ..untrusted import inside, read_json
 from .run import Calibration
 
 SCALES_FORMAT = "mpsconvert-input-scales"
@@ -36,6 +42,8 @@ SCALES_VERSION = 1
 
 def save_scales(path: Path, cal: Calibration) -> None:
     path = Path(path)
+    if path.is_dir():
+        raise ArtifactError(f"cannot write scales to {path}: it is a folder", "pass a file name such as scales.json")
     if not path.parent.is_dir():
         raise ArtifactError(f"cannot write {path}: folder {path.parent} does not exist", "create it, or choose another -o")
     body = {
@@ -51,23 +59,49 @@ def save_scales(path: Path, cal: Calibration) -> None:
 def load_scales(path: Path) -> tuple[dict[str, float], dict]:
     """(module -> input scale, calibration record) from a scales file written by `calibrate -o`."""
     path = Path(path)
-    try:
-        body = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ArtifactError(f"scales file {path} does not exist", "run `mpsconvert calibrate SRC -o scales.json` first") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e})", "re-run `mpsconvert calibrate ... -o` to rebuild it") from e
-    if not isinstance(body, dict) or body.get("format") != SCALES_FORMAT or body.get("version") != SCALES_VERSION:
+    if not path.is_file():
+        raise ArtifactError(f"scales file {path} does not exist", "run `mpsconvert calibrate SRC -o scales.json` first")
+    body = read_json(path, fix="re-run `mpsconvert calibrate ... -o` to rebuild it")
+    if body.get("format") != SCALES_FORMAT or body.get("version") != SCALES_VERSION:
         raise ArtifactError(f"{path} is not an mpsconvert scales file (version {SCALES_VERSION})", "write one with `mpsconvert calibrate SRC -o FILE`")
     scales = body.get("input_scales")
-    if not isinstance(scales, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in scales.values()):
+    if not isinstance(scales, dict) or not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in scales.values()):
         raise ArtifactError(f"{path}: input_scales must map module names to finite positive numbers", "re-run calibration")
-    return {k: float(v) for k, v in scales.items()}, body.get("calibration") or {}
+    record = body.get("calibration") or {}
+    if not isinstance(record, dict):
+        raise ArtifactError(f"{path}: 'calibration' must be an object", "re-run calibration")
+    return {k: float(v) for k, v in scales.items()}, record
+
+
+def carried_files(artifact: Path, manifest: Manifest, packages: bool = True) -> list[str]:
+    """The listed files a rebuild carries over as they are (tokenizer, generation config, Apple
+    packages unless `packages` is False): not the weights, config, index or manifest (rebuilt),
+    each checked to be a plain path inside the artifact."""
+    weights = set(weight_files(artifact))
+    out = []
+    for rel in sorted(manifest.files):
+        if rel in weights or rel in (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME) or not packages and rel.split("/")[0] in (COREML_PACKAGE, COREAI_ASSET):
+            continue
+        inside(artifact, rel, what=f"{MANIFEST_NAME} files")
+        out.append(rel)
+    return out
+
+
+def copy_verified(src: Path, dst: Path, rec: dict, rel: str) -> dict:
+    """Copy a listed file and check that the copy has the sha256 the manifest records."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    digest = sha256_file(dst)
+    if digest != rec.get("sha256"):
+        raise ArtifactError(f"{rel} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
+                            "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
+    return {"sha256": digest, "size": dst.stat().st_size}
 
 
 @contextlib.contextmanager
 def dequantized_snapshot(artifact: Path):
-    """A temporary source-dtype snapshot of an FP8 artifact (deleted on exit)."""
+    """A temporary source-dtype snapshot of an FP8 artifact (in this run's own folder of the
+    system temp dir, removed on exit, or by the next run after a kill)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -75,11 +109,10 @@ def dequantized_snapshot(artifact: Path):
     manifest = Manifest.read(artifact)
     dtypes = {name: rec.get("source_dtype", "BF16") for name, rec in manifest.tensors.items()}
     st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    tmp = Path(tempfile.mkdtemp(prefix="mpsconvert-calib-"))
-    try:
+    with atomic.private_tempdir("calib") as tmp:
         for f in weight_files(artifact):
             tensors = {}
-            with safe_open(str(artifact / f), framework="pt") as sf:
+            with safe_open(str(inside(artifact, f, what="weights")), framework="pt") as sf:
                 keys = set(sf.keys())
                 for k in keys:
                     if k.endswith(".input_scale") or (k.endswith(".weight_scale") and k[: -len("_scale")] in keys):
@@ -90,29 +123,27 @@ def dequantized_snapshot(artifact: Path):
                     tensors[k] = t
             save_file(tensors, str(tmp / f), metadata={"format": "pt"})
         if (artifact / INDEX_NAME).is_file():
-            body = json.loads((artifact / INDEX_NAME).read_text(encoding="utf-8"))
-            body["weight_map"] = {k: v for k, v in body["weight_map"].items() if not k.endswith(("weight_scale", "input_scale"))}
+            body = read_json(artifact / INDEX_NAME, what=INDEX_NAME)
+            body["weight_map"] = {k: v for k, v in read_weight_map(artifact).items() if not k.endswith(("weight_scale", "input_scale"))}
             (tmp / INDEX_NAME).write_text(json.dumps(body), encoding="utf-8")
-        config = json.loads((artifact / CONFIG_NAME).read_text(encoding="utf-8"))
+        config = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
         config.pop("quantization_config", None)
         (tmp / CONFIG_NAME).write_text(json.dumps(config), encoding="utf-8")
-        for p in artifact.iterdir():
-            if p.is_file() and p.suffix != ".safetensors" and p.name not in (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME):
-                shutil.copyfile(p, tmp / p.name)
+        for rel in carried_files(artifact, manifest, packages=False):
+            copy_verified(artifact / rel, tmp / rel, manifest.files[rel], rel)
         yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
-    """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static."""
-    artifact = Path(artifact)
+    """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static.
+    The caller holds `atomic.writing(artifact)` (and verified the artifact under it)."""
+    artifact = Path(artifact).absolute()
     manifest = Manifest.read(artifact)
-    config = json.loads((artifact / CONFIG_NAME).read_text(encoding="utf-8"))
+    config = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
     qc = config.get("quantization_config") or {}
     old = scheme_from_config(qc)
     scheme = Scheme(name="fp8", weights=old.weights)
-    weight_of = {name: rec["module"] for name, rec in manifest.tensors.items()}
+    weight_of = {name: rec["module"] for name, rec in manifest.tensors.items() if isinstance(rec.get("module"), str)}
     missing = sorted(set(weight_of.values()) - set(cal.scales))
     if missing:
         raise ArtifactError(
@@ -121,8 +152,11 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
         )
     files = weight_files(artifact)
     weight_map: dict[str, str] = {}
-    with atomic.output_dir(artifact, force=True) as tmp:
+    with atomic.output_dir(artifact, force=True, is_ours=is_artifact, held=True) as tmp:
         for f in files:
+            if f not in manifest.files or sha256_file(inside(artifact, f, what="weights")) != manifest.files[f]["sha256"]:
+                raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
+                                    "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
             header = read_header(artifact / f)
             entries = []
             for name, info in header.tensors.items():
@@ -147,23 +181,25 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
                 weight_map[name] = f
             manifest.files[f] = {"sha256": digest, "size": (tmp / f).stat().st_size}
         if (artifact / INDEX_NAME).is_file():
-            body = json.loads((artifact / INDEX_NAME).read_text(encoding="utf-8"))
+            body = read_json(artifact / INDEX_NAME, what=INDEX_NAME)
             body["weight_map"] = dict(sorted(weight_map.items()))
-            body.setdefault("metadata", {})["total_size"] = sum(manifest.files[f]["size"] for f in files)
+            if not isinstance(body.get("metadata"), dict):
+                body["metadata"] = {}
+            body["metadata"]["total_size"] = sum(manifest.files[f]["size"] for f in files)
             atomic.write_text(tmp / INDEX_NAME, json.dumps(body, indent=2) + "\n")
         config["quantization_config"] = quantization_config(scheme, qc.get("ignore", []), qc.get("config_groups", {}).get("group_0", {}).get("targets"))
         atomic.write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for rel in list(manifest.files):
-            if rel in files:
-                continue
-            src = artifact / rel
-            if rel not in (CONFIG_NAME, INDEX_NAME):
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, tmp / rel)
-            manifest.files[rel] = {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
+        kept = carried_files(artifact, manifest)
+        for rel in kept:
+            manifest.files[rel] = copy_verified(artifact / rel, tmp / rel, manifest.files[rel], rel)
+        for rel in (CONFIG_NAME, INDEX_NAME):
+            if (tmp / rel).is_file():
+                manifest.files[rel] = {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
+        manifest.files = {k: v for k, v in sorted(manifest.files.items()) if (tmp / k).is_file()}
         manifest.recipe.update(scheme.as_dict())
         manifest.recipe["calibration"] = cal.record
         if cal.expert_scales:
             manifest.extra["calibration_experts"] = cal.expert_scales
+        atomic.kill_point("rebuilt")
         manifest.write(tmp)
     return manifest

@@ -194,14 +194,16 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--no-hashes", is_flag=True, help="Skip the sha256 check (structure only; much faster on big artifacts).")
-@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the artifact.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the artifact (only once every file verified).")
+@click.option("--manifest-sha256", metavar="HEX", help="The sha256 the manifest itself must have (printed by quantize): pins the whole artifact.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @friendly_errors
-def verify(artifact, no_hashes, trust_remote_code, as_json):
+def verify(artifact, no_hashes, trust_remote_code, manifest_sha256, as_json):
     """Check every file of ARTIFACT against its manifest's sha256, and its internal consistency
     (every FP8 weight has its scale; shapes and dtypes as config.json says). Exit 1 on any problem."""
     with render.progress_bars() as progress:
-        report = api.verify(artifact, check_hashes=not no_hashes, trust_remote_code=trust_remote_code, progress=progress)
+        report = api.verify(artifact, check_hashes=not no_hashes, trust_remote_code=trust_remote_code,
+                            manifest_sha256=manifest_sha256, progress=progress)
     render.verify_report(artifact, report, as_json)
     if not report.ok:
         sys.exit(1)

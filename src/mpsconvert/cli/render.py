@@ -113,6 +113,8 @@ def quantize_summary(res, as_json: bool) -> None:
         t.add_row("skipped", f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})")
     if s["worst_sqnr_db"] is not None:
         t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
+    if res.manifest_sha256:
+        t.add_row("manifest sha256", f"{res.manifest_sha256}  (pin it: mpsconvert verify --manifest-sha256 ...)")
     out.print(t)
 
 
@@ -141,7 +143,7 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
         for name, r in m.tensors.items():
-            tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "exact")
+            tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "undefined (no signal)" if r.get("sqnr_undefined") else "exact")
         out.print(tt)
 
 
@@ -155,6 +157,10 @@ def verify_report(artifact, report, as_json: bool) -> None:
            else f"{artifact}: hashes not checked; {len(report.quantized)} FP8 modules")
     for p in report.problems:
         out.print(f"  [red]problem:[/] {p}", highlight=False)
+    for w in report.warnings:
+        out.print(f"  [yellow]warning:[/] {w}", highlight=False)
+    if report.manifest_sha256:
+        out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False)
     out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
 
 

@@ -39,7 +39,7 @@ from ..manifests.layout import INDEX_NAME
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
-from ..safetensors_io import BufferPool, ShardReader, ShardWriter, TensorInfo, read_header
+from ..safetensors_io import BufferPool, ShardReader, ShardWriter, TensorInfo, count_nonfinite, read_header
 from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
@@ -156,6 +156,47 @@ def check_tensor_layout(snap: Snapshot, headers: dict) -> None:
             raise SourceError(f"{len(extra)} stored tensors are missing from {INDEX_NAME} (e.g. {extra[0]!r})", "the checkpoint is corrupt; re-download it")
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def check_against_model(plan: Plan, headers: dict) -> None:
+    """Every stored tensor that is a parameter of the model config.json defines has that
+    parameter's shape, and a float dtype where the parameter is float: a checkpoint that does
+    not fit its config is refused here, not discovered by `verify` or the forward pass."""
+    params = dict(plan.meta_model.named_parameters()) if plan.meta_model is not None else {}
+    prefix = plan.prefix
+
+    def param_of(key: str):
+        for cand in (key, f"{prefix}.{key}" if prefix else None, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None):
+            if cand and cand in params:
+                return params[cand]
+        return None
+
+    for f, h in headers.items():
+        for name, info in h.tensors.items():
+            p = param_of(name)
+            if p is None:
+                continue
+            if tuple(p.shape) != tuple(info.shape):
+                raise SourceError(f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines has {list(p.shape)} there",
+                                  "the weights do not match config.json; re-download the model")
+            if p.is_floating_point() and info.dtype not in FLOAT_DTYPES:
+                raise SourceError(f"{name} in {f} is stored as {info.dtype}, but the model's parameter is a float",
+                                  "the weights do not match config.json; re-download the model")
+
+
+def check_copied_finite(headers: dict, tensor_module: dict, expert_tensors: dict) -> None:
+    """NaN/inf in a tensor copied as it is (a norm, an embedding, an ignored lm_head) is refused
+    as it is in a quantized one (whose scale check catches it on the way)."""
+    for f, h in headers.items():
+        for name, info in h.tensors.items():
+            if name in tensor_module or name in expert_tensors:
+                continue
+            n = count_nonfinite(h, info)
+            if n:
+                raise QuantizationError(f"tensor {name!r} in {f} contains {n} NaN or inf value(s)", "fix the source checkpoint")
+
+
 def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) -> int:
     """Bytes the artifact will take: FP8 weights, their scales, copied tensors, plus slack."""
     total = 1 << 20
@@ -190,7 +231,8 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     plan, headers, tensor_module, expert_tensors = _prepare(snap, opts)
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
-        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, opts.scheme)) as tmp,
+        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, opts.scheme),
+                          is_ours=layout.is_artifact, protect=(snap.path,)) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
@@ -203,8 +245,17 @@ def _prepare(snap: Snapshot, opts: Options):
     plan = plan_for(snap.path, opts.ignore, opts.trust_remote_code)
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     check_tensor_layout(snap, headers)
+    check_against_model(plan, headers)
     tensor_module = _finalize_plan(plan, headers)
     expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
+    # an error unless the plan names layers it keeps on purpose (GPT-2's Conv1D, MoE experts it cannot read)
+    if not tensor_module and not expert_tensors and not any(not r.startswith("embedding") for r in plan.skipped.values()):
+        raise QuantizationError(
+            f"nothing to quantize in {snap.path}: no float 2-D Linear weight stored that the plan would quantize "
+            f"({len(plan.ignored)} Linear(s) ignored, architecture {plan.architecture})",
+            "check config.json (0 layers?) and the --ignore patterns",
+        )
+    check_copied_finite(headers, tensor_module, expert_tensors)
     if opts.scheme.needs_calibration:
         missing = sorted(set(tensor_module.values()) - set(opts.input_scales or {}))
         missing += sorted({et.module for key, et in expert_tensors.items() if not _has_input_scales(opts, key, et)})
@@ -455,8 +506,8 @@ def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, 
             "scale_min": min(s.scale_min for s in per_expert),
             "scale_max": max(s.scale_max for s in per_expert),
             # the worst expert stands for the tensor, each expert's own figure is listed
-            "sqnr_db": None if all(math.isinf(x) for x in sqnrs) else round(min(sqnrs), 4),
-            "experts_sqnr_db": [None if math.isinf(x) else round(x, 4) for x in sqnrs],
+            "sqnr_db": None if not any(math.isfinite(x) for x in sqnrs) else round(min(x for x in sqnrs if math.isfinite(x)), 4),
+            "experts_sqnr_db": [None if not math.isfinite(x) else round(x, 4) for x in sqnrs],
             "zero_rows": sum(s.zero_rows for s in per_expert),
         }
         if scheme.needs_calibration:

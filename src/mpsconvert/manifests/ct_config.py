@@ -57,23 +57,34 @@ def quantization_config(scheme: Scheme, ignore: list[str], targets: list[str] | 
 
 
 def scheme_from_config(qc: dict) -> Scheme:
-    """Read our Scheme back from any compressed-tensors FP8 `quantization_config`."""
+    """Read our Scheme back from any compressed-tensors FP8 `quantization_config` (untrusted:
+    every level is type-checked, so a wrong JSON type is an ArtifactError, never a TypeError)."""
+    if not isinstance(qc, dict):
+        raise ArtifactError(f"quantization_config is a {type(qc).__name__}, not an object", "re-create the artifact")
     if qc.get("quant_method") != "compressed-tensors":
         raise ArtifactError(
             f"quantization_config has quant_method {qc.get('quant_method')!r}",
             "only compressed-tensors FP8 checkpoints can be loaded",
         )
     groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise ArtifactError("quantization_config's config_groups is not an object of objects", "re-create the artifact")
+    if not isinstance(qc.get("ignore") or [], list) or not all(isinstance(x, str) for x in qc.get("ignore") or []):
+        raise ArtifactError("quantization_config's ignore is not a list of names", "re-create the artifact")
     if len(groups) != 1:
         raise ArtifactError(f"quantization_config has {len(groups)} config groups", "expected exactly one FP8 group")
     group = next(iter(groups.values()))
     w = group.get("weights") or {}
+    a = group.get("input_activations")
+    if not isinstance(w, dict) or not isinstance(a, (dict, type(None))):
+        raise ArtifactError("quantization_config's weights / input_activations are not objects", "re-create the artifact")
+    if not isinstance(w.get("strategy"), (str, type(None))):
+        raise ArtifactError(f"quantization_config's weight strategy is a {type(w.get('strategy')).__name__}", "re-create the artifact")
     if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in _GRANULARITY:
         raise ArtifactError(
             f"weights are {w.get('type')}/{w.get('num_bits')} bits/{w.get('strategy')}",
             "only FP8 (float, 8 bits) per-tensor or per-channel weights are supported",
         )
-    a = group.get("input_activations")
     if a is None:
         name = "fp8-weight-only"
     elif a.get("dynamic") and a.get("strategy") == "token":

@@ -10,10 +10,11 @@ inside the artifact (`model.mlpackage`, `model.aimodel`) and are listed in the m
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
+from .. import atomic
 from ..errors import ArtifactError
+from ..untrusted import inside, read_json
 
 MANIFEST_NAME = "mpsconvert.json"
 CONFIG_NAME = "config.json"
@@ -47,17 +48,16 @@ def read_weight_map(folder: Path) -> dict[str, str] | None:
     index = Path(folder) / INDEX_NAME
     if not index.is_file():
         return None
-    try:
-        body = json.loads(index.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{INDEX_NAME} is not valid JSON ({e})", "re-create the artifact") from e
-    wm = body.get("weight_map") if isinstance(body, dict) else None
-    if not isinstance(wm, dict):
+    body = read_json(index, what=INDEX_NAME, fix="re-create the artifact")
+    wm = body.get("weight_map")
+    if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
         raise ArtifactError(f"{INDEX_NAME} has no weight_map", "re-create the artifact")
     bad = next((f for f in wm.values() if not is_plain_shard_name(f)), None)
     if bad is not None:
         raise ArtifactError(f"{INDEX_NAME} names {bad!r}, which is not a plain .safetensors file name in the folder",
                             "the index is corrupt or was tampered with; re-create the artifact")
+    for f in set(wm.values()):
+        inside(folder, f, what=INDEX_NAME)  # a shard that is a symlink out of the folder
     return wm
 
 
@@ -81,9 +81,48 @@ def is_artifact(folder: Path) -> bool:
 @contextlib.contextmanager
 def update_manifest(folder: Path):
     """Read the artifact's manifest, let the caller change it, write it back atomically (only
-    if the block exits without an error)."""
+    if the block exits without an error), all under the artifact's lock (atomic.writing): two
+    runs recording results at once would otherwise lose one of them."""
     from .manifest import Manifest
 
-    m = Manifest.read(folder)
-    yield m
-    m.write(folder)
+    with atomic.writing(Path(folder)):
+        m = Manifest.read(folder)
+        yield m
+        m.write(folder)
+
+
+def publish_package(artifact: Path, name: str, write, record) -> None:
+    """Put a package (an .mlpackage, an .aimodel) into an artifact together with its manifest
+    entries, as one step a kill cannot split: a staged copy of the artifact gets the package
+    (`write(path)`), its files' hashes and the caller's record (`record(manifest, path)`), then
+    replaces the artifact (atomic.staged_copy). The caller holds `atomic.writing(artifact)`."""
+    from .hashing import folder_files
+    from .manifest import Manifest
+
+    with atomic.staged_copy(artifact, drop=(name,)) as tmp:
+        pkg = tmp / name
+        write(pkg)
+        if not pkg.is_dir():
+            raise ArtifactError(f"writing {name} produced no folder", "report this: the saver wrote nothing")
+        atomic.kill_point("package-written")
+        m = Manifest.read(tmp)
+        files = {k: v for k, v in m.files.items() if k != name and not k.startswith(name + "/")}
+        files.update(folder_files(pkg, tmp))
+        m.files = dict(sorted(files.items()))
+        record(m, pkg)
+        m.write(tmp)
+
+
+@contextlib.contextmanager
+def exporting(artifact: Path, kind: str):
+    """The frame of every export into an artifact: a swap a kill cut in two is repaired, the
+    artifact's lock is held throughout, it is verified before any of it is used
+    (verify.check_before_use), and libraries' temporary files go to this run's own folder of the
+    system temp dir (`mpsconvert-<kind>-<pid>-*`, removed after, or by the next run after a kill)."""
+    from .verify import check_before_use
+
+    artifact = Path(artifact)
+    atomic.recover(artifact)
+    with atomic.writing(artifact), atomic.private_tempdir(kind, redirect=True):
+        check_before_use(artifact)
+        yield artifact

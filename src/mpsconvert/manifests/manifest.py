@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,13 @@ from pathlib import Path
 from .. import __version__
 from ..atomic import write_text
 from ..errors import ArtifactError
+from ..untrusted import bad_relpath, read_json
+from ..untrusted import field as json_field
+from .hashing import sha256_file
 from .layout import MANIFEST_NAME
 
 SCHEMA_VERSION = 1
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def library_versions() -> dict:
@@ -74,28 +79,51 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: Path) -> "Manifest":
+        """The manifest of `folder`, every field it uses checked for type (it is untrusted).
+
+        Raises:
+            ArtifactError: no manifest, not JSON, too deep, another schema, or a field of the
+                wrong type (a `files` entry that is not a plain relative path with a sha256 and
+                a size included).
+        """
         path = Path(folder) / MANIFEST_NAME
         if not path.is_file():
             raise ArtifactError(f"{folder} has no {MANIFEST_NAME}", "is this an mpsconvert artifact? run `mpsconvert quantize` first")
-        try:
-            body = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ArtifactError(f"{path} is not valid JSON ({e})", "re-run `mpsconvert quantize` to rebuild it") from e
+        fix = "re-run `mpsconvert quantize` to rebuild it"
+        body = read_json(path, what=str(path), fix=fix)
         if body.get("schema_version") != SCHEMA_VERSION:
             raise ArtifactError(
-                f"{path} has schema_version {body.get('schema_version')!r}, this mpsconvert reads {SCHEMA_VERSION}",
+                f"{path} has schema_version {str(body.get('schema_version'))[:40]!r}, this mpsconvert reads {SCHEMA_VERSION}",
                 "upgrade mpsconvert or rebuild the artifact",
             )
+        kw = dict(what=str(path), fix=fix)
+        files = json_field(body, "files", dict, default={}, **kw)
+        for name, rec in files.items():
+            why = bad_relpath(name)
+            if why is not None:
+                raise ArtifactError(f"{path} lists a file {name[:80]!r}, which {why}", "the manifest was corrupted or tampered with; re-create the artifact")
+            if not (isinstance(rec, dict) and isinstance(rec.get("sha256"), str) and _SHA256.match(rec["sha256"])
+                    and type(rec.get("size")) is int and rec["size"] >= 0):
+                raise ArtifactError(f"{path}: the record of {name!r} needs a sha256 (64 hex digits) and a size", fix)
+        tensors = json_field(body, "tensors", dict, default={}, **kw)
+        if not all(isinstance(r, dict) for r in tensors.values()):
+            raise ArtifactError(f"{path}: every record under 'tensors' must be an object", fix)
         known = {"schema_version", "tool", "versions", "source", "recipe", "device", "summary", "tensors", "skipped", "files", "created"}
         return cls(
-            source=body["source"],
-            recipe=body["recipe"],
-            tensors=body.get("tensors", {}),
-            skipped=body.get("skipped", {}),
-            files=body.get("files", {}),
-            device=body.get("device", "cpu"),
-            versions=body.get("versions", {}),
-            summary=body.get("summary", {}),
+            source=json_field(body, "source", dict, **kw),
+            recipe=json_field(body, "recipe", dict, **kw),
+            tensors=tensors,
+            skipped=json_field(body, "skipped", dict, default={}, **kw),
+            files=files,
+            device=json_field(body, "device", str, default="cpu", **kw),
+            versions=json_field(body, "versions", dict, default={}, **kw),
+            summary=json_field(body, "summary", dict, default={}, **kw),
             extra={k: v for k, v in body.items() if k not in known},
-            created=body.get("created", {}),
+            created=json_field(body, "created", dict, default={}, **kw),
         )
+
+
+def manifest_sha256(folder: Path) -> str:
+    """sha256 of the manifest file itself: what a user pins (`verify --manifest-sha256`) to make
+    the whole artifact tamper-evident, since the manifest holds every other file's hash."""
+    return sha256_file(Path(folder) / MANIFEST_NAME)

@@ -2,9 +2,15 @@
 
 Two kinds of check, both reported (never raised) so a caller can print every problem at once:
 
-- integrity: every file the manifest lists exists with the recorded size and sha256 (a flipped
-  byte or a truncated shard is caught). Checkpoints made by other tools (llm-compressor) have no
-  manifest; then only the consistency checks run, and the report says hashes were not checked.
+- integrity: every file the manifest lists is a plain path inside the folder (untrusted.inside)
+  and exists with the recorded size and sha256 (a flipped byte or a truncated shard is caught);
+  files present but not listed are reported, and a listed-nowhere `.py` (code) is a problem.
+  With `manifest_sha256` the manifest itself must have that hash (what makes the whole artifact
+  tamper-evident: without a pinned hash, whoever can rewrite files can rewrite the manifest too).
+  Checkpoints made by other tools (llm-compressor) have no manifest: then nothing can be
+  verified, which is a problem ("cannot verify"), and the consistency checks still run.
+- values: every `*_scale` tensor is finite and > 0, and no F8_E4M3 tensor holds a NaN code
+  (0x7F / 0xFF: e4m3fn has no infinities, those two are its NaNs).
 - consistency: config.json carries a compressed-tensors FP8 `quantization_config`; every shard
   has a valid safetensors header (and the index maps only to existing tensors); every F8_E4M3
   `<m>.weight` is 2-D with a float `<m>.weight_scale` of shape [1] (tensor) or [N, 1] (channel)
@@ -18,16 +24,20 @@ Two kinds of check, both reported (never raised) so a caller can print every pro
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ArtifactError, MpsconvertError
+import numpy as np
+
 from ..safetensors_io import Header, read_header
 from .ct_config import scheme_from_config
 from .hashing import sha256_file
 from . import layout
+from ..atomic import TMP_PREFIX
+from ..untrusted import inside, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest
@@ -46,6 +56,9 @@ class VerifyReport:
     quantized: dict = field(default_factory=dict)  # module -> [N, K]
     shards: list = field(default_factory=list)
     headers: dict = field(default_factory=dict, repr=False)  # shard -> validated Header (not reported)
+    unlisted: list = field(default_factory=list)  # files present that the manifest does not list
+    warnings: list = field(default_factory=list)  # worth saying, not a failure
+    manifest_sha256: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -53,7 +66,8 @@ class VerifyReport:
 
     def as_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, "hashes_checked": self.hashes_checked, "scheme": self.scheme,
-                "weights": self.weights, "quantized_modules": len(self.quantized), "files": self.files, "problems": self.problems}
+                "weights": self.weights, "quantized_modules": len(self.quantized), "files": self.files, "problems": self.problems,
+                "unlisted": self.unlisted, "warnings": self.warnings, "manifest_sha256": self.manifest_sha256}
 
 
 def _problem(report: VerifyReport, msg: str) -> None:
@@ -65,7 +79,12 @@ def check_sizes(folder: Path, manifest: Manifest, report: VerifyReport) -> list[
     returns the names whose contents still need their sha256 checked."""
     present = []
     for name, rec in sorted(manifest.files.items()):
-        p = folder / name
+        try:
+            p = inside(folder, name, what=f"{MANIFEST_NAME} files")
+        except ArtifactError as e:
+            report.files[name] = "outside the folder"
+            _problem(report, e.problem)
+            continue
         if not p.is_file():
             report.files[name] = "missing"
             _problem(report, f"{name} is listed in {MANIFEST_NAME} but missing")
@@ -88,6 +107,68 @@ def check_digests(manifest: Manifest, report: VerifyReport, sha256: dict[str, st
             _problem(report, f"{name} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted)")
         else:
             report.files[name] = "ok"
+
+
+def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """Files (and links) in the folder that the manifest does not list: reported; a `.py` among
+    them is a problem (code added to an artifact after it was made is never imported)."""
+    listed = set(manifest.files) | {MANIFEST_NAME}
+    for dirpath, dirs, files in os.walk(folder):  # links are listed, never followed
+        here = Path(dirpath).relative_to(folder)
+        for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
+            rel = (here / name).as_posix()
+            if rel in listed:
+                continue
+            report.unlisted.append(rel)
+            if name.startswith(TMP_PREFIX):
+                report.warnings.append(f"{rel} was left by an interrupted run (the next write into the artifact removes it)")
+            elif name.endswith(".py"):
+                _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); it is never imported")
+            else:
+                report.warnings.append(f"{rel} is not listed in {MANIFEST_NAME} (not verified, not used)")
+    report.unlisted.sort()
+
+
+def check_manifest_sha256(folder: Path, want: str, report: VerifyReport) -> None:
+    """The manifest file's own sha256 against the one the user pinned."""
+    got = report.manifest_sha256 or sha256_file(Path(folder) / MANIFEST_NAME)
+    if got != want.strip().lower():
+        _problem(report, f"{MANIFEST_NAME} has sha256 {got}, not the pinned {want.strip().lower()} (the manifest was changed)")
+
+
+_SCALE_NP = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def _floats(path: Path, info) -> np.ndarray:
+    """A small float tensor's values as float32 (BF16 widened by its bits: numpy has no bf16)."""
+    if info.dtype == "BF16":
+        raw = np.fromfile(path, dtype="<u2", count=info.nbytes // 2, offset=info.start)
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return np.fromfile(path, dtype=np.dtype(_SCALE_NP[info.dtype]).newbyteorder("<"), count=info.nbytes // np.dtype(_SCALE_NP[info.dtype]).itemsize,
+                       offset=info.start).astype(np.float32)
+
+
+def nan_codes(codes: np.ndarray) -> int:
+    """How many e4m3fn NaN codes (0x7F, 0xFF) a uint8 array holds."""
+    return int(np.count_nonzero((codes & 0x7F) == 0x7F))
+
+
+def check_values(headers: dict[str, Header], report: VerifyReport, codes: bool = True) -> None:
+    """Every `*_scale` tensor finite and > 0; with `codes`, no NaN code in any F8_E4M3 tensor
+    (one pass over the codes, in blocks of a memory map)."""
+    for shard, h in headers.items():
+        for name, info in h.tensors.items():
+            if name.endswith("_scale") and info.dtype in ("F32", "F16", "BF16", "F64") and info.nbytes <= 64 << 20:
+                v = _floats(h.path, info)
+                bad = ~(np.isfinite(v) & (v > 0))
+                if bad.any():
+                    _problem(report, f"{name} in {shard} has {int(bad.sum())} value(s) that are not finite positive scales (e.g. {v[bad][0]})")
+            elif codes and info.dtype == "F8_E4M3" and info.nbytes:
+                mm = np.memmap(h.path, dtype=np.uint8, mode="r", offset=info.start, shape=(info.nbytes,))
+                n = sum(nan_codes(mm[i:i + (64 << 20)]) for i in range(0, info.nbytes, 64 << 20))
+                del mm
+                if n:
+                    _problem(report, f"{name} in {shard} holds {n} NaN code(s) (0x7F/0xFF), which no quantizer writes")
 
 
 def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None) -> None:
@@ -129,8 +210,11 @@ def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
 
 
 def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = None, ignored: set | None = None,
-                    progress=None) -> VerifyReport:
-    """Check an artifact folder; returns a report listing every problem found (empty when sound)."""
+                    progress=None, manifest_sha256: str | None = None, check_codes: bool = True) -> VerifyReport:
+    """Check an artifact folder; returns a report listing every problem found (empty when sound).
+
+    `manifest_sha256`: the manifest file must have this sha256. `check_codes`: scan every FP8
+    code for NaNs (one read of the weights; the loader checks them on the device instead)."""
     folder = Path(path)
     report = VerifyReport(path=str(folder))
     if not folder.is_dir():
@@ -138,25 +222,29 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         return report
     manifest = None
     if (folder / MANIFEST_NAME).is_file():
+        report.manifest_sha256 = sha256_file(folder / MANIFEST_NAME)
         try:
             manifest = Manifest.read(folder)
         except MpsconvertError as e:
             _problem(report, e.problem)
-    if manifest is not None and check_hashes:
-        _check_hashes(folder, manifest, report, progress)
+    else:
+        _problem(report, f"cannot verify: {folder} has no {MANIFEST_NAME}, so there are no hashes to check the files against "
+                         "(made by another tool, or the manifest was deleted)")
+    if manifest_sha256 is not None and report.manifest_sha256 is not None:
+        check_manifest_sha256(folder, manifest_sha256, report)
+    if manifest is not None:
+        check_unlisted(folder, manifest, report)
+        if check_hashes:
+            _check_hashes(folder, manifest, report, progress)
     try:
-        config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
-        qc = config["quantization_config"]
-        scheme = scheme_from_config(qc)
+        config = read_json(folder / CONFIG_NAME, what=CONFIG_NAME)
+        scheme = scheme_from_config(config.get("quantization_config"))
         report.scheme, report.weights = scheme.name, scheme.weights
-    except FileNotFoundError:
-        _problem(report, "config.json is missing")
-        return report
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        _problem(report, f"config.json has no readable quantization_config ({type(e).__name__}: {e})")
-        return report
     except MpsconvertError as e:
-        _problem(report, f"config.json: {e}")
+        if not (folder / CONFIG_NAME).exists():
+            _problem(report, "config.json is missing")
+        else:
+            _problem(report, f"config.json: {e}")
         return report
 
     headers = _shards(folder, report)
@@ -180,26 +268,44 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
             isc = tensors.get(mod + ".input_scale")
             if isc is None or math.prod(isc.shape) != 1 or isc.dtype not in FLOAT_SCALE_DTYPES:
                 _problem(report, f"{mod} has no float [1] input_scale, which the static scheme needs")
-        if shapes is not None:
-            if mod in shapes and list(shapes[mod]) != [n, k]:
-                _problem(report, f"{name} is {n}x{k} but the model built from config.json has {shapes[mod][0]}x{shapes[mod][1]}")
-        if ignored and mod in ignored:
-            _problem(report, f"{mod} is quantized but the quantization_config ignores it")
     if not report.quantized and headers:
         _problem(report, "no F8_E4M3 weights found: this is not an FP8 checkpoint")
+    check_model_shapes(report, shapes, ignored)
+    check_values(headers, report, codes=check_codes)
     if manifest is not None:
         for name, rec in manifest.tensors.items():
             info = tensors.get(name)
             if info is None:
                 _problem(report, f"{MANIFEST_NAME} records {name}, which no shard holds")
-            elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != list(rec.get("shape", info.shape)):
+            elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
                 _problem(report, f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records {rec.get('dtype')}{rec.get('shape')}")
     return report
+
+
+def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set | None) -> None:
+    """Every FP8 weight has its Linear's shape in the model built from config.json (module ->
+    (out, in)), and no module the config ignores is quantized."""
+    for mod, (n, k) in sorted(report.quantized.items()):
+        if shapes is not None and mod in shapes and list(shapes[mod]) != [n, k]:
+            _problem(report, f"{mod}.weight is {n}x{k} but the model built from config.json has {shapes[mod][0]}x{shapes[mod][1]}")
+        if ignored and mod in ignored:
+            _problem(report, f"{mod} is quantized but the quantization_config ignores it")
 
 
 def check_artifact(path, **kw) -> VerifyReport:
     """verify_artifact, raising the problems as one ArtifactError (what a loader wants)."""
     return raise_problems(path, verify_artifact(path, **kw))
+
+
+def check_before_use(path, trust_remote_code: bool = False) -> VerifyReport:
+    """What every command that reads an artifact does first, before any of its code or data is
+    used: every hash and structural check (check_artifact), then config.json read by
+    transformers (code in the artifact is imported only now, after it matched its hash)."""
+    from .. import modeldef
+
+    report = check_artifact(path, check_hashes=True)
+    modeldef.load_config(path, trust_remote_code)
+    return report
 
 
 def raise_problems(path, report: VerifyReport) -> VerifyReport:

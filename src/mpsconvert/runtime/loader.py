@@ -28,7 +28,6 @@ How, and why this way:
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import devices, modeldef
+from .. import atomic, devices, modeldef
+from ..untrusted import read_json
 from ..fp8 import FP8_DTYPE, dequantize
 from ..errors import MpsconvertError, ArtifactError
 from ..manifests import layout
@@ -108,9 +108,29 @@ def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
         raise ArtifactError(f"checkpoint tensor {key} has no place in {type(model).__name__}", "is config.json the one this checkpoint was made with?")
 
 
+def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
+    """Before any of the artifact is used: the manifest (pinned hash if given), the files it
+    lists present with their sizes, nothing unlisted that is code, the scales sound, and every
+    file that is not a weight shard (config.json, tokenizer, any code) hashed now, so that
+    nothing read before the model exists, code above all, is unverified. The shards are hashed
+    as they stream in (stream.read_shards) and checked before the model is returned."""
+    from ..manifests.hashing import sha256_file
+    from ..manifests.manifest import Manifest
+
+    report = verify_artifact(path, check_hashes=False, manifest_sha256=manifest_sha256, check_codes=False)
+    raise_problems(path, report)
+    manifest = Manifest.read(path)
+    present = check_sizes(path, manifest, report)
+    shards = set(layout.weight_files(path))
+    check_digests(manifest, report, {n: sha256_file(path / n) for n in present if n not in shards})
+    report.hashes_checked = False  # the shards are still to come
+    raise_problems(path, report)
+    return manifest
+
+
 def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify: bool = True, *,
          prefill_m: int = 512, kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None,
-         share_inputs: bool = True):
+         share_inputs: bool = True, manifest_sha256: str | None = None):
     """Load an FP8 artifact as a transformers model in eval mode; `model.mpsconvert` says how.
 
     device: 'auto' | 'cuda' | 'cuda:N' | 'mps' | 'cpu' (devices.choose: an unavailable device is an
@@ -118,9 +138,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     files are read, before the model is returned). kernel_cache / measure: passed to
     KernelPolicy (cache file or False; injected timer). share_inputs: fuse q/k/v and gate/up
     into one GEMM each on GPUs (fuse.py). progress(phase, done, total, detail).
+    manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With
+    `trust_remote_code`, the artifact's code is imported only after it matched its hash.
     """
-    from ..manifests.manifest import Manifest
-
     t0 = time.perf_counter()
     path = Path(path)
     dev = devices.choose(device)
@@ -129,42 +149,52 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
 
         raise DeviceError(f"this torch ({torch.__version__}) cannot hold float8_e4m3fn tensors on MPS",
                           "upgrade torch (FP8 on MPS needs a recent release), or pass device='cpu'")
+    atomic.recover(path)
     config_path = path / layout.CONFIG_NAME
     if not config_path.is_file():
         raise ArtifactError(f"{path} has no config.json", "pass the folder that `mpsconvert quantize` wrote")
+    manifest = None
+    if verify and (path / layout.MANIFEST_NAME).is_file():
+        manifest = _verify_before_use(path, manifest_sha256, progress)
+    elif verify:
+        if manifest_sha256 is not None:
+            raise ArtifactError(f"{path} has no {layout.MANIFEST_NAME}, so the pinned manifest sha256 cannot be checked",
+                                "load the artifact that manifest belongs to")
+        import warnings
+
+        warnings.warn(f"{path} has no {layout.MANIFEST_NAME}: its files cannot be verified (made by another tool?)", stacklevel=3)
     try:
-        qc = json.loads(config_path.read_text(encoding="utf-8")).get("quantization_config")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        config_body = read_json(config_path, what=str(config_path), fix="re-create the artifact")
+    except ArtifactError:
         if verify:  # a damaged config.json: say what the manifest says about it
             check_artifact(path, check_hashes=True, progress=progress)
-        raise ArtifactError(f"{config_path} is not a valid JSON object ({e})", "re-create the artifact") from e
+        raise
+    qc = config_body.get("quantization_config")
     if not qc:
         raise ArtifactError(f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint")
     scheme = scheme_from_config(qc)
     config, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
     linears, ignored = _linear_layout(model, qc)
-    manifest = None
-    if verify and (path / layout.MANIFEST_NAME).is_file():  # sizes first: a truncated file is named as such
-        report = verify_artifact(path, check_hashes=False)
-        if report.ok:
-            manifest = Manifest.read(path)
-            check_sizes(path, manifest, report)
-        raise_problems(path, report)
-    report = check_artifact(path, check_hashes=False, shapes=linears, ignored=ignored)
+    report = verify_artifact(path, check_hashes=False, shapes=linears, ignored=ignored, check_codes=False)
+    if manifest is None:  # a checkpoint of another tool, loaded unverified as asked (or warned above)
+        report.problems = [p for p in report.problems if not p.startswith("cannot verify")]
+    raise_problems(path, report)
     seconds = {"build_and_check": time.perf_counter() - t0}
 
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
         plan = _Plan(model, report, dtype, dev)
-        extra = {n: path / n for n in (manifest.files if manifest else {}) if n not in report.headers}
         digests = stream.read_shards(list(report.headers.values()), plan.dests, dev, hash_files=manifest is not None,
-                                     extra_files=extra, progress=progress)
+                                     extra_files={}, progress=progress)
         if dev.type != "cpu":
             devices.synchronize(dev)
         seconds["read_hash_copy"] = time.perf_counter() - t1
         if manifest is not None:
             check_digests(manifest, report, {n: d for n, d in digests.items() if n in manifest.files})
             raise_problems(path, report)
+        for key, t in plan.dests.items():  # on the device, where the codes now are: one compare each
+            if t.dtype == FP8_DTYPE and t.numel() and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise ArtifactError(f"{key} holds NaN codes (0x7F/0xFF), which no quantizer writes", "re-create the artifact")
         info = LoadInfo(path=str(path), device=str(dev), dtype=str(dtype).replace("torch.", ""), scheme=scheme.name,
                         weights=scheme.weights, verify=report.as_dict())
         t2 = time.perf_counter()
@@ -336,16 +366,27 @@ def _linear_layout(model, qc: dict) -> tuple[dict, set]:
     return linears, {n for n in linears if matches(n, list(qc.get("ignore") or []))}
 
 
-def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, progress=None):
+def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, progress=None, manifest_sha256: str | None = None):
     """What `mpsconvert verify` checks: every file's sha256 against the manifest, and the
-    artifact's consistency with the model its config.json builds. Returns the report."""
-    from ..manifests.verify import verify_artifact
+    artifact's consistency with the model its config.json builds. Returns the report.
+
+    The files are checked first; the model is built from config.json only after that, and with
+    `trust_remote_code` only once every file (its code included) matched its hash."""
+    from ..manifests.verify import check_model_shapes, verify_artifact
 
     path = Path(path)
+    atomic.recover(path)
+    report = verify_artifact(path, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
+    if report.scheme is None:  # config.json unreadable: the report says why; nothing to build
+        return report
+    if trust_remote_code and not (report.ok and report.hashes_checked):
+        report.warnings.append("the model was not built from config.json: with --trust-remote-code, code runs only from an artifact that verified")
+        return report
     try:
-        qc = json.loads((path / layout.CONFIG_NAME).read_text(encoding="utf-8")).get("quantization_config") or {}
+        qc = read_json(path / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config") or {}
         _, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
-        linears, ignored = _linear_layout(model, qc)
-    except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact says which
-        linears, ignored = None, None
-    return verify_artifact(path, check_hashes=check_hashes, shapes=linears, ignored=ignored, progress=progress)
+        linears, ignored = _linear_layout(model, qc if isinstance(qc, dict) else {})
+    except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact said which
+        return report
+    check_model_shapes(report, linears, ignored)
+    return report

@@ -205,9 +205,10 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     use_compile = opts.compile == "on" or (opts.compile == "auto" and dev.type == "cuda")
     base_path = resolve_baseline(artifact, opts.baseline)
     texts, data_path = read_texts(opts.eval_data)
-    tok = transformers.AutoTokenizer.from_pretrained(str(artifact))
     progress("load fp8", 0, 1, "")
+    # load verifies every file first (the tokenizer's included), so the tokenizer is read after it
     fp8_model = load(artifact, device=opts.device, prefill_m=opts.prefill_len, kernel_cache=opts.kernel_cache)
+    tok = transformers.AutoTokenizer.from_pretrained(str(artifact))
     causal = _is_causal(fp8_model.config)
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     progress("load bf16", 0, 1, "")

@@ -23,10 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ...atomic import publish_folder
 from ...errors import ExportError, MpsconvertError
 from ...manifests import layout
-from ...manifests.hashing import folder_files
 from ...manifests.manifest import Manifest
 from ...progress import Progress, or_silent
 from .. import stateful
@@ -179,8 +177,9 @@ def storage_summary(asset_dir: Path) -> dict:
 def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None = None) -> dict:
     """Export `artifact` to `<artifact>/model.aimodel`; returns the manifest's `coreai` record.
 
-    Nothing in the artifact changes unless the whole export succeeds: the asset is written under
-    a temporary name and renamed, then the manifest is rewritten atomically.
+    Under the artifact's lock, the artifact is verified first (every hash, before its config or
+    weights are used); nothing in it changes unless the whole export succeeds, and then the
+    asset and the manifest that lists it appear together (layout.publish_package).
 
     Raises:
         MissingExtraError: coreai-core / coreai-torch are not installed.
@@ -188,9 +187,13 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
         MpsconvertError: the asset exists (pass force) or the settings do not fit the model.
     """
     coreai_torch()
+    with layout.exporting(Path(artifact), "coreai") as artifact:
+        return _export_verified(artifact, opts, progress)
+
+
+def _export_verified(artifact: Path, opts: CoreAIOptions, progress: Progress | None) -> dict:
     progress = or_silent(progress)
-    artifact = Path(artifact)
-    Manifest.read(artifact)  # an artifact, with a readable manifest, before any work
+    Manifest.read(artifact)
     target = artifact / ASSET_NAME
     if target.exists() and not opts.force:
         raise MpsconvertError(f"{target} already exists", "pass --force to replace it")
@@ -201,14 +204,25 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
     progress("coreai export", 1, 4, "torch.export and coreai-torch conversion")
     prog, names = convert(module, tm, opts)
     progress("coreai export", 2, 4, f"writing {ASSET_NAME}")
-    publish_folder(target, lambda p: prog.save_asset(p), opts.force)
-    progress("coreai export", 3, 4, "reading the asset back")
     from .run import coreai
 
     coreai()
     from coreai.authoring import AIModelAsset
 
-    sig = signature(AIModelAsset.load(target))
+    def add_record(m: Manifest, asset: Path) -> None:
+        progress("coreai export", 3, 4, "reading the asset back")
+        record = _record(tm, opts, weights, signature(AIModelAsset.load(asset)), asset, artifact)
+        m.extra["coreai"] = record
+        m.versions.update(record["versions"])
+        out.append(record)
+
+    out: list[dict] = []
+    layout.publish_package(artifact, ASSET_NAME, lambda p: prog.save_asset(p), add_record)
+    progress("coreai export", 4, 4, "done")
+    return out[0]
+
+
+def _record(tm: TorchModel, opts: CoreAIOptions, weights: dict, sig: dict, asset: Path, artifact: Path) -> dict:
     record = {
         "asset": ASSET_NAME,
         "task": tm.task,
@@ -229,16 +243,9 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
         "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,
         **weights,
-        "storage": storage_summary(target),
-        "asset_bytes": asset_bytes(target),
+        "storage": storage_summary(asset),
+        "asset_bytes": asset_bytes(asset),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
     }
     record["size_ratio"] = round(record["asset_bytes"] / record["fp8_safetensors_bytes"], 4)
-    with layout.update_manifest(artifact) as manifest:
-        files = {k: v for k, v in manifest.files.items() if not k.startswith(ASSET_NAME + "/")}
-        files.update(folder_files(target, artifact))
-        manifest.files = dict(sorted(files.items()))
-        manifest.extra["coreai"] = record
-        manifest.versions.update(record["versions"])
-    progress("coreai export", 4, 4, "done")
     return record

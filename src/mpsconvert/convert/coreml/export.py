@@ -26,11 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...atomic import publish_folder
 from ...errors import ExportError, MpsconvertError
-from ...manifests.hashing import folder_files
 from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
-from ...manifests.layout import update_manifest
+from ...manifests.layout import exporting, publish_package
 from ...manifests.manifest import Manifest
 from ... import fp8
 from ...progress import Progress, or_silent
@@ -412,17 +410,30 @@ def apply_weights(mlmodel, mode: str, fp8_weights: dict) -> tuple[object, dict]:
 # --------------------------------------------------------------------------- the package in the artifact
 
 
-def _save_package(mlmodel, artifact: Path, force: bool) -> Path:
-    """Save as model.mlpackage, whole or not at all (a temporary name inside the artifact, then a rename)."""
-    target = artifact / PACKAGE_NAME
-    if target.exists() and not force:
-        raise MpsconvertError(f"{target} already exists", "pass --force to replace it")
+def stable_package_ids(pkg: Path) -> None:
+    """Make a saved package byte-identical from run to run. Two things differed between two
+    exports of one artifact: coremltools names the items of an .mlpackage's Manifest.json by
+    random uuid4s (keys only: they become uuid5s of each item's path), and the spec's protobuf
+    maps are serialized in an order that varies between processes (rewritten here with
+    protobuf's deterministic serialization: the same message, in a fixed order)."""
+    import json
+    import uuid
 
-    def save(path: Path) -> None:
-        with _quiet():
-            mlmodel.save(str(path))
+    from coremltools.proto import Model_pb2
 
-    return publish_folder(target, save, force)
+    spec_file = Path(pkg) / "Data" / "com.apple.CoreML" / "model.mlmodel"
+    spec = Model_pb2.Model()
+    spec.ParseFromString(spec_file.read_bytes())
+    spec_file.write_bytes(spec.SerializeToString(deterministic=True))
+
+    mf = Path(pkg) / "Manifest.json"
+    body = json.loads(mf.read_text(encoding="utf-8"))
+    ids = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"mpsconvert:{item.get('path')}"))
+           for old, item in body.get("itemInfoEntries", {}).items()}
+    body["itemInfoEntries"] = {ids[k]: v for k, v in body["itemInfoEntries"].items()}
+    if body.get("rootModelIdentifier") in ids:
+        body["rootModelIdentifier"] = ids[body["rootModelIdentifier"]]
+    mf.write_text(json.dumps(body, indent=4, sort_keys=True) + "\n", encoding="utf-8")  # as libmodelpackage writes it on open
 
 
 def weight_bytes_of_package(pkg: Path) -> int:
@@ -436,9 +447,17 @@ def fp8_safetensors_bytes(artifact: Path) -> int:
 def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None = None) -> dict:
     """Export `artifact` to `<artifact>/model.mlpackage`; returns manifest.extra["coreml"].
 
-    Nothing in the artifact changes unless the whole export succeeds: the package is built under a
-    temporary name and renamed, then the manifest is rewritten atomically.
+    Under the artifact's lock, the artifact is verified first (every hash, before its config or
+    weights are used); nothing in it changes unless the whole export succeeds, and then the
+    package and the manifest that lists it appear together (layout.publish_package). coremltools'
+    own temporary packages go to a folder of this run in the system temp dir, removed after it
+    (or by the next run, after a kill).
     """
+    with exporting(Path(artifact), "coreml") as artifact:
+        return _export_verified(artifact, opts, progress)
+
+
+def _export_verified(artifact: Path, opts: ExportOptions, progress: Progress | None) -> dict:
     import coremltools as ct
 
     progress = or_silent(progress)
@@ -447,7 +466,6 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
     def status(msg: str) -> None:
         progress("coreml export", next(steps), 3, msg)
 
-    artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     if (artifact / PACKAGE_NAME).exists() and not opts.force:
         raise MpsconvertError(f"{artifact / PACKAGE_NAME} already exists", "pass --force to replace it")
@@ -478,7 +496,12 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
         weights[name].update({"encoding": "lut(e4m3 x 2^-k, fp16) -> gather -> batched matmul -> x row scale x 2^k (fp16)",
                               "experts_lut_exponent": e["lut_exponent"], "artifact_tensors": e["artifact_tensors"]})
     mlmodel.short_description = f"mpsconvert {manifest.recipe.get('name')} artifact of {manifest.source.get('id')} ({opts.weights} weights)"
-    pkg = _save_package(mlmodel, artifact, opts.force)
+
+    def save(path: Path) -> None:
+        with _quiet():
+            mlmodel.save(str(path))
+        stable_package_ids(path)
+
     record = {
         "package": PACKAGE_NAME,
         "task": tm.task,
@@ -501,13 +524,13 @@ def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None
         "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,
         "encoded_tensors": dict(sorted(weights.items())),
-        "package_weight_bytes": weight_bytes_of_package(pkg),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
     }
-    with update_manifest(artifact) as manifest:
-        files = {k: v for k, v in manifest.files.items() if not k.startswith(PACKAGE_NAME + "/")}
-        files.update(folder_files(pkg, artifact))
-        manifest.files = dict(sorted(files.items()))
-        manifest.extra["coreml"] = record
-        manifest.versions["coremltools"] = ct.__version__
+
+    def add_record(m: Manifest, pkg: Path) -> None:
+        record["package_weight_bytes"] = weight_bytes_of_package(pkg)
+        m.extra["coreml"] = record
+        m.versions["coremltools"] = ct.__version__
+
+    publish_package(artifact, PACKAGE_NAME, save, add_record)
     return record
