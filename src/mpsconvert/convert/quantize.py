@@ -44,7 +44,7 @@ from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
 from ..targets import Plan, plan_for
-from . import EXPERTS_LAYOUTS
+from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES
 from .assemble import Shards, assemble
 
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
@@ -54,6 +54,7 @@ BLOCK_BYTES = 16 << 20
 # intra-op threads on 1M-element chunks. Two on 2 cores (0.1-0.2 s faster than one there, the
 # writer thread taking the rest); beyond 4 the single sha256-and-write thread is the limit.
 QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
+_FLOAT_CODES = ("F32", "F16", "BF16")
 
 
 @dataclass
@@ -70,10 +71,20 @@ class Options:
     # Fused 3-D experts in the checkpoint: "per-expert" (write them split, loadable everywhere)
     # or "checkpoint" (keep them fused: only mpsconvert's runtime loads that).
     experts_layout: str = "per-expert"
+    # The tensors that stay unquantized (embeddings, lm_head, norms): "bfloat16" | "float16" |
+    # "float32", or None to copy them bit for bit in the source's dtype (as mlx-lm's --dtype).
+    dtype: str | None = None
 
     def __post_init__(self):
         if self.experts_layout not in EXPERTS_LAYOUTS:
             raise QuantizationError(f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}")
+        if self.dtype is not None and self.dtype not in UNQUANTIZED_DTYPES:
+            raise QuantizationError(f"unknown dtype {self.dtype!r} for the unquantized tensors", f"use one of: {', '.join(UNQUANTIZED_DTYPES)}")
+
+    @property
+    def dtype_code(self) -> str | None:
+        """The safetensors dtype of converted float tensors (None: copied as they are)."""
+        return UNQUANTIZED_DTYPES.get(self.dtype) if self.dtype else None
 
     def expert_input_scale(self, ep: ExpertParam, expert: int, module: str | None = None) -> float | None:
         """A calibrated input scale of one expert: `input_scales[<experts module>.<param>]`
@@ -195,7 +206,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
         shards = _write_shards(snap, headers, tensor_module, expert_tensors, opts, tmp, pool, workers, syncs, or_silent(progress))
-        return assemble(tmp, snap, plan, opts, shards)
+        return assemble(tmp, snap, plan, opts, shards, name=Path(out).resolve().name)
 
 
 def _prepare(snap: Snapshot, opts: Options):
@@ -242,7 +253,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
             elif name in expert_tensors:
                 entries += _expert_entries(name, info, expert_tensors[name], scheme)
             else:
-                entries.append((name, info.dtype, info.shape))
+                entries.append((name, _copied_dtype(info, opts), info.shape))
         with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
             sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
             try:
@@ -252,6 +263,8 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
                         _quantize_one(sh, name, info, tensor_module[name], scheme, opts)
                     elif name in expert_tensors:
                         _quantize_expert(sh, name, info, expert_tensors[name], scheme, opts)
+                    elif _copied_dtype(info, opts) != info.dtype:
+                        _convert_copy(sh, name, info, opts.dtype_code)
                     else:
                         sh.then(writer.copy, name, header.path, info.start, info.nbytes)
                     sh.then(advance, info.nbytes, name)
@@ -267,6 +280,24 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
         out.bytes_in += header.file_size
         out.bytes_out += writer.size
     return out
+
+
+def _copied_dtype(info: TensorInfo, opts: Options) -> str:
+    """The stored dtype of a tensor that is not quantized: --dtype for float tensors, else its own."""
+    return opts.dtype_code if opts.dtype_code and info.dtype in _FLOAT_CODES else info.dtype
+
+
+def _convert_copy(sh: "_Shard", name: str, info: TensorInfo, code: str) -> None:
+    """An unquantized float tensor cast to `code`, block by block (whole elements per block)."""
+    from ..safetensors_io import DTYPES
+
+    src_size, target = DTYPES[info.dtype][0], DTYPES[code][1]
+    for buf, release in sh.reader.blocks(info.start, info.nbytes, src_size):
+        try:
+            out = buf.view(info.torch_dtype).to(target)  # a new tensor: the pooled buffer goes back at once
+        finally:
+            release()
+        sh.then(sh.writer.write, name, out)
 
 
 @dataclass
