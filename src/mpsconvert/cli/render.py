@@ -456,8 +456,11 @@ def ask() -> str | None:
 
 def generation(res, as_json: bool) -> None:
     """After the streamed text: prompt and generation tokens/s, peak memory, device (mlx-lm's end lines)."""
-    if as_json:
-        print_json(res.as_dict())
+    if as_json:  # one line per generation (JSON Lines: a chat prints one per turn)
+        import sys
+
+        sys.stdout.write(json.dumps(res.as_dict()) + "\n")
+        sys.stdout.flush()
         return
     s = res.stats
     out.print("")
