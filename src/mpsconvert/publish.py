@@ -81,17 +81,22 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
         fix = ("pass a write token (--token or HF_TOKEN)" if status in (401, 403)
                else "check the repo name and your rights on it" if status in (404, 409) else "retry, or check the hub's status")
         raise UploadError(f"the hub refused the upload to {repo} ({status}: {first})", fix) from e
-    except (OSError, ConnectionError) as e:  # DNS, refused connection, TLS: httpx errors derive from neither, see below
-        raise UploadError(f"cannot reach {endpoint} to upload {repo} ({e})", "check the network, or HF_ENDPOINT") from e
     except Exception as e:
-        import httpx
-
-        if isinstance(e, httpx.TransportError):
-            raise UploadError(f"cannot reach {endpoint} to upload {repo} ({type(e).__name__}: {e})",
-                              "check the network, or HF_ENDPOINT") from e
-        raise
+        if not _is_transport_error(e):
+            raise
+        raise UploadError(f"cannot reach {endpoint} to upload {repo} ({type(e).__name__}: {str(e)[:120]})",
+                          "check the network, or HF_ENDPOINT") from e
     return Uploaded(repo=repo, url=str(url), revision=revision or "main", commit=getattr(info, "oid", None), commit_message=msg,
                     private=private, endpoint=endpoint, files=files)
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    """A network failure (DNS, refused connection, TLS, timeout) from whichever HTTP client
+    huggingface_hub uses (its versions moved from requests to httpx and on): judged by the
+    exception's classes, not by importing a client."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return isinstance(e, (OSError, ConnectionError)) or bool(names & {"TransportError", "ConnectError", "TimeoutException",
+                                                                        "NetworkError", "ConnectionError", "Timeout"})
 
 
 def check_repo_id(repo: str) -> str:
