@@ -90,7 +90,8 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     """The card's metadata, in a fixed order."""
     src, recipe, s = manifest.source, manifest.recipe, manifest.summary
     meta: dict = {}
-    if src.get("kind") == "hub" and src.get("id"):
+    # a hub source, or a folder in the HF cache layout (models--org--name/snapshots/<commit>): a hub model to point at
+    if src.get("id") and (src.get("kind") == "hub" or (src.get("commit") and "/" in src["id"])):
         meta["base_model"] = src["id"]
         meta["base_model_relation"] = "quantized"
     meta["library_name"] = "transformers"
