@@ -239,6 +239,12 @@ def quantize(
                                       "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
 
     sch = Scheme.make(scheme, weights)
+    from .extras import require
+
+    if coreml is not None:  # a missing extra is said before the conversion, not after it
+        require("coremltools", "coreml", "Core ML export (--coreml)")
+    if coreai is not None:
+        require("coreai.authoring", "coreai", "Core AI export (--coreai)")
     if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
         raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {scheme})", "add --scheme fp8, or drop them")
     snap = resolve(str(source), revision=revision, token=token)
