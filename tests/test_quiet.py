@@ -61,3 +61,6 @@ def test_export_coreml_prints_no_coremltools_lines(work):
     prog("quantize", "src", "-o", "ml", cwd=work)
     out = prog("export-coreml", "ml", "--no-check", "--max-len", "32", cwd=work)
     assert noise(out) == [] and "Core ML: model.mlpackage written" in out
+    shown = prog("inspect", "ml", cwd=work)  # the export as a summary row, not raw JSON
+    (row,) = [ln for ln in shown.splitlines() if ln.strip().startswith("Core ML")]
+    assert "stateful decoder" in row and "target iOS18 / macOS15" in row and "KiB" in row and "not checked" in row

@@ -144,7 +144,7 @@ def _validation_rows(runs: dict) -> list[tuple[str, str]]:
 
 def _export_row(key: str, rec: dict) -> str:
     chk = rec.get("check") or {}
-    size = rec.get("asset_bytes") or rec.get("package_bytes") or chk.get("weight_bytes") or chk.get("asset_bytes")
+    size = rec.get("asset_bytes") or rec.get("package_weight_bytes") or chk.get("weight_bytes") or chk.get("asset_bytes")
     target = rec.get("minimum_deployment_target") or rec.get("minimum_os")
     what = f"{rec.get('package') or rec.get('asset')}: {rec.get('task')}" + (" stateful decoder" if rec.get("kv_cache") or
                                                                             (key == "coreai" and rec.get("task") == "causal-lm") else "")
