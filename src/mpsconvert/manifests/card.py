@@ -140,7 +140,7 @@ def _what_was_done(manifest: Manifest) -> list[str]:
     lines = [
         "## What was done", "",
         f"mpsconvert {manifest.versions.get('mpsconvert')} converted {where} to FP8 (`float8_e4m3fn`) in the "
-        "compressed-tensors `float-quantized` format, with no code from the repo run.", "",
+        "compressed-tensors `float-quantized` format.", "",
         "| | |", "|---|---|",
         f"| scheme | `{r['name']}`: {_SCHEME_TEXT.get(r['name'], r['name'])} |",
         f"| weight scales | {_GRANULARITY_TEXT.get(r['weights'], r['weights'])}; `scale = amax / 448`, values clamped to +-448 |",
@@ -189,26 +189,37 @@ def _x(v) -> str:
     return "" if v is None else f"{v}x"
 
 
-def _how_to_load(manifest: Manifest, repo: str | None, name: str) -> list[str]:
+def _is_causal(config: dict) -> bool:
+    return any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in config.get("architectures") or [])
+
+
+def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) -> list[str]:
     ref = repo or name
+    causal = _is_causal(config)
+    auto = "AutoModelForCausalLM" if causal else "AutoModel"
     lines = ["## How to load", "",
              "transformers (with `pip install compressed-tensors`):", "", "```python",
-             "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             f'model = AutoModelForCausalLM.from_pretrained("{ref}", dtype="auto")',
-             f'tokenizer = AutoTokenizer.from_pretrained("{ref}")', "```", "",
-             "vLLM:", "", "```", f"vllm serve {ref}", "```", "",
-             "mpsconvert (FP8 kernels on Apple Silicon and CUDA, verified against the manifest's sha256):", "", "```"]
-    if repo:
-        lines += [f"hf download {repo} --local-dir {name}"]
-    lines += [f'mpsconvert generate {name} "Hello"', f"mpsconvert chat {name}", "```", ""]
+             f"from transformers import {auto}, AutoTokenizer", "",
+             f'model = {auto}.from_pretrained("{ref}", dtype="auto")',
+             f'tokenizer = AutoTokenizer.from_pretrained("{ref}")', "```", ""]
+    if causal:
+        lines += ["vLLM:", "", "```", f"vllm serve {ref}", "```", "",
+                  "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "", "```"]
+        if repo:
+            lines += [f"hf download {repo} --local-dir {name}"]
+        lines += [f'mpsconvert generate {name} "Hello"', f"mpsconvert chat {name}", "```", ""]
+    else:
+        lines += ["mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
+                  "```python", "import mpsconvert", "", f'model = mpsconvert.load("{name}")  # a transformers model with FP8 layers',
+                  "```", ""]
     if "coreml" in manifest.extra:
         rec = manifest.extra["coreml"]
         lines += [f"Core ML: `{rec.get('package')}` ({rec.get('task')}, target {rec.get('minimum_deployment_target')}, "
                   f"weights {rec.get('weights')}); in Swift, `MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
     if "coreai" in manifest.extra:
         rec = manifest.extra["coreai"]
-        lines += [f"Core AI: `{rec.get('asset')}` ({rec.get('task')}, native f8E4M3FN weights, needs {rec.get('minimum_os')}); "
-                  f"`mpsconvert generate {name} \"Hello\" --backend coreai` runs it with the Core AI runtime.", ""]
+        lines += [f"Core AI: `{rec.get('asset')}` ({rec.get('task')}, native f8E4M3FN weights, needs {rec.get('minimum_os')})"
+                  + (f"; `mpsconvert generate {name} \"Hello\" --backend coreai` runs it with the Core AI runtime." if causal else "."), ""]
     return lines
 
 
@@ -223,7 +234,7 @@ def render(manifest: Manifest, config: dict, source_text: str | None, name: str,
              f"# {title}", "",
              f"An FP8 copy of `{src.get('id')}` made with [mpsconvert]({PROJECT_URL}); it loads wherever compressed-tensors "
              "FP8 checkpoints do (transformers, vLLM) and in mpsconvert's own runtime.", ""]
-    parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, repo, name)
+    parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
     if body.strip():
         parts += ["## The source model's card", "",
                   f"Below is the card of `{src.get('id')}` as its authors wrote it (its metadata is folded into the front matter above).",
