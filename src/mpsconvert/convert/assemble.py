@@ -42,9 +42,9 @@ def _record_file(files: dict, folder: Path, rel: str) -> str:
     return digest
 
 
-def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: str | None = None) -> Manifest:
+def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Manifest:
     """Write the index, config, copied files, model card and manifest of the artifact being
-    built in `tmp` (`name`: the artifact's final folder name, for the card's commands)."""
+    built in `tmp`."""
     scheme = opts.scheme
     files = dict(shards.files)
     source_files = {f: snap.sha256(f) for f in snap.weight_files}  # hashed on the snapshot's thread meanwhile
@@ -96,7 +96,7 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: 
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, plan, shards.bytes_in, shards.bytes_out)
     src_card = snap.path / card.CARD_NAME
-    card.write(tmp, manifest, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None, name or tmp.name)
+    card.write(tmp, manifest, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None)
     manifest.write(tmp)
     return manifest
 

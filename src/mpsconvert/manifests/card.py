@@ -223,10 +223,20 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
     return lines
 
 
-def render(manifest: Manifest, config: dict, source_text: str | None, name: str, repo: str | None = None) -> str:
+def local_name(manifest: Manifest, repo: str | None) -> str:
+    """The folder name the card's commands use: the repo's name once uploaded, else
+    `<source name>-<scheme>` (quantize's default output): never the actual output folder, so
+    that the card, like every other file, depends only on the inputs."""
+    if repo:
+        return repo.split("/")[-1]
+    return f"{str(manifest.source.get('id') or 'model').rstrip('/').split('/')[-1]}-{manifest.recipe['name']}"
+
+
+def render(manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None) -> str:
     """The whole card (deterministic: the same inputs give the same bytes)."""
     import yaml
 
+    name = local_name(manifest, repo)
     meta, body = source_card(source_text) if source_text else ({}, "")
     src = manifest.source
     title = f"{(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe['name']})"
@@ -242,12 +252,12 @@ def render(manifest: Manifest, config: dict, source_text: str | None, name: str,
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write(folder: Path, manifest: Manifest, source_text: str | None, name: str, repo: str | None = None) -> str:
+def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None) -> str:
     """Write the card into `folder` atomically and record it in `manifest.files` (the caller
-    writes the manifest). `name`: the artifact's folder name, for the commands it shows."""
+    writes the manifest)."""
     folder = Path(folder)
     config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
-    text = render(manifest, config, source_text, name, repo)
+    text = render(manifest, config, source_text, repo)
     write_text(folder / CARD_NAME, text)
     manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
     manifest.files = dict(sorted(manifest.files.items()))
@@ -265,4 +275,4 @@ def refresh(folder: Path, repo: str | None = None) -> str:
     with update_manifest(folder) as m:
         if repo is None:
             repo = (m.extra.get("upload") or {}).get("repo")
-        return write(folder, m, text, folder.resolve().name, repo)
+        return write(folder, m, text, repo)
