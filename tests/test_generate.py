@@ -30,14 +30,14 @@ def art(tmp_path_factory, shared_data):
     return out
 
 
-def reference_greedy(art, ids, n):
+def reference_greedy(art, ids, n, dtype=torch.bfloat16):
     """transformers' own generate on the artifact's dequantized weights (no mpsconvert runtime)."""
     from transformers import AutoModelForCausalLM
 
     from mpsconvert.calibrate.artifact import dequantized_snapshot
 
     with dequantized_snapshot(art) as d:
-        ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16).eval()
+        ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).eval()
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     return out[0, len(ids):].tolist()
@@ -109,3 +109,28 @@ def test_backends_say_what_is_missing(art, tmp_path):
     enc = mpsconvert.quantize(models.runtime_tiny_bert(tmp_path / "bert"), tmp_path / "bert-art").output
     res = CliRunner().invoke(main, ["generate", str(enc), "hi", "--device", "cpu"])
     assert res.exit_code == 2 and "not a causal LM" in res.output, res.output
+
+
+def test_coreai_backend_generates_what_transformers_does(art, tmp_path):
+    """The exported asset on the Core AI runtime (Linux: coreai-core's CPU runtime, fp32 compute)
+    gives transformers' greedy tokens on the same dequantized weights in fp32."""
+    pytest.importorskip("coreai.authoring")
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    a = tmp_path / "art"
+    shutil.copytree(art, a)
+    mpsconvert.export_coreai(a, max_len=48, check=False)
+    text = models.runtime_texts(1)[0][:60]
+    ids = AutoTokenizer.from_pretrained(str(a))(text)["input_ids"]
+    res = CliRunner().invoke(main, ["generate", str(a), text, "--backend", "coreai", "--max-tokens", "8", "--ignore-chat-template",
+                                    "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "coreai" and out["device"] == "Core AI runtime, Linux CPU" and out["prompt_tokens"] == len(ids)
+    assert out["tokens"] == reference_greedy(a, ids, 8, dtype=torch.float32)  # both stop at the same eos, if one comes
+    assert len(set(out["tokens"])) > 2
+    long = " ".join([text] * 10)  # more tokens than the asset's cache holds: one line, before the runtime is called
+    res = CliRunner().invoke(main, ["generate", str(a), long, "--backend", "coreai", "--ignore-chat-template"])
+    assert res.exit_code == 2 and "holds 48" in res.output, res.output
