@@ -29,7 +29,7 @@ from .convert.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
 from .convert.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
 from .convert.coreai import CoreAIOptions
 from .convert.coreml import ExportOptions, SeqLen
-from .errors import ArtifactError, ExportError, MpsconvertError
+from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests import layout
 from .manifests.manifest import Manifest
 from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
@@ -235,8 +235,8 @@ def quantize(
 
         publish.check_repo_id(upload_repo)
         if publish.offline():
-            raise publish.UploadError(f"--upload-repo {upload_repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                                      "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
+            raise UploadError(f"--upload-repo {upload_repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                              "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
 
     sch = Scheme.make(scheme, weights)
     from .extras import require
@@ -284,8 +284,6 @@ def quantize(
             raise ExportError(f"{out} was written, but its Core AI export failed: {e.problem}",
                               e.fix or "run `mpsconvert export-coreai` on it to retry") from e
     if upload_repo is not None:
-        from .errors import UploadError
-
         try:
             result.upload = upload(out, upload_repo, private=private, token=token, progress=progress)
         except MpsconvertError as e:
@@ -983,8 +981,8 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
     if not layout.is_artifact(artifact):
         raise ArtifactError(f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})", "pass the folder `mpsconvert quantize` wrote")
     if publish.offline():  # before any work
-        raise publish.UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                                  "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
+        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
     if verify_first:
         report = verify(artifact, progress=progress)
         if not report.ok:
@@ -992,4 +990,4 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
                                 "re-create the artifact; a damaged one is never uploaded")
     card.refresh(artifact, repo=repo)
     up = publish.upload_folder(artifact, repo, private=private, token=token, revision=revision)
-    return UploadResult(**asdict(up))
+    return UploadResult(**up)

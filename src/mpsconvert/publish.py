@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
@@ -21,18 +20,6 @@ from .manifests.manifest import Manifest
 
 _TRUE = {"1", "on", "yes", "true"}
 _REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
-
-@dataclass
-class Uploaded:
-    repo: str
-    url: str
-    revision: str
-    commit: str | None
-    commit_message: str
-    private: bool
-    endpoint: str
-    files: list = field(default_factory=list)
 
 
 def offline() -> bool:
@@ -48,8 +35,10 @@ def commit_message(manifest: Manifest) -> str:
 
 
 def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str | None = None,
-                  revision: str | None = None) -> Uploaded:
-    """Create `repo` (if absent) and upload every file of the artifact `folder` in one commit.
+                  revision: str | None = None) -> dict:
+    """Create `repo` (if absent) and upload every file of the artifact `folder` in one commit;
+    returns what api.UploadResult holds (repo, url, revision, commit, commit_message, private,
+    endpoint, files).
 
     Raises:
         UploadError: offline mode, no network, no (write) token, the hub refused it.
@@ -86,8 +75,8 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
             raise
         raise UploadError(f"cannot reach {endpoint} to upload {repo} ({type(e).__name__}: {str(e)[:120]})",
                           "check the network, or HF_ENDPOINT") from e
-    return Uploaded(repo=repo, url=str(url), revision=revision or "main", commit=getattr(info, "oid", None), commit_message=msg,
-                    private=private, endpoint=endpoint, files=files)
+    return dict(repo=repo, url=str(url), revision=revision or "main", commit=getattr(info, "oid", None), commit_message=msg,
+                private=private, endpoint=endpoint, files=files)
 
 
 def _is_transport_error(e: BaseException) -> bool:
