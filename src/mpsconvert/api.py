@@ -791,6 +791,10 @@ class Chat:
         text, stats = self._conv.complete(self._conv.encode(prompt, use_template), on_text)
         return GenerateResult(text, stats)
 
+    def reset(self) -> None:
+        """Forget the conversation (a system message stays)."""
+        self._conv.history[:] = [m for m in self._conv.history if m["role"] == "system"]
+
     def close(self) -> None:
         self._closer.close()
 

@@ -363,7 +363,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, seed, system_prompt
             if line is None or line.strip() == "/exit":
                 break
             if line.strip() == "/reset":
-                del c.history[sum(1 for m in c.history if m["role"] == "system"):]
+                c.reset()
                 render.note("history cleared")
                 continue
             if not line.strip():

@@ -102,7 +102,8 @@ def quantize_summary(res, as_json: bool) -> None:
         print_json(res.as_dict())
         return
     t = Table(title=f"{res.output}", show_header=False, box=None)
-    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {manifest.recipe['weights']}, activations: {manifest.recipe['activations'] or 'bf16'})")
+    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {manifest.recipe['weights']}, activations: {manifest.recipe['activations'] or 'bf16'})"
+              + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else ""))
     t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
     n_exp = s.get("expert_tensors_quantized", 0)
     t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
@@ -264,7 +265,7 @@ def validation(res, explain: bool = False) -> None:
     if explain:
         kernels(r["kernels"])
     if r.get("recorded"):
-        out.print(f"recorded in {r['recorded']}")
+        out.print(f"recorded in {r['recorded']} and the model card (README.md)")
     apple_runtimes(r)
 
 
