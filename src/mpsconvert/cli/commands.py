@@ -245,7 +245,7 @@ def export_coreml(artifact, max_len, no_kv_cache, seq_len, coreml_weights, front
 
     \b
     Causal LMs: the stateful decoder, main(input_ids int32 [1, T], position int32 [1]) ->
-    logits [1, T, vocab], the KV cache in states key_cache_i / value_cache_i (README: "The
+    logits [1, T, vocab], the KV cache in states key_cache_i / value_cache_i (docs/apple.md: "The
     stateful decoder interface"); --no-kv-cache: input_ids -> logits, no states.
     Encoders: input_ids, attention_mask -> embeddings (mean-pooled last hidden state,
     L2-normalized if the model's modules.json says so).

@@ -6,7 +6,7 @@ writer's thread), and streamed into the matching output shard, which goes to dis
 O_DIRECT where the filesystem allows (`safetensors_io`). The source files are hashed on their
 own thread from the start of the run, while torch and transformers load. The artifact folder
 is built under a temporary name and renamed at the end. Where the time goes, and what each of
-these choices saved, is measured by benchmarks/convert.py (see the README).
+these choices saved, is measured by benchmarks/convert.py (see docs/benchmarks.md).
 
 MoE experts are quantized in the layout the checkpoint has (see `moe_layout`): one 2-D tensor
 per expert and projection is quantized exactly like a Linear weight (`<m>.weight` F8 +
