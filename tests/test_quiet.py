@@ -17,7 +17,11 @@ NOISE = re.compile(r"Loading weights|it/s\]|Warning|warn\(|Failed to load _ML|ha
 
 
 def prog(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    from mpsconvert.cli import quiet
+
+    # not what an earlier in-process CLI call of this test session set (quiet.ENV): a user's environment
+    env = {k: v for k, v in os.environ.items() if k not in quiet.ENV}
+    env |= {"PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "COLUMNS": "300"}
     r = subprocess.run([sys.executable, "-c", "from mpsconvert.cli import entry; entry()", *map(str, args)], cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
