@@ -25,13 +25,13 @@ from . import __version__  # noqa: F401  (re-exported for the CLI)
 from . import atomic
 from .atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
-from .convert import EXPERTS_LAYOUTS  # noqa: F401
+from .convert import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES  # noqa: F401
 from .convert.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
 from .convert.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
 from .convert.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
 from .convert.coreai import CoreAIOptions
 from .convert.coreml import ExportOptions, SeqLen
-from .errors import ArtifactError, ExportError, MpsconvertError
+from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests import layout
 from .manifests.manifest import Manifest
 from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
@@ -46,8 +46,8 @@ if TYPE_CHECKING:  # heavy modules, for annotations only
 
 __all__ = [
     "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai", "check_coreai",
-    "coreai_latency", "load",
-    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult", "CoreAIResult", "ExportOptions", "SeqLen", "CoreAIOptions",
+    "coreai_latency", "load", "generate", "chat", "upload",
+    "QuantizeResult", "CalibrateResult", "GenerateResult", "Chat", "UploadResult", "ValidationResult", "CoreMLResult", "CoreAIResult", "ExportOptions", "SeqLen", "CoreAIOptions",
     "calibration_options", "validate_options",
 ]
 
@@ -93,6 +93,7 @@ class QuantizeResult:
     coreml: CoreMLResult | None = None  # when a Core ML package was exported too
     coreai: CoreAIResult | None = None  # when a Core AI asset was exported too
     manifest_sha256: str | None = None  # of the manifest file as written: pin it (`verify --manifest-sha256`)
+    upload: UploadResult | None = None  # when it was published to the hub too
 
     @property
     def summary(self) -> dict:
@@ -186,6 +187,9 @@ def quantize(
     scales_file: str | Path | None = None,
     coreml: ExportOptions | None = None,
     coreai: CoreAIOptions | None = None,
+    dtype: str | None = None,
+    upload_repo: str | None = None,
+    private: bool = False,
     progress: Progress | None = None,
 ) -> QuantizeResult:
     """Quantize a Hugging Face model to an FP8 compressed-tensors artifact.
@@ -208,22 +212,43 @@ def quantize(
         scales_file: for scheme "fp8", input scales written earlier by `calibrate(..., output=FILE)`.
         coreml: also export a Core ML package into the artifact (and check it).
         coreai: also export a Core AI asset into the artifact (and check it).
+        dtype: "bfloat16", "float16" or "float32" for the tensors that stay unquantized
+            (embeddings, lm_head, norms) [default: copied bit for bit in the source's dtype].
+        upload_repo: then publish the artifact to this hub repo (`upload`), with `token`.
+        private: create `upload_repo` private.
         progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export",
             "coreai export", "decode check").
 
     Returns:
         QuantizeResult: the output folder and its manifest (and the manifest file's sha256, to
-        pin); the calibration when one ran here; the Core ML package when asked for.
+        pin); the calibration when one ran here; the Core ML package when asked for; the upload
+        when asked for.
 
     Raises:
         SourceError: the source cannot be found, downloaded or used (pickles, already quantized, ...).
         QuantizationError: a tensor cannot be quantized (NaN/inf) or fp8 scales are missing.
         ExportError: the artifact was written but its Core ML or Core AI export failed (the message says so).
+        UploadError: the artifact was written but its upload failed (the message says so), or
+            offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
     from .source import resolve
 
+    if upload_repo is not None:  # a bad repo id or offline mode: said before the conversion, not after
+        from . import publish
+
+        publish.check_repo_id(upload_repo)
+        if publish.offline():
+            raise UploadError(f"--upload-repo {upload_repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                              "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
+
     sch = Scheme.make(scheme, weights)
+    from .extras import require
+
+    if coreml is not None:  # a missing extra is said before the conversion, not after it
+        require("coremltools", "coreml", "Core ML export (--coreml)")
+    if coreai is not None:
+        require("coreai.authoring", "coreai", "Core AI export (--coreai)")
     if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
         raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {scheme})", "add --scheme fp8, or drop them")
     snap = resolve(str(source), revision=revision, token=token)
@@ -231,7 +256,8 @@ def quantize(
     from .convert.quantize import Options, quantize_snapshot
 
     out = Path(output) if output is not None else default_output(snap.repo_id or snap.path.name, scheme)
-    opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout)
+    opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
+                   dtype=dtype)
     cal = None
     if sch.needs_calibration:
         if scales_file is not None:
@@ -261,6 +287,13 @@ def quantize(
         except MpsconvertError as e:
             raise ExportError(f"{out} was written, but its Core AI export failed: {e.problem}",
                               e.fix or "run `mpsconvert export-coreai` on it to retry") from e
+    if upload_repo is not None:
+        try:
+            result.upload = upload(out, upload_repo, private=private, token=token, progress=progress)
+        except MpsconvertError as e:
+            raise UploadError(f"{out} was written, but its upload failed: {e.problem}",
+                              e.fix or f"run `mpsconvert upload {out} {upload_repo}` to retry") from e
+        result.manifest = Manifest.read(out)
     from .manifests.manifest import manifest_sha256
 
     result.manifest_sha256 = manifest_sha256(out)
@@ -328,7 +361,9 @@ def calibrate(
             if output is not None:
                 save_scales(Path(output), cal)
                 return CalibrateResult(cal, Path(output), into_artifact=False)
-            return CalibrateResult(cal, path, into_artifact=True, manifest=write_into_artifact(path, cal))
+            write_into_artifact(path, cal)
+        _refresh_card(path)  # its own lock: after the swap (locks do not nest)
+        return CalibrateResult(cal, path, into_artifact=True, manifest=Manifest.read(path))
     if output is None:
         raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
     snap = resolve(str(target), revision=revision, token=token)
@@ -405,7 +440,16 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
     result = ValidationResult(**run(artifact, opts, progress))
     result.coreml = _coreml_runtime(artifact, opts)
     result.coreai = _coreai_runtime(artifact, opts, progress)
+    if result.recorded:
+        _refresh_card(artifact)
     return result
+
+
+def _refresh_card(artifact: Path) -> None:
+    """The model card says what the manifest now says (validation, exports, calibration)."""
+    from .manifests import card
+
+    card.refresh(artifact)
 
 
 def _coreml_runtime(artifact: Path, opts: ValidateOptions) -> dict | None:
@@ -536,6 +580,7 @@ def export_coreml(
     artifact = Path(artifact)
     opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend, kv_cache=kv_cache, max_len=max_len)
     record = run(artifact, opts, progress)
+    _refresh_card(artifact)
     result = CoreMLResult(artifact, artifact / record["package"], record)
     if check:
         result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress, verify=False)
@@ -650,6 +695,7 @@ def export_coreai(
 
     artifact = Path(artifact)
     record = run(artifact, CoreAIOptions(max_len=max_len, compute=compute, force=force), progress)
+    _refresh_card(artifact)
     result = CoreAIResult(artifact, artifact / record["asset"], record)
     if check:
         result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress, verify=False)
@@ -730,3 +776,254 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
     from .runtime.loader import load as run
 
     return run(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)
+
+
+# --------------------------------------------------------------------------- generate / chat
+
+BACKENDS = ("torch", "coreai", "coreml")
+
+
+@dataclass
+class GenerateResult:
+    """One generation: the text (without the prompt) and how it ran (`stats`: prompt and
+    generation tokens/s, peak memory, device, the token ids, why it stopped)."""
+
+    text: str
+    stats: Any  # runtime.generate.GenerationStats
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, **self.stats.as_dict()}
+
+
+class Chat:
+    """An open model for a conversation (a context manager: closes the Apple runtime session).
+    `say(message, on_text)` -> GenerateResult, the history kept in `history`."""
+
+    def __init__(self, conversation, closer):
+        self._conv, self._closer = conversation, closer
+
+    @property
+    def history(self) -> list[dict]:
+        return self._conv.history
+
+    @property
+    def backend(self) -> str:
+        return self._conv.decoder.backend
+
+    @property
+    def device(self) -> str:
+        return self._conv.decoder.device
+
+    def say(self, message: str, on_text=None) -> GenerateResult:
+        text, stats = self._conv.say(message, on_text)
+        return GenerateResult(text, stats)
+
+    def complete(self, prompt: str, on_text=None, use_template: bool = True) -> GenerateResult:
+        """A prompt on its own (no history): what `generate` runs."""
+        text, stats = self._conv.complete(self._conv.encode(prompt, use_template), on_text)
+        return GenerateResult(text, stats)
+
+    def reset(self) -> None:
+        """Forget the conversation (a system message stays)."""
+        self._conv.history[:] = [m for m in self._conv.history if m["role"] == "system"]
+
+    def close(self) -> None:
+        self._closer.close()
+
+    def __enter__(self) -> "Chat":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _apple_record(artifact: Path, key: str, command: str) -> dict:
+    rec = Manifest.read(artifact).extra.get(key) if layout.is_artifact(artifact) else None
+    if not rec:
+        raise ArtifactError(f"{artifact} has no {'Core AI asset' if key == 'coreai' else 'Core ML package'}",
+                            f"run `mpsconvert {command} {artifact}` first, or use --backend torch")
+    if rec.get("task") != "causal-lm" or not rec.get("kv_cache", key == "coreai"):
+        raise ArtifactError(f"the {key} export in {artifact} is not a stateful decoder (task {rec.get('task')})",
+                            f"re-export it with `mpsconvert {command}` (the default is the stateful decoder)")
+    return rec
+
+
+def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Progress | None):
+    """The decoder for `backend`: the PyTorch model (runtime.load on `device`), the Core AI
+    asset on its runtime, or the Core ML package (macOS only)."""
+    import sys
+
+    from .runtime import generate as gen
+
+    if backend == "torch":
+        from .runtime.validate import _is_causal
+
+        model = load(artifact, device=device, progress=progress)
+        if not _is_causal(model.config):
+            raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
+                                "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
+        return gen.TorchDecoder(model), model.config
+    if backend == "coreai":
+        rec = _apple_record(artifact, "coreai", "export-coreai")
+        from .extras import require
+
+        require("coreai.authoring", "coreai", "running the Core AI asset")
+        from .convert.coreai.check import decoder_runner
+        from .convert.coreai.run import Session, quiet
+
+        with quiet():
+            session = Session(artifact / rec["asset"])
+        stack.enter_context(session)
+        runtime = "Core AI runtime, macOS" if sys.platform == "darwin" else "Core AI runtime, Linux CPU"
+        return gen.RunnerDecoder(decoder_runner(session), rec["max_len"], "coreai", runtime), None
+    if backend == "coreml":
+        rec = _apple_record(artifact, "coreml", "export-coreml")
+        if sys.platform != "darwin":
+            raise MpsconvertError("Core ML runs .mlpackage files only on macOS (coremltools cannot predict on this platform)",
+                                  "use --backend coreai (runs on Linux) or --backend torch here")
+        from .extras import require
+
+        ct = require("coremltools", "coreml", "running the Core ML package")
+        from .convert.coreml.check import coreml_decoder
+
+        ml = ct.models.MLModel(str(artifact / rec["package"]), compute_units=ct.ComputeUnit.ALL)
+        return gen.RunnerDecoder(coreml_decoder(ml), rec["max_len"], "coreml", "Core ML (compute units: all)"), None
+    raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
+
+
+def chat(
+    artifact: str | Path,
+    *,
+    backend: str = "torch",
+    device: str = "auto",
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    system: str | None = None,
+    progress: Progress | None = None,
+) -> Chat:
+    """Open an artifact for text generation: `with chat(dir) as c: c.say("hi", print)`.
+
+    Args:
+        artifact: the artifact folder (a causal LM with its tokenizer).
+        backend: "torch" (runtime.load on `device`), "coreai" (model.aimodel on the Core AI
+            runtime; on Linux the CPU runtime bundled in coreai-core) or "coreml"
+            (model.mlpackage; macOS only).
+        device: for torch: "auto" (mps > cuda > cpu), "mps", "cuda[:N]" or "cpu".
+        max_tokens, temp, top_p, seed: sampling, as mlx-lm names it (temp 0: greedy).
+        system: a system message that starts the history.
+        progress: `progress(phase, done, total, detail)` while loading.
+
+    Returns:
+        Chat: `say(message, on_text)` and `complete(prompt, on_text)` -> GenerateResult.
+
+    Raises:
+        ArtifactError: not a causal LM, no tokenizer, or the asked-for export is absent.
+        MissingExtraError: the backend's extra is not installed.
+        MpsconvertError: Core ML off macOS, bad sampling settings.
+        DeviceError: the device is not available.
+    """
+    import contextlib
+
+    from .runtime import generate as gen
+
+    artifact = Path(artifact)
+    sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
+    stack = contextlib.ExitStack()
+    try:
+        tok = gen.load_tokenizer(artifact)
+        decoder, config = _open_decoder(artifact, backend, device, stack, progress)
+        if config is None:
+            from .modeldef import load_config
+
+            config = load_config(artifact, False)
+        conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
+    except BaseException:
+        stack.close()
+        raise
+    return Chat(conv, stack)
+
+
+def generate(artifact: str | Path, prompt: str, *, on_text=None, use_template: bool = True, **kw: Any) -> GenerateResult:
+    """Generate text for one prompt, streaming it through `on_text(piece)` as tokens come.
+
+    Args:
+        artifact: the artifact folder.
+        prompt: the text; wrapped in the tokenizer's chat template when it has one and
+            `use_template` (as mlx_lm.generate does).
+        on_text: called with each new piece of text.
+        **kw: backend, device, max_tokens, temp, top_p, seed, system, progress (see `chat`).
+
+    Returns:
+        GenerateResult: the text and its stats (prompt / generation tokens/s, peak memory, device).
+
+    Raises:
+        As `chat`.
+    """
+    with chat(artifact, **kw) as c:
+        return c.complete(prompt, on_text, use_template)
+
+
+# --------------------------------------------------------------------------- upload
+
+
+@dataclass
+class UploadResult:
+    """What went to the hub: repo, its URL, the commit and its message, every file sent."""
+
+    repo: str
+    url: str
+    revision: str
+    commit: str | None
+    commit_message: str
+    private: bool
+    endpoint: str
+    files: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
+           verify_first: bool = True, progress: Progress | None = None) -> UploadResult:
+    """Publish an artifact to a Hugging Face hub model repo (created if absent).
+
+    The artifact is verified first (every sha256 against the manifest), its model card is
+    rewritten to name the repo (how to load it from there), then the whole folder goes up in
+    one commit with huggingface_hub, whose message names the scheme and the source commit.
+
+    Args:
+        artifact: the artifact folder.
+        repo: `org/name` (or `name` under the token's user).
+        private: create the repo private (an existing repo keeps its visibility).
+        token: a write token [default: HF_TOKEN, else huggingface_hub's stored login].
+        revision: the branch to commit to [default: main].
+        verify_first: check every file's sha256 before uploading.
+        progress: `progress("verify", done, total, file)`.
+
+    Returns:
+        UploadResult.
+
+    Raises:
+        UploadError: offline mode, the hub unreachable (HF_ENDPOINT), no write rights, a bad repo id.
+        ArtifactError: not an artifact, or it fails verification.
+    """
+    from . import publish
+    from .manifests import card
+
+    artifact = Path(artifact)
+    publish.check_repo_id(repo)
+    if not layout.is_artifact(artifact):
+        raise ArtifactError(f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})", "pass the folder `mpsconvert quantize` wrote")
+    if publish.offline():  # before any work
+        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
+    if verify_first:
+        report = verify(artifact, progress=progress)
+        if not report.ok:
+            raise ArtifactError(f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
+                                "re-create the artifact; a damaged one is never uploaded")
+    card.refresh(artifact, repo=repo)
+    up = publish.upload_folder(artifact, repo, private=private, token=token, revision=revision)
+    return UploadResult(**up)

@@ -51,3 +51,7 @@ class EvalError(MpsconvertError):
 
 class MissingExtraError(MpsconvertError):
     """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+class UploadError(MpsconvertError):
+    """The hub refused an upload, could not be reached, or offline mode is on."""

@@ -62,14 +62,20 @@ def friendly_errors(fn):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(api.__version__, prog_name="mpsconvert")
-def main():
+@click.option("-v", "--verbose", is_flag=True, help="Also show third-party progress bars, warnings and log lines (transformers, coremltools, ...).")
+def main(verbose):
     """Convert Hugging Face models to FP8 (float8_e4m3fn) for Apple Silicon, Core ML and Core AI, and check them.
 
     \b
     Typical use:
       mpsconvert quantize Qwen/Qwen2.5-0.5B -o qwen-fp8      # data-free, dynamic activations
-      mpsconvert inspect qwen-fp8
+      mpsconvert validate qwen-fp8                           # accuracy and latency vs BF16
+      mpsconvert generate qwen-fp8 "Why is the sky blue?"
+      mpsconvert upload qwen-fp8 me/Qwen2.5-0.5B-FP8
     """
+    from . import quiet
+
+    quiet.apply(verbose)
 
 
 def entry() -> None:

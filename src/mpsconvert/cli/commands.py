@@ -92,10 +92,19 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
               help="With --coreml / --coreai: KV cache length of the stateful decoder (causal LMs); encoders (Core AI): longest "
                    "input [default: 2048, or the model's max_position_embeddings if smaller].")
 @click.option("--no-kv-cache", is_flag=True, help="With --coreml: the stateless input_ids -> logits form (no states).")
+@click.option("--dtype", type=click.Choice(list(api.UNQUANTIZED_DTYPES)), default=None,
+              help="Dtype of the tensors that stay unquantized (embeddings, lm_head, norms) [default: the source's, bit for bit]. "
+                   "An FP32 source with --dtype bfloat16 halves them.")
+@click.option("--upload-repo", metavar="REPO", help="Then upload the artifact to this Hugging Face repo (created if absent; see `upload`).")
+@click.option("--private", is_flag=True, help="With --upload-repo: create the repo private.")
 @friendly_errors
 def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
-             scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, **calib):
-    """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
+             scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, dtype, upload_repo,
+             private, **calib):
+    """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact.
+
+    The artifact's README.md is a model card (front matter, what was done, how to load it, the
+    source's own card below); `validate` adds its results to it."""
     coreml_opts = api.ExportOptions(seq_len=api.SeqLen.parse(coreml_seq_len), weights=coreml_weights, kv_cache=not no_kv_cache,
                                     max_len=max_len) if coreml else None
     coreai_opts = api.CoreAIOptions(max_len=max_len, compute=coreai_compute) if coreai else None
@@ -103,7 +112,7 @@ def quantize(source, output, scheme, weights, revision, token, ignore, trust_rem
         res = api.quantize(source, output, scheme=scheme, weights=weights, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
                            calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, coreai=coreai_opts,
-                           progress=progress)
+                           dtype=dtype, upload_repo=upload_repo, private=private, progress=progress)
     if res.calibration is not None:
         render.calibration(res.calibration)
     render.quantize_summary(res, as_json)
@@ -111,6 +120,8 @@ def quantize(source, output, scheme, weights, revision, token, ignore, trust_rem
         render.coreml_export(res.coreml, as_json)
     if res.coreai is not None:
         render.coreai_export(res.coreai, as_json)
+    if res.upload is not None:
+        render.uploaded(res.upload, as_json)
 
 
 @main.command()
@@ -236,7 +247,7 @@ def export_coreml(artifact, max_len, no_kv_cache, seq_len, coreml_weights, front
 
     \b
     Causal LMs: the stateful decoder, main(input_ids int32 [1, T], position int32 [1]) ->
-    logits [1, T, vocab], the KV cache in states key_cache_i / value_cache_i (README: "The
+    logits [1, T, vocab], the KV cache in states key_cache_i / value_cache_i (docs/apple.md: "The
     stateful decoder interface"); --no-kv-cache: input_ids -> logits, no states.
     Encoders: input_ids, attention_mask -> embeddings (mean-pooled last hidden state,
     L2-normalized if the model's modules.json says so).
@@ -295,3 +306,90 @@ def export_coreai(artifact, max_len, compute, force, check_only, no_check, promp
         render.coreai_check(res, as_json)
     else:
         render.coreai_export(res, as_json)
+
+
+def _sampling(fn):
+    """The options `generate` and `chat` share (mlx-lm's names)."""
+    opts = [
+        click.option("--backend", type=click.Choice(api.BACKENDS), default="torch", show_default=True,
+                     help="torch: the FP8 model in PyTorch (runtime.load). coreai: the artifact's model.aimodel on the Core AI runtime "
+                          "(on Linux the CPU runtime in coreai-core). coreml: model.mlpackage (macOS only)."),
+        click.option("--device", default="auto", show_default=True, metavar="auto|mps|cuda[:N]|cpu",
+                     help="With --backend torch: where it runs (auto: mps, then cuda, then cpu; a missing device is an error)."),
+        click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=256, show_default=True, help="Most tokens to generate."),
+        click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Sampling temperature (0: greedy)."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+                     help="Nucleus sampling: keep the most likely tokens up to this total probability."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler."),
+        click.option("--system", "system_prompt", metavar="TEXT", help="A system message first."),
+        click.option("--json", "as_json", is_flag=True, help="Print the text and its stats as JSON on stdout (no streaming)."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("prompt")
+@_sampling
+@click.option("--ignore-chat-template", is_flag=True, help="Feed PROMPT as it is, not wrapped in the tokenizer's chat template.")
+@friendly_errors
+def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json, ignore_chat_template):
+    """Generate text from ARTIFACT for PROMPT, streamed as it comes, then tokens/s, peak memory and device.
+
+    \b
+    PROMPT is wrapped in the tokenizer's chat template when it has one (as mlx_lm.generate does).
+    """
+    with render.progress_bars() as progress:
+        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
+                     system=system_prompt, progress=progress)
+    with c:
+        res = c.complete(prompt, None if as_json else render.stream, use_template=not ignore_chat_template)
+    render.generation(res, as_json)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@_sampling
+@friendly_errors
+def chat(artifact, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json):
+    """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or end of input) ends, `/reset` forgets."""
+    with render.progress_bars() as progress:
+        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
+                     system=system_prompt, progress=progress)
+    with c:
+        render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history")
+        while True:
+            line = render.ask()
+            if line is None or line.strip() == "/exit":
+                break
+            if line.strip() == "/reset":
+                c.reset()
+                render.note("history cleared")
+                continue
+            if not line.strip():
+                continue
+            res = c.say(line, None if as_json else render.stream)
+            render.generation(res, as_json)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("repo")
+@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="A Hugging Face write token [default: your stored login].")
+@click.option("--revision", help="The branch to commit to [default: main].")
+@click.option("--json", "as_json", is_flag=True, help="Print what was uploaded as JSON.")
+@friendly_errors
+def upload(artifact, repo, private, token, revision, as_json):
+    """Upload ARTIFACT to the Hugging Face repo REPO (org/name) in one commit, after verifying it.
+
+    \b
+    The repo is created if absent; the model card is rewritten to load from REPO; the commit
+    message names the scheme and the source commit. HF_ENDPOINT picks another hub; offline mode
+    (HF_HUB_OFFLINE=1) is an error.
+    """
+    with render.progress_bars() as progress:
+        res = api.upload(artifact, repo, private=private, token=token, revision=revision, progress=progress)
+    render.uploaded(res, as_json)

@@ -102,7 +102,8 @@ def quantize_summary(res, as_json: bool) -> None:
         print_json(res.as_dict())
         return
     t = Table(title=f"{res.output}", show_header=False, box=None)
-    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {manifest.recipe['weights']}, activations: {manifest.recipe['activations'] or 'bf16'})")
+    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {manifest.recipe['weights']}, activations: {manifest.recipe['activations'] or 'bf16'})"
+              + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else ""))
     t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
     n_exp = s.get("expert_tensors_quantized", 0)
     t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
@@ -121,11 +122,57 @@ def quantize_summary(res, as_json: bool) -> None:
 # --------------------------------------------------------------------------- inspect / verify
 
 
+def source_line(src: dict) -> str:
+    """A hub source as id@commit (or @revision), a local one as its full path."""
+    if src.get("kind") == "hub":
+        ref = src.get("commit") or src.get("revision")
+        return f"{src.get('id')}@{ref}" if ref else str(src.get("id"))
+    where = src.get("path") or src.get("id")
+    return f"{where} (local folder" + (f", {src['id']}@{src['commit'][:12]}" if src.get("commit") and src.get("id") != where else "") + ")"
+
+
+def _validation_rows(runs: dict) -> list[tuple[str, str]]:
+    rows = []
+    for key, r in sorted(runs.items()):
+        a, sp = r.get("accuracy") or {}, r.get("speedup") or {}
+        if r.get("kind") == "causal-lm":
+            acc = (f"ppl {a.get('perplexity_bf16', 0):.3f} -> {a.get('perplexity_fp8', 0):.3f} ({a.get('perplexity_delta_pct', 0):+.2f}%), "
+                   f"KL {a.get('mean_kl', 0):.5f}, top-1 {100 * a.get('top1_agreement', 0):.2f}%")
+        else:
+            acc = f"embedding cosine mean {a.get('cosine_mean', 0):.5f}, min {a.get('cosine_min', 0):.5f}"
+        speed = ", ".join(f"{ph} {v:.2f}x" for ph, v in sorted(sp.items())) or "latency not measured"
+        rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speed} ({r.get('measured_at', '')[:10]})"))
+    return rows
+
+
+def _export_row(key: str, rec: dict) -> str:
+    chk = rec.get("check") or {}
+    size = rec.get("asset_bytes") or rec.get("package_weight_bytes") or chk.get("weight_bytes") or chk.get("asset_bytes")
+    target = rec.get("minimum_deployment_target") or rec.get("minimum_os")
+    what = f"{rec.get('package') or rec.get('asset')}: {rec.get('task')}" + (" stateful decoder" if rec.get("kv_cache") or
+                                                                            (key == "coreai" and rec.get("task") == "causal-lm") else "")
+    parts = [what, f"target {target}" if target else None, f"{human(size)}" if size else None,
+             f"weights {rec['weights']}" if rec.get("weights") else None]
+    if chk:
+        parts.append("checks ok" if chk.get("ok") else "[red]checks FAILED[/]")
+    else:
+        parts.append("not checked")
+    return ", ".join(p for p in parts if p)
+
+
+def _runtime_row(rt: dict) -> str:
+    if rt.get("status") != "ran":
+        return f"not run ({rt.get('reason', rt.get('status'))})"
+    rows = [r for r in rt.get("rows", []) if "error" not in r]
+    return "; ".join(f"{r['engine']}: " + (f"decode {r['decode_tokens_per_s']:.1f} tok/s" if "decode_tokens_per_s" in r else
+                                            f"{r.get('latency_ms', 0):.2f} ms") for r in rows) or "no rows"
+
+
 def inspect_table(artifact, m, show_tensors: bool) -> None:
-    src = m.source
     t = Table(title=str(artifact), show_header=False, box=None)
-    t.add_row("source", f"{src.get('id')} ({src.get('kind')}" + (f", commit {src['commit'][:12]}" if src.get("commit") else "") + ")")
-    t.add_row("scheme", f"{m.recipe['name']}: weights per {m.recipe['weights']}, activations {m.recipe['activations'] or 'bf16'}")
+    t.add_row("source", escape(source_line(m.source)))
+    t.add_row("scheme", f"{m.recipe['name']}: weights per {m.recipe['weights']}, activations {m.recipe['activations'] or 'bf16'}"
+              + (f"; unquantized tensors {m.recipe['unquantized_dtype']}" if m.recipe.get("unquantized_dtype") else ""))
     if cal := m.recipe.get("calibration"):
         t.add_row("calibration", f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x {cal.get('seq_len')} tokens "
                   f"of {(cal.get('data') or {}).get('id')} (sha256 {str((cal.get('data') or {}).get('sha256'))[:12]}), {len(cal.get('fallbacks') or {})} fallback(s)")
@@ -138,7 +185,20 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     t.add_row("files", f"{len(m.files)} ({human(sum(f['size'] for f in m.files.values()))})")
     t.add_row("made with", f"mpsconvert {m.versions.get('mpsconvert')}, torch {m.versions.get('torch')}, transformers {m.versions.get('transformers')} on {m.device}")
     for key, val in m.extra.items():
-        t.add_row(key, json.dumps(val)[:120])
+        if key == "validation" and isinstance(val, dict):
+            for k, line in _validation_rows(val):
+                t.add_row(k, line)
+        elif key in ("coreml", "coreai") and isinstance(val, dict):
+            t.add_row("Core ML" if key == "coreml" else "Core AI", _export_row(key, val))
+        elif key in ("coreml_runtime", "coreai_runtime") and isinstance(val, dict):
+            t.add_row(("Core ML" if key == "coreml_runtime" else "Core AI") + " runtime", escape(_runtime_row(val)))
+        elif key == "moe" and isinstance(val, dict):
+            t.add_row("MoE experts", f"{len(val.get('experts') or {})} expert modules, layout {val.get('experts_layout')}")
+        elif key == "upload" and isinstance(val, dict):
+            t.add_row("uploaded", f"{val.get('repo')} ({val.get('commit')})")
+        else:
+            text = json.dumps(val)
+            t.add_row(key, escape(text if len(text) <= 100 else f"{text[:97]}... (inspect --json for all)"))
     out.print(t)
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
@@ -211,7 +271,7 @@ def validation(res, explain: bool = False) -> None:
     if explain:
         kernels(r["kernels"])
     if r.get("recorded"):
-        out.print(f"recorded in {r['recorded']}")
+        out.print(f"recorded in {r['recorded']} and the model card (README.md)")
     apple_runtimes(r)
 
 
@@ -379,3 +439,50 @@ def coreai_check(res, as_json: bool) -> None:
     elif ev:
         result(f"{ev['runtime']}: embedding cosine min {ev['cosine_min']:.6f} over {ev['samples']} samples ({ev['inputs']})"
                + (" ok" if ev["ok"] else " FAILED"))
+
+
+# --------------------------------------------------------------------------- generate / chat / upload
+
+
+def stream(piece: str) -> None:
+    """Generated text as it comes, on stdout, unbuffered."""
+    import sys
+
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def ask() -> str | None:
+    """One line of user input for chat (None at end of input)."""
+    import sys
+
+    console.print("[bold]>>[/] ", end="")
+    line = sys.stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
+def generation(res, as_json: bool) -> None:
+    """After the streamed text: prompt and generation tokens/s, peak memory, device (mlx-lm's end lines)."""
+    if as_json:  # one line per generation (JSON Lines: a chat prints one per turn)
+        import sys
+
+        sys.stdout.write(json.dumps(res.as_dict()) + "\n")
+        sys.stdout.flush()
+        return
+    s = res.stats
+    out.print("")
+    gen = f"{s.generation_tps:.1f} tokens/s" if s.generation_tps is not None else "n/a (one token)"
+    note("=" * 10)
+    note(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s")
+    note(f"generation: {s.generated_tokens} tokens, {gen}" + (" (stopped: end of sequence)" if s.stop == "eos" else
+                                                              " (stopped: the cache is full)" if s.stop == "cache_full" else ""))
+    note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'} ({s.peak_memory_source})")
+    note(f"backend: {s.backend} on {s.device}")
+
+
+def uploaded(res, as_json: bool) -> None:
+    if as_json:
+        print_json(res.as_dict())
+        return
+    result(f"uploaded {len(res.files)} files to {res.url} ({'private, ' if res.private else ''}revision {res.revision}, "
+           f"commit {(res.commit or '?')[:12]}): {res.commit_message}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import atomic, fp8
+from ..manifests import card
 from ..manifests.ct_config import quantization_config
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME
@@ -42,7 +43,8 @@ def _record_file(files: dict, folder: Path, rel: str) -> str:
 
 
 def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Manifest:
-    """Write the index, config, copied files and manifest of the artifact being built in `tmp`."""
+    """Write the index, config, copied files, model card and manifest of the artifact being
+    built in `tmp`."""
     scheme = opts.scheme
     files = dict(shards.files)
     source_files = {f: snap.sha256(f) for f in snap.weight_files}  # hashed on the snapshot's thread meanwhile
@@ -54,6 +56,8 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Man
 
     config = dict(snap.config)
     config["quantization_config"] = quantization_config(scheme, sorted(plan.ignored))
+    if opts.dtype:  # the unquantized tensors now have this dtype (transformers 5 says "dtype", 4 "torch_dtype")
+        config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = opts.dtype
     atomic.write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     _record_file(files, tmp, CONFIG_NAME)
     source_files[CONFIG_NAME] = sha256_file(snap.path / CONFIG_NAME)
@@ -73,6 +77,7 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Man
             "ignore_patterns": list(opts.ignore),
             "ignored_modules": dict(sorted(plan.ignored.items())),
             "calibration": opts.calibration,
+            "unquantized_dtype": opts.dtype,
         },
         tensors=dict(sorted(shards.tensors.items())),
         skipped=dict(sorted(plan.skipped.items())),
@@ -90,6 +95,8 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Man
     # filesystem, not on the inputs, so it lives in the block that differs between runs.
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, plan, shards.bytes_in, shards.bytes_out)
+    src_card = snap.path / card.CARD_NAME
+    card.write(tmp, manifest, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None)
     manifest.write(tmp)
     return manifest
 

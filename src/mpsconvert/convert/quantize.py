@@ -6,7 +6,7 @@ writer's thread), and streamed into the matching output shard, which goes to dis
 O_DIRECT where the filesystem allows (`safetensors_io`). The source files are hashed on their
 own thread from the start of the run, while torch and transformers load. The artifact folder
 is built under a temporary name and renamed at the end. Where the time goes, and what each of
-these choices saved, is measured by benchmarks/convert.py (see the README).
+these choices saved, is measured by benchmarks/convert.py (see docs/benchmarks.md).
 
 MoE experts are quantized in the layout the checkpoint has (see `moe_layout`): one 2-D tensor
 per expert and projection is quantized exactly like a Linear weight (`<m>.weight` F8 +
@@ -44,7 +44,7 @@ from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
 from ..targets import Plan, plan_for
-from . import EXPERTS_LAYOUTS
+from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES
 from .assemble import Shards, assemble
 
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
@@ -54,6 +54,7 @@ BLOCK_BYTES = 16 << 20
 # intra-op threads on 1M-element chunks. Two on 2 cores (0.1-0.2 s faster than one there, the
 # writer thread taking the rest); beyond 4 the single sha256-and-write thread is the limit.
 QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
+_FLOAT_CODES = ("F32", "F16", "BF16")
 
 
 @dataclass
@@ -70,10 +71,20 @@ class Options:
     # Fused 3-D experts in the checkpoint: "per-expert" (write them split, loadable everywhere)
     # or "checkpoint" (keep them fused: only mpsconvert's runtime loads that).
     experts_layout: str = "per-expert"
+    # The tensors that stay unquantized (embeddings, lm_head, norms): "bfloat16" | "float16" |
+    # "float32", or None to copy them bit for bit in the source's dtype (as mlx-lm's --dtype).
+    dtype: str | None = None
 
     def __post_init__(self):
         if self.experts_layout not in EXPERTS_LAYOUTS:
             raise QuantizationError(f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}")
+        if self.dtype is not None and self.dtype not in UNQUANTIZED_DTYPES:
+            raise QuantizationError(f"unknown dtype {self.dtype!r} for the unquantized tensors", f"use one of: {', '.join(UNQUANTIZED_DTYPES)}")
+
+    @property
+    def dtype_code(self) -> str | None:
+        """The safetensors dtype of converted float tensors (None: copied as they are)."""
+        return UNQUANTIZED_DTYPES.get(self.dtype) if self.dtype else None
 
     def expert_input_scale(self, ep: ExpertParam, expert: int, module: str | None = None) -> float | None:
         """A calibrated input scale of one expert: `input_scales[<experts module>.<param>]`
@@ -293,7 +304,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
             elif name in expert_tensors:
                 entries += _expert_entries(name, info, expert_tensors[name], scheme)
             else:
-                entries.append((name, info.dtype, info.shape))
+                entries.append((name, _copied_dtype(info, opts), info.shape))
         with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
             sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
             try:
@@ -303,6 +314,8 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
                         _quantize_one(sh, name, info, tensor_module[name], scheme, opts)
                     elif name in expert_tensors:
                         _quantize_expert(sh, name, info, expert_tensors[name], scheme, opts)
+                    elif _copied_dtype(info, opts) != info.dtype:
+                        _convert_copy(sh, name, info, opts.dtype_code)
                     else:
                         sh.then(writer.copy, name, header.path, info.start, info.nbytes)
                     sh.then(advance, info.nbytes, name)
@@ -318,6 +331,24 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
         out.bytes_in += header.file_size
         out.bytes_out += writer.size
     return out
+
+
+def _copied_dtype(info: TensorInfo, opts: Options) -> str:
+    """The stored dtype of a tensor that is not quantized: --dtype for float tensors, else its own."""
+    return opts.dtype_code if opts.dtype_code and info.dtype in _FLOAT_CODES else info.dtype
+
+
+def _convert_copy(sh: "_Shard", name: str, info: TensorInfo, code: str) -> None:
+    """An unquantized float tensor cast to `code`, block by block (whole elements per block)."""
+    from ..safetensors_io import DTYPES
+
+    src_size, target = DTYPES[info.dtype][0], DTYPES[code][1]
+    for buf, release in sh.reader.blocks(info.start, info.nbytes, src_size):
+        try:
+            out = buf.view(info.torch_dtype).to(target)  # a new tensor: the pooled buffer goes back at once
+        finally:
+            release()
+        sh.then(sh.writer.write, name, out)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The stateful decoder that Core ML and Core AI packages of a causal LM share: one torch module.
 
-The contract an app codes against (README, "The stateful decoder interface"):
+The contract an app codes against (docs/apple.md, "the stateful decoder interface"):
 
 - one function `main`;
 - inputs `input_ids` int32 `[1, T]` (T from 1 to `max_len`) and `position` int32 `[1]`, the

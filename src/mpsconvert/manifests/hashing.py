@@ -63,7 +63,8 @@ def folder_files(folder: Path, root: Path) -> dict[str, dict]:
     """Every file under `folder` -> {"sha256", "size"}, keyed by its path relative to `root`
     (how the manifest lists a package inside an artifact)."""
     out = {}
-    for p in sorted(Path(folder).rglob("*")):
+    root = Path(root).resolve()  # the package may come as an absolute path, the artifact as a relative one
+    for p in sorted(Path(folder).resolve().rglob("*")):
         if p.is_file():
             out[p.relative_to(root).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
     return out

@@ -25,6 +25,7 @@ from .. import devices, timing
 from ..errors import DataError, MpsconvertError, SourceError
 from ..progress import Progress, or_silent
 from . import metrics
+from .generate import cache_kwarg
 
 PEAK_NOTE = "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
 
@@ -110,12 +111,13 @@ class _CausalTimer:
         # what `generate` asks of a prefill: the last position's logits only
         self.keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
         self.step = torch.compile(model.forward, mode="reduce-overhead") if use_compile else model.forward
+        self.cache_kw = cache_kwarg(model, self.cache)
         self.prefill_rounds: list[list[float]] = []
         self.decode_rounds: list[list[float]] = []
 
     def _prefill(self):
         self.cache.reset()
-        return self.model(self.ids, past_key_values=self.cache, use_cache=True,
+        return self.model(self.ids, **cache_kwarg(self.model, self.cache), use_cache=True,
                           cache_position=torch.arange(self.t, device=self.dev), **self.keep).logits  # fmt: skip
 
     def round(self) -> None:
@@ -130,7 +132,7 @@ class _CausalTimer:
                 pos = torch.tensor([self.t + i], device=dev)
                 devices.synchronize(dev)
                 t0 = time.perf_counter()
-                out = self.step(tok, past_key_values=self.cache, use_cache=True, cache_position=pos).logits
+                out = self.step(tok, **self.cache_kw, use_cache=True, cache_position=pos).logits
                 tok = out[:, -1:].argmax(-1).clone()
                 devices.synchronize(dev)
                 if i >= skip:

@@ -1,0 +1,278 @@
+"""The artifact's model card (`README.md`): what the Hugging Face hub shows for the repo.
+
+Rendered from the manifest alone (plus config.json and the source's own card), so it is a pure
+function of the artifact: the same artifact gives the same bytes, and every number in it is the
+manifest's. YAML front matter first (`base_model`, `base_model_relation: quantized`,
+`library_name`, `tags`, the source's `license`, and an `mpsconvert` block with the figures),
+then what was done, the validation results once `validate` ran, how to load it, and the
+source's own card kept below a marker, attributed (its front matter folded into ours). The card
+is rewritten (atomically, its new sha256 in the manifest) by every step that changes what it
+says: validate, the Apple exports, calibration into the artifact, upload (which names the repo).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..atomic import write_text
+from .hashing import sha256_file
+from .layout import CONFIG_NAME
+from .manifest import Manifest
+
+CARD_NAME = "README.md"
+SOURCE_MARKER = "<!-- mpsconvert: the source model's own card follows, as it was -->"
+PROJECT_URL = "https://github.com/mpsconvert/mpsconvert"
+# keys of the source's front matter carried into ours (others describe the source, not the FP8 copy)
+_CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets")
+_FRONT = re.compile(r"\A---[ \t]*\r?\n(.*?)\r?\n---[ \t]*\r?\n?", re.S)
+_SCHEME_TEXT = {
+    "fp8-dynamic": "FP8 weights; activations quantized to FP8 per token at run time",
+    "fp8": "FP8 weights; activations quantized to FP8 with static per-tensor scales from calibration",
+    "fp8-weight-only": "FP8 weights; activations stay in 16-bit",
+}
+_GRANULARITY_TEXT = {"row": "one scale per output row (channel)", "tensor": "one scale per tensor",
+                     "block": "one scale per 128x128 block"}
+
+
+def split_front_matter(text: str) -> tuple[dict, str]:
+    """(front matter as a dict, the rest) of a card; a card without valid YAML front matter
+    gives ({}, the whole text). The source's card is untrusted: safe_load only."""
+    import yaml
+
+    m = _FRONT.match(text)
+    if not m:
+        return {}, text
+    try:
+        meta = yaml.safe_load(m.group(1))
+    except yaml.YAMLError:
+        return {}, text
+    return (meta if isinstance(meta, dict) else {}), text[m.end():]
+
+
+def source_card(text: str) -> tuple[dict, str]:
+    """(metadata to carry, the source's card body) from the card now in the artifact: the
+    source's as copied, or ours (then the part below our marker and the carried keys of our
+    front matter)."""
+    meta, body = split_front_matter(text)
+    if isinstance(meta.get("mpsconvert"), dict):  # ours
+        carried = {k: meta[k] for k in _CARRIED if k in meta}
+        return carried, body.split(SOURCE_MARKER, 1)[1].lstrip("\n") if SOURCE_MARKER in body else ""
+    return meta, body
+
+
+def _fmt(x, nd: int = 4):
+    return None if x is None else round(float(x), nd)
+
+
+def validation_figures(manifest: Manifest) -> list[dict]:
+    """One entry per recorded validate run (device, accuracy, speedups), as the card shows them."""
+    out = []
+    for key, run in sorted((manifest.extra.get("validation") or {}).items()):
+        a = run.get("accuracy") or {}
+        row = {"run": key, "device": run.get("device"), "scheme": run.get("scheme"), "kind": run.get("kind"),
+               "eval_data": run.get("eval_data"), "baseline": run.get("baseline")}
+        if run.get("kind") == "causal-lm":
+            row |= {"tokens": a.get("tokens"), "perplexity_bf16": _fmt(a.get("perplexity_bf16")),
+                    "perplexity_fp8": _fmt(a.get("perplexity_fp8")), "perplexity_delta_pct": _fmt(a.get("perplexity_delta_pct"), 3),
+                    "mean_kl": _fmt(a.get("mean_kl"), 6), "top1_agreement": _fmt(a.get("top1_agreement"))}
+        else:
+            row |= {"sentences": a.get("sentences"), "cosine_mean": _fmt(a.get("cosine_mean"), 6),
+                    "cosine_min": _fmt(a.get("cosine_min"), 6)}
+        for ph, v in sorted((run.get("speedup") or {}).items()):
+            row[f"{ph}_speedup"] = _fmt(v, 3)
+        out.append(row)
+    return out
+
+
+def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str | None) -> dict:
+    """The card's metadata, in a fixed order."""
+    src, recipe, s = manifest.source, manifest.recipe, manifest.summary
+    meta: dict = {}
+    # a hub source, or a folder in the HF cache layout (models--org--name/snapshots/<commit>): a hub model to point at
+    if src.get("id") and (src.get("kind") == "hub" or (src.get("commit") and "/" in src["id"])):
+        meta["base_model"] = src["id"]
+        meta["base_model_relation"] = "quantized"
+    meta["library_name"] = "transformers"
+    for k in _CARRIED:
+        if k in source_meta and source_meta[k] is not None:
+            meta[k] = source_meta[k]
+    if "license" not in meta and isinstance(config.get("license"), str):
+        meta["license"] = config["license"]
+    meta["tags"] = ["fp8", "float8_e4m3fn", "compressed-tensors", "mpsconvert", recipe["name"]]
+    if "coreml" in manifest.extra:
+        meta["tags"].append("coreml")
+    if "coreai" in manifest.extra:
+        meta["tags"].append("coreai")
+    figures = {
+        "scheme": recipe["name"],
+        "weights": recipe["weights"],
+        "activations": recipe.get("activations"),
+        "unquantized_dtype": recipe.get("unquantized_dtype"),
+        "source": src.get("id"),
+        "source_commit": src.get("commit"),
+        "tensors_quantized": s.get("tensors_quantized"),
+        "weight_bytes_before": s.get("weight_bytes_before"),
+        "weight_bytes_after": s.get("weight_bytes_after"),
+        "worst_sqnr_db": _fmt(s.get("worst_sqnr_db"), 2),
+        "validation": validation_figures(manifest),
+    }
+    if repo:
+        figures["repo"] = repo
+    meta["mpsconvert"] = {k: v for k, v in figures.items() if v is not None}
+    return meta
+
+
+def _human(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _what_was_done(manifest: Manifest) -> list[str]:
+    r, s, src = manifest.recipe, manifest.summary, manifest.source
+    where = f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+    kept = r.get("ignored_modules") or {}
+    lines = [
+        "## What was done", "",
+        f"mpsconvert {manifest.versions.get('mpsconvert')} converted {where} to FP8 (`float8_e4m3fn`) in the "
+        "compressed-tensors `float-quantized` format.", "",
+        "| | |", "|---|---|",
+        f"| scheme | `{r['name']}`: {_SCHEME_TEXT.get(r['name'], r['name'])} |",
+        f"| weight scales | {_GRANULARITY_TEXT.get(r['weights'], r['weights'])}; `scale = amax / 448`, values clamped to +-448 |",
+        f"| quantized | {s.get('tensors_quantized')} Linear weights |",
+        f"| weights | {_human(s.get('weight_bytes_before'))} -> {_human(s.get('weight_bytes_after'))} ({s.get('ratio')}x) |",
+    ]
+    if s.get("worst_sqnr_db") is not None:
+        lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
+    dtype = r.get("unquantized_dtype") or "the source's dtype"
+    lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {dtype} (no FP8 kernel applies to them)"
+                 + (f"; Linear: {', '.join(f'`{k}` ({v})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
+    cal = r.get("calibration")
+    if cal:
+        data = cal.get("data") or {}
+        lines.append(f"| calibration | {cal.get('num_samples')} x {cal.get('seq_len')} tokens of `{data.get('id')}` "
+                     f"(sha256 `{str(data.get('sha256'))[:12]}`), observer {cal.get('observer')}, on {cal.get('device')} |")
+    else:
+        lines.append("| calibration | none: data-free (weights only" + (", activations scaled per token at run time" if r.get("activations") == "token" else "") + ") |")
+    return lines + [""]
+
+
+def _validation(manifest: Manifest, name: str) -> list[str]:
+    runs = validation_figures(manifest)
+    lines = ["## Validation", ""]
+    if not runs:
+        return lines + [f"Not validated yet: `mpsconvert validate {name}` measures accuracy and latency against the BF16 "
+                        "source and rewrites this section.", ""]
+    causal = [r for r in runs if r["kind"] == "causal-lm"]
+    if causal:
+        lines += ["Against the BF16 source, same text, same device (`mpsconvert validate`):", "",
+                  "| device | tokens | perplexity BF16 | perplexity FP8 | delta | mean KL | top-1 agreement | prefill speedup | decode speedup |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in causal:
+            lines.append(f"| {r['run']} | {r['tokens']} | {r['perplexity_bf16']} | {r['perplexity_fp8']} | {r['perplexity_delta_pct']:+}% | "
+                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r.get('prefill_speedup'))} | {_x(r.get('decode_speedup'))} |")
+    enc = [r for r in runs if r["kind"] != "causal-lm"]
+    if enc:
+        lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
+        for r in enc:
+            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r.get('prefill_speedup'))} |")
+    data = sorted({str(r['eval_data']) for r in runs})
+    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run.", ""]
+
+
+def _x(v) -> str:
+    return "" if v is None else f"{v}x"
+
+
+def _is_causal(config: dict) -> bool:
+    return any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in config.get("architectures") or [])
+
+
+def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) -> list[str]:
+    ref = repo or name
+    causal = _is_causal(config)
+    auto = "AutoModelForCausalLM" if causal else "AutoModel"
+    lines = ["## How to load", "",
+             "transformers (with `pip install compressed-tensors`):", "", "```python",
+             f"from transformers import {auto}, AutoTokenizer", "",
+             f'model = {auto}.from_pretrained("{ref}", dtype="auto")',
+             f'tokenizer = AutoTokenizer.from_pretrained("{ref}")', "```", ""]
+    if causal:
+        lines += ["vLLM:", "", "```", f"vllm serve {ref}", "```", "",
+                  "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "", "```"]
+        if repo:
+            lines += [f"hf download {repo} --local-dir {name}"]
+        lines += [f'mpsconvert generate {name} "Hello"', f"mpsconvert chat {name}", "```", ""]
+    else:
+        lines += ["mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
+                  "```python", "import mpsconvert", "", f'model = mpsconvert.load("{name}")  # a transformers model with FP8 layers',
+                  "```", ""]
+    if "coreml" in manifest.extra:
+        rec = manifest.extra["coreml"]
+        lines += [f"Core ML: `{rec.get('package')}` ({rec.get('task')}, target {rec.get('minimum_deployment_target')}, "
+                  f"weights {rec.get('weights')}); in Swift, `MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
+    if "coreai" in manifest.extra:
+        rec = manifest.extra["coreai"]
+        lines += [f"Core AI: `{rec.get('asset')}` ({rec.get('task')}, native f8E4M3FN weights, needs {rec.get('minimum_os')})"
+                  + (f"; `mpsconvert generate {name} \"Hello\" --backend coreai` runs it with the Core AI runtime." if causal else "."), ""]
+    return lines
+
+
+def local_name(manifest: Manifest, repo: str | None) -> str:
+    """The folder name the card's commands use: the repo's name once uploaded, else
+    `<source name>-<scheme>` (quantize's default output): never the actual output folder, so
+    that the card, like every other file, depends only on the inputs."""
+    if repo:
+        return repo.split("/")[-1]
+    return f"{str(manifest.source.get('id') or 'model').rstrip('/').split('/')[-1]}-{manifest.recipe['name']}"
+
+
+def render(manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None) -> str:
+    """The whole card (deterministic: the same inputs give the same bytes)."""
+    import yaml
+
+    name = local_name(manifest, repo)
+    meta, body = source_card(source_text) if source_text else ({}, "")
+    src = manifest.source
+    title = f"{(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe['name']})"
+    parts = ["---", yaml.safe_dump(front_matter(manifest, config, meta, repo), sort_keys=False, allow_unicode=True).rstrip(), "---", "",
+             f"# {title}", "",
+             f"An FP8 copy of `{src.get('id')}` made with [mpsconvert]({PROJECT_URL}); it loads wherever compressed-tensors "
+             "FP8 checkpoints do (transformers, vLLM) and in mpsconvert's own runtime.", ""]
+    parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
+    if body.strip():
+        parts += ["## The source model's card", "",
+                  f"Below is the card of `{src.get('id')}` as its authors wrote it (its metadata is folded into the front matter above).",
+                  "", SOURCE_MARKER, "", body.rstrip()]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None) -> str:
+    """Write the card into `folder` atomically and record it in `manifest.files` (the caller
+    writes the manifest)."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    text = render(manifest, config, source_text, repo)
+    write_text(folder / CARD_NAME, text)
+    manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
+    manifest.files = dict(sorted(manifest.files.items()))
+    return text
+
+
+def refresh(folder: Path, repo: str | None = None) -> str:
+    """Re-render the card of an existing artifact (after validate, an export, an upload) and
+    record its new sha256 in the manifest, both atomically."""
+    from .layout import update_manifest
+
+    folder = Path(folder)
+    old = folder / CARD_NAME
+    text = old.read_text(encoding="utf-8", errors="replace") if old.is_file() else None
+    with update_manifest(folder) as m:
+        if repo is None:
+            repo = (m.extra.get("upload") or {}).get("repo")
+        return write(folder, m, text, repo)

@@ -1,0 +1,95 @@
+"""An artifact -> a Hugging Face hub repo, with huggingface_hub (`create_repo`, `upload_folder`).
+
+Where a model goes, as source.py is where it comes from. The artifact is verified first (every
+sha256 against the manifest: a damaged artifact is never published), the repo is created if it
+is not there (`private` as asked), and the whole folder goes up in one commit whose message
+names the scheme and the source commit. `HF_TOKEN` and `HF_ENDPOINT` are read when the upload
+runs (not when huggingface_hub was imported), and offline mode (`HF_HUB_OFFLINE`) is a one-line
+error before any request.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from . import __version__
+from .errors import UploadError
+from .manifests.manifest import Manifest
+
+_TRUE = {"1", "on", "yes", "true"}
+_REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def commit_message(manifest: Manifest) -> str:
+    """'FP8 fp8-dynamic (weights per row) of org/name@<commit>, by mpsconvert 0.1.0'."""
+    src, r = manifest.source, manifest.recipe
+    where = src.get("id") or "a local model"
+    where += f"@{src['commit']}" if src.get("commit") else (f"@{src['revision']}" if src.get("revision") else " (local, no commit)")
+    return f"FP8 {r['name']} (weights per {r['weights']}) of {where}, by mpsconvert {__version__}"
+
+
+def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str | None = None,
+                  revision: str | None = None) -> dict:
+    """Create `repo` (if absent) and upload every file of the artifact `folder` in one commit;
+    returns what api.UploadResult holds (repo, url, revision, commit, commit_message, private,
+    endpoint, files).
+
+    Raises:
+        UploadError: offline mode, no network, no (write) token, the hub refused it.
+        ArtifactError: `folder` is not an artifact.
+    """
+    folder = Path(folder)
+    manifest = Manifest.read(folder)
+    if offline():
+        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
+    import huggingface_hub as hf
+    from huggingface_hub import errors as hf_errors
+
+    endpoint = (os.environ.get("HF_ENDPOINT") or hf.constants.ENDPOINT).rstrip("/")
+    token = token or os.environ.get("HF_TOKEN") or None
+    api = hf.HfApi(endpoint=endpoint, token=token)
+    msg = commit_message(manifest)
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    try:
+        url = api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", revision=revision,
+                                 commit_message=msg, ignore_patterns=[".*", "**/.*"])
+    except hf_errors.OfflineModeIsEnabled as e:
+        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on", "unset HF_HUB_OFFLINE to upload") from e
+    except hf_errors.HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        first = str(e).splitlines()[0][:160]
+        fix = ("pass a write token (--token or HF_TOKEN)" if status in (401, 403)
+               else "check the repo name and your rights on it" if status in (404, 409) else "retry, or check the hub's status")
+        raise UploadError(f"the hub refused the upload to {repo} ({status}: {first})", fix) from e
+    except Exception as e:
+        if not _is_transport_error(e):
+            raise
+        raise UploadError(f"cannot reach {endpoint} to upload {repo} ({type(e).__name__}: {str(e)[:120]})",
+                          "check the network, or HF_ENDPOINT") from e
+    return dict(repo=repo, url=str(url), revision=revision or "main", commit=getattr(info, "oid", None), commit_message=msg,
+                private=private, endpoint=endpoint, files=files)
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    """A network failure (DNS, refused connection, TLS, timeout) from whichever HTTP client
+    huggingface_hub uses (its versions moved from requests to httpx and on): judged by the
+    exception's classes, not by importing a client."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return isinstance(e, (OSError, ConnectionError)) or bool(names & {"TransportError", "ConnectError", "TimeoutException",
+                                                                        "NetworkError", "ConnectionError", "Timeout"})
+
+
+def check_repo_id(repo: str) -> str:
+    """`name` or `org/name` as the hub accepts it, else a one-line error (before any work)."""
+    if not isinstance(repo, str) or not _REPO_ID.match(repo) or len(repo) > 96 or ".." in repo:
+        raise UploadError(f"{repo!r} is not a hub repo id", "use org/name (or your-user-name/name)")
+    return repo

@@ -1,0 +1,41 @@
+"""A missing optional dependency is one line naming the extra to install, exit 2, for every
+command that needs one (simulated by making the module unimportable)."""
+
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import mpsconvert
+from mpsconvert.cli import main
+
+from . import models
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    work = tmp_path_factory.mktemp("extras")
+    return mpsconvert.quantize(models.runtime_tiny_llama(work / "src"), work / "art").output
+
+
+def _missing(monkeypatch, *modules):
+    for m in modules:
+        monkeypatch.setitem(sys.modules, m, None)  # `import m` now raises ImportError, as when it is not installed
+
+
+@pytest.mark.parametrize("args, module, extra", [
+    (["export-coreml", "{art}"], "coremltools", "coreml"),
+    (["export-coreml", "{art}", "--check-only"], "coremltools", "coreml"),
+    (["export-coreai", "{art}"], "coreai.authoring", "coreai"),
+    (["export-coreai", "{art}", "--check-only"], "coreai.authoring", "coreai"),
+    (["quantize", "{src}", "-o", "{out}", "--coreml"], "coremltools", "coreml"),
+    (["quantize", "{src}", "-o", "{out}", "--coreai"], "coreai.authoring", "coreai"),
+])
+def test_missing_extra_is_one_line_and_exit_2(art, tmp_path, monkeypatch, args, module, extra):
+    _missing(monkeypatch, module, *(["coreai"] if module.startswith("coreai") else []))
+    args = [a.format(art=art, src=art.parent / "src", out=tmp_path / "out") for a in args]
+    res = CliRunner().invoke(main, args)
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert lines[0].startswith("error: ") and f"pip install 'mpsconvert[{extra}]'" in lines[0]
+    assert not (tmp_path / "out").exists()  # said before converting, nothing half-written

@@ -1,0 +1,99 @@
+"""Upload: every artifact file reaches a (local) hub with the right repo, revision and commit
+message, through huggingface_hub's own client; offline mode is one line."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import mpsconvert
+from mpsconvert.cli import main
+
+from . import models
+from .hub_server import FakeHub
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """huggingface_hub pointed at a local hub: endpoint and token from the environment (read at
+    upload time), offline mode off, the legacy LFS path (the local hub speaks no Xet)."""
+    import huggingface_hub.constants as c
+
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_local_test_token")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(c, "HF_HUB_DISABLE_XET", True)
+        yield hub
+
+
+def artifact_files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_upload_sends_every_file_in_one_commit(online, tmp_path):
+    src = models.runtime_tiny_llama(tmp_path / "src")
+    art = tmp_path / "llama-fp8"
+    mpsconvert.quantize(src, art)
+    res = CliRunner().invoke(main, ["upload", str(art), "me/llama-fp8", "--private", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert online.unknown == []
+    assert online.repos["me/llama-fp8"]["visibility"] == "private"
+    assert online.auth == {"Bearer hf_local_test_token"}
+    (commit,) = online.commits
+    assert commit["repo"] == "me/llama-fp8" and commit["revision"] == "main"
+    msg = commit["header"]["summary"]
+    assert msg == out["commit_message"] and "fp8-dynamic" in msg and "weights per row" in msg and "src" in msg
+    local = artifact_files(art)  # after the card was rewritten for the repo
+    assert commit["files"] == local and sorted(out["files"]) == sorted(local)
+    assert "model.safetensors" in local and "mpsconvert.json" in local and "README.md" in local
+    assert 'from_pretrained("me/llama-fp8"' in local["README.md"].decode()
+    assert mpsconvert.verify(art).ok  # the rewritten card is in the manifest with its new sha256
+
+
+def test_quantize_upload_repo_and_existing_repo(online, tmp_path):
+    src = models.runtime_tiny_llama(tmp_path / "src")
+    online.repos["me/again"] = {"name": "again"}  # already there: create_repo(exist_ok) carries on
+    res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/again"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    (commit,) = online.commits
+    assert commit["repo"] == "me/again" and set(commit["files"]) == set(artifact_files(tmp_path / "a"))
+    assert "uploaded" in res.output
+
+
+def test_offline_is_one_line_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = models.runtime_tiny_llama(tmp_path / "src")
+    res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/x"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "offline mode" in res.output, res.output
+    assert not (tmp_path / "a").exists()
+    art = mpsconvert.quantize(src, tmp_path / "b").output
+    res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
+    assert res.exit_code == 2 and "HF_HUB_OFFLINE" in res.output and res.output.count("\n") == 1, res.output
+    res = CliRunner().invoke(main, ["upload", str(art), "not a repo!"])
+    assert res.exit_code == 2 and "not a hub repo id" in res.output
+
+
+def test_a_damaged_artifact_is_not_uploaded(online, tmp_path):
+    art = mpsconvert.quantize(models.runtime_tiny_llama(tmp_path / "src"), tmp_path / "a").output
+    with open(art / "model.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\0\0\0\1")
+    res = CliRunner().invoke(main, ["upload", str(art), "me/broken"])
+    assert res.exit_code == 2 and "fails verification" in res.output, res.output
+    assert online.commits == [] and online.repos == {}
+
+
+def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
+    art = mpsconvert.quantize(models.runtime_tiny_llama(tmp_path / "src"), tmp_path / "a").output
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+    res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
+    assert res.exit_code == 2 and "cannot reach http://127.0.0.1:9" in res.output and res.output.count("\n") == 1, res.output
