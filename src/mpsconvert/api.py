@@ -173,6 +173,7 @@ def quantize(
     *,
     scheme: str = "fp8-dynamic",
     weights: str | None = None,
+    block_size: int | None = None,
     revision: str | None = None,
     token: str | None = None,
     ignore: list[str] | tuple[str, ...] = (),
@@ -192,7 +193,9 @@ def quantize(
         output: the artifact folder [default: `<name>-<scheme>` in the current folder].
         scheme: "fp8-dynamic" (per-token activations at run time), "fp8" (static activation
             scales from calibration) or "fp8-weight-only".
-        weights: weight scale granularity, "row" or "tensor" [default: the scheme's].
+        weights: weight scale granularity, "row", "tensor" or "block" [default: the scheme's;
+            for an FP8 source, the source's own, so its e4m3 codes are kept as they are].
+        block_size: the edge of square weight blocks for `weights="block"` [default: 128].
         revision: branch, tag or commit of a hub repo.
         token: Hugging Face token for gated or private repos (also for a calibration dataset).
         ignore: Linear modules kept unquantized (globs, `re:` regexes or name suffixes).
@@ -220,7 +223,9 @@ def quantize(
     """
     from .source import resolve
 
-    sch = Scheme.make(scheme, weights)
+    if block_size is not None and weights != "block":
+        raise MpsconvertError(f"--block-size {block_size} applies to block weights only", "add --weights block, or drop --block-size")
+    sch = Scheme.make(scheme, weights, block_size)
     if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
         raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {scheme})", "add --scheme fp8, or drop them")
     snap = resolve(str(source), revision=revision, token=token)

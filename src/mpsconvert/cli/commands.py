@@ -66,7 +66,10 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
                    "fp8: static per-tensor activation scales from calibration. "
                    "fp8-weight-only: activations stay BF16.")
 @click.option("--weights", type=click.Choice(api.WEIGHT_GRANULARITIES), default=None,
-              help="Weight scale granularity [default: row for fp8-dynamic/fp8-weight-only, tensor for fp8].")
+              help="Weight scale granularity: per row, per tensor, or per block (FP8_BLOCK, as the hub's FP8 releases) "
+                   "[default: row for fp8-dynamic/fp8-weight-only, tensor for fp8; an FP8 source's own].")
+@click.option("--block-size", type=click.IntRange(1, 4096), default=None,
+              help="With --weights block: the edge of the square weight blocks [default: 128].")
 @click.option("--revision", help="Branch, tag or commit of a hub repo [default: main].")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos.")
 @click.option("--ignore", multiple=True, metavar="PATTERN",
@@ -93,14 +96,14 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
                    "input [default: 2048, or the model's max_position_embeddings if smaller].")
 @click.option("--no-kv-cache", is_flag=True, help="With --coreml: the stateless input_ids -> logits form (no states).")
 @friendly_errors
-def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
+def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
              scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, **calib):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact."""
     coreml_opts = api.ExportOptions(seq_len=api.SeqLen.parse(coreml_seq_len), weights=coreml_weights, kv_cache=not no_kv_cache,
                                     max_len=max_len) if coreml else None
     coreai_opts = api.CoreAIOptions(max_len=max_len, compute=coreai_compute) if coreai else None
     with render.progress_bars() as progress:
-        res = api.quantize(source, output, scheme=scheme, weights=weights, revision=revision, token=token, ignore=list(ignore),
+        res = api.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
                            calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, coreai=coreai_opts,
                            progress=progress)

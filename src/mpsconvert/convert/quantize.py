@@ -162,7 +162,7 @@ def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) ->
     for h in headers.values():
         for name, info in h.tensors.items():
             if name in tensor_module:
-                total += math.prod(info.shape) + 4 * info.shape[0] + 8  # 1-byte codes + F32 scales
+                total += math.prod(info.shape) + 4 * math.prod(scheme.scale_shape(*info.shape[-2:])) + 8  # 1-byte codes + F32 scales
             else:
                 total += info.nbytes
         total += h.data_start
@@ -317,15 +317,16 @@ def _quantize_one(
     _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, **extra)
 
 
-def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, granularity: str, name: str,
+def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, scheme: Scheme, name: str,
                      done: Callable[[torch.Tensor, fp8.QuantStats], None]) -> None:
     """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
-    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks); then
-    `done(scale, stats)`, in order."""
+    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks; for block
+    scales each read is whole blocks of rows); then `done(scale, stats)`, in order."""
     elem = info.nbytes // max(1, math.prod(info.shape))
     row_bytes = k * elem
     start, nbytes = info.start + first_row * row_bytes, n * row_bytes
-    qz = fp8.StreamQuantizer(n, k, granularity, name)
+    qz = fp8.StreamQuantizer(n, k, scheme.weights, name, block=scheme.block_size)
+    align = row_bytes * (scheme.block or 1)
 
     def rows(buf: torch.Tensor) -> torch.Tensor:
         return buf.view(info.torch_dtype).view(-1, k)
@@ -336,7 +337,7 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
         finally:
             release()
 
-    blocks = sh.reader.blocks(start, nbytes, row_bytes)
+    blocks = sh.reader.blocks(start, nbytes, align)
     if qz.needs_observe and nbytes <= sh.reader.pool.nbytes:  # one block: read it once
         blocks = list(blocks)
         qz.observe(rows(blocks[0][0]))
@@ -346,7 +347,7 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
                 qz.observe(rows(buf))
             finally:
                 release()
-        blocks = sh.reader.blocks(start, nbytes, row_bytes)
+        blocks = sh.reader.blocks(start, nbytes, align)
     row = 0
     for buf, release in blocks:
         # The code buffer is taken here, not on the worker: only this thread ever waits for the
@@ -382,7 +383,7 @@ def _quantize_rows(
             record["input_scale"] = input_scale
         sh.records[out_name] = record
 
-    _quantize_matrix(sh, out_name, info, first_row, n, k, scheme.weights, out_name, done)
+    _quantize_matrix(sh, out_name, info, first_row, n, k, scheme, out_name, done)
 
 
 def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme) -> list:
@@ -434,11 +435,11 @@ def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, 
     scales, per_expert = [], []
 
     def expert_done(scale: torch.Tensor, stats: fp8.QuantStats) -> None:
-        scales.append(scale.reshape(-1, 1))
+        scales.append(scale if scheme.block else scale.reshape(-1, 1))
         per_expert.append(stats)
 
     for e in range(E):
-        _quantize_matrix(sh, name, info, e * N, N, K, scheme.weights, f"{name}[{e}]", expert_done)
+        _quantize_matrix(sh, name, info, e * N, N, K, scheme, f"{name}[{e}]", expert_done)
 
     def done() -> None:
         sh.writer.write(name + "_scale", torch.stack(scales).contiguous())
