@@ -60,7 +60,7 @@ class Scheme:
         """The scheme `name` with `weights` granularity, or the scheme's default one."""
         if name not in SCHEMES:
             raise _unknown_scheme(name)
-        return cls(name=name, weights=weights or DEFAULT_WEIGHTS[name], block_size=block_size or DEFAULT_BLOCK)
+        return cls(name=name, weights=weights or DEFAULT_WEIGHTS[name], block_size=DEFAULT_BLOCK if block_size is None else block_size)
 
     @property
     def block(self) -> int | None:
