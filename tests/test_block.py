@@ -18,7 +18,7 @@ from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.runtime import kernels
 from mpsconvert.scales import scale_shape
-from .models import tiny_moe_checkpoint
+from .models import group_quantized_activations, tiny_moe_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,15 +94,6 @@ def test_fp8_block_config_both_ways_and_parses_with_compressed_tensors():
         mpsconvert.quantize("unused", scheme="fp8-dynamic", weights="row", block_size=64)
 
 
-def group_fake_quant_hook(b: int):
-    def hook(mod, args):
-        x = args[0]
-        s = fp8.per_group_scale(x.float(), b).repeat_interleave(b, -1)[..., : x.shape[-1]]
-        return (fp8.fake_quantize(x, s),)
-
-    return hook
-
-
 def dequantized_reference(src, artifact, b: int, dynamic: bool, dtype=torch.float32):
     """The source model loaded from a copy of its checkpoint where every tensor the artifact
     holds in FP8 is our dequantization (codes x block scales), with each quantized Linear's
@@ -128,32 +119,8 @@ def dequantized_reference(src, artifact, b: int, dynamic: bool, dtype=torch.floa
     quantized = {k[: -len(".weight")] for k, v in art.items() if v.dtype == fp8.FP8_DTYPE}
     linears = {n for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear) and n in quantized}
     if dynamic:
-        for name in linears:
-            ref.get_submodule(name).register_forward_pre_hook(group_fake_quant_hook(b))
-        for mod in ref.modules():
-            if hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj") and not isinstance(mod, torch.nn.Linear):
-                mod.forward = _group_quantized_experts(mod, b)
+        group_quantized_activations(ref, linears, b)
     return ref, quantized
-
-
-def _group_quantized_experts(mod, b: int):
-    """A transformers 5 experts module's forward, each expert's inputs (hidden, then
-    act(gate) * up) rounded through e4m3 per token and group of b: written out here, one
-    expert at a time, independent of runtime/moe.py."""
-    def fq(x):
-        return group_fake_quant_hook(b)(None, (x,))[0]
-
-    def forward(hidden, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden)
-        for e in range(mod.gate_up_proj.shape[0]):
-            tok, slot = torch.where(top_k_index == e)
-            if tok.numel():
-                gate, up = (fq(hidden[tok]) @ mod.gate_up_proj[e].T).chunk(2, dim=-1)
-                y = fq(mod.act_fn(gate) * up) @ mod.down_proj[e].T
-                out.index_add_(0, tok, y * top_k_weights[tok, slot, None].to(y.dtype))
-        return out
-
-    return forward
 
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

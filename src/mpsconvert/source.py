@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import SourceError
+from .manifests.fp8_source import SourceFP8, source_fp8
 from .manifests.hashing import BackgroundHasher
 from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_FILE, is_plain_shard_name
 
@@ -48,6 +49,7 @@ class Snapshot:
     weight_files: list[str] = field(default_factory=list)  # safetensors files, in order
     weight_map: dict[str, str] = field(default_factory=dict)  # tensor name -> file
     config: dict = field(default_factory=dict)
+    fp8: SourceFP8 | None = None  # the layout of a source that is already FP8
     _hasher: BackgroundHasher | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -101,6 +103,7 @@ class Snapshot:
             "revision": self.revision,
             "commit": self.commit,
             "path": str(self.path) if self.kind == "local" else None,
+            **({"fp8": self.fp8.as_dict()} if self.fp8 else {}),
         }
 
 
@@ -179,9 +182,8 @@ def _inventory(snap: Snapshot) -> Snapshot:
         raise SourceError(f"{cfg} is not valid JSON ({e})", "fix or re-download config.json") from e
     if not isinstance(snap.config, dict):
         raise SourceError(f"{cfg} is not a JSON object", "fix or re-download config.json")
-    if "quantization_config" in snap.config:
-        qm = snap.config["quantization_config"].get("quant_method", "?")
-        raise SourceError(f"{p} is already quantized ({qm})", "convert the original BF16/FP16/FP32 checkpoint instead")
+    if "quantization_config" in snap.config:  # FP8 already: kept as it is (fp8_source), anything else refused
+        snap.fp8 = source_fp8(snap.config["quantization_config"], str(snap.repo_id or p))
 
     index = p / INDEX_NAME
     if index.is_file():

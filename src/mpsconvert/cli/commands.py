@@ -61,10 +61,11 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @main.command()
 @click.argument("source")
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), help="Output folder [default: <name>-<scheme>].")
-@click.option("--scheme", type=click.Choice(api.SCHEMES), default="fp8-dynamic", show_default=True,
+@click.option("--scheme", type=click.Choice(api.SCHEMES), default=None,
               help="fp8-dynamic: FP8 weights, activations quantized per token at run time. "
                    "fp8: static per-tensor activation scales from calibration. "
-                   "fp8-weight-only: activations stay BF16.")
+                   "fp8-weight-only: activations stay BF16. [default: fp8-dynamic; for an FP8 source, its own scheme, "
+                   "its codes kept as they are]")
 @click.option("--weights", type=click.Choice(api.WEIGHT_GRANULARITIES), default=None,
               help="Weight scale granularity: per row, per tensor, or per block (FP8_BLOCK, as the hub's FP8 releases) "
                    "[default: row for fp8-dynamic/fp8-weight-only, tensor for fp8; an FP8 source's own].")
@@ -109,6 +110,8 @@ def quantize(source, output, scheme, weights, block_size, revision, token, ignor
                            progress=progress)
     if res.calibration is not None:
         render.calibration(res.calibration)
+    for w in res.warnings:
+        render.warn(w)
     render.quantize_summary(res, as_json)
     if res.coreml is not None:
         render.coreml_export(res.coreml, as_json)

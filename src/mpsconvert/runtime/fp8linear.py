@@ -60,7 +60,8 @@ class FP8Linear(nn.Module):
         n, k = weight.shape
         if is_block_scale(weight_scale, n) and block is None:
             raise ValueError(f"a {list(weight_scale.shape)} block scale needs its block size")
-        weights = "block" if is_block_scale(weight_scale, n) else "tensor" if weight_scale.numel() == 1 else "row"
+        # with `block`, a [1, 1] scale is still one block (and its activations are per group)
+        weights = "block" if block else "tensor" if weight_scale.numel() == 1 else "row"
         mod = cls(k, n, weights=weights, activations=activations, bias=bias is not None, dtype=dtype, device="meta", block=block)
         mod.weight = weight
         mod.weight_scale = weight_scale.float().reshape(mod.weight_scale.shape).contiguous()
