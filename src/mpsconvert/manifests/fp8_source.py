@@ -58,11 +58,13 @@ def source_fp8(qc, where: str) -> SourceFP8:
         return _fine_grained(qc, where)
     if method == "compressed-tensors":
         if qc.get("format") != "float-quantized":
-            raise _refuse(f"{where} is compressed-tensors {qc.get('format')!r}: only float-quantized FP8 sources can be used")
+            raise _refuse(f"{where} is already quantized (compressed-tensors {qc.get('format')!r}): only float-quantized FP8 "
+                          "sources can be used as they are")
         try:
             scheme = scheme_from_config(qc)
         except Exception as e:  # ArtifactError: which field and why
-            raise _refuse(f"{where} is compressed-tensors but not an FP8 layout mpsconvert reads ({getattr(e, 'problem', e)})") from None
+            raise _refuse(f"{where} is already quantized (compressed-tensors), not in an FP8 layout mpsconvert reads "
+                          f"({getattr(e, 'problem', e)})") from None
         return SourceFP8(COMPRESSED_TENSORS, scheme, "weight_scale", list(qc.get("ignore") or []), qc)
     raise _refuse(f"{where} is already quantized ({method or '?'}); only FP8 sources (FineGrainedFP8, compressed-tensors "
                   "float-quantized) can be used as they are")
