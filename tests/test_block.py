@@ -4,7 +4,6 @@ against our own dequantized reference."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
