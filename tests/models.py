@@ -275,7 +275,7 @@ def tiny_artifact(work: Path, name: str, build, scheme=None) -> Path:
         build(src)
     art = work / f"art-{name}"
     if not art.exists():
-        mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights)
+        mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights, block_size=scheme.block)
     return art
 
 

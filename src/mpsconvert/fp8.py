@@ -325,6 +325,32 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return w.mul_(expand_block_scale(scale, n, k, block)).to(dtype)
 
 
+def tile_scale(scale: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """A block scale [ceil(N/b), ceil(K/b)] as tiles that divide the weight exactly: [N/gn, K/gk]
+    with gn = gcd(N, b), gk = gcd(K, b) (the scale itself when b divides both). Exporters that
+    need a scale tiling the weight (Core AI's blockwise_shift_scale, per-tile LUTs) take this:
+    the same multiplier for every weight, partial edge blocks included."""
+    gn, gk = math.gcd(n, block), math.gcd(k, block)
+    s = scale.float().reshape(blocks(n, block), blocks(k, block))
+    if gn == block and gk == block:
+        return s
+    return s.repeat_interleave(block // gn, 0)[: n // gn].repeat_interleave(block // gk, 1)[:, : k // gk].contiguous()
+
+
+def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8 codes [N, K] times a scale that tiles them exactly ([1], [N, 1], or [N/tn, K/tk] as
+    `tile_scale` gives): unambiguous without a block size, unlike a block scale with partial edges."""
+    n, k = q.shape
+    if not is_block_scale(scale, n):
+        return dequantize(q, scale, dtype)
+    rn, rk = scale.shape
+    if n % rn or k % rk:
+        raise ValueError(f"a {list(scale.shape)} scale does not tile a {n}x{k} weight")
+    w = fp8_to_float(q)
+    w.view(rn, n // rn, rk, k // rk).mul_(scale.float().view(rn, 1, rk, 1))
+    return w.to(dtype)
+
+
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Round-trip x through e4m3 with a given dequant scale (for simulated activations)."""
     return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale).to(x.dtype)
