@@ -201,9 +201,9 @@ def test_kernels_for_block_layers():
     assert kernels.candidates("cuda", "group", "block", "decode", 64) == ["dequant", "bf16"]  # scaled_mm takes 128 only
     assert kernels.candidates("mps", None, "block", "decode", 128) == ["dequant", "bf16"]
     # the layout torch._scaled_mm's 128x128 scaling wants for w.T: [ceil(K/128), ceil(N/128)], rows padded to 4
-    ws = torch.arange(6, dtype=torch.float32).reshape(3, 2)
-    t = kernels.blockwise_weight_scale(ws)
-    assert t.shape == (2, 3) and t.stride() == (4, 1) and torch.equal(t, ws.t())
+    ws = torch.arange(1, 7, dtype=torch.float32).reshape(3, 2)  # N/128 = 3, K/128 = 2
+    t = kernels.blockwise_weight_scale(ws)  # the layout F.scaled_mm's BlockWise128x128 accepted on an H200
+    assert t.shape == (4, 3) and t.stride() == (1, 4) and torch.equal(t[:2], ws.t()) and not t[2:].any()
     # per-group activation quantization: the codes times their group's scale round-trip within e4m3
     x = torch.randn(3, 300)
     xq, xs = kernels.group_quantize(x, 128)

@@ -82,12 +82,14 @@ def scaled_mm_tensor(mod, x, quantized=None):
 
 
 def blockwise_weight_scale(ws: torch.Tensor) -> torch.Tensor:
-    """A weight's block scale [ceil(N/128), ceil(K/128)] in the layout `torch._scaled_mm` wants
-    for its second operand (w.T, [K, N]): [ceil(K/128), ceil(N/128)], rows padded to 4 floats."""
+    """A weight's block scale [ceil(N/128), ceil(K/128)] in the layout `F.scaled_mm`'s
+    BlockWise128x128 takes for its second operand (w.T, [K, N]), as probed on an H200 with
+    torch 2.11 (benchmarks/probe_blockwise2.py): [round_up(ceil(K/128), 4), ceil(N/128)],
+    column-major (stride (1, rows)), the padding rows zero."""
     rn, rk = ws.shape
-    buf = torch.zeros(rk, -(-rn // 4) * 4, dtype=torch.float32, device=ws.device)
-    buf[:, :rn] = ws.t()
-    return buf[:, :rn]
+    buf = torch.zeros(rn, -(-rk // 4) * 4, dtype=torch.float32, device=ws.device)
+    buf[:, :rk] = ws
+    return buf.t()
 
 
 def group_quantize(x: torch.Tensor, group: int):
@@ -107,9 +109,15 @@ def _group_dequantize(xq: torch.Tensor, xs: torch.Tensor, group: int, dtype: tor
 
 
 def scaled_mm_block(mod, x, quantized=None):
+    """FP8_BLOCK's GEMM: `F.scaled_mm` BlockWise1x128 (activations, scale [M, K/128]
+    outer-dim-major) x BlockWise128x128 (weights, as `blockwise_weight_scale` lays them out).
+    torch 2.11 refuses M=1 with these recipes, so a few rows are padded to 16 (zeros)."""
+    m = x.shape[0]
+    if m < 16:
+        x = F.pad(x, (0, 0, 0, 16 - m))
     xq, xs = quantized if quantized is not None else group_quantize(x, SCALED_MM_BLOCK)
-    # scale_a must be "outer-dim major" ([M, K/128] with stride (1, M)), scale_b as prepared
-    y = torch._scaled_mm(xq, mod.weight.t(), scale_a=xs.t().contiguous().t(), scale_b=mod.scale_blocks_t, out_dtype=x.dtype)
+    y = F.scaled_mm(xq, mod.weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, mod.scale_blocks_t,
+                    F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
     return y + mod.bias if mod.bias is not None else y
 
 
