@@ -9,7 +9,9 @@ import os
 from pathlib import Path
 
 CACHE = Path(os.environ.get("MPSCONVERT_BENCH_CACHE", Path.home() / ".cache" / "mpsconvert-bench"))
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared/data beside the checkout (also from a worktree nested inside one)
+DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),
+            Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def _package_dir(name: str) -> Path:

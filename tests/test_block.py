@@ -4,6 +4,7 @@ against our own dequantized reference."""
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -210,3 +211,46 @@ def test_kernels_for_block_layers():
     assert xs.shape == (3, 3) and xq.shape == (3, 300)
     back = xq.float() * xs.repeat_interleave(128, 1)[:, :300]
     assert (back - x).abs().max() <= x.abs().max() / 16
+
+
+def test_static_activations_with_block_weights_calibrated_from_source_and_into_a_block_artifact(tiny_models, tmp_path):
+    """Calibration works on block weights: static per-tensor input scales beside 128x128-style
+    block weight scales (compressed-tensors' format allows it; vLLM serves block weights only
+    with dynamic per-group activations). Both ways: `quantize --scheme fp8 --weights block` of a
+    source, and `calibrate` into an fp8-dynamic block artifact (its block scales kept)."""
+    from transformers import AutoModelForCausalLM
+
+    from .models import SHARED_DATA, calib_tiny_llama
+
+    calib = SHARED_DATA / "wiki_calib.jsonl"
+    if not calib.is_file():
+        pytest.skip(f"{calib} not present")
+    opts = mpsconvert.calibration_options(data=str(calib), num_samples=3, seq_len=32)
+    src = calib_tiny_llama(tmp_path / "src")  # with a tokenizer, for the calibration text
+    out = tmp_path / "static"
+    man = mpsconvert.quantize(src, out, scheme="fp8", weights="block", block_size=16, calibration=opts).manifest
+    g = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert g["weights"]["strategy"] == "block" and g["input_activations"] == {**g["input_activations"], "strategy": "tensor", "dynamic": False}
+    assert man.recipe["block_size"] == 16 and man.recipe["activations"] == "tensor"
+    sd = load_file(out / "model.safetensors")
+    ref, quantized = dequantized_reference(src, out, 16, dynamic=False)
+    for name in quantized:  # the static scheme: each input through e4m3 with its calibrated scale
+        s = sd[name + ".input_scale"]
+        ref.get_submodule(name).register_forward_pre_hook(lambda m, a, s=s: (fp8.fake_quantize(a[0], s),))
+    want = _logits(ref)
+    scale = want.abs().max()
+    for model in (AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), mpsconvert.load(out, device="cpu", dtype=torch.float32)):
+        got = _logits(model)
+        assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
+
+    dyn = tmp_path / "dyn"
+    mpsconvert.quantize(src, dyn, weights="block", block_size=16)
+    before = load_file(dyn / "model.safetensors")
+    mpsconvert.calibrate(dyn, options=opts)
+    after = load_file(dyn / "model.safetensors")
+    g = json.loads((dyn / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert g["weights"]["block_structure"] == [16, 16] and g["input_activations"]["strategy"] == "tensor"
+    for k, v in before.items():  # codes and block scales untouched; input scales added
+        assert torch.equal(v.view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else v, after[k].view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else after[k])
+    assert sum(k.endswith(".input_scale") for k in after) == 14
+    mpsconvert.load(dyn, device="cpu")

@@ -74,6 +74,7 @@ def dequantized_snapshot(artifact: Path):
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     dtypes = {name: rec.get("source_dtype", "BF16") for name, rec in manifest.tensors.items()}
+    block = scheme_from_config(json.loads((artifact / CONFIG_NAME).read_text(encoding="utf-8")).get("quantization_config") or {}).block
     st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     tmp = Path(tempfile.mkdtemp(prefix="mpsconvert-calib-"))
     try:
@@ -86,7 +87,7 @@ def dequantized_snapshot(artifact: Path):
                         continue
                     t = sf.get_tensor(k)
                     if t.dtype == fp8.FP8_DTYPE and k + "_scale" in keys:
-                        t = fp8.dequantize(t, sf.get_tensor(k + "_scale"), st_dtype.get(dtypes.get(k, "BF16"), torch.bfloat16))
+                        t = fp8.dequantize(t, sf.get_tensor(k + "_scale"), st_dtype.get(dtypes.get(k, "BF16"), torch.bfloat16), block)
                     tensors[k] = t
             save_file(tensors, str(tmp / f), metadata={"format": "pt"})
         if (artifact / INDEX_NAME).is_file():
@@ -111,7 +112,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
     config = json.loads((artifact / CONFIG_NAME).read_text(encoding="utf-8"))
     qc = config.get("quantization_config") or {}
     old = scheme_from_config(qc)
-    scheme = Scheme(name="fp8", weights=old.weights)
+    scheme = Scheme(name="fp8", weights=old.weights, block_size=old.block_size)  # block weights stay blocks
     weight_of = {name: rec["module"] for name, rec in manifest.tensors.items()}
     missing = sorted(set(weight_of.values()) - set(cal.scales))
     if missing:
