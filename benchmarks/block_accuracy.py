@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 import _sources  # noqa: E402
+from calibration_accuracy import perplexity  # noqa: E402
 
 import mpsconvert  # noqa: E402
 
@@ -50,16 +50,6 @@ def windows(src: Path, n: int, seq: int = 512) -> list[torch.Tensor]:
     return [torch.tensor([ids[i : i + seq]]) for i in range(0, min(len(ids) - seq, n * seq), seq)]
 
 
-def perplexity(model, wins) -> float:
-    nll = n = 0.0
-    with torch.no_grad():
-        for x in wins:
-            logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-            n += x.shape[1] - 1
-    return math.exp(nll / n)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=16)
@@ -74,7 +64,7 @@ def main():
     t0 = time.perf_counter()
     src = _sources.smollm2()
     wins = windows(src, args.windows)
-    base = perplexity(transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval(), wins)
+    base = perplexity(src, wins)
     rows = [{"variant": "bf16 (source)", "ppl": base, "delta_pct": 0.0}]
     print(json.dumps(rows[-1]), flush=True)
     with tempfile.TemporaryDirectory(prefix="block-acc-") as work:
