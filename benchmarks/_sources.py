@@ -23,7 +23,9 @@ def _per_run_cache() -> Path:
 
 
 CACHE = Path(os.environ["MPSCONVERT_BENCH_CACHE"]) if os.environ.get("MPSCONVERT_BENCH_CACHE") else _per_run_cache()
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared/data beside the checkout (also from a worktree nested inside one)
+DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),
+            Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def _package_dir(name: str) -> Path:

@@ -72,10 +72,11 @@ def lm_windows(tok, windows: int, seq: int = 512) -> list[torch.Tensor]:
     return [torch.tensor([ids[i : i + seq]]) for i in range(0, min(len(ids) - seq, windows * seq), seq)]
 
 
-def perplexity(path: Path, wins) -> float:
+def perplexity(path: Path | torch.nn.Module, wins) -> float:
+    """Perplexity over the windows, of a model folder (transformers, BF16) or a loaded model."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = path if isinstance(path, torch.nn.Module) else AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     nll = n = 0.0
     with torch.no_grad():
         for x in wins:

@@ -25,7 +25,11 @@ bandwidth measured at the start of the run. Kernel, Triton and HF caches live in
 folder of this run, so that nothing a warm machine kept can hide a cost.
 
     python benchmarks/model_latency.py [--arch llama|mixtral] [--layers 32] [--prefill 2048]
-        [--variants bf16,ours,ct,ct-opt] [--work DIR] [--json out.json] [--budget SECONDS]
+        [--variants bf16,ours,ct,ct-opt] [--weights row,block] [--work DIR] [--json out.json] [--budget SECONDS]
+
+`--weights row,block` quantizes one artifact per weight granularity (`--weights block`: 128x128
+block scales, FP8_BLOCK) and times each variant that reads the artifact on each of them: the
+first granularity under the variant's own name, the others as `<variant>@<granularity>`.
 """
 
 from __future__ import annotations
@@ -104,11 +108,11 @@ def build_checkpoint(cfg, folder: Path, device) -> dict:
             "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}  # fmt: skip
 
 
-def quantize(src: Path, out: Path) -> dict:
+def quantize(src: Path, out: Path, weights: str = "row") -> dict:
     t = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "mpsconvert.cli", "quantize", str(src), "-o", str(out), "--force", "--json"],
-                       env=env, capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "mpsconvert.cli", "quantize", str(src), "-o", str(out), "--force", "--json",
+                        "--weights", weights], env=env, capture_output=True, text=True)  # fmt: skip
     if r.returncode != 0:
         raise RuntimeError(f"mpsconvert quantize failed: {r.stderr[-2000:]}")
     return {"seconds": round(time.perf_counter() - t, 1), "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
@@ -297,7 +301,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
     from transformers import StaticCache
 
     row: dict = {}
-    if name.endswith("-cold"):  # the files from disk, not the page cache (root on the device machine)
+    if name.partition("@")[0].endswith("-cold"):  # the files from disk, not the page cache (root on the device machine)
         try:
             os.sync()
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -319,7 +323,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
     total, emb = weight_bytes(model)
     row["weight_bytes"] = total
     log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"))
-    if name.endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
+    if name.partition("@")[0].endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
         del model
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -439,6 +443,7 @@ def loaders(name: str, src: Path, art: Path, device, args):
 
     if name in ("bf16", "bf16-cold"):
         return lambda: transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
+    name = name.partition("@")[0]  # the artifact is chosen by the caller
     if name in ("ours", "ours-warm", "ours-cold", "ours-fusedgemm"):
         from mpsconvert.runtime import fuse, load
 
@@ -475,6 +480,7 @@ def main(argv=None):
     ap.add_argument("--decode", type=int, default=32, help="decode steps timed")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--variants", default="bf16,ours,ours-warm,ct-opt,ct")
+    ap.add_argument("--weights", default="row", help="weight granularities to quantize and time, comma-separated (row, tensor, block)")
     ap.add_argument("--work", help="folder for the checkpoints (kept; reused when it holds them)")
     ap.add_argument("--json", help="write the results here (also after each variant)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which compiled phases are skipped")
@@ -485,7 +491,10 @@ def main(argv=None):
     device = torch.device(args.device)
     deadline = T0 + args.budget
     work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
-    src, art = work / f"{args.arch}-{layers}-bf16", work / f"{args.arch}-{layers}-fp8"
+    src = work / f"{args.arch}-{layers}-bf16"
+    grains = args.weights.split(",")
+    arts = {w: work / (f"{args.arch}-{layers}-fp8" + ("" if w == "row" else f"-{w}")) for w in grains}
+    art = arts[grains[0]]
     import transformers
 
     report = {"env": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -506,9 +515,10 @@ def main(argv=None):
     if not (src / "config.json").is_file():
         report["build"] = build_checkpoint(config_for(args.arch, layers), src, device)
         log("built", report["build"])
-    if not (art / "mpsconvert.json").is_file():
-        report["quantize"] = quantize(src, art)
-        log("quantized", report["quantize"])
+    for w, a in arts.items():
+        if not (a / "mpsconvert.json").is_file():
+            report["quantize" if w == grains[0] else f"quantize@{w}"] = quantize(src, a, w)
+            log(f"quantized ({w})", report["quantize" if w == grains[0] else f"quantize@{w}"])
     if device.type == "cuda":
         try:
             report["kernel_checks"] = kernel_checks(device)
@@ -520,10 +530,15 @@ def main(argv=None):
     log(f"device-to-device copy: {report['copy_bandwidth_Bps'] / 1e12:.2f} TB/s")
     save()
     results = report["results"] = {}
+    runs = []
     for name in args.variants.split(","):
+        on_artifact = name.startswith(("ours", "ct"))
+        runs += [(name if i == 0 else f"{name}@{w}", arts[w]) for i, w in enumerate(grains)] if on_artifact else [(name, art)]
+    for name, variant_art in runs:
         log(f"== {name}")
         try:
-            results[name] = time_model(name, loaders(name, src, art, device, args), args, device, deadline, report["copy_bandwidth_Bps"])
+            results[name] = time_model(name, loaders(name, src, variant_art, device, args), args, device, deadline,
+                                       report["copy_bandwidth_Bps"])
         except Exception as e:  # one variant failing must not cost the others' numbers
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}

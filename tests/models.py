@@ -275,7 +275,7 @@ def tiny_artifact(work: Path, name: str, build, scheme=None) -> Path:
         build(src)
     art = work / f"art-{name}"
     if not art.exists():
-        mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights)
+        mpsconvert.quantize(src, art, scheme=scheme.name, weights=scheme.weights, block_size=scheme.block)
     return art
 
 
@@ -289,3 +289,103 @@ def resign(folder: Path, *names: str) -> None:
         p = Path(folder) / n
         m["files"][n] = {"sha256": sha256_file(p), "size": p.stat().st_size}
     (Path(folder) / "mpsconvert.json").write_text(json.dumps(m, indent=2))
+
+
+def tiny_qwen3(path: Path, dtype=torch.bfloat16, seed: int = 5) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # random init is ~N(0, 0.02): widen it so FP8 error is visible in the logits
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.08)
+    return _save(model, path, dtype)
+
+
+def to_fine_grained_fp8(src: Path, dst: Path, block: int = 128) -> Path:
+    """A saved BF16 model rewritten in transformers' FineGrainedFP8 layout, as DeepSeek-V3 and the
+    Qwen3 -FP8 releases ship: every Linear weight but lm_head and MoE routers as F8_E4M3 with
+    `<m>.weight_scale_inv` F32 [ceil(N/b), ceil(K/b)] (a dequant multiplier: amax / 448 of each
+    block), everything else as it was. Written out here, block by block, independent of
+    mpsconvert's own quantizer."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    out = {}
+    for key, t in load_file(str(src / "model.safetensors")).items():
+        linear = key.endswith("_proj.weight") or key.endswith((".w1.weight", ".w2.weight", ".w3.weight"))
+        if t.ndim != 2 or not linear:
+            out[key] = t
+            continue
+        n, k = t.shape
+        codes = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        inv = torch.empty(-(-n // block), -(-k // block), dtype=torch.float32)
+        for i in range(0, n, block):
+            for j in range(0, k, block):
+                blk = t[i : i + block, j : j + block].float()
+                s = max(float(blk.abs().max()) / 448.0, 1e-12)
+                inv[i // block, j // block] = s
+                codes[i : i + block, j : j + block] = (blk / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[key], out[key + "_scale_inv"] = codes, inv
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def group_quantized_activations(model, linears, b: int):
+    """Make `model` compute as an FP8_BLOCK artifact does: the input of each Linear in `linears`,
+    and of every transformers 5 experts module's experts, rounded through e4m3 per token and
+    group of b features (written out here, independent of mpsconvert's runtime)."""
+    for name in linears:
+        model.get_submodule(name).register_forward_pre_hook(group_fake_quant_hook(b))
+    for mod in model.modules():
+        if hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj") and not isinstance(mod, torch.nn.Linear):
+            mod.forward = _group_quantized_experts(mod, b)
+    return model
+
+
+def group_fake_quant_hook(b: int):
+    def hook(mod, args):
+        x = args[0]
+        s = _group_scale(x.float(), b).repeat_interleave(b, -1)[..., : x.shape[-1]]
+        return (((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(x.dtype),)
+
+    return hook
+
+
+
+def _group_scale(x: torch.Tensor, b: int) -> torch.Tensor:
+    k = x.shape[-1]
+    a = torch.nn.functional.pad(x.abs(), (0, -k % b)).view(*x.shape[:-1], -1, b)
+    return (a.amax(dim=-1) / 448.0).clamp(min=1e-12)
+
+
+def _group_quantized_experts(mod, b: int):
+    """A transformers 5 experts module's forward, each expert's inputs (hidden, then
+    act(gate) * up) rounded through e4m3 per token and group of b: written out here, one
+    expert at a time, independent of runtime/moe.py."""
+    def fq(x):
+        return group_fake_quant_hook(b)(None, (x,))[0]
+
+    def forward(hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(mod.gate_up_proj.shape[0]):
+            tok, slot = torch.where(top_k_index == e)
+            if tok.numel():
+                gate, up = (fq(hidden[tok]) @ mod.gate_up_proj[e].T).chunk(2, dim=-1)
+                y = fq(mod.act_fn(gate) * up) @ mod.down_proj[e].T
+                out.index_add_(0, tok, y * top_k_weights[tok, slot, None].to(y.dtype))
+        return out
+
+    return forward
+
+

@@ -94,13 +94,15 @@ class QuantizeResult:
     coreai: CoreAIResult | None = None  # when a Core AI asset was exported too
     manifest_sha256: str | None = None  # of the manifest file as written: pin it (`verify --manifest-sha256`)
     upload: UploadResult | None = None  # when it was published to the hub too
+    warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
 
     @property
     def summary(self) -> dict:
         return self.manifest.summary
 
     def as_dict(self) -> dict:
-        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256}
+        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256,
+                **({"warnings": self.warnings} if self.warnings else {})}
 
 
 @dataclass
@@ -175,8 +177,9 @@ def quantize(
     source: str | Path,
     output: str | Path | None = None,
     *,
-    scheme: str = "fp8-dynamic",
+    scheme: str | None = None,
     weights: str | None = None,
+    block_size: int | None = None,
     revision: str | None = None,
     token: str | None = None,
     ignore: list[str] | tuple[str, ...] = (),
@@ -198,8 +201,11 @@ def quantize(
         source: a hub repo id (downloaded with huggingface_hub into its cache) or a local folder.
         output: the artifact folder [default: `<name>-<scheme>` in the current folder].
         scheme: "fp8-dynamic" (per-token activations at run time), "fp8" (static activation
-            scales from calibration) or "fp8-weight-only".
-        weights: weight scale granularity, "row" or "tensor" [default: the scheme's].
+            scales from calibration) or "fp8-weight-only" [default: fp8-dynamic; for an FP8
+            source (FineGrainedFP8 or compressed-tensors), the source's own, its codes kept].
+        weights: weight scale granularity, "row", "tensor" or "block" [default: the scheme's;
+            for an FP8 source, the source's own, so its e4m3 codes are kept as they are].
+        block_size: the edge of square weight blocks for `weights="block"` [default: 128].
         revision: branch, tag or commit of a hub repo.
         token: Hugging Face token for gated or private repos (also for a calibration dataset).
         ignore: Linear modules kept unquantized (globs, `re:` regexes or name suffixes).
@@ -242,7 +248,9 @@ def quantize(
             raise UploadError(f"--upload-repo {upload_repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
                               "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
 
-    sch = Scheme.make(scheme, weights)
+    if block_size is not None and weights != "block":
+        raise MpsconvertError(f"--block-size {block_size} applies to block weights only", "add --weights block, or drop --block-size")
+    sch = Scheme.make(scheme or "fp8-dynamic", weights, block_size)
     from .extras import require
 
     if coreml is not None:  # a missing extra is said before the conversion, not after it
@@ -250,16 +258,19 @@ def quantize(
     if coreai is not None:
         require("coreai.authoring", "coreai", "Core AI export (--coreai)")
     if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
-        raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {scheme})", "add --scheme fp8, or drop them")
+        raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {sch.name})", "add --scheme fp8, or drop them")
     snap = resolve(str(source), revision=revision, token=token)
     snap.start_hashing()  # before torch and transformers load: the hashing overlaps those seconds
-    from .convert.quantize import Options, quantize_snapshot
+    from .convert.quantize import Options, check_fp8_source, quantize_snapshot
 
-    out = Path(output) if output is not None else default_output(snap.repo_id or snap.path.name, scheme)
+    if snap.fp8 is not None and scheme is None and weights is None:
+        sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
+    check_fp8_source(snap, sch)
+    out = Path(output) if output is not None else default_output(snap.repo_id or snap.path.name, sch.name)
     opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
                    dtype=dtype)
     cal = None
-    if sch.needs_calibration:
+    if sch.needs_calibration and not (snap.fp8 is not None and sch == snap.fp8.scheme):  # a static FP8 source brings its scales
         if scales_file is not None:
             from .calibrate.artifact import load_scales
 
@@ -274,6 +285,13 @@ def quantize(
         opts.device = opts.calibration.get("device", opts.device)
     manifest = quantize_snapshot(snap, out, opts, progress)
     result = QuantizeResult(output=out, manifest=manifest, calibration=cal)
+    if snap.fp8 is not None and sch != snap.fp8.scheme:
+        sqnrs = sorted(r["sqnr_db"] for r in manifest.tensors.values() if r.get("sqnr_db") is not None)
+        measured = (f"round-trip SQNR against the source: worst {sqnrs[0]:.1f} dB, median {sqnrs[len(sqnrs) // 2]:.1f} dB"
+                    if sqnrs else "round-trip SQNR: exact")
+        result.warnings.append(f"the source is already FP8 ({snap.fp8.layout}, {snap.fp8.scheme.weights} scales); {sch.name} with "
+                               f"{sch.weights} scales dequantized and re-quantized it, which rounds twice ({measured}); "
+                               "drop --scheme/--weights to keep its codes as they are")
     if coreml is not None:
         try:
             result.coreml = export_coreml(out, seq_len=str(coreml.seq_len), weights=coreml.weights, frontend=coreml.frontend,

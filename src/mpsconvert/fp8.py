@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import QuantizationError
-from .scales import Granularity
+from .scales import DEFAULT_BLOCK, Granularity, blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -99,23 +99,32 @@ class StreamQuantizer:
     and the error sums are kept per block and added in row order, so the result does not
     depend on which thread ran what. Per-row scales are computed in the same pass as the cast.
     A per-tensor scale needs the whole tensor's amax first: feed every block to `observe` (a
-    first pass, in order) before `quantize`. A given `scale` (broadcast to [N, 1]) is used as
+    first pass, in order) before `quantize`. Per-block scales ([ceil(N/b), ceil(K/b)]) come from
+    the same pass too, which is why blocks of rows must then start on a multiple of `block`
+    rows (the writer's reads are aligned so; the last block may be short). A given `scale` (broadcast to [N, 1]) is used as
     is, and values beyond +-448 are then clamped before the cast; with our own amax-derived
     scales |w / scale| <= 448 already (rounding stays below e4m3's 464 overflow threshold).
     The SQNR is exact up to 2**20 elements and measured on evenly spaced rows beyond that
     (about 2**20 elements): decoding every code again would double the cost of a conversion.
     """
 
-    def __init__(self, n: int, k: int, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None):
+    def __init__(self, n: int, k: int, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None,
+                 block: int = DEFAULT_BLOCK):
         self.n, self.k, self.name = n, k, name
         self.granularity = Granularity(granularity)
+        self.block = block if self.granularity is Granularity.BLOCK else None
         self._given = scale is not None
         self._row_amax = torch.empty(n, 1, dtype=torch.float32)
         if scale is not None:
             scale = scale.float().cpu()
-            self._scale = scale.reshape(1) if scale.numel() == 1 else scale.reshape(n, 1)
+            if self.block:
+                self._scale = scale.reshape(blocks(n, block), blocks(k, block))
+            else:
+                self._scale = scale.reshape(1) if scale.numel() == 1 else scale.reshape(n, 1)
         elif self.granularity is Granularity.ROW:
             self._scale = torch.empty(n, 1, dtype=torch.float32)
+        elif self.block:
+            self._scale = torch.empty(blocks(n, block), blocks(k, block), dtype=torch.float32)
         else:
             self._scale = None  # known once every block went through observe()
         self._observed = 0
@@ -125,6 +134,8 @@ class StreamQuantizer:
         self._errors: dict[int, tuple[float, float, int]] = {}  # block start -> (signal, error, rows)
         self._stride = max(1, (n * k) // _SQNR_ELEMS)
         self._rows = max(1, _CHUNK_ELEMS // max(k, 1))
+        if self.block:  # chunks of whole blocks of rows
+            self._rows = max(1, self._rows // block) * block
 
     @property
     def needs_observe(self) -> bool:
@@ -167,6 +178,8 @@ class StreamQuantizer:
             if block.ndim != 2 or block.shape[1] != self.k or start < 0 or start + b > self.n:
                 raise RuntimeError(f"block {tuple(block.shape)} does not continue [{self.n}, {self.k}] at row {start}")
             self._next = max(self._next, start + b)
+        if self.block and (start % self.block or (b % self.block and start + b != self.n)):
+            raise RuntimeError(f"block of rows [{start}, {start + b}) is not aligned to {self.block}-row weight blocks")
         if out is None:
             out = torch.empty(block.shape, dtype=FP8_DTYPE)
         own_rows = self.granularity is Granularity.ROW and not self._given
@@ -174,15 +187,18 @@ class StreamQuantizer:
         for i, rows, f, t in self._chunks(block):
             r0 = start + i
             a = self._row_amax[r0 : r0 + rows]
-            if not known_amax:
+            if not known_amax or self.block:
                 self._amax_rows(f, t, a)
-            if own_rows:
+            if self.block:
+                self._quantize_blocks(f, t, r0)
+            elif own_rows:
                 _check_finite(a, self.name)
                 s = self._scale[r0 : r0 + rows]
                 s.copy_(scales_from_amax(a))
             else:
                 s = self._scale if self._scale.numel() == 1 else self._scale[r0 : r0 + rows]
-            torch.div(f, s, out=t)
+            if not self.block:
+                torch.div(f, s, out=t)
             if self._given:
                 t.clamp_(-FP8_MAX, FP8_MAX)
             out[i : i + rows].copy_(t)
@@ -194,18 +210,43 @@ class StreamQuantizer:
             self._done += b
         return out
 
+    def _quantize_blocks(self, f: torch.Tensor, t: torch.Tensor, r0: int) -> None:
+        """Rows [r0, r0 + len(f)) (whole blocks of rows; `t` holds |f|): their blocks' scales
+        (from the blocks' amax, unless given) and f / scale into `t`."""
+        b = self.block
+        for j in range(0, f.shape[0], b):
+            i = (r0 + j) // b
+            if not self._given:
+                col = t[j : j + b].amax(dim=0)  # [K]: each column's amax over the block's rows
+                if self.k % b:
+                    col = torch.nn.functional.pad(col, (0, -self.k % b))
+                amax = col.view(-1, b).amax(dim=1)
+                _check_finite(amax, self.name)
+                self._scale[i].copy_(scales_from_amax(amax))
+            torch.div(f[j : j + b], self._scale[i].repeat_interleave(b)[: self.k], out=t[j : j + b])
+
+    def _row_scales(self, first: int, count: int, stride: int = 1) -> torch.Tensor:
+        """The scales of rows first, first + stride, ... (count of them), broadcastable to [count, K]."""
+        if self._scale.numel() == 1:
+            return self._scale
+        if self.block:
+            idx = torch.arange(first, first + count * stride, stride)[:count] // self.block
+            return self._scale[idx].repeat_interleave(self.block, dim=1)[:, : self.k]
+        return self._scale[first :: stride][:count]
+
     def _sample_error(self, block: torch.Tensor, codes: torch.Tensor, start: int) -> tuple[float, float, int]:
         first = -start % self._stride
         if first >= block.shape[0]:
             return 0.0, 0.0, 0
         rows = slice(first, None, self._stride)
         wf = block[rows].float().contiguous()
-        s = self._scale if self._scale.numel() == 1 else self._scale[start + first :: self._stride][: wf.shape[0]]
+        s = self._row_scales(start + first, wf.shape[0], self._stride)
         d = fp8_to_float(codes[rows]).mul_(s).sub_(wf)
         return float(torch.dot(wf.view(-1), wf.view(-1))), float(torch.dot(d.view(-1), d.view(-1))), wf.shape[0]
 
     def finish(self) -> tuple[torch.Tensor, QuantStats]:
-        """The dequant scale ([1] or [N, 1]) and the error stats, once every row was quantized."""
+        """The dequant scale ([1], [N, 1] or [ceil(N/b), ceil(K/b)]) and the error stats, once
+        every row was quantized."""
         if self._done != self.n:
             raise RuntimeError(f"{self.name}: {self.n - self._done} rows never quantized")
         _check_finite(self._row_amax, self.name)
@@ -235,11 +276,13 @@ class StreamQuantizer:
 
 
 def quantize(
-    w: torch.Tensor, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None
+    w: torch.Tensor, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None,
+    block: int = DEFAULT_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, QuantStats]:
     """Quantize a 2-D float weight [N, K] to e4m3 codes plus its dequant scale, with error stats.
 
-    `scale` may be given (e.g. a calibrated or shared scale); it must broadcast to [N, 1].
+    `scale` may be given (e.g. a calibrated or shared scale); it must broadcast to [N, 1], or be
+    [ceil(N/b), ceil(K/b)] for block granularity.
     """
     if w.ndim != 2:
         raise QuantizationError(f"tensor {name!r} has shape {tuple(w.shape)}, expected 2-D [out, in]")
@@ -247,7 +290,7 @@ def quantize(
         raise QuantizationError(f"tensor {name!r} has dtype {w.dtype}, expected a float weight")
     device = w.device
     w = w.cpu()
-    qz = StreamQuantizer(*w.shape, granularity=granularity, name=name, scale=scale)
+    qz = StreamQuantizer(*w.shape, granularity=granularity, name=name, scale=scale, block=block)
     if qz.needs_observe:
         qz.observe(w)
     q = qz.quantize(w)
@@ -256,9 +299,59 @@ def quantize(
 
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """fp8 codes [N, K] times scale ([1] or [N, 1]) -> dense weight in `dtype`."""
-    return (fp8_to_float(q) * scale.float().reshape(-1, 1)).to(dtype)
+def is_block_scale(scale: torch.Tensor, n: int) -> bool:
+    """Whether a weight scale of an [N, K] weight is per block (not [1], [N], [N, 1])."""
+    return scale.numel() != 1 and not (scale.numel() == n and (scale.ndim == 1 or scale.shape[-1] == 1))
+
+
+def expand_block_scale(scale: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """A [ceil(N/b), ceil(K/b)] block scale as the [N, K] multiplier of every weight (float32)."""
+    s = scale.float()
+    if s.shape != (blocks(n, block), blocks(k, block)):
+        raise ValueError(f"block scale {list(s.shape)} does not fit a {n}x{k} weight with {block}x{block} blocks")
+    return s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: int | None = None) -> torch.Tensor:
+    """fp8 codes [N, K] times scale ([1], [N, 1], or [ceil(N/b), ceil(K/b)] with `block` b) ->
+    dense weight in `dtype`. A block scale without its block edge is refused: the edge cannot
+    be told from the shapes when a block is partial."""
+    n, k = q.shape
+    if not is_block_scale(scale, n):
+        return (fp8_to_float(q) * scale.float().reshape(-1, 1)).to(dtype)
+    if block is None:
+        raise ValueError(f"a {list(scale.shape)} block scale of a {n}x{k} weight needs its block size to dequantize")
+    w = fp8_to_float(q)
+    if n % block == 0 and k % block == 0:  # whole blocks: one broadcast multiply, no [N, K] scale
+        w.view(n // block, block, k // block, block).mul_(scale.float().view(n // block, 1, k // block, 1))
+        return w.to(dtype)
+    return w.mul_(expand_block_scale(scale, n, k, block)).to(dtype)
+
+
+def tile_scale(scale: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """A block scale [ceil(N/b), ceil(K/b)] as tiles that divide the weight exactly: [N/gn, K/gk]
+    with gn = gcd(N, b), gk = gcd(K, b) (the scale itself when b divides both). Exporters that
+    need a scale tiling the weight (Core AI's blockwise_shift_scale, per-tile LUTs) take this:
+    the same multiplier for every weight, partial edge blocks included."""
+    gn, gk = math.gcd(n, block), math.gcd(k, block)
+    s = scale.float().reshape(blocks(n, block), blocks(k, block))
+    if gn == block and gk == block:
+        return s
+    return s.repeat_interleave(block // gn, 0)[: n // gn].repeat_interleave(block // gk, 1)[:, : k // gk].contiguous()
+
+
+def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8 codes [N, K] times a scale that tiles them exactly ([1], [N, 1], or [N/tn, K/tk] as
+    `tile_scale` gives): unambiguous without a block size, unlike a block scale with partial edges."""
+    n, k = q.shape
+    if not is_block_scale(scale, n):
+        return dequantize(q, scale, dtype)
+    rn, rk = scale.shape
+    if n % rn or k % rk:
+        raise ValueError(f"a {list(scale.shape)} scale does not tile a {n}x{k} weight")
+    w = fp8_to_float(q)
+    w.view(rn, n // rn, rk, k // rk).mul_(scale.float().view(rn, 1, rk, 1))
+    return w.to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -269,3 +362,12 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:
     """Dynamic per-token activation scale: amax over the last dim / 448, floored."""
     return scales_from_amax(x.abs().amax(dim=-1, keepdim=True))
+
+
+def per_group_scale(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Dynamic per-token, per-group activation scale (FP8_BLOCK's 1 x group): [..., ceil(K/g)]."""
+    k = x.shape[-1]
+    a = x.abs().float()
+    if k % group:
+        a = torch.nn.functional.pad(a, (0, -k % group))
+    return scales_from_amax(a.view(*x.shape[:-1], -1, group).amax(dim=-1))

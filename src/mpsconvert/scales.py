@@ -22,14 +22,29 @@ class StrEnum(str, Enum):
 
 
 class Granularity(StrEnum):
-    """How many weight scales: one per tensor, or one per output row."""
+    """How many weight scales: one per tensor, one per output row, or one per square block of
+    `block` x `block` weights (the layout of the hub's FP8 releases, DeepSeek-V3, Qwen3-FP8)."""
 
     TENSOR = "tensor"
     ROW = "row"
+    BLOCK = "block"
 
 
-def scale_shape(granularity: str, n: int, k: int) -> tuple[int, ...]:
-    """The stored shape of the dequant scale of an [N, K] weight: [1] per tensor, [N, 1] per row
-    (compressed-tensors' `weight_scale`)."""
+# The block edge of the hub's block-scaled FP8 checkpoints and of compressed-tensors' FP8_BLOCK.
+DEFAULT_BLOCK = 128
+
+
+def blocks(n: int, block: int) -> int:
+    """How many blocks of `block` cover `n` (the last one partial when `block` does not divide it)."""
+    return -(-n // block)
+
+
+def scale_shape(granularity: str, n: int, k: int, block: int = DEFAULT_BLOCK) -> tuple[int, ...]:
+    """The stored shape of the dequant scale of an [N, K] weight: [1] per tensor, [N, 1] per row,
+    [ceil(N/b), ceil(K/b)] per block (compressed-tensors' `weight_scale`; edge blocks are partial)."""
     g = Granularity(granularity)
-    return (1,) if g is Granularity.TENSOR else (n, 1)
+    if g is Granularity.TENSOR:
+        return (1,)
+    if g is Granularity.ROW:
+        return (n, 1)
+    return (blocks(n, block), blocks(k, block))

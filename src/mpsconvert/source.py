@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import SourceError
+from .manifests.fp8_source import SourceFP8, source_fp8
 from .manifests.hashing import BackgroundHasher
 from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_FILE, is_plain_shard_name
 from .untrusted import inside, read_json
@@ -48,6 +49,7 @@ class Snapshot:
     weight_files: list[str] = field(default_factory=list)  # safetensors files, in order
     weight_map: dict[str, str] = field(default_factory=dict)  # tensor name -> file
     config: dict = field(default_factory=dict)
+    fp8: SourceFP8 | None = None  # the layout of a source that is already FP8
     _hasher: BackgroundHasher | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -101,6 +103,7 @@ class Snapshot:
             "revision": self.revision,
             "commit": self.commit,
             "path": str(self.path) if self.kind == "local" else None,
+            **({"fp8": self.fp8.as_dict()} if self.fp8 else {}),
         }
 
 
@@ -176,9 +179,7 @@ def _inventory(snap: Snapshot) -> Snapshot:
     check_inside(snap, CONFIG_NAME)
     snap.config = read_json(cfg, what=str(cfg), error=SourceError, fix="fix or re-download config.json")
     if "quantization_config" in snap.config:
-        qc = snap.config["quantization_config"]
-        qm = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        raise SourceError(f"{p} is already quantized ({qm})", "convert the original BF16/FP16/FP32 checkpoint instead")
+        snap.fp8 = source_fp8(snap.config["quantization_config"], str(snap.repo_id or p))  # FP8 kept as it is, others refused
 
     index = p / INDEX_NAME
     if index.is_file():

@@ -108,6 +108,7 @@ def dequantized_snapshot(artifact: Path):
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
     dtypes = {name: rec.get("source_dtype", "BF16") for name, rec in manifest.tensors.items()}
+    block = scheme_from_config(read_json(artifact / CONFIG_NAME, what=CONFIG_NAME).get("quantization_config") or {}).block
     st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     with atomic.private_tempdir("calib") as tmp:
         for f in weight_files(artifact):
@@ -119,7 +120,7 @@ def dequantized_snapshot(artifact: Path):
                         continue
                     t = sf.get_tensor(k)
                     if t.dtype == fp8.FP8_DTYPE and k + "_scale" in keys:
-                        t = fp8.dequantize(t, sf.get_tensor(k + "_scale"), st_dtype.get(dtypes.get(k, "BF16"), torch.bfloat16))
+                        t = fp8.dequantize(t, sf.get_tensor(k + "_scale"), st_dtype.get(dtypes.get(k, "BF16"), torch.bfloat16), block)
                     tensors[k] = t
             save_file(tensors, str(tmp / f), metadata={"format": "pt"})
         if (artifact / INDEX_NAME).is_file():
@@ -142,7 +143,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
     config = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
     qc = config.get("quantization_config") or {}
     old = scheme_from_config(qc)
-    scheme = Scheme(name="fp8", weights=old.weights)
+    scheme = Scheme(name="fp8", weights=old.weights, block_size=old.block_size)  # block weights stay blocks
     weight_of = {name: rec["module"] for name, rec in manifest.tensors.items() if isinstance(rec.get("module"), str)}
     missing = sorted(set(weight_of.values()) - set(cal.scales))
     if missing:

@@ -61,12 +61,16 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @main.command()
 @click.argument("source")
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), help="Output folder [default: <name>-<scheme>].")
-@click.option("--scheme", type=click.Choice(api.SCHEMES), default="fp8-dynamic", show_default=True,
+@click.option("--scheme", type=click.Choice(api.SCHEMES), default=None,
               help="fp8-dynamic: FP8 weights, activations quantized per token at run time. "
                    "fp8: static per-tensor activation scales from calibration. "
-                   "fp8-weight-only: activations stay BF16.")
+                   "fp8-weight-only: activations stay BF16. [default: fp8-dynamic; for an FP8 source, its own scheme, "
+                   "its codes kept as they are]")
 @click.option("--weights", type=click.Choice(api.WEIGHT_GRANULARITIES), default=None,
-              help="Weight scale granularity [default: row for fp8-dynamic/fp8-weight-only, tensor for fp8].")
+              help="Weight scale granularity: per row, per tensor, or per block (FP8_BLOCK, as the hub's FP8 releases) "
+                   "[default: row for fp8-dynamic/fp8-weight-only, tensor for fp8; an FP8 source's own].")
+@click.option("--block-size", type=click.IntRange(1, 4096), default=None,
+              help="With --weights block: the edge of the square weight blocks [default: 128].")
 @click.option("--revision", help="Branch, tag or commit of a hub repo [default: main].")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos.")
 @click.option("--ignore", multiple=True, metavar="PATTERN",
@@ -98,7 +102,7 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @click.option("--upload-repo", metavar="REPO", help="Then upload the artifact to this Hugging Face repo (created if absent; see `upload`).")
 @click.option("--private", is_flag=True, help="With --upload-repo: create the repo private.")
 @friendly_errors
-def quantize(source, output, scheme, weights, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
+def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
              scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, dtype, upload_repo,
              private, **calib):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact.
@@ -109,12 +113,14 @@ def quantize(source, output, scheme, weights, revision, token, ignore, trust_rem
                                     max_len=max_len) if coreml else None
     coreai_opts = api.CoreAIOptions(max_len=max_len, compute=coreai_compute) if coreai else None
     with render.progress_bars() as progress:
-        res = api.quantize(source, output, scheme=scheme, weights=weights, revision=revision, token=token, ignore=list(ignore),
+        res = api.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
                            calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, coreai=coreai_opts,
                            dtype=dtype, upload_repo=upload_repo, private=private, progress=progress)
     if res.calibration is not None:
         render.calibration(res.calibration)
+    for w in res.warnings:
+        render.warn(w)
     render.quantize_summary(res, as_json)
     if res.coreml is not None:
         render.coreml_export(res.coreml, as_json)

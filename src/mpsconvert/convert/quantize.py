@@ -17,11 +17,19 @@ them (`experts_layout="per-expert"`): transformers + compressed-tensors and vLLM
 per-expert FP8 experts (transformers would read fused FP8 codes as BF16 values, ignoring the
 scales). `experts_layout="checkpoint"` keeps it fused: `<p>` F8 [E, N, K] with `<p>_scale`
 [E, N, 1] (row) or [E, 1, 1] (tensor) and `<p>_input_scale` [E]; mpsconvert's runtime loads both.
+
+A source that is already FP8 (`Snapshot.fp8`: FineGrainedFP8 or compressed-tensors) is re-packed
+by default: its e4m3 codes are copied byte for byte (their sha256 recorded per tensor), its
+scales renamed and reshaped into compressed-tensors' `<m>.weight_scale`. Only the modules the
+source stores in FP8 are quantized; what it kept in full precision stays so. Another scheme or
+granularity dequantizes each block of rows with the source's scales and quantizes it again
+(rounding twice; the manifest's SQNR is then that of the round trip against the source).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 from collections import deque
@@ -31,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 
 from .. import atomic
 from ..errors import QuantizationError, SourceError
@@ -40,10 +49,11 @@ from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
 from ..safetensors_io import BufferPool, ShardReader, ShardWriter, TensorInfo, count_nonfinite, read_header
+from ..scales import scale_shape
 from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
-from ..targets import Plan, plan_for
+from ..targets import Plan, matches, plan_for
 from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES
 from .assemble import Shards, assemble
 
@@ -74,6 +84,10 @@ class Options:
     # The tensors that stay unquantized (embeddings, lm_head, norms): "bfloat16" | "float16" |
     # "float32", or None to copy them bit for bit in the source's dtype (as mlx-lm's --dtype).
     dtype: str | None = None
+    # FP8 source tensors (weight key -> SourceTensor), filled by _prepare for an FP8 source
+    fp8_tensors: dict = field(default_factory=dict)
+    source_scheme: Scheme | None = None  # the scheme an FP8 source's codes and scales are in
+    repack: bool = False  # an FP8 source whose codes are kept (the scheme asked for is its own)
 
     def __post_init__(self):
         if self.experts_layout not in EXPERTS_LAYOUTS:
@@ -98,6 +112,22 @@ class Options:
 
 
 @dataclass(frozen=True)
+class SourceTensor:
+    """One FP8 weight of an FP8 source: its scale (float32, as stored) and static input scale."""
+
+    scale: torch.Tensor
+    input_scale: torch.Tensor | None
+    scale_key: str
+
+    def decode(self, codes: torch.Tensor, row: int, source: Scheme) -> torch.Tensor:
+        """float32 rows [row, row + len(codes)) of the source weight (row on a source block)."""
+        s, b = self.scale, source.block
+        if s.numel() > 1:
+            s = s[row // b : -(-(row + codes.shape[0]) // b)] if b else s.reshape(-1, 1)[row : row + codes.shape[0]]
+        return fp8.dequantize(codes, s, torch.float32, b)
+
+
+@dataclass(frozen=True)
 class ExpertTensor:
     """A checkpoint tensor holding MoE expert weights: one expert's rows, or a fused [E, N, K]."""
 
@@ -115,10 +145,13 @@ def _expert_tensors(plan: Plan, headers: dict, experts_layout: str) -> dict[str,
     the others go to `plan.skipped` with the reason."""
     if not plan.experts:
         return {}
-    stored = {name: tuple(info.shape) for h in headers.values() for name, info in h.tensors.items() if info.dtype in ("F32", "F16", "BF16")}
+    kinds = ("F32", "F16", "BF16", "F8_E4M3")
+    stored = {name: tuple(info.shape) for h in headers.values() for name, info in h.tensors.items() if info.dtype in kinds}
     found: dict[str, ExpertTensor] = {}
     plan.expert_layout = find_layout(plan.meta_model, stored)
     for ep in plan.expert_layout.values():
+        if ep.layout == "fused" and any(h.tensors[ep.key].dtype == "F8_E4M3" for h in headers.values() if ep.key in h.tensors):
+            raise SourceError(f"the FP8 source stores the experts {ep.key} fused in 3-D", "only per-expert FP8 expert weights (the hub's layout) can be kept")
         if ep.layout == "fused":
             found[ep.key] = ExpertTensor(ep, None, tuple(ep.split) if experts_layout == "per-expert" else ())
         elif ep.layout == "per-expert":
@@ -149,6 +182,75 @@ def _finalize_plan(plan: Plan, headers: dict) -> dict[str, str]:
     return found
 
 
+def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options) -> dict[str, str]:
+    """_finalize_plan for an FP8 source: the modules it stores in FP8 are the quantized ones
+    (their codes are the source's), the others stay as the source keeps them; and every FP8
+    weight's scale is read (a few floats per 128x128 block) and checked."""
+    src = snap.fp8
+    found: dict[str, str] = {}
+    fp8_keys = {name: (f, info) for f, h in headers.items() for name, info in h.tensors.items() if info.dtype == "F8_E4M3"}
+    all_infos = {name: (f, info) for f, h in headers.items() for name, info in h.tensors.items()}
+    for name, (f, info) in fp8_keys.items():
+        if not name.endswith(".weight") or len(info.shape) != 2:
+            if len(info.shape) == 3:
+                continue  # fused experts: _expert_tensors says why they cannot be kept
+            raise SourceError(f"the FP8 source stores {name} as F8_E4M3 {list(info.shape)}", "only 2-D FP8 weights with a scale can be kept")
+        mod = plan.module_for_tensor(name)
+        if mod is None:
+            key = name[: -len(".weight")]
+            mod = next((m for m in plan.ignored if m == key or m == f"{plan.prefix}.{key}" or key == f"{plan.prefix}.{m}"), None)
+            if mod is not None:
+                if matches(mod, opts.ignore):
+                    raise SourceError(f"--ignore {matches(mod, opts.ignore)!r} names {mod}, which the FP8 source stores in FP8",
+                                      "its codes can only be kept as they are: drop that --ignore pattern")
+                plan.quantize[mod] = tuple(info.shape)
+                del plan.ignored[mod]
+        if mod is not None:
+            found[name] = mod
+        scale_key = src.scale_key(name)
+        if scale_key not in all_infos:
+            raise SourceError(f"the FP8 source has {name} but no {scale_key}", "the checkpoint is incomplete; re-download it")
+        sf, sinfo = all_infos[scale_key]
+        want = scale_shape(src.scheme.weights, *info.shape, src.scheme.block_size)
+        if sinfo.dtype not in ("F32", "F16", "BF16") or math.prod(sinfo.shape) != math.prod(want):
+            raise SourceError(f"{scale_key} is {sinfo.dtype}{list(sinfo.shape)}, but the source's {src.scheme.weights} scales of a "
+                              f"{list(info.shape)} weight are {list(want)}", "the checkpoint is corrupt or not the layout its config says")
+        ins_key = src.input_scale_key(name)
+        with safe_open(str(snap.path / sf), "pt") as fh:
+            scale = fh.get_tensor(scale_key).float().reshape(want)
+        ins = None
+        if ins_key in all_infos:
+            with safe_open(str(snap.path / all_infos[ins_key][0]), "pt") as fh:
+                ins = fh.get_tensor(ins_key).float().reshape(-1)
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise SourceError(f"{scale_key} holds non-finite or non-positive scales", "the checkpoint is corrupt; re-download it")
+        opts.fp8_tensors[name] = SourceTensor(scale, ins, scale_key)
+    for mod in list(plan.quantize):
+        if mod not in set(found.values()):
+            del plan.quantize[mod]
+            plan.ignored[mod] = "kept in full precision, as the FP8 source stores it"
+    return found
+
+
+def source_keys(snap: Snapshot, opts: Options) -> set[str]:
+    """Keys of an FP8 source that the writer consumes (scales, input scales), not copied."""
+    src = snap.fp8
+    return {k for name, t in opts.fp8_tensors.items() for k in (t.scale_key, src.input_scale_key(name))}
+
+
+def check_fp8_source(snap: Snapshot, scheme: Scheme) -> None:
+    """Refuse calibrating a re-quantized FP8 source: calibration would run on another model
+    (the source's, not the one written); calibrating the re-packed artifact is the way."""
+    if snap.fp8 is not None and scheme != snap.fp8.scheme and scheme.needs_calibration:
+        raise QuantizationError("--scheme fp8 from an FP8 source would calibrate a model that is not the one written",
+                                "quantize it with the defaults (its codes kept), then `mpsconvert calibrate` the artifact")
+
+
+def repacks(snap: Snapshot, opts: Options) -> bool:
+    """Whether an FP8 source is re-packed (codes kept): the scheme asked for is its own."""
+    return snap.fp8 is not None and opts.scheme == snap.fp8.scheme
+
+
 def check_tensor_layout(snap: Snapshot, headers: dict) -> None:
     """No tensor stored twice, and the index (if any) agrees with what the shards hold."""
     seen: dict[str, str] = {}
@@ -170,10 +272,12 @@ def check_tensor_layout(snap: Snapshot, headers: dict) -> None:
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
-def check_against_model(plan: Plan, headers: dict) -> None:
+def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> None:
     """Every stored tensor that is a parameter of the model config.json defines has that
-    parameter's shape, and a float dtype where the parameter is float: a checkpoint that does
-    not fit its config is refused here, not discovered by `verify` or the forward pass."""
+    parameter's shape, and a float dtype where the parameter is float (e4m3 too in an FP8
+    source): a checkpoint that does not fit its config is refused here, not discovered by
+    `verify` or the forward pass."""
+    floats = FLOAT_DTYPES + (("F8_E4M3",) if fp8_source else ())
     params = dict(plan.meta_model.named_parameters()) if plan.meta_model is not None else {}
     prefix = plan.prefix
 
@@ -191,7 +295,7 @@ def check_against_model(plan: Plan, headers: dict) -> None:
             if tuple(p.shape) != tuple(info.shape):
                 raise SourceError(f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines has {list(p.shape)} there",
                                   "the weights do not match config.json; re-download the model")
-            if p.is_floating_point() and info.dtype not in FLOAT_DTYPES:
+            if p.is_floating_point() and info.dtype not in floats:
                 raise SourceError(f"{name} in {f} is stored as {info.dtype}, but the model's parameter is a float",
                                   "the weights do not match config.json; re-download the model")
 
@@ -214,7 +318,7 @@ def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) ->
     for h in headers.values():
         for name, info in h.tensors.items():
             if name in tensor_module:
-                total += math.prod(info.shape) + 4 * info.shape[0] + 8  # 1-byte codes + F32 scales
+                total += math.prod(info.shape) + 4 * math.prod(scheme.scale_shape(*info.shape[-2:])) + 8  # 1-byte codes + F32 scales
             else:
                 total += info.nbytes
         total += h.data_start
@@ -240,6 +344,7 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
 
 def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
     plan, headers, tensor_module, expert_tensors = _prepare(snap, opts)
+    consumed = source_keys(snap, opts) if snap.fp8 else set()
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
         atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, opts.scheme),
@@ -247,7 +352,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
-        shards = _write_shards(snap, headers, tensor_module, expert_tensors, opts, tmp, pool, workers, syncs, or_silent(progress))
+        shards = _write_shards(snap, headers, tensor_module, expert_tensors, opts, tmp, pool, workers, syncs, or_silent(progress), consumed)
         return assemble(tmp, snap, plan, opts, shards)
 
 
@@ -256,8 +361,8 @@ def _prepare(snap: Snapshot, opts: Options):
     plan = plan_for(snap.path, opts.ignore, opts.trust_remote_code)
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     check_tensor_layout(snap, headers)
-    check_against_model(plan, headers)
-    tensor_module = _finalize_plan(plan, headers)
+    check_against_model(plan, headers, fp8_source=snap.fp8 is not None)
+    tensor_module = _finalize_fp8_plan(plan, headers, snap, opts) if snap.fp8 else _finalize_plan(plan, headers)
     expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
     # an error unless the plan names layers it keeps on purpose (GPT-2's Conv1D, MoE experts it cannot read)
     if not tensor_module and not expert_tensors and not any(not r.startswith("embedding") for r in plan.skipped.values()):
@@ -267,7 +372,15 @@ def _prepare(snap: Snapshot, opts: Options):
             "check config.json (0 layers?) and the --ignore patterns",
         )
     check_copied_finite(headers, tensor_module, expert_tensors)
-    if opts.scheme.needs_calibration:
+    if snap.fp8:
+        opts.source_scheme, opts.repack = snap.fp8.scheme, repacks(snap, opts)
+    check_fp8_source(snap, opts.scheme)
+    if snap.fp8 and repacks(snap, opts) and opts.scheme.needs_calibration:
+        missing = sorted(n for n, t in opts.fp8_tensors.items() if t.input_scale is None)
+        if missing:
+            raise SourceError(f"the static FP8 source has no input_scale for {len(missing)} weights (e.g. {missing[0]})",
+                              "the checkpoint is incomplete; re-download it")
+    elif opts.scheme.needs_calibration:
         missing = sorted(set(tensor_module.values()) - set(opts.input_scales or {}))
         missing += sorted({et.module for key, et in expert_tensors.items() if not _has_input_scales(opts, key, et)})
         if missing:
@@ -279,7 +392,7 @@ def _prepare(snap: Snapshot, opts: Options):
 
 
 def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_tensors: dict, opts: Options, tmp: Path,
-                  pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress) -> Shards:
+                  pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress, consumed: set = frozenset()) -> Shards:
     """Stream every source shard into its output shard: quantized tensors first, then the ones
     copied as they are (the writer thread copies those, an embedding is half a GB, while this
     thread goes on to the next shard)."""
@@ -295,7 +408,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
     for src_name, out_name in zip(snap.weight_files, layout.shard_names(len(snap.weight_files))):
         header = headers[src_name]
         work = [n for n in header.tensors if n in tensor_module or n in expert_tensors]
-        work += [n for n in header.tensors if n not in tensor_module and n not in expert_tensors]
+        work += [n for n in header.tensors if n not in tensor_module and n not in expert_tensors and n not in consumed]
         entries = []
         for name in work:
             info = header.tensors[name]
@@ -396,39 +509,99 @@ def _quantize_one(
     **extra,
 ) -> None:
     n, k = info.shape
+    src = opts.fp8_tensors.get(name) if info.dtype == "F8_E4M3" else None
+    if src is not None and opts.repack:
+        _repack_one(sh, name, info, module, scheme, src, **extra)
+        return
+    if src is not None:  # another scheme than the source's: dequantize its rows, quantize again
+        decode = functools.partial(src.decode, source=opts.source_scheme)
+        extra = {**extra, "requantized_from": f"FP8 source ({opts.source_scheme.weights} scales); sqnr_db is the round trip's"}
+        input_scale = None
+        _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, decode=decode, **extra)
+        return
     _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, **extra)
 
 
-def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, granularity: str, name: str,
-                     done: Callable[[torch.Tensor, fp8.QuantStats], None]) -> None:
+def _repack_one(sh: _Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, src: SourceTensor, **extra) -> None:
+    """An FP8 source weight kept as it is: its codes copied byte for byte (hashed on the way, for
+    the manifest), its scale written as `<m>.weight_scale` (float32, compressed-tensors' shape)."""
+    n, k = info.shape
+    path = sh.reader.header.path
+    sh.then(sh.writer.copy, name, path, info.start, info.nbytes)
+    scale = src.scale.reshape(scheme.scale_shape(n, k)).contiguous()
+    sh.then(sh.writer.write, name + "_scale", scale)
+    if scheme.needs_calibration:
+        sh.then(sh.writer.write, name[: -len("weight")] + "input_scale", src.input_scale.reshape(1).contiguous())
+
+    def record() -> None:
+        sh.records[name] = {
+            "module": module,
+            "shape": [n, k],
+            "source_dtype": "F8_E4M3",
+            "dtype": "F8_E4M3",
+            "weight_scale_shape": list(scale.shape),
+            "codes": "copied from the source, byte for byte",
+            "codes_sha256": _sha256_range(path, info.start, info.nbytes),
+            "source_scale": src.scale_key,
+            "scale_min": float(scale.min()),
+            "scale_max": float(scale.max()),
+            "sqnr_db": None,  # exact: the source's own values
+            **({"input_scale": float(src.input_scale.reshape(()))} if scheme.needs_calibration else {}),
+            **extra,
+        }
+
+    sh.then(record)
+
+
+def _sha256_range(path, start: int, nbytes: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = nbytes
+        while left:
+            chunk = f.read(min(left, BLOCK_BYTES))
+            if not chunk:
+                raise SourceError(f"{path} ended inside a tensor", "the checkpoint is truncated; re-download it")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, scheme: Scheme, name: str,
+                     done: Callable[[torch.Tensor, fp8.QuantStats], None], decode: Callable | None = None) -> None:
     """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
-    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks); then
-    `done(scale, stats)`, in order."""
+    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks; for block
+    scales each read is whole blocks of rows); then `done(scale, stats)`, in order."""
     elem = info.nbytes // max(1, math.prod(info.shape))
     row_bytes = k * elem
     start, nbytes = info.start + first_row * row_bytes, n * row_bytes
-    qz = fp8.StreamQuantizer(n, k, granularity, name)
+    qz = fp8.StreamQuantizer(n, k, scheme.weights, name, block=scheme.block_size)
+    # reads of whole blocks of rows: of the target's blocks, and of an FP8 source's (to decode)
+    align = row_bytes * math.lcm(scheme.block or 1, (decode.keywords["source"].block or 1) if decode else 1)
 
-    def rows(buf: torch.Tensor) -> torch.Tensor:
-        return buf.view(info.torch_dtype).view(-1, k)
+    def rows(buf: torch.Tensor, row: int) -> torch.Tensor:
+        r = buf.view(info.torch_dtype).view(-1, k)
+        return r if decode is None else decode(r, first_row + row)
 
     def quantize_block(buf: torch.Tensor, release, out: torch.Tensor, give_back, row: int):
         try:
-            return qz.quantize(rows(buf), out=out.view(fp8.FP8_DTYPE).view(-1, k), start=row), give_back
+            return qz.quantize(rows(buf, row), out=out.view(fp8.FP8_DTYPE).view(-1, k), start=row), give_back
         finally:
             release()
 
-    blocks = sh.reader.blocks(start, nbytes, row_bytes)
+    blocks = sh.reader.blocks(start, nbytes, align)
     if qz.needs_observe and nbytes <= sh.reader.pool.nbytes:  # one block: read it once
         blocks = list(blocks)
-        qz.observe(rows(blocks[0][0]))
+        qz.observe(rows(blocks[0][0], 0))
     elif qz.needs_observe:  # per-tensor scale: a first pass for the amax (page-cache reads)
+        seen = 0
         for buf, release in blocks:
             try:
-                qz.observe(rows(buf))
+                qz.observe(rows(buf, seen))
+                seen += buf.numel() // row_bytes
             finally:
                 release()
-        blocks = sh.reader.blocks(start, nbytes, row_bytes)
+        blocks = sh.reader.blocks(start, nbytes, align)
     row = 0
     for buf, release in blocks:
         # The code buffer is taken here, not on the worker: only this thread ever waits for the
@@ -441,7 +614,7 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
 
 def _quantize_rows(
     sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, module: str,
-    scheme: Scheme, opts: Options, input_scale: float | None, **extra,
+    scheme: Scheme, opts: Options, input_scale: float | None, decode: Callable | None = None, **extra,
 ) -> None:
     """One 2-D weight (or rows of a fused one) -> `<m>.weight` codes, `<m>.weight_scale`
     (+ `<m>.input_scale`), and its record (with `extra` fields) in `sh.records`."""
@@ -464,7 +637,7 @@ def _quantize_rows(
             record["input_scale"] = input_scale
         sh.records[out_name] = record
 
-    _quantize_matrix(sh, out_name, info, first_row, n, k, scheme.weights, out_name, done)
+    _quantize_matrix(sh, out_name, info, first_row, n, k, scheme, out_name, done, decode)
 
 
 def _expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme) -> list:
@@ -516,11 +689,11 @@ def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, 
     scales, per_expert = [], []
 
     def expert_done(scale: torch.Tensor, stats: fp8.QuantStats) -> None:
-        scales.append(scale.reshape(-1, 1))
+        scales.append(scale if scheme.block else scale.reshape(-1, 1))
         per_expert.append(stats)
 
     for e in range(E):
-        _quantize_matrix(sh, name, info, e * N, N, K, scheme.weights, f"{name}[{e}]", expert_done)
+        _quantize_matrix(sh, name, info, e * N, N, K, scheme, f"{name}[{e}]", expert_done)
 
     def done() -> None:
         sh.writer.write(name + "_scale", torch.stack(scales).contiguous())

@@ -50,8 +50,15 @@ def task_of(config) -> str:
 
 def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """All tensors of the artifact as the model uses them (FP8 weights dequantized in fp32),
-    plus the FP8 weights themselves: name -> (codes float8_e4m3fn, scale fp32)."""
+    plus the FP8 weights themselves: name -> (codes float8_e4m3fn, scale fp32). Block scales
+    come as tiles that divide the weight exactly (`fp8.tile_scale`), so that every consumer
+    reads a scale the same way (`fp8.dequantize_tiles`) without the block size."""
     from safetensors import safe_open
+
+    from ..manifests.ct_config import scheme_from_config
+
+    qc = json.loads((artifact / layout.CONFIG_NAME).read_text()).get("quantization_config")
+    block = scheme_from_config(qc).block if qc else None
 
     files = [artifact / f for f in layout.weight_files(artifact)]
     if not files:
@@ -70,8 +77,12 @@ def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict
             scale = raw.get(k + "_scale")
             if scale is None:
                 raise MpsconvertError(f"FP8 tensor {k} has no {k}_scale", "the artifact is incomplete: re-run `mpsconvert quantize`")
-            quant[k] = (t, scale.float())
-            dense[k] = fp8.dequantize(t, scale, torch.float32)
+            if block and t.ndim == 3:
+                raise ExportError(f"{k} holds fused MoE experts with block scales",
+                                  "Apple exports of block-scaled experts are not supported yet; quantize the source with --weights row")
+            scale = fp8.tile_scale(scale, *t.shape, block) if block and t.ndim == 2 else scale.float()
+            quant[k] = (t, scale)
+            dense[k] = fp8.dequantize_tiles(t, scale, torch.float32)
         elif t.is_floating_point():
             dense[k] = t.float()
         else:
@@ -103,6 +114,9 @@ def _fuse_experts(model, dense: dict, quant: dict) -> dict[str, tuple[torch.Tens
                 w[sl.expert, sl.start:sl.stop] = dense.pop(sl.key)
                 if is_fp8:
                     c, sc = quant.pop(sl.key)
+                    if fp8.is_block_scale(sc, sl.stop - sl.start):
+                        raise ExportError(f"MoE experts {ep.name} have block scales",
+                                          "Apple exports of block-scaled experts are not supported yet; quantize the source with --weights row")
                     codes[sl.expert, sl.start:sl.stop] = c
                     scale[sl.expert, sl.start:sl.stop] = sc.reshape(-1, 1).expand(sl.stop - sl.start, 1)
             dense[ep.name] = w

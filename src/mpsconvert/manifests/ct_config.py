@@ -9,18 +9,18 @@ from __future__ import annotations
 from ..errors import ArtifactError
 from .schemes import Scheme
 
-_STRATEGY = {"tensor": "tensor", "row": "channel"}
-_GRANULARITY = {"tensor": "tensor", "channel": "row"}
+_STRATEGY = {"tensor": "tensor", "row": "channel", "block": "block"}
+_GRANULARITY = {"tensor": "tensor", "channel": "row", "block": "block"}
 
 
-def _args(strategy: str, dynamic: bool) -> dict:
+def _args(strategy: str, dynamic: bool, group_size: int | None = None, block: int | None = None) -> dict:
     return {
         "num_bits": 8,
         "type": "float",
         "symmetric": True,
-        "group_size": None,
+        "group_size": group_size,
         "strategy": strategy,
-        "block_structure": None,
+        "block_structure": [block, block] if block else None,
         "dynamic": dynamic,
         "actorder": None,
         "observer": None if dynamic else "minmax",
@@ -34,6 +34,8 @@ def quantization_config(scheme: Scheme, ignore: list[str], targets: list[str] | 
     input_activations = None
     if acts == "token":
         input_activations = _args("token", dynamic=True)
+    elif acts == "group":  # FP8_BLOCK: each token's K features quantized in groups of the block edge
+        input_activations = _args("group", dynamic=True, group_size=scheme.block)
     elif acts == "tensor":
         input_activations = _args("tensor", dynamic=False)
     return {
@@ -43,7 +45,7 @@ def quantization_config(scheme: Scheme, ignore: list[str], targets: list[str] | 
         "config_groups": {
             "group_0": {
                 "targets": targets or ["Linear"],
-                "weights": _args(_STRATEGY[scheme.weights], dynamic=False),
+                "weights": _args(_STRATEGY[scheme.weights], dynamic=False, block=scheme.block),
                 "input_activations": input_activations,
                 "output_activations": None,
                 "format": "float-quantized",
@@ -83,17 +85,30 @@ def scheme_from_config(qc: dict) -> Scheme:
     if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in _GRANULARITY:
         raise ArtifactError(
             f"weights are {w.get('type')}/{w.get('num_bits')} bits/{w.get('strategy')}",
-            "only FP8 (float, 8 bits) per-tensor or per-channel weights are supported",
+            "only FP8 (float, 8 bits) per-tensor, per-channel or per-block weights are supported",
         )
+    block = _block_size(w) if w["strategy"] == "block" else None
     if a is None:
         name = "fp8-weight-only"
-    elif a.get("dynamic") and a.get("strategy") == "token":
+    elif a.get("dynamic") and a.get("strategy") == "token" and block is None:
+        name = "fp8-dynamic"
+    elif a.get("dynamic") and a.get("strategy") == "group" and block is not None and a.get("group_size") == block:
         name = "fp8-dynamic"
     elif not a.get("dynamic") and a.get("strategy") == "tensor":
         name = "fp8"
     else:
         raise ArtifactError(
             f"input activations {a.get('strategy')}/dynamic={a.get('dynamic')} are not supported",
-            "expected dynamic per-token, static per-tensor, or none",
+            "expected dynamic per-token (per group of the block edge with block weights), static per-tensor, or none",
         )
-    return Scheme(name=name, weights=_GRANULARITY[w["strategy"]])
+    return Scheme(name=name, weights=_GRANULARITY[w["strategy"]], **({"block_size": block} if block else {}))
+
+
+def _block_size(w: dict) -> int:
+    """The edge of square weight blocks (`block_structure: [b, b]`), checked."""
+    bs = w.get("block_structure")
+    if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
+        raise ArtifactError(f"block weights have block_structure {bs!r}", "expected two positive whole numbers, e.g. [128, 128]")
+    if bs[0] != bs[1]:
+        raise ArtifactError(f"block weights have non-square blocks {bs}", "only square blocks (e.g. [128, 128]) are supported")
+    return bs[0]

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..fp8 import FP8_DTYPE, dequantize
-from ..scales import scale_shape
+from ..fp8 import FP8_DTYPE, dequantize, is_block_scale
+from ..scales import DEFAULT_BLOCK, scale_shape
 from . import kernels
 
 # Activations with at most this many rows (tokens x batch) use the decode kernel.
@@ -34,12 +34,14 @@ class FP8Linear(nn.Module):
     group = None  # fuse.SharedInput this layer belongs to (set there, not a submodule)
 
     def __init__(self, in_features: int, out_features: int, *, weights: str, activations: str | None, bias: bool,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+                 dtype: torch.dtype = torch.bfloat16, device=None, block: int | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weights, self.activations, self.dtype = weights, activations, dtype
+        self.block = (block or DEFAULT_BLOCK) if weights == "block" else None
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        self.register_buffer("weight_scale", torch.ones(scale_shape(weights, out_features, in_features), dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.ones(scale_shape(weights, out_features, in_features, self.block or DEFAULT_BLOCK),
+                                                        dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.dense_weight: torch.Tensor | None = None
@@ -50,13 +52,17 @@ class FP8Linear(nn.Module):
     @classmethod
     def from_tensors(cls, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str | None,
                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                     dtype: torch.dtype = torch.bfloat16) -> "FP8Linear":
-        """Wrap loaded tensors (already on their device) without copying the FP8 weight."""
+                     dtype: torch.dtype = torch.bfloat16, block: int | None = None) -> "FP8Linear":
+        """Wrap loaded tensors (already on their device) without copying the FP8 weight; `block`:
+        the block edge of a block scale [ceil(N/b), ceil(K/b)]."""
         if weight.dtype != FP8_DTYPE:
             raise TypeError(f"FP8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
         n, k = weight.shape
-        mod = cls(k, n, weights="tensor" if weight_scale.numel() == 1 else "row", activations=activations,
-                  bias=bias is not None, dtype=dtype, device="meta")
+        if is_block_scale(weight_scale, n) and block is None:
+            raise ValueError(f"a {list(weight_scale.shape)} block scale needs its block size")
+        # with `block`, a [1, 1] scale is still one block (and its activations are per group)
+        weights = "block" if block else "tensor" if weight_scale.numel() == 1 else "row"
+        mod = cls(k, n, weights=weights, activations=activations, bias=bias is not None, dtype=dtype, device="meta", block=block)
         mod.weight = weight
         mod.weight_scale = weight_scale.float().reshape(mod.weight_scale.shape).contiguous()
         if activations == "tensor":
@@ -70,6 +76,9 @@ class FP8Linear(nn.Module):
     def prepare(self) -> None:
         """Derive the scale layouts the kernels take (views where the layout allows), once."""
         ws = self.weight_scale
+        if self.block:  # per-block: no row or tensor view; the blockwise GEMM's layout instead
+            self.register_buffer("scale_blocks_t", kernels.blockwise_weight_scale(ws), persistent=False)
+            return
         row = ws.reshape(1, -1) if ws.numel() == self.out_features else ws.reshape(1, 1).expand(1, self.out_features).contiguous()
         for name, value in (("scale_row", row), ("scale_flat", ws.reshape(-1)), ("scale_0d", ws.reshape(-1)[0] if ws.numel() == 1 else None),
                             ("input_scale_0d", self.input_scale.reshape(()) if self.input_scale is not None else None)):
@@ -77,8 +86,8 @@ class FP8Linear(nn.Module):
 
     @property
     def signature(self) -> tuple:
-        """What determines the kernel choice: shape, scale granularity, activation scheme."""
-        return (self.out_features, self.in_features, self.weights, self.activations)
+        """What determines the kernel choice: shape, scale granularity (and block), activation scheme."""
+        return (self.out_features, self.in_features, f"block{self.block}" if self.block else self.weights, self.activations)
 
     def set_kernels(self, decode: str, prefill: str) -> None:
         """Install the chosen kernels. 'bf16' for both replaces the FP8 weight by a dense one."""
@@ -87,7 +96,7 @@ class FP8Linear(nn.Module):
                 raise ValueError(f"unknown kernel {k!r}")
         if decode in kernels.DENSE and prefill in kernels.DENSE:
             if self.dense_weight is None:
-                self.dense_weight = dequantize(self.weight, self.weight_scale, self.dtype)
+                self.dense_weight = dequantize(self.weight, self.weight_scale, self.dtype, self.block)
             self.weight = None  # no FP8 copy kept beside the dense one
         elif decode in kernels.DENSE or prefill in kernels.DENSE:
             raise ValueError("bf16 for one bucket only would keep two copies of the weight; choose FP8 kernels or bf16 for both")

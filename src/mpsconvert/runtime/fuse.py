@@ -47,7 +47,9 @@ def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
         raise ValueError("only layers with the same input size, activation scheme and dtype can be fused")
     weight = torch.cat([l.weight for l in layers], dim=0)
     scales = [l.weight_scale.float() for l in layers]
-    if all(s.numel() == 1 for s in scales) and all(bool(s == scales[0]) for s in scales):
+    if first.block:  # whole blocks of rows (find_siblings checks it): the block scales stack
+        scale = torch.cat(scales, dim=0)
+    elif all(s.numel() == 1 for s in scales) and all(bool(s == scales[0]) for s in scales):
         scale = scales[0].clone()
     else:
         scale = torch.cat([s.reshape(-1, 1).expand(l.out_features, 1) for s, l in zip(scales, layers)], dim=0)
@@ -62,7 +64,8 @@ def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else torch.zeros(l.out_features, dtype=first.dtype, device=weight.device)
                           for b, l in zip(biases, layers)])
-    return FP8Linear.from_tensors(weight, scale, activations=first.activations, input_scale=input_scale, bias=bias, dtype=first.dtype)
+    return FP8Linear.from_tensors(weight, scale, activations=first.activations, input_scale=input_scale, bias=bias, dtype=first.dtype,
+                                  block=first.block)
 
 
 class FusedFP8(nn.Module):
@@ -96,7 +99,9 @@ class SharedInput(nn.Module):
         for slot, m in enumerate(members):
             stop = start + m.out_features
             m.weight = self.inner.weight[start:stop]  # a view: the fused weight is the only copy
-            if self.inner.weight_scale.numel() != 1 and m.weight_scale.numel() != 1:
+            if m.block:
+                m.weight_scale = self.inner.weight_scale[start // m.block : stop // m.block]
+            elif self.inner.weight_scale.numel() != 1 and m.weight_scale.numel() != 1:
                 m.weight_scale = self.inner.weight_scale[start:stop]
             m.prepare()
             object.__setattr__(m, "group", self)  # a reference, not a submodule (no cycle, no double state_dict)
@@ -173,6 +178,8 @@ def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
             first = mods[0]
             if any(m.in_features != first.in_features or m.activations != first.activations or m.dtype != first.dtype for m in mods):
                 continue
+            if any(m.block != first.block or (m.block and m.out_features % m.block) for m in mods):
+                continue  # block scales stack only in whole blocks of rows
             if first.activations == "tensor" and len({float(m.input_scale) for m in mods}) != 1:
                 continue  # a static scheme needs one scale for the shared input
             found.append((parent, list(names)))

@@ -9,6 +9,11 @@ scales prepared once in the layouts the kernels take, optional input_scale [1], 
   scheme, with the calibrated scale for the static one; runtime/act_quant.py: one Triton kernel
   in eager mode, plain ops that Inductor fuses under torch.compile) and run `torch._scaled_mm`
   (CUDA) or `F.scaled_mm` (MPS, torch >= 2.10 API) with row-wise or tensor-wise scales.
+- ``scaled_mm_block``: block-scaled weights (128 x 128) with the activations quantized per token
+  and 128-feature group (FP8_BLOCK's 1 x 128), through `torch._scaled_mm`'s blockwise scaling
+  (CUDA, Hopper and newer, recent torch; the scale layouts it demands are made once, in
+  `blockwise_weight_scale`). Where the GPU or torch cannot run it, the policy records the error
+  and chooses among ``dequant`` and ``bf16``.
 - ``gemv``: the Triton FP8-weight GEMV (triton_gemv.py), BF16 activations, for decode.
 - ``gemv_w8a8``: decode as the scheme computes it (activations quantized as for `_scaled_mm`),
   the e4m3 x e4m3 product on the tensor cores with the few rows padded to 16 (triton_gemv.py):
@@ -29,11 +34,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fp8 import dequantize
+from ..fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_group_scale
 from . import act_quant, moe_triton, triton_gemv
 
-KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
+KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "scaled_mm_block", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
+
+
+# The block edge torch._scaled_mm's blockwise scaling takes (1 x 128 activations, 128 x 128 weights).
+SCALED_MM_BLOCK = 128
 
 
 def _static(mod) -> torch.Tensor | None:
@@ -72,6 +81,46 @@ def scaled_mm_tensor(mod, x, quantized=None):
     return y + mod.bias if mod.bias is not None else y
 
 
+def blockwise_weight_scale(ws: torch.Tensor) -> torch.Tensor:
+    """A weight's block scale [ceil(N/128), ceil(K/128)] in the layout `F.scaled_mm`'s
+    BlockWise128x128 takes for its second operand (w.T, [K, N]), as probed on an H200 with
+    torch 2.11 (benchmarks/probe_blockwise2.py): [round_up(ceil(K/128), 4), ceil(N/128)],
+    column-major (stride (1, rows)), the padding rows zero."""
+    rn, rk = ws.shape
+    buf = torch.zeros(rn, -(-rk // 4) * 4, dtype=torch.float32, device=ws.device)
+    buf[:, :rk] = ws
+    return buf.t()
+
+
+def group_quantize(x: torch.Tensor, group: int):
+    """x [M, K] -> (e4m3 codes, float32 scales [M, ceil(K/group)]): per token and group of K."""
+    m, k = x.shape
+    xs = per_group_scale(x, group)
+    xf = x.float()
+    if k % group:
+        xf = F.pad(xf, (0, -k % group))
+    xq = (xf.view(m, -1, group) / xs.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k]
+    return xq, xs
+
+
+def _group_dequantize(xq: torch.Tensor, xs: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    k = xq.shape[1]
+    return (xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]).to(dtype)
+
+
+def scaled_mm_block(mod, x, quantized=None):
+    """FP8_BLOCK's GEMM: `F.scaled_mm` BlockWise1x128 (activations, scale [M, K/128]
+    outer-dim-major) x BlockWise128x128 (weights, as `blockwise_weight_scale` lays them out).
+    torch 2.11 refuses M=1 with these recipes, so a few rows are padded to 16 (zeros)."""
+    m = x.shape[0]
+    if m < 16:
+        x = F.pad(x, (0, 0, 0, 16 - m))
+    xq, xs = quantized if quantized is not None else group_quantize(x, SCALED_MM_BLOCK)
+    y = F.scaled_mm(xq, mod.weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, mod.scale_blocks_t,
+                    F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
+    return y + mod.bias if mod.bias is not None else y
+
+
 QUANTIZING = (scaled_mm_row, scaled_mm_tensor)  # kernels that take an input quantized once for several layers
 
 
@@ -91,7 +140,7 @@ def gemv_splitk(mod, x):
 
 
 def dequant(mod, x):
-    return F.linear(x, dequantize(mod.weight, mod.weight_scale, x.dtype), mod.bias)
+    return F.linear(x, dequantize(mod.weight, mod.weight_scale, x.dtype, mod.block), mod.bias)
 
 
 def bf16(mod, x):
@@ -99,11 +148,14 @@ def bf16(mod, x):
 
 
 def dense_qact(mod, x):
+    if mod.activations == "group":  # FP8_BLOCK's activations: per token and group of the block edge
+        xq, xs = group_quantize(x, mod.block)
+        return F.linear(_group_dequantize(xq, xs, mod.block, x.dtype), mod.dense_weight, mod.bias)
     xq, xs = act_quant.torch_quantize(x, _static(mod))
     return F.linear((xq.float() * xs).to(x.dtype), mod.dense_weight, mod.bias)
 
 
-FNS = {"scaled_mm_row": scaled_mm_row, "scaled_mm_tensor": scaled_mm_tensor, "gemv": gemv, "gemv_w8a8": gemv_w8a8, "gemv_splitk": gemv_splitk,
+FNS = {"scaled_mm_row": scaled_mm_row, "scaled_mm_tensor": scaled_mm_tensor, "scaled_mm_block": scaled_mm_block, "gemv": gemv, "gemv_w8a8": gemv_w8a8, "gemv_splitk": gemv_splitk,
        "dequant": dequant, "bf16": bf16, "dense_qact": dense_qact}  # fmt: skip
 
 
@@ -114,16 +166,22 @@ def run(kernel: str, mod, x: torch.Tensor) -> torch.Tensor:
     return fn(mod, x)
 
 
-def candidates(device_type: str, activations: str | None, weights: str, bucket: str) -> list[str]:
+def candidates(device_type: str, activations: str | None, weights: str, bucket: str, block: int | None = None) -> list[str]:
     """The kernels worth measuring for one layer on one device, for 'decode' or 'prefill'.
 
     Static per-tensor activations with per-tensor weights can use tensor-wise scaling; every
     other FP8 x FP8 combination is row-wise. Weight-only schemes keep BF16 activations, so they
-    never quantize activations (no scaled_mm).
+    never quantize activations (no scaled_mm). Block-scaled weights: the blockwise scaled_mm
+    (CUDA, 128 x 128 blocks, per-group activations) or dequantizing (the GEMV kernels read one
+    scale per row); with static activations no GEMM takes per-tensor x per-block scales.
     """
     out: list[str] = []
     if device_type == "cpu":
         return ["bf16"] if activations is None else ["dense_qact"]
+    if weights == "block":
+        if device_type == "cuda" and activations == "group" and block == SCALED_MM_BLOCK:
+            out.append("scaled_mm_block")
+        return out + ["dequant", "bf16"]
     if activations is not None:
         out.append("scaled_mm_tensor" if (activations == "tensor" and weights == "tensor") else "scaled_mm_row")
     if device_type == "cuda" and bucket == "decode" and triton_gemv.available():

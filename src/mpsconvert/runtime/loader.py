@@ -198,7 +198,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         info = LoadInfo(path=str(path), device=str(dev), dtype=str(dtype).replace("torch.", ""), scheme=scheme.name,
                         weights=scheme.weights, verify=report.as_dict())
         t2 = time.perf_counter()
-        plan.install(model, scheme.activations, info)
+        plan.install(model, scheme.activations, info, scheme.block)
         del plan
     model.tie_weights()
     for mod in model.modules():  # buffers made at __init__ on CPU (rotary tables, position ids)
@@ -293,14 +293,14 @@ class _Plan:
     def _alloc(self, info) -> torch.Tensor:
         return torch.empty(info.shape, dtype=DTYPES[info.dtype][1], device=self.dev)
 
-    def install(self, model: nn.Module, activations, info: LoadInfo) -> None:
+    def install(self, model: nn.Module, activations, info: LoadInfo, block: int | None = None) -> None:
         from .moe import FP8Experts, _fp8_param
 
         for target, key in self.params.items():
             t = self.dests[key]
             _set_tensor(model, target, t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t)
         for mod_name, parts in self.fp8.items():
-            _install(model, mod_name, {leaf: self.dests[k] for leaf, k in parts.items()}, activations, self.dev, self.dtype, info)
+            _install(model, mod_name, {leaf: self.dests[k] for leaf, k in parts.items()}, activations, self.dev, self.dtype, info, block)
         for ep, param, pieces in self.dense_experts:
             for k, sl in pieces:
                 dst = param if sl is None else param[sl.expert, sl.start : sl.stop]
@@ -311,23 +311,23 @@ class _Plan:
             if set(params) != {"gate_up_proj", "down_proj"}:
                 raise ArtifactError(f"{mod_name} has FP8 {sorted(params)} only", "re-create the artifact with mpsconvert quantize")
             (ep13, c13), (ep2, c2) = params["gate_up_proj"], params["down_proj"]
-            w13, s13, i13 = _fp8_param(ep13, self.dests, self.dev, codes=c13)
-            w2, s2, i2 = _fp8_param(ep2, self.dests, self.dev, codes=c2)
+            w13, s13, i13 = _fp8_param(ep13, self.dests, self.dev, codes=c13, block=block)
+            w2, s2, i2 = _fp8_param(ep2, self.dests, self.dev, codes=c2, block=block)
             old = model.get_submodule(mod_name)
-            new = FP8Experts(w13, s13, w2, s2, old.act_fn, activations, i13, i2, dtype=self.dtype)
+            new = FP8Experts(w13, s13, w2, s2, old.act_fn, activations, i13, i2, dtype=self.dtype, block=block)
             parent, _, leaf = mod_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
             info.experts[mod_name] = {"layout": ep13.layout, **new.paths, "experts": new.num_experts}
         self.dests.clear()
 
 
-def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadInfo) -> None:
+def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadInfo, block: int | None = None) -> None:
     mod = model.get_submodule(mod_name)
     w, scale = p.get("weight"), p.get("weight_scale")
     if w is None or scale is None or w.dtype != FP8_DTYPE:
         raise ArtifactError(f"{mod_name} has an incomplete FP8 weight (weight and weight_scale needed)", "re-create the checkpoint")
     if not isinstance(mod, nn.Linear):  # no FP8 kernel for this module type: dense once, and say so
-        _set_tensor(model, mod_name + ".weight", dequantize(w, scale.float(), dtype).to(dev))
+        _set_tensor(model, mod_name + ".weight", dequantize(w, scale.float(), dtype, block).to(dev))
         if "bias" in p:
             _set_tensor(model, mod_name + ".bias", p["bias"].to(dev, dtype))
         info.dequantized.append(f"{mod_name} ({type(mod).__name__}: no FP8 kernel, dequantized to {info.dtype} at load)")
@@ -335,7 +335,7 @@ def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadI
     layer = FP8Linear.from_tensors(
         w.to(dev), scale.float().to(dev), activations=activations,
         input_scale=p["input_scale"].float() if "input_scale" in p else None,
-        bias=p["bias"] if "bias" in p else None, dtype=dtype,
+        bias=p["bias"] if "bias" in p else None, dtype=dtype, block=block,
     )
     parent_name, _, leaf = mod_name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, layer)

@@ -15,6 +15,12 @@ Paths, chosen once per module from the device and the torch build, and reported:
   weights are dequantized once at load, activations are fake-quantized exactly as the FP8
   path would, and `F.grouped_mm` / `torch._grouped_mm` runs the groups; a per-expert loop
   only where the build has no grouped matmul for the device ("loop").
+
+Block-scaled experts (FP8_BLOCK, DeepSeek / Qwen3-MoE FP8 releases) take the "grouped_mm" path on
+every device: no grouped FP8 kernel takes block scales (`_scaled_grouped_mm` is row-wise only),
+so their weights are dequantized once at load, and activations are fake-quantized per token and
+group of the block edge, as the format says. Their scales are kept expanded along the rows
+([E, N, ceil(K/b)]), so gate and up slices of any size assemble into one fused tensor.
 """
 
 from __future__ import annotations
@@ -93,6 +99,13 @@ def fake_quantize_rows(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Ten
     return fp8.fake_quantize(x, fp8.per_token_scale(x) if scale is None else scale[:, None])
 
 
+def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x through e4m3 per token and group of `group` features (FP8_BLOCK activations)."""
+    k = x.shape[-1]
+    s = fp8.per_group_scale(x, group).repeat_interleave(group, dim=-1)[..., :k]
+    return fp8.fake_quantize(x, s)
+
+
 @dataclass
 class Route:
     """Token-expert pairs sorted by expert, with device-side group offsets."""
@@ -130,10 +143,11 @@ class FP8Experts(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         path: str | None = None,
         decode_pairs: int = DECODE_PAIRS,
+        block: int | None = None,
     ):
         super().__init__()
-        if activations not in ("token", "tensor", None):
-            raise ValueError(f"activations must be 'token', 'tensor' or None, got {activations!r}")
+        if activations not in ("token", "tensor", None) and not (block and activations == "group"):
+            raise ValueError(f"activations must be 'token', 'tensor' or None ('group' with block scales), got {activations!r}")
         if activations == "tensor" and (gate_up_input_scale is None or down_input_scale is None):
             raise ArtifactError("static FP8 experts need gate_up and down input scales", "re-run calibration for the experts")
         self.num_experts, n13, self.hidden_dim = gate_up.shape
@@ -144,15 +158,21 @@ class FP8Experts(nn.Module):
         self.decode_pairs = decode_pairs
         device = gate_up.device
         E = self.num_experts
+        self.block = block
         self.register_buffer("gate_up_codes", gate_up.contiguous())
         self.register_buffer("down_codes", down.contiguous())
-        # Row scales [E, N] (a per-tensor scale is expanded: one layout for every kernel).
-        self.register_buffer("gate_up_scale", gate_up_scale.float().reshape(E, -1).expand(E, n13).contiguous())
-        self.register_buffer("down_scale", down_scale.float().reshape(E, -1).expand(E, self.hidden_dim).contiguous())
+        if block:  # [E, N, ceil(K/b)]: block scales expanded along the rows (see the module docstring)
+            self.register_buffer("gate_up_scale", gate_up_scale.float().reshape(E, n13, -1).contiguous())
+            self.register_buffer("down_scale", down_scale.float().reshape(E, self.hidden_dim, -1).contiguous())
+        else:  # Row scales [E, N] (a per-tensor scale is expanded: one layout for every kernel).
+            self.register_buffer("gate_up_scale", gate_up_scale.float().reshape(E, -1).expand(E, n13).contiguous())
+            self.register_buffer("down_scale", down_scale.float().reshape(E, -1).expand(E, self.hidden_dim).contiguous())
         for name, s in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale)):
             self.register_buffer(name, None if s is None else s.float().reshape(E).to(device).contiguous())
-        self.path = path or self.choose_path(device)
-        self.decode_path = self._choose_decode_path(device)
+        if block and path not in (None, "grouped_mm", "loop"):
+            raise ValueError(f"block-scaled experts run the dequantized grouped_mm path, not {path!r}")
+        self.path = path or (("grouped_mm" if grouped_mm_available(device, dtype) else "loop") if block else self.choose_path(device))
+        self.decode_path = None if block else self._choose_decode_path(device)
         if self.path in ("grouped_mm", "loop"):
             # Dequantize once: the device has no FP8 grouped kernel (or the scheme keeps BF16
             # activations), and dequantizing on every call would cost more than BF16.
@@ -160,7 +180,16 @@ class FP8Experts(nn.Module):
             self.register_buffer("down_dense", self._dense(self.down_codes, self.down_scale))
 
     def _dense(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.block:
+            k = codes.shape[-1]
+            return (fp8.fp8_to_float(codes) * scale.repeat_interleave(self.block, dim=-1)[..., :k]).to(self.dtype)
         return (fp8.fp8_to_float(codes) * scale[:, :, None]).to(self.dtype)
+
+    def fake_quantize(self, x: torch.Tensor, row_scale: torch.Tensor | None) -> torch.Tensor:
+        """The activations the FP8 path multiplies: per token, per group (block scales) or static."""
+        if self.activations == "group":
+            return fake_quantize_groups(x, self.block)
+        return fake_quantize_rows(x, row_scale)
 
     def choose_path(self, device: torch.device) -> str:
         if self.activations is not None and scaled_grouped_mm_available(device):
@@ -224,7 +253,7 @@ class FP8Experts(nn.Module):
         in_scale = getattr(self, f"{which}_input_scale")
         row_scale = in_scale[route.expert_ids] if self.activations == "tensor" else None
         if self.activations is not None:
-            x = fake_quantize_rows(x, row_scale)
+            x = self.fake_quantize(x, row_scale)
         w = getattr(self, f"{which}_dense")
         if self.path == "grouped_mm":
             return grouped_mm_fn()(x, w.transpose(-2, -1), offs=route.offsets)
@@ -269,13 +298,13 @@ def reference_forward(mod: FP8Experts, hidden_states: torch.Tensor, top_k_index:
             continue
         xe = x[tok]
         if mod.activations is not None:
-            s = None if mod.activations == "token" else mod.gate_up_input_scale[e].expand(tok.numel())
-            xe = fake_quantize_rows(xe, s)
+            s = mod.gate_up_input_scale[e].expand(tok.numel()) if mod.activations == "tensor" else None
+            xe = mod.fake_quantize(xe, s)
         gate, up = (xe @ w13[e].T).chunk(2, dim=-1)
         h = mod.act_fn(gate) * up
         if mod.activations is not None:
-            s = None if mod.activations == "token" else mod.down_input_scale[e].expand(tok.numel())
-            h = fake_quantize_rows(h, s)
+            s = mod.down_input_scale[e].expand(tok.numel()) if mod.activations == "tensor" else None
+            h = mod.fake_quantize(h, s)
         y = h @ w2[e].T
         out.index_add_(0, tok, (y * top_k_weights[tok, slot, None].to(y.dtype)).float())
     return out.to(hidden_states.dtype)
@@ -296,12 +325,14 @@ class MoEReport:
         return {"replaced": self.replaced, "skipped": self.skipped, "activations": self.activations}
 
 
-def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = None
+def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = None, block: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes [E, N, K], scale [E, N] or [E, 1], input scale [E] or None) from the artifact.
-    `codes`: the experts' codes already assembled on the device (the loader streams each
-    per-expert tensor into its rows), so only the scales are read from `tensors`."""
+    """(codes [E, N, K], scale [E, N] or [E, 1] (block: [E, N, ceil(K/b)]), input scale [E] or
+    None) from the artifact. `codes`: the experts' codes already assembled on the device (the
+    loader streams each per-expert tensor into its rows), so only the scales are read from `tensors`."""
     E, N, K = ep.shape
+    if block:
+        return _fp8_block_param(ep, tensors, device, codes, block)
 
     def get(key):
         t = tensors[key] if key in tensors else None
@@ -333,6 +364,39 @@ def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = No
     return codes, scale, input_scale
 
 
+def _fp8_block_param(ep: ExpertParam, tensors, device, codes, block: int):
+    """_fp8_param for block scales: each stored [ceil(n/b), ceil(K/b)] scale expanded along its rows."""
+    E, N, K = ep.shape
+
+    def get(key):
+        return tensors[key].to(device) if key in tensors else None
+
+    assembled = codes is not None
+    pieces = [(ep.key, None)] if ep.layout == "fused" else [(sl.key, sl) for sl in ep.slices]
+    if not assembled:
+        codes = get(ep.key) if ep.layout == "fused" else torch.empty(E, N, K, dtype=FP8, device=device)
+    scale = torch.empty(E, N, -(-K // block), dtype=torch.float32, device=device)
+    ins = [None] * E
+    for key, sl in pieces:
+        s, w = get(key + "_scale"), None if assembled or sl is None else get(key)
+        if s is None or codes is None or codes.dtype != FP8 or (sl is not None and not assembled and (w is None or w.dtype != FP8)):
+            raise ArtifactError(f"{key} is not stored as FP8 with a {key}_scale", "re-create the artifact with mpsconvert quantize")
+        s = s.float().repeat_interleave(block, dim=-2)
+        if sl is None:
+            scale.copy_(s[:, :N])
+            i = get(key + "_input_scale")
+            ins = list(i.float().reshape(E)) if i is not None else ins
+            continue
+        scale[sl.expert, sl.start : sl.stop] = s[: sl.stop - sl.start]
+        if w is not None:
+            codes[sl.expert, sl.start : sl.stop] = w
+        i = get(sl.key[: -len("weight")] + "input_scale")
+        if i is not None:  # gate and up read the same input: the larger scale
+            ins[sl.expert] = i.float().reshape(()) if ins[sl.expert] is None else torch.maximum(ins[sl.expert], i.float().reshape(()))
+    input_scale = torch.stack(ins) if all(v is not None for v in ins) else None
+    return codes, scale, input_scale
+
+
 def scale_keys(ep: ExpertParam) -> list[str]:
     """The checkpoint keys of one expert parameter's scales (weight and, when stored, input)."""
     if ep.layout == "fused":
@@ -341,6 +405,10 @@ def scale_keys(ep: ExpertParam) -> list[str]:
 
 
 def _activations_from(model, qc=None) -> str | None:
+    return _scheme_from(model, qc).activations
+
+
+def _scheme_from(model, qc=None):
     from ..manifests.ct_config import scheme_from_config
 
     qc = qc if qc is not None else getattr(model.config, "quantization_config", None)
@@ -349,7 +417,7 @@ def _activations_from(model, qc=None) -> str | None:
     if isinstance(qc, dict) and "quantization_config" in qc and "config_groups" not in qc:
         qc = qc["quantization_config"]  # transformers' CompressedTensorsConfig.to_dict() nests it
     if isinstance(qc, dict) and qc.get("config_groups"):
-        return scheme_from_config(qc).activations
+        return scheme_from_config(qc)
     raise ArtifactError(
         "cannot tell how the experts' activations are quantized: the model config has no compressed-tensors quantization_config",
         "pass activations='token' | 'tensor' | None to replace_moe_experts",
@@ -368,8 +436,10 @@ def replace_moe_experts(model, tensors, device, activations: str | None = FROM_C
     not FP8 in the artifact are listed in `report.skipped` and keep their weights.
     """
     device = torch.device(device)
+    block = None
     if activations == FROM_CONFIG:
-        activations = _activations_from(model)
+        scheme = _scheme_from(model)
+        activations, block = scheme.activations, scheme.block
     keys = _keys(tensors)
     stored = {k: tuple(_shape(tensors, k)) for k in keys}
     layout = find_layout(model, stored)
@@ -384,9 +454,9 @@ def replace_moe_experts(model, tensors, device, activations: str | None = FROM_C
             report.skipped[name] = "; ".join(f"{ep.param}: {ep.why}" for ep in bad)
             continue
         old = modules[name]
-        w13, s13, i13 = _fp8_param(eps["gate_up_proj"], tensors, device)
-        w2, s2, i2 = _fp8_param(eps["down_proj"], tensors, device)
-        new = FP8Experts(w13, s13, w2, s2, old.act_fn, activations, i13, i2, dtype=dtype)
+        w13, s13, i13 = _fp8_param(eps["gate_up_proj"], tensors, device, block=block)
+        w2, s2, i2 = _fp8_param(eps["down_proj"], tensors, device, block=block)
+        new = FP8Experts(w13, s13, w2, s2, old.act_fn, activations, i13, i2, dtype=dtype, block=block)
         parent, _, leaf = name.rpartition(".")
         setattr(modules[parent] if parent else model, leaf, new)
         report.replaced[name] = {"layout": eps["gate_up_proj"].layout, **new.paths, "experts": new.num_experts}

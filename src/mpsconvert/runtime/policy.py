@@ -111,7 +111,7 @@ class KernelPolicy:
         m = self.decode_m if bucket == "decode" else self.prefill_m
         sig = layer.signature
         d = Decision(shape=sig[:2], weights=sig[2], activations=sig[3], bucket=bucket, m=m)
-        cands = kernels.candidates(self.device.type, layer.activations, layer.weights, bucket)
+        cands = kernels.candidates(self.device.type, layer.activations, layer.weights, bucket, layer.block)
         if self.device.type == "cpu":
             d.timings_us, d.choice, d.source = {}, cands[0], "rule"
             d.note = ("CPU: weights dequantized once at load (FP8 matmul on CPU is orders of magnitude slower)"

@@ -98,7 +98,7 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
             want_row = (s.float().reshape(s.shape[0], -1) * 2.0**k).to(torch.float16).numpy()
             s = torch.tensor([2.0**-k])
         codes = q.view(torch.uint8).numpy()
-        want16 = fp8.dequantize(q, s, torch.float16).numpy()
+        want16 = fp8.dequantize_tiles(q, s, torch.float16).numpy()
         r: dict = {}
         if record["weights"] == "fp8-lut":
             lut_op = ops.get(enc["lut"])
@@ -109,7 +109,15 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
             lut = np.asarray(lut_op.lut.val).reshape(-1)
             r["indices_bytes"] = int(idx.nbytes)
             r["indices_equal_fp8_codes"] = bool(idx.dtype == np.uint8 and idx.shape == codes.shape and np.array_equal(idx, codes))
-            if enc["row_scale"] is None:
+            if enc.get("lut_blocks"):  # one palette per block: decoded by coremltools' own op definition
+                want_lut = (s.numpy().astype(np.float32)[:, :, None] * base[None, None, :]).astype(np.float16)
+                if enc.get("transposed"):
+                    want_lut, idx = want_lut.transpose(1, 0, 2), idx.T
+                    r["indices_equal_fp8_codes"] = bool(idx.dtype == np.uint8 and idx.shape == codes.shape and np.array_equal(idx, codes))
+                want_lut = want_lut.reshape(-1)
+                got = np.asarray(lut_op.materialized_val_inference()).astype(np.float16)
+                got = got.T if enc.get("transposed") else got
+            elif enc["row_scale"] is None:
                 want_lut = (base * s.numpy().reshape(())).astype(np.float16)
                 got = lut[idx]
             else:

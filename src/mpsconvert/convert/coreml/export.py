@@ -280,7 +280,7 @@ def match_fp8_consts(prog, fp8_weights: dict) -> dict[str, tuple[str, bool]]:
     they differ between torch.export and torch.jit.trace and between coremltools versions."""
     want: dict[tuple, list[tuple[str, bool]]] = {}
     for name, (q, s) in fp8_weights.items():
-        w16 = fp8.dequantize(q, s, torch.float16).numpy()
+        w16 = fp8.dequantize_tiles(q, s, torch.float16).numpy()
         want.setdefault((w16.shape, _digest(w16)), []).append((name, False))
         if w16.ndim == 2:
             want.setdefault((w16.T.shape, _digest(w16.T)), []).append((name, True))
@@ -304,7 +304,8 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
     """A MIL graph pass: each matched weight const -> an 8-bit palette of the FP8 codes.
 
     Per-tensor scale: `constexpr_lut_to_dense(codes, fp16(e4m3 x scale))`, the artifact's FP16
-    dequantized weight exactly. Per-row scale: the LUT is shared (e4m3 x 2**-k, exact) and the row
+    dequantized weight exactly; per-block scale: the same with one palette per block (the
+    LUT op's per-block palettes; a scale after the matmul cannot vary along K). Per-row scale: the LUT is shared (e4m3 x 2**-k, exact) and the row
     scale (x 2**k, fp16) multiplies each consuming `linear`'s output, before its bias, as
     coremltools' own `reorder_lut_per_channel_scale` does for the Neural Engine. The other iOS18
     form, LUT -> `constexpr_blockwise_shift_scale`, is rewritten by coremltools for iOS18 targets
@@ -341,7 +342,19 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
                     scale = s.numpy().astype(np.float32).reshape(-1)
                     base = op.name + "_fp8"
                     consumers = list(op.outputs[0].child_ops)
-                    if scale.size == 1:
+                    if fp8.is_block_scale(s, q.shape[0]):
+                        # Block scales (tiles of the weight, fp8.tile_scale): one 256-entry palette per
+                        # block, fp16(e4m3 x block scale): the artifact's FP16 dequantization exactly,
+                        # 512 bytes per block (3% of a 128x128 block's 16 KiB of codes).
+                        tiles = s.numpy().astype(np.float32)
+                        lut = (tiles[:, :, None] * lut_base[None, None, :]).astype(np.float16)
+                        if transposed:
+                            idx, lut = idx.T.copy(), lut.transpose(1, 0, 2).copy()
+                        new = mb.constexpr_lut_to_dense(indices=idx, lut=lut[..., None], before_op=op, name=base + "_lut")
+                        op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
+                        info = {"lut": base + "_lut", "row_scale": None, "lut_exponent": None, "lut_blocks": list(tiles.shape),
+                                "encoding": "lut per block (e4m3 x block scale, fp16)"}
+                    elif scale.size == 1:
                         # fp32 product, one fp16 rounding: exactly the artifact's FP16 dequantization.
                         lut = (lut_base * scale[0]).astype(np.float16)
                         new = mb.constexpr_lut_to_dense(indices=idx.T.copy() if transposed else idx, lut=lut.reshape((1,) * idx.ndim + (256, 1)), before_op=op, name=base + "_lut")
