@@ -52,6 +52,7 @@ def test_upload_sends_every_file_in_one_commit(online, tmp_path):
     assert "model.safetensors" in local and "mpsconvert.json" in local and "README.md" in local
     assert 'from_pretrained("me/llama-fp8"' in local["README.md"].decode()
     assert mpsconvert.verify(art).ok  # the rewritten card is in the manifest with its new sha256
+    assert mpsconvert.inspect(art).extra["hub"] == {"repo": "me/llama-fp8"}  # later card rewrites keep loading from the repo
 
 
 def test_quantize_upload_repo_and_existing_repo(online, tmp_path):

@@ -194,8 +194,8 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
             t.add_row(("Core ML" if key == "coreml_runtime" else "Core AI") + " runtime", escape(_runtime_row(val)))
         elif key == "moe" and isinstance(val, dict):
             t.add_row("MoE experts", f"{len(val.get('experts') or {})} expert modules, layout {val.get('experts_layout')}")
-        elif key == "upload" and isinstance(val, dict):
-            t.add_row("uploaded", f"{val.get('repo')} ({val.get('commit')})")
+        elif key == "hub" and isinstance(val, dict):
+            t.add_row("hub repo", escape(str(val.get("repo"))))
         else:
             text = json.dumps(val)
             t.add_row(key, escape(text if len(text) <= 100 else f"{text[:97]}... (inspect --json for all)"))

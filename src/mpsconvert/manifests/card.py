@@ -23,7 +23,6 @@ from .manifest import Manifest
 
 CARD_NAME = "README.md"
 SOURCE_MARKER = "<!-- mpsconvert: the source model's own card follows, as it was -->"
-PROJECT_URL = "https://github.com/mpsconvert/mpsconvert"
 # keys of the source's front matter carried into ours (others describe the source, not the FP8 copy)
 _CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets")
 _FRONT = re.compile(r"\A---[ \t]*\r?\n(.*?)\r?\n---[ \t]*\r?\n?", re.S)
@@ -242,7 +241,7 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
     title = f"{(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe['name']})"
     parts = ["---", yaml.safe_dump(front_matter(manifest, config, meta, repo), sort_keys=False, allow_unicode=True).rstrip(), "---", "",
              f"# {title}", "",
-             f"An FP8 copy of `{src.get('id')}` made with [mpsconvert]({PROJECT_URL}); it loads wherever compressed-tensors "
+             f"An FP8 copy of `{src.get('id')}` made with mpsconvert {manifest.versions.get('mpsconvert')}; it loads wherever compressed-tensors "
              "FP8 checkpoints do (transformers, vLLM) and in mpsconvert's own runtime.", ""]
     parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
     if body.strip():
@@ -273,6 +272,8 @@ def refresh(folder: Path, repo: str | None = None) -> str:
     old = folder / CARD_NAME
     text = old.read_text(encoding="utf-8", errors="replace") if old.is_file() else None
     with update_manifest(folder) as m:
-        if repo is None:
-            repo = (m.extra.get("upload") or {}).get("repo")
+        if repo is None:  # once published, the card keeps loading from the repo
+            repo = (m.extra.get("hub") or {}).get("repo")
+        else:
+            m.extra["hub"] = {"repo": repo}
         return write(folder, m, text, repo)
