@@ -194,8 +194,14 @@ def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options)
                                       "its codes can only be kept as they are: drop that --ignore pattern")
                 plan.quantize[mod] = tuple(info.shape)
                 del plan.ignored[mod]
-        if mod is not None:
-            found[name] = mod
+        if mod is None:  # an FP8 weight of no Linear (llm-compressor's model-free path quantizes embed_tokens)
+            if src.layout != "compressed-tensors":
+                raise SourceError(f"the FP8 source stores {name}, which is no Linear weight, in FP8",
+                                  "only FP8 Linear and expert weights can be kept")
+            if src.scale_key(name) not in all_infos:
+                raise SourceError(f"the FP8 source has {name} but no {src.scale_key(name)}", "the checkpoint is incomplete; re-download it")
+            continue  # codes and scale copied as they are (compressed-tensors names); loaders dequantize it
+        found[name] = mod
         scale_key = src.scale_key(name)
         if scale_key not in all_infos:
             raise SourceError(f"the FP8 source has {name} but no {scale_key}", "the checkpoint is incomplete; re-download it")
