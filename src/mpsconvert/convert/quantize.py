@@ -194,14 +194,8 @@ def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options)
                                       "its codes can only be kept as they are: drop that --ignore pattern")
                 plan.quantize[mod] = tuple(info.shape)
                 del plan.ignored[mod]
-        if mod is None:  # an FP8 weight of no Linear (llm-compressor's model-free path quantizes embed_tokens)
-            if src.layout != "compressed-tensors":
-                raise SourceError(f"the FP8 source stores {name}, which is no Linear weight, in FP8",
-                                  "only FP8 Linear and expert weights can be kept")
-            if src.scale_key(name) not in all_infos:
-                raise SourceError(f"the FP8 source has {name} but no {src.scale_key(name)}", "the checkpoint is incomplete; re-download it")
-            continue  # codes and scale copied as they are (compressed-tensors names); loaders dequantize it
-        found[name] = mod
+        if mod is not None:
+            found[name] = mod
         scale_key = src.scale_key(name)
         if scale_key not in all_infos:
             raise SourceError(f"the FP8 source has {name} but no {scale_key}", "the checkpoint is incomplete; re-download it")
@@ -316,6 +310,12 @@ def _prepare(snap: Snapshot, opts: Options):
     expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
     if snap.fp8:
         opts.source_scheme, opts.repack = snap.fp8.scheme, repacks(snap, opts)
+        for name in [n for n in opts.fp8_tensors if n not in tensor_module and n not in expert_tensors]:
+            # an FP8 weight of no Linear or expert (llm-compressor's model-free path quantizes embed_tokens)
+            if snap.fp8.layout != "compressed-tensors":
+                raise SourceError(f"the FP8 source stores {name}, which is no Linear or expert weight, in FP8",
+                                  "only FP8 Linear and expert weights can be kept")
+            del opts.fp8_tensors[name]  # codes and scale copied as they are (compressed-tensors' names); loaders dequantize it
     check_fp8_source(snap, opts.scheme)
     if snap.fp8 and repacks(snap, opts) and opts.scheme.needs_calibration:
         missing = sorted(n for n, t in opts.fp8_tensors.items() if t.input_scale is None)
