@@ -254,3 +254,44 @@ def test_static_activations_with_block_weights_calibrated_from_source_and_into_a
         assert torch.equal(v.view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else v, after[k].view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else after[k])
     assert sum(k.endswith(".input_scale") for k in after) == 14
     mpsconvert.load(dyn, device="cpu")
+
+
+def test_llm_compressor_fp8_block_artifact_loads_and_equals_its_dequantization(tmp_path):
+    """tests/data/llmc/fp8_block: llm-compressor's own FP8_BLOCK (model_free_ptq, which also
+    quantizes embed_tokens; BF16 block scales). runtime.load runs it, and so does quantize as a
+    source (re-packed, codes kept)."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    fixture = Path(__file__).parent / "data" / "llmc" / "fp8_block"
+    sd = load_file(fixture / "model.safetensors")
+    deq = tmp_path / "deq"
+    deq.mkdir()
+    cfg = json.loads((fixture / "config.json").read_text())
+    assert cfg["quantization_config"]["config_groups"]["FP8_BLOCK"]["weights"]["block_structure"] == [128, 128]
+    cfg.pop("quantization_config")
+    (deq / "config.json").write_text(json.dumps(cfg))
+    dense = {k: fp8.dequantize(v, sd[k + "_scale"], torch.float32, 128) if v.dtype == fp8.FP8_DTYPE else v
+             for k, v in sd.items() if not k.endswith("_scale")}
+    save_file(dense, str(deq / "model.safetensors"), metadata={"format": "pt"})
+    ref = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    linears = {k[: -len(".weight")] for k, v in sd.items() if v.dtype == fp8.FP8_DTYPE and "embed" not in k}
+    group_quantized_activations(ref, linears, 128)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = _logits(ref, ids)
+    ours = mpsconvert.load(fixture, device="cpu", dtype=torch.float32)
+    assert ours.mpsconvert.weights == "block" and any("embed_tokens" in d for d in ours.mpsconvert.dequantized)
+    got = _logits(ours, ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    src = tmp_path / "src"
+    shutil.copytree(fixture, src)
+    res = mpsconvert.quantize(src, tmp_path / "repacked")
+    assert not res.warnings and res.manifest.recipe["weights"] == "block"
+    out = load_file(tmp_path / "repacked" / "model.safetensors")
+    for k, v in sd.items():
+        if v.dtype == fp8.FP8_DTYPE:  # every code kept; embed_tokens (no Linear) with its scale as it was
+            assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) and torch.equal(out[k + "_scale"].float(), sd[k + "_scale"].float())
+    got = _logits(mpsconvert.load(tmp_path / "repacked", device="cpu", dtype=torch.float32), ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

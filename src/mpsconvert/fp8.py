@@ -316,9 +316,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     """fp8 codes [N, K] times scale ([1], [N, 1], or [ceil(N/b), ceil(K/b)] with `block` b) ->
     dense weight in `dtype`. A block scale without its block edge is refused: the edge cannot
     be told from the shapes when a block is partial."""
-    n, k = q.shape
-    if not is_block_scale(scale, n):
+    if q.ndim != 2 or not is_block_scale(scale, q.shape[0]):  # per tensor / per row (any rank, as before)
         return (fp8_to_float(q) * scale.float().reshape(-1, 1)).to(dtype)
+    n, k = q.shape
     if block is None:
         raise ValueError(f"a {list(scale.shape)} block scale of a {n}x{k} weight needs its block size to dequantize")
     w = fp8_to_float(q)
@@ -343,9 +343,9 @@ def tile_scale(scale: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
 def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """fp8 codes [N, K] times a scale that tiles them exactly ([1], [N, 1], or [N/tn, K/tk] as
     `tile_scale` gives): unambiguous without a block size, unlike a block scale with partial edges."""
-    n, k = q.shape
-    if not is_block_scale(scale, n):
+    if q.ndim != 2 or not is_block_scale(scale, q.shape[0]):
         return dequantize(q, scale, dtype)
+    n, k = q.shape
     rn, rk = scale.shape
     if n % rn or k % rk:
         raise ValueError(f"a {list(scale.shape)} scale does not tile a {n}x{k} weight")

@@ -96,14 +96,22 @@ def calibration(cal) -> None:
         warn(w)
 
 
+def _grain(recipe: dict) -> str:
+    """'row', 'tensor' or 'block (128x128)'."""
+    b = recipe.get("block_size")
+    return f"{recipe['weights']} ({b}x{b})" if b else recipe["weights"]
+
+
 def quantize_summary(res, as_json: bool) -> None:
     manifest, s = res.manifest, res.summary
     if as_json:
         print_json(res.as_dict())
         return
     t = Table(title=f"{res.output}", show_header=False, box=None)
-    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {manifest.recipe['weights']}, activations: {manifest.recipe['activations'] or 'bf16'})"
+    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: {manifest.recipe['activations'] or 'bf16'})"
               + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else ""))
+    if (src := manifest.source.get("fp8")) and all(r.get("codes", "").startswith("copied") for r in manifest.tensors.values()):
+        t.add_row("FP8 source", f"{src['layout']}: e4m3 codes kept byte for byte, scales renamed")
     t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
     n_exp = s.get("expert_tensors_quantized", 0)
     t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
@@ -171,7 +179,7 @@ def _runtime_row(rt: dict) -> str:
 def inspect_table(artifact, m, show_tensors: bool) -> None:
     t = Table(title=str(artifact), show_header=False, box=None)
     t.add_row("source", escape(source_line(m.source)))
-    t.add_row("scheme", f"{m.recipe['name']}: weights per {m.recipe['weights']}, activations {m.recipe['activations'] or 'bf16'}"
+    t.add_row("scheme", f"{m.recipe['name']}: weights per {_grain(m.recipe)}, activations {m.recipe['activations'] or 'bf16'}"
               + (f"; unquantized tensors {m.recipe['unquantized_dtype']}" if m.recipe.get("unquantized_dtype") else ""))
     if cal := m.recipe.get("calibration"):
         t.add_row("calibration", f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x {cal.get('seq_len')} tokens "

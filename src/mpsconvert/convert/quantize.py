@@ -374,6 +374,12 @@ def _prepare(snap: Snapshot, opts: Options):
     check_copied_finite(headers, tensor_module, expert_tensors)
     if snap.fp8:
         opts.source_scheme, opts.repack = snap.fp8.scheme, repacks(snap, opts)
+        for name in [n for n in opts.fp8_tensors if n not in tensor_module and n not in expert_tensors]:
+            # an FP8 weight of no Linear or expert (llm-compressor's model-free path quantizes embed_tokens)
+            if snap.fp8.layout != "compressed-tensors":
+                raise SourceError(f"the FP8 source stores {name}, which is no Linear or expert weight, in FP8",
+                                  "only FP8 Linear and expert weights can be kept")
+            del opts.fp8_tensors[name]  # codes and scale copied as they are (compressed-tensors' names); loaders dequantize it
     check_fp8_source(snap, opts.scheme)
     if snap.fp8 and repacks(snap, opts) and opts.scheme.needs_calibration:
         missing = sorted(n for n, t in opts.fp8_tensors.items() if t.input_scale is None)
