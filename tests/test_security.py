@@ -574,3 +574,11 @@ def test_disk_full_while_a_package_is_written_is_one_line_and_changes_nothing(ar
             layout.publish_package(art.absolute(), layout.COREML_PACKAGE, write, lambda m, p: None)
     assert tree_hashes(art) == before
     assert not [p for p in art.parent.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
+
+
+def test_all_subnormal_weights_give_a_warning(base, tmp_path):
+    key = "model.layers.0.mlp.up_proj.weight"
+    d = _edit_source(base, tmp_path, lambda sd: sd[key].mul_(1e-39 / float(sd[key].abs().max())))
+    res = cli("quantize", d, "-o", tmp_path / "out")
+    assert res.exit_code == 0 and "every value is subnormal" in res.output and key in res.output
+    assert any(key in w for w in Manifest.read(tmp_path / "out").summary["warnings"])
