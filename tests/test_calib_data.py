@@ -63,7 +63,7 @@ def test_text_jsonl_and_parquet_files(tmp_path, tok):
 
 @pytest.mark.parametrize(
     "content, match",
-    [('{"text": "ok"}\n{"body": "no text"}\n', "record 2"), ('{"text": "ok"}\nnot json\n', ":2: not valid JSON"), ("\n\n", "no non-empty text")],
+    [('{"text": "ok"}\n{"body": "no text"}\n', "record 2"), ('{"text": "ok"}\nnot json\n', ":2 is not valid JSON"), ("\n\n", "no non-empty text")],
 )
 def test_bad_jsonl_is_a_one_line_error(tmp_path, content, match):
     p = tmp_path / "bad.jsonl"

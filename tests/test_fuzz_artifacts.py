@@ -164,7 +164,8 @@ def mutate(rng: random.Random, art: Path, outside: Path) -> tuple[str, bool]:
 
 
 def _mpsconvert_temp() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("mpsconvert-*")}
+    """This process's folders in the system temp dir (other runs on the machine make their own)."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob(f"mpsconvert-*-{os.getpid()}-*")}
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,8 @@ def quantize_summary(res, as_json: bool) -> None:
     if res.manifest_sha256:
         t.add_row("manifest sha256", f"{res.manifest_sha256}  (pin it: mpsconvert verify --manifest-sha256 ...)")
     out.print(t)
+    for w in s.get("warnings") or []:
+        warn(w)
 
 
 # --------------------------------------------------------------------------- inspect / verify

@@ -119,4 +119,20 @@ def summarize(manifest: Manifest, plan: Plan, bytes_in: int, bytes_out: int) -> 
         "modules_skipped": len(plan.skipped),
         "worst_sqnr_db": None if worst is None else worst[1],
         "worst_sqnr_tensor": None if worst is None else worst[0],
+        "warnings": subnormal_warnings(manifest.tensors),
     }
+
+
+# the smallest normal value of each source float dtype: a weight entirely below it is all subnormal
+_NORMAL_MIN = {"F32": 1.1754944e-38, "BF16": 1.1754944e-38, "F16": 6.1035156e-05, "F64": 2.2250738585072014e-308}
+
+
+def subnormal_warnings(tensors: dict) -> list[str]:
+    """Weights whose every value is subnormal in the source dtype (not zero): almost certainly a
+    broken checkpoint, and their FP8 codes carry little of them; said, not refused."""
+    out = []
+    for name, rec in tensors.items():
+        amax, tiny = rec.get("amax"), _NORMAL_MIN.get(rec.get("source_dtype"))
+        if isinstance(amax, (int, float)) and tiny and 0 < amax < tiny:
+            out.append(f"{name}: every value is subnormal in {rec['source_dtype']} (max |w| {amax:.3g}); is the checkpoint broken?")
+    return out
