@@ -135,3 +135,10 @@ def test_coreai_backend_generates_what_transformers_does(art, tmp_path):
     long = " ".join([text] * 10)  # more tokens than the asset's cache holds: one line, before the runtime is called
     res = CliRunner().invoke(main, ["generate", str(a), long, "--backend", "coreai", "--ignore-chat-template"])
     assert res.exit_code == 2 and "holds 48" in res.output, res.output
+    # a tampered asset is refused by the hash check before the runtime opens it
+    weights = max((p for p in (a / "model.aimodel").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    res = CliRunner().invoke(main, ["generate", str(a), text, "--backend", "coreai", "--ignore-chat-template"])
+    assert res.exit_code == 2 and "model.aimodel" in res.output and "sha256" in res.output.lower(), res.output

@@ -855,7 +855,12 @@ class Chat:
         self.close()
 
 
-def _apple_record(artifact: Path, key: str, command: str) -> dict:
+def _apple_record(artifact: Path, key: str, command: str) -> tuple[dict, Path]:
+    """The manifest's record of a stateful Apple export and the package's path, after the whole
+    artifact (the package included) verified: a runtime never opens an unchecked package."""
+    from .manifests.verify import check_before_use
+    from .untrusted import inside
+
     rec = Manifest.read(artifact).extra.get(key) if layout.is_artifact(artifact) else None
     if not rec:
         raise ArtifactError(f"{artifact} has no {'Core AI asset' if key == 'coreai' else 'Core ML package'}",
@@ -863,7 +868,8 @@ def _apple_record(artifact: Path, key: str, command: str) -> dict:
     if rec.get("task") != "causal-lm" or not rec.get("kv_cache", key == "coreai"):
         raise ArtifactError(f"the {key} export in {artifact} is not a stateful decoder (task {rec.get('task')})",
                             f"re-export it with `mpsconvert {command}` (the default is the stateful decoder)")
-    return rec
+    check_before_use(artifact)
+    return rec, inside(artifact, rec.get("asset" if key == "coreai" else "package"), what=f"the {key} export")
 
 
 def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Progress | None):
@@ -882,7 +888,7 @@ def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Pr
                                 "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
         return gen.TorchDecoder(model), model.config
     if backend == "coreai":
-        rec = _apple_record(artifact, "coreai", "export-coreai")
+        rec, asset = _apple_record(artifact, "coreai", "export-coreai")
         from .extras import require
 
         require("coreai.authoring", "coreai", "running the Core AI asset")
@@ -890,12 +896,12 @@ def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Pr
         from .convert.coreai.run import Session, quiet
 
         with quiet():
-            session = Session(artifact / rec["asset"])
+            session = Session(asset)
         stack.enter_context(session)
         runtime = "Core AI runtime, macOS" if sys.platform == "darwin" else "Core AI runtime, Linux CPU"
         return gen.RunnerDecoder(decoder_runner(session), rec["max_len"], "coreai", runtime), None
     if backend == "coreml":
-        rec = _apple_record(artifact, "coreml", "export-coreml")
+        rec, package = _apple_record(artifact, "coreml", "export-coreml")
         if sys.platform != "darwin":
             raise MpsconvertError("Core ML runs .mlpackage files only on macOS (coremltools cannot predict on this platform)",
                                   "use --backend coreai (runs on Linux) or --backend torch here")
@@ -904,7 +910,7 @@ def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Pr
         ct = require("coremltools", "coreml", "running the Core ML package")
         from .convert.coreml.check import coreml_decoder
 
-        ml = ct.models.MLModel(str(artifact / rec["package"]), compute_units=ct.ComputeUnit.ALL)
+        ml = ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.ALL)
         return gen.RunnerDecoder(coreml_decoder(ml), rec["max_len"], "coreml", "Core ML (compute units: all)"), None
     raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
 
