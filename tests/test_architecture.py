@@ -11,11 +11,11 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
 BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "targets", "texts", "safetensors_io",
-          "atomic", "devices", "moe_layout", "untrusted"}
+          "atomic", "devices", "moe_layout", "untrusted", "units"}
 MIDDLE = {"convert", "calibrate", "runtime"}
 # what each layer may import from the package (by the first component of the module path)
 ALLOWED = {
-    "cli": {"api", "errors", "cli"},
+    "cli": {"api", "errors", "units", "cli"},  # units: the one size formatter, shared with the model card
     "api": BOTTOM | MIDDLE | {"manifests", "source", "publish", "api", ""},
     **{m: BOTTOM | {"manifests", "source", m} for m in MIDDLE},
     "manifests": BOTTOM | {"manifests", ""},  # "": the package's own `__version__`

@@ -22,19 +22,13 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from ..units import human
+
 console = Console(stderr=True)  # progress, status, warnings, errors
 out = Console()  # results
 
 # Phases whose `done` / `total` count bytes (drawn with sizes and a speed); the others count items.
 BYTE_PHASES = ("quantize", "verify")
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from ..atomic import write_text
+from ..units import human
 from .hashing import sha256_file
 from .layout import CONFIG_NAME
 from .manifest import Manifest
@@ -123,15 +124,6 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     return meta
 
 
-def _human(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def _what_was_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
     where = f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
@@ -144,7 +136,7 @@ def _what_was_done(manifest: Manifest) -> list[str]:
         f"| scheme | `{r['name']}`: {_SCHEME_TEXT.get(r['name'], r['name'])} |",
         f"| weight scales | {_GRANULARITY_TEXT.get(r['weights'], r['weights'])}; `scale = amax / 448`, values clamped to +-448 |",
         f"| quantized | {s.get('tensors_quantized')} Linear weights |",
-        f"| weights | {_human(s.get('weight_bytes_before'))} -> {_human(s.get('weight_bytes_after'))} ({s.get('ratio')}x) |",
+        f"| weights | {human(s.get('weight_bytes_before'))} -> {human(s.get('weight_bytes_after'))} ({s.get('ratio')}x) |",
     ]
     if s.get("worst_sqnr_db") is not None:
         lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
