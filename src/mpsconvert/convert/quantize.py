@@ -64,7 +64,7 @@ BLOCK_BYTES = 16 << 20
 # intra-op threads on 1M-element chunks. Two on 2 cores (0.1-0.2 s faster than one there, the
 # writer thread taking the rest); beyond 4 the single sha256-and-write thread is the limit.
 QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
-_FLOAT_CODES = ("F32", "F16", "BF16")
+_FLOAT_CODES = ("F32", "F16", "BF16")  # what is quantized, cast by --dtype, or read as a scale
 
 
 @dataclass
@@ -145,7 +145,7 @@ def _expert_tensors(plan: Plan, headers: dict, experts_layout: str) -> dict[str,
     the others go to `plan.skipped` with the reason."""
     if not plan.experts:
         return {}
-    kinds = ("F32", "F16", "BF16", "F8_E4M3")
+    kinds = _FLOAT_CODES + ("F8_E4M3",)
     stored = {name: tuple(info.shape) for h in headers.values() for name, info in h.tensors.items() if info.dtype in kinds}
     found: dict[str, ExpertTensor] = {}
     plan.expert_layout = find_layout(plan.meta_model, stored)
@@ -172,7 +172,7 @@ def _finalize_plan(plan: Plan, headers: dict) -> dict[str, str]:
     for h in headers.values():
         for name, info in h.tensors.items():
             mod = plan.module_for_tensor(name)
-            if mod is not None and len(info.shape) == 2 and info.dtype in ("F32", "F16", "BF16"):
+            if mod is not None and len(info.shape) == 2 and info.dtype in _FLOAT_CODES:
                 found[name] = mod
     present = set(found.values())
     for mod in list(plan.quantize):
@@ -212,7 +212,7 @@ def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options)
             raise SourceError(f"the FP8 source has {name} but no {scale_key}", "the checkpoint is incomplete; re-download it")
         sf, sinfo = all_infos[scale_key]
         want = scale_shape(src.scheme.weights, *info.shape, src.scheme.block_size)
-        if sinfo.dtype not in ("F32", "F16", "BF16") or math.prod(sinfo.shape) != math.prod(want):
+        if sinfo.dtype not in _FLOAT_CODES or math.prod(sinfo.shape) != math.prod(want):
             raise SourceError(f"{scale_key} is {sinfo.dtype}{list(sinfo.shape)}, but the source's {src.scheme.weights} scales of a "
                               f"{list(info.shape)} weight are {list(want)}", "the checkpoint is corrupt or not the layout its config says")
         ins_key = src.input_scale_key(name)
@@ -269,7 +269,7 @@ def check_tensor_layout(snap: Snapshot, headers: dict) -> None:
             raise SourceError(f"{len(extra)} stored tensors are missing from {INDEX_NAME} (e.g. {extra[0]!r})", "the checkpoint is corrupt; re-download it")
 
 
-FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+FLOAT_DTYPES = _FLOAT_CODES + ("F64",)  # a float parameter may be stored as any of these
 
 
 def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> None:
