@@ -163,7 +163,7 @@ def _recover(target: Path) -> None:
     put back the old output if a kill fell between the two renames of a swap, else remove the
     leftover `-old`; remove temporary folders beside it and temporary files inside it."""
     parent = target.parent
-    old = parent / f"{TMP_PREFIX}{target.name}-old"
+    old = _old(target)
     if os.path.lexists(old):
         if not os.path.lexists(target):
             os.replace(old, target)  # killed between the two renames: put the old one back
@@ -190,7 +190,7 @@ def recover(target: Path) -> None:
     """For readers: if a run was killed between the two renames of a swap (`target` gone, its
     `-old` there), put the old one back first. Raises MpsconvertError if a run is writing it."""
     target = Path(target).absolute()
-    if not os.path.lexists(target) and os.path.lexists(target.parent / f"{TMP_PREFIX}{target.name}-old"):
+    if not os.path.lexists(target) and os.path.lexists(_old(target)):
         with writing(target):
             pass
 
@@ -222,12 +222,17 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
                               "choose another -o, or remove it yourself")
 
 
+def _old(target: Path) -> Path:
+    """Where a swap parks the output it replaces, between its two renames."""
+    return target.parent / f"{TMP_PREFIX}{target.name}-old"
+
+
 def _swap(target: Path, tmp: Path) -> None:
     """Publish `tmp` as `target` (replacing an old one by two renames that `_recover` completes)."""
     if stop_requested.is_set():
         raise KeyboardInterrupt("stop requested before the output was published")
     if os.path.lexists(target):
-        old = target.parent / f"{TMP_PREFIX}{target.name}-old"
+        old = _old(target)
         os.replace(target, old)
         kill_point("between-renames")
         os.replace(tmp, target)
