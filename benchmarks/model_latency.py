@@ -8,6 +8,9 @@ by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), 
 
   bf16      transformers `from_pretrained(..., dtype=bfloat16, device_map=cuda)` of the source
   ours      `mpsconvert.runtime.load(artifact)` (verification on), kernels measured cold
+  ours-sdpa the same, with transformers' SDPA at decode too (without runtime/attention.py)
+  ours-sharedquant  prefill siblings share one quantization, a GEMM each (fuse.PREFILL_SHARES)
+  bf16-attn BF16 with our decode attention installed (to separate what attention contributes)
   ours-warm a second load: kernel cache and page cache warm (load time only)
   *-cold    bf16-cold / ours-cold: the page cache dropped first, files read from disk (load only)
   ct        transformers + compressed-tensors `from_pretrained(artifact)`
@@ -57,6 +60,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 T0 = time.perf_counter()
+from mpsconvert.runtime.fuse import PREFILL_SHARES as DEFAULT_SHARES  # noqa: E402
 
 
 def log(*a):
@@ -172,7 +176,43 @@ def kernel_checks(device) -> dict:
             out[f"gemv_w8a8 {n}x{k}: rel err"] = float((y - ref8).norm() / ref8.norm())
         except Exception as e:  # reported; the policy then never picks it (it records the same error)
             out[f"gemv_w8a8 {n}x{k}"] = f"{type(e).__name__}: {str(e)[:200]}"
+    out.update(attention_check(device, g))
     log("kernel checks", out)
+    return out
+
+
+def attention_check(device, g) -> dict:
+    """The decode attention kernel against SDPA at the Llama-3-8B shape (32 q / 8 kv heads of
+    128, one query, a static cache of 2096 positions with 2050 valid), and the two timed under a
+    CUDA graph: ours, and SDPA after `repeat_kv` as transformers runs it under torch.compile."""
+    import torch.nn.functional as F
+
+    from mpsconvert.runtime import attention
+
+    q = torch.randn(1, 32, 1, 128, device=device, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 8, 2096, 128, device=device, generator=g).to(torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(1, 1, 1, 2096, dtype=torch.bool, device=device)
+    mask[..., :2050] = True
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+                                         attn_mask=mask).transpose(1, 2)  # fmt: skip
+    out = {"decode attention: max abs err vs SDPA (float32)": float((attention.decode_attention(q, k, v, mask).float() - ref).abs().max())}
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
+
+    for label, fn in (("ours", lambda: attention.decode_attention(q, k, v, mask)), ("sdpa+repeat_kv", sdpa)):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                fn()
+        graph.replay()
+        sync()
+        t = time.perf_counter()
+        for _ in range(10):
+            graph.replay()
+        sync()
+        out[f"decode attention {label}: us per call (CUDA graph)"] = round((time.perf_counter() - t) / 200 * 1e6, 2)
     return out
 
 
@@ -246,16 +286,18 @@ def profile(fn) -> dict:
     spans, cats, launches = [], {c: 0.0 for c, _ in CATEGORIES}, 0
     per_kernel: dict[str, list] = {}
     syncs = 0
+    cpu_start = None
     for ev in p.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             if any(k in ev.name for k in ("Synchronize", "_local_scalar_dense", "DtoH")):
                 syncs += 1
+            cpu_start = ev.time_range.start if cpu_start is None else min(cpu_start, ev.time_range.start)
             continue
         k = per_kernel.setdefault(ev.name[:90], [0, 0.0])
         k[0] += 1
         k[1] += ev.time_range.end - ev.time_range.start
         start, dur = ev.time_range.start, ev.time_range.end - ev.time_range.start
-        spans.append((start, start + dur))
+        spans.append((start, start + dur, ev.name[:60]))
         launches += 1
         low = ev.name.lower()
         for c, keys in CATEGORIES:
@@ -263,18 +305,28 @@ def profile(fn) -> dict:
                 cats[c] += dur
                 break
     spans.sort()
-    busy, end = 0.0, None
-    for s, e in spans:
+    busy, end, last, gaps = 0.0, None, "", []
+    for s, e, name in spans:
         if end is None or s > end:
+            if end is not None:
+                gaps.append((s - end, last, name, s - spans[0][0]))
             busy += e - s
             end = e
         elif e > end:
             busy += e - end
             end = e
+        last = name
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:14]
+    idle = sum(g[0] for g in gaps)
+    # where the GPU waited for the host: before the first kernel (the model's Python preamble),
+    # between kernels (gaps of 20 us and more summed, the eight longest named), and in all
     return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches,
             "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs,
-            "top_kernels_ms": [[name, n, round(t / 1e3, 3)] for name, (n, t) in top]}  # fmt: skip
+            "top_kernels_ms": [[name, n, round(t / 1e3, 3)] for name, (n, t) in top],
+            "idle": {"before_first_kernel_us": round(spans[0][0] - cpu_start, 1) if spans and cpu_start is not None else None,
+                     "between_kernels_us": round(idle, 1), "in_gaps_over_20us": round(sum(g[0] for g in gaps if g[0] >= 20), 1),
+                     "gaps_over_20us": sum(g[0] >= 20 for g in gaps),
+                     "longest": [[round(g[0], 1), g[1], g[2], round(g[3] / 1e3, 2)] for g in sorted(gaps, reverse=True)[:8]]}}  # fmt: skip
 
 
 def decoder_layers(model):
@@ -322,6 +374,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
     total, emb = weight_bytes(model)
     row["weight_bytes"] = total
+    row["attention"] = getattr(model.config, "_attn_implementation", None)
     log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"))
     if name.partition("@")[0].endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
         del model
@@ -394,6 +447,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
                         state["i"] += 1
 
                 row["decode_profile"] = profile(one_step)
+                log(f"{name}: decode step profile", row["decode_profile"])
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
@@ -441,14 +495,22 @@ def agreement() -> dict:
 def loaders(name: str, src: Path, art: Path, device, args):
     import transformers
 
-    if name in ("bf16", "bf16-cold"):
-        return lambda: transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
+    if name in ("bf16", "bf16-cold", "bf16-attn"):
+        def bf16():
+            model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
+            if name == "bf16-attn":  # the same decode attention as ours, to separate its share of the speed-up
+                from mpsconvert.runtime import attention
+
+                attention.install(model)
+            return model
+
+        return bf16
     name = name.partition("@")[0]  # the artifact is chosen by the caller
-    if name in ("ours", "ours-warm", "ours-cold", "ours-fusedgemm"):
+    if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa"):
         from mpsconvert.runtime import fuse, load
 
-        fuse.PREFILL_SHARES = "gemm" if name == "ours-fusedgemm" else "quantization"
-        return lambda: load(art, device=str(device), prefill_m=args.prefill)
+        fuse.PREFILL_SHARES = "quantization" if name == "ours-sharedquant" else DEFAULT_SHARES  # ours: the library's default
+        return lambda: load(art, device=str(device), prefill_m=args.prefill, decode_attention=name != "ours-sdpa")
     if name in ("ct", "ct-opt"):
         from transformers import CompressedTensorsConfig
 

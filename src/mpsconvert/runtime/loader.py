@@ -66,6 +66,7 @@ class LoadInfo:
     weight_bytes: int = 0
     experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
     shared_inputs: list = field(default_factory=list)  # sibling layers fused into one GEMM
+    attention: str = ""  # the attention implementation the model runs, where load chose it (CUDA)
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
@@ -130,14 +131,16 @@ def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
 
 def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify: bool = True, *,
          prefill_m: int = 512, kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None,
-         share_inputs: bool = True, manifest_sha256: str | None = None):
+         share_inputs: bool = True, manifest_sha256: str | None = None, decode_attention: bool = True):
     """Load an FP8 artifact as a transformers model in eval mode; `model.mpsconvert` says how.
 
     device: 'auto' | 'cuda' | 'cuda:N' | 'mps' | 'cpu' (devices.choose: an unavailable device is an
     error, never a fallback). verify: check every file's sha256 against the manifest (while the
     files are read, before the model is returned). kernel_cache / measure: passed to
     KernelPolicy (cache file or False; injected timer). share_inputs: fuse q/k/v and gate/up
-    into one GEMM each on GPUs (fuse.py). progress(phase, done, total, detail).
+    into one GEMM each on GPUs (fuse.py). decode_attention: on CUDA, a model that uses SDPA runs
+    decode steps through the split-KV kernel of runtime/attention.py (prefill stays SDPA).
+    progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With
     `trust_remote_code`, the artifact's code is imported only after it matched its hash.
     """
@@ -214,6 +217,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         from .fuse import share_inputs as share
 
         info.shared_inputs = [f"{n}: {'+'.join(g.names)}" for g in share(model) for n, m in model.named_modules() if m is g]
+    if decode_attention and dev.type == "cuda":
+        from . import attention
+
+        info.attention = attention.install(model) or f"{model.config._attn_implementation} (left as it was)"
     seconds["install"] = time.perf_counter() - t2
     t3 = time.perf_counter()
     policy = KernelPolicy(dev, prefill_m=prefill_m, measure=measure, cache=kernel_cache)

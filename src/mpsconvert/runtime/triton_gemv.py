@@ -31,8 +31,11 @@ except ImportError:  # pragma: no cover - depends on the install
 
 OP_NAME = "mpsconvert::fp8_gemv"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# BLOCK_N, BLOCK_K, warps: few enough that a cold start compiles and times them in seconds.
-_CONFIGS = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 4), (32, 512, 8))
+# BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
+# The few-rows x long-K tiles (2-8 rows of 2048-4096 codes) put a whole row's loads in flight at
+# once, which is what a GEMV bound by memory latency needs on the small shapes (o_proj 4096x4096).
+_CONFIGS = ((4, 1024, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 256, 4, 2), (16, 512, 4, 2), (16, 512, 8, 2), (32, 256, 4, 2),
+            (32, 512, 8, 2), (2, 4096, 4, 1), (4, 2048, 4, 2), (4, 4096, 8, 1), (8, 2048, 8, 2), (8, 1024, 4, 3), (16, 512, 4, 4))
 
 
 def available() -> bool:
@@ -82,12 +85,13 @@ if triton is not None:
     if _INTERPRET:
         _kernel = _fp8_gemv_kernel
     else:
-        _kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=2) for bn, bk, w in _CONFIGS],
+        _kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _CONFIGS],
                            key=["N", "K", "M"])(_fp8_gemv_kernel)  # fmt: skip
 
 
 # W8A8 decode: BLOCK_N, BLOCK_K, warps, pipeline stages (BLOCK_M is 16, the smallest tl.dot tile).
-_DOT_CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4), (64, 256, 4, 3))
+_DOT_CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4), (64, 256, 4, 3),
+                (16, 512, 4, 3), (32, 512, 4, 4), (64, 512, 8, 3), (128, 256, 8, 3))
 
 if triton is not None:
 
