@@ -272,7 +272,7 @@ CATEGORIES = (("gemm", ("gemm", "cutlass", "cublas", "sm90_", "nvjet", "scaled_m
 # (an elementwise kernel over strided tensors is `gpu_kernel_impl_nocast`: "other", not a cast)
 
 
-def profile(fn) -> dict:
+def profile(fn, top: int = 14) -> dict:
     """GPU busy time of one call (union of kernel intervals) and the kernel time by category."""
     from torch.profiler import ProfilerActivity, profile as prof
 
@@ -316,13 +316,13 @@ def profile(fn) -> dict:
             busy += e - end
             end = e
         last = name
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:14]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
     idle = sum(g[0] for g in gaps)
     # where the GPU waited for the host: before the first kernel (the model's Python preamble),
     # between kernels (gaps of 20 us and more summed, the eight longest named), and in all
     return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches,
             "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs,
-            "top_kernels_ms": [[name, n, round(t / 1e3, 3)] for name, (n, t) in top],
+            "top_kernels_ms": [[name, n, round(t / 1e3, 4)] for name, (n, t) in top],
             "idle": {"before_first_kernel_us": round(spans[0][0] - cpu_start, 1) if spans and cpu_start is not None else None,
                      "between_kernels_us": round(idle, 1), "in_gaps_over_20us": round(sum(g[0] for g in gaps if g[0] >= 20), 1),
                      "gaps_over_20us": sum(g[0] >= 20 for g in gaps),
@@ -446,7 +446,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
                         state["tok"] = out[:, -1:].argmax(-1).clone()
                         state["i"] += 1
 
-                row["decode_profile"] = profile(one_step)
+                row["decode_profile"] = profile(one_step, top=40)
                 log(f"{name}: decode step profile", row["decode_profile"])
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

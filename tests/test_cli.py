@@ -5,7 +5,6 @@ import shutil
 import struct
 
 import pytest
-import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 

@@ -189,7 +189,7 @@ def test_shared_input_under_torch_compile_one_frame_no_recompiles():
     cnt = CompileCounter()
     compiled = torch.compile(model, backend=cnt, fullgraph=True)
     for i in range(4):
-        out = compiled(x if i == 0 else (torch.randn(8, 32) * 0.1).to(torch.bfloat16))
+        compiled(x if i == 0 else (torch.randn(8, 32) * 0.1).to(torch.bfloat16))
     assert cnt.frame_count == 1 and torch.equal(compiled(x), ref)
     torch._dynamo.reset()
     cnt = CompileCounter()

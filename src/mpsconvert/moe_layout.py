@@ -191,7 +191,6 @@ def find_layout(model, stored: dict[str, tuple[int, ...]]) -> dict[str, ExpertPa
     prefix = getattr(model, "base_model_prefix", "") or ""
     result: dict[str, ExpertParam] = {}
     for mod_name, mod in experts_modules(model).items():
-        params = {}
         for p in EXPERT_PARAMS:
             t = getattr(mod, p)
             ep = ExpertParam(mod_name, p, tuple(t.shape))

@@ -453,10 +453,6 @@ def weight_bytes_of_package(pkg: Path) -> int:
     return sum(p.stat().st_size for p in (pkg / "Data" / "com.apple.CoreML" / "weights").rglob("*") if p.is_file())
 
 
-def fp8_safetensors_bytes(artifact: Path) -> int:
-    return sum(p.stat().st_size for p in Path(artifact).glob("*.safetensors"))
-
-
 def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None = None) -> dict:
     """Export `artifact` to `<artifact>/model.mlpackage`; returns manifest.extra["coreml"].
 
