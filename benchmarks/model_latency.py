@@ -329,6 +329,17 @@ def profile(fn, top: int = 14) -> dict:
                      "longest": [[round(g[0], 1), g[1], g[2], round(g[3] / 1e3, 2)] for g in sorted(gaps, reverse=True)[:8]]}}  # fmt: skip
 
 
+def gemv_configs() -> dict:
+    """The tile each GEMV kernel's autotuner chose, per (N, K, M, ...) key."""
+    from mpsconvert.runtime import triton_gemv
+
+    out = {}
+    for label, kern in (("gemv", getattr(triton_gemv, "_kernel", None)), ("w8a8", getattr(triton_gemv, "_dot_kernel", None))):
+        for key, cfg in (getattr(kern, "cache", None) or {}).items():
+            out[f"{label} {key[:3]}"] = str(cfg)
+    return out
+
+
 def decoder_layers(model):
     for name in ("model.layers", "model.decoder.layers", "transformer.h"):
         mod = model
@@ -372,6 +383,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
         row["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels]
         row["shared_inputs"] = len(info.shared_inputs)
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
+        row["gemv_configs"] = gemv_configs()
     total, emb = weight_bytes(model)
     row["weight_bytes"] = total
     row["attention"] = getattr(model.config, "_attn_implementation", None)
