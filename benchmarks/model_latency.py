@@ -200,19 +200,10 @@ def attention_check(device, g) -> dict:
     def sdpa():
         return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
 
+    from mpsconvert.timing import per_call_us
+
     for label, fn in (("ours", lambda: attention.decode_attention(q, k, v, mask)), ("sdpa+repeat_kv", sdpa)):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fn()
-        graph.replay()
-        sync()
-        t = time.perf_counter()
-        for _ in range(10):
-            graph.replay()
-        sync()
-        out[f"decode attention {label}: us per call (CUDA graph)"] = round((time.perf_counter() - t) / 200 * 1e6, 2)
+        out[f"decode attention {label}: us per call (CUDA graph)"] = round(per_call_us(fn, device), 2)
     return out
 
 

@@ -126,15 +126,9 @@ if triton is not None:
         tl.store(o_ptr + b * sob + (r % Lq) * sol + h * soh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-_SMS: dict = {}
-
-
 def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    """Multiprocessors to spread the cache over (torch caches the device properties)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -219,15 +213,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention-function signature: the decode kernel where it applies, SDPA otherwise."""
     if takes(query, key, attention_mask, dropout, kwargs):
         return decode_attention(query, key, value, attention_mask, scaling), None
+    return (_SDPA or _sdpa())(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+_SDPA = None  # transformers' sdpa_attention_forward, imported once (not on every prefill call)
+
+
+def _sdpa():
+    global _SDPA
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    _SDPA = sdpa_attention_forward
+    return _SDPA
 
 
 def register() -> None:
     """Make NAME known to transformers: our attention function, SDPA's mask."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    _sdpa()
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
