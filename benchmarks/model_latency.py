@@ -438,7 +438,20 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
                         per.append(time.perf_counter() - t1)
                     elif i == 2:
                         row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
-            row["decode"] = summary(per) | {"compiled": args.compile}
+            row["decode_full_guards"] = summary(per)  # every guard of the forward evaluated on every step
+            from mpsconvert.timing import warm_guards
+
+            per = []
+            with torch.no_grad(), warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
+                for i in range(args.decode):
+                    pos = torch.tensor([args.prefill + args.decode + 3 + i % 8], device=device)
+                    sync()
+                    t1 = time.perf_counter()
+                    out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos).logits
+                    tok = out[:, -1:].argmax(-1).clone()
+                    sync()
+                    per.append(time.perf_counter() - t1)
+            row["decode"] = summary(per) | {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager"}
             if device.type == "cuda":
                 state = {"tok": tok, "i": 0}
 
@@ -449,7 +462,8 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
                         state["tok"] = out[:, -1:].argmax(-1).clone()
                         state["i"] += 1
 
-                row["decode_profile"] = profile(one_step, top=40)
+                with warm_guards(args.compile):
+                    row["decode_profile"] = profile(one_step, top=40)
                 log(f"{name}: decode step profile", row["decode_profile"])
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -528,7 +542,7 @@ def ratios(results: dict) -> dict:
     out = {}
     for name, r in results.items():
         row = {}
-        for key in ("eager_prefill", "compiled_prefill", "decode"):
+        for key in ("eager_prefill", "compiled_prefill", "decode", "decode_full_guards"):
             if key in r and key in base:
                 row[key] = round(base[key]["median_ms"] / r[key]["median_ms"], 3)
         if "load_s" in r and "load_s" in base:

@@ -10,6 +10,7 @@ since inside a compiled model or a CUDA graph that overhead is gone too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -33,6 +34,23 @@ def wall_samples(fn: Callable[[], object], device=None, repeats: int = 10, warmu
             devices.synchronize(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def warm_guards(compiled: bool):
+    """A context for timing a compiled step after its warm-up: dynamo then checks only the guards
+    that tell its compiled versions apart (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`).
+
+    Why: a decode step under torch.compile evaluates every guard of the whole model on every
+    call, about as much host time as the GPU spends on a small model's step (docs/runtime-notes.md).
+    Once the step has compiled and captured its graph with the inputs it keeps seeing (the static
+    cache, one token, a position tensor), those guards cannot fail, which is the case this torch
+    switch is documented for. Used for every model timed, BF16 and FP8 alike; a no-op when
+    nothing is compiled or this torch has no set_stance."""
+    import torch
+
+    if compiled and hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 def stats(seconds: list[float]) -> dict:

@@ -111,6 +111,7 @@ class _CausalTimer:
         # what `generate` asks of a prefill: the last position's logits only
         self.keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
         self.step = torch.compile(model.forward, mode="reduce-overhead") if use_compile else model.forward
+        self.compiled = use_compile
         self.cache_kw = cache_kwarg(model, self.cache)
         self.prefill_rounds: list[list[float]] = []
         self.decode_rounds: list[list[float]] = []
@@ -126,18 +127,24 @@ class _CausalTimer:
         with torch.no_grad():
             self.prefill_rounds.append(timing.wall_samples(self._prefill, dev, opts.repeats, warm))
             tok = self._prefill()[:, -1:].argmax(-1)
-            per_token = []
             skip = opts.warmup if not self.decode_rounds else 0  # the first calls compile / capture the graph
-            for i in range(skip + opts.decode_tokens):
-                pos = torch.tensor([self.t + i], device=dev)
-                devices.synchronize(dev)
-                t0 = time.perf_counter()
-                out = self.step(tok, **self.cache_kw, use_cache=True, cache_position=pos).logits
-                tok = out[:, -1:].argmax(-1).clone()
-                devices.synchronize(dev)
-                if i >= skip:
+            for i in range(skip):
+                tok = self._decode(tok, i)
+            per_token = []
+            with timing.warm_guards(self.compiled):  # the step is warm: only its differentiating guards run
+                for i in range(skip, skip + opts.decode_tokens):
+                    devices.synchronize(dev)
+                    t0 = time.perf_counter()
+                    tok = self._decode(tok, i)
+                    devices.synchronize(dev)
                     per_token.append(time.perf_counter() - t0)
             self.decode_rounds.append(per_token)
+
+    def _decode(self, tok: torch.Tensor, i: int) -> torch.Tensor:
+        """One decode step at position t + i, as generate runs it: the next token by argmax."""
+        pos = torch.tensor([self.t + i], device=self.dev)
+        out = self.step(tok, **self.cache_kw, use_cache=True, cache_position=pos).logits
+        return out[:, -1:].argmax(-1).clone()
 
     def result(self) -> dict:
         dec = timing.round_stats(self.decode_rounds)
