@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -61,6 +62,7 @@ import torch  # noqa: E402
 
 T0 = time.perf_counter()
 from mpsconvert.runtime.fuse import PREFILL_SHARES as DEFAULT_SHARES  # noqa: E402
+from mpsconvert.timing import warm_guards  # noqa: E402
 
 
 def log(*a):
@@ -424,47 +426,38 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
             with torch.no_grad():
                 model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(args.prefill, device=device), logits_to_keep=1)
             step = torch.compile(model.forward, mode="reduce-overhead") if args.compile else model.forward
-            tok = ids[:, -1:].clone(memory_format=torch.contiguous_format)  # strides (1, 1), as every later token has: no recompile
-            per, t = [], time.perf_counter()
-            with torch.no_grad():
-                for i in range(args.decode + 3):
-                    pos = torch.tensor([args.prefill + i], device=device)
-                    sync()
-                    t1 = time.perf_counter()
-                    out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos).logits
-                    tok = out[:, -1:].argmax(-1).clone()
-                    sync()
-                    if i >= 3:
-                        per.append(time.perf_counter() - t1)
-                    elif i == 2:
-                        row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
-            row["decode_full_guards"] = summary(per)  # every guard of the forward evaluated on every step
-            from mpsconvert.timing import warm_guards
+            state = {"tok": ids[:, -1:].clone(memory_format=torch.contiguous_format)}  # strides (1, 1), as every later token has: no recompile
 
-            per = []
-            with torch.no_grad(), warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
-                for i in range(args.decode):
-                    pos = torch.tensor([args.prefill + args.decode + 3 + i % 8], device=device)
+            def one_step(position: int):
+                with torch.no_grad():
+                    out = step(state["tok"], past_key_values=cache, use_cache=True, cache_position=torch.tensor([position], device=device)).logits
+                    state["tok"] = out[:, -1:].argmax(-1).clone()
+
+            def timed(positions) -> list[float]:
+                per = []
+                for position in positions:
                     sync()
                     t1 = time.perf_counter()
-                    out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos).logits
-                    tok = out[:, -1:].argmax(-1).clone()
+                    one_step(position)
                     sync()
                     per.append(time.perf_counter() - t1)
-            row["decode"] = summary(per) | {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager"}
-            if device.type == "cuda":
-                state = {"tok": tok, "i": 0}
+                return per
 
-                def one_step():
-                    with torch.no_grad():
-                        pos = torch.tensor([args.prefill + args.decode + 3 + state["i"] % 4], device=device)
-                        out = step(state["tok"], past_key_values=cache, use_cache=True, cache_position=pos).logits
-                        state["tok"] = out[:, -1:].argmax(-1).clone()
-                        state["i"] += 1
-
-                with warm_guards(args.compile):
-                    row["decode_profile"] = profile(one_step, top=40)
-                log(f"{name}: decode step profile", row["decode_profile"])
+            t = time.perf_counter()
+            for position in range(args.prefill, args.prefill + 3):  # compile and capture the graph
+                one_step(position)
+            sync()
+            row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
+            # every guard of the forward evaluated on every step
+            row["decode_full_guards"] = summary(timed(range(args.prefill + 3, args.prefill + 3 + args.decode)))
+            later = args.prefill + args.decode + 3  # positions after those: the cache was made 16 longer
+            with warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
+                row["decode"] = summary(timed(later + i % 8 for i in range(args.decode)))
+                row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager"}
+                if device.type == "cuda":
+                    positions = itertools.cycle(range(later, later + 4))
+                    row["decode_profile"] = profile(lambda: one_step(next(positions)), top=40)
+                    log(f"{name}: decode step profile", row["decode_profile"])
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole

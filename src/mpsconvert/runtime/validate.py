@@ -7,9 +7,10 @@ batch 1 for every model kind: prefill (`logits_to_keep=1`, what `generate` asks)
 LMs, `decode_tokens` decode steps after it (static KV cache), the device synchronised around
 every timed step; on CUDA decode runs through torch.compile(mode="reduce-overhead") (CUDA
 graphs), the way transformers documents fast decoding, and once warm its steps are timed with
-only the differentiating guards evaluated (timing.warm_guards), for both models. Timing runs in rounds that alternate the
-two models where nothing is compiled; a speed verdict is given only beyond the run-to-run spread
-of the rounds (timing.verdict), so that noise reads as "no clear difference". Peak device memory
+only the differentiating guards evaluated (timing.warm_guards), for both models. Timing runs in
+rounds that alternate the two models where nothing is compiled; a speed verdict is given only
+beyond the run-to-run spread of the rounds (timing.verdict), so that noise reads as "no clear
+difference". Peak device memory
 and each model's weight bytes. Results go into the artifact's manifest (`validation`, written
 atomically) with device and settings.
 """
