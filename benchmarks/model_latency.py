@@ -421,42 +421,43 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
         row["compiled_prefill_skipped"] = "no --compile" if not args.compile else "time budget"
     if time.perf_counter() < deadline:
         try:
-            cache_len = args.prefill + args.decode + 16
+            # every step writes the next slot: transformers >= 5.x's StaticCache counts the tokens
+            # written (cumulative_length) whatever cache_position says, so positions only go forward
+            cache_len = args.prefill + 2 * args.decode + 16  # warm-up, two timed runs, the profile's two
+            positions = itertools.count(args.prefill)
             cache = StaticCache(config=model.config, max_cache_len=cache_len)
             with torch.no_grad():
                 model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(args.prefill, device=device), logits_to_keep=1)
             step = torch.compile(model.forward, mode="reduce-overhead") if args.compile else model.forward
             state = {"tok": ids[:, -1:].clone(memory_format=torch.contiguous_format)}  # strides (1, 1), as every later token has: no recompile
 
-            def one_step(position: int):
+            def one_step():
+                position = torch.tensor([next(positions)], device=device)
                 with torch.no_grad():
-                    out = step(state["tok"], past_key_values=cache, use_cache=True, cache_position=torch.tensor([position], device=device)).logits
+                    out = step(state["tok"], past_key_values=cache, use_cache=True, cache_position=position).logits
                     state["tok"] = out[:, -1:].argmax(-1).clone()
 
-            def timed(positions) -> list[float]:
+            def timed(steps: int) -> list[float]:
                 per = []
-                for position in positions:
+                for _ in range(steps):
                     sync()
                     t1 = time.perf_counter()
-                    one_step(position)
+                    one_step()
                     sync()
                     per.append(time.perf_counter() - t1)
                 return per
 
             t = time.perf_counter()
-            for position in range(args.prefill, args.prefill + 3):  # compile and capture the graph
-                one_step(position)
+            for _ in range(3):  # compile and capture the graph
+                one_step()
             sync()
             row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
-            # every guard of the forward evaluated on every step
-            row["decode_full_guards"] = summary(timed(range(args.prefill + 3, args.prefill + 3 + args.decode)))
-            later = args.prefill + args.decode + 3  # positions after those: the cache was made 16 longer
+            row["decode_full_guards"] = summary(timed(args.decode))  # every guard of the forward, every step
             with warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
-                row["decode"] = summary(timed(later + i % 8 for i in range(args.decode)))
+                row["decode"] = summary(timed(args.decode))
                 row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager"}
                 if device.type == "cuda":
-                    positions = itertools.cycle(range(later, later + 4))
-                    row["decode_profile"] = profile(lambda: one_step(next(positions)), top=40)
+                    row["decode_profile"] = profile(one_step, top=40)
                     log(f"{name}: decode step profile", row["decode_profile"])
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
