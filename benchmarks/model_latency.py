@@ -9,6 +9,7 @@ by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), 
   bf16      transformers `from_pretrained(..., dtype=bfloat16, device_map=cuda)` of the source
   ours      `mpsconvert.runtime.load(artifact)` (verification on), kernels measured cold
   ours-sdpa the same, with transformers' SDPA at decode too (without runtime/attention.py)
+  ours-unfused  the same, with the model's own RMSNorm and MLP forwards (load(eager_fusion=False))
   ours-sharedquant  prefill siblings share one quantization, a GEMM each (fuse.PREFILL_SHARES)
   bf16-attn BF16 with our decode attention installed (to separate what attention contributes)
   ours-warm a second load: kernel cache and page cache warm (load time only)
@@ -375,12 +376,13 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
         row["load_breakdown_s"] = info.seconds
         row["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels]
         row["shared_inputs"] = len(info.shared_inputs)
+        row["eager_fusion"] = info.eager_fusion
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
         row["gemv_configs"] = gemv_configs()
     total, emb = weight_bytes(model)
     row["weight_bytes"] = total
     row["attention"] = getattr(model.config, "_attn_implementation", None)
-    log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"))
+    log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"), row.get("eager_fusion"))
     if name.partition("@")[0].endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
         del model
         gc.collect()
@@ -517,11 +519,12 @@ def loaders(name: str, src: Path, art: Path, device, args):
 
         return bf16
     name = name.partition("@")[0]  # the artifact is chosen by the caller
-    if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa"):
+    if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa", "ours-unfused"):
         from mpsconvert.runtime import fuse, load
 
         fuse.PREFILL_SHARES = "quantization" if name == "ours-sharedquant" else DEFAULT_SHARES  # ours: the library's default
-        return lambda: load(art, device=str(device), prefill_m=args.prefill, decode_attention=name != "ours-sdpa")
+        return lambda: load(art, device=str(device), prefill_m=args.prefill, decode_attention=name != "ours-sdpa",
+                            eager_fusion=name != "ours-unfused")  # ours-unfused: the model's own norms and MLPs
     if name in ("ct", "ct-opt"):
         from transformers import CompressedTensorsConfig
 

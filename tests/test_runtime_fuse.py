@@ -137,24 +137,24 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     assert a.q_proj.weight.data_ptr() == a.fused_q_proj_k_proj_v_proj.inner.weight.data_ptr()  # members are views
     storages = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, FP8Linear)}
     assert len(storages) == 3 and sum(g.inner.weight.untyped_storage().nbytes() for g in groups) == weights  # no copy kept
-    from mpsconvert.runtime import act_quant, fuse
+    from mpsconvert.runtime import act_quant, fuse, kernels
 
-    quantized, fused = [], []
-    real_quantize = act_quant.quantize
+    quantized, gemms = [], []
+    real_quantize, real_mm = act_quant.quantize, kernels._mm
     act_quant.quantize = lambda *a, **k: (quantized.append(1), real_quantize(*a, **k))[1]
-    for g in groups:
-        g.inner.project = (lambda inner: lambda x: (fused.append(1), FP8Linear.project(inner, x))[1])(g.inner)
+    kernels._mm = lambda xq, *a, **k: (gemms.append(xq.shape), real_mm(xq, *a, **k))[1]
     try:
         out = model(x)  # prefill (8 rows), the default: one quantization and one fused GEMM per group
-        assert torch.equal(out, ref) and len(quantized) == 3 and len(fused) == 3 and all(g.hits == 2 for g in groups)
-        quantized.clear(), fused.clear()
+        assert torch.equal(out, ref) and len(quantized) == 3 and len(gemms) == 3 and all(g.hits == 2 for g in groups)
+        quantized.clear(), gemms.clear()
         fuse.PREFILL_SHARES = "quantization"  # one quantization per group, each member its own GEMM
-        assert torch.equal(model(x), ref) and len(quantized) == 3 and not fused
-        quantized.clear()
+        assert torch.equal(model(x), ref) and len(quantized) == 3 and len(gemms) == 9
         x1 = x[:2]  # decode (2 rows): one fused GEMM per group either way
-        assert torch.equal(model(x1), Stack()(x1)) and len(fused) == 3
+        want = Stack()(x1)
+        gemms.clear()
+        assert torch.equal(model(x1), want) and len(gemms) == 3
     finally:
-        act_quant.quantize = real_quantize
+        act_quant.quantize, kernels._mm = real_quantize, real_mm
         fuse.PREFILL_SHARES = "gemm"
     assert all(g._x is None for g in groups)  # nothing held after the last member took its share
 
@@ -250,3 +250,76 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
     assert digests["config.json"] == hashlib.sha256(b"{}").hexdigest()
     assert seen[-1][0] == "load" and max(s[1] for s in seen) == sum(h.file_size for h in headers)
     assert stream.read_shards(headers, {}, torch.device("cpu"), hash_files=False) == {f"s{i}.safetensors": None for i in range(3)}
+
+
+def test_eager_fusion_of_norms_and_mlp_interpreted():
+    """runtime/eager_fusion.py on a tiny Llama (Triton interpreted): each RMSNorm runs as one
+    kernel and hands its quantized output to the q/k/v or gate/up group it feeds (linked by the
+    probe forward, not by name), the MLP runs silu*up and down_proj's quantization in one
+    kernel; the logits are those of the model's own forwards, and under torch.compile the
+    modules' own forwards run. A norm whose arithmetic differs is left as it was, with the reason."""
+    _interpreted("""
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from mpsconvert import fp8
+    from mpsconvert.runtime import act_quant, eager_fusion, fuse, kernels
+    from mpsconvert.runtime.fp8linear import FP8Linear
+
+    def fp8_llama(act):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128)
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+        for name, lin in list(model.model.layers.named_modules()):
+            if isinstance(lin, nn.Linear):
+                q, s, _ = fp8.quantize(lin.weight.float(), "row")
+                new = FP8Linear.from_tensors(q, s, activations=act, input_scale=torch.tensor([0.02]) if act == "tensor" else None)
+                new.set_kernels("scaled_mm_row", "scaled_mm_row")
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.model.layers.get_submodule(parent), leaf, new)
+        for g in fuse.share_inputs(model):
+            g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
+        return model
+
+    calls = {"quantize": 0, "rms_norm_quantize": 0, "silu_mul_quantize": 0}
+    for fn in calls:
+        real = getattr(act_quant, fn)
+        setattr(act_quant, fn, (lambda fn, real: lambda *a, **k: (calls.__setitem__(fn, calls[fn] + 1), real(*a, **k))[1])(fn, real))
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    for act in ("token", "tensor"):
+        model = fp8_llama(act)
+        with torch.no_grad():
+            ref, ref1 = model(ids).logits, model(ids[:, :1]).logits
+            report = eager_fusion.install(model)
+            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "left": []}, report
+            layer = model.model.layers[0]
+            assert layer.input_layernorm.mpsconvert_feeds is layer.self_attn.fused_q_proj_k_proj_v_proj
+            assert layer.post_attention_layernorm.mpsconvert_feeds is layer.mlp.fused_gate_proj_up_proj
+            assert model.model.norm.mpsconvert_feeds is None  # feeds lm_head, which quantizes nothing
+            for k in calls:
+                calls[k] = 0
+            out = model(ids).logits  # prefill: 9 rows
+            assert calls == {"quantize": 2, "rms_norm_quantize": 5, "silu_mul_quantize": 2}, calls  # o_proj alone quantizes
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            assert err < 1e-2, (act, err)
+            assert all(g.prequantized is None for g in fuse.find_siblings(model) or [])
+            out1 = model(ids[:, :1]).logits  # decode: the norm kernel without quantization, the MLP's own forward
+            assert float((out1.float() - ref1.float()).norm() / ref1.float().norm()) < 1e-2
+            for k in calls:
+                calls[k] = 0
+            compiled = torch.compile(model, backend="eager")(ids).logits
+            assert calls["rms_norm_quantize"] == 0 and calls["silu_mul_quantize"] == 0, calls  # the modules' own forwards
+            assert float((compiled.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+    class OffsetRMSNorm(type(model.model.norm)):  # Gemma's arithmetic: (1 + weight)
+        def forward(self, x):
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1.0 + self.weight.float())).to(x.dtype)
+    model = fp8_llama("token")
+    model.model.norm.__class__ = OffsetRMSNorm
+    report = eager_fusion.install(model)
+    assert report["norms"] == 4 and len(report["left"]) == 1 and report["left"][0].startswith("model.norm: differs"), report
+    assert "forward" not in model.model.norm.__dict__
+    print("ok")
+    """)

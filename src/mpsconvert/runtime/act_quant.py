@@ -14,6 +14,11 @@ scale = max(amax / 448, 1e-12), codes = e4m3(clamp(x / scale, +-448)) with round
 `silu_mul_quantize` quantizes `silu(g) * u` of a fused gate/up output, rounding `silu(g)` and the
 product to the activation dtype first, as the unfused `act_fn(gate) * up` does (MoE experts).
 
+`rms_norm_quantize` is transformers' RMSNorm (Llama's arithmetic: float32 mean of squares,
+rsqrt, the normalized row rounded to the activation dtype, times the weight, rounded again) with
+the quantization of its output in the same program, for the layers that read the norm's output
+(runtime/eager_fusion.py): one launch where eager PyTorch runs seven, and one read of the row.
+
 Triton is optional: without it (CPU, MPS) or inside torch.compile, the torch ops run.
 """
 
@@ -64,7 +69,7 @@ def torch_quantize(x: torch.Tensor, scale: torch.Tensor | None = None, rows_scal
     if rows_scale is not None:
         s = rows_scale.float().reshape(-1, 1)
     elif scale is not None:
-        s = scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        s = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # _scaled_mm takes contiguous row scales only
     else:
         s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_FLOOR)
     q = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -160,6 +165,37 @@ if triton is not None:
         tl.store(s_ptr + m, s)
 
 
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, static_ptr,
+        K, eps, stride_xm, stride_ym, stride_qm,
+        QUANT: tl.constexpr, STATIC: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        m = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)  # libdevice rsqrtf, as torch.rsqrt on CUDA
+        h = _round_to(xf * r, x.dtype, PRE_ROUND)  # hidden_states.to(input_dtype)
+        y = _round_to(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * h, x.dtype, PRE_ROUND)  # weight * that
+        tl.store(y_ptr + m * stride_ym + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if QUANT:
+            if STATIC:
+                s = tl.load(static_ptr).to(tl.float32)
+            else:
+                s = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+            q = tl.clamp(tl.math.div_rn(y, s), -448.0, 448.0)
+            if PRE_ROUND:
+                q = _to_e4m3_grid(q)
+            tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + m, s)
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
 def _launch(x: torch.Tensor, k: int, scale, rows_scale, silu: bool):
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -174,7 +210,7 @@ def _launch(x: torch.Tensor, k: int, scale, rows_scale, silu: bool):
         mode, static = 0, s
     one_pass = k <= _ONE_PASS_MAX
     block = triton.next_power_of_2(k) if one_pass else 4096
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    warps = _warps(block)
     if m:
         _quant_rows_kernel[(m,)](
             x, q, s, static, k, x.stride(0), q.stride(0),
@@ -195,3 +231,35 @@ def silu_mul_quantize(h: torch.Tensor, scale: torch.Tensor | None = None, rows_s
     if use_triton(h):
         return _launch(h, h.shape[-1] // 2, scale, rows_scale, silu=True)
     return torch_silu_mul_quantize(h, scale, rows_scale)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's forward, op for op (the reference `rms_norm_quantize` is checked against)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm_quantize` takes this call: the Triton path, a row held in registers,
+    weight and activations of one floating dtype (so the output's dtype is theirs)."""
+    return use_triton(x) and x.shape[-1] <= _ONE_PASS_MAX and weight.dtype == x.dtype and x.dtype.is_floating_point
+
+
+def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool, scale: torch.Tensor | None = None):
+    """RMSNorm of x [M, K] (`torch_rms_norm`'s arithmetic) -> (y [M, K] in x's dtype, and with
+    `quantize` y's e4m3 codes and float32 dequant scale [M, 1] as `quantize(y, scale)` gives them,
+    else None, None). One Triton program per row; the caller checks `rms_norm_fits` first."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device) if quantize else y
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device) if quantize else y
+    block = triton.next_power_of_2(k)
+    if m:
+        _rms_norm_kernel[(m,)](
+            x, weight, y, q, s, scale if scale is not None else s, k, float(eps), x.stride(0), y.stride(0), q.stride(0),
+            QUANT=quantize, STATIC=scale is not None, PRE_ROUND=INTERPRET, BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    return (y, q, s) if quantize else (y, None, None)

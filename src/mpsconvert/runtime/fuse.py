@@ -95,6 +95,7 @@ class SharedInput(nn.Module):
         self._x = self._outs = None
         self._version = -1
         self._pending = 0
+        self.prequantized = None  # (x, x._version, (codes, scale)): x quantized by the op that made it
         start = 0
         for slot, m in enumerate(members):
             stop = start + m.out_features
@@ -116,10 +117,33 @@ class SharedInput(nn.Module):
         three GEMM launches cost more host time than that saved; see PREFILL_SHARES)."""
         x2 = x.reshape(-1, x.shape[-1])
         inner = self.inner
-        if x2.shape[0] <= DECODE_MAX_M or PREFILL_SHARES == "gemm" or inner._fns[1] not in kernels.QUANTIZING:
+        if x2.shape[0] <= DECODE_MAX_M or inner._fns[1] not in kernels.QUANTIZING:
             return "out", inner.project(x).split(self.sizes, dim=-1)
         x2 = x2 if x2.dtype == inner.dtype else x2.to(inner.dtype)
-        return "q", act_quant.quantize(x2, inner.input_scale if inner.activations == "tensor" else None)
+        q = self.take_prequantized(x) or act_quant.quantize(x2, self.static_scale)
+        if PREFILL_SHARES == "gemm":
+            return "out", inner._fns[1](inner, x2, q).view(*x.shape[:-1], -1).split(self.sizes, dim=-1)
+        return "q", q
+
+    @property
+    def static_scale(self) -> torch.Tensor | None:
+        """The calibrated input scale of a static scheme (None: per-token scales)."""
+        return self.inner.input_scale if self.inner.activations == "tensor" else None
+
+    def quantizes(self, rows: int) -> bool:
+        """Whether a call with this many rows starts by quantizing its input (so that an op which
+        produced the input can hand it over already quantized: eager_fusion.py)."""
+        return self.shared and rows > DECODE_MAX_M and self.inner._fns[1] in kernels.QUANTIZING
+
+    def take_prequantized(self, x: torch.Tensor):
+        """The (codes, scale) stashed for exactly this tensor, unmodified since, once; else None."""
+        if torch.compiler.is_compiling():  # traced code never stashes (eager_fusion runs the module's own forward)
+            return None
+        pre = self.prequantized
+        if pre is None:
+            return None
+        self.prequantized = None
+        return pre[2] if pre[0] is x and pre[1] == x._version else None
 
     @staticmethod
     def _take(member: FP8Linear, kind: str, value, x: torch.Tensor, slot: int) -> torch.Tensor:

@@ -23,7 +23,8 @@ How, and why this way:
   (moe_layout.py); so are the other names it changes on save (Mixtral's router).
 - On GPUs, sibling layers that read one input (q/k/v, gate/up) share one activation quantization
   and one GEMM (runtime/fuse.py). Kernels are then chosen per layer shape by runtime/policy.py
-  (measured once per machine, cached).
+  (measured once per machine, cached). On CUDA, RMSNorms and gated MLPs then run fused kernels
+  in eager mode, fewer launches per layer (runtime/eager_fusion.py).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class LoadInfo:
     experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
     shared_inputs: list = field(default_factory=list)  # sibling layers fused into one GEMM
     attention: str = ""  # the attention implementation the model runs, where load chose it (CUDA)
+    eager_fusion: dict = field(default_factory=dict)  # norms / MLPs run as fused kernels in eager mode (CUDA)
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
@@ -131,7 +133,8 @@ def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
 
 def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify: bool = True, *,
          prefill_m: int = 512, kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None,
-         share_inputs: bool = True, manifest_sha256: str | None = None, decode_attention: bool = True):
+         share_inputs: bool = True, manifest_sha256: str | None = None, decode_attention: bool = True,
+         eager_fusion: bool = True):
     """Load an FP8 artifact as a transformers model in eval mode; `model.mpsconvert` says how.
 
     device: 'auto' | 'cuda' | 'cuda:N' | 'mps' | 'cpu' (devices.choose: an unavailable device is an
@@ -140,6 +143,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     KernelPolicy (cache file or False; injected timer). share_inputs: fuse q/k/v and gate/up
     into one GEMM each on GPUs (fuse.py). decode_attention: on CUDA, a model that uses SDPA runs
     decode steps through the split-KV kernel of runtime/attention.py (prefill stays SDPA).
+    eager_fusion: on CUDA, RMSNorms run as one kernel that also quantizes the input of the
+    layers they feed, and gated MLPs fuse SiLU * up with down_proj's quantization, in eager mode
+    (runtime/eager_fusion.py; each checked against the module's own forward at load).
     progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With
     `trust_remote_code`, the artifact's code is imported only after it matched its hash.
@@ -226,6 +232,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     policy = KernelPolicy(dev, prefill_m=prefill_m, measure=measure, cache=kernel_cache)
     info.kernels = [d.as_dict() for d in policy.apply(model, progress)]
     seconds["kernels"] = time.perf_counter() - t3
+    if eager_fusion and dev.type == "cuda":
+        from . import eager_fusion as fusion
+
+        info.eager_fusion = fusion.install(model)
     info.fp8_layers = sum(isinstance(m, FP8Linear) for m in model.modules())
     info.weight_bytes = model_bytes(model)
     seconds["total"] = time.perf_counter() - t0

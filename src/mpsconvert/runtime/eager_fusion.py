@@ -1,0 +1,192 @@
+"""Fewer kernel launches per decoder layer in eager mode: RMSNorm fused with the quantization of
+the layers it feeds, and the gated MLP's SiLU * up fused with down_proj's quantization.
+
+Why: an eager prefill runs one Python call per op, and on the H200 hosts we measured even BF16's
+own Llama-3-8B prefill is close to host-bound (42 kernels per layer; docs/runtime-notes.md). Our
+FP8 layers do less GPU work than BF16's but had to launch more (45 per layer), so the host, not
+the GPU, set the time. transformers' RMSNorm is seven eager kernels (cast, pow, mean, add, rsqrt,
+mul, cast, mul) and the q/k/v group then quantizes its output in an eighth; here one Triton
+program per row does all of it (act_quant.rms_norm_quantize) and hands the codes to the group
+(`SharedInput.prequantized`, used only for that very tensor, unmodified). The MLP's
+`down_proj(act_fn(gate) * up)` is silu, mul, quantize, GEMM after the gate/up GEMM; here
+`act_quant.silu_mul_quantize` reads the fused gate/up output once and writes down_proj's codes.
+
+Nothing else about the model changes: the fused forwards run only in eager mode on the Triton
+path (CUDA, or the interpreter in tests), with the shapes they take; otherwise, and always under
+torch.compile (where Inductor fuses the module's own ops itself), each module runs its own
+forward. Which norm feeds which group is found by one probe forward of the model (forward hooks:
+the group's first member receives the norm's output tensor), not from module names. Every
+installed forward is checked at install against the module's own forward on a probe input
+(norm: within two units in the last place of the activation dtype on a few elements, what a
+float32 sum in another order changes after two roundings; MLP: relative error far below FP8's),
+and a module that differs keeps its own forward, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from . import act_quant, kernels
+from .fp8linear import DECODE_MAX_M, FP8Linear
+from .fuse import SharedInput
+
+PROBE_ROWS = 2 * DECODE_MAX_M + 1  # a prefill-sized call (rows > DECODE_MAX_M), small
+NORM_MAX_ULP_FRACTION = 1e-3  # elements of a checked norm allowed off by at most two ulps (summation order)
+MLP_MAX_REL_ERR = 2**-8  # relative (Frobenius) error of a checked MLP against its own forward
+
+
+def _eps(norm: nn.Module) -> float | None:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _is_rms_norm(mod: nn.Module) -> bool:
+    w = getattr(mod, "weight", None)
+    return type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.ndim == 1 and _eps(mod) is not None
+
+
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The installed forward of an RMSNorm (bound to the instance)."""
+    w = self.weight
+    if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w):
+        return type(self).forward(self, x)
+    x2 = x.reshape(-1, x.shape[-1])
+    group = self.mpsconvert_feeds
+    quant = group is not None and group.quantizes(x2.shape[0])
+    y, q, s = act_quant.rms_norm_quantize(x2, w, self.mpsconvert_eps, quant, group.static_scale if quant else None)
+    y = y.view(x.shape)
+    if quant:
+        group.prequantized = (y, y._version, (q, s))
+    return y
+
+
+def _mlp_parts(mlp: nn.Module):
+    """(gate/up group, down_proj) of a gated MLP whose gate/up share one FP8 GEMM, or None."""
+    group = mlp._modules.get("fused_gate_proj_up_proj")
+    down = mlp._modules.get("down_proj")
+    act = getattr(mlp, "act_fn", None)
+    if not isinstance(group, SharedInput) or not isinstance(down, FP8Linear) or down.group is not None or down.weight is None:
+        return None
+    if not isinstance(act, nn.SiLU) and type(act).__name__ != "SiLUActivation":
+        return None
+    return group, down
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The installed forward of a gated MLP (bound to the instance): gate/up GEMM -> one
+    silu*up quantization -> down_proj's GEMM."""
+    group, down = self.mpsconvert_parts
+    x2 = x.reshape(-1, x.shape[-1])
+    if (torch.compiler.is_compiling() or not act_quant.use_triton(x) or not group.quantizes(x2.shape[0])
+            or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype):  # fmt: skip
+        return type(self).forward(self, x)
+    inner = group.inner
+    q = group.take_prequantized(x) or act_quant.quantize(x2, group.static_scale)
+    h = inner._fns[1](inner, x2, q)
+    q2 = act_quant.silu_mul_quantize(h, down.input_scale if down.activations == "tensor" else None)
+    return down._fns[1](down, h, q2).view(*x.shape[:-1], down.out_features)
+
+
+def _links(model: nn.Module, norms: list[nn.Module]) -> dict[nn.Module, SharedInput]:
+    """norm -> the SharedInput group its output goes to, seen in one probe forward."""
+    outputs: dict[int, tuple[torch.Tensor, nn.Module]] = {}
+    firsts = {m.group: m for m in model.modules() if isinstance(m, FP8Linear) and m.group is not None and m.slot == 0}
+    links: dict[nn.Module, SharedInput] = {}
+    hooks = [n.register_forward_hook(lambda mod, args, out: outputs.__setitem__(id(out), (out, mod))) for n in norms]
+
+    def seen(group):
+        def pre(mod, args):
+            hit = outputs.get(id(args[0])) if args else None
+            if hit is not None and hit[0] is args[0]:
+                links.setdefault(hit[1], group)
+        return pre
+
+    hooks += [first.register_forward_pre_hook(seen(g)) for g, first in firsts.items()]
+    try:
+        dev = next(t.device for t in model.buffers() if t.device.type != "meta")
+        ids = torch.zeros(1, PROBE_ROWS, dtype=torch.long, device=dev)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return links
+
+
+def _check_norm(norm: nn.Module, quant_scale) -> str | None:
+    """None if the fused norm matches the module's own forward on a probe input, else why not."""
+    w = norm.weight
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(PROBE_ROWS, w.shape[0], generator=g) * 4).to(device=w.device, dtype=w.dtype)
+    if not act_quant.rms_norm_fits(x, w):
+        return f"the fused norm does not take {w.dtype} rows of {w.shape[0]}"
+    want = type(norm).forward(norm, x)
+    y, q, s = act_quant.rms_norm_quantize(x, w, norm.mpsconvert_eps, True, quant_scale)
+    if want.dtype != y.dtype or want.shape != y.shape:
+        return f"its forward returns {want.dtype} {list(want.shape)}"
+    diff = (y.float() - want.float()).abs()
+    ulp = torch.finfo(y.dtype).eps * want.float().abs().clamp(min=torch.finfo(y.dtype).tiny)
+    off = diff > 0
+    if bool((diff > 2 * ulp).any()) or float(off.float().mean()) > NORM_MAX_ULP_FRACTION:
+        return f"differs from its own forward (max abs {float(diff.max()):.3g}, {int(off.sum())} of {diff.numel()} elements)"
+    q2, s2 = act_quant.torch_quantize(y, quant_scale)
+    if not (torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))):
+        return "its quantized output differs from act_quant.quantize of it"
+    return None
+
+
+def _check_mlp(mlp: nn.Module) -> str | None:
+    group, down = mlp.mpsconvert_parts
+    g = torch.Generator(device="cpu").manual_seed(0)
+    k = group.inner.in_features
+    x = torch.randn(PROBE_ROWS, k, generator=g).to(device=down.weight.device, dtype=down.dtype)
+    if not group.quantizes(PROBE_ROWS) or down._fns[1] not in kernels.QUANTIZING:
+        return "its layers' prefill kernels do not quantize activations"
+    want = type(mlp).forward(mlp, x).float()
+    got = _mlp_forward(mlp, x).float()
+    err = float((got - want).norm() / want.norm().clamp(min=1e-30))
+    return None if err <= MLP_MAX_REL_ERR else f"differs from its own forward (relative error {err:.3g})"
+
+
+def install(model: nn.Module) -> dict:
+    """Install the fused eager forwards into a loaded model (after share_inputs and the kernel
+    policy, whose choices they read at call time); returns what was installed and what was not."""
+    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "left": []}
+    if not act_quant.available():
+        report["left"].append("Triton is not available here")
+        return report
+    norms = [m for m in model.modules() if _is_rms_norm(m)]
+    if not norms and not any(_mlp_parts(m) for m in model.modules()):
+        return report
+    try:
+        links = _links(model, norms)
+    except Exception as e:  # a model the probe cannot run (needs other inputs): nothing installed
+        report["left"].append(f"probe forward failed ({type(e).__name__}: {str(e)[:120]}); nothing fused")
+        return report
+    names = {m: n for n, m in model.named_modules()}
+    for norm in norms:
+        object.__setattr__(norm, "mpsconvert_eps", _eps(norm))
+        group = links.get(norm)
+        why = _check_norm(norm, group.static_scale if group is not None else None)
+        if why:
+            report["left"].append(f"{names[norm]}: {why}")
+            continue
+        object.__setattr__(norm, "mpsconvert_feeds", group)  # a reference, not a submodule
+        norm.forward = types.MethodType(_norm_forward, norm)
+        report["norms"] += 1
+        report["norms_quantizing"] += group is not None
+    for mlp in model.modules():
+        parts = _mlp_parts(mlp)
+        if parts is None:
+            continue
+        object.__setattr__(mlp, "mpsconvert_parts", parts)
+        why = _check_mlp(mlp)
+        if why:
+            report["left"].append(f"{names[mlp]}: {why}")
+            continue
+        mlp.forward = types.MethodType(_mlp_forward, mlp)
+        report["mlps"] += 1
+    return report
