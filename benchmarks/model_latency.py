@@ -323,6 +323,24 @@ def profile(fn, top: int = 14) -> dict:
                      "longest": [[round(g[0], 1), g[1], g[2], round(g[3] / 1e3, 2)] for g in sorted(gaps, reverse=True)[:8]]}}  # fmt: skip
 
 
+def host_profile(fn, steps: int, top: int = 30) -> list:
+    """Where a step's host time goes: cProfile over `steps` calls, the functions with the most
+    own time, as [function, calls per step, own ms per step, cumulative ms per step]."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        fn()
+    sync()
+    pr.disable()
+    stats = pstats.Stats(pr).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{Path(f).name}:{line}:{func}", round(nc / steps, 1), round(tt * 1e3 / steps, 4), round(ct * 1e3 / steps, 4)]
+            for (f, line, func), (_cc, nc, tt, ct, _callers) in rows]  # fmt: skip
+
+
 def gemv_configs() -> dict:
     """The tile each GEMV kernel's autotuner chose, per (N, K, M, ...) key."""
     from mpsconvert.runtime import triton_gemv
@@ -425,7 +443,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
         try:
             # every step writes the next slot: transformers >= 5.x's StaticCache counts the tokens
             # written (cumulative_length) whatever cache_position says, so positions only go forward
-            cache_len = args.prefill + 2 * args.decode + 16  # warm-up, two timed runs, the profile's two
+            cache_len = args.prefill + 2 * args.decode + 24  # warm-up, two timed runs, the profiles' ten
             positions = itertools.count(args.prefill)
             cache = StaticCache(config=model.config, max_cache_len=cache_len)
             with torch.no_grad():
@@ -439,12 +457,16 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
                     out = step(state["tok"], past_key_values=cache, use_cache=True, cache_position=position).logits
                     state["tok"] = out[:, -1:].argmax(-1).clone()
 
+            host: list[float] = []  # the step's host time (until it returns, before the sync)
+
             def timed(steps: int) -> list[float]:
                 per = []
+                host.clear()
                 for _ in range(steps):
                     sync()
                     t1 = time.perf_counter()
                     one_step()
+                    host.append(time.perf_counter() - t1)
                     sync()
                     per.append(time.perf_counter() - t1)
                 return per
@@ -457,10 +479,14 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
             row["decode_full_guards"] = summary(timed(args.decode))  # every guard of the forward, every step
             with warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
                 row["decode"] = summary(timed(args.decode))
-                row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager"}
+                row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager",
+                                  "host_ms": summary(host)["median_ms"]}  # fmt: skip
                 if device.type == "cuda":
                     row["decode_profile"] = profile(one_step, top=40)
                     log(f"{name}: decode step profile", row["decode_profile"])
+                if args.host_profile:
+                    row["decode_host_profile"] = host_profile(one_step, 8)
+                    log(f"{name}: decode step host profile (ms per step)", row["decode_host_profile"][:12])
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
@@ -562,6 +588,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which compiled phases are skipped")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile 8 warm decode steps (where the host time goes)")
     args = ap.parse_args(argv)
     layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
     device = torch.device(args.device)
