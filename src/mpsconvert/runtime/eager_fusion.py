@@ -12,7 +12,8 @@ program per row does all of it (act_quant.rms_norm_quantize) and hands the codes
 `act_quant.silu_mul_quantize` reads the fused gate/up output once and writes down_proj's codes.
 
 Nothing else about the model changes: the fused forwards run only in eager mode on the Triton
-path (CUDA, or the interpreter in tests), with the shapes they take; otherwise, and always under
+path (CUDA, or the interpreter in tests), with the shapes they take and inputs that need no
+gradient (the kernels have no backward); otherwise, and always under
 torch.compile (where Inductor fuses the module's own ops itself), each module runs its own
 forward. Which norm feeds which group is found by one probe forward of the model (forward hooks:
 the group's first member receives the norm's output tensor), not from module names. Every
@@ -51,7 +52,7 @@ def _is_rms_norm(mod: nn.Module) -> bool:
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The installed forward of an RMSNorm (bound to the instance)."""
     w = self.weight
-    if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w):
+    if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad:  # no backward here
         return type(self).forward(self, x)
     x2 = x.reshape(-1, x.shape[-1])
     group = self.mpsconvert_feeds
@@ -81,7 +82,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     group, down = self.mpsconvert_parts
     x2 = x.reshape(-1, x.shape[-1])
     if (torch.compiler.is_compiling() or not act_quant.use_triton(x) or not group.quantizes(x2.shape[0])
-            or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype):  # fmt: skip
+            or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
         return type(self).forward(self, x)
     inner = group.inner
     q = group.take_prequantized(x) or act_quant.quantize(x2, group.static_scale)
