@@ -32,7 +32,7 @@ from torch import nn
 
 from . import act_quant, kernels
 from .fp8linear import DECODE_MAX_M, FP8Linear
-from .fuse import SharedInput
+from .fuse import SharedInput, group_name
 
 PROBE_ROWS = 2 * DECODE_MAX_M + 1  # a prefill-sized call (rows > DECODE_MAX_M), small
 NORM_MAX_ULP_FRACTION = 1e-3  # elements of a checked norm allowed off by at most two ulps (summation order)
@@ -66,7 +66,7 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp_parts(mlp: nn.Module):
     """(gate/up group, down_proj) of a gated MLP whose gate/up share one FP8 GEMM, or None."""
-    group = mlp._modules.get("fused_gate_proj_up_proj")
+    group = mlp._modules.get(group_name(("gate_proj", "up_proj")))
     down = mlp._modules.get("down_proj")
     act = getattr(mlp, "act_fn", None)
     if not isinstance(group, SharedInput) or not isinstance(down, FP8Linear) or down.group is not None or down.weight is None:

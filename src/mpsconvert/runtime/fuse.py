@@ -210,13 +210,18 @@ def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
     return found
 
 
+def group_name(names) -> str:
+    """The attribute a group of these members is attached under on their parent."""
+    return "fused_" + "_".join(names)
+
+
 def share_inputs(model: nn.Module) -> list[SharedInput]:
     """Group every set of sibling FP8 layers of `model` (attached to their parent as
     `fused_<names>`); returns the groups."""
     groups = []
     for parent, names in find_siblings(model):
         group = SharedInput([parent._modules[n] for n in names], names)
-        parent.add_module("fused_" + "_".join(names), group)
+        parent.add_module(group_name(names), group)
         groups.append(group)
     return groups
 
@@ -225,4 +230,4 @@ def unshare(parent: nn.Module, group: SharedInput) -> None:
     """Undo one group (its members keep their views of the fused weight and compute alone)."""
     for n in group.names:
         object.__setattr__(parent._modules[n], "group", None)
-    del parent._modules["fused_" + "_".join(group.names)]
+    del parent._modules[group_name(group.names)]

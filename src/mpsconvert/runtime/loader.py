@@ -235,7 +235,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     if eager_fusion and dev.type == "cuda":
         from . import eager_fusion as fusion
 
+        t4 = time.perf_counter()
         info.eager_fusion = fusion.install(model)
+        seconds["eager_fusion"] = time.perf_counter() - t4
     info.fp8_layers = sum(isinstance(m, FP8Linear) for m in model.modules())
     info.weight_bytes = model_bytes(model)
     seconds["total"] = time.perf_counter() - t0
