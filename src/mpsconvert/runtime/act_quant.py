@@ -114,6 +114,14 @@ if triton is not None:
             return v.to(dt).to(tl.float32)
 
     @triton.jit
+    def _encode(v, s, PRE_ROUND: tl.constexpr):
+        # float32 v divided by its scale, clamped to e4m3's range and (interpreter) put on its grid
+        q = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)
+        if PRE_ROUND:
+            q = _to_e4m3_grid(q)
+        return q
+
+    @triton.jit
     def _load_row(x_ptr, offs, mask, I, SILU: tl.constexpr, PRE_ROUND: tl.constexpr):
         if SILU:
             g = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -144,10 +152,7 @@ if triton is not None:
             v = _load_row(xrow, offs0, mask, K, SILU, PRE_ROUND)
             if MODE == 0:
                 s = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, 1e-12)
-            q = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)
-            if PRE_ROUND:
-                q = _to_e4m3_grid(q)
-            tl.store(qrow + offs0, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(qrow + offs0, _encode(v, s, PRE_ROUND).to(q_ptr.dtype.element_ty), mask=mask)
         else:
             if MODE == 0:
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -158,9 +163,7 @@ if triton is not None:
             for k0 in range(0, K, BLOCK):
                 offs = k0 + offs0
                 mask = offs < K
-                q = tl.clamp(tl.math.div_rn(_load_row(xrow, offs, mask, K, SILU, PRE_ROUND), s), -448.0, 448.0)
-                if PRE_ROUND:
-                    q = _to_e4m3_grid(q)
+                q = _encode(_load_row(xrow, offs, mask, K, SILU, PRE_ROUND), s, PRE_ROUND)
                 tl.store(qrow + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + m, s)
 
@@ -185,10 +188,7 @@ if triton is not None:
                 s = tl.load(static_ptr).to(tl.float32)
             else:
                 s = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
-            q = tl.clamp(tl.math.div_rn(y, s), -448.0, 448.0)
-            if PRE_ROUND:
-                q = _to_e4m3_grid(q)
-            tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptr + m * stride_qm + offs, _encode(y, s, PRE_ROUND).to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(s_ptr + m, s)
 
 

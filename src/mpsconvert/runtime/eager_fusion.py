@@ -84,10 +84,8 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if (torch.compiler.is_compiling() or not act_quant.use_triton(x) or not group.quantizes(x2.shape[0])
             or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
         return type(self).forward(self, x)
-    inner = group.inner
-    q = group.take_prequantized(x) or act_quant.quantize(x2, group.static_scale)
-    h = inner._fns[1](inner, x2, q)
-    q2 = act_quant.silu_mul_quantize(h, down.input_scale if down.activations == "tensor" else None)
+    h = group.prefill_gemm(x, x2)
+    q2 = act_quant.silu_mul_quantize(h, kernels.static_scale(down))
     return down._fns[1](down, h, q2).view(*x.shape[:-1], down.out_features)
 
 
@@ -160,7 +158,8 @@ def install(model: nn.Module) -> dict:
         report["left"].append("Triton is not available here")
         return report
     norms = [m for m in model.modules() if _is_rms_norm(m)]
-    if not norms and not any(_mlp_parts(m) for m in model.modules()):
+    mlps = [(m, parts) for m in model.modules() if (parts := _mlp_parts(m)) is not None]
+    if not norms and not mlps:
         return report
     try:
         links = _links(model, norms)
@@ -179,10 +178,7 @@ def install(model: nn.Module) -> dict:
         norm.forward = types.MethodType(_norm_forward, norm)
         report["norms"] += 1
         report["norms_quantizing"] += group is not None
-    for mlp in model.modules():
-        parts = _mlp_parts(mlp)
-        if parts is None:
-            continue
+    for mlp, parts in mlps:
         object.__setattr__(mlp, "mpsconvert_parts", parts)
         why = _check_mlp(mlp)
         if why:

@@ -120,15 +120,22 @@ class SharedInput(nn.Module):
         if x2.shape[0] <= DECODE_MAX_M or inner._fns[1] not in kernels.QUANTIZING:
             return "out", inner.project(x).split(self.sizes, dim=-1)
         x2 = x2 if x2.dtype == inner.dtype else x2.to(inner.dtype)
-        q = self.take_prequantized(x) or act_quant.quantize(x2, self.static_scale)
         if PREFILL_SHARES == "gemm":
-            return "out", inner._fns[1](inner, x2, q).view(*x.shape[:-1], -1).split(self.sizes, dim=-1)
-        return "q", q
+            return "out", self.prefill_gemm(x, x2).view(*x.shape[:-1], -1).split(self.sizes, dim=-1)
+        return "q", self.quantized_input(x, x2)
 
     @property
     def static_scale(self) -> torch.Tensor | None:
-        """The calibrated input scale of a static scheme (None: per-token scales)."""
-        return self.inner.input_scale if self.inner.activations == "tensor" else None
+        return kernels.static_scale(self.inner)
+
+    def quantized_input(self, x: torch.Tensor, x2: torch.Tensor):
+        """(codes, scale) of the shared input x (x2: its 2-D view): handed over by the op that
+        made it (eager_fusion.py), else quantized here."""
+        return self.take_prequantized(x) or act_quant.quantize(x2, self.static_scale)
+
+    def prefill_gemm(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """The fused GEMM of all members at prefill: [M, sum of their outputs]."""
+        return self.inner._fns[1](self.inner, x2, self.quantized_input(x, x2))
 
     def quantizes(self, rows: int) -> bool:
         """Whether a call with this many rows starts by quantizing its input (so that an op which

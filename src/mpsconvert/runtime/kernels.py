@@ -45,7 +45,8 @@ DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at 
 SCALED_MM_BLOCK = 128
 
 
-def _static(mod) -> torch.Tensor | None:
+def static_scale(mod) -> torch.Tensor | None:
+    """A layer's calibrated input scale under a static scheme; None where activations are per token."""
     return mod.input_scale if mod.activations == "tensor" else None
 
 
@@ -70,7 +71,7 @@ def _mm(xq, sa, w, sb, out_dtype, functional: bool | None = None):
 
 
 def scaled_mm_row(mod, x, quantized=None):
-    xq, xs = quantized if quantized is not None else act_quant.quantize(x, _static(mod))
+    xq, xs = quantized if quantized is not None else act_quant.quantize(x, static_scale(mod))
     y = _mm(xq, xs, mod.weight, mod.scale_row, x.dtype)
     return y + mod.bias if mod.bias is not None else y
 
@@ -129,7 +130,7 @@ def gemv(mod, x):
 
 
 def gemv_w8a8(mod, x):
-    xq, xs = act_quant.quantize(x, _static(mod))
+    xq, xs = act_quant.quantize(x, static_scale(mod))
     return triton_gemv.dot_gemv(xq, xs, mod.weight, mod.scale_flat, mod.bias, x.dtype)
 
 
@@ -151,7 +152,7 @@ def dense_qact(mod, x):
     if mod.activations == "group":  # FP8_BLOCK's activations: per token and group of the block edge
         xq, xs = group_quantize(x, mod.block)
         return F.linear(_group_dequantize(xq, xs, mod.block, x.dtype), mod.dense_weight, mod.bias)
-    xq, xs = act_quant.torch_quantize(x, _static(mod))
+    xq, xs = act_quant.torch_quantize(x, static_scale(mod))
     return F.linear((xq.float() * xs).to(x.dtype), mod.dense_weight, mod.bias)
 
 
