@@ -417,6 +417,9 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
         LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
         row["eager_prefill_profile"] = profile(prefill) if device.type == "cuda" else None
         log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms", row["eager_prefill_profile"])
+        if args.host_profile:
+            row["eager_prefill_host_profile"] = host_profile(prefill, 2, top=45)
+            log(f"{name}: eager prefill host profile (ms per call)", row["eager_prefill_host_profile"][:25])
     except Exception as e:
         row["eager_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -588,7 +591,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which compiled phases are skipped")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--host-profile", action="store_true", help="also cProfile 8 warm decode steps (where the host time goes)")
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile two eager prefills and 8 warm decode steps (where the host time goes)")
     args = ap.parse_args(argv)
     layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
     device = torch.device(args.device)

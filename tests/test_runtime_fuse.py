@@ -145,7 +145,7 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     kernels._mm = lambda xq, *a, **k: (gemms.append(xq.shape), real_mm(xq, *a, **k))[1]
     try:
         out = model(x)  # prefill (8 rows), the default: one quantization and one fused GEMM per group
-        assert torch.equal(out, ref) and len(quantized) == 3 and len(gemms) == 3 and all(g.hits == 2 for g in groups)
+        assert torch.equal(out, ref) and len(quantized) == 3 and len(gemms) == 3 and all(g.stash.hits == 2 for g in groups)
         quantized.clear(), gemms.clear()
         fuse.PREFILL_SHARES = "quantization"  # one quantization per group, each member its own GEMM
         assert torch.equal(model(x), ref) and len(quantized) == 3 and len(gemms) == 9
@@ -156,7 +156,7 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     finally:
         act_quant.quantize, kernels._mm = real_quantize, real_mm
         fuse.PREFILL_SHARES = "gemm"
-    assert all(g._x is None for g in groups)  # nothing held after the last member took its share
+    assert all(g.stash.x is None for g in groups)  # nothing held after the last member took its share
 
 
 def test_members_with_different_inputs_get_their_own_products():
@@ -175,7 +175,7 @@ def test_members_with_different_inputs_get_their_own_products():
     y = x.clone()
     fresh.q_proj(y)
     y.mul_(2)  # changed in place after q_proj read it: k_proj must not get the stale slice
-    assert torch.equal(fresh.k_proj(y), want) and g.shared and g.hits == 0
+    assert torch.equal(fresh.k_proj(y), want) and g.shared and g.stash.hits == 0
 
 
 def test_shared_input_under_torch_compile_one_frame_no_recompiles():
@@ -303,7 +303,8 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
             assert calls == {"quantize": 2, "rms_norm_quantize": 5, "silu_mul_quantize": 2}, calls  # o_proj alone quantizes
             err = float((out.float() - ref.float()).norm() / ref.float().norm())
             assert err < 1e-2, (act, err)
-            assert all(g.prequantized is None for g in fuse.find_siblings(model) or [])
+            groups = [m for m in model.modules() if isinstance(m, fuse.SharedInput)]
+            assert len(groups) == 4 and all(g.stash.pre is None and g.stash.x is None for g in groups)  # every hand-over taken
             out1 = model(ids[:, :1]).logits  # decode: the norm kernel without quantization, the MLP's own forward
             assert float((out1.float() - ref1.float()).norm() / ref1.float().norm()) < 1e-2
             for k in calls:

@@ -7,7 +7,7 @@ FP8 layers do less GPU work than BF16's but had to launch more (45 per layer), s
 the GPU, set the time. transformers' RMSNorm is seven eager kernels (cast, pow, mean, add, rsqrt,
 mul, cast, mul) and the q/k/v group then quantizes its output in an eighth; here one Triton
 program per row does all of it (act_quant.rms_norm_quantize) and hands the codes to the group
-(`SharedInput.prequantized`, used only for that very tensor, unmodified). The MLP's
+(`SharedInput.stash.pre`, used only for that very tensor, unmodified). The MLP's
 `down_proj(act_fn(gate) * up)` is silu, mul, quantize, GEMM after the gate/up GEMM; here
 `act_quant.silu_mul_quantize` reads the fused gate/up output once and writes down_proj's codes.
 
@@ -60,7 +60,7 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     y, q, s = act_quant.rms_norm_quantize(x2, w, self.mpsconvert_eps, quant, group.static_scale if quant else None)
     y = y.view(x.shape)
     if quant:
-        group.prequantized = (y, y._version, (q, s))
+        group.stash.pre = (y, y._version, (q, s))
     return y
 
 
