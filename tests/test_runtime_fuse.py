@@ -292,7 +292,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
         with torch.no_grad():
             ref, ref1 = model(ids).logits, model(ids[:, :1]).logits
             report = eager_fusion.install(model)
-            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "left": []}, report
+            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "rotary": 2, "left": []}, report
             layer = model.model.layers[0]
             assert layer.input_layernorm.mpsconvert_feeds is layer.self_attn.fused_q_proj_k_proj_v_proj
             assert layer.post_attention_layernorm.mpsconvert_feeds is layer.mlp.fused_gate_proj_up_proj
@@ -322,5 +322,70 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     report = eager_fusion.install(model)
     assert report["norms"] == 4 and len(report["left"]) == 1 and report["left"][0].startswith("model.norm: differs"), report
     assert "forward" not in model.model.norm.__dict__
+    print("ok")
+    """)
+
+
+def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
+    """runtime/rotary.py (Triton interpreted): the kernel equals transformers' own
+    apply_rotary_pos_emb exactly (values and memory layout) for GQA heads, head sizes that are
+    and are not powers of two, bf16/fp16/fp32 and per-batch cos/sin; installed in a model, its
+    attention modules run it (logits identical), while a model of the same class that was not
+    installed, calls under torch.compile and calls it does not take run the original; an
+    attention module whose modeling function differs is left with the reason."""
+    _interpreted("""
+    import sys, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama as ml
+    from mpsconvert.runtime import rotary
+    g = torch.Generator().manual_seed(0)
+    original = ml.apply_rotary_pos_emb
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for b, hq, hk, s, d, cb in ((1, 4, 2, 7, 16, 1), (2, 6, 3, 5, 12, 2), (1, 8, 8, 3, 128, 1)):
+            x = (torch.randn(b, s, (hq + 2 * hk) * d, generator=g) * 3).to(dt)
+            q = x[..., : hq * d].view(b, s, hq, d).transpose(1, 2)
+            k = x[..., hq * d : (hq + hk) * d].view(b, s, hk, d).transpose(1, 2)
+            ang = torch.randn(cb, s, d, generator=g) * 5
+            cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+            assert rotary.fits(q, k, cos, sin)
+            for want, got in zip(original(q, k, cos, sin), rotary.rotary(q, k, cos, sin)):
+                assert torch.equal(want, got) and want.stride() == got.stride(), (dt, d, (want.float() - got.float()).abs().max())
+    half = torch.zeros(1, 3, 8)  # partial rotary (cos narrower than the heads): not taken
+    assert not rotary.fits(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), half, half)
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    other = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (1, 9), generator=g)
+    with torch.no_grad():
+        ref, ref_other = model(ids).logits, other(ids).logits
+        report = rotary.install(model, torch.bfloat16, "cpu")
+        assert report == {"attention": 2, "left": []}, report
+        fn = ml.apply_rotary_pos_emb
+        assert isinstance(fn, rotary.Dispatch) and fn.original is original
+        assert torch.equal(model(ids).logits, ref) and fn.fused == 2
+        assert torch.equal(other(ids).logits, ref_other) and fn.fused == 2  # not installed: the original ran
+        torch.compile(model, backend="eager")(ids)
+        assert fn.fused == 2  # traced code runs the original
+        assert rotary.install(model, torch.bfloat16, "cpu")["attention"] == 2 and ml.apply_rotary_pos_emb is fn  # once per module
+    model(ids).logits.sum().backward()  # a gradient: the original, which has a backward
+    assert fn.fused == 2
+
+    def apply_rotary_pos_emb(q, k, cos, sin):  # another arithmetic, in this (modeling) module
+        return q * cos, k * sin
+    sys.modules["__main__"].apply_rotary_pos_emb = apply_rotary_pos_emb
+
+    class OddAttention(ml.LlamaAttention):
+        def forward(self, *a, **k):
+            apply_rotary_pos_emb  # noqa
+            return super().forward(*a, **k)
+    OddAttention.__module__ = "__main__"
+    fresh = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    fresh.model.layers[1].self_attn.__class__ = OddAttention
+    report = rotary.install(fresh, torch.bfloat16, "cpu")
+    assert report["attention"] == 1 and report["left"] == ["model.layers.1.self_attn: its apply_rotary_pos_emb differs from the fused kernel"], report
+    assert "forward" not in fresh.model.layers[1].self_attn.__dict__
     print("ok")
     """)

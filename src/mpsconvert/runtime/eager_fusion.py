@@ -1,5 +1,6 @@
 """Fewer kernel launches per decoder layer in eager mode: RMSNorm fused with the quantization of
-the layers it feeds, and the gated MLP's SiLU * up fused with down_proj's quantization.
+the layers it feeds, the gated MLP's SiLU * up fused with down_proj's quantization, and the
+rotary embedding of q and k in one kernel (runtime/rotary.py).
 
 Why: an eager prefill runs one Python call per op, and on the H200 hosts we measured even BF16's
 own Llama-3-8B prefill is close to host-bound (42 kernels per layer; docs/runtime-notes.md). Our
@@ -30,7 +31,7 @@ import types
 import torch
 from torch import nn
 
-from . import act_quant, kernels
+from . import act_quant, kernels, rotary
 from .fp8linear import DECODE_MAX_M, FP8Linear
 from .fuse import SharedInput, group_name
 
@@ -153,10 +154,15 @@ def _check_mlp(mlp: nn.Module) -> str | None:
 def install(model: nn.Module) -> dict:
     """Install the fused eager forwards into a loaded model (after share_inputs and the kernel
     policy, whose choices they read at call time); returns what was installed and what was not."""
-    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "left": []}
+    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "rotary": 0, "left": []}
     if not act_quant.available():
         report["left"].append("Triton is not available here")
         return report
+    layer = next((m for m in model.modules() if isinstance(m, FP8Linear)), None)
+    if layer is not None:  # the activations' dtype and device are the FP8 layers'
+        dev = layer.weight.device if layer.weight is not None else layer.dense_weight.device
+        rot = rotary.install(model, layer.dtype, dev)
+        report["rotary"], report["left"] = rot["attention"], report["left"] + rot["left"]
     norms = [m for m in model.modules() if _is_rms_norm(m)]
     mlps = [(m, parts) for m in model.modules() if (parts := _mlp_parts(m)) is not None]
     if not norms and not mlps:
