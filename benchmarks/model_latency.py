@@ -225,6 +225,12 @@ def host_cost(device) -> dict:
     calls = {"F.linear bf16": lambda: torch.nn.functional.linear(x, w),
              "_scaled_mm rowwise": lambda: torch._scaled_mm(xq, qw.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
              "act_quant (Triton)": lambda: act_quant.quantize(x)}  # fmt: skip
+    for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):  # the Llama-3-8B layer's other GEMMs, 2048 tokens
+        xk = torch.randn(2048, k, device=device, dtype=torch.bfloat16)
+        xkq, xks = act_quant.quantize(xk)
+        wk, swk, _ = fp8.quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16), "row")
+        calls[f"_scaled_mm rowwise {n}x{k}"] = (lambda a, sa, b, sb_: lambda: torch._scaled_mm(
+            a, b.t(), scale_a=sa, scale_b=sb_, out_dtype=torch.bfloat16, use_fast_accum=True))(xkq, xks, wk, swk.reshape(1, -1))
     for name, fn in calls.items():
         for _ in range(5):
             fn()
@@ -236,6 +242,9 @@ def host_cost(device) -> dict:
         sync()
         total = (time.perf_counter() - t) / 100
         out[name] = {"host_us": round(host * 1e6, 1), "wall_us": round(total * 1e6, 1)}
+    from mpsconvert.runtime import triton_launch
+
+    out["triton launch"] = triton_launch.mode()
     log("host cost per call", out)
     return out
 

@@ -292,7 +292,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
         with torch.no_grad():
             ref, ref1 = model(ids).logits, model(ids[:, :1]).logits
             report = eager_fusion.install(model)
-            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "rotary": 2, "left": []}, report
+            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "rotary": 2, "left": [], "launch": "kernel[grid] (the Triton interpreter)"}, report
             layer = model.model.layers[0]
             assert layer.input_layernorm.mpsconvert_feeds is layer.self_attn.fused_q_proj_k_proj_v_proj
             assert layer.post_attention_layernorm.mpsconvert_feeds is layer.mlp.fused_gate_proj_up_proj
@@ -389,3 +389,51 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     assert "forward" not in fresh.model.layers[1].self_attn.__dict__
     print("ok")
     """)
+
+
+def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialization(monkeypatch):
+    """runtime/triton_launch.py's logic (the GPU half runs on the H200): the first call of a key
+    goes through kernel[grid] (Triton compiles and launches), a later call with the same dtypes,
+    alignments, scalars and options goes to that compiled kernel's launcher with every argument
+    in order, and any difference in what Triton specializes on is a new key; with a launch hook
+    set, or when the probe decided against it, every call takes kernel[grid]."""
+    pytest.importorskip("triton")
+    from mpsconvert.runtime import triton_launch as tlm
+
+    launches, runs = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            runs.append(a)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **opts: (launches.append((grid, args, opts)), Compiled())[1]
+
+    k = Kernel()
+    monkeypatch.setattr(tlm, "_MODE", ["direct"])
+    monkeypatch.setattr(tlm, "_CACHE", {})
+    monkeypatch.setattr(tlm, "_stream", lambda device: f"stream{device}")
+    base = torch.zeros(64)
+    x, y = base[:16], base[16:32]  # 64-byte offsets: aligned
+    tlm.launch(k, (4,), (x, y, 16, 0.5, True), num_warps=4)
+    tlm.launch(k, (8, 2), (x, y, 16, 0.5, True), num_warps=4)  # same key, another grid
+    assert len(launches) == 1 and runs == [(8, 2, 1, "streamNone", "fn", "meta", None, None, None, x, y, 16, 0.5, True)]
+    for args, opts in (((base[1:17], y, 16, 0.5, True), {"num_warps": 4}),  # x no longer 16-byte aligned
+                       ((x, y, 17, 0.5, True), {"num_warps": 4}),  # another scalar value
+                       ((x, y, 16, 0.5, 1), {"num_warps": 4}),  # an int where a bool was
+                       ((x.half(), y, 16, 0.5, True), {"num_warps": 4}),  # another dtype
+                       ((x, y, 16, 0.5, True), {"num_warps": 8})):  # another launch option
+        tlm.launch(k, (4,), args, **opts)
+    assert len(launches) == 6 and len(runs) == 1
+    monkeypatch.setattr(tlm, "_hooks_set", lambda: True)
+    tlm.launch(k, (4,), (x, y, 16, 0.5, True), num_warps=4)
+    assert len(launches) == 7 and len(runs) == 1
+    monkeypatch.setattr(tlm, "_hooks_set", lambda: False)
+    monkeypatch.setattr(tlm, "_MODE", ["kernel[grid] (a direct launch failed: ...)"])
+    tlm.launch(k, (4,), (x, y, 16, 0.5, True), num_warps=4)
+    assert len(launches) == 8 and len(runs) == 1
+    monkeypatch.setattr(tlm, "_MODE", [])
+    assert tlm.mode().startswith("kernel[grid] (") and tlm.mode() != "direct"  # here: no CUDA device (or the interpreter)

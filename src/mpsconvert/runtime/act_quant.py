@@ -6,7 +6,7 @@ As eager PyTorch ops that is four or five kernels and as many trips through memo
 the host (about 0.4 ms per Linear in a loaded 8B model, which left the GPU idle two thirds of an
 eager prefill). One Triton program per row reads the row once, takes its amax, and writes the
 e4m3 codes and the row's dequant scale: one launch, one read, one write, a few microseconds of
-host time. Inside a compiled model the same arithmetic runs as plain torch ops instead, so that
+host time (runtime/triton_launch.py). Inside a compiled model the same arithmetic runs as plain torch ops instead, so that
 Inductor can fuse it into the op that produces the activation (RMSNorm, SiLU * up).
 
 The numbers are exactly those of `fp8.per_token_scale` + clamp + cast (`torch_quantize` below):
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from .triton_launch import launch
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -211,11 +212,9 @@ def _launch(x: torch.Tensor, k: int, scale, rows_scale, silu: bool):
     one_pass = k <= _ONE_PASS_MAX
     block = triton.next_power_of_2(k) if one_pass else 4096
     warps = _warps(block)
-    if m:
-        _quant_rows_kernel[(m,)](
-            x, q, s, static, k, x.stride(0), q.stride(0),
-            MODE=mode, SILU=silu, ONE_PASS=one_pass, PRE_ROUND=INTERPRET, BLOCK=block, num_warps=warps,
-        )  # fmt: skip
+    if m:  # arguments in the kernel's order: x, q, s, static, K, strides, MODE, SILU, ONE_PASS, PRE_ROUND, BLOCK
+        launch(_quant_rows_kernel, (m,), (x, q, s, static, k, x.stride(0), q.stride(0), mode, silu, one_pass, INTERPRET, block),
+               num_warps=warps)  # fmt: skip
     return q, s
 
 
@@ -257,9 +256,7 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantiz
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device) if quantize else y
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device) if quantize else y
     block = triton.next_power_of_2(k)
-    if m:
-        _rms_norm_kernel[(m,)](
-            x, weight, y, q, s, scale if scale is not None else s, k, float(eps), x.stride(0), y.stride(0), q.stride(0),
-            QUANT=quantize, STATIC=scale is not None, PRE_ROUND=INTERPRET, BLOCK=block, num_warps=_warps(block),
-        )  # fmt: skip
+    if m:  # x, w, y, q, s, static, K, eps, strides, QUANT, STATIC, PRE_ROUND, BLOCK
+        launch(_rms_norm_kernel, (m,), (x, weight, y, q, s, scale if scale is not None else s, k, float(eps), x.stride(0), y.stride(0),
+                                        q.stride(0), quantize, scale is not None, INTERPRET, block), num_warps=_warps(block))  # fmt: skip
     return (y, q, s) if quantize else (y, None, None)

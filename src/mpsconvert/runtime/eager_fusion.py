@@ -31,7 +31,7 @@ import types
 import torch
 from torch import nn
 
-from . import act_quant, kernels, rotary
+from . import act_quant, kernels, rotary, triton_launch
 from .fp8linear import DECODE_MAX_M, FP8Linear
 from .fuse import SharedInput, group_name
 
@@ -158,6 +158,7 @@ def install(model: nn.Module) -> dict:
     if not act_quant.available():
         report["left"].append("Triton is not available here")
         return report
+    report["launch"] = triton_launch.mode()
     layer = next((m for m in model.modules() if isinstance(m, FP8Linear)), None)
     if layer is not None:  # the activations' dtype and device are the FP8 layers'
         dev = layer.weight.device if layer.weight is not None else layer.dense_weight.device
