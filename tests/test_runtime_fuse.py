@@ -263,7 +263,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     from torch import nn
     from transformers import LlamaConfig, LlamaForCausalLM
     from mpsconvert import fp8
-    from mpsconvert.runtime import act_quant, eager_fusion, fuse, kernels
+    from mpsconvert.runtime import act_quant, eager_fusion, forwards, fuse, kernels
     from mpsconvert.runtime.fp8linear import FP8Linear
 
     def fp8_llama(act):
@@ -321,7 +321,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     model.model.norm.__class__ = OffsetRMSNorm
     report = eager_fusion.install(model)
     assert report["norms"] == 4 and len(report["left"]) == 1 and report["left"][0].startswith("model.norm: differs"), report
-    assert "forward" not in model.model.norm.__dict__
+    assert not forwards.installed(model.model.norm) and forwards.installed(model.model.layers[0].input_layernorm)
     print("ok")
     """)
 
@@ -337,7 +337,7 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     import sys, torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama as ml
-    from mpsconvert.runtime import rotary
+    from mpsconvert.runtime import forwards, rotary
     g = torch.Generator().manual_seed(0)
     original = ml.apply_rotary_pos_emb
     for dt in (torch.bfloat16, torch.float16, torch.float32):
@@ -386,7 +386,8 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     fresh.model.layers[1].self_attn.__class__ = OddAttention
     report = rotary.install(fresh, torch.bfloat16, "cpu")
     assert report["attention"] == 1 and report["left"] == ["model.layers.1.self_attn: its apply_rotary_pos_emb differs from the fused kernel"], report
-    assert "forward" not in fresh.model.layers[1].self_attn.__dict__
+    assert not forwards.installed(fresh.model.layers[1].self_attn) and forwards.installed(fresh.model.layers[0].self_attn)
+    assert type(fresh.model.layers[0].self_attn).__name__ == "LlamaAttention"  # the class keeps its name and module
     print("ok")
     """)
 

@@ -26,12 +26,10 @@ and a module that differs keeps its own forward, with the reason in the report.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
-from . import act_quant, kernels, rotary, triton_launch
+from . import act_quant, forwards, kernels, rotary, triton_launch
 from .fp8linear import DECODE_MAX_M, FP8Linear
 from .fuse import SharedInput, group_name
 
@@ -51,10 +49,10 @@ def _is_rms_norm(mod: nn.Module) -> bool:
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """The installed forward of an RMSNorm (bound to the instance)."""
+    """The installed forward of an RMSNorm (forwards.install)."""
     w = self.weight
     if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad:  # no backward here
-        return type(self).forward(self, x)
+        return forwards.own_forward(self)(self, x)
     x2 = x.reshape(-1, x.shape[-1])
     group = self.mpsconvert_feeds
     quant = group is not None and group.quantizes(x2.shape[0])
@@ -78,13 +76,13 @@ def _mlp_parts(mlp: nn.Module):
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """The installed forward of a gated MLP (bound to the instance): gate/up GEMM -> one
+    """The installed forward of a gated MLP (forwards.install): gate/up GEMM -> one
     silu*up quantization -> down_proj's GEMM."""
     group, down = self.mpsconvert_parts
     x2 = x.reshape(-1, x.shape[-1])
     if (torch.compiler.is_compiling() or not act_quant.use_triton(x) or not group.quantizes(x2.shape[0])
             or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
-        return type(self).forward(self, x)
+        return forwards.own_forward(self)(self, x)
     h = group.prefill_gemm(x, x2)
     q2 = act_quant.silu_mul_quantize(h, kernels.static_scale(down))
     return down._fns[1](down, h, q2).view(*x.shape[:-1], down.out_features)
@@ -123,7 +121,7 @@ def _check_norm(norm: nn.Module, quant_scale) -> str | None:
     x = (torch.randn(PROBE_ROWS, w.shape[0], generator=g) * 4).to(device=w.device, dtype=w.dtype)
     if not act_quant.rms_norm_fits(x, w):
         return f"the fused norm does not take {w.dtype} rows of {w.shape[0]}"
-    want = type(norm).forward(norm, x)
+    want = forwards.own_forward(norm)(norm, x)
     y, q, s = act_quant.rms_norm_quantize(x, w, norm.mpsconvert_eps, True, quant_scale)
     if want.dtype != y.dtype or want.shape != y.shape:
         return f"its forward returns {want.dtype} {list(want.shape)}"
@@ -145,7 +143,7 @@ def _check_mlp(mlp: nn.Module) -> str | None:
     x = torch.randn(PROBE_ROWS, k, generator=g).to(device=down.weight.device, dtype=down.dtype)
     if not group.quantizes(PROBE_ROWS) or down._fns[1] not in kernels.QUANTIZING:
         return "its layers' prefill kernels do not quantize activations"
-    want = type(mlp).forward(mlp, x).float()
+    want = forwards.own_forward(mlp)(mlp, x).float()
     got = _mlp_forward(mlp, x).float()
     err = float((got - want).norm() / want.norm().clamp(min=1e-30))
     return None if err <= MLP_MAX_REL_ERR else f"differs from its own forward (relative error {err:.3g})"
@@ -182,7 +180,7 @@ def install(model: nn.Module) -> dict:
             report["left"].append(f"{names[norm]}: {why}")
             continue
         object.__setattr__(norm, "mpsconvert_feeds", group)  # a reference, not a submodule
-        norm.forward = types.MethodType(_norm_forward, norm)
+        forwards.install(norm, _norm_forward)
         report["norms"] += 1
         report["norms_quantizing"] += group is not None
     for mlp, parts in mlps:
@@ -191,6 +189,6 @@ def install(model: nn.Module) -> dict:
         if why:
             report["left"].append(f"{names[mlp]}: {why}")
             continue
-        mlp.forward = types.MethodType(_mlp_forward, mlp)
+        forwards.install(mlp, _mlp_forward)
         report["mlps"] += 1
     return report

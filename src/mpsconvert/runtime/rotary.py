@@ -27,12 +27,11 @@ from __future__ import annotations
 import contextvars
 import inspect
 import sys
-import types
 
 import torch
 from torch import nn
 
-from . import act_quant
+from . import act_quant, forwards
 from .triton_launch import launch
 
 triton, tl = act_quant.triton, act_quant.tl
@@ -127,20 +126,21 @@ class Dispatch:
 
 
 def _attention_forward(self, *args, **kwargs):
-    """The installed forward of an attention module (bound to the instance): its own forward,
+    """The installed forward of an attention module (forwards.install): its own forward,
     with the fused rotary on for the calls inside it."""
+    own = self.mpsconvert_base.forward
     if torch.compiler.is_compiling():
-        return type(self).forward(self, *args, **kwargs)
+        return own(self, *args, **kwargs)
     token = _ACTIVE.set(True)
     try:
-        return type(self).forward(self, *args, **kwargs)
+        return own(self, *args, **kwargs)
     finally:
         _ACTIVE.reset(token)
 
 
 def _calls_rotary(mod: nn.Module):
     """The modeling module of an attention module whose forward calls its `apply_rotary_pos_emb`."""
-    fwd = inspect.unwrap(getattr(type(mod), "forward", None))
+    fwd = inspect.unwrap(forwards.own_forward(mod))
     code = getattr(fwd, "__code__", None)
     if code is None or NAME not in code.co_names:
         return None
@@ -182,6 +182,9 @@ def install(model: nn.Module, dtype: torch.dtype, device) -> dict:
     report: dict = {"attention": 0, "left": []}
     checked: dict = {}  # modeling module -> None (equal) or why not, checked once per module and shape
     for name, mod in model.named_modules():
+        if forwards.installed(mod, _attention_forward):  # installed before (a second install)
+            report["attention"] += 1
+            continue
         home = _calls_rotary(mod)
         if home is None:
             continue
@@ -199,6 +202,6 @@ def install(model: nn.Module, dtype: torch.dtype, device) -> dict:
             continue
         if not isinstance(fn, Dispatch):
             setattr(home, NAME, Dispatch(original))
-        mod.forward = types.MethodType(_attention_forward, mod)
+        forwards.install(mod, _attention_forward)
         report["attention"] += 1
     return report
