@@ -156,7 +156,7 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     finally:
         act_quant.quantize, kernels._mm = real_quantize, real_mm
         fuse.PREFILL_SHARES = "gemm"
-    assert all(g.stash.x is None for g in groups)  # nothing held after the last member took its share
+    assert all(g.stash.cur is None for g in groups)  # nothing held after the last member took its share
 
 
 def test_members_with_different_inputs_get_their_own_products():
@@ -304,7 +304,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
             err = float((out.float() - ref.float()).norm() / ref.float().norm())
             assert err < 1e-2, (act, err)
             groups = [m for m in model.modules() if isinstance(m, fuse.SharedInput)]
-            assert len(groups) == 4 and all(g.stash.pre is None and g.stash.x is None for g in groups)  # every hand-over taken
+            assert len(groups) == 4 and all(g.stash.pre is None and g.stash.cur is None for g in groups)  # every hand-over taken
             out1 = model(ids[:, :1]).logits  # decode: the norm kernel without quantization, the MLP's own forward
             assert float((out1.float() - ref1.float()).norm() / ref1.float().norm()) < 1e-2
             for k in calls:

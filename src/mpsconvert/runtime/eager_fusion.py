@@ -26,6 +26,8 @@ and a module that differs keeps its own forward, with the reason in the report.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -52,7 +54,7 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The installed forward of an RMSNorm (forwards.install)."""
     w = self.weight
     if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad:  # no backward here
-        return forwards.own_forward(self)(self, x)
+        return self.mpsconvert_base.forward(self, x)
     x2 = x.reshape(-1, x.shape[-1])
     group = self.mpsconvert_feeds
     quant = group is not None and group.quantizes(x2.shape[0])
@@ -82,7 +84,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if (torch.compiler.is_compiling() or not act_quant.use_triton(x) or not group.quantizes(x2.shape[0])
             or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
-        return forwards.own_forward(self)(self, x)
+        return self.mpsconvert_base.forward(self, x)
     h = group.prefill_gemm(x, x2)
     q2 = act_quant.silu_mul_quantize(h, kernels.static_scale(down))
     return down._fns[1](down, h, q2).view(*x.shape[:-1], down.out_features)
@@ -104,7 +106,7 @@ def _links(model: nn.Module, norms: list[nn.Module]) -> dict[nn.Module, SharedIn
 
     hooks += [first.register_forward_pre_hook(seen(g)) for g, first in firsts.items()]
     try:
-        dev = next(t.device for t in model.buffers() if t.device.type != "meta")
+        dev = next(t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.device.type != "meta")
         ids = torch.zeros(1, PROBE_ROWS, dtype=torch.long, device=dev)
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
@@ -185,10 +187,11 @@ def install(model: nn.Module) -> dict:
         report["norms_quantizing"] += group is not None
     for mlp, parts in mlps:
         object.__setattr__(mlp, "mpsconvert_parts", parts)
+        forwards.install(mlp, _mlp_forward)  # checked installed (its fallbacks call the class's own forward)
         why = _check_mlp(mlp)
         if why:
+            forwards.uninstall(mlp)
             report["left"].append(f"{names[mlp]}: {why}")
             continue
-        forwards.install(mlp, _mlp_forward)
         report["mlps"] += 1
     return report

@@ -5,7 +5,8 @@ replace a module's forward for that instance only. Set as `module.forward = Meth
 each is an entry of the instance's `__dict__` that torch.compile's frame has to treat as
 instance state; as a class whose forward is ours, made once per (class, forward) and with the
 class's own name and module, the instance looks to dynamo, transformers and printing like any
-module of its class. The module's own forward stays reachable as `own_forward`.
+module of its class. The module's own forward stays reachable (`own_forward`; from the
+installed forward, `self.mpsconvert_base.forward`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def installed(mod: nn.Module, forward=None) -> bool:
 
 
 def own_forward(mod: nn.Module):
-    """The forward of mod's own class (unbound), installed or not."""
+    """The forward of mod's own class (unbound), installed or not (at load, for the checks). An
+    installed forward reaches it as `self.mpsconvert_base.forward` instead: under torch.compile
+    each `type(module)` of modules of one class becomes a Python identity guard between them,
+    evaluated on every call (two per decoder layer)."""
     return (type(mod).__dict__.get("mpsconvert_base") or type(mod)).forward
 
 

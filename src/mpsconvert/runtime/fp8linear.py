@@ -28,6 +28,22 @@ DECODE_MAX_M = 4
 BUCKETS = ("decode", "prefill")
 
 
+def hold(mod: nn.Module, name: str, t: torch.Tensor | None) -> None:
+    """Keep `t` as mod's `name`: a frozen nn.Parameter (requires_grad=False), not a buffer.
+
+    Why: torch.compile's warm-guard stance (`skip_guard_eval_unsafe`, what validate and the
+    benchmarks time decode under) still checks, on every call, the metadata of every tensor the
+    graph reads that is not an nn.Parameter. Held as buffers, the e4m3 weights and their scales
+    of a Llama-3-8B were ~450 such checks per decode step: 1.4 ms of host time on the H200 host
+    where BF16's whole step took 0.46 ms (benchmarks/results/decode_host_h200_llama32.log; on CPU
+    `benchmarks/decode_host.py`'s frame cost fell from 637 to 249 us at 32 layers). Parameters
+    also keep their address under CUDA graphs, as buffers did."""
+    if name in mod._buffers:
+        del mod._buffers[name]
+        mod._non_persistent_buffers_set.discard(name)
+    mod._parameters[name] = None if t is None else t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+
+
 class FP8Linear(nn.Module):
     """y = x @ (weight * weight_scale).T + bias, with weight in float8_e4m3fn."""
 
@@ -39,11 +55,11 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weights, self.activations, self.dtype = weights, activations, dtype
         self.block = (block or DEFAULT_BLOCK) if weights == "block" else None
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        self.register_buffer("weight_scale", torch.ones(scale_shape(weights, out_features, in_features, self.block or DEFAULT_BLOCK),
-                                                        dtype=torch.float32, device=device))
-        self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None)
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        hold(self, "weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        hold(self, "weight_scale", torch.ones(scale_shape(weights, out_features, in_features, self.block or DEFAULT_BLOCK),
+                                              dtype=torch.float32, device=device))
+        hold(self, "input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None)
+        hold(self, "bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.dense_weight: torch.Tensor | None = None
         self.kernels = {"decode": "dequant", "prefill": "dequant"}
         self._fns = (kernels.dequant, kernels.dequant)
@@ -63,26 +79,27 @@ class FP8Linear(nn.Module):
         # with `block`, a [1, 1] scale is still one block (and its activations are per group)
         weights = "block" if block else "tensor" if weight_scale.numel() == 1 else "row"
         mod = cls(k, n, weights=weights, activations=activations, bias=bias is not None, dtype=dtype, device="meta", block=block)
-        mod.weight = weight
-        mod.weight_scale = weight_scale.float().reshape(mod.weight_scale.shape).contiguous()
+        hold(mod, "weight", weight)
+        hold(mod, "weight_scale", weight_scale.float().reshape(mod.weight_scale.shape).contiguous())
         if activations == "tensor":
             if input_scale is None:
                 raise ValueError("the static scheme needs an input_scale")
-            mod.input_scale = input_scale.float().reshape(1).to(weight.device)
-        mod.bias = None if bias is None else bias.to(device=weight.device, dtype=dtype)
+            hold(mod, "input_scale", input_scale.float().reshape(1).to(weight.device))
+        hold(mod, "bias", None if bias is None else bias.to(device=weight.device, dtype=dtype))
         mod.prepare()
         return mod
 
     def prepare(self) -> None:
-        """Derive the scale layouts the kernels take (views where the layout allows), once."""
+        """Derive the scale layouts the kernels take (views where the layout allows), once. They
+        are parameters too (`hold`), so they are in state_dict beside the stored tensors."""
         ws = self.weight_scale
         if self.block:  # per-block: no row or tensor view; the blockwise GEMM's layout instead
-            self.register_buffer("scale_blocks_t", kernels.blockwise_weight_scale(ws), persistent=False)
+            hold(self, "scale_blocks_t", kernels.blockwise_weight_scale(ws))
             return
         row = ws.reshape(1, -1) if ws.numel() == self.out_features else ws.reshape(1, 1).expand(1, self.out_features).contiguous()
         for name, value in (("scale_row", row), ("scale_flat", ws.reshape(-1)), ("scale_0d", ws.reshape(-1)[0] if ws.numel() == 1 else None),
                             ("input_scale_0d", self.input_scale.reshape(()) if self.input_scale is not None else None)):
-            self.register_buffer(name, value, persistent=False)
+            hold(self, name, value)
 
     @property
     def signature(self) -> tuple:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import act_quant, kernels
-from .fp8linear import DECODE_MAX_M, FP8Linear
+from .fp8linear import DECODE_MAX_M, FP8Linear, hold
 
 # What siblings share at prefill: "gemm" (one quantization and one fused GEMM; the members get
 # strided slices of its output) or "quantization" (one quantized input, a GEMM per member,
@@ -85,12 +85,14 @@ class Stash:
     """What a SharedInput hands over between its members' calls, in a plain object: setting an
     attribute of an nn.Module runs Module.__setattr__ (checks for parameters, buffers and
     submodules), which cost more host time per eager prefill than the q/k/v GEMM's launch
-    (cProfile on the H200 host: 112 calls, 1.6 ms of an 8-layer Llama-3-8B prefill)."""
+    (cProfile on the H200 host: 112 calls, 1.6 ms of an 8-layer Llama-3-8B prefill). The pending
+    call is one attribute, so that a compiled frame writes back one value per group at its end
+    (dynamo replays every attribute a traced call changed, even one it changed back)."""
 
     def __init__(self):
-        self.x = self.outs = None  # the input of the pending call, and what it computed for all
-        self.version = -1  # x._version when it was computed (an in-place change since: recompute)
-        self.pending = 0  # bit i: member i has not taken its share yet
+        # (x, x._version when computed (-1 traced), what it computed for all, bit i: member i
+        # has not taken its share yet), or None
+        self.cur = None
         self.pre = None  # (x, x._version, (codes, scale)): x quantized by the op that made it
         self.hits = self.misses = 0
 
@@ -109,11 +111,11 @@ class SharedInput(nn.Module):
         start = 0
         for slot, m in enumerate(members):
             stop = start + m.out_features
-            m.weight = self.inner.weight[start:stop]  # a view: the fused weight is the only copy
+            hold(m, "weight", self.inner.weight[start:stop])  # a view: the fused weight is the only copy
             if m.block:
-                m.weight_scale = self.inner.weight_scale[start // m.block : stop // m.block]
+                hold(m, "weight_scale", self.inner.weight_scale[start // m.block : stop // m.block])
             elif self.inner.weight_scale.numel() != 1 and m.weight_scale.numel() != 1:
-                m.weight_scale = self.inner.weight_scale[start:stop]
+                hold(m, "weight_scale", self.inner.weight_scale[start:stop])
             m.prepare()
             object.__setattr__(m, "group", self)  # a reference, not a submodule (no cycle, no double state_dict)
             object.__setattr__(m, "slot", slot)
@@ -175,39 +177,36 @@ class SharedInput(nn.Module):
         guard that changes on every call); the stash is empty again once the last member took
         its share, so the module's state at the end of a call is what it was at the start."""
         slot, st = member.slot, self.stash
-        if st.x is x and st.pending >> slot & 1:
-            st.pending = st.pending & ~(1 << slot)
-            kind, value = st.outs
-            if not st.pending:
-                st.x = st.outs = None
-            return self._take(member, kind, value, x, slot)
-        kind, value = self._shared(member, x)
-        st.x, st.outs, st.pending = x, (kind, value), self._all & ~(1 << slot)
-        return self._take(member, kind, value, x, slot)
+        cur = st.cur
+        if cur is not None and cur[0] is x and cur[3] >> slot & 1:
+            pending = cur[3] & ~(1 << slot)
+            st.cur = (x, -1, cur[2], pending) if pending else None
+            return self._take(member, *cur[2], x, slot)
+        out = self._shared(member, x)
+        st.cur = (x, -1, out, self._all & ~(1 << slot))
+        return self._take(member, *out, x, slot)
 
     def member_forward(self, member: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         slot = member.slot
         if torch.compiler.is_compiling():
             return self._traced(member, x)
         st = self.stash
-        if st.x is x and st.version == x._version and st.pending >> slot & 1:
-            st.pending &= ~(1 << slot)
-            kind, value = st.outs
-            if not st.pending:
-                st.x = st.outs = None
+        cur = st.cur
+        if cur is not None and cur[0] is x and cur[1] == x._version and cur[3] >> slot & 1:
+            pending = cur[3] & ~(1 << slot)
+            st.cur = (x, cur[1], cur[2], pending) if pending else None
             st.hits += 1
-            return self._take(member, kind, value, x, slot)
-        if st.pending:  # another input came while members still waited for theirs
+            return self._take(member, *cur[2], x, slot)
+        if cur is not None:  # another input came while members still waited for theirs
             st.misses += 1
             if st.misses > 2 * st.hits + 2:
                 self.shared = False
         if not self.shared:
-            st.x = st.outs = None
-            st.pending = 0
+            st.cur = None
             return member.project(x)
-        kind, value = self._shared(member, x)
-        st.x, st.version, st.outs, st.pending = x, x._version, (kind, value), self._all & ~(1 << slot)
-        return self._take(member, kind, value, x, slot)
+        out = self._shared(member, x)
+        st.cur = (x, x._version, out, self._all & ~(1 << slot))
+        return self._take(member, *out, x, slot)
 
 
 def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:

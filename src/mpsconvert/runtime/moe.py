@@ -35,6 +35,7 @@ from torch import nn
 from .. import fp8
 from ..errors import ArtifactError
 from . import act_quant
+from .fp8linear import hold
 from ..moe_layout import ExpertParam, find_layout
 
 FP8 = fp8.FP8_DTYPE
@@ -159,16 +160,16 @@ class FP8Experts(nn.Module):
         device = gate_up.device
         E = self.num_experts
         self.block = block
-        self.register_buffer("gate_up_codes", gate_up.contiguous())
-        self.register_buffer("down_codes", down.contiguous())
+        hold(self, "gate_up_codes", gate_up.contiguous())  # frozen parameters, not buffers: fp8linear.hold says why
+        hold(self, "down_codes", down.contiguous())
         if block:  # [E, N, ceil(K/b)]: block scales expanded along the rows (see the module docstring)
-            self.register_buffer("gate_up_scale", gate_up_scale.float().reshape(E, n13, -1).contiguous())
-            self.register_buffer("down_scale", down_scale.float().reshape(E, self.hidden_dim, -1).contiguous())
+            hold(self, "gate_up_scale", gate_up_scale.float().reshape(E, n13, -1).contiguous())
+            hold(self, "down_scale", down_scale.float().reshape(E, self.hidden_dim, -1).contiguous())
         else:  # Row scales [E, N] (a per-tensor scale is expanded: one layout for every kernel).
-            self.register_buffer("gate_up_scale", gate_up_scale.float().reshape(E, -1).expand(E, n13).contiguous())
-            self.register_buffer("down_scale", down_scale.float().reshape(E, -1).expand(E, self.hidden_dim).contiguous())
+            hold(self, "gate_up_scale", gate_up_scale.float().reshape(E, -1).expand(E, n13).contiguous())
+            hold(self, "down_scale", down_scale.float().reshape(E, -1).expand(E, self.hidden_dim).contiguous())
         for name, s in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale)):
-            self.register_buffer(name, None if s is None else s.float().reshape(E).to(device).contiguous())
+            hold(self, name, None if s is None else s.float().reshape(E).to(device).contiguous())
         if block and path not in (None, "grouped_mm", "loop"):
             raise ValueError(f"block-scaled experts run the dequantized grouped_mm path, not {path!r}")
         self.path = path or (("grouped_mm" if grouped_mm_available(device, dtype) else "loop") if block else self.choose_path(device))
@@ -176,8 +177,8 @@ class FP8Experts(nn.Module):
         if self.path in ("grouped_mm", "loop"):
             # Dequantize once: the device has no FP8 grouped kernel (or the scheme keeps BF16
             # activations), and dequantizing on every call would cost more than BF16.
-            self.register_buffer("gate_up_dense", self._dense(self.gate_up_codes, self.gate_up_scale))
-            self.register_buffer("down_dense", self._dense(self.down_codes, self.down_scale))
+            hold(self, "gate_up_dense", self._dense(self.gate_up_codes, self.gate_up_scale))
+            hold(self, "down_dense", self._dense(self.down_codes, self.down_scale))
 
     def _dense(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.block:
@@ -515,7 +516,7 @@ def load_fp8_experts(model, artifact_dir, device, activations: str | None = FROM
 
 
 def expert_bytes(mod: FP8Experts) -> int:
-    return sum(b.numel() * b.element_size() for n, b in mod.named_buffers() if not n.endswith("_dense"))
+    return sum(b.numel() * b.element_size() for n, b in mod.named_parameters() if not n.endswith("_dense"))
 
 
 __all__ = [
