@@ -35,9 +35,9 @@ def hold(mod: nn.Module, name: str, t: torch.Tensor | None) -> None:
     benchmarks time decode under) still checks, on every call, the metadata of every tensor the
     graph reads that is not an nn.Parameter. Held as buffers, the e4m3 weights and their scales
     of a Llama-3-8B were ~450 such checks per decode step: 1.4 ms of host time on the H200 host
-    where BF16's whole step took 0.46 ms (benchmarks/results/decode_host_h200_llama32.log; on CPU
-    `benchmarks/decode_host.py`'s frame cost fell from 637 to 249 us at 32 layers). Parameters
-    also keep their address under CUDA graphs, as buffers did."""
+    where BF16's whole step took 0.46 ms (benchmarks/results/decode_host_h200_llama32.log). On CPU
+    this alone took `benchmarks/compiled_frame_cost.py`'s 32-layer frame from ~690 to ~250 us per
+    call (BF16: 108). Parameters keep their address under CUDA graphs, as buffers did."""
     if name in mod._buffers:
         del mod._buffers[name]
         mod._non_persistent_buffers_set.discard(name)
