@@ -26,7 +26,9 @@ synchronised per step with the argmax, as `validate` times it); peak device memo
 to BF16 from this run; the decode bandwidth fraction is the bytes a step must read (weights
 except the input embedding, plus the KV cache) over the step time and the device-to-device copy
 bandwidth measured at the start of the run. Kernel, Triton and HF caches live in a fresh
-folder of this run, so that nothing a warm machine kept can hide a cost.
+folder of this run, so that nothing a warm machine kept can hide a cost. The CUDA profiles (GPU
+busy time, where it goes) and `--host-profile`'s cProfile run in a second pass, each variant
+loaded again, after every variant was timed: no timing runs after a profiler in the process.
 
     python benchmarks/model_latency.py [--arch llama|mixtral] [--layers 32] [--prefill 2048]
         [--variants bf16,ours,ct,ct-opt] [--weights row,block] [--work DIR] [--json out.json] [--budget SECONDS]
@@ -381,7 +383,11 @@ def weight_bytes(model) -> tuple[int, int]:
     return model_bytes(model), emb.numel() * emb.element_size()
 
 
-def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> dict:
+def time_model(name: str, load_fn, args, device, deadline: float, bw: float, profiling: bool = False) -> dict:
+    """One variant, loaded fresh: its timings, or with `profiling` its profiles only (a second
+    pass after every variant was timed: a process that ran the CUDA profiler keeps paying for it
+    in host time, so no timing may follow a profile; an 8-layer Llama decode step on the H200 took
+    0.26 ms of host time in a fresh process and 0.68 ms in this benchmark after its profiles)."""
     from transformers import StaticCache
 
     row: dict = {}
@@ -399,7 +405,9 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
     sync()
     row["load_s"] = round(time.perf_counter() - t, 2)
     info = getattr(model, "mpsconvert", None)
-    if info is not None:
+    if profiling:
+        row = {}
+    elif info is not None:
         row["load_breakdown_s"] = info.seconds
         row["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels]
         row["shared_inputs"] = len(info.shared_inputs)
@@ -407,9 +415,10 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
         row["gemv_configs"] = gemv_configs()
     total, emb = weight_bytes(model)
-    row["weight_bytes"] = total
-    row["attention"] = getattr(model.config, "_attn_implementation", None)
-    log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"), row.get("eager_fusion"))
+    if not profiling:
+        row["weight_bytes"] = total
+        row["attention"] = getattr(model.config, "_attn_implementation", None)
+        log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"), row.get("eager_fusion"))
     if name.partition("@")[0].endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
         del model
         gc.collect()
@@ -422,13 +431,23 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
             return model(ids, use_cache=False, logits_to_keep=1).logits
 
     try:
-        row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
-        LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
-        log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms")
+        if profiling:
+            if device.type == "cuda" and args.profile:
+                row["eager_prefill_profile"] = profile(prefill)
+                log(f"{name}: eager prefill profile", row["eager_prefill_profile"])
+            if args.host_profile:
+                row["eager_prefill_host_profile"] = host_profile(prefill, 2, top=45)
+                log(f"{name}: eager prefill host profile (ms per call)", row["eager_prefill_host_profile"][:25])
+        else:
+            row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
+            LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
+            log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms")
     except Exception as e:
         row["eager_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
-    if args.compile and time.perf_counter() < deadline:
+    if profiling:
+        pass
+    elif args.compile and time.perf_counter() < deadline:
         layers = decoder_layers(model)
         try:
             t = time.perf_counter()
@@ -483,18 +502,21 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
             for _ in range(3):  # compile and capture the graph
                 one_step()
             sync()
+            if profiling:
+                with warm_guards(args.compile):
+                    if device.type == "cuda" and args.profile:
+                        row["decode_profile"] = profile(one_step, top=40)
+                        log(f"{name}: decode step profile", row["decode_profile"])
+                    if args.host_profile:
+                        row["decode_host_profile"] = host_profile(one_step, 8)
+                        log(f"{name}: decode step host profile (ms per step)", row["decode_host_profile"][:12])
+                raise _Profiled
             row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
             row["decode_full_guards"] = summary(timed(args.decode))  # every guard of the forward, every step
             with warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
                 row["decode"] = summary(timed(args.decode))
                 row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager",
                                   "host_ms": summary(host)["median_ms"]}  # fmt: skip
-                if device.type == "cuda" and args.profile:
-                    row["decode_profile"] = profile(one_step, top=40)
-                    log(f"{name}: decode step profile", row["decode_profile"])
-                if args.host_profile:
-                    row["decode_host_profile"] = host_profile(one_step, 8)
-                    log(f"{name}: decode step host profile (ms per step)", row["decode_host_profile"][:12])
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
@@ -508,26 +530,24 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float) -> 
             row["decode"]["bytes_per_step"] = int(step_bytes)
             row["decode"]["bandwidth_fraction"] = round(step_bytes / (row["decode"]["median_ms"] / 1e3) / bw, 3) if bw == bw else None
             log(f"{name}: decode {row['decode']['median_ms']} ms/token, {row['decode'].get('bandwidth_fraction')} of copy bandwidth")
+        except _Profiled:
+            pass
         except Exception as e:
             row["decode_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
         torch._dynamo.reset()
     else:
         row["decode_skipped"] = "time budget"
-    # the profiles after the timings: a process that ran the CUDA profiler may keep paying for it
-    # (an 8-layer Llama decode step on the H200 took 0.26 ms of host time in a fresh process and
-    # 0.68 ms in this benchmark after its profiles); --no-profile times with no profiler at all
-    if "eager_prefill" in row and device.type == "cuda" and args.profile:
-        row["eager_prefill_profile"] = profile(prefill)
-        log(f"{name}: eager prefill profile", row["eager_prefill_profile"])
-        if args.host_profile:
-            row["eager_prefill_host_profile"] = host_profile(prefill, 2, top=45)
-            log(f"{name}: eager prefill host profile (ms per call)", row["eager_prefill_host_profile"][:25])
-    row["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    if not profiling:
+        row["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     del model
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return row
+
+
+class _Profiled(Exception):
+    """The profiling pass's decode is done (it times nothing)."""
 
 
 LOGITS: dict = {}  # variant -> {"eager"|"compiled": last-position logits of the prefill}
@@ -605,7 +625,8 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which compiled phases are skipped")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-profile", dest="profile", action="store_false", help="no CUDA profiles (GPU busy time), nothing but timings")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="no CUDA profiles (GPU busy time; otherwise a second pass after all timings)")
     ap.add_argument("--host-profile", action="store_true", help="also cProfile two eager prefills and 8 warm decode steps (where the host time goes)")
     args = ap.parse_args(argv)
     layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
@@ -668,6 +689,20 @@ def main(argv=None):
         report["ratios_to_bf16"] = ratios(results)
         report["logits_agreement"] = agreement()
         save()
+    if (args.profile and device.type == "cuda") or args.host_profile:  # the profiles, after every timing
+        for name, variant_art in runs:
+            if name.partition("@")[0].endswith(("-warm", "-cold")) or "error" in results.get(name, {}):
+                continue
+            log(f"== {name} (profiles)")
+            try:
+                results[name] |= time_model(name, loaders(name, src, variant_art, device, args), args, device, deadline,
+                                            report["copy_bandwidth_Bps"], profiling=True)  # fmt: skip
+            except Exception as e:
+                traceback.print_exc()
+                results[name]["profile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                gc.collect()
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+            save()
     print_table(report)
     print("logits:", json.dumps(report.get("logits_agreement")))
     save()

@@ -438,3 +438,58 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specializati
     assert len(launches) == 8 and len(runs) == 1
     monkeypatch.setattr(tlm, "_MODE", [])
     assert tlm.mode().startswith("kernel[grid] (") and tlm.mode() != "direct"  # here: no CUDA device (or the interpreter)
+
+
+def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
+    """FP8 weights and scales are frozen parameters (fp8linear.hold): in torch.compile's
+    warm-guard stance dynamo still checks every tensor that is not an nn.Parameter on every call
+    (its "diff" guard set), which cost 1.4 ms per Llama-3-8B decode step on the H200 while they
+    were buffers. The compiled decode frame of a shared-input FP8 Llama must check exactly what
+    BF16's does (its inputs, the cache, the rotary table), nothing under an FP8 layer."""
+    import inspect
+
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from mpsconvert import fp8
+    from mpsconvert.runtime import fuse
+    from mpsconvert.runtime.fp8linear import FP8Linear
+
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if entries is None:
+        pytest.skip(f"torch {torch.__version__} has no _debug_get_cache_entry_list to read the guard set from")
+
+    def diff_sources(fp8_layers: bool) -> set[str]:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128)  # fmt: skip
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+        if fp8_layers:
+            for name, lin in list(model.model.layers.named_modules()):
+                if isinstance(lin, nn.Linear):
+                    q, s, _ = fp8.quantize(lin.weight.float(), "row")
+                    new = FP8Linear.from_tensors(q, s, activations="token", bias=torch.zeros(lin.out_features))
+                    new.set_kernels("dense_qact", "dense_qact")
+                    parent, _, leaf = name.rpartition(".")
+                    setattr(model.model.layers.get_submodule(parent), leaf, new)
+            for g in fuse.share_inputs(model):
+                g.inner.set_kernels("dense_qact", "dense_qact")
+            fp8_mods = [m for m in model.modules() if isinstance(m, FP8Linear)]
+            assert all(not m._buffers for m in fp8_mods)
+            assert all(isinstance(t, nn.Parameter) and not t.requires_grad for m in fp8_mods for t in m._parameters.values() if t is not None)
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            model(torch.zeros(1, 8, dtype=torch.long), past_key_values=cache, use_cache=True, cache_position=torch.arange(8))
+            torch._dynamo.reset()
+            torch.compile(model.forward, backend="eager")(torch.zeros(1, 1, dtype=torch.long), past_key_values=cache,
+                                                          use_cache=True, cache_position=torch.tensor([8]))  # fmt: skip
+        found = set()
+        fn = type(model).forward
+        while fn is not None:
+            for e in entries(fn.__code__):
+                found |= set(e.guard_manager.diff_guard_sources)
+            fn = getattr(fn, "__wrapped__", None)
+        assert found, "no compiled frame found"
+        return found
+
+    bf16, ours = diff_sources(False), diff_sources(True)
+    assert ours == bf16, sorted(ours ^ bf16)

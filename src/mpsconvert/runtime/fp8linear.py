@@ -60,7 +60,7 @@ class FP8Linear(nn.Module):
                                               dtype=torch.float32, device=device))
         hold(self, "input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None)
         hold(self, "bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
-        self.dense_weight: torch.Tensor | None = None
+        hold(self, "dense_weight", None)  # a BF16 copy made once, only where a dense kernel runs
         self.kernels = {"decode": "dequant", "prefill": "dequant"}
         self._fns = (kernels.dequant, kernels.dequant)
         self.prepare()
@@ -113,7 +113,7 @@ class FP8Linear(nn.Module):
                 raise ValueError(f"unknown kernel {k!r}")
         if decode in kernels.DENSE and prefill in kernels.DENSE:
             if self.dense_weight is None:
-                self.dense_weight = dequantize(self.weight, self.weight_scale, self.dtype, self.block)
+                hold(self, "dense_weight", dequantize(self.weight, self.weight_scale, self.dtype, self.block))
             self.weight = None  # no FP8 copy kept beside the dense one
         elif decode in kernels.DENSE or prefill in kernels.DENSE:
             raise ValueError("bf16 for one bucket only would keep two copies of the weight; choose FP8 kernels or bf16 for both")
