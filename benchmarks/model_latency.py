@@ -403,11 +403,10 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
     t = time.perf_counter()
     model = load_fn()
     sync()
-    row["load_s"] = round(time.perf_counter() - t, 2)
     info = getattr(model, "mpsconvert", None)
-    if profiling:
-        row = {}
-    elif info is not None:
+    if not profiling:
+        row["load_s"] = round(time.perf_counter() - t, 2)
+    if not profiling and info is not None:
         row["load_breakdown_s"] = info.seconds
         row["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels]
         row["shared_inputs"] = len(info.shared_inputs)
@@ -445,9 +444,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
     except Exception as e:
         row["eager_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
-    if profiling:
-        pass
-    elif args.compile and time.perf_counter() < deadline:
+    if not profiling and args.compile and time.perf_counter() < deadline:
         layers = decoder_layers(model)
         try:
             t = time.perf_counter()
@@ -464,7 +461,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
         for layer in layers:
             layer._compiled_call_impl = None
         torch._dynamo.reset()
-    else:
+    elif not profiling:
         row["compiled_prefill_skipped"] = "no --compile" if not args.compile else "time budget"
     if time.perf_counter() < deadline:
         try:
@@ -510,28 +507,26 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                     if args.host_profile:
                         row["decode_host_profile"] = host_profile(one_step, 8)
                         log(f"{name}: decode step host profile (ms per step)", row["decode_host_profile"][:12])
-                raise _Profiled
-            row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
-            row["decode_full_guards"] = summary(timed(args.decode))  # every guard of the forward, every step
-            with warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
-                row["decode"] = summary(timed(args.decode))
-                row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager",
-                                  "host_ms": summary(host)["median_ms"]}  # fmt: skip
-            cfg = model.config
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
-            if getattr(cfg, "num_local_experts", None):  # MoE: a token reads top-k of the experts
-                frac = cfg.num_experts_per_tok / cfg.num_local_experts
-                ex = sum(b.numel() * b.element_size() for n, b in list(model.named_parameters()) + list(model.named_buffers())
-                         if ".experts." in n and not n.endswith("_dense"))  # fmt: skip
-                step_bytes = total - emb - ex * (1 - frac) + kv
             else:
-                step_bytes = total - emb + kv
-            row["decode"]["bytes_per_step"] = int(step_bytes)
-            row["decode"]["bandwidth_fraction"] = round(step_bytes / (row["decode"]["median_ms"] / 1e3) / bw, 3) if bw == bw else None
-            log(f"{name}: decode {row['decode']['median_ms']} ms/token, {row['decode'].get('bandwidth_fraction')} of copy bandwidth")
-        except _Profiled:
-            pass
+                row["compiled_decode_compile_s"] = round(time.perf_counter() - t, 1)
+                row["decode_full_guards"] = summary(timed(args.decode))  # every guard of the forward, every step
+                with warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
+                    row["decode"] = summary(timed(args.decode))
+                    row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager",
+                                      "host_ms": summary(host)["median_ms"]}  # fmt: skip
+                cfg = model.config
+                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+                kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
+                if getattr(cfg, "num_local_experts", None):  # MoE: a token reads top-k of the experts
+                    frac = cfg.num_experts_per_tok / cfg.num_local_experts
+                    ex = sum(b.numel() * b.element_size() for n, b in list(model.named_parameters()) + list(model.named_buffers())
+                             if ".experts." in n and not n.endswith("_dense"))  # fmt: skip
+                    step_bytes = total - emb - ex * (1 - frac) + kv
+                else:
+                    step_bytes = total - emb + kv
+                row["decode"]["bytes_per_step"] = int(step_bytes)
+                row["decode"]["bandwidth_fraction"] = round(step_bytes / (row["decode"]["median_ms"] / 1e3) / bw, 3) if bw == bw else None
+                log(f"{name}: decode {row['decode']['median_ms']} ms/token, {row['decode'].get('bandwidth_fraction')} of copy bandwidth")
         except Exception as e:
             row["decode_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
@@ -544,10 +539,6 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return row
-
-
-class _Profiled(Exception):
-    """The profiling pass's decode is done (it times nothing)."""
 
 
 LOGITS: dict = {}  # variant -> {"eager"|"compiled": last-position logits of the prefill}

@@ -446,8 +446,6 @@ def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
     (its "diff" guard set), which cost 1.4 ms per Llama-3-8B decode step on the H200 while they
     were buffers. The compiled decode frame of a shared-input FP8 Llama must check exactly what
     BF16's does (its inputs, the cache, the rotary table), nothing under an FP8 layer."""
-    import inspect
-
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     from mpsconvert import fp8

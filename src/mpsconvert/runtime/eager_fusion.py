@@ -161,8 +161,7 @@ def install(model: nn.Module) -> dict:
     report["launch"] = triton_launch.mode()
     layer = next((m for m in model.modules() if isinstance(m, FP8Linear)), None)
     if layer is not None:  # the activations' dtype and device are the FP8 layers'
-        dev = layer.weight.device if layer.weight is not None else layer.dense_weight.device
-        rot = rotary.install(model, layer.dtype, dev)
+        rot = rotary.install(model, layer.dtype, next(layer.parameters()).device)
         report["rotary"], report["left"] = rot["attention"], report["left"] + rot["left"]
     norms = [m for m in model.modules() if _is_rms_norm(m)]
     mlps = [(m, parts) for m in model.modules() if (parts := _mlp_parts(m)) is not None]

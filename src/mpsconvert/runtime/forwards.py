@@ -16,9 +16,14 @@ from torch import nn
 _SUBCLASSES: dict = {}
 
 
+def _base(mod: nn.Module) -> type:
+    """mod's own class, under an installed subclass or not."""
+    return type(mod).__dict__.get("mpsconvert_base") or type(mod)
+
+
 def install(mod: nn.Module, forward) -> None:
     """Run `forward(mod, ...)` as mod's forward from now on (this instance only)."""
-    base = type(mod).__dict__.get("mpsconvert_base") or type(mod)
+    base = _base(mod)
     sub = _SUBCLASSES.get((base, forward))
     if sub is None:
         sub = type(base.__name__, (base,), {"forward": forward, "mpsconvert_base": base, "__module__": base.__module__,
@@ -38,7 +43,7 @@ def own_forward(mod: nn.Module):
     installed forward reaches it as `self.mpsconvert_base.forward` instead: under torch.compile
     each `type(module)` of modules of one class becomes a Python identity guard between them,
     evaluated on every call (two per decoder layer)."""
-    return (type(mod).__dict__.get("mpsconvert_base") or type(mod)).forward
+    return _base(mod).forward
 
 
 def uninstall(mod: nn.Module) -> None:

@@ -76,9 +76,8 @@ def _decide() -> str:
     try:
         x = torch.arange(300, dtype=torch.float32, device="cuda")
         want, got = torch.full_like(x, -1.0), torch.full_like(x, -2.0)
-        args = (x, want, x.numel(), 0.5, 128)
-        compiled = _probe_kernel[(3,)](*args)
-        _direct(compiled, (3,), (x, got, x.numel(), 0.5, 128), x.device.index)
+        compiled = _probe_kernel[(3,)](x, want, x.numel(), 0.5, 128)
+        _direct(compiled, (3,), (x, got, x.numel(), 0.5, 128), x.device.index)  # the same call, into `got`
         torch.cuda.synchronize()
         if not torch.equal(want, got):
             return "kernel[grid] (a direct launch of the probe kernel wrote other values)"
