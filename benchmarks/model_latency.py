@@ -18,8 +18,10 @@ by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), 
   ct-opt    the same with `CompressedTensorsConfig(use_optimized_inference=True)`
 
 with the same routine for each: load time (to a synchronised device); eager prefill of
-`--prefill` tokens (batch 1, `logits_to_keep=1` as `generate` asks; wall time, and GPU busy time
-from the profiler with where it goes); compiled prefill (each decoder layer `torch.compile`d,
+`--prefill` tokens (batch 1, `logits_to_keep=1` as `generate` asks; wall time, the host time
+until the call returns and how far the GPU was behind the host at the last decoder layer (`lag`:
+positive when the GPU, not the host, set the pace; `timeline`), and GPU busy time from the
+profiler with where it goes); compiled prefill (each decoder layer `torch.compile`d,
 the regional compilation PyTorch recommends for compile time); compiled decode (the whole
 forward under `torch.compile(mode="reduce-overhead")`, static KV cache, one token, host
 synchronised per step with the argmax, as `validate` times it); peak device memory. Ratios are
@@ -264,6 +266,43 @@ def samples(fn, repeats: int, warmup: int) -> list[float]:
     return out
 
 
+def timeline(fn, layers, repeats: int = 3) -> dict:
+    """Whether the host or the GPU sets an eager call's time, without the profiler: a forward
+    pre-hook on each decoder layer records the host clock and a CUDA event. host_ms: time until
+    `fn` returns (a synchronisation inside waits only for what was queued before it);
+    first_layer_gpu_ms: when the first layer's work began on the GPU (the model's preamble);
+    gpu_lag_at_last_layer_ms: how far the GPU was behind the host when the last layer was
+    called (positive: work was queued, the GPU, not the host, set the pace); the medians."""
+    if not torch.cuda.is_available() or not layers:
+        return {}
+    marks: list = []
+
+    def pre(mod, args):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append((time.perf_counter(), e))
+
+    hooks = [layer.register_forward_pre_hook(pre) for layer in layers]
+    rows = []
+    try:
+        for _ in range(repeats):
+            marks.clear()
+            sync()
+            e0 = torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            e0.record()
+            fn()
+            host = time.perf_counter() - t0
+            sync()
+            (h_first, e_first), (h_last, e_last) = marks[0], marks[-1]
+            rows.append((host * 1e3, e0.elapsed_time(e_first), e0.elapsed_time(e_last) - (h_last - t0) * 1e3))
+    finally:
+        for h in hooks:
+            h.remove()
+    med = [statistics.median(r[i] for r in rows) for i in range(3)]
+    return {"host_ms": round(med[0], 3), "first_layer_gpu_ms": round(med[1], 3), "gpu_lag_at_last_layer_ms": round(med[2], 3)}
+
+
 def summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     med = statistics.median(xs)
@@ -439,6 +478,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                 log(f"{name}: eager prefill host profile (ms per call)", row["eager_prefill_host_profile"][:25])
         else:
             row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
+            row["eager_prefill"].update(timeline(prefill, decoder_layers(model)))
             LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
             log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms")
     except Exception as e:
@@ -704,7 +744,7 @@ def print_table(report):
     env = report["env"]
     print(f"\n{env['arch']} x{env['layers']} layers, prefill {env['prefill']} tokens, {env['device']}, torch {env['torch']}, "
           f"transformers {env['transformers']}; ratio = BF16 time / variant time (load: variant / BF16)")  # fmt: skip
-    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} {'peak GiB':>8s}"
+    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'host ms':>7s} {'lag ms':>7s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} {'peak GiB':>8s}"
     print(head)
     for name, r in res.items():
         if "error" in r:
@@ -716,10 +756,12 @@ def print_table(report):
             return fmt.format(r[key]["median_ms"]) if key in r else fmt.format(float("nan"))
 
         busy = (r.get("eager_prefill_profile") or {}).get("gpu_busy_ms", float("nan"))
+        ep = r.get("eager_prefill") or {}
+        host, queued = ep.get("host_ms", float("nan")), ep.get("gpu_lag_at_last_layer_ms", float("nan"))
         bw = (r.get("decode") or {}).get("bandwidth_fraction") or float("nan")
         peak = (r.get("peak_memory_bytes") or 0) / 2**30
         print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} {q.get('load_vs_bf16', float('nan')):6.2f} {cell('eager_prefill')} "
-              f"{q.get('eager_prefill', float('nan')):5.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
+              f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {queued:7.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
               f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
 
 

@@ -55,6 +55,31 @@ def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     """)
 
 
+def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted():
+    """act_quant.add_rms_norm_quantize: the sum is bit for bit the eager `residual + x`, and the
+    norm, codes and scales are those of rms_norm_quantize on that sum (rows with a stride too)."""
+    _interpreted("""
+    import torch
+    from mpsconvert.runtime import act_quant as aq
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        for k in (64, 100):
+            x = (torch.randn(6, 2 * k, generator=g) * 3).to(dt)[:, :k]  # a strided view, as an attention output can be
+            r = (torch.randn(6, k, generator=g) * 30).to(dt)
+            w = (torch.rand(k, generator=g) + 0.5).to(dt)
+            for quant, scale in ((True, None), (True, torch.tensor([0.05])), (False, None)):
+                total, y, q, s = aq.add_rms_norm_quantize(x, r, w, 1e-6, quant, scale)
+                assert torch.equal(total, r + x), (dt, k)
+                y2, q2, s2 = aq.rms_norm_quantize(r + x, w, 1e-6, quant, scale)
+                assert torch.equal(y, y2) and (q is None) == (not quant)
+                if quant:
+                    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+                ref = aq.torch_rms_norm(r + x, w, 1e-6)
+                assert float((y.float() - ref.float()).abs().max()) <= 2 * float(ref.float().abs().max()) * torch.finfo(dt).eps
+    print("ok")
+    """)
+
+
 def test_eager_gpu_path_of_fp8linear_interpreted():
     """The kernels a CUDA layer runs in eager mode (Triton quantization + _scaled_mm, Triton
     GEMVs), here on CPU tensors, against the direct computation."""
@@ -282,7 +307,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
             g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
         return model
 
-    calls = {"quantize": 0, "rms_norm_quantize": 0, "silu_mul_quantize": 0}
+    calls = {"quantize": 0, "rms_norm_quantize": 0, "add_rms_norm_quantize": 0, "silu_mul_quantize": 0}
     for fn in calls:
         real = getattr(act_quant, fn)
         setattr(act_quant, fn, (lambda fn, real: lambda *a, **k: (calls.__setitem__(fn, calls[fn] + 1), real(*a, **k))[1])(fn, real))
@@ -292,19 +317,47 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
         with torch.no_grad():
             ref, ref1 = model(ids).logits, model(ids[:, :1]).logits
             report = eager_fusion.install(model)
-            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "rotary": 2, "left": [], "launch": "kernel[grid] (the Triton interpreter)"}, report
+            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "layers": 2, "rotary": 2, "left": [],
+                              "launch": "kernel[grid] (the Triton interpreter)"}, report
             layer = model.model.layers[0]
             assert layer.input_layernorm.mpsconvert_feeds is layer.self_attn.fused_q_proj_k_proj_v_proj
             assert layer.post_attention_layernorm.mpsconvert_feeds is layer.mlp.fused_gate_proj_up_proj
             assert model.model.norm.mpsconvert_feeds is None  # feeds lm_head, which quantizes nothing
+            # each layer's last residual add goes to the norm that reads the layer's output (linked by the probe)
+            assert layer.mpsconvert_layer[4] is model.model.layers[1].input_layernorm
+            assert model.model.layers[1].mpsconvert_layer[4] is model.model.norm
+            assert type(layer).__name__ == "LlamaDecoderLayer"
+            for k in calls:
+                calls[k] = 0
+            for m in model.model.layers:  # the layers' own forwards (with the fused norms, MLPs, rotary)
+                forwards.uninstall(m)
+            want = model(ids).logits
+            assert calls == {"quantize": 2, "rms_norm_quantize": 5, "add_rms_norm_quantize": 0, "silu_mul_quantize": 2}, calls  # o_proj alone quantizes
+            for m in model.model.layers:
+                forwards.install(m, eager_fusion._layer_forward)
             for k in calls:
                 calls[k] = 0
             out = model(ids).logits  # prefill: 9 rows
-            assert calls == {"quantize": 2, "rms_norm_quantize": 5, "silu_mul_quantize": 2}, calls  # o_proj alone quantizes
+            # the first norm on the embeddings; the other four each with the residual add before it
+            assert calls == {"quantize": 2, "rms_norm_quantize": 1, "add_rms_norm_quantize": 4, "silu_mul_quantize": 2}, calls
+            assert torch.equal(out, want)  # the fused adds change no bit
             err = float((out.float() - ref.float()).norm() / ref.float().norm())
             assert err < 1e-2, (act, err)
             groups = [m for m in model.modules() if isinstance(m, fuse.SharedInput)]
             assert len(groups) == 4 and all(g.stash.pre is None and g.stash.cur is None for g in groups)  # every hand-over taken
+            norms = [m for m in model.modules() if forwards.installed(m, eager_fusion._norm_forward)]
+            assert all(n.mpsconvert_hand.pre is None for n in norms)
+            seen = []  # a hook that replaces a layer's output: the next norm computes on what it gets
+            h = model.model.layers[0].register_forward_hook(lambda m, a, o: seen.append(1) or o * 2)
+            bumped = model(ids).logits
+            h.remove()
+            for m in model.model.layers:
+                forwards.uninstall(m)
+            h = model.model.layers[0].register_forward_hook(lambda m, a, o: o * 2)
+            assert torch.equal(bumped, model(ids).logits) and seen
+            h.remove()
+            for m in model.model.layers:
+                forwards.install(m, eager_fusion._layer_forward)
             out1 = model(ids[:, :1]).logits  # decode: the norm kernel without quantization, the MLP's own forward
             assert float((out1.float() - ref1.float()).norm() / ref1.float().norm()) < 1e-2
             for k in calls:
@@ -322,6 +375,18 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     report = eager_fusion.install(model)
     assert report["norms"] == 4 and len(report["left"]) == 1 and report["left"][0].startswith("model.norm: differs"), report
     assert not forwards.installed(model.model.norm) and forwards.installed(model.model.layers[0].input_layernorm)
+    assert report["layers"] == 2 and model.model.layers[1].mpsconvert_layer[4] is None  # its output goes to a norm of its own
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class Doubled(LlamaDecoderLayer):  # another forward over the same four modules
+        def forward(self, hidden_states, **kwargs):
+            return 2 * super().forward(hidden_states, **kwargs)
+    model = fp8_llama("token")
+    model.model.layers[1].__class__ = Doubled
+    report = eager_fusion.install(model)
+    assert report["layers"] == 1 and report["left"] == ["model.layers.1: the fused residual adds differ from its own forward"], report
+    assert not forwards.installed(model.model.layers[1])
     print("ok")
     """)
 

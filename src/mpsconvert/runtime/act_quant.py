@@ -171,15 +171,19 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, static_ptr,
-        K, eps, stride_xm, stride_ym, stride_qm,
-        QUANT: tl.constexpr, STATIC: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, static_ptr,
+        K, eps, stride_xm, stride_rm, stride_sum, stride_ym, stride_qm,
+        RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         m = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < K
         x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0)
         xf = x.to(tl.float32)
+        if RESIDUAL:  # the decoder layer's `residual + hidden_states` first, rounded as the eager add rounds
+            rf = tl.load(r_ptr + m * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
+            xf = _round_to(xf + rf, x.dtype, PRE_ROUND)
+            tl.store(sum_ptr + m * stride_sum + offs, xf.to(sum_ptr.dtype.element_ty), mask=mask)
         r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)  # libdevice rsqrtf, as torch.rsqrt on CUDA
         h = _round_to(xf * r, x.dtype, PRE_ROUND)  # hidden_states.to(input_dtype)
         y = _round_to(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * h, x.dtype, PRE_ROUND)  # weight * that
@@ -249,14 +253,32 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantiz
     """RMSNorm of x [M, K] (`torch_rms_norm`'s arithmetic) -> (y [M, K] in x's dtype, and with
     `quantize` y's e4m3 codes and float32 dequant scale [M, 1] as `quantize(y, scale)` gives them,
     else None, None). One Triton program per row; the caller checks `rms_norm_fits` first."""
+    return _norm(x, None, weight, eps, quantize, scale)[1:]
+
+
+def add_rms_norm_quantize(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool,
+                          scale: torch.Tensor | None = None):  # fmt: skip
+    """`rms_norm_quantize(residual + x, ...)` with the sum in the same program: (residual + x
+    [M, K] rounded to x's dtype as the eager add rounds it, y, codes, scale). A decoder layer's
+    residual add followed by the next norm, one launch and one read of each row instead of two
+    (runtime/eager_fusion.py); the caller checks `rms_norm_fits` and that both are [M, K] of one dtype."""
+    return _norm(x, residual, weight, eps, quantize, scale)
+
+
+def _norm(x, residual, weight, eps, quantize, scale):
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, k, dtype=x.dtype, device=x.device)
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device) if quantize else y
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device) if quantize else y
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        total = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    r, t = (residual, total) if residual is not None else (x, y)  # unread where RESIDUAL is off
     block = triton.next_power_of_2(k)
-    if m:  # x, w, y, q, s, static, K, eps, strides, QUANT, STATIC, PRE_ROUND, BLOCK
-        launch(_rms_norm_kernel, (m,), (x, weight, y, q, s, scale if scale is not None else s, k, float(eps), x.stride(0), y.stride(0),
-                                        q.stride(0), quantize, scale is not None, INTERPRET, block), num_warps=_warps(block))  # fmt: skip
-    return (y, q, s) if quantize else (y, None, None)
+    if m:  # x, r, w, sum, y, q, s, static, K, eps, strides, RESIDUAL, QUANT, STATIC, PRE_ROUND, BLOCK
+        launch(_rms_norm_kernel, (m,), (x, r, weight, t, y, q, s, scale if scale is not None else s, k, float(eps), x.stride(0),
+                                        r.stride(0), t.stride(0), y.stride(0), q.stride(0), residual is not None, quantize,
+                                        scale is not None, INTERPRET, block), num_warps=_warps(block))  # fmt: skip
+    return (t if residual is not None else None, y) + ((q, s) if quantize else (None, None))

@@ -33,9 +33,10 @@ from torch import nn
 
 from . import act_quant, forwards, kernels, rotary, triton_launch
 from .fp8linear import DECODE_MAX_M, FP8Linear
-from .fuse import SharedInput, group_name
+from .fuse import SharedInput, Stash, group_name
 
 PROBE_ROWS = 2 * DECODE_MAX_M + 1  # a prefill-sized call (rows > DECODE_MAX_M), small
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a pre-norm decoder layer's modules
 NORM_MAX_ULP_FRACTION = 1e-3  # elements of a checked norm allowed off by at most two ulps (summation order)
 MLP_MAX_REL_ERR = 2**-8  # relative (Frobenius) error of a checked MLP against its own forward
 
@@ -55,6 +56,12 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad:  # no backward here
         return self.mpsconvert_base.forward(self, x)
+    hand = self.mpsconvert_hand
+    pre = hand.pre
+    if pre is not None:  # the layer before computed this norm of exactly x with its residual add (_layer_forward)
+        hand.pre = None
+        if pre[0] is x and pre[1] == x._version:
+            return pre[2]
     x2 = x.reshape(-1, x.shape[-1])
     group = self.mpsconvert_feeds
     quant = group is not None and group.quantizes(x2.shape[0])
@@ -90,12 +97,67 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return down._fns[1](down, h, q2).view(*x.shape[:-1], down.out_features)
 
 
-def _links(model: nn.Module, norms: list[nn.Module]) -> dict[nn.Module, SharedInput]:
-    """norm -> the SharedInput group its output goes to, seen in one probe forward."""
+def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bool = False):
+    """(residual + x, norm of it) in one kernel, the norm's codes handed to the group it feeds as
+    its own forward hands them. With `hand`, the norm's output is kept for the norm's next call
+    (on exactly that sum) and only the sum is returned. Calls the kernel does not take run the
+    eager ops."""
+    if (x.shape != residual.shape or x.dtype != residual.dtype or not act_quant.rms_norm_fits(x, norm.weight)
+            or x.requires_grad or residual.requires_grad):  # fmt: skip
+        total = residual + x
+        return total if hand else (total, norm(total))
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    group = norm.mpsconvert_feeds
+    quant = group is not None and group.quantizes(x2.shape[0])
+    total, y, q, s = act_quant.add_rms_norm_quantize(x2, residual.reshape(-1, k), norm.weight, norm.mpsconvert_eps, quant,
+                                                     group.static_scale if quant else None)  # fmt: skip
+    total, y = total.view(x.shape), y.view(x.shape)
+    if quant:
+        group.stash.pre = (y, y._version, (q, s))
+    if not hand:
+        return total, y
+    norm.mpsconvert_hand.pre = (total, total._version, y)
+    return total
+
+
+def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    """The installed forward of a pre-norm decoder layer (forwards.install): its own calls in its
+    own order (norm, attention, add, norm, MLP, add), each residual add done by the kernel of the
+    norm that reads the sum: this layer's post-attention norm, and the next layer's input norm
+    (or the model's final norm), whose forward then returns what was computed for it."""
+    if torch.compiler.is_compiling() or args or hidden_states.requires_grad:
+        return self.mpsconvert_base.forward(self, hidden_states, *args, **kwargs)
+    in_norm, attn, post, mlp, nxt = self.mpsconvert_layer
+    h, _ = attn(hidden_states=in_norm(hidden_states), **kwargs)
+    residual, h = _add_norm(hidden_states, h, post)
+    h = mlp(h)
+    return residual + h if nxt is None else _add_norm(residual, h, nxt, hand=True)
+
+
+def _is_layer(mod: nn.Module, norms: set) -> bool:
+    """A pre-norm decoder layer made of exactly LAYER_PARTS (Llama, Mistral, Qwen2/3, their MoE
+    variants), its norms RMSNorms; whether its forward is that sequence is checked at install."""
+    return sorted(mod._modules) == sorted(LAYER_PARTS) and all(mod._modules[n] in norms for n in LAYER_PARTS[::2])
+
+
+def _links(model: nn.Module, norms: list[nn.Module], layers: list[nn.Module]):
+    """Seen in one probe forward: norm -> the SharedInput group its output goes to, decoder layer
+    -> the norm its output goes to, and decoder layer -> the keyword arguments it was called with."""
     outputs: dict[int, tuple[torch.Tensor, nn.Module]] = {}
+    layer_out: dict[int, tuple[torch.Tensor, nn.Module]] = {}
     firsts = {m.group: m for m in model.modules() if isinstance(m, FP8Linear) and m.group is not None and m.slot == 0}
     links: dict[nn.Module, SharedInput] = {}
+    nexts: dict[nn.Module, nn.Module] = {}
+    calls: dict[nn.Module, dict] = {}
     hooks = [n.register_forward_hook(lambda mod, args, out: outputs.__setitem__(id(out), (out, mod))) for n in norms]
+    hooks += [m.register_forward_hook(lambda mod, args, out: layer_out.__setitem__(id(out), (out, mod))) for m in layers]
+
+    def called(layer, args, kwargs):
+        if not args[1:] and "hidden_states" not in kwargs:
+            calls.setdefault(layer, dict(kwargs))
+
+    hooks += [m.register_forward_pre_hook(called, with_kwargs=True) for m in layers]
 
     def seen(group):
         def pre(mod, args):
@@ -104,7 +166,13 @@ def _links(model: nn.Module, norms: list[nn.Module]) -> dict[nn.Module, SharedIn
                 links.setdefault(hit[1], group)
         return pre
 
+    def reads(norm, args):
+        hit = layer_out.get(id(args[0])) if args else None
+        if hit is not None and hit[0] is args[0]:
+            nexts.setdefault(hit[1], norm)
+
     hooks += [first.register_forward_pre_hook(seen(g)) for g, first in firsts.items()]
+    hooks += [n.register_forward_pre_hook(reads) for n in norms]
     try:
         dev = next(t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.device.type != "meta")
         ids = torch.zeros(1, PROBE_ROWS, dtype=torch.long, device=dev)
@@ -113,7 +181,7 @@ def _links(model: nn.Module, norms: list[nn.Module]) -> dict[nn.Module, SharedIn
     finally:
         for h in hooks:
             h.remove()
-    return links
+    return links, nexts, calls
 
 
 def _check_norm(norm: nn.Module, quant_scale) -> str | None:
@@ -151,10 +219,37 @@ def _check_mlp(mlp: nn.Module) -> str | None:
     return None if err <= MLP_MAX_REL_ERR else f"differs from its own forward (relative error {err:.3g})"
 
 
+def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
+    """None if the installed layer forward gives exactly the layer's own forward (with its
+    modules' installed forwards) on a probe, the next norm's handed-over output included."""
+    nxt = layer.mpsconvert_layer[4]
+    post = layer.mpsconvert_layer[2]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, PROBE_ROWS, post.weight.shape[0], generator=g).to(device=post.weight.device, dtype=post.weight.dtype)
+    try:
+        want = forwards.own_forward(layer)(layer, x, **kwargs)
+        got = _layer_forward(layer, x, **kwargs)
+        handed = nxt.mpsconvert_hand.pre if nxt is not None else None
+        if nxt is not None:
+            nxt.mpsconvert_hand.pre = None
+            ref = nxt(want)  # computed afresh from the layer's own output
+    finally:
+        for norm in (post, nxt):
+            if norm is not None and norm.mpsconvert_feeds is not None:
+                norm.mpsconvert_feeds.stash.pre = None
+    if not isinstance(want, torch.Tensor):
+        return f"its forward returns {type(want).__name__}, not a tensor"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
+        return "the fused residual adds differ from its own forward"
+    if nxt is not None and (handed is None or handed[0] is not got or not torch.equal(handed[2], ref)):
+        return "the next norm's output computed with the residual add differs from the norm's own"
+    return None
+
+
 def install(model: nn.Module) -> dict:
     """Install the fused eager forwards into a loaded model (after share_inputs and the kernel
     policy, whose choices they read at call time); returns what was installed and what was not."""
-    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "rotary": 0, "left": []}
+    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "layers": 0, "rotary": 0, "left": []}
     if not act_quant.available():
         report["left"].append("Triton is not available here")
         return report
@@ -165,10 +260,11 @@ def install(model: nn.Module) -> dict:
         report["rotary"], report["left"] = rot["attention"], report["left"] + rot["left"]
     norms = [m for m in model.modules() if _is_rms_norm(m)]
     mlps = [(m, parts) for m in model.modules() if (parts := _mlp_parts(m)) is not None]
+    layers = [m for m in model.modules() if _is_layer(m, set(norms))]
     if not norms and not mlps:
         return report
     try:
-        links = _links(model, norms)
+        links, nexts, calls = _links(model, norms, layers)
     except Exception as e:  # a model the probe cannot run (needs other inputs): nothing installed
         report["left"].append(f"probe forward failed ({type(e).__name__}: {str(e)[:120]}); nothing fused")
         return report
@@ -181,6 +277,7 @@ def install(model: nn.Module) -> dict:
             report["left"].append(f"{names[norm]}: {why}")
             continue
         object.__setattr__(norm, "mpsconvert_feeds", group)  # a reference, not a submodule
+        object.__setattr__(norm, "mpsconvert_hand", Stash())  # what the layer before computed for it (_layer_forward)
         forwards.install(norm, _norm_forward)
         report["norms"] += 1
         report["norms_quantizing"] += group is not None
@@ -193,4 +290,18 @@ def install(model: nn.Module) -> dict:
             report["left"].append(f"{names[mlp]}: {why}")
             continue
         report["mlps"] += 1
+    fused = {m for m in norms if forwards.installed(m, _norm_forward)}
+    for layer in layers:
+        parts = [layer._modules[n] for n in LAYER_PARTS]
+        if parts[2] not in fused or layer not in calls:
+            continue
+        nxt = nexts.get(layer)
+        object.__setattr__(layer, "mpsconvert_layer", (*parts, nxt if nxt in fused else None))
+        forwards.install(layer, _layer_forward)
+        why = _check_layer(layer, calls[layer])
+        if why:
+            forwards.uninstall(layer)
+            report["left"].append(f"{names[layer]}: {why}")
+            continue
+        report["layers"] += 1
     return report
