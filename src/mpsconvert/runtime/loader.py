@@ -68,7 +68,7 @@ class LoadInfo:
     experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
     shared_inputs: list = field(default_factory=list)  # sibling layers fused into one GEMM
     attention: str = ""  # the attention implementation the model runs, where load chose it (CUDA)
-    eager_fusion: dict = field(default_factory=dict)  # norms / MLPs / rotary run as fused kernels in eager mode (CUDA), the launch path
+    eager_fusion: dict = field(default_factory=dict)  # norms / MLPs / layers / rotary run as fused kernels in eager mode (CUDA), the launch path
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
@@ -144,8 +144,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     into one GEMM each on GPUs (fuse.py). decode_attention: on CUDA, a model that uses SDPA runs
     decode steps through the split-KV kernel of runtime/attention.py (prefill stays SDPA).
     eager_fusion: on CUDA, RMSNorms run as one kernel that also quantizes the input of the
-    layers they feed, gated MLPs fuse SiLU * up with down_proj's quantization, and attention
-    modules rotate q and k in one kernel, in eager mode (runtime/eager_fusion.py, rotary.py;
+    layers they feed, gated MLPs fuse SiLU * up with down_proj's quantization, attention
+    modules rotate q and k in one kernel, and pre-norm decoder layers make each residual add in
+    the kernel of the norm that reads it, in eager mode (runtime/eager_fusion.py, rotary.py;
     each checked against the module's own forward or function at load).
     progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With
