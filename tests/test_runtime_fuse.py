@@ -366,6 +366,17 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
             assert calls["rms_norm_quantize"] == 0 and calls["silu_mul_quantize"] == 0, calls  # the modules' own forwards
             assert float((compiled.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
+    norms = [m for m in model.modules() if forwards.installed(m, eager_fusion._norm_forward)]
+    for n in norms:  # norm weights that need gradients: their own forwards, which have a backward
+        n.weight.requires_grad_(True)
+    for k in calls:
+        calls[k] = 0
+    model(ids).logits.float().sum().backward()
+    assert calls["rms_norm_quantize"] == 0 and calls["add_rms_norm_quantize"] == 0, calls
+    assert model.model.norm.weight.grad is not None and bool(model.model.norm.weight.grad.abs().sum() > 0)
+    for n in norms:
+        n.weight.requires_grad_(False)
+
     class OffsetRMSNorm(type(model.model.norm)):  # Gemma's arithmetic: (1 + weight)
         def forward(self, x):
             h = x.float()

@@ -63,7 +63,7 @@ def _is_rms_norm(mod: nn.Module) -> bool:
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The installed forward of an RMSNorm (forwards.install)."""
     w = self.weight
-    if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad:  # no backward here
+    if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad or w.requires_grad:  # no backward here
         return self.mpsconvert_base.forward(self, x)
     hand = self.mpsconvert_hand
     pre = hand.pre
@@ -112,7 +112,7 @@ def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bo
     (on exactly that sum) and only the sum is returned. Calls the kernel does not take run the
     eager ops."""
     if (x.shape != residual.shape or x.dtype != residual.dtype or not act_quant.rms_norm_fits(x, norm.weight)
-            or x.requires_grad or residual.requires_grad):  # fmt: skip
+            or x.requires_grad or residual.requires_grad or norm.weight.requires_grad):  # fmt: skip (no backward here)
         total = residual + x
         return total if hand else (total, norm(total))
     k = x.shape[-1]
