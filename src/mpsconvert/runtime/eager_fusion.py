@@ -242,6 +242,8 @@ def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
         if nxt is not None:
             nxt.mpsconvert_hand.pre = None
             ref = nxt(want)  # computed afresh from the layer's own output
+    except Exception as e:  # a layer the probe cannot call this way: it keeps its own forward
+        return f"its probe call failed ({type(e).__name__}: {str(e)[:120]})"
     finally:
         for norm in (post, nxt):
             if norm is not None and norm.mpsconvert_feeds is not None:
