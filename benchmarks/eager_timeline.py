@@ -120,7 +120,7 @@ def syncs(fn) -> list[str]:
 
 def pieces(name: str, model) -> None:
     layer, at = model.model.layers[1], model.model.layers[1].self_attn
-    x = torch.randn(1, S, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+    x = torch.randn(1, S, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(0))
     pos = torch.arange(S, device="cuda")[None]
     pe = model.model.rotary_emb(x, pos)
     parts = {
