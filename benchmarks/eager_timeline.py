@@ -75,31 +75,11 @@ def host_us(fn, n: int) -> float:
 
 
 def timeline(model, fn) -> None:
-    hs, evs = [], []
-
-    def pre(mod, args, kwargs):
-        hs.append(time.perf_counter())
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        evs.append(e)
-
-    hooks = [layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in model.model.layers]
-    ml.sync()
-    t0 = time.perf_counter()
-    e0 = torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn()
-    t1 = time.perf_counter()
-    e1 = torch.cuda.Event(enable_timing=True)
-    e1.record()
-    ml.sync()
-    t2 = time.perf_counter()
-    for h in hooks:
-        h.remove()
-    host = [round((h - t0) * 1e3, 2) for h in hs]
-    dev = [round(e0.elapsed_time(e), 2) for e in evs]
-    print("  host ms at layer starts", host[::4], "return", round((t1 - t0) * 1e3, 2), "wall", round((t2 - t0) * 1e3, 2))
-    print("  gpu  ms at layer starts", dev[::4], "end", round(e0.elapsed_time(e1), 2))
+    m = ml.layer_marks(fn, model.model.layers)
+    host = [round(t, 2) for t in m["host_at_layers_ms"]]
+    dev = [round(t, 2) for t in m["gpu_at_layers_ms"]]
+    print("  host ms at layer starts", host[::4], "return", round(m["host_return_ms"], 2), "wall", round(m["wall_ms"], 2))
+    print("  gpu  ms at layer starts", dev[::4], "end", round(m["gpu_end_ms"], 2))
     print("  gpu-host lag per 4 layers", [round(d - h, 2) for d, h in zip(dev[::4], host[::4])], flush=True)
 
 

@@ -269,15 +269,10 @@ def samples(fn, repeats: int, warmup: int) -> list[float]:
     return out
 
 
-def timeline(fn, layers, repeats: int = 3) -> dict:
-    """Whether the host or the GPU sets an eager call's time, without the profiler: a forward
-    pre-hook on each decoder layer records the host clock and a CUDA event. host_ms: time until
-    `fn` returns (a synchronisation inside waits only for what was queued before it);
-    first_layer_gpu_ms: when the first layer's work began on the GPU (the model's preamble);
-    gpu_lag_at_last_layer_ms: how far the GPU was behind the host when the last layer was
-    called (positive: work was queued, the GPU, not the host, set the pace); the medians."""
-    if not torch.cuda.is_available() or not layers:
-        return {}
+def layer_marks(fn, layers) -> dict:
+    """One call of `fn` with a forward pre-hook on each decoder layer that records the host clock
+    and a CUDA event (no profiler): ms from the call's start until it returned and until the GPU
+    finished, and at each layer's start the host's time and the GPU's."""
     marks: list = []
 
     def pre(mod, args):
@@ -286,22 +281,35 @@ def timeline(fn, layers, repeats: int = 3) -> dict:
         marks.append((time.perf_counter(), e))
 
     hooks = [layer.register_forward_pre_hook(pre) for layer in layers]
-    rows = []
     try:
-        for _ in range(repeats):
-            marks.clear()
-            sync()
-            e0 = torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            e0.record()
-            fn()
-            host = time.perf_counter() - t0
-            sync()
-            (_, e_first), (h_last, e_last) = marks[0], marks[-1]
-            rows.append((host * 1e3, e0.elapsed_time(e_first), e0.elapsed_time(e_last) - (h_last - t0) * 1e3))
+        sync()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        fn()
+        t1 = time.perf_counter()
+        e1.record()
+        sync()
+        t2 = time.perf_counter()
     finally:
         for h in hooks:
             h.remove()
+    return {"host_return_ms": (t1 - t0) * 1e3, "wall_ms": (t2 - t0) * 1e3, "gpu_end_ms": e0.elapsed_time(e1),
+            "host_at_layers_ms": [(h - t0) * 1e3 for h, _ in marks], "gpu_at_layers_ms": [e0.elapsed_time(e) for _, e in marks]}  # fmt: skip
+
+
+def timeline(fn, layers, repeats: int = 3) -> dict:
+    """Whether the host or the GPU sets an eager call's time (`layer_marks`, medians of `repeats`
+    calls). host_ms: time until `fn` returns (a synchronisation inside waits only for what was
+    queued before it); first_layer_gpu_ms: when the first layer's work began on the GPU (the
+    model's preamble); gpu_lag_at_last_layer_ms: how far the GPU was behind the host when the last
+    layer was called (positive: work was queued, the GPU, not the host, set the pace)."""
+    if not torch.cuda.is_available() or not layers:
+        return {}
+    rows = []
+    for _ in range(repeats):
+        m = layer_marks(fn, layers)
+        rows.append((m["host_return_ms"], m["gpu_at_layers_ms"][0], m["gpu_at_layers_ms"][-1] - m["host_at_layers_ms"][-1]))
     med = [statistics.median(r[i] for r in rows) for i in range(3)]
     return {"host_ms": round(med[0], 3), "first_layer_gpu_ms": round(med[1], 3), "gpu_lag_at_last_layer_ms": round(med[2], 3)}
 

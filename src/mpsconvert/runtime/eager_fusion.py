@@ -71,14 +71,26 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
         hand.pre = None
         if pre[0] is x and pre[1] == x._version:
             return pre[2]
-    x2 = x.reshape(-1, x.shape[-1])
-    group = self.mpsconvert_feeds
+    return _fused_norm(self, x)[1]
+
+
+def _fused_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
+    """(residual + x or None, the norm of that) in one kernel; the norm's codes go to the group
+    it feeds (`stash.pre`, for exactly that output), where that group quantizes its input."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    group = norm.mpsconvert_feeds
     quant = group is not None and group.quantizes(x2.shape[0])
-    y, q, s = act_quant.rms_norm_quantize(x2, w, self.mpsconvert_eps, quant, group.static_scale if quant else None)
+    scale = group.static_scale if quant else None
+    if residual is None:
+        total, (y, q, s) = None, act_quant.rms_norm_quantize(x2, norm.weight, norm.mpsconvert_eps, quant, scale)
+    else:
+        total, y, q, s = act_quant.add_rms_norm_quantize(x2, residual.reshape(-1, k), norm.weight, norm.mpsconvert_eps, quant, scale)
+        total = total.view(x.shape)
     y = y.view(x.shape)
     if quant:
         group.stash.pre = (y, y._version, (q, s))
-    return y
+    return total, y
 
 
 def _mlp_parts(mlp: nn.Module):
@@ -115,15 +127,7 @@ def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bo
             or x.requires_grad or residual.requires_grad or norm.weight.requires_grad):  # fmt: skip (no backward here)
         total = residual + x
         return total if hand else (total, norm(total))
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    group = norm.mpsconvert_feeds
-    quant = group is not None and group.quantizes(x2.shape[0])
-    total, y, q, s = act_quant.add_rms_norm_quantize(x2, residual.reshape(-1, k), norm.weight, norm.mpsconvert_eps, quant,
-                                                     group.static_scale if quant else None)  # fmt: skip
-    total, y = total.view(x.shape), y.view(x.shape)
-    if quant:
-        group.stash.pre = (y, y._version, (q, s))
+    total, y = _fused_norm(norm, x, residual)
     if not hand:
         return total, y
     norm.mpsconvert_hand.pre = (total, total._version, y)
@@ -271,7 +275,8 @@ def install(model: nn.Module) -> dict:
         report["rotary"], report["left"] = rot["attention"], report["left"] + rot["left"]
     norms = [m for m in model.modules() if _is_rms_norm(m)]
     mlps = [(m, parts) for m in model.modules() if (parts := _mlp_parts(m)) is not None]
-    layers = [m for m in model.modules() if _is_layer(m, set(norms))]
+    norm_set = set(norms)
+    layers = [m for m in model.modules() if _is_layer(m, norm_set)]
     if not norms and not mlps:
         return report
     try:
