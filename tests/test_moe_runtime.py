@@ -116,6 +116,19 @@ TRITON_CHECK = textwrap.dedent(
     y = moe_triton.expert_gemv(x, tok, ids, codes, scale).float()
     ref = torch.stack([(codes[ids[p]].float() * scale[ids[p], :, None]) @ x[tok[p]].float() for p in range(3)])
     assert (y - ref).abs().max() <= 0.01 * ref.abs().max(), (y - ref).abs().max()
+    # SiLU * up taken while the down GEMV loads its input: the float32 gate/up sums, rounded to
+    # bf16, silu, product, as act_fn(gate) * up on the bf16 tensor does
+    codes2 = (torch.randn(E, K, N // 2, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale2 = torch.rand(E, K, generator=g) + 0.1
+    h = moe_triton.expert_gemv(x, tok, ids, codes, scale, out_dtype=torch.float32)
+    assert h.dtype == torch.float32 and torch.equal(h.to(torch.bfloat16), moe_triton.expert_gemv(x, tok, ids, codes, scale))
+    gate, up = h.to(torch.bfloat16).chunk(2, dim=-1)
+    pair = torch.arange(3, dtype=torch.int32)
+    want = moe_triton.expert_gemv(torch.nn.functional.silu(gate) * up, pair, ids, codes2, scale2)
+    got = moe_triton.expert_gemv(h, pair, ids, codes2, scale2, silu_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (3, K)
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max(), (got.float() - want.float()).abs().max()
+    assert (got != want).float().mean() < 0.05, (got != want).float().mean()
     mod = _experts(None)  # weight-only: the GEMV reads BF16 activations, as the decode path does
     mod.decode_path = "triton_gemv"
     xx, idx, w = _routing(2)

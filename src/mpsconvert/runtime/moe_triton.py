@@ -4,6 +4,11 @@ At batch 1 only the top-k experts run, each a matrix-vector product that is boun
 the weights stream from memory. This kernel reads just the routed experts' FP8 rows (half the
 bytes of BF16), converts them in registers and multiplies by BF16 activations, so no weight is
 ever dequantized to memory and no activation quantization kernel runs.
+
+A decode step is a few hundred tiny kernels, so launches count as much as bytes: the gate/up
+GEMV can hand its float32 sums straight to the down GEMV (`out_dtype=torch.float32`: no cast
+kernel), which computes `silu(gate) * up` while it loads its input (`silu_dtype`: no SiLU*up
+kernel), rounded as the expert's `act_fn(gate) * up` rounds it in that dtype.
 Imported only when a CUDA device is used; `available()` says whether it can run.
 """
 
@@ -13,6 +18,7 @@ import os
 
 import torch
 
+from .act_quant import INTERPRET as _PRE_ROUND, _round_to
 from .triton_gemv import autotune
 
 try:  # triton is optional: absent on CPU-only and MPS installs
@@ -42,6 +48,7 @@ if triton is not None:
         x_ptr, tok_ptr, ids_ptr, w_ptr, s_ptr, y_ptr,
         N, K,
         stride_xm, stride_we, stride_wn, stride_se, stride_ym,
+        SILU: tl.constexpr, ACT: tl.constexpr, PRE_ROUND: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         pid_s = tl.program_id(0)
@@ -57,6 +64,10 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             x = tl.load(x_ptr + t * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if SILU:  # x is the gate half of a fused gate/up row, the up half follows at +K
+                u = _round_to(tl.load(x_ptr + t * stride_xm + K + offs_k, mask=k_ok, other=0.0).to(tl.float32), ACT, PRE_ROUND)
+                g = _round_to(x, ACT, PRE_ROUND)
+                x = _round_to(_round_to(g / (1.0 + tl.exp(-g)), ACT, PRE_ROUND) * u, ACT, PRE_ROUND)
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
         s = tl.load(s_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)
@@ -73,39 +84,55 @@ if triton is not None:
         )(_expert_gemv_kernel)
 
 
-def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype | None = None, silu_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
-    scale[E, N]) -> y [P, N] in x's dtype. The kernel itself in eager mode; under torch.compile
-    the custom op `mpsconvert::expert_gemv` (opaque to dynamo, with a fake implementation)."""
+    scale[E, N]) -> y [P, N] in `out_dtype` (default x's dtype; float32 leaves out the cast).
+
+    silu_dtype: x [*, 2K] holds fused gate/up rows (e.g. this function's float32 output), and
+    the product is taken with `silu(gate) * up`, each step rounded to silu_dtype as the
+    expert's `act_fn(gate) * up` on a silu_dtype tensor rounds it.
+
+    The kernel itself in eager mode; under torch.compile the custom op `mpsconvert::expert_gemv`
+    (opaque to dynamo, with a fake implementation)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
+    if silu_dtype is not None and silu_dtype not in _TL_DTYPES:
+        raise ValueError(f"silu_dtype must be one of {list(_TL_DTYPES)}, got {silu_dtype}")
     if torch.compiler.is_compiling():
-        return _expert_gemv_op(x, tok, ids, codes, scale)
-    return _launch(x, tok, ids, codes, scale)
+        return _expert_gemv_op(x, tok, ids, codes, scale, out_dtype, silu_dtype)
+    return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
 
 
-def _launch(x, tok, ids, codes, scale):
+def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
     P = ids.numel()
     E, N, K = codes.shape
     x = x.contiguous()
     y = torch.zeros(P, N, dtype=torch.float32, device=x.device)
     grid = lambda meta: (P, triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2} if _INTERPRET else {}
+    act = getattr(tl, _TL_DTYPES[silu_dtype or torch.float32])
     _kernel[grid](
         x, tok, ids, codes, scale, y,
         N, K,
         x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), y.stride(0),
+        silu_dtype is not None, act, _PRE_ROUND,
         **fixed,
     )  # fmt: skip
-    return y.to(x.dtype)
+    out_dtype = out_dtype or (silu_dtype if silu_dtype is not None else x.dtype)
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 if triton is not None:
 
     @torch.library.custom_op("mpsconvert::expert_gemv", mutates_args=())
-    def _expert_gemv_op(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return _launch(x, tok, ids, codes, scale)
+    def _expert_gemv_op(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                        out_dtype: torch.dtype | None, silu_dtype: torch.dtype | None) -> torch.Tensor:  # fmt: skip
+        return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
 
     @_expert_gemv_op.register_fake
-    def _(x, tok, ids, codes, scale):
-        return x.new_empty(ids.numel(), codes.shape[1])
+    def _(x, tok, ids, codes, scale, out_dtype, silu_dtype):
+        return x.new_empty(ids.numel(), codes.shape[1], dtype=out_dtype or silu_dtype or x.dtype)
