@@ -39,7 +39,6 @@ import transformers  # noqa: E402
 from mpsconvert.runtime import load  # noqa: E402
 
 S = 2048
-SLEEP = int(1.5e9)  # cycles of GPU sleep queued in front: ~0.75 s, longer than anything below enqueues
 
 
 def walls(fn, n=20) -> str:
@@ -47,25 +46,11 @@ def walls(fn, n=20) -> str:
     return f"median {statistics.median(xs) * 1e3:.2f} min {xs[0] * 1e3:.2f} max {xs[-1] * 1e3:.2f} ms"
 
 
-def queued_gpu_us(fn, n: int) -> float:
-    """GPU time per call of `fn` with n calls queued behind a sleep."""
-    fn()
-    ml.sync()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    ml.sync()
-    return a.elapsed_time(b) * 1e3 / n
-
-
 def host_us(fn, n: int) -> float:
     """Host time per call of `fn` to enqueue its work, the GPU busy with a sleep meanwhile."""
     fn()
     ml.sync()
-    torch.cuda._sleep(SLEEP)
+    torch.cuda._sleep(ml.SLEEP_CYCLES)
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -117,7 +102,7 @@ def pieces(name: str, model) -> None:
     }
     with torch.no_grad():
         for k, fn in parts.items():
-            print(f"  {name:5s} {k:16s} host {host_us(fn, 20):8.1f} us  gpu {queued_gpu_us(fn, 20):8.1f} us", flush=True)
+            print(f"  {name:5s} {k:16s} host {host_us(fn, 20):8.1f} us  gpu {ml.queued_gpu_ms(fn, 20) * 1e3:8.1f} us", flush=True)
 
 
 def run(name: str, model, args) -> None:
@@ -129,7 +114,7 @@ def run(name: str, model, args) -> None:
 
     for _ in range(3):
         prefill()
-    print(name, "wall", walls(prefill), "| gpu with the queue full", round(queued_gpu_us(prefill, 3) / 1e3, 2), "ms", flush=True)
+    print(name, "wall", walls(prefill), "| gpu with the queue full", round(ml.queued_gpu_ms(prefill, 3), 2), "ms", flush=True)
     for s in syncs(prefill)[:2]:
         print("  SYNC at:\n" + s[-1800:], flush=True)
     timeline(model, prefill)

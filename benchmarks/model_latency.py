@@ -32,8 +32,17 @@ to BF16 from this run; the decode bandwidth fraction is the bytes a step must re
 except the input embedding, plus the KV cache) over the step time and the device-to-device copy
 bandwidth measured at the start of the run. Kernel, Triton and HF caches live in a fresh
 folder of this run, so that nothing a warm machine kept can hide a cost. The CUDA profiles (GPU
-busy time, where it goes) and `--host-profile`'s cProfile run in a second pass, each variant
-loaded again, after every variant was timed: no timing runs after a profiler in the process.
+busy time, where it goes, which op issued each memset) and `--host-profile`'s cProfile run in a
+second pass, each variant loaded again, after every variant was timed.
+
+Each variant (and each profile pass) runs in a process of its own, as a user's program loads one
+model: nothing one variant leaves behind (compiled graphs, CUDA graph pools, allocator state, a
+profiler) slows the host of the next. In one shared process ours' eager prefill took 28.7 ms of
+host time after BF16's compiled phases had run, against 19.2 ms in a fresh process (H200, 32
+layers). `--same-process` times every variant in this process, as before. The eager prefill
+also gets `gpu_queued_ms`: the GPU's time per call with three calls queued behind a GPU sleep,
+the host out of the way (the floor a perfect host would reach: kernels, the device's gaps
+between them, and the model's own synchronisations, which drain the queue once per call).
 
     python benchmarks/model_latency.py [--arch llama|mixtral] [--layers 32] [--prefill 2048]
         [--variants bf16,ours,ct,ct-opt] [--weights row,block] [--work DIR] [--json out.json] [--budget SECONDS]
@@ -59,7 +68,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_CACHE = Path(tempfile.mkdtemp(prefix="mpsconvert-bench-cache-"))
+# one cache folder for the whole run: the variants' processes inherit it (ours-warm reads what ours wrote)
+RUN_CACHE = Path(os.environ.get("MPSCONVERT_BENCH_RUN_CACHE") or tempfile.mkdtemp(prefix="mpsconvert-bench-cache-"))
+os.environ["MPSCONVERT_BENCH_RUN_CACHE"] = str(RUN_CACHE)
 for var, sub in (("MPSCONVERT_CACHE_DIR", "mpsconvert"), ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "hf"),
                  ("TORCHINDUCTOR_CACHE_DIR", "inductor")):  # fmt: skip
     os.environ[var] = str(RUN_CACHE / sub)
@@ -269,6 +280,25 @@ def samples(fn, repeats: int, warmup: int) -> list[float]:
     return out
 
 
+SLEEP_CYCLES = int(1.5e9)  # GPU sleep queued in front: ~0.75 s on an H200, longer than a few calls take to enqueue
+
+
+def queued_gpu_ms(fn, n: int = 3) -> float:
+    """GPU time per call of `fn` with n calls queued behind a GPU sleep: what the call costs
+    when the host is never what the GPU waits for (a synchronisation inside `fn` still drains
+    the queue once per call, and that wait is counted: it is the model's own)."""
+    fn()
+    sync()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    sync()
+    return a.elapsed_time(b) / n
+
+
 def layer_marks(fn, layers) -> dict:
     """One call of `fn` with a forward pre-hook on each decoder layer that records the host clock
     and a CUDA event (no profiler): ms from the call's start until it returned and until the GPU
@@ -340,10 +370,14 @@ def profile(fn, top: int = 14) -> dict:
         wall = time.perf_counter() - t
     spans, cats, launches = [], {c: 0.0 for c, _ in CATEGORIES}, 0
     per_kernel: dict[str, list] = {}
+    memsets: dict[str, int] = {}  # the op under which each memset was issued (the profiler's link)
     syncs = 0
     cpu_start = None
     for ev in p.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
+            for k in getattr(ev, "kernels", None) or ():
+                if "memset" in k.name.lower():
+                    memsets[ev.name] = memsets.get(ev.name, 0) + 1
             if any(k in ev.name for k in ("Synchronize", "_local_scalar_dense", "DtoH")):
                 syncs += 1
             cpu_start = ev.time_range.start if cpu_start is None else min(cpu_start, ev.time_range.start)
@@ -376,7 +410,7 @@ def profile(fn, top: int = 14) -> dict:
     # where the GPU waited for the host: before the first kernel (the model's Python preamble),
     # between kernels (gaps of 20 us and more summed, the eight longest named), and in all
     return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches,
-            "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs,
+            "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs, "memsets_by_op": memsets,
             "top_kernels_ms": [[name, n, round(t / 1e3, 4)] for name, (n, t) in top],
             "idle": {"before_first_kernel_us": round(spans[0][0] - cpu_start, 1) if spans and cpu_start is not None else None,
                      "between_kernels_us": round(idle, 1), "in_gaps_over_20us": round(sum(g[0] for g in gaps if g[0] >= 20), 1),
@@ -490,6 +524,8 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
         else:
             row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
             row["eager_prefill"].update(timeline(prefill, decoder_layers(model)))
+            if device.type == "cuda":
+                row["eager_prefill"]["gpu_queued_ms"] = round(statistics.median(queued_gpu_ms(prefill) for _ in range(3)), 3)
             LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
             log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms")
     except Exception as e:
@@ -673,10 +709,17 @@ def main(argv=None):
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="no CUDA profiles (GPU busy time; otherwise a second pass after all timings)")
     ap.add_argument("--host-profile", action="store_true", help="also cProfile two eager prefills and 8 warm decode steps (where the host time goes)")
+    ap.add_argument("--same-process", dest="isolate", action="store_false",
+                    help="time every variant in this process (default: a process per variant and per profile pass)")
+    for flag in ("--child", "--child-art", "--child-out", "--child-bw"):  # one variant in this process, for the parent
+        ap.add_argument(flag, help=argparse.SUPPRESS)
+    ap.add_argument("--child-profiling", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
     device = torch.device(args.device)
     deadline = T0 + args.budget
+    if args.child:
+        return child(args, device, deadline)
     work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
     src = work / f"{args.arch}-{layers}-bf16"
     grains = args.weights.split(",")
@@ -721,11 +764,17 @@ def main(argv=None):
     for name in args.variants.split(","):
         on_artifact = name.startswith(("ours", "ct"))
         runs += [(name if i == 0 else f"{name}@{w}", arts[w]) for i, w in enumerate(grains)] if on_artifact else [(name, art)]
+
+    def variant(name: str, variant_art: Path, profiling: bool = False) -> dict:
+        if not args.isolate:
+            return time_model(name, loaders(name, src, variant_art, device, args), args, device, deadline,
+                              report["copy_bandwidth_Bps"], profiling=profiling)  # fmt: skip
+        return in_child(name, variant_art, profiling, work, report["copy_bandwidth_Bps"], deadline, argv)
+
     for name, variant_art in runs:
         log(f"== {name}")
         try:
-            results[name] = time_model(name, loaders(name, src, variant_art, device, args), args, device, deadline,
-                                       report["copy_bandwidth_Bps"])
+            results[name] = variant(name, variant_art)
         except Exception as e:  # one variant failing must not cost the others' numbers
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -740,8 +789,7 @@ def main(argv=None):
                 continue
             log(f"== {name} (profiles)")
             try:
-                results[name] |= time_model(name, loaders(name, src, variant_art, device, args), args, device, deadline,
-                                            report["copy_bandwidth_Bps"], profiling=True)  # fmt: skip
+                results[name] |= variant(name, variant_art, profiling=True)
             except Exception as e:
                 traceback.print_exc()
                 results[name]["profile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -753,12 +801,44 @@ def main(argv=None):
     save()
 
 
+def in_child(name: str, art: Path, profiling: bool, work: Path, bw: float, deadline: float, argv) -> dict:
+    """`time_model` for one variant in a fresh process of this script (see the module docstring):
+    its row, and its prefill logits into LOGITS for the agreement check."""
+    out = Path(tempfile.mkdtemp(prefix="mpsconvert-bench-variant-")) / "row.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv), "--work", str(work),
+           "--budget", str(max(0.0, deadline - time.perf_counter())), "--child", name, "--child-art", str(art),
+           "--child-out", str(out), "--child-bw", repr(bw)] + (["--child-profiling"] if profiling else [])  # fmt: skip
+    r = subprocess.run(cmd)
+    if r.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"the process timing {name} exited with status {r.returncode}")
+    logits = out.with_suffix(".pt")
+    if logits.is_file():
+        LOGITS[name] = LOGITS.get(name, {}) | torch.load(logits)
+    return json.loads(out.read_text())
+
+
+def child(args, device, deadline: float) -> None:
+    """The child side of `in_child`: one variant timed (or profiled) here, written to --child-out."""
+    work = Path(args.work)
+    layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
+    src, art = work / f"{args.arch}-{layers}-bf16", Path(args.child_art)
+    import transformers  # the model's modeling module imported before the clock starts, as the shared process had it
+
+    getattr(transformers, transformers.AutoConfig.from_pretrained(src).architectures[0])
+    row = time_model(args.child, loaders(args.child, src, art, device, args), args, device, deadline, float(args.child_bw),
+                     profiling=args.child_profiling)  # fmt: skip
+    out = Path(args.child_out)
+    if args.child in LOGITS:
+        torch.save(LOGITS[args.child], out.with_suffix(".pt"))
+    out.write_text(json.dumps(row))
+
+
 def print_table(report):
     res, rat = report["results"], report.get("ratios_to_bf16", {})
     env = report["env"]
     print(f"\n{env['arch']} x{env['layers']} layers, prefill {env['prefill']} tokens, {env['device']}, torch {env['torch']}, "
           f"transformers {env['transformers']}; ratio = BF16 time / variant time (load: variant / BF16, -cold rows / bf16-cold)")  # fmt: skip
-    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'host ms':>7s} {'lag ms':>7s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} {'peak GiB':>8s}"
+    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'host ms':>7s} {'lag ms':>7s} {'queued':>7s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} {'peak GiB':>8s}"
     print(head)
     for name, r in res.items():
         if "error" in r:
@@ -771,11 +851,12 @@ def print_table(report):
 
         busy = (r.get("eager_prefill_profile") or {}).get("gpu_busy_ms", float("nan"))
         ep = r.get("eager_prefill") or {}
-        host, queued = ep.get("host_ms", float("nan")), ep.get("gpu_lag_at_last_layer_ms", float("nan"))
+        host, lag = ep.get("host_ms", float("nan")), ep.get("gpu_lag_at_last_layer_ms", float("nan"))
+        queued = ep.get("gpu_queued_ms", float("nan"))
         bw = (r.get("decode") or {}).get("bandwidth_fraction") or float("nan")
         peak = (r.get("peak_memory_bytes") or 0) / 2**30
         print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} {q.get('load_vs_bf16_cold', q.get('load_vs_bf16', float('nan'))):6.2f} {cell('eager_prefill')} "
-              f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {queued:7.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
+              f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
               f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
 
 
