@@ -198,8 +198,35 @@ def kernel_checks(device) -> dict:
         except Exception as e:  # reported; the policy then never picks it (it records the same error)
             out[f"gemv_w8a8 {n}x{k}"] = f"{type(e).__name__}: {str(e)[:200]}"
     out.update(attention_check(device, g))
+    out.update(moe_decode_check(device, g))
     log("kernel checks", out)
     return out
+
+
+def moe_decode_check(device, g) -> dict:
+    """The FP8 experts' decode path (gate/up GEMV, SiLU*up inside the down GEMV's load) at the
+    Mixtral-8x7B shape against float64 arithmetic with the same bf16 roundings, one token, top-2."""
+    import torch.nn.functional as F
+
+    from mpsconvert import fp8
+    from mpsconvert.runtime.moe import FP8Experts
+
+    E, H, I = 8, 4096, 14336
+    w13, s13, _ = fp8.quantize(torch.randn(E * 2 * I, H, device=device, generator=g) / H**0.5, "row")
+    w2, s2, _ = fp8.quantize(torch.randn(E * H, I, device=device, generator=g) / I**0.5, "row")
+    mod = FP8Experts(w13.view(E, 2 * I, H), s13.view(E, -1), w2.view(E, H, I), s2.view(E, -1), F.silu, activations="token")
+    x = torch.randn(1, H, device=device, generator=g).to(torch.bfloat16)
+    idx, wts = torch.tensor([[5, 2]], device=device), torch.tensor([[0.7, 0.3]], device=device)
+    with torch.no_grad():
+        y = mod(x, idx, wts).double()
+    ref = torch.zeros(1, H, dtype=torch.float64, device=device)
+    for e, w in zip(idx[0].tolist(), wts[0].tolist()):
+        h = ((w13.view(E, 2 * I, H)[e].double() * s13.view(E, -1)[e, :, None].double()) @ x[0].double()).to(torch.bfloat16)
+        a = (F.silu(h[:I]) * h[I:]).double()
+        d = ((w2.view(E, H, I)[e].double() * s2.view(E, -1)[e, :, None].double()) @ a).to(torch.bfloat16)
+        ref[0] += (d * torch.tensor(w, dtype=torch.bfloat16, device=device)).double()
+    return {"moe decode (fp8 experts, silu in the down GEMV): rel err": float((y - ref).norm() / ref.norm()),
+            "moe decode path": mod.decode_path}
 
 
 def attention_check(device, g) -> dict:
