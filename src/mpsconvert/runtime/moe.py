@@ -268,7 +268,7 @@ class FP8Experts(nn.Module):
         ids = top_k_index.reshape(-1).to(torch.int32)
         tok = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(k)
         pair = torch.arange(T * k, device=x.device, dtype=torch.int32)
-        if _is_silu(self.act_fn):  # SiLU * up inside the down GEMV's load: two launches fewer per layer
+        if _is_silu(self.act_fn):  # SiLU * up inside the down GEMV's load: no product kernel, no cast between the GEMVs
             h = moe_triton.expert_gemv(x, tok, ids, self.gate_up_codes, self.gate_up_scale, out_dtype=torch.float32)
             y = moe_triton.expert_gemv(h, pair, ids, self.down_codes, self.down_scale, torch.float32, silu_dtype=self.dtype)
             y = y.to(self.dtype)  # outside the op: Inductor folds the cast into the weighted sum below
