@@ -752,10 +752,10 @@ def main(argv=None):
     layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
     device = torch.device(args.device)
     deadline = T0 + args.budget
-    if args.child:
-        return child(args, device, deadline)
-    work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-bench-"))  # a child is always given the parent's
     src = work / f"{args.arch}-{layers}-bf16"
+    if args.child:
+        return child(args, device, deadline, src)
     grains = args.weights.split(",")
     arts = {w: work / (f"{args.arch}-{layers}-fp8" + ("" if w == "row" else f"-{w}")) for w in grains}
     art = arts[grains[0]]
@@ -851,11 +851,9 @@ def in_child(name: str, art: Path, profiling: bool, work: Path, bw: float, deadl
     return json.loads(out.read_text())
 
 
-def child(args, device, deadline: float) -> None:
+def child(args, device, deadline: float, src: Path) -> None:
     """The child side of `in_child`: one variant timed (or profiled) here, written to --child-out."""
-    work = Path(args.work)
-    layers = args.layers or {"llama": 32, "mixtral": 4}.get(args.arch, 2)
-    src, art = work / f"{args.arch}-{layers}-bf16", Path(args.child_art)
+    art = Path(args.child_art)
     import transformers  # the model's modeling module imported before the clock starts, as the shared process had it
 
     getattr(transformers, transformers.AutoConfig.from_pretrained(src).architectures[0])
