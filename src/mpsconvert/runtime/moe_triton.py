@@ -107,6 +107,11 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: to
     return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
 
 
+def _out_dtype(x: torch.Tensor, out_dtype, silu_dtype) -> torch.dtype:
+    """y's dtype when the caller names none: the SiLU input's rounding dtype, else x's."""
+    return out_dtype or silu_dtype or x.dtype
+
+
 def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
     P = ids.numel()
     E, N, K = codes.shape
@@ -122,7 +127,7 @@ def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
         silu_dtype is not None, act, _PRE_ROUND,
         **fixed,
     )  # fmt: skip
-    out_dtype = out_dtype or (silu_dtype if silu_dtype is not None else x.dtype)
+    out_dtype = _out_dtype(x, out_dtype, silu_dtype)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
@@ -135,4 +140,4 @@ if triton is not None:
 
     @_expert_gemv_op.register_fake
     def _(x, tok, ids, codes, scale, out_dtype, silu_dtype):
-        return x.new_empty(ids.numel(), codes.shape[1], dtype=out_dtype or silu_dtype or x.dtype)
+        return x.new_empty(ids.numel(), codes.shape[1], dtype=_out_dtype(x, out_dtype, silu_dtype))
