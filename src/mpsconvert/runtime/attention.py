@@ -37,6 +37,7 @@ NAME = "mpsconvert_sdpa"  # contains "sdpa": transformers runs its SDPA checks f
 MAX_QUERY = 4  # queries per sequence the decode kernel takes (decode, speculative steps)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _BLOCK_KV = 64
+_WAVES = 2  # programs per SM the cache is split into (fewer tiles each: less of a program's time waits on memory)
 
 
 def available() -> bool:
@@ -81,6 +82,8 @@ if triton is not None:
                 allowed = allowed & (mv != 0)
             if tl.max(allowed.to(tl.int32)) > 0:  # a tile the mask excludes whole is not read
                 k = tl.load(k_ptr + b * skb + kvh * skh + kpos[:, None] * skl + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                # V's load issued with K's: one trip to memory per tile, not two in a row
+                v = tl.load(v_ptr + b * svb + kvh * svh + kpos[:, None] * svl + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 if F32:
                     k = k.to(tl.float32)
                 s = tl.dot(q, tl.trans(k)) * scale
@@ -90,7 +93,6 @@ if triton is not None:
                 p = tl.exp(s - m_safe[:, None])
                 alpha = tl.exp(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_ptr + b * svb + kvh * svh + kpos[:, None] * svl + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 pv = p.to(v.dtype)
                 if F32:
                     pv, v = pv.to(tl.float32), v.to(tl.float32)
@@ -143,7 +145,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     rows = max(16, triton.next_power_of_2(G * Lq))
     D = max(16, triton.next_power_of_2(hd))
     tiles = triton.cdiv(Lk, _BLOCK_KV)
-    splits = min(tiles, max(1, triton.cdiv(2 * _sms(q.device), B * Hkv)))
+    splits = min(tiles, max(1, triton.cdiv(_WAVES * _sms(q.device), B * Hkv)))
     chunk = triton.cdiv(tiles, splits) * _BLOCK_KV
     splits = triton.cdiv(Lk, chunk)
     f32 = dict(dtype=torch.float32, device=q.device)
