@@ -523,6 +523,8 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
         row["shared_inputs"] = len(info.shared_inputs)
         row["eager_fusion"] = info.eager_fusion
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
+        row["routing"] = info.routing
+        row["prewarm"] = info.prewarm
         row["gemv_configs"] = gemv_configs()
     total, emb = weight_bytes(model)
     if not profiling:

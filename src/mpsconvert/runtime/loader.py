@@ -68,6 +68,8 @@ class LoadInfo:
     experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
     shared_inputs: list = field(default_factory=list)  # sibling layers fused into one GEMM
     attention: str = ""  # the attention implementation the model runs, where load chose it (CUDA)
+    routing: dict = field(default_factory=dict)  # MoE routers run as one kernel at decode (CUDA)
+    prewarm: dict = field(default_factory=dict)  # first-use calls made while the shards were read (CUDA)
     eager_fusion: dict = field(default_factory=dict)  # norms / MLPs / layers / rotary run as fused kernels in eager mode (CUDA), the launch path
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
@@ -192,6 +194,16 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     raise_problems(path, report)
     seconds = {"build_and_check": time.perf_counter() - t0}
 
+    warm = None
+    if eager_fusion and dev.type == "cuda":  # first-use costs of the fusion's probe, paid while the shards stream
+        from . import prewarm
+        from .eager_fusion import PROBE_ROWS
+        from ..manifests.schemes import Activations
+        from ..scales import Granularity
+
+        fp8 = {n: s for n, s in linears.items() if n not in ignored}
+        warm = prewarm.start(config, fp8, dtype, dev, PROBE_ROWS,
+                             rowwise=scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW)
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
         plan = _Plan(model, report, dtype, dev)
@@ -229,7 +241,14 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         from . import attention
 
         info.attention = attention.install(model) or f"{model.config._attn_implementation} (left as it was)"
+    if info.experts and dev.type == "cuda":
+        from . import routing
+
+        info.routing = routing.install(model)
     seconds["install"] = time.perf_counter() - t2
+    if warm is not None:
+        info.prewarm = warm.join()
+        seconds["prewarm_wait"] = info.prewarm["waited_s"]
     t3 = time.perf_counter()
     policy = KernelPolicy(dev, prefill_m=prefill_m, measure=measure, cache=kernel_cache)
     info.kernels = [d.as_dict() for d in policy.apply(model, progress)]

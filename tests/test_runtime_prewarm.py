@@ -1,0 +1,47 @@
+"""The load's warm-up thread (runtime/prewarm.py): the GEMM shapes it derives are the ones
+fuse.py makes, and every call it makes is a valid call of our kernels and torch's (interpreted
+on CPU: a call with a wrong signature would be listed as failed)."""
+
+from __future__ import annotations
+
+import torch
+
+from mpsconvert.runtime import prewarm
+
+from .test_runtime_fuse import _interpreted
+
+
+def test_shapes_are_the_fused_gemms():
+    linears = {}
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn"
+        linears |= {f"{p}.q_proj": (4096, 4096), f"{p}.k_proj": (1024, 4096), f"{p}.v_proj": (1024, 4096), f"{p}.o_proj": (4096, 4096)}
+        m = f"model.layers.{i}.mlp"
+        linears |= {f"{m}.gate_proj": (14336, 4096), f"{m}.up_proj": (14336, 4096), f"{m}.down_proj": (4096, 14336)}
+    gemms, gated = prewarm._shapes(linears)
+    assert gemms == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    assert gated == {28672}
+    del linears["model.layers.1.self_attn.v_proj"]  # an ignored member: that layer's q and k are not fused
+    gemms, _ = prewarm._shapes(linears)
+    assert {(4096, 4096), (1024, 4096), (6144, 4096)} <= gemms and (5120, 4096) not in gemms
+
+
+def test_not_started_off_cuda():
+    assert prewarm.start(None, {}, torch.bfloat16, torch.device("cpu"), 9, True) is None
+
+
+def test_every_warm_up_call_is_valid():
+    _interpreted("""
+    import torch
+    from transformers import LlamaConfig
+    from mpsconvert.runtime import prewarm
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    linears = {"l.q_proj": (64, 64), "l.k_proj": (32, 64), "l.v_proj": (32, 64), "l.o_proj": (64, 64),
+               "l.gate_proj": (96, 64), "l.up_proj": (96, 64), "l.down_proj": (64, 96)}
+    report = {"warmed": [], "failed": []}
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report)
+    assert report["failed"] == [], report["failed"]
+    names = [w.rpartition(" ")[0] for w in report["warmed"]]
+    assert names == ["triton", "quantize 64", "quantize 96", "silu_mul_quantize 192", "rms_norm", "rotary", "sdpa"], names
+    print("ok")
+    """)
