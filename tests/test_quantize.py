@@ -121,6 +121,41 @@ def test_sharded_checkpoint_gives_sharded_artifact_with_index(tiny_models, tmp_p
     assert index["metadata"]["total_size"] == sum((out / s).stat().st_size for s in shards)
 
 
+def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_path):
+    """A source shard whose output exceeds --max-shard-size becomes several files, each within the
+    size (its tensors whole), indexed and hashed in the manifest, and the artifact loads equal to
+    the one written as a single file."""
+    import mpsconvert.runtime as rt
+    from mpsconvert.errors import QuantizationError
+
+    src = tiny_models["llama"]
+    one, split = tmp_path / "one", tmp_path / "split"
+    convert(src, one)
+    man = convert(src, split, max_shard_size="60KB")
+    shards = sorted(p.name for p in split.glob("*.safetensors"))
+    assert len(shards) > 2 and [p.name for p in one.glob("*.safetensors")] == ["model.safetensors"]
+    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    header_bytes = 8 + 4096  # a safetensors header of a few tensors is well under this
+    for name in shards:
+        with safe_open(split / name, "pt") as f:
+            payload = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+            # a file past the size holds one tensor (with its scales) that alone is larger
+            assert payload <= 60_000 or len([k for k in f.keys() if not k.endswith("_scale")]) == 1, (name, payload)
+        assert man.files[name]["size"] == (split / name).stat().st_size
+    index = json.loads((split / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert artifact_tensors(split).keys() == artifact_tensors(one).keys()
+    assert all(torch.equal(a.view(torch.uint8), artifact_tensors(one)[k].view(torch.uint8)) for k, a in artifact_tensors(split).items())
+    a, b = rt.load(one, device="cpu"), rt.load(split, device="cpu")
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+    for bad in ("lots", "0GB", -5):
+        with pytest.raises(QuantizationError, match="shard size"):
+            convert(src, tmp_path / "bad", max_shard_size=bad)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_ct_config_parses_with_compressed_tensors(tiny_models, tmp_path):
     ct = pytest.importorskip("compressed_tensors.quantization")
     for scheme in ("fp8-dynamic", "fp8-weight-only"):

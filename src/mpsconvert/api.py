@@ -191,6 +191,7 @@ def quantize(
     coreml: ExportOptions | None = None,
     coreai: CoreAIOptions | None = None,
     dtype: str | None = None,
+    max_shard_size: int | str = "1GB",
     upload_repo: str | None = None,
     private: bool = False,
     progress: Progress | None = None,
@@ -220,6 +221,9 @@ def quantize(
         coreai: also export a Core AI asset into the artifact (and check it).
         dtype: "bfloat16", "float16" or "float32" for the tensors that stay unquantized
             (embeddings, lm_head, norms) [default: copied bit for bit in the source's dtype].
+        max_shard_size: the largest weight file, bytes or "1GB" / "500MB" / "2GiB" (as
+            `save_pretrained` reads it) [default: 1GB]: `runtime.load` hashes the files on a
+            thread each, so smaller shards verify faster.
         upload_repo: then publish the artifact to this hub repo (`upload`), with `token`.
         private: create `upload_repo` private.
         progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export",
@@ -251,6 +255,9 @@ def quantize(
     if block_size is not None and weights != "block":
         raise MpsconvertError(f"--block-size {block_size} applies to block weights only", "add --weights block, or drop --block-size")
     sch = Scheme.make(scheme or "fp8-dynamic", weights, block_size)
+    from .convert.quantize import shard_size_bytes
+
+    shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
     from .extras import require
 
     if coreml is not None:  # a missing extra is said before the conversion, not after it
@@ -268,7 +275,7 @@ def quantize(
     check_fp8_source(snap, sch)
     out = Path(output) if output is not None else default_output(snap.repo_id or snap.path.name, sch.name)
     opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
-                   dtype=dtype)
+                   dtype=dtype, max_shard_size=shard_bytes)
     cal = None
     if sch.needs_calibration and not (snap.fp8 is not None and sch == snap.fp8.scheme):  # a static FP8 source brings its scales
         if scales_file is not None:

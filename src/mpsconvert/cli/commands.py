@@ -99,12 +99,15 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @click.option("--dtype", type=click.Choice(list(api.UNQUANTIZED_DTYPES)), default=None,
               help="Dtype of the tensors that stay unquantized (embeddings, lm_head, norms) [default: the source's, bit for bit]. "
                    "An FP32 source with --dtype bfloat16 halves them.")
+@click.option("--max-shard-size", default="1GB", show_default=True, metavar="SIZE",
+              help="Largest weight file written (e.g. 500MB, 2GiB; save_pretrained's units). Loading with verification hashes the "
+                   "files in parallel, one thread each, so smaller shards load faster.")
 @click.option("--upload-repo", metavar="REPO", help="Then upload the artifact to this Hugging Face repo (created if absent; see `upload`).")
 @click.option("--private", is_flag=True, help="With --upload-repo: create the repo private.")
 @friendly_errors
 def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
-             scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, dtype, upload_repo,
-             private, **calib):
+             scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, dtype, max_shard_size,
+             upload_repo, private, **calib):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact.
 
     The artifact's README.md is a model card (front matter, what was done, how to load it, the
@@ -116,7 +119,7 @@ def quantize(source, output, scheme, weights, block_size, revision, token, ignor
         res = api.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
                            calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, coreai=coreai_opts,
-                           dtype=dtype, upload_repo=upload_repo, private=private, progress=progress)
+                           dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo, private=private, progress=progress)
     if res.calibration is not None:
         render.calibration(res.calibration)
     for w in res.warnings:

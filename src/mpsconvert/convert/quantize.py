@@ -48,7 +48,7 @@ from ..manifests.layout import INDEX_NAME
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
-from ..safetensors_io import BufferPool, ShardReader, ShardWriter, TensorInfo, count_nonfinite, read_header
+from ..safetensors_io import DTYPES, BufferPool, ShardReader, ShardWriter, TensorInfo, count_nonfinite, read_header
 from ..scales import scale_shape
 from ..source import Snapshot
 from .. import fp8
@@ -65,6 +65,22 @@ BLOCK_BYTES = 16 << 20
 # writer thread taking the rest); beyond 4 the single sha256-and-write thread is the limit.
 QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
 _FLOAT_CODES = ("F32", "F16", "BF16")  # what is quantized, cast by --dtype, or read as a scale
+
+
+DEFAULT_MAX_SHARD_SIZE = 10**9  # "1GB": an 8B model in 9 files, verified on 9 threads at load
+
+
+def shard_size_bytes(size: int | str) -> int:
+    """"1GB" / "500MB" / "2GiB" / bytes -> bytes, as transformers' `save_pretrained(max_shard_size=)` reads it."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        n = convert_file_size_to_int(size)
+    except (ValueError, TypeError, AttributeError):
+        n = None
+    if not isinstance(n, int) or n <= 0:
+        raise QuantizationError(f"cannot read {size!r} as a shard size", "pass a size such as 1GB, 500MB or 2GiB")
+    return n
 
 
 @dataclass
@@ -84,6 +100,10 @@ class Options:
     # The tensors that stay unquantized (embeddings, lm_head, norms): "bfloat16" | "float16" |
     # "float32", or None to copy them bit for bit in the source's dtype (as mlx-lm's --dtype).
     dtype: str | None = None
+    # Output shards hold at most this many bytes (one tensor larger than that goes alone): a load
+    # with verification hashes each file on its own thread (sha256 cannot be split), ~0.8 GB/s
+    # per thread on the H200 host, so the largest shard bounds how fast the artifact loads.
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     # FP8 source tensors (weight key -> SourceTensor), filled by _prepare for an FP8 source
     fp8_tensors: dict = field(default_factory=dict)
     source_scheme: Scheme | None = None  # the scheme an FP8 source's codes and scales are in
@@ -92,6 +112,9 @@ class Options:
     def __post_init__(self):
         if self.experts_layout not in EXPERTS_LAYOUTS:
             raise QuantizationError(f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}")
+        if not isinstance(self.max_shard_size, int) or self.max_shard_size <= 0:
+            raise QuantizationError(f"max shard size must be a positive number of bytes, got {self.max_shard_size!r}",
+                                    "pass e.g. 1GB, 500MB or 2GiB")
         if self.dtype is not None and self.dtype not in UNQUANTIZED_DTYPES:
             raise QuantizationError(f"unknown dtype {self.dtype!r} for the unquantized tensors", f"use one of: {', '.join(UNQUANTIZED_DTYPES)}")
 
@@ -399,9 +422,9 @@ def _prepare(snap: Snapshot, opts: Options):
 
 def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_tensors: dict, opts: Options, tmp: Path,
                   pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress, consumed: set = frozenset()) -> Shards:
-    """Stream every source shard into its output shard: quantized tensors first, then the ones
-    copied as they are (the writer thread copies those, an embedding is half a GB, while this
-    thread goes on to the next shard)."""
+    """Stream every source shard into its output shards (more than one where its output would
+    exceed `opts.max_shard_size`): quantized tensors first, then the ones copied as they are (the
+    writer thread copies those, an embedding is half a GB, while this thread goes on)."""
     scheme = opts.scheme
     out = Shards()
     total = sum(h.file_size for h in headers.values())
@@ -411,19 +434,32 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
         done[0] += nbytes
         progress("quantize", done[0], total, name)
 
-    for src_name, out_name in zip(snap.weight_files, layout.shard_names(len(snap.weight_files))):
+    groups = []  # (source shard, its tensors that go into one output shard, their header entries)
+    for src_name in snap.weight_files:
         header = headers[src_name]
         work = [n for n in header.tensors if n in tensor_module or n in expert_tensors]
         work += [n for n in header.tensors if n not in tensor_module and n not in expert_tensors and n not in consumed]
-        entries = []
+        start = len(groups)
+        names, entries, size = [], [], 0
         for name in work:
             info = header.tensors[name]
             if name in tensor_module:
-                entries += _linear_entries(name, tuple(info.shape), scheme)
+                mine = _linear_entries(name, tuple(info.shape), scheme)
             elif name in expert_tensors:
-                entries += _expert_entries(name, info, expert_tensors[name], scheme)
+                mine = _expert_entries(name, info, expert_tensors[name], scheme)
             else:
-                entries.append((name, _copied_dtype(info, opts), info.shape))
+                mine = [(name, _copied_dtype(info, opts), info.shape)]
+            nbytes = sum(DTYPES[code][0] * math.prod(shape) for _, code, shape in mine)
+            if names and size + nbytes > opts.max_shard_size:
+                groups.append((src_name, names, entries))
+                names, entries, size = [], [], 0
+            names.append(name)
+            entries += mine
+            size += nbytes
+        if names or len(groups) == start:  # a source shard with nothing left to write still gets its (empty) file
+            groups.append((src_name, names, entries))
+    for i, ((src_name, work, entries), out_name) in enumerate(zip(groups, layout.shard_names(len(groups)))):
+        header = headers[src_name]
         with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
             sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
             try:
@@ -447,7 +483,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
             out.weight_map[name] = out_name
         out.files[out_name] = {"sha256": writer.digest, "size": writer.size}
         out.write_modes.add(writer.write_mode)
-        out.bytes_in += header.file_size
+        out.bytes_in += header.file_size if i == 0 or groups[i - 1][0] != src_name else 0
         out.bytes_out += writer.size
     return out
 

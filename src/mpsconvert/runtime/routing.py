@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_TOKENS = 16  # rows per call the kernel takes: decode and speculative steps
 MAX_EXPERTS = 1024  # a program holds every expert's logit in registers
+_TILE = 32768  # router weights per loop step of a program
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -63,14 +64,14 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E)
         e_ok = e < NE
-        acc = tl.zeros((E, BLOCK_H), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
+        acc = tl.zeros((E,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):  # one or a few tiles: their loads are in flight together
             offs = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs < H
             x = tl.load(x_ptr + t * stride_xm + offs, mask=h_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + e[:, None] * stride_wn + offs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        logit = tl.sum(acc, axis=1).to(LOGIT_DT)  # F.linear's output, rounded to its dtype
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        logit = acc.to(LOGIT_DT)  # F.linear's output, rounded to its dtype
         tl.store(logits_ptr + t * NE + e, logit, mask=e_ok)
         lf = tl.where(e_ok, logit.to(tl.float32), float("-inf"))
         p = tl.exp(lf - tl.max(lf, axis=0))
@@ -102,11 +103,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool, sco
     scores = torch.empty(T, top_k, dtype=score_dtype, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     E = max(2, triton.next_power_of_2(NE))
-    block = max(16, min(triton.next_power_of_2(H), 8192 // E))  # E x BLOCK_H float32 in registers: 32 KB
+    # up to 32768 weights per tile (Mixtral's whole router, 8 x 4096, in one), 64 per thread
+    block = max(16, min(triton.next_power_of_2(H), _TILE // E))
     _route_kernel[(T,)](
         x, weight, logits, scores, idx, H, NE, x.stride(0), weight.stride(0),
         getattr(tl, _TL[x.dtype]), getattr(tl, _TL[score_dtype]), top_k, renorm, E, block,
-        num_warps=4,
+        num_warps=max(1, min(16, E * block // 2048)),
     )  # fmt: skip
     return logits, scores, idx
 

@@ -113,7 +113,7 @@ def read_shards(headers: list[Header], dests: dict[str, torch.Tensor], device: t
                 raise ValueError(f"destination of {n} holds {t.numel() * t.element_size()} bytes, the file {hd.tensors[n].nbytes}")
         by_shard.append((hd, mine))
     prog = _Progress(progress, sum(hd.file_size for hd in headers))
-    workers = threads or max(1, min(len(headers), (os.cpu_count() or 2), 8))
+    workers = threads or max(1, min(len(headers), os.cpu_count() or 2))  # sha256 of one file is one core's work: a thread per file
     out: dict[str, str | None] = {}
     with ThreadPoolExecutor(max_workers=workers + (1 if extra_files else 0), thread_name_prefix="mpsconvert-load") as pool:
         futs = {hd.path.name: pool.submit(_read_shard, hd, mine, device, hash_files, block, prog) for hd, mine in by_shard}
