@@ -24,7 +24,9 @@ with the same routine for each: load time (to a synchronised device); eager pref
 `--prefill` tokens (batch 1, `logits_to_keep=1` as `generate` asks; wall time, the host time
 until the call returns and how far the GPU was behind the host at the last decoder layer (`lag`:
 positive when the GPU, not the host, set the pace; `timeline`), and GPU busy time from the
-profiler with where it goes); compiled prefill (each decoder layer `torch.compile`d,
+profiler with where it goes; also with a fresh DynamicCache, as `generate` calls it: no
+packed-sequence check, which synchronises the call without a cache, and the cache's writes);
+compiled prefill (each decoder layer `torch.compile`d,
 the regional compilation PyTorch recommends for compile time); compiled decode (the whole
 forward under `torch.compile(mode="reduce-overhead")`, static KV cache, one token, host
 synchronised per step with the argmax, as `validate` times it); peak device memory. Ratios are
@@ -542,11 +544,19 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
         with torch.no_grad():
             return model(ids, use_cache=False, logits_to_keep=1).logits
 
+    def prefill_cached():  # as `generate` calls it: a fresh DynamicCache (no packed-sequence check, cache writes)
+        from transformers import DynamicCache
+
+        with torch.no_grad():
+            return model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1).logits
+
     try:
         if profiling:
             if device.type == "cuda" and args.profile:
                 row["eager_prefill_profile"] = profile(prefill)
                 log(f"{name}: eager prefill profile", row["eager_prefill_profile"])
+                row["eager_prefill_cached_profile"] = profile(prefill_cached)
+                log(f"{name}: eager prefill (with a cache) profile", row["eager_prefill_cached_profile"])
             if args.host_profile:
                 row["eager_prefill_host_profile"] = host_profile(prefill, 2, top=45)
                 log(f"{name}: eager prefill host profile (ms per call)", row["eager_prefill_host_profile"][:25])
@@ -557,6 +567,10 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                 row["eager_prefill"]["gpu_queued_ms"] = round(statistics.median(queued_gpu_ms(prefill) for _ in range(3)), 3)
             LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
             log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms")
+            row["eager_prefill_cached"] = summary(samples(prefill_cached, args.repeats, 2))
+            if device.type == "cuda":
+                row["eager_prefill_cached"]["gpu_queued_ms"] = round(statistics.median(queued_gpu_ms(prefill_cached) for _ in range(3)), 3)
+            log(f"{name}: eager prefill with a cache, as generate calls it, {row['eager_prefill_cached']['median_ms']} ms")
     except Exception as e:
         row["eager_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -716,7 +730,7 @@ def ratios(results: dict) -> dict:
     out = {}
     for name, r in results.items():
         row = {}
-        for key in ("eager_prefill", "compiled_prefill", "decode", "decode_full_guards"):
+        for key in ("eager_prefill", "eager_prefill_cached", "compiled_prefill", "decode", "decode_full_guards"):
             if key in r and key in base:
                 row[key] = round(base[key]["median_ms"] / r[key]["median_ms"], 3)
         if "load_s" in r and "load_s" in base:
@@ -892,6 +906,14 @@ def print_table(report):
         print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} {q.get('load_vs_bf16_cold', q.get('load_vs_bf16', float('nan'))):6.2f} {cell('eager_prefill')} "
               f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
               f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
+    print("eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate calls it):")
+    for name, r in res.items():
+        parts = []
+        for key in ("eager_prefill", "eager_prefill_cached"):
+            wall, busy = (r.get(key) or {}).get("median_ms"), (r.get(f"{key}_profile") or {}).get("gpu_busy_ms")
+            queued = (r.get(key) or {}).get("gpu_queued_ms")
+            parts.append(f"{wall} ms / {busy} ms = {wall / busy:.3f} (queued {queued} ms)" if wall and busy else "-")
+        print(f"  {name:10s} " + " | ".join(parts))
 
 
 if __name__ == "__main__":
