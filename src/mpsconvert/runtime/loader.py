@@ -24,7 +24,9 @@ How, and why this way:
 - On GPUs, sibling layers that read one input (q/k/v, gate/up) share one activation quantization
   and one GEMM (runtime/fuse.py). Kernels are then chosen per layer shape by runtime/policy.py
   (measured once per machine, cached). On CUDA, RMSNorms and gated MLPs then run fused kernels
-  in eager mode, fewer launches per layer (runtime/eager_fusion.py).
+  in eager mode, fewer launches per layer (runtime/eager_fusion.py), MoE routers one kernel at
+  decode (runtime/routing.py), and a thread started before the shards are read pays the
+  process's first-use costs of those kernels and libraries meanwhile (runtime/prewarm.py).
 """
 
 from __future__ import annotations
