@@ -151,7 +151,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     layers they feed, gated MLPs fuse SiLU * up with down_proj's quantization, attention
     modules rotate q and k in one kernel, and pre-norm decoder layers make each residual add in
     the kernel of the norm that reads it, in eager mode (runtime/eager_fusion.py, rotary.py;
-    each checked against the module's own forward or function at load).
+    each checked against the module's own forward or function at load); a thread makes those
+    kernels' and libraries' first calls while the shards are read (runtime/prewarm.py). On CUDA
+    an MoE model's softmax top-k routers run as one kernel at decode (runtime/routing.py).
     progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With
     `trust_remote_code`, the artifact's code is imported only after it matched its hash.
