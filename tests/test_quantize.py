@@ -150,6 +150,34 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)
+    # `verify` hashes the files on a thread each (up to one per core), and still catches a flipped byte
+    import os
+    import threading
+
+    from mpsconvert.manifests import verify as vf
+
+    names, real = set(), vf.sha256_file
+    barrier = threading.Barrier(2, timeout=30)
+
+    def hashing(path, *a, **kw):
+        name = threading.current_thread().name
+        if name.startswith("mpsconvert-verify") and name not in names:  # the files' hashes (the manifest's own is hashed first)
+            names.add(name)
+            if len(names) <= 2 and (os.cpu_count() or 1) >= 2:
+                barrier.wait()  # two files are hashed at the same time, or this times out
+        return real(path, *a, **kw)
+
+    vf.sha256_file = hashing
+    try:
+        assert mpsconvert.verify(split).ok
+    finally:
+        vf.sha256_file = real
+    assert len(names) >= min(2, os.cpu_count() or 1), names
+    victim = split / shards[1]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    assert not mpsconvert.verify(split).ok
     for bad in ("lots", "0GB", -5):
         with pytest.raises(QuantizationError, match="shard size"):
             convert(src, tmp_path / "bad", max_shard_size=bad)

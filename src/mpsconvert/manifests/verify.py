@@ -172,13 +172,20 @@ def check_values(headers: dict[str, Header], report: VerifyReport, codes: bool =
 
 
 def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None) -> None:
+    """Every listed file's sha256, a thread per file up to one per core (sha256 of one file is one
+    core's work; hashlib releases the GIL), compared with the manifest."""
+    from concurrent.futures import ThreadPoolExecutor
+
     progress = or_silent(progress)
     total = sum(int(rec.get("size") or 0) for rec in manifest.files.values())
     digests, done = {}, 0
-    for name in check_sizes(folder, manifest, report):
-        digests[name] = sha256_file(folder / name)
-        done += int(manifest.files[name].get("size") or 0)
-        progress("verify", done, total, name)
+    names = check_sizes(folder, manifest, report)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 2)), thread_name_prefix="mpsconvert-verify") as pool:
+        futures = {name: pool.submit(sha256_file, folder / name) for name in names}
+        for name, fut in futures.items():
+            digests[name] = fut.result()
+            done += int(manifest.files[name].get("size") or 0)
+            progress("verify", done, total, name)
     check_digests(manifest, report, digests)
 
 
