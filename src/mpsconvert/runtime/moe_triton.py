@@ -20,6 +20,7 @@ import torch
 
 from .act_quant import INTERPRET as _PRE_ROUND, _round_to
 from .triton_gemv import autotune
+from .triton_launch import TL_DTYPES
 
 try:  # triton is optional: absent on CPU-only and MPS installs
     import triton
@@ -84,9 +85,6 @@ if triton is not None:
         )(_expert_gemv_kernel)
 
 
-_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                 out_dtype: torch.dtype | None = None, silu_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
@@ -100,8 +98,8 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: to
     (opaque to dynamo, with a fake implementation)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    if silu_dtype is not None and silu_dtype not in _TL_DTYPES:
-        raise ValueError(f"silu_dtype must be one of {list(_TL_DTYPES)}, got {silu_dtype}")
+    if silu_dtype is not None and silu_dtype not in TL_DTYPES:
+        raise ValueError(f"silu_dtype must be one of {list(TL_DTYPES)}, got {silu_dtype}")
     if torch.compiler.is_compiling():
         return _expert_gemv_op(x, tok, ids, codes, scale, out_dtype, silu_dtype)
     return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
@@ -119,7 +117,7 @@ def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
     y = torch.zeros(P, N, dtype=torch.float32, device=x.device)
     grid = lambda meta: (P, triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2} if _INTERPRET else {}
-    act = getattr(tl, _TL_DTYPES[silu_dtype or torch.float32])
+    act = getattr(tl, TL_DTYPES[silu_dtype or torch.float32])
     _kernel[grid](
         x, tok, ids, codes, scale, y,
         N, K,

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from . import forwards
+from .triton_launch import TL_DTYPES
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -45,7 +46,6 @@ MAX_TOKENS = 16  # rows per call the kernel takes: decode and speculative steps
 MAX_EXPERTS = 1024  # a program holds every expert's logit in registers
 _TILE = 32768  # router weights per loop step of a program
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def available() -> bool:
@@ -107,7 +107,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool, sco
     block = max(16, min(triton.next_power_of_2(H), _TILE // E))
     _route_kernel[(T,)](
         x, weight, logits, scores, idx, H, NE, x.stride(0), weight.stride(0),
-        getattr(tl, _TL[x.dtype]), getattr(tl, _TL[score_dtype]), top_k, renorm, E, block,
+        getattr(tl, TL_DTYPES[x.dtype]), getattr(tl, TL_DTYPES[score_dtype]), top_k, renorm, E, block,
         num_warps=max(1, min(16, E * block // 2048)),
     )  # fmt: skip
     return logits, scores, idx
@@ -153,7 +153,7 @@ def _candidate(mod: nn.Module) -> bool:
     w = getattr(mod, "weight", None)
     k = getattr(mod, "top_k", None)
     return (isinstance(w, torch.Tensor) and w.ndim == 2 and isinstance(k, int) and 0 < k <= w.shape[0] <= MAX_EXPERTS
-            and getattr(mod, "bias", None) is None and w.dtype in _TL and not isinstance(mod, nn.Linear))  # fmt: skip
+            and getattr(mod, "bias", None) is None and w.dtype in TL_DTYPES and not isinstance(mod, nn.Linear))  # fmt: skip
 
 
 def _matches(x, w, got, want, exact: bool) -> str | None:

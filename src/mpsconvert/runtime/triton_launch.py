@@ -27,6 +27,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
+TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # torch dtype -> triton.language name
 _CACHE: dict = {}
 _MODE: list = []  # [mode string] once decided: "direct", or "kernel[grid] (why)"
 
