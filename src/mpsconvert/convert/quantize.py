@@ -427,7 +427,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
     writer thread copies those, an embedding is half a GB, while this thread goes on)."""
     scheme = opts.scheme
     out = Shards()
-    total = sum(h.file_size for h in headers.values())
+    total = out.bytes_in = sum(h.file_size for h in headers.values())
     done = [0]
 
     def advance(nbytes: int, name: str) -> None:
@@ -458,7 +458,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
             size += nbytes
         if names or len(groups) == start:  # a source shard with nothing left to write still gets its (empty) file
             groups.append((src_name, names, entries))
-    for i, ((src_name, work, entries), out_name) in enumerate(zip(groups, layout.shard_names(len(groups)))):
+    for (src_name, work, entries), out_name in zip(groups, layout.shard_names(len(groups))):
         header = headers[src_name]
         with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
             sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
@@ -483,7 +483,6 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
             out.weight_map[name] = out_name
         out.files[out_name] = {"sha256": writer.digest, "size": writer.size}
         out.write_modes.add(writer.write_mode)
-        out.bytes_in += header.file_size if i == 0 or groups[i - 1][0] != src_name else 0
         out.bytes_out += writer.size
     return out
 
