@@ -501,7 +501,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
     pass after every variant was timed: a process that ran the CUDA profiler keeps paying for it
     in host time, so no timing may follow a profile; an 8-layer Llama decode step on the H200 took
     0.26 ms of host time in a fresh process and 0.68 ms in this benchmark after its profiles)."""
-    from transformers import StaticCache
+    from transformers import DynamicCache, StaticCache
 
     row: dict = {}
     if name.partition("@")[0].endswith("-cold"):  # the files from disk, not the page cache (root on the device machine)
@@ -545,8 +545,6 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
             return model(ids, use_cache=False, logits_to_keep=1).logits
 
     def prefill_cached():  # as `generate` calls it: a fresh DynamicCache (no packed-sequence check, cache writes)
-        from transformers import DynamicCache
-
         with torch.no_grad():
             return model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1).logits
 
