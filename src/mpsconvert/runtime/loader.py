@@ -73,6 +73,7 @@ class LoadInfo:
     routing: dict = field(default_factory=dict)  # MoE routers run as one kernel at decode (CUDA)
     prewarm: dict = field(default_factory=dict)  # first-use calls made while the shards were read (CUDA)
     eager_fusion: dict = field(default_factory=dict)  # norms / MLPs / layers / rotary run as fused kernels in eager mode (CUDA), the launch path
+    positions: dict = field(default_factory=dict)  # a call without positions gets the model's own, known on the host (any device)
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
@@ -152,8 +153,11 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     modules rotate q and k in one kernel, and pre-norm decoder layers make each residual add in
     the kernel of the norm that reads it, in eager mode (runtime/eager_fusion.py, rotary.py;
     each checked against the module's own forward or function at load); a thread makes those
-    kernels' and libraries' first calls while the shards are read (runtime/prewarm.py). On CUDA
-    an MoE model's softmax top-k routers run as one kernel at decode (runtime/routing.py).
+    kernels' and libraries' first calls while the shards are read (runtime/prewarm.py). On any
+    device it also gives a call without positions and cache the model's own as a view of a
+    buffer made at load, so that the rotary tables are read, not recomputed, and transformers'
+    packed-sequence check needs no synchronisation (runtime/positions.py; checked bit for bit).
+    On CUDA an MoE model's softmax top-k routers run as one kernel at decode (runtime/routing.py).
     progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With
     `trust_remote_code`, the artifact's code is imported only after it matched its hash.
@@ -263,6 +267,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         t4 = time.perf_counter()
         info.eager_fusion = fusion.install(model)
         seconds["eager_fusion"] = time.perf_counter() - t4
+    if eager_fusion:  # on any device: a prefill's positions, rotary tables and packed-sequence check without device work
+        from . import positions
+
+        info.positions = positions.install(model)
     info.fp8_layers = sum(isinstance(m, FP8Linear) for m in model.modules())
     info.weight_bytes = model_bytes(model)
     seconds["total"] = time.perf_counter() - t0

@@ -1,0 +1,87 @@
+"""runtime/positions.py on CPU: a call without positions and cache gets the model's own as a view of
+a buffer, the rotary module then reads its tables and transformers' packed-sequence check answers
+without the device; outputs equal the model's own forward bit for bit, every other call runs the
+model's own code, and what cannot be known stays with the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers.masking_utils as masking
+
+from mpsconvert.runtime import forwards
+from mpsconvert.runtime import positions as P
+
+from .models import tiny_moe_model
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, **kw)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+def test_own_positions_give_the_models_own_outputs(arch):
+    ref = _llama() if arch == "llama" else tiny_moe_model(arch)
+    ours = copy.deepcopy(ref)
+    report = P.install(ours)
+    assert report["installed"], report
+    base, rot = ours.base_model, ours.base_model.rotary_emb
+    assert forwards.installed(base, P._model_forward) and forwards.installed(rot, P._rotary_forward)
+    assert isinstance(masking.find_packed_sequence_indices, P.Dispatch)
+    outs = []
+    rot.register_forward_hook(lambda m, a, out: outs.append(out))
+    ids = torch.randint(0, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(11)[None]
+    with torch.no_grad():
+        want = ref(ids, use_cache=False).logits
+        skipped = masking.find_packed_sequence_indices.skipped
+        assert torch.equal(ours(ids, use_cache=False).logits, want)
+        # answered here (batch 2: transformers expands the positions, a view of the buffer still), tables read
+        assert masking.find_packed_sequence_indices.skipped == skipped + 1
+        assert outs[-1][0].data_ptr() == rot.mpsconvert_tables[0].data_ptr()
+        assert torch.equal(ours(ids).logits, ref(ids).logits)  # a cache made inside (use_cache): own positions, no check
+        assert outs[-1][0].data_ptr() == rot.mpsconvert_tables[0].data_ptr()
+        # positions given by the caller: the model's own code throughout, the original check
+        assert torch.equal(ours(ids, position_ids=pos, use_cache=False).logits, want)
+        assert masking.find_packed_sequence_indices.skipped == skipped + 1
+        assert outs[-1][0].data_ptr() != rot.mpsconvert_tables[0].data_ptr()
+        if arch == "llama":  # longer than the tables (max_position_embeddings 64): the model's own code
+            long = torch.randint(0, 100, (1, 70), generator=torch.Generator().manual_seed(2))
+            assert torch.equal(ours(long, use_cache=False).logits, ref(long, use_cache=False).logits)
+            assert masking.find_packed_sequence_indices.skipped == skipped + 1
+
+
+def test_own_is_a_view_of_the_unwritten_buffer_from_its_start():
+    buf = torch.arange(8)[None].clone()
+    buf.mpsconvert_positions = buf._version
+    assert P.own(buf[:, :5]) and P.own(buf[:, :5].expand(3, -1)) and P.own(buf[:, :8])
+    for other in (buf[:, 1:5], buf[:, ::2], buf[:, :5].clone(), torch.arange(5)[None], buf[:, :5].t()):
+        assert not P.own(other)
+    buf[0, 0] = 3  # written: its views no longer say 0 .. S-1
+    assert not P.own(buf[:, :5])
+
+
+def test_packed_sequences_still_get_the_original_check():
+    P.install(_llama())
+    packed = torch.tensor([[0, 1, 2, 0, 1]])
+    assert torch.equal(masking.find_packed_sequence_indices(packed), torch.tensor([[0, 0, 0, 1, 1]]))
+    assert masking.find_packed_sequence_indices(torch.arange(5)[None]) is None  # not ours: computed, same answer
+
+
+def test_length_dependent_rotary_and_models_without_one_keep_their_own():
+    dynamic = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    report = P.install(dynamic)
+    assert not report["installed"] and "dynamic" in report["left"], report
+    assert not forwards.installed(dynamic.base_model)
+
+    from transformers import BertConfig, BertModel
+
+    bert = BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    assert P.install(bert) == {"installed": False, "left": "no model-level rotary module"}
