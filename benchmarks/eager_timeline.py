@@ -105,6 +105,149 @@ def pieces(name: str, model) -> None:
             print(f"  {name:5s} {k:16s} host {host_us(fn, 20):8.1f} us  gpu {ml.queued_gpu_ms(fn, 20) * 1e3:8.1f} us", flush=True)
 
 
+def preamble(model, fn, n: int = 20) -> dict:
+    """Host microseconds from the call's start to each step of the model's preamble (median of
+    `n` calls, forward hooks and a wrapper of the modeling module's create_causal_mask)."""
+    import sys as _sys
+
+    home = _sys.modules[type(model.model).__module__]
+    marks: dict = {}
+
+    def mark(key):
+        def hook(*a):  # returns None: a hook's value would replace the module's inputs or output
+            marks.setdefault(key, time.perf_counter())
+
+        return hook
+
+    base = model.model
+    hooks = [base.register_forward_pre_hook(mark("model")), base.embed_tokens.register_forward_pre_hook(mark("embed")),
+             base.embed_tokens.register_forward_hook(mark("embed done")), base.rotary_emb.register_forward_pre_hook(mark("rotary")),
+             base.rotary_emb.register_forward_hook(mark("rotary done")), base.layers[0].register_forward_pre_hook(mark("layer 0"))]  # fmt: skip
+    own = home.create_causal_mask
+
+    def wrapped(*a, **k):
+        marks.setdefault("mask", time.perf_counter())
+        out = own(*a, **k)
+        marks.setdefault("mask done", time.perf_counter())
+        return out
+
+    home.create_causal_mask = wrapped
+    rows = []
+    try:
+        for _ in range(n):
+            ml.sync()
+            marks.clear()
+            t = time.perf_counter()
+            fn()
+            rows.append({k: (v - t) * 1e6 for k, v in marks.items()})
+            ml.sync()
+    finally:
+        home.create_causal_mask = own
+        for h in hooks:
+            h.remove()
+    return {k: round(statistics.median(r[k] for r in rows), 1) for k in sorted(rows[0], key=rows[0].get)}
+
+
+def table_rotary(model):
+    """The rotary module's forward as a gather from cos / sin tables of its own forward at every
+    position up to max_position_embeddings (a diagnostic: what the tables save; checked equal)."""
+    import torch.nn.functional as F
+
+    rot, dev = model.model.rotary_emb, model.device
+    n = model.config.max_position_embeddings
+    x = torch.zeros(1, 1, 1, device=dev, dtype=torch.bfloat16)
+    cos, sin = rot(x, torch.arange(n, device=dev)[None])
+    cos, sin = cos[0].contiguous(), sin[0].contiguous()
+    pos = torch.arange(S, device=dev)[None]
+    want = rot(x, pos)
+    got = (F.embedding(pos, cos), F.embedding(pos, sin))
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "tables differ from the module's forward"
+    return lambda x, position_ids: (F.embedding(position_ids, cos), F.embedding(position_ids, sin))
+
+
+def floor(name: str, model, prefill) -> None:
+    """The eager prefill against the GPU's own floor: the wall time as users run it, without
+    transformers' packed-sequence check (it synchronises; patched to return None, what it returns
+    for one sequence), with the rotary tables gathered as well; the GPU time of the same kernels
+    replayed from a CUDA graph (no host at all); the preamble's host time; then (a process that
+    ran the profiler keeps paying for it in host time, so after every timing) the profiler's busy
+    time and gaps of each, the eager ones also with the call queued behind a GPU sleep."""
+    import transformers.masking_utils as mu
+
+    def prof(tag, fn, queued=False, calls=1):
+        p = ml.profile(fn, top=6, queued=queued, calls=calls)
+        idle = p["idle"]
+        print(f"  {name:5s} {tag:36s} {time.strftime('%H:%M:%S')} busy {p['gpu_busy_ms']:6.2f} ms, {p['kernels']} kernels, between kernels {idle['between_kernels_us'] / 1e3:5.2f} ms "
+              f"({idle['gaps_over_20us']} gaps >= 20 us: {idle['in_gaps_over_20us'] / 1e3:5.2f} ms), before the first {idle['before_first_kernel_us']} us, syncs {p['host_syncs']}", flush=True)  # fmt: skip
+        print("      top", [[k[:28], n, t] for k, n, t in p["top_kernels_ms"]], flush=True)
+
+    def timed(tag):
+        print(f"  {name:5s} {tag:36s} {time.strftime('%H:%M:%S')} wall {walls(prefill)}, queued {ml.queued_gpu_ms(prefill, 3):.2f} ms", flush=True)
+        print(f"  {name:5s} {tag:36s} preamble host us", preamble(model, prefill), flush=True)
+
+    own, rot = mu.find_packed_sequence_indices, model.model.rotary_emb
+    x = torch.zeros(1, 1, 1, device=model.device, dtype=torch.bfloat16)
+    pos = torch.arange(S, device=model.device)[None]
+
+    def patch(packed: bool, tables: bool):
+        mu.find_packed_sequence_indices = (lambda position_ids: None) if packed else own
+        rot.__dict__.pop("forward", None)
+        if tables:
+            rot.forward = table_rotary(model)
+
+    try:
+        timed("as users run it")
+        timeline(model, prefill)
+        if (getattr(model, "mpsconvert", None) and model.mpsconvert.positions.get("installed")):
+            from mpsconvert.runtime import forwards, positions
+
+            forwards.uninstall(model.model)  # the load without runtime/positions.py, for comparison
+            forwards.uninstall(rot)
+            timed("without runtime/positions.py")
+            forwards.install(rot, positions._rotary_forward)
+            forwards.install(model.model, positions._model_forward)
+        patch(True, False)
+        timed("no packed check")
+        print(f"  {name:5s} rotary module host {host_us(lambda: rot(x, pos), 50):.1f} us", flush=True)
+        patch(True, True)
+        print(f"  {name:5s} rotary tables host {host_us(lambda: rot(x, pos), 50):.1f} us", flush=True)
+        timed("no packed check, rotary tables")
+        timeline(model, prefill)
+        graph = captured(name, prefill)
+        if graph is not None:
+            print(f"  {name:5s} CUDA graph replay: {walls(graph.replay)}", flush=True)
+        patch(False, False)
+        prof("eager", prefill)
+        prof("eager, 5 calls", prefill, calls=5)
+        prof("eager, queued behind a sleep", prefill, queued=True)
+        prof("eager, 3 calls queued", prefill, queued=True, calls=3)
+        patch(True, True)
+        prof("no packed check, rotary tables, queued", prefill, queued=True)
+        if graph is not None:
+            prof("CUDA graph replay", graph.replay)
+    finally:
+        patch(False, False)
+
+
+def captured(name: str, prefill):
+    """The prefill captured in a CUDA graph (its replay: the GPU's time with no host in the
+    way), or None with the reason printed."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                prefill()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            prefill()
+        return graph
+    except Exception as e:  # a diagnostic: say why, keep the rest
+        print(f"  {name:5s} CUDA graph capture failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+
+
 def run(name: str, model, args) -> None:
     ids = torch.randint(0, 1000, (1, S), device="cuda")
 
@@ -114,6 +257,8 @@ def run(name: str, model, args) -> None:
 
     for _ in range(3):
         prefill()
+    if args.floor:
+        return floor(name, model, prefill)
     print(name, "wall", walls(prefill), "| gpu with the queue full", round(ml.queued_gpu_ms(prefill, 3), 2), "ms", flush=True)
     for s in syncs(prefill)[:2]:
         print("  SYNC at:\n" + s[-1800:], flush=True)
@@ -135,6 +280,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--pieces", action="store_true", help="also host and GPU time of each piece of one layer")
+    ap.add_argument("--floor", action="store_true", help="only the wall against the GPU's floor (see floor())")
     args = ap.parse_args()
     work = Path(f"/tmp/tl{args.layers}")
     src, art = work / "src", work / "art"
@@ -148,7 +294,7 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     model = load(art, device="cuda")
-    print("ours", model.mpsconvert.seconds, model.mpsconvert.eager_fusion, flush=True)
+    print("ours", model.mpsconvert.seconds, model.mpsconvert.eager_fusion, model.mpsconvert.positions, flush=True)
     run("ours", model, args)
 
 

@@ -44,7 +44,11 @@ host time after BF16's compiled phases had run, against 19.2 ms in a fresh proce
 layers). `--same-process` times every variant in this process, as before. The eager prefill
 also gets `gpu_queued_ms`: the GPU's time per call with three calls queued behind a GPU sleep,
 the host out of the way (the floor a perfect host would reach: kernels, the device's gaps
-between them, and the model's own synchronisations, which drain the queue once per call).
+between them, and the model's own synchronisations, which drain the queue once per call; the
+sleep lets the GPU's clock recover, so the first calls after it run at full clock where the
+timed loop runs power-capped). GPU busy time is the mean of 5 calls profiled after the same
+loop as the timed calls, so that both see the GPU in one state: the wall / busy line compares
+them, and the wall of the profiled calls themselves.
 
     python benchmarks/model_latency.py [--arch llama|mixtral] [--layers 32] [--prefill 2048]
         [--variants bf16,ours,ct,ct-opt] [--weights row,block] [--work DIR] [--json out.json] [--budget SECONDS]
@@ -309,6 +313,7 @@ def samples(fn, repeats: int, warmup: int) -> list[float]:
     return out
 
 
+PROFILED_CALLS = 5  # eager prefills per profile: GPU busy per call is their mean
 SLEEP_CYCLES = int(1.5e9)  # GPU sleep queued in front: ~0.75 s on an H200, longer than a few calls take to enqueue
 
 
@@ -386,23 +391,31 @@ CATEGORIES = (("gemm", ("gemm", "cutlass", "cublas", "sm90_", "nvjet", "scaled_m
 # (an elementwise kernel over strided tensors is `gpu_kernel_impl_nocast`: "other", not a cast)
 
 
-def profile(fn, top: int = 14) -> dict:
-    """GPU busy time of one call (union of kernel intervals) and the kernel time by category."""
+def profile(fn, top: int = 14, queued: bool = False, calls: int = 1) -> dict:
+    """GPU busy time of a call (union of kernel intervals) and the kernel time by category, per
+    call of `calls` (each synchronised, as the wall time is measured). With `queued`, the calls
+    are queued behind a GPU sleep (left out of the spans): the gaps are then the device's own,
+    unless a call synchronises."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     fn()
     sync()
     with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
+        torch.cuda._sleep(SLEEP_CYCLES // 4) if queued else None
         t = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
+            None if queued else sync()
         sync()
-        wall = time.perf_counter() - t
+        wall = (time.perf_counter() - t) / calls
     spans, cats, launches = [], {c: 0.0 for c, _ in CATEGORIES}, 0
     per_kernel: dict[str, list] = {}
     memsets: dict[str, int] = {}  # the op under which each memset was issued (the profiler's link)
     syncs = 0
     cpu_start = None
     for ev in p.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "spin_kernel" in ev.name:
+            continue  # the queued sleep
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             for k in getattr(ev, "kernels", None) or ():
                 if "memset" in k.name.lower():
@@ -437,13 +450,18 @@ def profile(fn, top: int = 14) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
     idle = sum(g[0] for g in gaps)
     # where the GPU waited for the host: before the first kernel (the model's Python preamble),
-    # between kernels (gaps of 20 us and more summed, the eight longest named), and in all
-    return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches,
+    # between kernels (gaps of 20 us and more summed, the eight longest named), and in all; per
+    # call (with several calls, the time between them counts as between kernels)
+    busy, launches, idle = busy / calls, launches // calls, idle / calls
+    for k in per_kernel.values():
+        k[0], k[1] = k[0] // calls, k[1] / calls
+    cats = {c: v / calls for c, v in cats.items()}
+    return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches, "calls": calls,
             "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs, "memsets_by_op": memsets,
             "top_kernels_ms": [[name, n, round(t / 1e3, 4)] for name, (n, t) in top],
             "idle": {"before_first_kernel_us": round(spans[0][0] - cpu_start, 1) if spans and cpu_start is not None else None,
-                     "between_kernels_us": round(idle, 1), "in_gaps_over_20us": round(sum(g[0] for g in gaps if g[0] >= 20), 1),
-                     "gaps_over_20us": sum(g[0] >= 20 for g in gaps),
+                     "between_kernels_us": round(idle, 1), "in_gaps_over_20us": round(sum(g[0] for g in gaps if g[0] >= 20) / calls, 1),
+                     "gaps_over_20us": sum(g[0] >= 20 for g in gaps) // calls,
                      "longest": [[round(g[0], 1), g[1], g[2], round(g[3] / 1e3, 2)] for g in sorted(gaps, reverse=True)[:8]]}}  # fmt: skip
 
 
@@ -551,9 +569,15 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
     try:
         if profiling:
             if device.type == "cuda" and args.profile:
-                row["eager_prefill_profile"] = profile(prefill)
+                # profiled in the GPU state the timed calls ran in (the same loop first, then 5 calls
+                # of it): at the FP8 prefill the H200 reaches its 700 W cap within a few calls and
+                # lowers its clock from 1980 to ~1550 MHz, so a call profiled after an idle GPU ran
+                # its kernels up to 9% faster than the timed calls did (results/eager_floor_h200_llama32_positions.log)
+                samples(prefill, args.repeats, 2)
+                row["eager_prefill_profile"] = profile(prefill, calls=PROFILED_CALLS)
                 log(f"{name}: eager prefill profile", row["eager_prefill_profile"])
-                row["eager_prefill_cached_profile"] = profile(prefill_cached)
+                samples(prefill_cached, args.repeats, 2)
+                row["eager_prefill_cached_profile"] = profile(prefill_cached, calls=PROFILED_CALLS)
                 log(f"{name}: eager prefill (with a cache) profile", row["eager_prefill_cached_profile"])
             if args.host_profile:
                 row["eager_prefill_host_profile"] = host_profile(prefill, 2, top=45)
@@ -904,13 +928,15 @@ def print_table(report):
         print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} {q.get('load_vs_bf16_cold', q.get('load_vs_bf16', float('nan'))):6.2f} {cell('eager_prefill')} "
               f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
               f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
-    print("eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate calls it):")
+    print("eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate calls it;"
+          " busy per call of 5 profiled after the timed loop, and the wall of those 5 calls under the profiler):")
     for name, r in res.items():
         parts = []
         for key in ("eager_prefill", "eager_prefill_cached"):
-            wall, busy = (r.get(key) or {}).get("median_ms"), (r.get(f"{key}_profile") or {}).get("gpu_busy_ms")
+            prof = r.get(f"{key}_profile") or {}
+            wall, busy, pwall = (r.get(key) or {}).get("median_ms"), prof.get("gpu_busy_ms"), prof.get("wall_ms")
             queued = (r.get(key) or {}).get("gpu_queued_ms")
-            parts.append(f"{wall} ms / {busy} ms = {wall / busy:.3f} (queued {queued} ms)" if wall and busy else "-")
+            parts.append(f"{wall} ms / {busy} ms = {wall / busy:.3f}, profiled {pwall / busy:.3f} (queued {queued} ms)" if wall and busy and pwall else "-")
         print(f"  {name:10s} " + " | ".join(parts))
 
 
