@@ -529,6 +529,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
             row["page_cache_dropped"] = True
         except OSError as e:
             row["page_cache_dropped"] = f"no: {e.strerror}"
+    os.sync()  # no write-back of the files this run wrote competes with the timed host
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     sync()
     t = time.perf_counter()
@@ -544,6 +545,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
         row["eager_fusion"] = info.eager_fusion
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
         row["routing"] = info.routing
+        row["positions"] = info.positions
         row["prewarm"] = info.prewarm
         row["gemv_configs"] = gemv_configs()
     total, emb = weight_bytes(model)
