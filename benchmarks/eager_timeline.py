@@ -10,7 +10,17 @@ gc.freeze() and gc.disable(). With --pieces, also the host time to enqueue (GPU 
 and the GPU time of each piece of one decoder layer (norm, attention, q/k/v, o_proj, MLP, add)
 and of the model's preamble and head.
 
-    python benchmarks/eager_timeline.py [--layers 32] [--pieces]    (checkpoints under /tmp/tl<L>)
+With --floor, instead: the wall time as users run it against the GPU's own floor (the
+packed-sequence check and the rotary tables patched out, the call queued behind a GPU sleep,
+a CUDA graph replay), the preamble's host time step by step, and GPU busy profiled in the GPU's
+state after a timed loop (this FP8 prefill power-caps the H200); see `floor`.
+
+    python benchmarks/eager_timeline.py [--layers 32] [--pieces | --floor] [--variants bf16,ours]
+        (checkpoints under /tmp/tl<L>)
+
+results/eager_floor_h200_llama32.log is `--floor` before runtime/positions.py, ..._positions.log
+(with nvidia-smi's clocks in ..._positions_smi.csv) after it, ..._slowhost.log `--floor
+--variants ours` on a host-slow machine.
 
 benchmarks/results/eager_timeline_h200_llama32.log is `--layers 32`, and
 eager_host_breakdown_h200_llama8.log `--layers 8 --pieces` in this script's first form (commit
