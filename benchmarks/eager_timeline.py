@@ -269,6 +269,12 @@ def run(name: str, model, args) -> None:
         prefill()
     if args.floor:
         return floor(name, model, prefill)
+    if args.host:
+        print(f"{name} eager prefill wall {walls(prefill)}; host time per call by function (cProfile, 5 synchronised calls;"
+              " [function, calls, own ms, cumulative ms]):", flush=True)
+        for row in ml.host_profile(prefill, 5, top=40, synced=True):
+            print("  ", row, flush=True)
+        return
     print(name, "wall", walls(prefill), "| gpu with the queue full", round(ml.queued_gpu_ms(prefill, 3), 2), "ms", flush=True)
     for s in syncs(prefill)[:2]:
         print("  SYNC at:\n" + s[-1800:], flush=True)
@@ -291,6 +297,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--pieces", action="store_true", help="also host and GPU time of each piece of one layer")
     ap.add_argument("--variants", default="bf16,ours", help="which of bf16,ours to run")
+    ap.add_argument("--host", action="store_true", help="only the wall time and a cProfile of 5 synchronised calls")
     ap.add_argument("--floor", action="store_true", help="only the wall against the GPU's floor (see floor())")
     args = ap.parse_args()
     work = Path(f"/tmp/tl{args.layers}")

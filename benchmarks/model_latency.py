@@ -465,9 +465,11 @@ def profile(fn, top: int = 14, queued: bool = False, calls: int = 1) -> dict:
                      "longest": [[round(g[0], 1), g[1], g[2], round(g[3] / 1e3, 2)] for g in sorted(gaps, reverse=True)[:8]]}}  # fmt: skip
 
 
-def host_profile(fn, steps: int, top: int = 30) -> list:
+def host_profile(fn, steps: int, top: int = 30, synced: bool = False) -> list:
     """Where a step's host time goes: cProfile over `steps` calls, the functions with the most
-    own time, as [function, calls per step, own ms per step, cumulative ms per step]."""
+    own time, as [function, calls per step, own ms per step, cumulative ms per step]. With
+    `synced`, each call is followed by a synchronisation (as the wall time is measured; queued
+    calls can block inside the second one's launches while the first runs)."""
     import cProfile
     import pstats
 
@@ -475,6 +477,7 @@ def host_profile(fn, steps: int, top: int = 30) -> list:
     pr.enable()
     for _ in range(steps):
         fn()
+        sync() if synced else None
     sync()
     pr.disable()
     stats = pstats.Stats(pr).stats

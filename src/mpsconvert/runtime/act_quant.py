@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
-from .triton_launch import launch
+from .triton_launch import launch, next_pow2
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -214,7 +214,7 @@ def _launch(x: torch.Tensor, k: int, scale, rows_scale, silu: bool):
     else:
         mode, static = 0, s
     one_pass = k <= _ONE_PASS_MAX
-    block = triton.next_power_of_2(k) if one_pass else 4096
+    block = next_pow2(k) if one_pass else 4096
     warps = _warps(block)
     if m:  # arguments in the kernel's order: x, q, s, static, K, strides, MODE, SILU, ONE_PASS, PRE_ROUND, BLOCK
         launch(_quant_rows_kernel, (m,), (x, q, s, static, k, x.stride(0), q.stride(0), mode, silu, one_pass, INTERPRET, block),
@@ -276,7 +276,7 @@ def _norm(x, residual, weight, eps, quantize, scale):
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         total = torch.empty(m, k, dtype=x.dtype, device=x.device)
     r, t = (residual, total) if residual is not None else (x, y)  # unread where RESIDUAL is off
-    block = triton.next_power_of_2(k)
+    block = next_pow2(k)
     if m:  # x, r, w, sum, y, q, s, static, K, eps, strides, RESIDUAL, QUANT, STATIC, PRE_ROUND, BLOCK
         launch(_rms_norm_kernel, (m,), (x, r, weight, t, y, q, s, scale if scale is not None else s, k, float(eps), x.stride(0),
                                         r.stride(0), t.stride(0), y.stride(0), q.stride(0), residual is not None, quantize,

@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from .triton_launch import next_pow2
+
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
@@ -143,8 +145,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         q = q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    rows = max(16, triton.next_power_of_2(G * Lq))
-    D = max(16, triton.next_power_of_2(hd))
+    rows = max(16, next_pow2(G * Lq))
+    D = max(16, next_pow2(hd))
     tiles = triton.cdiv(Lk, _BLOCK_KV)
     splits = min(tiles, max(1, triton.cdiv(_WAVES * _sms(q.device), B * Hkv)))
     chunk = triton.cdiv(tiles, splits) * _BLOCK_KV
@@ -170,7 +172,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     )  # fmt: skip
     _combine_kernel[(B * Hkv * G * Lq,)](
         acc, m, l, out, out.stride(0), out.stride(1), out.stride(2), Hkv, G, Lq, splits,
-        ROWS=rows, D=D, HEAD_DIM=hd, SPLITS=triton.next_power_of_2(splits), num_warps=4,
+        ROWS=rows, D=D, HEAD_DIM=hd, SPLITS=next_pow2(splits), num_warps=4,
     )  # fmt: skip
     return out
 

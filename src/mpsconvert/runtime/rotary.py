@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import act_quant, forwards
-from .triton_launch import launch
+from .triton_launch import launch, next_pow2
 
 triton, tl = act_quant.triton, act_quant.tl
 NAME = "apply_rotary_pos_emb"
@@ -101,9 +101,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if b * s:
         cb = cos.stride(0) if cos.shape[0] > 1 else 0
         sb = sin.stride(0) if sin.shape[0] > 1 else 0
-        block_d = triton.next_power_of_2(d)
+        block_d = next_pow2(d)
         args = (q, k, cos, sin, qo, ko, s, hq, hk, *q.stride(), *k.stride(), cb, cos.stride(1), cos.stride(2), sb, sin.stride(1),
-                sin.stride(2), d, block_d, triton.next_power_of_2(hq), triton.next_power_of_2(hk), act_quant.INTERPRET)  # fmt: skip
+                sin.stride(2), d, block_d, next_pow2(hq), next_pow2(hk), act_quant.INTERPRET)  # fmt: skip
         launch(_rope_kernel, (b * s,), args, num_warps=4, enable_fp_fusion=False)
     return qo.transpose(1, 2), ko.transpose(1, 2)
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import forwards
-from .triton_launch import TL_DTYPES
+from .triton_launch import TL_DTYPES, next_pow2
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -102,9 +102,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool, sco
     logits = torch.empty(T, NE, dtype=x.dtype, device=x.device)
     scores = torch.empty(T, top_k, dtype=score_dtype, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    E = max(2, triton.next_power_of_2(NE))
+    E = max(2, next_pow2(NE))
     # up to 32768 weights per tile (Mixtral's whole router, 8 x 4096, in one), 64 per thread
-    block = max(16, min(triton.next_power_of_2(H), _TILE // E))
+    block = max(16, min(next_pow2(H), _TILE // E))
     _route_kernel[(T,)](
         x, weight, logits, scores, idx, H, NE, x.stride(0), weight.stride(0),
         getattr(tl, TL_DTYPES[x.dtype]), getattr(tl, TL_DTYPES[score_dtype]), top_k, renorm, E, block,
