@@ -85,3 +85,12 @@ def test_length_dependent_rotary_and_models_without_one_keep_their_own():
 
     bert = BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
     assert P.install(bert) == {"installed": False, "left": "no model-level rotary module"}
+
+
+def test_a_model_that_fails_the_probe_keeps_its_own_forwards_and_no_tables(monkeypatch):
+    model = _llama()
+    monkeypatch.setattr(P, "_check_model", lambda base: "its output with its own positions differs")
+    assert P.install(model) == {"installed": False, "left": "its output with its own positions differs"}
+    base = model.base_model
+    assert not forwards.installed(base) and not forwards.installed(base.rotary_emb)
+    assert not hasattr(base, "mpsconvert_positions") and not hasattr(base.rotary_emb, "mpsconvert_tables")

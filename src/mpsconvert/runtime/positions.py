@@ -161,9 +161,10 @@ def install(model: nn.Module) -> dict:
                 masking.find_packed_sequence_indices = Dispatch(original)
             forwards.install(base, _model_forward)
             why = _check_model(base)
-    if why is not None:
+    if why is not None:  # the model's own code, and nothing of ours kept alive
         forwards.uninstall(rot)
         forwards.uninstall(base)
+        del rot.mpsconvert_tables, base.mpsconvert_positions
         return {"installed": False, "left": why}
     return {"installed": True, "positions": n, "tables_bytes": 2 * tables[0].numel() * tables[0].element_size()}
 
