@@ -270,7 +270,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     if eager_fusion:  # on any device: a prefill's positions, rotary tables and packed-sequence check without device work
         from . import positions
 
+        t5 = time.perf_counter()
         info.positions = positions.install(model)
+        seconds["positions"] = time.perf_counter() - t5
     info.fp8_layers = sum(isinstance(m, FP8Linear) for m in model.modules())
     info.weight_bytes = model_bytes(model)
     seconds["total"] = time.perf_counter() - t0
