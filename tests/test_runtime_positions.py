@@ -52,20 +52,33 @@ def test_own_positions_give_the_models_own_outputs(arch):
         assert torch.equal(ours(ids, position_ids=pos, use_cache=False).logits, want)
         assert masking.find_packed_sequence_indices.skipped == skipped + 1
         assert outs[-1][0].data_ptr() != rot.mpsconvert_tables[0].data_ptr()
+        # a prefill and eager decode steps over a DynamicCache: positions after what it holds, tables read
+        from transformers import DynamicCache
+
+        from mpsconvert.runtime.generate import cache_kwarg
+
+        mine, theirs = cache_kwarg(ours, DynamicCache(config=ours.config)), cache_kwarg(ref, DynamicCache(config=ref.config))
+        steps = [ids[:, :9]] + [ids[:, i : i + 1] for i in range(9, 11)]
+        for i, part in enumerate(steps):
+            got, want_step = ours(part, **mine).logits, ref(part, **theirs).logits
+            assert torch.equal(got, want_step), i
+            held = 0 if i == 0 else 8 + i
+            assert outs[-1][0].data_ptr() == rot.mpsconvert_tables[0][:, held:].data_ptr(), i
         if arch == "llama":  # longer than the tables (max_position_embeddings 64): the model's own code
             long = torch.randint(0, 100, (1, 70), generator=torch.Generator().manual_seed(2))
             assert torch.equal(ours(long, use_cache=False).logits, ref(long, use_cache=False).logits)
             assert masking.find_packed_sequence_indices.skipped == skipped + 1
 
 
-def test_own_is_a_view_of_the_unwritten_buffer_from_its_start():
+def test_start_is_read_from_views_of_the_unwritten_buffer_only():
     buf = torch.arange(8)[None].clone()
     buf.mpsconvert_positions = buf._version
-    assert P.own(buf[:, :5]) and P.own(buf[:, :5].expand(3, -1)) and P.own(buf[:, :8])
-    for other in (buf[:, 1:5], buf[:, ::2], buf[:, :5].clone(), torch.arange(5)[None], buf[:, :5].t()):
-        assert not P.own(other)
-    buf[0, 0] = 3  # written: its views no longer say 0 .. S-1
-    assert not P.own(buf[:, :5])
+    assert P.start(buf[:, :5]) == 0 and P.start(buf[:, :5].expand(3, -1)) == 0 and P.start(buf[:, :8]) == 0
+    assert P.start(buf[:, 3:5]) == 3 and P.start(buf[:, 7:8]) == 7
+    for other in (buf[:, ::2], buf[:, :5].clone(), torch.arange(5)[None], buf[:, :5].t(), buf[0, :5]):
+        assert P.start(other) is None
+    buf[0, 0] = 3  # written: its views no longer say P .. P+S-1
+    assert P.start(buf[:, 2:5]) is None
 
 
 def test_packed_sequences_still_get_the_original_check():
@@ -89,8 +102,25 @@ def test_length_dependent_rotary_and_models_without_one_keep_their_own():
 
 def test_a_model_that_fails_the_probe_keeps_its_own_forwards_and_no_tables(monkeypatch):
     model = _llama()
-    monkeypatch.setattr(P, "_check_model", lambda base: "its output with its own positions differs")
+    monkeypatch.setattr(P, "_check_model", lambda base, caches: "its output with its own positions differs")
     assert P.install(model) == {"installed": False, "left": "its output with its own positions differs"}
     base = model.base_model
     assert not forwards.installed(base) and not forwards.installed(base.rotary_emb)
     assert not hasattr(base, "mpsconvert_positions") and not hasattr(base.rotary_emb, "mpsconvert_tables")
+
+
+def test_generate_steps_take_the_models_own_positions():
+    from mpsconvert.runtime.generate import TorchDecoder, takes_cache_position
+
+    ref = _llama()
+    ours = copy.deepcopy(ref)
+    assert P.install(ours)["installed"]
+    assert not takes_cache_position(ours)  # transformers 5.x: positions come from the cache
+    rot = ours.base_model.rotary_emb
+    outs = []
+    rot.register_forward_hook(lambda m, a, out: outs.append(out[0].data_ptr()))
+    a, b = TorchDecoder(ours), TorchDecoder(ref)
+    assert torch.equal(a.prefill([5, 6, 7, 8]), b.prefill([5, 6, 7, 8]))
+    for i, tok in enumerate((9, 10)):
+        assert torch.equal(a.step(tok), b.step(tok))
+        assert outs[-1] == rot.mpsconvert_tables[0][:, 4 + i :].data_ptr()  # the tables, from the cache's length on

@@ -96,6 +96,18 @@ def cache_kwarg(model, cache) -> dict:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
+def takes_cache_position(model) -> bool:
+    """Whether the model's forward names `cache_position` (transformers 4.x; 5.x derives the
+    positions from the cache and would only pass it along unread). Where it does not, a call
+    without it lets the loaded model use its own positions (runtime/positions.py)."""
+    import inspect
+
+    try:
+        return "cache_position" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+
+
 class TorchDecoder:
     """A transformers causal LM (as `runtime.load` returns it) over a DynamicCache."""
 
@@ -106,6 +118,7 @@ class TorchDecoder:
         self.dev = next(model.parameters()).device
         self.device = str(self.dev)
         self.max_len = None
+        self.cache_position = takes_cache_position(model)
         self.reset()
 
     def reset(self) -> None:
@@ -116,9 +129,11 @@ class TorchDecoder:
 
     def _run(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.dev)
-        pos = torch.arange(self.pos, self.pos + len(ids), device=self.dev)
+        kw = cache_kwarg(self.model, self.cache)
+        if self.cache_position:
+            kw["cache_position"] = torch.arange(self.pos, self.pos + len(ids), device=self.dev)
         with torch.no_grad():
-            out = self.model(input_ids=x, use_cache=True, cache_position=pos, logits_to_keep=1, **cache_kwarg(self.model, self.cache))
+            out = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **kw)
         self.pos += len(ids)
         return out.logits[0, -1].float()
 

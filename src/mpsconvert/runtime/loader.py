@@ -154,9 +154,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     the kernel of the norm that reads it, in eager mode (runtime/eager_fusion.py, rotary.py;
     each checked against the module's own forward or function at load); a thread makes those
     kernels' and libraries' first calls while the shards are read (runtime/prewarm.py). On any
-    device it also gives a call without positions and cache the model's own as a view of a
-    buffer made at load, so that the rotary tables are read, not recomputed, and transformers'
-    packed-sequence check needs no synchronisation (runtime/positions.py; checked bit for bit).
+    device it also gives a call without positions (no cache, or a DynamicCache) the model's own
+    as a view of a buffer made at load, so that the rotary tables are read, not recomputed, and
+    transformers' packed-sequence check needs no synchronisation (runtime/positions.py; checked
+    bit for bit).
     On CUDA an MoE model's softmax top-k routers run as one kernel at decode (runtime/routing.py).
     progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With

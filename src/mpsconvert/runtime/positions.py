@@ -11,22 +11,25 @@ time before the GPU received its first layer's work (Llama-3-8B shape, 2048 toke
 check 0.39 ms of it, the rotary tables 0.33 ms), during which the GPU idled; without both,
 0.48 ms (`benchmarks/eager_timeline.py --floor`, results/eager_floor_h200_llama32.log).
 
-What changes: the base model's installed forward passes, for a call without positions and
-without a cache, a view of a position buffer made at load (`0 .. N-1`, never written) as
-`position_ids`: the same values the model would make. A tensor that is a view of that buffer
-from its start, with unit stride along the tokens, holds `0 .. S-1` in every row, which the
-code below can tell without reading it:
+What changes: the base model's installed forward passes, for a call without positions (and
+without a cache, or with a DynamicCache, whose length the host knows), a view of a position
+buffer made at load (`0 .. N-1`, never written) as `position_ids`: the values the model would
+make, `P .. P+S-1` after the P tokens the cache holds. A view of that buffer with unit stride
+along the tokens holds consecutive positions from its offset in every row, which the code below
+can tell without reading it:
 
 - the rotary module returns slices of tables of its own forward at positions `0 .. N-1`, made
-  at load (for that input dtype and device only; another call runs its own forward);
+  at load (for that input dtype and device only; another call runs its own forward): a prefill
+  and every eager decode step skip its arithmetic;
 - `masking_utils.find_packed_sequence_indices` (replaced in transformers' module by `Dispatch`,
-  which calls the original for every other tensor) returns None, what it returns for such
-  positions.
+  which calls the original for every other tensor) returns None, what it returns for
+  consecutive positions.
 
-Checked at install: the tables equal the module's forward at several lengths, the original
-check returns None for such positions, and the model's output with the installed forward equals
-its own forward's bit for bit on a probe; a model that fails a check keeps its own forwards,
-with the reason in the report. Under torch.compile everything runs the model's own code.
+Checked at install: the tables equal the module's forward at several lengths and offsets, the
+original check returns None for such positions, and the model's output with the installed
+forward equals its own forward's bit for bit on probes (no cache; a prefill and a decode step
+over a DynamicCache); a model that fails a check keeps its own forwards, with the reason in the
+report. Under torch.compile everything runs the model's own code.
 """
 
 from __future__ import annotations
@@ -42,15 +45,16 @@ MAX_POSITIONS = 32768  # the longest call with tables (4 MB per 1K positions of 
 PROBE_LENGTHS = (1, 7)
 
 
-def own(position_ids) -> bool:
-    """Whether `position_ids` is a view of a loaded model's position buffer that holds
-    0 .. S-1 in every row (from the buffer's start, unit stride along the tokens)."""
+def start(position_ids) -> int | None:
+    """P if `position_ids` is a view of a loaded model's position buffer that holds P .. P+S-1 in
+    every row (unit stride along the tokens, rows the same), else None."""
     if not isinstance(position_ids, torch.Tensor):
-        return False
+        return None
     base = position_ids._base
-    return (base is not None and getattr(base, "mpsconvert_positions", None) == base._version and position_ids.ndim == 2
-            and position_ids.storage_offset() == 0 and position_ids.stride(-1) == 1
-            and (position_ids.shape[0] == 1 or position_ids.stride(0) == 0))  # fmt: skip
+    if (base is None or getattr(base, "mpsconvert_positions", None) != base._version or position_ids.ndim != 2
+            or position_ids.stride(-1) != 1 or (position_ids.shape[0] != 1 and position_ids.stride(0) != 0)):  # fmt: skip
+        return None
+    return position_ids.storage_offset()
 
 
 class Dispatch:
@@ -64,7 +68,7 @@ class Dispatch:
         self.__wrapped__ = original
 
     def __call__(self, position_ids, *args, **kwargs):
-        if not torch.compiler.is_compiling() and not args and not kwargs and own(position_ids):
+        if not torch.compiler.is_compiling() and not args and not kwargs and start(position_ids) is not None:
             self.skipped += 1
             return None
         return self.original(position_ids, *args, **kwargs)
@@ -72,30 +76,44 @@ class Dispatch:
 
 def _model_forward(self, *args, **kwargs):
     """The installed forward of the base model: its own, given its own positions as a view of
-    the buffer when the call has none and no cache (the values the model would make)."""
+    the buffer when the call has none (the values the model would make: 0 .. S-1 after what a
+    DynamicCache holds, none without a cache)."""
     fwd = self.mpsconvert_base.forward
-    if torch.compiler.is_compiling() or len(args) > 1 or any(kwargs.get(k) is not None for k in _OWN_POSITIONS_ONLY):
+    if torch.compiler.is_compiling() or len(args) > 1 or kwargs.get("position_ids") is not None or kwargs.get("cache_position") is not None:
         return fwd(self, *args, **kwargs)
     ids = args[0] if args else kwargs.get("input_ids")
     x = ids if ids is not None else kwargs.get("inputs_embeds")
     buf = self.mpsconvert_positions
     n = None if x is None or x.ndim < 2 else (x.shape[-1] if ids is not None else x.shape[-2])
-    if not n or n > buf.shape[-1] or x.device != buf.device:
+    past = _held(kwargs.get("past_key_values", kwargs.get("cache")))
+    if not n or past is None or past + n > buf.shape[-1] or x.device != buf.device:
         return fwd(self, *args, **kwargs)
-    kwargs["position_ids"] = buf[:, :n]
+    kwargs["position_ids"] = buf[:, past : past + n]
     return fwd(self, *args, **kwargs)
 
 
-_OWN_POSITIONS_ONLY = ("position_ids", "past_key_values", "cache", "cache_position")  # any of these: the model's own code
+def _held(cache) -> int | None:
+    """Tokens a cache holds, where the host knows it (none, or a DynamicCache: the count the
+    model itself reads for its positions); None for any other cache (its count may live on the
+    device)."""
+    from transformers import DynamicCache
+
+    if cache is None:
+        return 0
+    if not isinstance(cache, DynamicCache):
+        return None
+    held = cache.get_seq_length()
+    return held if type(held) is int else None
 
 
 def _rotary_forward(self, x, position_ids, *args, **kwargs):
     """The installed forward of the rotary module: slices of its tables for own positions."""
     cos, sin = self.mpsconvert_tables
-    if (not torch.compiler.is_compiling() and not args and not kwargs and x.dtype == cos.dtype and x.device == cos.device
-            and own(position_ids)):  # fmt: skip
-        n = position_ids.shape[-1]
-        return cos[:, :n], sin[:, :n]
+    if not torch.compiler.is_compiling() and not args and not kwargs and x.dtype == cos.dtype and x.device == cos.device:
+        p = start(position_ids)
+        if p is not None:
+            n = position_ids.shape[-1]
+            return cos[:, p : p + n], sin[:, p : p + n]
     return self.mpsconvert_base.forward(self, x, position_ids, *args, **kwargs)
 
 
@@ -122,11 +140,12 @@ def _tables(rot: nn.Module, n: int, dtype: torch.dtype, device) -> tuple:
 
 def _check_tables(rot: nn.Module, tables, buf) -> str | None:
     x = torch.zeros(1, 1, 1, dtype=tables[0].dtype, device=buf.device)
-    for n in (*PROBE_LENGTHS, buf.shape[-1]):
-        want = forwards.own_forward(rot)(rot, x, torch.arange(n, device=buf.device)[None])
-        got = _rotary_forward(rot, x, buf[:, :n])
+    end = buf.shape[-1]
+    for p, n in ((0, 1), (0, max(PROBE_LENGTHS)), (0, end), (max(PROBE_LENGTHS), 1), (end - 3, 3)):
+        want = forwards.own_forward(rot)(rot, x, torch.arange(p, p + n, device=buf.device)[None])
+        got = _rotary_forward(rot, x, buf[:, p : p + n])
         if any(a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b) for a, b in zip(want, got)):
-            return f"its tables differ from its forward at {n} positions"
+            return f"its tables differ from its forward at positions {p} .. {p + n - 1}"
     return None
 
 
@@ -134,6 +153,9 @@ def install(model: nn.Module) -> dict:
     """Install the own-positions forwards into a loaded model (after every other install: the
     probe runs the model as it will run); returns what was installed, or why not."""
     import transformers.masking_utils as masking
+    from transformers import DynamicCache
+
+    from .generate import cache_kwarg
 
     found, why = _base_model(model)
     if found is None:
@@ -159,8 +181,9 @@ def install(model: nn.Module) -> dict:
         if why is None:
             if not isinstance(masking.find_packed_sequence_indices, Dispatch):
                 masking.find_packed_sequence_indices = Dispatch(original)
+            caches = [cache_kwarg(base, DynamicCache(config=base.config)) for _ in range(2)]  # named by its own forward
             forwards.install(base, _model_forward)
-            why = _check_model(base)
+            why = _check_model(base, caches)
     if why is not None:  # the model's own code, and nothing of ours kept alive
         forwards.uninstall(rot)
         forwards.uninstall(base)
@@ -169,14 +192,22 @@ def install(model: nn.Module) -> dict:
     return {"installed": True, "positions": n, "tables_bytes": 2 * tables[0].numel() * tables[0].element_size()}
 
 
-def _check_model(base: nn.Module) -> str | None:
+def _check_model(base: nn.Module, caches: list[dict]) -> str | None:
     """None if the base model with its installed forward gives its own forward's output bit for
-    bit on a probe call without positions and cache (the model's rotary module installed)."""
+    bit on probe calls without positions: without a cache, and a prefill then a decode step over
+    a DynamicCache (`caches`: two fresh ones as keyword arguments; the model's rotary module
+    installed)."""
     s = max(PROBE_LENGTHS)
-    ids = torch.arange(1, s + 1, device=base.mpsconvert_positions.device)[None] % max(base.get_input_embeddings().num_embeddings, 1)
+    ids = torch.arange(1, s + 2, device=base.mpsconvert_positions.device)[None] % max(base.get_input_embeddings().num_embeddings, 1)
+    own = forwards.own_forward(base)
     try:
-        want = forwards.own_forward(base)(base, input_ids=ids, use_cache=False).last_hidden_state
-        got = base(input_ids=ids, use_cache=False).last_hidden_state
+        calls = [(own(base, input_ids=ids[:, :s], use_cache=False), base(input_ids=ids[:, :s], use_cache=False))]
+        for part in (ids[:, :s], ids[:, s:]):
+            calls.append((own(base, input_ids=part, use_cache=True, **caches[0]), base(input_ids=part, use_cache=True, **caches[1])))
     except Exception as e:  # a model the probe cannot call this way keeps its own forward
         return f"its probe call failed ({type(e).__name__}: {str(e)[:120]})"
-    return None if want.shape == got.shape and torch.equal(want, got) else "its output with its own positions differs"
+    for want, got in calls:
+        want, got = want.last_hidden_state, got.last_hidden_state
+        if want.shape != got.shape or not torch.equal(want, got):
+            return "its output with its own positions differs"
+    return None
