@@ -41,7 +41,7 @@ from torch import nn
 
 from . import forwards
 
-MAX_POSITIONS = 32768  # the longest call with tables (4 MB per 1K positions of 128-wide bf16 heads at most)
+MAX_POSITIONS = 32768  # the longest call with tables: 16 MB of cos / sin for 128-wide bf16 heads (Llama-3-8B, 8192: 4 MB)
 PROBE_LENGTHS = (1, 7)
 
 
