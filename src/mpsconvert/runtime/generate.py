@@ -84,28 +84,27 @@ class Decoder(Protocol):
     def sync(self) -> None: ...
 
 
-def cache_kwarg(model, cache) -> dict:
-    """The KV cache as the model's forward names it: `cache` (transformers >= 5.24, where
-    `past_key_values` is deprecated with a FutureWarning) or `past_key_values`."""
+def accepts(model, arg: str, default: bool = False) -> bool:
+    """Whether the model's forward names `arg` (`default` where its signature cannot be read)."""
     import inspect
 
     try:
-        params = inspect.signature(model.forward).parameters
+        return arg in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        params = {}
-    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+        return default
+
+
+def cache_kwarg(model, cache) -> dict:
+    """The KV cache as the model's forward names it: `cache` (transformers >= 5.24, where
+    `past_key_values` is deprecated with a FutureWarning) or `past_key_values`."""
+    return {"cache": cache} if accepts(model, "cache") else {"past_key_values": cache}
 
 
 def takes_cache_position(model) -> bool:
     """Whether the model's forward names `cache_position` (transformers 4.x; 5.x derives the
     positions from the cache and would only pass it along unread). Where it does not, a call
     without it lets the loaded model use its own positions (runtime/positions.py)."""
-    import inspect
-
-    try:
-        return "cache_position" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return True
+    return accepts(model, "cache_position", default=True)
 
 
 class TorchDecoder:
@@ -125,11 +124,12 @@ class TorchDecoder:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
+        self.cache_kw = cache_kwarg(self.model, self.cache)  # the forward's signature read once, not every step
         self.pos = 0
 
     def _run(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.dev)
-        kw = cache_kwarg(self.model, self.cache)
+        kw = dict(self.cache_kw)
         if self.cache_position:
             kw["cache_position"] = torch.arange(self.pos, self.pos + len(ids), device=self.dev)
         with torch.no_grad():

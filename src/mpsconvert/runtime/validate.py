@@ -27,7 +27,7 @@ from .. import devices, timing
 from ..errors import DataError, MpsconvertError, SourceError
 from ..progress import Progress, or_silent
 from . import metrics
-from .generate import cache_kwarg
+from .generate import accepts, cache_kwarg
 
 PEAK_NOTE = "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
 
@@ -91,15 +91,6 @@ def _peak(dev) -> int | None:
     return m.get("peak_allocated", m.get("driver_allocated"))
 
 
-def _accepts(model, arg: str) -> bool:
-    import inspect
-
-    try:
-        return arg in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class _CausalTimer:
     """Prefill of the prompt and decode steps after it (batch 1, static KV cache), in rounds:
     the first round also warms up (and compiles, on CUDA), every round adds samples."""
@@ -111,7 +102,7 @@ class _CausalTimer:
         self.t = self.ids.shape[1]
         self.cache = StaticCache(config=model.config, max_cache_len=self.t + opts.decode_tokens + opts.warmup + 2)
         # what `generate` asks of a prefill: the last position's logits only
-        self.keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+        self.keep = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
         self.step = torch.compile(model.forward, mode="reduce-overhead") if use_compile else model.forward
         self.compiled = use_compile
         self.cache_kw = cache_kwarg(model, self.cache)
@@ -120,7 +111,7 @@ class _CausalTimer:
 
     def _prefill(self):
         self.cache.reset()
-        return self.model(self.ids, **cache_kwarg(self.model, self.cache), use_cache=True,
+        return self.model(self.ids, **self.cache_kw, use_cache=True,
                           cache_position=torch.arange(self.t, device=self.dev), **self.keep).logits  # fmt: skip
 
     def round(self) -> None:
