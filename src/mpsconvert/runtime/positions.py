@@ -38,6 +38,7 @@ import inspect
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from . import forwards
 
@@ -85,7 +86,8 @@ def _model_forward(self, *args, **kwargs):
     x = ids if ids is not None else kwargs.get("inputs_embeds")
     buf = self.mpsconvert_positions
     n = None if x is None or x.ndim < 2 else (x.shape[-1] if ids is not None else x.shape[-2])
-    past = _held(kwargs.get("past_key_values", kwargs.get("cache")))
+    cache = kwargs.get("past_key_values")
+    past = _held(cache if cache is not None else kwargs.get("cache"))
     if not n or past is None or past + n > buf.shape[-1] or x.device != buf.device:
         return fwd(self, *args, **kwargs)
     kwargs["position_ids"] = buf[:, past : past + n]
@@ -96,8 +98,6 @@ def _held(cache) -> int | None:
     """Tokens a cache holds, where the host knows it (none, or a DynamicCache: the count the
     model itself reads for its positions); None for any other cache (its count may live on the
     device)."""
-    from transformers import DynamicCache
-
     if cache is None:
         return 0
     if not isinstance(cache, DynamicCache):
@@ -153,7 +153,6 @@ def install(model: nn.Module) -> dict:
     """Install the own-positions forwards into a loaded model (after every other install: the
     probe runs the model as it will run); returns what was installed, or why not."""
     import transformers.masking_utils as masking
-    from transformers import DynamicCache
 
     from .generate import cache_kwarg
 
