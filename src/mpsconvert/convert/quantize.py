@@ -103,7 +103,8 @@ class Options:
     # Output shards hold at most this many bytes (one tensor larger than that goes alone): a load
     # with verification hashes each file on its own thread (sha256 cannot be split), ~0.8 GB/s
     # per thread on the H200 host, so the largest shard bounds how fast the artifact loads.
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    # Bytes, or a size such as "1GB" (made bytes by shard_size_bytes).
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
     # FP8 source tensors (weight key -> SourceTensor), filled by _prepare for an FP8 source
     fp8_tensors: dict = field(default_factory=dict)
     source_scheme: Scheme | None = None  # the scheme an FP8 source's codes and scales are in
@@ -112,9 +113,7 @@ class Options:
     def __post_init__(self):
         if self.experts_layout not in EXPERTS_LAYOUTS:
             raise QuantizationError(f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}")
-        if not isinstance(self.max_shard_size, int) or self.max_shard_size <= 0:
-            raise QuantizationError(f"max shard size must be a positive number of bytes, got {self.max_shard_size!r}",
-                                    "pass e.g. 1GB, 500MB or 2GiB")
+        self.max_shard_size = shard_size_bytes(self.max_shard_size)
         if self.dtype is not None and self.dtype not in UNQUANTIZED_DTYPES:
             raise QuantizationError(f"unknown dtype {self.dtype!r} for the unquantized tensors", f"use one of: {', '.join(UNQUANTIZED_DTYPES)}")
 
