@@ -934,7 +934,7 @@ def print_table(report):
               f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
               f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
     print("eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate calls it;"
-          " busy per call of 5 profiled after the timed loop, and the wall of those 5 calls under the profiler):")
+          f" busy per call of {PROFILED_CALLS} profiled after the timed loop, and the wall of those calls under the profiler):")
     for name, r in res.items():
         parts = []
         for key in ("eager_prefill", "eager_prefill_cached"):
