@@ -39,8 +39,9 @@ import itertools
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
-from . import act_quant, forwards, kernels, rotary, triton_launch
+from . import act_quant, attention_prefill, forwards, kernels, rotary, triton_launch
 from .fp8linear import DECODE_MAX_M, FP8Linear
 from .fuse import SharedInput, Stash, group_name
 
@@ -138,13 +139,23 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     """The installed forward of a pre-norm decoder layer (forwards.install): its own calls in its
     own order (norm, attention, add, norm, MLP, add), each residual add done by the kernel of the
     norm that reads the sum: this layer's post-attention norm, and the next layer's input norm
-    (or the model's final norm), whose forward then returns what was computed for it."""
+    (or the model's final norm), whose forward then returns what was computed for it. A prefill
+    the direct attention path takes (attention_prefill.py) runs it, and the norm's and MLP's
+    forwards without their module calls (it checked that no hook would run)."""
     if torch.compiler.is_compiling() or args or hidden_states.requires_grad:
         return self.mpsconvert_base.forward(self, hidden_states, *args, **kwargs)
     in_norm, attn, post, mlp, nxt = self.mpsconvert_layer
-    h, _ = attn(hidden_states=in_norm(hidden_states), **kwargs)
-    residual, h = _add_norm(hidden_states, h, post)
-    h = mlp(h)
+    plan = self.mpsconvert_attention
+    call = None if plan is None else attention_prefill.takes(plan, hidden_states, kwargs)
+    if call is not None:
+        y = in_norm.forward(hidden_states)
+        h = attention_prefill.forward(plan, y, plan.group.quantized_input(y, y.view(-1, y.shape[-1])), *call)
+        residual, h = _add_norm(hidden_states, h, post)
+        h = mlp.forward(h)
+    else:
+        h, _ = attn(hidden_states=in_norm(hidden_states), **kwargs)
+        residual, h = _add_norm(hidden_states, h, post)
+        h = mlp(h)
     return residual + h if nxt is None else _add_norm(residual, h, nxt, hand=True)
 
 
@@ -234,14 +245,35 @@ def _check_mlp(mlp: nn.Module) -> str | None:
 
 def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
     """None if the installed layer forward gives exactly the layer's own forward (with its
-    modules' installed forwards) on a probe, the next norm's handed-over output included."""
+    modules' installed forwards) on probes, the next norm's handed-over output included: the
+    call the probe forward made (no cache), and with a direct attention path (which that call
+    must have taken) the same call over a fresh DynamicCache, the cache's contents included."""
+    probes = [(kwargs, None)]
+    plan = layer.mpsconvert_attention
+    if plan is not None:
+        taken = plan.calls
+        name = next((k for k in ("past_key_values", "cache") if k in kwargs), None)
+        if name is not None:
+            caches = [DynamicCache(config=plan.attn.config) for _ in range(2)]
+            probes.append(({**kwargs, name: caches[0], "use_cache": True}, caches))
+    for kw, caches in probes:
+        why = _check_call(layer, kw, caches)
+        if why:
+            return why
+        if plan is not None and plan.calls == taken:
+            return "its probe call did not take the direct attention path"
+    return None
+
+
+def _check_call(layer: nn.Module, kwargs: dict, caches) -> str | None:
     nxt = layer.mpsconvert_layer[4]
     post = layer.mpsconvert_layer[2]
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, PROBE_ROWS, post.weight.shape[0], generator=g).to(device=post.weight.device, dtype=post.weight.dtype)
+    mine = kwargs if caches is None else {**kwargs, next(k for k, v in kwargs.items() if v is caches[0]): caches[1]}
     try:
         want = forwards.own_forward(layer)(layer, x, **kwargs)
-        got = _layer_forward(layer, x, **kwargs)
+        got = _layer_forward(layer, x, **mine)
         handed = nxt.mpsconvert_hand.pre if nxt is not None else None
         if nxt is not None:
             nxt.mpsconvert_hand.pre = None
@@ -258,13 +290,18 @@ def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
         return "the fused residual adds differ from its own forward"
     if nxt is not None and (handed is None or handed[0] is not got or not torch.equal(handed[2], ref)):
         return "the next norm's output computed with the residual add differs from the norm's own"
+    if caches is not None:
+        idx = layer.mpsconvert_attention.layer_idx
+        held = [(c.layers[idx].keys, c.layers[idx].values) for c in caches]
+        if not all(torch.equal(a, b) for a, b in zip(*held)):
+            return "the keys and values it caches differ from its own forward's"
     return None
 
 
 def install(model: nn.Module) -> dict:
     """Install the fused eager forwards into a loaded model (after share_inputs and the kernel
     policy, whose choices they read at call time); returns what was installed and what was not."""
-    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "layers": 0, "rotary": 0, "left": []}
+    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "layers": 0, "attention": 0, "rotary": 0, "left": []}
     if not act_quant.available():
         report["left"].append("Triton is not available here")
         return report
@@ -313,11 +350,24 @@ def install(model: nn.Module) -> dict:
             continue
         nxt = nexts.get(layer)
         object.__setattr__(layer, "mpsconvert_layer", (*parts, nxt if nxt in fused else None))
+        plan = attention_prefill.plan(parts[1])
+        if isinstance(plan, str):
+            report["left"].append(f"{names[parts[1]]}: {plan}; its prefill runs the module's forward")
+            plan = None
+        else:
+            plan.skipped += (parts[0], parts[3])  # the norm and MLP, also called without their modules
+        object.__setattr__(layer, "mpsconvert_attention", plan)
         forwards.install(layer, _layer_forward)
         why = _check_layer(layer, calls[layer])
+        if why and plan is not None:  # the layer without the direct attention path
+            object.__setattr__(layer, "mpsconvert_attention", None)
+            why, direct = _check_layer(layer, calls[layer]), why
+            if not why:  # the direct path was what differed
+                report["left"].append(f"{names[parts[1]]}: {direct}; its prefill runs the module's forward")
         if why:
             forwards.uninstall(layer)
             report["left"].append(f"{names[layer]}: {why}")
             continue
         report["layers"] += 1
+        report["attention"] += layer.mpsconvert_attention is not None
     return report
