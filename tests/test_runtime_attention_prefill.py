@@ -94,6 +94,13 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
         h.remove()
         assert taken == [0, 1] and torch.equal(got, want) and len(seen) == 2, (taken, seen)
 
+        # the other way round: layer 0 hands layer 1's input norm only its codes, and layer 1's
+        # module path computes that norm's output afresh
+        h = layers[1].self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+        got, want, taken = both(lambda: model(ids, use_cache=False).logits)
+        h.remove()
+        assert taken == [1, 0] and torch.equal(got, want) and len(seen) == 4, (taken, seen)
+
         model.model.layers[0].self_attn.train()  # training mode (dropout): the module's forward
         got, want, taken = both(lambda: model(ids, use_cache=False).logits)
         model.model.layers[0].self_attn.eval()
@@ -111,6 +118,19 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
     assert report["layers"] == 2 and report["attention"] == 0, report
     assert report["left"] == [f"model.layers.{i}.self_attn: it has modules the direct path does not run (k_norm, q_norm); "
                               "its prefill runs the module's forward" for i in range(2)], report
+
+    # Mixtral: the direct attention, the MoE block called as a module on the post-attention norm's output
+    from transformers import MixtralConfig, MixtralForCausalLM
+    moe = fp8_model(MixtralForCausalLM, MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2))
+    with torch.no_grad():
+        report = eager_fusion.install(moe)
+        assert report["layers"] == 2 and report["attention"] == 2 and report["left"] == [], report
+        assert not any(m.mpsconvert_attention.fused_mlp for m in moe.model.layers)
+        got = moe(ids, use_cache=False).logits
+        for m in moe.model.layers:
+            forwards.uninstall(m)
+        assert torch.equal(got, moe(ids, use_cache=False).logits)
+        assert [m.mpsconvert_attention.calls for m in moe.model.layers] == [3, 3]  # two install probes, then this call
 
     # an attention whose output differs from what the direct path computes: found by the install check
     from transformers.models.llama.modeling_llama import LlamaAttention

@@ -57,7 +57,8 @@ def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
 
 def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted():
     """act_quant.add_rms_norm_quantize: the sum is bit for bit the eager `residual + x`, and the
-    norm, codes and scales are those of rms_norm_quantize on that sum (rows with a stride too)."""
+    norm, codes and scales are those of rms_norm_quantize on that sum (rows with a stride too);
+    with store_y=False the same codes, and no output."""
     _interpreted("""
     import torch
     from mpsconvert.runtime import act_quant as aq
@@ -74,6 +75,15 @@ def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted()
                 assert torch.equal(y, y2) and (q is None) == (not quant)
                 if quant:
                     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+                # without store_y (codes only): the same sum, codes and scales, and no output written
+                total3, y3, q3, s3 = aq.add_rms_norm_quantize(x, r, w, 1e-6, quant, scale, store_y=False)
+                y4, q4, s4 = aq.rms_norm_quantize(r + x, w, 1e-6, quant, scale, store_y=False)
+                assert torch.equal(total3, total) and (y3 is None and y4 is None) == quant
+                if quant:
+                    for qq, ss in ((q3, s3), (q4, s4)):
+                        assert torch.equal(qq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ss, s)
+                else:  # nothing but the output to write: it is written
+                    assert torch.equal(y3, y) and torch.equal(y4, y)
                 ref = aq.torch_rms_norm(r + x, w, 1e-6)
                 assert float((y.float() - ref.float()).abs().max()) <= 2 * float(ref.float().abs().max()) * torch.finfo(dt).eps
     print("ok")

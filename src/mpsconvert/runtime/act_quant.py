@@ -173,7 +173,8 @@ if triton is not None:
     def _rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, static_ptr,
         K, eps, stride_xm, stride_rm, stride_sum, stride_ym, stride_qm,
-        RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
+        RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, STORE_Y: tl.constexpr, PRE_ROUND: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
         m = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -187,7 +188,8 @@ if triton is not None:
         r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)  # libdevice rsqrtf, as torch.rsqrt on CUDA
         h = _round_to(xf * r, x.dtype, PRE_ROUND)  # hidden_states.to(input_dtype)
         y = _round_to(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * h, x.dtype, PRE_ROUND)  # weight * that
-        tl.store(y_ptr + m * stride_ym + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if STORE_Y:  # off where only the codes are read (a prefill's direct path: runtime/eager_fusion.py)
+            tl.store(y_ptr + m * stride_ym + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
         if QUANT:
             if STATIC:
                 s = tl.load(static_ptr).to(tl.float32)
@@ -249,36 +251,41 @@ def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return use_triton(x) and x.shape[-1] <= _ONE_PASS_MAX and weight.dtype == x.dtype and x.dtype.is_floating_point
 
 
-def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool, scale: torch.Tensor | None = None):
+def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool, scale: torch.Tensor | None = None,
+                      store_y: bool = True):  # fmt: skip
     """RMSNorm of x [M, K] (`torch_rms_norm`'s arithmetic) -> (y [M, K] in x's dtype, and with
     `quantize` y's e4m3 codes and float32 dequant scale [M, 1] as `quantize(y, scale)` gives them,
-    else None, None). One Triton program per row; the caller checks `rms_norm_fits` first."""
-    return _norm(x, None, weight, eps, quantize, scale)[1:]
+    else None, None). One Triton program per row; the caller checks `rms_norm_fits` first. With
+    `quantize` and not `store_y`, y is not written (None): for a caller that reads only the codes."""
+    return _norm(x, None, weight, eps, quantize, scale, store_y)[1:]
 
 
 def add_rms_norm_quantize(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool,
-                          scale: torch.Tensor | None = None):  # fmt: skip
+                          scale: torch.Tensor | None = None, store_y: bool = True):  # fmt: skip
     """`rms_norm_quantize(residual + x, ...)` with the sum in the same program: (residual + x
     [M, K] rounded to x's dtype as the eager add rounds it, y, codes, scale). A decoder layer's
     residual add followed by the next norm, one launch and one read of each row instead of two
     (runtime/eager_fusion.py); the caller checks `rms_norm_fits` and that both are [M, K] of one dtype."""
-    return _norm(x, residual, weight, eps, quantize, scale)
+    return _norm(x, residual, weight, eps, quantize, scale, store_y)
 
 
-def _norm(x, residual, weight, eps, quantize, scale):
+def _norm(x, residual, weight, eps, quantize, scale, store_y=True):
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    y = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device) if quantize else y
-    s = torch.empty(m, 1, dtype=torch.float32, device=x.device) if quantize else y
+    store_y = store_y or not quantize
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device) if quantize else None
+    y = torch.empty(m, k, dtype=x.dtype, device=x.device) if store_y else None
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device) if quantize else None
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         total = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    r, t = (residual, total) if residual is not None else (x, y)  # unread where RESIDUAL is off
+    yp = y if store_y else q  # unwritten where STORE_Y is off
+    qp, sp = (q, s) if quantize else (yp, yp)  # unwritten where QUANT is off
+    r, t = (residual, total) if residual is not None else (x, yp)  # unread where RESIDUAL is off
     block = next_pow2(k)
-    if m:  # x, r, w, sum, y, q, s, static, K, eps, strides, RESIDUAL, QUANT, STATIC, PRE_ROUND, BLOCK
-        launch(_rms_norm_kernel, (m,), (x, r, weight, t, y, q, s, scale if scale is not None else s, k, float(eps), x.stride(0),
-                                        r.stride(0), t.stride(0), y.stride(0), q.stride(0), residual is not None, quantize,
-                                        scale is not None, INTERPRET, block), num_warps=_warps(block))  # fmt: skip
-    return (t if residual is not None else None, y) + ((q, s) if quantize else (None, None))
+    if m:  # x, r, w, sum, y, q, s, static, K, eps, strides, RESIDUAL, QUANT, STATIC, STORE_Y, PRE_ROUND, BLOCK
+        launch(_rms_norm_kernel, (m,), (x, r, weight, t, yp, qp, sp, scale if scale is not None else sp, k, float(eps), x.stride(0),
+                                        r.stride(0), t.stride(0), yp.stride(0), qp.stride(0), residual is not None, quantize,
+                                        scale is not None, store_y, INTERPRET, block), num_warps=_warps(block))  # fmt: skip
+    return (total if residual is not None else None, y, q, s)

@@ -38,14 +38,16 @@ from .fuse import SharedInput, group_name
 QKV = ("q_proj", "k_proj", "v_proj")
 # The decoder layer's keyword arguments this path reads or that the attention does not read at
 # prefill (anything else, e.g. output_attentions or a flash-attention argument, takes the module's forward).
-KWARGS = frozenset({"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "cache_position", "position_embeddings"})
+KWARGS = frozenset({"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "cache_position", "position_embeddings",
+                    "output_router_logits"})  # the last: MoE layers pass it on, for their router (called as a module here)
 SDPA = ("sdpa", "mpsconvert_sdpa")  # attention implementations whose prefill is transformers' sdpa_attention_forward
 
 
 class Plan:
     """What the direct path reads of one attention module, looked up once."""
 
-    __slots__ = ("attn", "group", "o_proj", "hq", "hk", "d", "scaling", "gqa", "layer_idx", "skipped", "calls")
+    __slots__ = ("attn", "group", "o_proj", "hq", "hk", "d", "scaling", "gqa", "layer_idx", "skipped", "groups", "layers", "frozen",
+                 "fused_mlp", "calls")  # fmt: skip
 
     def __init__(self, attn: nn.Module, group: SharedInput, o_proj: FP8Linear, hq: int, hk: int, d: int):
         self.attn, self.group, self.o_proj = attn, group, o_proj
@@ -53,7 +55,13 @@ class Plan:
         self.scaling = float(attn.scaling)
         self.gqa = {"enable_gqa": True} if hq != hk else {}  # what sdpa_attention_forward passes without a mask on CUDA
         self.layer_idx = attn.layer_idx
-        self.skipped = tuple(attn._modules[n] for n in QKV) + (o_proj, attn)  # modules whose calls (and hooks) this path skips
+        # What a call must find, checked on every call (the caller, runtime/eager_fusion.py, adds
+        # the rest of its decoder layer): modules whose calls (and so hooks) the path skips, groups
+        # that must quantize their input, FP8 layers whose prefill kernel must take codes, and
+        # weights that must need no gradient (the kernels have no backward).
+        self.skipped = tuple(attn._modules[n] for n in QKV) + (o_proj, attn)
+        self.groups, self.layers, self.frozen = (group,), (o_proj,), ()
+        self.fused_mlp = False  # whether the caller runs the layer's MLP from the codes of its input (eager_fusion)
         self.calls = 0  # calls the direct path ran (the install check and the tests read it)
 
 
@@ -95,7 +103,7 @@ def takes(p: Plan, x: torch.Tensor, kwargs: dict):
         return None
     cos, sin = pe
     b, s, _ = x.shape
-    if (s < 2 or not p.group.quantizes(b * s) or cos.ndim != 3 or cos.shape[1] != s or cos.shape[-1] != p.d or cos.shape[0] not in (1, b)
+    if (s < 2 or not all(g.quantizes(b * s) for g in p.groups) or cos.ndim != 3 or cos.shape[1] != s or cos.shape[-1] != p.d or cos.shape[0] not in (1, b)
             or sin.shape != cos.shape or cos.dtype != x.dtype or sin.dtype != x.dtype):  # fmt: skip
         return None
     cache = kwargs.get("past_key_values")
@@ -105,16 +113,19 @@ def takes(p: Plan, x: torch.Tensor, kwargs: dict):
     attn = p.attn
     if attn.training or attn.config._attn_implementation not in SDPA or _hooked(p.skipped):
         return None
+    if any(m._fns[1] not in kernels.QUANTIZING for m in p.layers) or any(w.requires_grad for w in p.frozen):
+        return None
     return cos, sin, cache
 
 
-def forward(p: Plan, y: torch.Tensor, quantized, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
-    """The attention module's output for its input `y` [B, S, hidden] (quantized: y's codes and
-    scales, from the norm that made y): what its own forward computes, op for op."""
+def forward(p: Plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+    """The attention module's output [B, S, hidden] for the input norm's output, given as its codes
+    (`codes`, what the q/k/v GEMM reads) for the layer input x [B, S, hidden] (read for its
+    shape and dtype): what the module's own forward computes, op for op."""
     p.calls += 1
-    b, s, _ = y.shape
+    b, s, _ = x.shape
     inner = p.group.inner
-    qkv = inner._fns[1](inner, y, quantized)  # [B*S, (hq + 2 hk) d]; reads y only for its dtype
+    qkv = inner._fns[1](inner, x, codes)  # [B*S, (hq + 2 hk) d]
     n, d, off = qkv.shape[1], p.d, qkv.storage_offset()
     st = (s * n, d, n, 1)  # [B, H, S, D] views of the heads, as `.view(B, S, -1, D).transpose(1, 2)` makes them
     q = qkv.as_strided((b, p.hq, s, d), st, off)
@@ -124,5 +135,4 @@ def forward(p: Plan, y: torch.Tensor, quantized, cos: torch.Tensor, sin: torch.T
     if cache is not None:
         k, v = cache.update(k, v, p.layer_idx)
     o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=p.scaling, is_causal=True, **p.gqa)
-    out = p.o_proj._fns[1](p.o_proj, o.transpose(1, 2).reshape(b * s, -1))
-    return out.view(b, s, -1)
+    return p.o_proj._fns[1](p.o_proj, o.transpose(1, 2).reshape(b * s, -1)).view(b, s, -1)

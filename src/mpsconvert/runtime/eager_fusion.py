@@ -66,32 +66,43 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad or w.requires_grad:  # no backward here
         return self.mpsconvert_base.forward(self, x)
-    hand = self.mpsconvert_hand
-    pre = hand.pre
-    if pre is not None:  # the layer before computed this norm of exactly x with its residual add (_layer_forward)
-        hand.pre = None
-        if pre[0] is x and pre[1] == x._version:
-            return pre[2]
+    pre = _handed(self, x)
+    if pre is not None and pre[2] is not None:  # the layer before computed this norm of exactly x with its residual add
+        return pre[2]
     return _fused_norm(self, x)[1]
 
 
-def _fused_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """(residual + x or None, the norm of that) in one kernel; the norm's codes go to the group
-    it feeds (`stash.pre`, for exactly that output), where that group quantizes its input."""
+def _handed(norm: nn.Module, x: torch.Tensor):
+    """What the layer before computed for this norm's call on exactly `x` (taken once): (x,
+    version, the norm's output or None where only its codes were written, its codes or None)."""
+    hand = norm.mpsconvert_hand
+    pre = hand.pre
+    if pre is None:
+        return None
+    hand.pre = None
+    return pre if pre[0] is x and pre[1] == x._version else None
+
+
+def _fused_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None, store_y: bool = True):
+    """(residual + x or None, the norm of that, its codes or None) in one kernel. The codes go to
+    the group the norm feeds (`stash.pre`, for exactly that output), where that group quantizes
+    its input. Without `store_y` the norm's output is not written (None) where a group reads
+    only its codes (the direct prefill path), and nothing is stashed."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     group = norm.mpsconvert_feeds
     quant = group is not None and group.quantizes(x2.shape[0])
     scale = group.static_scale if quant else None
     if residual is None:
-        total, (y, q, s) = None, act_quant.rms_norm_quantize(x2, norm.weight, norm.mpsconvert_eps, quant, scale)
+        total, (y, q, s) = None, act_quant.rms_norm_quantize(x2, norm.weight, norm.mpsconvert_eps, quant, scale, store_y)
     else:
-        total, y, q, s = act_quant.add_rms_norm_quantize(x2, residual.reshape(-1, k), norm.weight, norm.mpsconvert_eps, quant, scale)
+        total, y, q, s = act_quant.add_rms_norm_quantize(x2, residual.reshape(-1, k), norm.weight, norm.mpsconvert_eps, quant, scale,
+                                                         store_y)  # fmt: skip
         total = total.view(x.shape)
-    y = y.view(x.shape)
-    if quant:
+    y = y.view(x.shape) if y is not None else None
+    if quant and y is not None:
         group.stash.pre = (y, y._version, (q, s))
-    return total, y
+    return total, y, (q, s) if quant else None
 
 
 def _mlp_parts(mlp: nn.Module):
@@ -109,14 +120,21 @@ def _mlp_parts(mlp: nn.Module):
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The installed forward of a gated MLP (forwards.install): gate/up GEMM -> one
     silu*up quantization -> down_proj's GEMM."""
-    group, down = self.mpsconvert_parts
+    group, down = parts = self.mpsconvert_parts
     x2 = x.reshape(-1, x.shape[-1])
     if (torch.compiler.is_compiling() or not act_quant.use_triton(x) or not group.quantizes(x2.shape[0])
             or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
         return self.mpsconvert_base.forward(self, x)
-    h = group.prefill_gemm(x, x2)
-    q2 = act_quant.silu_mul_quantize(h, kernels.static_scale(down))
-    return down._fns[1](down, h, q2).view(*x.shape[:-1], down.out_features)
+    return _mlp_prefill(parts, x2, group.quantized_input(x, x2)).view(*x.shape[:-1], down.out_features)
+
+
+def _mlp_prefill(parts, x2: torch.Tensor, codes) -> torch.Tensor:
+    """The gated MLP's output [M, hidden] for the codes of its input (x2: the input [M, K], or any
+    [M, K] tensor of its dtype where only the codes were written: the GEMMs read its dtype)."""
+    group, down = parts
+    inner = group.inner
+    h = inner._fns[1](inner, x2, codes)
+    return down._fns[1](down, h, act_quant.silu_mul_quantize(h, kernels.static_scale(down)))
 
 
 def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bool = False):
@@ -128,10 +146,10 @@ def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bo
             or x.requires_grad or residual.requires_grad or norm.weight.requires_grad):  # fmt: skip (no backward here)
         total = residual + x
         return total if hand else (total, norm(total))
-    total, y = _fused_norm(norm, x, residual)
+    total, y, codes = _fused_norm(norm, x, residual)
     if not hand:
         return total, y
-    norm.mpsconvert_hand.pre = (total, total._version, y)
+    norm.mpsconvert_hand.pre = (total, total._version, y, codes)
     return total
 
 
@@ -140,23 +158,68 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     own order (norm, attention, add, norm, MLP, add), each residual add done by the kernel of the
     norm that reads the sum: this layer's post-attention norm, and the next layer's input norm
     (or the model's final norm), whose forward then returns what was computed for it. A prefill
-    the direct attention path takes (attention_prefill.py) runs it, and the norm's and MLP's
-    forwards without their module calls (it checked that no hook would run)."""
+    that the direct attention path takes runs `_direct_layer`."""
     if torch.compiler.is_compiling() or args or hidden_states.requires_grad:
         return self.mpsconvert_base.forward(self, hidden_states, *args, **kwargs)
-    in_norm, attn, post, mlp, nxt = self.mpsconvert_layer
     plan = self.mpsconvert_attention
-    call = None if plan is None else attention_prefill.takes(plan, hidden_states, kwargs)
-    if call is not None:
-        y = in_norm.forward(hidden_states)
-        h = attention_prefill.forward(plan, y, plan.group.quantized_input(y, y.view(-1, y.shape[-1])), *call)
-        residual, h = _add_norm(hidden_states, h, post)
-        h = mlp.forward(h)
-    else:
-        h, _ = attn(hidden_states=in_norm(hidden_states), **kwargs)
-        residual, h = _add_norm(hidden_states, h, post)
-        h = mlp(h)
+    if plan is not None:
+        call = attention_prefill.takes(plan, hidden_states, kwargs)
+        if call is not None:
+            return _direct_layer(self, plan, hidden_states, *call)
+    in_norm, attn, post, mlp, nxt = self.mpsconvert_layer
+    h, _ = attn(hidden_states=in_norm(hidden_states), **kwargs)
+    residual, h = _add_norm(hidden_states, h, post)
+    h = mlp(h)
     return residual + h if nxt is None else _add_norm(residual, h, nxt, hand=True)
+
+
+def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+    """The layer's prefill as direct calls (attention_prefill.takes checked the call, and that no
+    module it skips has a hook): the same kernels in the same order as `_layer_forward`, but the
+    norms write only the codes their groups read (no [M, hidden] output written and read back),
+    and nothing goes through a module call. The next layer's input norm gets the sum and codes
+    (its own forward computes its output afresh if that layer takes the module path)."""
+    in_norm, _, post, mlp, nxt = layer.mpsconvert_layer
+    x2 = x.view(-1, x.shape[-1])
+    pre = _handed(in_norm, x)
+    if pre is not None and pre[3] is not None:
+        codes = pre[3]
+        if pre[2] is not None:  # also stashed for the module path's call on that output: taken here
+            plan.group.stash.pre = None
+    else:
+        codes = _fused_norm(in_norm, x, store_y=False)[2]
+    h = attention_prefill.forward(plan, x, codes, cos, sin, cache)
+    if plan.fused_mlp:  # the gated MLP from the post-attention norm's codes
+        total, _, codes = _fused_norm(post, h, x, store_y=False)
+        h = _mlp_prefill(mlp.mpsconvert_parts, x2, codes).view(x.shape)
+    else:
+        total, y, _ = _fused_norm(post, h, x)
+        h = mlp(y)
+    if nxt is None:
+        return total + h
+    total, y, codes = _fused_norm(nxt, h, total, store_y=False)
+    nxt.mpsconvert_hand.pre = (total, total._version, y, codes)
+    return total
+
+
+def _direct_plan(parts: list, nxt: nn.Module | None):
+    """The attention's plan for `_direct_layer` (attention_prefill.plan) with what the rest of the
+    layer needs on every call added, or why the layer cannot take that path."""
+    in_norm, attn, post, mlp = parts
+    plan = attention_prefill.plan(attn)
+    if isinstance(plan, str):
+        return plan
+    if not forwards.installed(in_norm, _norm_forward) or in_norm.mpsconvert_feeds is not plan.group:
+        return "its input norm does not feed the q/k/v GEMM through the fused norm"
+    plan.skipped += (in_norm,)  # also called without its module
+    mlp_parts = getattr(mlp, "mpsconvert_parts", None)
+    if forwards.installed(mlp, _mlp_forward) and post.mpsconvert_feeds is mlp_parts[0]:  # else (an MoE block, say) called as a module
+        plan.fused_mlp = True
+        plan.skipped += (mlp,)
+        plan.groups += (mlp_parts[0],)
+        plan.layers += (mlp_parts[1],)
+    plan.frozen = tuple(n.weight for n in (in_norm, post, nxt) if n is not None)
+    return plan
 
 
 def _is_layer(mod: nn.Module, norms: set) -> bool:
@@ -251,18 +314,30 @@ def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
     probes = [(kwargs, None)]
     plan = layer.mpsconvert_attention
     if plan is not None:
-        taken = plan.calls
         name = next((k for k in ("past_key_values", "cache") if k in kwargs), None)
         if name is not None:
             caches = [DynamicCache(config=plan.attn.config) for _ in range(2)]
             probes.append(({**kwargs, name: caches[0], "use_cache": True}, caches))
     for kw, caches in probes:
+        taken = plan.calls if plan is not None else 0
         why = _check_call(layer, kw, caches)
         if why:
             return why
         if plan is not None and plan.calls == taken:
             return "its probe call did not take the direct attention path"
     return None
+
+
+def _same_norm(norm: nn.Module, handed: tuple, ref: torch.Tensor) -> bool:
+    """Whether what a layer handed to `norm` (its output, its codes: those written) equals the
+    norm's own output `ref` and act_quant.quantize's codes of it."""
+    _, _, y, codes = handed
+    if y is not None and not torch.equal(y, ref):
+        return False
+    if codes is None:
+        return y is not None and (norm.mpsconvert_feeds is None or not norm.mpsconvert_feeds.quantizes(ref.numel() // ref.shape[-1]))
+    q, s = act_quant.quantize(ref.reshape(-1, ref.shape[-1]), norm.mpsconvert_feeds.static_scale)
+    return torch.equal(codes[1], s) and torch.equal(codes[0].view(torch.uint8), q.view(torch.uint8))
 
 
 def _check_call(layer: nn.Module, kwargs: dict, caches) -> str | None:
@@ -288,7 +363,7 @@ def _check_call(layer: nn.Module, kwargs: dict, caches) -> str | None:
         return f"its forward returns {type(want).__name__}, not a tensor"
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
         return "the fused residual adds differ from its own forward"
-    if nxt is not None and (handed is None or handed[0] is not got or not torch.equal(handed[2], ref)):
+    if nxt is not None and (handed is None or handed[0] is not got or not _same_norm(nxt, handed, ref)):
         return "the next norm's output computed with the residual add differs from the norm's own"
     if caches is not None:
         idx = layer.mpsconvert_attention.layer_idx
@@ -350,12 +425,10 @@ def install(model: nn.Module) -> dict:
             continue
         nxt = nexts.get(layer)
         object.__setattr__(layer, "mpsconvert_layer", (*parts, nxt if nxt in fused else None))
-        plan = attention_prefill.plan(parts[1])
+        plan = _direct_plan(parts, nxt if nxt in fused else None)
         if isinstance(plan, str):
             report["left"].append(f"{names[parts[1]]}: {plan}; its prefill runs the module's forward")
             plan = None
-        else:
-            plan.skipped += (parts[0], parts[3])  # the norm and MLP, also called without their modules
         object.__setattr__(layer, "mpsconvert_attention", plan)
         forwards.install(layer, _layer_forward)
         why = _check_layer(layer, calls[layer])

@@ -79,7 +79,9 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
         if isinstance(hidden, int) and isinstance(eps, float):
             x, w = torch.zeros(rows, hidden, dtype=dtype, device=dev), torch.ones(hidden, dtype=dtype, device=dev)
             step("rms_norm", lambda: (act_quant.rms_norm_quantize(x, w, eps, True), act_quant.rms_norm_quantize(x, w, eps, False),
-                                      act_quant.add_rms_norm_quantize(x, x, w, eps, True)))  # fmt: skip
+                                      act_quant.add_rms_norm_quantize(x, x, w, eps, True),
+                                      act_quant.rms_norm_quantize(x, w, eps, True, store_y=False),
+                                      act_quant.add_rms_norm_quantize(x, x, w, eps, True, store_y=False)))  # fmt: skip
     heads = _heads(config)
     for n, k in sorted(gemms) if rowwise else ():
         def mm(n=n, k=k):

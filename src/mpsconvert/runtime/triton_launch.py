@@ -114,7 +114,7 @@ def launch(kernel, grid: tuple, args: tuple, **options) -> None:
         kernel[grid](*args, **options)
         return
     device = args[0].device.index
-    key = (kernel, device, _specs(args), tuple(options.items()))
+    key = (id(kernel), device, _specs(args), tuple(options.items()))  # id: a JITFunction hashes its source key (~2 us); kernels live for the process
     compiled = _CACHE.get(key)
     if compiled is None:
         _CACHE[key] = kernel[grid](*args, **options)
