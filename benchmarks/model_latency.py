@@ -48,7 +48,11 @@ between them, and the model's own synchronisations, which drain the queue once p
 sleep lets the GPU's clock recover, so the first calls after it run at full clock where the
 timed loop runs power-capped). GPU busy time is the mean of 5 calls profiled after the same
 loop as the timed calls, so that both see the GPU in one state: the wall / busy line compares
-them, and the wall of the profiled calls themselves.
+them, and the wall of the profiled calls themselves. The profiler slows the host, though: where
+its calls leave the GPU idle between kernels, the GPU's clock recovers and the busy time is
+lower than in the timed calls. So a second line divides the wall by the GPU's time from the
+first layer to the end of calls made right after the timed loop, measured with CUDA events only
+(`timeline`), beside how far the host was ahead of the GPU.
 
     python benchmarks/model_latency.py [--arch llama|mixtral] [--layers 32] [--prefill 2048]
         [--variants bf16,ours,ct,ct-opt] [--weights row,block] [--work DIR] [--json out.json] [--budget SECONDS]
@@ -367,15 +371,20 @@ def timeline(fn, layers, repeats: int = 3) -> dict:
     calls). host_ms: time until `fn` returns (a synchronisation inside waits only for what was
     queued before it); first_layer_gpu_ms: when the first layer's work began on the GPU (the
     model's preamble); gpu_lag_at_last_layer_ms: how far the GPU was behind the host when the last
-    layer was called (positive: work was queued, the GPU, not the host, set the pace)."""
+    layer was called (positive: work was queued, the GPU, not the host, set the pace);
+    gpu_from_first_layer_ms: the GPU's time from the first layer's start to the call's end, in
+    these calls (CUDA events, no profiler: the GPU in the state the timed calls left it in; where
+    the lag is positive throughout, kernels and the device's own gaps between them)."""
     if not torch.cuda.is_available() or not layers:
         return {}
     rows = []
     for _ in range(repeats):
         m = layer_marks(fn, layers)
-        rows.append((m["host_return_ms"], m["gpu_at_layers_ms"][0], m["gpu_at_layers_ms"][-1] - m["host_at_layers_ms"][-1]))
-    med = [statistics.median(r[i] for r in rows) for i in range(3)]
-    return {"host_ms": round(med[0], 3), "first_layer_gpu_ms": round(med[1], 3), "gpu_lag_at_last_layer_ms": round(med[2], 3)}
+        first = m["gpu_at_layers_ms"][0]
+        rows.append((m["host_return_ms"], first, m["gpu_at_layers_ms"][-1] - m["host_at_layers_ms"][-1], m["gpu_end_ms"] - first))
+    med = [statistics.median(r[i] for r in rows) for i in range(4)]
+    return {"host_ms": round(med[0], 3), "first_layer_gpu_ms": round(med[1], 3), "gpu_lag_at_last_layer_ms": round(med[2], 3),
+            "gpu_from_first_layer_ms": round(med[3], 3)}  # fmt: skip
 
 
 def summary(xs: list[float]) -> dict:
@@ -943,6 +952,13 @@ def print_table(report):
             queued = (r.get(key) or {}).get("gpu_queued_ms")
             parts.append(f"{wall} ms / {busy} ms = {wall / busy:.3f}, profiled {pwall / busy:.3f} (queued {queued} ms)" if wall and busy and pwall else "-")
         print(f"  {name:10s} " + " | ".join(parts))
+    print("eager prefill, wall / the GPU's time from the first layer to the end in calls right after the timed loop (CUDA events,"
+          " no profiler), and how far the host was ahead of the GPU at the last layer:")
+    for name, r in res.items():
+        ep = r.get("eager_prefill") or {}
+        wall, span, lag = ep.get("median_ms"), ep.get("gpu_from_first_layer_ms"), ep.get("gpu_lag_at_last_layer_ms")
+        if wall and span:
+            print(f"  {name:10s} {wall} ms / {span} ms = {wall / span:.3f}, host ahead by {lag} ms")
 
 
 if __name__ == "__main__":
