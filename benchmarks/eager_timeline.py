@@ -15,8 +15,13 @@ packed-sequence check and the rotary tables patched out, the call queued behind 
 a CUDA graph replay), the preamble's host time step by step, and GPU busy profiled in the GPU's
 state after a timed loop (this FP8 prefill power-caps the H200); see `floor`.
 
-    python benchmarks/eager_timeline.py [--layers 32] [--pieces | --floor] [--variants bf16,ours]
+    python benchmarks/eager_timeline.py [--layers 32] [--pieces | --floor | --direct] [--variants bf16,ours]
         (checkpoints under /tmp/tl<L>)
+
+With --direct (ours only): an A/B of the direct prefill path in one process (see `direct`).
+results/eager_direct_ab_h200_llama4.log is `--layers 4 --direct`; ..._llama8.log and
+..._llama8_first.log (the path's first form, before its norms wrote codes only) are the same A/B
+at 8 layers, run from a scratch copy of `direct` before it was added here.
 
 results/eager_floor_h200_llama32.log is `--floor` before runtime/positions.py, ..._positions.log
 (with nvidia-smi's clocks in ..._positions_smi.csv) after it, ..._slowhost.log `--floor
@@ -258,6 +263,47 @@ def captured(name: str, prefill):
         return None
 
 
+def direct(model) -> None:
+    """A/B of the direct prefill path (runtime/attention_prefill.py, eager_fusion._direct_layer)
+    in one process: the layers' plans removed and restored in turn, two rounds, the eager wall
+    at 2048 tokens and at 128 (where the host alone sets the time), the logits of both (equal bit
+    for bit), the per-layer timeline of each, and a cProfile of the direct path at 128 tokens."""
+    layers = list(model.model.layers)
+    plans = [layer.mpsconvert_attention for layer in layers]
+
+    def use(on: bool) -> None:
+        for layer, plan in zip(layers, plans):
+            object.__setattr__(layer, "mpsconvert_attention", plan if on else None)
+
+    fns = {}
+    for n in (S, 128):
+        ids = torch.randint(0, 1000, (1, n), device="cuda")
+        fns[n] = (lambda ids: lambda: model(ids, use_cache=False, logits_to_keep=1).logits)(ids)
+    outs: dict = {}
+    try:
+        with torch.no_grad():
+            for rnd in range(2):
+                for on in (False, True):
+                    use(on)
+                    for n, fn in fns.items():
+                        for _ in range(3):
+                            out = fn()
+                        outs.setdefault(n, {})[on] = out
+                        print(f"round {rnd} direct={on} S={n} wall {walls(fn, 30)}, direct calls of layer 0 so far {plans[0].calls}", flush=True)
+            for n in fns:
+                print("S", n, "logits equal with and without the direct path:", torch.equal(outs[n][False], outs[n][True]), flush=True)
+            for on in (False, True):
+                use(on)
+                print(f"direct={on}", flush=True)
+                timeline(model, fns[S])
+            use(True)
+            print("direct path, cProfile of 20 synchronised calls at 128 tokens ([function, calls, own ms, cumulative ms] per call):", flush=True)
+            for row in ml.host_profile(fns[128], 20, top=40, synced=True):
+                print("  ", row, flush=True)
+    finally:
+        use(True)
+
+
 def run(name: str, model, args) -> None:
     ids = torch.randint(0, 1000, (1, S), device="cuda")
 
@@ -267,6 +313,8 @@ def run(name: str, model, args) -> None:
 
     for _ in range(3):
         prefill()
+    if args.direct:
+        return direct(model)
     if args.floor:
         return floor(name, model, prefill)
     if args.host:
@@ -299,6 +347,7 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,ours", help="which of bf16,ours to run")
     ap.add_argument("--host", action="store_true", help="only the wall time and a cProfile of 5 synchronised calls")
     ap.add_argument("--floor", action="store_true", help="only the wall against the GPU's floor (see floor())")
+    ap.add_argument("--direct", action="store_true", help="ours only: A/B of the direct prefill path (see direct())")
     args = ap.parse_args()
     work = Path(f"/tmp/tl{args.layers}")
     src, art = work / "src", work / "art"
@@ -306,7 +355,7 @@ def main() -> None:
         ml.build_checkpoint(ml.config_for("llama", args.layers), src, torch.device("cuda"))
         ml.quantize(src, art)
     print("torch", torch.__version__, "transformers", transformers.__version__, "layers", args.layers, flush=True)
-    variants = args.variants.split(",")
+    variants = ["ours"] if args.direct else args.variants.split(",")
     if "bf16" in variants:
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cuda")
         run("bf16", model, args)
