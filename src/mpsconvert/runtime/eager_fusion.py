@@ -20,6 +20,10 @@ model's final norm), found by the probe forward, and that norm's next call on ex
 returns it (`mpsconvert_hand`). On the H200 this took 64 of 569 kernels out of a 2048-token
 Llama-3-8B prefill (GPU work 26.4 -> 25.9 ms).
 
+A prefill whose attention module is Llama-style runs the whole layer as direct calls
+(`_direct_layer`, runtime/attention_prefill.py): the same kernels, none of the modules' Python
+between them, and norms that write only the codes their GEMMs read.
+
 Nothing else about the model changes: the fused forwards run only in eager mode on the Triton
 path (CUDA, or the interpreter in tests), with the shapes they take and inputs that need no
 gradient (the kernels have no backward); otherwise, and always under
