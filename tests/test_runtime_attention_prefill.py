@@ -5,29 +5,11 @@ module's forward."""
 
 from __future__ import annotations
 
-from .test_runtime_fuse import _interpreted
+from .test_runtime_fuse import FP8_MODEL, _interpreted
 
-_MODELS = """
-    import torch
-    from torch import nn
+_MODELS = FP8_MODEL + """
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    from mpsconvert import fp8
-    from mpsconvert.runtime import attention_prefill, eager_fusion, forwards, fuse
-    from mpsconvert.runtime.fp8linear import FP8Linear
-
-    def fp8_model(cls, cfg):
-        torch.manual_seed(0)
-        model = cls(cfg).to(torch.bfloat16).eval().requires_grad_(False)
-        for name, lin in list(model.model.layers.named_modules()):
-            if isinstance(lin, nn.Linear):
-                q, s, _ = fp8.quantize(lin.weight.float(), "row")
-                new = FP8Linear.from_tensors(q, s, activations="token", bias=lin.bias)
-                new.set_kernels("scaled_mm_row", "scaled_mm_row")
-                parent, _, leaf = name.rpartition(".")
-                setattr(model.model.layers.get_submodule(parent), leaf, new)
-        for g in fuse.share_inputs(model):
-            g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
-        return model
+    from mpsconvert.runtime import attention_prefill, eager_fusion, forwards
 
     SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 """

@@ -29,6 +29,33 @@ def _interpreted(code: str) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+# A tiny transformers model with every decoder Linear an FP8Linear on the row-wise scaled_mm
+# kernels and sibling groups shared: the eager path a CUDA load runs, for interpreted tests
+# (indented as the test code it is prepended to).
+FP8_MODEL = """
+    import torch
+    from torch import nn
+    from mpsconvert import fp8
+    from mpsconvert.runtime import fuse
+    from mpsconvert.runtime.fp8linear import FP8Linear
+
+    def fp8_model(cls, cfg, act="token"):
+        torch.manual_seed(0)
+        model = cls(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+        for name, lin in list(model.model.layers.named_modules()):
+            if isinstance(lin, nn.Linear):
+                q, s, _ = fp8.quantize(lin.weight.float(), "row")
+                new = FP8Linear.from_tensors(q, s, activations=act, input_scale=torch.tensor([0.02]) if act == "tensor" else None,
+                                             bias=lin.bias)
+                new.set_kernels("scaled_mm_row", "scaled_mm_row")
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.model.layers.get_submodule(parent), leaf, new)
+        for g in fuse.share_inputs(model):
+            g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
+        return model
+"""
+
+
 def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     _interpreted("""
     import torch
@@ -293,29 +320,14 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     probe forward, not by name), the MLP runs silu*up and down_proj's quantization in one
     kernel; the logits are those of the model's own forwards, and under torch.compile the
     modules' own forwards run. A norm whose arithmetic differs is left as it was, with the reason."""
-    _interpreted("""
-    import torch
-    from torch import nn
+    _interpreted(FP8_MODEL + """
     from transformers import LlamaConfig, LlamaForCausalLM
-    from mpsconvert import fp8
-    from mpsconvert.runtime import act_quant, eager_fusion, forwards, fuse, kernels
-    from mpsconvert.runtime.fp8linear import FP8Linear
+    from mpsconvert.runtime import act_quant, eager_fusion, forwards, kernels
 
     def fp8_llama(act):
-        torch.manual_seed(0)
         cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=128)
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
-        for name, lin in list(model.model.layers.named_modules()):
-            if isinstance(lin, nn.Linear):
-                q, s, _ = fp8.quantize(lin.weight.float(), "row")
-                new = FP8Linear.from_tensors(q, s, activations=act, input_scale=torch.tensor([0.02]) if act == "tensor" else None)
-                new.set_kernels("scaled_mm_row", "scaled_mm_row")
-                parent, _, leaf = name.rpartition(".")
-                setattr(model.model.layers.get_submodule(parent), leaf, new)
-        for g in fuse.share_inputs(model):
-            g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
-        return model
+        return fp8_model(LlamaForCausalLM, cfg, act)
 
     calls = {"quantize": 0, "rms_norm_quantize": 0, "add_rms_norm_quantize": 0, "silu_mul_quantize": 0}
     for fn in calls:
