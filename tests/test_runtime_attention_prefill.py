@@ -48,6 +48,12 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
         got, want, taken = both(lambda: model(ids, use_cache=False).logits)
         assert taken == [1, 1] and torch.equal(got, want)
 
+        emb = model.model.embed_tokens(ids)
+        strided = torch.cat([emb, emb], dim=-1)[..., ::2]  # embeddings passed as a non-contiguous view
+        assert not strided.is_contiguous()
+        got, want, taken = both(lambda: model(inputs_embeds=strided, use_cache=False).logits)
+        assert taken == [1, 1] and torch.equal(got, want)
+
         def generated():  # a prefill over a DynamicCache, then three decode steps
             cache = DynamicCache(config=model.config)
             out = [model(ids, past_key_values=cache, use_cache=True).logits]

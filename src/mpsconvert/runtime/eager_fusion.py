@@ -132,12 +132,12 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _mlp_prefill(parts, x2, group.quantized_input(x, x2)).view(*x.shape[:-1], down.out_features)
 
 
-def _mlp_prefill(parts, x2: torch.Tensor, codes) -> torch.Tensor:
-    """The gated MLP's output [M, hidden] for the codes of its input (x2: the input [M, K], or any
-    [M, K] tensor of its dtype where only the codes were written: the GEMMs read its dtype)."""
+def _mlp_prefill(parts, x: torch.Tensor, codes) -> torch.Tensor:
+    """The gated MLP's output [M, hidden] for the codes of its input (x: the input, or where only
+    the codes were written any tensor of its dtype: the GEMM reads only x's dtype)."""
     group, down = parts
     inner = group.inner
-    h = inner._fns[1](inner, x2, codes)
+    h = inner._fns[1](inner, x, codes)
     return down._fns[1](down, h, act_quant.silu_mul_quantize(h, kernels.static_scale(down)))
 
 
@@ -181,10 +181,10 @@ def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, si
     """The layer's prefill as direct calls (attention_prefill.takes checked the call, and that no
     module it skips has a hook): the same kernels in the same order as `_layer_forward`, but the
     norms write only the codes their groups read (no [M, hidden] output written and read back),
-    and nothing goes through a module call. The next layer's input norm gets the sum and codes
-    (its own forward computes its output afresh if that layer takes the module path)."""
+    and only an MLP that is not a fused gated one (an MoE block) is called as a module. The next
+    layer's input norm gets the sum and codes (its own forward computes its output afresh if that
+    layer takes the module path)."""
     in_norm, _, post, mlp, nxt = layer.mpsconvert_layer
-    x2 = x.view(-1, x.shape[-1])
     pre = _handed(in_norm, x)
     if pre is not None and pre[3] is not None:
         codes = pre[3]
@@ -195,7 +195,7 @@ def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, si
     h = attention_prefill.forward(plan, x, codes, cos, sin, cache)
     if plan.fused_mlp:  # the gated MLP from the post-attention norm's codes
         total, _, codes = _fused_norm(post, h, x, store_y=False)
-        h = _mlp_prefill(mlp.mpsconvert_parts, x2, codes).view(x.shape)
+        h = _mlp_prefill(mlp.mpsconvert_parts, x, codes).view(x.shape)
     else:
         total, y, _ = _fused_norm(post, h, x)
         h = mlp(y)
