@@ -24,7 +24,8 @@ How, and why this way:
 - On GPUs, sibling layers that read one input (q/k/v, gate/up) share one activation quantization
   and one GEMM (runtime/fuse.py). Kernels are then chosen per layer shape by runtime/policy.py
   (measured once per machine, cached). On CUDA, RMSNorms and gated MLPs then run fused kernels
-  in eager mode, fewer launches per layer (runtime/eager_fusion.py), MoE routers one kernel at
+  in eager mode, fewer launches per layer and a prefill without the modules' Python between
+  them (runtime/eager_fusion.py, attention_prefill.py), MoE routers one kernel at
   decode (runtime/routing.py), and a thread started before the shards are read pays the
   process's first-use costs of those kernels and libraries meanwhile (runtime/prewarm.py).
 """
@@ -151,8 +152,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     eager_fusion: on CUDA, RMSNorms run as one kernel that also quantizes the input of the
     layers they feed, gated MLPs fuse SiLU * up with down_proj's quantization, attention
     modules rotate q and k in one kernel, and pre-norm decoder layers make each residual add in
-    the kernel of the norm that reads it, in eager mode (runtime/eager_fusion.py, rotary.py;
-    each checked against the module's own forward or function at load); a thread makes those
+    the kernel of the norm that reads it, in eager mode, and a prefill runs each such layer as
+    direct calls of those kernels, SDPA and the GEMMs (runtime/eager_fusion.py, rotary.py,
+    attention_prefill.py; each checked against the module's own forward or function at load); a thread makes those
     kernels' and libraries' first calls while the shards are read (runtime/prewarm.py). On any
     device it also gives a call without positions (no cache, or a DynamicCache) the model's own
     as a view of a buffer made at load, so that the rotary tables are read, not recomputed, and
