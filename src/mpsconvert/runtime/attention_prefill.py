@@ -2,14 +2,16 @@
 rotary kernel, SDPA and o_proj, without the attention module's Python around them.
 
 Why: on the H200, our FP8 Llama-3-8B layer does ~0.85 ms of GPU work at a 2048-token prefill, and
-its eager forward needed ~0.55 ms of host time on a fast host and 1.2-1.5 ms on the slow hosts
-some runs land on (benchmarks/results/eager_floor_h200_llama32_slowhost.log): there the GPU waits
-for Python, and the wall time exceeds the GPU's busy time by 20-36%. About half of a layer's host
+its eager forward needed ~0.6 ms of host time on a fast host and 1.2-1.5 ms on the slow hosts
+some runs land on (benchmarks/results/eager_floor_h200_llama32_slowhost.log): there the GPU waited
+for Python, and the wall time exceeded the GPU's busy time by 20-36%. About half of a layer's host
 time was the attention module: the module calls of q, k, v and o (each through the shared-input
 hand-over of fuse.py), views and transposes, the rotary dispatch and its context variable,
 transformers' attention-interface lookup and `sdpa_attention_forward`. The kernels stay the same
 (`kernels`' GEMMs, `rotary.rotary`, `F.scaled_dot_product_attention` with the arguments
-transformers passes it); only the calls between them go.
+transformers passes it); only the calls between them go. With this path (and eager_fusion's
+`_direct_layer` around it) the host finished a 32-layer prefill 7-15 ms before the GPU in every
+run measured (docs/benchmarks.md).
 
 Which calls: eager, the Triton path, a prefill (the q/k/v group quantizes its input: more than
 DECODE_MAX_M rows), no attention mask (transformers passes None for a causal prefill without
