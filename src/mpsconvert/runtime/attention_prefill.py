@@ -98,14 +98,16 @@ def _hooked(mods) -> bool:
 def takes(p: Plan, x: torch.Tensor, kwargs: dict):
     """(cos, sin, cache) if the direct path computes this call of the decoder layer whose input
     norm made `x` (its output, [B, S, hidden]), else None."""
-    if not kwargs.keys() <= KWARGS or kwargs.get("attention_mask") is not None or x.ndim != 3 or x.dtype != p.group.inner.dtype:
+    if x.ndim != 3 or x.shape[1] < 2:  # first: an eager decode step (one row per sequence) leaves here
+        return None
+    if not kwargs.keys() <= KWARGS or kwargs.get("attention_mask") is not None or x.dtype != p.group.inner.dtype:
         return None
     pe = kwargs.get("position_embeddings")
     if not isinstance(pe, tuple) or len(pe) != 2:
         return None
     cos, sin = pe
     b, s, _ = x.shape
-    if (s < 2 or not all(g.quantizes(b * s) for g in p.groups) or cos.ndim != 3 or cos.shape[1] != s or cos.shape[-1] != p.d or cos.shape[0] not in (1, b)
+    if (not all(g.quantizes(b * s) for g in p.groups) or cos.ndim != 3 or cos.shape[1] != s or cos.shape[-1] != p.d or cos.shape[0] not in (1, b)
             or sin.shape != cos.shape or cos.dtype != x.dtype or sin.dtype != x.dtype):  # fmt: skip
         return None
     cache = kwargs.get("past_key_values")

@@ -315,16 +315,16 @@ def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
     modules' installed forwards) on probes, the next norm's handed-over output included: the
     call the probe forward made (no cache), and with a direct attention path (which that call
     must have taken) the same call over a fresh DynamicCache, the cache's contents included."""
-    probes = [(kwargs, None)]
+    probes = [(kwargs, kwargs, None)]  # (the own forward's arguments, the installed forward's, their caches)
     plan = layer.mpsconvert_attention
     if plan is not None:
         name = next((k for k in ("past_key_values", "cache") if k in kwargs), None)
         if name is not None:
             caches = [DynamicCache(config=plan.attn.config) for _ in range(2)]
-            probes.append(({**kwargs, name: caches[0], "use_cache": True}, caches))
-    for kw, caches in probes:
+            probes.append(tuple({**kwargs, name: c, "use_cache": True} for c in caches) + (caches,))
+    for want_kw, got_kw, caches in probes:
         taken = plan.calls if plan is not None else 0
-        why = _check_call(layer, kw, caches)
+        why = _check_call(layer, want_kw, got_kw, caches)
         if why:
             return why
         if plan is not None and plan.calls == taken:
@@ -344,15 +344,14 @@ def _same_norm(norm: nn.Module, handed: tuple, ref: torch.Tensor) -> bool:
     return torch.equal(codes[1], s) and torch.equal(codes[0].view(torch.uint8), q.view(torch.uint8))
 
 
-def _check_call(layer: nn.Module, kwargs: dict, caches) -> str | None:
+def _check_call(layer: nn.Module, want_kw: dict, got_kw: dict, caches) -> str | None:
     nxt = layer.mpsconvert_layer[4]
     post = layer.mpsconvert_layer[2]
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, PROBE_ROWS, post.weight.shape[0], generator=g).to(device=post.weight.device, dtype=post.weight.dtype)
-    mine = kwargs if caches is None else {**kwargs, next(k for k, v in kwargs.items() if v is caches[0]): caches[1]}
     try:
-        want = forwards.own_forward(layer)(layer, x, **kwargs)
-        got = _layer_forward(layer, x, **mine)
+        want = forwards.own_forward(layer)(layer, x, **want_kw)
+        got = _layer_forward(layer, x, **got_kw)
         handed = nxt.mpsconvert_hand.pre if nxt is not None else None
         if nxt is not None:
             nxt.mpsconvert_hand.pre = None
@@ -428,8 +427,9 @@ def install(model: nn.Module) -> dict:
         if parts[2] not in fused or layer not in calls:
             continue
         nxt = nexts.get(layer)
-        object.__setattr__(layer, "mpsconvert_layer", (*parts, nxt if nxt in fused else None))
-        plan = _direct_plan(parts, nxt if nxt in fused else None)
+        nxt = nxt if nxt in fused else None
+        object.__setattr__(layer, "mpsconvert_layer", (*parts, nxt))
+        plan = _direct_plan(parts, nxt)
         if isinstance(plan, str):
             report["left"].append(f"{names[parts[1]]}: {plan}; its prefill runs the module's forward")
             plan = None
