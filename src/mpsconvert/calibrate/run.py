@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import devices, fp8, modeldef
+from .. import devices, filesystem, fp8, modeldef
 from ..targets import Plan, plan_for
 from ..errors import QuantizationError, SourceError
 from ..progress import Progress, or_silent
@@ -190,10 +190,11 @@ class Weights:
         self.prefix = prefix
         self.files = {}
         self.where: dict[str, str] = {}
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            for name in read_header(f).tensors:
-                self.where[name] = f.name
-            self.files[f.name] = safe_open(str(f), framework="pt")
+        for name in filesystem.files(model_dir, ".safetensors"):  # AppleDouble `._*` companions left out
+            f = Path(model_dir) / name
+            for key in read_header(f).tensors:
+                self.where[key] = name
+            self.files[name] = safe_open(str(f), framework="pt")
 
     def variants(self, name: str) -> list[str]:
         """The names a model tensor may be stored under: as is, with or without base_model_prefix."""
