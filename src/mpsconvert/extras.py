@@ -19,6 +19,7 @@ EXTRAS = {
     "coreai": "Core AI export and checks (coreai-core, coreai-torch)",
     "ct": "loading artifacts back through transformers' compressed-tensors integration",
     "cuda": "the Triton FP8 kernels on NVIDIA GPUs",
+    "gguf": "quantizing a GGUF file (gguf; accelerate, which transformers >= 5.24 needs to load one)",
 }
 
 

@@ -103,7 +103,7 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
               help="Largest weight file written (e.g. 500MB, 2GiB; save_pretrained's units). Loading with verification hashes the "
                    "files in parallel, one thread each, so smaller shards load faster.")
 @click.option("--upload-repo", metavar="REPO", help="Then upload the artifact to this Hugging Face repo (created if absent; see `upload`).")
-@click.option("--private", is_flag=True, help="With --upload-repo: create the repo private.")
+@click.option("--private", is_flag=True, help="With --upload-repo: create the repo private (an existing public repo is refused).")
 @friendly_errors
 def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
              scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, dtype, max_shard_size,
@@ -386,7 +386,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, seed, system_prompt
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("repo")
-@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option("--private", is_flag=True, help="Create the repo private. An existing repo keeps its visibility; a public one is refused with --private.")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="A Hugging Face write token [default: your stored login].")
 @click.option("--revision", help="The branch to commit to [default: main].")
 @click.option("--json", "as_json", is_flag=True, help="Print what was uploaded as JSON.")
