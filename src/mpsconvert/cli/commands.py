@@ -9,7 +9,6 @@ from pathlib import Path
 import click
 
 from .. import api
-from ..errors import ExportError
 from . import render
 from .app import friendly_errors, main
 
@@ -43,11 +42,12 @@ def calibration_options(fn):
 
 @contextlib.contextmanager
 def _showing_failed_checks(show, as_json: bool):
-    """An export or check whose checks ran and failed raises ExportError with the result: show
-    what the checks found before the one-line error."""
+    """An export or check whose checks ran and failed raises ExportError with the result, and
+    validate whose Apple part failed raises with what it measured: show that before the
+    one-line error (or, for a bug, its traceback)."""
     try:
         yield
-    except ExportError as e:
+    except Exception as e:
         if getattr(e, "result", None) is not None:
             show(e.result, as_json)
         raise
@@ -203,12 +203,15 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
     opts = api.validate_options(baseline=baseline, eval_data=eval_data, device=device, seq_len=seq_len, max_samples=max_samples,
                                 prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, rounds=rounds,
                                 warmup=warmup, latency=not no_latency, compile=compile_mode, write=not no_write)
-    with render.progress_bars() as progress:
+    def show(res, as_json: bool) -> None:
+        if as_json:
+            render.print_json(res.as_dict())
+        else:
+            render.validation(res, explain)
+
+    with render.progress_bars() as progress, _showing_failed_checks(show, as_json):
         res = api.validate(artifact, options=opts, progress=progress)
-    if as_json:
-        render.print_json(res.as_dict())
-    else:
-        render.validation(res, explain)
+    show(res, as_json)
 
 
 @main.command()

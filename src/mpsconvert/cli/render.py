@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 
@@ -212,7 +213,9 @@ def _validation_rows(runs: dict) -> list[tuple[str, str]]:
                    f"KL {a.get('mean_kl', 0):.5f}, top-1 {100 * a.get('top1_agreement', 0):.2f}%")
         else:
             acc = f"embedding cosine mean {a.get('cosine_mean', 0):.5f}, min {a.get('cosine_min', 0):.5f}"
-        speed = ", ".join(f"{ph} {v:.2f}x" for ph, v in sorted(sp.items())) or "latency not measured"
+        verdicts = r.get("verdict") or {}  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
+        speed = ", ".join(f"{ph} {_speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else f'{v:.2f}x'}"
+                          for ph, v in sorted(sp.items())) or "latency not measured"
         rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speed} ({r.get('measured_at', '')[:10]})"))
     return rows
 
@@ -274,9 +277,14 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     out.print(t)
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
-        for name, r in m.tensors.items():
+        for name, r in sorted(m.tensors.items(), key=lambda kv: natural_key(kv[0])):
             tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "undefined (no signal)" if r.get("sqnr_undefined") else "exact")
         out.print(tt)
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders numbers by value: layers.2 before layers.10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 def verify_report(artifact, report, as_json: bool) -> None:
@@ -352,6 +360,9 @@ def apple_runtimes(r: dict) -> None:
     for key, name in (("coreml", "Core ML package"), ("coreai", "Core AI asset")):
         rt = r.get(key)
         if rt is None:
+            continue
+        if rt.get("status") == "failed":
+            out.print(f"{name}: [red]failed[/] ({escape(str(rt.get('reason')))})", highlight=False)
             continue
         if rt.get("status") != "ran":
             result(f"{name}: not run here ({rt['reason']})")

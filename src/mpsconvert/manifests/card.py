@@ -93,8 +93,11 @@ def validation_figures(manifest: Manifest) -> list[dict]:
         else:
             row |= {"sentences": a.get("sentences"), "cosine_mean": _fmt(a.get("cosine_mean"), 6),
                     "cosine_min": _fmt(a.get("cosine_min"), 6)}
+        verdicts = run.get("verdict") or {}
         for ph, v in sorted((run.get("speedup") or {}).items()):
             row[f"{ph}_speedup"] = _fmt(v, 3)
+            if isinstance(verdicts.get(ph), dict) and verdicts[ph].get("verdict"):  # the run's verdict: a ratio inside the noise is no speedup
+                row[f"{ph}_verdict"] = verdicts[ph]["verdict"]
         out.append(row)
     return out
 
@@ -184,18 +187,25 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in causal:
             lines.append(f"| {r['run']} | {r['tokens']} | {r['perplexity_bf16']} | {r['perplexity_fp8']} | {r['perplexity_delta_pct']:+}% | "
-                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r.get('prefill_speedup'))} | {_x(r.get('decode_speedup'))} |")
+                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r, 'prefill')} | {_x(r, 'decode')} |")
     enc = [r for r in runs if r["kind"] != "causal-lm"]
     if enc:
         lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
         for r in enc:
-            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r.get('prefill_speedup'))} |")
+            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r, 'prefill')} |")
     data = sorted({str(r['eval_data']) for r in runs})
-    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run.", ""]
+    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run; "
+                        "\"no clear difference\" where the ratio lies within the run-to-run spread of that run.", ""]
 
 
-def _x(v) -> str:
-    return "" if v is None else f"{v}x"
+def _x(row: dict, phase: str) -> str:
+    """A phase's speedup as the run judged it: '1.42x faster', 'no clear difference (0.38x)'."""
+    v, word = row.get(f"{phase}_speedup"), row.get(f"{phase}_verdict")
+    if v is None:
+        return ""
+    if word == "no clear difference":
+        return f"no clear difference ({v}x)"
+    return f"{v}x {word}" if word else f"{v}x"
 
 
 def _is_causal(config: dict) -> bool:
