@@ -99,20 +99,13 @@ def test_specialization_options_follow_the_public_api():
 
 def test_export_coreai_without_the_extra_is_one_line(tmp_path, monkeypatch):
     """No coreai-core: `export-coreai` names the pip line, exit 2, no traceback."""
-    import importlib
-
     from click.testing import CliRunner
 
     from mpsconvert.cli import main
 
-    real = importlib.import_module
+    from .models import hide_modules
 
-    def fake(name, *a, **k):
-        if name.startswith("coreai"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(importlib, "import_module", fake)
+    hide_modules(monkeypatch, "coreai")
     r = CliRunner().invoke(main, ["export-coreai", str(tmp_path)])
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if line.strip()]

@@ -3,7 +3,6 @@ command that writes takes its lock before any work, an existing output is refuse
 loads, the manifest sha256 is printed whole and a malformed pin is said as such, the card names
 the folder it is in, long runs are not silent in a log, inspect says what the run concluded."""
 
-import importlib
 import json
 import os
 import signal
@@ -363,14 +362,7 @@ def test_device_cuda_without_cuda_is_one_line_and_writes_nothing(art, tiny_model
 def test_backend_coreai_without_the_extra_is_one_line(art, monkeypatch):
     import mpsconvert.manifests.verify as verify
 
-    real = importlib.import_module
-
-    def without_coreai(name, *a, **k):
-        if name.startswith("coreai"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(importlib, "import_module", without_coreai)
+    models.hide_modules(monkeypatch, "coreai")
     monkeypatch.setattr(verify, "check_before_use", never("verifying the artifact for a runtime that is not installed"))
     before = models.tree_hashes(art)
     for args in (("generate", art, "hi", "--backend", "coreai"), ("chat", art, "--backend", "coreai")):

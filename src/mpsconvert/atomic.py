@@ -222,9 +222,11 @@ def claim(target: Path):
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(e, target.parent) from e
+    joining = target in _held  # an export inside quantize's claim, say
     try:
         with locked(target, joinable=True):
-            _recover(target)
+            if not joining:
+                _recover(target)
             yield target
     except BaseException:
         for p in made:  # a failed run leaves no empty folders behind
