@@ -109,7 +109,8 @@ def unpacked(path: Path, dtype: str | None = None) -> Iterator[Snapshot]:
         info = describe(path)
         with atomic.private_tempdir("gguf") as tmp:
             folder = tmp / path.stem
-            info["unpacked"] = _unpack(path, folder, dtype or DEFAULT_DTYPE)  # says how (the summary and card read `gguf`)
+            info["dtype"] = dtype or DEFAULT_DTYPE
+            info["unpacked"] = _unpack(path, folder, info["dtype"])  # says how (the summary and card read `gguf`)
             snap = resolve(str(folder))
             snap.origin, snap.gguf, snap._hasher = path, info, hasher
             yield snap

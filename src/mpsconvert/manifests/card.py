@@ -161,7 +161,8 @@ def _what_was_done(manifest: Manifest) -> list[str]:
         note = source_precision_note(src)
         lines.append(f"| source | GGUF {g.get('file_type')} ({', '.join(f'{n} {t}' for t, n in (g.get('tensor_types') or {}).items())}), "
                      f"{g.get('unpacked')}" + (f"; **{note}**" if note else "") + " |")
-    dtype = r.get("unquantized_dtype") or "the source's dtype"
+    gguf = src.get("gguf") if isinstance(src.get("gguf"), dict) else {}
+    dtype = r.get("unquantized_dtype") or (f"{gguf['dtype']}, as the GGUF was unpacked" if gguf.get("dtype") else "the source's dtype")
     lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {dtype} (no FP8 kernel applies to them)"
                  + (f"; Linear: {', '.join(f'`{k}` ({v})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
     cal = r.get("calibration")
