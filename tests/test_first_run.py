@@ -176,6 +176,11 @@ def test_an_existing_output_is_refused_before_torch_loads_or_the_hub_is_asked(ar
     assert "already exists; pass --force" in lines[0]
     assert "is not an mpsconvert artifact" in lines[1] and "pass --force" not in lines[1]
     assert lines[2] == "False False False"
+    # the command line too (it builds the calibration options first: they must not load torch)
+    code = ("import sys, atexit; atexit.register(lambda: print('torch' in sys.modules)); from mpsconvert.cli import main; "
+            f"main(['quantize', {str(art.parent / 'src-llama')!r}, '-o', {str(art)!r}])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "already exists" in r.stderr and r.stdout.strip() == "False", r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------- the manifest sha256

@@ -40,7 +40,8 @@ from .progress import Progress
 if TYPE_CHECKING:  # heavy modules, for annotations only
     import torch
 
-    from .calibrate.run import CalibOptions, Calibration
+    from .calibrate import CalibOptions
+    from .calibrate.run import Calibration
     from .manifests.verify import VerifyReport
     from .runtime.validate import ValidateOptions
 
@@ -151,8 +152,8 @@ class ValidationResult:
 
 def calibration_options(**kw: Any) -> CalibOptions:
     """Calibration settings (data, num_samples, seq_len, seed, observer, percentile, device,
-    sequential, ignore, trust_remote_code, data_revision, token): `calibrate.run.CalibOptions`."""
-    from .calibrate.run import CalibOptions
+    sequential, ignore, trust_remote_code, data_revision, token): `calibrate.CalibOptions` (no torch)."""
+    from .calibrate import CalibOptions
 
     return CalibOptions(**kw)
 

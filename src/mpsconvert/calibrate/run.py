@@ -25,23 +25,7 @@ from .. import devices, filesystem, fp8, modeldef
 from ..targets import Plan, plan_for
 from ..errors import QuantizationError, SourceError
 from ..progress import Progress, or_silent
-from . import data, hooks, observers
-
-
-@dataclass
-class CalibOptions:
-    data: str | None = None  # file, folder or dataset repo id; None: the built-in set
-    num_samples: int = 128
-    seq_len: int = 512
-    seed: int = 0
-    observer: str = "minmax"
-    percentile: float = observers.DEFAULT_PERCENTILE
-    device: str = "auto"
-    sequential: bool = False
-    ignore: list[str] = field(default_factory=list)
-    trust_remote_code: bool = False
-    data_revision: str | None = None
-    token: str | None = None
+from . import CalibOptions, data, hooks, observers  # noqa: F401  (CalibOptions: re-exported, where callers found it)
 
 
 @dataclass
