@@ -59,6 +59,7 @@ class VerifyReport:
     unlisted: list = field(default_factory=list)  # files present that the manifest does not list
     warnings: list = field(default_factory=list)  # worth saying, not a failure
     manifest_sha256: str | None = None
+    format: str | None = None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
 
     @property
     def ok(self) -> bool:
@@ -67,7 +68,8 @@ class VerifyReport:
     def as_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, "hashes_checked": self.hashes_checked, "scheme": self.scheme,
                 "weights": self.weights, "quantized_modules": len(self.quantized), "files": self.files, "problems": self.problems,
-                "unlisted": self.unlisted, "warnings": self.warnings, "manifest_sha256": self.manifest_sha256}
+                "unlisted": self.unlisted, "warnings": self.warnings, "manifest_sha256": self.manifest_sha256,
+                **({"format": self.format} if self.format else {})}
 
 
 def _problem(report: VerifyReport, msg: str) -> None:
@@ -243,6 +245,11 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         check_unlisted(folder, manifest, report)
         if check_hashes:
             _check_hashes(folder, manifest, report, progress)
+        if layout.diffusion_format(manifest):
+            from .diffusion import verify_diffusion
+
+            verify_diffusion(folder, manifest, report, check_codes)
+            return report
     try:
         config = read_json(folder / CONFIG_NAME, what=CONFIG_NAME)
         scheme = scheme_from_config(config.get("quantization_config"))
