@@ -34,6 +34,7 @@ from .convert.coreml import ExportOptions, SeqLen
 from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests import layout
 from .manifests.manifest import Manifest
+from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
 from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
 from .progress import Progress
 

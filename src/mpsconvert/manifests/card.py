@@ -295,7 +295,8 @@ _LOADERS = (
     "|---|---|---|",
     "| ComfyUI file (`--format comfyui`): original-repo names, per-tensor scales, `comfy_quant` markers | ComfyUI: "
     "`models/diffusion_models/` + Load Diffusion Model | diffusers `from_single_file`: it loads the e4m3 codes **without "
-    "their scales** (no error, wrong output); with `BFLQuantizationConfig` it refuses the 0-d scales |",
+    "their scales** (no error, wrong output; only a warning listing the unused `comfy_quant` markers); with `BFLQuantizationConfig` "
+    "(per row only) the first step fails on the 0-d scales |",
     "| diffusers folder (`--format diffusers`): diffusers names, SDNQ per-row scales | diffusers `from_pretrained` "
     "(`pip install sdnq`) | ComfyUI: it keeps only the weight and bias keys it maps, so the scales are lost |",
 )

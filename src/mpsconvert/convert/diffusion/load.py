@@ -53,7 +53,8 @@ def baseline_path(artifact: Path, manifest: Manifest, baseline: str | None) -> P
     cand = baseline or (src["id"] if src.get("kind") == "hub" else src.get("path"))
     if not cand:
         raise SourceError(f"the manifest of {artifact} names no source", "pass --baseline <diffusers folder or repo>")
-    comp = d.get("component") if d.get("layout") == "pipeline" else None
+    # a local pipeline is recorded by its component's folder; a hub one by the pipeline's id
+    comp = d.get("component") if d.get("layout") == "pipeline" and not (Path(cand) / "config.json").is_file() else None
     snap = resolve(str(cand), revision=None if baseline else src.get("commit") or src.get("revision"), diffusion=True, component=comp)
     if snap.diffusion is None:
         raise SourceError(f"the baseline {cand} is not a diffusers model", "pass --baseline <diffusers folder or repo>")
