@@ -37,7 +37,7 @@ def _headers(folder: Path, names: list[str], report) -> dict:
 
 
 def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True) -> None:
-    from .verify import _floats, check_values
+    from .verify import _floats, check_records, check_values
 
     r = manifest.recipe
     fmt = report.format = r.get("format")
@@ -89,13 +89,8 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True) -
             _problem(report, f"{mod} is FP8 but the SDNQ config keeps it unconverted (its codes would be read as weights)")
     if not fp8 and headers:
         _problem(report, "no F8_E4M3 weights found: this is not an FP8 checkpoint")
-    check_values({k: v for k, v in headers.items()}, report, codes=check_codes)
-    for name, rec in manifest.tensors.items():
-        info = tensors.get(name)
-        if info is None:
-            _problem(report, f"the manifest records {name}, which no weight file holds")
-        elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
-            _problem(report, f"{name} is {info.dtype}{list(info.shape)} but the manifest records {rec.get('dtype')}{rec.get('shape')}")
+    check_values(headers, report, codes=check_codes)
+    check_records(manifest, tensors, report)
 
 
 def _check_comfy_markers(headers: dict, tensors: dict, fp8: dict, report) -> None:

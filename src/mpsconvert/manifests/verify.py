@@ -287,13 +287,18 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
     check_model_shapes(report, shapes, ignored)
     check_values(headers, report, codes=check_codes)
     if manifest is not None:
-        for name, rec in manifest.tensors.items():
-            info = tensors.get(name)
-            if info is None:
-                _problem(report, f"{MANIFEST_NAME} records {name}, which no shard holds")
-            elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
-                _problem(report, f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records {rec.get('dtype')}{rec.get('shape')}")
+        check_records(manifest, tensors, report)
     return report
+
+
+def check_records(manifest: Manifest, tensors: dict, report: VerifyReport) -> None:
+    """The manifest's tensor records against the files: every recorded tensor stored, with its dtype and shape."""
+    for name, rec in manifest.tensors.items():
+        info = tensors.get(name)
+        if info is None:
+            _problem(report, f"{MANIFEST_NAME} records {name}, which no shard holds")
+        elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
+            _problem(report, f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records {rec.get('dtype')}{rec.get('shape')}")
 
 
 def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set | None) -> None:
