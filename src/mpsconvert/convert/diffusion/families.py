@@ -14,7 +14,7 @@ Torch-free: `detect_family` runs on safetensors header keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ...errors import SourceError
 
@@ -33,7 +33,7 @@ class Fusion:
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # what --family-less users see in messages and the manifest
+    name: str  # recorded in the manifest; names validate's step inputs (runtime/validate_diffusion.py)
     label: str
     classes: tuple[str, ...]  # diffusers classes of this family's transformer
     detect: tuple[str, ...]  # keys that, all present, mark an original-repo single file
@@ -41,7 +41,6 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()  # diffusers key -> original key, regexes applied in order
     fusions: tuple[Fusion, ...] = ()
     swaps: tuple[str, ...] = ()  # original keys whose two row halves are swapped (shift, scale) vs (scale, shift)
-    inputs: str = ""  # how validate builds one denoising step's inputs (runtime/validate_diffusion.py)
 
 
 _FLUX_BLOCK = r"^transformer_blocks\.(\d+)\."
@@ -90,7 +89,6 @@ FAMILIES: tuple[Family, ...] = (
                    ("to_q", "to_k", "to_v", "proj_mlp")),
         ),
         swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"),
-        inputs="flux",
     ),
     Family(
         name="wan", label="Wan 2.x", classes=("WanTransformer3DModel",),
@@ -121,7 +119,6 @@ FAMILIES: tuple[Family, ...] = (
             (r"^blocks\.(\d+)\.norm3\.", r"blocks.\1.norm2."),
             (r"^blocks\.(\d+)\.norm__3\.", r"blocks.\1.norm3."),
         ),
-        inputs="wan",
     ),
     Family(
         # Qwen-Image was released in diffusers layout, and ComfyUI's model uses those names
@@ -129,7 +126,6 @@ FAMILIES: tuple[Family, ...] = (
         name="qwen-image", label="Qwen-Image", classes=("QwenImageTransformer2DModel",),
         detect=("txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.add_q_proj.weight"),
         keep=("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out"),
-        inputs="qwen-image",
     ),
     Family(
         name="sd3", label="SD3.5", classes=("SD3Transformer2DModel",),
@@ -169,7 +165,6 @@ FAMILIES: tuple[Family, ...] = (
         ),
         # the final norm, and the last block's context norm (AdaLayerNormContinuous in diffusers)
         swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias", "@last:context_block.adaLN_modulation.1"),
-        inputs="sd3",
     ),
     Family(
         name="z-image", label="Z-Image", classes=("ZImageTransformer2DModel",),
@@ -185,7 +180,6 @@ FAMILIES: tuple[Family, ...] = (
         fusions=(
             Fusion(_ZIMAGE_BLOCK + r"attention\.(?P<m>to_q|to_k|to_v)$", r"\1.\2.attention.qkv", ("to_q", "to_k", "to_v")),
         ),
-        inputs="z-image",
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
@@ -229,8 +223,7 @@ class KeepRule:
     """What stays in high precision: the family's list, or `--ignore` patterns that replace it."""
 
     patterns: tuple[str, ...]
-    source: str  # "family default (Flux.1)" | "--ignore"
-    extra: tuple = field(default=())
+    source: str  # "Flux.1 default" | "--ignore"
 
     @classmethod
     def of(cls, family: Family, ignore: list[str] | None) -> "KeepRule":

@@ -152,15 +152,11 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
             members = [k[: -len(".weight")] for k in o.sources if k.endswith(".weight")]
             if decide(o.name, o.name[: -len(".weight")], members):
                 p.quantize[o.name] = o
-    else:
-        from .keymap import _rename  # the original name too, so that --ignore and the family list name either
-
-        fused = {pc.key: o.name for o in to_original(family, shapes) for pc in o.pieces}
+    else:  # the original name too, so that --ignore and the family's list may name either
+        original = {pc.key: o.name for o in to_original(family, shapes) for pc in o.pieces}
         for key in shapes:
-            mod = key[: -len(".weight")]
-            original = fused.get(key, _rename(family, key))[: -len(".weight")] if key.endswith(".weight") else ""
-            if decide(key, original, [mod] if key.endswith(".weight") else []):
-                p.quantize[key] = mod
+            if decide(key, original[key][: -len(".weight")], [key[: -len(".weight")]] if key.endswith(".weight") else []):
+                p.quantize[key] = key[: -len(".weight")]
     if not p.quantize:
         raise QuantizationError(f"nothing to quantize in {snap.path}: no float Linear weight outside the high-precision list "
                                 f"({len(p.ignored)} kept: {p.keep.source})", "check the --ignore patterns")
