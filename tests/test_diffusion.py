@@ -380,22 +380,11 @@ def test_cli_one_line_and_exit_2(tmp_path):
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "no transformer" in r.output
 
 
-def test_upload_of_a_diffusers_artifact_sends_every_file_and_the_card_names_the_repo(sources, tmp_path, monkeypatch):
+def test_upload_of_a_diffusers_artifact_sends_every_file_and_the_card_names_the_repo(sources, tmp_path, online):
     """upload covers diffusion artifacts as LLM ones: verified first, the card rewritten for the repo."""
-    import huggingface_hub.constants as c
-
-    from .hub_server import FakeHub
-
     art = mpsconvert.quantize(sources["qwen-image"], tmp_path / "qwen-fp8", format="diffusers")
-    with FakeHub() as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_TOKEN", "hf_local_test_token")
-        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-        monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(c, "HF_HUB_DISABLE_XET", True)
-        mpsconvert.upload(art.output, "me/qwen-fp8")
-        (commit,) = hub.commits
+    mpsconvert.upload(art.output, "me/qwen-fp8")
+    (commit,) = online.commits
     files = {p.relative_to(art.output).as_posix() for p in art.output.rglob("*") if p.is_file()}
     assert set(commit["files"]) == files and "diffusion_pytorch_model.safetensors" in files
     card = (art.output / "README.md").read_text()
