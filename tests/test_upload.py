@@ -10,7 +10,6 @@ import mpsconvert
 from mpsconvert.cli import main
 
 from . import models
-from .hub_server import FakeHub
 
 
 def artifact_files(folder):
