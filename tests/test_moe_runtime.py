@@ -144,8 +144,8 @@ TRITON_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.triton
 def test_triton_decode_gemv_interpreted():
-    pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)

@@ -9,7 +9,7 @@ import torch
 
 from mpsconvert import fp8
 from mpsconvert.errors import DeviceError
-from mpsconvert.runtime import kernels, triton_gemv
+from mpsconvert.runtime import kernels, tritonlib
 from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.fuse import FusedFP8
 from mpsconvert.runtime.policy import KernelPolicy
@@ -46,7 +46,7 @@ def fake(table):
 
 @pytest.fixture
 def with_triton(monkeypatch):
-    monkeypatch.setattr(triton_gemv, "available", lambda: True)
+    monkeypatch.setattr(tritonlib, "available", lambda: True)
 
 
 def policy(measure, tmp_path, **kw):

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_group_scale
-from . import act_quant, moe_triton, triton_gemv
+from . import act_quant, moe_triton, triton_gemv, tritonlib
 
 KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "scaled_mm_block", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
@@ -185,7 +185,7 @@ def candidates(device_type: str, activations: str | None, weights: str, bucket: 
         return out + ["dequant", "bf16"]
     if activations is not None:
         out.append("scaled_mm_tensor" if (activations == "tensor" and weights == "tensor") else "scaled_mm_row")
-    if device_type == "cuda" and bucket == "decode" and triton_gemv.available():
+    if device_type == "cuda" and bucket == "decode" and tritonlib.available():
         out += ["gemv", "gemv_splitk"] + (["gemv_w8a8"] if activations is not None else [])
     if device_type == "mps" or bucket == "prefill" or not out:
         out.append("dequant")

@@ -198,11 +198,9 @@ class FP8Experts(nn.Module):
         return "grouped_mm" if grouped_mm_available(device, self.dtype) else "loop"
 
     def _choose_decode_path(self, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return None
-        from . import moe_triton
+        from . import tritonlib
 
-        return "triton_gemv" if moe_triton.available() else None
+        return "triton_gemv" if device.type == "cuda" and tritonlib.available() else None
 
     @property
     def paths(self) -> dict:

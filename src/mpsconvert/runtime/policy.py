@@ -28,7 +28,7 @@ import torch
 
 from .. import atomic, devices, timing
 from ..progress import Progress, or_silent
-from . import kernels
+from . import kernels, tritonlib
 from .fp8linear import BUCKETS, FP8Linear
 
 # measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
@@ -41,12 +41,6 @@ def cache_path() -> Path:
         return Path(root) / "kernels.json"
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg or Path.home() / ".cache") / "mpsconvert" / "kernels.json"
-
-
-def _triton_version() -> str | None:
-    from . import triton_gemv
-
-    return getattr(triton_gemv.triton, "__version__", None)
 
 
 @dataclass
@@ -84,7 +78,7 @@ class KernelPolicy:
     # -- cache -------------------------------------------------------------------------------
     def key(self, sig: tuple, bucket: str, m: int) -> str:
         n, k, w, a = sig
-        return (f"{self.device_name}|torch {torch.__version__}|triton {_triton_version()}|{n}x{k}|weights={w}|"
+        return (f"{self.device_name}|torch {torch.__version__}|triton {tritonlib.version()}|{n}x{k}|weights={w}|"
                 f"acts={a or 'bf16'}|{bucket} M={m}")
 
     def _read_cache(self) -> dict:
