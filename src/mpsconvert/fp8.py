@@ -14,10 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import devices
 from .errors import QuantizationError
 from .scales import DEFAULT_BLOCK, Granularity, blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
+# How e4m3 codes may be held: as float8, or as their bytes where the device has no float8 (MPS
+# before torch 2.15: devices.Capabilities.code_dtype); fp8_to_float decodes both exactly.
+CODE_DTYPES = (FP8_DTYPE, torch.uint8)
 FP8_MAX = 448.0
 # Floor for the scale of an all-zero row or tensor: its codes are all zero, and the scale
 # stays a finite positive number that no reader divides by zero with.
@@ -51,18 +55,31 @@ class QuantStats:
 
 
 def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """Decode e4m3 codes to float32 exactly.
+    """Decode e4m3 codes (float8_e4m3fn, or their bytes as uint8) to float32 exactly.
 
-    PyTorch's CPU float8->float cast is ~5x slower than this bit move: e4m3's exponent and
-    mantissa bits land in fp16's positions (s.eeee.mmm -> s.0eeee.mmm0000000), which reads as
-    the e4m3 value times 2**-8, subnormals included. NaN codes (0x7f/0xff) never occur because
-    we clamp before casting.
+    Bit by bit on CPU, where PyTorch's float8->float cast is ~5x slower than this bit move:
+    e4m3's exponent and mantissa bits land in fp16's positions (s.eeee.mmm -> s.0eeee.mmm0000000),
+    which reads as the e4m3 value times 2**-8, subnormals included. Also for codes held as bytes:
+    a device where this torch has no float8 (MPS before torch 2.15: devices.Capabilities.code_dtype)
+    runs only integer and fp16 ops here. A float8 tensor on a GPU is cast by the device. NaN codes
+    (0x7f/0xff) never occur because we clamp before casting.
     """
-    if codes.device.type != "cpu":
+    if codes.dtype == FP8_DTYPE and codes.device.type != "cpu":
         return codes.float()
     b = codes.view(torch.uint8).to(torch.int16)
     h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     return h.view(torch.float16).float().mul_(256.0)
+
+
+def codes_to(codes: torch.Tensor, device) -> torch.Tensor:
+    """e4m3 codes (float8_e4m3fn or uint8 bytes) moved to `device`, held as that device holds them
+    (devices.Capabilities.code_dtype): a float8 tensor cannot even be moved to an MPS device of a
+    torch without float8, its bytes can."""
+    device = torch.device(device)
+    want = devices.capabilities(device).code_dtype
+    if codes.dtype == want:
+        return codes.to(device)
+    return codes.view(want).to(device) if want == torch.uint8 else codes.to(device).view(want)  # reinterpreted where float8 exists
 
 
 def _check_finite(amax: torch.Tensor, name: str) -> None:
@@ -354,9 +371,26 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return w.to(dtype)
 
 
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32: what
+    `v.to(float8_e4m3fn).float()` gives, without a float8 op (for a device whose torch has none).
+
+    Normal range (|v| >= 2**-6): the float32 bits keep 3 of 23 mantissa bits, rounded to nearest
+    even by adding 0x7FFFF plus the lowest kept bit before masking (a carry moves into the
+    exponent, as rounding up to the next power of two must). Below, e4m3's subnormals are the
+    multiples of 2**-9: `round(v * 512) / 512` (exact scalings; torch.round is half to even).
+    """
+    b = v.view(torch.int32)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).view(torch.float32)  # -0x100000 == 0xFFF00000: sign, exponent, 3 bits
+    return torch.where(v.abs() < 2.0**-6, torch.round(v * 512.0) / 512.0, normal)
+
+
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Round-trip x through e4m3 with a given dequant scale (for simulated activations)."""
-    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale).to(x.dtype)
+    """Round-trip x through e4m3 with a given dequant scale (for simulated activations); on a
+    device without float8 (devices.Capabilities.fp8_tensors) through `round_to_e4m3`, exactly."""
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    q = q.to(FP8_DTYPE).float() if devices.capabilities(q.device).fp8_tensors else round_to_e4m3(q)
+    return (q * scale).to(x.dtype)
 
 
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:
