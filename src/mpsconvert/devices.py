@@ -25,7 +25,7 @@ from .errors import DeviceError
 DEVICE_CHOICES = ("auto", "mps", "cuda", "cpu")
 # float8_e4m3fn tensors and F.scaled_mm on MPS arrived in torch 2.15 (pytorch PRs 194074, 196916).
 MPS_FP8_TORCH = "2.15"
-MPS_NEEDS = f"FP8 on MPS needs an Apple Silicon Mac and torch >= {MPS_FP8_TORCH}"
+MPS_FP8 = f"FP8 on MPS needs torch >= {MPS_FP8_TORCH}"
 
 
 def mps_available() -> bool:
@@ -50,7 +50,8 @@ def choose(name: str = "auto") -> torch.device:
     if name == "mps" and not mps_available():
         built = getattr(torch.backends, "mps", None) and torch.backends.mps.is_built()
         why = "this torch build has no MPS support" if not built else "no Apple GPU is visible"
-        raise DeviceError(f"--device mps was asked for but {why} ({MPS_NEEDS}); available: {', '.join(available())}",
+        raise DeviceError(f"--device mps was asked for but {why} (MPS needs an Apple Silicon Mac; {MPS_FP8}); "
+                          f"available: {', '.join(available())}",
                           "pass --device auto or one of those")
     if name.startswith("cuda") and not cuda_available():
         raise DeviceError(
@@ -172,7 +173,7 @@ def _probe_mps() -> tuple[bool, bool, str]:
             raise RuntimeError("a float8 round trip changed the values")
     except Exception as e:  # any failure means: no float8 on this device
         return False, False, (f"{here} has no float8_e4m3fn tensors on MPS ({_first_line(e)}): e4m3 codes are held as bytes and "
-                              f"decoded bit by bit, FP8 layers dequantize their weights ({MPS_NEEDS} to keep FP8 in the matmuls)")
+                              f"decoded bit by bit, and FP8 layers dequantize their weights; {MPS_FP8}")
     try:
         one = torch.ones((), device="mps")
         for kind, sa, sb in ((F.ScalingType.TensorWise, one, one),
@@ -182,7 +183,7 @@ def _probe_mps() -> tuple[bool, bool, str]:
                 raise RuntimeError(f"{kind} scaled_mm gave wrong values")
     except Exception as e:  # absent (AttributeError), not registered for MPS (NotImplementedError), ...
         return True, False, (f"{here} has no FP8 matmul on MPS (F.scaled_mm: {_first_line(e)}): FP8 layers dequantize their "
-                             f"weights instead ({MPS_NEEDS})")
+                             f"weights instead; {MPS_FP8}")
     return True, True, ""
 
 

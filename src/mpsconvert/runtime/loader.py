@@ -408,7 +408,7 @@ def weights_held(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> dic
     saves no memory over BF16 (the user must not think otherwise)."""
     from .moe import FP8Experts
 
-    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]  # a fused group's members are views of its layer
     experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
     out = {"e4m3": sum(m.weight is not None for m in linears) + sum(m.gate_up_codes is not None for m in experts),
            "dequantized": sum(m.dense_weight is not None for m in linears) + sum(m.gate_up_dense is not None for m in experts),
