@@ -414,9 +414,10 @@ def weights_held(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> dic
            "dequantized": sum(m.dense_weight is not None for m in linears) + sum(m.gate_up_dense is not None for m in experts),
            "code_dtype": str(devices.capabilities(dev).code_dtype).replace("torch.", "")}
     name = str(dtype).replace("torch.", "")
-    if dev.type == "cpu":
+    if out["dequantized"] and not out["e4m3"] and dev.type == "cpu":
         out["note"] = (f"CPU: every FP8 weight is dequantized to {name} once at load (FP8 matmul on CPU is orders of magnitude "
-                       f"slower), so the model takes as much memory as {name} and runs no faster than it")
+                       f"slower), so the model takes as much memory as {name} (more while loading: the codes are read first) and "
+                       f"runs no faster than it (slower where the scheme rounds activations through e4m3); docs/runtime.md")
     elif out["dequantized"] and not out["e4m3"]:
         out["note"] = f"every FP8 weight is held dequantized in {name} (measured faster here): no memory is saved over {name}"
     elif out["dequantized"]:
