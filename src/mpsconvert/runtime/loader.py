@@ -15,9 +15,9 @@ How, and why this way:
   scales on the device (no BF16 copy): as float8_e4m3fn, or as their bytes on a device where this
   torch has no float8 (MPS before torch 2.15; devices.capabilities says, probed once). On CPU each
   is dequantized once to `dtype` instead, since FP8 matmul on CPU is orders of magnitude slower:
-  no memory is saved there, and `model.mpsconvert.weights_held` says so. An FP8 tensor that belongs to a module we have
-  no FP8 kernel for (llm-compressor's model-free path also quantizes `embed_tokens`) is
-  dequantized once at load, and listed in `model.mpsconvert.dequantized`.
+  no memory is saved there, and `model.mpsconvert.weights_held` says so. An FP8 tensor that
+  belongs to a module we have no FP8 kernel for (llm-compressor's model-free path also quantizes
+  `embed_tokens`) is dequantized once at load, and listed in `model.mpsconvert.dequantized`.
 - MoE experts (transformers 5 fuses a layer's experts into one module of 3-D parameters) become
   `FP8Experts`, whichever way the artifact stores them: per-expert 2-D tensors (the default, the
   hub's layout; each streamed into its rows of the layer's [E, N, K] codes) or fused 3-D tensors

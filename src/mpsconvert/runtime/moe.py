@@ -40,7 +40,7 @@ from torch import nn
 
 from .. import devices, fp8
 from ..errors import ArtifactError
-from . import act_quant
+from . import act_quant, tritonlib
 from .fp8linear import hold
 from ..moe_layout import ExpertParam, find_layout
 
@@ -219,8 +219,6 @@ class FP8Experts(nn.Module):
         return "grouped_mm" if grouped_mm_available(device, self.dtype) else "loop"
 
     def _choose_decode_path(self, device: torch.device) -> str | None:
-        from . import tritonlib
-
         return "triton_gemv" if device.type == "cuda" and tritonlib.available() else None
 
     @property
