@@ -1,3 +1,5 @@
+import functools
+import importlib
 import os
 
 import pytest
@@ -8,6 +10,31 @@ from . import models
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@functools.cache
+def importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+# What a marked test needs, and why it is skipped where that is missing: marker -> (check, reason).
+# The markers are registered in pyproject.toml; a test marks what it needs, and every unmarked
+# test runs on a base install (a Mac user's: no Triton, no extras).
+REQUIRES = {
+    "triton": (lambda: importable("triton"), "needs Triton (its kernels run on CPU through TRITON_INTERPRET=1); not installed"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for marker, (check, reason) in REQUIRES.items():
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if marked and not check():
+            for item in marked:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
