@@ -32,7 +32,6 @@ def minilm_dir():
 
 
 @pytest.fixture(scope="session")
-def shared_data():
-    if not models.SHARED_DATA.is_dir():
-        pytest.skip(f"{models.SHARED_DATA} not present")
-    return models.SHARED_DATA
+def text_data():
+    """The vendored real-text sample (tests/data/text)."""
+    return models.TEXT_DATA

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mpsconvert.calibrate import data
-from .models import MINILM_DIR, SHARED_DATA
+from .models import MINILM_DIR, TEXT_DATA
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_builtin_set_ships_varied_text_and_draws_deterministically(tok):
 
 
 def test_more_samples_than_documents_takes_several_windows_per_document(tok):
-    corpus = data.load(str(SHARED_DATA / "wiki_calib.jsonl"))
+    corpus = data.load(str(TEXT_DATA / "wiki_calib.jsonl"))
     s = data.draw(corpus, tok, 100, 128, seed=0)
     assert len(s.input_ids) == 100
     assert len({d["doc"] for d in s.drawn}) == corpus.source["documents"]  # every document used

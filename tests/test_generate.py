@@ -16,7 +16,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{%
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory, shared_data):
+def art(tmp_path_factory, text_data):
     """A tiny Llama artifact whose tokenizer has a chat template."""
     from transformers import AutoTokenizer
 
