@@ -34,6 +34,7 @@ from .convert.coreml import ExportOptions, SeqLen
 from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests import layout
 from .manifests.manifest import Manifest
+from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
 from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
 from .progress import Progress
 
@@ -121,7 +122,7 @@ class ValidationResult:
     baseline on one device, with the settings and kernel decisions; `as_dict()` is what is
     recorded in the manifest's `validation` block (plus the Core ML part)."""
 
-    kind: str  # "causal-lm" | "encoder"
+    kind: str  # "causal-lm" | "encoder" | "diffusion-step"
     device: str
     device_name: str
     scheme: str
@@ -194,9 +195,12 @@ def quantize(
     max_shard_size: int | str = "1GB",
     upload_repo: str | None = None,
     private: bool = False,
+    format: str | None = None,
+    component: str | None = None,
     progress: Progress | None = None,
 ) -> QuantizeResult:
-    """Quantize a Hugging Face model to an FP8 compressed-tensors artifact.
+    """Quantize a Hugging Face model to an FP8 compressed-tensors artifact, or a diffusion
+    transformer to FP8 for ComfyUI or diffusers (docs/diffusion.md).
 
     Args:
         source: a hub repo id (downloaded with huggingface_hub into its cache) or a local folder.
@@ -226,6 +230,12 @@ def quantize(
             thread each, so smaller shards verify faster.
         upload_repo: then publish the artifact to this hub repo (`upload`), with `token`.
         private: create `upload_repo` private.
+        format: for a diffusion model (a diffusers pipeline or component, or an original-repo
+            `.safetensors` file): "comfyui" (one file for ComfyUI, per-tensor scales),
+            "comfyui-legacy" (its older `scaled_fp8` layout) or "diffusers" (a folder that
+            diffusers loads through SDNQ, per-row scales) [default: diffusers; comfyui for a
+            single file]. Language models take no format (compressed-tensors).
+        component: the pipeline component to quantize [default: transformer].
         progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export",
             "coreai export", "decode check").
 
@@ -266,8 +276,17 @@ def quantize(
         require("coreai.authoring", "coreai", "Core AI export (--coreai)")
     if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
         raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {sch.name})", "add --scheme fp8, or drop them")
-    snap = resolve(str(source), revision=revision, token=token)
+    snap = resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
     snap.start_hashing()  # before torch and transformers load: the hashing overlaps those seconds
+    if snap.diffusion is not None or format is not None:
+        from .convert.diffusion.run import quantize_source
+
+        llm_only = {"--scheme": scheme, "--weights": weights, "--scales": scales_file, "--coreml": coreml, "--coreai": coreai,
+                    "--dtype": dtype, "--calib-data": calibration is not None and calibration.data is not None,
+                    "--experts-layout": experts_layout != "per-expert"}
+        out, manifest = quantize_source(snap, output, format, ignore=list(ignore), force=force, max_shard_size=shard_bytes,
+                                        llm_only=llm_only, progress=progress)
+        return _published(QuantizeResult(output=out, manifest=manifest), upload_repo, private, token, progress)
     from .convert.quantize import Options, check_fp8_source, quantize_snapshot
 
     if snap.fp8 is not None and scheme is None and weights is None:
@@ -312,6 +331,15 @@ def quantize(
         except MpsconvertError as e:
             raise ExportError(f"{out} was written, but its Core AI export failed: {e.problem}",
                               e.fix or "run `mpsconvert export-coreai` on it to retry") from e
+    return _published(result, upload_repo, private, token, progress)
+
+
+def _published(result: QuantizeResult, upload_repo: str | None, private: bool, token: str | None,
+               progress: Progress | None) -> QuantizeResult:
+    """The end of every quantize: the upload when asked for, and the manifest's sha256 to pin."""
+    from .manifests.manifest import manifest_sha256
+
+    out = result.output
     if upload_repo is not None:
         try:
             result.upload = upload(out, upload_repo, private=private, token=token, progress=progress)
@@ -319,8 +347,6 @@ def quantize(
             raise UploadError(f"{out} was written, but its upload failed: {e.problem}",
                               e.fix or f"run `mpsconvert upload {out} {upload_repo}` to retry") from e
         result.manifest = Manifest.read(out)
-    from .manifests.manifest import manifest_sha256
-
     result.manifest_sha256 = manifest_sha256(out)
     return result
 
@@ -462,6 +488,14 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
 
     opts = options or validate_options()
     artifact = Path(artifact)
+    if layout.is_artifact(artifact) and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
+        from .convert.diffusion.load import load_pair
+        from .runtime.validate_diffusion import validate as run_step
+
+        result = ValidationResult(**run_step(artifact, opts, load_pair, progress))
+        if result.recorded:
+            _refresh_card(artifact)
+        return result
     result = ValidationResult(**run(artifact, opts, progress))
     result.coreml = _coreml_runtime(artifact, opts)
     result.coreai = _coreai_runtime(artifact, opts, progress)

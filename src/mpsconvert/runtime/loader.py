@@ -434,7 +434,7 @@ def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, pro
     path = Path(path)
     atomic.recover(path)
     report = verify_artifact(path, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
-    if report.scheme is None:  # config.json unreadable: the report says why; nothing to build
+    if report.scheme is None or report.format:  # config.json unreadable (the report says why), or a diffusion artifact: nothing to build
         return report
     if trust_remote_code and not (report.ok and report.hashes_checked):
         report.warnings.append("the model was not built from config.json: with --trust-remote-code, code runs only from an artifact that verified")
