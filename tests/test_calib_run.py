@@ -13,6 +13,8 @@ from mpsconvert.calibrate.run import CalibOptions, calibrate
 from mpsconvert.cli import main
 from mpsconvert.targets import plan_for
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 CALIB = str(TEXT_DATA / "wiki_calib.jsonl")
 
 

@@ -11,6 +11,8 @@ from mpsconvert.cli import main
 
 from . import models
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

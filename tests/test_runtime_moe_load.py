@@ -25,6 +25,8 @@ from mpsconvert.source import resolve
 
 from .models import TEXT_DATA, runtime_tokenizer, tiny_moe_checkpoint
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 

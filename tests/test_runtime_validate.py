@@ -20,6 +20,8 @@ from mpsconvert.runtime.validate import ValidateOptions
 
 from .models import TEXT_DATA, runtime_tiny_bert, runtime_tiny_llama
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 
 def _softmax(row):
     e = np.exp(row - row.max())
