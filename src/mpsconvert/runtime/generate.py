@@ -202,7 +202,7 @@ def next_token(logits: torch.Tensor, sampling: Sampling, draws: Draws | None) ->
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / sampling.temp, dim=-1)
     if sampling.top_p < 1:
-        p, idx = probs.sort(descending=True)
+        p, idx = probs.sort(descending=True, stable=True)  # ties in index order, as argmax breaks them
         keep = p.cumsum(0) - p < sampling.top_p  # always keeps the first
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
     return int(torch.multinomial(probs, 1, generator=draws.on(probs.device) if draws is not None else None))
