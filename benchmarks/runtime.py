@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpsconvert import fp8
-from mpsconvert.runtime import triton_gemv
+from mpsconvert.runtime import triton_gemv, tritonlib
 from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.fuse import FusedFP8
 from mpsconvert.runtime.policy import KernelPolicy
@@ -222,7 +222,7 @@ def main(argv=None):
         sys.exit("benchmarks/runtime.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = True
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": getattr(triton_gemv.triton, "__version__", None), "layers": args.layers, "prefill_tokens": args.prefill}
+            "triton": tritonlib.version(), "layers": args.layers, "prefill_tokens": args.prefill}
     log("env:", info)
     report = {"info": info, "gemv_check": check_gemv()}
     if args.check:

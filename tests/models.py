@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-# ../shared/data beside the checkout (also from a worktree nested inside one)
-SHARED_DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),
-                   Path(__file__).resolve().parents[2] / "shared" / "data")
+# Real English prose vendored with the tests (a sample of ../shared/data: see its README), so the
+# suite needs nothing beside the checkout.
+TEXT_DATA = Path(__file__).resolve().parent / "data" / "text"
 
 
 def _save(model, path: Path, dtype=torch.float32, **kw) -> Path:
@@ -123,8 +123,8 @@ def tiny_moe_checkpoint(folder: Path, arch: str, fused: bool = False, seed: int 
 
 
 def runtime_texts(n: int = 20) -> list[str]:
-    """Real English prose from ../shared/data/wiki_eval.jsonl."""
-    lines = (SHARED_DATA / "wiki_eval.jsonl").read_text(encoding="utf-8").splitlines()
+    """Real English prose (tests/data/text/wiki_eval.jsonl)."""
+    lines = (TEXT_DATA / "wiki_eval.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(l)["text"] for l in lines[:n]]
 
 
@@ -133,7 +133,7 @@ def runtime_tokenizer(vocab: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    lines = (SHARED_DATA / "wiki_calib.jsonl").read_text(encoding="utf-8").splitlines()[:30]
+    lines = (TEXT_DATA / "wiki_calib.jsonl").read_text(encoding="utf-8").splitlines()[:30]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()

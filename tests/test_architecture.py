@@ -95,3 +95,58 @@ def test_the_public_api_is_documented():
         params = [p for p in pyinspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
         for p in params:
             assert p.annotation is not pyinspect.Parameter.empty, f"{name}({p.name}) has no type"
+
+
+TRITON_HOME = PKG / "runtime" / "tritonlib.py"
+
+
+def _triton_imports(path: Path) -> list[int]:
+    """Lines of `path` that import triton (at any depth: a guarded import inside a function is
+    still a second owner of the optional dependency)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "triton" or n.startswith("triton.") for n in names):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_one_module_owns_the_triton_import():
+    """Triton has no macOS wheels: runtime/tritonlib.py imports it (guarded) and every kernel
+    module takes `triton` / `tl` from there, so a base install imports every module."""
+    bad = {p.relative_to(PKG).as_posix(): lines for p in FILES if p != TRITON_HOME and (lines := _triton_imports(p))}
+    assert not bad, f"import triton only in runtime/tritonlib.py; also imported in {bad}"
+    assert _triton_imports(TRITON_HOME), "tritonlib.py no longer imports triton: update this test"
+
+
+def test_the_triton_check_sees_an_import(tmp_path):
+    """Negative control for the scan above."""
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    try:\n        import triton.language as tl\n    except ImportError:\n        pass\nfrom triton import jit\n")
+    assert _triton_imports(f) == [3, 6]
+
+
+def test_every_module_imports_in_this_environment():
+    """Every module of the package imports here (CI runs this in the base install too: no Triton,
+    no extras), in a fresh interpreter so that nothing imported by other tests hides a failure.
+    `__main__` modules run the CLI when imported and are left out."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, mpsconvert\n"
+        "names = [m.name for m in pkgutil.walk_packages(mpsconvert.__path__, 'mpsconvert.') if not m.name.endswith('__main__')]\n"
+        "bad = []\n"
+        "for n in names:\n"
+        "    try:\n"
+        "        importlib.import_module(n)\n"
+        "    except Exception as e:\n"
+        "        bad.append(f'{n}: {type(e).__name__}: {e}')\n"
+        "print(len(names)); print('\\n'.join(bad))\n"
+    )
+    env = dict(__import__("os").environ, PYTHONPATH=str(PKG.parent))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    count, *bad = r.stdout.strip().splitlines()
+    assert int(count) == len([p for p in FILES if p.name != "__main__.py"]), "the walk missed modules"  # a subpackage's __init__ is its entry
+    assert not bad, "\n".join(bad)

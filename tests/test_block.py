@@ -220,11 +220,9 @@ def test_static_activations_with_block_weights_calibrated_from_source_and_into_a
     source, and `calibrate` into an fp8-dynamic block artifact (its block scales kept)."""
     from transformers import AutoModelForCausalLM
 
-    from .models import SHARED_DATA, calib_tiny_llama
+    from .models import TEXT_DATA, calib_tiny_llama
 
-    calib = SHARED_DATA / "wiki_calib.jsonl"
-    if not calib.is_file():
-        pytest.skip(f"{calib} not present")
+    calib = TEXT_DATA / "wiki_calib.jsonl"
     opts = mpsconvert.calibration_options(data=str(calib), num_samples=3, seq_len=32)
     src = calib_tiny_llama(tmp_path / "src")  # with a tokenizer, for the calibration text
     out = tmp_path / "static"

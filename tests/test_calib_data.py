@@ -5,7 +5,9 @@ import json
 import pytest
 
 from mpsconvert.calibrate import data
-from .models import MINILM_DIR, SHARED_DATA
+from .models import MINILM_DIR, TEXT_DATA
+
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def test_builtin_set_ships_varied_text_and_draws_deterministically(tok):
 
 
 def test_more_samples_than_documents_takes_several_windows_per_document(tok):
-    corpus = data.load(str(SHARED_DATA / "wiki_calib.jsonl"))
+    corpus = data.load(str(TEXT_DATA / "wiki_calib.jsonl"))
     s = data.draw(corpus, tok, 100, 128, seed=0)
     assert len(s.input_ids) == 100
     assert len({d["doc"] for d in s.drawn}) == corpus.source["documents"]  # every document used
@@ -41,7 +43,7 @@ def test_more_samples_than_documents_takes_several_windows_per_document(tok):
     assert len({(d["doc"], d["start"]) for d in s.drawn}) == 100  # no window twice
 
 
-def test_text_jsonl_and_parquet_files(tmp_path, tok):
+def test_text_and_jsonl_files(tmp_path, tok):
     txt = tmp_path / "notes.txt"
     txt.write_text("first document, about rivers and lakes.\n\nsecond document about mountains.\n\n\n", encoding="utf-8")
     c = data.load(str(txt))
@@ -50,15 +52,30 @@ def test_text_jsonl_and_parquet_files(tmp_path, tok):
     jl = tmp_path / "d.jsonl"
     jl.write_text('{"text": "alpha beta"}\n\n{"text": "gamma", "id": 2}\n', encoding="utf-8")
     assert data.load(str(jl)).texts == ["alpha beta", "gamma"]
+    # The hash names the bytes: changing the data changes it.
+    h1 = data.load(str(jl)).source["sha256"]
+    jl.write_text('{"text": "alpha beta!"}\n', encoding="utf-8")
+    assert data.load(str(jl)).source["sha256"] != h1
+
+
+@pytest.mark.extra("data")
+def test_parquet_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["one", "two", "three"], "n": [1, 2, 3]}), tmp_path / "d.parquet")
     assert data.load(str(tmp_path / "d.parquet")).texts == ["one", "two", "three"]
-    # The hash names the bytes: changing the data changes it.
-    h1 = data.load(str(jl)).source["sha256"]
-    jl.write_text('{"text": "alpha beta!"}\n', encoding="utf-8")
-    assert data.load(str(jl)).source["sha256"] != h1
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    """A base install has no pyarrow: one line naming the extra, not an ImportError."""
+    from mpsconvert.errors import MissingExtraError
+
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    for name in ("pyarrow", "pyarrow.parquet"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # what `import` finds for a missing module
+    with pytest.raises(MissingExtraError, match=r"pip install 'mpsconvert\[data\]'"):
+        data.load(str(tmp_path / "d.parquet"))
 
 
 @pytest.mark.parametrize(
@@ -100,6 +117,7 @@ def _offline(monkeypatch, cache):
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
 
 
+@pytest.mark.extra("data")  # a hub dataset ships parquet files
 def test_dataset_repo_id_from_the_hf_cache_offline(tmp_path, monkeypatch, tok):
     repo, commit = _fake_dataset_cache(tmp_path / "hub")
     _offline(monkeypatch, tmp_path / "hub")

@@ -8,12 +8,14 @@ import torch
 from click.testing import CliRunner
 
 import mpsconvert
-from .models import SHARED_DATA, calib_tiny_bert, calib_tiny_llama, calib_tiny_mixtral, calib_tiny_qwen2_moe
+from .models import TEXT_DATA, calib_tiny_bert, calib_tiny_llama, calib_tiny_mixtral, calib_tiny_qwen2_moe
 from mpsconvert.calibrate.run import CalibOptions, calibrate
 from mpsconvert.cli import main
 from mpsconvert.targets import plan_for
 
-CALIB = str(SHARED_DATA / "wiki_calib.jsonl")
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
+CALIB = str(TEXT_DATA / "wiki_calib.jsonl")
 
 
 @pytest.fixture(scope="module")

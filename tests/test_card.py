@@ -29,7 +29,7 @@ def front(folder):
     return meta, body
 
 
-def test_card_front_matter_is_the_manifests(tmp_path, shared_data):
+def test_card_front_matter_is_the_manifests(tmp_path, text_data):
     src = models.runtime_tiny_llama(tmp_path / "src")
     (src / "README.md").write_text(SOURCE_CARD)
     art = mpsconvert.quantize(src, tmp_path / "a").output
@@ -66,12 +66,12 @@ def test_hub_source_gets_base_model(tmp_path):
     assert meta["mpsconvert"]["source"] == m.source["id"] == "org/tiny" and meta["mpsconvert"]["source_commit"] == "c" * 40
 
 
-def test_validate_rewrites_the_card(tmp_path, shared_data):
+def test_validate_rewrites_the_card(tmp_path, text_data):
     src = models.runtime_tiny_llama(tmp_path / "src")
     art = mpsconvert.quantize(src, tmp_path / "a").output
     res = CliRunner().invoke(main, ["validate", str(art), "--device", "cpu", "--max-samples", "1", "--seq-len", "64", "--prefill-len", "32",
                                     "--decode-tokens", "2", "--repeats", "1", "--rounds", "1", "--warmup", "0",
-                                    "--eval-data", str(shared_data / "wiki_eval.jsonl")], catch_exceptions=False)
+                                    "--eval-data", str(text_data / "wiki_eval.jsonl")], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     meta, body = front(art)
     m = Manifest.read(art)

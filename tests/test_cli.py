@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 
 from mpsconvert.cli import main
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 
 def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)

@@ -6,6 +6,8 @@ import torch
 from mpsconvert import fp8
 from mpsconvert.errors import QuantizationError
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 
 def test_fp8_to_float_is_exact_for_every_code():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)

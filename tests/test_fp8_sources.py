@@ -19,6 +19,8 @@ from mpsconvert.errors import SourceError
 from mpsconvert.manifests.verify import verify_artifact
 from .models import group_quantized_activations, tiny_moe_checkpoint, tiny_qwen3, to_fine_grained_fp8
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
 

@@ -13,12 +13,14 @@ from mpsconvert.cli import main
 
 from . import models
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory, shared_data):
+def art(tmp_path_factory, text_data):
     """A tiny Llama artifact whose tokenizer has a chat template."""
     from transformers import AutoTokenizer
 

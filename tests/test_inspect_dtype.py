@@ -14,12 +14,12 @@ from mpsconvert.runtime.validate import ValidateOptions
 from . import models
 
 
-def test_inspect_summarises_validation_and_names_the_source(tmp_path, shared_data, monkeypatch):
+def test_inspect_summarises_validation_and_names_the_source(tmp_path, text_data, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # one table row per line, for the assertions
     src = models.runtime_tiny_llama(tmp_path / "models--org--tiny" / "snapshots" / ("ab" * 20))
     art = mpsconvert.quantize(src, tmp_path / "a").output
     opts = ValidateOptions(device="cpu", max_samples=1, seq_len=64, prefill_len=16, decode_tokens=2, repeats=1, rounds=1, warmup=0,
-                           eval_data=str(shared_data / "wiki_eval.jsonl"), kernel_cache=False)
+                           eval_data=str(text_data / "wiki_eval.jsonl"), kernel_cache=False)
     r = mpsconvert.validate(art, options=opts)
     res = CliRunner().invoke(main, ["inspect", str(art)])
     assert res.exit_code == 0, res.output

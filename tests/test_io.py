@@ -16,6 +16,8 @@ from mpsconvert import fp8, safetensors_io
 from mpsconvert.manifests.hashing import BackgroundHasher
 from mpsconvert.safetensors_io import BufferPool, OutputFile, ShardReader, ShardWriter, read_header
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 
 def _whole_reference(w, gran, scale=None):
     """The quantization spelled out on the whole tensor at once, as compressed-tensors does it."""

@@ -19,7 +19,7 @@ from mpsconvert.runtime.moe import FP8Experts, Route, grouped_mm_available, refe
 E, H, I = 8, 64, 48
 
 
-def _experts(activations="token", granularity="row", seed=0, path=None):
+def _experts(activations="token", granularity="row", seed=0, path=None, decode_path="auto"):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(E, 2 * I, H, generator=g) * 0.1
     w2 = torch.randn(E, H, I, generator=g) * 0.1
@@ -27,7 +27,7 @@ def _experts(activations="token", granularity="row", seed=0, path=None):
     q2, s2 = zip(*[fp8.quantize(w2[e], granularity)[:2] for e in range(E)])
     ins = (torch.rand(E, generator=g) * 0.01 + 0.005, torch.rand(E, generator=g) * 0.001 + 0.0005) if activations == "tensor" else (None, None)
     return FP8Experts(torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2), torch.nn.functional.silu,
-                      activations, *ins, path=path)  # fmt: skip
+                      activations, *ins, path=path, decode_path=decode_path)  # fmt: skip
 
 
 def _routing(T, k=2, skip=(), seed=0):
@@ -75,8 +75,7 @@ def test_fp8_experts_close_to_bf16_experts():
     quantization differs (per token, e4m3)."""
     mod = _experts("token", "tensor")
     x, idx, w = _routing(40)
-    w13 = mod._dense(mod.gate_up_codes, mod.gate_up_scale).float()
-    w2 = mod._dense(mod.down_codes, mod.down_scale).float()
+    w13, w2 = mod.dequantized("gate_up").float(), mod.dequantized("down").float()
     ref = torch.zeros(40, H)
     for t in range(40):
         for j in range(2):
@@ -129,8 +128,8 @@ TRITON_CHECK = textwrap.dedent(
     assert got.dtype == torch.bfloat16 and got.shape == want.shape == (3, K)
     assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max(), (got.float() - want.float()).abs().max()
     assert (got != want).float().mean() < 0.05, (got != want).float().mean()
-    mod = _experts(None)  # weight-only: the GEMV reads BF16 activations, as the decode path does
-    mod.decode_path = "triton_gemv"
+    mod = _experts(None, decode_path="triton_gemv")  # weight-only: the GEMV reads BF16 activations, as the decode path does
+    assert mod.gate_up_codes is not None and mod.gate_up_dense is not None  # the GEMV reads the codes, the grouped path the dense copy
     xx, idx, w = _routing(2)
     with torch.no_grad():
         a = mod(xx, idx, w).float(); b = reference_forward(mod, xx, idx, w).float()
@@ -144,8 +143,8 @@ TRITON_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.triton
 def test_triton_decode_gemv_interpreted():
-    pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)

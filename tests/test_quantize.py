@@ -11,6 +11,8 @@ import mpsconvert
 from mpsconvert import fp8
 from mpsconvert.manifests.manifest import Manifest
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 CAUSAL = ["llama", "llama_bf16", "qwen2_tied", "mistral", "llama_sharded", "gpt2"]
 
 

@@ -33,13 +33,13 @@ def noise(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, shared_data):
+def work(tmp_path_factory, text_data):
     w = tmp_path_factory.mktemp("quiet")
     models.runtime_tiny_llama(w / "src")
     return w
 
 
-CALIB = ["--scheme", "fp8", "--num-samples", "2", "--seq-len", "32", "--calib-data", str(models.SHARED_DATA / "wiki_calib.jsonl")]
+CALIB = ["--scheme", "fp8", "--num-samples", "2", "--seq-len", "32", "--calib-data", str(models.TEXT_DATA / "wiki_calib.jsonl")]
 
 
 def test_quantize_prints_no_third_party_lines(work):
@@ -54,7 +54,7 @@ def test_validate_prints_no_third_party_lines(work):
         prog("quantize", "src", "-o", "fp8", *CALIB, cwd=work)
     out = prog("validate", "fp8", "--device", "cpu", "--max-samples", "1", "--seq-len", "64", "--prefill-len", "16",
                "--decode-tokens", "2", "--repeats", "1", "--rounds", "1", "--warmup", "0", "--no-write",
-               "--eval-data", models.SHARED_DATA / "wiki_eval.jsonl", cwd=work)
+               "--eval-data", models.TEXT_DATA / "wiki_eval.jsonl", cwd=work)
     assert noise(out) == [] and "perplexity" in out
 
 

@@ -10,9 +10,9 @@ from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.source import resolve
 
 
-def sentences(shared_data, n=64):
+def sentences(text_data, n=64):
     out = []
-    for line in (shared_data / "wiki_eval.jsonl").read_text().splitlines():
+    for line in (text_data / "wiki_eval.jsonl").read_text().splitlines():
         text = json.loads(line)["text"]
         out += [s.strip() for s in text.split(". ") if 40 < len(s.strip()) < 400][:2]
         if len(out) >= n:
@@ -30,7 +30,7 @@ def embed(model, tok, texts):
 
 
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-weight-only"])
-def test_minilm_fp8_embeddings_stay_close_to_fp32(minilm_dir, shared_data, tmp_path, scheme):
+def test_minilm_fp8_embeddings_stay_close_to_fp32(minilm_dir, text_data, tmp_path, scheme):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModel, AutoTokenizer
 
@@ -38,7 +38,7 @@ def test_minilm_fp8_embeddings_stay_close_to_fp32(minilm_dir, shared_data, tmp_p
     man = quantize_snapshot(resolve(minilm_dir), out, Options(scheme=Scheme.make(scheme)))
     assert man.summary["tensors_quantized"] == 37  # 6 layers x 6 Linears + pooler
     tok = AutoTokenizer.from_pretrained(out)  # the tokenizer was copied into the artifact
-    texts = sentences(shared_data)
+    texts = sentences(text_data)
     ref = embed(AutoModel.from_pretrained(minilm_dir).eval(), tok, texts)
     got = embed(AutoModel.from_pretrained(out).eval(), tok, texts)
     cos = (ref * got).sum(-1)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from mpsconvert.runtime import attention
+from mpsconvert.runtime import attention, tritonlib
 
 from .test_runtime_fuse import _interpreted
 
 
+@pytest.mark.triton
 def test_decode_kernel_matches_sdpa():
     _interpreted("""
     import torch, torch.nn.functional as F
@@ -47,6 +48,7 @@ def test_decode_kernel_matches_sdpa():
     """)
 
 
+@pytest.mark.triton
 def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
     _interpreted("""
     import copy, torch
@@ -90,7 +92,7 @@ def test_not_installed_where_it_cannot_run(tmp_path):
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    if attention.available():
+    if tritonlib.available():
         pytest.skip("this machine can run the kernel")
     assert attention.install(model) is None and model.config._attn_implementation == "sdpa"
     import torch

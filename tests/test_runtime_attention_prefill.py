@@ -5,7 +5,11 @@ module's forward."""
 
 from __future__ import annotations
 
+import pytest
+
 from .test_runtime_fuse import FP8_MODEL, _interpreted
+
+pytestmark = pytest.mark.triton
 
 _MODELS = FP8_MODEL + """
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM

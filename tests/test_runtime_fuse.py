@@ -18,12 +18,16 @@ from mpsconvert import fp8
 from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.fuse import SharedInput, share_inputs
 
+from .conftest import importable
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _interpreted(code: str) -> None:
-    """Run `code` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors) in a fresh process."""
-    pytest.importorskip("triton")
+    """Run `code` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors) in a fresh process.
+    Only for tests marked `@pytest.mark.triton` (skipped where Triton is not installed)."""
+    if not importable("triton"):
+        pytest.fail("this test runs Triton kernels: mark it @pytest.mark.triton (tests/conftest.py skips it without Triton)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
@@ -56,6 +60,7 @@ FP8_MODEL = """
 """
 
 
+@pytest.mark.triton
 def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     _interpreted("""
     import torch
@@ -82,6 +87,7 @@ def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     """)
 
 
+@pytest.mark.triton
 def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted():
     """act_quant.add_rms_norm_quantize: the sum is bit for bit the eager `residual + x`, and the
     norm, codes and scales are those of rms_norm_quantize on that sum (rows with a stride too);
@@ -117,6 +123,7 @@ def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted()
     """)
 
 
+@pytest.mark.triton
 def test_eager_gpu_path_of_fp8linear_interpreted():
     """The kernels a CUDA layer runs in eager mode (Triton quantization + _scaled_mm, Triton
     GEMVs), here on CPU tensors, against the direct computation."""
@@ -314,6 +321,7 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
     assert stream.read_shards(headers, {}, torch.device("cpu"), hash_files=False) == {f"s{i}.safetensors": None for i in range(3)}
 
 
+@pytest.mark.triton
 def test_eager_fusion_of_norms_and_mlp_interpreted():
     """runtime/eager_fusion.py on a tiny Llama (Triton interpreted): each RMSNorm runs as one
     kernel and hands its quantized output to the q/k/v or gate/up group it feeds (linked by the
@@ -424,6 +432,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     """)
 
 
+@pytest.mark.triton
 def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     """runtime/rotary.py (Triton interpreted): the kernel equals transformers' own
     apply_rotary_pos_emb exactly (values and memory layout) for GQA heads, head sizes that are
@@ -495,8 +504,8 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specializati
     goes through kernel[grid] (Triton compiles and launches), a later call with the same dtypes,
     alignments, scalars and options goes to that compiled kernel's launcher with every argument
     in order, and any difference in what Triton specializes on is a new key; with a launch hook
-    set, or when the probe decided against it, every call takes kernel[grid]."""
-    pytest.importorskip("triton")
+    set, or when the probe decided against it, every call takes kernel[grid]. Needs no Triton:
+    the kernel and its compiled form are stand-ins."""
     from mpsconvert.runtime import triton_launch as tlm
 
     launches, runs = [], []

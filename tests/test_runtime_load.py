@@ -20,6 +20,8 @@ from mpsconvert.source import resolve
 
 from .models import runtime_tiny_llama
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 LLMC = Path(__file__).parent / "data" / "llmc"
 
 

@@ -23,7 +23,9 @@ from mpsconvert.runtime.loader import load
 from mpsconvert.runtime.moe import FP8Experts
 from mpsconvert.source import resolve
 
-from .models import SHARED_DATA, runtime_tokenizer, tiny_moe_checkpoint
+from .models import TEXT_DATA, runtime_tokenizer, tiny_moe_checkpoint
+
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -142,7 +144,7 @@ def test_validate_moe_artifact(arts, tmp_path, layout):
     from mpsconvert.runtime.validate import ValidateOptions, validate
 
     src, art = arts[("mixtral", "fp8-dynamic", layout)]
-    opts = ValidateOptions(baseline=str(src), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=32,
+    opts = ValidateOptions(baseline=str(src), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=32,
                            max_samples=2, prefill_len=16, decode_tokens=2, repeats=2, rounds=1, warmup=1, write=False, kernel_cache=False)
     r = validate(art, opts)
     assert r["kind"] == "causal-lm" and r["accuracy"]["tokens"] == 2 * 31

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from mpsconvert import fp8
+from mpsconvert.devices import Capabilities
 from mpsconvert.errors import DeviceError
-from mpsconvert.runtime import kernels, triton_gemv
+from mpsconvert.runtime import kernels, tritonlib
 from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.fuse import FusedFP8
 from mpsconvert.runtime.policy import KernelPolicy
 
-CUDA = torch.device("cuda")  # never touched: measurements are injected, device_name given
+CUDA = torch.device("cuda")  # never touched: measurements are injected, capabilities given
+FAKE_GPU = Capabilities("cuda", True, True, "FakeGPU")
 
 
 def layer(n=64, k=32, gran="row", act="token", seed=0, input_scale=None):
@@ -46,11 +48,11 @@ def fake(table):
 
 @pytest.fixture
 def with_triton(monkeypatch):
-    monkeypatch.setattr(triton_gemv, "available", lambda: True)
+    monkeypatch.setattr(tritonlib, "available", lambda: True)
 
 
 def policy(measure, tmp_path, **kw):
-    return KernelPolicy(CUDA, prefill_m=2048, decode_m=1, measure=measure, cache=tmp_path / "k.json", device_name="FakeGPU", **kw)
+    return KernelPolicy(CUDA, prefill_m=2048, decode_m=1, measure=measure, cache=tmp_path / "k.json", capabilities=FAKE_GPU, **kw)
 
 
 def test_fastest_kernel_per_bucket(tmp_path, with_triton):
@@ -183,7 +185,7 @@ def test_unwritable_cache_warns_and_still_decides(tmp_path, with_triton):
     blocker.write_text("")
     m = fake({(1, "gemv"): 1.0, (1, "gemv_splitk"): 1.5, (1, "gemv_w8a8"): 1.6, (1, "bf16"): 2.0, (1, "scaled_mm_row"): 3.0, (2048, "scaled_mm_row"): 1.0,
               (2048, "dequant"): 3.0, (2048, "bf16"): 2.0})
-    pol = KernelPolicy(CUDA, prefill_m=2048, measure=m, cache=blocker / "sub" / "k.json", device_name="FakeGPU")
+    pol = KernelPolicy(CUDA, prefill_m=2048, measure=m, cache=blocker / "sub" / "k.json", capabilities=FAKE_GPU)
     with pytest.warns(UserWarning, match="kernel cache .* not written"):
         dec, pre = pol.apply(Model(layer()))
     assert (dec.choice, pre.choice) == ("gemv", "scaled_mm_row")

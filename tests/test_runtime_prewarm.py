@@ -4,6 +4,7 @@ on CPU: a call with a wrong signature would be listed as failed)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mpsconvert.runtime import prewarm
@@ -30,6 +31,7 @@ def test_not_started_off_cuda():
     assert prewarm.start(None, {}, torch.bfloat16, torch.device("cpu"), 9, True) is None
 
 
+@pytest.mark.triton
 def test_every_warm_up_call_is_valid():
     _interpreted("""
     import torch

@@ -5,7 +5,11 @@ decode the same tokens; a router of other arithmetic keeps its own forward."""
 
 from __future__ import annotations
 
+import pytest
+
 from .test_runtime_fuse import _interpreted
+
+pytestmark = pytest.mark.triton
 
 
 def test_routers_match_their_own_forward_and_models_decode_alike():

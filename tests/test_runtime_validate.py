@@ -18,7 +18,9 @@ from mpsconvert import timing
 from mpsconvert.runtime import metrics
 from mpsconvert.runtime.validate import ValidateOptions
 
-from .models import SHARED_DATA, runtime_tiny_bert, runtime_tiny_llama
+from .models import TEXT_DATA, runtime_tiny_bert, runtime_tiny_llama
+
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
 
 def _softmax(row):
@@ -92,7 +94,7 @@ def _direct_scores(arts, seq_len, n):
     base = transformers.AutoModelForCausalLM.from_pretrained(arts / "llama", dtype=torch.bfloat16)
     fp8m = load(arts / "llama-fp8", device="cpu")
     ids = []
-    for line in (SHARED_DATA / "wiki_eval.jsonl").read_text().splitlines():
+    for line in (TEXT_DATA / "wiki_eval.jsonl").read_text().splitlines():
         ids += tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         if len(ids) >= seq_len * n:
             break
@@ -106,7 +108,7 @@ def _direct_scores(arts, seq_len, n):
 
 
 def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
-    opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=64,
+    opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=64,
                            max_samples=3, prefill_len=32, decode_tokens=3, repeats=2, rounds=2, warmup=1, write=True, kernel_cache=False)
     phases = []
     r = mpsconvert.validate(arts / "llama-fp8", options=opts, progress=lambda p, d, t, detail: phases.append(p)).as_dict()
@@ -149,14 +151,14 @@ def test_validate_encoder_embedding_cosine(arts):
 
     from mpsconvert.runtime.loader import load
 
-    opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
+    opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
                            latency=False, write=False)
     r = mpsconvert.validate(arts / "bert-fp8", options=opts).as_dict()
     assert r["kind"] == "encoder" and r["accuracy"]["sentences"] == 8
     tok = transformers.AutoTokenizer.from_pretrained(arts / "bert-fp8")
     base = transformers.AutoModel.from_pretrained(arts / "bert", dtype=torch.bfloat16)
     fp8m = load(arts / "bert-fp8", device="cpu")
-    texts = [json.loads(l)["text"] for l in (SHARED_DATA / "wiki_eval.jsonl").read_text().splitlines()]
+    texts = [json.loads(l)["text"] for l in (TEXT_DATA / "wiki_eval.jsonl").read_text().splitlines()]
     sents = [s.strip() for t in texts for s in t.split(". ") if len(s.strip()) > 20][:8]
     batch = tok(sents, padding=True, truncation=True, max_length=256, return_tensors="pt")
     with torch.no_grad():
@@ -171,7 +173,7 @@ def test_validate_encoder_embedding_cosine(arts):
 
 def test_cli_validate_json_explain_and_errors(arts):
     runner = CliRunner()
-    args = ["validate", str(arts / "llama-fp8"), "--baseline", str(arts / "llama"), "--eval-data", str(SHARED_DATA / "wiki_eval.jsonl"),
+    args = ["validate", str(arts / "llama-fp8"), "--baseline", str(arts / "llama"), "--eval-data", str(TEXT_DATA / "wiki_eval.jsonl"),
             "--device", "cpu", "--seq-len", "32", "--max-samples", "2", "--no-latency", "--no-write"]
     res = runner.invoke(main, args + ["--json"])
     assert res.exit_code == 0, res.output
@@ -181,14 +183,14 @@ def test_cli_validate_json_explain_and_errors(arts):
     assert res.exit_code == 0, res.output
     assert "perplexity" in res.stdout and "top-1 agreement" in res.stdout and "kernel policy" in res.stdout and "dense_qact" in res.stdout
     llmc = Path(__file__).parent / "data" / "llmc" / "oneshot"  # no manifest: its source is unknown
-    res = runner.invoke(main, ["validate", str(llmc), "--device", "cpu", "--eval-data", str(SHARED_DATA / "wiki_eval.jsonl")])
+    res = runner.invoke(main, ["validate", str(llmc), "--device", "cpu", "--eval-data", str(TEXT_DATA / "wiki_eval.jsonl")])
     assert res.exit_code == 2 and "pass --baseline" in res.output
     res = runner.invoke(main, args[:4] + ["--eval-data", "/nonexistent.jsonl", "--device", "cpu"])
     assert res.exit_code == 2 and "does not exist" in res.output
 
 
 def test_encoder_latency_is_one_sequence_of_prefill_len(arts):
-    opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(SHARED_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
+    opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
                            prefill_len=48, repeats=2, rounds=2, warmup=1, write=False, kernel_cache=False)
     r = mpsconvert.validate(arts / "bert-fp8", options=opts).as_dict()
     for name in ("bf16", "fp8"):

@@ -8,6 +8,8 @@ import pytest
 from mpsconvert import source
 from mpsconvert.errors import SourceError
 
+pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
+
 
 def make_hf_cache(cache, repo_id, folder, commit="0123456789abcdef0123456789abcdef01234567", extra=()):
     """Lay `folder`'s files out as huggingface_hub does: blobs named by hash, snapshot symlinks."""

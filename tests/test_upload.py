@@ -10,23 +10,6 @@ import mpsconvert
 from mpsconvert.cli import main
 
 from . import models
-from .hub_server import FakeHub
-
-
-@pytest.fixture
-def online(monkeypatch):
-    """huggingface_hub pointed at a local hub: endpoint and token from the environment (read at
-    upload time), offline mode off, the legacy LFS path (the local hub speaks no Xet)."""
-    import huggingface_hub.constants as c
-
-    with FakeHub() as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_TOKEN", "hf_local_test_token")
-        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-        monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(c, "HF_HUB_DISABLE_XET", True)
-        yield hub
 
 
 def artifact_files(folder):

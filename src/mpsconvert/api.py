@@ -34,6 +34,7 @@ from .convert.coreml import ExportOptions, SeqLen
 from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests import layout
 from .manifests.manifest import Manifest
+from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
 from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
 from .progress import Progress
 
@@ -122,7 +123,7 @@ class ValidationResult:
     baseline on one device, with the settings and kernel decisions; `as_dict()` is what is
     recorded in the manifest's `validation` block (plus the Core ML part)."""
 
-    kind: str  # "causal-lm" | "encoder"
+    kind: str  # "causal-lm" | "encoder" | "diffusion-step"
     device: str
     device_name: str
     scheme: str
@@ -195,9 +196,12 @@ def quantize(
     max_shard_size: int | str = "1GB",
     upload_repo: str | None = None,
     private: bool = False,
+    format: str | None = None,
+    component: str | None = None,
     progress: Progress | None = None,
 ) -> QuantizeResult:
-    """Quantize a Hugging Face model to an FP8 compressed-tensors artifact.
+    """Quantize a Hugging Face model to an FP8 compressed-tensors artifact, or a diffusion
+    transformer to FP8 for ComfyUI or diffusers (docs/diffusion.md).
 
     Args:
         source: a hub repo id (downloaded with huggingface_hub into its cache) or a local folder.
@@ -227,6 +231,12 @@ def quantize(
             thread each, so smaller shards verify faster.
         upload_repo: then publish the artifact to this hub repo (`upload`), with `token`.
         private: create `upload_repo` private.
+        format: for a diffusion model (a diffusers pipeline or component, or an original-repo
+            `.safetensors` file): "comfyui" (one file for ComfyUI, per-tensor scales),
+            "comfyui-legacy" (its older `scaled_fp8` layout) or "diffusers" (a folder that
+            diffusers loads through SDNQ, per-row scales) [default: diffusers; comfyui for a
+            single file]. Language models take no format (compressed-tensors).
+        component: the pipeline component to quantize [default: transformer].
         progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export",
             "coreai export", "decode check").
 
@@ -262,14 +272,21 @@ def quantize(
     # a local folder is read now (a config and an index), a hub id only named.
     path = sources.local_path(str(source))
     gguf_file = path if sources.is_gguf(path) else None
-    snap = sources.resolve(str(source), revision=revision, token=token) if path is not None and gguf_file is None else None
-    if snap is not None and snap.fp8 is not None and scheme is None and weights is None:
-        sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
+    snap = (sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
+            if path is not None and gguf_file is None else None)
 
-    def output_for(name: str) -> Path:
-        return Path(output) if output is not None else default_output(name, sch.name)
+    def output_for(snap, name: str) -> Path:
+        """The output folder: -o, or the default name for this source (a diffusion model's own)."""
+        if output is not None:
+            return Path(output)
+        if snap is not None and snap.diffusion is not None:
+            from .convert.diffusion.run import default_format, default_output as diffusion_output
 
-    out = output_for(gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
+            return diffusion_output(snap, format or default_format(snap))
+        own = snap.fp8.scheme if snap is not None and snap.fp8 is not None and scheme is None and weights is None else sch
+        return default_output(name, own.name)
+
+    out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
     with contextlib.ExitStack() as claimed:
         claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
         atomic.check_replaceable(out, force=force, is_ours=layout.is_artifact, protect=(path,) if path is not None else ())
@@ -289,13 +306,22 @@ def quantize(
 
             snap = claimed.enter_context(unpacked(gguf_file, dtype))
         elif snap is None:
-            snap = sources.resolve(str(source), revision=revision, token=token)
-            if snap.fp8 is not None and scheme is None and weights is None:
-                sch = snap.fp8.scheme
-            if output_for(snap.repo_id) != out:  # an FP8 hub source names its default output after its own scheme
-                out = output_for(snap.repo_id)
+            snap = sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
+            if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
+                out = output_for(snap, snap.repo_id)
                 claimed.enter_context(atomic.claim(out))
                 atomic.check_replaceable(out, force=force, is_ours=layout.is_artifact)
+        if snap.diffusion is not None or format is not None:
+            from .convert.diffusion.run import quantize_source
+
+            llm_only = {"--scheme": scheme, "--weights": weights, "--scales": scales_file, "--coreml": coreml, "--coreai": coreai,
+                        "--dtype": dtype, "--calib-data": calibration is not None and calibration.data is not None,
+                        "--experts-layout": experts_layout != "per-expert"}
+            out, manifest = quantize_source(snap, out, format, ignore=list(ignore), force=force, max_shard_size=shard_bytes,
+                                            llm_only=llm_only, progress=progress)
+            return _published(QuantizeResult(output=out, manifest=manifest), upload_repo, private, token, progress)
+        if snap.fp8 is not None and scheme is None and weights is None:
+            sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
         return _quantize_claimed(snap, out, sch, ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
                                  force=force, calibration=calibration, scales_file=scales_file, coreml=coreml, coreai=coreai, dtype=dtype,
                                  shard_bytes=shard_bytes, upload_repo=upload_repo, private=private, token=token, progress=progress)
@@ -303,7 +329,7 @@ def quantize(
 
 def _quantize_claimed(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts_layout, force, calibration, scales_file,
                       coreml, coreai, dtype, shard_bytes, upload_repo, private, token, progress) -> QuantizeResult:
-    """`quantize` once its source is resolved and its output claimed (atomic.claim)."""
+    """`quantize` of a language model once its source is resolved and its output claimed (atomic.claim)."""
     snap.start_hashing()  # overlaps the imports and planning below
     from .convert.quantize import Options, check_fp8_source, quantize_snapshot
 
@@ -350,6 +376,15 @@ def _quantize_claimed(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code
         except MpsconvertError as e:
             raise ExportError(f"{out} was written, but its Core AI export failed: {e.problem}",
                               e.fix or "run `mpsconvert export-coreai` on it to retry") from e
+    return _published(result, upload_repo, private, token, progress)
+
+
+def _published(result: QuantizeResult, upload_repo: str | None, private: bool, token: str | None,
+               progress: Progress | None) -> QuantizeResult:
+    """The end of every quantize: the upload when asked for, and the manifest's sha256 to pin."""
+    from .manifests.manifest import manifest_sha256
+
+    out = result.output
     if upload_repo is not None:
         try:
             result.upload = upload(out, upload_repo, private=private, token=token, progress=progress)
@@ -357,8 +392,6 @@ def _quantize_claimed(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code
             raise UploadError(f"{out} was written, but its upload failed: {e.problem}",
                               e.fix or f"run `mpsconvert upload {out} {upload_repo}` to retry") from e
         result.manifest = Manifest.read(out)
-    from .manifests.manifest import manifest_sha256
-
     result.manifest_sha256 = manifest_sha256(out)
     return result
 
@@ -503,6 +536,14 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
     writes = opts.write and layout.is_artifact(artifact)
     # The lock before any work: a second writer is refused now, not after a 48-minute run.
     with atomic.claim(artifact) if writes else contextlib.nullcontext(), contextlib.ExitStack() as stack:
+        if layout.is_artifact(artifact) and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
+            from .convert.diffusion.load import load_pair
+            from .runtime.validate_diffusion import validate as run_step
+
+            result = ValidationResult(**run_step(artifact, opts, load_pair, progress))
+            if result.recorded:
+                _refresh_card(artifact)
+            return result
         gguf = _gguf_baseline(artifact, opts, stack)
         if gguf is not None:
             opts = replace(opts, baseline=str(gguf[1]))

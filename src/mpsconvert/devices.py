@@ -5,11 +5,17 @@ results, `empty_cache` between phases, `current_allocated_memory` / `driver_allo
 for memory readings, and an out-of-memory message that points at
 PYTORCH_MPS_HIGH_WATERMARK_RATIO (unified memory is shared with the OS, and that ratio is what
 caps how much of it a process may take).
+
+What the installed torch can do on a device (`capabilities`) is probed once per process, by
+running the ops, and what it lacks is said once (one warning), not once per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import platform
+import subprocess
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +23,9 @@ import torch
 from .errors import DeviceError
 
 DEVICE_CHOICES = ("auto", "mps", "cuda", "cpu")
+# float8_e4m3fn tensors and F.scaled_mm on MPS arrived in torch 2.15 (pytorch PRs 194074, 196916).
+MPS_FP8_TORCH = "2.15"
+MPS_FP8 = f"FP8 on MPS needs torch >= {MPS_FP8_TORCH}"
 
 
 def mps_available() -> bool:
@@ -40,8 +49,10 @@ def choose(name: str = "auto") -> torch.device:
         return torch.device("cpu")
     if name == "mps" and not mps_available():
         built = getattr(torch.backends, "mps", None) and torch.backends.mps.is_built()
-        why = "this torch build has no MPS support" if not built else "no Apple GPU is visible (macOS 12.3+ on Apple Silicon needed)"
-        raise DeviceError(f"--device mps was asked for but {why}; available: {', '.join(available())}", "pass --device auto or one of those")
+        why = "this torch build has no MPS support" if not built else "no Apple GPU is visible"
+        raise DeviceError(f"--device mps was asked for but {why} (MPS needs an Apple Silicon Mac; {MPS_FP8}); "
+                          f"available: {', '.join(available())}",
+                          "pass --device auto or one of those")
     if name.startswith("cuda") and not cuda_available():
         raise DeviceError(
             f"--device {name} was asked for but CUDA is not available; available: {', '.join(available())}",
@@ -106,23 +117,92 @@ class Capabilities:
     """What FP8 paths this device offers (a starting point: the runtime still measures)."""
 
     device: str
-    fp8_tensors: bool
+    fp8_tensors: bool  # float8_e4m3fn tensors can be held and cast here
     scaled_mm: bool  # torch._scaled_mm / F.scaled_mm runs here
-    name: str
+    name: str  # the device's own name: kernel caches and validation records are keyed by it
+    lacks: str = ""  # what this torch lacks here and what runs instead, one sentence ("" where nothing)
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """How e4m3 codes are held on this device: as float8_e4m3fn, or as their bytes (uint8)
+        where this torch has no float8 there (MPS before torch 2.15; fp8.fp8_to_float decodes
+        those bit by bit, with no float8 op on the device)."""
+        return torch.float8_e4m3fn if self.fp8_tensors else torch.uint8
+
+
+_CAPS: dict[str, Capabilities] = {}
+MPS_NAME = "Apple GPU (MPS)"  # where the Mac's chip cannot be read
+
+
+def mac_chip() -> str | None:
+    """The Mac's chip as macOS names it ("Apple M4 Pro": `sysctl -n machdep.cpu.brand_string`),
+    or None off macOS or where it cannot be read. An M1 and an M4 differ several-fold in FP8
+    and BF16 speed, so kernel decisions and validation records must not share one name."""
+    if platform.system() != "Darwin":
+        return None
+    try:
+        r = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    chip = r.stdout.strip() if r.returncode == 0 else ""
+    return chip if chip.isprintable() and 0 < len(chip) <= 80 else None
+
+
+def mps_name() -> str:
+    """The MPS device's name: the chip ("Apple M4 Pro (MPS)"), else the constant, said once."""
+    chip = mac_chip()
+    if chip:
+        return f"{chip} (MPS)"
+    warnings.warn(f"the Mac's chip could not be read (sysctl -n machdep.cpu.brand_string): the device is named {MPS_NAME!r}, "
+                  "so kernel decisions and validation records cannot tell one Mac from another", stacklevel=3)
+    return MPS_NAME
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+
+
+def _probe_mps() -> tuple[bool, bool, str]:
+    """(float8 tensors, scaled_mm, what is lacking) on MPS, by running each op once."""
+    import torch.nn.functional as F
+
+    here = f"torch {torch.__version__}"
+    try:
+        x = torch.full((16, 16), 0.5, device="mps").to(torch.float8_e4m3fn)
+        if not bool((x.float() == 0.5).all()):
+            raise RuntimeError("a float8 round trip changed the values")
+    except Exception as e:  # any failure means: no float8 on this device
+        return False, False, (f"{here} has no float8_e4m3fn tensors on MPS ({_first_line(e)}): e4m3 codes are held as bytes and "
+                              f"decoded bit by bit, and FP8 layers dequantize their weights; {MPS_FP8}")
+    try:
+        one = torch.ones((), device="mps")
+        for kind, sa, sb in ((F.ScalingType.TensorWise, one, one),
+                             (F.ScalingType.RowWise, torch.ones(16, 1, device="mps"), torch.ones(1, 16, device="mps"))):
+            y = F.scaled_mm(x, x.t(), sa, kind, sb, kind, output_dtype=torch.bfloat16)
+            if not bool((y.float() == 4.0).all()):
+                raise RuntimeError(f"{kind} scaled_mm gave wrong values")
+    except Exception as e:  # absent (AttributeError), not registered for MPS (NotImplementedError), ...
+        return True, False, (f"{here} has no FP8 matmul on MPS (F.scaled_mm: {_first_line(e)}): FP8 layers dequantize their "
+                             f"weights instead; {MPS_FP8}")
+    return True, True, ""
 
 
 def capabilities(device: torch.device) -> Capabilities:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return Capabilities("cuda", True, (major, minor) >= (8, 9), torch.cuda.get_device_name(device))
-    if device.type == "mps":
-        fp8 = hasattr(torch, "float8_e4m3fn")
-        try:
-            torch.zeros(1, dtype=torch.float8_e4m3fn, device="mps")
-        except (RuntimeError, TypeError):
-            fp8 = False
-        return Capabilities("mps", fp8, fp8 and hasattr(torch.nn.functional, "scaled_mm"), "Apple GPU (MPS)")
-    return Capabilities("cpu", True, False, "CPU")
+    """This device's FP8 capabilities, probed once per process; what is lacking is warned once."""
+    key = str(device)
+    if key not in _CAPS:
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            caps = Capabilities("cuda", True, (major, minor) >= (8, 9), torch.cuda.get_device_name(device))
+        elif device.type == "mps":
+            fp8, mm, lacks = _probe_mps()
+            caps = Capabilities("mps", fp8, mm, mps_name(), lacks)
+        else:
+            caps = Capabilities("cpu", True, False, "CPU")
+        if caps.lacks:
+            warnings.warn(caps.lacks, stacklevel=2)
+        _CAPS[key] = caps
+    return _CAPS[key]
 
 
 def is_oom(err: BaseException) -> bool:

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import devices
 from .errors import QuantizationError
 from .scales import DEFAULT_BLOCK, Granularity, blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
+# How e4m3 codes may be held: as float8, or as their bytes where the device has no float8 (MPS
+# before torch 2.15: devices.Capabilities.code_dtype); fp8_to_float decodes both exactly.
+CODE_DTYPES = (FP8_DTYPE, torch.uint8)
 FP8_MAX = 448.0
 # Floor for the scale of an all-zero row or tensor: its codes are all zero, and the scale
 # stays a finite positive number that no reader divides by zero with.
@@ -51,18 +55,31 @@ class QuantStats:
 
 
 def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """Decode e4m3 codes to float32 exactly.
+    """Decode e4m3 codes (float8_e4m3fn, or their bytes as uint8) to float32 exactly.
 
-    PyTorch's CPU float8->float cast is ~5x slower than this bit move: e4m3's exponent and
-    mantissa bits land in fp16's positions (s.eeee.mmm -> s.0eeee.mmm0000000), which reads as
-    the e4m3 value times 2**-8, subnormals included. NaN codes (0x7f/0xff) never occur because
-    we clamp before casting.
+    Bit by bit on CPU, where PyTorch's float8->float cast is ~5x slower than this bit move:
+    e4m3's exponent and mantissa bits land in fp16's positions (s.eeee.mmm -> s.0eeee.mmm0000000),
+    which reads as the e4m3 value times 2**-8, subnormals included. Also for codes held as bytes:
+    a device where this torch has no float8 (MPS before torch 2.15: devices.Capabilities.code_dtype)
+    runs only integer and fp16 ops here. A float8 tensor on a GPU is cast by the device. NaN codes
+    (0x7f/0xff) never occur because we clamp before casting.
     """
-    if codes.device.type != "cpu":
+    if codes.dtype == FP8_DTYPE and codes.device.type != "cpu":
         return codes.float()
     b = codes.view(torch.uint8).to(torch.int16)
     h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     return h.view(torch.float16).float().mul_(256.0)
+
+
+def codes_to(codes: torch.Tensor, device) -> torch.Tensor:
+    """e4m3 codes (float8_e4m3fn or uint8 bytes) moved to `device`, held as that device holds them
+    (devices.Capabilities.code_dtype): a float8 tensor cannot even be moved to an MPS device of a
+    torch without float8, its bytes can."""
+    device = torch.device(device)
+    want = devices.capabilities(device).code_dtype
+    if codes.dtype == want:
+        return codes.to(device)
+    return codes.view(want).to(device) if want == torch.uint8 else codes.to(device).view(want)  # reinterpreted where float8 exists
 
 
 def _check_finite(amax: torch.Tensor, name: str) -> None:
@@ -315,7 +332,35 @@ def expand_block_scale(scale: torch.Tensor, n: int, k: int, block: int) -> torch
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: int | None = None) -> torch.Tensor:
     """fp8 codes [N, K] times scale ([1], [N, 1], or [ceil(N/b), ceil(K/b)] with `block` b) ->
     dense weight in `dtype`. A block scale without its block edge is refused: the edge cannot
-    be told from the shapes when a block is partial."""
+    be told from the shapes when a block is partial.
+
+    On CPU a large weight is done in blocks of rows into the output (`_dequantize_rows`): whole,
+    it makes ~10 bytes per weight of int16 and float32 temporaries beside the 2 it keeps (590 MB
+    for one 14336 x 4096 layer), on the machine with the least memory to spare."""
+    if q.device.type == "cpu" and q.ndim == 2 and q.numel() > _CHUNK_ELEMS:
+        return _dequantize_rows(q, scale, dtype, block)
+    return _dequantize(q, scale, dtype, block)
+
+
+def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None) -> torch.Tensor:
+    n, k = q.shape
+    out = torch.empty(n, k, dtype=dtype)
+    per_block = is_block_scale(scale, n)
+    if per_block and block is None:
+        raise ValueError(f"a {list(scale.shape)} block scale of a {n}x{k} weight needs its block size to dequantize")
+    rows = max(1, _CHUNK_ELEMS // max(k, 1))
+    if per_block:
+        rows = max(1, rows // block) * block  # whole blocks of rows: each chunk takes its rows of the block scale
+        s = scale.float().reshape(blocks(n, block), blocks(k, block))
+    else:
+        s = scale.float().reshape(-1, 1)
+    for r in range(0, n, rows):
+        part = s[r // block : -(-min(r + rows, n) // block)] if per_block else s if s.shape[0] == 1 else s[r : r + rows]
+        out[r : r + rows] = _dequantize(q[r : r + rows], part, dtype, block)
+    return out
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None) -> torch.Tensor:
     if q.ndim != 2 or not is_block_scale(scale, q.shape[0]):  # per tensor / per row (any rank, as before)
         return (fp8_to_float(q) * scale.float().reshape(-1, 1)).to(dtype)
     n, k = q.shape
@@ -354,9 +399,26 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return w.to(dtype)
 
 
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32: what
+    `v.to(float8_e4m3fn).float()` gives, without a float8 op (for a device whose torch has none).
+
+    Normal range (|v| >= 2**-6): the float32 bits keep 3 of 23 mantissa bits, rounded to nearest
+    even by adding 0x7FFFF plus the lowest kept bit before masking (a carry moves into the
+    exponent, as rounding up to the next power of two must). Below, e4m3's subnormals are the
+    multiples of 2**-9: `round(v * 512) / 512` (exact scalings; torch.round is half to even).
+    """
+    b = v.view(torch.int32)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).view(torch.float32)  # -0x100000 == 0xFFF00000: sign, exponent, 3 bits
+    return torch.where(v.abs() < 2.0**-6, torch.round(v * 512.0) / 512.0, normal)
+
+
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Round-trip x through e4m3 with a given dequant scale (for simulated activations)."""
-    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale).to(x.dtype)
+    """Round-trip x through e4m3 with a given dequant scale (for simulated activations); on a
+    device without float8 (devices.Capabilities.fp8_tensors) through `round_to_e4m3`, exactly."""
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    q = q.to(FP8_DTYPE).float() if devices.capabilities(q.device).fp8_tensors else round_to_e4m3(q)
+    return (q * scale).to(x.dtype)
 
 
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from . import filesystem
 from .errors import SourceError
 from .manifests.fp8_source import SourceFP8, source_fp8
 from .manifests.hashing import BackgroundHasher
-from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_FILE, is_plain_shard_name
+from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_INDEX, SINGLE_FILE, is_plain_shard_name
 from .untrusted import inside, read_json
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
@@ -36,8 +36,24 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Non-weight files copied into the artifact as they are.
 COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".md", ".py")
 SKIP_COPY = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME}
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"  # a diffusers component's weights (+ ".index.json" when sharded)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class DiffusionSource:
+    """Where a diffusion model's transformer is: a pipeline's component folder, a component
+    folder given on its own, or one original-repo `.safetensors` file (its family is read from
+    its keys by convert/diffusion/families.py)."""
+
+    layout: str  # "pipeline" | "component" | "single-file"
+    root: Path  # the pipeline folder, else the component's folder / the file's folder
+    component: str | None  # the pipeline's component quantized ("transformer")
+    class_name: str | None  # the component config's `_class_name` (None for a single file)
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout, "component": self.component, "class_name": self.class_name}
 
 
 @dataclass
@@ -53,6 +69,7 @@ class Snapshot:
     weight_map: dict[str, str] = field(default_factory=dict)  # tensor name -> file
     config: dict = field(default_factory=dict)
     fp8: SourceFP8 | None = None  # the layout of a source that is already FP8
+    diffusion: DiffusionSource | None = None  # a diffusers model or an original-repo diffusion file
     # A folder made from one file (a GGUF, unpacked by convert/gguf.py): that file is the source,
     # hashed and recorded as such; `gguf` says what it held (its quantization types).
     origin: Path | None = None
@@ -123,6 +140,7 @@ class Snapshot:
             "commit": self.commit,
             "path": str(self.path) if self.kind == "local" else None,
             **({"fp8": self.fp8.as_dict()} if self.fp8 else {}),
+            **({"diffusion": self.diffusion.as_dict()} if self.diffusion else {}),
         }
 
 
@@ -149,21 +167,102 @@ def is_gguf(path: Path | None) -> bool:
     return path is not None and path.is_file() and path.suffix.lower() == GGUF_SUFFIX
 
 
-def resolve(src: str, revision: str | None = None, token: str | None = None) -> Snapshot:
-    """A repo id or a folder -> a checked Snapshot. Raises SourceError with a fix on any problem."""
+def resolve(src: str, revision: str | None = None, token: str | None = None, *, diffusion: bool = False,
+            component: str | None = None) -> Snapshot:
+    """A repo id or a folder -> a checked Snapshot. Raises SourceError with a fix on any problem.
+
+    With `diffusion`, a diffusers model (a pipeline with model_index.json, a component folder
+    whose config names a diffusers class, or one `.safetensors` file) is resolved too:
+    `Snapshot.diffusion` says which, and the snapshot is the component's folder (`component`
+    of a pipeline [default: transformer])."""
     path = local_path(src)
     if path is not None:
         if is_gguf(path):
             raise SourceError(f"{src} is a GGUF file; only `mpsconvert quantize` reads GGUF files",
                               "quantize it first (`mpsconvert quantize FILE.gguf`), then use the artifact, or pass a model folder")
+        if diffusion and path.is_file() and path.suffix == ".safetensors":
+            return _single_file(path.resolve(), revision)
         if not path.is_dir():
-            raise SourceError(f"{src} is a file, not a model folder", "pass the folder that holds config.json (or a .gguf file to quantize)")
+            raise SourceError(f"{src} is a file, not a model folder",
+                              "pass the folder that holds config.json" + (", a .safetensors diffusion checkpoint" if diffusion else "")
+                              + " or a .gguf file to quantize")
         snap = Snapshot(path=path.resolve(), kind="local", revision=revision)
         _from_cache_layout(snap)
-        return _inventory(snap)
-    if not _REPO_ID.match(src):
-        raise SourceError(f"{src!r} is neither an existing folder nor a valid repo id", "use org/name or a path")
-    return _inventory(_download(src, revision, token))
+    else:
+        if not _REPO_ID.match(src):
+            raise SourceError(f"{src!r} is neither an existing folder nor a valid repo id", "use org/name or a path")
+        snap = _download(src, revision, token)
+    if diffusion and is_diffusers_folder(snap.path):
+        return _inventory_diffusion(snap, component)
+    if component is not None:
+        raise SourceError(f"--component {component} applies to a diffusers pipeline, and {src} has no {MODEL_INDEX}",
+                          "drop --component, or pass a diffusers pipeline folder or repo")
+    return _inventory(snap)
+
+
+def is_diffusers_folder(path: Path) -> bool:
+    """A diffusers pipeline (model_index.json) or component (config.json naming a diffusers class)."""
+    if (path / MODEL_INDEX).is_file():
+        return True
+    cfg = path / CONFIG_NAME
+    if not cfg.is_file():
+        return False
+    try:
+        body = read_json(cfg, what=str(cfg), error=SourceError)
+    except SourceError:
+        return False
+    return isinstance(body.get("_class_name"), str) and "_diffusers_version" in body
+
+
+def _single_file(path: Path, revision: str | None) -> Snapshot:
+    snap = Snapshot(path=path.parent, kind="local", revision=revision, weight_files=[path.name])
+    snap.diffusion = DiffusionSource("single-file", path.parent, None, None)
+    check_inside(snap, path.name)
+    return snap
+
+
+def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
+    """A diffusers pipeline or component -> the snapshot of the component to quantize."""
+    root = snap.path
+    if (root / MODEL_INDEX).is_file():
+        index = read_json(root / MODEL_INDEX, what=str(root / MODEL_INDEX), error=SourceError, fix=f"fix or re-download {MODEL_INDEX}")
+        comps = {k: v for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0]}
+        name = component or ("transformer" if "transformer" in comps else None)
+        if name is None or name not in comps:
+            have = ", ".join(sorted(comps)) or "none"
+            what = f"no component {component!r}" if component else "no transformer"
+            raise SourceError(f"the pipeline {snap.repo_id or root} has {what} (its components: {have})",
+                              "pass --component NAME of a diffusion transformer (Flux, Wan, Qwen-Image, SD3.5, Z-Image)")
+        check_inside(snap, name)
+        path = root / name
+        if not (path / CONFIG_NAME).is_file():
+            raise SourceError(f"component {name} of {snap.repo_id or root} has no config.json", "re-download the pipeline")
+        layout = "pipeline"
+    else:
+        if component is not None:
+            raise SourceError(f"--component {component} applies to a diffusers pipeline, and {root} is one component",
+                              "drop --component")
+        name, path, layout = None, root, "component"
+    comp = Snapshot(path=path.resolve(), kind=snap.kind, repo_id=snap.repo_id, revision=snap.revision, commit=snap.commit)
+    comp.config = read_json(path / CONFIG_NAME, what=str(path / CONFIG_NAME), error=SourceError, fix="fix or re-download config.json")
+    if "quantization_config" in comp.config:
+        raise SourceError(f"{path} is already quantized ({str(comp.config['quantization_config'])[:60]})",
+                          "convert the model's BF16 / FP16 release")
+    index = path / (DIFFUSERS_WEIGHTS + ".index.json")
+    if index.is_file():
+        comp.weight_map = _read_index(index)
+        comp.weight_files = sorted(set(comp.weight_map.values()))
+    else:
+        comp.weight_files = filesystem.files(path, ".safetensors")  # AppleDouble `._*` companions left out
+    if not comp.weight_files:
+        raise SourceError(f"{path} has no *.safetensors weights", "pass a diffusers model with safetensors weights")
+    for f in comp.weight_files:
+        if not (path / f).is_file():
+            raise SourceError(f"weight file {f} listed in {path.name} is missing", "re-download the model")
+        check_inside(comp, f)
+    class_name = comp.config.get("_class_name")
+    comp.diffusion = DiffusionSource(layout, root.resolve(), name, class_name if isinstance(class_name, str) else None)
+    return comp
 
 
 def _from_cache_layout(snap: Snapshot) -> None:
@@ -253,10 +352,12 @@ def _inventory(snap: Snapshot) -> Snapshot:
 
 
 def allowed_root(snap: Snapshot) -> Path:
-    """Files may live in the snapshot folder, or (HF cache) in its repo folder's blobs."""
-    parts = snap.path.parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith(("models--", "datasets--")):
-        return snap.path.parent.parent.resolve()
+    """Files may live in the snapshot folder, or (HF cache) in its repo folder's blobs; a
+    pipeline's component folder (snapshots/<commit>/transformer) is inside such a snapshot."""
+    for p in (snap.path, *snap.path.parents[:1]):
+        parts = p.parts
+        if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith(("models--", "datasets--")):
+            return p.parent.parent.resolve()
     return snap.path.resolve()
 
 

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from .errors import DataError
+from .extras import require
 from .untrusted import parse_json
 
 BUILTIN = Path(__file__).parent / "data" / "builtin.jsonl"
@@ -38,7 +39,7 @@ def read_documents(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
-            import pyarrow.parquet as pq
+            pq = require("pyarrow.parquet", "data", f"reading {path.name} (parquet)")
 
             table = pq.read_table(path)
             if "text" not in table.column_names:

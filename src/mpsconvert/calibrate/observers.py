@@ -97,8 +97,10 @@ class LogHistogram(Observer):
         self.counts = counts if self.counts is None else self.counts + counts
 
     def bins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counts [NBINS+1] float64 on CPU, lower edges [NBINS] of the non-zero bins)."""
-        counts = self.counts.double().cpu()
+        """(counts [NBINS+1] float64 on CPU, lower edges [NBINS] of the non-zero bins). The int64
+        counts go to the CPU first and become float64 there: MPS has no float64, and 4097
+        integers cost nothing to move once per clip."""
+        counts = self.counts.cpu().double()
         edges = torch.pow(2.0, LOG2_LO + torch.arange(NBINS, dtype=torch.float64) / BINS_PER_OCTAVE)
         return counts, edges
 

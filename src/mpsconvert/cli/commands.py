@@ -104,11 +104,18 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
                    "files in parallel, one thread each, so smaller shards load faster.")
 @click.option("--upload-repo", metavar="REPO", help="Then upload the artifact to this Hugging Face repo (created if absent; see `upload`).")
 @click.option("--private", is_flag=True, help="With --upload-repo: create the repo private (an existing public repo is refused).")
+@click.option("--format", "fmt", type=click.Choice(api.DIFFUSION_FORMATS), default=None,
+              help="Diffusion models (Flux.1, Wan 2.x, Qwen-Image, SD3.5, Z-Image): comfyui writes one file for ComfyUI's "
+                   "models/diffusion_models/ (per-tensor scales), comfyui-legacy its older scaled_fp8 layout, diffusers a folder "
+                   "that diffusers loads through SDNQ (per-row scales) [default: diffusers; comfyui for a single .safetensors file]. "
+                   "Language models take none.")
+@click.option("--component", metavar="NAME", help="The diffusers pipeline component to quantize [default: transformer].")
 @friendly_errors
 def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
              scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, dtype, max_shard_size,
-             upload_repo, private, **calib):
-    """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact.
+             upload_repo, private, fmt, component, **calib):
+    """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact; a
+    diffusers pipeline, component or original .safetensors file to FP8 for ComfyUI or diffusers.
 
     The artifact's README.md is a model card (front matter, what was done, how to load it, the
     source's own card below); `validate` adds its results to it."""
@@ -119,7 +126,8 @@ def quantize(source, output, scheme, weights, block_size, revision, token, ignor
         res = api.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
                            calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, coreai=coreai_opts,
-                           dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo, private=private, progress=progress)
+                           dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo, private=private, format=fmt,
+                           component=component, progress=progress)
     if res.calibration is not None:
         render.calibration(res.calibration)
     for w in res.warnings:

@@ -172,6 +172,10 @@ def quantize_summary(res, as_json: bool) -> None:
     t = Table(title=f"{res.output}", show_header=False, box=None)
     t.add_row("scheme", f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: {manifest.recipe['activations'] or 'bf16'})"
               + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else ""))
+    if (fmt := manifest.recipe.get("format")) and manifest.recipe.get("family"):  # a diffusion artifact: where it goes
+        t.add_row("format", f"{fmt} ({manifest.recipe['family_label']}): "
+                  + (f"{manifest.recipe['file']} -> ComfyUI/models/diffusion_models/, Load Diffusion Model" if fmt != "diffusers"
+                     else "diffusers from_pretrained with the SDNQ backend (pip install sdnq)"))
     if (src := manifest.source.get("fp8")) and all(r.get("codes", "").startswith("copied") for r in manifest.tensors.values()):
         t.add_row("FP8 source", f"{src['layout']}: e4m3 codes kept byte for byte, scales renamed")
     t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")

@@ -109,6 +109,9 @@ class Options:
     fp8_tensors: dict = field(default_factory=dict)
     source_scheme: Scheme | None = None  # the scheme an FP8 source's codes and scales are in
     repack: bool = False  # an FP8 source whose codes are kept (the scheme asked for is its own)
+    # The leaf name of a weight's scale: compressed-tensors' `<m>.weight_scale`, or another
+    # loader's (diffusers' SDNQ backend reads `<m>.scale`).
+    scale_leaf: str = "weight_scale"
 
     def __post_init__(self):
         if self.experts_layout not in EXPERTS_LAYOUTS:
@@ -420,10 +423,12 @@ def _prepare(snap: Snapshot, opts: Options):
 
 
 def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_tensors: dict, opts: Options, tmp: Path,
-                  pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress, consumed: set = frozenset()) -> Shards:
+                  pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress, consumed: set = frozenset(),
+                  shard_names: Callable[[int], list[str]] = layout.shard_names) -> Shards:
     """Stream every source shard into its output shards (more than one where its output would
-    exceed `opts.max_shard_size`): quantized tensors first, then the ones copied as they are (the
-    writer thread copies those, an embedding is half a GB, while this thread goes on)."""
+    exceed `opts.max_shard_size`, named by `shard_names`): quantized tensors first, then the ones
+    copied as they are (the writer thread copies those, an embedding is half a GB, while this
+    thread goes on)."""
     scheme = opts.scheme
     out = Shards()
     total = out.bytes_in = sum(h.file_size for h in headers.values())
@@ -443,7 +448,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
         for name in work:
             info = header.tensors[name]
             if name in tensor_module:
-                mine = _linear_entries(name, tuple(info.shape), scheme)
+                mine = _linear_entries(name, tuple(info.shape), scheme, opts.scale_leaf)
             elif name in expert_tensors:
                 mine = _expert_entries(name, info, expert_tensors[name], scheme)
             else:
@@ -457,7 +462,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
             size += nbytes
         if names or len(groups) == start:  # a source shard with nothing left to write still gets its (empty) file
             groups.append((src_name, names, entries))
-    for (src_name, work, entries), out_name in zip(groups, layout.shard_names(len(groups))):
+    for (src_name, work, entries), out_name in zip(groups, shard_names(len(groups))):
         header = headers[src_name]
         with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
             sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
@@ -608,13 +613,18 @@ def _sha256_range(path, start: int, nbytes: int) -> str:
 
 
 def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, scheme: Scheme, name: str,
-                     done: Callable[[torch.Tensor, fp8.QuantStats], None], decode: Callable | None = None) -> None:
+                     done: Callable[[torch.Tensor, fp8.QuantStats], None], decode: Callable | None = None,
+                     spans: list | None = None) -> None:
     """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
     to `out_name`, block by block (pooled buffers, so memory stays at a few blocks; for block
-    scales each read is whole blocks of rows); then `done(scale, stats)`, in order."""
+    scales each read is whole blocks of rows); then `done(scale, stats)`, in order. `spans`
+    ((reader, byte start, nbytes), ...) reads the n rows from several places instead, one after
+    the other (a tensor fused from row ranges of others: Flux's qkv for ComfyUI)."""
     elem = info.nbytes // max(1, math.prod(info.shape))
     row_bytes = k * elem
-    start, nbytes = info.start + first_row * row_bytes, n * row_bytes
+    if spans is None:
+        spans = [(sh.reader, info.start + first_row * row_bytes, n * row_bytes)]
+    nbytes = sum(s[2] for s in spans)
     qz = fp8.StreamQuantizer(n, k, scheme.weights, name, block=scheme.block_size)
     # reads of whole blocks of rows: of the target's blocks, and of an FP8 source's (to decode)
     align = row_bytes * math.lcm(scheme.block or 1, (decode.keywords["source"].block or 1) if decode else 1)
@@ -629,8 +639,12 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
         finally:
             release()
 
-    blocks = sh.reader.blocks(start, nbytes, align)
-    if qz.needs_observe and nbytes <= sh.reader.pool.nbytes:  # one block: read it once
+    def read():
+        for reader, start, size in spans:
+            yield from reader.blocks(start, size, align)
+
+    blocks = read()
+    if qz.needs_observe and len(spans) == 1 and nbytes <= spans[0][0].pool.nbytes:  # one block: read it once
         blocks = list(blocks)
         qz.observe(rows(blocks[0][0], 0))
     elif qz.needs_observe:  # per-tensor scale: a first pass for the amax (page-cache reads)
@@ -641,12 +655,12 @@ def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int
                 seen += buf.numel() // row_bytes
             finally:
                 release()
-        blocks = sh.reader.blocks(start, nbytes, align)
+        blocks = read()
     row = 0
     for buf, release in blocks:
         # The code buffer is taken here, not on the worker: only this thread ever waits for the
         # pool, and what it waits for (workers, the writer) never waits for it.
-        out, give_back = sh.reader.pool.acquire(buf.numel() // elem)  # one byte per weight
+        out, give_back = spans[0][0].pool.acquire(buf.numel() // elem)  # one byte per weight
         sh.block(out_name, quantize_block, buf, release, out, give_back, row)
         row += buf.numel() // row_bytes
     sh.then(lambda: done(*qz.finish()))
@@ -662,7 +676,7 @@ def _quantize_rows(
         input_scale = _check_input_scale(input_scale if input_scale is not None else float(opts.input_scales[module]), module)
 
     def done(scale: torch.Tensor, stats: fp8.QuantStats) -> None:
-        sh.writer.write(out_name + "_scale", scale.contiguous())
+        sh.writer.write(scale_name(out_name, opts.scale_leaf), scale.contiguous())
         record = {
             "module": module,
             "shape": [n, k],
@@ -701,9 +715,14 @@ def _has_input_scales(opts: Options, key: str, et: ExpertTensor) -> bool:
     return all(opts.expert_input_scale(et.param, e) is not None for e in range(et.param.num_experts))
 
 
-def _linear_entries(name: str, shape: tuple, scheme: Scheme) -> list:
-    """Header entries of one quantized 2-D weight: codes, weight_scale (+ input_scale)."""
-    entries = [(name, "F8_E4M3", shape), (name + "_scale", "F32", scheme.scale_shape(*shape))]
+def scale_name(weight_key: str, leaf: str = "weight_scale") -> str:
+    """`<m>.weight` -> `<m>.<leaf>`: where a quantized weight's scale is stored."""
+    return weight_key[: -len("weight")] + leaf
+
+
+def _linear_entries(name: str, shape: tuple, scheme: Scheme, scale_leaf: str = "weight_scale") -> list:
+    """Header entries of one quantized 2-D weight: codes, its scale (+ input_scale)."""
+    entries = [(name, "F8_E4M3", shape), (scale_name(name, scale_leaf), "F32", scheme.scale_shape(*shape))]
     if scheme.needs_calibration:
         entries.append((name[: -len("weight")] + "input_scale", "F32", (1,)))
     return entries

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..atomic import write_text
 from ..units import human
 from .hashing import sha256_file
-from .layout import CONFIG_NAME
+from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
 
 CARD_NAME = "README.md"
@@ -86,7 +86,9 @@ def validation_figures(manifest: Manifest) -> list[dict]:
         a = run.get("accuracy") or {}
         row = {"run": key, "device": run.get("device"), "scheme": run.get("scheme"), "kind": run.get("kind"),
                "eval_data": run.get("eval_data"), "baseline": run.get("baseline")}
-        if run.get("kind") == "causal-lm":
+        if run.get("kind") == "diffusion-step":
+            row |= {"rel_error": _fmt(a.get("rel_error"), 6), "cosine": _fmt(a.get("cosine"), 6)}
+        elif run.get("kind") == "causal-lm":
             row |= {"tokens": a.get("tokens"), "perplexity_bf16": _fmt(a.get("perplexity_bf16")),
                     "perplexity_fp8": _fmt(a.get("perplexity_fp8")), "perplexity_delta_pct": _fmt(a.get("perplexity_delta_pct"), 3),
                     "mean_kl": _fmt(a.get("mean_kl"), 6), "top1_agreement": _fmt(a.get("top1_agreement"))}
@@ -110,13 +112,15 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     if src.get("id") and (src.get("kind") == "hub" or (src.get("commit") and "/" in src["id"])):
         meta["base_model"] = src["id"]
         meta["base_model_relation"] = "quantized"
-    meta["library_name"] = "transformers"
+    fmt = diffusion_format(manifest)
+    meta["library_name"] = "diffusers" if fmt == "diffusers" else ("comfyui" if fmt else "transformers")
     for k in _CARRIED:
         if k in source_meta and source_meta[k] is not None:
             meta[k] = source_meta[k]
     if "license" not in meta and isinstance(config.get("license"), str):
         meta["license"] = config["license"]
-    meta["tags"] = ["fp8", "float8_e4m3fn", "compressed-tensors", "mpsconvert", recipe["name"]]
+    meta["tags"] = ["fp8", "float8_e4m3fn", *(["sdnq"] if fmt == "diffusers" else ["comfyui"] if fmt else ["compressed-tensors"]),
+                    "mpsconvert", recipe["name"], *([recipe.get("family")] if fmt else [])]
     if "coreml" in manifest.extra:
         meta["tags"].append("coreml")
     if "coreai" in manifest.extra:
@@ -189,7 +193,14 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
         for r in causal:
             lines.append(f"| {r['run']} | {r['tokens']} | {r['perplexity_bf16']} | {r['perplexity_fp8']} | {r['perplexity_delta_pct']:+}% | "
                          f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r, 'prefill')} | {_x(r, 'decode')} |")
-    enc = [r for r in runs if r["kind"] != "causal-lm"]
+    steps = [r for r in runs if r["kind"] == "diffusion-step"]
+    if steps:
+        lines += ["One denoising step of the transformer against the BF16 source, same random latents and text embeddings "
+                  "(`mpsconvert validate`):", "", "| device | relative error | cosine | speedup |", "|---|---|---|---|"]
+        for r in steps:
+            lines.append(f"| {r['run']} | {r['rel_error']} | {r['cosine']} | {_x(r, 'step')} |")
+        return lines + ["", "Speedups are BF16 median / FP8 median time of the step in the same run.", ""]
+    enc = [r for r in runs if r["kind"] not in ("causal-lm", "diffusion-step")]
     if enc:
         lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
         for r in enc:
@@ -262,7 +273,11 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
              f"# {title}", "",
              f"An FP8 copy of `{src.get('id')}` made with mpsconvert {manifest.versions.get('mpsconvert')}; it loads wherever compressed-tensors "
              "FP8 checkpoints do (transformers, vLLM) and in mpsconvert's own runtime.", ""]
-    parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
+    if diffusion_format(manifest):
+        parts[-2] = diffusion_intro(manifest)
+        parts += diffusion_done(manifest) + _validation(manifest, name) + diffusion_how_to_load(manifest, repo, name)
+    else:
+        parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
     if body.strip():
         parts += ["## The source model's card", "",
                   f"Below is the card of `{src.get('id')}` as its authors wrote it (its metadata is folded into the front matter above).",
@@ -275,7 +290,8 @@ def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str |
     writes the manifest). `name`: the artifact folder's name, when `folder` is the temporary
     folder it is built in [default: `folder`'s own]."""
     folder = Path(folder)
-    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    cfg = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / MODEL_INDEX
+    config = json.loads(cfg.read_text(encoding="utf-8"))
     text = render(manifest, config, source_text, repo, name or folder.absolute().name)
     write_text(folder / CARD_NAME, text)
     manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
@@ -297,3 +313,79 @@ def refresh(folder: Path, repo: str | None = None) -> str:
         else:
             m.extra["hub"] = {"repo": repo}
         return write(folder, m, text, repo)
+
+
+# --------------------------------------------------------------------------- diffusion artifacts
+
+
+_LOADERS = (
+    "| file | loads in | does not load in |",
+    "|---|---|---|",
+    "| ComfyUI file (`--format comfyui`): original-repo names, per-tensor scales, `comfy_quant` markers | ComfyUI: "
+    "`models/diffusion_models/` + Load Diffusion Model | diffusers `from_single_file`: it loads the e4m3 codes **without "
+    "their scales** (no error, wrong output; only a warning listing the unused `comfy_quant` markers); with `BFLQuantizationConfig` "
+    "(per row only) the first step fails on the 0-d scales |",
+    "| diffusers folder (`--format diffusers`): diffusers names, SDNQ per-row scales | diffusers `from_pretrained` "
+    "(`pip install sdnq`) | ComfyUI: it keeps only the weight and bias keys it maps, so the scales are lost |",
+)
+
+
+def diffusion_intro(manifest: Manifest) -> str:
+    r = manifest.recipe
+    where = ("ComfyUI (Load Diffusion Model)" if r.get("format", "").startswith("comfyui")
+             else "diffusers (`from_pretrained`, SDNQ backend)")
+    return (f"An FP8 copy of the {r.get('family_label')} transformer of `{manifest.source.get('id')}`, made with mpsconvert "
+            f"{manifest.versions.get('mpsconvert')} for {where}.")
+
+
+def diffusion_done(manifest: Manifest) -> list[str]:
+    r, s, src = manifest.recipe, manifest.summary, manifest.source
+    where = f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+    hp = r.get("high_precision") or {}
+    kept = r.get("ignored_modules") or {}
+    fmt = r.get("format")
+    layout = (f"`{r.get('file')}`: one safetensors file, {r.get('key_names')}; per layer `<m>.weight` F8_E4M3, "
+              + ("`<m>.scale_weight` fp32 and the `scaled_fp8` marker (ComfyUI's legacy layout)" if fmt == "comfyui-legacy" else
+                 "`<m>.weight_scale` fp32 (0-d) and `<m>.comfy_quant` (`{\"format\": \"float8_e4m3fn\", \"full_precision_matrix_mult\": "
+                 "true}`), the same list in the header's `_quantization_metadata`")
+              if fmt != "diffusers" else
+              f"diffusers layout (`{r.get('weights_dir')}`), `<m>.weight` F8_E4M3 and `<m>.scale` fp32 [N, 1]; "
+              "`quantization_config` of diffusers' SDNQ backend in config.json")
+    lines = ["## What was done", "",
+             f"mpsconvert {manifest.versions.get('mpsconvert')} converted the {r.get('family_label')} "
+             f"{'transformer' if not r.get('component') else '`' + r['component'] + '`'} of {where} to FP8 (`float8_e4m3fn`), "
+             "weights only: activations stay in 16 bits.", "",
+             "| | |", "|---|---|",
+             f"| format | {layout} |",
+             f"| weight scales | {_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights'))}; `scale = amax / 448`, values clamped to +-448 |",
+             f"| quantized | {s.get('tensors_quantized')} Linear weights |",
+             f"| weights | {human(s.get('weight_bytes_before'))} -> {human(s.get('weight_bytes_after'))} ({s.get('ratio')}x) |"]
+    if s.get("worst_sqnr_db") is not None:
+        lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
+    lines.append(f"| kept in high precision | {hp.get('rule')}: {', '.join(f'`{x}`' for x in hp.get('patterns') or [])} "
+                 f"({len(kept)} Linear layers); norms, biases, convolutions and other non-Linear tensors as in the source |")
+    return lines + [""]
+
+
+def diffusion_how_to_load(manifest: Manifest, repo: str | None, name: str) -> list[str]:
+    r = manifest.recipe
+    fam = r.get("family_label")
+    lines = ["## How to load", ""]
+    if r.get("format", "").startswith("comfyui"):
+        lines += [f"Copy `{r.get('file')}` into `ComfyUI/models/diffusion_models/` and pick it in the **Load Diffusion Model** "
+                  f"node (weight_dtype `default`), with the {fam} text encoders and VAE in their usual folders. On a Mac, FP8 "
+                  "stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch refuses float8 on MPS.", ""]
+    else:
+        cls = (manifest.source.get("diffusion") or {}).get("class_name") or "the transformer class"
+        ref = repo or name
+        lines += ["diffusers with its SDNQ backend (`pip install diffusers sdnq`), on Apple Silicon, CUDA or CPU:", "", "```python",
+                  "import torch"]
+        if r.get("weights_dir") not in (None, "."):
+            lines += ["from diffusers import DiffusionPipeline", "",
+                      f'pipe = DiffusionPipeline.from_pretrained("{ref}", torch_dtype=torch.bfloat16).to("mps")']
+        else:
+            lines += [f"from diffusers import {cls}", "",
+                      f'transformer = {cls}.from_pretrained("{ref}", torch_dtype=torch.bfloat16).to("mps")']
+        lines += ["```", ""]
+    lines += ["Which loader reads which file:", "", *_LOADERS, ""]
+    return lines

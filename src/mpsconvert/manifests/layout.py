@@ -22,6 +22,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 COREML_PACKAGE = "model.mlpackage"
 COREAI_ASSET = "model.aimodel"
+MODEL_INDEX = "model_index.json"  # a diffusers pipeline's top-level file
+DIFFUSION_FORMATS = ("comfyui", "comfyui-legacy", "diffusers")  # convert/diffusion's FORMATS, as recorded in a manifest
 
 
 def shard_names(n: int) -> list[str]:
@@ -75,8 +77,16 @@ def weight_files(folder: Path) -> list[str]:
 
 
 def is_artifact(folder: Path) -> bool:
-    """Whether `folder` is an mpsconvert artifact (it has our manifest and a config)."""
-    return (Path(folder) / MANIFEST_NAME).is_file() and (Path(folder) / CONFIG_NAME).is_file()
+    """Whether `folder` is an mpsconvert artifact (it has our manifest and a config: a model's
+    config.json, or a diffusers pipeline's model_index.json)."""
+    folder = Path(folder)
+    return (folder / MANIFEST_NAME).is_file() and ((folder / CONFIG_NAME).is_file() or (folder / MODEL_INDEX).is_file())
+
+
+def diffusion_format(manifest) -> str | None:
+    """The diffusion format of an artifact ("comfyui" | "comfyui-legacy" | "diffusers"), None for an LLM's."""
+    fmt = manifest.recipe.get("format")
+    return fmt if fmt in DIFFUSION_FORMATS else None
 
 
 @contextlib.contextmanager

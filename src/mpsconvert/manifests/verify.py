@@ -60,6 +60,7 @@ class VerifyReport:
     unlisted: list = field(default_factory=list)  # files present that the manifest does not list
     warnings: list = field(default_factory=list)  # worth saying, not a failure
     manifest_sha256: str | None = None
+    format: str | None = None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
 
     @property
     def ok(self) -> bool:
@@ -68,7 +69,8 @@ class VerifyReport:
     def as_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, "hashes_checked": self.hashes_checked, "scheme": self.scheme,
                 "weights": self.weights, "quantized_modules": len(self.quantized), "files": self.files, "problems": self.problems,
-                "unlisted": self.unlisted, "warnings": self.warnings, "manifest_sha256": self.manifest_sha256}
+                "unlisted": self.unlisted, "warnings": self.warnings, "manifest_sha256": self.manifest_sha256,
+                **({"format": self.format} if self.format else {})}
 
 
 def _problem(report: VerifyReport, msg: str) -> None:
@@ -247,6 +249,11 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         check_unlisted(folder, manifest, report)
         if check_hashes:
             _check_hashes(folder, manifest, report, progress)
+        if layout.diffusion_format(manifest):
+            from .diffusion import verify_diffusion
+
+            verify_diffusion(folder, manifest, report, check_codes)
+            return report
     try:
         config = read_json(folder / CONFIG_NAME, what=CONFIG_NAME)
         scheme = scheme_from_config(config.get("quantization_config"))
@@ -284,13 +291,18 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
     check_model_shapes(report, shapes, ignored)
     check_values(headers, report, codes=check_codes)
     if manifest is not None:
-        for name, rec in manifest.tensors.items():
-            info = tensors.get(name)
-            if info is None:
-                _problem(report, f"{MANIFEST_NAME} records {name}, which no shard holds")
-            elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
-                _problem(report, f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records {rec.get('dtype')}{rec.get('shape')}")
+        check_records(manifest, tensors, report)
     return report
+
+
+def check_records(manifest: Manifest, tensors: dict, report: VerifyReport) -> None:
+    """The manifest's tensor records against the files: every recorded tensor stored, with its dtype and shape."""
+    for name, rec in manifest.tensors.items():
+        info = tensors.get(name)
+        if info is None:
+            _problem(report, f"{MANIFEST_NAME} records {name}, which no shard holds")
+        elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
+            _problem(report, f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records {rec.get('dtype')}{rec.get('shape')}")
 
 
 def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set | None) -> None:

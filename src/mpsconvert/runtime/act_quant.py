@@ -24,38 +24,18 @@ Triton is optional: without it (CPU, MPS) or inside torch.compile, the torch ops
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from .triton_launch import launch, next_pow2
+from .tritonlib import INTERPRET, eager_on, tl, triton
 
-try:  # Triton ships with CUDA builds of torch only
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-
-# TRITON_INTERPRET=1 runs the kernels on CPU tensors (the tests). The interpreter's float32 ->
-# e4m3 cast rounds wrongly where rounding carries into the exponent (126.9 -> 64), so in that mode
-# the kernel rounds to the e4m3 grid itself first (exact, checked against torch's cast) and the
-# cast has nothing left to round. On a GPU the hardware cast (round to nearest even) does it.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Under TRITON_INTERPRET=1 (the tests) the interpreter's float32 -> e4m3 cast rounds wrongly where
+# rounding carries into the exponent (126.9 -> 64), so in that mode the kernel rounds to the e4m3
+# grid itself first (exact, checked against torch's cast) and the cast has nothing left to round.
+# On a GPU the hardware cast (round to nearest even) does it.
 _ONE_PASS_MAX = 16384  # rows up to this many elements are held in registers: one read of x
-
-
-def available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or INTERPRET)
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """The Triton kernel for this tensor: CUDA (or the interpreter's CPU tensors), eager mode."""
-    if triton is None or torch.compiler.is_compiling():
-        return False
-    return x.is_cuda or (INTERPRET and x.device.type == "cpu")
 
 
 # -- the reference arithmetic (and what runs inside torch.compile, on CPU and MPS) -------------------
@@ -226,14 +206,14 @@ def _launch(x: torch.Tensor, k: int, scale, rows_scale, silu: bool):
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | None = None, rows_scale: torch.Tensor | None = None):
     """x [M, K] -> (e4m3 codes [M, K], float32 scale [M, 1]); see torch_quantize for the arguments."""
-    if use_triton(x):
+    if eager_on(x):
         return _launch(x, x.shape[-1], scale, rows_scale, silu=False)
     return torch_quantize(x, scale, rows_scale)
 
 
 def silu_mul_quantize(h: torch.Tensor, scale: torch.Tensor | None = None, rows_scale: torch.Tensor | None = None):
     """quantize(silu(gate) * up) of a fused gate/up output h [M, 2I], without writing the product."""
-    if use_triton(h):
+    if eager_on(h):
         return _launch(h, h.shape[-1] // 2, scale, rows_scale, silu=True)
     return torch_silu_mul_quantize(h, scale, rows_scale)
 
@@ -248,7 +228,7 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm_quantize` takes this call: the Triton path, a row held in registers,
     weight and activations of one floating dtype (so the output's dtype is theirs)."""
-    return use_triton(x) and x.shape[-1] <= _ONE_PASS_MAX and weight.dtype == x.dtype and x.dtype.is_floating_point
+    return eager_on(x) and x.shape[-1] <= _ONE_PASS_MAX and weight.dtype == x.dtype and x.dtype.is_floating_point
 
 
 def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool, scale: torch.Tensor | None = None,

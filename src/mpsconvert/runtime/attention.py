@@ -22,29 +22,17 @@ the product with V (as flash attention does); tests compare with SDPA (TRITON_IN
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import tritonlib
 from .triton_launch import next_pow2
-
-try:  # Triton ships with CUDA builds of torch only
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from .tritonlib import INTERPRET, tl, triton
 
 NAME = "mpsconvert_sdpa"  # contains "sdpa": transformers runs its SDPA checks for it
 MAX_QUERY = 4  # queries per sequence the decode kernel takes (decode, speculative steps)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _BLOCK_KV = 64
 _WAVES = 4  # programs per SM the cache is split into: fewer tiles each, less of a program's time waits on memory (H200:
 # 7.9 us per Llama-3-8B layer at 2100 cached positions, 9.5 us with 2, 10.4 with 1; results/attn_micro_h200.log)
-
-
-def available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or _INTERPRET)
 
 
 if triton is not None:
@@ -168,7 +156,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         q, k, v, mview, acc, m, l,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         smb, smh, sml, Hkv, G, Lq, Lk, chunk, splits, scale,
-        HAS_MASK=mask is not None, ROWS=rows, D=D, HEAD_DIM=hd, BLOCK_KV=_BLOCK_KV, F32=_INTERPRET, num_warps=4,
+        HAS_MASK=mask is not None, ROWS=rows, D=D, HEAD_DIM=hd, BLOCK_KV=_BLOCK_KV, F32=INTERPRET, num_warps=4,
     )  # fmt: skip
     _combine_kernel[(B * Hkv * G * Lq,)](
         acc, m, l, out, out.stride(0), out.stride(1), out.stride(2), Hkv, G, Lq, splits,
@@ -194,7 +182,7 @@ else:
 
 def takes(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
     """Whether the decode kernel computes this call (else SDPA does)."""
-    if triton is None or not (query.is_cuda or (_INTERPRET and query.device.type == "cpu")):
+    if not tritonlib.runs_on(query):
         return False
     _, Hq, Lq, hd = query.shape
     if Lq > MAX_QUERY or dropout or Hq % key.shape[1] or not 16 <= hd <= 256 or key.shape[-1] != hd:
@@ -246,7 +234,7 @@ def register() -> None:
 def install(model) -> str | None:
     """Switch a model that runs SDPA to NAME (decode kernel + SDPA); returns what it runs now, or
     None where it was left alone (another attention was chosen, or the model cannot switch)."""
-    if not available() or getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if not tritonlib.available() or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return None
     if not hasattr(model, "set_attn_implementation") or not getattr(model, "_can_set_attn_implementation", lambda: False)():
         return None

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from . import act_quant, attention_prefill, forwards, kernels, rotary, triton_launch
+from . import act_quant, attention_prefill, forwards, kernels, rotary, triton_launch, tritonlib
 from .fp8linear import DECODE_MAX_M, FP8Linear
 from .fuse import SharedInput, Stash, group_name
 
@@ -126,7 +126,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     silu*up quantization -> down_proj's GEMM."""
     group, down = parts = self.mpsconvert_parts
     x2 = x.reshape(-1, x.shape[-1])
-    if (torch.compiler.is_compiling() or not act_quant.use_triton(x) or not group.quantizes(x2.shape[0])
+    if (torch.compiler.is_compiling() or not tritonlib.eager_on(x) or not group.quantizes(x2.shape[0])
             or down._fns[1] not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
         return self.mpsconvert_base.forward(self, x)
     return _mlp_prefill(parts, x2, group.quantized_input(x, x2)).view(*x.shape[:-1], down.out_features)
@@ -380,7 +380,7 @@ def install(model: nn.Module) -> dict:
     """Install the fused eager forwards into a loaded model (after share_inputs and the kernel
     policy, whose choices they read at call time); returns what was installed and what was not."""
     report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "layers": 0, "attention": 0, "rotary": 0, "left": []}
-    if not act_quant.available():
+    if not tritonlib.available():
         report["left"].append("Triton is not available here")
         return report
     report["launch"] = triton_launch.mode()

@@ -5,7 +5,9 @@ package (absent on many GPU stacks) and runs one kernel for every shape. Here th
 FP8 in device memory (half of BF16), and each layer runs the kernel the policy measured fastest
 for its shape: one for decode (few tokens, `M <= DECODE_MAX_M`) and one for prefill.
 On CPU the weight is dequantized once at load and the layer runs BF16 (FP8 matmul on CPU is
-orders of magnitude slower), and then no FP8 copy is kept.
+orders of magnitude slower), and then no FP8 copy is kept. On a device where this torch has no
+float8 (MPS before torch 2.15) the codes are held as their bytes (uint8) and only the kernels that
+decode them bit by bit are offered (dequant, bf16: kernels.candidates).
 
 A call costs little host time, because eager prefill runs one Python call per layer: the two
 kernel functions are stored on the layer (no lookup by name), and every scale is prepared once
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..fp8 import FP8_DTYPE, dequantize, is_block_scale
+from ..fp8 import CODE_DTYPES, FP8_DTYPE, dequantize, is_block_scale
 from ..scales import DEFAULT_BLOCK, scale_shape
 from . import kernels
 
@@ -45,7 +47,7 @@ def hold(mod: nn.Module, name: str, t: torch.Tensor | None) -> None:
 
 
 class FP8Linear(nn.Module):
-    """y = x @ (weight * weight_scale).T + bias, with weight in float8_e4m3fn."""
+    """y = x @ (weight * weight_scale).T + bias, with weight e4m3 codes (float8_e4m3fn, or uint8 bytes)."""
 
     group = None  # fuse.SharedInput this layer belongs to (set there, not a submodule)
 
@@ -69,10 +71,11 @@ class FP8Linear(nn.Module):
     def from_tensors(cls, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str | None,
                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      dtype: torch.dtype = torch.bfloat16, block: int | None = None) -> "FP8Linear":
-        """Wrap loaded tensors (already on their device) without copying the FP8 weight; `block`:
-        the block edge of a block scale [ceil(N/b), ceil(K/b)]."""
-        if weight.dtype != FP8_DTYPE:
-            raise TypeError(f"FP8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
+        """Wrap loaded tensors (already on their device) without copying the FP8 weight (e4m3 codes,
+        as float8_e4m3fn or as their uint8 bytes); `block`: the block edge of a block scale
+        [ceil(N/b), ceil(K/b)]."""
+        if weight.dtype not in CODE_DTYPES:
+            raise TypeError(f"FP8Linear needs e4m3 codes (float8_e4m3fn, or their uint8 bytes) as weight, got {weight.dtype}")
         n, k = weight.shape
         if is_block_scale(weight_scale, n) and block is None:
             raise ValueError(f"a {list(weight_scale.shape)} block scale needs its block size")

@@ -6,7 +6,10 @@ apart (prompt tokens/s, generation tokens/s, as mlx-lm prints them), and the sam
 the PyTorch model (transformers' `DynamicCache` passed to the model's forward) and
 the Apple exports (their stateful decoder: `main(input_ids, position) -> logits`, the KV cache in
 its states). Sampling follows mlx-lm's options: `temp` 0 is greedy (argmax), otherwise softmax
-at that temperature with nucleus (`top_p`) filtering, seeded.
+at that temperature with nucleus (`top_p`) filtering, seeded: the same seed gives the same
+tokens on the same device and torch. The draw uses a generator on the logits' own device
+(`torch.multinomial` refuses a CPU generator for MPS or CUDA probabilities), made at the first
+draw, so a seed's draws are reproducible per device, not across devices.
 """
 
 from __future__ import annotations
@@ -177,17 +180,32 @@ class RunnerDecoder:
         pass
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
+class Draws:
+    """The seeded random source of one generation: a torch.Generator on the device of the
+    probabilities it draws from (made at the first draw, with `seed`), as `torch.multinomial`
+    requires. None of it is made for greedy decoding."""
+
+    def __init__(self, seed: int):
+        self.seed, self.gen = seed, None
+
+    def on(self, device: torch.device) -> torch.Generator:
+        """The generator, made on `device` at the first draw (one generation stays on one device)."""
+        if self.gen is None:
+            self.gen = torch.Generator(device=device).manual_seed(self.seed)
+        return self.gen
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, draws: Draws | None) -> int:
     """argmax at temp 0; else a draw from softmax(logits / temp) restricted to the smallest set
-    of tokens whose probability reaches top_p."""
+    of tokens whose probability reaches top_p, with `draws`' generator on the logits' device."""
     if sampling.temp == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / sampling.temp, dim=-1)
     if sampling.top_p < 1:
-        p, idx = probs.sort(descending=True)
+        p, idx = probs.sort(descending=True, stable=True)  # ties in index order, as argmax breaks them
         keep = p.cumsum(0) - p < sampling.top_p  # always keeps the first
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(torch.multinomial(probs, 1, generator=draws.on(probs.device) if draws is not None else None))
 
 
 class TextStream:
@@ -245,7 +263,7 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
         raise MpsconvertError(f"the prompt is {len(prompt)} tokens, the {decoder.backend} model holds {decoder.max_len}",
                               "shorten the prompt, or re-export with a larger --max-len")
     stop_ids = set(stop_ids)
-    gen = torch.Generator().manual_seed(sampling.seed)
+    gen = Draws(sampling.seed)
     decoder.reset()
     if decoder.device.startswith("cuda"):
         devices.reset_peak(torch.device(decoder.device))

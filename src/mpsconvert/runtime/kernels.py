@@ -21,7 +21,9 @@ scales prepared once in the layouts the kernels take, optional input_scale [1], 
 - ``gemv_splitk``: the same product through the MoE decode kernel (moe_triton.py, one expert):
   split-K with atomic adds, which fills the GPU where few output rows leave programs idle.
 - ``dequant``: dequantize the weight on every call, then a BF16 matmul (weights stay FP8 in
-  memory; only worth it where the matmul dwarfs the dequantization, e.g. MPS prefill).
+  memory; only worth it where the matmul dwarfs the dequantization, e.g. MPS prefill). It reads
+  codes held as bytes too (fp8.fp8_to_float), so it and ``bf16`` are what a device without FP8
+  matmul offers (MPS before torch 2.15: no float8, no scaled_mm).
 - ``bf16``: a dense weight dequantized once at load (CPU for weight-only schemes; elsewhere only
   when it measured faster than every FP8 kernel, and then recorded as a fallback).
 - ``dense_qact``: CPU for schemes that quantize activations: the dense weight, and the activations
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_group_scale
-from . import act_quant, moe_triton, triton_gemv
+from . import act_quant, moe_triton, triton_gemv, tritonlib
 
 KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "scaled_mm_block", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
@@ -167,8 +169,12 @@ def run(kernel: str, mod, x: torch.Tensor) -> torch.Tensor:
     return fn(mod, x)
 
 
-def candidates(device_type: str, activations: str | None, weights: str, bucket: str, block: int | None = None) -> list[str]:
+def candidates(device_type: str, activations: str | None, weights: str, bucket: str, block: int | None = None,
+               scaled_mm: bool = True) -> list[str]:
     """The kernels worth measuring for one layer on one device, for 'decode' or 'prefill'.
+    `scaled_mm`: whether this device and torch run FP8 x FP8 matmuls (devices.capabilities,
+    probed once per process); without, no scaled_mm kernel is offered, so none is timed and
+    warned about per layer shape.
 
     Static per-tensor activations with per-tensor weights can use tensor-wise scaling; every
     other FP8 x FP8 combination is row-wise. Weight-only schemes keep BF16 activations, so they
@@ -180,12 +186,12 @@ def candidates(device_type: str, activations: str | None, weights: str, bucket: 
     if device_type == "cpu":
         return ["bf16"] if activations is None else ["dense_qact"]
     if weights == "block":
-        if device_type == "cuda" and activations == "group" and block == SCALED_MM_BLOCK:
+        if device_type == "cuda" and scaled_mm and activations == "group" and block == SCALED_MM_BLOCK:
             out.append("scaled_mm_block")
         return out + ["dequant", "bf16"]
-    if activations is not None:
+    if activations is not None and scaled_mm:
         out.append("scaled_mm_tensor" if (activations == "tensor" and weights == "tensor") else "scaled_mm_row")
-    if device_type == "cuda" and bucket == "decode" and triton_gemv.available():
+    if device_type == "cuda" and bucket == "decode" and tritonlib.available():
         out += ["gemv", "gemv_splitk"] + (["gemv_w8a8"] if activations is not None else [])
     if device_type == "mps" or bucket == "prefill" or not out:
         out.append("dequant")

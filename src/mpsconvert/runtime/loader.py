@@ -12,10 +12,12 @@ How, and why this way:
   with the manifest; a tampered or truncated file is refused with an ArtifactError.
   `verify=False` skips the hashing (the structural checks still run).
 - Every Linear whose weight is stored as F8_E4M3 becomes an FP8Linear holding the e4m3 codes and
-  scales on the device (no BF16 copy). On CPU each is dequantized once to `dtype` instead, since
-  FP8 matmul on CPU is orders of magnitude slower. An FP8 tensor that belongs to a module we have
-  no FP8 kernel for (llm-compressor's model-free path also quantizes `embed_tokens`) is
-  dequantized once at load, and listed in `model.mpsconvert.dequantized`.
+  scales on the device (no BF16 copy): as float8_e4m3fn, or as their bytes on a device where this
+  torch has no float8 (MPS before torch 2.15; devices.capabilities says, probed once). On CPU each
+  is dequantized once to `dtype` instead, since FP8 matmul on CPU is orders of magnitude slower:
+  no memory is saved there, and `model.mpsconvert.weights_held` says so. An FP8 tensor that
+  belongs to a module we have no FP8 kernel for (llm-compressor's model-free path also quantizes
+  `embed_tokens`) is dequantized once at load, and listed in `model.mpsconvert.dequantized`.
 - MoE experts (transformers 5 fuses a layer's experts into one module of 3-D parameters) become
   `FP8Experts`, whichever way the artifact stores them: per-expert 2-D tensors (the default, the
   hub's layout; each streamed into its rows of the layer's [E, N, K] codes) or fused 3-D tensors
@@ -41,7 +43,7 @@ from torch import nn
 
 from .. import atomic, devices, modeldef
 from ..untrusted import read_json
-from ..fp8 import FP8_DTYPE, dequantize
+from ..fp8 import CODE_DTYPES, dequantize
 from ..errors import MpsconvertError, ArtifactError
 from ..manifests import layout
 from ..manifests.ct_config import scheme_from_config
@@ -75,6 +77,7 @@ class LoadInfo:
     prewarm: dict = field(default_factory=dict)  # first-use calls made while the shards were read (CUDA)
     eager_fusion: dict = field(default_factory=dict)  # norms / MLPs / layers / rotary run as fused kernels in eager mode (CUDA), the launch path
     positions: dict = field(default_factory=dict)  # a call without positions gets the model's own, known on the host (any device)
+    weights_held: dict = field(default_factory=dict)  # how the FP8 weights are held once loaded: e4m3 codes, or dequantized, and why
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
@@ -168,11 +171,6 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     t0 = time.perf_counter()
     path = Path(path)
     dev = devices.choose(device)
-    if dev.type == "mps" and not devices.capabilities(dev).fp8_tensors:
-        from ..errors import DeviceError
-
-        raise DeviceError(f"this torch ({torch.__version__}) cannot hold float8_e4m3fn tensors on MPS",
-                          "upgrade torch (FP8 on MPS needs a recent release), or pass device='cpu'")
     atomic.recover(path)
     config_path = path / layout.CONFIG_NAME
     if not config_path.is_file():
@@ -226,8 +224,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         if manifest is not None:
             check_digests(manifest, report, {n: d for n, d in digests.items() if n in manifest.files})
             raise_problems(path, report)
-        for key, t in plan.dests.items():  # on the device, where the codes now are: one compare each
-            if t.dtype == FP8_DTYPE and t.numel() and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        for key in plan.codes:  # on the device, where the codes now are: one compare each
+            t = plan.dests[key]
+            if t.numel() and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
                 raise ArtifactError(f"{key} holds NaN codes (0x7F/0xFF), which no quantizer writes", "re-create the artifact")
         info = LoadInfo(path=str(path), device=str(dev), dtype=str(dtype).replace("torch.", ""), scheme=scheme.name,
                         weights=scheme.weights, verify=report.as_dict())
@@ -277,6 +276,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         info.positions = positions.install(model)
         seconds["positions"] = time.perf_counter() - t5
     info.fp8_layers = sum(isinstance(m, FP8Linear) for m in model.modules())
+    info.weights_held = weights_held(model, dev, dtype)
     info.weight_bytes = model_bytes(model)
     seconds["total"] = time.perf_counter() - t0
     info.seconds = {k: round(v, 3) for k, v in seconds.items()}
@@ -290,10 +290,12 @@ class _Plan:
 
     def __init__(self, model: nn.Module, report, dtype: torch.dtype, dev: torch.device):
         from ..moe_layout import experts_modules, find_layout, saved_names
-        from .moe import FP8, scale_keys
+        from .moe import scale_keys
 
         self.dtype, self.dev = dtype, dev
+        self.code_dtype = devices.capabilities(dev).code_dtype  # float8_e4m3fn, or uint8 where the device has no float8
         stored = {k: info for h in report.headers.values() for k, info in h.tensors.items()}
+        self.codes = [k for k, info in stored.items() if info.dtype == "F8_E4M3"]  # e4m3 codes: checked for NaN codes once read
         self.dests: dict[str, torch.Tensor] = {}
         self.params: dict[str, str] = {}  # model key -> checkpoint key
         self.fp8: dict[str, dict[str, str]] = {}  # Linear module -> {part: checkpoint key}
@@ -309,7 +311,7 @@ class _Plan:
                                         "re-create the artifact with mpsconvert quantize")
                 pieces = [(ep.key, None)] if ep.layout == "fused" else [(sl.key, sl) for sl in ep.slices]
                 if all(stored[k].dtype == "F8_E4M3" for k, _ in pieces):
-                    codes = torch.empty(ep.shape, dtype=FP8, device=dev)
+                    codes = torch.empty(ep.shape, dtype=self.code_dtype, device=dev)
                     for k, sl in pieces:
                         self.dests[k] = codes if sl is None else codes[sl.expert, sl.start : sl.stop]
                     for k in scale_keys(ep):
@@ -341,6 +343,7 @@ class _Plan:
                 self.fp8.setdefault(mod, {})[leaf] = key
             else:
                 self.params[target] = key
+        self.codes = [k for k in self.codes if k in self.dests]
         if unexpected:
             raise ArtifactError(
                 f"{len(unexpected)} checkpoint tensors have no place in {type(model).__name__} (e.g. {unexpected[0]})",
@@ -348,7 +351,8 @@ class _Plan:
             )
 
     def _alloc(self, info) -> torch.Tensor:
-        return torch.empty(info.shape, dtype=DTYPES[info.dtype][1], device=self.dev)
+        dtype = self.code_dtype if info.dtype == "F8_E4M3" else DTYPES[info.dtype][1]
+        return torch.empty(info.shape, dtype=dtype, device=self.dev)
 
     def install(self, model: nn.Module, activations, info: LoadInfo, block: int | None = None) -> None:
         from .moe import FP8Experts, _fp8_param
@@ -381,7 +385,7 @@ class _Plan:
 def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadInfo, block: int | None = None) -> None:
     mod = model.get_submodule(mod_name)
     w, scale = p.get("weight"), p.get("weight_scale")
-    if w is None or scale is None or w.dtype != FP8_DTYPE:
+    if w is None or scale is None or w.dtype not in CODE_DTYPES:
         raise ArtifactError(f"{mod_name} has an incomplete FP8 weight (weight and weight_scale needed)", "re-create the checkpoint")
     if not isinstance(mod, nn.Linear):  # no FP8 kernel for this module type: dense once, and say so
         _set_tensor(model, mod_name + ".weight", dequantize(w, scale.float(), dtype, block).to(dev))
@@ -396,6 +400,29 @@ def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadI
     )
     parent_name, _, leaf = mod_name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, layer)
+
+
+def weights_held(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> dict:
+    """How the loaded FP8 weights are held: as e4m3 codes (1 byte per weight) or dequantized
+    (2 bytes, as BF16), counted over Linears and MoE experts, and in words where the device
+    saves no memory over BF16 (the user must not think otherwise)."""
+    from .moe import FP8Experts
+
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]  # a fused group's members are views of its layer
+    experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
+    out = {"e4m3": sum(m.weight is not None for m in linears) + sum(m.gate_up_codes is not None for m in experts),
+           "dequantized": sum(m.dense_weight is not None for m in linears) + sum(m.gate_up_dense is not None for m in experts),
+           "code_dtype": str(devices.capabilities(dev).code_dtype).replace("torch.", "")}
+    name = str(dtype).replace("torch.", "")
+    if out["dequantized"] and not out["e4m3"] and dev.type == "cpu":
+        out["note"] = (f"CPU: every FP8 weight is dequantized to {name} once at load (FP8 matmul on CPU is orders of magnitude "
+                       f"slower), so the model takes as much memory as {name} (more while loading: the codes are read first) and "
+                       f"runs no faster than it (slower where the scheme rounds activations through e4m3); docs/runtime.md")
+    elif out["dequantized"] and not out["e4m3"]:
+        out["note"] = f"every FP8 weight is held dequantized in {name} (measured faster here): no memory is saved over {name}"
+    elif out["dequantized"]:
+        out["note"] = f"{out['dequantized']} of {out['e4m3'] + out['dequantized']} weight groups are held dequantized in {name}"
+    return out
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -434,7 +461,7 @@ def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, pro
     path = Path(path)
     atomic.recover(path)
     report = verify_artifact(path, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
-    if report.scheme is None:  # config.json unreadable: the report says why; nothing to build
+    if report.scheme is None or report.format:  # config.json unreadable (the report says why), or a diffusion artifact: nothing to build
         return report
     if trust_remote_code and not (report.ok and report.hashes_checked):
         report.warnings.append("the model was not built from config.json: with --trust-remote-code, code runs only from an artifact that verified")

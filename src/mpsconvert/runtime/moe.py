@@ -16,6 +16,12 @@ Paths, chosen once per module from the device and the torch build, and reported:
   path would, and `F.grouped_mm` / `torch._grouped_mm` runs the groups; a per-expert loop
   only where the build has no grouped matmul for the device ("loop").
 
+One copy of the weights: on those two paths the dense weights replace the codes (CPU, MPS: as
+much memory as BF16 experts, not codes plus dense, 1.5x), except where the decode GEMV still
+reads the codes (CUDA with Triton and no FP8 grouped GEMM, e.g. the weight-only scheme), which
+keeps both; `paths["weights"]` says which. Codes may be held as uint8 bytes (a device without
+float8: devices.Capabilities.code_dtype); dequantizing them decodes bit by bit.
+
 Block-scaled experts (FP8_BLOCK, DeepSeek / Qwen3-MoE FP8 releases) take the "grouped_mm" path on
 every device: no grouped FP8 kernel takes block scales (`_scaled_grouped_mm` is row-wise only),
 so their weights are dequantized once at load, and activations are fake-quantized per token and
@@ -32,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8
+from .. import devices, fp8
 from ..errors import ArtifactError
-from . import act_quant
+from . import act_quant, tritonlib
 from .fp8linear import hold
 from ..moe_layout import ExpertParam, find_layout
 
@@ -129,7 +135,9 @@ class Route:
 
 
 class FP8Experts(nn.Module):
-    """All experts of one MoE layer in FP8: gate_up [E, 2I, H] and down [E, H, I] codes."""
+    """All experts of one MoE layer in FP8: gate_up [E, 2I, H] and down [E, H, I] codes.
+
+    path / decode_path: forced where given (tests), else chosen from the device ("auto")."""
 
     def __init__(
         self,
@@ -144,6 +152,7 @@ class FP8Experts(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         path: str | None = None,
         decode_pairs: int = DECODE_PAIRS,
+        decode_path: str | None = "auto",
         block: int | None = None,
     ):
         super().__init__()
@@ -173,18 +182,30 @@ class FP8Experts(nn.Module):
         if block and path not in (None, "grouped_mm", "loop"):
             raise ValueError(f"block-scaled experts run the dequantized grouped_mm path, not {path!r}")
         self.path = path or (("grouped_mm" if grouped_mm_available(device, dtype) else "loop") if block else self.choose_path(device))
-        self.decode_path = None if block else self._choose_decode_path(device)
-        if self.path in ("grouped_mm", "loop"):
+        self.decode_path = None if block else self._choose_decode_path(device) if decode_path == "auto" else decode_path
+        dense = self.path in ("grouped_mm", "loop")
+        for which in ("gate_up", "down"):
             # Dequantize once: the device has no FP8 grouped kernel (or the scheme keeps BF16
-            # activations), and dequantizing on every call would cost more than BF16.
-            hold(self, "gate_up_dense", self._dense(self.gate_up_codes, self.gate_up_scale))
-            hold(self, "down_dense", self._dense(self.down_codes, self.down_scale))
+            # activations), and dequantizing on every call would cost more than BF16. The codes
+            # go then, unless the decode GEMV reads them.
+            hold(self, f"{which}_dense", self._dense(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scale")) if dense else None)
+            if dense and self.decode_path is None:
+                hold(self, f"{which}_codes", None)
+
+    def dequantized(self, which: str) -> torch.Tensor:
+        """The dense [E, N, K] weight of "gate_up" or "down": the one held, or made from the codes."""
+        dense = getattr(self, f"{which}_dense")
+        return dense if dense is not None else self._dense(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scale"))
 
     def _dense(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.block:
-            k = codes.shape[-1]
-            return (fp8.fp8_to_float(codes) * scale.repeat_interleave(self.block, dim=-1)[..., :k]).to(self.dtype)
-        return (fp8.fp8_to_float(codes) * scale[:, :, None]).to(self.dtype)
+        """codes [E, N, K] x their scales -> [E, N, K] in self.dtype, one expert at a time: the
+        float32 temporaries of all experts at once were ~10 bytes per weight (fp8.dequantize)."""
+        out = torch.empty(codes.shape, dtype=self.dtype, device=codes.device)
+        k = codes.shape[-1]
+        for e in range(codes.shape[0]):
+            s = scale[e].repeat_interleave(self.block, dim=-1)[:, :k] if self.block else scale[e][:, None]
+            out[e] = fp8.fp8_to_float(codes[e]) * s
+        return out
 
     def fake_quantize(self, x: torch.Tensor, row_scale: torch.Tensor | None) -> torch.Tensor:
         """The activations the FP8 path multiplies: per token, per group (block scales) or static."""
@@ -198,15 +219,14 @@ class FP8Experts(nn.Module):
         return "grouped_mm" if grouped_mm_available(device, self.dtype) else "loop"
 
     def _choose_decode_path(self, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return None
-        from . import moe_triton
-
-        return "triton_gemv" if moe_triton.available() else None
+        return "triton_gemv" if device.type == "cuda" and tritonlib.available() else None
 
     @property
     def paths(self) -> dict:
-        return {"grouped": self.path, "decode": self.decode_path, "decode_pairs": self.decode_pairs if self.decode_path else None}
+        held = [f"e4m3 codes ({str(self.gate_up_codes.dtype).replace('torch.', '')})"] if self.gate_up_codes is not None else []
+        held += [f"{str(self.dtype).replace('torch.', '')} (dequantized at load)"] if self.gate_up_dense is not None else []
+        return {"grouped": self.path, "decode": self.decode_path, "decode_pairs": self.decode_pairs if self.decode_path else None,
+                "weights": " + ".join(held)}
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -294,8 +314,7 @@ def reference_forward(mod: FP8Experts, hidden_states: torch.Tensor, top_k_index:
     activation quantization): what the grouped path must reproduce."""
     x = hidden_states.to(mod.dtype)
     out = torch.zeros(x.shape[0], mod.hidden_dim, dtype=torch.float32, device=x.device)
-    w13 = mod._dense(mod.gate_up_codes, mod.gate_up_scale)
-    w2 = mod._dense(mod.down_codes, mod.down_scale)
+    w13, w2 = mod.dequantized("gate_up"), mod.dequantized("down")
     for e in range(mod.num_experts):
         tok, slot = torch.where(top_k_index == e)
         if tok.numel() == 0:
@@ -329,6 +348,13 @@ class MoEReport:
         return {"replaced": self.replaced, "skipped": self.skipped, "activations": self.activations}
 
 
+def _codes(tensors, key: str, device) -> torch.Tensor | None:
+    """An artifact's e4m3 codes on `device`, held as the device holds codes (bytes where it has
+    no float8: fp8.codes_to); a tensor of another dtype as it is, for the caller to refuse."""
+    t = tensors[key] if key in tensors else None
+    return None if t is None else fp8.codes_to(t, device) if t.dtype == FP8 else t.to(device)
+
+
 def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = None, block: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes [E, N, K], scale [E, N] or [E, 1] (block: [E, N, ceil(K/b)]), input scale [E] or
@@ -343,19 +369,19 @@ def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = No
         return None if t is None else t.to(device)
 
     if ep.layout == "fused":
-        codes = codes if codes is not None else get(ep.key)
+        codes = codes if codes is not None else _codes(tensors, ep.key, device)
         scale, ins = get(ep.key + "_scale"), get(ep.key + "_input_scale")
-        if codes is None or codes.dtype != FP8 or scale is None:
+        if codes is None or codes.dtype not in fp8.CODE_DTYPES or scale is None:
             raise ArtifactError(f"{ep.key} is not stored as FP8 with a {ep.key}_scale", "re-create the artifact with mpsconvert quantize")
         return codes, scale.float().reshape(E, -1), ins
     assembled = codes is not None
-    codes = codes if assembled else torch.empty(E, N, K, dtype=FP8, device=device)
+    codes = codes if assembled else torch.empty(E, N, K, dtype=devices.capabilities(torch.device(device)).code_dtype, device=device)
     scale = torch.empty(E, N, dtype=torch.float32, device=device)
     ins = [None] * E
     for sl in ep.slices:
-        w = None if assembled else get(sl.key)
+        w = None if assembled else _codes(tensors, sl.key, device)
         s = get(sl.key + "_scale")
-        if (not assembled and (w is None or w.dtype != FP8)) or s is None:
+        if (not assembled and (w is None or w.dtype != codes.dtype)) or s is None:
             raise ArtifactError(f"{sl.key} is not stored as FP8 with a weight_scale", "re-create the artifact with mpsconvert quantize")
         if not assembled:
             codes[sl.expert, sl.start : sl.stop] = w
@@ -375,15 +401,16 @@ def _fp8_block_param(ep: ExpertParam, tensors, device, codes, block: int):
     def get(key):
         return tensors[key].to(device) if key in tensors else None
 
+    code_dtype = devices.capabilities(torch.device(device)).code_dtype
     assembled = codes is not None
     pieces = [(ep.key, None)] if ep.layout == "fused" else [(sl.key, sl) for sl in ep.slices]
     if not assembled:
-        codes = get(ep.key) if ep.layout == "fused" else torch.empty(E, N, K, dtype=FP8, device=device)
+        codes = _codes(tensors, ep.key, device) if ep.layout == "fused" else torch.empty(E, N, K, dtype=code_dtype, device=device)
     scale = torch.empty(E, N, -(-K // block), dtype=torch.float32, device=device)
     ins = [None] * E
     for key, sl in pieces:
-        s, w = get(key + "_scale"), None if assembled or sl is None else get(key)
-        if s is None or codes is None or codes.dtype != FP8 or (sl is not None and not assembled and (w is None or w.dtype != FP8)):
+        s, w = get(key + "_scale"), None if assembled or sl is None else _codes(tensors, key, device)
+        if s is None or codes is None or codes.dtype != code_dtype or (sl is not None and not assembled and (w is None or w.dtype != code_dtype)):
             raise ArtifactError(f"{key} is not stored as FP8 with a {key}_scale", "re-create the artifact with mpsconvert quantize")
         s = s.float().repeat_interleave(block, dim=-2)
         if sl is None:
@@ -519,7 +546,8 @@ def load_fp8_experts(model, artifact_dir, device, activations: str | None = FROM
 
 
 def expert_bytes(mod: FP8Experts) -> int:
-    return sum(b.numel() * b.element_size() for n, b in mod.named_parameters() if not n.endswith("_dense"))
+    """Bytes the experts hold: codes, scales and dense weights, whichever are kept."""
+    return sum(b.numel() * b.element_size() for b in mod.parameters())
 
 
 __all__ = [

@@ -9,28 +9,16 @@ A decode step is a few hundred tiny kernels, so launches count as much as bytes:
 GEMV can hand its float32 sums straight to the down GEMV (`out_dtype=torch.float32`: no cast
 kernel), which computes `silu(gate) * up` while it loads its input (`silu_dtype`: no SiLU*up
 kernel), rounded as the expert's `act_fn(gate) * up` rounds it in that dtype.
-Imported only when a CUDA device is used; `available()` says whether it can run.
+Used where `tritonlib.available()`; imports without Triton (the kernel is then not defined).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .act_quant import INTERPRET as _PRE_ROUND, _round_to
 from .triton_gemv import autotune
 from .triton_launch import TL_DTYPES
-
-try:  # triton is optional: absent on CPU-only and MPS installs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
-
-def available() -> bool:
-    return triton is not None and torch.cuda.is_available()
+from .tritonlib import INTERPRET, tl, triton
 
 
 # BLOCK_N, BLOCK_K, SPLIT_K, warps. Split-K gives the down projection (N=4096, K=14336 at
@@ -39,10 +27,10 @@ _CONFIGS = (
     (16, 256, 1, 4), (32, 256, 1, 4), (64, 128, 1, 4), (8, 512, 1, 4), (16, 512, 1, 4),
     (16, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 4), (8, 512, 4, 4), (16, 512, 8, 4), (64, 256, 2, 8),
 )  # fmt: skip
-# TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests); the autotuner needs a GPU driver.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
+# TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests) with one configuration: the autotuner
+# needs a GPU driver. The interpreter's casts round wrongly, so there the kernel rounds by hand.
 if triton is not None:
+    from .act_quant import _round_to
 
     @triton.jit
     def _expert_gemv_kernel(
@@ -75,7 +63,7 @@ if triton is not None:
         # y is a zeroed float32 buffer: the K splits add their partial sums
         tl.atomic_add(y_ptr + pid_s * stride_ym + offs_n, acc * s, mask=n_ok)
 
-    if _INTERPRET:
+    if INTERPRET:
         _kernel = _expert_gemv_kernel
     else:
         _kernel = autotune(
@@ -116,13 +104,13 @@ def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
     x = x.contiguous()
     y = torch.zeros(P, N, dtype=torch.float32, device=x.device)
     grid = lambda meta: (P, triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    fixed = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2} if _INTERPRET else {}
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2} if INTERPRET else {}
     act = getattr(tl, TL_DTYPES[silu_dtype or torch.float32])
     _kernel[grid](
         x, tok, ids, codes, scale, y,
         N, K,
         x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), y.stride(0),
-        silu_dtype is not None, act, _PRE_ROUND,
+        silu_dtype is not None, act, INTERPRET,
         **fixed,
     )  # fmt: skip
     out_dtype = _out_dtype(x, out_dtype, silu_dtype)

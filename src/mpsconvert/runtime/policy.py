@@ -11,7 +11,9 @@ and the fastest wins. A BF16 weight is kept only when BF16 beats every FP8 kerne
 Decisions are cached in `$MPSCONVERT_CACHE_DIR/kernels.json` (default
 `~/.cache/mpsconvert/kernels.json`), keyed by device name, torch and triton versions, shape,
 scheme and token count, so a second load measures nothing. CPU is decided by rule, not
-measured: dequantize once and run BF16 (FP8 matmul on CPU takes minutes per call).
+measured: dequantize once and run BF16 (FP8 matmul on CPU takes minutes per call). What the
+device and torch lack (no FP8 matmul on MPS before torch 2.15) is probed once per process by
+devices.capabilities and said once; such kernels are then not candidates at all.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from .. import atomic, devices, timing
 from ..progress import Progress, or_silent
-from . import kernels
+from . import kernels, tritonlib
 from .fp8linear import BUCKETS, FP8Linear
 
 # measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
@@ -41,12 +43,6 @@ def cache_path() -> Path:
         return Path(root) / "kernels.json"
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg or Path.home() / ".cache") / "mpsconvert" / "kernels.json"
-
-
-def _triton_version() -> str | None:
-    from . import triton_gemv
-
-    return getattr(triton_gemv.triton, "__version__", None)
 
 
 @dataclass
@@ -72,19 +68,22 @@ class Decision:
 
 class KernelPolicy:
     def __init__(self, device: torch.device, *, prefill_m: int = 512, decode_m: int = 1, measure: Measure | None = None,
-                 cache: Path | None | bool = None, device_name: str | None = None):
+                 cache: Path | None | bool = None, capabilities: devices.Capabilities | None = None):
+        """capabilities: what the device offers (default devices.capabilities, probed once per
+        process); its name keys the cache, and without scaled_mm no FP8 x FP8 kernel is a candidate."""
         self.device = device
         self.prefill_m, self.decode_m = prefill_m, decode_m
         self.measure = measure or self._measure
         self.cache_file = cache_path() if cache is None or cache is True else (None if cache is False else Path(cache))
-        self.device_name = device_name or devices.capabilities(device).name
+        self.caps = capabilities or devices.capabilities(device)
+        self.device_name = self.caps.name
         self.decisions: list[Decision] = []
         self._cache = self._read_cache()
 
     # -- cache -------------------------------------------------------------------------------
     def key(self, sig: tuple, bucket: str, m: int) -> str:
         n, k, w, a = sig
-        return (f"{self.device_name}|torch {torch.__version__}|triton {_triton_version()}|{n}x{k}|weights={w}|"
+        return (f"{self.device_name}|torch {torch.__version__}|triton {tritonlib.version()}|{n}x{k}|weights={w}|"
                 f"acts={a or 'bf16'}|{bucket} M={m}")
 
     def _read_cache(self) -> dict:
@@ -111,7 +110,7 @@ class KernelPolicy:
         m = self.decode_m if bucket == "decode" else self.prefill_m
         sig = layer.signature
         d = Decision(shape=sig[:2], weights=sig[2], activations=sig[3], bucket=bucket, m=m)
-        cands = kernels.candidates(self.device.type, layer.activations, layer.weights, bucket, layer.block)
+        cands = kernels.candidates(self.device.type, layer.activations, layer.weights, bucket, layer.block, self.caps.scaled_mm)
         if self.device.type == "cpu":
             d.timings_us, d.choice, d.source = {}, cands[0], "rule"
             d.note = ("CPU: weights dequantized once at load (FP8 matmul on CPU is orders of magnitude slower)"
@@ -131,6 +130,8 @@ class KernelPolicy:
                                   f"({d.timings_us[c][7:]}); the policy chooses among the others (see validate --explain)",
                                   stacklevel=2)
             self._cache[key] = {"timings_us": d.timings_us, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if self.caps.lacks:  # why only dequantizing kernels were candidates (warned once, by devices.capabilities)
+            d.note = self.caps.lacks
         return d
 
     @staticmethod

@@ -56,7 +56,7 @@ def _heads(config):
 
 
 def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict) -> None:
-    from . import act_quant, rotary, triton_launch
+    from . import act_quant, rotary, triton_launch, tritonlib
     from ..fp8 import FP8_DTYPE
 
     def step(name, fn):
@@ -71,7 +71,7 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
     hidden = getattr(config, "hidden_size", None)
     eps = getattr(config, "rms_norm_eps", None)
     step("triton", triton_launch.mode)
-    if act_quant.available():
+    if tritonlib.available():
         for k in sorted({k for _, k in gemms}):
             step(f"quantize {k}", lambda k=k: act_quant.quantize(torch.empty(rows, k, dtype=dtype, device=dev)))
         for n in sorted(gated):

@@ -31,10 +31,10 @@ import sys
 import torch
 from torch import nn
 
-from . import act_quant, forwards
+from . import forwards, tritonlib
 from .triton_launch import launch, next_pow2
+from .tritonlib import tl, triton
 
-triton, tl = act_quant.triton, act_quant.tl
 NAME = "apply_rotary_pos_emb"
 PROBE_TOKENS = 9
 _ACTIVE = contextvars.ContextVar("mpsconvert_rotary", default=False)
@@ -81,7 +81,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     """Whether `rotary` takes this call: eager on the Triton path, q [B, H, S, D] and k
     [B, Hk, S, D] with cos and sin [1 or B, S, D] (full-width rotary, even D), one dtype, no
     gradient."""
-    if not act_quant.use_triton(q) or q.ndim != 4 or k.ndim != 4 or cos.ndim != 3 or sin.shape != cos.shape:
+    if not tritonlib.eager_on(q) or q.ndim != 4 or k.ndim != 4 or cos.ndim != 3 or sin.shape != cos.shape:
         return False
     b, _, s, d = q.shape
     if k.shape[0] != b or k.shape[2:] != q.shape[2:] or cos.shape[1:] != (s, d) or cos.shape[0] not in (1, b) or d % 2:
@@ -103,7 +103,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         sb = sin.stride(0) if sin.shape[0] > 1 else 0
         block_d = next_pow2(d)
         args = (q, k, cos, sin, qo, ko, s, hq, hk, *q.stride(), *k.stride(), cb, cos.stride(1), cos.stride(2), sb, sin.stride(1),
-                sin.stride(2), d, block_d, next_pow2(hq), next_pow2(hk), act_quant.INTERPRET)  # fmt: skip
+                sin.stride(2), d, block_d, next_pow2(hq), next_pow2(hk), tritonlib.INTERPRET)  # fmt: skip
         launch(_rope_kernel, (b * s,), args, num_warps=4, enable_fp_fusion=False)
     return qo.transpose(1, 2), ko.transpose(1, 2)
 

@@ -27,30 +27,16 @@ weights within 1e-5.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from . import forwards
+from . import forwards, tritonlib
 from .triton_launch import TL_DTYPES, next_pow2
-
-try:  # Triton ships with CUDA builds of torch only
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from .tritonlib import tl, triton
 
 MAX_TOKENS = 16  # rows per call the kernel takes: decode and speculative steps
 MAX_EXPERTS = 1024  # a program holds every expert's logit in registers
 _TILE = 32768  # router weights per loop step of a program
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or _INTERPRET)
-
 
 if triton is not None:
 
@@ -215,10 +201,10 @@ def install(model: nn.Module) -> dict:
     """Route the model's softmax top-k routers through the kernel at decode; returns how many,
     and which were left with their own forward and why."""
     report = {"routers": 0, "left": []}
-    if not available():
+    if not tritonlib.available():
         return report
     for name, mod in model.named_modules():
-        if not _candidate(mod) or not (mod.weight.is_cuda or (_INTERPRET and mod.weight.device.type == "cpu")):
+        if not _candidate(mod) or not tritonlib.runs_on(mod.weight):
             continue
         variant, why = _check(mod)
         if variant is None:

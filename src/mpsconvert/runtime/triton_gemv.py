@@ -11,35 +11,23 @@ every call) and through the custom op `mpsconvert::fp8_gemv` under torch.compile
 an opaque op with a fake implementation. The autotuner's choice per shape is cached on disk
 (Triton's cache), so a second process does not time the configurations again.
 
-Triton is optional: on machines without it (CPU, MPS) `available()` is False and nothing here
-runs; the kernel policy then never offers this candidate. TRITON_INTERPRET=1 runs the kernel on
-CPU tensors with one fixed configuration (the tests).
+Triton is optional: on machines without it (CPU, MPS) `tritonlib.available()` is False and
+nothing here runs; the kernel policy then never offers this candidate. TRITON_INTERPRET=1 runs
+the kernel on CPU tensors with one fixed configuration (the tests).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with CUDA builds of torch only
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from .tritonlib import INTERPRET, tl, triton
 
 OP_NAME = "mpsconvert::fp8_gemv"
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
 # The few-rows x long-K tiles (2-8 rows of 2048-4096 codes) put a whole row's loads in flight at
 # once, which is what a GEMV bound by memory latency needs on the small shapes (o_proj 4096x4096).
 _CONFIGS = ((4, 1024, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 256, 4, 2), (16, 512, 4, 2), (16, 512, 8, 2), (32, 256, 4, 2),
             (32, 512, 8, 2), (2, 4096, 4, 1), (4, 2048, 4, 2), (4, 4096, 8, 1), (8, 2048, 8, 2), (8, 1024, 4, 3), (16, 512, 4, 4))
-
-
-def available() -> bool:
-    return triton is not None and torch.cuda.is_available()
 
 
 def autotune(configs, key, **kw):
@@ -82,7 +70,7 @@ if triton is not None:
             y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
-    if _INTERPRET:
+    if INTERPRET:
         _kernel = _fp8_gemv_kernel
     else:
         _kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _CONFIGS],
@@ -129,7 +117,7 @@ if triton is not None:
             y = y + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
-    if _INTERPRET:
+    if INTERPRET:
         _dot_kernel = _fp8_dot_kernel
     else:
         _dot_kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _DOT_CONFIGS],
@@ -144,7 +132,7 @@ def _launch_dot(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale:
         raise ValueError(f"the W8A8 GEMV takes at most 16 rows, got {M}")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    fixed = {"BLOCK_N": 16, "BLOCK_K": 32} if _INTERPRET else {}
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 32} if INTERPRET else {}
     _dot_kernel[grid](
         xq, xs, weight, scale, bias if bias is not None else scale, y,
         M, N, K,
@@ -161,7 +149,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: to
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
-    fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if _INTERPRET else {}
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
     _kernel[grid](
         x, weight, scale, bias if bias is not None else scale, y,
         M, N, K,

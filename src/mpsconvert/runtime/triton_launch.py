@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = tl = None
+from .tritonlib import INTERPRET, tl, triton
 
 TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # torch dtype -> triton.language name
 _CACHE: dict = {}
@@ -79,8 +75,6 @@ if triton is not None:
 
 
 def _decide() -> str:
-    from .act_quant import INTERPRET
-
     if triton is None:
         return "kernel[grid] (no Triton)"
     if INTERPRET:

@@ -3,19 +3,28 @@
 transformers 5 builds attention masks and packed-sequence checks with ops that coremltools 9.0's
 torch frontend has no converter for (`diff`, `new_ones`, `alias`, integer `__and__`, ...). Each
 is registered through coremltools' own registry (`register_torch_op`), so conversion uses them
-exactly like the built-in ones. `register()` is idempotent and called by the exporter; importing
-this module needs coremltools.
+exactly like the built-in ones. `register()` is idempotent and called by the exporter, which
+checks for coremltools first; the module itself imports without it (every module does, on a base
+install).
 """
 
 from __future__ import annotations
 
-from coremltools.converters.mil import Builder as mb
-from coremltools.converters.mil.frontend.torch import ops as _ops
-from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, register_torch_op
-from coremltools.converters.mil.mil import types
+try:
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch import ops as _ops
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, register_torch_op
+    from coremltools.converters.mil.mil import types
+except ImportError:  # pragma: no cover - the `coreml` extra is not installed; nothing here is called then
+    mb = _ops = _TORCH_OPS_REGISTRY = register_torch_op = types = None
 
-_inputs = _ops._get_inputs
-_kwinputs = _ops._get_kwinputs
+
+def _inputs(*args, **kwargs):
+    return _ops._get_inputs(*args, **kwargs)
+
+
+def _kwinputs(*args, **kwargs):
+    return _ops._get_kwinputs(*args, **kwargs)
 
 # The ops added here, by canonical (sanitized) name: tests and the export record list them.
 ADDED: list[str] = []

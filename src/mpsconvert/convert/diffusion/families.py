@@ -1,0 +1,242 @@
+"""The diffusion families we convert, as data: one row each in `FAMILIES`.
+
+A row says how to recognise the family (its diffusers class, and the keys of an original-repo
+single file), what stays in high precision by default (`keep`: patterns matched against the
+original-repo name *and* the diffusers name of a module, as the converters in the wild list
+them: Kijai's Wan list, the Flux embedders and final layer), and how diffusers names become
+the original repo's names (`renames`, `fusions`, `swaps`: read by keymap.py). The facts come
+from ComfyUI's own key maps (comfy/utils.py `flux_to_diffusers`, `mmdit_to_diffusers`,
+`z_image_to_diffusers`; comfy/model_detection.py) and diffusers' single-file converters
+(loaders/single_file_utils.py), checked against diffusers 0.42.1 by tests/test_diffusion.py.
+
+Torch-free: `detect_family` runs on safetensors header keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import SourceError
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """Diffusers Linears that the original repo stores as one tensor, rows concatenated in
+    `members` order (Flux `img_attn.qkv` = to_q | to_k | to_v). `match` is a regex on the
+    diffusers module name whose group `m` names the member; `target` the original module
+    (a regex replacement of `match`)."""
+
+    match: str
+    target: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # recorded in the manifest; names validate's step inputs (runtime/validate_diffusion.py)
+    label: str
+    classes: tuple[str, ...]  # diffusers classes of this family's transformer
+    detect: tuple[str, ...]  # keys that, all present, mark an original-repo single file
+    keep: tuple[str, ...]  # kept in high precision by default (globs on either name)
+    renames: tuple[tuple[str, str], ...] = ()  # diffusers key -> original key, regexes applied in order
+    fusions: tuple[Fusion, ...] = ()
+    swaps: tuple[str, ...] = ()  # original keys whose two row halves are swapped (shift, scale) vs (scale, shift)
+
+
+_FLUX_BLOCK = r"^transformer_blocks\.(\d+)\."
+_SD3_BLOCK = r"^transformer_blocks\.(\d+)\."
+_ZIMAGE_BLOCK = r"^(layers|context_refiner|noise_refiner)\.(\d+)\."
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        name="flux", label="Flux.1", classes=("FluxTransformer2DModel",),
+        detect=("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"),
+        # BFL's embedders and final layer (Comfy-Org's and Kijai's fp8_scaled files keep these)
+        keep=("img_in", "txt_in", "time_in.*", "vector_in.*", "guidance_in.*", "final_layer.*"),
+        renames=(
+            (r"^time_text_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+            (r"^time_text_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+            (r"^time_text_embed\.text_embedder\.linear_1\.", "vector_in.in_layer."),
+            (r"^time_text_embed\.text_embedder\.linear_2\.", "vector_in.out_layer."),
+            (r"^time_text_embed\.guidance_embedder\.linear_1\.", "guidance_in.in_layer."),
+            (r"^time_text_embed\.guidance_embedder\.linear_2\.", "guidance_in.out_layer."),
+            (r"^context_embedder\.", "txt_in."),
+            (r"^x_embedder\.", "img_in."),
+            (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
+            (r"^proj_out\.", "final_layer.linear."),
+            (_FLUX_BLOCK + r"norm1\.linear\.", r"double_blocks.\1.img_mod.lin."),
+            (_FLUX_BLOCK + r"norm1_context\.linear\.", r"double_blocks.\1.txt_mod.lin."),
+            (_FLUX_BLOCK + r"attn\.norm_q\.weight$", r"double_blocks.\1.img_attn.norm.query_norm.scale"),
+            (_FLUX_BLOCK + r"attn\.norm_k\.weight$", r"double_blocks.\1.img_attn.norm.key_norm.scale"),
+            (_FLUX_BLOCK + r"attn\.norm_added_q\.weight$", r"double_blocks.\1.txt_attn.norm.query_norm.scale"),
+            (_FLUX_BLOCK + r"attn\.norm_added_k\.weight$", r"double_blocks.\1.txt_attn.norm.key_norm.scale"),
+            (_FLUX_BLOCK + r"ff\.net\.0\.proj\.", r"double_blocks.\1.img_mlp.0."),
+            (_FLUX_BLOCK + r"ff\.net\.2\.", r"double_blocks.\1.img_mlp.2."),
+            (_FLUX_BLOCK + r"ff_context\.net\.0\.proj\.", r"double_blocks.\1.txt_mlp.0."),
+            (_FLUX_BLOCK + r"ff_context\.net\.2\.", r"double_blocks.\1.txt_mlp.2."),
+            (_FLUX_BLOCK + r"attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
+            (_FLUX_BLOCK + r"attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+            (r"^single_transformer_blocks\.(\d+)\.norm\.linear\.", r"single_blocks.\1.modulation.lin."),
+            (r"^single_transformer_blocks\.(\d+)\.attn\.norm_q\.weight$", r"single_blocks.\1.norm.query_norm.scale"),
+            (r"^single_transformer_blocks\.(\d+)\.attn\.norm_k\.weight$", r"single_blocks.\1.norm.key_norm.scale"),
+            (r"^single_transformer_blocks\.(\d+)\.proj_out\.", r"single_blocks.\1.linear2."),
+        ),
+        fusions=(
+            Fusion(_FLUX_BLOCK + r"attn\.(?P<m>to_q|to_k|to_v)$", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
+            Fusion(_FLUX_BLOCK + r"attn\.(?P<m>add_q_proj|add_k_proj|add_v_proj)$", r"double_blocks.\1.txt_attn.qkv",
+                   ("add_q_proj", "add_k_proj", "add_v_proj")),
+            Fusion(r"^single_transformer_blocks\.(\d+)\.(?:attn\.)?(?P<m>to_q|to_k|to_v|proj_mlp)$", r"single_blocks.\1.linear1",
+                   ("to_q", "to_k", "to_v", "proj_mlp")),
+        ),
+        swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"),
+    ),
+    Family(
+        name="wan", label="Wan 2.x", classes=("WanTransformer3DModel",),
+        detect=("blocks.0.self_attn.q.weight", "patch_embedding.weight"),
+        # Kijai's list: norm, bias, time_in, patch_embedding, img_emb, modulation, text_embedding; plus the head
+        keep=("patch_embedding", "text_embedding.*", "time_embedding.*", "time_projection.*", "img_emb.*", "head.*", "*modulation*"),
+        renames=(
+            (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
+            (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
+            (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
+            (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+            (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+            (r"^condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),
+            (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
+            (r"^condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
+            (r"^condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
+            (r"^scale_shift_table$", "head.modulation"),
+            (r"^proj_out\.", "head.head."),
+            (r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
+            (r"^blocks\.(\d+)\.attn1\.", r"blocks.\1.self_attn."),
+            (r"^blocks\.(\d+)\.attn2\.", r"blocks.\1.cross_attn."),
+            (r"\.to_q\.", ".q."), (r"\.to_k\.", ".k."), (r"\.to_v\.", ".v."), (r"\.to_out\.0\.", ".o."),
+            (r"\.add_k_proj\.", ".k_img."), (r"\.add_v_proj\.", ".v_img."), (r"\.norm_added_k\.", ".norm_k_img."),
+            (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"blocks.\1.ffn.0."),
+            (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"blocks.\1.ffn.2."),
+            # diffusers' norm2 is the original norm3 and the other way round
+            (r"^blocks\.(\d+)\.norm2\.", r"blocks.\1.norm__3."),
+            (r"^blocks\.(\d+)\.norm3\.", r"blocks.\1.norm2."),
+            (r"^blocks\.(\d+)\.norm__3\.", r"blocks.\1.norm3."),
+        ),
+    ),
+    Family(
+        # Qwen-Image was released in diffusers layout, and ComfyUI's model uses those names
+        # (comfy/model_detection.py: `txt_norm.weight` marks it): no renames.
+        name="qwen-image", label="Qwen-Image", classes=("QwenImageTransformer2DModel",),
+        detect=("txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.add_q_proj.weight"),
+        keep=("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out"),
+    ),
+    Family(
+        name="sd3", label="SD3.5", classes=("SD3Transformer2DModel",),
+        detect=("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight"),
+        keep=("x_embedder.*", "context_embedder", "t_embedder.*", "y_embedder.*", "final_layer.*", "pos_embed"),
+        renames=(
+            (r"^context_embedder\.", "context_embedder."),
+            (r"^time_text_embed\.timestep_embedder\.linear_1\.", "t_embedder.mlp.0."),
+            (r"^time_text_embed\.timestep_embedder\.linear_2\.", "t_embedder.mlp.2."),
+            (r"^time_text_embed\.text_embedder\.linear_1\.", "y_embedder.mlp.0."),
+            (r"^time_text_embed\.text_embedder\.linear_2\.", "y_embedder.mlp.2."),
+            (r"^pos_embed\.proj\.", "x_embedder.proj."),
+            (r"^pos_embed\.pos_embed$", "pos_embed"),
+            (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
+            (r"^proj_out\.", "final_layer.linear."),
+            (_SD3_BLOCK + r"norm1_context\.linear\.", r"joint_blocks.\1.context_block.adaLN_modulation.1."),
+            (_SD3_BLOCK + r"attn\.to_add_out\.", r"joint_blocks.\1.context_block.attn.proj."),
+            (_SD3_BLOCK + r"ff_context\.net\.0\.proj\.", r"joint_blocks.\1.context_block.mlp.fc1."),
+            (_SD3_BLOCK + r"ff_context\.net\.2\.", r"joint_blocks.\1.context_block.mlp.fc2."),
+            (_SD3_BLOCK + r"attn\.norm_added_q\.", r"joint_blocks.\1.context_block.attn.ln_q."),
+            (_SD3_BLOCK + r"attn\.norm_added_k\.", r"joint_blocks.\1.context_block.attn.ln_k."),
+            (_SD3_BLOCK + r"norm1\.linear\.", r"joint_blocks.\1.x_block.adaLN_modulation.1."),
+            (_SD3_BLOCK + r"attn\.to_out\.0\.", r"joint_blocks.\1.x_block.attn.proj."),
+            (_SD3_BLOCK + r"attn\.norm_q\.", r"joint_blocks.\1.x_block.attn.ln_q."),
+            (_SD3_BLOCK + r"attn\.norm_k\.", r"joint_blocks.\1.x_block.attn.ln_k."),
+            (_SD3_BLOCK + r"attn2\.to_out\.0\.", r"joint_blocks.\1.x_block.attn2.proj."),
+            (_SD3_BLOCK + r"attn2\.norm_q\.", r"joint_blocks.\1.x_block.attn2.ln_q."),
+            (_SD3_BLOCK + r"attn2\.norm_k\.", r"joint_blocks.\1.x_block.attn2.ln_k."),
+            (_SD3_BLOCK + r"ff\.net\.0\.proj\.", r"joint_blocks.\1.x_block.mlp.fc1."),
+            (_SD3_BLOCK + r"ff\.net\.2\.", r"joint_blocks.\1.x_block.mlp.fc2."),
+        ),
+        fusions=(
+            Fusion(_SD3_BLOCK + r"attn\.(?P<m>to_q|to_k|to_v)$", r"joint_blocks.\1.x_block.attn.qkv", ("to_q", "to_k", "to_v")),
+            Fusion(_SD3_BLOCK + r"attn\.(?P<m>add_q_proj|add_k_proj|add_v_proj)$", r"joint_blocks.\1.context_block.attn.qkv",
+                   ("add_q_proj", "add_k_proj", "add_v_proj")),
+            Fusion(_SD3_BLOCK + r"attn2\.(?P<m>to_q|to_k|to_v)$", r"joint_blocks.\1.x_block.attn2.qkv", ("to_q", "to_k", "to_v")),
+        ),
+        # the final norm, and the last block's context norm (AdaLayerNormContinuous in diffusers)
+        swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias", "@last:context_block.adaLN_modulation.1"),
+    ),
+    Family(
+        name="z-image", label="Z-Image", classes=("ZImageTransformer2DModel",),
+        detect=("layers.0.attention.qkv.weight", "cap_embedder.1.weight"),
+        keep=("x_embedder", "cap_embedder.*", "t_embedder.*", "final_layer.*", "*adaLN_modulation*"),
+        renames=(
+            (r"^all_final_layer\.2-1\.", "final_layer."),
+            (r"^all_x_embedder\.2-1\.", "x_embedder."),
+            (_ZIMAGE_BLOCK + r"attention\.norm_q\.", r"\1.\2.attention.q_norm."),
+            (_ZIMAGE_BLOCK + r"attention\.norm_k\.", r"\1.\2.attention.k_norm."),
+            (_ZIMAGE_BLOCK + r"attention\.to_out\.0\.", r"\1.\2.attention.out."),
+        ),
+        fusions=(
+            Fusion(_ZIMAGE_BLOCK + r"attention\.(?P<m>to_q|to_k|to_v)$", r"\1.\2.attention.qkv", ("to_q", "to_k", "to_v")),
+        ),
+    ),
+)
+BY_NAME = {f.name: f for f in FAMILIES}
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+def supported() -> str:
+    return ", ".join(f"{f.label} ({'/'.join(f.classes)})" for f in FAMILIES)
+
+
+def strip_prefix(key: str) -> str:
+    """An original single file's key without ComfyUI's checkpoint prefix (`model.diffusion_model.`)."""
+    for p in _PREFIXES:
+        if key.startswith(p):
+            return key[len(p):]
+    return key
+
+
+def family_of_class(class_name: str | None, where: str) -> Family:
+    """The family of a diffusers component from its config's `_class_name`."""
+    for f in FAMILIES:
+        if class_name in f.classes:
+            return f
+    raise SourceError(f"{where} is a {class_name or 'component with no _class_name'}, a model family mpsconvert does not convert",
+                      f"supported: {supported()}")
+
+
+def detect_family(keys, where: str) -> Family:
+    """The family of an original-repo single file, from the tensor names in its header."""
+    names = {strip_prefix(k) for k in keys}
+    for f in FAMILIES:
+        if all(k in names for k in f.detect):
+            return f
+    sample = ", ".join(sorted(names)[:3]) or "no tensors"
+    raise SourceError(f"the keys of {where} ({len(names)} tensors, e.g. {sample}) match no diffusion family mpsconvert knows",
+                      f"supported single files: {', '.join(f'{f.label} ({f.detect[0]})' for f in FAMILIES)}")
+
+
+@dataclass
+class KeepRule:
+    """What stays in high precision: the family's list, or `--ignore` patterns that replace it."""
+
+    patterns: tuple[str, ...]
+    source: str  # "Flux.1 default" | "--ignore"
+
+    @classmethod
+    def of(cls, family: Family, ignore: list[str] | None) -> "KeepRule":
+        if ignore:
+            return cls(tuple(ignore), "--ignore")
+        return cls(family.keep, f"{family.label} default")
+
+    def match(self, *names: str) -> str | None:
+        """The first pattern that names any of `names` (modules: original or diffusers)."""
+        from ...targets import matches
+
+        for n in names:
+            p = matches(n, list(self.patterns))
+            if p is not None:
+                return p
+        return None

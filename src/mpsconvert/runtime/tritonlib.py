@@ -1,0 +1,49 @@
+"""The one place that imports Triton, and says whether our Triton kernels run.
+
+Why one module: Triton has no macOS wheels and is absent from every base install (a Mac user's),
+so a module-level `import triton` anywhere in the package breaks every command there, and a name
+defined only when the import succeeded (a `@triton.jit` helper) breaks whoever imports it. Every
+kernel module takes `triton` and `tl` from here (None without Triton), defines its kernels under
+`if triton is not None:`, and asks `available()` / `runs_on()` / `eager_on()` before launching;
+tests/test_architecture.py checks that no other module imports `triton`.
+
+TRITON_INTERPRET=1 (`INTERPRET`) runs the kernels on CPU tensors: the tests' way of checking
+them on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with Linux CUDA builds of torch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = tl = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available() -> bool:
+    """Whether our kernels can run in this process: Triton installed, and a CUDA device or the
+    interpreter."""
+    return triton is not None and (INTERPRET or torch.cuda.is_available())
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether a kernel takes this tensor's device: CUDA, or a CPU tensor under the interpreter
+    (never MPS: Triton has no Metal backend)."""
+    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+def eager_on(t: torch.Tensor) -> bool:
+    """`runs_on(t)` outside torch.compile: the kernel itself runs. Inside a compiled region the
+    callers run plain torch ops instead, which Inductor fuses into their neighbours."""
+    return runs_on(t) and not torch.compiler.is_compiling()
+
+
+def version() -> str | None:
+    """Triton's version (kernel-cache keys), or None without Triton."""
+    return getattr(triton, "__version__", None)
