@@ -48,6 +48,8 @@ REQUIRES = {
                "needs Triton (its kernels run on CPU through TRITON_INTERPRET=1); not installed (no macOS wheels)"),
     "extra": (lambda *names: all(importable(m) for n in names for m in EXTRA_MODULES[n]),
               "needs pip install 'mpsconvert[{args}]', not installed here"),
+    "needs": (lambda *modules: all(importable(m) for m in modules),
+              "needs {args} (a reference the test compares with, not a dependency of mpsconvert), not installed here"),
     "gpu": (lambda *_: _gpu(), "needs a CUDA or MPS device"),
     "network": (lambda *_: os.environ.get("MPSCONVERT_TEST_NETWORK") == "1",
                 "reaches the network: set MPSCONVERT_TEST_NETWORK=1 to run it"),

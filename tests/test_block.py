@@ -71,8 +71,9 @@ def test_stream_quantizer_blocks_out_of_order_and_alignment():
         bad.quantize(w[16:48], start=16)
 
 
+@pytest.mark.extra("ct")
 def test_fp8_block_config_both_ways_and_parses_with_compressed_tensors():
-    ct = pytest.importorskip("compressed_tensors")
+    import compressed_tensors as ct
     for name in ("fp8-dynamic", "fp8-weight-only", "fp8"):
         sch = Scheme.make(name, "block", 64)
         qc = quantization_config(sch, ["lm_head"])
@@ -131,10 +132,10 @@ def _logits(model, ids=IDS):
         return model(ids).logits.float()
 
 
+@pytest.mark.extra("ct")
 @pytest.mark.parametrize("arch", ["llama", "qwen2_tied", "mixtral"])
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-weight-only"])
 def test_block_artifacts_load_in_transformers_and_runtime_equal_our_reference(tiny_models, tmp_path, arch, scheme):
-    pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
     src = tiny_moe_checkpoint(tmp_path / "src", "mixtral") if arch == "mixtral" else tiny_models[arch]
@@ -213,6 +214,7 @@ def test_kernels_for_block_layers():
     assert (back - x).abs().max() <= x.abs().max() / 16
 
 
+@pytest.mark.extra("ct")
 def test_static_activations_with_block_weights_calibrated_from_source_and_into_a_block_artifact(tiny_models, tmp_path):
     """Calibration works on block weights: static per-tensor input scales beside 128x128-style
     block weight scales (compressed-tensors' format allows it; vLLM serves block weights only

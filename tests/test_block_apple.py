@@ -14,7 +14,7 @@ from mpsconvert.convert.torch_model import read_artifact_weights
 from mpsconvert.manifests.schemes import Scheme
 from .models import coreml_tiny_llama, tiny_artifact
 
-pytest.importorskip("coremltools")
+pytestmark = pytest.mark.extra("coreml")
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,9 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
           f"ratio {chk['size_ratio']}, palettes {palettes} B for {codes} codes")
 
 
+@pytest.mark.extra("coreai")
 @pytest.mark.parametrize("block", [16, 48])
 def test_core_ai_keeps_block_scales_native(work, block):
-    pytest.importorskip("coreai.authoring")
     from mpsconvert.convert.coreai import CoreAIOptions
     from mpsconvert.convert.coreai.check import check_asset
     from mpsconvert.convert.coreai.export import export_coreai

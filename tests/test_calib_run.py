@@ -128,6 +128,7 @@ def _files(folder):
     return out
 
 
+@pytest.mark.extra("ct")
 def test_static_artifact_is_deterministic_loads_with_compressed_tensors_and_matches(llama, tmp_path):
     calibration = mpsconvert.calibration_options(data=CALIB, num_samples=4, seq_len=64, observer="mse")
     for out in ("a", "b/a"):  # folders of the same name: the card's commands name it

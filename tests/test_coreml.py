@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("coremltools")
+pytestmark = pytest.mark.extra("coreml")
 
 import mpsconvert  # noqa: E402
 from mpsconvert import fp8  # noqa: E402

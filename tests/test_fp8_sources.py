@@ -57,6 +57,8 @@ def _logits(model):
         return model(IDS).logits.float()
 
 
+@pytest.mark.extra("ct")
+@pytest.mark.needs("accelerate")  # transformers loads the FineGrainedFP8 reference only with accelerate
 @pytest.mark.parametrize("arch,block", [("qwen3", 32), ("qwen3", 128), ("qwen3_moe", 16)])
 def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, arch, block):
     src = _source(tmp_path, arch, block)
@@ -99,6 +101,7 @@ def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, 
     assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
 
 
+@pytest.mark.needs("accelerate")
 def test_another_granularity_requantizes_and_says_it_rounds_twice(tmp_path):
     src = _source(tmp_path, "qwen3", 32)
     res = mpsconvert.quantize(src, tmp_path / "row", weights="row")

@@ -173,8 +173,8 @@ def base(tmp_path_factory):
     return tiny_artifact(tmp_path_factory.mktemp("fuzz"), "llama-sharded", tiny_llama_sharded)
 
 
+@pytest.mark.extra("coreml")
 def test_hostile_artifacts(base, tmp_path):
-    pytest.importorskip("coremltools")
     import coremltools  # noqa: F401  (imported once, outside the timed cases)
 
     rng = random.Random(SEED)

@@ -120,10 +120,10 @@ def test_backends_say_what_is_missing(art, tmp_path):
     assert res.exit_code == 2 and "not a causal LM" in res.output, res.output
 
 
+@pytest.mark.extra("coreai")
 def test_coreai_backend_generates_what_transformers_does(art, tmp_path):
     """The exported asset on the Core AI runtime (Linux: coreai-core's CPU runtime, fp32 compute)
     gives transformers' greedy tokens on the same dequantized weights in fp32."""
-    pytest.importorskip("coreai.authoring")
     import shutil
 
     from transformers import AutoTokenizer

@@ -22,7 +22,6 @@ from .models import MOE_ARCHS, tiny_moe_checkpoint
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
 
 
 def _tensors(folder):
@@ -60,6 +59,7 @@ def _load(path):
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.extra("ct")
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
     src = tiny_moe_checkpoint(tmp_path / "src", arch)
@@ -114,6 +114,7 @@ def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
     assert (a - b).norm() <= 0.08 * b.norm()
 
 
+@pytest.mark.extra("ct")
 @pytest.mark.parametrize("layout", ["per-expert", "checkpoint"])
 def test_fused_checkpoint(tmp_path, layout):
     src = tiny_moe_checkpoint(tmp_path / "src", "qwen3_moe", fused=True)

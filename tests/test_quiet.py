@@ -58,10 +58,10 @@ def test_validate_prints_no_third_party_lines(work):
     assert noise(out) == [] and "perplexity" in out
 
 
+@pytest.mark.extra("coreml")
 @pytest.mark.slow
 def test_export_coreml_prints_no_coremltools_lines(work):
     """Also the relative artifact path a user types (the package's files were once listed relative to it wrongly)."""
-    pytest.importorskip("coremltools")
     prog("quantize", "src", "-o", "ml", cwd=work)
     out = prog("export-coreml", "ml", "--no-check", "--max-len", "32", cwd=work)
     assert noise(out) == [] and "Core ML: model.mlpackage written" in out

@@ -240,7 +240,7 @@ def arts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def text_art(tmp_path_factory, shared_data):
+def text_art(tmp_path_factory, text_data):
     """A tiny Llama artifact with a tokenizer (generate, chat, validate)."""
     return models.tiny_artifact(tmp_path_factory.mktemp("mps-text"), "llama", lambda p: models.runtime_tiny_llama(p, tie=False))
 

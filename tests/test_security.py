@@ -298,8 +298,8 @@ def test_calibrate_into_an_artifact_killed_at_each_step_then_rerun(art):
     assert not [p for p in art.parent.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
 
 
+@pytest.mark.extra("coreml")
 def test_a_second_writer_is_refused_while_one_holds_the_artifact(art):
-    pytest.importorskip("coremltools")
     with atomic.writing(art.absolute()):
         with pytest.raises(MpsconvertError, match="another mpsconvert run is writing"):
             mpsconvert.export_coreml(art, check=False)
@@ -522,12 +522,12 @@ def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, 
 
 @pytest.fixture(scope="module")
 def coreml_art(tmp_path_factory):
-    pytest.importorskip("coremltools")
     from .models import coreml_tiny_llama, tiny_artifact
 
     return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", coreml_tiny_llama)
 
 
+@pytest.mark.extra("coreml")
 def test_export_coreml_killed_between_its_steps_then_rerun(coreml_art, tmp_path):
     """The real command, SIGKILLed after the package is written and between the two renames of
     its --force swap: the artifact always verifies and loads; the rerun completes and cleans up."""
