@@ -389,3 +389,18 @@ def _group_quantized_experts(mod, b: int):
     return forward
 
 
+
+
+def hide_modules(monkeypatch, *names: str) -> None:
+    """Make `importlib.import_module` (what extras.require uses) fail for these top-level
+    packages, as on an install without their extra."""
+    import importlib
+
+    real = importlib.import_module
+
+    def without(name, *a, **k):
+        if name.split(".")[0] in names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", without)

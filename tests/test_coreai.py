@@ -99,20 +99,13 @@ def test_specialization_options_follow_the_public_api():
 
 def test_export_coreai_without_the_extra_is_one_line(tmp_path, monkeypatch):
     """No coreai-core: `export-coreai` names the pip line, exit 2, no traceback."""
-    import importlib
-
     from click.testing import CliRunner
 
     from mpsconvert.cli import main
 
-    real = importlib.import_module
+    from .models import hide_modules
 
-    def fake(name, *a, **k):
-        if name.startswith("coreai"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(importlib, "import_module", fake)
+    hide_modules(monkeypatch, "coreai")
     r = CliRunner().invoke(main, ["export-coreai", str(tmp_path)])
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if line.strip()]
@@ -394,3 +387,65 @@ def test_validate_runs_the_core_ai_latency_beside_pytorch(exported, work):
                                   "--no-write"])
     assert r.exit_code == 0, r.output
     assert "Core AI asset: latency beside PyTorch" in r.output and "same prompt for every row" in r.output
+
+
+def test_validate_without_warmup_or_repeats_gives_the_core_ai_part_the_runs_own_settings(exported, work, monkeypatch):
+    """Without --warmup and --repeats (their defaults depend on the device), the Core AI part used
+    to get None and crash after the whole PyTorch run; it now gets what the run resolved."""
+    from click.testing import CliRunner
+
+    import mpsconvert.convert.coreai.check as check
+    from mpsconvert.cli import main
+
+    art, _, _ = exported["llama"]
+    seen, real = [], check.coreai_latency
+
+    def spy(*a, **k):
+        seen.append(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(check, "coreai_latency", spy)
+    r = CliRunner().invoke(main, ["validate", str(art), "--baseline", str(work / "src-llama"), "--device", "cpu", "--seq-len", "32",
+                                  "--max-samples", "1", "--prefill-len", "16", "--decode-tokens", "2", "--rounds", "1", "--json"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["settings"]["warmup"] == 1 and res["settings"]["repeats"] == 3  # CPU defaults, resolved by the run
+    assert seen[0]["warmup"] == 1 and seen[0]["prefill_repeats"] == 3 and res["coreai"]["status"] == "ran"
+
+
+def test_a_failing_core_ai_part_keeps_the_validation_recorded_and_shown(exported, work, monkeypatch):
+    from click.testing import CliRunner
+
+    import mpsconvert
+    import mpsconvert.convert.coreai.check as check
+    from mpsconvert.cli import main
+    from mpsconvert.manifests import layout
+
+    art, _, _ = exported["llama"]
+    args = ["validate", str(art), "--baseline", str(work / "src-llama"), "--device", "cpu", "--seq-len", "32", "--max-samples", "1",
+            "--prefill-len", "16", "--decode-tokens", "2", "--rounds", "1", "--repeats", "1", "--warmup", "0"]
+    with layout.update_manifest(art) as m:
+        m.extra.pop("validation", None)
+
+    def broken(*a, **k):
+        raise ExportError("the Core AI runtime refused the asset", "re-export it")
+
+    monkeypatch.setattr(check, "coreai_latency", broken)
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    assert "perplexity" in r.output and "recorded in" in r.output  # the PyTorch table came first
+    assert r.output.strip().splitlines()[-1].startswith("error: validation results for") and "Core AI part failed" in r.output
+    m = Manifest.read(art)
+    assert m.extra["validation"] and "Not validated yet" not in (art / "README.md").read_text()  # recorded, card refreshed
+    assert mpsconvert.verify(art).ok
+
+    def bug(*a, **k):
+        raise ZeroDivisionError("a bug in the Core AI part")
+
+    monkeypatch.setattr(check, "coreai_latency", bug)
+    with layout.update_manifest(art) as m:
+        m.extra.pop("validation", None)
+    r = CliRunner().invoke(main, args)
+    assert isinstance(r.exception, ZeroDivisionError)  # a bug keeps its traceback...
+    assert "perplexity" in r.output and Manifest.read(art).extra["validation"]  # ...after the results were recorded and shown

@@ -41,7 +41,8 @@ from .progress import Progress
 if TYPE_CHECKING:  # heavy modules, for annotations only
     import torch
 
-    from .calibrate.run import CalibOptions, Calibration
+    from .calibrate import CalibOptions
+    from .calibrate.run import Calibration
     from .manifests.verify import VerifyReport
     from .runtime.validate import ValidateOptions
 
@@ -152,8 +153,8 @@ class ValidationResult:
 
 def calibration_options(**kw: Any) -> CalibOptions:
     """Calibration settings (data, num_samples, seq_len, seed, observer, percentile, device,
-    sequential, ignore, trust_remote_code, data_revision, token): `calibrate.run.CalibOptions`."""
-    from .calibrate.run import CalibOptions
+    sequential, ignore, trust_remote_code, data_revision, token): `calibrate.CalibOptions` (no torch)."""
+    from .calibrate import CalibOptions
 
     return CalibOptions(**kw)
 
@@ -252,7 +253,7 @@ def quantize(
             offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
-    from .source import resolve
+    from . import source as sources
 
     if upload_repo is not None:  # a bad repo id or offline mode: said before the conversion, not after
         from . import publish
@@ -265,34 +266,74 @@ def quantize(
     if block_size is not None and weights != "block":
         raise MpsconvertError(f"--block-size {block_size} applies to block weights only", "add --weights block, or drop --block-size")
     sch = Scheme.make(scheme or "fp8-dynamic", weights, block_size)
-    from .convert.quantize import shard_size_bytes
-
-    shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
-    from .extras import require
-
-    if coreml is not None:  # a missing extra is said before the conversion, not after it
-        require("coremltools", "coreml", "Core ML export (--coreml)")
-    if coreai is not None:
-        require("coreai.authoring", "coreai", "Core AI export (--coreai)")
     if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
         raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {sch.name})", "add --scheme fp8, or drop them")
-    snap = resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
-    snap.start_hashing()  # before torch and transformers load: the hashing overlaps those seconds
-    if snap.diffusion is not None or format is not None:
-        from .convert.diffusion.run import quantize_source
+    # Where the output goes, and whether it may, before any work (torch, a download, a GGUF unpacked):
+    # a local folder is read now (a config and an index), a hub id only named.
+    path = sources.local_path(str(source))
+    gguf_file = path if sources.is_gguf(path) else None
+    snap = (sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
+            if path is not None and gguf_file is None else None)
 
-        llm_only = {"--scheme": scheme, "--weights": weights, "--scales": scales_file, "--coreml": coreml, "--coreai": coreai,
-                    "--dtype": dtype, "--calib-data": calibration is not None and calibration.data is not None,
-                    "--experts-layout": experts_layout != "per-expert"}
-        out, manifest = quantize_source(snap, output, format, ignore=list(ignore), force=force, max_shard_size=shard_bytes,
-                                        llm_only=llm_only, progress=progress)
-        return _published(QuantizeResult(output=out, manifest=manifest), upload_repo, private, token, progress)
+    def output_for(snap, name: str) -> Path:
+        """The output folder: -o, or the default name for this source (a diffusion model's own)."""
+        if output is not None:
+            return Path(output)
+        if snap is not None and snap.diffusion is not None:
+            from .convert.diffusion.run import default_format, default_output as diffusion_output
+
+            return diffusion_output(snap, format or default_format(snap))
+        own = snap.fp8.scheme if snap is not None and snap.fp8 is not None and scheme is None and weights is None else sch
+        return default_output(name, own.name)
+
+    out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
+    with contextlib.ExitStack() as claimed:
+        claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
+        atomic.check_replaceable(out, force=force, is_ours=layout.is_artifact, protect=(path,) if path is not None else ())
+        if snap is not None:
+            snap.start_hashing()  # a local folder: hashed while torch and transformers load
+        from .convert.quantize import shard_size_bytes
+
+        shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
+        from .extras import require
+
+        if coreml is not None:  # a missing extra is said before the conversion, not after it
+            require("coremltools", "coreml", "Core ML export (--coreml)")
+        if coreai is not None:
+            require("coreai.authoring", "coreai", "Core AI export (--coreai)")
+        if gguf_file is not None:
+            from .convert.gguf import unpacked
+
+            snap = claimed.enter_context(unpacked(gguf_file, dtype))
+        elif snap is None:
+            snap = sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
+            if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
+                out = output_for(snap, snap.repo_id)
+                claimed.enter_context(atomic.claim(out))
+                atomic.check_replaceable(out, force=force, is_ours=layout.is_artifact)
+        if snap.diffusion is not None or format is not None:
+            from .convert.diffusion.run import quantize_source
+
+            llm_only = {"--scheme": scheme, "--weights": weights, "--scales": scales_file, "--coreml": coreml, "--coreai": coreai,
+                        "--dtype": dtype, "--calib-data": calibration is not None and calibration.data is not None,
+                        "--experts-layout": experts_layout != "per-expert"}
+            out, manifest = quantize_source(snap, out, format, ignore=list(ignore), force=force, max_shard_size=shard_bytes,
+                                            llm_only=llm_only, progress=progress)
+            return _published(QuantizeResult(output=out, manifest=manifest), upload_repo, private, token, progress)
+        if snap.fp8 is not None and scheme is None and weights is None:
+            sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
+        return _quantize_claimed(snap, out, sch, ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
+                                 force=force, calibration=calibration, scales_file=scales_file, coreml=coreml, coreai=coreai, dtype=dtype,
+                                 shard_bytes=shard_bytes, upload_repo=upload_repo, private=private, token=token, progress=progress)
+
+
+def _quantize_claimed(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts_layout, force, calibration, scales_file,
+                      coreml, coreai, dtype, shard_bytes, upload_repo, private, token, progress) -> QuantizeResult:
+    """`quantize` of a language model once its source is resolved and its output claimed (atomic.claim)."""
+    snap.start_hashing()  # overlaps the imports and planning below
     from .convert.quantize import Options, check_fp8_source, quantize_snapshot
 
-    if snap.fp8 is not None and scheme is None and weights is None:
-        sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
     check_fp8_source(snap, sch)
-    out = Path(output) if output is not None else default_output(snap.repo_id or snap.path.name, sch.name)
     opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
                    dtype=dtype, max_shard_size=shard_bytes)
     cal = None
@@ -311,6 +352,10 @@ def quantize(
         opts.device = opts.calibration.get("device", opts.device)
     manifest = quantize_snapshot(snap, out, opts, progress)
     result = QuantizeResult(output=out, manifest=manifest, calibration=cal)
+    from .manifests.card import source_precision_note
+
+    if note := source_precision_note(manifest.source):  # a GGUF below 8 bits: said in the summary, as in the card
+        result.warnings.append(note)
     if snap.fp8 is not None and sch != snap.fp8.scheme:
         sqnrs = sorted(r["sqnr_db"] for r in manifest.tensors.values() if r.get("sqnr_db") is not None)
         measured = (f"round-trip SQNR against the source: worst {sqnrs[0]:.1f} dB, median {sqnrs[len(sqnrs) // 2]:.1f} dB"
@@ -398,9 +443,9 @@ def calibrate(
     path = Path(target).expanduser()
     atomic.recover(path)
     if layout.is_artifact(path):
-        # Written into: under the artifact's lock from the check to the swap. Verified first, every
-        # hash, before any of its config, code or weights is used (and never re-hashed unverified).
-        with atomic.writing(path) if output is None else contextlib.nullcontext():
+        # Written into: under the artifact's lock from before any work to the card. Verified first,
+        # every hash, before any of its config, code or weights is used (and never re-hashed unverified).
+        with atomic.claim(path) if output is None else contextlib.nullcontext():
             check_before_use(path, opts.trust_remote_code)
             ignore = Manifest.read(path).recipe.get("ignore_patterns")
             if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
@@ -413,7 +458,7 @@ def calibrate(
                 save_scales(Path(output), cal)
                 return CalibrateResult(cal, Path(output), into_artifact=False)
             write_into_artifact(path, cal)
-        _refresh_card(path)  # its own lock: after the swap (locks do not nest)
+            _refresh_card(path)
         return CalibrateResult(cal, path, into_artifact=True, manifest=Manifest.read(path))
     if output is None:
         raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
@@ -488,20 +533,79 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
 
     opts = options or validate_options()
     artifact = Path(artifact)
-    if layout.is_artifact(artifact) and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
-        from .convert.diffusion.load import load_pair
-        from .runtime.validate_diffusion import validate as run_step
+    writes = opts.write and layout.is_artifact(artifact)
+    # The lock before any work: a second writer is refused now, not after a 48-minute run.
+    with atomic.claim(artifact) if writes else contextlib.nullcontext(), contextlib.ExitStack() as stack:
+        if layout.is_artifact(artifact) and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
+            from .convert.diffusion.load import load_pair
+            from .runtime.validate_diffusion import validate as run_step
 
-        result = ValidationResult(**run_step(artifact, opts, load_pair, progress))
+            result = ValidationResult(**run_step(artifact, opts, load_pair, progress))
+            if result.recorded:
+                _refresh_card(artifact)
+            return result
+        gguf = _gguf_baseline(artifact, opts, stack)
+        if gguf is not None:
+            opts = replace(opts, baseline=str(gguf[1]))
+        result = ValidationResult(**run(artifact, opts, progress))
+        if gguf is not None:
+            _name_gguf_baseline(artifact, result, gguf)
+        # The Apple parts run with the settings the PyTorch rows were measured with (their defaults
+        # resolved by the run, recorded in `settings`); a failure in one is said beside the recorded
+        # validation, never instead of it.
+        failure = None
+        for key, name, part in (("coreml", "Core ML", lambda: _coreml_runtime(artifact, result.settings)),
+                                ("coreai", "Core AI", lambda: _coreai_runtime(artifact, result.settings, progress))):
+            try:
+                setattr(result, key, part())
+            except MpsconvertError as e:
+                setattr(result, key, {"status": "failed", "reason": str(e)})
+                failure = failure or ExportError(f"validation results for {artifact} are recorded, but its {name} part failed: {e.problem}",
+                                                 e.fix or f"run `mpsconvert validate {artifact}` again once that is fixed")
+            except Exception as e:  # a bug: its traceback is kept, once the results are recorded and shown
+                setattr(result, key, {"status": "failed", "reason": f"{type(e).__name__}: {e}"})
+                failure = failure or e
         if result.recorded:
             _refresh_card(artifact)
-        return result
-    result = ValidationResult(**run(artifact, opts, progress))
-    result.coreml = _coreml_runtime(artifact, opts)
-    result.coreai = _coreai_runtime(artifact, opts, progress)
-    if result.recorded:
-        _refresh_card(artifact)
+    if failure is not None:
+        failure.result = result  # what was measured, for the caller to show
+        raise failure
     return result
+
+
+def _gguf_baseline(artifact: Path, opts: ValidateOptions, stack: contextlib.ExitStack) -> tuple[dict, Path] | None:
+    """An artifact quantized from a GGUF file is compared with that file, dequantized as quantize
+    dequantized it (convert/gguf.py): (the manifest's source, the unpacked folder), or None when
+    the source is not a GGUF or a baseline was given."""
+    if opts.baseline is not None or not layout.is_artifact(artifact):
+        return None
+    src = Manifest.read(artifact).source
+    if not isinstance(src.get("gguf"), dict):
+        return None
+    from .errors import SourceError
+    from .manifests.hashing import sha256_file
+
+    path = Path(str(src.get("path")))
+    want = (src.get("files") or {}).get(path.name)
+    if not path.is_file():
+        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass --baseline <the GGUF's model folder or hub id>")
+    if want and sha256_file(path) != want:
+        raise SourceError(f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
+                          "pass --baseline <the source model>, or restore that file")
+    from .convert.gguf import unpacked
+
+    snap = stack.enter_context(unpacked(path))  # validate's baseline runs in bfloat16 whatever quantize unpacked to
+    return src, snap.path
+
+
+def _name_gguf_baseline(artifact: Path, result: ValidationResult, gguf: tuple[dict, Path]) -> None:
+    """The baseline is the GGUF file (dequantized in a temporary folder): say so in the result and
+    in its record, not the temporary folder's name."""
+    src, _ = gguf
+    result.baseline = f"{src['path']} ({src['gguf'].get('unpacked', 'dequantized')})"
+    if result.recorded:
+        with layout.update_manifest(artifact) as m:
+            m.extra["validation"][f"{result.device_name} ({result.device})"]["baseline"] = result.baseline
 
 
 def _refresh_card(artifact: Path) -> None:
@@ -511,27 +615,29 @@ def _refresh_card(artifact: Path) -> None:
     card.refresh(artifact)
 
 
-def _coreml_runtime(artifact: Path, opts: ValidateOptions) -> dict | None:
+def _coreml_runtime(artifact: Path, settings: dict) -> dict | None:
     """The Core ML part of validate: only for artifacts with a package; on macOS only (else
     'skipped'). Stateful decoders: prefill of `prefill_len` and `decode_tokens` steps through
-    `make_state()` states per compute unit, beside PyTorch on MPS."""
+    `make_state()` states per compute unit, beside PyTorch on MPS. `settings`: those the
+    validation ran with (`ValidationResult.settings`, every default resolved)."""
     if not layout.is_artifact(artifact) or "coreml" not in Manifest.read(artifact).extra:
         return None
     from .convert.coreml.check import coreml_runtime_check
 
-    res = coreml_runtime_check(artifact, prefill_len=opts.prefill_len, decode_tokens=opts.decode_tokens)
-    if opts.write and res.get("status") != "skipped":
+    res = coreml_runtime_check(artifact, prefill_len=settings["prefill_len"], decode_tokens=settings["decode_tokens"])
+    if settings["write"] and res.get("status") != "skipped":
         with layout.update_manifest(artifact) as m:
             m.extra["coreml_runtime"] = res
     return res
 
 
-def _coreai_runtime(artifact: Path, opts: ValidateOptions, progress: Progress | None) -> dict | None:
+def _coreai_runtime(artifact: Path, settings: dict, progress: Progress | None) -> dict | None:
     """The Core AI part of validate (only for artifacts with an asset): `coreai_latency`, or why
-    it was skipped (no latency asked for, the coreai extra missing)."""
+    it was skipped (no latency asked for, the coreai extra missing). `settings`: those the
+    validation ran with (`ValidationResult.settings`: warmup and repeats resolved for the device)."""
     if not layout.is_artifact(artifact) or "coreai" not in Manifest.read(artifact).extra:
         return None
-    if not opts.latency:
+    if not settings["latency"]:
         return {"status": "skipped", "reason": "latency not asked for (--no-latency)"}
     from .extras import require
 
@@ -542,8 +648,8 @@ def _coreai_runtime(artifact: Path, opts: ValidateOptions, progress: Progress | 
     if progress:
         progress("coreai latency", 0, None, "Core AI runtime beside PyTorch")
     # at most 3 timed prefills: on the Linux CPU runtime one prefill of 512 tokens takes tens of seconds
-    return coreai_latency(artifact, prefill_len=opts.prefill_len, decode_tokens=opts.decode_tokens, warmup=min(opts.warmup, 2),
-                          prefill_repeats=min(opts.repeats, 3), write=opts.write)
+    return coreai_latency(artifact, prefill_len=settings["prefill_len"], decode_tokens=settings["decode_tokens"],
+                          warmup=min(settings["warmup"], 2), prefill_repeats=min(settings["repeats"], 3), write=settings["write"])
 
 
 def coreai_latency(artifact: str | Path, *, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
@@ -638,11 +744,12 @@ def export_coreml(
 
     artifact = Path(artifact)
     opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend, kv_cache=kv_cache, max_len=max_len)
-    record = run(artifact, opts, progress)
-    _refresh_card(artifact)
-    result = CoreMLResult(artifact, artifact / record["package"], record)
-    if check:
-        result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress, verify=False)
+    with atomic.claim(artifact):  # export, card and check under one lock: a second export is refused before any work
+        record = run(artifact, opts, progress)
+        _refresh_card(artifact)
+        result = CoreMLResult(artifact, artifact / record["package"], record)
+        if check:
+            result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress, verify=False)
     return result
 
 
@@ -673,15 +780,16 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 
     from .convert.coreml.check import check_package, record_check
 
     artifact = Path(artifact)
-    if verify:
-        from .manifests.verify import check_before_use
+    with atomic.claim(artifact):  # the check is recorded: the lock is taken before it runs, not after
+        if verify:
+            from .manifests.verify import check_before_use
 
-        check_before_use(artifact)
-    if progress:
-        progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
-    res = check_package(artifact, n_samples=samples, steps=decode_steps, progress=progress)
-    record_check(artifact, res)
-    result = CoreMLResult(artifact, artifact / res["package"], Manifest.read(artifact).extra.get("coreml", {}), res)
+            check_before_use(artifact)
+        if progress:
+            progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
+        res = check_package(artifact, n_samples=samples, steps=decode_steps, progress=progress)
+        record_check(artifact, res)
+        result = CoreMLResult(artifact, artifact / res["package"], Manifest.read(artifact).extra.get("coreml", {}), res)
     if not result.ok:
         err = ExportError(f"the Core ML package in {artifact} failed its checks: {_failed_checks(res)}",
                           "re-export with --coreml-weights fp16 to compare, or report the model")
@@ -753,11 +861,12 @@ def export_coreai(
     from .convert.coreai.export import export_coreai as run
 
     artifact = Path(artifact)
-    record = run(artifact, CoreAIOptions(max_len=max_len, compute=compute, force=force), progress)
-    _refresh_card(artifact)
-    result = CoreAIResult(artifact, artifact / record["asset"], record)
-    if check:
-        result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress, verify=False)
+    with atomic.claim(artifact):  # export, card and check under one lock: a second export is refused before any work
+        record = run(artifact, CoreAIOptions(max_len=max_len, compute=compute, force=force), progress)
+        _refresh_card(artifact)
+        result = CoreAIResult(artifact, artifact / record["asset"], record)
+        if check:
+            result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress, verify=False)
     return result
 
 
@@ -791,13 +900,14 @@ def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: in
     from .convert.coreai.check import check_asset, record_check
 
     artifact = Path(artifact)
-    if verify:
-        from .manifests.verify import check_before_use
+    with atomic.claim(artifact):  # the check is recorded: the lock is taken before it runs, not after
+        if verify:
+            from .manifests.verify import check_before_use
 
-        check_before_use(artifact)
-    res = check_asset(artifact, prompt_len=prompt_len, steps=decode_steps, generate=generate, progress=progress)
-    record_check(artifact, res)
-    result = CoreAIResult(artifact, artifact / res["asset"], Manifest.read(artifact).extra.get("coreai", {}), res)
+            check_before_use(artifact)
+        res = check_asset(artifact, prompt_len=prompt_len, steps=decode_steps, generate=generate, progress=progress)
+        record_check(artifact, res)
+        result = CoreAIResult(artifact, artifact / res["asset"], Manifest.read(artifact).extra.get("coreai", {}), res)
     if not result.ok:
         err = ExportError(f"the Core AI asset in {artifact} failed its checks: {_failed_checks(res)}",
                           "re-export with --compute fp32 to compare, or report the model")
@@ -929,10 +1039,10 @@ def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Pr
                                 "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
         return gen.TorchDecoder(model), model.config
     if backend == "coreai":
-        rec, asset = _apple_record(artifact, "coreai", "export-coreai")
         from .extras import require
 
-        require("coreai.authoring", "coreai", "running the Core AI asset")
+        require("coreai.authoring", "coreai", "running the Core AI asset")  # first: exporting one needs it too
+        rec, asset = _apple_record(artifact, "coreai", "export-coreai")
         from .convert.coreai.check import decoder_runner
         from .convert.coreai.run import Session, quiet
 
@@ -942,13 +1052,13 @@ def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Pr
         runtime = "Core AI runtime, macOS" if sys.platform == "darwin" else "Core AI runtime, Linux CPU"
         return gen.RunnerDecoder(decoder_runner(session), rec["max_len"], "coreai", runtime), None
     if backend == "coreml":
-        rec, package = _apple_record(artifact, "coreml", "export-coreml")
-        if sys.platform != "darwin":
+        if sys.platform != "darwin":  # first: before it sends anyone to export a package this machine cannot run
             raise MpsconvertError("Core ML runs .mlpackage files only on macOS (coremltools cannot predict on this platform)",
                                   "use --backend coreai (runs on Linux) or --backend torch here")
         from .extras import require
 
         ct = require("coremltools", "coreml", "running the Core ML package")
+        rec, package = _apple_record(artifact, "coreml", "export-coreml")
         from .convert.coreml.check import coreml_decoder
 
         ml = ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.ALL)
@@ -1042,7 +1152,7 @@ class UploadResult:
     revision: str
     commit: str | None
     commit_message: str
-    private: bool
+    private: bool  # the repo's visibility as the hub reports it after the upload
     endpoint: str
     files: list = field(default_factory=list)
 
@@ -1061,7 +1171,8 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
     Args:
         artifact: the artifact folder.
         repo: `org/name` (or `name` under the token's user).
-        private: create the repo private (an existing repo keeps its visibility).
+        private: create the repo private. An existing repo keeps its visibility: a public one
+            with `private=True` is refused before anything is sent.
         token: a write token [default: HF_TOKEN, else huggingface_hub's stored login].
         revision: the branch to commit to [default: main].
         verify_first: check every file's sha256 before uploading.
@@ -1084,11 +1195,12 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
     if publish.offline():  # before any work
         raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
                           "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
-    if verify_first:
-        report = verify(artifact, progress=progress)
-        if not report.ok:
-            raise ArtifactError(f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
-                                "re-create the artifact; a damaged one is never uploaded")
-    card.refresh(artifact, repo=repo)
-    up = publish.upload_folder(artifact, repo, private=private, token=token, revision=revision)
+    with atomic.claim(artifact):  # nothing changes the artifact between its check and the commit
+        if verify_first:
+            report = verify(artifact, progress=progress)
+            if not report.ok:
+                raise ArtifactError(f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
+                                    "re-create the artifact; a damaged one is never uploaded")
+        card.refresh(artifact, repo=repo)
+        up = publish.upload_folder(artifact, repo, private=private, token=token, revision=revision)
     return UploadResult(**up)

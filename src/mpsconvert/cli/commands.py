@@ -9,7 +9,6 @@ from pathlib import Path
 import click
 
 from .. import api
-from ..errors import ExportError
 from . import render
 from .app import friendly_errors, main
 
@@ -43,11 +42,12 @@ def calibration_options(fn):
 
 @contextlib.contextmanager
 def _showing_failed_checks(show, as_json: bool):
-    """An export or check whose checks ran and failed raises ExportError with the result: show
-    what the checks found before the one-line error."""
+    """An export or check whose checks ran and failed raises ExportError with the result, and
+    validate whose Apple part failed raises with what it measured: show that before the
+    one-line error (or, for a bug, its traceback)."""
     try:
         yield
-    except ExportError as e:
+    except Exception as e:
         if getattr(e, "result", None) is not None:
             show(e.result, as_json)
         raise
@@ -103,7 +103,7 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
               help="Largest weight file written (e.g. 500MB, 2GiB; save_pretrained's units). Loading with verification hashes the "
                    "files in parallel, one thread each, so smaller shards load faster.")
 @click.option("--upload-repo", metavar="REPO", help="Then upload the artifact to this Hugging Face repo (created if absent; see `upload`).")
-@click.option("--private", is_flag=True, help="With --upload-repo: create the repo private.")
+@click.option("--private", is_flag=True, help="With --upload-repo: create the repo private (an existing public repo is refused).")
 @click.option("--format", "fmt", type=click.Choice(api.DIFFUSION_FORMATS), default=None,
               help="Diffusion models (Flux.1, Wan 2.x, Qwen-Image, SD3.5, Z-Image): comfyui writes one file for ComfyUI's "
                    "models/diffusion_models/ (per-tensor scales), comfyui-legacy its older scaled_fp8 layout, diffusers a folder "
@@ -211,12 +211,15 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
     opts = api.validate_options(baseline=baseline, eval_data=eval_data, device=device, seq_len=seq_len, max_samples=max_samples,
                                 prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, rounds=rounds,
                                 warmup=warmup, latency=not no_latency, compile=compile_mode, write=not no_write)
-    with render.progress_bars() as progress:
+    def show(res, as_json: bool) -> None:
+        if as_json:
+            render.print_json(res.as_dict())
+        else:
+            render.validation(res, explain)
+
+    with render.progress_bars() as progress, _showing_failed_checks(show, as_json):
         res = api.validate(artifact, options=opts, progress=progress)
-    if as_json:
-        render.print_json(res.as_dict())
-    else:
-        render.validation(res, explain)
+    show(res, as_json)
 
 
 @main.command()
@@ -394,7 +397,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, seed, system_prompt
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("repo")
-@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option("--private", is_flag=True, help="Create the repo private. An existing repo keeps its visibility; a public one is refused with --private.")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="A Hugging Face write token [default: your stored login].")
 @click.option("--revision", help="The branch to commit to [default: main].")
 @click.option("--json", "as_json", is_flag=True, help="Print what was uploaded as JSON.")

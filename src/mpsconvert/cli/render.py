@@ -1,13 +1,17 @@
 """What the CLI shows: consoles, progress bars, tables and messages (no decisions, no work).
 
 Output that a script reads (`--json`, tables) goes to stdout; progress, status and errors go to
-stderr, and bars are hidden when stderr is not a terminal.
+stderr: bars on a terminal, and a plain line per phase every few seconds when stderr is a log
+file or a pipe (a long run is never silent).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
+import threading
+import time
 
 from rich.console import Console
 from rich.markup import escape
@@ -29,12 +33,76 @@ out = Console()  # results
 
 # Phases whose `done` / `total` count bytes (drawn with sizes and a speed); the others count items.
 BYTE_PHASES = ("quantize", "verify")
+# Without a terminal: seconds between two lines of the phase under way.
+LINE_EVERY = 10.0
+
+
+class ProgressLines:
+    """`progress(phase, done, total, detail)` as plain lines on stderr, for logs and pipes: a
+    phase that runs longer than `every` seconds gets a line every `every` seconds (`tick`, called
+    by each update and by a timer, so that a phase with no update for minutes still shows it is
+    alive) and one when it completes; a quick one prints nothing (a short command's output stays
+    its result, or its one-line error). `clock` is injectable (tests)."""
+
+    def __init__(self, every: float = LINE_EVERY, clock=time.monotonic, write=None):
+        self.every, self.clock = every, clock
+        self.write = write or (lambda line: console.print(line, highlight=False, soft_wrap=True, markup=False))
+        self.state: dict[str, list] = {}  # phase -> [done, total, detail, started, last line (or start), lines printed]
+        self.current: str | None = None
+        self.lock = threading.Lock()
+
+    def _line(self, phase: str, now: float, finished: bool = False) -> None:
+        done, total, detail, started = self.state[phase][:4]
+        if phase in BYTE_PHASES:
+            amount = f"{human(done)}" + (f" of {human(total)}" if total else "")
+        else:
+            amount = f"{done}" + (f"/{total}" if total else "")
+        self.write(f"{phase}: {amount}" + (f" {detail}" if detail else "") + f" ({now - started:.0f} s{', done' if finished else ''})")
+        self.state[phase][4] = now
+        self.state[phase][5] += 1
+
+    def __call__(self, phase: str, done: int, total: int | None, detail: str = "") -> None:
+        with self.lock:
+            now = self.clock()
+            if phase not in self.state:
+                self.state[phase] = [done, total, detail, now, now, 0]
+            else:
+                self.state[phase][:3] = [done, total, detail]
+            self.current = phase
+            if total and done >= total:
+                if self.state[phase][5] and self.state[phase][4] != float("inf"):  # it said it was running: say it ended
+                    self._line(phase, now, finished=True)
+                self.state[phase][4] = float("inf")  # complete: no more lines for it
+            else:
+                self._tick(now)
+
+    def tick(self) -> None:
+        """A line for the phase under way if `every` seconds passed since its last one."""
+        with self.lock:
+            self._tick(self.clock())
+
+    def _tick(self, now: float) -> None:
+        if self.current is not None and now - self.state[self.current][4] >= self.every:
+            self._line(self.current, now)
 
 
 @contextlib.contextmanager
-def progress_bars():
-    """Yield a `progress(phase, done, total, detail)` callback drawing one bar per phase on
-    stderr (hidden when stderr is not a terminal)."""
+def progress_bars(every: float = LINE_EVERY):
+    """Yield a `progress(phase, done, total, detail)` callback: one bar per phase on stderr, or,
+    when stderr is not a terminal, `ProgressLines` with a timer thread ticking it."""
+    if not console.is_terminal:
+        lines, stop = ProgressLines(every), threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                lines.tick()
+
+        threading.Thread(target=beat, name="mpsconvert-progress", daemon=True).start()
+        try:
+            yield lines
+        finally:
+            stop.set()
+        return
     with contextlib.ExitStack() as stack:
         bars: dict[bool, Progress] = {}
         tasks: dict[str, tuple[Progress, int]] = {}
@@ -44,7 +112,7 @@ def progress_bars():
                 cols = (DownloadColumn(), TransferSpeedColumn()) if is_bytes else (MofNCompleteColumn(),)
                 bars[is_bytes] = stack.enter_context(Progress(
                     TextColumn("[bold]{task.fields[phase]}[/]"), BarColumn(), *cols, TimeElapsedColumn(),
-                    TextColumn("{task.description}"), console=console, disable=not console.is_terminal))
+                    TextColumn("{task.description}"), console=console))
             return bars[is_bytes]
 
         def update(phase: str, done: int, total: int | None, detail: str = "") -> None:
@@ -120,9 +188,10 @@ def quantize_summary(res, as_json: bool) -> None:
         t.add_row("skipped", f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})")
     if s["worst_sqnr_db"] is not None:
         t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
-    if res.manifest_sha256:
-        t.add_row("manifest sha256", f"{res.manifest_sha256}  (pin it: mpsconvert verify --manifest-sha256 ...)")
     out.print(t)
+    if res.manifest_sha256:  # whole, whatever the width or a pipe: it is copied to pin the artifact
+        out.print(f"manifest sha256 {res.manifest_sha256}  (pin it: mpsconvert verify {escape(str(res.output))} --manifest-sha256 <it>)",
+                  soft_wrap=True, highlight=False)
     for w in s.get("warnings") or []:
         warn(w)
 
@@ -148,7 +217,9 @@ def _validation_rows(runs: dict) -> list[tuple[str, str]]:
                    f"KL {a.get('mean_kl', 0):.5f}, top-1 {100 * a.get('top1_agreement', 0):.2f}%")
         else:
             acc = f"embedding cosine mean {a.get('cosine_mean', 0):.5f}, min {a.get('cosine_min', 0):.5f}"
-        speed = ", ".join(f"{ph} {v:.2f}x" for ph, v in sorted(sp.items())) or "latency not measured"
+        verdicts = r.get("verdict") or {}  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
+        speed = ", ".join(f"{ph} {_speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else f'{v:.2f}x'}"
+                          for ph, v in sorted(sp.items())) or "latency not measured"
         rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speed} ({r.get('measured_at', '')[:10]})"))
     return rows
 
@@ -210,9 +281,14 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     out.print(t)
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
-        for name, r in m.tensors.items():
+        for name, r in sorted(m.tensors.items(), key=lambda kv: natural_key(kv[0])):
             tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "undefined (no signal)" if r.get("sqnr_undefined") else "exact")
         out.print(tt)
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders numbers by value: layers.2 before layers.10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 def verify_report(artifact, report, as_json: bool) -> None:
@@ -228,7 +304,7 @@ def verify_report(artifact, report, as_json: bool) -> None:
     for w in report.warnings:
         out.print(f"  [yellow]warning:[/] {w}", highlight=False)
     if report.manifest_sha256:
-        out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False)
+        out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False, soft_wrap=True)
     out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
 
 
@@ -288,6 +364,9 @@ def apple_runtimes(r: dict) -> None:
     for key, name in (("coreml", "Core ML package"), ("coreai", "Core AI asset")):
         rt = r.get(key)
         if rt is None:
+            continue
+        if rt.get("status") == "failed":
+            out.print(f"{name}: [red]failed[/] ({escape(str(rt.get('reason')))})", highlight=False)
             continue
         if rt.get("status") != "ran":
             result(f"{name}: not run here ({rt['reason']})")
@@ -492,5 +571,5 @@ def uploaded(res, as_json: bool) -> None:
     if as_json:
         print_json(res.as_dict())
         return
-    result(f"uploaded {len(res.files)} files to {res.url} ({'private, ' if res.private else ''}revision {res.revision}, "
+    result(f"uploaded {len(res.files)} files to {res.url} ({'private' if res.private else 'public'} repo, revision {res.revision}, "
            f"commit {(res.commit or '?')[:12]}): {res.commit_message}")

@@ -42,12 +42,12 @@ def _record_file(files: dict, folder: Path, rel: str) -> str:
     return digest
 
 
-def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Manifest:
+def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: str) -> Manifest:
     """Write the index, config, copied files, model card and manifest of the artifact being
-    built in `tmp`."""
+    built in `tmp`, to be published as the folder `name`."""
     scheme = opts.scheme
     files = dict(shards.files)
-    source_files = {f: snap.sha256(f) for f in snap.weight_files}  # hashed on the snapshot's thread meanwhile
+    source_files = snap.source_files()  # hashed on the snapshot's thread meanwhile
     if len(shards.files) > 1:
         index = {"metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
                  "weight_map": dict(sorted(shards.weight_map.items()))}
@@ -60,12 +60,15 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Man
         config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = opts.dtype
     atomic.write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     _record_file(files, tmp, CONFIG_NAME)
-    source_files[CONFIG_NAME] = sha256_file(snap.path / CONFIG_NAME)
+    if snap.origin is None:  # (a GGUF's config and tokenizer were derived from it: the GGUF is the source file)
+        source_files[CONFIG_NAME] = sha256_file(snap.path / CONFIG_NAME)
     for rel in snap.copy_files():
         dst = tmp / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(snap.path / rel, dst)
-        source_files[rel] = _record_file(files, tmp, rel)
+        digest = _record_file(files, tmp, rel)
+        if snap.origin is None:
+            source_files[rel] = digest
 
     manifest = Manifest(
         source=snap.as_dict() | {"files": dict(sorted(source_files.items()))},
@@ -96,7 +99,7 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards) -> Man
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, plan, shards.bytes_in, shards.bytes_out)
     src_card = snap.path / card.CARD_NAME
-    card.write(tmp, manifest, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None)
+    card.write(tmp, manifest, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None, name=name)
     manifest.write(tmp)
     return manifest
 

@@ -378,7 +378,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
         shards = _write_shards(snap, headers, tensor_module, expert_tensors, opts, tmp, pool, workers, syncs, or_silent(progress), consumed)
-        return assemble(tmp, snap, plan, opts, shards)
+        return assemble(tmp, snap, plan, opts, shards, Path(out).absolute().name)
 
 
 def _prepare(snap: Snapshot, opts: Options):

@@ -62,6 +62,19 @@ def source_card(text: str) -> tuple[dict, str]:
     return meta, body
 
 
+def source_precision_note(source: dict) -> str | None:
+    """One sentence when the source's weights were already below 8 bits (a GGUF such as Q4_1):
+    what quantize's summary and the card say, from the manifest's `source.gguf`."""
+    g = source.get("gguf") if isinstance(source, dict) else None
+    if not isinstance(g, dict) or not g.get("below_8_bits") or g.get("lowest") not in (g.get("tensor_types") or {}):
+        return None
+    low = g["lowest"]
+    return (f"the source weights were already below 8 bits: {g.get('file')} is GGUF {g.get('file_type') or low} "
+            f"({g['tensor_types'][low]} tensors {low}, {(g.get('bits_per_weight') or {}).get(low, '?')} bits per weight with "
+            "their scales); FP8 keeps that coarser grid and cannot restore what it lost, and validate compares against the "
+            "same GGUF, dequantized")
+
+
 def _fmt(x, nd: int = 4):
     return None if x is None else round(float(x), nd)
 
@@ -82,8 +95,11 @@ def validation_figures(manifest: Manifest) -> list[dict]:
         else:
             row |= {"sentences": a.get("sentences"), "cosine_mean": _fmt(a.get("cosine_mean"), 6),
                     "cosine_min": _fmt(a.get("cosine_min"), 6)}
+        verdicts = run.get("verdict") or {}
         for ph, v in sorted((run.get("speedup") or {}).items()):
             row[f"{ph}_speedup"] = _fmt(v, 3)
+            if isinstance(verdicts.get(ph), dict) and verdicts[ph].get("verdict"):  # the run's verdict: a ratio inside the noise is no speedup
+                row[f"{ph}_verdict"] = verdicts[ph]["verdict"]
         out.append(row)
     return out
 
@@ -144,7 +160,13 @@ def _what_was_done(manifest: Manifest) -> list[str]:
     ]
     if s.get("worst_sqnr_db") is not None:
         lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
-    dtype = r.get("unquantized_dtype") or "the source's dtype"
+    if isinstance(src.get("gguf"), dict):
+        g = src["gguf"]
+        note = source_precision_note(src)
+        lines.append(f"| source | GGUF {g.get('file_type')} ({', '.join(f'{n} {t}' for t, n in (g.get('tensor_types') or {}).items())}), "
+                     f"{g.get('unpacked')}" + (f"; **{note}**" if note else "") + " |")
+    gguf = src.get("gguf") if isinstance(src.get("gguf"), dict) else {}
+    dtype = r.get("unquantized_dtype") or (f"{gguf['dtype']}, as the GGUF was unpacked" if gguf.get("dtype") else "the source's dtype")
     lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {dtype} (no FP8 kernel applies to them)"
                  + (f"; Linear: {', '.join(f'`{k}` ({v})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
     cal = r.get("calibration")
@@ -170,25 +192,32 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in causal:
             lines.append(f"| {r['run']} | {r['tokens']} | {r['perplexity_bf16']} | {r['perplexity_fp8']} | {r['perplexity_delta_pct']:+}% | "
-                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r.get('prefill_speedup'))} | {_x(r.get('decode_speedup'))} |")
+                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r, 'prefill')} | {_x(r, 'decode')} |")
     steps = [r for r in runs if r["kind"] == "diffusion-step"]
     if steps:
         lines += ["One denoising step of the transformer against the BF16 source, same random latents and text embeddings "
                   "(`mpsconvert validate`):", "", "| device | relative error | cosine | speedup |", "|---|---|---|---|"]
         for r in steps:
-            lines.append(f"| {r['run']} | {r['rel_error']} | {r['cosine']} | {_x(r.get('step_speedup'))} |")
+            lines.append(f"| {r['run']} | {r['rel_error']} | {r['cosine']} | {_x(r, 'step')} |")
         return lines + ["", "Speedups are BF16 median / FP8 median time of the step in the same run.", ""]
     enc = [r for r in runs if r["kind"] not in ("causal-lm", "diffusion-step")]
     if enc:
         lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
         for r in enc:
-            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r.get('prefill_speedup'))} |")
+            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r, 'prefill')} |")
     data = sorted({str(r['eval_data']) for r in runs})
-    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run.", ""]
+    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run; "
+                        "\"no clear difference\" where the ratio lies within the run-to-run spread of that run.", ""]
 
 
-def _x(v) -> str:
-    return "" if v is None else f"{v}x"
+def _x(row: dict, phase: str) -> str:
+    """A phase's speedup as the run judged it: '1.42x faster', 'no clear difference (0.38x)'."""
+    v, word = row.get(f"{phase}_speedup"), row.get(f"{phase}_verdict")
+    if v is None:
+        return ""
+    if word == "no clear difference":
+        return f"no clear difference ({v}x)"
+    return f"{v}x {word}" if word else f"{v}x"
 
 
 def _is_causal(config: dict) -> bool:
@@ -225,20 +254,18 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
     return lines
 
 
-def local_name(manifest: Manifest, repo: str | None) -> str:
-    """The folder name the card's commands use: the repo's name once uploaded, else
-    `<source name>-<scheme>` (quantize's default output): never the actual output folder, so
-    that the card, like every other file, depends only on the inputs."""
-    if repo:
-        return repo.split("/")[-1]
-    return f"{str(manifest.source.get('id') or 'model').rstrip('/').split('/')[-1]}-{manifest.recipe['name']}"
+def local_name(folder_name: str, repo: str | None) -> str:
+    """The folder name the card's commands use: the repo's name once uploaded (what `hf download
+    --local-dir` makes), else the artifact folder's own name (never a path: a card that goes to
+    the hub must not carry the user's folders)."""
+    return repo.split("/")[-1] if repo else folder_name
 
 
-def render(manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None) -> str:
-    """The whole card (deterministic: the same inputs give the same bytes)."""
+def render(manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None, folder_name: str = "model") -> str:
+    """The whole card (deterministic: the same inputs, the folder's name included, give the same bytes)."""
     import yaml
 
-    name = local_name(manifest, repo)
+    name = local_name(folder_name, repo)
     meta, body = source_card(source_text) if source_text else ({}, "")
     src = manifest.source
     title = f"{(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe['name']})"
@@ -258,13 +285,14 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None) -> str:
+def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None, name: str | None = None) -> str:
     """Write the card into `folder` atomically and record it in `manifest.files` (the caller
-    writes the manifest)."""
+    writes the manifest). `name`: the artifact folder's name, when `folder` is the temporary
+    folder it is built in [default: `folder`'s own]."""
     folder = Path(folder)
     cfg = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / MODEL_INDEX
     config = json.loads(cfg.read_text(encoding="utf-8"))
-    text = render(manifest, config, source_text, repo)
+    text = render(manifest, config, source_text, repo, name or folder.absolute().name)
     write_text(folder / CARD_NAME, text)
     manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
     manifest.files = dict(sorted(manifest.files.items()))

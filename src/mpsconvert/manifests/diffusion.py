@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .. import filesystem
 from ..errors import MpsconvertError
 from ..safetensors_io import read_header
 from ..untrusted import inside, parse_json, read_json
@@ -49,7 +50,7 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True) -
     else:
         wdir = r.get("weights_dir") or "."
         base = inside(folder, wdir, what="the manifest's recipe") if wdir != "." else folder
-        names = sorted(f"{wdir}/{p.name}" if wdir != "." else p.name for p in base.glob("*.safetensors"))
+        names = [f"{wdir}/{n}" if wdir != "." else n for n in filesystem.files(base, ".safetensors")]  # no AppleDouble `._*`
         cfg = base / CONFIG_NAME
         try:
             qc = read_json(cfg, what=str(cfg)).get("quantization_config") or {}

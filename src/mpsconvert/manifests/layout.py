@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from .. import atomic
+from .. import atomic, filesystem
 from ..errors import ArtifactError
 from ..untrusted import inside, read_json
 
@@ -65,14 +65,15 @@ def read_weight_map(folder: Path) -> dict[str, str] | None:
 
 def weight_files(folder: Path) -> list[str]:
     """The safetensors files holding a model's weights: the index's shards, else
-    `model.safetensors`, else every `*.safetensors` in the folder (sorted)."""
+    `model.safetensors`, else every `*.safetensors` in the folder (sorted; AppleDouble `._*`
+    files are not weights)."""
     folder = Path(folder)
     wm = read_weight_map(folder)
     if wm is not None:
         return sorted(set(wm.values()))
     if (folder / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
-    return sorted(p.name for p in folder.glob("*.safetensors"))
+    return filesystem.files(folder, ".safetensors")  # macOS's `._*.safetensors` companions left out
 
 
 def is_artifact(folder: Path) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..atomic import write_text
-from ..errors import ArtifactError
+from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import bad_relpath, read_json
 from ..untrusted import field as json_field
 from .hashing import sha256_file
@@ -121,6 +121,19 @@ class Manifest:
             extra={k: v for k, v in body.items() if k not in known},
             created=json_field(body, "created", dict, default={}, **kw),
         )
+
+
+def pinned_sha256(value: str) -> str:
+    """A manifest sha256 the user pinned (`verify --manifest-sha256`, `load(manifest_sha256=)`),
+    as 64 lowercase hex digits; anything else (a value cut short when it was copied, say) is bad
+    input, said as such rather than as a changed manifest."""
+    want = value.strip().lower() if isinstance(value, str) else value
+    if not isinstance(want, str) or not _SHA256.match(want):
+        shown = repr(value)[:80]
+        raise MpsconvertError(f"--manifest-sha256 {shown} is not a sha256 (64 hex digits; got {len(value) if isinstance(value, str) else type(value).__name__}"
+                              f"{' characters' if isinstance(value, str) else ''})",
+                              "copy the whole value `mpsconvert quantize` printed (`mpsconvert verify DIR --json` prints it too)")
+    return want
 
 
 def manifest_sha256(folder: Path) -> str:

@@ -37,10 +37,11 @@ from .ct_config import scheme_from_config
 from .hashing import sha256_file
 from . import layout
 from ..atomic import TMP_PREFIX
+from ..filesystem import is_appledouble
 from ..untrusted import inside, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
-from .manifest import Manifest
+from .manifest import Manifest, pinned_sha256
 
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
 
@@ -119,7 +120,7 @@ def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> No
         here = Path(dirpath).relative_to(folder)
         for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
             rel = (here / name).as_posix()
-            if rel in listed:
+            if rel in listed or is_appledouble(name):  # macOS's metadata companions on exFAT/SMB: not part of the artifact
                 continue
             report.unlisted.append(rel)
             if name.startswith(TMP_PREFIX):
@@ -134,8 +135,9 @@ def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> No
 def check_manifest_sha256(folder: Path, want: str, report: VerifyReport) -> None:
     """The manifest file's own sha256 against the one the user pinned."""
     got = report.manifest_sha256 or sha256_file(Path(folder) / MANIFEST_NAME)
-    if got != want.strip().lower():
-        _problem(report, f"{MANIFEST_NAME} has sha256 {got}, not the pinned {want.strip().lower()} (the manifest was changed)")
+    want = pinned_sha256(want)
+    if got != want:
+        _problem(report, f"{MANIFEST_NAME} has sha256 {got}, not the pinned {want} (the manifest was changed)")
 
 
 _SCALE_NP = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
@@ -225,6 +227,8 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
     `manifest_sha256`: the manifest file must have this sha256. `check_codes`: scan every FP8
     code for NaNs (one read of the weights; the loader checks them on the device instead)."""
     folder = Path(path)
+    if manifest_sha256 is not None:
+        manifest_sha256 = pinned_sha256(manifest_sha256)  # a malformed pin is bad input, before any hashing
     report = VerifyReport(path=str(folder))
     if not folder.is_dir():
         _problem(report, f"{folder} is not a folder")

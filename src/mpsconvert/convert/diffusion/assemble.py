@@ -51,7 +51,7 @@ def sdnq_config(p: DiffusionPlan) -> dict:
     }
 
 
-def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, shards: Shards) -> Manifest:
+def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, shards: Shards, name: str) -> Manifest:
     d = snap.diffusion
     comfy = opts.format in COMFYUI_FORMATS
     pipeline = d.layout == "pipeline" and not comfy
@@ -119,7 +119,7 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
     manifest.versions |= _diffusion_versions()
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, p.as_plan(), shards.bytes_in, shards.bytes_out)
-    card.write(tmp, manifest, None)
+    card.write(tmp, manifest, None, name=name)  # the card's commands name the folder being published
     manifest.write(tmp)
     return manifest
 

@@ -196,7 +196,7 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
                 o = Options(scheme=WEIGHT_ONLY_ROW, scale_leaf="scale", max_shard_size=opts.max_shard_size)
                 shards = _write_shards(snap, p.headers, p.quantize, {}, o, where, pool, workers, syncs, or_silent(progress),
                                        shard_names=diffusers_shard_names)
-            return assemble(tmp, snap, p, opts, shards)
+            return assemble(tmp, snap, p, opts, shards, Path(out).absolute().name)
     except BaseException:
         snap.stop_hashing()
         raise
