@@ -6,8 +6,9 @@ manifest's. YAML front matter first (`base_model`, `base_model_relation: quantiz
 `library_name`, `tags`, the source's `license`, and an `mpsconvert` block with the figures),
 then what was done, the validation results once `validate` ran, how to load it, and the
 source's own card kept below a marker, attributed (its front matter folded into ours). The card
-is rewritten (atomically, its new sha256 in the manifest) by every step that changes what it
-says: validate, the Apple exports, calibration into the artifact, upload (which names the repo).
+is rewritten with the manifest by every change to an artifact (manifests/transaction.py: validate,
+the Apple exports and their checks, calibration into the artifact, upload, which names the repo),
+in the same staged swap, so the card always has the sha256 the manifest records.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..units import human
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
+from .records import AppleExport, CalibrationRecord, DiffusionSource, GGUFSource, Validation, kinds
 
 CARD_NAME = "README.md"
 SOURCE_MARKER = "<!-- mpsconvert: the source model's own card follows, as it was -->"
@@ -62,19 +64,6 @@ def source_card(text: str) -> tuple[dict, str]:
     return meta, body
 
 
-def source_precision_note(source: dict) -> str | None:
-    """One sentence when the source's weights were already below 8 bits (a GGUF such as Q4_1):
-    what quantize's summary and the card say, from the manifest's `source.gguf`."""
-    g = source.get("gguf") if isinstance(source, dict) else None
-    if not isinstance(g, dict) or not g.get("below_8_bits") or g.get("lowest") not in (g.get("tensor_types") or {}):
-        return None
-    low = g["lowest"]
-    return (f"the source weights were already below 8 bits: {g.get('file')} is GGUF {g.get('file_type') or low} "
-            f"({g['tensor_types'][low]} tensors {low}, {(g.get('bits_per_weight') or {}).get(low, '?')} bits per weight with "
-            "their scales); FP8 keeps that coarser grid and cannot restore what it lost, and validate compares against the "
-            "same GGUF, dequantized")
-
-
 def _fmt(x, nd: int = 4):
     return None if x is None else round(float(x), nd)
 
@@ -82,21 +71,22 @@ def _fmt(x, nd: int = 4):
 def validation_figures(manifest: Manifest) -> list[dict]:
     """One entry per recorded validate run (device, accuracy, speedups), as the card shows them."""
     out = []
-    for key, run in sorted((manifest.extra.get("validation") or {}).items()):
-        a = run.get("accuracy") or {}
-        row = {"run": key, "device": run.get("device"), "scheme": run.get("scheme"), "kind": run.get("kind"),
-               "eval_data": run.get("eval_data"), "baseline": run.get("baseline")}
-        if run.get("kind") == "diffusion-step":
+    rec = manifest.get(Validation)
+    for key, run in sorted((rec.runs if rec else {}).items()):
+        a = run.accuracy
+        row = {"run": key, "device": run.device, "scheme": run.scheme, "kind": run.kind, "eval_data": run.eval_data,
+               "baseline": run.baseline}
+        if run.kind == "diffusion-step":
             row |= {"rel_error": _fmt(a.get("rel_error"), 6), "cosine": _fmt(a.get("cosine"), 6)}
-        elif run.get("kind") == "causal-lm":
+        elif run.kind == "causal-lm":
             row |= {"tokens": a.get("tokens"), "perplexity_bf16": _fmt(a.get("perplexity_bf16")),
                     "perplexity_fp8": _fmt(a.get("perplexity_fp8")), "perplexity_delta_pct": _fmt(a.get("perplexity_delta_pct"), 3),
                     "mean_kl": _fmt(a.get("mean_kl"), 6), "top1_agreement": _fmt(a.get("top1_agreement"))}
         else:
             row |= {"sentences": a.get("sentences"), "cosine_mean": _fmt(a.get("cosine_mean"), 6),
                     "cosine_min": _fmt(a.get("cosine_min"), 6)}
-        verdicts = run.get("verdict") or {}
-        for ph, v in sorted((run.get("speedup") or {}).items()):
+        verdicts = run.verdict or {}
+        for ph, v in sorted((run.speedup or {}).items()):
             row[f"{ph}_speedup"] = _fmt(v, 3)
             if isinstance(verdicts.get(ph), dict) and verdicts[ph].get("verdict"):  # the run's verdict: a ratio inside the noise is no speedup
                 row[f"{ph}_verdict"] = verdicts[ph]["verdict"]
@@ -121,10 +111,7 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
         meta["license"] = config["license"]
     meta["tags"] = ["fp8", "float8_e4m3fn", *(["sdnq"] if fmt == "diffusers" else ["comfyui"] if fmt else ["compressed-tensors"]),
                     "mpsconvert", recipe["name"], *([recipe.get("family")] if fmt else [])]
-    if "coreml" in manifest.extra:
-        meta["tags"].append("coreml")
-    if "coreai" in manifest.extra:
-        meta["tags"].append("coreai")
+    meta["tags"] += [kind.KEY for kind in kinds(AppleExport) if manifest.get(kind) is not None]
     figures = {
         "scheme": recipe["name"],
         "weights": recipe["weights"],
@@ -160,20 +147,19 @@ def _what_was_done(manifest: Manifest) -> list[str]:
     ]
     if s.get("worst_sqnr_db") is not None:
         lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
-    if isinstance(src.get("gguf"), dict):
-        g = src["gguf"]
-        note = source_precision_note(src)
-        lines.append(f"| source | GGUF {g.get('file_type')} ({', '.join(f'{n} {t}' for t, n in (g.get('tensor_types') or {}).items())}), "
-                     f"{g.get('unpacked')}" + (f"; **{note}**" if note else "") + " |")
-    gguf = src.get("gguf") if isinstance(src.get("gguf"), dict) else {}
-    dtype = r.get("unquantized_dtype") or (f"{gguf['dtype']}, as the GGUF was unpacked" if gguf.get("dtype") else "the source's dtype")
+    g = manifest.get(GGUFSource)
+    if g is not None:
+        note = g.precision_note()
+        lines.append(f"| source | GGUF {g.file_type} ({', '.join(f'{n} {t}' for t, n in g.tensor_types.items())}), "
+                     f"{g.unpacked}" + (f"; **{note}**" if note else "") + " |")
+    dtype = r.get("unquantized_dtype") or (f"{g.dtype}, as the GGUF was unpacked" if g is not None and g.dtype else "the source's dtype")
     lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {dtype} (no FP8 kernel applies to them)"
                  + (f"; Linear: {', '.join(f'`{k}` ({v})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
-    cal = r.get("calibration")
+    cal = manifest.get(CalibrationRecord)
     if cal:
-        data = cal.get("data") or {}
-        lines.append(f"| calibration | {cal.get('num_samples')} x {cal.get('seq_len')} tokens of `{data.get('id')}` "
-                     f"(sha256 `{str(data.get('sha256'))[:12]}`), observer {cal.get('observer')}, on {cal.get('device')} |")
+        data = cal.data or {}
+        lines.append(f"| calibration | {cal.num_samples} x {cal.seq_len} tokens of `{data.get('id')}` "
+                     f"(sha256 `{str(data.get('sha256'))[:12]}`), observer {cal.observer}, on {cal.device} |")
     else:
         lines.append("| calibration | none: data-free (weights only" + (", activations scaled per token at run time" if r.get("activations") == "token" else "") + ") |")
     return lines + [""]
@@ -243,14 +229,10 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
         lines += ["mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
                   "```python", "import mpsconvert", "", f'model = mpsconvert.load("{name}")  # a transformers model with FP8 layers',
                   "```", ""]
-    if "coreml" in manifest.extra:
-        rec = manifest.extra["coreml"]
-        lines += [f"Core ML: `{rec.get('package')}` ({rec.get('task')}, target {rec.get('minimum_deployment_target')}, "
-                  f"weights {rec.get('weights')}); in Swift, `MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
-    if "coreai" in manifest.extra:
-        rec = manifest.extra["coreai"]
-        lines += [f"Core AI: `{rec.get('asset')}` ({rec.get('task')}, native f8E4M3FN weights, needs {rec.get('minimum_os')})"
-                  + (f"; `mpsconvert generate {name} \"Hello\" --backend coreai` runs it with the Core AI runtime." if causal else "."), ""]
+    for kind in kinds(AppleExport):  # each Apple target's package says itself how it is used
+        rec = manifest.get(kind)
+        if rec is not None:
+            lines += rec.card_lines(name, causal)
     return lines
 
 
@@ -297,22 +279,6 @@ def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str |
     manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
     manifest.files = dict(sorted(manifest.files.items()))
     return text
-
-
-def refresh(folder: Path, repo: str | None = None) -> str:
-    """Re-render the card of an existing artifact (after validate, an export, an upload) and
-    record its new sha256 in the manifest, both atomically."""
-    from .layout import update_manifest
-
-    folder = Path(folder)
-    old = folder / CARD_NAME
-    text = old.read_text(encoding="utf-8", errors="replace") if old.is_file() else None
-    with update_manifest(folder) as m:
-        if repo is None:  # once published, the card keeps loading from the repo
-            repo = (m.extra.get("hub") or {}).get("repo")
-        else:
-            m.extra["hub"] = {"repo": repo}
-        return write(folder, m, text, repo)
 
 
 # --------------------------------------------------------------------------- diffusion artifacts
@@ -376,7 +342,8 @@ def diffusion_how_to_load(manifest: Manifest, repo: str | None, name: str) -> li
                   f"node (weight_dtype `default`), with the {fam} text encoders and VAE in their usual folders. On a Mac, FP8 "
                   "stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch refuses float8 on MPS.", ""]
     else:
-        cls = (manifest.source.get("diffusion") or {}).get("class_name") or "the transformer class"
+        d = manifest.get(DiffusionSource)
+        cls = (d.class_name if d else None) or "the transformer class"
         ref = repo or name
         lines += ["diffusers with its SDNQ backend (`pip install diffusers sdnq`), on Apple Silicon, CUDA or CPU:", "", "```python",
                   "import torch"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ... import atomic, fp8
 from ...manifests import card
+from ...manifests.transaction import finish
 from ...manifests.hashing import sha256_file
 from ...manifests.layout import CONFIG_NAME, MANIFEST_NAME
 from ...manifests.manifest import Manifest
@@ -119,8 +120,7 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
     manifest.versions |= _diffusion_versions()
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, p.as_plan(), shards.bytes_in, shards.bytes_out)
-    card.write(tmp, manifest, None, name=name)  # the card's commands name the folder being published
-    manifest.write(tmp)
+    finish(tmp, manifest, name, None)  # the card's commands name the folder being published
     return manifest
 
 
