@@ -42,9 +42,9 @@ def artifact() -> Path:
 
 
 def coreai(art: Path, max_len: int | None, compute: str = "fp32", steps: int = 32, latency_tokens: int = 8) -> dict:
-    from mpsconvert.convert.coreai import CoreAIOptions
-    from mpsconvert.convert.coreai.check import check_asset, coreai_latency, record_check
-    from mpsconvert.convert.coreai.export import export_coreai
+    from mpsconvert.apple.coreai import CoreAIOptions
+    from mpsconvert.apple.coreai.check import check_asset, coreai_latency, record_check
+    from mpsconvert.apple.coreai.export import export_coreai
 
     t = time.perf_counter()
     rec = export_coreai(art, CoreAIOptions(max_len=max_len, compute=compute, force=True))
@@ -65,9 +65,9 @@ def coreai(art: Path, max_len: int | None, compute: str = "fp32", steps: int = 3
 
 
 def coreml(art: Path, max_len: int | None, steps: int = 16) -> dict:
-    from mpsconvert.convert.coreml import ExportOptions
-    from mpsconvert.convert.coreml.check import check_package, record_check
-    from mpsconvert.convert.coreml.export import export_coreml
+    from mpsconvert.apple.coreml import ExportOptions
+    from mpsconvert.apple.coreml.check import check_package, record_check
+    from mpsconvert.apple.coreml.export import export_coreml
 
     t = time.perf_counter()
     rec = export_coreml(art, ExportOptions(max_len=max_len, force=True))

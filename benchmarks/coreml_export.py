@@ -67,7 +67,7 @@ def texts(n: int) -> list[str]:
 
 def run(src: Path, name: str, modes: list[str], seq_len: str, samples: int) -> list[dict]:
     import mpsconvert
-    from mpsconvert.convert.coreml.check import check_package  # with this benchmark's own texts
+    from mpsconvert.apple.coreml.check import check_package  # with this benchmark's own texts
 
     art = CACHE / f"{name}-fp8-dynamic"
     if not (art / "mpsconvert.json").is_file():

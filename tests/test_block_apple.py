@@ -10,7 +10,7 @@ import torch
 
 import mpsconvert
 from mpsconvert import fp8
-from mpsconvert.convert.torch_model import read_artifact_weights
+from mpsconvert.apple.torch_model import read_artifact_weights
 from mpsconvert.manifests.schemes import Scheme
 from .models import coreml_tiny_llama, tiny_artifact
 
@@ -45,7 +45,7 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
     rec = res.record
     encs = rec["encoded_tensors"]
     assert encs and all(e["encoding"] == "lut per block (e4m3 x block scale, fp16)" for e in encs.values())
-    from mpsconvert.convert.coreml.check import check_package
+    from mpsconvert.apple.coreml.check import check_package
 
     chk = check_package(art, n_samples=2)
     w = chk["weights"]
@@ -63,9 +63,9 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
 @pytest.mark.extra("coreai")
 @pytest.mark.parametrize("block", [16, 48])
 def test_core_ai_keeps_block_scales_native(work, block):
-    from mpsconvert.convert.coreai import CoreAIOptions
-    from mpsconvert.convert.coreai.check import check_asset
-    from mpsconvert.convert.coreai.export import export_coreai
+    from mpsconvert.apple.coreai import CoreAIOptions
+    from mpsconvert.apple.coreai.check import check_asset
+    from mpsconvert.apple.coreai.export import export_coreai
 
     art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
     rec = export_coreai(art, CoreAIOptions(max_len=32, compute="fp32", force=True))

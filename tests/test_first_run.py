@@ -129,8 +129,8 @@ def test_calibrate_validate_and_upload_into_a_locked_artifact_do_no_work(held_el
 def test_an_apple_export_and_its_check_run_under_one_lock(held_elsewhere, copy, monkeypatch):
     """The lock used to be taken by the export and again by its check: a second export started
     in between worked for its whole length, then failed, and left the first one unchecked."""
-    import mpsconvert.convert.coreai.check as check
-    import mpsconvert.convert.coreai.export as export
+    import mpsconvert.apple.coreai.check as check
+    import mpsconvert.apple.coreai.export as export
 
     held_elsewhere(copy)
     monkeypatch.setattr(export, "export_coreai", never("the Core AI export"))
