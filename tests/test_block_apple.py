@@ -11,6 +11,7 @@ import torch
 import mpsconvert
 from mpsconvert import fp8
 from mpsconvert.apple.torch_model import read_artifact_weights
+from mpsconvert.manifests.manifest import Manifest
 from mpsconvert.manifests.schemes import Scheme
 from .models import coreml_tiny_llama, tiny_artifact
 
@@ -47,7 +48,7 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
     assert encs and all(e["encoding"] == "lut per block (e4m3 x block scale, fp16)" for e in encs.values())
     from mpsconvert.apple.coreml.check import check_package
 
-    chk = check_package(art, n_samples=2)
+    chk = check_package(art, Manifest.read(art).extra["coreml"], n_samples=2)
     w = chk["weights"]
     assert w["all_ok"] and w["codes_bit_exact"] and w["min_fraction_equal_fp16_dequant"] == 1.0 and w["max_ulp_diff"] == 0
     assert chk["reference_eval"]["cosine_min"] > 0.999
@@ -65,13 +66,12 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
 def test_core_ai_keeps_block_scales_native(work, block):
     from mpsconvert.apple.coreai import CoreAIOptions
     from mpsconvert.apple.coreai.check import check_asset
-    from mpsconvert.apple.coreai.export import export_coreai
 
     art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
-    rec = export_coreai(art, CoreAIOptions(max_len=32, compute="fp32", force=True))
+    rec = mpsconvert.export(art, "coreai", options=CoreAIOptions(max_len=32, compute="fp32", force=True), check=False).record
     _, quant = read_artifact_weights(art)
     for name, e in rec["encoded_tensors"].items():
         assert e["scale_shape"] == list(quant[name][1].shape)  # the block scales (as exact tiles), not rows
-    res = check_asset(art, prompt_len=8, steps=4, generate=2)
+    res = check_asset(art, Manifest.read(art).extra["coreai"], prompt_len=8, steps=4, generate=2)
     assert res["weights"]["codes_bit_exact"] and res["weights"]["scales_exact"] and res["weights"]["all_ok"]
     assert res["ok"]

@@ -39,8 +39,9 @@ def reference_greedy(art, ids, n, dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM
 
     from mpsconvert.calibrate.artifact import dequantized_snapshot
+    from mpsconvert.manifests.manifest import Manifest
 
-    with dequantized_snapshot(art) as d:
+    with dequantized_snapshot(art, Manifest.read(art)) as d:
         ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).eval()
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))

@@ -249,7 +249,7 @@ def quantize(
             offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
-    from .calibrate.artifact import for_quantize
+    from .calibrate import for_quantize
     from .convert import pipeline
 
     apple = {**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})}

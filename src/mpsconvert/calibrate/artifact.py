@@ -246,18 +246,3 @@ def calibrate_target(target: str | Path, output: str | Path | None, options: Cal
     cal = calibrate(snap.path, options, progress)
     save_scales(Path(output), cal)
     return cal, Path(output), None
-
-
-def for_quantize(scales_file: str | Path | None, options: CalibOptions, progress: Progress | None = None):
-    """`quantize --scheme fp8`'s static scales (convert.pipeline.Scales): the snapshot folder ->
-    (input scales, their record, the calibration or None), read from `scales_file`, or measured on
-    the snapshot with `options`."""
-
-    def scales(folder: Path):
-        if scales_file is not None:
-            found, record = load_scales(Path(scales_file))
-            return found, {**record, "scales_file": str(scales_file)}, None
-        cal = calibrate(folder, options, progress)
-        return cal.scales, cal.record, cal
-
-    return scales

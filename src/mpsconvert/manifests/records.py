@@ -200,9 +200,9 @@ class Validation(Record):
             else:
                 acc = f"embedding cosine mean {a.get('cosine_mean', 0):.5f}, min {a.get('cosine_min', 0):.5f}"
             verdicts = r.verdict or {}  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
-            speed = ", ".join(f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else f'{v:.2f}x'}"
-                              for ph, v in sorted(sp.items())) or "latency not measured"
-            rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speed} ({(r.measured_at or '')[:10]})"))
+            speeds = ", ".join(f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else f'{v:.2f}x'}"
+                               for ph, v in sorted(sp.items())) or "latency not measured"
+            rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speeds} ({(r.measured_at or '')[:10]})"))
         return rows
 
 
