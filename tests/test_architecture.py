@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
-BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "targets", "texts", "safetensors_io",
+BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "plan", "texts", "safetensors_io",
           "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "version"}
 MIDDLE = {"convert", "apple", "calibrate", "runtime"}
 # what each layer may import from the package (by the first component of the module path)

@@ -11,7 +11,7 @@ import mpsconvert
 from .models import TEXT_DATA, calib_tiny_bert, calib_tiny_llama, calib_tiny_mixtral, calib_tiny_qwen2_moe
 from mpsconvert.calibrate.run import CalibOptions, calibrate
 from mpsconvert.cli import main
-from mpsconvert.targets import plan_for
+from mpsconvert.plan import plan_for
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -96,7 +96,7 @@ def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, build
 def test_unobserved_expert_linear_falls_back_to_its_siblings():
     from mpsconvert.calibrate import observers
     from mpsconvert.calibrate.run import _finalize
-    from mpsconvert.targets import Plan
+    from mpsconvert.plan import Plan
 
     plan = Plan("X", quantize={f"m.layers.0.mlp.experts.{e}.w1": (4, 4) for e in range(3)} | {"m.layers.0.attn.q": (4, 4), "m.unused": (4, 4)})
     obs = {}

@@ -369,12 +369,22 @@ def test_bad_scale_values_are_caught_by_verify_and_load(art, value):
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_nan_codes_are_caught_by_verify_and_load(art, code):
+def test_nan_codes_are_caught_by_verify_and_load(art, code, monkeypatch):
+    from mpsconvert.manifests import values
+
     _patch_tensor(art, "model.layers.1.self_attn.q_proj.weight", bytes([code]), at=7)
-    report = mpsconvert.verify(art)
-    assert not report.ok and any("NaN code" in p for p in report.problems), report.problems
+    for hashes in (True, False):  # counted in the read that hashes the files, or (structure only) on their own
+        report = mpsconvert.verify(art, check_hashes=hashes)
+        assert not report.ok and [p for p in report.problems if "NaN code" in p] == [
+            "model.layers.1.self_attn.q_proj.weight in model.safetensors holds 1 NaN code(s) (0x7F/0xFF), which no quantizer writes"]
     with pytest.raises(ArtifactError, match="NaN codes"):
         mpsconvert.load(art, device="cpu")
+
+    def no_second_read(*a, **k):
+        raise AssertionError("the codes were read again after hashing")
+
+    monkeypatch.setattr(values.np, "memmap", no_second_read)
+    assert not mpsconvert.verify(art).ok  # found in the hashing read alone
 
 
 def test_the_manifest_sha256_pins_the_artifact(base, tmp_path):
@@ -407,12 +417,13 @@ def _edit_source(base, tmp_path, fn) -> Path:
     return d
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])  # copied as it is (the writer's copy), or cast (block by block)
 @pytest.mark.parametrize("tensor", ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"])
-def test_nan_in_a_copied_tensor_is_refused(base, tmp_path, tensor):
-    d = _edit_source(base, tmp_path, lambda sd: sd[tensor].view(-1).__setitem__(3, float("nan")))
-    with pytest.raises(QuantizationError, match="NaN or inf"):
-        _q(d, tmp_path / "out", force=False)
-    assert not (tmp_path / "out").exists()
+def test_nan_in_a_copied_tensor_is_refused(base, tmp_path, tensor, dtype):
+    d = _edit_source(base, tmp_path, lambda sd: sd[tensor].view(-1).__setitem__(3 if tensor != "model.norm.weight" else -1, float("inf")))
+    with pytest.raises(QuantizationError, match=f"tensor '{tensor}' in model.safetensors contains 1 NaN or inf"):
+        quantize_snapshot(source.resolve(str(d)), tmp_path / "out", Options(dtype=dtype))
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
 
 
 @pytest.mark.parametrize("how", ["shape", "rank", "dtype"])

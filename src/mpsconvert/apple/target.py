@@ -62,6 +62,7 @@ class Target:
     check_flags: ClassVar[tuple[Option, ...]] = ()
     help: ClassVar[str]  # the `export-<key>` command's help
     quantize_help: ClassVar[str]  # `quantize --<key>`'s help
+    backend_help: ClassVar[str]  # `generate --backend <key>`'s help: what runs the package, where
     check_fix: ClassVar[str]  # what to try when its checks fail
 
     def make_options(self, **kw):

@@ -330,8 +330,8 @@ def _sampling(fn):
     """The options `generate` and `chat` share (mlx-lm's names)."""
     opts = [
         click.option("--backend", type=_Backends(), default="torch", show_default=True,
-                     help="torch: the FP8 model in PyTorch (runtime.load). coreai: the artifact's model.aimodel on the Core AI runtime "
-                          "(on Linux the CPU runtime in coreai-core). coreml: model.mlpackage (macOS only)."),
+                     help="torch: the FP8 model in PyTorch (runtime.load). "
+                          + " ".join(f"{key}: {t.backend_help}." for key, t in api.targets().items())),
         click.option("--device", default="auto", show_default=True, metavar="auto|mps|cuda[:N]|cpu",
                      help="With --backend torch: where it runs (auto: mps, then cuda, then cpu; a missing device is an error)."),
         click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=256, show_default=True, help="Most tokens to generate."),

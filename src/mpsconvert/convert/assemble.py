@@ -23,7 +23,7 @@ from ..manifests.manifest import Manifest
 from ..manifests.records import Experts
 from ..manifests.transaction import finish
 from ..source import Snapshot
-from ..targets import Plan
+from ..plan import Plan
 
 
 @dataclass

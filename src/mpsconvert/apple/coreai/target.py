@@ -34,6 +34,7 @@ class CoreAI(Target):
         Option("prompt_len", "--prompt-len", "Tokens of real text in the checked prefill.", kind="int", default=64, minimum=1),
         Option("decode_steps", "--decode-steps", "Teacher-forced decode steps checked.", kind="int", default=32, minimum=1),
     )
+    backend_help = "the artifact's model.aimodel on the Core AI runtime (on Linux the CPU runtime in coreai-core)"
     quantize_help = "Also export a Core AI asset (model.aimodel) into the artifact; see `export-coreai`."
     help = """Export an FP8 ARTIFACT to a Core AI asset (ARTIFACT/model.aimodel), then check it.
 

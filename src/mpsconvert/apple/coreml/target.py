@@ -41,6 +41,7 @@ class CoreML(Target):
         Option("decode_steps", "--decode-steps", "Stateful decoders: teacher-forced decode steps of the reference evaluation.",
                kind="int", default=16, minimum=1),
     )
+    backend_help = "model.mlpackage (macOS only)"
     quantize_help = "Also export a Core ML package (model.mlpackage) into the artifact; see `export-coreml`."
     help = """Export an FP8 ARTIFACT to a Core ML ML program (ARTIFACT/model.mlpackage), then check it.
 

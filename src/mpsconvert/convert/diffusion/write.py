@@ -29,10 +29,10 @@ import torch
 from ... import fp8
 from ...errors import QuantizationError, SourceError
 from ...manifests.schemes import Scheme
-from ...safetensors_io import DTYPES, BufferPool, ShardReader, ShardWriter, read_header
+from ...safetensors_io import DTYPES, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
 from ...source import DIFFUSERS_WEIGHTS, Snapshot
-from ...targets import Plan
-from ..quantize import (QUANT_THREADS, _FLOAT_CODES, _quantize_matrix, _Shard, check_against_model, check_copied_finite, check_tensor_layout)
+from ...plan import Plan
+from ..quantize import (QUANT_THREADS, _FLOAT_CODES, _quantize_matrix, _Shard, check_against_model, check_tensor_layout)
 from . import COMFYUI_FORMATS, FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
@@ -156,8 +156,6 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
     if not p.quantize:
         raise QuantizationError(f"nothing to quantize in {snap.path}: no float Linear weight outside the high-precision list "
                                 f"({len(p.ignored)} kept: {p.keep.source})", "check the --ignore patterns")
-    check_copied_finite(headers, {k: True for k in (p.quantize if opts.format == "diffusers" else
-                                                    {pc.key for o in p.quantize.values() for pc in o.pieces})}, {})
     return p
 
 
@@ -237,8 +235,9 @@ def write_comfyui(snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, path
                     if o.name in p.quantize:
                         _quantize_original(sh, o, where[o.pieces[0].key][1], spans, legacy)
                     else:
-                        for reader, start, nbytes in spans:
-                            sh.then(writer.copy, o.name, reader.header.path, start, nbytes)
+                        for pc, (reader, start, nbytes) in zip(o.pieces, spans):  # NaN/inf refused, counted as it is copied
+                            check = FiniteCheck(where[pc.key][1].dtype, pc.key, where[pc.key][0])
+                            sh.then(writer.copy, o.name, reader.header.path, start, nbytes, (check,))
                     nbytes = sum(s[2] for s in spans)
 
                     def advance(n=nbytes, name=o.name):
