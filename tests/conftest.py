@@ -135,18 +135,24 @@ def pytest_configure(config):
             raise pytest.UsageError(f"MPSCONVERT_EXPECT_EXTRAS=1 but these are not importable: {absent}")
 
 
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, request):
+    """The folder a test module's tests share (the models and artifacts they build once)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Builders run once per session; returns {name: source folder}."""
     root = tmp_path_factory.mktemp("src")
     return {
-        "llama": models.tiny_llama(root / "llama"),
-        "llama_bf16": models.tiny_llama(root / "llama_bf16", dtype=__import__("torch").bfloat16),
-        "qwen2_tied": models.tiny_qwen2_tied(root / "qwen2_tied"),
-        "mistral": models.tiny_mistral(root / "mistral"),
-        "bert": models.tiny_bert(root / "bert"),
-        "gpt2": models.tiny_gpt2(root / "gpt2"),
-        "llama_sharded": models.tiny_llama_sharded(root / "llama_sharded"),
+        "llama": models.tiny("llama", root / "llama"),
+        "llama_bf16": models.tiny("llama", root / "llama_bf16", dtype=__import__("torch").bfloat16),
+        "qwen2_tied": models.tiny("qwen2", root / "qwen2_tied", tie=True),
+        "mistral": models.tiny("mistral", root / "mistral"),
+        "bert": models.tiny("bert", root / "bert"),
+        "gpt2": models.tiny("gpt2", root / "gpt2"),
+        "llama_sharded": models.tiny("llama", root / "llama_sharded", max_shard_size="100KB"),
     }
 
 

@@ -32,7 +32,6 @@ def fp8_model(cls, cfg, act: str = "token"):
 
 
 def logits(model, ids) -> torch.Tensor:
-    """A causal LM's float32 logits for `ids` ([1, T] or [T]), without grad or cache."""
-    ids = torch.as_tensor(ids).reshape(1, -1)
+    """A causal LM's float32 logits for `ids` [batch, tokens], without grad."""
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits[0].float()
+        return model(ids).logits.float()

@@ -5,6 +5,7 @@ renderer, `--backend`, the model card, inspect and validate's Apple part."""
 
 from __future__ import annotations
 
+from functools import partial
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,10 +105,10 @@ def fake():
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    from .models import tiny_artifact, tiny_llama
+def artifact(work):
+    from .models import tiny, tiny_artifact
 
-    return tiny_artifact(tmp_path_factory.mktemp("fake-target"), "llama", tiny_llama)
+    return tiny_artifact(work, "llama", partial(tiny, "llama"))
 
 
 @pytest.fixture
@@ -160,9 +161,9 @@ def test_export_check_record_card_and_inspect_of_a_new_target(fake, art):
 
 
 def test_quantize_exports_to_a_new_target(fake, tmp_path):
-    from .models import tiny_llama
+    from .models import tiny
 
-    src = tiny_llama(tmp_path / "src")
+    src = tiny("llama", tmp_path / "src")
     res = mpsconvert.quantize(src, tmp_path / "out", exports={"fake": FakeOptions(lanes=2)})
     assert res.fake.record["lanes"] == 2 and res.apple["fake"].ok and res.coreml is None
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "out2"), "--fake", "--fake-lanes", "3"])

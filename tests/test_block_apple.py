@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 import numpy as np
 import pytest
 import torch
@@ -13,19 +14,14 @@ from mpsconvert import fp8
 from mpsconvert.apple.torch_model import read_artifact_weights
 from mpsconvert.manifests.manifest import Manifest
 from mpsconvert.manifests.schemes import Scheme
-from .models import coreml_tiny_llama, tiny_artifact
+from .models import tiny, tiny_artifact
 
 pytestmark = pytest.mark.extra("coreml")
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("block-apple")
-
-
 @pytest.mark.parametrize("block", [16, 48])  # 48: partial edge blocks (64 and 128 are not multiples)
 def test_artifact_weights_come_as_exact_tiles(work, block):
-    art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
+    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
     dense, quant = read_artifact_weights(art)
     from safetensors.torch import load_file
 
@@ -41,7 +37,7 @@ def test_artifact_weights_come_as_exact_tiles(work, block):
 
 @pytest.mark.parametrize("block", [16, 48])
 def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
-    art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
+    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
     res = mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", force=True)
     rec = res.record
     encs = rec["encoded_tensors"]
@@ -67,7 +63,7 @@ def test_core_ai_keeps_block_scales_native(work, block):
     from mpsconvert.apple.coreai import CoreAIOptions
     from mpsconvert.apple.coreai.check import check_asset
 
-    art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
+    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
     rec = mpsconvert.export(art, "coreai", options=CoreAIOptions(max_len=32, compute="fp32", force=True), check=False).record
     _, quant = read_artifact_weights(art)
     for name, e in rec["encoded_tensors"].items():

@@ -2,13 +2,14 @@
 
 import json
 import math
+from functools import partial
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 import mpsconvert
-from .models import TEXT_DATA, calib_tiny_bert, calib_tiny_llama, calib_tiny_mixtral, calib_tiny_qwen2_moe
+from .models import TEXT_DATA, tiny
 from mpsconvert.calibrate.run import CalibOptions, calibrate
 from mpsconvert.cli import main
 from mpsconvert.plan import plan_for
@@ -21,12 +22,12 @@ CALIB = str(TEXT_DATA / "wiki_calib.jsonl")
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     # Sharded and with tied embeddings: the sequential loader has to find tensors across files.
-    return calib_tiny_llama(tmp_path_factory.mktemp("m") / "llama", max_shard_size="2MB", tie=True)
+    return tiny("llama", tmp_path_factory.mktemp("m") / "llama", tokenizer="minilm", max_shard_size="2MB", tie=True)
 
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    return calib_tiny_bert(tmp_path_factory.mktemp("m") / "bert")
+    return tiny("bert", tmp_path_factory.mktemp("m") / "bert", tokenizer="minilm")
 
 
 @pytest.mark.parametrize("observer", ["minmax", "mse"])
@@ -67,7 +68,7 @@ def test_sequential_peak_is_about_one_block(llama, monkeypatch):
     assert peak[0] == 1 and len(cal.scales) == 14
 
 
-@pytest.mark.parametrize("builder", [calib_tiny_mixtral, calib_tiny_qwen2_moe])
+@pytest.mark.parametrize("builder", [partial(tiny, "mixtral", tokenizer="minilm", experts=16, top_k=1), partial(tiny, "qwen2_moe", tokenizer="minilm", experts=16, top_k=1)])
 def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, builder, caplog):
     path = builder(tmp_path / "moe", experts=16)
     # One short sample, top-1 routing over 16 experts: most experts never see a token.

@@ -4,6 +4,7 @@ macOS-only parts through fakes. Tiny random Llama, Qwen2 (tied), Mistral, Qwen3-
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import shutil
 import sys
@@ -17,8 +18,7 @@ from mpsconvert.apple.coreai import weights as cw
 from mpsconvert.apple.coreai.run import parse_signature, specialization
 from mpsconvert.errors import ExportError, MpsconvertError
 
-from .models import (coreml_tiny_bert, coreml_tiny_llama, runtime_tiny_llama, tiny_artifact, tiny_mistral, tiny_moe_checkpoint,
-                     tiny_qwen2_tied, tree_hashes)
+from .models import tiny, tiny_artifact, tree_hashes
 
 # --------------------------------------------------------------------------- no coreai needed
 
@@ -137,18 +137,11 @@ def export_coreai(art: Path, opts: CoreAIOptions) -> dict:
     return mpsconvert.export(art, "coreai", options=opts, check=False).record
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("coreai")
-
-
-
-
 BUILDERS = {
-    "llama": lambda p: runtime_tiny_llama(p, tie=False),  # with a tokenizer: the checks run on real text
-    "qwen2-tied": tiny_qwen2_tied,
-    "mistral": tiny_mistral,
-    "qwen3-moe": lambda p: tiny_moe_checkpoint(p, "qwen3_moe"),
+    "llama": lambda p: tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=False),  # with a tokenizer: the checks run on real text
+    "qwen2-tied": partial(tiny, "qwen2", tie=True),
+    "mistral": partial(tiny, "mistral"),
+    "qwen3-moe": lambda p: tiny("qwen3_moe", p, dtype=torch.bfloat16, widen=0.08, vocab=128),
 }
 
 
@@ -259,7 +252,7 @@ def test_states_carry_the_cache_between_calls(exported):
 
 @pytest.mark.extra("coreai")
 def test_fp16_compute_and_per_tensor_scales(work):
-    art = tiny_artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=3), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(work, "llama-tensor", lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=3), Scheme.make("fp8-weight-only", "tensor"))
     rec = export_coreai(art, CoreAIOptions(max_len=32, compute="fp16"))
     assert all(e["scale_shape"] == [1, 1] and e["scale_dtype"] == "float16" for e in rec["encoded_tensors"].values())
     res = check_asset(art, _record(art), prompt_len=16, steps=8, generate=2)
@@ -270,7 +263,7 @@ def test_fp16_compute_and_per_tensor_scales(work):
 
 @pytest.mark.extra("coreai")
 def test_encoder_keeps_the_embeddings_interface(work):
-    art = tiny_artifact(work, "bert", coreml_tiny_bert)
+    art = tiny_artifact(work, "bert", partial(tiny, "bert"))
     rec = export_coreai(art, CoreAIOptions(max_len=32))
     assert rec["task"] == "encoder" and not rec["interface"]["states"]
     assert [i["name"] for i in rec["interface"]["inputs"]] == ["input_ids", "attention_mask"]
@@ -376,7 +369,7 @@ def test_cli_quantize_coreai_and_check_only(work):
     from mpsconvert.cli import main
 
     src = work / "src-llama-cli"
-    runtime_tiny_llama(src, seed=4)
+    tiny("llama", src, tokenizer="bpe", dtype=torch.bfloat16, tie=True, seed=4)
     out = work / "art-llama-cli"
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--coreai", "--max-len", "96"])
     assert r.exit_code == 0, r.output

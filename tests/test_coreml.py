@@ -3,6 +3,7 @@ and failures that leave the artifact as it was. Tiny random Llama and BERT model
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import shutil
 from pathlib import Path
@@ -26,24 +27,17 @@ from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.schemes import Scheme  # noqa: E402
 
-from .models import coreml_tiny_bert, coreml_tiny_llama, resign, tiny_artifact, tree_hashes  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("coreml")
-
-
+from .models import resign, tiny, tiny_artifact, tree_hashes
 
 
 @pytest.fixture(scope="module")
 def llama(work):
-    return tiny_artifact(work, "llama", coreml_tiny_llama)
+    return tiny_artifact(work, "llama", partial(tiny, "llama", dtype=torch.bfloat16, tie=True))
 
 
 @pytest.fixture(scope="module")
 def bert(work):
-    return tiny_artifact(work, "bert", coreml_tiny_bert)
+    return tiny_artifact(work, "bert", partial(tiny, "bert"))
 
 
 def _record(art: Path) -> dict:
@@ -147,7 +141,7 @@ def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
 
 
 def test_per_tensor_scale_is_folded_and_bit_exact(work):
-    art = tiny_artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=1), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(work, "llama-tensor", lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=1), Scheme.make("fp8-weight-only", "tensor"))
     art = _copy(art, work, "llama-tensor-export")
     mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
     res = check_package(art, _record(art), n_samples=2)
@@ -261,7 +255,7 @@ def test_cli_quantize_coreml_and_check_only(work):
     from mpsconvert.cli import main
 
     src = work / "src-llama-cli"
-    coreml_tiny_llama(src, seed=2)
+    tiny("llama", src, dtype=torch.bfloat16, tie=True, seed=2)
     out = work / "art-llama-cli"
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--coreml", "--max-len", "48"])
     assert r.exit_code == 0, r.output
@@ -297,13 +291,11 @@ def test_checks_catch_a_package_that_does_not_match_the_artifact(llama, work):
 
 # --------------------------------------------------------------------------- the stateful decoder (default for causal LMs)
 
-from .models import tiny_mistral, tiny_moe_checkpoint, tiny_qwen2_tied  # noqa: E402
-
 STATEFUL = {
-    "llama-tied": coreml_tiny_llama,
-    "qwen2-tied": tiny_qwen2_tied,
-    "mistral": tiny_mistral,
-    "qwen3-moe": lambda p: tiny_moe_checkpoint(p, "qwen3_moe"),
+    "llama-tied": partial(tiny, "llama", dtype=torch.bfloat16, tie=True),
+    "qwen2-tied": partial(tiny, "qwen2", tie=True),
+    "mistral": partial(tiny, "mistral"),
+    "qwen3-moe": lambda p: tiny("qwen3_moe", p, dtype=torch.bfloat16, widen=0.08, vocab=128),
 }
 
 

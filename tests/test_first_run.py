@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
+import torch
 from mpsconvert import api
 from mpsconvert.cli import main, render
-from mpsconvert.manifests import layout
 from mpsconvert.manifests.manifest import Manifest
 
 from . import models
@@ -36,9 +36,8 @@ def one_line_error(res, *matches, code=2):
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    work = tmp_path_factory.mktemp("first-run")
-    return models.tiny_artifact(work, "llama", lambda p: models.runtime_tiny_llama(p))
+def art(work):
+    return models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=True))
 
 
 @pytest.fixture

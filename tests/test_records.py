@@ -4,6 +4,7 @@ KeyError in a renderer), and a record read and written back keeps every key it h
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import shutil
 
@@ -18,14 +19,14 @@ from mpsconvert.manifests.manifest import Manifest
 from mpsconvert.manifests.records import GGUFSource, Hub, Validation, ValidationRun
 from mpsconvert.manifests.transaction import transaction
 
-from .models import resign, tiny_artifact, tiny_llama
+from .models import resign, tiny, tiny_artifact
 
 pytestmark = pytest.mark.core
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    return tiny_artifact(tmp_path_factory.mktemp("records"), "llama", tiny_llama)
+def artifact(work):
+    return tiny_artifact(work, "llama", partial(tiny, "llama"))
 
 
 @pytest.fixture

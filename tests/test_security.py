@@ -3,6 +3,7 @@ refused, with nothing written outside, nothing lost, nothing laundered and no co
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.untrusted import MAX_JSON_DEPTH, bad_relpath, inside, parse_json
 
-from .models import calib_tiny_llama, resign, tiny_artifact, tree_hashes
+from .models import resign, tiny, tiny_artifact, tree_hashes
 
 
 def cli(*args):
@@ -34,10 +35,9 @@ def cli(*args):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(work):
     """A tiny Llama with a tokenizer (so calibrate can run) and its fp8-dynamic artifact."""
-    work = tmp_path_factory.mktemp("sec")
-    art = tiny_artifact(work, "llama", calib_tiny_llama)
+    art = tiny_artifact(work, "llama", partial(tiny, "llama", tokenizer="minilm"))
     return work / "src-llama", art
 
 
@@ -504,9 +504,9 @@ def test_wrong_json_types_are_one_clear_error(art, where, edit):
 
 
 def test_a_missing_shard_is_a_clear_error_for_calibrate(base, tmp_path):
-    from .models import calib_tiny_llama as build
+    from .models import tiny
 
-    src = build(tmp_path / "sharded-src", max_shard_size="2MB")
+    src = tiny("llama", tmp_path / "sharded-src", tokenizer="minilm", max_shard_size="2MB")
     art = tmp_path / "sharded"
     mpsconvert.quantize(src, art)
     next(art.glob("model-00002-*.safetensors")).unlink()
@@ -543,9 +543,9 @@ def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, 
 
 @pytest.fixture(scope="module")
 def coreml_art(tmp_path_factory):
-    from .models import coreml_tiny_llama, tiny_artifact
+    from .models import tiny, tiny_artifact
 
-    return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", coreml_tiny_llama)
+    return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", partial(tiny, "llama", dtype=torch.bfloat16, tie=True))
 
 
 @pytest.mark.extra("coreml")
