@@ -92,7 +92,10 @@ def _value(v, tp, where: str, fix: str):
         args = typing.get_args(tp)
         if v is None and type(None) in args:
             return None
-        for a in (a for a in args if a is not type(None)):
+        others = [a for a in args if a is not type(None)]
+        if len(others) == 1:  # X | None: X's own error, which says what is wrong inside it
+            return _value(v, others[0], where, fix)
+        for a in others:
             try:
                 return _value(v, a, where, fix)
             except ArtifactError:
@@ -125,7 +128,7 @@ def _shown(v) -> str:
 
 def _type_name(tp) -> str:
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
-            list: "a list"}.get(tp, str(tp).replace("typing.", ""))
+            list: "a list"}.get(tp, getattr(tp, "__name__", str(tp).replace("typing.", "")))
 
 
 class Record(Typed):
