@@ -27,7 +27,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    return tiny("bert", tmp_path_factory.mktemp("m") / "bert", tokenizer="minilm")
+    return tiny("bert", tmp_path_factory.mktemp("m") / "bert", tokenizer="minilm", max_positions=128)
 
 
 @pytest.mark.parametrize("observer", ["minmax", "mse"])
