@@ -141,6 +141,20 @@ def work(tmp_path_factory, request):
     return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))
 
 
+@pytest.fixture(scope="module")
+def llama_art(work):
+    """A tiny Llama quantized (fp8-dynamic) once per module."""
+    return models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p))
+
+
+@pytest.fixture
+def art_copy(llama_art, tmp_path):
+    """A copy of `llama_art` for one test to change."""
+    import shutil
+
+    return Path(shutil.copytree(llama_art, tmp_path / "art"))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Builders run once per session; returns {name: source folder}."""

@@ -5,7 +5,6 @@ renderer, `--backend`, the model card, inspect and validate's Apple part."""
 
 from __future__ import annotations
 
-from functools import partial
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,21 +107,6 @@ def fake():
     registry.unregister("fake")
 
 
-@pytest.fixture(scope="module")
-def artifact(work):
-    from .models import tiny, tiny_artifact
-
-    return tiny_artifact(work, "llama", partial(tiny, "llama"))
-
-
-@pytest.fixture
-def art(artifact, tmp_path):
-    import shutil
-
-    shutil.copytree(artifact, tmp_path / "art")
-    return tmp_path / "art"
-
-
 def test_a_registered_target_gets_its_commands_options_and_backend(fake):
     r = CliRunner().invoke(main, ["--help"])
     assert "export-fake" in r.output and "export-coreml" in r.output and "export-coreai" in r.output
@@ -143,25 +127,25 @@ def test_the_command_disappears_with_the_target(fake):
     registry.register(Fake())
 
 
-def test_export_check_record_card_and_inspect_of_a_new_target(fake, art):
-    r = CliRunner().invoke(main, ["export-fake", str(art), "--lanes", "8"])
+def test_export_check_record_card_and_inspect_of_a_new_target(fake, art_copy):
+    r = CliRunner().invoke(main, ["export-fake", str(art_copy), "--lanes", "8"])
     assert r.exit_code == 0, r.output
     assert "Fake ML: model.fakepkg written (8 lanes)" in r.output and "lanes" in r.output
     assert fake.calls == [("build", 8), ("check", False)]
-    m = Manifest.read(art)
+    m = Manifest.read(art_copy)
     rec = m.get(FakeExport)
     assert rec.lanes == 8 and rec.check.ok and "weights" in rec.check.more and "tensors" not in rec.check.more["weights"]
-    assert "model.fakepkg/tensors.json" in m.files and mpsconvert.verify(art).ok
-    card = (art / "README.md").read_text()
+    assert "model.fakepkg/tensors.json" in m.files and mpsconvert.verify(art_copy).ok
+    card = (art_copy / "README.md").read_text()
     assert "Fake ML: `model.fakepkg` with 8 lanes." in card and "- fake" in card  # its paragraph and its tag
-    r = CliRunner().invoke(main, ["inspect", str(art)], env={"COLUMNS": "200"})
+    r = CliRunner().invoke(main, ["inspect", str(art_copy)], env={"COLUMNS": "200"})
     assert "Fake ML" in r.output and "8 lanes, checks ok" in r.output
-    before = tree_hashes(art)
-    r = CliRunner().invoke(main, ["export-fake", str(art)])
-    assert r.exit_code == 2 and "--force" in r.output and tree_hashes(art) == before
-    r = CliRunner().invoke(main, ["export-fake", str(art), "--check-only", "--strict"])
+    before = tree_hashes(art_copy)
+    r = CliRunner().invoke(main, ["export-fake", str(art_copy)])
+    assert r.exit_code == 2 and "--force" in r.output and tree_hashes(art_copy) == before
+    r = CliRunner().invoke(main, ["export-fake", str(art_copy), "--check-only", "--strict"])
     assert r.exit_code == 2 and "failed its checks" in r.output and "re-export it" in r.output
-    assert Manifest.read(art).get(FakeExport).check.ok is False  # recorded before the error
+    assert Manifest.read(art_copy).get(FakeExport).check.ok is False  # recorded before the error
 
 
 def test_quantize_exports_to_a_new_target(fake, tmp_path):
@@ -214,12 +198,12 @@ def _counting(monkeypatch) -> dict:
     return counts
 
 
-def test_an_export_with_its_check_reads_and_writes_the_manifest_once(fake, art, monkeypatch):
+def test_an_export_with_its_check_reads_and_writes_the_manifest_once(fake, art_copy, monkeypatch):
     """Verify, build, check, record, card: one read of the manifest (under the lock) and one write
     (in the staged copy swapped in with the package and the card)."""
     counts = _counting(monkeypatch)
-    res = mpsconvert.export(art, "fake")
+    res = mpsconvert.export(art_copy, "fake")
     assert res.ok and counts == {"read": 1, "write": 1}
     counts.update(read=0, write=0)
-    mpsconvert.check(art, "fake")
+    mpsconvert.check(art_copy, "fake")
     assert counts == {"read": 1, "write": 1}

@@ -28,7 +28,7 @@ from ..manifests.records import AppleExport, ExportCheck
 from ..manifests.transaction import transaction
 from ..progress import Progress, or_silent
 from . import registry
-from .target import Target
+from .target import Target, package_in
 
 
 @dataclass
@@ -61,11 +61,15 @@ def _slim(check: dict) -> ExportCheck:
     return ExportCheck.from_dict(body, "the check")
 
 
-def _failed(target: Target, result: ExportResult) -> ExportError:
-    err = ExportError(f"the {target.name} {target.noun} in {result.artifact} failed its checks: {target.failed(result.check)}",
-                      target.check_fix)
-    err.result = result  # what was checked, for the caller to show
-    return err
+def _result(artifact: Path, target: Target, rec: AppleExport, check: dict | None) -> ExportResult:
+    """The export (and its check) as returned; a check that failed (recorded already) is raised,
+    carrying the result for the caller to show."""
+    result = ExportResult(artifact, artifact / target.package, rec.as_dict(), check, target.key)
+    if not result.ok:
+        err = ExportError(f"the {target.name} {target.noun} in {artifact} failed its checks: {target.failed(check)}", target.check_fix)
+        err.result = result
+        raise err
+    return result
 
 
 def require_all(keys) -> None:
@@ -96,10 +100,7 @@ def export(artifact: Path, target: str | Target, opts=None, check=None, progress
         if res is not None:
             rec.check = _slim(res)
         t.put(rec)
-    result = ExportResult(artifact, artifact / target.package, rec.as_dict(), res, target.key)
-    if not result.ok:
-        raise _failed(target, result)
-    return result
+    return _result(artifact, target, rec, res)
 
 
 def check(artifact: Path, target: str | Target, opts=None, *, verify: bool = True, progress: Progress | None = None) -> ExportResult:
@@ -110,18 +111,14 @@ def check(artifact: Path, target: str | Target, opts=None, *, verify: bool = Tru
     opts = opts if opts is not None else target.check_options()
     artifact = Path(artifact)
     with transaction(artifact, verify=verify) as t:  # the check is recorded: the lock is taken before it runs
-        if not (t.artifact / target.package).is_dir():
-            raise ArtifactError(f"{artifact} has no {target.package}", f"run `mpsconvert export-{target.key}` first")
+        package_in(t.artifact, target.package, target.key)
         rec = t.get(target.record)
         if rec is None:
             raise ArtifactError(f"{artifact / target.package} is not recorded in the manifest", f"re-run `mpsconvert export-{target.key} --force`")
         res = target.check(t.artifact, rec, opts, or_silent(progress))
         rec.check = _slim(res)
         t.put(rec)
-    result = ExportResult(artifact, artifact / target.package, rec.as_dict(), res, target.key)
-    if not result.ok:
-        raise _failed(target, result)
-    return result
+    return _result(artifact, target, rec, res)
 
 
 def latency(artifact: Path, settings: dict, progress: Progress | None = None) -> tuple[dict[str, dict | None], Exception | None]:

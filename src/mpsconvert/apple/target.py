@@ -116,6 +116,16 @@ class Target:
         return f"<{self.name} target {self.key!r}>"
 
 
+def package_in(artifact: Path, name: str, key: str) -> Path:
+    """The package `name` of target `key` in `artifact`, or one line saying there is none and what makes one."""
+    from ..errors import ArtifactError
+
+    p = Path(artifact) / name
+    if not p.is_dir():
+        raise ArtifactError(f"{artifact} has no {name}", f"run `mpsconvert export-{key}` first")
+    return p
+
+
 def failed_checks(res: dict) -> str:
     """What failed in an export's check (interface, weights read back, the evaluation), in one line."""
     bad = []

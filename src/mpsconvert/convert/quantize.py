@@ -28,6 +28,7 @@ granularity dequantizes each block of rows with the source's scales and quantize
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -337,21 +338,28 @@ def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) ->
     return total
 
 
-def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
-    """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest."""
-    # One torch thread per quantizing thread (QUANT_THREADS of them): the cores left hash and
-    # write, and oversubscribed intra-op threads made a whole conversion ~15% slower on 2 cores
-    # (benchmarks/convert.py).
+@contextlib.contextmanager
+def converting(snap: Snapshot):
+    """The frame of a conversion: one torch thread per quantizing thread (QUANT_THREADS of them:
+    the cores left hash and write, and oversubscribed intra-op threads made a whole conversion
+    ~15% slower on 2 cores, benchmarks/convert.py); the source hashed from the start, if the
+    caller did not start it (it overlaps the planning), and that hashing stopped on a failure."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    snap.start_hashing()  # if the caller did not already: overlaps the planning below
+    snap.start_hashing()
     try:
-        return _quantize_snapshot(snap, out, opts, progress)
+        yield
     except BaseException:
         snap.stop_hashing()
         raise
     finally:
         torch.set_num_threads(threads)
+
+
+def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
+    """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest."""
+    with converting(snap):
+        return _quantize_snapshot(snap, out, opts, progress)
 
 
 def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:

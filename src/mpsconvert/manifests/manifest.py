@@ -32,20 +32,24 @@ R = TypeVar("R", bound=Record)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def library_versions() -> dict:
-    """Versions of the libraries that shape an artifact (None where not installed).
-
-    Read from package metadata, so that recording them imports nothing (coremltools is slow
-    and noisy to import)."""
+def dist_versions(*dists: str) -> dict:
+    """{distribution (with `_` for `-`): its installed version, or None}: read from package
+    metadata, so that recording them imports nothing (coremltools is slow and noisy to import)."""
     from importlib import metadata
 
-    out = {"mpsconvert": __version__, "python": platform.python_version()}
-    for dist in ("torch", "transformers", "safetensors", "huggingface_hub", "compressed-tensors", "coremltools"):
+    out = {}
+    for dist in dists:
         try:
             out[dist.replace("-", "_")] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist.replace("-", "_")] = None
     return out
+
+
+def library_versions() -> dict:
+    """Versions of the libraries that shape an artifact (None where not installed)."""
+    return {"mpsconvert": __version__, "python": platform.python_version(),
+            **dist_versions("torch", "transformers", "safetensors", "huggingface_hub", "compressed-tensors", "coremltools")}
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
 from ..errors import ArtifactError
-from ..units import speed
+from ..units import human, speed
 
 R = TypeVar("R", bound="Record")
 _MORE = "more"
@@ -250,8 +250,14 @@ class AppleExport(Record):
         raise NotImplementedError
 
     def summary(self) -> str:
-        """One line for `inspect`: the package, its task, the OS it needs, its size, the check."""
+        """One line for `inspect`: the package, its task, the OS it needs, its size, the check (`summary_of`)."""
         raise NotImplementedError
+
+    def summary_of(self, target: str | None, size: int | None, weights: str | None = None) -> str:
+        parts = [f"{self.package_name}: {self.task}" + (" stateful decoder" if self.stateful else ""),
+                 f"target {target}" if target else None, human(size) if size else None, f"weights {weights}" if weights else None,
+                 ("checks ok" if self.check.ok else "checks FAILED") if self.check else "not checked"]
+        return ", ".join(p for p in parts if p)
 
     def inspect_rows(self) -> list[tuple[str, str]]:
         return [(self.NAME, self.summary())]

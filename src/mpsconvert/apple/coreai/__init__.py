@@ -14,7 +14,6 @@ from typing import ClassVar
 
 from ...errors import MpsconvertError
 from ...manifests.records import AppleExport, RuntimeResult
-from ...units import human
 
 ASSET_NAME = "model.aimodel"
 
@@ -82,11 +81,7 @@ class CoreAIExport(AppleExport):
                 + (f"; `mpsconvert generate {name} \"Hello\" --backend coreai` runs it with the Core AI runtime." if causal else "."), ""]
 
     def summary(self) -> str:
-        size = self.asset_bytes or (self.check.more.get("asset_bytes") if self.check else None)
-        parts = [f"{self.asset}: {self.task}" + (" stateful decoder" if self.task == "causal-lm" else ""),
-                 f"target {self.minimum_os}" if self.minimum_os else None, human(size) if size else None,
-                 ("checks ok" if self.check.ok else "checks FAILED") if self.check else "not checked"]
-        return ", ".join(p for p in parts if p)
+        return self.summary_of(self.minimum_os, self.asset_bytes or (self.check.more.get("asset_bytes") if self.check else None))
 
 
 @dataclass(kw_only=True)

@@ -24,11 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import ArtifactError, MpsconvertError
+from ...errors import MpsconvertError
 from .. import compare, stateful
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
 from . import RUNTIME_LABEL
 from .export import ASSET_NAME, TORCH_DTYPES, asset_bytes, storage_summary
+from ..target import package_in
 from .run import Session, coreai, quiet
 from .weights import blockwise_scale
 
@@ -42,10 +43,7 @@ def runtime_label(unit: str | None = None, platform: str = sys.platform) -> str:
 
 
 def _asset(artifact: Path) -> Path:
-    p = Path(artifact) / ASSET_NAME
-    if not p.is_dir():
-        raise ArtifactError(f"{artifact} has no {ASSET_NAME}", "run `mpsconvert export-coreai` first")
-    return p
+    return package_in(artifact, ASSET_NAME, "coreai")
 
 
 # --------------------------------------------------------------------------- interface

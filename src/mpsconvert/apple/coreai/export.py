@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ...errors import ExportError, MpsconvertError
-from ...manifests.manifest import Manifest
+from ...manifests.manifest import Manifest, dist_versions
 from ...progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
@@ -33,18 +33,6 @@ from .run import coreai_torch, quiet, signature
 from .weights import swap_fp8_experts, swap_fp8_linears
 
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {}
-    for dist in ("coreai-core", "coreai-torch"):
-        try:
-            out[dist.replace("-", "_")] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist.replace("-", "_")] = None
-    return out
 
 
 class _Stored(torch.nn.Module):
@@ -224,7 +212,7 @@ def _record(tm: TorchModel, opts: CoreAIOptions, weights: dict, sig: dict, asset
         "activations": f"{opts.compute} (the artifact's FP8 activation quantization is not applied)",
         "minimum_os": MINIMUM_OS,
         "converter": "torch.export -> coreai_torch.get_decomp_table() -> TorchConverter (release mode)",
-        "versions": _versions(),
+        "versions": dist_versions("coreai-core", "coreai-torch"),
         "fp8_tensors": len(tm.fp8_weights),
         "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,

@@ -17,7 +17,6 @@ from typing import ClassVar
 
 from ...errors import MpsconvertError
 from ...manifests.records import AppleExport, RuntimeResult
-from ...units import human
 
 PACKAGE_NAME = "model.mlpackage"
 
@@ -108,13 +107,8 @@ class CoreMLExport(AppleExport):
                 "`MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
 
     def summary(self) -> str:
-        chk = self.check.more if self.check else {}
-        size = self.package_weight_bytes or chk.get("weight_bytes")
-        parts = [f"{self.package}: {self.task}" + (" stateful decoder" if self.kv_cache else ""),
-                 f"target {self.minimum_deployment_target}" if self.minimum_deployment_target else None,
-                 human(size) if size else None, f"weights {self.weights}",
-                 ("checks ok" if self.check.ok else "checks FAILED") if self.check else "not checked"]
-        return ", ".join(p for p in parts if p)
+        size = self.package_weight_bytes or (self.check.more.get("weight_bytes") if self.check else None)
+        return self.summary_of(self.minimum_deployment_target, size, self.weights)
 
 
 @dataclass(kw_only=True)

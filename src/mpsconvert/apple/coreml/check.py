@@ -26,6 +26,7 @@ from ... import fp8, timing
 from .. import compare, stateful
 from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
+from ..target import package_in
 from .export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
 
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
@@ -33,10 +34,7 @@ _DTYPES = {65568: "fp32", 65552: "fp16", 131104: "int32", 131080: "int8"}
 
 
 def _package(artifact: Path) -> Path:
-    pkg = Path(artifact) / PACKAGE_NAME
-    if not pkg.is_dir():
-        raise ArtifactError(f"{artifact} has no {PACKAGE_NAME}", "run `mpsconvert export-coreml` first")
-    return pkg
+    return package_in(artifact, PACKAGE_NAME, "coreml")
 
 
 # --------------------------------------------------------------------------- spec
@@ -286,6 +284,10 @@ def _load(ct, pkg: Path, unit: str, row: dict):
     return ml
 
 
+def _unit_failed(row: dict, e: Exception) -> None:
+    row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+
+
 def _mps_row(tm, fn) -> dict:
     from ... import devices
 
@@ -323,7 +325,7 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
                             "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
                 row.update(compare.decode_timing(coreml_decoder(ml), ids[:prompt], steps, warmup=2))
             except Exception as e:  # one compute unit failing is a result, reported in its row
-                row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+                _unit_failed(row, e)
             rows.append(row)
         rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2)))
         base = next((r.get("decode_tokens_per_s") for r in rows if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")), None)
@@ -346,7 +348,7 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
             row["ok"] = row["cosine_min"] >= min_cosine
             row["latency_ms"] = round(timing.median_ms(lambda: ml.predict(feeds), repeats=runs), 3)
         except Exception as e:  # one compute unit failing is a result, reported in its row
-            row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            _unit_failed(row, e)
         rows.append(row)
 
     def mps():

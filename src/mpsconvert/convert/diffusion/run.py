@@ -60,17 +60,12 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
     """Write the FP8 artifact of a diffusion source to `out` (atomically); return its manifest."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import torch
-
     from ...safetensors_io import BufferPool
-    from ..quantize import BLOCK_BYTES, QUANT_THREADS, Options, _write_shards
+    from ..quantize import BLOCK_BYTES, QUANT_THREADS, Options, _write_shards, converting
     from .assemble import assemble
     from .write import WEIGHT_ONLY_ROW, comfy_file_name, diffusers_shard_names, estimate_bytes, plan, write_comfyui
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one per quantizing thread, as the LLM pipeline (convert/quantize.py)
-    snap.start_hashing()
-    try:
+    with converting(snap):  # one torch thread per quantizing thread; the source hashed from the start
         p = plan(snap, opts)
         pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
         protect = (snap.path, snap.diffusion.root)
@@ -88,8 +83,3 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
                 shards = _write_shards(snap, p.headers, p.quantize, {}, o, where, pool, workers, syncs, or_silent(progress),
                                        shard_names=diffusers_shard_names)
             return assemble(tmp, snap, p, opts, shards, Path(out).absolute().name)
-    except BaseException:
-        snap.stop_hashing()
-        raise
-    finally:
-        torch.set_num_threads(threads)
