@@ -44,17 +44,23 @@ def _record_file(files: dict, folder: Path, rel: str) -> str:
     return digest
 
 
+def write_index(shards: Shards, tmp: Path, rel: str, files: dict) -> None:
+    """The weights' index (`rel` inside `tmp`: total size, tensor -> file) when they are in more
+    than one file, recorded in `files`."""
+    if len(shards.files) > 1:
+        index = {"metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
+                 "weight_map": dict(sorted(shards.weight_map.items()))}
+        atomic.write_text(tmp / rel, json.dumps(index, indent=2) + "\n")
+        _record_file(files, tmp, rel)
+
+
 def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: str) -> Manifest:
     """Write the index, config, copied files, model card and manifest of the artifact being
     built in `tmp`, to be published as the folder `name`."""
     scheme = opts.scheme
     files = dict(shards.files)
     source_files = snap.source_files()  # hashed on the snapshot's thread meanwhile
-    if len(shards.files) > 1:
-        index = {"metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
-                 "weight_map": dict(sorted(shards.weight_map.items()))}
-        atomic.write_text(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-        _record_file(files, tmp, INDEX_NAME)
+    write_index(shards, tmp, INDEX_NAME, files)
 
     config = dict(snap.config)
     config["quantization_config"] = quantization_config(scheme, sorted(plan.ignored))

@@ -131,9 +131,14 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     return meta
 
 
+def _where(src: dict) -> str:
+    """The source as the card names it: `id`, at its commit when known."""
+    return f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+
+
 def _what_was_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+    where = _where(src)
     kept = r.get("ignored_modules") or {}
     lines = [
         "## What was done", "",
@@ -306,7 +311,7 @@ def diffusion_intro(manifest: Manifest) -> str:
 
 def diffusion_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+    where = _where(src)
     hp = r.get("high_precision") or {}
     kept = r.get("ignored_modules") or {}
     fmt = r.get("format")
