@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from coreml_export import CACHE, smollm2_source  # noqa: E402  (one SmolLM2 checkpoint for every benchmark)
+from _sources import CACHE, smollm2 as smollm2_source  # noqa: E402  (one SmolLM2 checkpoint for every benchmark)
 
 
 def artifact() -> Path:

@@ -97,7 +97,7 @@ def test_the_public_api_is_documented():
             assert p.annotation is not pyinspect.Parameter.empty, f"{name}({p.name}) has no type"
 
 
-TRITON_HOME = PKG / "runtime" / "tritonlib.py"
+TRITON_HOME = PKG / "runtime" / "ops" / "triton" / "__init__.py"
 
 
 def _triton_imports(path: Path) -> list[int]:
@@ -112,11 +112,11 @@ def _triton_imports(path: Path) -> list[int]:
 
 
 def test_one_module_owns_the_triton_import():
-    """Triton has no macOS wheels: runtime/tritonlib.py imports it (guarded) and every kernel
+    """Triton has no macOS wheels: runtime/ops/triton/__init__.py imports it (guarded) and every kernel
     module takes `triton` / `tl` from there, so a base install imports every module."""
     bad = {p.relative_to(PKG).as_posix(): lines for p in FILES if p != TRITON_HOME and (lines := _triton_imports(p))}
-    assert not bad, f"import triton only in runtime/tritonlib.py; also imported in {bad}"
-    assert _triton_imports(TRITON_HOME), "tritonlib.py no longer imports triton: update this test"
+    assert not bad, f"import triton only in runtime/ops/triton/__init__.py; also imported in {bad}"
+    assert _triton_imports(TRITON_HOME), "ops/triton/__init__.py no longer imports triton: update this test"
 
 
 def test_the_triton_check_sees_an_import(tmp_path):
@@ -150,3 +150,37 @@ def test_every_module_imports_in_this_environment():
     count, *bad = r.stdout.strip().splitlines()
     assert int(count) == len([p for p in FILES if p.name != "__main__.py"]), "the walk missed modules"  # a subpackage's __init__ is its entry
     assert not bad, "\n".join(bad)
+
+
+# The runtime's own layers, bottom first: a module may import runtime modules of its own layer and
+# the layers below it, never above (runtime/__init__.py, the package's face, re-exports `load`).
+RUNTIME_LAYERS = ("ops.triton", "ops", "patches", "load", "engine", "evaluate")
+
+
+def _runtime_layer(dotted: str) -> int | None:
+    """The index in RUNTIME_LAYERS of a module path under runtime ('runtime.ops.triton.gemv'), or
+    None for runtime itself."""
+    rest = dotted.removeprefix("runtime").lstrip(".")
+    for i, layer in sorted(enumerate(RUNTIME_LAYERS), key=lambda x: -len(x[1])):  # ops.triton before ops
+        if rest == layer or rest.startswith(layer + "."):
+            return i
+    return None
+
+
+RUNTIME_FILES = [p for p in FILES if p.relative_to(PKG).parts[0] == "runtime" and p.relative_to(PKG).as_posix() != "runtime/__init__.py"]
+
+
+@pytest.mark.parametrize("path", RUNTIME_FILES, ids=lambda p: p.relative_to(PKG).as_posix())
+def test_the_runtime_layers_go_one_way(path):
+    rel = path.relative_to(PKG).with_suffix("")
+    here = _runtime_layer(".".join(rel.parts if rel.name != "__init__" else rel.parts[:-1]))
+    assert here is not None, f"{rel} is in no runtime layer; RUNTIME_LAYERS = {RUNTIME_LAYERS}"
+    above = sorted(m for m in _imports(path) if m.startswith("runtime") and (_runtime_layer(m) or 0) > here)
+    assert not above, f"{rel} ({RUNTIME_LAYERS[here]}) imports {above} from a runtime layer above it"
+
+
+def test_the_runtime_layer_check_sees_a_violation():
+    """Negative control: a load module importing the engine would be caught."""
+    assert _runtime_layer("runtime.ops.triton.gemv") == 0 and _runtime_layer("runtime.ops.kernels") == 1
+    assert _runtime_layer("runtime.engine") == 4 and _runtime_layer("runtime.evaluate.validate") == 5
+    assert "runtime.engine" in _imports(PKG / "runtime" / "evaluate" / "validate.py")  # what the test above compares

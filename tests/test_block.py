@@ -16,7 +16,7 @@ from mpsconvert.errors import ArtifactError, MpsconvertError
 from mpsconvert.manifests.ct_config import quantization_config, scheme_from_config
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
-from mpsconvert.runtime import kernels
+from mpsconvert.runtime.ops import kernels
 from mpsconvert.scales import scale_shape
 from .models import group_quantized_activations, tiny_moe_checkpoint
 

@@ -14,7 +14,7 @@ import torch
 
 from mpsconvert import fp8
 from mpsconvert.errors import ArtifactError
-from mpsconvert.runtime.moe import FP8Experts, Route, grouped_mm_available, reference_forward, replace_moe_experts
+from mpsconvert.runtime.ops.experts import FP8Experts, Route, grouped_mm_available, reference_forward, replace_moe_experts
 
 E, H, I = 8, 64, 48
 
@@ -103,8 +103,8 @@ def test_static_scale_clips_like_fp8():
 TRITON_CHECK = textwrap.dedent(
     """
     import torch
-    from mpsconvert.runtime import moe_triton
-    from mpsconvert.runtime.moe import reference_forward
+    from mpsconvert.runtime.ops.triton import experts as moe_triton
+    from mpsconvert.runtime.ops.experts import reference_forward
     from tests.test_moe_runtime import _experts, _routing
     E, N, K = 4, 48, 96
     g = torch.Generator().manual_seed(0)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # heavy modules, for annotations only
 
     from .calibrate.run import CalibOptions, Calibration
     from .manifests.verify import VerifyReport
-    from .runtime.validate import ValidateOptions
+    from .runtime.evaluate.validate import ValidateOptions
 
 __all__ = [
     "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai", "check_coreai",
@@ -160,8 +160,8 @@ def calibration_options(**kw: Any) -> CalibOptions:
 
 def validate_options(**kw: Any) -> ValidateOptions:
     """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
-    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.validate.ValidateOptions`."""
-    from .runtime.validate import ValidateOptions
+    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
+    from .runtime.evaluate.validate import ValidateOptions
 
     return ValidateOptions(**kw)
 
@@ -446,7 +446,7 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from .runtime.loader import verify as run
+    from .runtime.load.loader import verify as run
 
     return run(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress,
                manifest_sha256=manifest_sha256)
@@ -484,13 +484,13 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
         DeviceError: the device is not there, or ran out of memory.
         ArtifactError: the artifact fails verification.
     """
-    from .runtime.validate import validate as run
+    from .runtime.evaluate.validate import validate as run
 
     opts = options or validate_options()
     artifact = Path(artifact)
     if layout.is_artifact(artifact) and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
         from .convert.diffusion.load import load_pair
-        from .runtime.validate_diffusion import validate as run_step
+        from .runtime.evaluate.validate_diffusion import validate as run_step
 
         result = ValidationResult(**run_step(artifact, opts, load_pair, progress))
         if result.recorded:
@@ -820,7 +820,7 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
         verify: check every file's sha256 against the manifest (code and config before they are
             used, the weights as they are read, all before the model is returned).
         **kw: `prefill_m`, `kernel_cache`, `measure`, `trust_remote_code`, `progress`,
-            `manifest_sha256` (the manifest file's pinned sha256) (see `runtime.loader.load`).
+            `manifest_sha256` (the manifest file's pinned sha256) (see `runtime.load.loader.load`).
 
     Returns:
         The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each
@@ -832,7 +832,7 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
     """
     import torch
 
-    from .runtime.loader import load as run
+    from .runtime.load.loader import load as run
 
     return run(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)
 
@@ -848,7 +848,7 @@ class GenerateResult:
     generation tokens/s, peak memory, device, the token ids, why it stopped)."""
 
     text: str
-    stats: Any  # runtime.generate.GenerationStats
+    stats: Any  # runtime.engine.GenerationStats
 
     def as_dict(self) -> dict:
         return {"text": self.text, **self.stats.as_dict()}
@@ -913,21 +913,21 @@ def _apple_record(artifact: Path, key: str, command: str) -> tuple[dict, Path]:
     return rec, inside(artifact, rec.get("asset" if key == "coreai" else "package"), what=f"the {key} export")
 
 
-def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Progress | None):
+def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Progress | None, compile: bool | None = None):
     """The decoder for `backend`: the PyTorch model (runtime.load on `device`), the Core AI
     asset on its runtime, or the Core ML package (macOS only)."""
     import sys
 
-    from .runtime import generate as gen
+    from .runtime import engine as gen
 
     if backend == "torch":
-        from .runtime.validate import _is_causal
+        from .runtime.evaluate.validate import _is_causal
 
         model = load(artifact, device=device, progress=progress)
         if not _is_causal(model.config):
             raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
                                 "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
-        return gen.TorchDecoder(model), model.config
+        return gen.Engine(model, compile=compile), model.config
     if backend == "coreai":
         rec, asset = _apple_record(artifact, "coreai", "export-coreai")
         from .extras import require
@@ -967,6 +967,7 @@ def chat(
     seed: int = 0,
     system: str | None = None,
     progress: Progress | None = None,
+    compile: bool | None = None,
 ) -> Chat:
     """Open an artifact for text generation: `with chat(dir) as c: c.say("hi", print)`.
 
@@ -979,6 +980,9 @@ def chat(
         max_tokens, temp, top_p, seed: sampling, as mlx-lm names it (temp 0: greedy).
         system: a system message that starts the history.
         progress: `progress(phase, done, total, detail)` while loading.
+        compile: torch backend: the decode step as a CUDA graph (torch.compile, captured before
+            the first token is timed; its time is `stats.compile_seconds`). None: on CUDA only;
+            False: the eager loop (what `--no-compile` asks).
 
     Returns:
         Chat: `say(message, on_text)` and `complete(prompt, on_text)` -> GenerateResult.
@@ -991,14 +995,14 @@ def chat(
     """
     import contextlib
 
-    from .runtime import generate as gen
+    from .runtime import engine as gen
 
     artifact = Path(artifact)
     sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
     stack = contextlib.ExitStack()
     try:
         tok = gen.load_tokenizer(artifact)
-        decoder, config = _open_decoder(artifact, backend, device, stack, progress)
+        decoder, config = _open_decoder(artifact, backend, device, stack, progress, compile)
         if config is None:
             from .modeldef import load_config
 
