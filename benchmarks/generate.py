@@ -17,8 +17,10 @@ printed so that ours and ours-hf can be compared), the bandwidth fraction (bytes
 weights + KV cache at the midpoint, over the step time, against the device's copy bandwidth
 measured in the run), peak memory, compile time, and on the host: aten ops dispatched per decode
 token and host microseconds per token of a width-16 twin of the model (same layers, compute
-~0: what the host alone costs per token, the proxy for MPS). Ratios are against BF16 from the
-same run.
+~0, float32 on CPU: what the host alone costs per token, the proxy for MPS). Ratios are against
+BF16 from the same run. `ours` and `bf16` also time transformers' `generate()` on their own
+loaded model in rounds interleaved with the engine's (`same_model`): on a shared machine whose
+speed drifts, that ratio is the one to read.
 
     # H200: the issue's targets (Llama-3-8B shape, 32 layers; Mixtral shape, 4 layers)
     python benchmarks/generate.py --arch llama --layers 32 --device cuda --prompt 128 --tokens 256 --ttft 128,2048
@@ -131,11 +133,8 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     if eng is not None:
         out["compile_s"] = eng.reserve(longest)
 
-    def generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
-        """(seconds to the first token, seconds for all n, tokens, stats)"""
-        if eng is not None:
-            st = engine.generate_ids(eng, ids, engine.Sampling(max_tokens=n))
-            return st.prompt_seconds, st.prompt_seconds + st.generation_seconds, st.tokens, st
+    def hf_generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
+        """transformers' generate() of 1 token, then of n: (seconds of the first, of the second, its tokens, None)"""
         x = torch.tensor([ids], device=dev)
         kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
         times = []
@@ -147,6 +146,13 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
             devices.synchronize(dev)
             times.append(time.perf_counter() - t0)
         return times[0], times[1], o[0, len(ids):].tolist(), None
+
+    def generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
+        """(seconds to the first token, seconds for all n, tokens, the engine's stats or None)"""
+        if eng is None:
+            return hf_generate(ids, n)
+        st = engine.generate_ids(eng, ids, engine.Sampling(max_tokens=n))
+        return st.prompt_seconds, st.prompt_seconds + st.generation_seconds, st.tokens, st
 
     if hf:  # transformers compiles at its first static-cache generate (CUDA): timed apart, as ours is
         t = time.perf_counter()
@@ -164,6 +170,18 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     out["decode_tps"] = round(statistics.median(rates), 3)
     out["decode_tps_runs"] = [round(r, 3) for r in rates]
     out["tokens"] = tokens
+    if eng is not None:  # the same loaded model through transformers' generate(), rounds interleaved with ours
+        ours_r, theirs_r, same = [], [], []
+        for _ in range(args.repeats):
+            first, total, mine, _ = generate(ids, args.tokens)
+            ours_r.append((len(mine) - 1) / (total - first))
+            first, total, theirs, _ = hf_generate(ids, args.tokens)
+            theirs_r.append((args.tokens - 1) / (total - first))
+            same.append(theirs == mine)
+        out["same_model"] = {"engine_tps": round(statistics.median(ours_r), 3), "generate_tps": round(statistics.median(theirs_r), 3),
+                             "ratio": round(statistics.median(ours_r) / statistics.median(theirs_r), 3),
+                             "engine_runs": [round(r, 3) for r in ours_r], "generate_runs": [round(r, 3) for r in theirs_r],
+                             "same_tokens": all(same)}  # fmt: skip
     step_s = 1 / out["decode_tps"]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -202,9 +220,10 @@ def host_us_per_token(model, name: str, args) -> float:
     cfg.update(hidden_size=16 * heads, intermediate_size=32, num_attention_heads=heads, num_key_value_heads=1, head_dim=16,
                vocab_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     cfg.pop("quantization_config", None)
-    twin = transformers.AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg), dtype=torch.bfloat16).to(args.device).eval()
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16  # BF16 arithmetic is emulated on most CPUs: not host work
+    twin = transformers.AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg), dtype=dtype).to(args.device).eval()
     if name.startswith("ours"):  # the patches load() applies on this device
-        ctx = patches.Context(torch.device(args.device), torch.bfloat16, {"compile": name != "ours-eager"})
+        ctx = patches.Context(torch.device(args.device), dtype, {"compile": name != "ours-eager"})
         patches.apply(twin, ctx, "modules")
         patches.apply(twin, ctx, "forwards")
     ids = list(range(3, 19))
@@ -317,11 +336,14 @@ def main() -> None:
 
 
 def summary(name: str, r: dict) -> str:
+    sm = r.get("same_model")
+    same = (f"; same model, rounds interleaved: engine {sm['engine_tps']:.2f} vs transformers generate() {sm['generate_tps']:.2f} tok/s "
+            f"= {sm['ratio']:.2f}x, same tokens {sm['same_tokens']}") if sm else ""
     ttft = ", ".join(f"{k} tok {v:.1f} ms" for k, v in r["ttft_ms"].items())
     comp = f", compile {r['compile_s']:.1f} s" if r.get("compile_s") else (f", first generate {r['first_generate_s']:.1f} s" if "first_generate_s" in r else "")
     return (f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth {r['bandwidth_fraction']:.3f}, TTFT {ttft}, "
             f"load {r['load_cold_s']:.2f} s cold / {r['load_warm_s']:.2f} s warm{comp}, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
-            f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), {r['ops_per_token']:.0f} aten ops/token")
+            f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), {r['ops_per_token']:.0f} aten ops/token{same}")
 
 
 if __name__ == "__main__":

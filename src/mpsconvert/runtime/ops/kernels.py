@@ -112,16 +112,38 @@ def _group_dequantize(xq: torch.Tensor, xs: torch.Tensor, group: int, dtype: tor
     return (xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]).to(dtype)
 
 
+def _block_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor, out_dtype: torch.dtype):
+    return F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, scale_blocks_t,
+                       F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
+@torch.library.custom_op("mpsconvert::scaled_mm_block", mutates_args=())
+def scaled_mm_block_op(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """The blockwise FP8 GEMM as one opaque op for torch.compile, as the FP8 GEMV is. On the H200
+    (torch 2.11) each block-scaled layer broke the compiled decode step (block decode ran at 0.19x
+    of row decode, issue 31); torch 2.13 traces `F.scaled_mm` into `_scaled_mm_v2`, which dynamo
+    may or may not keep in one graph per version and recipe. An op with a fake (shape-only)
+    implementation is one node of the graph on every version."""
+    return _block_mm(xq, xs, weight, scale_blocks_t, out_dtype)
+
+
+@scaled_mm_block_op.register_fake
+def _(xq, xs, weight, scale_blocks_t, out_dtype):
+    return xq.new_empty(xq.shape[0], weight.shape[0], dtype=out_dtype)
+
+
 def scaled_mm_block(mod, x, quantized=None):
     """FP8_BLOCK's GEMM: `F.scaled_mm` BlockWise1x128 (activations, scale [M, K/128]
-    outer-dim-major) x BlockWise128x128 (weights, as `blockwise_weight_scale` lays them out).
-    torch 2.11 refuses M=1 with these recipes, so a few rows are padded to 16 (zeros)."""
+    outer-dim-major) x BlockWise128x128 (weights, as `blockwise_weight_scale` lays them out);
+    under torch.compile the custom op above. torch 2.11 refuses M=1 with these recipes, so a few
+    rows are padded to 16 (zeros)."""
     m = x.shape[0]
     if m < 16:
         x = F.pad(x, (0, 0, 0, 16 - m))
     xq, xs = quantized if quantized is not None else group_quantize(x, SCALED_MM_BLOCK)
-    y = F.scaled_mm(xq, mod.weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, mod.scale_blocks_t,
-                    F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
+    mm = scaled_mm_block_op if torch.compiler.is_compiling() else _block_mm
+    y = mm(xq, xs, mod.weight, mod.scale_blocks_t, x.dtype)[:m]
     return y + mod.bias if mod.bias is not None else y
 
 
