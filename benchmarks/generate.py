@@ -133,18 +133,21 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     if eng is not None:
         out["compile_s"] = eng.reserve(longest)
 
+    cpu = []  # process CPU seconds of the last timed call(s): less swayed than wall time by other work on a shared machine
+
     def hf_generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
         """transformers' generate() of 1 token, then of n: (seconds of the first, of the second, its tokens, None)"""
         x = torch.tensor([ids], device=dev)
         kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
-        times = []
+        times, cpu[:] = [], []
         for k in (1, n):
             devices.synchronize(dev)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():
                 o = model.generate(x, max_new_tokens=k, min_new_tokens=k, **kw)
             devices.synchronize(dev)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         return times[0], times[1], o[0, len(ids):].tolist(), None
 
     def generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
@@ -171,15 +174,20 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     out["decode_tps_runs"] = [round(r, 3) for r in rates]
     out["tokens"] = tokens
     if eng is not None:  # the same loaded model through transformers' generate(), rounds interleaved with ours
-        ours_r, theirs_r, same = [], [], []
-        for _ in range(args.repeats):
+        ours_r, theirs_r, same, cpu_ratio = [], [], [], []
+        for _ in range(args.same_rounds):
+            c0 = time.process_time()
             first, total, mine, _ = generate(ids, args.tokens)
+            ours_cpu = time.process_time() - c0  # prefill included: compared with transformers' whole call below
             ours_r.append((len(mine) - 1) / (total - first))
             first, total, theirs, _ = hf_generate(ids, args.tokens)
             theirs_r.append((args.tokens - 1) / (total - first))
+            cpu_ratio.append(cpu[1] / ours_cpu)  # CPU seconds of transformers' n-token generate() / ours for the same n
             same.append(theirs == mine)
         out["same_model"] = {"engine_tps": round(statistics.median(ours_r), 3), "generate_tps": round(statistics.median(theirs_r), 3),
                              "ratio": round(statistics.median(ours_r) / statistics.median(theirs_r), 3),
+                             "round_ratios": [round(a / b, 3) for a, b in zip(ours_r, theirs_r)],
+                             "cpu_time_ratio": round(statistics.median(cpu_ratio), 3),
                              "engine_runs": [round(r, 3) for r in ours_r], "generate_runs": [round(r, 3) for r in theirs_r],
                              "same_tokens": all(same)}  # fmt: skip
     step_s = 1 / out["decode_tps"]
@@ -261,6 +269,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ttft", default="128,2048", help="prompt lengths for the time to first token")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--same-rounds", type=int, default=5, help="interleaved rounds of the engine and generate() on one model")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--work", help="folder for the checkpoint and the artifact (kept); default: a temporary one")
     ap.add_argument("--out")
@@ -302,7 +311,8 @@ def main() -> None:
     for name in args.variants.split(","):
         argv = [sys.executable, __file__, "--variant", name, "--paths", os.pathsep.join([str(src), str(art)]), "--device", args.device,
                 "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--ttft", ",".join(map(str, args.ttft)),
-                "--repeats", str(args.repeats), "--copy-bandwidth", str(args.copy_bandwidth)]  # fmt: skip
+                "--repeats", str(args.repeats), "--same-rounds", str(args.same_rounds),
+                "--copy-bandwidth", str(args.copy_bandwidth)]  # fmt: skip
         r = subprocess.run(argv, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if r.returncode != 0 or line is None:
@@ -338,7 +348,7 @@ def main() -> None:
 def summary(name: str, r: dict) -> str:
     sm = r.get("same_model")
     same = (f"; same model, rounds interleaved: engine {sm['engine_tps']:.2f} vs transformers generate() {sm['generate_tps']:.2f} tok/s "
-            f"= {sm['ratio']:.2f}x, same tokens {sm['same_tokens']}") if sm else ""
+            f"= {sm['ratio']:.2f}x (per round {sm['round_ratios']}; CPU time {sm['cpu_time_ratio']:.2f}x), same tokens {sm['same_tokens']}") if sm else ""
     ttft = ", ".join(f"{k} tok {v:.1f} ms" for k, v in r["ttft_ms"].items())
     comp = f", compile {r['compile_s']:.1f} s" if r.get("compile_s") else (f", first generate {r['first_generate_s']:.1f} s" if "first_generate_s" in r else "")
     return (f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth {r['bandwidth_fraction']:.3f}, TTFT {ttft}, "

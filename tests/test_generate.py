@@ -224,3 +224,18 @@ def test_the_compiled_decode_step_gives_the_eager_tokens():
     again = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=16))
     assert first.tokens == again.tokens == want
     assert first.compile_seconds > 0 and again.compile_seconds is None  # the same cache: nothing compiled twice
+
+
+def test_the_static_cache_engine_gives_transformers_tokens():
+    """The engine's static-cache path (what a CUDA graph replays) run eagerly on CPU: the prompt
+    prefilled over a DynamicCache and written into the static cache, then steps over it; the
+    greedy tokens are transformers' generate()'s, over several generations of one cache."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    eng = engine.Engine(model, static=True)
+    for prompt in ([5, 6, 7, 8, 9, 10], [11, 12, 13]):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
+        assert got.tokens == want[0, len(prompt):].tolist() and type(eng.cache).__name__ == "StaticCache"

@@ -819,7 +819,8 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
         dtype: the compute dtype of unquantized tensors and activations [default: bfloat16].
         verify: check every file's sha256 against the manifest (code and config before they are
             used, the weights as they are read, all before the model is returned).
-        **kw: `prefill_m`, `kernel_cache`, `measure`, `trust_remote_code`, `progress`,
+        **kw: `kernel_cache`, `measure`, `trust_remote_code`, `progress`, `compile` (on CUDA, the
+            model's generate() at batch 1 with a static cache, compiled by transformers; False: its default),
             `manifest_sha256` (the manifest file's pinned sha256) (see `runtime.load.loader.load`).
 
     Returns:

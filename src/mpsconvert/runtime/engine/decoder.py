@@ -9,7 +9,10 @@ so it is captured once as a CUDA graph and replayed per token. It is compiled an
 and the seconds it took are reported apart (`compile_seconds`); Inductor's graph cache on disk
 keeps what it compiled for the next process (torch's default). The prefill runs eager: on the
 H200 the eager prefill measured faster than the compiled one (docs/benchmarks.md: 30.2 vs
-31.0 ms for 2048 tokens of the Llama-3-8B shape), so no length compiles it.
+31.0 ms for 2048 tokens of the Llama-3-8B shape), so no length compiles it. It runs over an
+empty DynamicCache, whose keys and values are then written into the static cache (its public
+`update`): the eager prefill's direct path (runtime/patches/attention_prefill.py) takes a
+DynamicCache only, and attends over the prompt's own keys, not the padded cache.
 
 Eager (CPU, MPS, `compile=False`) the cache is transformers' DynamicCache, made once per
 generation: without a graph a static cache saves no host work (its update is one Python call
@@ -109,9 +112,17 @@ class Engine:
                                       "call reserve() with the whole conversation's length before its first prefill")
             self.reserve(n + 1)
         x = torch.tensor([ids], dtype=torch.long, device=self.dev)
+        pos = self.positions[:, self.pos : self.pos + n]
         with torch.no_grad():
-            out = self.model(input_ids=x, position_ids=self.positions[:, self.pos : self.pos + n], use_cache=True, **self.kw,
-                             **self.keep).logits  # fmt: skip
+            if self._static and self.pos == 0:  # prefilled over an empty DynamicCache, then written into the static one
+                from transformers import DynamicCache
+
+                dyn = DynamicCache(config=self.model.config)
+                out = self.model(input_ids=x, position_ids=pos, use_cache=True, **cache_kwarg(self.model, dyn), **self.keep).logits
+                for i, layer in enumerate(dyn.layers):
+                    self.cache.update(layer.keys, layer.values, i)
+            else:
+                out = self.model(input_ids=x, position_ids=pos, use_cache=True, **self.kw, **self.keep).logits
         self.pos += n
         return out[0, -1]
 

@@ -44,6 +44,11 @@ from . import forwards, hf_compat
 
 MAX_POSITIONS = 32768  # the longest call with tables: 16 MB of cos / sin for 128-wide bf16 heads (Llama-3-8B, 8192: 4 MB)
 PROBE_LENGTHS = (1, 7)
+# The calls that get the model's own positions: these arguments set, any other one unset (None or
+# False). An allow-list: positions or a cache position of the caller's, or an argument this code
+# does not know (a future one), run the model's own forward.
+ACCEPTED = frozenset({"input_ids", "inputs_embeds", "attention_mask", "past_key_values", "cache", "use_cache", "return_dict",
+                      "output_hidden_states", "output_attentions", "logits_to_keep"})
 
 
 def start(position_ids) -> int | None:
@@ -80,7 +85,7 @@ def _model_forward(self, *args, **kwargs):
     the buffer when the call has none (the values the model would make: 0 .. S-1 after what a
     DynamicCache holds, none without a cache)."""
     fwd = self.mpsconvert_base.forward
-    if torch.compiler.is_compiling() or len(args) > 1 or kwargs.get("position_ids") is not None or kwargs.get("cache_position") is not None:
+    if torch.compiler.is_compiling() or len(args) > 1 or not all(k in ACCEPTED or v is None or v is False for k, v in kwargs.items()):
         return fwd(self, *args, **kwargs)
     ids = args[0] if args else kwargs.get("input_ids")
     x = ids if ids is not None else kwargs.get("inputs_embeds")
