@@ -217,11 +217,12 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
 
 def host_us_per_token(model, name: str, args) -> float:
     """Microseconds per decode token of the same architecture and depth at width 16 (compute
-    ~0): the host's work per token along this variant's path."""
+    ~0): the host's work per token along this variant's path (for ours: the twin quantized and
+    loaded with mpsconvert.load, so its FP8 layers and patches run as the variant's do)."""
     import torch
     import transformers
 
-    from mpsconvert.runtime import engine, patches
+    from mpsconvert.runtime import engine
 
     cfg = model.config.to_dict()
     heads = 2
@@ -229,11 +230,16 @@ def host_us_per_token(model, name: str, args) -> float:
                vocab_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     cfg.pop("quantization_config", None)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16  # BF16 arithmetic is emulated on most CPUs: not host work
-    twin = transformers.AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg), dtype=dtype).to(args.device).eval()
-    if name.startswith("ours"):  # the patches load() applies on this device
-        ctx = patches.Context(torch.device(args.device), dtype, {"compile": name != "ours-eager"})
-        patches.apply(twin, ctx, "modules")
-        patches.apply(twin, ctx, "forwards")
+    twin = transformers.AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg), dtype=dtype).eval()
+    if name.startswith("ours"):  # the twin quantized and loaded as the variant's model was: its FP8 layers and patches
+        import _sources
+        import mpsconvert
+
+        work = Path(tempfile.mkdtemp(prefix="mpsconvert-twin-"))
+        twin.save_pretrained(work / "src")
+        _sources.quantize(work / "src", work / "art")
+        twin = mpsconvert.load(work / "art", device=args.device, dtype=dtype, compile=name != "ours-eager")
+    twin = twin.to(args.device)
     ids = list(range(3, 19))
     n = 64
     if name.endswith("-hf"):
