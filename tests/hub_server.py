@@ -7,8 +7,10 @@ huggingface_hub's `create_repo` and `upload_folder` use (legacy LFS path, no Xet
     PUT  /lfs/{oid}                                          the object's bytes (sha256 checked)
     POST /api/models/{repo}/commit/{revision}                NDJSON: header, file, lfsFile lines
     POST /api/validate-yaml                                  the README's front matter (parsed, checked)
+    GET  /api/models/{repo}                                  the repo's info: its visibility (`private`)
 
-It keeps what arrived (repos, commits with their files' bytes, the Authorization headers) for
+Like a hub without Xet storage, it answers 404 to `GET /api/models/{repo}/xet-write-token/...`
+(huggingface_hub then needs HF_HUB_DISABLE_XET=1). It keeps what arrived (repos, commits with their files' bytes, the Authorization headers) for
 the test to check. Anything else gets a 404 and is recorded in `unknown`.
 """
 
@@ -127,6 +129,10 @@ class FakeHub:
                 return self._send(404, {"error": "unknown endpoint"})
 
             def do_GET(self):
+                path = unquote(urlparse(self.path).path)
+                if (m := re.fullmatch(r"/api/models/([^/]+/[^/]+|[^/]+)", path)) and m.group(1) in hub.repos:
+                    repo = hub.repos[m.group(1)]
+                    return self._send(200, {"id": m.group(1), "private": repo.get("visibility", "public") == "private"})
                 hub.unknown.append(f"GET {self.path}")
                 return self._send(404, {"error": "unknown endpoint"})
 

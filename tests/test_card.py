@@ -5,6 +5,7 @@ import yaml
 from click.testing import CliRunner
 
 import mpsconvert
+import torch
 from mpsconvert.cli import main
 from mpsconvert.manifests import card
 from mpsconvert.manifests.manifest import Manifest
@@ -30,7 +31,7 @@ def front(folder):
 
 
 def test_card_front_matter_is_the_manifests(tmp_path, text_data):
-    src = models.runtime_tiny_llama(tmp_path / "src")
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     (src / "README.md").write_text(SOURCE_CARD)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     text = (art / "README.md").read_text()
@@ -48,7 +49,8 @@ def test_card_front_matter_is_the_manifests(tmp_path, text_data):
     # the source's card is kept below, attributed, without its own front matter
     body = text.split(card.SOURCE_MARKER, 1)[1]
     assert "# Tiny Llama" in body and "Trained on nothing at all." in body and "license: apache-2.0" not in body
-    assert "lm_head" in text and "Not validated yet" in text and "mpsconvert generate src-fp8-dynamic" in text
+    # "How to load" names the folder the artifact is in (-o a), not quantize's default name (src-fp8-dynamic)
+    assert "lm_head" in text and "Not validated yet" in text and "mpsconvert generate a " in text and "src-fp8-dynamic" not in text
     assert m.files["README.md"]["sha256"] != m.source["files"]["README.md"]  # the card, recorded; the source's own hash kept
     assert mpsconvert.verify(art).ok
     again = mpsconvert.quantize(src, tmp_path / "elsewhere" / "a").output  # deterministic: same inputs, same bytes
@@ -56,7 +58,7 @@ def test_card_front_matter_is_the_manifests(tmp_path, text_data):
 
 
 def test_hub_source_gets_base_model(tmp_path):
-    src = models.runtime_tiny_llama(tmp_path / "models--org--tiny" / "snapshots" / ("c" * 40))
+    src = models.tiny("llama", tmp_path / "models--org--tiny" / "snapshots" / ("c" * 40), tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     meta, _ = front(art)
     # a folder in the HF cache layout keeps its provenance (source.resolve): the card points at the hub model
@@ -66,7 +68,7 @@ def test_hub_source_gets_base_model(tmp_path):
 
 
 def test_validate_rewrites_the_card(tmp_path, text_data):
-    src = models.runtime_tiny_llama(tmp_path / "src")
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     res = CliRunner().invoke(main, ["validate", str(art), "--device", "cpu", "--max-samples", "1", "--seq-len", "64", "--prefill-len", "32",
                                     "--decode-tokens", "2", "--repeats", "1", "--rounds", "1", "--warmup", "0",

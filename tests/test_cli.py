@@ -108,7 +108,8 @@ def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_model
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     res = run("quantize", tiny_models["llama"], "-o", out)
-    assert res.exit_code == 2 and "already exists" in res.output and "--force" in res.output
+    # not "pass --force": --force would refuse this folder too (it replaces only mpsconvert artifacts)
+    assert res.exit_code == 2 and "not an mpsconvert artifact" in res.output and "pass --force" not in res.output, res.output
     assert (out / "precious.txt").read_text() == "keep me"
     # --force with a failing conversion must not destroy what was there
     d = tmp_path / "nan"
@@ -126,6 +127,8 @@ def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_model
     (out / "precious.txt").unlink()
     out.rmdir()
     assert run("quantize", tiny_models["llama"], "-o", out).exit_code == 0
+    res = run("quantize", tiny_models["llama"], "-o", out)  # an artifact: --force is the fix, and it works
+    assert res.exit_code == 2 and "already exists" in res.output and "pass --force" in res.output, res.output
     (out / "stale.txt").write_text("x")
     res = run("quantize", tiny_models["llama"], "-o", out, "--force")
     assert res.exit_code == 0 and not (out / "stale.txt").exists() and (out / "mpsconvert.json").is_file()

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 import mpsconvert
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.verify import verify_artifact
-from .models import group_quantized_activations, tiny_moe_checkpoint, tiny_qwen3, to_fine_grained_fp8
+from .models import group_quantized_activations, tiny, to_fine_grained_fp8
+from .helpers import logits
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -26,7 +27,7 @@ IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
 def _source(tmp_path, arch: str, block: int):
-    bf16 = tiny_qwen3(tmp_path / "bf16") if arch == "qwen3" else tiny_moe_checkpoint(tmp_path / "bf16", "qwen3_moe")
+    bf16 = tiny("qwen3", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08) if arch == "qwen3" else tiny("qwen3_moe", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08, vocab=128)
     return to_fine_grained_fp8(bf16, tmp_path / "fp8-src", block)
 
 
@@ -52,11 +53,8 @@ def _source_dequantized(src, block: int):
     return group_quantized_activations(model, linears, block), linears
 
 
-def _logits(model):
-    with torch.no_grad():
-        return model(IDS).logits.float()
-
-
+@pytest.mark.extra("ct")
+@pytest.mark.needs("accelerate")  # transformers loads the FineGrainedFP8 reference only with accelerate
 @pytest.mark.parametrize("arch,block", [("qwen3", 32), ("qwen3", 128), ("qwen3_moe", 16)])
 def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, arch, block):
     src = _source(tmp_path, arch, block)
@@ -86,19 +84,20 @@ def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, 
     assert verify_artifact(out).ok
 
     ref, linears = _source_dequantized(src, block)
-    want = _logits(ref)
+    want = logits(ref, IDS)
     scale = want.abs().max()
     # transformers 5.24 cannot fold block scales into MoE experts (see test_block), and
     # compressed-tensors quantizes activations per group only where the group divides K (64 here)
     if arch == "qwen3" and 64 % block == 0:
         ct = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        got = _logits(ct)
+        got = logits(ct, IDS)
         assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
     ours = mpsconvert.load(out, device="cpu", dtype=torch.float32)
-    got = _logits(ours)
+    got = logits(ours, IDS)
     assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
 
 
+@pytest.mark.needs("accelerate")
 def test_another_granularity_requantizes_and_says_it_rounds_twice(tmp_path):
     src = _source(tmp_path, "qwen3", 32)
     res = mpsconvert.quantize(src, tmp_path / "row", weights="row")

@@ -44,10 +44,10 @@ def reference_model(cls, src, out, dynamic: bool):
     return ref, quantized
 
 
+@pytest.mark.extra("ct")
 @pytest.mark.parametrize("arch", CAUSAL)
 @pytest.mark.parametrize("scheme,weights", [("fp8-dynamic", "row"), ("fp8-weight-only", "tensor")])
 def test_causal_lm_loads_with_transformers_and_matches_dequantized_reference(tiny_models, tmp_path, arch, scheme, weights):
-    pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
     src = tiny_models[arch]
@@ -73,8 +73,8 @@ def test_gpt2_conv1d_is_reported_as_skipped_not_silently_dropped(tiny_models, tm
     assert man.summary["modules_skipped"] >= 8
 
 
+@pytest.mark.extra("ct")
 def test_embeddings_are_never_quantized_and_tied_lm_head_stays_tied(tiny_models, tmp_path):
-    pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
     src, out = tiny_models["qwen2_tied"], tmp_path / "o"
@@ -94,8 +94,8 @@ def test_embeddings_are_never_quantized_and_tied_lm_head_stays_tied(tiny_models,
     assert torch.equal(model.model.embed_tokens.weight, emb)
 
 
+@pytest.mark.extra("ct")
 def test_bert_encoder_loads_and_matches(tiny_models, tmp_path):
-    pytest.importorskip("compressed_tensors")
     from transformers import AutoModel
 
     src, out = tiny_models["bert"], tmp_path / "o"
@@ -158,7 +158,7 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
 
     from mpsconvert.manifests import verify as vf
 
-    names, real = set(), vf.sha256_file
+    names, real = set(), vf.hash_and_count  # the files' sha256 (and their FP8 codes' NaN count, in the same read)
     barrier = threading.Barrier(2, timeout=30)
 
     def hashing(path, *a, **kw):
@@ -169,11 +169,11 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
                 barrier.wait()  # two files are hashed at the same time, or this times out
         return real(path, *a, **kw)
 
-    vf.sha256_file = hashing
+    vf.hash_and_count = hashing
     try:
         assert mpsconvert.verify(split).ok
     finally:
-        vf.sha256_file = real
+        vf.hash_and_count = real
     assert len(names) >= min(2, os.cpu_count() or 1), names
     victim = split / shards[1]
     data = bytearray(victim.read_bytes())
@@ -186,8 +186,9 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.extra("ct")
 def test_ct_config_parses_with_compressed_tensors(tiny_models, tmp_path):
-    ct = pytest.importorskip("compressed_tensors.quantization")
+    import compressed_tensors.quantization as ct
     for scheme in ("fp8-dynamic", "fp8-weight-only"):
         out = tmp_path / scheme
         convert(tiny_models["llama"], out, scheme)

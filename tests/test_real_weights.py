@@ -29,9 +29,9 @@ def embed(model, tok, texts):
     return torch.nn.functional.normalize(e, dim=-1)
 
 
+@pytest.mark.extra("ct")
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-weight-only"])
 def test_minilm_fp8_embeddings_stay_close_to_fp32(minilm_dir, text_data, tmp_path, scheme):
-    pytest.importorskip("compressed_tensors")
     from transformers import AutoModel, AutoTokenizer
 
     out = tmp_path / "minilm-fp8"

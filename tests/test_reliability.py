@@ -120,12 +120,13 @@ def test_tensor_stored_twice_or_index_disagreeing_is_refused(tmp_path, tiny_mode
 
 
 def test_identical_runs_give_identical_files(tiny_models, tmp_path):
+    # same inputs and options, the output's name included (the card's commands name the folder)
     for o in ("a", "b"):
-        quantize_snapshot(source.resolve(str(tiny_models["llama_sharded"])), tmp_path / o, Options())
-    names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+        quantize_snapshot(source.resolve(str(tiny_models["llama_sharded"])), tmp_path / o / "out", Options())
+    names = sorted(p.name for p in (tmp_path / "a" / "out").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b" / "out").iterdir())
     for n in names:
-        a, b = (tmp_path / "a" / n).read_bytes(), (tmp_path / "b" / n).read_bytes()
+        a, b = (tmp_path / "a" / "out" / n).read_bytes(), (tmp_path / "b" / "out" / n).read_bytes()
         if n == MANIFEST_NAME:
             ja, jb = json.loads(a), json.loads(b)
             ja.pop("created"), jb.pop("created")

@@ -18,36 +18,18 @@ import torch
 from mpsconvert.runtime import patches
 from mpsconvert.runtime.patches import hf_compat
 
-from .test_runtime_fuse import FP8_MODEL, _interpreted
+from .models import MOE_ARCHS, tiny_model, tiny_moe_model
 
 pytestmark = pytest.mark.core
 
 RUNTIME = Path(__file__).resolve().parents[1] / "src" / "mpsconvert" / "runtime"
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
 
-# tiny configs of every architecture (hidden sizes multiples of 16, two layers)
-_TINY = """
-import torch, transformers
-def tiny(arch, seed=0):
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                  max_position_embeddings=256)
-    if arch in ("mixtral", "qwen2_moe"):
-        from tests.models import tiny_moe_model
+def _tiny(arch, seed=0):
+    """The tiny BF16 model of `arch` (tests/models.py's builder), without grad."""
+    if arch in MOE_ARCHS:
         return tiny_moe_model(arch, seed).requires_grad_(False)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    torch.manual_seed(seed)
-    extra = {"head_dim": 16} if arch == "qwen3" else {}
-    return cls[1](cls[0](intermediate_size=96, **common, **extra)).to(torch.bfloat16).eval().requires_grad_(False)
-"""
-
-
-def _tiny(arch):
-    scope: dict = {}
-    exec(_TINY, scope)
-    return scope["tiny"](arch)
+    return tiny_model(arch, vocab=128, seed=seed, dtype=torch.bfloat16).requires_grad_(False)
 
 
 def _private_uses(path: Path) -> list[str]:
@@ -186,15 +168,18 @@ def test_hf_compat_answers_without_raising_where_a_name_is_gone(monkeypatch):
     assert reports["positions"].left == ["the model: transformers has no packed-sequence check by that name (hf_compat)"]
 
 
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_cuda_patches_install_on_every_architecture_interpreted():
     """The CUDA patches (shared inputs, decode attention, MoE routing, eager fusion, positions)
     through the Triton interpreter: what each installs and leaves per architecture, and the
     logits of a prefill and of decode steps over a cache equal the model's own."""
-    _interpreted(FP8_MODEL + "\n".join("    " + line for line in _TINY.splitlines()) + """
-    import copy, warnings
+    import copy
+
+    from torch import nn
     from transformers import DynamicCache
-    from mpsconvert.runtime import patches
+
+    from mpsconvert import fp8
+    from mpsconvert.runtime.ops.fp8linear import FP8Linear
     from mpsconvert.runtime.patches.hf_compat import cache_kwarg
 
     def fp8_layers(model):
@@ -209,8 +194,8 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
 
     ctx = patches.Context(torch.device("cuda"), torch.bfloat16)  # the device faked: only the patches' match reads it
     seen = {}
-    for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"):
-        model = fp8_layers(tiny(arch))
+    for arch in ARCHS:
+        model = fp8_layers(_tiny(arch))
         model.config._attn_implementation = "sdpa"
         ref = copy.deepcopy(model)
         with warnings.catch_warnings():
@@ -233,8 +218,7 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
                 err = float((outs[0].float() - outs[1].float()).abs().max() / outs[1].float().abs().max())
                 assert err < 0.05, (arch, t, err)  # decode kernels (attention, routing) round in other orders
     for arch, r in seen.items():
-        print(arch, r)
-        moe = arch in ("mixtral", "qwen2_moe")
+        moe = arch in MOE_ARCHS
         assert r["shared_inputs"][0] == (2 if arch == "mixtral" else 4), (arch, r)  # q/k/v per layer, gate/up of dense (and shared-expert) MLPs
         assert r["attention"][:2] == (1, []), (arch, r)
         assert r["routing"][0] == (2 if moe else 0) and r["routing"][1] == [], (arch, r)
@@ -245,5 +229,3 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
             assert left and all("prefill runs the module's forward" in why for why in left), (arch, r)
         else:
             assert left == [], (arch, r)
-    print("ok")
-    """)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import MpsconvertError
+from .filesystem import same_or_inside
 
 TMP_PREFIX = ".mpsconvert-tmp-"
 LOCK_PREFIX = ".mpsconvert-lock-"
@@ -37,7 +38,7 @@ LOCK_PREFIX = ".mpsconvert-lock-"
 # step checks this too: an output is never published after the user asked to stop.
 stop_requested = threading.Event()
 KILL_ENV = "MPSCONVERT_KILL_AT"
-_held: set[Path] = set()  # targets this process holds the lock of (what staged_copy and held=True require)
+_held: dict[Path, tuple[int, bool]] = {}  # target -> (thread, joinable) of the lock this process holds (staged_copy and held=True require it)
 
 
 def kill_point(name: str) -> None:
@@ -115,10 +116,24 @@ def os_error(e: OSError, where: Path) -> MpsconvertError:
     return MpsconvertError(f"writing {where} failed: {e.strerror or e}", "check the output location and retry")
 
 
+def _busy(target: Path) -> MpsconvertError:
+    return MpsconvertError(f"another mpsconvert run is writing {target} right now", "wait for it to finish, or choose another -o")
+
+
 @contextlib.contextmanager
-def locked(target: Path):
-    """Hold an exclusive lock for `target` (a file beside it); a second holder fails at once."""
+def locked(target: Path, *, joinable: bool = False):
+    """Hold an exclusive lock for `target` (a file beside it); a second holder fails at once.
+
+    `joinable`: the lock of a whole command (`claim`), which the steps it calls in the same
+    thread join instead of being refused; any other second holder, in this process or another,
+    is refused."""
     target = Path(target).absolute()
+    if target in _held:
+        thread, open_to_steps = _held[target]
+        if not (open_to_steps and thread == threading.get_ident()):
+            raise _busy(target)
+        yield  # a step of the command that holds it
+        return
     lock = target.parent / f"{LOCK_PREFIX}{target.name}"
     while True:
         try:
@@ -129,9 +144,15 @@ def locked(target: Path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            raise _busy(target) from None
+        except OSError as e:  # a volume that cannot lock (NFS without lockd: ENOLCK; some SMB/FUSE mounts: EOPNOTSUPP)
+            os.close(fd)
+            with contextlib.suppress(OSError):  # no run can lock it here either: nothing is left behind
+                os.unlink(lock)
             raise MpsconvertError(
-                f"another mpsconvert run is writing {target} right now", "wait for it to finish, or choose another -o"
-            ) from None
+                f"cannot lock {target.parent} to write {target.name} ({e.strerror or e}): its file system does not support file locks",
+                "choose an -o on a local disk (APFS, ext4), or mount the share with locking enabled",
+            ) from e
         # The lock file may have been unlinked by the previous holder between open and flock.
         try:
             same = os.path.samestat(os.fstat(fd), os.stat(lock))
@@ -140,11 +161,11 @@ def locked(target: Path):
         if same:
             break
         os.close(fd)
-    _held.add(target)
+    _held[target] = (threading.get_ident(), joinable)
     try:
         yield
     finally:
-        _held.discard(target)
+        _held.pop(target, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock)
         os.close(fd)
@@ -179,11 +200,39 @@ def _recover(target: Path) -> None:
 @contextlib.contextmanager
 def writing(target: Path):
     """Hold `target`'s lock and recover what a killed run left: what every writer into an
-    existing artifact does first."""
+    existing artifact does first (a step of a command that `claim`ed it joins that lock, the
+    recovery already done)."""
     target = Path(target).absolute()
+    joining = target in _held  # locked() refuses unless it is this thread's claim
     with locked(target):
-        _recover(target)
+        if not joining:
+            _recover(target)
         yield target
+
+
+@contextlib.contextmanager
+def claim(target: Path):
+    """`writing(target)` for a whole command, taken before any of its work (a model load, an
+    export, a validation run): a second run is refused at once rather than after the work, and
+    the writers the command calls in this thread (an export, its check, the manifest and card
+    updates) run under this one lock."""
+    target = Path(target).absolute()
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # the lock file goes beside the target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, target.parent) from e
+    joining = target in _held  # an export inside quantize's claim, say
+    try:
+        with locked(target, joinable=True):
+            if not joining:
+                _recover(target)
+            yield target
+    except BaseException:
+        for p in made:  # a failed run leaves no empty folders behind
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
 
 
 def recover(target: Path) -> None:
@@ -204,10 +253,11 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
     real = target.resolve()
     for p in protect:
         src = Path(p).resolve()
-        if real == src or src.is_relative_to(real):
-            raise MpsconvertError(f"output {target} {'is' if real == src else 'holds'} the source model {src}",
+        same, holds = same_or_inside(src, real)  # without case where the volume ignores it (APFS, exFAT)
+        if same or holds:
+            raise MpsconvertError(f"output {target} {'is' if same else 'holds'} the source model {src}",
                                   "choose an -o outside the source folder")
-        if os.path.lexists(target) and real.is_relative_to(src):
+        if os.path.lexists(target) and same_or_inside(real, src)[1]:
             raise MpsconvertError(f"output {target} lies inside the source model {src}", "choose an -o outside the source folder")
     if not os.path.lexists(target):
         return
@@ -215,11 +265,11 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
         kind = "a symlink" if target.is_symlink() else "a file"
         raise MpsconvertError(f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
                               "remove it yourself, or choose another -o")
-    if not force:
-        raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
-    if is_ours is not None and not is_ours(target):
+    if is_ours is not None and not is_ours(target):  # said first: --force would not replace it, so it is not the fix
         raise MpsconvertError(f"output {target} exists and is not an mpsconvert artifact (no manifest); --force replaces only those",
                               "choose another -o, or remove it yourself")
+    if not force:
+        raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
 
 
 def _old(target: Path) -> Path:

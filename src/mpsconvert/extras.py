@@ -21,6 +21,7 @@ EXTRAS = {
     "cuda": "the Triton FP8 kernels on NVIDIA GPUs",
     "data": "parquet calibration and evaluation files (pyarrow)",
     "diffusion": "diffusion models (diffusers, accelerate; sdnq and comfy-kitchen to load and validate the FP8 files)",
+    "gguf": "quantizing a GGUF file (gguf; accelerate, which transformers >= 5.24 needs to load one)",
 }
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
-from . import __version__
+from .version import __version__
 from .errors import UploadError
 from .manifests.manifest import Manifest
 
@@ -60,23 +61,54 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
     try:
         url = api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
+        # An existing repo keeps its visibility (create_repo leaves it as it is): what it really
+        # is gets reported, and --private never sends an artifact into a public repo.
+        is_private = bool(api.model_info(repo, expand=["private"]).private)
+        if private and not is_private:
+            raise UploadError(f"{repo} already exists and is public, so --private does not apply to it; nothing was uploaded",
+                              "make the repo private on the hub first (its Settings), or upload without --private")
         info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", revision=revision,
                                  commit_message=msg, ignore_patterns=[".*", "**/.*"])
     except hf_errors.OfflineModeIsEnabled as e:
         raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on", "unset HF_HUB_OFFLINE to upload") from e
     except hf_errors.HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
-        first = str(e).splitlines()[0][:160]
-        fix = ("pass a write token (--token or HF_TOKEN)" if status in (401, 403)
-               else "check the repo name and your rights on it" if status in (404, 409) else "retry, or check the hub's status")
-        raise UploadError(f"the hub refused the upload to {repo} ({status}: {first})", fix) from e
+        url_ = str(getattr(getattr(e.response, "request", None), "url", "") or "")
+        raise http_failure(status, str(e).splitlines()[0][:160], url_, endpoint, repo) from e
+    except UploadError:
+        raise
     except Exception as e:
         if not _is_transport_error(e):
             raise
+        # hf_xet reports an HTTP answer as a "network error": an answer is not an unreachable hub
+        if m := _HTTP_IN_MESSAGE.search(str(e)):
+            raise http_failure(int(m.group(1)), f"{m.group(1)} {m.group(2)}", m.group(3) or "", endpoint, repo) from e
         raise UploadError(f"cannot reach {endpoint} to upload {repo} ({type(e).__name__}: {str(e)[:120]})",
                           "check the network, or HF_ENDPOINT") from e
     return dict(repo=repo, url=str(url), revision=revision or "main", commit=getattr(info, "oid", None), commit_message=msg,
-                private=private, endpoint=endpoint, files=files)
+                private=is_private, endpoint=endpoint, files=files)
+
+
+# "HTTP status client error (404 Not Found), domain: http://host/api/models/me/x/xet-write-token/main"
+_HTTP_IN_MESSAGE = re.compile(r"HTTP status [a-z ]*error \((\d{3}) ([^)]*)\)(?:.*?(https?://\S+))?")
+
+
+def http_failure(status: int | None, detail: str, url: str, endpoint: str, repo: str) -> UploadError:
+    """What an HTTP answer of the hub means for this upload, as one line and its fix."""
+    where = f" ({url.removeprefix(endpoint)})" if url.startswith(endpoint) else ""
+    if status in (401, 403):
+        return UploadError(f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}",
+                           "pass a write token (--token or HF_TOKEN) that may write to that repo or organization")
+    if status == 404 and "xet" in url:
+        return UploadError(f"the hub at {endpoint} does not serve Xet storage (404 for its write token{where}), which huggingface_hub "
+                           "uploads through by default", "set HF_HUB_DISABLE_XET=1 to upload through the LFS path this hub speaks")
+    if status == 404:
+        return UploadError(f"the hub at {endpoint} answered 404 Not Found{where}: it has no such repo or endpoint for {repo}",
+                           "check the repo name and your rights on it, and that HF_ENDPOINT is a Hugging Face hub")
+    if status == 409:
+        return UploadError(f"the hub at {endpoint} refused the upload to {repo}: a conflict (409: {detail}){where}",
+                           "check the repo name and --revision")
+    return UploadError(f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}", "retry, or check the hub's status")
 
 
 def _is_transport_error(e: BaseException) -> bool:
@@ -93,3 +125,41 @@ def check_repo_id(repo: str) -> str:
     if not isinstance(repo, str) or not _REPO_ID.match(repo) or len(repo) > 96 or ".." in repo:
         raise UploadError(f"{repo!r} is not a hub repo id", "use org/name (or your-user-name/name)")
     return repo
+
+
+def check_upload(repo: str, what: str = "--upload-repo") -> None:
+    """Said before any work: a repo id the hub would refuse, or offline mode (then nothing can go up)."""
+    check_repo_id(repo)
+    if offline():
+        raise UploadError(f"{what} {repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                          "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
+
+
+def upload(artifact: Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
+           verify: Callable[[Path], object] | None = None) -> dict:
+    """Publish an artifact (see api.upload): under its lock, `verify(artifact)` (a report with
+    `ok` and `problems`: a damaged artifact is never uploaded), the card rewritten to name the
+    repo (the manifest's `hub` record, one transaction), then the folder in one commit. Returns
+    what `upload_folder` returns."""
+    from . import atomic
+    from .errors import ArtifactError
+    from .manifests import layout
+    from .manifests.records import Hub
+    from .manifests.transaction import transaction
+
+    artifact = Path(artifact)
+    check_repo_id(repo)
+    if not layout.is_artifact(artifact):
+        raise ArtifactError(f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})", "pass the folder `mpsconvert quantize` wrote")
+    if offline():  # before any work
+        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
+    with atomic.claim(artifact):  # nothing changes the artifact between its check and the commit
+        if verify is not None:
+            report = verify(artifact)
+            if not report.ok:
+                raise ArtifactError(f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
+                                    "re-create the artifact; a damaged one is never uploaded")
+        with transaction(artifact) as t:
+            t.put(Hub(repo=repo))
+        return upload_folder(artifact, repo, private=private, token=token, revision=revision)

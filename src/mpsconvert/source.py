@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import filesystem
 from .errors import SourceError
 from .manifests.fp8_source import SourceFP8, source_fp8
 from .manifests.hashing import BackgroundHasher
@@ -29,6 +30,8 @@ ALLOW_PATTERNS = [
     "*.py",  # only used when the user passes --trust-remote-code
     "*.md",
 ]
+# AppleDouble companions (`._*`) that a repo uploaded from a Mac's external drive may carry: not model files.
+IGNORE_PATTERNS = ["._*", "*/._*"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Non-weight files copied into the artifact as they are.
 COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".md", ".py")
@@ -67,6 +70,10 @@ class Snapshot:
     config: dict = field(default_factory=dict)
     fp8: SourceFP8 | None = None  # the layout of a source that is already FP8
     diffusion: DiffusionSource | None = None  # a diffusers model or an original-repo diffusion file
+    # A folder made from one file (a GGUF, unpacked by convert/gguf.py): that file is the source,
+    # hashed and recorded as such; `gguf` says what it held (its quantization types).
+    origin: Path | None = None
+    gguf: dict | None = None
     _hasher: BackgroundHasher | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -99,7 +106,8 @@ class Snapshot:
         background thread (idempotent): a conversion's first seconds are imports and planning,
         during which a second core is otherwise idle."""
         if self._hasher is None:
-            self._hasher = BackgroundHasher([self.path / f for f in self.weight_files if self.known_sha256(f) is None])
+            self._hasher = BackgroundHasher([self.origin] if self.origin is not None else
+                                            [self.path / f for f in self.weight_files if self.known_sha256(f) is None])
 
     def sha256(self, name: str) -> str:
         """A weight file's sha256: the cache's, or the background hasher's (started if needed)."""
@@ -109,11 +117,22 @@ class Snapshot:
         self.start_hashing()
         return self._hasher.sha256(self.path / name)
 
+    def source_files(self) -> dict[str, str]:
+        """sha256 of the files the weights came from: the weight files, or the one file the
+        folder was made from (`origin`)."""
+        if self.origin is not None:
+            self.start_hashing()
+            return {self.origin.name: self._hasher.sha256(self.origin)}
+        return {f: self.sha256(f) for f in self.weight_files}
+
     def stop_hashing(self) -> None:
         if self._hasher is not None:
             self._hasher.cancel()
 
     def as_dict(self) -> dict:
+        if self.origin is not None:
+            return {"kind": "local", "id": self.origin.name, "revision": None, "commit": None, "path": str(self.origin),
+                    **({"gguf": self.gguf} if self.gguf else {})}
         return {
             "kind": self.kind,
             "id": self.repo_id or self.path.name,
@@ -125,6 +144,29 @@ class Snapshot:
         }
 
 
+GGUF_SUFFIX = ".gguf"
+
+
+def local_path(src: str) -> Path | None:
+    """The local path `src` names, or None for a hub repo id (no file access beyond a stat: this
+    is how a command knows, before any work, whether it has a folder or must go to the hub).
+
+    Raises:
+        SourceError: `src` looks like a path (or exists) but is not there.
+    """
+    path = Path(src).expanduser()
+    if path.exists() or src.startswith((".", "/", "~")) or os.sep in src.strip("/").replace("/", "", 1):
+        if not path.exists():
+            raise SourceError(f"model folder {src} does not exist", "check the path, or pass a Hugging Face repo id")
+        return path
+    return None
+
+
+def is_gguf(path: Path | None) -> bool:
+    """A single GGUF file (llama.cpp's format), which `quantize` unpacks (convert/gguf.py)."""
+    return path is not None and path.is_file() and path.suffix.lower() == GGUF_SUFFIX
+
+
 def resolve(src: str, revision: str | None = None, token: str | None = None, *, diffusion: bool = False,
             component: str | None = None) -> Snapshot:
     """A repo id or a folder -> a checked Snapshot. Raises SourceError with a fix on any problem.
@@ -133,15 +175,17 @@ def resolve(src: str, revision: str | None = None, token: str | None = None, *, 
     whose config names a diffusers class, or one `.safetensors` file) is resolved too:
     `Snapshot.diffusion` says which, and the snapshot is the component's folder (`component`
     of a pipeline [default: transformer])."""
-    path = Path(src).expanduser()
-    if path.exists() or src.startswith((".", "/", "~")) or os.sep in src.strip("/").replace("/", "", 1):
-        if not path.exists():
-            raise SourceError(f"model folder {src} does not exist", "check the path, or pass a Hugging Face repo id")
+    path = local_path(src)
+    if path is not None:
+        if is_gguf(path):
+            raise SourceError(f"{src} is a GGUF file; only `mpsconvert quantize` reads GGUF files",
+                              "quantize it first (`mpsconvert quantize FILE.gguf`), then use the artifact, or pass a model folder")
         if diffusion and path.is_file() and path.suffix == ".safetensors":
             return _single_file(path.resolve(), revision)
         if not path.is_dir():
             raise SourceError(f"{src} is a file, not a model folder",
-                              "pass the folder that holds config.json" + (", or a .safetensors diffusion checkpoint" if diffusion else ""))
+                              "pass the folder that holds config.json" + (", a .safetensors diffusion checkpoint" if diffusion else "")
+                              + " or a .gguf file to quantize")
         snap = Snapshot(path=path.resolve(), kind="local", revision=revision)
         _from_cache_layout(snap)
     else:
@@ -209,13 +253,10 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
         comp.weight_map = _read_index(index)
         comp.weight_files = sorted(set(comp.weight_map.values()))
     else:
-        comp.weight_files = sorted(f.name for f in path.iterdir() if f.name.endswith(".safetensors"))
+        comp.weight_files = filesystem.files(path, ".safetensors")  # AppleDouble `._*` companions left out
     if not comp.weight_files:
         raise SourceError(f"{path} has no *.safetensors weights", "pass a diffusers model with safetensors weights")
-    for f in comp.weight_files:
-        if not (path / f).is_file():
-            raise SourceError(f"weight file {f} listed in {path.name} is missing", "re-download the model")
-        check_inside(comp, f)
+    _check_weight_files(comp, path)
     class_name = comp.config.get("_class_name")
     comp.diffusion = DiffusionSource(layout, root.resolve(), name, class_name if isinstance(class_name, str) else None)
     return comp
@@ -236,7 +277,7 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Snapshot
     token = token or os.environ.get("HF_TOKEN") or None
     rev = revision or "main"
     try:
-        local = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=ALLOW_PATTERNS)
+        local = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
     except hf_errors.GatedRepoError as e:
         raise SourceError(
             f"{repo_id} is gated: your account has not been granted access",
@@ -268,7 +309,7 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Snapshot
 def _inventory(snap: Snapshot) -> Snapshot:
     p = snap.path
     cfg = p / CONFIG_NAME
-    files = [f.name for f in p.iterdir()] if p.is_dir() else []
+    files = filesystem.files(p)  # macOS's AppleDouble `._*` companions are not model files
     if not cfg.is_file():
         raise SourceError(
             f"{p} has no config.json, so it is not a Hugging Face model folder",
@@ -300,11 +341,16 @@ def _inventory(snap: Snapshot) -> Snapshot:
                 "or use a repo that ships *.safetensors",
             )
         raise SourceError(f"{p} has no *.safetensors weights", "pass a folder or repo with safetensors weights")
-    for f in snap.weight_files:
-        if not (p / f).is_file():
-            raise SourceError(f"weight file {f} listed in {p.name} is missing", "re-download the model")
-        check_inside(snap, f)
+    _check_weight_files(snap, p)
     return snap
+
+
+def _check_weight_files(snap: Snapshot, folder: Path) -> None:
+    """Every weight file the snapshot lists is there, inside it (no link out)."""
+    for f in snap.weight_files:
+        if not (folder / f).is_file():
+            raise SourceError(f"weight file {f} listed in {folder.name} is missing", "re-download the model")
+        check_inside(snap, f)
 
 
 def allowed_root(snap: Snapshot) -> Path:

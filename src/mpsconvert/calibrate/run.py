@@ -21,27 +21,11 @@ from pathlib import Path
 
 import torch
 
-from .. import devices, fp8, modeldef
-from ..targets import Plan, plan_for
+from .. import devices, filesystem, fp8, modeldef
+from ..plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
 from ..progress import Progress, or_silent
-from . import data, hooks, observers
-
-
-@dataclass
-class CalibOptions:
-    data: str | None = None  # file, folder or dataset repo id; None: the built-in set
-    num_samples: int = 128
-    seq_len: int = 512
-    seed: int = 0
-    observer: str = "minmax"
-    percentile: float = observers.DEFAULT_PERCENTILE
-    device: str = "auto"
-    sequential: bool = False
-    ignore: list[str] = field(default_factory=list)
-    trust_remote_code: bool = False
-    data_revision: str | None = None
-    token: str | None = None
+from . import CalibOptions, data, hooks, observers  # noqa: F401  (CalibOptions: re-exported, where callers found it)
 
 
 @dataclass
@@ -190,10 +174,11 @@ class Weights:
         self.prefix = prefix
         self.files = {}
         self.where: dict[str, str] = {}
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            for name in read_header(f).tensors:
-                self.where[name] = f.name
-            self.files[f.name] = safe_open(str(f), framework="pt")
+        for name in filesystem.files(model_dir, ".safetensors"):  # AppleDouble `._*` companions left out
+            f = Path(model_dir) / name
+            for key in read_header(f).tensors:
+                self.where[key] = name
+            self.files[name] = safe_open(str(f), framework="pt")
 
     def variants(self, name: str) -> list[str]:
         """The names a model tensor may be stored under: as is, with or without base_model_prefix."""

@@ -5,7 +5,13 @@ in `commands.py` parses its options, makes one API call and hands the result to 
 This package imports only the API, the error types and its own rendering.
 """
 
-from . import commands  # noqa: F401  (registers the commands on `main`)
-from .app import entry, main
+try:
+    from . import commands  # noqa: F401  (registers the commands on `main`)
+    from .app import entry, main
+except KeyboardInterrupt:  # Ctrl-C while the program is still importing: one line, not a traceback
+    import sys
+
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 __all__ = ["main", "entry"]

@@ -1,7 +1,11 @@
 """The `mpsconvert` program: the command group, error and signal handling, and the exit path.
 
 Every user-fixable problem is an MpsconvertError, printed as one line (`error: ...`) with a
-non-zero exit; anything else is a bug and keeps its traceback.
+non-zero exit; anything else is a bug and keeps its traceback. Ctrl-C (SIGINT) and SIGTERM are
+one line and exit 130 / 143 from the moment `entry` runs: also while click parses, and while a
+command imports torch or transformers, where the KeyboardInterrupt can surface as some other
+error of a half-imported module (an ImportError, "cannot read config.json"): once a stop was
+asked for, whatever ends the command is the stop.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 import click
 
@@ -33,34 +38,71 @@ def _on_signal(signum, frame):
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
+def _handle_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+
+
+def _interrupted(terminated: bool) -> None:
+    render.console.print("[bold red]interrupted[/]: partial output removed")
+    sys.exit(143 if terminated else 130)
+
+
 def friendly_errors(fn):
     """Turn MpsconvertError into `error: <problem>; <fix>` and exit code 2; Ctrl-C into exit 130,
-    SIGTERM into 143, after the partial output is removed."""
+    SIGTERM into 143, after the partial output is removed (whatever error the interruption
+    surfaced as)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        api.stop_requested.clear()
-        _caught.clear()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _on_signal)
-            signal.signal(signal.SIGINT, _on_signal)
         try:
-            result = fn(*args, **kwargs)
-        except MpsconvertError as e:
-            render.error(str(e))
-            sys.exit(e.exit_code)
-        except KeyboardInterrupt as e:
-            render.console.print("[bold red]interrupted[/]: partial output removed")
-            sys.exit(143 if isinstance(e, Terminated) else 130)
-        if api.stop_requested.is_set():  # the signal came after the output was complete (or its exception was lost)
-            render.console.print("[bold red]interrupted[/] after the output was complete")
-            sys.exit(143 if signal.SIGTERM in _caught else 130)
-        return result
+            if _caught:  # a Ctrl-C while click parsed the command line: stop before any work
+                _interrupted(signal.SIGTERM in _caught)
+            api.stop_requested.clear()
+            _handle_signals()
+            return _run(fn, args, kwargs)
+        finally:
+            _caught.clear()  # the next command of this process (tests run many) starts afresh
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _run(fn, args, kwargs):
+    try:
+        result = fn(*args, **kwargs)
+    except KeyboardInterrupt as e:
+        _interrupted(isinstance(e, Terminated))
+    except MpsconvertError as e:
+        if api.stop_requested.is_set():  # e.g. a config "unreadable" because the import of its class was cut short
+            _interrupted(signal.SIGTERM in _caught)
+        render.error(str(e))
+        sys.exit(e.exit_code)
+    except Exception:
+        if api.stop_requested.is_set():  # an ImportError of a module whose import the signal cut short: no traceback
+            _interrupted(signal.SIGTERM in _caught)
+        raise
+    if api.stop_requested.is_set():  # the signal came after the output was complete (or its exception was lost)
+        render.console.print("[bold red]interrupted[/] after the output was complete")
+        sys.exit(143 if signal.SIGTERM in _caught else 130)
+    return result
+
+
+class Commands(click.Group):
+    """The command group: the commands defined on it, and those `generate()` makes from the
+    registry of Apple targets (quantize with its --<target> options, export-<target>), made when
+    they are asked for, so that a target registered after this module was imported has them too."""
+
+    generate: Callable[[], dict[str, click.Command]] = staticmethod(dict)
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.generate()))
+
+    def get_command(self, ctx, name: str):
+        return self.generate().get(name) or super().get_command(ctx, name)
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(api.__version__, prog_name="mpsconvert")
 @click.option("-v", "--verbose", is_flag=True, help="Also show third-party progress bars, warnings and log lines (transformers, coremltools, ...).")
 def main(verbose):
@@ -86,11 +128,14 @@ def entry() -> None:
     back). Nothing needs it: every output is written, synced and closed before a command
     returns; atexit handlers still run and the streams are flushed.
     """
+    _handle_signals()  # from here on Ctrl-C is one line and exit 130 (click would say "Aborted!" and exit 1)
     try:
         main()  # click's standalone mode: always ends in SystemExit
         code = 0
     except SystemExit as e:
         code = e.code
+    if _caught and code not in (130, 143):  # stopped outside a command (while click parsed): click printed nothing useful
+        code = 143 if signal.SIGTERM in _caught else 130
     if not isinstance(code, int):
         if code is not None:
             print(code, file=sys.stderr)

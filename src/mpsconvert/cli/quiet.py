@@ -5,7 +5,8 @@ What is silenced, and how, without importing any of those libraries here (`--hel
 instant; they read these settings when they load):
 - transformers' `Loading weights` bars and advisory lines: TRANSFORMERS_VERBOSITY=error,
   TRANSFORMERS_NO_ADVISORY_WARNINGS, and huggingface_hub's HF_HUB_DISABLE_PROGRESS_BARS (the
-  switch transformers' own tqdm wrapper also reads);
+  switch transformers' own tqdm wrapper also reads), and bare tqdm bars (transformers' "Converting
+  and de-quantizing GGUF tensors") through TQDM_DISABLE, which tqdm reads when it is imported;
 - Python warnings (the `past_key_values` FutureWarnings with their source lines, torch's and
   coreai-torch's version notes): ignored, except UserWarnings raised by mpsconvert itself;
 - coremltools' log lines (`scikit-learn version ... is not supported`, `Torch version ... has
@@ -23,7 +24,7 @@ import warnings
 LOGGERS = ("coremltools", "transformers", "huggingface_hub", "accelerate", "compressed_tensors", "torch._export",
            "torch.export", "torch._dynamo", "coreai", "coreai_torch", "urllib3", "httpx")
 ENV = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
+       "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
 
 
 class _Level(logging.Filter):

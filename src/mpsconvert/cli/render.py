@@ -1,13 +1,17 @@
 """What the CLI shows: consoles, progress bars, tables and messages (no decisions, no work).
 
 Output that a script reads (`--json`, tables) goes to stdout; progress, status and errors go to
-stderr, and bars are hidden when stderr is not a terminal.
+stderr: bars on a terminal, and a plain line per phase every few seconds when stderr is a log
+file or a pipe (a long run is never silent).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
+import threading
+import time
 
 from rich.console import Console
 from rich.markup import escape
@@ -22,19 +26,84 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ..units import human
+from .. import api
+from ..units import human, speed
 
 console = Console(stderr=True)  # progress, status, warnings, errors
 out = Console()  # results
 
 # Phases whose `done` / `total` count bytes (drawn with sizes and a speed); the others count items.
 BYTE_PHASES = ("quantize", "verify")
+# Without a terminal: seconds between two lines of the phase under way.
+LINE_EVERY = 10.0
+
+
+class ProgressLines:
+    """`progress(phase, done, total, detail)` as plain lines on stderr, for logs and pipes: a
+    phase that runs longer than `every` seconds gets a line every `every` seconds (`tick`, called
+    by each update and by a timer, so that a phase with no update for minutes still shows it is
+    alive) and one when it completes; a quick one prints nothing (a short command's output stays
+    its result, or its one-line error). `clock` is injectable (tests)."""
+
+    def __init__(self, every: float = LINE_EVERY, clock=time.monotonic, write=None):
+        self.every, self.clock = every, clock
+        self.write = write or (lambda line: console.print(line, highlight=False, soft_wrap=True, markup=False))
+        self.state: dict[str, list] = {}  # phase -> [done, total, detail, started, last line (or start), lines printed]
+        self.current: str | None = None
+        self.lock = threading.Lock()
+
+    def _line(self, phase: str, now: float, finished: bool = False) -> None:
+        done, total, detail, started = self.state[phase][:4]
+        if phase in BYTE_PHASES:
+            amount = f"{human(done)}" + (f" of {human(total)}" if total else "")
+        else:
+            amount = f"{done}" + (f"/{total}" if total else "")
+        self.write(f"{phase}: {amount}" + (f" {detail}" if detail else "") + f" ({now - started:.0f} s{', done' if finished else ''})")
+        self.state[phase][4] = now
+        self.state[phase][5] += 1
+
+    def __call__(self, phase: str, done: int, total: int | None, detail: str = "") -> None:
+        with self.lock:
+            now = self.clock()
+            if phase not in self.state:
+                self.state[phase] = [done, total, detail, now, now, 0]
+            else:
+                self.state[phase][:3] = [done, total, detail]
+            self.current = phase
+            if total and done >= total:
+                if self.state[phase][5] and self.state[phase][4] != float("inf"):  # it said it was running: say it ended
+                    self._line(phase, now, finished=True)
+                self.state[phase][4] = float("inf")  # complete: no more lines for it
+            else:
+                self._tick(now)
+
+    def tick(self) -> None:
+        """A line for the phase under way if `every` seconds passed since its last one."""
+        with self.lock:
+            self._tick(self.clock())
+
+    def _tick(self, now: float) -> None:
+        if self.current is not None and now - self.state[self.current][4] >= self.every:
+            self._line(self.current, now)
 
 
 @contextlib.contextmanager
-def progress_bars():
-    """Yield a `progress(phase, done, total, detail)` callback drawing one bar per phase on
-    stderr (hidden when stderr is not a terminal)."""
+def progress_bars(every: float = LINE_EVERY):
+    """Yield a `progress(phase, done, total, detail)` callback: one bar per phase on stderr, or,
+    when stderr is not a terminal, `ProgressLines` with a timer thread ticking it."""
+    if not console.is_terminal:
+        lines, stop = ProgressLines(every), threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                lines.tick()
+
+        threading.Thread(target=beat, name="mpsconvert-progress", daemon=True).start()
+        try:
+            yield lines
+        finally:
+            stop.set()
+        return
     with contextlib.ExitStack() as stack:
         bars: dict[bool, Progress] = {}
         tasks: dict[str, tuple[Progress, int]] = {}
@@ -44,7 +113,7 @@ def progress_bars():
                 cols = (DownloadColumn(), TransferSpeedColumn()) if is_bytes else (MofNCompleteColumn(),)
                 bars[is_bytes] = stack.enter_context(Progress(
                     TextColumn("[bold]{task.fields[phase]}[/]"), BarColumn(), *cols, TimeElapsedColumn(),
-                    TextColumn("{task.description}"), console=console, disable=not console.is_terminal))
+                    TextColumn("{task.description}"), console=console))
             return bars[is_bytes]
 
         def update(phase: str, done: int, total: int | None, detail: str = "") -> None:
@@ -120,9 +189,10 @@ def quantize_summary(res, as_json: bool) -> None:
         t.add_row("skipped", f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})")
     if s["worst_sqnr_db"] is not None:
         t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
-    if res.manifest_sha256:
-        t.add_row("manifest sha256", f"{res.manifest_sha256}  (pin it: mpsconvert verify --manifest-sha256 ...)")
     out.print(t)
+    if res.manifest_sha256:  # whole, whatever the width or a pipe: it is copied to pin the artifact
+        out.print(f"manifest sha256 {res.manifest_sha256}  (pin it: mpsconvert verify {escape(str(res.output))} --manifest-sha256 <it>)",
+                  soft_wrap=True, highlight=False)
     for w in s.get("warnings") or []:
         warn(w)
 
@@ -137,43 +207,6 @@ def source_line(src: dict) -> str:
         return f"{src.get('id')}@{ref}" if ref else str(src.get("id"))
     where = src.get("path") or src.get("id")
     return f"{where} (local folder" + (f", {src['id']}@{src['commit'][:12]}" if src.get("commit") and src.get("id") != where else "") + ")"
-
-
-def _validation_rows(runs: dict) -> list[tuple[str, str]]:
-    rows = []
-    for key, r in sorted(runs.items()):
-        a, sp = r.get("accuracy") or {}, r.get("speedup") or {}
-        if r.get("kind") == "causal-lm":
-            acc = (f"ppl {a.get('perplexity_bf16', 0):.3f} -> {a.get('perplexity_fp8', 0):.3f} ({a.get('perplexity_delta_pct', 0):+.2f}%), "
-                   f"KL {a.get('mean_kl', 0):.5f}, top-1 {100 * a.get('top1_agreement', 0):.2f}%")
-        else:
-            acc = f"embedding cosine mean {a.get('cosine_mean', 0):.5f}, min {a.get('cosine_min', 0):.5f}"
-        speed = ", ".join(f"{ph} {v:.2f}x" for ph, v in sorted(sp.items())) or "latency not measured"
-        rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speed} ({r.get('measured_at', '')[:10]})"))
-    return rows
-
-
-def _export_row(key: str, rec: dict) -> str:
-    chk = rec.get("check") or {}
-    size = rec.get("asset_bytes") or rec.get("package_weight_bytes") or chk.get("weight_bytes") or chk.get("asset_bytes")
-    target = rec.get("minimum_deployment_target") or rec.get("minimum_os")
-    what = f"{rec.get('package') or rec.get('asset')}: {rec.get('task')}" + (" stateful decoder" if rec.get("kv_cache") or
-                                                                            (key == "coreai" and rec.get("task") == "causal-lm") else "")
-    parts = [what, f"target {target}" if target else None, f"{human(size)}" if size else None,
-             f"weights {rec['weights']}" if rec.get("weights") else None]
-    if chk:
-        parts.append("checks ok" if chk.get("ok") else "[red]checks FAILED[/]")
-    else:
-        parts.append("not checked")
-    return ", ".join(p for p in parts if p)
-
-
-def _runtime_row(rt: dict) -> str:
-    if rt.get("status") != "ran":
-        return f"not run ({rt.get('reason', rt.get('status'))})"
-    rows = [r for r in rt.get("rows", []) if "error" not in r]
-    return "; ".join(f"{r['engine']}: " + (f"decode {r['decode_tokens_per_s']:.1f} tok/s" if "decode_tokens_per_s" in r else
-                                            f"{r.get('latency_ms', 0):.2f} ms") for r in rows) or "no rows"
 
 
 def inspect_table(artifact, m, show_tensors: bool) -> None:
@@ -192,27 +225,19 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
         t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
     t.add_row("files", f"{len(m.files)} ({human(sum(f['size'] for f in m.files.values()))})")
     t.add_row("made with", f"mpsconvert {m.versions.get('mpsconvert')}, torch {m.versions.get('torch')}, transformers {m.versions.get('transformers')} on {m.device}")
-    for key, val in m.extra.items():
-        if key == "validation" and isinstance(val, dict):
-            for k, line in _validation_rows(val):
-                t.add_row(k, line)
-        elif key in ("coreml", "coreai") and isinstance(val, dict):
-            t.add_row("Core ML" if key == "coreml" else "Core AI", _export_row(key, val))
-        elif key in ("coreml_runtime", "coreai_runtime") and isinstance(val, dict):
-            t.add_row(("Core ML" if key == "coreml_runtime" else "Core AI") + " runtime", escape(_runtime_row(val)))
-        elif key == "moe" and isinstance(val, dict):
-            t.add_row("MoE experts", f"{len(val.get('experts') or {})} expert modules, layout {val.get('experts_layout')}")
-        elif key == "hub" and isinstance(val, dict):
-            t.add_row("hub repo", escape(str(val.get("repo"))))
-        else:
-            text = json.dumps(val)
-            t.add_row(key, escape(text if len(text) <= 100 else f"{text[:97]}... (inspect --json for all)"))
+    for label, text in m.inspect_rows():  # the records later steps added (validation, exports, ...), typed
+        t.add_row(label, _marked(text, "FAILED" not in text))
     out.print(t)
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
-        for name, r in m.tensors.items():
+        for name, r in sorted(m.tensors.items(), key=lambda kv: natural_key(kv[0])):
             tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "undefined (no signal)" if r.get("sqnr_undefined") else "exact")
         out.print(tt)
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders numbers by value: layers.2 before layers.10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 def verify_report(artifact, report, as_json: bool) -> None:
@@ -228,20 +253,11 @@ def verify_report(artifact, report, as_json: bool) -> None:
     for w in report.warnings:
         out.print(f"  [yellow]warning:[/] {w}", highlight=False)
     if report.manifest_sha256:
-        out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False)
+        out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False, soft_wrap=True)
     out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
 
 
 # --------------------------------------------------------------------------- validate
-
-
-def _speed(v: dict) -> str:
-    """'1.42x faster (spread 6%)', or 'no clear difference (0.97x, spread 12%)': a verdict only
-    where the difference exceeds the run-to-run spread measured in the same run."""
-    spread = f"spread {100 * v['spread']:.0f}%"
-    if v["verdict"] == "no clear difference":
-        return f"no clear difference ({v['ratio']:.2f}x, {spread})"
-    return f"{v['ratio']:.2f}x {v['verdict']} ({spread})"
 
 
 def validation(res, explain: bool = False) -> None:
@@ -265,11 +281,11 @@ def validation(res, explain: bool = False) -> None:
     if lat:
         b, f = lat["bf16"], lat["fp8"]
         t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
-                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['verdict']['prefill']))
+                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", speed(r['verdict']['prefill']))
         if "decode" in b:
             t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
                       f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
-                      _speed(r['verdict']['decode']))
+                      speed(r['verdict']['decode']))
         if b.get("peak_memory_bytes") is not None:
             t.add_row("peak device memory", human(b["peak_memory_bytes"]), human(f["peak_memory_bytes"]),
                       f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")
@@ -284,10 +300,14 @@ def validation(res, explain: bool = False) -> None:
 
 
 def apple_runtimes(r: dict) -> None:
-    """The Core ML and Core AI rows of validate (latency beside PyTorch), or why they did not run."""
-    for key, name in (("coreml", "Core ML package"), ("coreai", "Core AI asset")):
+    """Each Apple target's rows of validate (latency beside PyTorch), or why they did not run."""
+    for key, target in api.targets().items():
+        name = f"{target.name} {target.noun}"
         rt = r.get(key)
         if rt is None:
+            continue
+        if rt.get("status") == "failed":
+            out.print(f"{name}: [red]failed[/] ({escape(str(rt.get('reason')))})", highlight=False)
             continue
         if rt.get("status") != "ran":
             result(f"{name}: not run here ({rt['reason']})")
@@ -329,18 +349,6 @@ def kernels(decisions: list) -> None:
 # --------------------------------------------------------------------------- Core ML and Core AI
 
 
-def _feat(f) -> str:
-    rng = f" range {f['range']}" if f.get("range") else ""
-    shape = "x".join("?" if d is None else str(d) for d in f["shape"]) if f.get("shape") else "?"
-    return f"{f['name']} {f['dtype']} [{shape}]{rng}"
-
-
-def _states_line(states: list[dict]) -> str:
-    if not states:
-        return "none"
-    return f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each {_feat(states[0]).split(' ', 1)[1]}"
-
-
 def decoder_check(title: str, ev: dict) -> None:
     """Prefill, teacher-forced decode and greedy generation against PyTorch, one row each."""
     t = Table(title=title)
@@ -362,91 +370,31 @@ def decoder_check(title: str, ev: dict) -> None:
     out.print(f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median {ev['decode_step_ms']['median']:.1f} ms", highlight=False)
 
 
-def coreml_export(res, as_json: bool) -> None:
-    rec = res.record
-    failed = "; ".join(f"{k} failed ({v})" for k, v in rec["failed_frontends"].items())
-    note(f"Core ML: {rec['package']} written with {rec['frontend']}" + (" (stateful decoder)" if rec.get("kv_cache") else "")
-         + (f" ({failed})" if failed else ""))
+def export_result(res, as_json: bool) -> None:
+    """An Apple export: the line that says it was written, then its check (or, as JSON without a check, its record)."""
+    note(api.targets()[res.target].written(res.record))
     if res.check is not None:
-        coreml_check(res, as_json)
+        check_result(res, as_json)
     elif as_json:
-        print_json(rec)
+        print_json(res.record)
 
 
-def coreml_check(res, as_json: bool) -> None:
+def check_result(res, as_json: bool) -> None:
+    """An Apple package's check: the target's rows (a failure in red), then its decoder check as a table."""
     if as_json:
         print_json(res.as_dict())
         return
-    rec, chk = res.record, res.check
-    t = Table(title=f"{res.artifact}/{chk['package']}", show_header=False, box=None)
-    kind = " stateful decoder" if rec.get("kv_cache") else (" stateless" if rec.get("task") == "causal-lm" else "")
-    t.add_row("task", f"{rec.get('task')}{kind}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
-    t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, {rec.get('compute_precision')}")
-    t.add_row("inputs", "; ".join(_feat(f) for f in chk["spec"]["inputs"]))
-    t.add_row("outputs", "; ".join(_feat(f) for f in chk["spec"]["outputs"]))
-    if chk["spec"].get("states"):
-        t.add_row("states", _states_line(chk["spec"]["states"]))
-    ops = chk["spec"]["ops"]
-    t.add_row("ops", ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if k != "const")[:160])
-    t.add_row("weights", f"{rec.get('weights')}: {human(chk['weight_bytes'])} in the package vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)")
-    w = chk["weights"]
-    line = f"{w['checked']} FP8 tensors read back from weight.bin: " + ("all ok" if w["all_ok"] else "MISMATCH")
-    if w["codes_bit_exact"] is not None:
-        line += f"; codes bit-exact: {w['codes_bit_exact']}; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values, max {w['max_ulp_diff']} ulp"
-    elif w["min_fraction_equal_fp16_dequant"] is not None:
-        line += f"; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values"
-    t.add_row("weight check", line)
-    ev = chk.get("reference_eval")
-    if ev and "prefill" not in ev:
-        line = f"cosine min {ev['cosine_min']:.7f} (mean {ev['cosine_mean']:.7f}), max |diff| {ev['max_abs_diff']:.3g}"
-        if "top1_agreement" in ev:
-            line += f", top-1 agreement {ev['top1_agreement']:.1%} over {ev['positions']} positions"
-        t.add_row("reference eval", line + (" ok" if ev["ok"] else " FAILED"))
-        t.add_row("", f"{ev['inputs']}; vs {ev['reference']}")
-        t.add_row("", f"[bold]{ev['evaluator']}[/]; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}")
+    rows, decoder, title = api.targets()[res.target].rows(res.artifact, res.record, res.check)
+    t = Table(title=f"{res.artifact}/{res.package.name}", show_header=False, box=None)
+    for label, text, ok in rows:
+        t.add_row(escape(label), _marked(text, ok))
     out.print(t)
-    if ev and "prefill" in ev:
-        decoder_check("reference evaluation, not the Core ML runtime", ev)
+    if decoder is not None:
+        decoder_check(title, decoder)
 
 
-def coreai_export(res, as_json: bool) -> None:
-    rec = res.record
-    note(f"Core AI: {rec['asset']} written ({rec['task']}" + (", stateful decoder" if rec["task"] == "causal-lm" else "")
-         + f", {rec['compute']} compute)")
-    if res.check is not None:
-        coreai_check(res, as_json)
-    elif as_json:
-        print_json(rec)
-
-
-def coreai_check(res, as_json: bool) -> None:
-    if as_json:
-        print_json(res.as_dict())
-        return
-    rec, chk = res.record, res.check
-    iface = rec.get("interface", {})
-    t = Table(title=f"{res.artifact}/{chk['asset']}", show_header=False, box=None)
-    t.add_row("task", f"{rec.get('task')}" + (" stateful decoder" if rec.get("task") == "causal-lm" else f" ({rec.get('pooling')} pooling)"))
-    t.add_row("function main", "; ".join(_feat(f) for f in iface.get("inputs", [])) + " -> " + "; ".join(_feat(f) for f in iface.get("outputs", [])))
-    if iface.get("states"):
-        t.add_row("states", _states_line(iface["states"]))
-    t.add_row("interface", "as the decoder contract says" if chk["interface"]["ok"] else "[red]" + escape("; ".join(chk["interface"]["problems"])) + "[/]")
-    v = rec.get("versions", {})
-    t.add_row("converted with", f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; compute {rec.get('compute')}; needs {rec.get('minimum_os')}")
-    st = chk["storage"]["storage_types"]
-    t.add_row("storage", ", ".join(f"{k} {n:,}" for k, n in sorted(st.items(), key=lambda kv: -kv[1]) if n > 1000) or str(st))
-    t.add_row("size", f"{human(chk['asset_bytes'])} asset vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)")
-    w = chk["weights"]
-    t.add_row("weight check", f"{w['checked']} FP8 tensors read back from the program: codes bit-exact {w['codes_bit_exact']}, scales exact "
-              f"{w['scales_exact']}; {w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for {w['fp8_values_in_artifact']:,} in the artifact"
-              + ("" if w["all_ok"] else " [red]MISMATCH[/]"))
-    out.print(t)
-    ev = chk.get("runtime_eval")
-    if ev and "prefill" in ev:
-        decoder_check(ev["runtime"], ev)
-    elif ev:
-        result(f"{ev['runtime']}: embedding cosine min {ev['cosine_min']:.6f} over {ev['samples']} samples ({ev['inputs']})"
-               + (" ok" if ev["ok"] else " FAILED"))
+def _marked(text: str, ok: bool | None) -> str:
+    return f"[red]{escape(text)}[/]" if ok is False else escape(text)
 
 
 # --------------------------------------------------------------------------- generate / chat / upload
@@ -494,5 +442,5 @@ def uploaded(res, as_json: bool) -> None:
     if as_json:
         print_json(res.as_dict())
         return
-    result(f"uploaded {len(res.files)} files to {res.url} ({'private, ' if res.private else ''}revision {res.revision}, "
+    result(f"uploaded {len(res.files)} files to {res.url} ({'private' if res.private else 'public'} repo, revision {res.revision}, "
            f"commit {(res.commit or '?')[:12]}): {res.commit_message}")

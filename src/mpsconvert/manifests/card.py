@@ -6,8 +6,9 @@ manifest's. YAML front matter first (`base_model`, `base_model_relation: quantiz
 `library_name`, `tags`, the source's `license`, and an `mpsconvert` block with the figures),
 then what was done, the validation results once `validate` ran, how to load it, and the
 source's own card kept below a marker, attributed (its front matter folded into ours). The card
-is rewritten (atomically, its new sha256 in the manifest) by every step that changes what it
-says: validate, the Apple exports, calibration into the artifact, upload (which names the repo).
+is rewritten with the manifest by every change to an artifact (manifests/transaction.py: validate,
+the Apple exports and their checks, calibration into the artifact, upload, which names the repo),
+in the same staged swap, so the card always has the sha256 the manifest records.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..units import human
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
+from .records import AppleExport, CalibrationRecord, DiffusionSource, GGUFSource, Validation, kinds
 
 CARD_NAME = "README.md"
 SOURCE_MARKER = "<!-- mpsconvert: the source model's own card follows, as it was -->"
@@ -69,21 +71,25 @@ def _fmt(x, nd: int = 4):
 def validation_figures(manifest: Manifest) -> list[dict]:
     """One entry per recorded validate run (device, accuracy, speedups), as the card shows them."""
     out = []
-    for key, run in sorted((manifest.extra.get("validation") or {}).items()):
-        a = run.get("accuracy") or {}
-        row = {"run": key, "device": run.get("device"), "scheme": run.get("scheme"), "kind": run.get("kind"),
-               "eval_data": run.get("eval_data"), "baseline": run.get("baseline")}
-        if run.get("kind") == "diffusion-step":
+    rec = manifest.get(Validation)
+    for key, run in sorted((rec.runs if rec else {}).items()):
+        a = run.accuracy
+        row = {"run": key, "device": run.device, "scheme": run.scheme, "kind": run.kind, "eval_data": run.eval_data,
+               "baseline": run.baseline}
+        if run.kind == "diffusion-step":
             row |= {"rel_error": _fmt(a.get("rel_error"), 6), "cosine": _fmt(a.get("cosine"), 6)}
-        elif run.get("kind") == "causal-lm":
+        elif run.kind == "causal-lm":
             row |= {"tokens": a.get("tokens"), "perplexity_bf16": _fmt(a.get("perplexity_bf16")),
                     "perplexity_fp8": _fmt(a.get("perplexity_fp8")), "perplexity_delta_pct": _fmt(a.get("perplexity_delta_pct"), 3),
                     "mean_kl": _fmt(a.get("mean_kl"), 6), "top1_agreement": _fmt(a.get("top1_agreement"))}
         else:
             row |= {"sentences": a.get("sentences"), "cosine_mean": _fmt(a.get("cosine_mean"), 6),
                     "cosine_min": _fmt(a.get("cosine_min"), 6)}
-        for ph, v in sorted((run.get("speedup") or {}).items()):
+        verdicts = run.verdict or {}
+        for ph, v in sorted((run.speedup or {}).items()):
             row[f"{ph}_speedup"] = _fmt(v, 3)
+            if isinstance(verdicts.get(ph), dict) and verdicts[ph].get("verdict"):  # the run's verdict: a ratio inside the noise is no speedup
+                row[f"{ph}_verdict"] = verdicts[ph]["verdict"]
         out.append(row)
     return out
 
@@ -105,10 +111,7 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
         meta["license"] = config["license"]
     meta["tags"] = ["fp8", "float8_e4m3fn", *(["sdnq"] if fmt == "diffusers" else ["comfyui"] if fmt else ["compressed-tensors"]),
                     "mpsconvert", recipe["name"], *([recipe.get("family")] if fmt else [])]
-    if "coreml" in manifest.extra:
-        meta["tags"].append("coreml")
-    if "coreai" in manifest.extra:
-        meta["tags"].append("coreai")
+    meta["tags"] += [kind.KEY for kind in kinds(AppleExport) if manifest.get(kind) is not None]
     figures = {
         "scheme": recipe["name"],
         "weights": recipe["weights"],
@@ -128,9 +131,14 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     return meta
 
 
+def _where(src: dict) -> str:
+    """The source as the card names it: `id`, at its commit when known."""
+    return f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+
+
 def _what_was_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+    where = _where(src)
     kept = r.get("ignored_modules") or {}
     lines = [
         "## What was done", "",
@@ -144,14 +152,19 @@ def _what_was_done(manifest: Manifest) -> list[str]:
     ]
     if s.get("worst_sqnr_db") is not None:
         lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
-    dtype = r.get("unquantized_dtype") or "the source's dtype"
+    g = manifest.get(GGUFSource)
+    if g is not None:
+        note = g.precision_note()
+        lines.append(f"| source | GGUF {g.file_type} ({', '.join(f'{n} {t}' for t, n in g.tensor_types.items())}), "
+                     f"{g.unpacked}" + (f"; **{note}**" if note else "") + " |")
+    dtype = r.get("unquantized_dtype") or (f"{g.dtype}, as the GGUF was unpacked" if g is not None and g.dtype else "the source's dtype")
     lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {dtype} (no FP8 kernel applies to them)"
                  + (f"; Linear: {', '.join(f'`{k}` ({v})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
-    cal = r.get("calibration")
+    cal = manifest.get(CalibrationRecord)
     if cal:
-        data = cal.get("data") or {}
-        lines.append(f"| calibration | {cal.get('num_samples')} x {cal.get('seq_len')} tokens of `{data.get('id')}` "
-                     f"(sha256 `{str(data.get('sha256'))[:12]}`), observer {cal.get('observer')}, on {cal.get('device')} |")
+        data = cal.data or {}
+        lines.append(f"| calibration | {cal.num_samples} x {cal.seq_len} tokens of `{data.get('id')}` "
+                     f"(sha256 `{str(data.get('sha256'))[:12]}`), observer {cal.observer}, on {cal.device} |")
     else:
         lines.append("| calibration | none: data-free (weights only" + (", activations scaled per token at run time" if r.get("activations") == "token" else "") + ") |")
     return lines + [""]
@@ -170,25 +183,32 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in causal:
             lines.append(f"| {r['run']} | {r['tokens']} | {r['perplexity_bf16']} | {r['perplexity_fp8']} | {r['perplexity_delta_pct']:+}% | "
-                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r.get('prefill_speedup'))} | {_x(r.get('decode_speedup'))} |")
+                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r, 'prefill')} | {_x(r, 'decode')} |")
     steps = [r for r in runs if r["kind"] == "diffusion-step"]
     if steps:
         lines += ["One denoising step of the transformer against the BF16 source, same random latents and text embeddings "
                   "(`mpsconvert validate`):", "", "| device | relative error | cosine | speedup |", "|---|---|---|---|"]
         for r in steps:
-            lines.append(f"| {r['run']} | {r['rel_error']} | {r['cosine']} | {_x(r.get('step_speedup'))} |")
+            lines.append(f"| {r['run']} | {r['rel_error']} | {r['cosine']} | {_x(r, 'step')} |")
         return lines + ["", "Speedups are BF16 median / FP8 median time of the step in the same run.", ""]
     enc = [r for r in runs if r["kind"] not in ("causal-lm", "diffusion-step")]
     if enc:
         lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
         for r in enc:
-            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r.get('prefill_speedup'))} |")
+            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r, 'prefill')} |")
     data = sorted({str(r['eval_data']) for r in runs})
-    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run.", ""]
+    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run; "
+                        "\"no clear difference\" where the ratio lies within the run-to-run spread of that run.", ""]
 
 
-def _x(v) -> str:
-    return "" if v is None else f"{v}x"
+def _x(row: dict, phase: str) -> str:
+    """A phase's speedup as the run judged it: '1.42x faster', 'no clear difference (0.38x)'."""
+    v, word = row.get(f"{phase}_speedup"), row.get(f"{phase}_verdict")
+    if v is None:
+        return ""
+    if word == "no clear difference":
+        return f"no clear difference ({v}x)"
+    return f"{v}x {word}" if word else f"{v}x"
 
 
 def _is_causal(config: dict) -> bool:
@@ -214,31 +234,25 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
         lines += ["mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
                   "```python", "import mpsconvert", "", f'model = mpsconvert.load("{name}")  # a transformers model with FP8 layers',
                   "```", ""]
-    if "coreml" in manifest.extra:
-        rec = manifest.extra["coreml"]
-        lines += [f"Core ML: `{rec.get('package')}` ({rec.get('task')}, target {rec.get('minimum_deployment_target')}, "
-                  f"weights {rec.get('weights')}); in Swift, `MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
-    if "coreai" in manifest.extra:
-        rec = manifest.extra["coreai"]
-        lines += [f"Core AI: `{rec.get('asset')}` ({rec.get('task')}, native f8E4M3FN weights, needs {rec.get('minimum_os')})"
-                  + (f"; `mpsconvert generate {name} \"Hello\" --backend coreai` runs it with the Core AI runtime." if causal else "."), ""]
+    for kind in kinds(AppleExport):  # each Apple target's package says itself how it is used
+        rec = manifest.get(kind)
+        if rec is not None:
+            lines += rec.card_lines(name, causal)
     return lines
 
 
-def local_name(manifest: Manifest, repo: str | None) -> str:
-    """The folder name the card's commands use: the repo's name once uploaded, else
-    `<source name>-<scheme>` (quantize's default output): never the actual output folder, so
-    that the card, like every other file, depends only on the inputs."""
-    if repo:
-        return repo.split("/")[-1]
-    return f"{str(manifest.source.get('id') or 'model').rstrip('/').split('/')[-1]}-{manifest.recipe['name']}"
+def local_name(folder_name: str, repo: str | None) -> str:
+    """The folder name the card's commands use: the repo's name once uploaded (what `hf download
+    --local-dir` makes), else the artifact folder's own name (never a path: a card that goes to
+    the hub must not carry the user's folders)."""
+    return repo.split("/")[-1] if repo else folder_name
 
 
-def render(manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None) -> str:
-    """The whole card (deterministic: the same inputs give the same bytes)."""
+def render(manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None, folder_name: str = "model") -> str:
+    """The whole card (deterministic: the same inputs, the folder's name included, give the same bytes)."""
     import yaml
 
-    name = local_name(manifest, repo)
+    name = local_name(folder_name, repo)
     meta, body = source_card(source_text) if source_text else ({}, "")
     src = manifest.source
     title = f"{(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe['name']})"
@@ -258,33 +272,18 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None) -> str:
+def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None, name: str | None = None) -> str:
     """Write the card into `folder` atomically and record it in `manifest.files` (the caller
-    writes the manifest)."""
+    writes the manifest). `name`: the artifact folder's name, when `folder` is the temporary
+    folder it is built in [default: `folder`'s own]."""
     folder = Path(folder)
     cfg = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / MODEL_INDEX
     config = json.loads(cfg.read_text(encoding="utf-8"))
-    text = render(manifest, config, source_text, repo)
+    text = render(manifest, config, source_text, repo, name or folder.absolute().name)
     write_text(folder / CARD_NAME, text)
     manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
     manifest.files = dict(sorted(manifest.files.items()))
     return text
-
-
-def refresh(folder: Path, repo: str | None = None) -> str:
-    """Re-render the card of an existing artifact (after validate, an export, an upload) and
-    record its new sha256 in the manifest, both atomically."""
-    from .layout import update_manifest
-
-    folder = Path(folder)
-    old = folder / CARD_NAME
-    text = old.read_text(encoding="utf-8", errors="replace") if old.is_file() else None
-    with update_manifest(folder) as m:
-        if repo is None:  # once published, the card keeps loading from the repo
-            repo = (m.extra.get("hub") or {}).get("repo")
-        else:
-            m.extra["hub"] = {"repo": repo}
-        return write(folder, m, text, repo)
 
 
 # --------------------------------------------------------------------------- diffusion artifacts
@@ -312,7 +311,7 @@ def diffusion_intro(manifest: Manifest) -> str:
 
 def diffusion_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+    where = _where(src)
     hp = r.get("high_precision") or {}
     kept = r.get("ignored_modules") or {}
     fmt = r.get("format")
@@ -348,7 +347,8 @@ def diffusion_how_to_load(manifest: Manifest, repo: str | None, name: str) -> li
                   f"node (weight_dtype `default`), with the {fam} text encoders and VAE in their usual folders. On a Mac, FP8 "
                   "stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch refuses float8 on MPS.", ""]
     else:
-        cls = (manifest.source.get("diffusion") or {}).get("class_name") or "the transformer class"
+        d = manifest.get(DiffusionSource)
+        cls = (d.class_name if d else None) or "the transformer class"
         ref = repo or name
         lines += ["diffusers with its SDNQ backend (`pip install diffusers sdnq`), on Apple Silicon, CUDA or CPU:", "", "```python",
                   "import torch"]

@@ -10,6 +10,8 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from ..filesystem import is_appledouble
+
 _BLOCK = 8 << 20
 # Big reads for the background hasher: each block it reads and hashes without the GIL, then
 # waits for the GIL (up to the 5 ms switch interval while the main thread imports modules).
@@ -65,6 +67,6 @@ def folder_files(folder: Path, root: Path) -> dict[str, dict]:
     out = {}
     root = Path(root).resolve()  # the package may come as an absolute path, the artifact as a relative one
     for p in sorted(Path(folder).resolve().rglob("*")):
-        if p.is_file():
+        if p.is_file() and not is_appledouble(p.name):  # macOS's `._*` metadata companions are not package files
             out[p.relative_to(root).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
     return out

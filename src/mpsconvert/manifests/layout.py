@@ -1,18 +1,18 @@
-"""The artifact's file layout, in one place: what each file is called, which files hold the
-weights, and how the manifest is updated.
+"""The artifact's file layout, in one place: what each file is called and which files hold the
+weights (names only: how an artifact is changed is manifests/transaction.py).
 
 An artifact is a Hugging Face model folder (config.json, safetensors weights, tokenizer files)
 plus our manifest. Weights are one `model.safetensors`, or shards named
 `model-0000i-of-0000N.safetensors` listed by `model.safetensors.index.json`. Apple exports live
-inside the artifact (`model.mlpackage`, `model.aimodel`) and are listed in the manifest too.
+inside the artifact (each target names its package: apple/coreml, apple/coreai) and are listed
+in the manifest too.
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
-from .. import atomic
+from .. import filesystem
 from ..errors import ArtifactError
 from ..untrusted import inside, read_json
 
@@ -20,8 +20,6 @@ MANIFEST_NAME = "mpsconvert.json"
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-COREML_PACKAGE = "model.mlpackage"
-COREAI_ASSET = "model.aimodel"
 MODEL_INDEX = "model_index.json"  # a diffusers pipeline's top-level file
 DIFFUSION_FORMATS = ("comfyui", "comfyui-legacy", "diffusers")  # convert/diffusion's FORMATS, as recorded in a manifest
 
@@ -65,14 +63,15 @@ def read_weight_map(folder: Path) -> dict[str, str] | None:
 
 def weight_files(folder: Path) -> list[str]:
     """The safetensors files holding a model's weights: the index's shards, else
-    `model.safetensors`, else every `*.safetensors` in the folder (sorted)."""
+    `model.safetensors`, else every `*.safetensors` in the folder (sorted; AppleDouble `._*`
+    files are not weights)."""
     folder = Path(folder)
     wm = read_weight_map(folder)
     if wm is not None:
         return sorted(set(wm.values()))
     if (folder / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
-    return sorted(p.name for p in folder.glob("*.safetensors"))
+    return filesystem.files(folder, ".safetensors")  # macOS's `._*.safetensors` companions left out
 
 
 def is_artifact(folder: Path) -> bool:
@@ -86,53 +85,3 @@ def diffusion_format(manifest) -> str | None:
     """The diffusion format of an artifact ("comfyui" | "comfyui-legacy" | "diffusers"), None for an LLM's."""
     fmt = manifest.recipe.get("format")
     return fmt if fmt in DIFFUSION_FORMATS else None
-
-
-@contextlib.contextmanager
-def update_manifest(folder: Path):
-    """Read the artifact's manifest, let the caller change it, write it back atomically (only
-    if the block exits without an error), all under the artifact's lock (atomic.writing): two
-    runs recording results at once would otherwise lose one of them."""
-    from .manifest import Manifest
-
-    with atomic.writing(Path(folder)):
-        m = Manifest.read(folder)
-        yield m
-        m.write(folder)
-
-
-def publish_package(artifact: Path, name: str, write, record) -> None:
-    """Put a package (an .mlpackage, an .aimodel) into an artifact together with its manifest
-    entries, as one step a kill cannot split: a staged copy of the artifact gets the package
-    (`write(path)`), its files' hashes and the caller's record (`record(manifest, path)`), then
-    replaces the artifact (atomic.staged_copy). The caller holds `atomic.writing(artifact)`."""
-    from .hashing import folder_files
-    from .manifest import Manifest
-
-    with atomic.staged_copy(artifact, drop=(name,)) as tmp:
-        pkg = tmp / name
-        write(pkg)
-        if not pkg.is_dir():
-            raise ArtifactError(f"writing {name} produced no folder", "report this: the saver wrote nothing")
-        atomic.kill_point("package-written")
-        m = Manifest.read(tmp)
-        files = {k: v for k, v in m.files.items() if k != name and not k.startswith(name + "/")}
-        files.update(folder_files(pkg, tmp))
-        m.files = dict(sorted(files.items()))
-        record(m, pkg)
-        m.write(tmp)
-
-
-@contextlib.contextmanager
-def exporting(artifact: Path, kind: str):
-    """The frame of every export into an artifact: a swap a kill cut in two is repaired, the
-    artifact's lock is held throughout, it is verified before any of it is used
-    (verify.check_before_use), and libraries' temporary files go to this run's own folder of the
-    system temp dir (`mpsconvert-<kind>-<pid>-*`, removed after, or by the next run after a kill)."""
-    from .verify import check_before_use
-
-    artifact = Path(artifact)
-    atomic.recover(artifact)
-    with atomic.writing(artifact), atomic.private_tempdir(kind, redirect=True):
-        check_before_use(artifact)
-        yield artifact
