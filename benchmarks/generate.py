@@ -2,8 +2,8 @@
 
 Variants, each in a process of its own (a fresh process is what a user starts):
   ours        `mpsconvert.load(artifact)` driven by the engine's loop, as `mpsconvert generate`
-              runs it after tokenizing (runtime/engine: static KV cache; on CUDA the decode step
-              one CUDA graph, compiled before the first token and timed apart)
+              runs it after tokenizing (runtime/engine: on CUDA a static KV cache and the decode
+              step one CUDA graph, compiled before the first token and timed apart; eager elsewhere)
   ours-eager  the same with `compile=False` (`mpsconvert generate --no-compile`)
   ours-hf     transformers' `generate()` on the loaded model (on CUDA: a static cache at batch 1,
               runtime/patches/generate.py; elsewhere transformers' default)
