@@ -173,7 +173,7 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     out["decode_tps"] = round(statistics.median(rates), 3)
     out["decode_tps_runs"] = [round(r, 3) for r in rates]
     out["tokens"] = tokens
-    if eng is not None:  # the same loaded model through transformers' generate(), rounds interleaved with ours
+    if eng is not None and args.same_rounds > 0:  # the same loaded model through transformers' generate(), rounds interleaved with ours
         ours_r, theirs_r, same, cpu_ratio = [], [], [], []
         for _ in range(args.same_rounds):
             c0 = time.process_time()
@@ -275,7 +275,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ttft", default="128,2048", help="prompt lengths for the time to first token")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--same-rounds", type=int, default=5, help="interleaved rounds of the engine and generate() on one model")
+    ap.add_argument("--same-rounds", type=int, default=5, help="interleaved rounds of the engine and generate() on one model (0: none)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--work", help="folder for the checkpoint and the artifact (kept); default: a temporary one")
     ap.add_argument("--out")
