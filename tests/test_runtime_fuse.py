@@ -278,7 +278,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     kernel; the logits are those of the model's own forwards, and under torch.compile the
     modules' own forwards run. A norm whose arithmetic differs is left as it was, with the reason."""
     import torch
-    from mpsconvert.runtime import fuse
+    from mpsconvert.runtime.ops import fuse
     from .helpers import fp8_model
 
     from transformers import LlamaConfig, LlamaForCausalLM
