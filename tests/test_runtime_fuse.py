@@ -385,7 +385,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
 
 
 @pytest.mark.triton("interpret")
-def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
+def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypatch):
     """runtime/patches/rotary.py (Triton interpreted): the kernel equals transformers' own
     apply_rotary_pos_emb exactly (values and memory layout) for GQA heads, head sizes that are
     and are not powers of two, bf16/fp16/fp32 and per-batch cos/sin; installed in a model, its
@@ -397,7 +397,10 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     from transformers.models.llama import modeling_llama as ml
     from mpsconvert.runtime.patches import forwards, rotary
     g = torch.Generator().manual_seed(0)
-    original = ml.apply_rotary_pos_emb
+    # the interpreted tests share one process: an earlier one may have installed the dispatch
+    # (with its own counts) in transformers' module; this test starts from the plain function
+    original = getattr(ml.apply_rotary_pos_emb, "original", ml.apply_rotary_pos_emb)
+    monkeypatch.setattr(ml, "apply_rotary_pos_emb", original)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         for b, hq, hk, s, d, cb in ((1, 4, 2, 7, 16, 1), (2, 6, 3, 5, 12, 2), (1, 8, 8, 3, 128, 1)):
             x = (torch.randn(b, s, (hq + 2 * hk) * d, generator=g) * 3).to(dt)
@@ -431,15 +434,17 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     model(ids).logits.sum().backward()  # a gradient: the original, which has a backward
     assert fn.fused == 2
 
-    def apply_rotary_pos_emb(q, k, cos, sin):  # another arithmetic, in this (modeling) module
-        return q * cos, k * sin
-    sys.modules["__main__"].apply_rotary_pos_emb = apply_rotary_pos_emb
+    # a modeling module of its own whose apply_rotary_pos_emb is another arithmetic (a global
+    # its attention's forward names, as in transformers' modeling files)
+    import types
 
-    class OddAttention(ml.LlamaAttention):
-        def forward(self, *a, **k):
-            apply_rotary_pos_emb  # noqa
-            return super().forward(*a, **k)
-    OddAttention.__module__ = "__main__"
+    odd = types.ModuleType("odd_modeling")
+    odd.Base = ml.LlamaAttention
+    exec("def apply_rotary_pos_emb(q, k, cos, sin):\n    return q * cos, k * sin\n\n"
+         "class OddAttention(Base):\n    def forward(self, *a, **k):\n        apply_rotary_pos_emb  # noqa\n"
+         "        return super().forward(*a, **k)\n", odd.__dict__)
+    monkeypatch.setitem(sys.modules, "odd_modeling", odd)
+    OddAttention = odd.OddAttention
     fresh = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     fresh.model.layers[1].self_attn.__class__ = OddAttention
     report = rotary.install(fresh, torch.bfloat16, "cpu")
