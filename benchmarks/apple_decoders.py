@@ -8,7 +8,7 @@ the same dequantized weights, on real English prose:
 - Core AI: asset size vs the FP8 safetensors, every FP8 weight read back as f8E4M3FN bytes, the
   runtime bundled in coreai-core ("Core AI runtime, Linux CPU" here) on a 64-token prefill, 32
   teacher-forced decode steps through the states and 4 greedy tokens; then decode tokens/s of
-  that runtime beside PyTorch CPU (fp32, DynamicCache), same prompt, same tokens.
+  that runtime beside PyTorch CPU (fp32, the runtime engine, eager), same prompt, same tokens.
 - Core ML: the stateful package's states, fp8-lut codes read back bit for bit, and the reference
   evaluation (numpy over coremltools' op definitions, NOT the Core ML runtime) of the same
   prefill + 16 decode steps.
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from coreml_export import CACHE, smollm2_source  # noqa: E402  (one SmolLM2 checkpoint for every benchmark)
+from _sources import CACHE, smollm2 as smollm2_source  # noqa: E402  (one SmolLM2 checkpoint for every benchmark)
 
 
 def artifact() -> Path:

@@ -1,7 +1,7 @@
 """What an FP8 artifact costs on CPU against its BF16 source: load time, peak RSS, decode speed.
 
 Each variant runs in a process of its own (peak RSS is per process), the same greedy decode loop
-(runtime/generate.py) on the same prompt:
+(runtime/engine: the engine `mpsconvert generate` runs) on the same prompt:
 - bf16: the source loaded by transformers in BF16 (what the user would run without mpsconvert);
 - fp8: `mpsconvert.load(artifact, device="cpu")`, what runs on CPU: every FP8 weight dequantized
   to BF16 once at load (plus, for schemes that quantize activations, their e4m3 rounding);
@@ -41,8 +41,8 @@ def run_variant(variant: str, src: str, art: str, prompt: int, tokens: int) -> d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import mpsconvert
-    from mpsconvert.runtime import generate as gen
-    from mpsconvert.runtime import kernels
+    from mpsconvert.runtime import engine as gen
+    from mpsconvert.runtime.ops import kernels
 
     torch.set_num_threads(os.cpu_count() or 1)
     rss0 = _rss()
@@ -58,7 +58,7 @@ def run_variant(variant: str, src: str, art: str, prompt: int, tokens: int) -> d
     rss_loaded = _rss()
     ids = AutoTokenizer.from_pretrained(art)(_text())["input_ids"][:prompt]
     peak_loaded = _rss("VmHWM")
-    st = gen.generate_ids(gen.TorchDecoder(model), ids, gen.Sampling(max_tokens=tokens), ())
+    st = gen.generate_ids(gen.Engine(model), ids, gen.Sampling(max_tokens=tokens), ())
     out = {"variant": variant, "load_s": round(load_s, 2), "rss_before_mb": round(rss0 / 2**20), "rss_loaded_mb": round(rss_loaded / 2**20),
            "peak_rss_load_mb": round(peak_loaded / 2**20), "rss_after_generate_mb": round(_rss() / 2**20),
            "peak_rss_mb": round(_rss("VmHWM") / 2**20), "prompt_tokens_per_s": round(st.prompt_tps, 2),

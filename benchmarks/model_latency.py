@@ -11,7 +11,7 @@ by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), 
             files come from disk (`mpsconvert quantize` writes with O_DIRECT, past the page
             cache), while BF16's source was just written through it: compare loads with
             ours-warm (both from the page cache) and *-cold (both from disk)
-  ours-sdpa the same, with transformers' SDPA at decode too (without runtime/attention.py)
+  ours-sdpa the same, with transformers' SDPA at decode too (without runtime/patches/attention.py)
   ours-unfused  the same, with the model's own RMSNorm and MLP forwards (load(eager_fusion=False))
   ours-sharedquant  prefill siblings share one quantization, a GEMM each (fuse.PREFILL_SHARES)
   bf16-attn BF16 with our decode attention installed (to separate what attention contributes)
@@ -90,8 +90,11 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 T0 = time.perf_counter()
-from mpsconvert.runtime.fuse import PREFILL_SHARES as DEFAULT_SHARES  # noqa: E402
+from mpsconvert.runtime.ops.fuse import PREFILL_SHARES as DEFAULT_SHARES  # noqa: E402
 from mpsconvert.timing import warm_guards  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _sources import build_checkpoint, config_for, copy_bandwidth, quantize  # noqa: E402
 
 
 def log(*a):
@@ -103,83 +106,13 @@ def sync():
         torch.cuda.synchronize()
 
 
-def config_for(arch: str, layers: int):
-    import transformers
-
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-            head_dim=128, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-            tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, architectures=["LlamaForCausalLM"])  # fmt: skip
-    if arch == "mixtral":
-        return transformers.MixtralConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-            head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6, num_local_experts=8,
-            num_experts_per_tok=2, router_jitter_noise=0.0, tie_word_embeddings=False, architectures=["MixtralForCausalLM"])  # fmt: skip
-    if arch == "tiny":  # the script's own check on CPU
-        return transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=512, architectures=["LlamaForCausalLM"])  # fmt: skip
-    if arch == "tiny-moe":
-        return transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-                                          num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
-                                          architectures=["MixtralForCausalLM"])  # fmt: skip
-    raise SystemExit(f"unknown --arch {arch}")
-
-
-def build_checkpoint(cfg, folder: Path, device) -> dict:
-    """Random weights made on the device, saved by transformers."""
-    import transformers
-
-    t = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(device):  # transformers' own init (normal, std 0.02; norms 1), on the device
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="5GB")
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return {"seconds": round(time.perf_counter() - t, 1), "parameters": params,
-            "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}  # fmt: skip
-
-
-def quantize(src: Path, out: Path, weights: str = "row") -> dict:
-    t = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "mpsconvert.cli", "quantize", str(src), "-o", str(out), "--force", "--json",
-                        "--weights", weights], env=env, capture_output=True, text=True)  # fmt: skip
-    if r.returncode != 0:
-        raise RuntimeError(f"mpsconvert quantize failed: {r.stderr[-2000:]}")
-    return {"seconds": round(time.perf_counter() - t, 1), "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
-
-
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy, bytes read plus written per second (the decode floor's ceiling)."""
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    sync()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    e.synchronize()
-    bw = 2 * a.numel() * 10 / (s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return bw
-
-
 def kernel_checks(device) -> dict:
     """Our Triton kernels on this GPU against the reference arithmetic, before anything is timed:
     activation quantization bit for bit, the GEMVs against float64."""
     from mpsconvert import fp8
-    from mpsconvert.runtime import act_quant, kernels
-    from mpsconvert.runtime.fp8linear import FP8Linear
+    from mpsconvert.runtime.ops.triton import act_quant
+    from mpsconvert.runtime.ops import kernels
+    from mpsconvert.runtime.ops.fp8linear import FP8Linear
 
     out = {}
     g = torch.Generator(device=device).manual_seed(0)
@@ -219,7 +152,7 @@ def moe_decode_check(device, g) -> dict:
     import torch.nn.functional as F
 
     from mpsconvert import fp8
-    from mpsconvert.runtime.moe import FP8Experts
+    from mpsconvert.runtime.ops.experts import FP8Experts
 
     E, H, I = 8, 4096, 14336
     w13, s13, _ = fp8.quantize(torch.randn(E * 2 * I, H, device=device, generator=g) / H**0.5, "row")
@@ -245,7 +178,7 @@ def attention_check(device, g) -> dict:
     CUDA graph: ours, and SDPA after `repeat_kv` as transformers runs it under torch.compile."""
     import torch.nn.functional as F
 
-    from mpsconvert.runtime import attention
+    from mpsconvert.runtime.patches import attention
 
     q = torch.randn(1, 32, 1, 128, device=device, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(1, 8, 2096, 128, device=device, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -269,7 +202,7 @@ def host_cost(device) -> dict:
     """Host microseconds per eager call of the matmuls the layers launch (100 calls queued, one
     synchronisation): what bounds an eager prefill when the GPU work per call is short."""
     from mpsconvert import fp8
-    from mpsconvert.runtime import act_quant
+    from mpsconvert.runtime.ops.triton import act_quant
 
     out = {}
     x = torch.randn(2048, 4096, device=device, dtype=torch.bfloat16)
@@ -297,7 +230,7 @@ def host_cost(device) -> dict:
         sync()
         total = (time.perf_counter() - t) / 100
         out[name] = {"host_us": round(host * 1e6, 1), "wall_us": round(total * 1e6, 1)}
-    from mpsconvert.runtime import triton_launch
+    from mpsconvert.runtime.ops.triton import launch as triton_launch
 
     out["triton launch"] = triton_launch.mode()
     log("host cost per call", out)
@@ -497,7 +430,7 @@ def host_profile(fn, steps: int, top: int = 30, synced: bool = False) -> list:
 
 def gemv_configs() -> dict:
     """The tile each GEMV kernel's autotuner chose, per (N, K, M, ...) key."""
-    from mpsconvert.runtime import triton_gemv
+    from mpsconvert.runtime.ops.triton import gemv as triton_gemv
 
     out = {}
     for label, kern in (("gemv", getattr(triton_gemv, "_kernel", None)), ("w8a8", getattr(triton_gemv, "_dot_kernel", None))):
@@ -520,7 +453,7 @@ def decoder_layers(model):
 
 def weight_bytes(model) -> tuple[int, int]:
     """(bytes of all parameters and buffers, bytes of the input embedding)."""
-    from mpsconvert.runtime.loader import model_bytes
+    from mpsconvert.runtime.load.loader import model_bytes
 
     emb = model.get_input_embeddings().weight
     return model_bytes(model), emb.numel() * emb.element_size()
@@ -553,18 +486,15 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
     if not profiling and info is not None:
         row["load_breakdown_s"] = info.seconds
         row["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels]
-        row["shared_inputs"] = len(info.shared_inputs)
-        row["eager_fusion"] = info.eager_fusion
+        row["patches"] = info.patches
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
-        row["routing"] = info.routing
-        row["positions"] = info.positions
         row["prewarm"] = info.prewarm
         row["gemv_configs"] = gemv_configs()
     total, emb = weight_bytes(model)
     if not profiling:
         row["weight_bytes"] = total
         row["attention"] = getattr(model.config, "_attn_implementation", None)
-        log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"), row.get("eager_fusion"))
+        log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"), row.get("patches"))
     if name.partition("@")[0].endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
         del model
         gc.collect()
@@ -739,7 +669,7 @@ def loaders(name: str, src: Path, art: Path, device, args):
         def bf16():
             model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
             if name == "bf16-attn":  # the same decode attention as ours, to separate its share of the speed-up
-                from mpsconvert.runtime import attention
+                from mpsconvert.runtime.patches import attention
 
                 attention.install(model)
             return model
@@ -747,10 +677,11 @@ def loaders(name: str, src: Path, art: Path, device, args):
         return bf16
     name = name.partition("@")[0]  # the artifact is chosen by the caller
     if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa", "ours-unfused"):
-        from mpsconvert.runtime import fuse, load
+        from mpsconvert.runtime.ops import fuse
+        from mpsconvert.runtime import load
 
         fuse.PREFILL_SHARES = "quantization" if name == "ours-sharedquant" else DEFAULT_SHARES  # ours: the library's default
-        return lambda: load(art, device=str(device), prefill_m=args.prefill, decode_attention=name != "ours-sdpa",
+        return lambda: load(art, device=str(device), decode_attention=name != "ours-sdpa",
                             eager_fusion=name != "ours-unfused")  # ours-unfused: the model's own norms and MLPs
     if name in ("ct", "ct-opt"):
         from transformers import CompressedTensorsConfig

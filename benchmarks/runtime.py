@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpsconvert import fp8
-from mpsconvert.runtime import triton_gemv, tritonlib
-from mpsconvert.runtime.fp8linear import FP8Linear
-from mpsconvert.runtime.fuse import FusedFP8
-from mpsconvert.runtime.policy import KernelPolicy
+from mpsconvert.runtime.ops.triton import gemv as triton_gemv
+from mpsconvert.runtime.ops import triton as tritonlib
+from mpsconvert.runtime.ops.fp8linear import FP8Linear
+from mpsconvert.runtime.ops.fuse import FusedFP8
+from mpsconvert.runtime.load.policy import KernelPolicy
 from mpsconvert.timing import per_call_us
 
 SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
@@ -171,7 +172,7 @@ def run_variant(name, build, xs, ref_out, results, policy_out):
     weight_bytes = torch.cuda.memory_allocated() - before
     row = {"weight_bytes": weight_bytes, "build_s": round(time.perf_counter() - t0, 1)}
     if any(isinstance(m, FP8Linear) for m in model.modules()):
-        pol = KernelPolicy(DEV, prefill_m=xs["prefill"].shape[0], decode_m=1, cache=False)
+        pol = KernelPolicy(DEV, decode_m=1, cache=False)  # every prefill bucket measured, the prompt's own among them
         pol.apply(model)
         policy_out[name] = pol.explain()
         for d in pol.decisions:

@@ -13,8 +13,8 @@ def fp8_model(cls, cfg, act: str = "token"):
     kernels and sibling groups sharing their input: the eager path a CUDA load runs (for the
     tests that run it with Triton interpreted on CPU)."""
     from mpsconvert import fp8
-    from mpsconvert.runtime import fuse
-    from mpsconvert.runtime.fp8linear import FP8Linear
+    from mpsconvert.runtime.ops import fuse
+    from mpsconvert.runtime.ops.fp8linear import FP8Linear
 
     torch.manual_seed(0)
     model = cls(cfg).to(torch.bfloat16).eval().requires_grad_(False)

@@ -16,7 +16,7 @@ from mpsconvert.errors import ArtifactError, MpsconvertError
 from mpsconvert.manifests.ct_config import quantization_config, scheme_from_config
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
-from mpsconvert.runtime import kernels
+from mpsconvert.runtime.ops import kernels
 from mpsconvert.scales import scale_shape
 from .models import group_quantized_activations, tiny
 from .helpers import logits
@@ -291,3 +291,31 @@ def test_llm_compressor_fp8_block_artifact_loads_and_equals_its_dequantization(t
             assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) and torch.equal(out[k + "_scale"].float(), sd[k + "_scale"].float())
     got = logits(mpsconvert.load(tmp_path / "repacked", device="cpu", dtype=torch.float32), ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_a_block_scaled_layer_compiles_into_one_graph():
+    """The blockwise GEMM is one custom op under torch.compile (on the H200 with torch 2.11 each block
+    layer broke the compiled decode step). fullgraph=True fails on any graph break; the backend
+    records the graph instead of running it (the real GEMM needs CUDA)."""
+    from mpsconvert.runtime.ops.fp8linear import FP8Linear
+
+    q, s, _ = fp8.quantize(torch.randn(256, 384), "block", block=128)
+    lay = FP8Linear.from_tensors(q, s, activations="group", block=128)
+    lay.set_kernels("scaled_mm_block", "scaled_mm_block")
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: (torch.zeros(1, 256, dtype=torch.bfloat16),)
+
+    torch._dynamo.reset()
+    out = torch.compile(lay, backend=record, fullgraph=True)(torch.randn(1, 384, dtype=torch.bfloat16))
+    assert out.shape == (1, 256) and len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("mpsconvert.scaled_mm_block" in t for t in targets), targets
+    assert not any("scaled_mm" in t and "mpsconvert" not in t for t in targets), targets  # not traced into
+    fake = kernels.scaled_mm_block_op._opoverload  # its fake gives the output's shape and dtype
+    with torch._subclasses.FakeTensorMode():
+        xq = torch.empty(16, 384, dtype=torch.float8_e4m3fn)
+        y = fake(xq, torch.empty(16, 3), torch.empty(256, 384, dtype=torch.float8_e4m3fn), torch.empty(4, 2), torch.bfloat16)
+    assert y.shape == (16, 256) and y.dtype == torch.bfloat16

@@ -27,7 +27,7 @@ pytest.importorskip("accelerate")
 
 import mpsconvert  # noqa: E402
 from mpsconvert.errors import MpsconvertError, QuantizationError, SourceError  # noqa: E402
-from mpsconvert.runtime.validate_diffusion import compare, step_inputs  # noqa: E402
+from mpsconvert.runtime.evaluate.validate_diffusion import compare, step_inputs  # noqa: E402
 
 sfu = pytest.importorskip("diffusers.loaders.single_file_utils")
 

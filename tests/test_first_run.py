@@ -112,7 +112,7 @@ def test_quantize_of_a_folder_into_a_locked_output_does_no_work(held_elsewhere, 
 def test_calibrate_validate_and_upload_into_a_locked_artifact_do_no_work(held_elsewhere, copy, monkeypatch):
     from mpsconvert.calibrate import artifact as calibrate_artifact
     import mpsconvert.manifests.verify as verify
-    import mpsconvert.runtime.validate as validate
+    import mpsconvert.runtime.evaluate.validate as validate
 
     held_elsewhere(copy)
     before = models.tree_hashes(copy)

@@ -150,3 +150,98 @@ def test_coreai_backend_generates_what_transformers_does(art, tmp_path):
     weights.write_bytes(bytes(data))
     res = CliRunner().invoke(main, ["generate", str(a), text, "--backend", "coreai", "--ignore-chat-template"])
     assert res.exit_code == 2 and "model.aimodel" in res.output and "sha256" in res.output.lower(), res.output
+
+
+def test_json_has_prompt_ids_and_replaying_them_through_model_generate_gives_the_tokens(art):
+    """`generate --json` prints the prompt's token ids beside the generated ones, and transformers'
+    generate() on the loaded model, fed those ids, makes the same greedy tokens."""
+    res = CliRunner().invoke(main, ["generate", str(art), "The river", "--max-tokens", "10", "--device", "cpu", "--json"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    body = json.loads(res.output.strip().splitlines()[-1])
+    assert body["prompt_ids"] and len(body["prompt_ids"]) == body["prompt_tokens"] and body["compile_seconds"] is None
+    model = mpsconvert.load(art, device="cpu")
+    ids = torch.tensor([body["prompt_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(body["tokens"]), do_sample=False)
+    assert out[0, ids.shape[1]:].tolist() == body["tokens"]
+
+
+def _tiny_causal():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+def test_the_compiled_path_is_chosen_on_cuda_only():
+    """The engine compiles its decode step by default on CUDA only; load()'s model.generate()
+    takes the static cache at batch 1 on a (faked) CUDA device and not on CPU; what the caller
+    asks for wins; the tokens are the engine's."""
+    from mpsconvert.runtime import engine, patches
+
+    assert engine.compiles_by_default(torch.device("cuda")) and not engine.compiles_by_default(torch.device("cpu"))
+    assert not engine.compiles_by_default(torch.device("mps"))
+    model = _tiny_causal()
+    assert not engine.Engine(model).compiled and engine.Engine(model, compile=True).compiled
+    cpu = patches.apply(model, patches.Context(torch.device("cpu"), torch.bfloat16), "forwards")
+    assert cpu["generate"].skipped.startswith("a static cache pays with CUDA graphs only") and "generate" not in model.__dict__
+    off = patches.apply(_tiny_causal(), patches.Context(torch.device("cuda"), torch.bfloat16, {"compile": False}), "forwards")
+    assert off["generate"].skipped == "turned off (compile=False)"
+
+    fake_cuda = patches.Context(torch.device("cuda"), torch.bfloat16, {"eager_fusion": False})  # the device faked: only match reads it
+    assert patches.apply(model, fake_cuda, "forwards")["generate"].installed == 1
+    seen = []
+    own = type(model).generate
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("cache_implementation"))
+        return own(self, *a, **kw)
+
+    type(model).generate = spy
+    try:
+        prompt = [5, 6, 7, 8, 9, 10]
+        with torch.no_grad():
+            one = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+            model.generate(torch.tensor([prompt, prompt]), max_new_tokens=2, do_sample=False)
+            model.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False, cache_implementation="dynamic")
+    finally:
+        type(model).generate = own
+    assert seen == ["static", None, "dynamic"]
+    ours = engine.generate_ids(engine.Engine(model), prompt, engine.Sampling(max_tokens=12))
+    assert one[0, len(prompt):].tolist() == ours.tokens
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_gives_the_eager_tokens():
+    """torch.compile of the engine's decode step (Inductor on CPU here; a CUDA graph on CUDA):
+    compiled once in reserve(), timed apart, the same greedy tokens as the eager loop and as
+    transformers' generate()."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    prompt = [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 6:].tolist()
+    eng = engine.Engine(model, compile=True)
+    first = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=16))
+    again = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=16))
+    assert first.tokens == again.tokens == want
+    assert first.compile_seconds > 0 and again.compile_seconds is None  # the same cache: nothing compiled twice
+
+
+def test_the_static_cache_engine_gives_transformers_tokens():
+    """The engine's static-cache path (what a CUDA graph replays) run eagerly on CPU: the prompt
+    prefilled over a DynamicCache and written into the static cache, then steps over it; the
+    greedy tokens are transformers' generate()'s, over several generations of one cache."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    eng = engine.Engine(model, static=True)
+    for prompt in ([5, 6, 7, 8, 9, 10], [11, 12, 13]):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
+        assert got.tokens == want[0, len(prompt):].tolist() and type(eng.cache).__name__ == "StaticCache"

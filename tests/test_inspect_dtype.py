@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 import mpsconvert
 from mpsconvert.cli import main
-from mpsconvert.runtime.validate import ValidateOptions
+from mpsconvert.runtime.evaluate.validate import ValidateOptions
 
 from . import models
 

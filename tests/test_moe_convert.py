@@ -15,7 +15,7 @@ from mpsconvert import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import QuantizationError
 from mpsconvert.manifests.schemes import Scheme
-from mpsconvert.runtime.moe import FP8Experts, load_fp8_experts
+from mpsconvert.runtime.ops.experts import FP8Experts, load_fp8_experts
 from mpsconvert.source import resolve
 from .models import MOE_ARCHS, tiny
 from .helpers import logits

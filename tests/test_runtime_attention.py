@@ -1,4 +1,4 @@
-"""The decode attention kernel (runtime/attention.py), interpreted on CPU: against SDPA for
+"""The decode attention kernel (runtime/patches/attention.py), interpreted on CPU: against SDPA for
 grouped heads, several queries, masks of each form and tiles the mask skips; and inside a
 transformers model, where prefill must stay SDPA's bit for bit and decode must give SDPA's
 tokens with static and dynamic caches."""
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from mpsconvert.runtime import attention, tritonlib
+from mpsconvert.runtime.patches import attention
+from mpsconvert.runtime.ops import triton as tritonlib
 
 
 @pytest.mark.triton("interpret")
 def test_decode_kernel_matches_sdpa():
     import torch, torch.nn.functional as F
-    from mpsconvert.runtime import attention as A
+    from mpsconvert.runtime.ops.triton import attention as A
     g = torch.Generator().manual_seed(0)
     def ref(q, k, v, mask):
         rep = q.shape[1] // k.shape[1]
@@ -47,7 +48,8 @@ def test_decode_kernel_matches_sdpa():
 def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
     import copy, torch
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
-    from mpsconvert.runtime import attention as A
+    from mpsconvert.runtime.patches import attention as A
+    from mpsconvert.runtime.ops.triton import attention as K
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, attn_implementation="sdpa")
@@ -56,8 +58,8 @@ def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
     assert A.install(ours) == A.NAME and ours.config._attn_implementation == A.NAME
     assert ref.config._attn_implementation == "sdpa"
     calls = []
-    launch = A._launch
-    A._launch = lambda *a: calls.append(a[0].shape) or launch(*a)
+    launch = K._launch
+    K._launch = lambda *a: calls.append(a[0].shape) or launch(*a)
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, ref(ids).logits)  # prefill: SDPA itself
@@ -90,4 +92,4 @@ def test_not_installed_where_it_cannot_run(tmp_path):
     import torch
 
     q = torch.zeros(1, 2, 1, 16, dtype=torch.bfloat16)
-    assert not attention.takes(q, torch.zeros(1, 1, 8, 16, dtype=torch.bfloat16), None, 0.0, {})
+    assert not attention.takes(q, torch.zeros(1, 1, 8, 16, dtype=torch.bfloat16), None, 0.0)

@@ -1,4 +1,4 @@
-"""The direct attention path of an eager prefill (runtime/attention_prefill.py), interpreted on
+"""The direct attention path of an eager prefill (runtime/patches/attention_prefill.py), interpreted on
 CPU inside transformers models: the calls it takes give the module's own logits and cache bit for
 bit, and every call it must not take (a mask, a cache that holds tokens, a hook, decode) runs the
 module's forward."""
@@ -14,7 +14,7 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
     import torch
     from .helpers import fp8_model
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    from mpsconvert.runtime import attention_prefill, eager_fusion, forwards
+    from mpsconvert.runtime.patches import attention_prefill, eager_fusion, forwards
 
     SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 

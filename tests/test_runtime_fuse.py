@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from mpsconvert import fp8
-from mpsconvert.runtime.fp8linear import FP8Linear
-from mpsconvert.runtime.fuse import SharedInput, share_inputs
+from mpsconvert.runtime.ops.fp8linear import FP8Linear
+from mpsconvert.runtime.ops.fuse import SharedInput, share_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.triton("interpret")
 def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     import torch
-    from mpsconvert.runtime import act_quant as aq
+    from mpsconvert.runtime.ops.triton import act_quant as aq
     g = torch.Generator().manual_seed(0)
     def same(a, b):
         assert torch.equal(a[1], b[1]), (a[1] - b[1]).abs().max()
@@ -47,7 +47,7 @@ def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted()
     norm, codes and scales are those of rms_norm_quantize on that sum (rows with a stride too);
     with store_y=False the same codes, and no output."""
     import torch
-    from mpsconvert.runtime import act_quant as aq
+    from mpsconvert.runtime.ops.triton import act_quant as aq
     g = torch.Generator().manual_seed(0)
     for dt in (torch.bfloat16, torch.float16):
         for k in (64, 100):
@@ -80,7 +80,7 @@ def test_eager_gpu_path_of_fp8linear_interpreted():
     GEMVs), here on CPU tensors, against the direct computation."""
     import torch
     from mpsconvert import fp8
-    from mpsconvert.runtime.fp8linear import FP8Linear
+    from mpsconvert.runtime.ops.fp8linear import FP8Linear
     g = torch.Generator().manual_seed(1)
     for gran, act, isc in (("row", "token", None), ("tensor", "tensor", 0.05), ("row", "tensor", 0.05)):
         w = torch.randn(48, 64, generator=g)
@@ -154,7 +154,8 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     assert a.q_proj.weight.data_ptr() == a.fused_q_proj_k_proj_v_proj.inner.weight.data_ptr()  # members are views
     storages = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, FP8Linear)}
     assert len(storages) == 3 and sum(g.inner.weight.untyped_storage().nbytes() for g in groups) == weights  # no copy kept
-    from mpsconvert.runtime import act_quant, fuse, kernels
+    from mpsconvert.runtime.ops.triton import act_quant
+    from mpsconvert.runtime.ops import fuse, kernels
 
     quantized, gemms = [], []
     real_quantize, real_mm = act_quant.quantize, kernels._mm
@@ -219,7 +220,7 @@ def test_shared_input_under_torch_compile_one_frame_no_recompiles():
 def test_inductor_runs_one_gemm_per_group():
     from torch._inductor.utils import run_and_get_code
 
-    from mpsconvert.runtime import fuse
+    from mpsconvert.runtime.ops import fuse
 
     model = Stack(2)
     _shared(model)
@@ -238,7 +239,7 @@ def test_inductor_runs_one_gemm_per_group():
 def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
     from safetensors.torch import save_file
 
-    from mpsconvert.runtime import stream
+    from mpsconvert.runtime.load import stream
     from mpsconvert.safetensors_io import read_header
 
     g = torch.Generator().manual_seed(0)
@@ -271,17 +272,19 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
 
 @pytest.mark.triton("interpret")
 def test_eager_fusion_of_norms_and_mlp_interpreted():
-    """runtime/eager_fusion.py on a tiny Llama (Triton interpreted): each RMSNorm runs as one
+    """runtime/patches/eager_fusion.py on a tiny Llama (Triton interpreted): each RMSNorm runs as one
     kernel and hands its quantized output to the q/k/v or gate/up group it feeds (linked by the
     probe forward, not by name), the MLP runs silu*up and down_proj's quantization in one
     kernel; the logits are those of the model's own forwards, and under torch.compile the
     modules' own forwards run. A norm whose arithmetic differs is left as it was, with the reason."""
     import torch
-    from mpsconvert.runtime import fuse
+    from mpsconvert.runtime.ops import fuse
     from .helpers import fp8_model
 
     from transformers import LlamaConfig, LlamaForCausalLM
-    from mpsconvert.runtime import act_quant, eager_fusion, forwards, kernels
+    from mpsconvert.runtime.ops.triton import act_quant
+    from mpsconvert.runtime.patches import eager_fusion, forwards
+    from mpsconvert.runtime.ops import kernels
 
     def fp8_llama(act):
         cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -382,19 +385,22 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
 
 
 @pytest.mark.triton("interpret")
-def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
-    """runtime/rotary.py (Triton interpreted): the kernel equals transformers' own
+def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypatch):
+    """runtime/patches/rotary.py (Triton interpreted): the kernel equals transformers' own
     apply_rotary_pos_emb exactly (values and memory layout) for GQA heads, head sizes that are
     and are not powers of two, bf16/fp16/fp32 and per-batch cos/sin; installed in a model, its
     attention modules run it (logits identical), while a model of the same class that was not
     installed, calls under torch.compile and calls it does not take run the original; an
     attention module whose modeling function differs is left with the reason."""
-    import sys, types, torch
+    import sys, torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama as ml
-    from mpsconvert.runtime import forwards, rotary
+    from mpsconvert.runtime.patches import forwards, rotary
     g = torch.Generator().manual_seed(0)
-    original = getattr(ml.apply_rotary_pos_emb, "original", ml.apply_rotary_pos_emb)  # an earlier test in this process may have installed it
+    # the interpreted tests share one process: an earlier one may have installed the dispatch
+    # (with its own counts) in transformers' module; this test starts from the plain function
+    original = getattr(ml.apply_rotary_pos_emb, "original", ml.apply_rotary_pos_emb)
+    monkeypatch.setattr(ml, "apply_rotary_pos_emb", original)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         for b, hq, hk, s, d, cb in ((1, 4, 2, 7, 16, 1), (2, 6, 3, 5, 12, 2), (1, 8, 8, 3, 128, 1)):
             x = (torch.randn(b, s, (hq + 2 * hk) * d, generator=g) * 3).to(dt)
@@ -428,17 +434,17 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     model(ids).logits.sum().backward()  # a gradient: the original, which has a backward
     assert fn.fused == 2
 
-    def apply_rotary_pos_emb(q, k, cos, sin):  # another arithmetic, in this (modeling) module
-        return q * cos, k * sin
-    odd = types.ModuleType("odd_modeling")  # a modeling module of its own, as a remote-code model has
-    odd.apply_rotary_pos_emb = apply_rotary_pos_emb
-    sys.modules[odd.__name__] = odd
+    # a modeling module of its own whose apply_rotary_pos_emb is another arithmetic (a global
+    # its attention's forward names, as in transformers' modeling files)
+    import types
 
-    class OddAttention(ml.LlamaAttention):
-        def forward(self, *a, **k):
-            odd.apply_rotary_pos_emb  # noqa: B018  (the name among the forward's co_names, as a modeling module's call is)
-            return super().forward(*a, **k)
-    OddAttention.__module__ = odd.__name__
+    odd = types.ModuleType("odd_modeling")
+    odd.Base = ml.LlamaAttention
+    exec("def apply_rotary_pos_emb(q, k, cos, sin):\n    return q * cos, k * sin\n\n"
+         "class OddAttention(Base):\n    def forward(self, *a, **k):\n        apply_rotary_pos_emb  # noqa\n"
+         "        return super().forward(*a, **k)\n", odd.__dict__)
+    monkeypatch.setitem(sys.modules, "odd_modeling", odd)
+    OddAttention = odd.OddAttention
     fresh = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     fresh.model.layers[1].self_attn.__class__ = OddAttention
     report = rotary.install(fresh, torch.bfloat16, "cpu")
@@ -448,13 +454,13 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
 
 
 def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialization(monkeypatch):
-    """runtime/triton_launch.py's logic (the GPU half runs on the H200): the first call of a key
+    """runtime/ops/triton/launch.py's logic (the GPU half runs on the H200): the first call of a key
     goes through kernel[grid] (Triton compiles and launches), a later call with the same dtypes,
     alignments, scalars and options goes to that compiled kernel's launcher with every argument
     in order, and any difference in what Triton specializes on is a new key; with a launch hook
     set, or when the probe decided against it, every call takes kernel[grid]. Needs no Triton:
     the kernel and its compiled form are stand-ins."""
-    from mpsconvert.runtime import triton_launch as tlm
+    from mpsconvert.runtime.ops.triton import launch as tlm
 
     launches, runs = [], []
 
@@ -504,8 +510,8 @@ def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     from mpsconvert import fp8
-    from mpsconvert.runtime import fuse
-    from mpsconvert.runtime.fp8linear import FP8Linear
+    from mpsconvert.runtime.ops import fuse
+    from mpsconvert.runtime.ops.fp8linear import FP8Linear
 
     entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:

@@ -14,8 +14,8 @@ from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import ArtifactError, DeviceError
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
-from mpsconvert.runtime.fp8linear import FP8Linear
-from mpsconvert.runtime.loader import load
+from mpsconvert.runtime.ops.fp8linear import FP8Linear
+from mpsconvert.runtime.load.loader import load
 from mpsconvert.source import resolve
 
 from . import models

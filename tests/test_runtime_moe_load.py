@@ -19,8 +19,8 @@ from mpsconvert import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.moe_layout import experts_modules
-from mpsconvert.runtime.loader import load
-from mpsconvert.runtime.moe import FP8Experts
+from mpsconvert.runtime.load.loader import load
+from mpsconvert.runtime.ops.experts import FP8Experts
 from mpsconvert.source import resolve
 
 from .models import TEXT_DATA, runtime_tokenizer, tiny
@@ -141,7 +141,7 @@ def test_load_moe_equals_dequantized_reference(arts, tmp_path, arch, scheme, lay
 
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 def test_validate_moe_artifact(arts, tmp_path, layout):
-    from mpsconvert.runtime.validate import ValidateOptions, validate
+    from mpsconvert.runtime.evaluate.validate import ValidateOptions, validate
 
     src, art = arts[("mixtral", "fp8-dynamic", layout)]
     opts = ValidateOptions(baseline=str(src), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=32,

@@ -16,10 +16,12 @@ from click.testing import CliRunner
 import mpsconvert
 from mpsconvert import devices, fp8
 from mpsconvert.calibrate import observers
-from mpsconvert.runtime import generate, kernels, metrics
-from mpsconvert.runtime.fp8linear import FP8Linear
-from mpsconvert.runtime.moe import FP8Experts, expert_bytes
-from mpsconvert.runtime.policy import KernelPolicy
+from mpsconvert.runtime import engine as generate
+from mpsconvert.runtime.ops import kernels
+from mpsconvert.runtime.evaluate import metrics
+from mpsconvert.runtime.ops.fp8linear import PREFILL_BUCKETS, FP8Linear
+from mpsconvert.runtime.ops.experts import FP8Experts, expert_bytes
+from mpsconvert.runtime.load.policy import KernelPolicy
 
 from . import models
 from .fake_mps import CHIP, OnMPS, fake_mps, to_mps
@@ -82,7 +84,8 @@ def test_a_policy_on_mps_without_scaled_mm_offers_no_fp8_matmul_and_warns_once(m
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             decisions = KernelPolicy(torch.device("mps"), measure=measure, cache=False).apply(model)
-    assert set(timed) == {"dequant", "bf16"} and len(timed) == 2 * 2 * len(layers)
+    buckets = 1 + len(PREFILL_BUCKETS)  # decode, and each prefill bucket
+    assert set(timed) == {"dequant", "bf16"} and len(timed) == 2 * buckets * len(layers)
     assert len(caught) == 1 and "no FP8 matmul on MPS" in str(caught[0].message)
     assert {d.choice for d in decisions} == {"dequant"} and all("torch >= 2.15" in d.note for d in decisions)
     assert kernels.candidates("mps", "token", "row", "decode", scaled_mm=False) == ["dequant", "bf16"]
@@ -171,6 +174,9 @@ class _Decoder:
         self.device = device
         self.table = torch.randn(40, 40, generator=torch.Generator().manual_seed(2)) * 2
         self.put = to_mps if device == "mps" else (lambda t: t)
+
+    def reserve(self, tokens):
+        return None
 
     def reset(self):
         pass

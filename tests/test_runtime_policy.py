@@ -10,10 +10,10 @@ import torch
 from mpsconvert import fp8
 from mpsconvert.devices import Capabilities
 from mpsconvert.errors import DeviceError
-from mpsconvert.runtime import kernels, tritonlib
-from mpsconvert.runtime.fp8linear import FP8Linear
-from mpsconvert.runtime.fuse import FusedFP8
-from mpsconvert.runtime.policy import KernelPolicy
+from mpsconvert.runtime.ops import kernels, triton as tritonlib
+from mpsconvert.runtime.ops.fp8linear import DECODE_MAX_M, PREFILL_BUCKETS, FP8Linear, bucket_index
+from mpsconvert.runtime.ops.fuse import FusedFP8
+from mpsconvert.runtime.load.policy import KernelPolicy
 
 CUDA = torch.device("cuda")  # never touched: measurements are injected, capabilities given
 FAKE_GPU = Capabilities("cuda", True, True, "FakeGPU")
@@ -33,14 +33,16 @@ class Model(torch.nn.Module):
 
 
 def fake(table):
-    """measure(kernel, layer, m) from a table {(m, kernel): us}; missing -> the kernel cannot run."""
+    """measure(kernel, layer, m) from a table {(m, kernel): us}; a prefill bucket without its own
+    entries takes the 2048 row's; missing -> the kernel cannot run."""
     calls = []
 
     def measure(kernel, lay, m):
         calls.append((kernel, lay.signature, m))
-        if (m, kernel) not in table:
+        key = (m, kernel) if (m, kernel) in table or m == 1 or any(k[0] == m for k in table) else (2048, kernel)
+        if key not in table:
             raise RuntimeError(f"{kernel} unsupported")
-        return table[(m, kernel)]
+        return table[key]
 
     measure.calls = calls
     return measure
@@ -52,7 +54,7 @@ def with_triton(monkeypatch):
 
 
 def policy(measure, tmp_path, **kw):
-    return KernelPolicy(CUDA, prefill_m=2048, decode_m=1, measure=measure, cache=tmp_path / "k.json", capabilities=FAKE_GPU, **kw)
+    return KernelPolicy(CUDA, decode_m=1, measure=measure, cache=tmp_path / "k.json", capabilities=FAKE_GPU, **kw)
 
 
 def test_fastest_kernel_per_bucket(tmp_path, with_triton):
@@ -60,7 +62,8 @@ def test_fastest_kernel_per_bucket(tmp_path, with_triton):
               (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0})
     model = Model(layer(), layer(seed=1))
     decisions = policy(m, tmp_path).apply(model)
-    assert [(d.bucket, d.choice, d.layers) for d in decisions] == [("decode", "gemv", 2), ("prefill", "scaled_mm_row", 2)]
+    assert [(d.bucket, d.m, d.choice, d.layers) for d in decisions] == [("decode", 1, "gemv", 2)] + [
+        ("prefill", m, "scaled_mm_row", 2) for m in PREFILL_BUCKETS]
     assert all(l.kernels == {"decode": "gemv", "prefill": "scaled_mm_row"} for l in model.layers)
     assert all(l.weight.dtype == torch.float8_e4m3fn and l.dense_weight is None for l in model.layers)  # FP8 kept
     assert {c[0] for c in m.calls if c[2] == 1} == {"scaled_mm_row", "gemv", "gemv_splitk", "gemv_w8a8", "bf16"}  # one signature measured once
@@ -70,13 +73,13 @@ def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, w
     both = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 40.0, (1, "gemv_splitk"): 45.0, (1, "gemv_w8a8"): 46.0, (1, "bf16"): 30.0,
                  (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
     lay = layer()
-    dec, pre = policy(both, tmp_path).apply(Model(lay))
+    dec, pre, *_ = policy(both, tmp_path).apply(Model(lay))
     assert dec.choice == pre.choice == "bf16" and "fallback" in dec.note
     assert lay.weight is None and lay.dense_weight.dtype == torch.bfloat16  # the FP8 copy is not kept beside it
     one = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 20.0, (1, "gemv_splitk"): 21.0, (1, "gemv_w8a8"): 22.0, (1, "bf16"): 30.0,
                 (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
     lay = layer()
-    dec, pre = policy(one, tmp_path / "b").apply(Model(lay))
+    dec, pre, *_ = policy(one, tmp_path / "b").apply(Model(lay))
     assert (dec.choice, pre.choice) == ("gemv", "scaled_mm_row") and "FP8 kept" in pre.note
     assert lay.weight is not None and lay.dense_weight is None
 
@@ -85,7 +88,7 @@ def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, w
 def test_kernel_that_cannot_run_is_recorded_and_skipped(tmp_path, with_triton):
     m = fake({(1, "bf16"): 30.0, (1, "gemv"): 25.0, (1, "gemv_splitk"): 26.0, (1, "gemv_w8a8"): 27.0, (2048, "dequant"): 500.0, (2048, "bf16"): 300.0})
     with pytest.warns(UserWarning, match="scaled_mm_row cannot run a 64x32 layer on FakeGPU"):
-        dec, pre = policy(m, tmp_path).apply(Model(layer()))
+        dec, pre, *_ = policy(m, tmp_path).apply(Model(layer()))
     assert dec.timings_us["scaled_mm_row"].startswith("error: RuntimeError: scaled_mm_row unsupported")
     assert (dec.choice, pre.choice) == ("gemv", "dequant")
     with pytest.raises(DeviceError, match="no FP8 kernel runs"):
@@ -110,7 +113,7 @@ def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_t
     key = next(k for k in body if k.endswith("decode M=1"))
     assert key.startswith("FakeGPU|torch ") and "64x32|weights=row|acts=token" in key
     again = fake(table)
-    dec, pre = policy(again, tmp_path).apply(Model(layer()))
+    dec, pre, *_ = policy(again, tmp_path).apply(Model(layer()))
     assert again.calls == [] and dec.source == pre.source == "cache" and dec.choice == "gemv"
     other = fake(table | {(1, "scaled_mm_tensor"): 1.0, (2048, "scaled_mm_tensor"): 1.0})
     policy(other, tmp_path).apply(Model(layer(gran="tensor", act="tensor", input_scale=0.05)))  # another scheme: measured
@@ -124,7 +127,7 @@ def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_t
 def test_cpu_is_decided_by_rule_without_measuring(tmp_path):
     m = fake({})
     lay = layer()
-    dec, pre = KernelPolicy(torch.device("cpu"), measure=m, cache=False).apply(Model(lay))
+    dec, pre = KernelPolicy(torch.device("cpu"), measure=m, cache=False).apply(Model(lay))  # one prefill rule for every length
     assert m.calls == [] and dec.source == "rule" and pre.choice == "dense_qact"
     assert lay.weight is None and lay.dense_weight is not None
 
@@ -185,7 +188,36 @@ def test_unwritable_cache_warns_and_still_decides(tmp_path, with_triton):
     blocker.write_text("")
     m = fake({(1, "gemv"): 1.0, (1, "gemv_splitk"): 1.5, (1, "gemv_w8a8"): 1.6, (1, "bf16"): 2.0, (1, "scaled_mm_row"): 3.0, (2048, "scaled_mm_row"): 1.0,
               (2048, "dequant"): 3.0, (2048, "bf16"): 2.0})
-    pol = KernelPolicy(CUDA, prefill_m=2048, measure=m, cache=blocker / "sub" / "k.json", capabilities=FAKE_GPU)
+    pol = KernelPolicy(CUDA, measure=m, cache=blocker / "sub" / "k.json", capabilities=FAKE_GPU)
     with pytest.warns(UserWarning, match="kernel cache .* not written"):
-        dec, pre = pol.apply(Model(layer()))
+        dec, pre, *_ = pol.apply(Model(layer()))
     assert (dec.choice, pre.choice) == ("gemv", "scaled_mm_row")
+
+
+def test_buckets_cover_every_length_and_each_runs_its_own_kernel(tmp_path, with_triton, monkeypatch):
+    """No caller names a prompt length: every row count above the decode bucket falls in exactly
+    one prefill bucket (the smallest bound at or above it; the last beyond), each bucket is
+    measured at its bound, and a layer runs the kernel chosen for the bucket of its call."""
+    assert [bucket_index(r) for r in (DECODE_MAX_M + 1, 16, 17, 128, 129, 512, 513, 2048, 2049, 8192, 100_000)] == [
+        0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4]
+    for rows in range(DECODE_MAX_M + 1, 9000, 7):
+        i = bucket_index(rows)
+        assert rows <= PREFILL_BUCKETS[i] or i == len(PREFILL_BUCKETS) - 1
+        assert i == 0 or rows > PREFILL_BUCKETS[i - 1]
+    # dequant wins the short prompts, scaled_mm_row the long ones (as on the H200: launch-bound vs GEMM-bound)
+    table = {(1, "gemv"): 10.0, (1, "gemv_splitk"): 11.0, (1, "gemv_w8a8"): 12.0, (1, "scaled_mm_row"): 20.0, (1, "bf16"): 30.0}
+    for m in PREFILL_BUCKETS:
+        table |= {(m, "scaled_mm_row"): 5.0 * m / 128 + 9, (m, "dequant"): 10.0 * m / 128 + 5, (m, "bf16"): 100.0 * m}
+    meas = fake(table)
+    lay = layer()
+    decisions = policy(meas, tmp_path).apply(Model(lay))
+    assert sorted({c[2] for c in meas.calls}) == [1, *PREFILL_BUCKETS]
+    want = {16: "dequant", 128: "scaled_mm_row", 512: "scaled_mm_row", 2048: "scaled_mm_row", 8192: "scaled_mm_row"}
+    assert {d.m: d.choice for d in decisions if d.bucket == "prefill"} == want and lay.kernels["prefill"] == want
+    ran = []
+    for name in ("dequant", "scaled_mm_row", "gemv"):
+        monkeypatch.setitem(kernels.FNS, name, (lambda n: lambda mod, x, *a: ran.append(n) or torch.zeros(x.shape[0], mod.out_features))(name))
+    lay.set_kernels("gemv", want)  # re-install: the layer took the functions when it was set
+    for rows in (1, 5, 16, 17, 600, 10000):
+        lay(torch.zeros(rows, 32, dtype=torch.bfloat16))
+    assert ran == ["gemv", "dequant", "dequant", "scaled_mm_row", "scaled_mm_row", "scaled_mm_row"]

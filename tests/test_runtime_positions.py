@@ -1,4 +1,4 @@
-"""runtime/positions.py on CPU: a call without positions and cache gets the model's own as a view of
+"""runtime/patches/positions.py on CPU: a call without positions and cache gets the model's own as a view of
 a buffer, the rotary module then reads its tables and transformers' packed-sequence check answers
 without the device; outputs equal the model's own forward bit for bit, every other call runs the
 model's own code, and what cannot be known stays with the model."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers.masking_utils as masking
 
-from mpsconvert.runtime import forwards
-from mpsconvert.runtime import positions as P
+from mpsconvert.runtime.patches import forwards
+from mpsconvert.runtime.patches import positions as P
 
 from .models import tiny_moe_model
 
@@ -55,7 +55,7 @@ def test_own_positions_give_the_models_own_outputs(arch):
         # a prefill and eager decode steps over a DynamicCache: positions after what it holds, tables read
         from transformers import DynamicCache
 
-        from mpsconvert.runtime.generate import cache_kwarg
+        from mpsconvert.runtime.patches.hf_compat import cache_kwarg
 
         mine, theirs = cache_kwarg(ours, DynamicCache(config=ours.config)), cache_kwarg(ref, DynamicCache(config=ref.config))
         steps = [ids[:, :9]] + [ids[:, i : i + 1] for i in range(9, 11)]
@@ -110,7 +110,8 @@ def test_a_model_that_fails_the_probe_keeps_its_own_forwards_and_no_tables(monke
 
 
 def test_generate_steps_take_the_models_own_positions():
-    from mpsconvert.runtime.generate import TorchDecoder, takes_cache_position
+    from mpsconvert.runtime.engine import Engine
+    from mpsconvert.runtime.patches.hf_compat import takes_cache_position
 
     ref = _llama()
     ours = copy.deepcopy(ref)
@@ -119,7 +120,7 @@ def test_generate_steps_take_the_models_own_positions():
     rot = ours.base_model.rotary_emb
     outs = []
     rot.register_forward_hook(lambda m, a, out: outs.append(out[0].data_ptr()))
-    a, b = TorchDecoder(ours), TorchDecoder(ref)
+    a, b = Engine(ours), Engine(ref)
     assert torch.equal(a.prefill([5, 6, 7, 8]), b.prefill([5, 6, 7, 8]))
     for i, tok in enumerate((9, 10)):
         assert torch.equal(a.step(tok), b.step(tok))

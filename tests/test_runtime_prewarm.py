@@ -1,4 +1,4 @@
-"""The load's warm-up thread (runtime/prewarm.py): the GEMM shapes it derives are the ones
+"""The load's warm-up thread (runtime/load/prewarm.py): the GEMM shapes it derives are the ones
 fuse.py makes, and every call it makes is a valid call of our kernels and torch's (interpreted
 on CPU: a call with a wrong signature would be listed as failed)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpsconvert.runtime import prewarm
+from mpsconvert.runtime.load import prewarm
 
 
 def test_shapes_are_the_fused_gemms():
@@ -33,7 +33,7 @@ def test_not_started_off_cuda():
 def test_every_warm_up_call_is_valid():
     import torch
     from transformers import LlamaConfig
-    from mpsconvert.runtime import prewarm
+    from mpsconvert.runtime.load import prewarm
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
     linears = {"l.q_proj": (64, 64), "l.k_proj": (32, 64), "l.v_proj": (32, 64), "l.o_proj": (64, 64),
                "l.gate_proj": (96, 64), "l.up_proj": (96, 64), "l.down_proj": (64, 96)}

@@ -1,4 +1,4 @@
-"""The MoE routing kernel (runtime/routing.py), interpreted on CPU: installed on the softmax
+"""The MoE routing kernel (runtime/patches/routing.py), interpreted on CPU: installed on the softmax
 top-k routers of Mixtral (weights renormalized, float32), Qwen2-MoE and Qwen3-MoE (each as its
 config says, cast to BF16), giving their own forward's logits, experts and weights; whole models
 decode the same tokens; a router of other arithmetic keeps its own forward."""
@@ -14,12 +14,13 @@ pytestmark = pytest.mark.triton
 def test_routers_match_their_own_forward_and_models_decode_alike():
     import copy, torch
     from transformers import DynamicCache
-    from mpsconvert.runtime import forwards, routing as R
+    from mpsconvert.runtime.patches import forwards, routing as R
+    from mpsconvert.runtime.ops.triton import routing as K
     from tests.models import tiny_moe_model
     g = torch.Generator().manual_seed(0)
     calls = []
-    launch = R._launch
-    R._launch = lambda *a: calls.append(a[0].shape[0]) or launch(*a)
+    launch = K._launch
+    K._launch = lambda *a: calls.append(a[0].shape[0]) or launch(*a)
     for arch, kw, want in [("mixtral", {}, (True, torch.float32)), ("qwen2_moe", {}, None), ("qwen3_moe", {"num_experts": 12}, None)]:
         ref = tiny_moe_model(arch, **kw)
         ours = copy.deepcopy(ref)
@@ -74,7 +75,7 @@ def test_routers_match_their_own_forward_and_models_decode_alike():
 def test_router_of_other_arithmetic_keeps_its_own_forward():
     import torch
     from torch import nn
-    from mpsconvert.runtime import forwards, routing as R
+    from mpsconvert.runtime.patches import forwards, routing as R
     class SigmoidRouter(nn.Module):  # sigmoid scores, as DeepSeek's: not a softmax top-k
         def __init__(self):
             super().__init__()

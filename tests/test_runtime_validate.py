@@ -15,8 +15,8 @@ import mpsconvert
 from mpsconvert.cli import main
 from mpsconvert.manifests.manifest import Manifest
 from mpsconvert import timing
-from mpsconvert.runtime import metrics
-from mpsconvert.runtime.validate import ValidateOptions
+from mpsconvert.runtime.evaluate import metrics
+from mpsconvert.runtime.evaluate.validate import ValidateOptions
 
 from .models import TEXT_DATA, tiny
 
@@ -88,7 +88,7 @@ def _direct_scores(arts, seq_len, n):
     """The same numbers computed here directly from the two models' logits."""
     import transformers
 
-    from mpsconvert.runtime.loader import load
+    from mpsconvert.runtime.load.loader import load
 
     tok = transformers.AutoTokenizer.from_pretrained(arts / "llama-fp8")
     base = transformers.AutoModelForCausalLM.from_pretrained(arts / "llama", dtype=torch.bfloat16)
@@ -149,7 +149,7 @@ def test_verdict_only_beyond_the_measured_spread():
 def test_validate_encoder_embedding_cosine(arts):
     import transformers
 
-    from mpsconvert.runtime.loader import load
+    from mpsconvert.runtime.load.loader import load
 
     opts = ValidateOptions(baseline=str(arts / "bert"), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", max_samples=1,
                            latency=False, write=False)

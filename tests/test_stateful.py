@@ -1,4 +1,4 @@
-"""The stateful decoder both Apple exports share (convert/stateful.py), in PyTorch alone: a prefill
+"""The stateful decoder both Apple exports share (apple/stateful.py), in PyTorch alone: a prefill
 and single-token steps through its cache buffers must give what the model gives over the whole
 sequence, for every tiny architecture, sliding windows included. No converter needed."""
 
@@ -103,3 +103,40 @@ def test_fit_to_cache():
     assert p + s <= 64 and p >= 16 and s > 0
     p, s = compare.fit_to_cache(64, 16, 4, 128)
     assert (p, s) == (64, 16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_the_checks_generate_and_time_through_the_runtimes_engine(arch):
+    """apple/compare.py's greedy reference is the runtime's engine over the fp32 model (issue 31:
+    one loop): its tokens are the whole-sequence greedy continuation; a stateful runner through
+    the same loop (what a package's generation runs) gives them too; and the latency the checks
+    report comes from that loop's timer, every asked-for step timed."""
+    from types import SimpleNamespace
+
+    model = _model(arch)
+    prompt = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(2)).numpy().astype("int32")
+    tm = SimpleNamespace(model=model)
+    got = compare.greedy_reference(tm, prompt, 8)
+    seq = [int(t) for t in prompt]
+    for _ in range(8):
+        seq.append(int(_full(model, torch.tensor([seq]))[-1].argmax()))
+    assert got == seq[len(prompt):]
+
+    w = stateful.StatefulCausalLM(model, max_len=32).eval()
+
+    def new_conversation():
+        w.reset()
+
+        def step(ids, position):
+            with torch.no_grad():
+                return w(torch.from_numpy(ids), torch.tensor([position], dtype=torch.int32))[0].numpy()
+
+        return step
+
+    assert compare.greedy(compare.runner(new_conversation), prompt, 8) == got
+    t = compare.decode_timing(compare.torch_decoder(tm), prompt, tokens=4, warmup=1, prefill_repeats=2)
+    assert (t["prefill_tokens"], t["prefill_runs"], t["decode_tokens"]) == (12, 2, 4) and t["decode_tokens_per_s"] > 0
+    full = compare.runner(new_conversation)
+    full.max_len = 14  # a package whose cache holds 14 tokens: the prompt and two more
+    with pytest.raises(MpsconvertError, match="stopped after 2 tokens"):  # said, not timed short
+        compare.decode_timing(full, prompt, 4, 1)

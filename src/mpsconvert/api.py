@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # heavy modules, for annotations only
     from .calibrate import CalibOptions
     from .calibrate.run import Calibration
     from .manifests.verify import VerifyReport
-    from .runtime.validate import ValidateOptions
+    from .runtime.evaluate.validate import ValidateOptions
 
 __all__ = [
     "quantize", "calibrate", "validate", "verify", "inspect", "export", "check", "targets", "export_coreml", "check_coreml",
@@ -159,8 +159,8 @@ def calibration_options(**kw: Any) -> CalibOptions:
 
 def validate_options(**kw: Any) -> ValidateOptions:
     """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
-    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.validate.ValidateOptions`."""
-    from .runtime.validate import ValidateOptions
+    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
+    from .runtime.evaluate.validate import ValidateOptions
 
     return ValidateOptions(**kw)
 
@@ -249,7 +249,7 @@ def quantize(
             offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
-    from .calibrate import for_quantize
+    from .calibrate.scales import for_quantize
     from .convert import pipeline
 
     apple = {**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})}
@@ -354,7 +354,7 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from .runtime import loader
+    from .runtime.load import loader
 
     return loader.verify(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress,
                          manifest_sha256=manifest_sha256)
@@ -395,7 +395,7 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
     from . import atomic
     from .convert.gguf import validation_baseline
     from .manifests import layout
-    from .runtime import validate as validation
+    from .runtime.evaluate import validate as validation
 
     opts = options or validate_options()
     artifact = Path(artifact)
@@ -404,7 +404,7 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
     with atomic.claim(artifact) if opts.write and found else contextlib.nullcontext():
         if found and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
             from .convert.diffusion.load import load_pair
-            from .runtime import validate_diffusion
+            from .runtime.evaluate import validate_diffusion
 
             return ValidationResult(**validate_diffusion.validate(artifact, opts, load_pair, progress))
         with validation_baseline(artifact, opts.baseline) as gguf:  # a GGUF source is compared with that GGUF
@@ -668,8 +668,9 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
         dtype: the compute dtype of unquantized tensors and activations [default: bfloat16].
         verify: check every file's sha256 against the manifest (code and config before they are
             used, the weights as they are read, all before the model is returned).
-        **kw: `prefill_m`, `kernel_cache`, `measure`, `trust_remote_code`, `progress`,
-            `manifest_sha256` (the manifest file's pinned sha256) (see `runtime.loader.load`).
+        **kw: `kernel_cache`, `measure`, `trust_remote_code`, `progress`, `compile` (on CUDA, the
+            model's generate() at batch 1 with a static cache, compiled by transformers; False: its default),
+            `manifest_sha256` (the manifest file's pinned sha256) (see `runtime.load.loader.load`).
 
     Returns:
         The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each
@@ -681,7 +682,7 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
     """
     import torch
 
-    from .runtime import loader
+    from .runtime.load import loader
 
     return loader.load(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)
 
@@ -695,7 +696,7 @@ class GenerateResult:
     generation tokens/s, peak memory, device, the token ids, why it stopped)."""
 
     text: str
-    stats: Any  # runtime.generate.GenerationStats
+    stats: Any  # runtime.engine.GenerationStats
 
     def as_dict(self) -> dict:
         return {"text": self.text, **self.stats.as_dict()}
@@ -748,19 +749,20 @@ def backends() -> tuple[str, ...]:
     return ("torch", *registry.TARGETS)
 
 
-def _decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitStack, progress: Progress | None):
+def _decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitStack, progress: Progress | None,
+             compile: bool | None = None):
     """(the decoder of `backend`, the model's config or None): the PyTorch model on `device`, or
     an Apple target's stateful package on its runtime (apple/flow.py's `decoder`)."""
-    from .runtime import generate as gen
+    from .runtime import engine as gen
 
     if backend == "torch":
-        from .runtime.validate import _is_causal
+        from .runtime.evaluate.validate import _is_causal
 
         model = load(artifact, device=device, progress=progress)
         if not _is_causal(model.config):
             raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
                                 "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
-        return gen.TorchDecoder(model), model.config
+        return gen.Engine(model, compile=compile), model.config
     if backend not in registry.TARGETS:
         raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(backends())}")
     new_conversation, max_len, runs_on = flow.decoder(artifact, backend, stack)
@@ -778,6 +780,7 @@ def chat(
     seed: int = 0,
     system: str | None = None,
     progress: Progress | None = None,
+    compile: bool | None = None,
 ) -> Chat:
     """Open an artifact for text generation: `with chat(dir) as c: c.say("hi", print)`.
 
@@ -790,6 +793,9 @@ def chat(
         max_tokens, temp, top_p, seed: sampling, as mlx-lm names it (temp 0: greedy).
         system: a system message that starts the history.
         progress: `progress(phase, done, total, detail)` while loading.
+        compile: torch backend: the decode step as a CUDA graph (torch.compile, captured before
+            the first token is timed; its time is `stats.compile_seconds`). None: on CUDA only;
+            False: the eager loop (what `--no-compile` asks).
 
     Returns:
         Chat: `say(message, on_text)` and `complete(prompt, on_text)` -> GenerateResult.
@@ -801,14 +807,14 @@ def chat(
         DeviceError: the device is not available.
     """
     from .modeldef import load_config
-    from .runtime import generate as gen
+    from .runtime import engine as gen
 
     artifact = Path(artifact)
     sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
     stack = contextlib.ExitStack()
     try:
         tok = gen.load_tokenizer(artifact)
-        decoder, config = _decoder(artifact, backend, device, stack, progress)
+        decoder, config = _decoder(artifact, backend, device, stack, progress, compile)
         config = config or load_config(artifact, False)
         conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
     except BaseException:

@@ -11,7 +11,9 @@ ids `[1, T]` and the position of the first of them and returns the logits `[T, v
 the KV cache in its states between calls (the Core AI runtime, the Core ML reference evaluator,
 Core ML itself on macOS). The reference is PyTorch running the same architecture on the same
 (dequantized) weights in fp32 over the whole sequence in one causal pass, no cache: position t's
-logits are what a prefill or the decode step at t must give.
+logits are what a prefill or the decode step at t must give. Generation (the package's and the
+reference's) and latency run through the runtime's one generation loop (runtime.engine), the
+reference on the engine itself, as `mpsconvert generate` runs a model.
 
 - prefill: one call with the first `prompt_len` tokens at position 0: cosine and top-1 agreement
   per position;
@@ -112,12 +114,25 @@ def _summary(cos: np.ndarray, top1: np.ndarray) -> dict:
             "cosine_mean": float(cos.mean())}
 
 
+def runner(new_conversation: Callable[[], Step], backend: str = "package", device: str = "cpu"):
+    """A runner as a decoder of the runtime's one generation loop (runtime.engine.RunnerDecoder)."""
+    from ..runtime.engine import RunnerDecoder
+
+    return RunnerDecoder(new_conversation, None, backend, device)
+
+
+def greedy(decoder, prompt: np.ndarray, n: int, on_token=None) -> list[int]:
+    """`n` greedy tokens after `prompt` through the runtime's one generation loop (prefill, then
+    one step per token), from any decoder: a package's runner, or the engine over PyTorch."""
+    from ..runtime.engine import Sampling, generate_ids
+
+    return generate_ids(decoder, [int(t) for t in prompt], Sampling(max_tokens=n), on_token=on_token).tokens
+
+
 def greedy_reference(tm: TorchModel, prompt: np.ndarray, n: int) -> list[int]:
-    """The reference's greedy continuation of `prompt` (whole-sequence passes, no cache)."""
-    seq = list(map(int, prompt))
-    for _ in range(n):
-        seq.append(int(reference_logits(tm, seq)[-1].argmax()))
-    return seq[len(prompt):]
+    """The reference's greedy continuation of `prompt`: the runtime's engine (eager, its KV cache)
+    over the fp32 PyTorch model, as `mpsconvert generate` runs a model."""
+    return greedy(torch_decoder(tm), prompt, n)
 
 
 def check_decoder(new_conversation: Callable[[], Step], tm: TorchModel, ids: np.ndarray, prompt_len: int = PROMPT_LEN,
@@ -153,13 +168,13 @@ def check_decoder(new_conversation: Callable[[], Step], tm: TorchModel, ids: np.
         report("decode check", i + 1, steps + generate, f"teacher-forced step {i + 1}/{steps}")
     cos_d, top_d = _rows(np.stack(rows), ref[prompt_len:])
     # greedy generation: a new conversation, the prompt, then the package's own choices
-    step = new_conversation()
-    out = step(ids[None, :prompt_len], 0)
-    tokens = [int(out[-1].argmax())]
-    for i in range(generate - 1):
-        out = step(np.asarray([[tokens[-1]]], dtype=np.int32), prompt_len + i)
-        tokens.append(int(out[-1].argmax()))
-        report("decode check", steps + i + 2, steps + generate, f"greedy token {i + 2}/{generate}")
+    made = []
+
+    def on_token(tok: int) -> None:
+        made.append(tok)
+        report("decode check", steps + len(made), steps + generate, f"greedy token {len(made)}/{generate}")
+
+    tokens = greedy(runner(new_conversation), ids[:prompt_len], generate, on_token)
     want = greedy_reference(tm, ids[:prompt_len], generate)
     same = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), generate)
     prefill = _summary(cos_p, top_p)
@@ -178,63 +193,40 @@ def check_decoder(new_conversation: Callable[[], Step], tm: TorchModel, ids: np.
 # --------------------------------------------------------------------------- latency
 
 
-def decode_timing(new_conversation: Callable[[], Step], prompt: np.ndarray, tokens: int, warmup: int,
-                  prefill_repeats: int = 3) -> dict:
-    """Latency of a stateful decoder as an app sees it: the prefill of `prompt` (a fresh
+def decode_timing(decoder, prompt: np.ndarray, tokens: int, warmup: int, prefill_repeats: int = 3) -> dict:
+    """Latency of a decoder (`runner(...)` of a package, or `torch_decoder`) as an app sees it,
+    through the runtime's one generation loop and its timer: the prefill of `prompt` (a fresh
     conversation each time: one untimed when `warmup` > 0, then `prefill_repeats` timed; median
-    and p95), then in the last conversation `tokens` single-token steps after `warmup` untimed
-    ones (median, p95, tokens/s). Each step feeds the previous step's argmax."""
+    and p95), then in the last conversation `tokens` greedy single-token steps after `warmup`
+    untimed ones, each step timed with the device synchronised (median, p95, tokens/s)."""
+    from ..runtime.engine import Sampling, generate_ids
+
+    ids = [int(t) for t in prompt]
     if warmup:
-        new_conversation()(prompt[None], 0)
-    prefills = []
-    for _ in range(max(1, prefill_repeats)):
-        step = new_conversation()
-        t0 = time.perf_counter()
-        out = step(prompt[None], 0)
-        prefills.append(time.perf_counter() - t0)
-    pos = len(prompt)
-    nxt = int(out[-1].argmax())
-    samples = []
-    for i in range(warmup + tokens):
-        t0 = time.perf_counter()
-        out = step(np.array([[nxt]], dtype=np.int32), pos)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            samples.append(dt)
-        pos += 1
-        nxt = int(out[-1].argmax())
-    pre, st = timing.stats(prefills), timing.stats(samples)
+        generate_ids(decoder, ids, Sampling(max_tokens=1))
+    prefills = [generate_ids(decoder, ids, Sampling(max_tokens=1)).prompt_seconds for _ in range(max(1, prefill_repeats) - 1)]
+    last = generate_ids(decoder, ids, Sampling(max_tokens=warmup + tokens + 1), time_steps=True)
+    prefills.append(last.prompt_seconds)
+    if len(last.step_seconds) < warmup + tokens:
+        raise MpsconvertError(f"the decoder stopped after {last.generated_tokens} tokens ({last.stop}), the timing needs {warmup + tokens + 1}",
+                              "time fewer tokens, or re-export with a larger --max-len")
+    pre, st = timing.stats(prefills), timing.stats(last.step_seconds[warmup:])
     return {"prefill_tokens": len(prompt), "prefill_ms": round(pre["median_ms"], 3), "prefill_p95_ms": round(pre["p95_ms"], 3),
             "prefill_runs": pre["n"], "decode_tokens": tokens, "decode_median_ms": round(st["median_ms"], 3),
             "decode_p95_ms": round(st["p95_ms"], 3), "decode_tokens_per_s": round(1e3 / st["median_ms"], 3)}
 
 
 def torch_decoder(tm: TorchModel, device: str = "cpu", dtype=None):
-    """PyTorch's own path (the artifact's weights dequantized, transformers' DynamicCache), as a
-    `new_conversation()` runner, for timing beside a package: fp32 on the CPU by default; the
-    device is synchronised after every call. The model is moved to `device` / `dtype`."""
+    """PyTorch's own path beside a package: the runtime's engine, eager (its KV cache, no graph),
+    over the artifact's model with its weights dequantized, moved to `device` / `dtype` (fp32 on
+    the CPU by default)."""
     import torch
-    from transformers import DynamicCache
 
-    from .. import devices
+    from ..runtime.engine import Engine
 
     dev = torch.device(device)
     model = tm.model.to(dev, dtype) if dtype is not None else tm.model.to(dev)
-
-    def new_conversation():
-        cache = DynamicCache(config=model.config)
-
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            x = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=dev)
-            pos = torch.arange(position, position + x.shape[1], device=dev)[None]
-            with torch.no_grad():
-                out = model(input_ids=x, position_ids=pos, cache=cache, use_cache=True).logits[0]
-            devices.synchronize(dev)
-            return out.float().cpu().numpy()
-
-        return step
-
-    return new_conversation
+    return Engine(model, compile=False)
 
 
 # --------------------------------------------------------------------------- one-pass outputs

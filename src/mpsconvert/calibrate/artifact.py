@@ -1,6 +1,6 @@
 """Calibration results on disk: a scales file, or written into an existing FP8 artifact; and
 the `calibrate` command's flow (`calibrate_target`) and `quantize --scheme fp8`'s scales
-(`for_quantize`).
+(`scales.for_quantize`).
 
 An artifact is calibrated as it will run: its FP8 weights are dequantized (codes * scale, in
 the source dtype) into a temporary safetensors snapshot that transformers loads like any source,

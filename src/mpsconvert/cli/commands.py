@@ -341,6 +341,7 @@ def _sampling(fn):
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler."),
         click.option("--system", "system_prompt", metavar="TEXT", help="A system message first."),
         click.option("--json", "as_json", is_flag=True, help="Print the text and its stats as JSON on stdout (no streaming)."),
+        click.option("--no-compile", is_flag=True, help="With --backend torch on CUDA: the eager decode loop, not the CUDA graph."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -353,7 +354,7 @@ def _sampling(fn):
 @_sampling
 @click.option("--ignore-chat-template", is_flag=True, help="Feed PROMPT as it is, not wrapped in the tokenizer's chat template.")
 @friendly_errors
-def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json, ignore_chat_template):
+def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json, no_compile, ignore_chat_template):
     """Generate text from ARTIFACT for PROMPT, streamed as it comes, then tokens/s, peak memory and device.
 
     \b
@@ -361,7 +362,8 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, seed, s
     """
     with render.progress_bars() as progress:
         c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
-                     system=system_prompt, progress=progress)
+                     system=system_prompt, progress=progress,
+                     compile=False if no_compile else None)
     with c:
         res = c.complete(prompt, None if as_json else render.stream, use_template=not ignore_chat_template)
     render.generation(res, as_json)
@@ -371,11 +373,12 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, seed, s
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @_sampling
 @friendly_errors
-def chat(artifact, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json):
+def chat(artifact, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json, no_compile):
     """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or end of input) ends, `/reset` forgets."""
     with render.progress_bars() as progress:
         c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
-                     system=system_prompt, progress=progress)
+                     system=system_prompt, progress=progress,
+                     compile=False if no_compile else None)
     with c:
         render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history")
         while True:

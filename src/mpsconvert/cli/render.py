@@ -338,7 +338,7 @@ def kernels(decisions: list) -> None:
         ok = sorted((v, k) for k, v in d["timings_us"].items() if not isinstance(v, str))
         bad = [f"{k} ({v})" for k, v in d["timings_us"].items() if isinstance(v, str)]
         measured = " | ".join(f"{k} {v:.1f}" for v, k in ok) + (f"; cannot run: {', '.join(bad)}" if bad else "")
-        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m']}: [bold]{d['choice']}[/] "
+        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m'] or 'any'}: [bold]{d['choice']}[/] "
                   f"\\[{d['source']}]" + (f"  {measured}" if measured else ""), highlight=False)
         if d["note"]:
             notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
@@ -432,6 +432,8 @@ def generation(res, as_json: bool) -> None:
     note(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s")
     note(f"generation: {s.generated_tokens} tokens, {gen}" + (" (stopped: end of sequence)" if s.stop == "eos" else
                                                               " (stopped: the cache is full)" if s.stop == "cache_full" else ""))
+    if s.compile_seconds is not None:
+        note(f"compile: {s.compile_seconds:.1f} s (the decode step captured as a CUDA graph; not in the rates above; --no-compile: eager)")
     note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'} ({s.peak_memory_source})")
     note(f"backend: {s.backend} on {s.device}")
 

@@ -161,7 +161,7 @@ def compact(value, limit: int = 100) -> str:
 
 @dataclass(kw_only=True)
 class ValidationRun(Typed):
-    """One `validate` run (runtime/validate.py's result), as the card and inspect show it."""
+    """One `validate` run (runtime/evaluate/validate.py's result), as the card and inspect show it."""
 
     kind: str  # "causal-lm" | "encoder" | "diffusion-step"
     device: str

@@ -5,6 +5,6 @@ and shape by measurement, and validate accuracy and speed against BF16.
     model = load("qwen-fp8", device="auto")     # model.mpsconvert says what was verified and chosen
 """
 
-from .loader import LoadInfo, load
+from .load.loader import LoadInfo, load
 
 __all__ = ["LoadInfo", "load"]

@@ -323,7 +323,7 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
                 acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
                 row.update({"prefill_top1": acc["prefill"]["top1_agreement"], "decode_top1": acc["decode"]["top1_agreement"],
                             "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
-                row.update(compare.decode_timing(coreml_decoder(ml), ids[:prompt], steps, warmup=2))
+                row.update(compare.decode_timing(compare.runner(coreml_decoder(ml), "coreml"), ids[:prompt], steps, warmup=2))
             except Exception as e:  # one compute unit failing is a result, reported in its row
                 _unit_failed(row, e)
             rows.append(row)

@@ -33,7 +33,7 @@ class Fusion:
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # recorded in the manifest; names validate's step inputs (runtime/validate_diffusion.py)
+    name: str  # recorded in the manifest; names validate's step inputs (runtime/evaluate/validate_diffusion.py)
     label: str
     classes: tuple[str, ...]  # diffusers classes of this family's transformer
     detect: tuple[str, ...]  # keys that, all present, mark an original-repo single file

@@ -1,5 +1,5 @@
 """A diffusion artifact back in PyTorch through its own loader's library, beside its BF16 source:
-what `validate` runs one denoising step of (runtime/validate_diffusion.py).
+what `validate` runs one denoising step of (runtime/evaluate/validate_diffusion.py).
 
 - diffusers format: `from_pretrained` of the folder, which diffusers routes to its SDNQ backend
   (the weights stay e4m3 in memory and are dequantized per call).

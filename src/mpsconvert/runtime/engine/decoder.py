@@ -1,0 +1,144 @@
+"""The engine: a transformers causal LM as a decoder with a KV cache made once per generation, a
+prefill and a decode step, compiled into a CUDA graph on CUDA and eager elsewhere.
+
+On CUDA (`compile=None` means: on CUDA) the decode step is `torch.compile(mode="reduce-overhead")`
+of the model's forward over a preallocated static cache (`transformers.StaticCache`, `reserve`:
+rounded up to BUCKET positions): a step allocates nothing and its tensors keep their addresses,
+so it is captured once as a CUDA graph and replayed per token. It is compiled and captured in
+`reserve`, before the generation's timer starts, on a scratch step of the cache (reset after),
+and the seconds it took are reported apart (`compile_seconds`); Inductor's graph cache on disk
+keeps what it compiled for the next process (torch's default). The prefill runs eager: on the
+H200 the eager prefill measured faster than the compiled one (docs/benchmarks.md: 30.2 vs
+31.0 ms for 2048 tokens of the Llama-3-8B shape), so no length compiles it. It runs over an
+empty DynamicCache, whose keys and values are then written into the static cache (its public
+`update`): the eager prefill's direct path (runtime/patches/attention_prefill.py) takes a
+DynamicCache only, and attends over the prompt's own keys, not the padded cache.
+
+Eager (CPU, MPS, `compile=False`) the cache is transformers' DynamicCache, made once per
+generation: without a graph a static cache saves no host work (its update is one Python call
+per layer too) and costs device work, since every step then attends over the whole padded cache
+through an explicit mask (SDPA's masked path on CPU: a profile of a 2-layer model spent half of
+each step there), where a dynamic cache attends over the tokens so far with no mask. Per token
+the eager step is the model's forward and nothing else: the token is written into one
+preallocated tensor, and the positions are a view of the model's own position buffer
+(runtime/patches/positions.py), so the rotary module reads its tables instead of computing them
+and the host never asks the device how long the cache is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ... import devices, timing
+from ...errors import MpsconvertError
+from ..patches.hf_compat import accepts, cache_kwarg
+
+BUCKET = 256  # cache lengths are multiples of this: a longer generation re-captures the graph only past a bucket
+WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph (compile, record, capture)
+
+
+def compiles_by_default(device: torch.device) -> bool:
+    """The decode step is a CUDA graph by default on CUDA only (no graphs elsewhere)."""
+    return device.type == "cuda"
+
+
+class Engine:
+    """A transformers causal LM (as `runtime.load` returns it) as one conversation at batch 1."""
+
+    backend = "torch"
+
+    def __init__(self, model, *, compile: bool | None = None, static: bool | None = None):
+        self.model = model
+        self.static = static  # None: a static cache where the step is compiled, else a dynamic one (see reset)
+        self.dev = next(model.parameters()).device
+        self.device = str(self.dev)
+        self.compiled = compiles_by_default(self.dev) if compile is None else bool(compile)
+        self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        self.keep = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
+        self.capacity, self.cache, self.kw, self._step, self._static = 0, None, {}, None, False
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
+        self.pos = 0
+
+    def reserve(self, tokens: int) -> float | None:
+        """A static cache for at least `tokens` (rounded up to BUCKET, at most max_len); the
+        compiled step captured for it. Returns the seconds compiling took, None when nothing was
+        compiled now."""
+        if tokens <= self.capacity:
+            return None
+        from transformers import DynamicCache, StaticCache
+
+        cap = -(-tokens // BUCKET) * BUCKET
+        cap = min(cap, self.max_len) if self.max_len else cap
+        self._static = self.compiled if self.static is None else self.static
+        self.cache = StaticCache(config=self.model.config, max_cache_len=cap) if self._static else DynamicCache(config=self.model.config)
+        self.kw = cache_kwarg(self.model, self.cache)
+        self.capacity = cap
+        own = getattr(getattr(self.model, "base_model", None), "mpsconvert_positions", None)  # runtime/patches/positions.py
+        self.positions = own if own is not None and own.shape[-1] >= cap else torch.arange(cap, device=self.dev)[None]
+        self.pos_t = torch.zeros(1, 1, dtype=torch.long, device=self.dev)  # the compiled step's position: one address
+        if not self.compiled:
+            return None
+        torch._dynamo.reset()  # graphs of an earlier cache hold its addresses
+        self._step = torch.compile(self._decode, mode="reduce-overhead", fullgraph=False, dynamic=False)
+        t = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(WARM_STEPS):  # a scratch step at the last position, forgotten by reset()
+                self.pos_t.fill_(cap - 1)
+                self._step(self.tok, self.pos_t)
+        devices.synchronize(self.dev)
+        self.cache.reset()
+        return time.perf_counter() - t
+
+    def _decode(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tok, position_ids=pos, use_cache=True, **self.kw).logits
+
+    def reset(self) -> None:
+        if self._static:
+            self.cache.reset()
+        elif self.cache is not None:  # a dynamic cache starts empty (one allocation per generation)
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.model.config)
+            self.kw = cache_kwarg(self.model, self.cache)
+        self.pos = 0
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        n = len(ids)
+        if self.pos + n + 1 > self.capacity:
+            if self.pos:
+                raise MpsconvertError(f"the cache holds {self.capacity} tokens, {self.pos + n + 1} are needed",
+                                      "call reserve() with the whole conversation's length before its first prefill")
+            self.reserve(n + 1)
+        x = torch.tensor([ids], dtype=torch.long, device=self.dev)
+        pos = self.positions[:, self.pos : self.pos + n]
+        with torch.no_grad():
+            if self._static and self.pos == 0:  # prefilled over an empty DynamicCache, then written into the static one
+                from transformers import DynamicCache
+
+                dyn = DynamicCache(config=self.model.config)
+                out = self.model(input_ids=x, position_ids=pos, use_cache=True, **cache_kwarg(self.model, dyn), **self.keep).logits
+                for i, layer in enumerate(dyn.layers):
+                    self.cache.update(layer.keys, layer.values, i)
+            else:
+                out = self.model(input_ids=x, position_ids=pos, use_cache=True, **self.kw, **self.keep).logits
+        self.pos += n
+        return out[0, -1]
+
+    def step(self, token: int) -> torch.Tensor:
+        """One token in, the next position's logits out: the captured graph on CUDA, the model's
+        forward with a view of the position buffer elsewhere."""
+        self.tok.fill_(token)
+        with torch.no_grad():
+            if self._step is not None:
+                self.pos_t.fill_(self.pos)
+                with timing.warm_guards(True):  # captured in reserve(): only the guards that tell graphs apart run
+                    logits = self._step(self.tok, self.pos_t)
+            else:
+                logits = self._decode(self.tok, self.positions[:, self.pos : self.pos + 1])
+        self.pos += 1
+        return logits[0, -1]
+
+    def sync(self) -> None:
+        devices.synchronize(self.dev)

@@ -1,0 +1,60 @@
+"""How the next token is chosen, mlx-lm's options: `temp` 0 is greedy (argmax), otherwise softmax
+at that temperature with nucleus (`top_p`) filtering, seeded: the same seed gives the same tokens
+on the same device and torch. The draw uses a generator on the logits' own device
+(`torch.multinomial` refuses a CPU generator for MPS or CUDA probabilities), made at the first
+draw, so a seed's draws are reproducible per device, not across devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import MpsconvertError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen (mlx-lm's names): temp 0 = greedy."""
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise MpsconvertError(f"--max-tokens must be at least 1 (got {self.max_tokens})", "pass --max-tokens 1 or more")
+        if self.temp < 0:
+            raise MpsconvertError(f"--temp must be >= 0 (got {self.temp})", "pass --temp 0 for greedy decoding")
+        if not 0 < self.top_p <= 1:
+            raise MpsconvertError(f"--top-p must be in (0, 1] (got {self.top_p})", "pass --top-p 1.0 to keep every token")
+
+
+class Draws:
+    """The seeded random source of one generation: a torch.Generator on the device of the
+    probabilities it draws from (made at the first draw, with `seed`), as `torch.multinomial`
+    requires. None of it is made for greedy decoding."""
+
+    def __init__(self, seed: int):
+        self.seed, self.gen = seed, None
+
+    def on(self, device: torch.device) -> torch.Generator:
+        """The generator, made on `device` at the first draw (one generation stays on one device)."""
+        if self.gen is None:
+            self.gen = torch.Generator(device=device).manual_seed(self.seed)
+        return self.gen
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, draws: Draws | None) -> int:
+    """argmax at temp 0; else a draw from softmax(logits / temp) restricted to the smallest set
+    of tokens whose probability reaches top_p, with `draws`' generator on the logits' device."""
+    if sampling.temp == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temp, dim=-1)
+    if sampling.top_p < 1:
+        p, idx = probs.sort(descending=True, stable=True)  # ties in index order, as argmax breaks them
+        keep = p.cumsum(0) - p < sampling.top_p  # always keeps the first
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
+    return int(torch.multinomial(probs, 1, generator=draws.on(probs.device) if draws is not None else None))

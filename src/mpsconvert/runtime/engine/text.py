@@ -1,0 +1,109 @@
+"""Text around the engine: token ids streamed as printable text, the end-of-sequence ids, the
+artifact's tokenizer and generation config, and a conversation (chat turns or one prompt) over
+any decoder."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ...errors import MpsconvertError
+from .loop import Decoder, GenerationStats, generate_ids
+from .sampling import Sampling
+
+
+class TextStream:
+    """Token ids -> text pieces as they can be printed: decodes everything so far and emits
+    what is new, holding back a trailing partial UTF-8 character (shown as U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.shown = tokenizer, [], 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+
+def eos_ids(model_config, generation_config=None, tokenizer=None) -> set[int]:
+    """Every end-of-sequence id the generation config, model config or tokenizer names."""
+    out: set[int] = set()
+    for src in (generation_config, model_config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        out.update([e] if isinstance(e, int) else list(e or []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        out.add(int(tokenizer.eos_token_id))
+    return out
+
+
+def load_tokenizer(artifact):
+    """The artifact's tokenizer (copied from the source by quantize), or a one-line error."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(artifact))
+    except (OSError, ValueError, TypeError) as e:
+        raise MpsconvertError(f"{artifact} has no usable tokenizer ({str(e).splitlines()[0][:120]})",
+                              "quantize a source that ships its tokenizer files, or copy them into the artifact") from e
+
+
+def load_generation_config(artifact):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(artifact))
+    except (OSError, ValueError):
+        return None
+
+
+class Conversation:
+    """Turns of a chat (or one prompt) over one decoder: the tokenizer's chat template renders
+    the history each turn (re-prefilled: simple and exact; the prefill is the fast phase),
+    tokens are streamed as text through `on_text`."""
+
+    def __init__(self, decoder: Decoder, tokenizer, stop_ids: set[int], sampling: Sampling, system: str | None = None):
+        self.decoder, self.tok, self.stop_ids, self.sampling = decoder, tokenizer, stop_ids, sampling
+        self.history: list[dict] = [{"role": "system", "content": system}] if system else []
+
+    @property
+    def has_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def _template(self, messages: list[dict]) -> list[int]:
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 returns a BatchEncoding
+
+    def encode(self, prompt: str, use_template: bool) -> list[int]:
+        if use_template and self.has_template:
+            return self._template(self.history + [{"role": "user", "content": prompt}])
+        return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
+
+    def complete(self, ids: list[int], on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
+        stream = TextStream(self.tok)
+
+        def emit(token: int) -> None:
+            piece = stream.add(token)
+            if piece and on_text:
+                on_text(piece)
+
+        stats = generate_ids(self.decoder, ids, self.sampling, self.stop_ids, emit)
+        rest = stream.flush()
+        if rest and on_text:
+            on_text(rest)
+        return self.tok.decode([t for t in stats.tokens if t not in self.stop_ids], skip_special_tokens=True), stats
+
+    def say(self, message: str, on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
+        """One chat turn: the user's message, the model's reply (kept in the history)."""
+        if not self.has_template:
+            raise MpsconvertError("the artifact's tokenizer has no chat template", "use `mpsconvert generate` for plain text completion")
+        msgs = self.history + [{"role": "user", "content": message}]
+        text, stats = self.complete(self._template(msgs), on_text)
+        self.history = msgs + [{"role": "assistant", "content": text}]
+        return text, stats

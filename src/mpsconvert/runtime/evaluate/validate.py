@@ -1,0 +1,280 @@
+"""`mpsconvert validate`: an FP8 artifact against its BF16 baseline, on one device, in one run.
+
+Accuracy: both models see the same eval text. Causal LMs: perplexity of each, its delta, mean
+KL(bf16 || fp8) and top-1 agreement of next-token distributions (runtime/evaluate/metrics.py). Encoders:
+cosine of mean-pooled sentence embeddings. Latency, on one sequence of `prefill_len` tokens at
+batch 1 for every model kind: prefill (`logits_to_keep=1`, what `generate` asks) and, for causal
+LMs, `decode_tokens` decode steps after it (static KV cache), the device synchronised around
+every timed step; on CUDA decode runs through torch.compile(mode="reduce-overhead") (CUDA
+graphs), the way transformers documents fast decoding, and once warm its steps are timed with
+only the differentiating guards evaluated (timing.warm_guards), for both models. Timing runs in
+rounds that alternate the two models where nothing is compiled; a speed verdict is given only
+beyond the run-to-run spread of the rounds (timing.verdict), so that noise reads as "no clear
+difference". Peak device memory
+and each model's weight bytes. Results go into the artifact's manifest (`validation`, written
+atomically) with device and settings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ... import devices, timing
+from ...errors import DataError, MpsconvertError, SourceError
+from ...progress import Progress, or_silent
+from . import metrics
+from ..engine import Engine, Sampling, generate_ids
+
+PEAK_NOTE = "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
+
+
+@dataclass
+class ValidateOptions:
+    baseline: str | None = None
+    eval_data: str | None = None
+    device: str = "auto"
+    seq_len: int = 512
+    max_samples: int = 8
+    prefill_len: int = 512
+    decode_tokens: int = 32
+    repeats: int | None = None  # timed runs per round; None: 10 on a GPU, 3 on CPU
+    warmup: int | None = None  # untimed runs first; None: 3 on a GPU, 1 on CPU
+    rounds: int = 3  # the spread between rounds decides whether a speed difference is clear
+    latency: bool = True
+    compile: str = "auto"  # auto (CUDA only) | on | off
+    write: bool = True
+    kernel_cache: object = None  # KernelPolicy cache file, or False
+
+
+def _is_causal(config) -> bool:
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (getattr(config, "architectures", None) or []))
+
+
+def resolve_baseline(artifact: Path, baseline: str | None) -> str:
+    """--baseline, else the manifest's source: a hub id via source.resolve, or a recorded local path."""
+    from ...manifests.layout import MANIFEST_NAME
+    from ...manifests.manifest import Manifest
+    from ...source import resolve
+
+    if baseline:
+        return str(resolve(baseline).path)
+    if not (artifact / MANIFEST_NAME).is_file():
+        raise SourceError(f"{artifact} has no {MANIFEST_NAME}, so its BF16 source is unknown", "pass --baseline <hub id or folder>")
+    src = Manifest.read(artifact).source
+    if src.get("kind") == "hub":
+        return str(resolve(src["id"], revision=src.get("commit") or src.get("revision")).path)
+    for cand in (src.get("path"), src.get("id")):
+        if cand and Path(cand).is_dir():
+            return str(resolve(cand).path)
+    raise SourceError(f"the manifest names a local source ({src.get('id')!r}) that is not here", "pass --baseline <folder of the BF16 model>")
+
+
+def read_texts(path: str | None) -> tuple[list[str], str]:
+    """The eval documents (texts.read_documents; None: the bundled set) and where they came from."""
+    from ...texts import BUILTIN, read_documents
+
+    p = Path(path) if path is not None else BUILTIN
+    if not p.is_file():
+        raise DataError(f"eval data {path} does not exist", "pass a .jsonl (one {'text': ...} per line), .json, .parquet or .txt file")
+    texts = [t for t in read_documents(p) if t.strip()]
+    if not texts:
+        raise DataError(f"{p} holds no text", "pass a file with some text in it")
+    return texts, str(p)
+
+
+def _peak(dev) -> int | None:
+    m = devices.memory(dev)
+    return m.get("peak_allocated", m.get("driver_allocated"))
+
+
+class _CausalTimer:
+    """Prefill of the prompt and decode steps after it (batch 1), in rounds, through the engine
+    `generate` runs (runtime/engine: static KV cache; on CUDA the decode step a CUDA graph,
+    captured before the first round and timed apart). Every sample is one run of the engine's
+    loop: the prefill alone (a one-token generation), then a generation whose steps are timed one
+    by one, greedy."""
+
+    def __init__(self, model, ids: torch.Tensor, opts: ValidateOptions, dev, use_compile: bool):
+        self.prompt = ids[0, : opts.prefill_len].tolist()
+        self.opts, self.dev, self.compiled = opts, dev, use_compile
+        self.engine = Engine(model, compile=use_compile)
+        self.compile_seconds = self.engine.reserve(len(self.prompt) + opts.warmup + opts.decode_tokens + 2)
+        self.prefill_rounds: list[list[float]] = []
+        self.decode_rounds: list[list[float]] = []
+
+    def round(self) -> None:
+        opts = self.opts
+        warm = opts.warmup if not self.prefill_rounds else 1
+        runs = [generate_ids(self.engine, self.prompt, Sampling(max_tokens=1)).prompt_seconds for _ in range(warm + opts.repeats)]
+        self.prefill_rounds.append(runs[warm:])
+        skip = opts.warmup if not self.decode_rounds else 0  # the first steps of a run warm up its caches
+        with timing.warm_guards(self.compiled):  # the step is warm: only its differentiating guards run
+            st = generate_ids(self.engine, self.prompt, Sampling(max_tokens=skip + opts.decode_tokens + 1), time_steps=True)
+        self.decode_rounds.append(st.step_seconds[skip:])
+
+    def result(self) -> dict:
+        dec = timing.round_stats(self.decode_rounds)
+        return {
+            "prefill": timing.round_stats(self.prefill_rounds) | {"tokens": len(self.prompt)},
+            "decode": dec | {"tokens": sum(map(len, self.decode_rounds)), "compile_seconds": self.compile_seconds,
+                             "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None},  # fmt: skip
+        }
+
+
+class _EncoderTimer:
+    """One sequence of `prefill_len` tokens (batch 1) through the encoder, in rounds."""
+
+    def __init__(self, model, batch: dict, opts: ValidateOptions, dev):
+        self.model, self.batch, self.opts, self.dev = model, batch, opts, dev
+        self.rounds: list[list[float]] = []
+
+    def round(self) -> None:
+        warm = self.opts.warmup if not self.rounds else 1
+        with torch.no_grad():
+            self.rounds.append(timing.wall_samples(lambda: self.model(**self.batch), self.dev, self.opts.repeats, warm))
+
+    def result(self) -> dict:
+        return {"prefill": timing.round_stats(self.rounds) | {"tokens": int(self.batch["input_ids"].shape[1])}}
+
+
+def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: bool, progress) -> dict:
+    """Time every model in `opts.rounds` rounds. Without compilation the rounds alternate
+    between the models (BF16, FP8, BF16, ...), so that a machine that speeds up or slows down
+    during the run moves both, and the rounds' spread shows it. Compiled models are timed one
+    after the other (each has its own CUDA graphs, and dynamo is reset between them)."""
+    out = {}
+    if not use_compile:
+        timers = {name: make_timer(model) for name, model in models.items()}
+        for r in range(opts.rounds):
+            for name, timer in timers.items():
+                timer.round()
+            progress("latency", r + 1, opts.rounds, "rounds")
+        for name, timer in timers.items():
+            out[name] = timer.result() | {"peak_memory_bytes": _peak(dev), "peak_memory_note": PEAK_NOTE}
+        return out
+    for i, (name, model) in enumerate(models.items()):
+        devices.empty_cache(dev)
+        devices.reset_peak(dev)
+        with devices.oom_hint(dev, f"timing the {name} model"):
+            timer = make_timer(model)
+            for _ in range(opts.rounds):
+                timer.round()
+        out[name] = timer.result() | {"peak_memory_bytes": _peak(dev), "peak_memory_note": PEAK_NOTE}
+        del timer
+        torch._dynamo.reset()
+        progress("latency", i + 1, len(models), name)
+    return out
+
+
+def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
+    import transformers
+
+    from ..load.loader import load, model_bytes
+
+    artifact = Path(artifact)
+    progress = or_silent(progress)
+    dev = devices.choose(opts.device)
+    gpu = dev.type != "cpu"  # CPU runs are slow (BF16 matmul is emulated on most CPUs): fewer repeats
+    opts = replace(opts, repeats=opts.repeats if opts.repeats is not None else (10 if gpu else 3),
+                   warmup=opts.warmup if opts.warmup is not None else (3 if gpu else 1))
+    use_compile = opts.compile == "on" or (opts.compile == "auto" and dev.type == "cuda")
+    base_path = resolve_baseline(artifact, opts.baseline)
+    texts, data_path = read_texts(opts.eval_data)
+    progress("load fp8", 0, 1, "")
+    # load verifies every file first (the tokenizer's included), so the tokenizer is read after it
+    fp8_model = load(artifact, device=opts.device, kernel_cache=opts.kernel_cache)
+    tok = transformers.AutoTokenizer.from_pretrained(str(artifact))
+    causal = _is_causal(fp8_model.config)
+    cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    progress("load bf16", 0, 1, "")
+    with devices.oom_hint(dev, "loading the BF16 baseline"):
+        base_model = cls.from_pretrained(base_path, dtype=torch.bfloat16).to(dev).eval()
+    models = {"bf16": base_model, "fp8": fp8_model}
+    result = {
+        "kind": "causal-lm" if causal else "encoder",
+        "device": str(dev),
+        "device_name": devices.capabilities(dev).name,
+        "torch": torch.__version__,
+        "baseline": base_path,
+        "eval_data": data_path,
+        "settings": {k: v for k, v in asdict(opts).items() if k not in ("baseline", "eval_data", "kernel_cache")} | {"compile": use_compile},
+        "scheme": fp8_model.mpsconvert.scheme,
+        "weights": fp8_model.mpsconvert.weights,
+        "kernels": fp8_model.mpsconvert.kernels,
+        "dequantized_at_load": fp8_model.mpsconvert.dequantized,
+        "weight_bytes": {"bf16": model_bytes(base_model), "fp8": model_bytes(fp8_model)},
+    }
+    if causal:
+        sep = tok.eos_token_id if tok.eos_token_id is not None else 0
+        ids: list[int] = []
+        for t in texts:
+            ids += tok(t, add_special_tokens=False)["input_ids"] + [sep]
+            if len(ids) >= opts.seq_len * opts.max_samples:
+                break
+        n = min(opts.max_samples, len(ids) // opts.seq_len)
+        if n == 0:
+            raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than --seq-len {opts.seq_len}", "use more text or a smaller --seq-len")
+        chunks = torch.tensor(ids[: n * opts.seq_len]).reshape(n, opts.seq_len)
+        scores = metrics.CausalLMScores()
+        with torch.no_grad():
+            for i in range(n):
+                x = chunks[i : i + 1].to(dev)
+                scores.update(base_model(x).logits, fp8_model(x).logits, x)
+                progress("accuracy", i + 1, n, "")
+        result["accuracy"] = scores.result()
+        sample = chunks[:1].to(dev)
+        if opts.latency and opts.prefill_len > opts.seq_len:
+            sample = torch.tensor(ids[: opts.prefill_len])[None].to(dev)
+    else:
+        sents = [s.strip() for t in texts for s in t.split(". ") if len(s.strip()) > 20][: opts.max_samples * 8]
+        order = sorted(range(len(sents)), key=lambda i: len(sents[i]))  # batches of similar length: little padding
+        eb, ef = [None] * len(sents), [None] * len(sents)
+        with torch.no_grad():
+            for start in range(0, len(order), 8):
+                idx = order[start : start + 8]
+                batch = tok([sents[i] for i in idx], padding=True, truncation=True, max_length=min(opts.seq_len, 256),
+                            return_tensors="pt").to(dev)  # fmt: skip
+                for out, model in ((eb, base_model), (ef, fp8_model)):
+                    for i, e in zip(idx, metrics.mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])):
+                        out[i] = e
+        eb, ef = torch.stack(eb), torch.stack(ef)
+        cos = metrics.cosine(eb, ef)
+        result["accuracy"] = {"sentences": len(sents), "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
+        progress("accuracy", 1, 1, "")
+    if opts.latency:
+        if causal:
+            make = lambda model: _CausalTimer(model, sample, opts, dev, use_compile)  # noqa: E731
+        else:  # one sequence of --prefill-len tokens, batch 1, as a causal prefill is timed
+            limit = getattr(fp8_model.config, "max_position_embeddings", None) or opts.prefill_len
+            one = tok(" ".join(texts), truncation=True, max_length=min(opts.prefill_len, limit), return_tensors="pt").to(dev)
+            make = lambda model: _EncoderTimer(model, dict(one), opts, dev)  # noqa: E731
+        result["latency"] = _latency(models, make, opts, dev, use_compile, progress)
+        lb, lf = result["latency"]["bf16"], result["latency"]["fp8"]
+        phases = ("prefill", "decode") if causal else ("prefill",)
+        result["speedup"] = {ph: lb[ph]["median_ms"] / lf[ph]["median_ms"] for ph in phases}
+        result["verdict"] = {ph: timing.verdict(lb[ph], lf[ph]) for ph in phases}
+    result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if opts.write:
+        _record(artifact, result)
+    return result
+
+
+def _record(artifact: Path, result: dict) -> None:
+    """Add the run to the manifest's `validation` record, keyed by device (one transaction: the
+    card is re-rendered with it)."""
+    from ...manifests.layout import MANIFEST_NAME
+    from ...manifests.records import Validation, ValidationRun
+    from ...manifests.transaction import transaction
+
+    if not (artifact / MANIFEST_NAME).is_file():
+        result["recorded"] = None  # a checkpoint from another tool: nothing to write into
+        return
+    with transaction(artifact) as t:
+        rec = t.get(Validation) or Validation()
+        rec.runs[f"{result['device_name']} ({result['device']})"] = ValidationRun.from_dict(result, "this validation")
+        t.put(rec)
+    result["recorded"] = str(artifact / MANIFEST_NAME)

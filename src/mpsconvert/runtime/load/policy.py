@@ -1,0 +1,221 @@
+"""Which kernel each FP8 layer runs, decided by measuring on this machine and cached.
+
+Why measure: the fastest way to run an FP8 layer depends on device, shape and token count
+(on the H200 `_scaled_mm` row-wise is ~1.7x BF16 at 2048 tokens but slower than BF16 at one
+token; on MPS `scaled_mm` is reported slow for big matmuls and fast for GEMVs). So for every
+distinct layer signature (N, K, weight granularity, activation scheme) and each token bucket
+(decode: `M = decode_m` tokens; prefill: `M` = each bound of `fp8linear.PREFILL_BUCKETS`, 16 to
+8192, so every prompt length runs the kernel measured nearest it and no caller names one),
+every candidate kernel of kernels.py is timed and the fastest wins. A BF16 weight is kept only
+when BF16 beats every FP8 kernel in every bucket (a BF16 copy for some buckets would double that
+layer's memory); such a fallback is recorded.
+
+Decisions are cached in `$MPSCONVERT_CACHE_DIR/kernels.json` (default
+`~/.cache/mpsconvert/kernels.json`), keyed by device name, torch and triton versions, shape,
+scheme and token count, so a second load measures nothing. CPU is decided by rule, not
+measured: dequantize once and run BF16 (FP8 matmul on CPU takes minutes per call). What the
+device and torch lack (no FP8 matmul on MPS before torch 2.15) is probed once per process by
+devices.capabilities and said once; such kernels are then not candidates at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ... import atomic, devices, timing
+from ...progress import Progress, or_silent
+from ..ops import kernels, triton as tritonlib
+from ..ops.fp8linear import PREFILL_BUCKETS, FP8Linear
+
+# measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
+Measure = Callable[[str, FP8Linear, int], float]
+
+
+def cache_path() -> Path:
+    root = os.environ.get("MPSCONVERT_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels.json"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "mpsconvert" / "kernels.json"
+
+
+@dataclass
+class Decision:
+    """The choice for one layer signature and bucket, with the evidence."""
+
+    shape: tuple[int, int]  # (N, K)
+    weights: str
+    activations: str | None
+    bucket: str
+    m: int
+    timings_us: dict = field(default_factory=dict)  # kernel -> us, or "error: ..." when it cannot run
+    choice: str = ""
+    source: str = "measured"  # measured | cache | rule
+    note: str = ""
+    layers: int = 0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+class KernelPolicy:
+    def __init__(self, device: torch.device, *, decode_m: int = 1, measure: Measure | None = None,
+                 cache: Path | None | bool = None, capabilities: devices.Capabilities | None = None):
+        """capabilities: what the device offers (default devices.capabilities, probed once per
+        process); its name keys the cache, and without scaled_mm no FP8 x FP8 kernel is a candidate."""
+        self.device = device
+        self.decode_m = decode_m
+        self.measure = measure or self._measure
+        self.cache_file = cache_path() if cache is None or cache is True else (None if cache is False else Path(cache))
+        self.caps = capabilities or devices.capabilities(device)
+        self.device_name = self.caps.name
+        self.decisions: list[Decision] = []
+        self._cache = self._read_cache()
+
+    # -- cache -------------------------------------------------------------------------------
+    def key(self, sig: tuple, bucket: str, m: int) -> str:
+        n, k, w, a = sig
+        return (f"{self.device_name}|torch {torch.__version__}|triton {tritonlib.version()}|{n}x{k}|weights={w}|"
+                f"acts={a or 'bf16'}|{bucket} M={m}")
+
+    def _read_cache(self) -> dict:
+        if self.cache_file is None or not self.cache_file.is_file():
+            return {}
+        try:
+            body = json.loads(self.cache_file.read_text(encoding="utf-8"))
+            return body if isinstance(body, dict) else {}
+        except (OSError, json.JSONDecodeError):
+            return {}  # a broken cache is re-measured and rewritten, never trusted
+
+    def _write_cache(self) -> None:
+        if self.cache_file is None:
+            return
+        fresh = self._read_cache() | self._cache  # keep entries another process wrote meanwhile
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(self.cache_file, json.dumps(fresh, indent=1, sort_keys=True) + "\n")
+        except OSError as e:  # a read-only home must not stop a load; the next load measures again
+            warnings.warn(f"mpsconvert kernel cache {self.cache_file} not written ({e.strerror}); set MPSCONVERT_CACHE_DIR", stacklevel=2)
+
+    # -- deciding ----------------------------------------------------------------------------
+    def buckets(self) -> list[tuple[str, int]]:
+        """(bucket, M) measured per layer signature: decode, then every prefill bucket. CPU
+        decides by rule, the same for every length: one prefill decision (M 0: any)."""
+        prefill = [0] if self.device.type == "cpu" else list(PREFILL_BUCKETS)
+        return [("decode", self.decode_m)] + [("prefill", m) for m in prefill]
+
+    def _bucket(self, layer: FP8Linear, bucket: str, m: int) -> Decision:
+        sig = layer.signature
+        d = Decision(shape=sig[:2], weights=sig[2], activations=sig[3], bucket=bucket, m=m)
+        cands = kernels.candidates(self.device.type, layer.activations, layer.weights, bucket, layer.block, self.caps.scaled_mm)
+        if self.device.type == "cpu":
+            d.timings_us, d.choice, d.source = {}, cands[0], "rule"
+            d.note = ("CPU: weights dequantized once at load (FP8 matmul on CPU is orders of magnitude slower)"
+                      + ("; activations rounded through e4m3 as the scheme says" if cands[0] == "dense_qact" else ""))
+            return d
+        key = self.key(sig, bucket, m)
+        hit = self._cache.get(key)
+        if hit and set(hit.get("timings_us", {})) == set(cands):
+            d.timings_us, d.source = hit["timings_us"], "cache"
+        else:
+            for c in cands:
+                try:
+                    d.timings_us[c] = round(float(self.measure(c, layer, m)), 3)
+                except Exception as e:  # a kernel that cannot run this shape is recorded and reported, not hidden
+                    d.timings_us[c] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                    warnings.warn(f"mpsconvert kernel {c} cannot run a {sig[0]}x{sig[1]} layer on {self.device_name} "
+                                  f"({d.timings_us[c][7:]}); the policy chooses among the others (see validate --explain)",
+                                  stacklevel=2)
+            self._cache[key] = {"timings_us": d.timings_us, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if self.caps.lacks:  # why only dequantizing kernels were candidates (warned once, by devices.capabilities)
+            d.note = self.caps.lacks
+        return d
+
+    @staticmethod
+    def _best(timings: dict, exclude: tuple = ()) -> str | None:
+        ok = {k: v for k, v in timings.items() if isinstance(v, (int, float)) and k not in exclude}
+        return min(ok, key=ok.get) if ok else None
+
+    def decide(self, layer: FP8Linear) -> list[Decision]:
+        """One decision per bucket of `buckets()`: decode first."""
+        ds = [self._bucket(layer, b, m) for b, m in self.buckets()]
+        if self.device.type == "cpu":
+            return ds
+        best = [self._best(d.timings_us) for d in ds]
+        if None in best:
+            from ...errors import DeviceError
+
+            raise DeviceError(
+                f"no FP8 kernel runs a {layer.out_features}x{layer.in_features} layer on {self.device_name}: "
+                f"{[d.timings_us for d in ds]}",
+                "pass --device cpu, or report this with the message above",
+            )
+        if all(b == "bf16" for b in best):
+            for d in ds:
+                d.choice = "bf16"
+                d.note = "fallback: BF16 measured faster than every FP8 kernel in every bucket; this layer keeps a BF16 weight"
+        else:
+            for d, b in zip(ds, best):
+                d.choice = b if b != "bf16" else self._best(d.timings_us, exclude=("bf16",))
+                if b == "bf16":
+                    d.note = ("BF16 was faster here but not in every bucket; FP8 kept "
+                              "(a second, BF16 copy would double this layer's memory)")
+        return ds
+
+    def apply(self, model: torch.nn.Module, progress: Progress | None = None) -> list[Decision]:
+        """Decide once per distinct layer signature, install the kernels on every FP8Linear."""
+        from ..ops.fuse import SharedInput, unshare
+
+        groups: dict[tuple, list[FP8Linear]] = {}
+        for mod in model.modules():
+            if isinstance(mod, FP8Linear) and mod.group is None:  # members of a fused group run its inner layer
+                groups.setdefault(mod.signature, []).append(mod)
+        self.decisions = []
+        progress = or_silent(progress)
+        for i, (sig, layers) in enumerate(groups.items()):
+            progress("kernels", i, len(groups), f"{sig[0]}x{sig[1]}")
+            dec, *pre = self.decide(layers[0])
+            prefill = pre[0].choice if len(pre) == 1 else {d.m: d.choice for d in pre}
+            for layer in layers:
+                layer.set_kernels(dec.choice, prefill)
+            for d in (dec, *pre):
+                d.layers = len(layers)
+            self.decisions += [dec, *pre]
+        for parent in list(model.modules()):
+            for name, group in list(parent._modules.items()):
+                if not isinstance(group, SharedInput):
+                    continue
+                members = [parent._modules[n] for n in group.names]
+                if group.inner.dense_weight is not None:  # BF16 won for the fused shape: no fusion, each member dense
+                    unshare(parent, group)
+                    for m in members:
+                        m.set_kernels("bf16", "bf16")
+                else:
+                    for m in members:  # used when the members turn out not to share an input
+                        m.set_kernels(**group.inner.kernels)
+        if self.device.type != "cpu":
+            self._write_cache()
+        return self.decisions
+
+    # -- timing ------------------------------------------------------------------------------
+    def _measure(self, kernel: str, layer: FP8Linear, m: int) -> float:
+        x = torch.randn(m, layer.in_features, device=self.device, dtype=layer.dtype)
+        if kernel == "bf16":  # time a dense twin of the same shape; the layer itself is untouched
+            dense = torch.randn(layer.out_features, layer.in_features, device=self.device, dtype=layer.dtype)
+            fn = lambda: torch.nn.functional.linear(x, dense, layer.bias)  # noqa: E731
+        else:
+            fn = lambda: kernels.run(kernel, layer, x)  # noqa: E731
+        return timing.per_call_us(fn, self.device)
+
+    def explain(self) -> list[dict]:
+        return [d.as_dict() for d in self.decisions]

@@ -1,0 +1,139 @@
+"""The first-use costs of a fresh process, paid while the shards are still being read (CUDA).
+
+Why: in a new process the first call of each library and kernel costs far more than the call:
+Triton loads its driver, launcher and each kernel's binary, cuBLASLt and cuDNN load their
+kernels and build plans, and the first prefill-sized call of each is where that lands. At load
+that is eager_fusion.install's probe forward and checks: on the H200, 1.4 s in a second process
+against 0.3 s in a process that had run them before (Llama-3-8B shape; the load's reading takes
+~3 s, docs/runtime-notes.md). Here a thread makes the same kinds of calls (the activation
+quantization, fused norm, SiLU*up and rotary kernels, the FP8 GEMMs of each layer shape, SDPA)
+on scratch tensors of the model's sizes while the main thread reads, hashes and copies the
+shards (mostly waiting on the disk, hashlib and copies, which release the GIL); `join` waits for
+it before the kernel policy and the fusion run.
+
+Nothing here is used afterwards but the caches the calls fill (Triton's kernels and our direct
+launches of them, the libraries' loaded kernels and plans); the scratch values are never read.
+A call that fails is listed in the report and skipped: the install that follows makes the real
+calls and checks them itself, so a warm-up can only save time, never change a result.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.fuse import SIBLINGS
+
+
+def _shapes(linears: dict[str, tuple[int, int]]) -> tuple[set, set]:
+    """((N, K) of every FP8 GEMM the loaded model will run, sibling groups summed as fuse.py
+    fuses them), and the widths of the gate/up outputs that SiLU*up reads."""
+    gemms, gated = set(), set()
+    taken = set()
+    parents = {n.rpartition(".")[0] for n in linears}
+    for parent in parents:
+        for names in SIBLINGS:
+            keys = [f"{parent}.{n}" if parent else n for n in names]
+            if all(k in linears for k in keys) and len({linears[k][1] for k in keys}) == 1:
+                n = sum(linears[k][0] for k in keys)
+                gemms.add((n, linears[keys[0]][1]))
+                taken.update(keys)
+                if len(names) == 2:
+                    gated.add(n)
+    gemms.update(v for k, v in linears.items() if k not in taken)
+    return gemms, gated
+
+
+def _heads(config):
+    hq = getattr(config, "num_attention_heads", None)
+    hk = getattr(config, "num_key_value_heads", None) or hq
+    hidden = getattr(config, "hidden_size", None)
+    hd = getattr(config, "head_dim", None) or (hidden // hq if hidden and hq else None)
+    return (hq, hk, hd) if isinstance(hq, int) and isinstance(hk, int) and isinstance(hd, int) else None
+
+
+def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict) -> None:
+    from ..ops.triton import act_quant, launch as triton_launch
+    from ..ops.triton import rotary
+    from ..ops import triton as tritonlib
+    from ...fp8 import FP8_DTYPE
+
+    def step(name, fn):
+        t = time.perf_counter()
+        try:
+            fn()
+            report["warmed"].append(f"{name} {time.perf_counter() - t:.3f}s")
+        except Exception as e:  # the install makes the real call and says what failed
+            report["failed"].append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+
+    gemms, gated = _shapes(linears)
+    hidden = getattr(config, "hidden_size", None)
+    eps = getattr(config, "rms_norm_eps", None)
+    step("triton", triton_launch.mode)
+    if tritonlib.available():
+        for k in sorted({k for _, k in gemms}):
+            step(f"quantize {k}", lambda k=k: act_quant.quantize(torch.empty(rows, k, dtype=dtype, device=dev)))
+        for n in sorted(gated):
+            step(f"silu_mul_quantize {n}", lambda n=n: act_quant.silu_mul_quantize(torch.empty(rows, n, dtype=dtype, device=dev)))
+        if isinstance(hidden, int) and isinstance(eps, float):
+            x, w = torch.zeros(rows, hidden, dtype=dtype, device=dev), torch.ones(hidden, dtype=dtype, device=dev)
+            step("rms_norm", lambda: (act_quant.rms_norm_quantize(x, w, eps, True), act_quant.rms_norm_quantize(x, w, eps, False),
+                                      act_quant.add_rms_norm_quantize(x, x, w, eps, True),
+                                      act_quant.rms_norm_quantize(x, w, eps, True, store_y=False),
+                                      act_quant.add_rms_norm_quantize(x, x, w, eps, True, store_y=False)))  # fmt: skip
+    heads = _heads(config)
+    for n, k in sorted(gemms) if rowwise else ():
+        def mm(n=n, k=k):
+            a = torch.zeros(rows, k, dtype=FP8_DTYPE, device=dev)
+            b = torch.zeros(n, k, dtype=FP8_DTYPE, device=dev).t()
+            sa, sb = torch.ones(rows, 1, device=dev), torch.ones(1, n, device=dev)
+            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=dtype, use_fast_accum=True)
+
+        step(f"scaled_mm {n}x{k}", mm)
+    if heads is not None:
+        hq, hk, hd = heads
+        qkv = torch.zeros(1, rows, (hq + 2 * hk) * hd, dtype=dtype, device=dev)  # q/k/v as views of one fused GEMM output
+        q, k, v = (t.view(1, rows, -1, hd).transpose(1, 2) for t in qkv.split([hq * hd, hk * hd, hk * hd], dim=-1))
+        cos = torch.ones(1, rows, hd, dtype=dtype, device=dev)
+        if rotary.fits(q, k, cos, cos):
+            step("rotary", lambda: rotary.rotary(q, k, cos, cos))
+        step("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=hq != hk))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Prewarm:
+    """The warm-up thread of one load; `join()` returns what it did."""
+
+    def __init__(self, config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool):
+        self.report: dict = {"warmed": [], "failed": []}
+        self._t0 = time.perf_counter()
+
+        def run():
+            try:
+                with torch.cuda.device(dev):
+                    _work(config, linears, dtype, dev, rows, rowwise, self.report)
+            except Exception as e:  # pragma: no cover - _work catches per step; this is the thread's last guard
+                self.report["failed"].append(f"{type(e).__name__}: {str(e)[:120]}")
+            self.report["seconds"] = round(time.perf_counter() - self._t0, 3)
+
+        self._thread = threading.Thread(target=run, name="mpsconvert-prewarm", daemon=True)
+        self._thread.start()
+
+    def join(self) -> dict:
+        t = time.perf_counter()
+        self._thread.join()
+        self.report["waited_s"] = round(time.perf_counter() - t, 3)  # what the reading did not hide
+        return self.report
+
+
+def start(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool) -> Prewarm | None:
+    """Start warming up for a model of `config` whose FP8 Linears are `linears` ({name: (N, K)}),
+    probed with `rows` tokens; `rowwise`: their prefill GEMMs are row-wise scaled (per-token
+    activations, per-row weights). None where there is nothing to warm (not CUDA)."""
+    if dev.type != "cuda":
+        return None
+    return Prewarm(config, linears, dtype, dev, rows, rowwise)

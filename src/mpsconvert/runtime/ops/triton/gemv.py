@@ -1,0 +1,203 @@
+"""FP8-weight GEMV for decode (few tokens): e4m3 weights read once, dequantized in registers.
+
+Why: at batch 1 a linear layer is bound by weight bytes. `torch._scaled_mm` row-wise at M=1 is
+slower than BF16 on the H200 (41 us vs 34 us for 14336x4096), and quantizing the activation
+costs extra launches. This kernel reads the FP8 weight (half the bytes of BF16), multiplies it by
+the BF16 activations in float32, applies the per-row (or per-tensor) scale once per output, and
+adds the bias: no activation quantization, so it is at least as accurate as the scheme.
+
+`gemv` launches the kernel directly in eager mode (a custom op's dispatch costs host time on
+every call) and through the custom op `mpsconvert::fp8_gemv` under torch.compile, which must see
+an opaque op with a fake implementation. The autotuner's choice per shape is cached on disk
+(Triton's cache), so a second process does not time the configurations again.
+
+Triton is optional: on machines without it (CPU, MPS) `tritonlib.available()` is False and
+nothing here runs; the kernel policy then never offers this candidate. TRITON_INTERPRET=1 runs
+the kernel on CPU tensors with one fixed configuration (the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..triton import INTERPRET, tl, triton
+
+OP_NAME = "mpsconvert::fp8_gemv"
+# BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
+# The few-rows x long-K tiles (2-8 rows of 2048-4096 codes) put a whole row's loads in flight at
+# once, which is what a GEMV bound by memory latency needs on the small shapes (o_proj 4096x4096).
+_CONFIGS = ((4, 1024, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 256, 4, 2), (16, 512, 4, 2), (16, 512, 8, 2), (32, 256, 4, 2),
+            (32, 512, 8, 2), (2, 4096, 4, 1), (4, 2048, 4, 2), (4, 4096, 8, 1), (8, 2048, 8, 2), (8, 1024, 4, 3), (16, 512, 4, 4))
+
+
+def autotune(configs, key, **kw):
+    """triton.autotune with its results cached on disk where this Triton can (3.2+)."""
+    try:
+        return triton.autotune(configs=configs, key=key, cache_results=True, warmup=5, rep=20, **kw)
+    except TypeError:  # pragma: no cover - older Triton
+        return triton.autotune(configs=configs, key=key, **kw)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+        M, N, K,
+        stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        m = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+            acc += w * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if ROW_SCALE:
+            y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+        else:
+            y = y * tl.load(s_ptr)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+    if INTERPRET:
+        _kernel = _fp8_gemv_kernel
+    else:
+        _kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _CONFIGS],
+                           key=["N", "K", "M"])(_fp8_gemv_kernel)  # fmt: skip
+
+
+# W8A8 decode: BLOCK_N, BLOCK_K, warps, pipeline stages (BLOCK_M is 16, the smallest tl.dot tile).
+_DOT_CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4), (64, 256, 4, 3),
+                (16, 512, 4, 3), (32, 512, 4, 4), (64, 512, 8, 3), (128, 256, 8, 3))
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_dot_kernel(
+        xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+        M, N, K,
+        stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # y[M, N] = (xq[M, K] @ w[N, K].T) * xs[M] * s[N]: e4m3 x e4m3 on the tensor cores, the
+        # few rows of x padded to 16 (free: the step is bound by the weight bytes), so no weight
+        # is converted element by element as the BF16-activation GEMV must.
+        pid_n = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+        xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
+        if ROW_SCALE:
+            ws = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        else:
+            ws = tl.load(s_ptr + offs_n * 0)
+        y = acc * xs[:, None] * ws[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    if INTERPRET:
+        _dot_kernel = _fp8_dot_kernel
+    else:
+        _dot_kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _DOT_CONFIGS],
+                               key=["N", "K", "M"])(_fp8_dot_kernel)  # fmt: skip
+
+
+def _launch_dot(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    M, K = xq.shape
+    N = weight.shape[0]
+    if M > 16:
+        raise ValueError(f"the W8A8 GEMV takes at most 16 rows, got {M}")
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 32} if INTERPRET else {}
+    _dot_kernel[grid](
+        xq, xs, weight, scale, bias if bias is not None else scale, y,
+        M, N, K,
+        xq.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ROW_SCALE=scale.numel() != 1, BLOCK_M=16, **fixed,
+    )  # fmt: skip
+    return y
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
+    _kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, y,
+        M, N, K,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ROW_SCALE=scale.numel() != 1, **fixed,
+    )  # fmt: skip
+    return y
+
+
+if triton is not None:
+
+    @torch.library.custom_op(OP_NAME, mutates_args=())
+    def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y[M, N] = x[M, K] @ (weight[N, K] * scale).T + bias, x in BF16/FP16, weight e4m3,
+        scale [N] (per row) or [1]."""
+        return _launch(x, weight, scale, bias)
+
+    @fp8_gemv.register_fake
+    def _(x, weight, scale, bias):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.custom_op("mpsconvert::fp8_dot_gemv", mutates_args=())
+    def fp8_dot_gemv(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+        """y[M, N] = (xq @ weight.T) * xs * scale (+ bias), xq e4m3 [M <= 16, K] with row scales xs."""
+        return _launch_dot(xq, xs, weight, scale, bias, out_dtype)
+
+    @fp8_dot_gemv.register_fake
+    def _(xq, xs, weight, scale, bias, out_dtype):
+        return xq.new_empty(xq.shape[0], weight.shape[0], dtype=out_dtype)
+
+else:
+    fp8_gemv = fp8_dot_gemv = None
+
+
+def dot_gemv(xq, xs, weight, scale, bias, out_dtype) -> torch.Tensor:
+    """The W8A8 GEMV: the kernel itself in eager mode, the custom op under torch.compile."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if torch.compiler.is_compiling():
+        return fp8_dot_gemv(xq, xs.reshape(-1), weight, scale, bias, out_dtype)
+    return _launch_dot(xq, xs.reshape(-1), weight, scale, bias, out_dtype)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The GEMV: the kernel itself in eager mode, the custom op under torch.compile."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if torch.compiler.is_compiling():
+        return fp8_gemv(x, weight, scale, bias)
+    return _launch(x, weight, scale, bias)

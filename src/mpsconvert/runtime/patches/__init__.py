@@ -1,0 +1,209 @@
+"""Every change `load()` makes to a transformers model, behind one protocol (patches/base.py) and
+in one registry, applied in this order:
+
+  phase "modules" (before the kernel policy measures the layers):
+    shared_inputs   sibling FP8 layers that read one input share its quantization and GEMM (GPUs)
+    attention       decode attention through the split-KV kernel, SDPA otherwise (CUDA, Triton)
+    routing         MoE softmax top-k routers as one kernel at decode (CUDA, Triton)
+  phase "forwards" (after it: they read the kernels it chose):
+    eager_fusion    fused RMSNorm / MLP / decoder-layer forwards and the rotary kernel in eager
+                    mode, direct prefill calls (CUDA, Triton)
+    positions       a call without positions gets the model's own, known on the host (any device)
+    generate        model.generate() at batch 1 with a static cache, which transformers compiles
+                    into a CUDA graph (CUDA)
+
+Only patches/hf_compat.py touches transformers' private names. Each patch installs per module,
+only where a probe showed it computes what transformers computes; what it leaves is warned once
+(`base.PatchFallback`) and listed in its report, and an install that fails leaves the model with
+transformers' own code and a report that says so.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..ops import triton as tritonlib
+from . import forwards
+from .base import Context, Patch, PatchFallback, Report, warn_left
+
+__all__ = ["Context", "Patch", "PatchFallback", "Report", "REGISTRY", "apply"]
+
+
+def _installed(model: nn.Module, *fns) -> int:
+    """Modules of `model` that run one of the installed forwards `fns`."""
+    return sum(any(forwards.installed(m, f) for f in fns) for m in model.modules())
+
+
+def _needs_cuda_triton(ctx: Context) -> str | None:
+    if ctx.device.type != "cuda":
+        return f"runs on CUDA only (this model is on {ctx.device.type})"
+    if not tritonlib.available():
+        return "needs Triton, which is not installed here"
+    return None
+
+
+class SharedInputs:
+    name, phase, option = "shared_inputs", "modules", "share_inputs"
+
+    def match(self, model, ctx):
+        if ctx.device.type == "cpu":
+            return "CPU: every layer holds its own dense weight, there is no quantization to share"
+        return None
+
+    def install(self, model, ctx):
+        from ..ops.fuse import share_inputs
+
+        groups = share_inputs(model)
+        names = {m: n for n, m in model.named_modules()}
+        return Report(self.name, installed=len(groups), details={"groups": [f"{names[g]}: {'+'.join(g.names)}" for g in groups]})
+
+    def check(self, model, ctx, report):
+        return []  # the kernel policy may split a group again where it measured faster apart: not a fault
+
+
+class Attention:
+    name, phase, option = "attention", "modules", "decode_attention"
+
+    def match(self, model, ctx):
+        from . import hf_compat
+
+        why = _needs_cuda_triton(ctx)
+        if why is None and hf_compat.attn_implementation(model.config) != "sdpa":
+            why = f"the model runs {hf_compat.attn_implementation(model.config)!r} attention, not SDPA"
+        return why
+
+    def install(self, model, ctx):
+        from . import attention
+
+        if attention.install(model) is None:
+            return Report(self.name, left=[f"the model: transformers did not accept attention {attention.NAME!r} (hf_compat)"])
+        return Report(self.name, installed=1, details={"implementation": attention.NAME})
+
+    def check(self, model, ctx, report):
+        from . import attention, hf_compat
+
+        now = hf_compat.attn_implementation(model.config)
+        return [] if not report.installed or now == attention.NAME else [f"the model now runs {now!r} attention"]
+
+
+class Routing:
+    name, phase, option = "routing", "modules", None
+
+    def match(self, model, ctx):
+        from . import routing
+
+        if not any(routing._candidate(m) for m in model.modules()):
+            return "no softmax top-k router (not an MoE model, or a router of another kind)"
+        return _needs_cuda_triton(ctx)
+
+    def install(self, model, ctx):
+        from . import routing
+
+        r = routing.install(model)
+        return Report(self.name, installed=r["routers"], left=r["left"])
+
+    def check(self, model, ctx, report):
+        from . import routing
+
+        n = _installed(model, routing._router_forward)
+        return [] if n == report.installed else [f"{report.installed - n} routers lost their installed forward"]
+
+
+class EagerFusion:
+    name, phase, option = "eager_fusion", "forwards", "eager_fusion"
+
+    def match(self, model, ctx):
+        return _needs_cuda_triton(ctx)
+
+    def install(self, model, ctx):
+        from . import eager_fusion
+
+        r = eager_fusion.install(model)
+        details = {k: v for k, v in r.items() if k != "left"}
+        return Report(self.name, installed=r["norms"] + r["mlps"] + r["layers"], left=r["left"], details=details)
+
+    def check(self, model, ctx, report):
+        from . import eager_fusion as f
+
+        n = _installed(model, f._norm_forward, f._mlp_forward, f._layer_forward)
+        return [] if n == report.installed else [f"{report.installed - n} modules lost their fused forward"]
+
+
+class Positions:
+    name, phase, option = "positions", "forwards", "eager_fusion"
+
+    def match(self, model, ctx):
+        from . import positions
+
+        return positions._base_model(model)[1]  # a model without a model-level rotary module makes no positions to give
+
+    def install(self, model, ctx):
+        from . import positions
+
+        r = positions.install(model)
+        if not r["installed"]:
+            return Report(self.name, left=[f"the model: {r['left']}"])
+        return Report(self.name, installed=1, details={k: v for k, v in r.items() if k != "installed"})
+
+    def check(self, model, ctx, report):
+        from . import positions
+
+        n = _installed(model, positions._model_forward)
+        return [] if n == report.installed else ["the base model lost its installed forward"]
+
+
+class Generate:
+    name, phase, option = "generate", "forwards", "compile"
+
+    def match(self, model, ctx):
+        if ctx.device.type != "cuda":
+            return f"a static cache pays with CUDA graphs only (this model is on {ctx.device.type}): transformers' default runs"
+        return None if callable(getattr(model, "generate", None)) else "the model has no generate()"
+
+    def install(self, model, ctx):
+        from . import generate
+
+        generate.install(model, ctx.device.type)
+        return Report(self.name, installed=1, details={"batch_1": "static cache (transformers compiles the decode step)"})
+
+    def check(self, model, ctx, report):
+        from . import generate
+
+        return [] if generate.installed(model) else ["model.generate was replaced after the patch"]
+
+
+REGISTRY: tuple[Patch, ...] = (SharedInputs(), Attention(), Routing(), EagerFusion(), Positions(), Generate())
+
+
+def apply(model: nn.Module, ctx: Context, phase: str, registry=REGISTRY) -> dict[str, Report]:
+    """Apply the patches of `phase` in registry order; {name: Report}. Never raises for a patch:
+    a patch that fails to install is reported (the modules it had installed passed their checks,
+    so the model stays correct), and what any patch left is warned once."""
+    out = {}
+    for patch in (p for p in registry if p.phase == phase):
+        option = getattr(patch, "option", None)
+        why = f"turned off ({option}=False)" if option and not ctx.on(option) else patch.match(model, ctx)
+        if why is not None:
+            out[patch.name] = Report(patch.name, skipped=why)
+            continue
+        try:
+            report = patch.install(model, ctx)
+        except Exception as e:  # noqa: BLE001 - any failure: transformers' own code runs, and the report says so
+            report = Report(patch.name, skipped=f"install failed ({type(e).__name__}: {str(e)[:160]}); transformers' own code runs")
+            report.left.append(f"the model: install failed ({type(e).__name__})")
+        out[patch.name] = report
+        warn_left(report)
+    return out
+
+
+def check(model: nn.Module, ctx: Context, reports: dict[str, Report], registry=REGISTRY) -> None:
+    """After every phase: each patch confirms what it installed is still in place; a problem is
+    added to its report's `left` and warned."""
+    for patch in registry:
+        report = reports.get(patch.name)
+        if report is None or report.skipped is not None:
+            continue
+        problems = patch.check(model, ctx, report)
+        if problems:
+            report.left += [f"the model: {p}" for p in problems]
+            warn_left(report)

@@ -1,0 +1,132 @@
+"""Every private transformers name the runtime touches, and nothing else: the one place to fix
+when transformers renames one.
+
+Why one module: the patches change a loaded transformers model (its attention function, its
+rotary function, its packed-sequence check, its positions), and some of what they change or read
+has no public name: `config._attn_implementation`, `_can_set_attn_implementation`, the modeling
+module's `apply_rotary_pos_emb`, `masking_utils.find_packed_sequence_indices`, transformers'
+`sdpa_attention_forward` and its SDPA mask function. Each is reached here, guarded: a name that
+is gone answers None (or False), and the patch that needed it says so in its report and leaves
+the model as transformers made it, never raising. tests/test_runtime_patches.py checks that no
+other runtime module names them (imports from transformers' submodules, `_`-names on its
+objects), and tests/test_runtime_patches.py runs on the oldest transformers pyproject allows.
+
+It also reads the call conventions that moved between transformers versions (the cache's keyword,
+whether a forward takes `cache_position`), since those are the same kind of knowledge.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+ROTARY_FUNCTION = "apply_rotary_pos_emb"  # the modeling module's global that attention forwards call
+
+
+# --------------------------------------------------------------------------- call conventions
+
+
+def accepts(model, arg: str, default: bool = False) -> bool:
+    """Whether the model's forward names `arg` (`default` where its signature cannot be read)."""
+    try:
+        return arg in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return default
+
+
+def cache_kwarg(model, cache) -> dict:
+    """The KV cache as the model's forward names it: `cache` (transformers >= 5.24, where
+    `past_key_values` is deprecated with a FutureWarning) or `past_key_values`."""
+    return {"cache": cache} if accepts(model, "cache") else {"past_key_values": cache}
+
+
+def takes_cache_position(model) -> bool:
+    """Whether the model's forward names `cache_position` (transformers 4.x; 5.x derives the
+    positions from the cache and would only pass it along unread)."""
+    return accepts(model, "cache_position", default=True)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a config selects (transformers keeps it private)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def can_set_attention(model) -> bool:
+    """Whether the model can switch its attention implementation after it was built."""
+    can = getattr(model, "_can_set_attn_implementation", None)
+    return hasattr(model, "set_attn_implementation") and callable(can) and bool(can())
+
+
+def sdpa_forward():
+    """transformers' own SDPA attention function, or None where it moved."""
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+    except ImportError:
+        return None
+    return fn
+
+
+def register_attention(name: str, forward) -> bool:
+    """Register `forward` as attention implementation `name`, with SDPA's mask function (the
+    mask registry is private); False where either registry is missing."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:
+        return False
+    if "sdpa" not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return False
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return True
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def rotary_home(module, forward):
+    """The modeling module whose `apply_rotary_pos_emb` `forward` (an attention module's own
+    forward) calls by its global name, or None."""
+    code = getattr(inspect.unwrap(forward), "__code__", None)
+    if code is None or ROTARY_FUNCTION not in code.co_names:
+        return None
+    home = sys.modules.get(type(module).__module__)
+    return home if callable(getattr(home, ROTARY_FUNCTION, None)) else None
+
+
+def rotary_function(home):
+    return getattr(home, ROTARY_FUNCTION)
+
+
+def set_rotary_function(home, fn) -> None:
+    setattr(home, ROTARY_FUNCTION, fn)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def _masking():
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        return None
+    return masking
+
+
+def packed_sequence_check():
+    """transformers' `find_packed_sequence_indices` as it is now (ours once replaced), or None."""
+    masking = _masking()
+    return getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
+
+
+def set_packed_sequence_check(fn) -> None:
+    _masking().find_packed_sequence_indices = fn
+
+
+# --------------------------------------------------------------------------- names the scan knows
+
+PRIVATE = ("_attn_implementation", "_can_set_attn_implementation", ROTARY_FUNCTION, "find_packed_sequence_indices",
+           "sdpa_attention_forward", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", "masking_utils")
