@@ -245,3 +245,27 @@ def test_the_static_cache_engine_gives_transformers_tokens():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
         assert got.tokens == want[0, len(prompt):].tolist() and type(eng.cache).__name__ == "StaticCache"
+
+
+def test_the_static_cache_is_made_before_the_decode_step_is_compiled(monkeypatch):
+    """transformers' StaticCache makes its key/value tensors at its first update. Made inside the
+    captured step they would live in the CUDA graph's memory pool, and the next prefill's eager
+    writes find them overwritten (what the H200 showed: "accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run"). So reserve() runs one eager step first: every layer
+    of the cache exists when torch.compile is called, and the tokens stay the eager loop's."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    eng = engine.Engine(model, compile=True)
+    made_at_compile = []
+
+    def compile_spy(fn, **kw):
+        made_at_compile.append([layer.is_initialized for layer in eng.cache.layers])
+        return fn  # the step runs eager here: what is checked is the order, not Inductor
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    prompt = [5, 6, 7, 8, 9, 10]
+    got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=8))
+    want = engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=8))
+    assert made_at_compile and all(made_at_compile[0]) and len(made_at_compile[0]) == model.config.num_hidden_layers
+    assert got.tokens == want.tokens

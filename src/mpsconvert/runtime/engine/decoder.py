@@ -80,6 +80,9 @@ class Engine:
         self.pos_t = torch.zeros(1, 1, dtype=torch.long, device=self.dev)  # the compiled step's position: one address
         if not self.compiled:
             return None
+        with torch.no_grad():  # transformers' StaticCache makes its tensors at its first update: made here, eager, they
+            self.pos_t.fill_(cap - 1)  # live outside the CUDA graph's pool (made inside it, the next replay overwrites
+            self._decode(self.tok, self.pos_t)  # them under the prefill's writes; seen on the H200: "overwritten by a subsequent run")
         torch._dynamo.reset()  # graphs of an earlier cache hold its addresses
         self._step = torch.compile(self._decode, mode="reduce-overhead", fullgraph=False, dynamic=False)
         t = time.perf_counter()
