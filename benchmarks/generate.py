@@ -277,6 +277,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--same-rounds", type=int, default=5, help="interleaved rounds of the engine and generate() on one model (0: none)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--weights", default="row", choices=("row", "tensor", "block"), help="the artifact's weight scales (quantize --weights)")
     ap.add_argument("--work", help="folder for the checkpoint and the artifact (kept); default: a temporary one")
     ap.add_argument("--out")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
@@ -295,7 +296,7 @@ def main() -> None:
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-generate-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    label = "smollm2-135m" if args.smollm2 else f"{args.arch}{args.layers}"
+    label = ("smollm2-135m" if args.smollm2 else f"{args.arch}{args.layers}") + ("" if args.weights == "row" else f"-{args.weights}")
     report: dict = {"device": args.device, "model": label, "torch": torch.__version__, "settings": vars(args).copy(),
                     "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.device == "cuda":
@@ -308,9 +309,9 @@ def main() -> None:
         src = work / "src"
         if not (src / "config.json").is_file():
             report["build"] = _sources.build_checkpoint(_sources.config_for(args.arch, args.layers), src, args.device)
-    art = work / "art"
+    art = work / ("art" if args.weights == "row" else f"art-{args.weights}")
     if not (art / "mpsconvert.json").is_file():
-        report["quantize"] = _sources.quantize(src, art)
+        report["quantize"] = _sources.quantize(src, art, args.weights)
     args.copy_bandwidth = report["copy_bandwidth_Bps"] = _sources.copy_bandwidth(torch.device(args.device))
     print(f"{label} on {report['device_name']}: copy bandwidth {args.copy_bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = {}
