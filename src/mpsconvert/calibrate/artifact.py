@@ -28,7 +28,7 @@ from .. import fp8
 from ..errors import ArtifactError
 from ..manifests.ct_config import quantization_config, scheme_from_config
 from ..manifests.hashing import sha256_file
-from ..manifests.layout import (COREAI_ASSET, COREML_PACKAGE, CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_artifact,
+from ..manifests.layout import (COREAI_ASSET, COREML_PACKAGE, CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_ours,
                                 read_weight_map, weight_files)
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
@@ -153,7 +153,7 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
         )
     files = weight_files(artifact)
     weight_map: dict[str, str] = {}
-    with atomic.output_dir(artifact, force=True, is_ours=is_artifact, held=True) as tmp:
+    with atomic.output_dir(artifact, force=True, is_ours=is_ours, held=True) as tmp:
         for f in files:
             if f not in manifest.files or sha256_file(inside(artifact, f, what="weights")) != manifest.files[f]["sha256"]:
                 raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",

@@ -373,7 +373,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
         atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, opts.scheme),
-                          is_ours=layout.is_artifact, protect=(snap.path,)) as tmp,
+                          is_ours=layout.is_ours, protect=(snap.path,)) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):

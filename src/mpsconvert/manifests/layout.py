@@ -10,10 +10,11 @@ inside the artifact (`model.mlpackage`, `model.aimodel`) and are listed in the m
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from .. import atomic, filesystem
-from ..errors import ArtifactError
+from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import inside, read_json
 
 MANIFEST_NAME = "mpsconvert.json"
@@ -83,6 +84,21 @@ def is_artifact(folder: Path) -> bool:
     return (folder / MANIFEST_NAME).is_file() and ((folder / CONFIG_NAME).is_file() or (folder / MODEL_INDEX).is_file())
 
 
+def is_ours(folder: Path) -> bool:
+    """Whether `folder` is an artifact `--force` may replace: `is_artifact`, and its manifest a
+    regular file (not a link) that parses and says mpsconvert wrote it. Two file names alone
+    (an `mpsconvert.json` that is not even JSON) are not enough."""
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not is_artifact(folder) or path.is_symlink():
+        return False
+    try:
+        body = read_json(path, what=str(path))
+    except ArtifactError:
+        return False
+    return body.get("tool") == "mpsconvert" and type(body.get("schema_version")) is int
+
+
 def diffusion_format(manifest) -> str | None:
     """The diffusion format of an artifact ("comfyui" | "comfyui-legacy" | "diffusers"), None for an LLM's."""
     fmt = manifest.recipe.get("format")
@@ -102,6 +118,23 @@ def update_manifest(folder: Path):
         m.write(folder)
 
 
+def check_package_slot(artifact: Path, name: str, force: bool) -> None:
+    """May an export write the package `name` into the artifact? Where nothing is, or (with
+    `force`) over a package the manifest lists. A folder, file or link of someone else's under
+    that name (the manifest lists nothing in it) is never replaced, with or without `force`."""
+    from .manifest import Manifest
+
+    p = Path(artifact) / name
+    if not os.path.lexists(p):
+        return
+    listed = any(k.startswith(name + "/") for k in Manifest.read(artifact).files)
+    if p.is_symlink() or not listed:
+        raise ArtifactError(f"{p} is not a package mpsconvert wrote ({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), "
+                            "so it is never replaced", "move it out of the artifact, then export again")
+    if not force:
+        raise MpsconvertError(f"{p} already exists", "pass --force to replace it")
+
+
 def publish_package(artifact: Path, name: str, write, record) -> None:
     """Put a package (an .mlpackage, an .aimodel) into an artifact together with its manifest
     entries, as one step a kill cannot split: a staged copy of the artifact gets the package
@@ -110,6 +143,7 @@ def publish_package(artifact: Path, name: str, write, record) -> None:
     from .hashing import folder_files
     from .manifest import Manifest
 
+    check_package_slot(artifact, name, force=True)  # the export checked it before its work; nothing changed it since (the lock)
     with atomic.staged_copy(artifact, drop=(name,)) as tmp:
         pkg = tmp / name
         write(pkg)

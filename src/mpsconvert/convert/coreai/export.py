@@ -194,9 +194,7 @@ def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None
 def _export_verified(artifact: Path, opts: CoreAIOptions, progress: Progress | None) -> dict:
     progress = or_silent(progress)
     Manifest.read(artifact)
-    target = artifact / ASSET_NAME
-    if target.exists() and not opts.force:
-        raise MpsconvertError(f"{target} already exists", "pass --force to replace it")
+    layout.check_package_slot(artifact, ASSET_NAME, opts.force)
     progress("coreai export", 0, 4, "building the PyTorch model from the artifact's weights")
     tm = build_torch_model(artifact)
     opts = replace(opts, max_len=stateful.resolve_max_len(opts.max_len, tm.config))

@@ -28,7 +28,7 @@ import torch
 
 from ...errors import ExportError, MpsconvertError
 from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
-from ...manifests.layout import exporting, publish_package
+from ...manifests.layout import check_package_slot, exporting, publish_package
 from ...manifests.manifest import Manifest
 from ... import fp8
 from ...progress import Progress, or_silent
@@ -476,8 +476,7 @@ def _export_verified(artifact: Path, opts: ExportOptions, progress: Progress | N
         progress("coreml export", next(steps), 3, msg)
 
     manifest = Manifest.read(artifact)
-    if (artifact / PACKAGE_NAME).exists() and not opts.force:
-        raise MpsconvertError(f"{artifact / PACKAGE_NAME} already exists", "pass --force to replace it")
+    check_package_slot(artifact, PACKAGE_NAME, opts.force)
     if opts.weights not in WEIGHT_MODES:
         raise MpsconvertError(f"unknown --coreml-weights {opts.weights!r}", f"use one of: {', '.join(WEIGHT_MODES)}")
     status("building the PyTorch model from the artifact's weights")

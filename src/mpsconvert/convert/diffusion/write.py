@@ -184,7 +184,7 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
         pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
         protect = (snap.path, snap.diffusion.root)
         with (
-            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), is_ours=layout.is_artifact, protect=protect) as tmp,
+            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), is_ours=layout.is_ours, protect=protect) as tmp,
             atomic.BackgroundSync() as syncs,
             ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
         ):
