@@ -52,6 +52,7 @@ DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
 }
 TORCH_TO_ST = {v[1]: k for k, v in DTYPES.items() if v[1] is not None}
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+MAX_TENSORS = 1 << 18  # tensors in one file: a whole 671B MoE holds ~92k, in 163 files
 _COPY_BLOCK = 16 << 20  # ShardWriter.copy reads the source in blocks of this size
 
 
@@ -101,6 +102,8 @@ def read_header(path: Path) -> Header:
     except OSError as e:
         raise ArtifactError(f"cannot read {path}: {e.strerror}", "check the file's permissions") from e
     body = parse_json(raw, what=f"{path.name} is not a valid safetensors file: its header", expect=dict, fix="re-download or regenerate it")
+    if len(body) > MAX_TENSORS:
+        raise bad(f"its header lists {len(body)} tensors, more than the {MAX_TENSORS} any model file has")
     meta = body.pop("__metadata__", None)
     meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
@@ -535,12 +538,15 @@ class ShardWriter:
 
 
 # exponent bits of each float dtype: all ones means inf or NaN
-_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F64": ("<u8", 0x7FF0000000000000)}
+# bits whose all-ones pattern is a NaN or inf; e4m3fn has no infinity and two NaN codes, 0x7F and 0xFF
+_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F64": ("<u8", 0x7FF0000000000000),
+             "F8_E4M3": ("u1", 0x7F)}
 
 
 def count_nonfinite(header: Header, info: TensorInfo, block: int = 16 <<20) -> int:
-    """How many NaN/inf values a float tensor holds, read from its bits through a memory map
-    in blocks (numpy has no bfloat16, and the bits answer for every dtype alike)."""
+    """How many NaN/inf values a float tensor holds (NaN codes 0x7F / 0xFF of an F8_E4M3 one), read
+    from its bits through a memory map in blocks (numpy has no bfloat16, and the bits answer for
+    every dtype alike)."""
     if info.dtype not in _EXPONENT or info.nbytes == 0:
         return 0
     dt, mask = _EXPONENT[info.dtype]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from ..manifests.layout import (COREAI_ASSET, COREML_PACKAGE, CONFIG_NAME, INDEX
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..safetensors_io import ShardReader, ShardWriter, read_header
+from ..scales import scale_problem
 from ..untrusted import inside, read_json
 from .run import Calibration
 
@@ -65,8 +65,11 @@ def load_scales(path: Path) -> tuple[dict[str, float], dict]:
     if body.get("format") != SCALES_FORMAT or body.get("version") != SCALES_VERSION:
         raise ArtifactError(f"{path} is not an mpsconvert scales file (version {SCALES_VERSION})", "write one with `mpsconvert calibrate SRC -o FILE`")
     scales = body.get("input_scales")
-    if not isinstance(scales, dict) or not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in scales.values()):
+    if not isinstance(scales, dict):
         raise ArtifactError(f"{path}: input_scales must map module names to finite positive numbers", "re-run calibration")
+    for module, v in scales.items():
+        if (why := scale_problem(v)) is not None:  # as float32, as the artifact stores it: 1e308 and 5e-324 are not scales
+            raise ArtifactError(f"{path}: the input scale of {module[:80]!r} {why}", "re-run calibration")
     record = body.get("calibration") or {}
     if not isinstance(record, dict):
         raise ArtifactError(f"{path}: 'calibration' must be an object", "re-run calibration")
