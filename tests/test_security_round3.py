@@ -349,3 +349,87 @@ def test_counts_are_bounded_layers_files_tensors(base, tmp_path):
     many.write_bytes(len(header).to_bytes(8, "little") + header.encode())
     with pytest.raises(ArtifactError, match="tensors, more than"):
         safetensors_io.read_header(many)
+
+
+# --------------------------------------------------------------------------- 3. bounded parsing
+
+
+def _gen(art, *extra):
+    return cli("generate", art, "Hello there", "--device", "cpu", "--max-tokens", "3", *extra)
+
+
+def _escape_marker() -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"mpsconvert-escape-{os.getpid()}"
+
+
+HOSTILE_TEMPLATES = {
+    "sandbox escape through __class__": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "sandbox escape through cycler's globals": "{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}",
+    "sandbox escape through lipsum's globals": "{{ lipsum.__globals__['os'].system('touch MARKER') }}",
+    "sandbox escape through the template context": "{{ self._TemplateReference__context.joiner.__init__.__globals__.os.system('touch MARKER') }}",
+    "raise_exception": "{{ raise_exception('this template refuses') }}",
+    "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "200 MB of output": "{{ 'x' * 200000000 }}",
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "nested loops with output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+    "not Jinja": "{% for %}",
+    "undefined": "{{ messages.nope.nope }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_one_line_naming_its_file(art, monkeypatch, name):
+    from mpsconvert import templates
+
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 4.0)
+    marker = _escape_marker()
+    (art / "chat_template.jinja").write_text(HOSTILE_TEMPLATES[name].replace("MARKER", str(marker)))
+    models.resign(art, "chat_template.jinja")  # an attacker who rewrote the manifest too: the bounds are what is left
+    with within(120, f"generate with the template {name!r}"):
+        res = _gen(art)
+    one_line_error(res, "chat_template.jinja")
+    assert not marker.exists()
+    with within(120, "the next render, after a killed worker"):  # the renderer recovers: a sound template renders again
+        (art / "chat_template.jinja").write_text(TEMPLATE)
+        models.resign(art, "chat_template.jinja")
+        assert _gen(art).exit_code == 0
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name,body,says", [
+    ("tokenizer.json", DEEP, "nests deeper"),
+    ("tokenizer_config.json", DEEP, "nests deeper"),
+    ("special_tokens_map.json", DEEP, "nests deeper"),
+    ("added_tokens.json", DEEP, "nests deeper"),
+    ("generation_config.json", DEEP, "nests deeper"),
+    ("chat_template.json", DEEP, "nests deeper"),
+    ("tokenizer_config.json", json.dumps({"added_tokens_decoder": [1, 2]}), "added_tokens_decoder"),
+    ("tokenizer_config.json", json.dumps({"eos_token": ["<eos>", 3]}), "eos_token is list"),
+    ("tokenizer_config.json", json.dumps({"chat_template": 5}), "chat_template is neither"),
+    ("generation_config.json", json.dumps({"eos_token_id": "x"}), "eos_token_id"),
+    ("generation_config.json", json.dumps({"eos_token_id": [1, [2]]}), "eos_token_id"),
+    ("added_tokens.json", json.dumps({"<evil>": 600}), "past the model's vocabulary of 512"),
+    ("tokenizer.json", "\xff not json", "not valid JSON"),
+])
+def test_tokenizer_and_generation_files_are_read_with_bounds(art, name, body, says):
+    (art / name).write_text(body)
+    models.resign(art, name)
+    with within(120, f"generate with a hostile {name}"):
+        res = _gen(art)
+    one_line_error(res, name if "vocabulary" not in says else "", says)
+
+
+def test_a_deep_front_matter_in_the_source_card_is_ignored_not_a_traceback(base, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(base[0], src)
+    (src / "README.md").write_text("---\nlicense: mit\ndeep: " + DEEP + "\n---\n# the source's card\n")
+    with within(120, "quantize with a deep card"):
+        res = cli("quantize", src, "-o", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    from mpsconvert.manifests.card import split_front_matter
+
+    meta, _ = split_front_matter((tmp_path / "out" / "README.md").read_text())
+    assert "mpsconvert" in meta and "license" not in meta  # ours; nothing carried from front matter that was refused
+    assert mpsconvert.verify(tmp_path / "out").ok

@@ -9,7 +9,10 @@ one place that every reader uses:
   symlink followed, still lies inside the folder (`inside`);
 - a JSON file is at most `MAX_JSON_BYTES`, nested at most `MAX_JSON_DEPTH` deep (the json module
   ends deeper documents in RecursionError), of the top-level type the reader expects
-  (`read_json`), and the fields a reader uses have the types it needs (`field`).
+  (`read_json`), and the fields a reader uses have the types it needs (`field`);
+- YAML (a model card's front matter) is at most `MAX_YAML_BYTES`, nested at most `MAX_JSON_DEPTH`
+  deep and without aliases, checked on PyYAML's event stream before anything is built
+  (`parse_yaml`: its composer recurses, and its scanner is quadratic in flow depth).
 
 Why by hand: the json module bounds neither depth nor size, and pathlib's `is_relative_to` is
 lexical; no library says "this name from a file may be opened inside this folder".
@@ -153,3 +156,30 @@ def field(body: dict, key: str, types, *, what: str, error: type[MpsconvertError
     if isinstance(v, bool) and bool not in ts or not isinstance(v, ts):
         raise error(f"{what}: {key!r} is {type(v).__name__}, expected {_json_type(types)}", fix)
     return v
+
+
+MAX_YAML_BYTES = 64 << 10  # a model card's front matter is a few KB
+
+
+def parse_yaml(text: str, *, what: str, error: type[MpsconvertError] = ArtifactError, fix: str = "fix the file") -> Any:
+    """YAML text -> a value (`yaml.safe_load`), bounded in size and depth, aliases refused; any
+    problem is one `error` line."""
+    import yaml
+
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+        raise error(f"{what} is larger than {MAX_YAML_BYTES >> 10} KiB of YAML", fix)
+    opens, closes = (yaml.SequenceStartEvent, yaml.MappingStartEvent), (yaml.SequenceEndEvent, yaml.MappingEndEvent)
+    depth = 0
+    try:
+        for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(ev, opens):
+                depth += 1
+                if depth > MAX_JSON_DEPTH:
+                    raise error(f"{what} nests deeper than {MAX_JSON_DEPTH} levels", fix)
+            elif isinstance(ev, closes):
+                depth -= 1
+            elif isinstance(ev, yaml.AliasEvent):
+                raise error(f"{what} uses a YAML alias (*{str(ev.anchor)[:40]}), which mpsconvert does not expand", fix)
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError) as e:
+        raise error(f"{what} is not valid YAML ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", fix) from None

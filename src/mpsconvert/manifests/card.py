@@ -12,12 +12,13 @@ says: validate, the Apple exports, calibration into the artifact, upload (which 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from ..atomic import write_text
+from ..errors import ArtifactError
 from ..units import human
+from ..untrusted import parse_yaml, read_json
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
@@ -38,15 +39,14 @@ _GRANULARITY_TEXT = {"row": "one scale per output row (channel)", "tensor": "one
 
 def split_front_matter(text: str) -> tuple[dict, str]:
     """(front matter as a dict, the rest) of a card; a card without valid YAML front matter
-    gives ({}, the whole text). The source's card is untrusted: safe_load only."""
-    import yaml
-
+    (too large, too deep, aliases: untrusted.parse_yaml) gives ({}, the whole text). The
+    source's card is untrusted: bounded, safe_load only."""
     m = _FRONT.match(text)
     if not m:
         return {}, text
     try:
-        meta = yaml.safe_load(m.group(1))
-    except yaml.YAMLError:
+        meta = parse_yaml(m.group(1), what="the card's front matter")
+    except ArtifactError:
         return {}, text
     return (meta if isinstance(meta, dict) else {}), text[m.end():]
 
@@ -291,7 +291,7 @@ def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str |
     folder it is built in [default: `folder`'s own]."""
     folder = Path(folder)
     cfg = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / MODEL_INDEX
-    config = json.loads(cfg.read_text(encoding="utf-8"))
+    config = read_json(cfg, what=cfg.name)
     text = render(manifest, config, source_text, repo, name or folder.absolute().name)
     write_text(folder / CARD_NAME, text)
     manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
