@@ -56,14 +56,24 @@ def test_card_front_matter_is_the_manifests(tmp_path, text_data):
     assert (again / "README.md").read_text() == text
 
 
-def test_hub_source_gets_base_model(tmp_path):
-    src = models.runtime_tiny_llama(tmp_path / "models--org--tiny" / "snapshots" / ("c" * 40))
+def test_hub_source_gets_base_model(tmp_path, monkeypatch):
+    import shutil
+
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    src = models.runtime_tiny_llama(tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("c" * 40))
     art = mpsconvert.quantize(src, tmp_path / "a").output
     meta, _ = front(art)
-    # a folder in the HF cache layout keeps its provenance (source.resolve): the card points at the hub model
+    # a snapshot in huggingface_hub's own cache keeps its provenance (source.resolve): the card points at the hub model
     m = Manifest.read(art)
     assert meta["base_model"] == "org/tiny" and meta["base_model_relation"] == "quantized"
     assert meta["mpsconvert"]["source"] == m.source["id"] == "org/tiny" and meta["mpsconvert"]["source_commit"] == "c" * 40
+    # the same layout anywhere else is a plain local folder (issue 33): no hub model, no commit is claimed
+    fake = tmp_path / "elsewhere" / "models--org--tiny" / "snapshots" / ("c" * 40)
+    shutil.copytree(src, fake)
+    meta, _ = front(mpsconvert.quantize(fake, tmp_path / "b").output)
+    assert "base_model" not in meta and "source_commit" not in meta["mpsconvert"] and "org/tiny" not in str(meta)
 
 
 def test_validate_rewrites_the_card(tmp_path, text_data):

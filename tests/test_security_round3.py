@@ -433,3 +433,77 @@ def test_a_deep_front_matter_in_the_source_card_is_ignored_not_a_traceback(base,
     meta, _ = split_front_matter((tmp_path / "out" / "README.md").read_text())
     assert "mpsconvert" in meta and "license" not in meta  # ours; nothing carried from front matter that was refused
     assert mpsconvert.verify(tmp_path / "out").ok
+
+
+# --------------------------------------------------------------------------- 6. cards and terminal output are text
+
+
+HOSTILE_NAME = "evil\n# Heading\n<img src=x onerror=alert(1)> $(touch PWNED) `tick` | pipe [link](javascript:x) \x1b[31mred"
+
+
+def _markdown_tokens(text: str):
+    from markdown_it import MarkdownIt
+
+    tokens, todo = [], MarkdownIt("commonmark").enable("table").parse(text)
+    while todo:
+        t = todo.pop(0)
+        tokens.append(t)
+        todo[:0] = t.children or []
+    return tokens
+
+
+def test_a_hostile_source_folder_name_is_text_in_the_card_and_its_commands(base, tmp_path, monkeypatch):
+    import shlex
+
+    import yaml
+
+    from mpsconvert.untrusted import printable
+
+    src = tmp_path / HOSTILE_NAME
+    shutil.copytree(base[0], src)
+    monkeypatch.chdir(tmp_path)
+    res = mpsconvert.quantize(src)  # the default output is named for the source: the hostile name again
+    art = res.output
+    text = (art / "README.md").read_text()
+    meta = yaml.safe_load(text.split("---\n")[1])
+    assert meta["mpsconvert"]["source"] == HOSTILE_NAME and "base_model" not in meta  # YAML carries it exactly, quoted
+    body = text.split("---\n", 2)[2]
+    tokens = _markdown_tokens(body)
+    assert not [t for t in tokens if t.type in ("html_inline", "html_block")], "HTML from a name reached the card"
+    assert not [t for t in tokens if t.type == "link_open"], "a link from a name reached the card"
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert not any("Heading" in h for h in headings if not h.startswith(("FP8", "evil"))), headings
+    assert "\x1b" not in text and "PWNED" in text  # shown, escaped, never run
+    runs = [shlex.split(line) for t in tokens if t.type == "fence" for line in t.content.splitlines()
+            if line.startswith("mpsconvert ")]
+    assert runs and all(argv[2] == printable(art.name) for argv in runs), runs  # one argument, quoted
+    assert mpsconvert.verify(art).ok
+
+
+def test_commit_messages_are_one_line_without_control_characters(art):
+    from mpsconvert.publish import commit_message
+
+    m = Manifest.read(art)
+    m.source["id"] = "org/x\n\nSigned-off-by: someone else\x1b[2J\x00"
+    msg = commit_message(m)
+    assert "\n" not in msg and "\x1b" not in msg and "\x00" not in msg and "Signed-off-by: someone else" in msg
+
+
+def test_markup_and_escape_sequences_in_names_are_printed_literally(art, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    evil = "[bold red]boom[/] \x1b]0;pwned\x07 \x1b[2J [link=file:///etc/passwd]x[/link]"
+    (art / f"notes {evil[:30].replace('/', '_')}.txt").write_text("unlisted")
+    m = json.loads((art / MANIFEST_NAME).read_text())
+    name, rec = next(iter(m["tensors"].items()))
+    m["tensors"][evil] = m["tensors"].pop(name)
+    m["summary"]["worst_sqnr_tensor"] = evil
+    m["summary"]["ratio"] = "not a number"
+    m["recipe"]["calibration"] = {"data": {"id": evil}, "observer": [1, 2]}
+    m["validation"] = {evil: {"kind": "causal-lm", "accuracy": {"mean_kl": "x"}, "speedup": {"decode": "fast"}, "verdict": {"decode": 5}}}
+    (art / MANIFEST_NAME).write_text(json.dumps(m))
+    for cmd in (("verify", art), ("inspect", art, "--tensors")):
+        res = cli(*cmd)
+        assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit), res.output
+        assert "\x1b" not in res.output and "\x07" not in res.output, repr(res.output[:400])
+    res = cli("inspect", art, "--tensors")
+    assert res.exit_code == 0 and "[bold red]boom[/]" in res.output and "\\x1b]0;pwned\\x07" in res.output, res.output

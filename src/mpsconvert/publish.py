@@ -17,6 +17,7 @@ from pathlib import Path
 from . import __version__
 from .errors import UploadError
 from .manifests.manifest import Manifest
+from .untrusted import one_line
 
 _TRUE = {"1", "on", "yes", "true"}
 _REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -27,11 +28,12 @@ def offline() -> bool:
 
 
 def commit_message(manifest: Manifest) -> str:
-    """'FP8 fp8-dynamic (weights per row) of org/name@<commit>, by mpsconvert 0.1.0'."""
+    """'FP8 fp8-dynamic (weights per row) of org/name@<commit>, by mpsconvert 0.1.0': one line,
+    control characters removed (the source's id is a folder name or a repo id: untrusted)."""
     src, r = manifest.source, manifest.recipe
-    where = src.get("id") or "a local model"
+    where = str(src.get("id") or "a local model")
     where += f"@{src['commit']}" if src.get("commit") else (f"@{src['revision']}" if src.get("revision") else " (local, no commit)")
-    return f"FP8 {r['name']} (weights per {r['weights']}) of {where}, by mpsconvert {__version__}"
+    return one_line(f"FP8 {r.get('name')} (weights per {r.get('weights')}) of {where}, by mpsconvert {__version__}")
 
 
 def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str | None = None,

@@ -10,6 +10,8 @@ one place that every reader uses:
 - a JSON file is at most `MAX_JSON_BYTES`, nested at most `MAX_JSON_DEPTH` deep (the json module
   ends deeper documents in RecursionError), of the top-level type the reader expects
   (`read_json`), and the fields a reader uses have the types it needs (`field`);
+- text shown to a person (a terminal line, a model card) has its control characters escaped
+  (`printable`): a name can carry ANSI / OSC escape sequences or a line break;
 - YAML (a model card's front matter) is at most `MAX_YAML_BYTES`, nested at most `MAX_JSON_DEPTH`
   deep and without aliases, checked on PyYAML's event stream before anything is built
   (`parse_yaml`: its composer recurses, and its scanner is quadratic in flow depth).
@@ -30,6 +32,26 @@ from .errors import ArtifactError, MpsconvertError
 MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 256 << 20  # a manifest of a 1000-shard MoE is a few MB; a config a few KB
 _ODD = re.compile(r"[\x00-\x1f\x7f\\:]")
+
+
+# C0 and C1 controls (ESC and CSI start terminal escape sequences), DEL, and the Unicode marks that
+# reorder or hide text (bidi overrides and isolates, zero-width characters, the byte-order mark)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def printable(text: Any) -> str:
+    """`text` (anything: it is untrusted) as a string whose control characters are shown as
+    escapes (`\\x1b`, `\\n`, `\\u202e`): a name read from an artifact or a source is printed as what
+    it is, never acted on by a terminal or split across lines."""
+    named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return _UNPRINTABLE.sub(lambda m: named.get(m.group(), f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}"),
+                            str(text))
+
+
+def one_line(text: Any, limit: int = 300) -> str:
+    """`text` as one line of plain text (a commit message): control characters removed, runs of
+    whitespace made one space, at most `limit` characters."""
+    return " ".join(_UNPRINTABLE.sub(" ", str(text)).split())[:limit]
 
 
 def bad_relpath(rel: Any) -> str | None:
