@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from .. import atomic
 from .. import fp8
 from ..errors import ArtifactError
 from ..manifests.ct_config import quantization_config, scheme_from_config
+from ..manifests import hashing
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import (COREAI_ASSET, COREML_PACKAGE, CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_ours,
                                 read_weight_map, weight_files)
@@ -91,14 +91,9 @@ def carried_files(artifact: Path, manifest: Manifest, packages: bool = True) -> 
 
 
 def copy_verified(src: Path, dst: Path, rec: dict, rel: str) -> dict:
-    """Copy a listed file and check that the copy has the sha256 the manifest records."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
-    digest = sha256_file(dst)
-    if digest != rec.get("sha256"):
-        raise ArtifactError(f"{rel} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
-                            "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
-    return {"sha256": digest, "size": dst.stat().st_size}
+    """Copy a listed file, checking the bytes copied against the sha256 the manifest records."""
+    return hashing.copy_verified(src, dst, rec, rel, "it is not carried into a new manifest: restore the artifact "
+                                 "(`mpsconvert quantize ... --force`), then calibrate")
 
 
 @contextlib.contextmanager

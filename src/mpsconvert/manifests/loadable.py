@@ -1,11 +1,22 @@
-"""What transformers' loaders read from a model folder: the tokenizer, its chat template and the
-generation config, read through the bounded readers, every failure one line naming the file.
+"""What transformers' loaders may read from a model folder: for an artifact, only the files its
+manifest lists and hashes (one trust boundary); for any folder, through the bounded readers.
 
-transformers reads these files with the json module (a file nested 100,000 deep ends in
-RecursionError), takes their fields as they come (a list where a dict belongs ends in
+**The boundary.** transformers' loaders read whatever files of a folder they know by name: an
+unlisted `chat_template.jinja`, `additional_chat_templates/*.jinja`, `chat_template.json`,
+`generation_config.json` (every token EOS), `added_tokens.json` or `special_tokens_map.json`
+changed what `generate` does while a pinned `verify` passed. So no loader is pointed at an
+artifact: `verified(artifact)` copies the files the manifest lists (all but the weights, which
+the runtime streams and hashes itself, the Apple packages and the card) into a private folder,
+each read once from the artifact without following a symlink, hashed as it is copied and
+compared with the manifest (hashing.copy_verified); loaders read that folder. What they read is
+then exactly what was verified, and an unlisted file is never read: each one a loader would
+have read is named in a warning ("ignored"). A folder without a manifest (another tool's
+checkpoint, a source) is read as it is; `runtime.load` already says it cannot be verified.
+
+**Bounds.** transformers reads these files with the json module (a file nested 100,000 deep ends
+in RecursionError), takes their fields as they come (a list where a dict belongs ends in
 AttributeError deep inside it), renders the chat template unbounded, and accepts token ids past
-the model's embedding (an IndexError at the first such token). So, before and after
-transformers reads a folder:
+the model's embedding (an IndexError at the first such token). So, before and after it reads:
 
 - every JSON file it may read is parsed by `untrusted.read_json` first (size, depth, UTF-8);
 - the fields mpsconvert relies on are type-checked (`eos_token_id`, special tokens, added tokens);
@@ -15,12 +26,16 @@ transformers reads a folder:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import warnings
 from pathlib import Path
 
-from .. import templates
+from .. import atomic, filesystem, templates
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import read_json
-from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
+from ..untrusted import inside, read_json
+from .hashing import copy_verified
+from .layout import CONFIG_NAME, COREAI_ASSET, COREML_PACKAGE, INDEX_NAME, MANIFEST_NAME, weight_files
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -28,6 +43,50 @@ GENERATION_CONFIG = "generation_config.json"
 # then chat_template.json, then the tokenizer config's `chat_template`)
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", TOKENIZER_CONFIG)
 _OWN_JSON = {INDEX_NAME, MANIFEST_NAME}  # read by mpsconvert's own readers, never by a transformers loader
+_NOT_FOR_LOADERS = (COREML_PACKAGE, COREAI_ASSET, "README.md")  # packages (their runtimes read them, verified) and the card
+
+
+def loader_files(artifact: Path, manifest) -> list[str]:
+    """The listed files of `artifact` a loader may read: every file the manifest lists except the
+    weights, the index, the Apple packages and the card."""
+    skip = set(weight_files(artifact)) | _OWN_JSON
+    return [rel for rel in sorted(manifest.files)
+            if rel not in skip and not rel.endswith(".safetensors") and rel.split("/")[0] not in _NOT_FOR_LOADERS]
+
+
+def unlisted(artifact: Path, manifest) -> list[str]:
+    """Files in `artifact` that the manifest does not list (what verify reports as unlisted),
+    except mpsconvert's own temporary names and macOS's AppleDouble companions."""
+    out = []
+    for dirpath, dirs, files in os.walk(artifact):
+        here = Path(dirpath).relative_to(artifact)
+        dirs[:] = [d for d in dirs if not (here == Path(".") and d in (COREML_PACKAGE, COREAI_ASSET))]
+        for name in files:
+            rel = (here / name).as_posix()
+            if rel not in manifest.files and rel != MANIFEST_NAME and not name.startswith(atomic.TMP_PREFIX) \
+                    and not filesystem.is_appledouble(name):
+                out.append(rel)
+    return sorted(out)
+
+
+@contextlib.contextmanager
+def verified(artifact: Path):
+    """A private folder holding the files of `artifact` a transformers loader may read, each
+    verified as it was copied (see the module's docstring); `artifact` itself when it has no
+    manifest. Every unlisted file is named in a warning: ignored, never read."""
+    from .manifest import Manifest
+
+    artifact = Path(artifact)
+    if not (artifact / MANIFEST_NAME).is_file():
+        yield artifact
+        return
+    manifest = Manifest.read(artifact)
+    with atomic.private_tempdir("load") as tmp:
+        for rel in loader_files(artifact, manifest):
+            copy_verified(inside(artifact, rel, what=f"{MANIFEST_NAME} files"), tmp / rel, manifest.files[rel], f"{artifact}/{rel}")
+        for rel in unlisted(artifact, manifest):
+            warnings.warn(f"{artifact}/{rel} is not listed in {MANIFEST_NAME}: ignored (not verified, never read by a loader)", stacklevel=3)
+        yield tmp
 
 
 def check_json(folder: Path, where: str, error: type[MpsconvertError] = ArtifactError) -> None:
@@ -94,12 +153,16 @@ def vocab_size(folder: Path, where: str, error: type[MpsconvertError] = Artifact
 
 def tokenizer(folder: Path, where: str | None = None, *, error: type[MpsconvertError] = ArtifactError, trust_remote_code: bool = False,
               check_vocab: bool = True):
-    """The tokenizer in `folder` (AutoTokenizer), its files read through the bounded readers
-    first; any failure is one `error` line naming the files. `where`: the folder as the user
-    knows it (the artifact, when `folder` is a copy of its verified files)."""
+    """The tokenizer in `folder` (AutoTokenizer): of an artifact, read from its verified files
+    only (`verified`); its files read through the bounded readers first; any failure is one
+    `error` line naming the files. `where`: the folder as the user knows it (the artifact, when
+    `folder` is the copy of its verified files)."""
+    folder = Path(folder)
+    if where is None and (folder / MANIFEST_NAME).is_file():  # an artifact: its verified files only
+        with verified(folder) as view:
+            return tokenizer(view, str(folder), error=error, trust_remote_code=trust_remote_code, check_vocab=check_vocab)
     from transformers import AutoTokenizer
 
-    folder = Path(folder)
     where = where or str(folder)
     check_json(folder, where, error)
     _check_fields(folder, where, error)
@@ -128,11 +191,15 @@ def tokenizer(folder: Path, where: str | None = None, *, error: type[MpsconvertE
 
 
 def generation_config(folder: Path, where: str | None = None, *, error: type[MpsconvertError] = ArtifactError):
-    """transformers' GenerationConfig of `folder` (None when it has no generation_config.json),
-    read through the bounded reader and type-checked first."""
+    """transformers' GenerationConfig of `folder` (of an artifact: from its verified files only;
+    None when it has no generation_config.json), read through the bounded reader and
+    type-checked first."""
+    folder = Path(folder)
+    if where is None and (folder / MANIFEST_NAME).is_file():  # an artifact: its verified files only
+        with verified(folder) as view:
+            return generation_config(view, str(folder), error=error)
     from transformers import GenerationConfig
 
-    folder = Path(folder)
     where = where or str(folder)
     if not (folder / GENERATION_CONFIG).is_file():
         return None
