@@ -41,19 +41,29 @@ def artifact() -> Path:
     return art
 
 
+def _checked(run) -> dict:
+    """A package's check (recorded in the manifest), also when it failed: the benchmark reports it."""
+    from mpsconvert.errors import ExportError
+
+    try:
+        return run().check
+    except ExportError as e:
+        if getattr(e, "result", None) is None:
+            raise
+        return e.result.check
+
+
 def coreai(art: Path, max_len: int | None, compute: str = "fp32", steps: int = 32, latency_tokens: int = 8) -> dict:
-    from mpsconvert.convert.coreai import CoreAIOptions
-    from mpsconvert.convert.coreai.check import check_asset, coreai_latency, record_check
-    from mpsconvert.convert.coreai.export import export_coreai
+    import mpsconvert
+    from mpsconvert.apple.coreai import CheckOptions, CoreAIOptions
 
     t = time.perf_counter()
-    rec = export_coreai(art, CoreAIOptions(max_len=max_len, compute=compute, force=True))
+    rec = mpsconvert.export(art, "coreai", options=CoreAIOptions(max_len=max_len, compute=compute, force=True), check=False).record
     export_s = time.perf_counter() - t
     t = time.perf_counter()
-    res = check_asset(art, prompt_len=64, steps=steps, generate=4)
+    res = _checked(lambda: mpsconvert.check(art, "coreai", options=CheckOptions(prompt_len=64, decode_steps=steps, generate=4), verify=False))
     check_s = time.perf_counter() - t
-    record_check(art, res)
-    lat = coreai_latency(art, prefill_len=64, decode_tokens=latency_tokens, warmup=2)
+    lat = mpsconvert.coreai_latency(art, prefill_len=64, decode_tokens=latency_tokens, warmup=2)
     ev, w = res["runtime_eval"], res["weights"]
     return {"engine": "core ai", "compute": rec["compute"], "max_len": rec["max_len"], "asset_bytes": res["asset_bytes"],
             "fp8_safetensors_bytes": res["fp8_safetensors_bytes"], "size_ratio": res["size_ratio"],
@@ -65,17 +75,15 @@ def coreai(art: Path, max_len: int | None, compute: str = "fp32", steps: int = 3
 
 
 def coreml(art: Path, max_len: int | None, steps: int = 16) -> dict:
-    from mpsconvert.convert.coreml import ExportOptions
-    from mpsconvert.convert.coreml.check import check_package, record_check
-    from mpsconvert.convert.coreml.export import export_coreml
+    import mpsconvert
+    from mpsconvert.apple.coreml import CheckOptions, ExportOptions
 
     t = time.perf_counter()
-    rec = export_coreml(art, ExportOptions(max_len=max_len, force=True))
+    rec = mpsconvert.export(art, "coreml", options=ExportOptions(max_len=max_len, force=True), check=False).record
     export_s = time.perf_counter() - t
     t = time.perf_counter()
-    res = check_package(art, prompt_len=64, steps=steps, generate=4)
+    res = _checked(lambda: mpsconvert.check(art, "coreml", options=CheckOptions(decode_steps=steps), verify=False))
     check_s = time.perf_counter() - t
-    record_check(art, res)
     ev, w = res["reference_eval"], res["weights"]
     states = res["spec"]["states"]
     return {"engine": "core ml", "frontend": rec["frontend"], "max_len": rec["max_len"], "states": states,

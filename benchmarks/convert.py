@@ -123,7 +123,10 @@ def build_flux(root: Path, double: int, single: int, shard_bytes: int = 1 << 30)
 
 # Each contender is a command line run in a fresh process: ours is the CLI a user runs.
 CONTENDERS = {
-    "copy": ["-c", "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])"],
+    # `cp -r` + sync: the same bytes read and written, and made durable as quantize makes its output
+    "copy": ["-c", "import os,shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2]); "
+                   "[os.fsync(fd) or os.close(fd) for fd in (os.open(p, os.O_RDONLY) for p in "
+                   "(os.path.join(d, f) for d, _, fs in os.walk(sys.argv[2]) for f in fs))]"],
     "mpsconvert": ["-m", "mpsconvert.cli", "quantize", "{src}", "-o", "{out}"],
     "llm-compressor": [
         "-c",

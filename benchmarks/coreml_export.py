@@ -67,7 +67,7 @@ def texts(n: int) -> list[str]:
 
 def run(src: Path, name: str, modes: list[str], seq_len: str, samples: int) -> list[dict]:
     import mpsconvert
-    from mpsconvert.convert.coreml.check import check_package  # with this benchmark's own texts
+    from mpsconvert.apple.coreml.check import check_package  # with this benchmark's own texts
 
     art = CACHE / f"{name}-fp8-dynamic"
     if not (art / "mpsconvert.json").is_file():
@@ -80,7 +80,7 @@ def run(src: Path, name: str, modes: list[str], seq_len: str, samples: int) -> l
         rec = mpsconvert.export_coreml(art, seq_len=seq_len, weights=mode, force=True, check=False, kv_cache=False).record
         export_s = time.perf_counter() - t
         t = time.perf_counter()
-        res = check_package(art, texts=texts(samples), n_samples=samples)
+        res = check_package(art, rec, texts=texts(samples), n_samples=samples)
         check_s = time.perf_counter() - t
         ev, w = res["reference_eval"], res["weights"]
         row = {

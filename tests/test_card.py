@@ -1,10 +1,13 @@
 """The model card: YAML front matter whose figures are the manifest's, rewritten by validate
 (atomically, its new sha256 in the manifest), the source's card kept below, deterministic."""
 
+import shutil
+
 import yaml
 from click.testing import CliRunner
 
 import mpsconvert
+import torch
 from mpsconvert.cli import main
 from mpsconvert.manifests import card
 from mpsconvert.manifests.manifest import Manifest
@@ -30,7 +33,7 @@ def front(folder):
 
 
 def test_card_front_matter_is_the_manifests(tmp_path, text_data):
-    src = models.runtime_tiny_llama(tmp_path / "src")
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     (src / "README.md").write_text(SOURCE_CARD)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     text = (art / "README.md").read_text()
@@ -57,12 +60,10 @@ def test_card_front_matter_is_the_manifests(tmp_path, text_data):
 
 
 def test_hub_source_gets_base_model(tmp_path, monkeypatch):
-    import shutil
-
     import huggingface_hub.constants as c
 
-    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    src = models.runtime_tiny_llama(tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("c" * 40))
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))  # provenance only for a snapshot in huggingface_hub's own cache
+    src = models.tiny("llama", tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("c" * 40), tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     meta, _ = front(art)
     # a snapshot in huggingface_hub's own cache keeps its provenance (source.resolve): the card points at the hub model
@@ -77,7 +78,7 @@ def test_hub_source_gets_base_model(tmp_path, monkeypatch):
 
 
 def test_validate_rewrites_the_card(tmp_path, text_data):
-    src = models.runtime_tiny_llama(tmp_path / "src")
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     res = CliRunner().invoke(main, ["validate", str(art), "--device", "cpu", "--max-samples", "1", "--seq-len", "64", "--prefill-len", "32",
                                     "--decode-tokens", "2", "--repeats", "1", "--rounds", "1", "--warmup", "0",

@@ -4,6 +4,7 @@ macOS-only parts through fakes. Tiny random Llama, Qwen2 (tied), Mistral, Qwen3-
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import shutil
 import sys
@@ -13,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from mpsconvert.convert.coreai import weights as cw
-from mpsconvert.convert.coreai.run import parse_signature, specialization
+from mpsconvert.apple.coreai import weights as cw
+from mpsconvert.apple.coreai.run import parse_signature, specialization
 from mpsconvert.errors import ExportError, MpsconvertError
 
-from .models import (coreml_tiny_bert, coreml_tiny_llama, runtime_tiny_llama, tiny_artifact, tiny_mistral, tiny_moe_checkpoint,
-                     tiny_qwen2_tied, tree_hashes)
+from .models import tiny, tiny_artifact, tree_hashes
 
 # --------------------------------------------------------------------------- no coreai needed
 
@@ -114,29 +114,34 @@ def test_export_coreai_without_the_extra_is_one_line(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- with coreai-core / coreai-torch
 
-coreai = pytest.importorskip("coreai.authoring", reason="needs `pip install 'mpsconvert[coreai]'`")
+# Every test below runs coreai-core's runtime or coreai-torch's converter: marked extra("coreai").
 
-from mpsconvert.convert.coreai import CoreAIOptions  # noqa: E402
-from mpsconvert.convert.coreai.check import check_asset, coreai_latency, decoder_runner, read_fp8_constants  # noqa: E402
-from mpsconvert.convert.coreai.export import ASSET_NAME, export_coreai  # noqa: E402
-from mpsconvert.convert.coreai.run import Session  # noqa: E402
+import mpsconvert  # noqa: E402
+from mpsconvert.apple.coreai import ASSET_NAME, CoreAIOptions  # noqa: E402
+from mpsconvert.apple.coreai.check import check_asset, coreai_latency, decoder_runner, read_fp8_constants  # noqa: E402
+from mpsconvert.apple.coreai.run import Session  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
+from mpsconvert.manifests.records import Validation  # noqa: E402
 from mpsconvert.manifests.schemes import Scheme  # noqa: E402
+from mpsconvert.manifests.transaction import transaction  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("coreai")
+def _record(art: Path) -> dict:
+    """The manifest's record of the asset (what the check is given by apple/flow.py)."""
+    return Manifest.read(art).extra["coreai"]
 
 
+def export_coreai(art: Path, opts: CoreAIOptions) -> dict:
+    """The export alone (its check is run by each test, with its own settings)."""
+    return mpsconvert.export(art, "coreai", options=opts, check=False).record
 
 
 BUILDERS = {
-    "llama": lambda p: runtime_tiny_llama(p, tie=False),  # with a tokenizer: the checks run on real text
-    "qwen2-tied": tiny_qwen2_tied,
-    "mistral": tiny_mistral,
-    "qwen3-moe": lambda p: tiny_moe_checkpoint(p, "qwen3_moe"),
+    "llama": lambda p: tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=False),  # with a tokenizer: the checks run on real text
+    "qwen2-tied": partial(tiny, "qwen2", tie=True),
+    "mistral": partial(tiny, "mistral"),
+    "qwen3-moe": lambda p: tiny("qwen3_moe", p, dtype=torch.bfloat16, widen=0.08, vocab=128),
 }
 
 
@@ -147,10 +152,11 @@ def exported(work):
     for name, build in BUILDERS.items():
         art = tiny_artifact(work, name, build)
         rec = export_coreai(art, CoreAIOptions(max_len=64))
-        out[name] = (art, rec, check_asset(art, prompt_len=40, steps=16, generate=4))
+        out[name] = (art, rec, check_asset(art, _record(art), prompt_len=40, steps=16, generate=4))
     return out
 
 
+@pytest.mark.extra("coreai")
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_architectures_export_with_native_fp8_and_agree_through_the_states(exported, name):
     art, rec, res = exported[name]
@@ -176,6 +182,7 @@ def test_architectures_export_with_native_fp8_and_agree_through_the_states(expor
     assert res["ok"]
 
 
+@pytest.mark.extra("coreai")
 def test_real_text_and_dense_tensors_keep_their_dtype(exported):
     art, rec, res = exported["llama"]
     assert "real text" in res["runtime_eval"]["inputs"]
@@ -185,6 +192,7 @@ def test_real_text_and_dense_tensors_keep_their_dtype(exported):
     assert res["storage"]["storage_types"].get("BFloat16", 0) > 0
 
 
+@pytest.mark.extra("coreai")
 def test_tied_embeddings_are_stored_once(exported):
     art, rec, res = exported["qwen2-tied"]
     emb = 256 * 64
@@ -193,6 +201,7 @@ def test_tied_embeddings_are_stored_once(exported):
     assert emb < dense < 2 * emb  # not once for embed_tokens and again for lm_head
 
 
+@pytest.mark.extra("coreai")
 def test_manifest_records_the_asset_with_hashes(exported):
     art, rec, _ = exported["mistral"]
     m = Manifest.read(art)
@@ -203,6 +212,7 @@ def test_manifest_records_the_asset_with_hashes(exported):
     assert not [p for p in art.iterdir() if p.name.startswith(".mpsconvert-")]
 
 
+@pytest.mark.extra("coreai")
 def test_fp8_bytes_in_the_asset_are_the_artifacts_codes_independently(exported):
     """Read one weight's bytes from the saved program by hand and compare with the safetensors."""
     from safetensors import safe_open
@@ -214,12 +224,13 @@ def test_fp8_bytes_in_the_asset_are_the_artifacts_codes_independently(exported):
     assert len(found) == 1
 
 
+@pytest.mark.extra("coreai")
 def test_states_carry_the_cache_between_calls(exported):
     """Negative control: the same decode with fresh states at every step must disagree, so the
     agreement above comes from the states."""
     art, _, _ = exported["llama"]
-    from mpsconvert.convert import compare
-    from mpsconvert.convert.torch_model import build_torch_model
+    from mpsconvert.apple import compare
+    from mpsconvert.apple.torch_model import build_torch_model
 
     tm = build_torch_model(art)
     ids, _ = compare.prompt_ids(art, tm, 48)
@@ -239,25 +250,28 @@ def test_states_carry_the_cache_between_calls(exported):
     assert not bad["ok"] and bad["decode"]["cosine_min"] < 0.99
 
 
+@pytest.mark.extra("coreai")
 def test_fp16_compute_and_per_tensor_scales(work):
-    art = tiny_artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=3), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(work, "llama-tensor", lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=3), Scheme.make("fp8-weight-only", "tensor"))
     rec = export_coreai(art, CoreAIOptions(max_len=32, compute="fp16"))
     assert all(e["scale_shape"] == [1, 1] and e["scale_dtype"] == "float16" for e in rec["encoded_tensors"].values())
-    res = check_asset(art, prompt_len=16, steps=8, generate=2)
+    res = check_asset(art, _record(art), prompt_len=16, steps=8, generate=2)
     assert res["weights"]["codes_bit_exact"] and res["weights"]["scales_exact"]
     assert res["runtime_eval"]["decode"]["cosine_min"] > 0.999
     assert res["ok"]
 
 
+@pytest.mark.extra("coreai")
 def test_encoder_keeps_the_embeddings_interface(work):
-    art = tiny_artifact(work, "bert", coreml_tiny_bert)
+    art = tiny_artifact(work, "bert", partial(tiny, "bert"))
     rec = export_coreai(art, CoreAIOptions(max_len=32))
     assert rec["task"] == "encoder" and not rec["interface"]["states"]
     assert [i["name"] for i in rec["interface"]["inputs"]] == ["input_ids", "attention_mask"]
-    res = check_asset(art, samples=2)
+    res = check_asset(art, _record(art), samples=2)
     assert res["ok"] and res["runtime_eval"]["cosine_min"] > 0.999 and res["weights"]["codes_bit_exact"]
 
 
+@pytest.mark.extra("coreai")
 def test_checks_catch_an_asset_that_does_not_match_the_artifact(exported, work):
     """Change one row scale of the artifact after export: the weight check names it and the
     runtime's logits move away from the (new) reference."""
@@ -271,11 +285,12 @@ def test_checks_catch_an_asset_that_does_not_match_the_artifact(exported, work):
     name = "model.layers.0.self_attn.o_proj.weight"
     tensors[name + "_scale"] = tensors[name + "_scale"] * 4
     save_file(tensors, str(st), metadata={"format": "pt"})
-    res = check_asset(art, prompt_len=16, steps=4, generate=2)
+    res = check_asset(art, _record(art), prompt_len=16, steps=4, generate=2)
     bad = [n for n, r in res["weights"]["tensors"].items() if not r["ok"]]
     assert bad == [name] and res["weights"]["codes_bit_exact"] and not res["weights"]["scales_exact"] and not res["ok"]
 
 
+@pytest.mark.extra("coreai")
 def test_failed_export_leaves_the_artifact_as_it_was(exported, work, monkeypatch):
     import coreai_torch
 
@@ -298,9 +313,10 @@ def test_failed_export_leaves_the_artifact_as_it_was(exported, work, monkeypatch
     assert tree_hashes(art) == before
 
 
+@pytest.mark.extra("coreai")
 def test_latency_on_linux_is_labelled_beside_pytorch_cpu(exported):
     art, _, _ = exported["llama"]
-    res = coreai_latency(art, prefill_len=16, decode_tokens=4, warmup=1)
+    res = coreai_latency(art, _record(art), prefill_len=16, decode_tokens=4, warmup=1)
     assert res["status"] == "ran"
     engines = [r["engine"] for r in res["rows"]]
     if sys.platform.startswith("linux"):
@@ -311,9 +327,10 @@ def test_latency_on_linux_is_labelled_beside_pytorch_cpu(exported):
         assert r["decode_p95_ms"] >= r["decode_median_ms"] > 0
 
 
+@pytest.mark.extra("coreai")
 def test_latency_on_macos_runs_one_row_per_compute_unit(exported, monkeypatch):
     """The macOS path, with a fake Session: one row per unit, a failing unit is a row with its error."""
-    from mpsconvert.convert.coreai import check as cc
+    from mpsconvert.apple.coreai import check as cc
 
     art, _, _ = exported["llama"]
     seen = []
@@ -338,20 +355,21 @@ def test_latency_on_macos_runs_one_row_per_compute_unit(exported, monkeypatch):
             return {"logits": np.zeros((1, inputs["input_ids"].shape[1], 8), dtype=np.float32)}
 
     monkeypatch.setattr(cc, "Session", FakeSession)
-    res = coreai_latency(art, prefill_len=8, decode_tokens=2, warmup=0, platform="darwin")
+    res = coreai_latency(art, _record(art), prefill_len=8, decode_tokens=2, warmup=0, platform="darwin")
     assert seen == ["cpu", "gpu"]
     rows = {r["engine"]: r for r in res["rows"]}
     assert "decode_tokens_per_s" in rows["Core AI runtime, gpu (macOS)"]
     assert "Neural Engine refused" in rows["Core AI runtime, neural_engine (macOS)"]["error"]
 
 
+@pytest.mark.extra("coreai")
 def test_cli_quantize_coreai_and_check_only(work):
     from click.testing import CliRunner
 
     from mpsconvert.cli import main
 
     src = work / "src-llama-cli"
-    runtime_tiny_llama(src, seed=4)
+    tiny("llama", src, tokenizer="bpe", dtype=torch.bfloat16, tie=True, seed=4)
     out = work / "art-llama-cli"
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--coreai", "--max-len", "96"])
     assert r.exit_code == 0, r.output
@@ -365,6 +383,7 @@ def test_cli_quantize_coreai_and_check_only(work):
     assert r.exit_code == 2 and "--force" in r.output
 
 
+@pytest.mark.extra("coreai")
 def test_validate_runs_the_core_ai_latency_beside_pytorch(exported, work):
     """`validate` on an artifact with an asset: the Core AI rows come with the PyTorch ones, are
     recorded, and the CLI prints them (on macOS the Core ML part would run; here it says why not)."""
@@ -389,12 +408,13 @@ def test_validate_runs_the_core_ai_latency_beside_pytorch(exported, work):
     assert "Core AI asset: latency beside PyTorch" in r.output and "same prompt for every row" in r.output
 
 
+@pytest.mark.extra("coreai")
 def test_validate_without_warmup_or_repeats_gives_the_core_ai_part_the_runs_own_settings(exported, work, monkeypatch):
     """Without --warmup and --repeats (their defaults depend on the device), the Core AI part used
     to get None and crash after the whole PyTorch run; it now gets what the run resolved."""
     from click.testing import CliRunner
 
-    import mpsconvert.convert.coreai.check as check
+    import mpsconvert.apple.coreai.check as check
     from mpsconvert.cli import main
 
     art, _, _ = exported["llama"]
@@ -414,19 +434,19 @@ def test_validate_without_warmup_or_repeats_gives_the_core_ai_part_the_runs_own_
     assert seen[0]["warmup"] == 1 and seen[0]["prefill_repeats"] == 3 and res["coreai"]["status"] == "ran"
 
 
+@pytest.mark.extra("coreai")
 def test_a_failing_core_ai_part_keeps_the_validation_recorded_and_shown(exported, work, monkeypatch):
     from click.testing import CliRunner
 
     import mpsconvert
-    import mpsconvert.convert.coreai.check as check
+    import mpsconvert.apple.coreai.check as check
     from mpsconvert.cli import main
-    from mpsconvert.manifests import layout
 
     art, _, _ = exported["llama"]
     args = ["validate", str(art), "--baseline", str(work / "src-llama"), "--device", "cpu", "--seq-len", "32", "--max-samples", "1",
             "--prefill-len", "16", "--decode-tokens", "2", "--rounds", "1", "--repeats", "1", "--warmup", "0"]
-    with layout.update_manifest(art) as m:
-        m.extra.pop("validation", None)
+    with transaction(art) as t:
+        t.drop(Validation)
 
     def broken(*a, **k):
         raise ExportError("the Core AI runtime refused the asset", "re-export it")
@@ -444,8 +464,8 @@ def test_a_failing_core_ai_part_keeps_the_validation_recorded_and_shown(exported
         raise ZeroDivisionError("a bug in the Core AI part")
 
     monkeypatch.setattr(check, "coreai_latency", bug)
-    with layout.update_manifest(art) as m:
-        m.extra.pop("validation", None)
+    with transaction(art) as t:
+        t.drop(Validation)
     r = CliRunner().invoke(main, args)
     assert isinstance(r.exception, ZeroDivisionError)  # a bug keeps its traceback...
     assert "perplexity" in r.output and Manifest.read(art).extra["validation"]  # ...after the results were recorded and shown

@@ -3,6 +3,7 @@ and failures that leave the artifact as it was. Tiny random Llama and BERT model
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import shutil
 from pathlib import Path
@@ -15,35 +16,33 @@ pytestmark = pytest.mark.extra("coreml")
 
 import mpsconvert  # noqa: E402
 from mpsconvert import fp8  # noqa: E402
-from mpsconvert.convert.coreml import ExportOptions, mil_eval  # noqa: E402
-from mpsconvert.convert.coreml import ops as coreml_ops  # noqa: E402
-from mpsconvert.convert.coreml.check import check_package, coreml_runtime_check  # noqa: E402
-from mpsconvert.convert.coreml.export import PACKAGE_NAME, SeqLen, export_coreml  # noqa: E402
-from mpsconvert.convert.torch_model import read_artifact_weights  # noqa: E402
+from mpsconvert.apple.coreml import ExportOptions, mil_eval  # noqa: E402
+from mpsconvert.apple.coreml import ops as coreml_ops  # noqa: E402
+from mpsconvert.apple.coreml.check import check_package, coreml_runtime_check  # noqa: E402
+from mpsconvert.apple.coreml.export import PACKAGE_NAME, SeqLen  # noqa: E402
+from mpsconvert.apple.torch_model import read_artifact_weights  # noqa: E402
 from mpsconvert.errors import ExportError  # noqa: E402
 from mpsconvert.errors import MpsconvertError  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.schemes import Scheme  # noqa: E402
 
-from .models import coreml_tiny_bert, coreml_tiny_llama, resign, tiny_artifact, tree_hashes  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("coreml")
-
-
+from .models import resign, tiny, tiny_artifact, tree_hashes
 
 
 @pytest.fixture(scope="module")
 def llama(work):
-    return tiny_artifact(work, "llama", coreml_tiny_llama)
+    return tiny_artifact(work, "llama", partial(tiny, "llama", dtype=torch.bfloat16, tie=True))
 
 
 @pytest.fixture(scope="module")
 def bert(work):
-    return tiny_artifact(work, "bert", coreml_tiny_bert)
+    return tiny_artifact(work, "bert", partial(tiny, "bert"))
+
+
+def _record(art: Path) -> dict:
+    """The manifest's record of the package (what the check is given by apple/flow.py)."""
+    return Manifest.read(art).extra["coreml"]
 
 
 def _copy(art: Path, work: Path, name: str) -> Path:
@@ -99,7 +98,7 @@ def test_llama_fixed_fp8_lut(llama, work):
     art = _copy(llama, work, "llama-fixed")
     rec = mpsconvert.export_coreml(art, kv_cache=False, seq_len="16", check=False).record
     assert rec["frontend"] in ("torch.export", "torch.jit.trace") and rec["task"] == "causal-lm"
-    res = check_package(art)
+    res = check_package(art, _record(art))
     spec = res["spec"]
     assert spec["specification_version"] >= 9  # iOS18 / macOS15
     assert spec["inputs"] == [{"name": "input_ids", "dtype": "int32", "shape": [1, 16]}]
@@ -142,10 +141,10 @@ def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
 
 
 def test_per_tensor_scale_is_folded_and_bit_exact(work):
-    art = tiny_artifact(work, "llama-tensor", lambda p: coreml_tiny_llama(p, seed=1), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(work, "llama-tensor", lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=1), Scheme.make("fp8-weight-only", "tensor"))
     art = _copy(art, work, "llama-tensor-export")
     mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
-    res = check_package(art, n_samples=2)
+    res = check_package(art, _record(art), n_samples=2)
     w = res["weights"]
     assert w["all_ok"] and w["codes_bit_exact"]
     assert w["min_fraction_equal_fp16_dequant"] == 1.0 and w["max_ulp_diff"] == 0
@@ -157,7 +156,7 @@ def test_llama_range(llama, work):
     art = _copy(llama, work, "llama-range")
     rec = mpsconvert.export_coreml(art, kv_cache=False, seq_len="1:32", check=False).record
     assert rec["seq_len"] == {"min": 1, "max": 32, "flexible": True}
-    res = check_package(art)
+    res = check_package(art, _record(art))
     (inp,) = res["spec"]["inputs"]
     assert inp["name"] == "input_ids" and inp["range"] == [[1, 1], [1, 32]]
     assert res["weights"]["all_ok"] and res["reference_eval"]["ok"]
@@ -168,7 +167,7 @@ def test_bert_encoder_range(bert, work):
     rec = mpsconvert.export_coreml(art, kv_cache=False, seq_len="2:32", check=False).record
     assert rec["task"] == "encoder" and rec["pooling"] == "mean"
     assert rec["fp8_tensors_not_exported"] == ["pooler.dense.weight"]  # BERT's pooler is not in the output
-    res = check_package(art, n_samples=4)  # odd samples have masked padding
+    res = check_package(art, _record(art), n_samples=4)  # odd samples have masked padding
     names = [f["name"] for f in res["spec"]["inputs"]]
     assert names == ["input_ids", "attention_mask"]
     assert all(f["range"] == [[1, 1], [2, 32]] for f in res["spec"]["inputs"])
@@ -182,7 +181,7 @@ def test_int8_and_fp16_modes(llama, work):
     for mode in ("fp16", "int8"):
         art = _copy(llama, work, f"llama-{mode}")
         mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", weights=mode, check=False)
-        res = check_package(art, n_samples=1)
+        res = check_package(art, _record(art), n_samples=1)
         assert res["weights"]["all_ok"] and res["reference_eval"]["ok"]
         sizes[mode] = res["weight_bytes"]
         if mode == "fp16":
@@ -246,7 +245,7 @@ def test_runtime_check_skips_off_macos(llama):
 
     if sys.platform == "darwin":
         pytest.skip("runs Core ML for real on macOS")
-    res = coreml_runtime_check(llama)
+    res = coreml_runtime_check(llama, {})
     assert res["status"] == "skipped" and "needs macOS" in res["reason"]
 
 
@@ -256,7 +255,7 @@ def test_cli_quantize_coreml_and_check_only(work):
     from mpsconvert.cli import main
 
     src = work / "src-llama-cli"
-    coreml_tiny_llama(src, seed=2)
+    tiny("llama", src, dtype=torch.bfloat16, tie=True, seed=2)
     out = work / "art-llama-cli"
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--coreml", "--max-len", "48"])
     assert r.exit_code == 0, r.output
@@ -278,13 +277,13 @@ def test_checks_catch_a_package_that_does_not_match_the_artifact(llama, work):
 
     art = _copy(llama, work, "llama-tampered")
     mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
-    assert check_package(art, n_samples=1)["ok"]
+    assert check_package(art, _record(art), n_samples=1)["ok"]
     st = art / "model.safetensors"
     tensors = load_file(str(st))
     name = "model.layers.0.self_attn.o_proj.weight"
     tensors[name + "_scale"] = tensors[name + "_scale"] * 4
     save_file(tensors, str(st), metadata={"format": "pt"})
-    res = check_package(art, n_samples=1)
+    res = check_package(art, _record(art), n_samples=1)
     bad = [n for n, r in res["weights"]["tensors"].items() if not r["ok"]]
     assert bad == [name] and not res["weights"]["all_ok"] and not res["ok"]
     assert res["reference_eval"]["cosine_min"] < 0.9999
@@ -292,13 +291,11 @@ def test_checks_catch_a_package_that_does_not_match_the_artifact(llama, work):
 
 # --------------------------------------------------------------------------- the stateful decoder (default for causal LMs)
 
-from .models import tiny_mistral, tiny_moe_checkpoint, tiny_qwen2_tied  # noqa: E402
-
 STATEFUL = {
-    "llama-tied": coreml_tiny_llama,
-    "qwen2-tied": tiny_qwen2_tied,
-    "mistral": tiny_mistral,
-    "qwen3-moe": lambda p: tiny_moe_checkpoint(p, "qwen3_moe"),
+    "llama-tied": partial(tiny, "llama", dtype=torch.bfloat16, tie=True),
+    "qwen2-tied": partial(tiny, "qwen2", tie=True),
+    "mistral": partial(tiny, "mistral"),
+    "qwen3-moe": lambda p: tiny("qwen3_moe", p, dtype=torch.bfloat16, widen=0.08, vocab=128),
 }
 
 
@@ -307,8 +304,8 @@ def stateful_packages(work):
     out = {}
     for name, build in STATEFUL.items():
         art = _copy(tiny_artifact(work, f"sf-{name}", build), work, f"sf-{name}-export")
-        rec = export_coreml(art, ExportOptions(max_len=48))
-        out[name] = (art, rec, check_package(art, prompt_len=32, steps=8, generate=3))
+        rec = mpsconvert.export(art, "coreml", options=ExportOptions(max_len=48), check=False).record
+        out[name] = (art, rec, check_package(art, _record(art), prompt_len=32, steps=8, generate=3))
     return out
 
 
@@ -337,9 +334,9 @@ def test_stateful_decoder_declares_states_keeps_fp8_and_agrees(stateful_packages
 
 def test_reference_decode_needs_the_states(stateful_packages):
     """Negative control: the same decode with fresh states at every call must fail the check."""
-    from mpsconvert.convert import compare
-    from mpsconvert.convert.coreml.check import mil_decoder
-    from mpsconvert.convert.torch_model import build_torch_model
+    from mpsconvert.apple import compare
+    from mpsconvert.apple.coreml.check import mil_decoder
+    from mpsconvert.apple.torch_model import build_torch_model
 
     art, _, _ = stateful_packages["llama-tied"]
     prog, _ = mil_eval.load_program(art / PACKAGE_NAME)
@@ -414,7 +411,7 @@ class _FakeCT:
 def test_coreml_runtime_check_on_macos_through_states_with_a_fake(stateful_packages):
     art, _, _ = stateful_packages["llama-tied"]
     _FakeMLModel.loads = []
-    res = coreml_runtime_check(art, prefill_len=16, decode_tokens=4, platform="darwin", ct=_FakeCT)
+    res = coreml_runtime_check(art, _record(art), prefill_len=16, decode_tokens=4, platform="darwin", ct=_FakeCT)
     assert res["status"] == "ran" and res["kind"] == "stateful decoder"
     rows = {r["engine"]: r for r in res["rows"]}
     assert _FakeMLModel.loads == ["ALL", "CPU_AND_GPU"]
@@ -426,7 +423,7 @@ def test_coreml_runtime_check_on_macos_through_states_with_a_fake(stateful_packa
 
 
 def test_failed_stateful_export_leaves_artifact(stateful_packages, work, monkeypatch):
-    from mpsconvert.convert.coreml import export as coreml_export
+    from mpsconvert.apple.coreml import export as coreml_export
 
     art = _copy(stateful_packages["mistral"][0], work, "sf-mistral-fail")
     before = tree_hashes(art)
@@ -436,7 +433,7 @@ def test_failed_stateful_export_leaves_artifact(stateful_packages, work, monkeyp
 
     monkeypatch.setattr(coreml_export, "_convert_with", boom)
     with pytest.raises(ExportError, match="refused for the test"):
-        export_coreml(art, ExportOptions(max_len=48, force=True))
+        mpsconvert.export(art, "coreml", options=ExportOptions(max_len=48, force=True))
     assert tree_hashes(art) == before
 
 

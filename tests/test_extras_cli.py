@@ -7,15 +7,15 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
+import torch
 from mpsconvert.cli import main
 
 from . import models
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    work = tmp_path_factory.mktemp("extras")
-    return mpsconvert.quantize(models.runtime_tiny_llama(work / "src"), work / "art").output
+def art(work):
+    return mpsconvert.quantize(models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), work / "art").output
 
 
 def _missing(monkeypatch, *modules):

@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
+import torch
 from mpsconvert import api
 from mpsconvert.cli import main, render
-from mpsconvert.manifests import layout
 from mpsconvert.manifests.manifest import Manifest
 
 from . import models
@@ -36,9 +36,8 @@ def one_line_error(res, *matches, code=2):
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    work = tmp_path_factory.mktemp("first-run")
-    return models.tiny_artifact(work, "llama", lambda p: models.runtime_tiny_llama(p))
+def art(work):
+    return models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=True))
 
 
 @pytest.fixture
@@ -99,24 +98,26 @@ def test_quantize_into_a_locked_output_is_refused_before_resolving_a_hub_id(held
 
 
 def test_quantize_of_a_folder_into_a_locked_output_does_no_work(held_elsewhere, tiny_models, tmp_path, monkeypatch):
+    from mpsconvert.calibrate import artifact as calibrate_artifact
     import mpsconvert.convert.quantize as q
 
     out = tmp_path / "out"
     held_elsewhere(out)
     monkeypatch.setattr(q, "quantize_snapshot", never("the conversion"))
-    monkeypatch.setattr(api, "_calibrate_folder", never("calibration"))
+    monkeypatch.setattr(calibrate_artifact, "calibrate", never("calibration"))
     one_line_error(cli("quantize", tiny_models["llama"], "-o", out, "--scheme", "fp8"), "another mpsconvert run is writing")
     assert not out.exists()
 
 
 def test_calibrate_validate_and_upload_into_a_locked_artifact_do_no_work(held_elsewhere, copy, monkeypatch):
+    from mpsconvert.calibrate import artifact as calibrate_artifact
     import mpsconvert.manifests.verify as verify
     import mpsconvert.runtime.validate as validate
 
     held_elsewhere(copy)
     before = models.tree_hashes(copy)
     monkeypatch.setattr(verify, "check_before_use", never("verification"))
-    monkeypatch.setattr(api, "_calibrate_folder", never("calibration"))
+    monkeypatch.setattr(calibrate_artifact, "calibrate", never("calibration"))
     monkeypatch.setattr(validate, "validate", never("the validation run"))
     monkeypatch.setattr(api, "verify", never("the upload's verification"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -129,11 +130,11 @@ def test_calibrate_validate_and_upload_into_a_locked_artifact_do_no_work(held_el
 def test_an_apple_export_and_its_check_run_under_one_lock(held_elsewhere, copy, monkeypatch):
     """The lock used to be taken by the export and again by its check: a second export started
     in between worked for its whole length, then failed, and left the first one unchecked."""
-    import mpsconvert.convert.coreai.check as check
-    import mpsconvert.convert.coreai.export as export
+    import mpsconvert.apple.coreai.check as check
+    import mpsconvert.apple.coreai.export as export
 
     held_elsewhere(copy)
-    monkeypatch.setattr(export, "export_coreai", never("the Core AI export"))
+    monkeypatch.setattr(export, "build", never("the Core AI export"))
     monkeypatch.setattr(check, "check_asset", never("the Core AI check"))
     one_line_error(cli("export-coreai", copy), "another mpsconvert run is writing")
     one_line_error(cli("export-coreai", copy, "--check-only"), "another mpsconvert run is writing")
@@ -222,28 +223,33 @@ def test_the_card_names_the_folder_the_artifact_is_in(tiny_models, tmp_path):
     assert "llama-fp8-dynamic" not in card  # the default name, a folder that does not exist
     moved = tmp_path / "renamed"
     out.rename(moved)
-    from mpsconvert.manifests import card as cards
+    from mpsconvert.manifests.transaction import transaction
 
-    cards.refresh(moved)  # any later rewrite (validate, an export) names the folder as it is then
+    with transaction(moved):  # any later change (validate, an export) rewrites the card, naming the folder as it is then
+        pass
     assert 'mpsconvert generate renamed "Hello"' in (moved / "README.md").read_text()
     assert mpsconvert.verify(moved).ok
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="Core ML runs on macOS")
 def test_generate_with_core_ml_off_macos_says_so_before_anything_else(art, monkeypatch):
-    monkeypatch.setattr(api, "_apple_record", never("the artifact's verification and package lookup"))
+    from mpsconvert.apple import flow
+
+    monkeypatch.setattr(flow.Manifest, "read", never("the artifact's verification and package lookup"))
     one_line_error(cli("generate", art, "hi", "--backend", "coreml"), "only on macOS", "--backend coreai")
 
 
 def test_inspect_shows_the_runs_verdict_and_sorts_layers_by_number(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from mpsconvert.manifests.transaction import transaction
+
     src = tmp_path / "src"
     LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=11,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(src)
     out = mpsconvert.quantize(src, tmp_path / "a").output
-    with layout.update_manifest(out) as m:
-        m.extra["validation"] = {"CPU (cpu)": {
+    with transaction(out) as t:  # the card is rewritten with the record
+        t.manifest.extra["validation"] = {"CPU (cpu)": {
             "kind": "causal-lm", "device": "cpu", "scheme": "fp8-dynamic", "measured_at": "2026-01-01T00:00:00Z",
             "accuracy": {"perplexity_bf16": 10.0, "perplexity_fp8": 10.1, "perplexity_delta_pct": 1.0, "mean_kl": 0.01,
                          "top1_agreement": 0.95, "tokens": 64},
@@ -254,9 +260,6 @@ def test_inspect_shows_the_runs_verdict_and_sorts_layers_by_number(tmp_path):
     assert res.exit_code == 0
     assert "decode no clear difference (0.38x" in res.output and "decode 0.38x" not in res.output
     assert "prefill 1.50x faster" in res.output
-    from mpsconvert.manifests import card as cards
-
-    cards.refresh(out)
     text = (out / "README.md").read_text()
     assert "no clear difference (0.38x)" in text and "| 0.38x |" not in text and "1.5x faster" in text
     assert Manifest.read(out).extra["validation"]["CPU (cpu)"]["speedup"]["decode"] == 0.38  # the figure is kept

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 import mpsconvert
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.verify import verify_artifact
-from .models import group_quantized_activations, tiny_moe_checkpoint, tiny_qwen3, to_fine_grained_fp8
+from .models import group_quantized_activations, tiny, to_fine_grained_fp8
+from .helpers import logits
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -26,7 +27,7 @@ IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
 def _source(tmp_path, arch: str, block: int):
-    bf16 = tiny_qwen3(tmp_path / "bf16") if arch == "qwen3" else tiny_moe_checkpoint(tmp_path / "bf16", "qwen3_moe")
+    bf16 = tiny("qwen3", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08) if arch == "qwen3" else tiny("qwen3_moe", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08, vocab=128)
     return to_fine_grained_fp8(bf16, tmp_path / "fp8-src", block)
 
 
@@ -50,11 +51,6 @@ def _source_dequantized(src, block: int):
         fp8_modules = {k[: -len(".weight")] for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"}
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n in fp8_modules}
     return group_quantized_activations(model, linears, block), linears
-
-
-def _logits(model):
-    with torch.no_grad():
-        return model(IDS).logits.float()
 
 
 @pytest.mark.extra("ct")
@@ -88,16 +84,16 @@ def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, 
     assert verify_artifact(out).ok
 
     ref, linears = _source_dequantized(src, block)
-    want = _logits(ref)
+    want = logits(ref, IDS)
     scale = want.abs().max()
     # transformers 5.24 cannot fold block scales into MoE experts (see test_block), and
     # compressed-tensors quantizes activations per group only where the group divides K (64 here)
     if arch == "qwen3" and 64 % block == 0:
         ct = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        got = _logits(ct)
+        got = logits(ct, IDS)
         assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
     ours = mpsconvert.load(out, device="cpu", dtype=torch.float32)
-    got = _logits(ours)
+    got = logits(ours, IDS)
     assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
 
 

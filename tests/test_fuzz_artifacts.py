@@ -9,6 +9,7 @@ reliability table in docs/security.md.
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import os
 import random
@@ -23,7 +24,7 @@ import pytest
 import mpsconvert
 from mpsconvert.errors import MpsconvertError
 
-from .models import resign, tiny_artifact, tiny_llama_sharded, tree_hashes
+from .models import resign, tiny, tiny_artifact, tree_hashes
 
 CASES = int(os.environ.get("MPSCONVERT_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("MPSCONVERT_FUZZ_SEED", "14"))
@@ -170,7 +171,7 @@ def _mpsconvert_temp() -> set[str]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return tiny_artifact(tmp_path_factory.mktemp("fuzz"), "llama-sharded", tiny_llama_sharded)
+    return tiny_artifact(tmp_path_factory.mktemp("fuzz"), "llama-sharded", partial(tiny, "llama", max_shard_size="100KB"))
 
 
 @pytest.mark.extra("coreml")

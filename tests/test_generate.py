@@ -20,12 +20,11 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{%
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory, text_data):
+def art(work, text_data):
     """A tiny Llama artifact whose tokenizer has a chat template."""
     from transformers import AutoTokenizer
 
-    work = tmp_path_factory.mktemp("gen")
-    src = models.runtime_tiny_llama(work / "src", tie=False)
+    src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=False)
     tok = AutoTokenizer.from_pretrained(str(src))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(src))
@@ -39,8 +38,9 @@ def reference_greedy(art, ids, n, dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM
 
     from mpsconvert.calibrate.artifact import dequantized_snapshot
+    from mpsconvert.manifests.manifest import Manifest
 
-    with dequantized_snapshot(art) as d:
+    with dequantized_snapshot(art, Manifest.read(art)) as d:
         ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).eval()
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
@@ -115,7 +115,7 @@ def test_backends_say_what_is_missing(art, tmp_path):
     res = CliRunner().invoke(main, ["generate", str(art), "hi", "--backend", "coreml"])
     # off macOS the platform is said first (not "export a package", which could not run here anyway)
     assert res.exit_code == 2 and ("Core ML package" if sys.platform == "darwin" else "only on macOS") in res.output
-    enc = mpsconvert.quantize(models.runtime_tiny_bert(tmp_path / "bert"), tmp_path / "bert-art").output
+    enc = mpsconvert.quantize(models.tiny("bert", tmp_path / "bert", tokenizer="bpe", dtype=torch.bfloat16), tmp_path / "bert-art").output
     res = CliRunner().invoke(main, ["generate", str(enc), "hi", "--device", "cpu"])
     assert res.exit_code == 2 and "not a causal LM" in res.output, res.output
 

@@ -60,8 +60,7 @@ def test_other_commands_say_that_only_quantize_reads_a_gguf(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    work = tmp_path_factory.mktemp("gguf")
+def smollm2(work):
     res = CliRunner().invoke(main, ["quantize", str(GGUF), "-o", str(work / "smollm2-fp8")], catch_exceptions=False)
     return work / "smollm2-fp8", res
 

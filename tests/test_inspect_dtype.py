@@ -19,7 +19,7 @@ def test_inspect_summarises_validation_and_names_the_source(tmp_path, text_data,
 
     monkeypatch.setenv("COLUMNS", "400")  # one table row per line, for the assertions
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))  # a snapshot in huggingface_hub's cache keeps its provenance
-    src = models.runtime_tiny_llama(tmp_path / "models--org--tiny" / "snapshots" / ("ab" * 20))
+    src = models.tiny("llama", tmp_path / "models--org--tiny" / "snapshots" / ("ab" * 20), tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     opts = ValidateOptions(device="cpu", max_samples=1, seq_len=64, prefill_len=16, decode_tokens=2, repeats=1, rounds=1, warmup=0,
                            eval_data=str(text_data / "wiki_eval.jsonl"), kernel_cache=False)
@@ -38,7 +38,7 @@ def test_inspect_summarises_validation_and_names_the_source(tmp_path, text_data,
 
 
 def test_dtype_converts_the_unquantized_tensors(tmp_path):
-    src = models.tiny_llama(tmp_path / "src")  # float32 safetensors
+    src = models.tiny("llama", tmp_path / "src")  # float32 safetensors
     full = mpsconvert.quantize(src, tmp_path / "as-is")
     res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "bf16"), "--dtype", "bfloat16", "--json"])
     assert res.exit_code == 0, res.output

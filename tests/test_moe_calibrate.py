@@ -12,7 +12,7 @@ from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.runtime.moe import load_fp8_experts
 from mpsconvert.source import resolve
-from .models import tiny_moe_checkpoint, tiny_moe_model
+from .models import tiny, tiny_moe_model
 
 NEVER = 3
 
@@ -72,7 +72,7 @@ def test_never_routed_expert_gets_a_valid_scale(arch):
 def test_static_artifact_from_expert_calibration(tmp_path):
     """Calibrate -> quantize --scheme fp8 -> load: every expert (the never-routed one too)
     has a positive finite input scale, and the static FP8 model tracks BF16."""
-    src = tiny_moe_checkpoint(tmp_path / "src", "qwen3_moe", layers=1)
+    src = tiny("qwen3_moe", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128, layers=1)
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()

@@ -17,7 +17,8 @@ from mpsconvert.errors import QuantizationError
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.runtime.moe import FP8Experts, load_fp8_experts
 from mpsconvert.source import resolve
-from .models import MOE_ARCHS, tiny_moe_checkpoint
+from .models import MOE_ARCHS, tiny
+from .helpers import logits
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -47,11 +48,6 @@ def _dequantized_checkpoint(src, artifact, out):
     return out
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits.float()
-
-
 def _load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
 
@@ -62,7 +58,7 @@ IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
 @pytest.mark.extra("ct")
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
-    src = tiny_moe_checkpoint(tmp_path / "src", arch)
+    src = tiny(arch, tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128)
     man = quantize_snapshot(resolve(str(src)), tmp_path / "fp8", Options(scheme=Scheme.make("fp8-dynamic")))
     art = _tensors(tmp_path / "fp8")
     E = 4
@@ -85,14 +81,14 @@ def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
         assert art["model.layers.0.mlp.shared_expert.up_proj.weight"].dtype == fp8.FP8_DTYPE
     assert man.extra["moe"]["experts"]["model.layers.1.mlp.experts.gate_up_proj"]["layout"] == "per-expert"
 
-    bf16 = _logits(_load(src), IDS)
+    bf16 = logits(_load(src), IDS)
     ref_model = _load(_dequantized_checkpoint(src, tmp_path / "fp8", tmp_path / "deq"))
-    ref = _logits(ref_model, IDS)
+    ref = logits(ref_model, IDS)
     ct_model = _load(tmp_path / "fp8")  # transformers + compressed-tensors: dequantizes the experts at load
     for i in range(2):  # ... to exactly our fp8 * scale
         for p in ("gate_up_proj", "down_proj"):
             assert torch.equal(getattr(ct_model.model.layers[i].mlp.experts, p), getattr(ref_model.model.layers[i].mlp.experts, p))
-    ct = _logits(ct_model, IDS)  # CT also fake-quantizes the Linears' activations per token
+    ct = logits(ct_model, IDS)  # CT also fake-quantizes the Linears' activations per token
     scale = bf16.abs().max()
     print(arch, float((ct - ref).abs().max() / scale), float((ref - bf16).abs().max() / scale))
     assert (ct - ref).abs().max() <= 0.2 * scale  # OLMoE (QK-norm, sharp attention) is the widest
@@ -101,7 +97,7 @@ def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
     assert set(report.replaced) == {f"model.layers.{i}.mlp.experts" for i in range(2)} and not report.skipped
     ours_mod = ct_model.model.layers[1].mlp.experts
     assert isinstance(ours_mod, FP8Experts)
-    ours = _logits(ct_model, IDS)  # + per-token FP8 activations in the experts
+    ours = logits(ct_model, IDS)  # + per-token FP8 activations in the experts
     print(arch, float((ours - ct).abs().max() / scale))
     assert (ours - ct).abs().max() <= 0.12 * scale
     # the experts alone: our FP8 module vs transformers' BF16 experts holding the dequantized weights
@@ -117,7 +113,7 @@ def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
 @pytest.mark.extra("ct")
 @pytest.mark.parametrize("layout", ["per-expert", "checkpoint"])
 def test_fused_checkpoint(tmp_path, layout):
-    src = tiny_moe_checkpoint(tmp_path / "src", "qwen3_moe", fused=True)
+    src = tiny("qwen3_moe", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128, fused=True)
     man = quantize_snapshot(resolve(str(src)), tmp_path / "fp8", Options(scheme=Scheme.make("fp8-dynamic", "tensor"), experts_layout=layout))
     art = _tensors(tmp_path / "fp8")
     key = "model.layers.0.mlp.experts.gate_up_proj"
@@ -130,18 +126,18 @@ def test_fused_checkpoint(tmp_path, layout):
         assert art["model.layers.0.mlp.experts.2.up_proj.weight"].dtype == fp8.FP8_DTYPE
         assert art["model.layers.0.mlp.experts.2.up_proj.weight_scale"].shape == (1,)
         ct = _load(tmp_path / "fp8")
-        assert (_logits(ct, IDS) - _logits(_load(src), IDS)).abs().max() <= 0.15 * _logits(_load(src), IDS).abs().max()
+        assert (logits(ct, IDS) - logits(_load(src), IDS)).abs().max() <= 0.15 * logits(_load(src), IDS).abs().max()
     model = _load(src)
-    bf16 = _logits(model, IDS)
+    bf16 = logits(model, IDS)
     report = load_fp8_experts(model, tmp_path / "fp8", "cpu")
     assert {r["layout"] for r in report.replaced.values()} == {"fused" if layout == "checkpoint" else "per-expert"}
-    assert (_logits(model, IDS) - bf16).abs().max() <= 0.15 * bf16.abs().max()
+    assert (logits(model, IDS) - bf16).abs().max() <= 0.15 * bf16.abs().max()
 
 
 def test_per_expert_fused_equivalence(tmp_path):
     """The same weights stored per expert and fused give bit-identical FP8 codes and scales."""
-    a = tiny_moe_checkpoint(tmp_path / "a", "mixtral", seed=3)
-    b = tiny_moe_checkpoint(tmp_path / "b", "mixtral", seed=3, fused=True)
+    a = tiny("mixtral", tmp_path / "a", dtype=torch.bfloat16, widen=0.08, vocab=128, seed=3)
+    b = tiny("mixtral", tmp_path / "b", dtype=torch.bfloat16, widen=0.08, vocab=128, seed=3, fused=True)
     quantize_snapshot(resolve(str(a)), tmp_path / "qa", Options())
     quantize_snapshot(resolve(str(b)), tmp_path / "qb", Options(experts_layout="checkpoint"))
     ta, tb = _tensors(tmp_path / "qa"), _tensors(tmp_path / "qb")
@@ -152,7 +148,7 @@ def test_per_expert_fused_equivalence(tmp_path):
 
 
 def test_static_scheme_needs_expert_scales(tmp_path):
-    src = tiny_moe_checkpoint(tmp_path / "src", "qwen3_moe", layers=1)
+    src = tiny("qwen3_moe", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128, layers=1)
     linears = {f"model.layers.0.self_attn.{p}": 0.01 for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     with pytest.raises(QuantizationError, match="input scale"):
         quantize_snapshot(resolve(str(src)), tmp_path / "x", Options(scheme=Scheme.make("fp8"), input_scales=linears))
@@ -178,7 +174,7 @@ def test_cli_experts_layout(tmp_path):
 
     from mpsconvert.cli import main
 
-    src = tiny_moe_checkpoint(tmp_path / "src", "mixtral", fused=True, layers=1)
+    src = tiny("mixtral", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128, fused=True, layers=1)
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "out"), "--experts-layout", "checkpoint", "--json"])
     assert r.exit_code == 0, r.output
     summary = json.loads(r.output[r.output.index("{") :])

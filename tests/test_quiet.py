@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from . import models
 
@@ -33,23 +34,21 @@ def noise(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, text_data):
-    w = tmp_path_factory.mktemp("quiet")
-    models.runtime_tiny_llama(w / "src")
-    return w
+def src(work):
+    return models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
 
 
 CALIB = ["--scheme", "fp8", "--num-samples", "2", "--seq-len", "32", "--calib-data", str(models.TEXT_DATA / "wiki_calib.jsonl")]
 
 
-def test_quantize_prints_no_third_party_lines(work):
+def test_quantize_prints_no_third_party_lines(work, src):
     loud = prog("-v", "quantize", "src", "-o", "loud", *CALIB, cwd=work)
     assert any("Loading weights" in ln for ln in noise(loud)), loud  # the noise is there to hide
     quiet = prog("quantize", "src", "-o", "fp8", *CALIB, cwd=work)
     assert noise(quiet) == [] and "worst SQNR" in quiet and "calibrated on cpu" in quiet
 
 
-def test_validate_prints_no_third_party_lines(work):
+def test_validate_prints_no_third_party_lines(work, src):
     if not (work / "fp8").exists():
         prog("quantize", "src", "-o", "fp8", *CALIB, cwd=work)
     out = prog("validate", "fp8", "--device", "cpu", "--max-samples", "1", "--seq-len", "64", "--prefill-len", "16",
@@ -60,7 +59,7 @@ def test_validate_prints_no_third_party_lines(work):
 
 @pytest.mark.extra("coreml")
 @pytest.mark.slow
-def test_export_coreml_prints_no_coremltools_lines(work):
+def test_export_coreml_prints_no_coremltools_lines(work, src):
     """Also the relative artifact path a user types (the package's files were once listed relative to it wrongly)."""
     prog("quantize", "src", "-o", "ml", cwd=work)
     out = prog("export-coreml", "ml", "--no-check", "--max-len", "32", cwd=work)

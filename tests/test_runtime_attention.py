@@ -9,12 +9,9 @@ import pytest
 
 from mpsconvert.runtime import attention, tritonlib
 
-from .test_runtime_fuse import _interpreted
 
-
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_decode_kernel_matches_sdpa():
-    _interpreted("""
     import torch, torch.nn.functional as F
     from mpsconvert.runtime import attention as A
     g = torch.Generator().manual_seed(0)
@@ -44,13 +41,10 @@ def test_decode_kernel_matches_sdpa():
     q, k, v = (torch.randn(1, 4, n, 32, generator=g).to(torch.bfloat16) for n in (1, 500, 500))
     k, v = k[:, :2], v[:, :2]
     assert (A.decode_attention(q, k, v).float() - ref(q, k, v, None)).abs().max() < 2e-2
-    print("ok")
-    """)
 
 
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
-    _interpreted("""
     import copy, torch
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
     from mpsconvert.runtime import attention as A
@@ -82,8 +76,6 @@ def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
             assert (outs[0] - outs[1]).abs().max() < 5e-2, (outs[0] - outs[1]).abs().max()
             assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
     assert len(calls) == 2 * 2 * 6, len(calls)  # both caches, two layers, six steps: every decode step ran the kernel
-    print("ok")
-    """)
 
 
 def test_not_installed_where_it_cannot_run(tmp_path):

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from .test_runtime_fuse import FP8_MODEL, _interpreted
-
 pytestmark = pytest.mark.triton
 
-_MODELS = FP8_MODEL + """
+@pytest.mark.triton("interpret")
+def test_direct_attention_gives_the_modules_own_logits_interpreted():
+    import torch
+    from .helpers import fp8_model
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from mpsconvert.runtime import attention_prefill, eager_fusion, forwards
 
     SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-"""
 
-
-def test_direct_attention_gives_the_modules_own_logits_interpreted():
-    _interpreted(_MODELS + """
     model = fp8_model(LlamaForCausalLM, LlamaConfig(**SMALL, attention_bias=True))
     with torch.no_grad():
         report = eager_fusion.install(model)
@@ -139,5 +136,3 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
     assert report["left"] == ["model.layers.1.self_attn: the fused residual adds differ from its own forward; its prefill runs "
                               "the module's forward"], report
     assert model.model.layers[1].mpsconvert_attention is None and forwards.installed(model.model.layers[1])
-    print("ok")
-    """)

@@ -4,10 +4,6 @@ shared-input groups in eager mode and under torch.compile, and the streaming loa
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,51 +14,11 @@ from mpsconvert import fp8
 from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.fuse import SharedInput, share_inputs
 
-from .conftest import importable
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _interpreted(code: str) -> None:
-    """Run `code` with TRITON_INTERPRET=1 (Triton kernels on CPU tensors) in a fresh process.
-    Only for tests marked `@pytest.mark.triton` (skipped where Triton is not installed)."""
-    if not importable("triton"):
-        pytest.fail("this test runs Triton kernels: mark it @pytest.mark.triton (tests/conftest.py skips it without Triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
-
-
-# A tiny transformers model with every decoder Linear an FP8Linear on the row-wise scaled_mm
-# kernels and sibling groups shared: the eager path a CUDA load runs, for interpreted tests
-# (indented as the test code it is prepended to).
-FP8_MODEL = """
-    import torch
-    from torch import nn
-    from mpsconvert import fp8
-    from mpsconvert.runtime import fuse
-    from mpsconvert.runtime.fp8linear import FP8Linear
-
-    def fp8_model(cls, cfg, act="token"):
-        torch.manual_seed(0)
-        model = cls(cfg).to(torch.bfloat16).eval().requires_grad_(False)
-        for name, lin in list(model.model.layers.named_modules()):
-            if isinstance(lin, nn.Linear):
-                q, s, _ = fp8.quantize(lin.weight.float(), "row")
-                new = FP8Linear.from_tensors(q, s, activations=act, input_scale=torch.tensor([0.02]) if act == "tensor" else None,
-                                             bias=lin.bias)
-                new.set_kernels("scaled_mm_row", "scaled_mm_row")
-                parent, _, leaf = name.rpartition(".")
-                setattr(model.model.layers.get_submodule(parent), leaf, new)
-        for g in fuse.share_inputs(model):
-            g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
-        return model
-"""
-
-
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
-    _interpreted("""
     import torch
     from mpsconvert.runtime import act_quant as aq
     g = torch.Generator().manual_seed(0)
@@ -83,16 +39,13 @@ def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     same(aq.quantize(x), aq.torch_quantize(x))
     h = torch.randn(3, 600, generator=g).to(torch.bfloat16)
     same(aq.silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)), aq.torch_silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)))
-    print("ok")
-    """)
 
 
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted():
     """act_quant.add_rms_norm_quantize: the sum is bit for bit the eager `residual + x`, and the
     norm, codes and scales are those of rms_norm_quantize on that sum (rows with a stride too);
     with store_y=False the same codes, and no output."""
-    _interpreted("""
     import torch
     from mpsconvert.runtime import act_quant as aq
     g = torch.Generator().manual_seed(0)
@@ -119,15 +72,12 @@ def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted()
                     assert torch.equal(y3, y) and torch.equal(y4, y)
                 ref = aq.torch_rms_norm(r + x, w, 1e-6)
                 assert float((y.float() - ref.float()).abs().max()) <= 2 * float(ref.float().abs().max()) * torch.finfo(dt).eps
-    print("ok")
-    """)
 
 
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_eager_gpu_path_of_fp8linear_interpreted():
     """The kernels a CUDA layer runs in eager mode (Triton quantization + _scaled_mm, Triton
     GEMVs), here on CPU tensors, against the direct computation."""
-    _interpreted("""
     import torch
     from mpsconvert import fp8
     from mpsconvert.runtime.fp8linear import FP8Linear
@@ -156,8 +106,6 @@ def test_eager_gpu_path_of_fp8linear_interpreted():
         got = lay(x1).float()
         want8 = fp8.fake_quantize(x1.float(), fp8.per_token_scale(x1.float()) if act == "token" else torch.tensor(isc)) @ wd.T + lay.bias.float()
         assert torch.allclose(got, want8, rtol=1e-2, atol=2e-2), ("gemv_w8a8", (got - want8).abs().max())
-    print("ok")
-    """)
 
 
 def _layer(n, k, seed, act="token", gran="row"):
@@ -321,14 +269,17 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
     assert stream.read_shards(headers, {}, torch.device("cpu"), hash_files=False) == {f"s{i}.safetensors": None for i in range(3)}
 
 
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_eager_fusion_of_norms_and_mlp_interpreted():
     """runtime/eager_fusion.py on a tiny Llama (Triton interpreted): each RMSNorm runs as one
     kernel and hands its quantized output to the q/k/v or gate/up group it feeds (linked by the
     probe forward, not by name), the MLP runs silu*up and down_proj's quantization in one
     kernel; the logits are those of the model's own forwards, and under torch.compile the
     modules' own forwards run. A norm whose arithmetic differs is left as it was, with the reason."""
-    _interpreted(FP8_MODEL + """
+    import torch
+    from mpsconvert.runtime import fuse
+    from .helpers import fp8_model
+
     from transformers import LlamaConfig, LlamaForCausalLM
     from mpsconvert.runtime import act_quant, eager_fusion, forwards, kernels
 
@@ -428,11 +379,9 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     report = eager_fusion.install(model)
     assert report["layers"] == 1 and report["left"] == ["model.layers.1: the fused residual adds differ from its own forward"], report
     assert not forwards.installed(model.model.layers[1])
-    print("ok")
-    """)
 
 
-@pytest.mark.triton
+@pytest.mark.triton("interpret")
 def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     """runtime/rotary.py (Triton interpreted): the kernel equals transformers' own
     apply_rotary_pos_emb exactly (values and memory layout) for GQA heads, head sizes that are
@@ -440,7 +389,6 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     attention modules run it (logits identical), while a model of the same class that was not
     installed, calls under torch.compile and calls it does not take run the original; an
     attention module whose modeling function differs is left with the reason."""
-    _interpreted("""
     import sys, torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama as ml
@@ -495,8 +443,6 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     assert report["attention"] == 1 and report["left"] == ["model.layers.1.self_attn: its apply_rotary_pos_emb differs from the fused kernel"], report
     assert not forwards.installed(fresh.model.layers[1].self_attn) and forwards.installed(fresh.model.layers[0].self_attn)
     assert type(fresh.model.layers[0].self_attn).__name__ == "LlamaAttention"  # the class keeps its name and module
-    print("ok")
-    """)
 
 
 def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialization(monkeypatch):

@@ -18,7 +18,7 @@ from mpsconvert.runtime.fp8linear import FP8Linear
 from mpsconvert.runtime.loader import load
 from mpsconvert.source import resolve
 
-from .models import runtime_tiny_llama
+from . import models
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -28,7 +28,7 @@ LLMC = Path(__file__).parent / "data" / "llmc"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt-load")
-    src = runtime_tiny_llama(root / "bf16", tie=False)
+    src = models.tiny("llama", root / "bf16", tokenizer="bpe", dtype=torch.bfloat16, tie=False)
     arts = {}
     for name, weights in (("fp8-dynamic", "row"), ("fp8-weight-only", "row"), ("fp8", "tensor")):
         opts = Options(scheme=Scheme.make(name, weights), force=True)
@@ -81,7 +81,7 @@ def test_load_our_artifact_layers_compute_the_scheme(tiny, scheme, gran, act):
 
 
 def test_load_sharded_artifact(tmp_path):
-    src = runtime_tiny_llama(tmp_path / "src", tie=True)
+    src = tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     m = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     m.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
     shutil.copy(src / "tokenizer.json", tmp_path / "sharded")

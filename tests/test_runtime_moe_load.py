@@ -23,7 +23,7 @@ from mpsconvert.runtime.loader import load
 from mpsconvert.runtime.moe import FP8Experts
 from mpsconvert.source import resolve
 
-from .models import TEXT_DATA, runtime_tokenizer, tiny_moe_checkpoint
+from .models import TEXT_DATA, runtime_tokenizer, tiny
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -36,8 +36,8 @@ def arts(tmp_path_factory):
     tok = runtime_tokenizer()
     out = {}
     for arch in ARCHS:
-        per_expert_src = tiny_moe_checkpoint(root / f"{arch}-src", arch, vocab=len(tok))
-        fused_src = tiny_moe_checkpoint(root / f"{arch}-fused-src", arch, fused=True, vocab=len(tok))
+        per_expert_src = tiny(arch, root / f"{arch}-src", dtype=torch.bfloat16, widen=0.08, vocab=len(tok))
+        fused_src = tiny(arch, root / f"{arch}-fused-src", dtype=torch.bfloat16, widen=0.08, vocab=len(tok), fused=True)
         for folder in (per_expert_src, fused_src):
             tok.save_pretrained(folder)
         for scheme in ("fp8-dynamic", "fp8-weight-only"):

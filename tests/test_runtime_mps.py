@@ -235,14 +235,14 @@ def arts(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("mps")
     only = Scheme.make("fp8-weight-only")
-    return {"llama": models.tiny_artifact(work, "llama", lambda p: models.tiny_llama(p, dtype=torch.bfloat16), only),
-            "mixtral": models.tiny_artifact(work, "mixtral", lambda p: models.tiny_moe_checkpoint(p, "mixtral"), only)}
+    return {"llama": models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p, dtype=torch.bfloat16), only),
+            "mixtral": models.tiny_artifact(work, "mixtral", lambda p: models.tiny("mixtral", p, dtype=torch.bfloat16, widen=0.08, vocab=128), only)}
 
 
 @pytest.fixture(scope="module")
 def text_art(tmp_path_factory, text_data):
     """A tiny Llama artifact with a tokenizer (generate, chat, validate)."""
-    return models.tiny_artifact(tmp_path_factory.mktemp("mps-text"), "llama", lambda p: models.runtime_tiny_llama(p, tie=False))
+    return models.tiny_artifact(tmp_path_factory.mktemp("mps-text"), "llama", lambda p: models.tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=False))
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from .test_runtime_fuse import _interpreted
-
 pytestmark = pytest.mark.triton
 
 
+@pytest.mark.triton("interpret")
 def test_routers_match_their_own_forward_and_models_decode_alike():
-    _interpreted("""
     import copy, torch
     from transformers import DynamicCache
     from mpsconvert.runtime import forwards, routing as R
@@ -70,12 +68,10 @@ def test_routers_match_their_own_forward_and_models_decode_alike():
                 err = (outs[0] - outs[1]).abs().max() / outs[0].abs().max()
                 assert err < 1e-4, (arch, i, err)
         assert len(calls) - n == 5 * len(routers), (len(calls) - n)  # the five decode steps, not the prefill
-    print("ok")
-    """)
 
 
+@pytest.mark.triton("interpret")
 def test_router_of_other_arithmetic_keeps_its_own_forward():
-    _interpreted("""
     import torch
     from torch import nn
     from mpsconvert.runtime import forwards, routing as R
@@ -92,5 +88,3 @@ def test_router_of_other_arithmetic_keeps_its_own_forward():
     report = R.install(m)
     assert report["routers"] == 0 and "0: its weights differ" in report["left"], report
     assert not forwards.installed(m[0])
-    print("ok")
-    """)

@@ -18,7 +18,7 @@ from mpsconvert import timing
 from mpsconvert.runtime import metrics
 from mpsconvert.runtime.validate import ValidateOptions
 
-from .models import TEXT_DATA, runtime_tiny_bert, runtime_tiny_llama
+from .models import TEXT_DATA, tiny
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -77,8 +77,8 @@ def test_mean_pool_cosine_and_latency_stats():
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt-val")
-    llama = runtime_tiny_llama(root / "llama")
-    bert = runtime_tiny_bert(root / "bert")
+    llama = tiny("llama", root / "llama", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
+    bert = tiny("bert", root / "bert", tokenizer="bpe", dtype=torch.bfloat16)
     mpsconvert.quantize(llama, root / "llama-fp8")
     mpsconvert.quantize(bert, root / "bert-fp8")
     return root

@@ -3,6 +3,7 @@ refused, with nothing written outside, nothing lost, nothing laundered and no co
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.untrusted import MAX_JSON_DEPTH, bad_relpath, inside, parse_json
 
-from .models import calib_tiny_llama, resign, tiny_artifact, tree_hashes
+from .models import resign, tiny, tiny_artifact, tree_hashes
 
 
 def cli(*args):
@@ -34,10 +35,9 @@ def cli(*args):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(work):
     """A tiny Llama with a tokenizer (so calibrate can run) and its fp8-dynamic artifact."""
-    work = tmp_path_factory.mktemp("sec")
-    art = tiny_artifact(work, "llama", calib_tiny_llama)
+    art = tiny_artifact(work, "llama", partial(tiny, "llama", tokenizer="minilm"))
     return work / "src-llama", art
 
 
@@ -137,14 +137,15 @@ def test_rebuild_refuses_a_file_changed_after_verification(art):
     every file it carries over against the old manifest before hashing it into the new one."""
     from mpsconvert.calibrate.artifact import write_into_artifact
     from mpsconvert.calibrate.run import Calibration
+    from mpsconvert.manifests.transaction import transaction
 
     m = Manifest.read(art)
     cal = Calibration(scales={r["module"]: 0.01 for r in m.tensors.values()}, expert_scales={}, record={})
     (art / "tokenizer.json").write_text("{}")
     before = tree_hashes(art)
-    with atomic.writing(art.absolute()):
-        with pytest.raises(ArtifactError, match="tokenizer.json does not match"):
-            write_into_artifact(art, cal)
+    with pytest.raises(ArtifactError, match="tokenizer.json does not match"):
+        with transaction(art) as t:
+            write_into_artifact(t, cal)
     assert tree_hashes(art) == before
 
 
@@ -240,21 +241,25 @@ _PUBLISH = """
 import sys
 from pathlib import Path
 from mpsconvert import atomic
-from mpsconvert.manifests import layout
+from mpsconvert.manifests.records import Validation, ValidationRun
+from mpsconvert.manifests.transaction import transaction
 art = Path(sys.argv[1]).absolute()
-def write(p):
-    p.mkdir(); (p / "weights.bin").write_bytes(bytes(range(256)) * 64)
-def record(m, p):
-    m.extra["coreml"] = {"package": p.name, "run": sys.argv[2]}
-if sys.argv[2] == "manifest":
-    with layout.update_manifest(art) as m:
-        m.extra["validation"] = {"run": "x"}
-else:
-    with atomic.writing(art):
-        layout.publish_package(art, layout.COREML_PACKAGE, write, record)
+if sys.argv[2] == "record":  # what validate's, the checks' and upload's records do: a record and the card
+    with transaction(art) as t:
+        acc = {"tokens": 64, "perplexity_bf16": 10.0, "perplexity_fp8": 10.1, "perplexity_delta_pct": 1.0, "mean_kl": 0.01, "top1_agreement": 0.9}
+        t.put(Validation(runs={"CPU (cpu)": ValidationRun(kind="causal-lm", device="cpu", accuracy=acc)}))
+else:  # what the Apple exports do: a package, its files' hashes, its record and the card
+    with transaction(art, drop=("model.mlpackage",)) as t:
+        pkg = t.folder / "model.mlpackage"
+        pkg.mkdir(); (pkg / "weights.bin").write_bytes(bytes(range(256)) * 64)
+        t.add_files("model.mlpackage")
+        atomic.kill_point("package-written")
+        t.manifest.extra["test_package"] = {"package": pkg.name}
 """
 
-PUBLISH_POINTS = ["staged", "package-written", "text-temp-written", "staged-written", "between-renames", "after-renames"]
+# every step of a transaction, in order: the staged copy, the package, the card's and the
+# manifest's temporary files, the card written (the manifest not yet), both written, the swap
+PUBLISH_POINTS = ["staged", "package-written", "text-temp-written", "card-written", "staged-written", "between-renames", "after-renames"]
 
 
 def _run_killed(point, *args):
@@ -262,28 +267,32 @@ def _run_killed(point, *args):
     return subprocess.run([sys.executable, "-c", _PUBLISH, *map(str, args)], env=env, capture_output=True, timeout=120)
 
 
+@pytest.mark.parametrize("mode", ["package", "record"])
 @pytest.mark.parametrize("point", PUBLISH_POINTS)
-def test_a_package_and_its_manifest_appear_together_whatever_the_kill_point(art, point):
-    r = _run_killed(point, art, "publish")
+def test_records_packages_and_the_card_appear_together_whatever_the_kill_point(art, tmp_path, point, mode):
+    """A transaction killed at any of its steps leaves the artifact as it was (killed before the
+    second rename) or as the transaction made it (after): never a card whose hash the manifest
+    lacks, never a package without its record; the next reader recovers a swap cut in two."""
+    if mode == "record" and point == "package-written":
+        pytest.skip("a record-only transaction writes no package")
+    work = tmp_path / "art"
+    shutil.copytree(art, work)
+    before = tree_hashes(work)
+    r = _run_killed(point, work, mode)
     assert r.returncode == -9, r.stderr.decode()[-800:]  # the kill point was reached
-    report = mpsconvert.verify(art)  # a reader recovers a swap cut in two
+    report = mpsconvert.verify(work)  # a reader recovers a swap cut in two
     assert report.ok, report.problems
-    has_pkg = (art / "model.mlpackage").is_dir()
-    assert has_pkg == ("coreml" in Manifest.read(art).extra) == (point == "after-renames")
-    r = subprocess.run([sys.executable, "-c", _PUBLISH, str(art), "publish"], capture_output=True, timeout=120)
+    after = Manifest.read(work)
+    changed = "test_package" in after.extra if mode == "package" else "validation" in after.extra
+    assert changed == (point == "after-renames")
+    if changed:  # the card was rendered from the new manifest, in the same swap
+        assert mode == "package" or "| CPU (cpu) |" in (work / "README.md").read_text()
+    else:
+        assert tree_hashes(work) == before
+    r = subprocess.run([sys.executable, "-c", _PUBLISH, str(work), mode], capture_output=True, timeout=120)  # the rerun completes, cleans up
     assert r.returncode == 0, r.stderr.decode()[-800:]
-    assert mpsconvert.verify(art).ok and (art / "model.mlpackage").is_dir()
-    assert not [p for p in list(art.iterdir()) + list(art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
-
-
-def test_a_manifest_write_killed_leaves_the_old_one_and_is_cleaned(art):
-    r = _run_killed("text-temp-written", art, "manifest")
-    assert r.returncode == -9
-    assert [p for p in art.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]  # the killed write's temp file
-    assert mpsconvert.verify(art).ok and "validation" not in Manifest.read(art).extra
-    assert subprocess.run([sys.executable, "-c", _PUBLISH, str(art), "manifest"], timeout=120).returncode == 0
-    assert "validation" in Manifest.read(art).extra and mpsconvert.verify(art).ok
-    assert not [p for p in art.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
+    assert mpsconvert.verify(work).ok
+    assert not [p for p in list(work.iterdir()) + list(work.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
 
 
 def test_calibrate_into_an_artifact_killed_at_each_step_then_rerun(art):
@@ -360,12 +369,22 @@ def test_bad_scale_values_are_caught_by_verify_and_load(art, value):
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_nan_codes_are_caught_by_verify_and_load(art, code):
+def test_nan_codes_are_caught_by_verify_and_load(art, code, monkeypatch):
+    from mpsconvert.manifests import values
+
     _patch_tensor(art, "model.layers.1.self_attn.q_proj.weight", bytes([code]), at=7)
-    report = mpsconvert.verify(art)
-    assert not report.ok and any("NaN code" in p for p in report.problems), report.problems
+    for hashes in (True, False):  # counted in the read that hashes the files, or (structure only) on their own
+        report = mpsconvert.verify(art, check_hashes=hashes)
+        assert not report.ok and [p for p in report.problems if "NaN code" in p] == [
+            "model.layers.1.self_attn.q_proj.weight in model.safetensors holds 1 NaN code(s) (0x7F/0xFF), which no quantizer writes"]
     with pytest.raises(ArtifactError, match="NaN codes"):
         mpsconvert.load(art, device="cpu")
+
+    def no_second_read(*a, **k):
+        raise AssertionError("the codes were read again after hashing")
+
+    monkeypatch.setattr(values.np, "memmap", no_second_read)
+    assert not mpsconvert.verify(art).ok  # found in the hashing read alone
 
 
 def test_the_manifest_sha256_pins_the_artifact(base, tmp_path):
@@ -398,12 +417,13 @@ def _edit_source(base, tmp_path, fn) -> Path:
     return d
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])  # copied as it is (the writer's copy), or cast (block by block)
 @pytest.mark.parametrize("tensor", ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"])
-def test_nan_in_a_copied_tensor_is_refused(base, tmp_path, tensor):
-    d = _edit_source(base, tmp_path, lambda sd: sd[tensor].view(-1).__setitem__(3, float("nan")))
-    with pytest.raises(QuantizationError, match="NaN or inf"):
-        _q(d, tmp_path / "out", force=False)
-    assert not (tmp_path / "out").exists()
+def test_nan_in_a_copied_tensor_is_refused(base, tmp_path, tensor, dtype):
+    d = _edit_source(base, tmp_path, lambda sd: sd[tensor].view(-1).__setitem__(3 if tensor != "model.norm.weight" else -1, float("inf")))
+    with pytest.raises(QuantizationError, match=f"tensor '{tensor}' in model.safetensors contains 1 NaN or inf"):
+        quantize_snapshot(source.resolve(str(d)), tmp_path / "out", Options(dtype=dtype))
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
 
 
 @pytest.mark.parametrize("how", ["shape", "rank", "dtype"])
@@ -484,9 +504,9 @@ def test_wrong_json_types_are_one_clear_error(art, where, edit):
 
 
 def test_a_missing_shard_is_a_clear_error_for_calibrate(base, tmp_path):
-    from .models import calib_tiny_llama as build
+    from .models import tiny
 
-    src = build(tmp_path / "sharded-src", max_shard_size="2MB")
+    src = tiny("llama", tmp_path / "sharded-src", tokenizer="minilm", max_shard_size="2MB")
     art = tmp_path / "sharded"
     mpsconvert.quantize(src, art)
     next(art.glob("model-00002-*.safetensors")).unlink()
@@ -504,12 +524,13 @@ def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, 
 
     from mpsconvert.calibrate.artifact import save_scales
     from mpsconvert.calibrate.run import Calibration
-    from mpsconvert.manifests import layout
+    from mpsconvert.manifests.records import Validation
+    from mpsconvert.manifests.transaction import transaction
 
     monkeypatch.setattr(atomic.os, "fsync", full)
     with pytest.raises(MpsconvertError, match="is full"):
-        with layout.update_manifest(art) as m:  # what validate's and the checks' records do
-            m.extra["validation"] = {}
+        with transaction(art) as t:  # what validate's and the checks' records do
+            t.put(Validation())
     with pytest.raises(MpsconvertError, match="is full"):
         save_scales(tmp_path / "scales.json", Calibration(scales={"a": 1.0}, expert_scales={}, record={}))
     monkeypatch.setattr(atomic.os, "fsync", real)
@@ -522,9 +543,9 @@ def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, 
 
 @pytest.fixture(scope="module")
 def coreml_art(tmp_path_factory):
-    from .models import coreml_tiny_llama, tiny_artifact
+    from .models import tiny, tiny_artifact
 
-    return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", coreml_tiny_llama)
+    return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", partial(tiny, "llama", dtype=torch.bfloat16, tie=True))
 
 
 @pytest.mark.extra("coreml")
@@ -563,16 +584,16 @@ def test_disk_full_while_a_package_is_written_is_one_line_and_changes_nothing(ar
     """What export-coreml / export-coreai do when the disk fills while saving the package."""
     import errno
 
-    from mpsconvert.manifests import layout
+    from mpsconvert.manifests.transaction import transaction
 
     def write(p):
         p.mkdir()
         raise OSError(errno.ENOSPC, "No space left on device")
 
     before = tree_hashes(art)
-    with atomic.writing(art.absolute()):
-        with pytest.raises(MpsconvertError, match="is full"):
-            layout.publish_package(art.absolute(), layout.COREML_PACKAGE, write, lambda m, p: None)
+    with pytest.raises(MpsconvertError, match="is full"):
+        with transaction(art, drop=("model.mlpackage",)) as t:
+            write(t.folder / "model.mlpackage")
     assert tree_hashes(art) == before
     assert not [p for p in art.parent.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
 

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import mpsconvert
@@ -20,10 +21,13 @@ from mpsconvert.cli import main
 from mpsconvert.errors import ArtifactError, MpsconvertError
 from mpsconvert.manifests import layout
 from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
+from mpsconvert.manifests.records import Hub
+from mpsconvert.manifests.transaction import transaction
 
 from . import models
 from .bounded import within
 
+COREAI_ASSET, COREML_PACKAGE = "model.aimodel", "model.mlpackage"  # the Apple targets' package names (apple/)
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -46,7 +50,7 @@ def base(tmp_path_factory):
     from transformers import AutoTokenizer
 
     work = tmp_path_factory.mktemp("sec3")
-    src = models.runtime_tiny_llama(work / "src", tie=False)
+    src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(str(src))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(src))
@@ -79,7 +83,7 @@ def test_a_planted_lock_symlink_is_an_error_and_creates_nothing_outside(art, tmp
     one_line_error(res, "symlink under a name mpsconvert reserves", "never followed")
     assert not (outside / "created-by-the-lock").exists() and lock.is_symlink()
     with pytest.raises(MpsconvertError, match="never followed"):
-        with layout.update_manifest(art):
+        with transaction(art):
             pass
     lock.unlink()
     assert mpsconvert.verify(art).ok
@@ -111,8 +115,8 @@ def test_user_folders_under_the_reserved_prefix_are_never_deleted_or_restored(ar
     parked = art.parent / f"{atomic.TMP_PREFIX}{art.name}-old"  # an older version's name, or a user's folder
     parked.mkdir()
     (parked / "notes.txt").write_text("mine too")
-    with layout.update_manifest(art) as m:  # a writer: recovers what killed runs of ours left, only that
-        m.extra["validation"] = {"run": "x"}
+    with transaction(art) as t:  # a writer: recovers what killed runs of ours left, only that
+        t.put(Hub(repo="me/x"))
     assert mpsconvert.verify(art).ok
     assert (mine / "thesis.tex").read_text() == "years of work" and (parked / "notes.txt").read_text() == "mine too"
     # the artifact gone: a folder that is not ours is not "put back" as it
@@ -150,31 +154,27 @@ def test_force_replaces_only_a_folder_whose_manifest_parses_and_is_ours(base, tm
 
 
 def test_an_unlisted_folder_under_a_package_name_is_never_replaced(art):
-    user = art / layout.COREAI_ASSET
+    user = art / COREAI_ASSET
     user.mkdir()
     (user / "my-notes.txt").write_text("mine")
 
-    def write(p):
-        p.mkdir()
-        (p / "weights.bin").write_bytes(b"x")
-
     with pytest.raises(ArtifactError, match="not a package mpsconvert wrote"):
-        layout.check_package_slot(art, layout.COREAI_ASSET, force=True)
-    with atomic.writing(art), pytest.raises(ArtifactError, match="not a package mpsconvert wrote"):
-        layout.publish_package(art, layout.COREAI_ASSET, write, lambda m, p: None)
+        layout.check_package_slot(art, COREAI_ASSET, Manifest.read(art).files, force=True)
     assert (user / "my-notes.txt").read_text() == "mine"
     # a package mpsconvert wrote (listed) is replaced with force, and refused without
     shutil.rmtree(user)
-    with atomic.writing(art):
-        layout.publish_package(art, layout.COREAI_ASSET, write, lambda m, p: m.extra.update(coreai={"asset": p.name}))
+    with transaction(art, drop=(COREAI_ASSET,)) as t:
+        (t.folder / COREAI_ASSET).mkdir()
+        (t.folder / COREAI_ASSET / "weights.bin").write_bytes(b"x")
+        t.add_files(COREAI_ASSET)
     with pytest.raises(MpsconvertError, match="already exists"):
-        layout.check_package_slot(art, layout.COREAI_ASSET, force=False)
-    layout.check_package_slot(art, layout.COREAI_ASSET, force=True)
+        layout.check_package_slot(art, COREAI_ASSET, Manifest.read(art).files, force=False)
+    layout.check_package_slot(art, COREAI_ASSET, Manifest.read(art).files, force=True)
 
 
 @pytest.mark.extra("coreai")
 def test_export_coreai_force_refuses_a_user_folder_named_like_its_asset(art):
-    user = art / layout.COREAI_ASSET
+    user = art / COREAI_ASSET
     user.mkdir()
     (user / "my-notes.txt").write_text("mine")
     res = cli("export-coreai", art, "--force")
@@ -185,18 +185,15 @@ def test_export_coreai_force_refuses_a_user_folder_named_like_its_asset(art):
 def test_a_symlinked_artifact_is_written_through_its_target(art, tmp_path):
     link = tmp_path / "link"
     link.symlink_to(art, target_is_directory=True)
-    with layout.update_manifest(link) as m:
-        m.extra["validation"] = {"run": "through the link"}
-
-    def write(p):
-        p.mkdir()
-        (p / "weights.bin").write_bytes(b"x" * 100)
-
-    with atomic.writing(link):
-        layout.publish_package(link, layout.COREML_PACKAGE, write, lambda m, p: m.extra.update(coreml={"package": p.name}))
+    with transaction(link) as t:
+        t.put(Hub(repo="me/through-the-link"))
+    with transaction(link, drop=(COREML_PACKAGE,)) as t:
+        (t.folder / COREML_PACKAGE).mkdir()
+        (t.folder / COREML_PACKAGE / "weights.bin").write_bytes(b"x" * 100)
+        t.add_files(COREML_PACKAGE)
     assert link.is_symlink() and link.resolve() == art.resolve()
     m = Manifest.read(art)
-    assert m.extra["validation"] == {"run": "through the link"} and (art / layout.COREML_PACKAGE / "weights.bin").is_file()
+    assert m.get(Hub).repo == "me/through-the-link" and (art / COREML_PACKAGE / "weights.bin").is_file()
     assert mpsconvert.verify(link).ok and mpsconvert.verify(art).ok
     assert not [p for p in list(tmp_path.iterdir()) + list(art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
 
@@ -222,7 +219,7 @@ def fp8_source(tmp_path_factory):
     import torch
 
     work = tmp_path_factory.mktemp("fp8src")
-    return models.to_fine_grained_fp8(models.tiny_qwen3(work / "bf16", dtype=torch.float32), work / "fp8", 32)
+    return models.to_fine_grained_fp8(models.tiny("qwen3", work / "bf16", dtype=torch.float32), work / "fp8", 32)
 
 
 GATE = "model.layers.0.mlp.gate_proj.weight"

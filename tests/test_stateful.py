@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpsconvert.convert import compare, stateful
+from mpsconvert.apple import compare, stateful
 from mpsconvert.errors import MpsconvertError
 
 

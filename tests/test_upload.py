@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
+import torch
 from mpsconvert.cli import main
 
 from . import models
@@ -17,7 +18,7 @@ def artifact_files(folder):
 
 
 def test_upload_sends_every_file_in_one_commit(online, tmp_path):
-    src = models.runtime_tiny_llama(tmp_path / "src")
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = tmp_path / "llama-fp8"
     mpsconvert.quantize(src, art)
     res = CliRunner().invoke(main, ["upload", str(art), "me/llama-fp8", "--private", "--json"], catch_exceptions=False)
@@ -39,7 +40,7 @@ def test_upload_sends_every_file_in_one_commit(online, tmp_path):
 
 
 def test_quantize_upload_repo_and_existing_repo(online, tmp_path):
-    src = models.runtime_tiny_llama(tmp_path / "src")
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     online.repos["me/again"] = {"name": "again"}  # already there: create_repo(exist_ok) carries on
     res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/again"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -50,7 +51,7 @@ def test_quantize_upload_repo_and_existing_repo(online, tmp_path):
 
 def test_offline_is_one_line_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    src = models.runtime_tiny_llama(tmp_path / "src")
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/x"])
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "offline mode" in res.output, res.output
     assert not (tmp_path / "a").exists()
@@ -62,7 +63,7 @@ def test_offline_is_one_line_before_any_work(tmp_path, monkeypatch):
 
 
 def test_a_damaged_artifact_is_not_uploaded(online, tmp_path):
-    art = mpsconvert.quantize(models.runtime_tiny_llama(tmp_path / "src"), tmp_path / "a").output
+    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     with open(art / "model.safetensors", "r+b") as f:
         f.seek(-4, 2)
         f.write(b"\0\0\0\1")
@@ -74,7 +75,7 @@ def test_a_damaged_artifact_is_not_uploaded(online, tmp_path):
 def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch):
     import huggingface_hub.constants as c
 
-    art = mpsconvert.quantize(models.runtime_tiny_llama(tmp_path / "src"), tmp_path / "a").output
+    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
@@ -87,7 +88,7 @@ def test_an_existing_repo_keeps_its_visibility_and_is_reported_as_it_is(online, 
     """`--private` only makes a new repo private: an existing public one is refused before anything
     is sent (never an artifact meant to be private in a public repo), and the visibility reported is
     the hub's, not the flag's."""
-    art = mpsconvert.quantize(models.runtime_tiny_llama(tmp_path / "src"), tmp_path / "a").output
+    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     online.repos["me/public"] = {"name": "public", "visibility": "public"}
     res = CliRunner().invoke(main, ["upload", str(art), "me/public", "--private"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
@@ -106,7 +107,7 @@ def test_a_hub_without_xet_storage_is_not_unreachable(online, tmp_path, monkeypa
     which hf_xet reports as a network error: said as what it is, with the switch that helps."""
     import huggingface_hub.constants as c
 
-    art = mpsconvert.quantize(models.runtime_tiny_llama(tmp_path / "src"), tmp_path / "a").output
+    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     monkeypatch.setattr(c, "HF_HUB_DISABLE_XET", False)
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
@@ -117,7 +118,7 @@ def test_a_hub_without_xet_storage_is_not_unreachable(online, tmp_path, monkeypa
 def test_a_404_from_the_hub_says_what_was_not_found(online, tmp_path, monkeypatch):
     import mpsconvert.publish as publish
 
-    art = mpsconvert.quantize(models.runtime_tiny_llama(tmp_path / "src"), tmp_path / "a").output
+    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     monkeypatch.setenv("HF_ENDPOINT", online.url + "/not-a-hub")  # a server, but no hub API under that path
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output

@@ -2,10 +2,10 @@
 
 The library API (mpsconvert/api.py) is re-exported here:
 
-    from mpsconvert import quantize, calibrate, validate, verify, inspect, export_coreml, export_coreai, load
+    from mpsconvert import quantize, calibrate, validate, verify, inspect, export, check, load
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from .errors import (  # noqa: E402
     ArtifactError,
@@ -26,20 +26,24 @@ from .api import (  # noqa: E402
     UploadResult,
     CoreAIResult,
     CoreMLResult,
+    ExportResult,
     QuantizeResult,
     ValidationResult,
     calibrate,
     calibration_options,
     chat,
+    check,
     check_coreai,
     check_coreml,
     coreai_latency,
+    export,
     export_coreai,
     export_coreml,
     generate,
     inspect,
     load,
     quantize,
+    targets,
     upload,
     validate,
     validate_options,
@@ -48,9 +52,9 @@ from .api import (  # noqa: E402
 
 __all__ = [
     "__version__",
-    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai", "check_coreai",
-    "coreai_latency", "load", "generate", "chat", "upload", "calibration_options", "validate_options",
-    "QuantizeResult", "CalibrateResult", "ValidationResult", "CoreMLResult", "CoreAIResult",
+    "quantize", "calibrate", "validate", "verify", "inspect", "export", "check", "targets", "export_coreml", "check_coreml",
+    "export_coreai", "check_coreai", "coreai_latency", "load", "generate", "chat", "upload", "calibration_options", "validate_options",
+    "QuantizeResult", "CalibrateResult", "ValidationResult", "ExportResult", "CoreMLResult", "CoreAIResult",
     "GenerateResult", "Chat", "UploadResult",
     "MpsconvertError", "SourceError", "QuantizationError", "ArtifactError", "DeviceError", "DataError",
     "ExportError", "EvalError", "MissingExtraError", "UploadError",

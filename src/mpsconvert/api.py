@@ -7,11 +7,17 @@
 
 Each function takes typed keyword arguments, returns a small dataclass, and raises an
 `MpsconvertError` subclass (errors.py) for anything the caller can fix; the CLI is a thin layer
-over these functions. Every decision about *what* to do lives here or below (which output
-name, whether to calibrate or read scales, artifact or source, what to record); the modules
-below do the work. Importing this module is cheap (no torch): heavy imports happen inside the
+over these functions. This module is a facade: each function is its signature, its docstring
+and a call into the package that does the work (convert/pipeline.py, calibrate/artifact.py,
+runtime/, apple/flow.py, publish.py); where an operation spans two of those packages (quantize's
+exports, validate's Apple part), the few lines that join them are here, since the packages do
+not import each other. Importing this module is cheap (no torch): heavy imports happen inside the
 calls, so `mpsconvert --help` stays fast and a conversion starts hashing its source before
 torch loads.
+
+The Apple targets (Core ML, Core AI) come from a registry (apple/registry.py): `export(artifact,
+target)` and `check(artifact, target)` take any of them, `targets()` lists them, and the
+per-target functions (`export_coreml`, `check_coreai`, ...) are aliases kept for their callers.
 """
 
 from __future__ import annotations
@@ -21,20 +27,21 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__  # noqa: F401  (re-exported for the CLI)
-from . import atomic
+from .version import __version__  # noqa: F401  (re-exported for the CLI)
+from .apple import flow, registry
+from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
+from .apple.coreai import CoreAIOptions
+from .apple.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
+from .apple.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
+from .apple.coreml import ExportOptions, SeqLen
+from .apple.flow import ExportResult
+from .apple.target import Option, Target  # noqa: F401  (the CLI builds its Apple options from them)
 from .atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES  # noqa: F401
-from .convert.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
-from .convert.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
-from .convert.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
-from .convert.coreai import CoreAIOptions
-from .convert.coreml import ExportOptions, SeqLen
 from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
-from .manifests import layout
-from .manifests.manifest import Manifest
 from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
+from .manifests.manifest import Manifest
 from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
 from .progress import Progress
 
@@ -47,53 +54,42 @@ if TYPE_CHECKING:  # heavy modules, for annotations only
     from .runtime.validate import ValidateOptions
 
 __all__ = [
-    "quantize", "calibrate", "validate", "verify", "inspect", "export_coreml", "check_coreml", "export_coreai", "check_coreai",
-    "coreai_latency", "load", "generate", "chat", "upload",
-    "QuantizeResult", "CalibrateResult", "GenerateResult", "Chat", "UploadResult", "ValidationResult", "CoreMLResult", "CoreAIResult", "ExportOptions", "SeqLen", "CoreAIOptions",
-    "calibration_options", "validate_options",
+    "quantize", "calibrate", "validate", "verify", "inspect", "export", "check", "targets", "export_coreml", "check_coreml",
+    "export_coreai", "check_coreai", "coreai_latency", "load", "generate", "chat", "upload",
+    "QuantizeResult", "CalibrateResult", "GenerateResult", "Chat", "UploadResult", "ValidationResult", "ExportResult", "CoreMLResult",
+    "CoreAIResult", "ExportOptions", "SeqLen", "CoreAIOptions", "calibration_options", "validate_options",
 ]
+
+# The results of the Apple targets are one type; the names of the two first targets stay for their callers.
+CoreMLResult = CoreAIResult = ExportResult
+
+
+def targets() -> dict[str, Target]:
+    """The Apple export targets by key ("coreml", "coreai", and any registered since)."""
+    return dict(registry.TARGETS)
+
+
+class _ByTarget:
+    """Results that hold one entry per Apple target (`apple`), also readable as attributes named
+    by the target's key (`result.coreml`), whatever targets are registered."""
+
+    def __getattr__(self, name: str):
+        if name != "apple" and name in registry.TARGETS:
+            return self.apple.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- results
 
 
 @dataclass
-class CoreMLResult:
-    """A Core ML package in an artifact: the manifest's `coreml` record and, when checked, the
-    checks that run anywhere (spec, weights read back, reference evaluation)."""
-
-    artifact: Path
-    package: Path
-    record: dict
-    check: dict | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.check is None or bool(self.check.get("ok"))
-
-    def as_dict(self) -> dict:
-        return {"export": self.record, "check": self.check}
-
-
-class CoreAIResult(CoreMLResult):
-    """A Core AI asset in an artifact: the manifest's `coreai` record and, when checked, the
-    checks (interface, f8E4M3FN weights read back, the Core AI runtime against PyTorch);
-    `package` is the asset (also `asset`)."""
-
-    @property
-    def asset(self) -> Path:
-        return self.package
-
-
-@dataclass
-class QuantizeResult:
+class QuantizeResult(_ByTarget):
     """A written artifact: where it is and its manifest (with the summary `quantize` prints)."""
 
     output: Path
     manifest: Manifest
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
-    coreml: CoreMLResult | None = None  # when a Core ML package was exported too
-    coreai: CoreAIResult | None = None  # when a Core AI asset was exported too
+    apple: dict[str, ExportResult] = field(default_factory=dict)  # target key -> the export asked for (also `result.<key>`)
     manifest_sha256: str | None = None  # of the manifest file as written: pin it (`verify --manifest-sha256`)
     upload: UploadResult | None = None  # when it was published to the hub too
     warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
@@ -118,10 +114,12 @@ class CalibrateResult:
 
 
 @dataclass
-class ValidationResult:
+class ValidationResult(_ByTarget):
     """What `validate` measured: accuracy and latency of the FP8 artifact against its BF16
     baseline on one device, with the settings and kernel decisions; `as_dict()` is what is
-    recorded in the manifest's `validation` block (plus the Core ML part)."""
+    recorded in the manifest's `validation` block, plus each Apple target's part (`apple`: by
+    target key, also `result.coreml`, `result.coreai`: its runtime beside PyTorch, or why it
+    did not run; None without a package)."""
 
     kind: str  # "causal-lm" | "encoder" | "diffusion-step"
     device: str
@@ -141,11 +139,11 @@ class ValidationResult:
     speedup: dict | None = None  # BF16 median / FP8 median per phase
     verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"
     recorded: str | None = None  # the manifest written, None when the checkpoint has none
-    coreml: dict | None = None  # Core ML runtime check (macOS) or why it was skipped; None without a package
-    coreai: dict | None = None  # Core AI latency beside PyTorch (Linux CPU runtime, or per unit on macOS); None without an asset
+    apple: dict[str, dict | None] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None or k in ("recorded", "coreml", "coreai")}
+        body = {k: v for k, v in asdict(self).items() if k != "apple" and (v is not None or k == "recorded")}
+        return body | {key: self.apple.get(key) for key in registry.TARGETS}
 
 
 # --------------------------------------------------------------------------- options
@@ -170,11 +168,6 @@ def validate_options(**kw: Any) -> ValidateOptions:
 # --------------------------------------------------------------------------- quantize
 
 
-def default_output(source_name: str, scheme: str) -> Path:
-    """`<last part of the repo id or folder name>-<scheme>`, in the current folder."""
-    return Path(f"{source_name.split('/')[-1]}-{scheme}")
-
-
 def quantize(
     source: str | Path,
     output: str | Path | None = None,
@@ -190,6 +183,7 @@ def quantize(
     force: bool = False,
     calibration: CalibOptions | None = None,
     scales_file: str | Path | None = None,
+    exports: dict[str, Any] | None = None,
     coreml: ExportOptions | None = None,
     coreai: CoreAIOptions | None = None,
     dtype: str | None = None,
@@ -222,8 +216,10 @@ def quantize(
         calibration: for scheme "fp8", how to calibrate [default: the built-in text, 128 x 512
             tokens, minmax]; ignored when `scales_file` is given.
         scales_file: for scheme "fp8", input scales written earlier by `calibrate(..., output=FILE)`.
-        coreml: also export a Core ML package into the artifact (and check it).
-        coreai: also export a Core AI asset into the artifact (and check it).
+        exports: also export into the artifact (and check) each Apple target named, {target key:
+            its export options, or None for its defaults} (`targets()`).
+        coreml: also export a Core ML package into the artifact (and check it): `exports={"coreml": coreml}`.
+        coreai: also export a Core AI asset into the artifact (and check it): `exports={"coreai": coreai}`.
         dtype: "bfloat16", "float16" or "float32" for the tensors that stay unquantized
             (embeddings, lm_head, norms) [default: copied bit for bit in the source's dtype].
         max_shard_size: the largest weight file, bytes or "1GB" / "500MB" / "2GiB" (as
@@ -253,156 +249,49 @@ def quantize(
             offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
-    from . import source as sources
+    from .calibrate import for_quantize
+    from .convert import pipeline
 
+    apple = {**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})}
     if upload_repo is not None:  # a bad repo id or offline mode: said before the conversion, not after
         from . import publish
 
-        publish.check_repo_id(upload_repo)
-        if publish.offline():
-            raise UploadError(f"--upload-repo {upload_repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                              "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
+        publish.check_upload(upload_repo)
+    copts = replace(calibration or calibration_options(), ignore=list(ignore), trust_remote_code=trust_remote_code)
+    copts = replace(copts, token=copts.token or token)
+    given = {"--calib-data": calibration is not None and calibration.data is not None, "--scales": scales_file is not None}
+    result = QuantizeResult(Path(), None)
 
-    if block_size is not None and weights != "block":
-        raise MpsconvertError(f"--block-size {block_size} applies to block weights only", "add --weights block, or drop --block-size")
-    sch = Scheme.make(scheme or "fp8-dynamic", weights, block_size)
-    if not sch.needs_calibration and (scales_file is not None or (calibration is not None and calibration.data is not None)):
-        raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {sch.name})", "add --scheme fp8, or drop them")
-    # Where the output goes, and whether it may, before any work (torch, a download, a GGUF unpacked):
-    # a local folder is read now (a config and an index), a hub id only named.
-    path = sources.local_path(str(source))
-    gguf_file = path if sources.is_gguf(path) else None
-    snap = (sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
-            if path is not None and gguf_file is None else None)
+    def follow_ups(done: pipeline.Converted) -> None:  # under the conversion's lock: the exports asked for, then the upload
+        for key, opts in apple.items():
+            t = registry.get(key)
+            with _written_but(done.output, f"its {t.name} export", f"run `mpsconvert export-{key}` on it to retry", ExportError):
+                result.apple[key] = flow.export(done.output, key, replace(opts or t.options(), force=True), True, progress)
+        if upload_repo is not None:
+            with _written_but(done.output, "its upload", f"run `mpsconvert upload {done.output} {upload_repo}` to retry", UploadError):
+                result.upload = upload(done.output, upload_repo, private=private, token=token, progress=progress)
 
-    def output_for(snap, name: str) -> Path:
-        """The output folder: -o, or the default name for this source (a diffusion model's own)."""
-        if output is not None:
-            return Path(output)
-        if snap is not None and snap.diffusion is not None:
-            from .convert.diffusion.run import default_format, default_output as diffusion_output
-
-            return diffusion_output(snap, format or default_format(snap))
-        own = snap.fp8.scheme if snap is not None and snap.fp8 is not None and scheme is None and weights is None else sch
-        return default_output(name, own.name)
-
-    out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
-    with contextlib.ExitStack() as claimed:
-        claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
-        atomic.check_replaceable(out, force=force, is_ours=layout.is_ours, protect=(path,) if path is not None else ())
-        if snap is not None:
-            snap.start_hashing()  # a local folder: hashed while torch and transformers load
-        from .convert.quantize import shard_size_bytes
-
-        shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
-        from .extras import require
-
-        if coreml is not None:  # a missing extra is said before the conversion, not after it
-            require("coremltools", "coreml", "Core ML export (--coreml)")
-        if coreai is not None:
-            require("coreai.authoring", "coreai", "Core AI export (--coreai)")
-        if gguf_file is not None:
-            from .convert.gguf import unpacked
-
-            snap = claimed.enter_context(unpacked(gguf_file, dtype))
-        elif snap is None:
-            snap = sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
-            if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
-                out = output_for(snap, snap.repo_id)
-                claimed.enter_context(atomic.claim(out))
-                atomic.check_replaceable(out, force=force, is_ours=layout.is_ours)
-        if snap.diffusion is not None or format is not None:
-            from .convert.diffusion.run import quantize_source
-
-            llm_only = {"--scheme": scheme, "--weights": weights, "--scales": scales_file, "--coreml": coreml, "--coreai": coreai,
-                        "--dtype": dtype, "--calib-data": calibration is not None and calibration.data is not None,
-                        "--experts-layout": experts_layout != "per-expert"}
-            out, manifest = quantize_source(snap, out, format, ignore=list(ignore), force=force, max_shard_size=shard_bytes,
-                                            llm_only=llm_only, progress=progress)
-            return _published(QuantizeResult(output=out, manifest=manifest), upload_repo, private, token, progress)
-        if snap.fp8 is not None and scheme is None and weights is None:
-            sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
-        return _quantize_claimed(snap, out, sch, ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
-                                 force=force, calibration=calibration, scales_file=scales_file, coreml=coreml, coreai=coreai, dtype=dtype,
-                                 shard_bytes=shard_bytes, upload_repo=upload_repo, private=private, token=token, progress=progress)
-
-
-def _quantize_claimed(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts_layout, force, calibration, scales_file,
-                      coreml, coreai, dtype, shard_bytes, upload_repo, private, token, progress) -> QuantizeResult:
-    """`quantize` of a language model once its source is resolved and its output claimed (atomic.claim)."""
-    snap.start_hashing()  # overlaps the imports and planning below
-    from .convert.quantize import Options, check_fp8_source, quantize_snapshot
-
-    check_fp8_source(snap, sch)
-    opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
-                   dtype=dtype, max_shard_size=shard_bytes)
-    cal = None
-    if sch.needs_calibration and not (snap.fp8 is not None and sch == snap.fp8.scheme):  # a static FP8 source brings its scales
-        if scales_file is not None:
-            from .calibrate.artifact import load_scales
-
-            opts.input_scales, record = load_scales(Path(scales_file))
-            opts.calibration = {**record, "scales_file": str(scales_file)}
-        else:
-            copts = replace(calibration or calibration_options(), ignore=list(ignore), trust_remote_code=trust_remote_code)
-            if copts.token is None:
-                copts = replace(copts, token=token)
-            cal = _calibrate_folder(snap.path, copts, progress)
-            opts.input_scales, opts.calibration = cal.scales, cal.record
-        opts.device = opts.calibration.get("device", opts.device)
-    manifest = quantize_snapshot(snap, out, opts, progress)
-    result = QuantizeResult(output=out, manifest=manifest, calibration=cal)
-    from .manifests.card import source_precision_note
-
-    if note := source_precision_note(manifest.source):  # a GGUF below 8 bits: said in the summary, as in the card
-        result.warnings.append(note)
-    if snap.fp8 is not None and sch != snap.fp8.scheme:
-        sqnrs = sorted(r["sqnr_db"] for r in manifest.tensors.values() if r.get("sqnr_db") is not None)
-        measured = (f"round-trip SQNR against the source: worst {sqnrs[0]:.1f} dB, median {sqnrs[len(sqnrs) // 2]:.1f} dB"
-                    if sqnrs else "round-trip SQNR: exact")
-        result.warnings.append(f"the source is already FP8 ({snap.fp8.layout}, {snap.fp8.scheme.weights} scales); {sch.name} with "
-                               f"{sch.weights} scales dequantized and re-quantized it, which rounds twice ({measured}); "
-                               "drop --scheme/--weights to keep its codes as they are")
-    if coreml is not None:
-        try:
-            result.coreml = export_coreml(out, seq_len=str(coreml.seq_len), weights=coreml.weights, frontend=coreml.frontend,
-                                          kv_cache=coreml.kv_cache, max_len=coreml.max_len, force=True, progress=progress)
-        except MpsconvertError as e:
-            raise ExportError(f"{out} was written, but its Core ML export failed: {e.problem}",
-                              e.fix or "run `mpsconvert export-coreml` on it to retry") from e
-    if coreai is not None:
-        try:
-            result.coreai = export_coreai(out, max_len=coreai.max_len, compute=coreai.compute, force=True, progress=progress)
-        except MpsconvertError as e:
-            raise ExportError(f"{out} was written, but its Core AI export failed: {e.problem}",
-                              e.fix or "run `mpsconvert export-coreai` on it to retry") from e
-    return _published(result, upload_repo, private, token, progress)
-
-
-def _published(result: QuantizeResult, upload_repo: str | None, private: bool, token: str | None,
-               progress: Progress | None) -> QuantizeResult:
-    """The end of every quantize: the upload when asked for, and the manifest's sha256 to pin."""
+    done = pipeline.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token,
+                             ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
+                             calibration_given=given, scales=for_quantize(scales_file, copts, progress), dtype=dtype,
+                             max_shard_size=max_shard_size, format=format, component=component, exports=tuple(apple),
+                             before=lambda: flow.require_all(apple), then=follow_ups, progress=progress)
     from .manifests.manifest import manifest_sha256
 
-    out = result.output
-    if upload_repo is not None:
-        try:
-            result.upload = upload(out, upload_repo, private=private, token=token, progress=progress)
-        except MpsconvertError as e:
-            raise UploadError(f"{out} was written, but its upload failed: {e.problem}",
-                              e.fix or f"run `mpsconvert upload {out} {upload_repo}` to retry") from e
-        result.manifest = Manifest.read(out)
-    result.manifest_sha256 = manifest_sha256(out)
-    return result
+    return replace(result, output=done.output, manifest=Manifest.read(done.output), calibration=done.calibration,
+                   manifest_sha256=manifest_sha256(done.output), warnings=done.warnings)
+
+
+@contextlib.contextmanager
+def _written_but(out: Path, what: str, retry: str, error: type[MpsconvertError]):
+    """A step after the artifact was written that failed: said as such (the artifact stands)."""
+    try:
+        yield
+    except MpsconvertError as e:
+        raise error(f"{out} was written, but {what} failed: {e.problem}", e.fix or retry) from e
 
 
 # --------------------------------------------------------------------------- calibrate
-
-
-def _calibrate_folder(model_dir: Path, opts: CalibOptions, progress: Progress | None) -> Calibration:
-    from .calibrate.run import calibrate as run
-
-    return run(model_dir, opts, progress)
 
 
 def calibrate(
@@ -433,39 +322,13 @@ def calibrate(
         SourceError, DataError, QuantizationError, DeviceError, ArtifactError: as the inputs warrant.
         MpsconvertError: a source given without `output`.
     """
-    from .calibrate.artifact import dequantized_snapshot, save_scales, write_into_artifact
-    from .manifests.verify import check_before_use
-    from .source import resolve
+    from .calibrate.artifact import calibrate_target
 
     opts = options or calibration_options()
     if opts.token is None and token is not None:
         opts = replace(opts, token=token)
-    path = Path(target).expanduser()
-    atomic.recover(path)
-    if layout.is_artifact(path):
-        # Written into: under the artifact's lock from before any work to the card. Verified first,
-        # every hash, before any of its config, code or weights is used (and never re-hashed unverified).
-        with atomic.claim(path) if output is None else contextlib.nullcontext():
-            check_before_use(path, opts.trust_remote_code)
-            ignore = Manifest.read(path).recipe.get("ignore_patterns")
-            if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
-                raise ArtifactError(f"{path}/{layout.MANIFEST_NAME}: recipe.ignore_patterns is not a list of patterns", "re-create the artifact")
-            opts = replace(opts, ignore=list(ignore or opts.ignore))
-            with dequantized_snapshot(path) as snap_dir:
-                cal = _calibrate_folder(snap_dir, opts, progress)
-            cal.record["weights"] = "the artifact's FP8 weights, dequantized"
-            if output is not None:
-                save_scales(Path(output), cal)
-                return CalibrateResult(cal, Path(output), into_artifact=False)
-            write_into_artifact(path, cal)
-            _refresh_card(path)
-        return CalibrateResult(cal, path, into_artifact=True, manifest=Manifest.read(path))
-    if output is None:
-        raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
-    snap = resolve(str(target), revision=revision, token=token)
-    cal = _calibrate_folder(snap.path, opts, progress)
-    save_scales(Path(output), cal)
-    return CalibrateResult(cal, Path(output), into_artifact=False)
+    cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, progress=progress)
+    return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest)
 
 
 # --------------------------------------------------------------------------- check
@@ -491,10 +354,10 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from .runtime.loader import verify as run
+    from .runtime import loader
 
-    return run(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress,
-               manifest_sha256=manifest_sha256)
+    return loader.verify(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress,
+                         manifest_sha256=manifest_sha256)
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -529,127 +392,89 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
         DeviceError: the device is not there, or ran out of memory.
         ArtifactError: the artifact fails verification.
     """
-    from .runtime.validate import validate as run
+    from . import atomic
+    from .convert.gguf import validation_baseline
+    from .manifests import layout
+    from .runtime import validate as validation
 
     opts = options or validate_options()
     artifact = Path(artifact)
-    writes = opts.write and layout.is_artifact(artifact)
+    found = layout.is_artifact(artifact)
     # The lock before any work: a second writer is refused now, not after a 48-minute run.
-    with atomic.claim(artifact) if writes else contextlib.nullcontext(), contextlib.ExitStack() as stack:
-        if layout.is_artifact(artifact) and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
+    with atomic.claim(artifact) if opts.write and found else contextlib.nullcontext():
+        if found and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
             from .convert.diffusion.load import load_pair
-            from .runtime.validate_diffusion import validate as run_step
+            from .runtime import validate_diffusion
 
-            result = ValidationResult(**run_step(artifact, opts, load_pair, progress))
-            if result.recorded:
-                _refresh_card(artifact)
-            return result
-        gguf = _gguf_baseline(artifact, opts, stack)
-        if gguf is not None:
-            opts = replace(opts, baseline=str(gguf[1]))
-        result = ValidationResult(**run(artifact, opts, progress))
-        if gguf is not None:
-            _name_gguf_baseline(artifact, result, gguf)
+            return ValidationResult(**validate_diffusion.validate(artifact, opts, load_pair, progress))
+        with validation_baseline(artifact, opts.baseline) as gguf:  # a GGUF source is compared with that GGUF
+            body = validation.validate(artifact, replace(opts, baseline=str(gguf.folder)) if gguf else opts, progress)
+            if gguf:
+                gguf(body)
+        result = ValidationResult(**body)
         # The Apple parts run with the settings the PyTorch rows were measured with (their defaults
-        # resolved by the run, recorded in `settings`); a failure in one is said beside the recorded
-        # validation, never instead of it.
-        failure = None
-        for key, name, part in (("coreml", "Core ML", lambda: _coreml_runtime(artifact, result.settings)),
-                                ("coreai", "Core AI", lambda: _coreai_runtime(artifact, result.settings, progress))):
-            try:
-                setattr(result, key, part())
-            except MpsconvertError as e:
-                setattr(result, key, {"status": "failed", "reason": str(e)})
-                failure = failure or ExportError(f"validation results for {artifact} are recorded, but its {name} part failed: {e.problem}",
-                                                 e.fix or f"run `mpsconvert validate {artifact}` again once that is fixed")
-            except Exception as e:  # a bug: its traceback is kept, once the results are recorded and shown
-                setattr(result, key, {"status": "failed", "reason": f"{type(e).__name__}: {e}"})
-                failure = failure or e
-        if result.recorded:
-            _refresh_card(artifact)
+        # resolved by the run); a failure in one is said beside the recorded validation, never instead of it.
+        result.apple, failure = flow.latency(artifact, result.settings, progress)
     if failure is not None:
         failure.result = result  # what was measured, for the caller to show
         raise failure
     return result
 
 
-def _gguf_baseline(artifact: Path, opts: ValidateOptions, stack: contextlib.ExitStack) -> tuple[dict, Path] | None:
-    """An artifact quantized from a GGUF file is compared with that file, dequantized as quantize
-    dequantized it (convert/gguf.py): (the manifest's source, the unpacked folder), or None when
-    the source is not a GGUF or a baseline was given."""
-    if opts.baseline is not None or not layout.is_artifact(artifact):
-        return None
-    src = Manifest.read(artifact).source
-    if not isinstance(src.get("gguf"), dict):
-        return None
-    from .errors import SourceError
-    from .manifests.hashing import sha256_file
-
-    path = Path(str(src.get("path")))
-    want = (src.get("files") or {}).get(path.name)
-    if not path.is_file():
-        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass --baseline <the GGUF's model folder or hub id>")
-    if want and sha256_file(path) != want:
-        raise SourceError(f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
-                          "pass --baseline <the source model>, or restore that file")
-    from .convert.gguf import unpacked
-
-    snap = stack.enter_context(unpacked(path))  # validate's baseline runs in bfloat16 whatever quantize unpacked to
-    return src, snap.path
+# --------------------------------------------------------------------------- Apple targets
 
 
-def _name_gguf_baseline(artifact: Path, result: ValidationResult, gguf: tuple[dict, Path]) -> None:
-    """The baseline is the GGUF file (dequantized in a temporary folder): say so in the result and
-    in its record, not the temporary folder's name."""
-    src, _ = gguf
-    result.baseline = f"{src['path']} ({src['gguf'].get('unpacked', 'dequantized')})"
-    if result.recorded:
-        with layout.update_manifest(artifact) as m:
-            m.extra["validation"][f"{result.device_name} ({result.device})"]["baseline"] = result.baseline
+def export(artifact: str | Path, target: str, *, options: Any = None, check: Any = True, progress: Progress | None = None) -> ExportResult:
+    """Export an FP8 artifact to an Apple target's package inside it (Core ML: `model.mlpackage`,
+    Core AI: `model.aimodel`; `targets()` lists them), then check it.
+
+    Under the artifact's lock the artifact is verified first (every hash, before any of it is
+    used); the package is built and checked in a staged copy of the artifact, and the package,
+    its record (with the check) and the model card replace the artifact in one swap: a failed
+    export leaves the artifact as it was.
+
+    Args:
+        artifact: the artifact folder.
+        target: the target's key ("coreml", "coreai").
+        options: the target's export options (`targets()[key].options`: `ExportOptions`,
+            `CoreAIOptions`) [default: its defaults].
+        check: True (the target's default check), the target's check options
+            (`targets()[key].check_options`), or False (no check).
+        progress: `progress(phase, done, total, detail)`.
+
+    Returns:
+        ExportResult: the manifest's record of the package, and the check results (`result.ok`).
+
+    Raises:
+        MissingExtraError: the target's extra is not installed.
+        ExportError: the architecture or an op cannot be converted, or the package failed its
+            checks (recorded first; the exception's `result` holds the ExportResult).
+        MpsconvertError: the package exists (pass force in the options), or the settings are invalid.
+    """
+    return flow.export(Path(artifact), target, options, check, progress)
 
 
-def _refresh_card(artifact: Path) -> None:
-    """The model card says what the manifest now says (validation, exports, calibration)."""
-    from .manifests import card
+def check(artifact: str | Path, target: str, *, options: Any = None, verify: bool = True, progress: Progress | None = None) -> ExportResult:
+    """Check the package of an Apple target already in an artifact (no Apple hardware needed) and
+    record the check in the manifest.
 
-    card.refresh(artifact)
+    Args:
+        artifact: the artifact folder.
+        target: the target's key ("coreml", "coreai").
+        options: the target's check options [default: its defaults].
+        verify: check the artifact's hashes first.
+        progress: `progress(phase, done, total, detail)`.
 
+    Returns:
+        ExportResult with `check`.
 
-def _coreml_runtime(artifact: Path, settings: dict) -> dict | None:
-    """The Core ML part of validate: only for artifacts with a package; on macOS only (else
-    'skipped'). Stateful decoders: prefill of `prefill_len` and `decode_tokens` steps through
-    `make_state()` states per compute unit, beside PyTorch on MPS. `settings`: those the
-    validation ran with (`ValidationResult.settings`, every default resolved)."""
-    if not layout.is_artifact(artifact) or "coreml" not in Manifest.read(artifact).extra:
-        return None
-    from .convert.coreml.check import coreml_runtime_check
-
-    res = coreml_runtime_check(artifact, prefill_len=settings["prefill_len"], decode_tokens=settings["decode_tokens"])
-    if settings["write"] and res.get("status") != "skipped":
-        with layout.update_manifest(artifact) as m:
-            m.extra["coreml_runtime"] = res
-    return res
-
-
-def _coreai_runtime(artifact: Path, settings: dict, progress: Progress | None) -> dict | None:
-    """The Core AI part of validate (only for artifacts with an asset): `coreai_latency`, or why
-    it was skipped (no latency asked for, the coreai extra missing). `settings`: those the
-    validation ran with (`ValidationResult.settings`: warmup and repeats resolved for the device)."""
-    if not layout.is_artifact(artifact) or "coreai" not in Manifest.read(artifact).extra:
-        return None
-    if not settings["latency"]:
-        return {"status": "skipped", "reason": "latency not asked for (--no-latency)"}
-    from .extras import require
-
-    try:
-        require("coreai.authoring", "coreai", "the Core AI latency check")
-    except MpsconvertError as e:
-        return {"status": "skipped", "reason": str(e)}
-    if progress:
-        progress("coreai latency", 0, None, "Core AI runtime beside PyTorch")
-    # at most 3 timed prefills: on the Linux CPU runtime one prefill of 512 tokens takes tens of seconds
-    return coreai_latency(artifact, prefill_len=settings["prefill_len"], decode_tokens=settings["decode_tokens"],
-                          warmup=min(settings["warmup"], 2), prefill_repeats=min(settings["repeats"], 3), write=settings["write"])
+    Raises:
+        MissingExtraError: the target's extra is not installed.
+        ArtifactError: there is no package, or it is not recorded in the manifest.
+        ExportError: the package failed its checks (recorded first; the exception's `result`
+            holds the ExportResult).
+    """
+    return flow.check(Path(artifact), target, options, verify=verify, progress=progress)
 
 
 def coreai_latency(artifact: str | Path, *, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
@@ -677,20 +502,8 @@ def coreai_latency(artifact: str | Path, *, prefill_len: int = 64, decode_tokens
         MissingExtraError: coreai-core is not installed.
         ArtifactError: there is no asset.
     """
-    from .extras import require
-
-    require("coreai.authoring", "coreai", "the Core AI latency check")
-    from .convert.coreai.check import coreai_latency as run
-
-    artifact = Path(artifact)
-    res = run(artifact, prefill_len=prefill_len, decode_tokens=decode_tokens, warmup=warmup, units=units, prefill_repeats=prefill_repeats)
-    if write and res.get("status") == "ran":
-        with layout.update_manifest(artifact) as m:
-            m.extra["coreai_runtime"] = res
-    return res
-
-
-# --------------------------------------------------------------------------- Core ML
+    return flow.measure(Path(artifact), "coreai", write=write, prefill_len=prefill_len, decode_tokens=decode_tokens, warmup=warmup,
+                        prefill_repeats=prefill_repeats, units=units)
 
 
 def export_coreml(
@@ -706,7 +519,7 @@ def export_coreml(
     samples: int = 3,
     decode_steps: int = 16,
     progress: Progress | None = None,
-) -> CoreMLResult:
+) -> ExportResult:
     """Export an FP8 artifact to a Core ML ML program (`<artifact>/model.mlpackage`), then check it.
 
     Causal LMs: the stateful decoder (macOS 15 / iOS 18): `main(input_ids int32 [1, T], position
@@ -737,24 +550,14 @@ def export_coreml(
         ExportError: the architecture or an op cannot be converted, or the package failed its checks.
         MpsconvertError: the package exists (pass force), or the settings are invalid.
     """
-    from .extras import require
+    from .apple.coreml import CheckOptions
 
-    require("coremltools", "coreml", "Core ML export")
-    from .convert.coreml.export import export_coreml as run
-
-    artifact = Path(artifact)
     opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend, kv_cache=kv_cache, max_len=max_len)
-    with atomic.claim(artifact):  # export, card and check under one lock: a second export is refused before any work
-        record = run(artifact, opts, progress)
-        _refresh_card(artifact)
-        result = CoreMLResult(artifact, artifact / record["package"], record)
-        if check:
-            result = check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress, verify=False)
-    return result
+    return export(artifact, "coreml", options=opts, check=check and CheckOptions(samples, decode_steps), progress=progress)
 
 
 def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None,
-                 verify: bool = True) -> CoreMLResult:
+                 verify: bool = True) -> ExportResult:
     """Check the Core ML package already in an artifact (no Apple hardware needed): its spec,
     every FP8 weight read back bit for bit, and a reference evaluation of the program (NOT the
     Core ML runtime) against PyTorch; the result is recorded in the manifest.
@@ -774,47 +577,9 @@ def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 
         ExportError: the package failed its checks (recorded in the manifest first; the
             exception's `result` holds the CoreMLResult).
     """
-    from .extras import require
+    from .apple.coreml import CheckOptions
 
-    require("coremltools", "coreml", "checking a Core ML package")
-    from .convert.coreml.check import check_package, record_check
-
-    artifact = Path(artifact)
-    with atomic.claim(artifact):  # the check is recorded: the lock is taken before it runs, not after
-        if verify:
-            from .manifests.verify import check_before_use
-
-            check_before_use(artifact)
-        if progress:
-            progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
-        res = check_package(artifact, n_samples=samples, steps=decode_steps, progress=progress)
-        record_check(artifact, res)
-        result = CoreMLResult(artifact, artifact / res["package"], Manifest.read(artifact).extra.get("coreml", {}), res)
-    if not result.ok:
-        err = ExportError(f"the Core ML package in {artifact} failed its checks: {_failed_checks(res)}",
-                          "re-export with --coreml-weights fp16 to compare, or report the model")
-        err.result = result  # what was checked, for the caller to show
-        raise err
-    return result
-
-
-def _failed_checks(res: dict) -> str:
-    bad = []
-    if res.get("interface") and not res["interface"]["ok"]:
-        bad.append("; ".join(res["interface"]["problems"]))
-    if not res["weights"]["all_ok"]:
-        bad.append(f"weights read back differ ({sum(1 for r in res['weights']['tensors'].values() if not r.get('ok'))} tensors)")
-    ev = res.get("reference_eval") or res.get("runtime_eval")
-    if ev and not ev["ok"]:
-        if "prefill" in ev:
-            bad.append(f"prefill top-1 {ev['prefill']['top1_agreement']:.1%}, decode top-1 {ev['decode']['top1_agreement']:.1%}, "
-                       f"cosine min {min(ev['prefill']['cosine_min'], ev['decode']['cosine_min']):.4f}")
-        else:
-            bad.append(f"cosine min {ev['cosine_min']:.4f}" + (f", top-1 {ev['top1_agreement']:.1%}" if "top1_agreement" in ev else ""))
-    return "; ".join(bad) or "see the recorded check"
-
-
-# --------------------------------------------------------------------------- Core AI
+    return check(artifact, "coreml", options=CheckOptions(samples, decode_steps), verify=verify, progress=progress)
 
 
 def export_coreai(
@@ -827,7 +592,7 @@ def export_coreai(
     prompt_len: int = 64,
     decode_steps: int = 32,
     progress: Progress | None = None,
-) -> CoreAIResult:
+) -> ExportResult:
     """Export an FP8 artifact to a Core AI asset (`<artifact>/model.aimodel`), then check it.
 
     Core AI (macOS / iOS 27+) stores the FP8 weights natively: f8E4M3FN constants (the
@@ -840,7 +605,7 @@ def export_coreai(
         artifact: the artifact folder.
         max_len: causal LMs: the KV cache length; encoders: the longest input [default: 2048,
             or the model's max_position_embeddings when smaller].
-        compute: "fp32" (default) or "fp16" (see convert/coreai/__init__.py for why fp32).
+        compute: "fp32" (default) or "fp16" (see apple/coreai/__init__.py for why fp32).
         force: replace an existing asset.
         check: run the checks after the export (recorded in the manifest).
         prompt_len: tokens of real text in the checked prefill.
@@ -855,23 +620,14 @@ def export_coreai(
         ExportError: the architecture, an op or a weight cannot be converted, or the asset failed its checks.
         MpsconvertError: the asset exists (pass force), or the settings do not fit the model.
     """
-    from .extras import require
+    from .apple.coreai import CheckOptions
 
-    require("coreai.authoring", "coreai", "Core AI export")
-    from .convert.coreai.export import export_coreai as run
-
-    artifact = Path(artifact)
-    with atomic.claim(artifact):  # export, card and check under one lock: a second export is refused before any work
-        record = run(artifact, CoreAIOptions(max_len=max_len, compute=compute, force=force), progress)
-        _refresh_card(artifact)
-        result = CoreAIResult(artifact, artifact / record["asset"], record)
-        if check:
-            result = check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress, verify=False)
-    return result
+    opts = CoreAIOptions(max_len=max_len, compute=compute, force=force)
+    return export(artifact, "coreai", options=opts, check=check and CheckOptions(prompt_len, decode_steps), progress=progress)
 
 
 def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: int = 32, generate: int = 4,
-                 progress: Progress | None = None, verify: bool = True) -> CoreAIResult:
+                 progress: Progress | None = None, verify: bool = True) -> ExportResult:
     """Check the Core AI asset already in an artifact: its interface, every f8E4M3FN weight read
     back against the artifact, and the Core AI runtime bundled in coreai-core (on Linux: "Core AI
     runtime, Linux CPU") against PyTorch on the same dequantized weights: prefill, teacher-forced
@@ -894,26 +650,9 @@ def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: in
         ExportError: the asset failed its checks (recorded first; the exception's `result` holds
             the CoreAIResult).
     """
-    from .extras import require
+    from .apple.coreai import CheckOptions
 
-    require("coreai.authoring", "coreai", "checking a Core AI asset")
-    from .convert.coreai.check import check_asset, record_check
-
-    artifact = Path(artifact)
-    with atomic.claim(artifact):  # the check is recorded: the lock is taken before it runs, not after
-        if verify:
-            from .manifests.verify import check_before_use
-
-            check_before_use(artifact)
-        res = check_asset(artifact, prompt_len=prompt_len, steps=decode_steps, generate=generate, progress=progress)
-        record_check(artifact, res)
-        result = CoreAIResult(artifact, artifact / res["asset"], Manifest.read(artifact).extra.get("coreai", {}), res)
-    if not result.ok:
-        err = ExportError(f"the Core AI asset in {artifact} failed its checks: {_failed_checks(res)}",
-                          "re-export with --compute fp32 to compare, or report the model")
-        err.result = result
-        raise err
-    return result
+    return check(artifact, "coreai", options=CheckOptions(prompt_len, decode_steps, generate), verify=verify, progress=progress)
 
 
 # --------------------------------------------------------------------------- runtime
@@ -942,14 +681,12 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
     """
     import torch
 
-    from .runtime.loader import load as run
+    from .runtime import loader
 
-    return run(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)
+    return loader.load(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)
 
 
 # --------------------------------------------------------------------------- generate / chat
-
-BACKENDS = ("torch", "coreai", "coreml")
 
 
 @dataclass
@@ -1006,28 +743,14 @@ class Chat:
         self.close()
 
 
-def _apple_record(artifact: Path, key: str, command: str) -> tuple[dict, Path]:
-    """The manifest's record of a stateful Apple export and the package's path, after the whole
-    artifact (the package included) verified: a runtime never opens an unchecked package."""
-    from .manifests.verify import check_before_use
-    from .untrusted import inside
-
-    rec = Manifest.read(artifact).extra.get(key) if layout.is_artifact(artifact) else None
-    if not rec:
-        raise ArtifactError(f"{artifact} has no {'Core AI asset' if key == 'coreai' else 'Core ML package'}",
-                            f"run `mpsconvert {command} {artifact}` first, or use --backend torch")
-    if rec.get("task") != "causal-lm" or not rec.get("kv_cache", key == "coreai"):
-        raise ArtifactError(f"the {key} export in {artifact} is not a stateful decoder (task {rec.get('task')})",
-                            f"re-export it with `mpsconvert {command}` (the default is the stateful decoder)")
-    check_before_use(artifact)
-    return rec, inside(artifact, rec.get("asset" if key == "coreai" else "package"), what=f"the {key} export")
+def backends() -> tuple[str, ...]:
+    """What generate and chat run on: "torch" (runtime.load), or an Apple target's package."""
+    return ("torch", *registry.TARGETS)
 
 
-def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Progress | None):
-    """The decoder for `backend`: the PyTorch model (runtime.load on `device`), the Core AI
-    asset on its runtime, or the Core ML package (macOS only)."""
-    import sys
-
+def _decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitStack, progress: Progress | None):
+    """(the decoder of `backend`, the model's config or None): the PyTorch model on `device`, or
+    an Apple target's stateful package on its runtime (apple/flow.py's `decoder`)."""
     from .runtime import generate as gen
 
     if backend == "torch":
@@ -1038,32 +761,10 @@ def _open_decoder(artifact: Path, backend: str, device: str, stack, progress: Pr
             raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
                                 "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
         return gen.TorchDecoder(model), model.config
-    if backend == "coreai":
-        from .extras import require
-
-        require("coreai.authoring", "coreai", "running the Core AI asset")  # first: exporting one needs it too
-        rec, asset = _apple_record(artifact, "coreai", "export-coreai")
-        from .convert.coreai.check import decoder_runner
-        from .convert.coreai.run import Session, quiet
-
-        with quiet():
-            session = Session(asset)
-        stack.enter_context(session)
-        runtime = "Core AI runtime, macOS" if sys.platform == "darwin" else "Core AI runtime, Linux CPU"
-        return gen.RunnerDecoder(decoder_runner(session), rec["max_len"], "coreai", runtime), None
-    if backend == "coreml":
-        if sys.platform != "darwin":  # first: before it sends anyone to export a package this machine cannot run
-            raise MpsconvertError("Core ML runs .mlpackage files only on macOS (coremltools cannot predict on this platform)",
-                                  "use --backend coreai (runs on Linux) or --backend torch here")
-        from .extras import require
-
-        ct = require("coremltools", "coreml", "running the Core ML package")
-        rec, package = _apple_record(artifact, "coreml", "export-coreml")
-        from .convert.coreml.check import coreml_decoder
-
-        ml = ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.ALL)
-        return gen.RunnerDecoder(coreml_decoder(ml), rec["max_len"], "coreml", "Core ML (compute units: all)"), None
-    raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
+    if backend not in registry.TARGETS:
+        raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(backends())}")
+    new_conversation, max_len, runs_on = flow.decoder(artifact, backend, stack)
+    return gen.RunnerDecoder(new_conversation, max_len, backend, runs_on), None
 
 
 def chat(
@@ -1099,8 +800,7 @@ def chat(
         MpsconvertError: Core ML off macOS, bad sampling settings.
         DeviceError: the device is not available.
     """
-    import contextlib
-
+    from .modeldef import load_config
     from .runtime import generate as gen
 
     artifact = Path(artifact)
@@ -1108,11 +808,8 @@ def chat(
     stack = contextlib.ExitStack()
     try:
         tok = gen.load_tokenizer(artifact)
-        decoder, config = _open_decoder(artifact, backend, device, stack, progress)
-        if config is None:
-            from .modeldef import load_config
-
-            config = load_config(artifact, False)
+        decoder, config = _decoder(artifact, backend, device, stack, progress)
+        config = config or load_config(artifact, False)
         conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
     except BaseException:
         stack.close()
@@ -1186,21 +883,7 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
         ArtifactError: not an artifact, or it fails verification.
     """
     from . import publish
-    from .manifests import card
 
-    artifact = Path(artifact)
-    publish.check_repo_id(repo)
-    if not layout.is_artifact(artifact):
-        raise ArtifactError(f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})", "pass the folder `mpsconvert quantize` wrote")
-    if publish.offline():  # before any work
-        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
-    with atomic.claim(artifact):  # nothing changes the artifact between its check and the commit
-        if verify_first:
-            report = verify(artifact, progress=progress)
-            if not report.ok:
-                raise ArtifactError(f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
-                                    "re-create the artifact; a damaged one is never uploaded")
-        card.refresh(artifact, repo=repo)
-        up = publish.upload_folder(artifact, repo, private=private, token=token, revision=revision)
+    up = publish.upload(Path(artifact), repo, private=private, token=token, revision=revision,
+                        verify=(lambda a: verify(a, progress=progress)) if verify_first else None)
     return UploadResult(**up)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
-from . import __version__
+from .version import __version__
 from .errors import UploadError
 from .manifests.manifest import Manifest
 from .untrusted import one_line
@@ -126,3 +127,41 @@ def check_repo_id(repo: str) -> str:
     if not isinstance(repo, str) or not _REPO_ID.match(repo) or len(repo) > 96 or ".." in repo:
         raise UploadError(f"{repo!r} is not a hub repo id", "use org/name (or your-user-name/name)")
     return repo
+
+
+def check_upload(repo: str, what: str = "--upload-repo") -> None:
+    """Said before any work: a repo id the hub would refuse, or offline mode (then nothing can go up)."""
+    check_repo_id(repo)
+    if offline():
+        raise UploadError(f"{what} {repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                          "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
+
+
+def upload(artifact: Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
+           verify: Callable[[Path], object] | None = None) -> dict:
+    """Publish an artifact (see api.upload): under its lock, `verify(artifact)` (a report with
+    `ok` and `problems`: a damaged artifact is never uploaded), the card rewritten to name the
+    repo (the manifest's `hub` record, one transaction), then the folder in one commit. Returns
+    what `upload_folder` returns."""
+    from . import atomic
+    from .errors import ArtifactError
+    from .manifests import layout
+    from .manifests.records import Hub
+    from .manifests.transaction import transaction
+
+    artifact = Path(artifact)
+    check_repo_id(repo)
+    if not layout.is_artifact(artifact):
+        raise ArtifactError(f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})", "pass the folder `mpsconvert quantize` wrote")
+    if offline():  # before any work
+        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
+    with atomic.claim(artifact):  # nothing changes the artifact between its check and the commit
+        if verify is not None:
+            report = verify(artifact)
+            if not report.ok:
+                raise ArtifactError(f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
+                                    "re-create the artifact; a damaged one is never uploaded")
+        with transaction(artifact) as t:
+            t.put(Hub(repo=repo))
+        return upload_folder(artifact, repo, private=private, token=token, revision=revision)

@@ -468,13 +468,15 @@ class ShardWriter:
         self._advance(name, mv.nbytes)
         self._emit(mv, release)
 
-    def copy(self, name: str, source: Path, start: int, nbytes: int) -> None:
+    def copy(self, name: str, source: Path, start: int, nbytes: int, watch: tuple = ()) -> None:
         """Append bytes [start, start + nbytes) of the file `source` to tensor `name`, on the
-        background thread (the caller does not wait for them)."""
+        background thread (the caller does not wait for them). `watch`: objects that see the
+        bytes as they pass (`update(block)`, then `done()`: a `FiniteCheck`, a `Digest`), so that
+        what is checked or hashed about a copied tensor costs no read of its own."""
         self._advance(name, nbytes)
-        self._bg.submit(self._copy_job, Path(source), start, nbytes, holds_buffer=False)
+        self._bg.submit(self._copy_job, Path(source), start, nbytes, watch, holds_buffer=False)
 
-    def _copy_job(self, source: Path, start: int, nbytes: int) -> None:
+    def _copy_job(self, source: Path, start: int, nbytes: int, watch: tuple = ()) -> None:
         if self._copy_buf is None:
             self._copy_buf = np.empty(_COPY_BLOCK, dtype=np.uint8)
         view = memoryview(self._copy_buf)
@@ -483,9 +485,13 @@ class ShardWriter:
             for off in range(0, nbytes, _COPY_BLOCK):
                 part = view[: min(_COPY_BLOCK, nbytes - off)]
                 _read_exact(fd, part, start + off, source)
+                for w in watch:
+                    w.update(part)
                 self._write(part)
         finally:
             os.close(fd)
+        for w in watch:
+            w.done()
 
     def close(self) -> None:
         """Every tensor was given: queue the end of the file, without waiting for it."""
@@ -543,17 +549,48 @@ _EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2",
              "F8_E4M3": ("u1", 0x7F)}
 
 
-def count_nonfinite(header: Header, info: TensorInfo, block: int = 16 <<20) -> int:
-    """How many NaN/inf values a float tensor holds (NaN codes 0x7F / 0xFF of an F8_E4M3 one), read
-    from its bits through a memory map in blocks (numpy has no bfloat16, and the bits answer for
-    every dtype alike)."""
-    if info.dtype not in _EXPONENT or info.nbytes == 0:
-        return 0
-    dt, mask = _EXPONENT[info.dtype]
-    n = info.nbytes // np.dtype(dt).itemsize
-    mm = np.memmap(header.path, dtype=dt, mode="r", offset=info.start, shape=(n,))
-    try:
-        step = max(1, block // np.dtype(dt).itemsize)
-        return sum(int(np.count_nonzero((mm[i:i + step] & mask) == mask)) for i in range(0, n, step))
-    finally:
-        del mm
+class FiniteCheck:
+    """NaN/inf values of a float tensor counted from its bits as its bytes pass by (a copy, a
+    cast), in the thread that moves them; `done()` raises when there were any (a NaN in a copied
+    norm or embedding is refused like one in a quantized weight, whose scale check catches it).
+    An F8_E4M3 tensor's NaN codes (0x7F / 0xFF, which no quantizer writes) are counted too: a
+    kept FP8 source weight holding them would fail `verify`. Integer tensors pass unchecked."""
+
+    _scratch = threading.local()  # per thread: a bit-and buffer and a comparison buffer, reused
+
+    def __init__(self, dtype: str, name: str, where: str):
+        self.name, self.where, self.count = name, where, 0
+        self._dt, self._mask = _EXPONENT.get(dtype, (None, 0))
+
+    def update(self, block) -> None:
+        if self._dt is None:
+            return
+        x = np.frombuffer(block, dtype=self._dt)
+        sc = getattr(self._scratch, self._dt, None)
+        if sc is None or sc[0].size < x.size:
+            sc = (np.empty(x.size, dtype=self._dt), np.empty(x.size, dtype=bool))
+            setattr(self._scratch, self._dt, sc)
+        bits, hit = sc[0][: x.size], sc[1][: x.size]
+        np.bitwise_and(x, self._mask, out=bits)  # all exponent bits set: inf or NaN
+        np.equal(bits, self._mask, out=hit)
+        self.count += int(np.count_nonzero(hit))
+
+    def done(self) -> None:
+        if self.count:
+            from .errors import QuantizationError
+
+            what = "NaN code(s) (0x7F / 0xFF, which no quantizer writes)" if self._dt == "u1" else "NaN or inf value(s)"
+            raise QuantizationError(f"tensor {self.name!r} in {self.where} contains {self.count} {what}", "fix the source checkpoint")
+
+
+class Digest:
+    """sha256 of the bytes that pass by (a copy), handed to `sink(hexdigest)` when they are all through."""
+
+    def __init__(self, sink: Callable[[str], None]):
+        self._h, self._sink = hashlib.sha256(), sink
+
+    def update(self, block) -> None:
+        self._h.update(block)
+
+    def done(self) -> None:
+        self._sink(self._h.hexdigest())

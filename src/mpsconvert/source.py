@@ -256,10 +256,7 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
         comp.weight_files = filesystem.files(path, ".safetensors")  # AppleDouble `._*` companions left out
     if not comp.weight_files:
         raise SourceError(f"{path} has no *.safetensors weights", "pass a diffusers model with safetensors weights")
-    for f in comp.weight_files:
-        if not (path / f).is_file():
-            raise SourceError(f"weight file {f} listed in {path.name} is missing", "re-download the model")
-        check_inside(comp, f)
+    _check_weight_files(comp, path)
     class_name = comp.config.get("_class_name")
     comp.diffusion = DiffusionSource(layout, root.resolve(), name, class_name if isinstance(class_name, str) else None)
     return comp
@@ -353,11 +350,16 @@ def _inventory(snap: Snapshot) -> Snapshot:
                 "or use a repo that ships *.safetensors",
             )
         raise SourceError(f"{p} has no *.safetensors weights", "pass a folder or repo with safetensors weights")
-    for f in snap.weight_files:
-        if not (p / f).is_file():
-            raise SourceError(f"weight file {f} listed in {p.name} is missing", "re-download the model")
-        check_inside(snap, f)
+    _check_weight_files(snap, p)
     return snap
+
+
+def _check_weight_files(snap: Snapshot, folder: Path) -> None:
+    """Every weight file the snapshot lists is there, inside it (no link out)."""
+    for f in snap.weight_files:
+        if not (folder / f).is_file():
+            raise SourceError(f"weight file {f} listed in {folder.name} is missing", "re-download the model")
+        check_inside(snap, f)
 
 
 def allowed_root(snap: Snapshot) -> Path:

@@ -1,5 +1,6 @@
-"""Sizes as people read them (1.5 GiB): one formatter for the CLI's tables and the model card,
-which live in layers that cannot import each other."""
+"""Quantities as people read them (1.5 GiB; "1.42x faster (spread 6%)"): one formatter each for
+the CLI's tables, inspect's rows and the model card, which live in layers that cannot import
+each other."""
 
 from __future__ import annotations
 
@@ -12,3 +13,13 @@ def human(n: float | None) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
+
+
+def speed(v: dict) -> str:
+    """A timing verdict (timing.verdict): '1.42x faster (spread 6%)', or 'no clear difference
+    (0.97x, spread 12%)': a verdict only where the difference exceeds the run-to-run spread
+    measured in the same run."""
+    spread = f"spread {100 * v['spread']:.0f}%"
+    if v["verdict"] == "no clear difference":
+        return f"no clear difference ({v['ratio']:.2f}x, {spread})"
+    return f"{v['ratio']:.2f}x {v['verdict']} ({spread})"

@@ -7,6 +7,7 @@ kept in the manifest); `artifact` writes them into an artifact or a scales file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 OBSERVERS = ("minmax", "percentile", "mse")
 DEFAULT_PERCENTILE = 99.99
@@ -29,3 +30,22 @@ class CalibOptions:
     trust_remote_code: bool = False
     data_revision: str | None = None
     token: str | None = None
+
+
+def for_quantize(scales_file: str | Path | None, options: CalibOptions, progress=None):
+    """`quantize --scheme fp8`'s static scales (convert.pipeline.Scales): the snapshot folder ->
+    (input scales, their record, the calibration or None), read from `scales_file`, or measured on
+    the snapshot with `options`."""
+
+    def scales(folder: Path):
+        if scales_file is not None:
+            from .artifact import load_scales
+
+            found, record = load_scales(Path(scales_file))
+            return found, {**record, "scales_file": str(scales_file)}, None
+        from .run import calibrate
+
+        cal = calibrate(folder, options, progress)
+        return cal.scales, cal.record, cal
+
+    return scales

@@ -1,4 +1,6 @@
-"""Calibration results on disk: a scales file, or written into an existing FP8 artifact.
+"""Calibration results on disk: a scales file, or written into an existing FP8 artifact; and
+the `calibrate` command's flow (`calibrate_target`) and `quantize --scheme fp8`'s scales
+(`for_quantize`).
 
 An artifact is calibrated as it will run: its FP8 weights are dequantized (codes * scale, in
 the source dtype) into a temporary safetensors snapshot that transformers loads like any source,
@@ -7,34 +9,40 @@ the artifact under a temporary name (atomic.output_dir) with `<m>.input_scale` a
 `<m>.weight_scale`, the index, config (static input_activations), manifest recipe, per-tensor
 records and file hashes updated, then swaps it in: a failure leaves the artifact as it was.
 
-Nothing unverified is carried over: the caller verifies the artifact first (api.calibrate), the
-snapshot and the rebuild read only files the manifest lists (each a plain path inside the
+Nothing unverified is carried over: the artifact is verified first (its transaction does it),
+the snapshot and the rebuild read only files the manifest lists (each a plain path inside the
 artifact, untrusted.inside), and every file copied as it is must still have the sha256 the
-manifest records (else the rebuild would launder a tampered file into a fresh manifest).
+manifest records (else the rebuild would launder a tampered file into a fresh manifest). The
+rebuild is the artifact's transaction (manifests/transaction.py): the card is re-rendered and the
+manifest written in the rebuilt folder before the one swap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .. import atomic
 from .. import fp8
-from ..errors import ArtifactError
+from ..errors import ArtifactError, MpsconvertError
 from ..manifests.ct_config import quantization_config, scheme_from_config
 from ..manifests import hashing
 from ..manifests.hashing import sha256_file
-from ..manifests.layout import (COREAI_ASSET, COREML_PACKAGE, CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_ours,
-                                read_weight_map, weight_files)
+from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_artifact, read_weight_map, weight_files
 from ..manifests.manifest import Manifest
+from ..manifests.records import CalibrationRecord, ExpertCalibration
 from ..manifests.schemes import Scheme
+from ..manifests.transaction import Transaction, transaction
+from ..progress import Progress
 from ..safetensors_io import ShardReader, ShardWriter, read_header
 from ..scales import scale_problem
 from ..untrusted import inside, read_json
-from .run import Calibration
+from . import CalibOptions
+from .run import Calibration, calibrate
 
 SCALES_FORMAT = "mpsconvert-input-scales"
 SCALES_VERSION = 1
@@ -77,13 +85,14 @@ def load_scales(path: Path) -> tuple[dict[str, float], dict]:
 
 
 def carried_files(artifact: Path, manifest: Manifest, packages: bool = True) -> list[str]:
-    """The listed files a rebuild carries over as they are (tokenizer, generation config, Apple
-    packages unless `packages` is False): not the weights, config, index or manifest (rebuilt),
-    each checked to be a plain path inside the artifact."""
+    """The listed files a rebuild carries over as they are (tokenizer, generation config, the
+    card, Apple packages unless `packages` is False: everything in a folder of a language model's
+    artifact is an export's package): not the weights, config, index or manifest (rebuilt), each
+    checked to be a plain path inside the artifact."""
     weights = set(weight_files(artifact))
     out = []
     for rel in sorted(manifest.files):
-        if rel in weights or rel in (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME) or not packages and rel.split("/")[0] in (COREML_PACKAGE, COREAI_ASSET):
+        if rel in weights or rel in (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME) or not packages and "/" in rel:
             continue
         inside(artifact, rel, what=f"{MANIFEST_NAME} files")
         out.append(rel)
@@ -97,14 +106,13 @@ def copy_verified(src: Path, dst: Path, rec: dict, rel: str) -> dict:
 
 
 @contextlib.contextmanager
-def dequantized_snapshot(artifact: Path):
+def dequantized_snapshot(artifact: Path, manifest: Manifest):
     """A temporary source-dtype snapshot of an FP8 artifact (in this run's own folder of the
-    system temp dir, removed on exit, or by the next run after a kill)."""
+    system temp dir, removed on exit, or by the next run after a kill); `manifest`: its manifest."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     artifact = Path(artifact)
-    manifest = Manifest.read(artifact)
     dtypes = {name: rec.get("source_dtype", "BF16") for name, rec in manifest.tensors.items()}
     block = scheme_from_config(read_json(artifact / CONFIG_NAME, what=CONFIG_NAME).get("quantization_config") or {}).block
     st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -133,11 +141,10 @@ def dequantized_snapshot(artifact: Path):
         yield tmp
 
 
-def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
-    """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static.
-    The caller holds `atomic.writing(artifact)` (and verified the artifact under it)."""
-    artifact = Path(artifact).absolute()
-    manifest = Manifest.read(artifact)
+def write_into_artifact(t: Transaction, cal: Calibration) -> Manifest:
+    """Add (or replace) `<m>.input_scale` for every quantized Linear and mark the artifact static,
+    in the (verified) artifact's transaction `t`: the rebuilt folder replaces it when `t` ends."""
+    artifact, manifest = t.artifact, t.manifest
     config = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
     qc = config.get("quantization_config") or {}
     old = scheme_from_config(qc)
@@ -151,54 +158,89 @@ def write_into_artifact(artifact: Path, cal: Calibration) -> Manifest:
         )
     files = weight_files(artifact)
     weight_map: dict[str, str] = {}
-    with atomic.output_dir(artifact, force=True, is_ours=is_ours, held=True) as tmp:
-        for f in files:
-            if f not in manifest.files or sha256_file(inside(artifact, f, what="weights")) != manifest.files[f]["sha256"]:
-                raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
-                                    "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
-            header = read_header(artifact / f)
-            entries = []
+    tmp = t.rebuild()  # the new artifact: every file written here or carried over, verified
+    for f in files:
+        if f not in manifest.files or sha256_file(inside(artifact, f, what="weights")) != manifest.files[f]["sha256"]:
+            raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
+                                "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
+        header = read_header(artifact / f)
+        entries = []
+        for name, info in header.tensors.items():
+            if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
+                continue  # replaced below
+            entries.append((name, info.dtype, info.shape))
+            if name.endswith(".weight_scale") and name[: -len("_scale")] in weight_of:
+                entries.append((name[: -len("weight_scale")] + "input_scale", "F32", (1,)))
+        with ShardReader(header) as reader, ShardWriter(tmp / f, entries, metadata=header.metadata or {"format": "pt"}) as writer:
             for name, info in header.tensors.items():
+                buf = reader.read(info)
                 if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
-                    continue  # replaced below
-                entries.append((name, info.dtype, info.shape))
-                if name.endswith(".weight_scale") and name[: -len("_scale")] in weight_of:
-                    entries.append((name[: -len("weight_scale")] + "input_scale", "F32", (1,)))
-            with ShardReader(header) as reader, ShardWriter(tmp / f, entries, metadata=header.metadata or {"format": "pt"}) as writer:
-                for name, info in header.tensors.items():
-                    buf = reader.read(info)
-                    if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
-                        continue
-                    writer.write(name, buf)
-                    if name.endswith(".weight_scale") and (w := name[: -len("_scale")]) in weight_of:
-                        s = cal.scales[weight_of[w]]
-                        writer.write(name[: -len("weight_scale")] + "input_scale", torch.tensor([s], dtype=torch.float32))
-                        manifest.tensors[w]["input_scale"] = s
-            writer.sync()
-            digest = writer.digest
-            for name, *_ in entries:
-                weight_map[name] = f
-            manifest.files[f] = {"sha256": digest, "size": (tmp / f).stat().st_size}
-        if (artifact / INDEX_NAME).is_file():
-            body = read_json(artifact / INDEX_NAME, what=INDEX_NAME)
-            body["weight_map"] = dict(sorted(weight_map.items()))
-            if not isinstance(body.get("metadata"), dict):
-                body["metadata"] = {}
-            body["metadata"]["total_size"] = sum(manifest.files[f]["size"] for f in files)
-            atomic.write_text(tmp / INDEX_NAME, json.dumps(body, indent=2) + "\n")
-        config["quantization_config"] = quantization_config(scheme, qc.get("ignore", []), qc.get("config_groups", {}).get("group_0", {}).get("targets"))
-        atomic.write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-        kept = carried_files(artifact, manifest)
-        for rel in kept:
-            manifest.files[rel] = copy_verified(artifact / rel, tmp / rel, manifest.files[rel], rel)
-        for rel in (CONFIG_NAME, INDEX_NAME):
-            if (tmp / rel).is_file():
-                manifest.files[rel] = {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
-        manifest.files = {k: v for k, v in sorted(manifest.files.items()) if (tmp / k).is_file()}
-        manifest.recipe.update(scheme.as_dict())
-        manifest.recipe["calibration"] = cal.record
-        if cal.expert_scales:
-            manifest.extra["calibration_experts"] = cal.expert_scales
-        atomic.kill_point("rebuilt")
-        manifest.write(tmp)
+                    continue
+                writer.write(name, buf)
+                if name.endswith(".weight_scale") and (w := name[: -len("_scale")]) in weight_of:
+                    s = cal.scales[weight_of[w]]
+                    writer.write(name[: -len("weight_scale")] + "input_scale", torch.tensor([s], dtype=torch.float32))
+                    manifest.tensors[w]["input_scale"] = s
+        writer.sync()
+        digest = writer.digest
+        for name, *_ in entries:
+            weight_map[name] = f
+        manifest.files[f] = {"sha256": digest, "size": (tmp / f).stat().st_size}
+    if (artifact / INDEX_NAME).is_file():
+        body = read_json(artifact / INDEX_NAME, what=INDEX_NAME)
+        body["weight_map"] = dict(sorted(weight_map.items()))
+        if not isinstance(body.get("metadata"), dict):
+            body["metadata"] = {}
+        body["metadata"]["total_size"] = sum(manifest.files[f]["size"] for f in files)
+        atomic.write_text(tmp / INDEX_NAME, json.dumps(body, indent=2) + "\n")
+    config["quantization_config"] = quantization_config(scheme, qc.get("ignore", []), qc.get("config_groups", {}).get("group_0", {}).get("targets"))
+    atomic.write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    kept = carried_files(artifact, manifest)
+    for rel in kept:
+        manifest.files[rel] = copy_verified(artifact / rel, tmp / rel, manifest.files[rel], rel)
+    for rel in (CONFIG_NAME, INDEX_NAME):
+        if (tmp / rel).is_file():
+            manifest.files[rel] = {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
+    manifest.files = {k: v for k, v in sorted(manifest.files.items()) if (tmp / k).is_file()}
+    manifest.recipe.update(scheme.as_dict())
+    manifest.put(CalibrationRecord.read(cal.record, "the calibration"))
+    if cal.expert_scales:
+        manifest.put(ExpertCalibration(scales=cal.expert_scales))
+    atomic.kill_point("rebuilt")  # the card and the manifest follow, written by the transaction
     return manifest
+
+
+def calibrate_target(target: str | Path, output: str | Path | None, options: CalibOptions, *, revision: str | None = None,
+                     progress: Progress | None = None) -> tuple[Calibration, Path, Manifest | None]:
+    """The `calibrate` command: an artifact (calibrated as it will run, from its FP8 weights) gets
+    its scales written into it unless `output` names a scales file; a source needs `output`.
+    Returns (the calibration, where it was written, the artifact's new manifest or None)."""
+    from ..manifests.verify import check_before_use
+    from ..source import resolve
+
+    path = Path(target).expanduser()
+    atomic.recover(path)
+    if is_artifact(path):
+        # Written into: one transaction from before any work to the card (verified first, every
+        # hash, before any of its config, code or weights is used). Into a file: verified, read.
+        with transaction(path, verify=True, trust_remote_code=options.trust_remote_code) if output is None else contextlib.nullcontext() as t:
+            manifest = t.manifest if t is not None else Manifest.read(path)
+            if t is None:
+                check_before_use(path, options.trust_remote_code, manifest=manifest)
+            ignore = manifest.recipe.get("ignore_patterns")
+            if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
+                raise ArtifactError(f"{path}/{MANIFEST_NAME}: recipe.ignore_patterns is not a list of patterns", "re-create the artifact")
+            with dequantized_snapshot(path, manifest) as snap_dir:
+                cal = calibrate(snap_dir, replace(options, ignore=list(ignore or options.ignore)), progress)
+            cal.record["weights"] = "the artifact's FP8 weights, dequantized"
+            if t is None:
+                save_scales(Path(output), cal)
+                return cal, Path(output), None
+            manifest = write_into_artifact(t, cal)
+        return cal, path, manifest
+    if output is None:
+        raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
+    snap = resolve(str(target), revision=revision, token=options.token)
+    cal = calibrate(snap.path, options, progress)
+    save_scales(Path(output), cal)
+    return cal, Path(output), None

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import devices, filesystem, fp8, modeldef
-from ..targets import Plan, plan_for
+from ..plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
 from ..progress import Progress, or_silent
 from . import CalibOptions, data, hooks, observers  # noqa: F401  (CalibOptions: re-exported, where callers found it)

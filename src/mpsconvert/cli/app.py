@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 import click
 
@@ -87,7 +88,21 @@ def _run(fn, args, kwargs):
     return result
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Commands(click.Group):
+    """The command group: the commands defined on it, and those `generate()` makes from the
+    registry of Apple targets (quantize with its --<target> options, export-<target>), made when
+    they are asked for, so that a target registered after this module was imported has them too."""
+
+    generate: Callable[[], dict[str, click.Command]] = staticmethod(dict)
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.generate()))
+
+    def get_command(self, ctx, name: str):
+        return self.generate().get(name) or super().get_command(ctx, name)
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(api.__version__, prog_name="mpsconvert")
 @click.option("-v", "--verbose", is_flag=True, help="Also show third-party progress bars, warnings and log lines (transformers, coremltools, ...).")
 def main(verbose):

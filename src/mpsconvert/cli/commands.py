@@ -1,4 +1,9 @@
-"""The commands: each parses its options, makes one API call, and renders the result."""
+"""The commands: each parses its options, makes one API call, and renders the result.
+
+The Apple targets' commands and options are made from their registry (`api.targets()`, each
+target's settings declared as data: apple/target.py's `Option`): `export-<key>` per target and
+`quantize --<key>` with the target's options, by `generated()`, which the command group asks when
+it lists or runs commands."""
 
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
                                    percentile=percentile, device=device, sequential=sequential, data_revision=data_revision, **kw)
 
 
-@main.command()
+@click.command("quantize")
 @click.argument("source")
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), help="Output folder [default: <name>-<scheme>].")
 @click.option("--scheme", type=click.Choice(api.SCHEMES), default=None,
@@ -84,18 +89,6 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @click.option("--scales", "scales_file", type=click.Path(path_type=Path, dir_okay=False),
               help="For --scheme fp8: use the input scales from `mpsconvert calibrate -o FILE` instead of calibrating.")
 @calibration_options
-@click.option("--coreml", is_flag=True, help="Also export a Core ML package (model.mlpackage) into the artifact; see `export-coreml`.")
-@click.option("--coreml-weights", type=click.Choice(api.COREML_WEIGHT_MODES), default="fp8-lut", show_default=True,
-              help="With --coreml: how the FP8 weights are stored in the package.")
-@click.option("--coreml-seq-len", default="128", show_default=True, metavar="N|LO:HI",
-              help="With --coreml: sequence length or range of encoders and of --no-kv-cache packages.")
-@click.option("--coreai", is_flag=True, help="Also export a Core AI asset (model.aimodel) into the artifact; see `export-coreai`.")
-@click.option("--coreai-compute", type=click.Choice(api.COREAI_COMPUTE_DTYPES), default="fp32", show_default=True,
-              help="With --coreai: compute dtype.")
-@click.option("--max-len", type=click.IntRange(min=2), default=None,
-              help="With --coreml / --coreai: KV cache length of the stateful decoder (causal LMs); encoders (Core AI): longest "
-                   "input [default: 2048, or the model's max_position_embeddings if smaller].")
-@click.option("--no-kv-cache", is_flag=True, help="With --coreml: the stateless input_ids -> logits form (no states).")
 @click.option("--dtype", type=click.Choice(list(api.UNQUANTIZED_DTYPES)), default=None,
               help="Dtype of the tensors that stay unquantized (embeddings, lm_head, norms) [default: the source's, bit for bit]. "
                    "An FP32 source with --dtype bfloat16 halves them.")
@@ -112,20 +105,17 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @click.option("--component", metavar="NAME", help="The diffusers pipeline component to quantize [default: transformer].")
 @friendly_errors
 def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
-             scales_file, coreml, coreml_weights, coreml_seq_len, coreai, coreai_compute, max_len, no_kv_cache, dtype, max_shard_size,
-             upload_repo, private, fmt, component, **calib):
+             scales_file, dtype, max_shard_size, upload_repo, private, fmt, component, **rest):
     """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact; a
     diffusers pipeline, component or original .safetensors file to FP8 for ComfyUI or diffusers.
 
     The artifact's README.md is a model card (front matter, what was done, how to load it, the
     source's own card below); `validate` adds its results to it."""
-    coreml_opts = api.ExportOptions(seq_len=api.SeqLen.parse(coreml_seq_len), weights=coreml_weights, kv_cache=not no_kv_cache,
-                                    max_len=max_len) if coreml else None
-    coreai_opts = api.CoreAIOptions(max_len=max_len, compute=coreai_compute) if coreai else None
+    exports = _exports({k: rest.pop(k) for k in list(rest) if k.startswith(_APPLE)})
     with render.progress_bars() as progress:
         res = api.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
-                           calibration=_calibration(**calib), scales_file=scales_file, coreml=coreml_opts, coreai=coreai_opts,
+                           calibration=_calibration(**rest), scales_file=scales_file, exports=exports,
                            dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo, private=private, format=fmt,
                            component=component, progress=progress)
     if res.calibration is not None:
@@ -133,12 +123,93 @@ def quantize(source, output, scheme, weights, block_size, revision, token, ignor
     for w in res.warnings:
         render.warn(w)
     render.quantize_summary(res, as_json)
-    if res.coreml is not None:
-        render.coreml_export(res.coreml, as_json)
-    if res.coreai is not None:
-        render.coreai_export(res.coreai, as_json)
+    for exported in res.apple.values():
+        render.export_result(exported, as_json)
     if res.upload is not None:
         render.uploaded(res.upload, as_json)
+
+
+# --------------------------------------------------------------------------- generated from the Apple targets
+
+_APPLE = "apple__"  # the prefix of quantize's parameters that its Apple options fill
+
+
+def _click_option(o: api.Option, flag: str | None = None, name: str | None = None, help: str | None = None) -> click.Option:
+    """A click option from a target's declared setting (apple/target.py's Option)."""
+    name = name or o.name
+    if o.kind == "flag":
+        return click.Option([flag or o.flag, name], is_flag=True, flag_value=not o.default if o.negate else True,
+                            default=o.default if o.negate else False, help=help or o.help)
+    kind = (click.IntRange(min=o.minimum) if o.minimum is not None else int) if o.kind == "int" else (
+        click.Choice(o.kind) if isinstance(o.kind, tuple) else str)
+    return click.Option([flag or o.flag, name], type=kind, default=o.default, show_default=o.default is not None, metavar=o.metavar,
+                        help=help or o.help)
+
+
+def _quantize_options() -> list[click.Option]:
+    """quantize's `--<key>` flag per target, and the targets' options it offers (`Option.quantize`),
+    one per spelling: targets that spell an option alike share it (`--max-len`)."""
+    params, shared = [], {}
+    for key, t in api.targets().items():
+        params.append(click.Option([f"--{key}", f"{_APPLE}{key}"], is_flag=True, help=t.quantize_help))
+        for o in t.export_flags:
+            if o.quantize:
+                shared.setdefault(o.quantize, (o, []))[1].append(key)
+    for spelling, (o, keys) in shared.items():
+        name = f"{_APPLE}{spelling.lstrip('-').replace('-', '_')}"
+        params.append(_click_option(o, spelling, name, f"With {' / '.join('--' + k for k in keys)}: {o.help}"))
+    return params
+
+
+def _exports(values: dict) -> dict:
+    """quantize's Apple parameters -> {target key: its export options} for the targets asked for."""
+    out = {}
+    for key, t in api.targets().items():
+        if values.get(f"{_APPLE}{key}"):
+            out[key] = t.make_options(**{o.name: values[f"{_APPLE}{o.quantize.lstrip('-').replace('-', '_')}"]
+                                         for o in t.export_flags if o.quantize})
+    return out
+
+
+def _export_command(key: str, t) -> click.Command:
+    """`export-<key>`: export ARTIFACT to the target's package and check it (or only check it)."""
+
+    @friendly_errors
+    def run(artifact, force, check_only, no_check, as_json, **kw):
+        checks = t.check_options(**{o.name: kw.pop(o.name) for o in t.check_flags})
+        with render.progress_bars() as progress, _showing_failed_checks(render.check_result, as_json):
+            if check_only:
+                res = api.check(artifact, key, options=checks, progress=progress)
+            else:
+                res = api.export(artifact, key, options=t.make_options(force=force, **kw), check=False if no_check else checks,
+                                 progress=progress)
+        if check_only:
+            render.check_result(res, as_json)
+        else:
+            render.export_result(res, as_json)
+
+    params = [click.Argument(["artifact"], type=click.Path(path_type=Path)), *(_click_option(o) for o in t.export_flags),
+              click.Option(["--force"], is_flag=True, help=f"Replace an existing {t.package}."),
+              click.Option(["--check-only"], is_flag=True, help=f"Do not export: check the {t.noun} already in ARTIFACT."),
+              click.Option(["--no-check"], is_flag=True, help="Skip the checks that follow the export."),
+              *(_click_option(o) for o in t.check_flags),
+              click.Option(["--json", "as_json"], is_flag=True, help="Print the export record and check results as JSON.")]
+    return click.Command(f"export-{key}", callback=run, params=params, help=t.help)
+
+
+_made: dict = {}
+
+
+def generated() -> dict[str, click.Command]:
+    """The commands made from the registry of Apple targets (remade when a target is registered)."""
+    now = tuple(api.targets().items())
+    if _made.get("for") != now:
+        full = click.Command("quantize", callback=quantize.callback, params=[*quantize.params, *_quantize_options()], help=quantize.help)
+        _made.update({"for": now, "commands": {"quantize": full, **{f"export-{k}": _export_command(k, t) for k, t in now}}})
+    return _made["commands"]
+
+
+main.generate = generated
 
 
 @main.command()
@@ -240,100 +311,27 @@ def verify(artifact, no_hashes, trust_remote_code, manifest_sha256, as_json):
         sys.exit(1)
 
 
-@main.command("export-coreml")
-@click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--max-len", type=click.IntRange(min=2), default=None,
-              help="Causal LMs: KV cache length of the stateful decoder (input_ids of 1..N tokens, position + T <= N) "
-                   "[default: 2048, or the model's max_position_embeddings if smaller].")
-@click.option("--no-kv-cache", is_flag=True, help="Causal LMs: the stateless input_ids -> logits form (no states).")
-@click.option("--seq-len", default="128", show_default=True, metavar="N|LO:HI",
-              help="Encoders and --no-kv-cache: fixed sequence length (128) or a flexible range (1:512, a Core ML RangeDim).")
-@click.option("--coreml-weights", type=click.Choice(api.COREML_WEIGHT_MODES), default="fp8-lut", show_default=True,
-              help="fp8-lut: the FP8 codes as an 8-bit palette of the e4m3 values (one byte per weight). "
-                   "int8: coremltools linear quantization. fp16: dense.")
-@click.option("--frontend", type=click.Choice(("auto", *api.COREML_FRONTENDS)), default="auto", show_default=True,
-              help="auto: torch.export, then torch.jit.trace where that fails (the one that ran is printed and recorded).")
-@click.option("--force", is_flag=True, help="Replace an existing model.mlpackage.")
-@click.option("--check-only", is_flag=True, help="Do not export: check the package already in ARTIFACT.")
-@click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
-@click.option("--samples", default=3, show_default=True, help="Text samples for the reference evaluation (encoders, --no-kv-cache).")
-@click.option("--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Stateful decoders: teacher-forced decode steps of the reference evaluation.")
-@click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
-@friendly_errors
-def export_coreml(artifact, max_len, no_kv_cache, seq_len, coreml_weights, frontend, force, check_only, no_check, samples,
-                  decode_steps, as_json):
-    """Export an FP8 ARTIFACT to a Core ML ML program (ARTIFACT/model.mlpackage), then check it.
+class _Backends(click.Choice):
+    """--backend's choices: torch and the registered Apple targets, read when the option is used."""
 
-    \b
-    Causal LMs: the stateful decoder, main(input_ids int32 [1, T], position int32 [1]) ->
-    logits [1, T, vocab], the KV cache in states key_cache_i / value_cache_i (docs/apple.md: "The
-    stateful decoder interface"); --no-kv-cache: input_ids -> logits, no states.
-    Encoders: input_ids, attention_mask -> embeddings (mean-pooled last hidden state,
-    L2-normalized if the model's modules.json says so).
-    Minimum target macOS 15 / iOS 18, FP16 compute; activations are not FP8-quantized.
-    The checks run anywhere: spec, op counts, weights read back from the package, and a reference
-    evaluation of the program with coremltools' Python op definitions (NOT the Core ML runtime)
-    against PyTorch with the artifact's dequantized weights; decoders: prefill, teacher-forced
-    decode through the states, greedy generation.
-    """
-    with render.progress_bars() as progress, _showing_failed_checks(render.coreml_check, as_json):
-        if check_only:
-            res = api.check_coreml(artifact, samples=samples, decode_steps=decode_steps, progress=progress)
-        else:
-            res = api.export_coreml(artifact, seq_len=seq_len, weights=coreml_weights, frontend=frontend, force=force,
-                                    kv_cache=not no_kv_cache, max_len=max_len, check=not no_check, samples=samples,
-                                    decode_steps=decode_steps, progress=progress)
-    if check_only:
-        render.coreml_check(res, as_json)
-    else:
-        render.coreml_export(res, as_json)
+    def __init__(self):
+        super().__init__(api.backends())
 
+    @property
+    def choices(self):
+        return api.backends()
 
-@main.command("export-coreai")
-@click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--max-len", type=click.IntRange(min=2), default=None,
-              help="Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input "
-                   "[default: 2048, or the model's max_position_embeddings if smaller].")
-@click.option("--compute", type=click.Choice(api.COREAI_COMPUTE_DTYPES), default="fp32", show_default=True,
-              help="Compute dtype. FP8 weights stay f8E4M3FN and other tensors keep the artifact's dtype either way.")
-@click.option("--force", is_flag=True, help="Replace an existing model.aimodel.")
-@click.option("--check-only", is_flag=True, help="Do not export: check the asset already in ARTIFACT.")
-@click.option("--no-check", is_flag=True, help="Skip the checks that follow the export.")
-@click.option("--prompt-len", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens of real text in the checked prefill.")
-@click.option("--decode-steps", type=click.IntRange(min=1), default=32, show_default=True, help="Teacher-forced decode steps checked.")
-@click.option("--json", "as_json", is_flag=True, help="Print the export record and check results as JSON.")
-@friendly_errors
-def export_coreai(artifact, max_len, compute, force, check_only, no_check, prompt_len, decode_steps, as_json):
-    """Export an FP8 ARTIFACT to a Core AI asset (ARTIFACT/model.aimodel), then check it.
-
-    \b
-    Core AI is Apple's successor of Core ML (macOS / iOS 27 and later). FP8 weights are stored
-    natively as f8E4M3FN constants with their per-tensor / per-row scales (one byte per weight).
-    Causal LMs: the same stateful decoder as export-coreml (main(input_ids, position) -> logits,
-    the KV cache in states key_cache_i / value_cache_i). Encoders: input_ids, attention_mask ->
-    embeddings. The checks run the asset with the Core AI runtime bundled in coreai-core (Linux:
-    CPU) against PyTorch on the same dequantized weights: prefill, teacher-forced decode through
-    the states, greedy generation. Needs `pip install 'mpsconvert[coreai]'`.
-    """
-    with render.progress_bars() as progress, _showing_failed_checks(render.coreai_check, as_json):
-        if check_only:
-            res = api.check_coreai(artifact, prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
-        else:
-            res = api.export_coreai(artifact, max_len=max_len, compute=compute, force=force, check=not no_check,
-                                    prompt_len=prompt_len, decode_steps=decode_steps, progress=progress)
-    if check_only:
-        render.coreai_check(res, as_json)
-    else:
-        render.coreai_export(res, as_json)
+    @choices.setter
+    def choices(self, value):  # click sets them once; they are read from the registry instead
+        pass
 
 
 def _sampling(fn):
     """The options `generate` and `chat` share (mlx-lm's names)."""
     opts = [
-        click.option("--backend", type=click.Choice(api.BACKENDS), default="torch", show_default=True,
-                     help="torch: the FP8 model in PyTorch (runtime.load). coreai: the artifact's model.aimodel on the Core AI runtime "
-                          "(on Linux the CPU runtime in coreai-core). coreml: model.mlpackage (macOS only)."),
+        click.option("--backend", type=_Backends(), default="torch", show_default=True,
+                     help="torch: the FP8 model in PyTorch (runtime.load). "
+                          + " ".join(f"{key}: {t.backend_help}." for key, t in api.targets().items())),
         click.option("--device", default="auto", show_default=True, metavar="auto|mps|cuda[:N]|cpu",
                      help="With --backend torch: where it runs (auto: mps, then cuda, then cpu; a missing device is an error)."),
         click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=256, show_default=True, help="Most tokens to generate."),

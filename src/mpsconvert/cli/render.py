@@ -30,7 +30,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ..units import human
+from .. import api
+from ..units import human, speed
 from ..untrusted import printable
 
 console = Console(stderr=True)  # progress, status, warnings, errors
@@ -227,47 +228,6 @@ def source_line(src: dict) -> str:
     return f"{where} (local folder" + (f", {src['id']}@{str(src['commit'])[:12]}" if src.get("commit") and src.get("id") != where else "") + ")"
 
 
-def _validation_rows(runs: dict) -> list[tuple[str, str]]:
-    rows = []
-    for key, r in sorted(runs.items()):
-        r = _d(r)
-        a, sp = _d(r.get("accuracy")), _d(r.get("speedup"))
-        if r.get("kind") == "causal-lm":
-            acc = (f"ppl {num(a.get('perplexity_bf16'), '.3f')} -> {num(a.get('perplexity_fp8'), '.3f')} "
-                   f"({num(a.get('perplexity_delta_pct'), '+.2f')}%), KL {num(a.get('mean_kl'), '.5f')}, "
-                   f"top-1 {num(a.get('top1_agreement'), '.2%')}")
-        else:
-            acc = f"embedding cosine mean {num(a.get('cosine_mean'), '.5f')}, min {num(a.get('cosine_min'), '.5f')}"
-        verdicts = _d(r.get("verdict"))  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
-        speed = ", ".join(f"{shown(ph)} {_speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else num(v, '.2f') + 'x'}"
-                          for ph, v in sorted(sp.items())) or "latency not measured"
-        rows.append((f"validation {shown(key)}", f"{acc}; speedup vs BF16: {speed} ({shown(str(r.get('measured_at', ''))[:10])})"))
-    return rows
-
-
-def _export_row(key: str, rec: dict) -> str:
-    chk = _d(rec.get("check"))
-    size = rec.get("asset_bytes") or rec.get("package_weight_bytes") or chk.get("weight_bytes") or chk.get("asset_bytes")
-    target = rec.get("minimum_deployment_target") or rec.get("minimum_os")
-    what = f"{rec.get('package') or rec.get('asset')}: {rec.get('task')}" + (" stateful decoder" if rec.get("kv_cache") or
-                                                                            (key == "coreai" and rec.get("task") == "causal-lm") else "")
-    parts = [shown(what), f"target {shown(target)}" if target else None, f"{human(size)}" if isinstance(size, int) else None,
-             f"weights {shown(rec['weights'])}" if rec.get("weights") else None]
-    if chk:
-        parts.append("checks ok" if chk.get("ok") else "[red]checks FAILED[/]")
-    else:
-        parts.append("not checked")
-    return ", ".join(p for p in parts if p)
-
-
-def _runtime_row(rt: dict) -> str:
-    if rt.get("status") != "ran":
-        return f"not run ({rt.get('reason', rt.get('status'))})"
-    rows = [r for r in rt.get("rows", []) if isinstance(r, dict) and "error" not in r] if isinstance(rt.get("rows"), list) else []
-    return "; ".join(f"{r.get('engine')}: " + (f"decode {num(r['decode_tokens_per_s'], '.1f')} tok/s" if "decode_tokens_per_s" in r else
-                                                f"{num(r.get('latency_ms', 0), '.2f')} ms") for r in rows) or "no rows"
-
-
 def inspect_table(artifact, m, show_tensors: bool) -> None:
     """The manifest as a table. Every field is untrusted here (inspect reads what it is given
     without verifying it): text is `shown`, numbers `num`, and a field of the wrong type is '?'."""
@@ -292,21 +252,8 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     t.add_row("files", f"{len(m.files)} ({human(sum(f['size'] for f in m.files.values()))})")
     v = m.versions
     t.add_row("made with", shown(f"mpsconvert {v.get('mpsconvert')}, torch {v.get('torch')}, transformers {v.get('transformers')} on {m.device}"))
-    for key, val in m.extra.items():
-        if key == "validation" and isinstance(val, dict):
-            for k, line in _validation_rows(val):
-                t.add_row(k, line)
-        elif key in ("coreml", "coreai") and isinstance(val, dict):
-            t.add_row("Core ML" if key == "coreml" else "Core AI", _export_row(key, val))
-        elif key in ("coreml_runtime", "coreai_runtime") and isinstance(val, dict):
-            t.add_row(("Core ML" if key == "coreml_runtime" else "Core AI") + " runtime", shown(_runtime_row(val)))
-        elif key == "moe" and isinstance(val, dict):
-            t.add_row("MoE experts", shown(f"{len(_d(val.get('experts')))} expert modules, layout {val.get('experts_layout')}"))
-        elif key == "hub" and isinstance(val, dict):
-            t.add_row("hub repo", shown(val.get("repo")))
-        else:
-            text = json.dumps(val)
-            t.add_row(shown(key), shown(text if len(text) <= 100 else f"{text[:97]}... (inspect --json for all)"))
+    for label, text in m.inspect_rows():  # the records later steps added (validation, exports, ...), typed
+        t.add_row(shown(label), _marked(text, "FAILED" not in text))
     out.print(t)
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
@@ -344,15 +291,6 @@ def verify_report(artifact, report, as_json: bool) -> None:
 # --------------------------------------------------------------------------- validate
 
 
-def _speed(v: dict) -> str:
-    """'1.42x faster (spread 6%)', or 'no clear difference (0.97x, spread 12%)': a verdict only
-    where the difference exceeds the run-to-run spread measured in the same run."""
-    spread = f"spread {num(v.get('spread'), '.0%')}"
-    if v.get("verdict") == "no clear difference":
-        return f"no clear difference ({num(v.get('ratio'), '.2f')}x, {spread})"
-    return f"{num(v.get('ratio'), '.2f')}x {shown(v.get('verdict'))} ({spread})"
-
-
 def validation(res, explain: bool = False) -> None:
     r = res.as_dict()
     a = r["accuracy"]
@@ -374,11 +312,11 @@ def validation(res, explain: bool = False) -> None:
     if lat:
         b, f = lat["bf16"], lat["fp8"]
         t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
-                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", _speed(r['verdict']['prefill']))
+                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", speed(r['verdict']['prefill']))
         if "decode" in b:
             t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
                       f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
-                      _speed(r['verdict']['decode']))
+                      speed(r['verdict']['decode']))
         if b.get("peak_memory_bytes") is not None:
             t.add_row("peak device memory", human(b["peak_memory_bytes"]), human(f["peak_memory_bytes"]),
                       f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")
@@ -393,13 +331,14 @@ def validation(res, explain: bool = False) -> None:
 
 
 def apple_runtimes(r: dict) -> None:
-    """The Core ML and Core AI rows of validate (latency beside PyTorch), or why they did not run."""
-    for key, name in (("coreml", "Core ML package"), ("coreai", "Core AI asset")):
+    """Each Apple target's rows of validate (latency beside PyTorch), or why they did not run."""
+    for key, target in api.targets().items():
+        name = f"{target.name} {target.noun}"
         rt = r.get(key)
         if rt is None:
             continue
         if rt.get("status") == "failed":
-            out.print(f"{name}: [red]failed[/] ({escape(str(rt.get('reason')))})", highlight=False)
+            out.print(f"{name}: [red]failed[/] ({shown(str(rt.get('reason')))})", highlight=False)
             continue
         if rt.get("status") != "ran":
             result(f"{name}: not run here ({rt['reason']})")
@@ -409,7 +348,7 @@ def apple_runtimes(r: dict) -> None:
             t.add_column(c, justify="left" if c in ("engine", "accuracy") else "right")
         for row in rt["rows"]:
             if "error" in row:
-                t.add_row(row["engine"], "", "", "", "", f"[red]{escape(row['error'])}[/]")
+                t.add_row(row["engine"], "", "", "", "", f"[red]{shown(row['error'])}[/]")
                 continue
             ratio = row.get("decode_vs_pytorch_cpu", row.get("decode_vs_pytorch_mps", row.get("speedup_vs_pytorch_mps")))
             acc = (f"prefill top-1 {row['prefill_top1']:.1%}, decode top-1 {row['decode_top1']:.1%}" if "prefill_top1" in row
@@ -441,18 +380,6 @@ def kernels(decisions: list) -> None:
 # --------------------------------------------------------------------------- Core ML and Core AI
 
 
-def _feat(f) -> str:
-    rng = f" range {f['range']}" if f.get("range") else ""
-    shape = "x".join("?" if d is None else str(d) for d in f["shape"]) if f.get("shape") else "?"
-    return f"{f['name']} {f['dtype']} [{shape}]{rng}"
-
-
-def _states_line(states: list[dict]) -> str:
-    if not states:
-        return "none"
-    return f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each {_feat(states[0]).split(' ', 1)[1]}"
-
-
 def decoder_check(title: str, ev: dict) -> None:
     """Prefill, teacher-forced decode and greedy generation against PyTorch, one row each."""
     t = Table(title=title)
@@ -474,91 +401,31 @@ def decoder_check(title: str, ev: dict) -> None:
     out.print(f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median {ev['decode_step_ms']['median']:.1f} ms", highlight=False)
 
 
-def coreml_export(res, as_json: bool) -> None:
-    rec = res.record
-    failed = "; ".join(f"{k} failed ({v})" for k, v in rec["failed_frontends"].items())
-    note(f"Core ML: {rec['package']} written with {rec['frontend']}" + (" (stateful decoder)" if rec.get("kv_cache") else "")
-         + (f" ({failed})" if failed else ""))
+def export_result(res, as_json: bool) -> None:
+    """An Apple export: the line that says it was written, then its check (or, as JSON without a check, its record)."""
+    note(api.targets()[res.target].written(res.record))
     if res.check is not None:
-        coreml_check(res, as_json)
+        check_result(res, as_json)
     elif as_json:
-        print_json(rec)
+        print_json(res.record)
 
 
-def coreml_check(res, as_json: bool) -> None:
+def check_result(res, as_json: bool) -> None:
+    """An Apple package's check: the target's rows (a failure in red), then its decoder check as a table."""
     if as_json:
         print_json(res.as_dict())
         return
-    rec, chk = res.record, res.check
-    t = Table(title=f"{res.artifact}/{chk['package']}", show_header=False, box=None)
-    kind = " stateful decoder" if rec.get("kv_cache") else (" stateless" if rec.get("task") == "causal-lm" else "")
-    t.add_row("task", f"{rec.get('task')}{kind}: {', '.join(rec.get('inputs', []))} -> {rec.get('output')}" + (f" ({rec['pooling']} pooling)" if rec.get("pooling") else ""))
-    t.add_row("converted with", f"{rec.get('frontend')}, coremltools {rec.get('coremltools')}, target {rec.get('minimum_deployment_target')}, {rec.get('compute_precision')}")
-    t.add_row("inputs", "; ".join(_feat(f) for f in chk["spec"]["inputs"]))
-    t.add_row("outputs", "; ".join(_feat(f) for f in chk["spec"]["outputs"]))
-    if chk["spec"].get("states"):
-        t.add_row("states", _states_line(chk["spec"]["states"]))
-    ops = chk["spec"]["ops"]
-    t.add_row("ops", ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if k != "const")[:160])
-    t.add_row("weights", f"{rec.get('weights')}: {human(chk['weight_bytes'])} in the package vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)")
-    w = chk["weights"]
-    line = f"{w['checked']} FP8 tensors read back from weight.bin: " + ("all ok" if w["all_ok"] else "MISMATCH")
-    if w["codes_bit_exact"] is not None:
-        line += f"; codes bit-exact: {w['codes_bit_exact']}; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values, max {w['max_ulp_diff']} ulp"
-    elif w["min_fraction_equal_fp16_dequant"] is not None:
-        line += f"; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values"
-    t.add_row("weight check", line)
-    ev = chk.get("reference_eval")
-    if ev and "prefill" not in ev:
-        line = f"cosine min {ev['cosine_min']:.7f} (mean {ev['cosine_mean']:.7f}), max |diff| {ev['max_abs_diff']:.3g}"
-        if "top1_agreement" in ev:
-            line += f", top-1 agreement {ev['top1_agreement']:.1%} over {ev['positions']} positions"
-        t.add_row("reference eval", line + (" ok" if ev["ok"] else " FAILED"))
-        t.add_row("", f"{ev['inputs']}; vs {ev['reference']}")
-        t.add_row("", f"[bold]{ev['evaluator']}[/]; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}")
+    rows, decoder, title = api.targets()[res.target].rows(res.artifact, res.record, res.check)
+    t = Table(title=f"{res.artifact}/{res.package.name}", show_header=False, box=None)
+    for label, text, ok in rows:
+        t.add_row(shown(label), _marked(text, ok))
     out.print(t)
-    if ev and "prefill" in ev:
-        decoder_check("reference evaluation, not the Core ML runtime", ev)
+    if decoder is not None:
+        decoder_check(title, decoder)
 
 
-def coreai_export(res, as_json: bool) -> None:
-    rec = res.record
-    note(f"Core AI: {rec['asset']} written ({rec['task']}" + (", stateful decoder" if rec["task"] == "causal-lm" else "")
-         + f", {rec['compute']} compute)")
-    if res.check is not None:
-        coreai_check(res, as_json)
-    elif as_json:
-        print_json(rec)
-
-
-def coreai_check(res, as_json: bool) -> None:
-    if as_json:
-        print_json(res.as_dict())
-        return
-    rec, chk = res.record, res.check
-    iface = rec.get("interface", {})
-    t = Table(title=f"{res.artifact}/{chk['asset']}", show_header=False, box=None)
-    t.add_row("task", f"{rec.get('task')}" + (" stateful decoder" if rec.get("task") == "causal-lm" else f" ({rec.get('pooling')} pooling)"))
-    t.add_row("function main", "; ".join(_feat(f) for f in iface.get("inputs", [])) + " -> " + "; ".join(_feat(f) for f in iface.get("outputs", [])))
-    if iface.get("states"):
-        t.add_row("states", _states_line(iface["states"]))
-    t.add_row("interface", "as the decoder contract says" if chk["interface"]["ok"] else "[red]" + escape("; ".join(chk["interface"]["problems"])) + "[/]")
-    v = rec.get("versions", {})
-    t.add_row("converted with", f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; compute {rec.get('compute')}; needs {rec.get('minimum_os')}")
-    st = chk["storage"]["storage_types"]
-    t.add_row("storage", ", ".join(f"{k} {n:,}" for k, n in sorted(st.items(), key=lambda kv: -kv[1]) if n > 1000) or str(st))
-    t.add_row("size", f"{human(chk['asset_bytes'])} asset vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)")
-    w = chk["weights"]
-    t.add_row("weight check", f"{w['checked']} FP8 tensors read back from the program: codes bit-exact {w['codes_bit_exact']}, scales exact "
-              f"{w['scales_exact']}; {w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for {w['fp8_values_in_artifact']:,} in the artifact"
-              + ("" if w["all_ok"] else " [red]MISMATCH[/]"))
-    out.print(t)
-    ev = chk.get("runtime_eval")
-    if ev and "prefill" in ev:
-        decoder_check(ev["runtime"], ev)
-    elif ev:
-        result(f"{ev['runtime']}: embedding cosine min {ev['cosine_min']:.6f} over {ev['samples']} samples ({ev['inputs']})"
-               + (" ok" if ev["ok"] else " FAILED"))
+def _marked(text: str, ok: bool | None) -> str:
+    return f"[red]{shown(text)}[/]" if ok is False else shown(text)
 
 
 # --------------------------------------------------------------------------- generate / chat / upload

@@ -20,8 +20,10 @@ from ..manifests.ct_config import quantization_config
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME
 from ..manifests.manifest import Manifest
+from ..manifests.records import Experts
+from ..manifests.transaction import finish
 from ..source import Snapshot
-from ..targets import Plan
+from ..plan import Plan
 
 
 @dataclass
@@ -42,17 +44,23 @@ def _record_file(files: dict, folder: Path, rel: str) -> str:
     return digest
 
 
+def write_index(shards: Shards, tmp: Path, rel: str, files: dict) -> None:
+    """The weights' index (`rel` inside `tmp`: total size, tensor -> file) when they are in more
+    than one file, recorded in `files`."""
+    if len(shards.files) > 1:
+        index = {"metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
+                 "weight_map": dict(sorted(shards.weight_map.items()))}
+        atomic.write_text(tmp / rel, json.dumps(index, indent=2) + "\n")
+        _record_file(files, tmp, rel)
+
+
 def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: str) -> Manifest:
     """Write the index, config, copied files, model card and manifest of the artifact being
     built in `tmp`, to be published as the folder `name`."""
     scheme = opts.scheme
     files = dict(shards.files)
     source_files = snap.source_files()  # hashed on the snapshot's thread meanwhile
-    if len(shards.files) > 1:
-        index = {"metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
-                 "weight_map": dict(sorted(shards.weight_map.items()))}
-        atomic.write_text(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-        _record_file(files, tmp, INDEX_NAME)
+    write_index(shards, tmp, INDEX_NAME, files)
 
     config = dict(snap.config)
     config["quantization_config"] = quantization_config(scheme, sorted(plan.ignored))
@@ -88,19 +96,15 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: 
         device=opts.device,
     )
     if plan.expert_layout:
-        manifest.extra["moe"] = {
-            "experts_layout": opts.experts_layout,
-            "experts": {n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
-            "scales": "per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
-            "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]",
-        }
+        manifest.put(Experts(experts_layout=opts.experts_layout, experts={n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
+                             scales="per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
+                             "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]"))
     # How the shards reached the disk (O_DIRECT or the page cache, and why): it depends on the
     # filesystem, not on the inputs, so it lives in the block that differs between runs.
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, plan, shards.bytes_in, shards.bytes_out)
     src_card = snap.path / card.CARD_NAME
-    card.write(tmp, manifest, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None, name=name)
-    manifest.write(tmp)
+    finish(tmp, manifest, name, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None)
     return manifest
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .. import atomic
 from ..errors import SourceError
@@ -146,3 +146,47 @@ def _unpack(path: Path, folder: Path, dtype: str) -> str:
     plain.save_pretrained(folder)
     tok.save_pretrained(folder)
     return f"dequantized to {dtype} by transformers {transformers.__version__} (gguf_file=)"
+
+
+@contextlib.contextmanager
+def validation_baseline(artifact: Path, baseline: str | None) -> Iterator[Callable[[dict], None] | None]:
+    """validate's baseline of an artifact quantized from a GGUF file: that file, dequantized as
+    quantize dequantized it (in a temporary folder for the block). Yields None when the source is
+    no GGUF or a `baseline` was given; else `name(result)`, which names the GGUF file (not the
+    temporary folder) as the baseline in validate's `result` and its recorded run; `name.folder`
+    is the folder to pass as validate's baseline.
+
+    Raises:
+        SourceError: the GGUF is not where the manifest says, or is not the same file.
+    """
+    from ..manifests.hashing import sha256_file
+    from ..manifests.layout import is_artifact
+    from ..manifests.manifest import Manifest
+    from ..manifests.records import GGUFSource, Validation
+    from ..manifests.transaction import transaction
+
+    m = Manifest.read(artifact) if baseline is None and is_artifact(artifact) else None
+    g = m.get(GGUFSource) if m is not None else None
+    if g is None:
+        yield None
+        return
+    path = Path(str(m.source.get("path")))
+    want = (m.source.get("files") or {}).get(path.name)
+    if not path.is_file():
+        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass --baseline <the GGUF's model folder or hub id>")
+    if want and sha256_file(path) != want:
+        raise SourceError(f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
+                          "pass --baseline <the source model>, or restore that file")
+    label = f"{path} ({g.unpacked or 'dequantized'})"
+    with unpacked(path) as snap:  # validate's baseline runs in bfloat16 whatever quantize unpacked to
+
+        def name(result: dict) -> None:
+            result["baseline"] = label
+            if result.get("recorded"):
+                with transaction(artifact) as t:
+                    rec = t.get(Validation)
+                    rec.runs[f"{result['device_name']} ({result['device']})"].baseline = label
+                    t.put(rec)
+
+        name.folder = snap.path
+        yield name

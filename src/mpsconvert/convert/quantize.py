@@ -28,8 +28,8 @@ granularity dequantizes each block of rows with the source's scales and quantize
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 import math
 import os
 from collections import deque
@@ -48,12 +48,12 @@ from ..manifests.layout import INDEX_NAME
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
-from ..safetensors_io import DTYPES, BufferPool, ShardReader, ShardWriter, TensorInfo, count_nonfinite, read_header
+from ..safetensors_io import DTYPES, BufferPool, Digest, FiniteCheck, ShardReader, ShardWriter, TensorInfo, read_header
 from ..scales import E4M3_MAX, scale_problem, scale_shape
 from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
-from ..targets import Plan, matches, plan_for
+from ..plan import Plan, matches, plan_for
 from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES
 from .assemble import Shards, assemble
 
@@ -336,21 +336,6 @@ def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> 
                                   "the weights do not match config.json; re-download the model")
 
 
-def check_copied_finite(headers: dict, tensor_module: dict, expert_tensors: dict) -> None:
-    """NaN/inf in a tensor copied as it is (a norm, an embedding, an ignored lm_head) is refused
-    as it is in a quantized one (whose scale check catches it on the way), and so is a NaN code
-    (0x7F / 0xFF) in any e4m3 tensor of an FP8 source, kept or re-quantized: `verify` would
-    reject the artifact."""
-    for f, h in headers.items():
-        for name, info in h.tensors.items():
-            if (name in tensor_module or name in expert_tensors) and info.dtype != "F8_E4M3":
-                continue
-            n = count_nonfinite(h, info)
-            if n:
-                what = "NaN code(s) (0x7F / 0xFF, which no quantizer writes)" if info.dtype == "F8_E4M3" else "NaN or inf value(s)"
-                raise QuantizationError(f"tensor {name!r} in {f} contains {n} {what}", "fix the source checkpoint")
-
-
 def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) -> int:
     """Bytes the artifact will take: FP8 weights, their scales, copied tensors, plus slack."""
     total = 1 << 20
@@ -364,21 +349,28 @@ def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) ->
     return total
 
 
-def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
-    """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest."""
-    # One torch thread per quantizing thread (QUANT_THREADS of them): the cores left hash and
-    # write, and oversubscribed intra-op threads made a whole conversion ~15% slower on 2 cores
-    # (benchmarks/convert.py).
+@contextlib.contextmanager
+def converting(snap: Snapshot):
+    """The frame of a conversion: one torch thread per quantizing thread (QUANT_THREADS of them:
+    the cores left hash and write, and oversubscribed intra-op threads made a whole conversion
+    ~15% slower on 2 cores, benchmarks/convert.py); the source hashed from the start, if the
+    caller did not start it (it overlaps the planning), and that hashing stopped on a failure."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    snap.start_hashing()  # if the caller did not already: overlaps the planning below
+    snap.start_hashing()
     try:
-        return _quantize_snapshot(snap, out, opts, progress)
+        yield
     except BaseException:
         snap.stop_hashing()
         raise
     finally:
         torch.set_num_threads(threads)
+
+
+def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
+    """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest."""
+    with converting(snap):
+        return _quantize_snapshot(snap, out, opts, progress)
 
 
 def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
@@ -410,7 +402,6 @@ def _prepare(snap: Snapshot, opts: Options):
             f"({len(plan.ignored)} Linear(s) ignored, architecture {plan.architecture})",
             "check config.json (0 layers?) and the --ignore patterns",
         )
-    check_copied_finite(headers, tensor_module, expert_tensors)
     if snap.fp8:
         opts.source_scheme, opts.repack = snap.fp8.scheme, repacks(snap, opts)
         for name in [n for n in opts.fp8_tensors if n not in tensor_module and n not in expert_tensors]:
@@ -488,9 +479,9 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
                     elif name in expert_tensors:
                         _quantize_expert(sh, name, info, expert_tensors[name], scheme, opts)
                     elif _copied_dtype(info, opts) != info.dtype:
-                        _convert_copy(sh, name, info, opts.dtype_code)
-                    else:
-                        sh.then(writer.copy, name, header.path, info.start, info.nbytes)
+                        _convert_copy(sh, name, info, opts.dtype_code, FiniteCheck(info.dtype, name, src_name))
+                    else:  # NaN/inf in a tensor copied as it is is refused as in a quantized one: counted as it is copied
+                        sh.then(writer.copy, name, header.path, info.start, info.nbytes, (FiniteCheck(info.dtype, name, src_name),))
                     sh.then(advance, info.nbytes, name)
                 sh.pump(0)
             except BaseException:
@@ -510,22 +501,23 @@ def _copied_dtype(info: TensorInfo, opts: Options) -> str:
     return opts.dtype_code if opts.dtype_code and info.dtype in _FLOAT_CODES else info.dtype
 
 
-def _convert_copy(sh: "_Shard", name: str, info: TensorInfo, code: str) -> None:
-    """An unquantized float tensor cast to `code`, block by block (whole elements per block)."""
-    from ..safetensors_io import DTYPES
-
+def _convert_copy(sh: "_Shard", name: str, info: TensorInfo, code: str, check: FiniteCheck) -> None:
+    """An unquantized float tensor cast to `code`, block by block (whole elements per block), its
+    values checked for NaN/inf on the way (`check`)."""
     src_size, target = DTYPES[info.dtype][0], DTYPES[code][1]
     for buf, release in sh.reader.blocks(info.start, info.nbytes, src_size):
         try:
+            check.update(buf.numpy())
             src = buf.view(info.torch_dtype)
             out = src.to(target)  # a new tensor: the pooled buffer goes back at once
-            if not bool(torch.isfinite(out).all()):  # the source is finite (check_copied_finite): the cast overflowed
+            if not check.count and not bool(torch.isfinite(out).all()):  # a finite source: the cast overflowed
                 big = float(src.float().abs().max())
                 raise QuantizationError(f"tensor {name!r} holds values up to {big:.4g}, which --dtype {target} turns into inf",
                                         "use --dtype bfloat16 (float32's range), or leave --dtype out to copy it as it is")
         finally:
             release()
         sh.then(sh.writer.write, name, out)
+    check.done()
 
 
 @dataclass
@@ -587,48 +579,31 @@ def _quantize_one(
 
 
 def _repack_one(sh: _Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, src: SourceTensor, **extra) -> None:
-    """An FP8 source weight kept as it is: its codes copied byte for byte (hashed on the way, for
-    the manifest), its scale written as `<m>.weight_scale` (float32, compressed-tensors' shape)."""
+    """An FP8 source weight kept as it is: its codes copied byte for byte (their sha256, for the
+    manifest, taken in the same read: the writer fills it in once the copy is through, before the
+    shard's digest), its scale written as `<m>.weight_scale` (float32, compressed-tensors' shape)."""
     n, k = info.shape
-    path = sh.reader.header.path
-    sh.then(sh.writer.copy, name, path, info.start, info.nbytes)
     scale = src.scale.reshape(scheme.scale_shape(n, k)).contiguous()
+    rec = sh.records[name] = {
+        "module": module,
+        "shape": [n, k],
+        "source_dtype": "F8_E4M3",
+        "dtype": "F8_E4M3",
+        "weight_scale_shape": list(scale.shape),
+        "codes": "copied from the source, byte for byte",
+        "codes_sha256": None,  # filled by the copy
+        "source_scale": src.scale_key,
+        "scale_min": float(scale.min()),
+        "scale_max": float(scale.max()),
+        "sqnr_db": None,  # exact: the source's own values
+        **({"input_scale": float(src.input_scale.reshape(()))} if scheme.needs_calibration else {}),
+        **extra,
+    }
+    sh.then(sh.writer.copy, name, sh.reader.header.path, info.start, info.nbytes, (Digest(lambda d: rec.__setitem__("codes_sha256", d)),
+                                                                                    FiniteCheck(info.dtype, name, sh.reader.header.path.name)))
     sh.then(sh.writer.write, name + "_scale", scale)
     if scheme.needs_calibration:
         sh.then(sh.writer.write, name[: -len("weight")] + "input_scale", src.input_scale.reshape(1).contiguous())
-
-    def record() -> None:
-        sh.records[name] = {
-            "module": module,
-            "shape": [n, k],
-            "source_dtype": "F8_E4M3",
-            "dtype": "F8_E4M3",
-            "weight_scale_shape": list(scale.shape),
-            "codes": "copied from the source, byte for byte",
-            "codes_sha256": _sha256_range(path, info.start, info.nbytes),
-            "source_scale": src.scale_key,
-            "scale_min": float(scale.min()),
-            "scale_max": float(scale.max()),
-            "sqnr_db": None,  # exact: the source's own values
-            **({"input_scale": float(src.input_scale.reshape(()))} if scheme.needs_calibration else {}),
-            **extra,
-        }
-
-    sh.then(record)
-
-
-def _sha256_range(path, start: int, nbytes: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = nbytes
-        while left:
-            chunk = f.read(min(left, BLOCK_BYTES))
-            if not chunk:
-                raise SourceError(f"{path} ended inside a tensor", "the checkpoint is truncated; re-download it")
-            h.update(chunk)
-            left -= len(chunk)
-    return h.hexdigest()
 
 
 def _quantize_matrix(sh: _Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, scheme: Scheme, name: str,

@@ -6,31 +6,32 @@ manifest's. YAML front matter first (`base_model`, `base_model_relation: quantiz
 `library_name`, `tags`, the source's `license`, and an `mpsconvert` block with the figures),
 then what was done, the validation results once `validate` ran, how to load it, and the
 source's own card kept below a marker, attributed (its front matter folded into ours). The card
-is rewritten (atomically, its new sha256 in the manifest) by every step that changes what it
-says: validate, the Apple exports, calibration into the artifact, upload (which names the repo).
+is rewritten with the manifest by every change to an artifact (manifests/transaction.py: validate,
+the Apple exports and their checks, calibration into the artifact, upload, which names the repo),
+in the same staged swap, so the card always has the sha256 the manifest records.
 
 Names in it come from the source and the manifest (a folder name, tensor names, a dataset id):
-they are text, never Markdown, HTML or shell. Each goes in through one of `_t` (prose and table
-cells), `_c` (inline code), `_sh` (a shell argument) or `_py` (a Python string literal), and a
-number that is not one shows as "?". Hub provenance (`base_model`, a commit) is claimed only for
+they are text, never Markdown, HTML or shell (markdown.py: `_t` prose and table cells, `_c`
+inline code, `_sh` a shell argument, `_py` a Python string literal, a number that is not one
+shown as "?"). Hub provenance (`base_model`, a commit) is claimed only for
 what mpsconvert itself resolved on the hub or found in huggingface_hub's own cache.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import re
-import shlex
 from pathlib import Path
 
 from ..atomic import write_text
 from ..errors import ArtifactError
 from ..units import human
-from ..untrusted import parse_yaml, printable, read_json
+from ..untrusted import parse_yaml, read_json
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
+from .markdown import block as _block, code as _c, num as _n, py as _py, sh as _sh, text as _t
+from .records import AppleExport, CalibrationRecord, DiffusionSource, GGUFSource, Validation, kinds
 
 CARD_NAME = "README.md"
 SOURCE_MARKER = "<!-- mpsconvert: the source model's own card follows, as it was -->"
@@ -71,57 +72,6 @@ def source_card(text: str) -> tuple[dict, str]:
     return meta, body
 
 
-def source_precision_note(source: dict) -> str | None:
-    """One sentence when the source's weights were already below 8 bits (a GGUF such as Q4_1):
-    what quantize's summary and the card say, from the manifest's `source.gguf`."""
-    g = source.get("gguf") if isinstance(source, dict) else None
-    if not isinstance(g, dict) or not g.get("below_8_bits") or g.get("lowest") not in (g.get("tensor_types") or {}):
-        return None
-    low = g["lowest"]
-    return (f"the source weights were already below 8 bits: {g.get('file')} is GGUF {g.get('file_type') or low} "
-            f"({g['tensor_types'][low]} tensors {low}, {(g.get('bits_per_weight') or {}).get(low, '?')} bits per weight with "
-            "their scales); FP8 keeps that coarser grid and cannot restore what it lost, and validate compares against the "
-            "same GGUF, dequantized")
-
-
-_MARKDOWN = re.compile(r"[\\`*_\[\]|~#!]")
-
-
-def _t(x) -> str:
-    """Untrusted text in prose or a table cell: shown as it is, never as Markdown or HTML."""
-    return _MARKDOWN.sub(lambda m: "\\" + m.group(), html.escape(printable(str(x)), quote=False))
-
-
-def _c(x) -> str:
-    """Untrusted text as inline code: a backtick fence longer than any run inside it, `|` escaped
-    (a table cell), control characters escaped."""
-    s = printable(str(x)).replace("|", "\\|")
-    fence = "`" * (max((len(r) for r in re.findall(r"`+", s)), default=0) + 1)
-    pad = " " if s.startswith("`") or s.endswith("`") else ""
-    return f"{fence}{pad}{s}{pad}{fence}"
-
-
-def _sh(x) -> str:
-    """A shell argument (quoted where it needs it)."""
-    return shlex.quote(printable(str(x)))
-
-
-def _py(x) -> str:
-    """A Python string literal."""
-    return json.dumps(printable(str(x)), ensure_ascii=False)
-
-
-def _block(lang: str, lines: list[str]) -> list[str]:
-    """A fenced code block whose fence no line inside can close."""
-    fence = "`" * max(3, max((len(r) for line in lines for r in re.findall(r"`+", line)), default=0) + 1)
-    return [fence + lang, *lines, fence]
-
-
-def _n(x, spec: str = "") -> str:
-    """A number from the manifest, formatted; anything else (it is untrusted) as '?'."""
-    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
-
-
 def _fmt(x, nd: int = 4):
     return round(float(x), nd) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
@@ -129,24 +79,22 @@ def _fmt(x, nd: int = 4):
 def validation_figures(manifest: Manifest) -> list[dict]:
     """One entry per recorded validate run (device, accuracy, speedups), as the card shows them."""
     out = []
-    runs = manifest.extra.get("validation")
-    for key, run in sorted(runs.items() if isinstance(runs, dict) else []):
-        if not isinstance(run, dict):
-            continue
-        a = run.get("accuracy") if isinstance(run.get("accuracy"), dict) else {}
-        row = {"run": key, "device": run.get("device"), "scheme": run.get("scheme"), "kind": run.get("kind"),
-               "eval_data": run.get("eval_data"), "baseline": run.get("baseline")}
-        if run.get("kind") == "diffusion-step":
+    rec = manifest.get(Validation)
+    for key, run in sorted((rec.runs if rec else {}).items()):
+        a = run.accuracy
+        row = {"run": key, "device": run.device, "scheme": run.scheme, "kind": run.kind, "eval_data": run.eval_data,
+               "baseline": run.baseline}
+        if run.kind == "diffusion-step":
             row |= {"rel_error": _fmt(a.get("rel_error"), 6), "cosine": _fmt(a.get("cosine"), 6)}
-        elif run.get("kind") == "causal-lm":
+        elif run.kind == "causal-lm":
             row |= {"tokens": a.get("tokens"), "perplexity_bf16": _fmt(a.get("perplexity_bf16")),
                     "perplexity_fp8": _fmt(a.get("perplexity_fp8")), "perplexity_delta_pct": _fmt(a.get("perplexity_delta_pct"), 3),
                     "mean_kl": _fmt(a.get("mean_kl"), 6), "top1_agreement": _fmt(a.get("top1_agreement"))}
         else:
             row |= {"sentences": a.get("sentences"), "cosine_mean": _fmt(a.get("cosine_mean"), 6),
                     "cosine_min": _fmt(a.get("cosine_min"), 6)}
-        verdicts = run.get("verdict") if isinstance(run.get("verdict"), dict) else {}
-        for ph, v in sorted(run.get("speedup").items() if isinstance(run.get("speedup"), dict) else []):
+        verdicts = run.verdict or {}
+        for ph, v in sorted((run.speedup or {}).items()):
             row[f"{ph}_speedup"] = _fmt(v, 3)
             if isinstance(verdicts.get(ph), dict) and verdicts[ph].get("verdict"):  # the run's verdict: a ratio inside the noise is no speedup
                 row[f"{ph}_verdict"] = verdicts[ph]["verdict"]
@@ -172,10 +120,7 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
         meta["license"] = config["license"]
     meta["tags"] = ["fp8", "float8_e4m3fn", *(["sdnq"] if fmt == "diffusers" else ["comfyui"] if fmt else ["compressed-tensors"]),
                     "mpsconvert", str(recipe.get("name")), *([str(recipe.get("family"))] if fmt else [])]
-    if "coreml" in manifest.extra:
-        meta["tags"].append("coreml")
-    if "coreai" in manifest.extra:
-        meta["tags"].append("coreai")
+    meta["tags"] += [kind.KEY for kind in kinds(AppleExport) if manifest.get(kind) is not None]
     figures = {
         "scheme": recipe.get("name"),
         "weights": recipe.get("weights"),
@@ -195,9 +140,14 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     return meta
 
 
+def _where(src: dict) -> str:
+    """The source as the card names it: `id`, at its commit when known."""
+    return _c(src.get("id")) + (f" at commit {_c(src['commit'])}" if src.get("commit") else "")
+
+
 def _what_was_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = _c(src.get("id")) + (f" at commit {_c(src['commit'])}" if src.get("commit") else "")
+    where = _where(src)
     kept = r.get("ignored_modules") if isinstance(r.get("ignored_modules"), dict) else {}
     name, weights = r.get("name"), r.get("weights")
     lines = [
@@ -213,21 +163,19 @@ def _what_was_done(manifest: Manifest) -> list[str]:
     ]
     if s.get("worst_sqnr_db") is not None:
         lines.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
-    if isinstance(src.get("gguf"), dict):
-        g = src["gguf"]
-        note = source_precision_note(src)
-        types = g.get("tensor_types") if isinstance(g.get("tensor_types"), dict) else {}
-        lines.append(f"| source | GGUF {_t(g.get('file_type'))} ({_t(', '.join(f'{n} {t}' for t, n in types.items()))}), "
-                     f"{_t(g.get('unpacked'))}" + (f"; **{_t(note)}**" if note else "") + " |")
-    gguf = src.get("gguf") if isinstance(src.get("gguf"), dict) else {}
-    dtype = r.get("unquantized_dtype") or (f"{gguf['dtype']}, as the GGUF was unpacked" if gguf.get("dtype") else "the source's dtype")
+    g = manifest.get(GGUFSource)
+    if g is not None:
+        note = g.precision_note()
+        lines.append(f"| source | GGUF {_t(g.file_type)} ({_t(', '.join(f'{n} {t}' for t, n in g.tensor_types.items()))}), "
+                     f"{_t(g.unpacked)}" + (f"; **{_t(note)}**" if note else "") + " |")
+    dtype = r.get("unquantized_dtype") or (f"{g.dtype}, as the GGUF was unpacked" if g is not None and g.dtype else "the source's dtype")
     lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {_t(dtype)} (no FP8 kernel applies to them)"
                  + (f"; Linear: {', '.join(f'{_c(k)} ({_t(v)})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
-    cal = r.get("calibration")
-    if isinstance(cal, dict) and cal:
-        data = cal.get("data") if isinstance(cal.get("data"), dict) else {}
-        lines.append(f"| calibration | {_n(cal.get('num_samples'))} x {_n(cal.get('seq_len'))} tokens of {_c(data.get('id'))} "
-                     f"(sha256 {_c(str(data.get('sha256'))[:12])}), observer {_t(cal.get('observer'))}, on {_t(cal.get('device'))} |")
+    cal = manifest.get(CalibrationRecord)
+    if cal:
+        data = cal.data or {}
+        lines.append(f"| calibration | {_n(cal.num_samples)} x {_n(cal.seq_len)} tokens of {_c(data.get('id'))} "
+                     f"(sha256 {_c(str(data.get('sha256'))[:12])}), observer {_t(cal.observer)}, on {_t(cal.device)} |")
     else:
         lines.append("| calibration | none: data-free (weights only" + (", activations scaled per token at run time" if r.get("activations") == "token" else "") + ") |")
     return lines + [""]
@@ -295,15 +243,10 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
     else:
         lines += ["mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
                   *_block("python", ["import mpsconvert", "", f"model = mpsconvert.load({_py(name)})  # a transformers model with FP8 layers"]), ""]
-    rec = manifest.extra.get("coreml")
-    if isinstance(rec, dict):
-        lines += [f"Core ML: {_c(rec.get('package'))} ({_t(rec.get('task'))}, target {_t(rec.get('minimum_deployment_target'))}, "
-                  f"weights {_t(rec.get('weights'))}); in Swift, `MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
-    rec = manifest.extra.get("coreai")
-    if isinstance(rec, dict):
-        run = "mpsconvert generate " + _sh(name) + ' "Hello" --backend coreai'
-        lines += [f"Core AI: {_c(rec.get('asset'))} ({_t(rec.get('task'))}, native f8E4M3FN weights, needs {_t(rec.get('minimum_os'))})"
-                  + (f"; {_c(run)} runs it with the Core AI runtime." if causal else "."), ""]
+    for kind in kinds(AppleExport):  # each Apple target's package says itself how it is used (through markdown.py)
+        rec = manifest.get(kind)
+        if rec is not None:
+            lines += rec.card_lines(name, causal)
     return lines
 
 
@@ -352,22 +295,6 @@ def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str |
     return text
 
 
-def refresh(folder: Path, repo: str | None = None) -> str:
-    """Re-render the card of an existing artifact (after validate, an export, an upload) and
-    record its new sha256 in the manifest, both atomically."""
-    from .layout import update_manifest
-
-    folder = Path(folder)
-    old = folder / CARD_NAME
-    text = old.read_text(encoding="utf-8", errors="replace") if old.is_file() else None
-    with update_manifest(folder) as m:
-        if repo is None:  # once published, the card keeps loading from the repo
-            repo = (m.extra.get("hub") or {}).get("repo")
-        else:
-            m.extra["hub"] = {"repo": repo}
-        return write(folder, m, text, repo)
-
-
 # --------------------------------------------------------------------------- diffusion artifacts
 
 
@@ -393,7 +320,7 @@ def diffusion_intro(manifest: Manifest) -> str:
 
 def diffusion_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = _c(src.get("id")) + (f" at commit {_c(src['commit'])}" if src.get("commit") else "")
+    where = _where(src)
     hp = r.get("high_precision") if isinstance(r.get("high_precision"), dict) else {}
     kept = r.get("ignored_modules") or {}
     fmt = r.get("format")
@@ -430,8 +357,8 @@ def diffusion_how_to_load(manifest: Manifest, repo: str | None, name: str) -> li
                   f"node (weight_dtype `default`), with the {_t(fam)} text encoders and VAE in their usual folders. On a Mac, FP8 "
                   "stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch refuses float8 on MPS.", ""]
     else:
-        d = manifest.source.get("diffusion") if isinstance(manifest.source.get("diffusion"), dict) else {}
-        cls = d.get("class_name") if isinstance(d.get("class_name"), str) and d["class_name"].isidentifier() else None
+        d = manifest.get(DiffusionSource)
+        cls = d.class_name if d is not None and isinstance(d.class_name, str) and d.class_name.isidentifier() else None
         ref = repo or name
         code = ["import torch"]
         if r.get("weights_dir") not in (None, ".") or cls is None:

@@ -8,7 +8,7 @@
 - diffusers: config.json's `quantization_config` is SDNQ's (float8_e4m3fn, per row), every FP8
   weight has a float32 `<m>.scale` [N, 1], and none of them is a module the config keeps
   unconverted (SDNQ would then read FP8 codes as plain weights).
-Scales must be finite and > 0 and no code a NaN (verify.check_values' rules).
+Scales must be finite and > 0 and no code a NaN (values.check_values' rules).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..errors import ArtifactError, MpsconvertError
 from ..safetensors_io import read_header
 from ..untrusted import inside, parse_json, read_json
 from .layout import CONFIG_NAME
+from .values import check_records, check_values, floats
 
 
 def _problem(report, msg: str) -> None:
@@ -36,8 +37,7 @@ def _headers(folder: Path, names: list[str], report) -> dict:
     return out
 
 
-def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True) -> None:
-    from .verify import _floats, check_records, check_values
+def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True, counted: dict | None = None) -> None:
 
     r = manifest.recipe
     fmt = report.format = r.get("format")
@@ -76,7 +76,7 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True) -
             _problem(report, f"{mod}.weight needs a float32 {want or '0-d'} {leaf} ({'per tensor: ComfyUI' if fmt != 'diffusers' else 'per row: SDNQ'}), has {got}")
             continue
         h = next(h for h in headers.values() if f"{mod}.{leaf}" in h.tensors)
-        v = _floats(h.path, sc)
+        v = floats(h.path, sc)
         if not (v.size and float(v.min()) > 0 and all(map(lambda x: x == x and x != float("inf"), v.tolist()))):
             _problem(report, f"{mod}.{leaf} holds values that are not finite positive scales")
     if fmt == "comfyui":
@@ -89,7 +89,7 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True) -
             _problem(report, f"{mod} is FP8 but the SDNQ config keeps it unconverted (its codes would be read as weights)")
     if not fp8 and headers:
         _problem(report, "no F8_E4M3 weights found: this is not an FP8 checkpoint")
-    check_values(headers, report, codes=check_codes)
+    check_values(headers, report, codes=check_codes, counted=counted)
     check_records(manifest, tensors, report)
 
 

@@ -1,19 +1,19 @@
-"""The artifact's file layout, in one place: what each file is called, which files hold the
-weights, and how the manifest is updated.
+"""The artifact's file layout, in one place: what each file is called and which files hold the
+weights (names only: how an artifact is changed is manifests/transaction.py).
 
 An artifact is a Hugging Face model folder (config.json, safetensors weights, tokenizer files)
 plus our manifest. Weights are one `model.safetensors`, or shards named
 `model-0000i-of-0000N.safetensors` listed by `model.safetensors.index.json`. Apple exports live
-inside the artifact (`model.mlpackage`, `model.aimodel`) and are listed in the manifest too.
+inside the artifact (each target names its package: apple/coreml, apple/coreai) and are listed
+in the manifest too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
-from .. import atomic, filesystem
+from .. import filesystem
 from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import inside, read_json
 
@@ -21,8 +21,6 @@ MANIFEST_NAME = "mpsconvert.json"
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-COREML_PACKAGE = "model.mlpackage"
-COREAI_ASSET = "model.aimodel"
 MODEL_INDEX = "model_index.json"  # a diffusers pipeline's top-level file
 DIFFUSION_FORMATS = ("comfyui", "comfyui-legacy", "diffusers")  # convert/diffusion's FORMATS, as recorded in a manifest
 
@@ -105,69 +103,16 @@ def diffusion_format(manifest) -> str | None:
     return fmt if fmt in DIFFUSION_FORMATS else None
 
 
-@contextlib.contextmanager
-def update_manifest(folder: Path):
-    """Read the artifact's manifest, let the caller change it, write it back atomically (only
-    if the block exits without an error), all under the artifact's lock (atomic.writing): two
-    runs recording results at once would otherwise lose one of them."""
-    from .manifest import Manifest
-
-    with atomic.writing(Path(folder)):
-        m = Manifest.read(folder)
-        yield m
-        m.write(folder)
-
-
-def check_package_slot(artifact: Path, name: str, force: bool) -> None:
-    """May an export write the package `name` into the artifact? Where nothing is, or (with
-    `force`) over a package the manifest lists. A folder, file or link of someone else's under
-    that name (the manifest lists nothing in it) is never replaced, with or without `force`."""
-    from .manifest import Manifest
-
+def check_package_slot(artifact: Path, name: str, files: dict, force: bool) -> None:
+    """May an export write the package `name` into the artifact whose manifest lists `files`?
+    Where nothing is, or (with `force`) over a package the manifest lists. A folder, file or link
+    of someone else's under that name (the manifest lists nothing in it) is never replaced, with
+    or without `force`."""
     p = Path(artifact) / name
     if not os.path.lexists(p):
         return
-    listed = any(k.startswith(name + "/") for k in Manifest.read(artifact).files)
-    if p.is_symlink() or not listed:
+    if p.is_symlink() or not any(k.startswith(name + "/") for k in files):
         raise ArtifactError(f"{p} is not a package mpsconvert wrote ({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), "
                             "so it is never replaced", "move it out of the artifact, then export again")
     if not force:
         raise MpsconvertError(f"{p} already exists", "pass --force to replace it")
-
-
-def publish_package(artifact: Path, name: str, write, record) -> None:
-    """Put a package (an .mlpackage, an .aimodel) into an artifact together with its manifest
-    entries, as one step a kill cannot split: a staged copy of the artifact gets the package
-    (`write(path)`), its files' hashes and the caller's record (`record(manifest, path)`), then
-    replaces the artifact (atomic.staged_copy). The caller holds `atomic.writing(artifact)`."""
-    from .hashing import folder_files
-    from .manifest import Manifest
-
-    check_package_slot(artifact, name, force=True)  # the export checked it before its work; nothing changed it since (the lock)
-    with atomic.staged_copy(artifact, drop=(name,)) as tmp:
-        pkg = tmp / name
-        write(pkg)
-        if not pkg.is_dir():
-            raise ArtifactError(f"writing {name} produced no folder", "report this: the saver wrote nothing")
-        atomic.kill_point("package-written")
-        m = Manifest.read(tmp)
-        files = {k: v for k, v in m.files.items() if k != name and not k.startswith(name + "/")}
-        files.update(folder_files(pkg, tmp))
-        m.files = dict(sorted(files.items()))
-        record(m, pkg)
-        m.write(tmp)
-
-
-@contextlib.contextmanager
-def exporting(artifact: Path, kind: str):
-    """The frame of every export into an artifact: a swap a kill cut in two is repaired, the
-    artifact's lock is held throughout, it is verified before any of it is used
-    (verify.check_before_use), and libraries' temporary files go to this run's own folder of the
-    system temp dir (`mpsconvert-<kind>-<pid>-*`, removed after, or by the next run after a kill)."""
-    from .verify import check_before_use
-
-    artifact = Path(artifact)
-    atomic.recover(artifact)
-    with atomic.writing(artifact), atomic.private_tempdir(kind, redirect=True):
-        check_before_use(artifact)
-        yield artifact

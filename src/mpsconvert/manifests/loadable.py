@@ -35,7 +35,7 @@ from .. import atomic, filesystem, templates
 from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import inside, read_json
 from .hashing import copy_verified
-from .layout import CONFIG_NAME, COREAI_ASSET, COREML_PACKAGE, INDEX_NAME, MANIFEST_NAME, weight_files
+from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, weight_files
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -43,15 +43,18 @@ GENERATION_CONFIG = "generation_config.json"
 # then chat_template.json, then the tokenizer config's `chat_template`)
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", TOKENIZER_CONFIG)
 _OWN_JSON = {INDEX_NAME, MANIFEST_NAME}  # read by mpsconvert's own readers, never by a transformers loader
-_NOT_FOR_LOADERS = (COREML_PACKAGE, COREAI_ASSET, "README.md")  # packages (their runtimes read them, verified) and the card
+_LOADER_FOLDERS = ("additional_chat_templates",)  # the one subfolder transformers' loaders read (named chat templates)
 
 
 def loader_files(artifact: Path, manifest) -> list[str]:
-    """The listed files of `artifact` a loader may read: every file the manifest lists except the
-    weights, the index, the Apple packages and the card."""
-    skip = set(weight_files(artifact)) | _OWN_JSON
+    """The listed files of `artifact` a loader may read: the top-level files (and named chat
+    templates) the manifest lists, except the weights (the runtime streams and hashes them), the
+    index, the manifest and the card. Packages (folders: the Apple exports) are for their own
+    runtimes, which verify them."""
+    skip = set(weight_files(artifact)) | _OWN_JSON | {"README.md"}
     return [rel for rel in sorted(manifest.files)
-            if rel not in skip and not rel.endswith(".safetensors") and rel.split("/")[0] not in _NOT_FOR_LOADERS]
+            if rel not in skip and not rel.endswith(".safetensors")
+            and ("/" not in rel or rel.split("/")[0] in _LOADER_FOLDERS and rel.count("/") == 1)]
 
 
 def unlisted(artifact: Path, manifest) -> list[str]:
@@ -60,7 +63,6 @@ def unlisted(artifact: Path, manifest) -> list[str]:
     out = []
     for dirpath, dirs, files in os.walk(artifact):
         here = Path(dirpath).relative_to(artifact)
-        dirs[:] = [d for d in dirs if not (here == Path(".") and d in (COREML_PACKAGE, COREAI_ASSET))]
         for name in files:
             rel = (here / name).as_posix()
             if rel not in manifest.files and rel != MANIFEST_NAME and not name.startswith(atomic.TMP_PREFIX) \

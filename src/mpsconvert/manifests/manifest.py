@@ -1,7 +1,11 @@
 """The `mpsconvert.json` manifest: what went in, what was done, what came out, and checks since.
 
 Everything in it is a pure function of the inputs and options except the `created` block
-(timestamp, host), kept apart so that two identical runs give identical files otherwise.
+(timestamp, host), kept apart so that two identical runs give identical files otherwise. What
+later steps add (validation, Apple exports and their checks, the hub repo, ...) are typed
+records (manifests/records.py), read with `get(Record)` and set with `put(record)`; an existing
+artifact's manifest is changed only inside a transaction (manifests/transaction.py), which
+re-renders the card with it.
 """
 
 from __future__ import annotations
@@ -12,34 +16,41 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from .. import __version__
+from ..version import __version__
 from ..atomic import write_text
 from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import bad_relpath, read_json
 from ..untrusted import field as json_field
 from .hashing import sha256_file
 from .layout import MANIFEST_NAME
+from .records import Record, compact, kinds
 
 SCHEMA_VERSION = 1
 MAX_FILES = 100_000  # files one artifact lists: a 1000-shard MoE with both Apple packages is a few thousand
+R = TypeVar("R", bound=Record)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def library_versions() -> dict:
-    """Versions of the libraries that shape an artifact (None where not installed).
-
-    Read from package metadata, so that recording them imports nothing (coremltools is slow
-    and noisy to import)."""
+def dist_versions(*dists: str) -> dict:
+    """{distribution (with `_` for `-`): its installed version, or None}: read from package
+    metadata, so that recording them imports nothing (coremltools is slow and noisy to import)."""
     from importlib import metadata
 
-    out = {"mpsconvert": __version__, "python": platform.python_version()}
-    for dist in ("torch", "transformers", "safetensors", "huggingface_hub", "compressed-tensors", "coremltools"):
+    out = {}
+    for dist in dists:
         try:
             out[dist.replace("-", "_")] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist.replace("-", "_")] = None
     return out
+
+
+def library_versions() -> dict:
+    """Versions of the libraries that shape an artifact (None where not installed)."""
+    return {"mpsconvert": __version__, "python": platform.python_version(),
+            **dist_versions("torch", "transformers", "safetensors", "huggingface_hub", "compressed-tensors", "coremltools")}
 
 
 @dataclass
@@ -52,9 +63,37 @@ class Manifest:
     device: str = "cpu"
     versions: dict = field(default_factory=library_versions)
     summary: dict = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)  # later steps: calibration, coreml, validation
+    extra: dict = field(default_factory=dict)  # later steps' records, as stored (get / put them typed)
     created: dict = field(default_factory=lambda: {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     schema_version: int = SCHEMA_VERSION
+
+    def _section(self, kind: type[Record]) -> dict:
+        return {None: self.extra, "source": self.source, "recipe": self.recipe}[kind.SECTION]
+
+    def get(self, kind: type[R]) -> R | None:
+        """The record of this kind, checked (None when there is none).
+
+        Raises:
+            ArtifactError: the record is malformed (named, with the step that rewrites it).
+        """
+        body = self._section(kind).get(kind.KEY)
+        return None if body is None else kind.read(body, MANIFEST_NAME)
+
+    def put(self, record: Record) -> None:
+        """Set a record (replacing one of its kind); written with the manifest."""
+        self._section(type(record))[record.KEY] = record.as_dict()
+
+    def drop(self, kind: type[Record]) -> None:
+        self._section(kind).pop(kind.KEY, None)
+
+    def inspect_rows(self) -> list[tuple[str, str]]:
+        """What `inspect` shows of the records after the conversion's own blocks, in the manifest's
+        order: each record's rows, and a block no record type describes (another version's) as JSON."""
+        known = {k.KEY: k for k in kinds() if k.SECTION is None}
+        rows = []
+        for key, body in self.extra.items():
+            rows += self.get(known[key]).inspect_rows() if key in known else [(key, compact(body))]
+        return rows
 
     def to_json(self) -> str:
         body = {

@@ -9,8 +9,9 @@ Two kinds of check, both reported (never raised) so a caller can print every pro
   tamper-evident: without a pinned hash, whoever can rewrite files can rewrite the manifest too).
   Checkpoints made by other tools (llm-compressor) have no manifest: then nothing can be
   verified, which is a problem ("cannot verify"), and the consistency checks still run.
-- values: every `*_scale` tensor is finite and > 0, and no F8_E4M3 tensor holds a NaN code
-  (0x7F / 0xFF: e4m3fn has no infinities, those two are its NaNs).
+- values (manifests/values.py): every `*_scale` tensor is finite and > 0, and no F8_E4M3 tensor
+  holds a NaN code (0x7F / 0xFF: e4m3fn has no infinities, those two are its NaNs); the codes are
+  counted in the same read that hashes the files.
 - consistency: config.json carries a compressed-tensors FP8 `quantization_config`; every shard
   has a valid safetensors header (and the index maps only to existing tensors); every F8_E4M3
   `<m>.weight` is 2-D with a float `<m>.weight_scale` of shape [1] (tensor) or [N, 1] (channel)
@@ -30,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ArtifactError, MpsconvertError
-import numpy as np
 
 from ..safetensors_io import Header, read_header
 from .ct_config import scheme_from_config
@@ -42,6 +42,7 @@ from ..untrusted import inside, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256
+from .values import check_records, check_values, fp8_ranges, hash_and_count
 
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
 
@@ -140,57 +141,38 @@ def check_manifest_sha256(folder: Path, want: str, report: VerifyReport) -> None
         _problem(report, f"{MANIFEST_NAME} has sha256 {got}, not the pinned {want} (the manifest was changed)")
 
 
-_SCALE_NP = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
-
-
-def _floats(path: Path, info) -> np.ndarray:
-    """A small float tensor's values as float32 (BF16 widened by its bits: numpy has no bf16)."""
-    if info.dtype == "BF16":
-        raw = np.fromfile(path, dtype="<u2", count=info.nbytes // 2, offset=info.start)
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    return np.fromfile(path, dtype=np.dtype(_SCALE_NP[info.dtype]).newbyteorder("<"), count=info.nbytes // np.dtype(_SCALE_NP[info.dtype]).itemsize,
-                       offset=info.start).astype(np.float32)
-
-
-def nan_codes(codes: np.ndarray) -> int:
-    """How many e4m3fn NaN codes (0x7F, 0xFF) a uint8 array holds."""
-    return int(np.count_nonzero((codes & 0x7F) == 0x7F))
-
-
-def check_values(headers: dict[str, Header], report: VerifyReport, codes: bool = True) -> None:
-    """Every `*_scale` tensor finite and > 0; with `codes`, no NaN code in any F8_E4M3 tensor
-    (one pass over the codes, in blocks of a memory map)."""
-    for shard, h in headers.items():
-        for name, info in h.tensors.items():
-            if name.endswith("_scale") and info.dtype in ("F32", "F16", "BF16", "F64") and info.nbytes <= 64 << 20:
-                v = _floats(h.path, info)
-                bad = ~(np.isfinite(v) & (v > 0))
-                if bad.any():
-                    _problem(report, f"{name} in {shard} has {int(bad.sum())} value(s) that are not finite positive scales (e.g. {v[bad][0]})")
-            elif codes and info.dtype == "F8_E4M3" and info.nbytes:
-                mm = np.memmap(h.path, dtype=np.uint8, mode="r", offset=info.start, shape=(info.nbytes,))
-                n = sum(nan_codes(mm[i:i + (64 << 20)]) for i in range(0, info.nbytes, 64 << 20))
-                del mm
-                if n:
-                    _problem(report, f"{name} in {shard} holds {n} NaN code(s) (0x7F/0xFF), which no quantizer writes")
-
-
-def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None) -> None:
+def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None,
+                  codes: bool = False) -> dict[str, dict[str, int]]:
     """Every listed file's sha256, a thread per file up to one per core (sha256 of one file is one
-    core's work; hashlib releases the GIL), compared with the manifest."""
+    core's work; hashlib releases the GIL), compared with the manifest. With `codes`, the NaN
+    codes of every F8_E4M3 tensor of the safetensors files are counted in the same read; returns
+    them (file -> {tensor: NaN codes}) for values.check_values."""
     from concurrent.futures import ThreadPoolExecutor
 
     progress = or_silent(progress)
     total = sum(int(rec.get("size") or 0) for rec in manifest.files.values())
-    digests, done = {}, 0
+    digests, counted, done = {}, {}, 0
     names = check_sizes(folder, manifest, report)
+    ranges = {name: _fp8_ranges(folder / name) for name in names if codes and name.endswith(".safetensors")}
     with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 2)), thread_name_prefix="mpsconvert-verify") as pool:
-        futures = {name: pool.submit(sha256_file, folder / name) for name in names}
+        futures = {name: pool.submit(hash_and_count, folder / name, ranges.get(name) or ()) for name in names}
         for name, fut in futures.items():
-            digests[name] = fut.result()
+            digests[name], found = fut.result()
+            if ranges.get(name) is not None:
+                counted[name] = found
             done += int(manifest.files[name].get("size") or 0)
             progress("verify", done, total, name)
     check_digests(manifest, report, digests)
+    return counted
+
+
+def _fp8_ranges(path: Path) -> list | None:
+    """The F8_E4M3 byte ranges of a safetensors file, or None where its header does not read (the
+    structural checks say why, and scan its codes on their own)."""
+    try:
+        return fp8_ranges(read_header(path))
+    except MpsconvertError:
+        return None
 
 
 def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
@@ -221,11 +203,13 @@ def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
 
 
 def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = None, ignored: set | None = None,
-                    progress=None, manifest_sha256: str | None = None, check_codes: bool = True) -> VerifyReport:
+                    progress=None, manifest_sha256: str | None = None, check_codes: bool = True,
+                    manifest: Manifest | None = None) -> VerifyReport:
     """Check an artifact folder; returns a report listing every problem found (empty when sound).
 
     `manifest_sha256`: the manifest file must have this sha256. `check_codes`: scan every FP8
-    code for NaNs (one read of the weights; the loader checks them on the device instead)."""
+    code for NaNs (one read of the weights; the loader checks them on the device instead).
+    `manifest`: the folder's manifest, when the caller read it already (under the artifact's lock)."""
     folder = Path(path)
     if manifest_sha256 is not None:
         manifest_sha256 = pinned_sha256(manifest_sha256)  # a malformed pin is bad input, before any hashing
@@ -233,26 +217,27 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
     if not folder.is_dir():
         _problem(report, f"{folder} is not a folder")
         return report
-    manifest = None
     if (folder / MANIFEST_NAME).is_file():
         report.manifest_sha256 = sha256_file(folder / MANIFEST_NAME)
         try:
-            manifest = Manifest.read(folder)
+            manifest = manifest or Manifest.read(folder)
         except MpsconvertError as e:
             _problem(report, e.problem)
     else:
+        manifest = None
         _problem(report, f"cannot verify: {folder} has no {MANIFEST_NAME}, so there are no hashes to check the files against "
                          "(made by another tool, or the manifest was deleted)")
     if manifest_sha256 is not None and report.manifest_sha256 is not None:
         check_manifest_sha256(folder, manifest_sha256, report)
+    counted = {}  # NaN codes counted while hashing: file -> {tensor: count}
     if manifest is not None:
         check_unlisted(folder, manifest, report)
         if check_hashes:
-            _check_hashes(folder, manifest, report, progress)
+            counted = _check_hashes(folder, manifest, report, progress, codes=check_codes)
         if layout.diffusion_format(manifest):
             from .diffusion import verify_diffusion
 
-            verify_diffusion(folder, manifest, report, check_codes)
+            verify_diffusion(folder, manifest, report, check_codes, counted)
             return report
     try:
         config = read_json(folder / CONFIG_NAME, what=CONFIG_NAME)
@@ -289,20 +274,10 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
     if not report.quantized and headers:
         _problem(report, "no F8_E4M3 weights found: this is not an FP8 checkpoint")
     check_model_shapes(report, shapes, ignored)
-    check_values(headers, report, codes=check_codes)
+    check_values(headers, report, codes=check_codes, counted=counted)
     if manifest is not None:
         check_records(manifest, tensors, report)
     return report
-
-
-def check_records(manifest: Manifest, tensors: dict, report: VerifyReport) -> None:
-    """The manifest's tensor records against the files: every recorded tensor stored, with its dtype and shape."""
-    for name, rec in manifest.tensors.items():
-        info = tensors.get(name)
-        if info is None:
-            _problem(report, f"{MANIFEST_NAME} records {name}, which no shard holds")
-        elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
-            _problem(report, f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records {rec.get('dtype')}{rec.get('shape')}")
 
 
 def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set | None) -> None:
@@ -320,13 +295,14 @@ def check_artifact(path, **kw) -> VerifyReport:
     return raise_problems(path, verify_artifact(path, **kw))
 
 
-def check_before_use(path, trust_remote_code: bool = False) -> VerifyReport:
+def check_before_use(path, trust_remote_code: bool = False, manifest: Manifest | None = None) -> VerifyReport:
     """What every command that reads an artifact does first, before any of its code or data is
     used: every hash and structural check (check_artifact), then config.json read by
-    transformers (code in the artifact is imported only now, after it matched its hash)."""
+    transformers (code in the artifact is imported only now, after it matched its hash).
+    `manifest`: the artifact's manifest, when the caller read it already."""
     from .. import modeldef
 
-    report = check_artifact(path, check_hashes=True)
+    report = check_artifact(path, check_hashes=True, manifest=manifest)
     modeldef.load_config(path, trust_remote_code)
     return report
 

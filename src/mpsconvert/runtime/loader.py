@@ -444,7 +444,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def _linear_layout(model, qc: dict) -> tuple[dict, set]:
     """The Linear shapes of the model built from config, and which of them the config ignores."""
-    from ..targets import matches
+    from ..plan import matches
 
     linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     return linears, {n for n in linears if matches(n, list(qc.get("ignore") or []))}

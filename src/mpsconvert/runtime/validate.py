@@ -288,14 +288,17 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
 
 
 def _record(artifact: Path, result: dict) -> None:
-    """Add the run to the manifest's `validation` block, keyed by device and scheme (atomic write)."""
-    from ..manifests.layout import MANIFEST_NAME, update_manifest
+    """Add the run to the manifest's `validation` record, keyed by device (one transaction: the
+    card is re-rendered with it)."""
+    from ..manifests.layout import MANIFEST_NAME
+    from ..manifests.records import Validation, ValidationRun
+    from ..manifests.transaction import transaction
 
     if not (artifact / MANIFEST_NAME).is_file():
         result["recorded"] = None  # a checkpoint from another tool: nothing to write into
         return
-    with update_manifest(artifact) as m:
-        runs = m.extra.get("validation") or {}
-        runs[f"{result['device_name']} ({result['device']})"] = result
-        m.extra["validation"] = runs
+    with transaction(artifact) as t:
+        rec = t.get(Validation) or Validation()
+        rec.runs[f"{result['device_name']} ({result['device']})"] = ValidationRun.from_dict(result, "this validation")
+        t.put(rec)
     result["recorded"] = str(artifact / MANIFEST_NAME)

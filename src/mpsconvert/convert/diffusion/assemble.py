@@ -17,11 +17,12 @@ from pathlib import Path
 
 from ... import atomic, fp8
 from ...manifests import card
+from ...manifests.transaction import finish
 from ...manifests.hashing import sha256_file
 from ...manifests.layout import CONFIG_NAME, MANIFEST_NAME
 from ...manifests.manifest import Manifest
 from ...source import DIFFUSERS_WEIGHTS, Snapshot, check_inside
-from ..assemble import Shards, _record_file, summarize
+from ..assemble import Shards, _record_file, summarize, write_index
 from . import COMFYUI_FORMATS
 from .write import COMFY_LAYER, DiffusionOptions, DiffusionPlan
 
@@ -64,11 +65,7 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
                                                      "_mpsconvert_note": "converted from a single original-repo file: no diffusers config"}
     if not comfy:
         config["quantization_config"] = sdnq_config(p)
-        if len(shards.files) > 1:
-            index = {"metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
-                     "weight_map": dict(sorted(shards.weight_map.items()))}
-            atomic.write_text(where / INDEX, json.dumps(index, indent=2) + "\n")
-            _record_file(files, tmp, sub + INDEX)
+        write_index(shards, tmp, sub + INDEX, files)
     atomic.write_text(where / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     _record_file(files, tmp, sub + CONFIG_NAME)
     if snap.config:
@@ -119,8 +116,7 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
     manifest.versions |= _diffusion_versions()
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, p.as_plan(), shards.bytes_in, shards.bytes_out)
-    card.write(tmp, manifest, None, name=name)  # the card's commands name the folder being published
-    manifest.write(tmp)
+    finish(tmp, manifest, name, None)  # the card's commands name the folder being published
     return manifest
 
 

@@ -1,15 +1,22 @@
 """`quantize` of a diffusion source: the decisions (which format, which output name, which
-options apply) before the conversion runs (write.py). api.quantize calls `quantize_source`."""
+options apply), then the run: plan and streamed writes (write.py), then configs, manifest and
+card (assemble.py). api.quantize calls `quantize_source`."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ... import atomic
 from ...errors import MpsconvertError
+from ...manifests import layout
 from ...manifests.manifest import Manifest
-from ...progress import Progress
+from ...progress import Progress, or_silent
 from ...source import Snapshot
-from . import FORMATS
+from . import COMFYUI_FORMATS, FORMATS
+
+if TYPE_CHECKING:  # torch and the writers load when a conversion runs, not when its output is named
+    from .write import DiffusionOptions
 
 
 def default_format(snap: Snapshot) -> str:
@@ -34,12 +41,12 @@ def check_options(llm_only: dict) -> None:
 def quantize_source(snap: Snapshot, output: str | Path | None, fmt: str | None, *, ignore: list[str], force: bool,
                     max_shard_size: int, llm_only: dict, progress: Progress | None) -> tuple[Path, Manifest]:
     """Convert the diffusion transformer of `snap`; returns the output folder and its manifest."""
-    from .write import DiffusionOptions, quantize
-
     if snap.diffusion is None:
         raise MpsconvertError(f"--format {fmt} is for diffusion models, and {snap.repo_id or snap.path} is a transformers model "
                               f"({', '.join(snap.config.get('architectures') or ['no architecture'])})",
                               "drop --format: a language model becomes a compressed-tensors artifact")
+    from .write import DiffusionOptions
+
     check_options(llm_only)
     fmt = fmt or default_format(snap)
     if fmt not in FORMATS:
@@ -47,3 +54,34 @@ def quantize_source(snap: Snapshot, output: str | Path | None, fmt: str | None, 
     out = Path(output) if output is not None else default_output(snap, fmt)
     opts = DiffusionOptions(format=fmt, ignore=list(ignore), force=force, max_shard_size=max_shard_size)
     return out, quantize(snap, out, opts, progress)
+
+
+def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progress | None = None) -> Manifest:
+    """Write the FP8 artifact of a diffusion source to `out` (atomically); return its manifest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ...safetensors_io import BufferPool
+    from ..quantize import BLOCK_BYTES, QUANT_THREADS, Options, _write_shards, converting
+    from .assemble import assemble
+    from .write import WEIGHT_ONLY_ROW, comfy_file_name, diffusers_shard_names, estimate_bytes, plan, write_comfyui
+
+    with converting(snap):  # one torch thread per quantizing thread; the source hashed from the start
+        p = plan(snap, opts)
+        pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
+        # a single file is the source, not the folder it sits in: an output beside it is fine
+        protect = ((snap.path / snap.weight_files[0],) if snap.diffusion.layout == "single-file"
+                   else (snap.path, snap.diffusion.root))
+        with (
+            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), is_ours=layout.is_ours, protect=protect) as tmp,
+            atomic.BackgroundSync() as syncs,
+            ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
+        ):
+            if opts.format in COMFYUI_FORMATS:
+                shards = write_comfyui(snap, p, opts, tmp / comfy_file_name(out), pool, workers, syncs, or_silent(progress))
+            else:
+                where = tmp / snap.diffusion.component if snap.diffusion.layout == "pipeline" else tmp
+                where.mkdir(parents=True, exist_ok=True)
+                o = Options(scheme=WEIGHT_ONLY_ROW, scale_leaf="scale", max_shard_size=opts.max_shard_size)
+                shards = _write_shards(snap, p.headers, p.quantize, {}, o, where, pool, workers, syncs, or_silent(progress),
+                                       shard_names=diffusers_shard_names)
+            return assemble(tmp, snap, p, opts, shards, Path(out).absolute().name)

@@ -26,17 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ... import atomic, fp8
+from ... import fp8
 from ...errors import QuantizationError, SourceError
-from ...manifests import layout
-from ...manifests.manifest import Manifest
 from ...manifests.schemes import Scheme
-from ...progress import Progress, or_silent
-from ...safetensors_io import DTYPES, BufferPool, ShardReader, ShardWriter, read_header
+from ...safetensors_io import DTYPES, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
 from ...source import DIFFUSERS_WEIGHTS, Snapshot
-from ...targets import Plan
-from ..quantize import (BLOCK_BYTES, QUANT_THREADS, Options, _FLOAT_CODES, _quantize_matrix, _Shard, _write_shards,
-                        check_against_model, check_copied_finite, check_tensor_layout)
+from ...plan import Plan
+from ..quantize import (QUANT_THREADS, _FLOAT_CODES, _quantize_matrix, _Shard, check_against_model, check_tensor_layout)
 from . import COMFYUI_FORMATS, FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
@@ -160,8 +156,6 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
     if not p.quantize:
         raise QuantizationError(f"nothing to quantize in {snap.path}: no float Linear weight outside the high-precision list "
                                 f"({len(p.ignored)} kept: {p.keep.source})", "check the --ignore patterns")
-    check_copied_finite(headers, {k: True for k in (p.quantize if opts.format == "diffusers" else
-                                                    {pc.key for o in p.quantize.values() for pc in o.pieces})}, {})
     return p
 
 
@@ -170,40 +164,6 @@ def estimate_bytes(p: DiffusionPlan) -> int:
     for h in p.headers.values():
         total += h.file_size
     return total
-
-
-def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progress | None = None) -> Manifest:
-    """Write the FP8 artifact of a diffusion source to `out` (atomically); return its manifest."""
-    from .assemble import assemble
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one per quantizing thread, as the LLM pipeline (convert/quantize.py)
-    snap.start_hashing()
-    try:
-        p = plan(snap, opts)
-        pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
-        # a single file is the source, not the folder it sits in: an output beside it is fine
-        protect = ((snap.path / snap.weight_files[0],) if snap.diffusion.layout == "single-file"
-                   else (snap.path, snap.diffusion.root))
-        with (
-            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), is_ours=layout.is_ours, protect=protect) as tmp,
-            atomic.BackgroundSync() as syncs,
-            ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
-        ):
-            if opts.format in COMFYUI_FORMATS:
-                shards = write_comfyui(snap, p, opts, tmp / comfy_file_name(out), pool, workers, syncs, or_silent(progress))
-            else:
-                where = tmp / snap.diffusion.component if snap.diffusion.layout == "pipeline" else tmp
-                where.mkdir(parents=True, exist_ok=True)
-                o = Options(scheme=WEIGHT_ONLY_ROW, scale_leaf="scale", max_shard_size=opts.max_shard_size)
-                shards = _write_shards(snap, p.headers, p.quantize, {}, o, where, pool, workers, syncs, or_silent(progress),
-                                       shard_names=diffusers_shard_names)
-            return assemble(tmp, snap, p, opts, shards, Path(out).absolute().name)
-    except BaseException:
-        snap.stop_hashing()
-        raise
-    finally:
-        torch.set_num_threads(threads)
 
 
 def diffusers_shard_names(n: int) -> list[str]:
@@ -275,8 +235,9 @@ def write_comfyui(snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, path
                     if o.name in p.quantize:
                         _quantize_original(sh, o, where[o.pieces[0].key][1], spans, legacy)
                     else:
-                        for reader, start, nbytes in spans:
-                            sh.then(writer.copy, o.name, reader.header.path, start, nbytes)
+                        for pc, (reader, start, nbytes) in zip(o.pieces, spans):  # NaN/inf refused, counted as it is copied
+                            check = FiniteCheck(where[pc.key][1].dtype, pc.key, where[pc.key][0])
+                            sh.then(writer.copy, o.name, reader.header.path, start, nbytes, (check,))
                     nbytes = sum(s[2] for s in spans)
 
                     def advance(n=nbytes, name=o.name):

@@ -22,12 +22,11 @@ import numpy as np
 import torch
 
 from ...errors import ArtifactError
-from ...manifests.layout import update_manifest
-from ...manifests.manifest import Manifest
 from ... import fp8, timing
 from .. import compare, stateful
 from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
+from ..target import package_in
 from .export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
 
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
@@ -35,10 +34,7 @@ _DTYPES = {65568: "fp32", 65552: "fp16", 131104: "int32", 131080: "int8"}
 
 
 def _package(artifact: Path) -> Path:
-    pkg = Path(artifact) / PACKAGE_NAME
-    if not pkg.is_dir():
-        raise ArtifactError(f"{artifact} has no {PACKAGE_NAME}", "run `mpsconvert export-coreml` first")
-    return pkg
+    return package_in(artifact, PACKAGE_NAME, "coreml")
 
 
 # --------------------------------------------------------------------------- spec
@@ -228,9 +224,10 @@ def reference_decode(prog, tm, artifact: Path, max_len: int, texts=None, prompt_
                                             "mpsconvert": sorted({k.split(":", 1)[1] for k in how if k.startswith("mpsconvert:")})}}
 
 
-def check_package(artifact: Path, texts=None, n_samples: int = 3, evaluate: bool = True, prompt_len: int = compare.PROMPT_LEN,
+def check_package(artifact: Path, record: dict, texts=None, n_samples: int = 3, evaluate: bool = True, prompt_len: int = compare.PROMPT_LEN,
                   steps: int = 16, generate: int = compare.GENERATE, progress=None) -> dict:
-    """Every check that needs no Apple hardware. Returns a dict (also stored by `record_check`).
+    """Every check that needs no Apple hardware of the package in `artifact` that `record` (the
+    manifest's `coreml` record) describes. Returns a dict (recorded, slimmed, by apple/flow.py).
 
     Stateful decoders: prefill + `steps` teacher-forced decode steps + `generate` greedy tokens
     through the reference evaluator; stateless packages and encoders: `n_samples` one-pass samples."""
@@ -238,10 +235,6 @@ def check_package(artifact: Path, texts=None, n_samples: int = 3, evaluate: bool
 
     artifact = Path(artifact)
     pkg = _package(artifact)
-    manifest = Manifest.read(artifact)
-    record = manifest.extra.get("coreml")
-    if not record:
-        raise ArtifactError(f"{artifact}/{PACKAGE_NAME} is not recorded in the manifest", "re-run `mpsconvert export-coreml --force`")
     prog, spec = mil_eval.load_program(pkg)
     tm = build_torch_model(artifact)
     res = {
@@ -259,14 +252,6 @@ def check_package(artifact: Path, texts=None, n_samples: int = 3, evaluate: bool
         res["reference_eval"] = reference_eval(prog, tm, samples) | {"inputs": what}
     res["ok"] = res["weights"]["all_ok"] and res.get("reference_eval", {}).get("ok", True)
     return res
-
-
-def record_check(artifact: Path, result: dict) -> None:
-    """Keep the Linux-side check in manifest.extra["coreml"]["check"] (without per-tensor rows)."""
-    slim = {k: v for k, v in result.items() if k != "weights"}
-    slim["weights"] = {k: v for k, v in result["weights"].items() if k != "tensors"}
-    with update_manifest(artifact) as m:
-        m.extra.setdefault("coreml", {})["check"] = slim
 
 
 # --------------------------------------------------------------------------- macOS: Core ML itself
@@ -299,6 +284,10 @@ def _load(ct, pkg: Path, unit: str, row: dict):
     return ml
 
 
+def _unit_failed(row: dict, e: Exception) -> None:
+    row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+
+
 def _mps_row(tm, fn) -> dict:
     from ... import devices
 
@@ -307,7 +296,7 @@ def _mps_row(tm, fn) -> dict:
     return {"engine": "pytorch:mps fp16", **fn()}
 
 
-def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=None,
+def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=None,
                          prefill_len: int = 64, decode_tokens: int = 16, platform: str = sys.platform, ct=None) -> dict:
     """Load the package with Core ML, compare with PyTorch, and time it per compute unit beside
     PyTorch on MPS. Stateful decoders: prefill of `prefill_len` tokens and `decode_tokens`
@@ -322,7 +311,6 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
 
     artifact = Path(artifact)
     pkg = _package(artifact)
-    record = Manifest.read(artifact).extra.get("coreml") or {}
     tm = build_torch_model(artifact)
     rows = []
     if record.get("kv_cache"):
@@ -337,7 +325,7 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
                             "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
                 row.update(compare.decode_timing(coreml_decoder(ml), ids[:prompt], steps, warmup=2))
             except Exception as e:  # one compute unit failing is a result, reported in its row
-                row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+                _unit_failed(row, e)
             rows.append(row)
         rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2)))
         base = next((r.get("decode_tokens_per_s") for r in rows if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")), None)
@@ -360,7 +348,7 @@ def coreml_runtime_check(artifact: Path, compute_units=COMPUTE_UNITS, runs: int 
             row["ok"] = row["cosine_min"] >= min_cosine
             row["latency_ms"] = round(timing.median_ms(lambda: ml.predict(feeds), repeats=runs), 3)
         except Exception as e:  # one compute unit failing is a result, reported in its row
-            row.update({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            _unit_failed(row, e)
         rows.append(row)
 
     def mps():

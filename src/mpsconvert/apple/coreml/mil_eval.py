@@ -331,7 +331,7 @@ def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main", states
                 val = type(op).value_inference(view)
                 how[f"coremltools:{op.op_type}"] += 1
             else:
-                raise EvalError(f"op {op.op_type} has no Python definition in coremltools or mpsconvert.convert.coreml.mil_eval", "add an implementation of it there")
+                raise EvalError(f"op {op.op_type} has no Python definition in coremltools or mpsconvert.apple.coreml.mil_eval", "add an implementation of it there")
         except EvalError:
             raise
         except Exception as e:

@@ -4,7 +4,7 @@ The model converted is the source architecture carrying the artifact's weights
 (`torch_model.build_torch_model`), with every FP8 Linear replaced by `weights.Fp8Linear`: the
 asset stores the artifact's e4m3 bytes as `f8E4M3FN` constants and their scales, and Core AI
 dequantizes them (`blockwise_shift_scale`), so the asset is about the size of the FP8
-safetensors. Causal LMs are exported as the stateful decoder of `convert/stateful.py` (the
+safetensors. Causal LMs are exported as the stateful decoder of `apple/stateful.py` (the
 interface Core ML packages have too); encoders keep the embeddings interface of the Core ML
 export. The path is coreai-torch's: `torch.export` -> `run_decompositions(get_decomp_table())`
 -> `TorchConverter().add_exported_program(...).to_coreai()` -> `save_asset`.
@@ -24,29 +24,15 @@ from pathlib import Path
 import torch
 
 from ...errors import ExportError, MpsconvertError
-from ...manifests import layout
-from ...manifests.manifest import Manifest
+from ...manifests.manifest import Manifest, dist_versions
 from ...progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
-from . import MINIMUM_OS, CoreAIOptions
+from . import ASSET_NAME, MINIMUM_OS, CoreAIOptions
 from .run import coreai_torch, quiet, signature
 from .weights import swap_fp8_experts, swap_fp8_linears
 
-ASSET_NAME = layout.COREAI_ASSET
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {}
-    for dist in ("coreai-core", "coreai-torch"):
-        try:
-            out[dist.replace("-", "_")] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist.replace("-", "_")] = None
-    return out
 
 
 class _Stored(torch.nn.Module):
@@ -174,27 +160,19 @@ def storage_summary(asset_dir: Path) -> dict:
             "operations": {str(t): int(n) for t, n in s.operation_distribution}}
 
 
-def export_coreai(artifact: Path, opts: CoreAIOptions, progress: Progress | None = None) -> dict:
-    """Export `artifact` to `<artifact>/model.aimodel`; returns the manifest's `coreai` record.
-
-    Under the artifact's lock, the artifact is verified first (every hash, before its config or
-    weights are used); nothing in it changes unless the whole export succeeds, and then the
-    asset and the manifest that lists it appear together (layout.publish_package).
+def build(folder: Path, manifest: Manifest, opts: CoreAIOptions, progress: Progress | None = None) -> dict:
+    """Write `<folder>/model.aimodel` from the (verified) artifact in `folder`; returns its
+    manifest record and records coreai-core's and coreai-torch's versions in the manifest
+    (apple/flow.py publishes both with the asset, in one swap).
 
     Raises:
         MissingExtraError: coreai-core / coreai-torch are not installed.
         ExportError: the architecture, an op or a weight cannot be converted.
-        MpsconvertError: the asset exists (pass force) or the settings do not fit the model.
+        MpsconvertError: the settings do not fit the model.
     """
     coreai_torch()
-    with layout.exporting(Path(artifact), "coreai") as artifact:
-        return _export_verified(artifact, opts, progress)
-
-
-def _export_verified(artifact: Path, opts: CoreAIOptions, progress: Progress | None) -> dict:
     progress = or_silent(progress)
-    Manifest.read(artifact)
-    layout.check_package_slot(artifact, ASSET_NAME, opts.force)
+    artifact = Path(folder)
     progress("coreai export", 0, 4, "building the PyTorch model from the artifact's weights")
     tm = build_torch_model(artifact)
     opts = replace(opts, max_len=stateful.resolve_max_len(opts.max_len, tm.config))
@@ -207,17 +185,15 @@ def _export_verified(artifact: Path, opts: CoreAIOptions, progress: Progress | N
     coreai()
     from coreai.authoring import AIModelAsset
 
-    def add_record(m: Manifest, asset: Path) -> None:
-        progress("coreai export", 3, 4, "reading the asset back")
-        record = _record(tm, opts, weights, signature(AIModelAsset.load(asset)), asset, artifact)
-        m.extra["coreai"] = record
-        m.versions.update(record["versions"])
-        out.append(record)
-
-    out: list[dict] = []
-    layout.publish_package(artifact, ASSET_NAME, lambda p: prog.save_asset(p), add_record)
+    asset = artifact / ASSET_NAME
+    prog.save_asset(asset)
+    if not asset.is_dir():
+        raise ExportError(f"writing {ASSET_NAME} produced no folder", "report this: coreai-torch's save_asset wrote nothing")
+    progress("coreai export", 3, 4, "reading the asset back")
+    record = _record(tm, opts, weights, signature(AIModelAsset.load(asset)), asset, artifact)
+    manifest.versions.update(record["versions"])
     progress("coreai export", 4, 4, "done")
-    return out[0]
+    return record
 
 
 def _record(tm: TorchModel, opts: CoreAIOptions, weights: dict, sig: dict, asset: Path, artifact: Path) -> dict:
@@ -236,7 +212,7 @@ def _record(tm: TorchModel, opts: CoreAIOptions, weights: dict, sig: dict, asset
         "activations": f"{opts.compute} (the artifact's FP8 activation quantization is not applied)",
         "minimum_os": MINIMUM_OS,
         "converter": "torch.export -> coreai_torch.get_decomp_table() -> TorchConverter (release mode)",
-        "versions": _versions(),
+        "versions": dist_versions("coreai-core", "coreai-torch"),
         "fp8_tensors": len(tm.fp8_weights),
         "fp8_expert_parameters": len(tm.fp8_experts),
         "fp8_tensors_not_exported": tm.unused,

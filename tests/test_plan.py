@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mpsconvert.targets import matches, plan_for
+from mpsconvert.plan import matches, plan_for
 from mpsconvert.errors import SourceError
 
 

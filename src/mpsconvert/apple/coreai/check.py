@@ -24,13 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import ArtifactError, MpsconvertError
-from ...manifests import layout
-from ...manifests.manifest import Manifest
+from ...errors import MpsconvertError
 from .. import compare, stateful
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
 from . import RUNTIME_LABEL
 from .export import ASSET_NAME, TORCH_DTYPES, asset_bytes, storage_summary
+from ..target import package_in
 from .run import Session, coreai, quiet
 from .weights import blockwise_scale
 
@@ -44,10 +43,7 @@ def runtime_label(unit: str | None = None, platform: str = sys.platform) -> str:
 
 
 def _asset(artifact: Path) -> Path:
-    p = Path(artifact) / ASSET_NAME
-    if not p.is_dir():
-        raise ArtifactError(f"{artifact} has no {ASSET_NAME}", "run `mpsconvert export-coreai` first")
-    return p
+    return package_in(artifact, ASSET_NAME, "coreai")
 
 
 # --------------------------------------------------------------------------- interface
@@ -209,20 +205,18 @@ def decoder_runner(session: Session):
     return new_conversation
 
 
-def runtime_eval(artifact: Path, tm, unit: str | None = None, texts=None, prompt_len: int = compare.PROMPT_LEN,
+def runtime_eval(artifact: Path, tm, max_len: int, unit: str | None = None, texts=None, prompt_len: int = compare.PROMPT_LEN,
                  steps: int = compare.DECODE_STEPS, generate: int = compare.GENERATE, samples: int = 3, progress=None) -> dict:
     """Run the asset with the Core AI runtime and compare it with PyTorch (see compare.py)."""
     with quiet():
         session = Session(_asset(artifact), unit=unit)
     with session:
         if tm.task == "causal-lm":
-            max_len = Manifest.read(artifact).extra["coreai"]["max_len"]
             prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
             ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
             res = compare.check_decoder(decoder_runner(session), tm, ids, prompt_len, steps, generate, progress)
         else:
-            rec = Manifest.read(artifact).extra["coreai"]
-            hi = min(rec["max_len"], 64)
+            hi = min(max_len, 64)
             xs, what = compare.sample_inputs(artifact, tm, {"min": 1, "max": hi}, n=samples)
             parts = []
             for x in xs:
@@ -234,14 +228,12 @@ def runtime_eval(artifact: Path, tm, unit: str | None = None, texts=None, prompt
     return res | {"inputs": what, "runtime": runtime_label(unit), "reference": compare.REFERENCE_NAME}
 
 
-def check_asset(artifact: Path, texts=None, prompt_len: int = compare.PROMPT_LEN, steps: int = compare.DECODE_STEPS,
+def check_asset(artifact: Path, record: dict, texts=None, prompt_len: int = compare.PROMPT_LEN, steps: int = compare.DECODE_STEPS,
                 generate: int = compare.GENERATE, samples: int = 3, evaluate: bool = True, progress=None) -> dict:
-    """Every check of the asset that needs no Apple hardware. Returns a dict (see `record_check`)."""
+    """Every check that needs no Apple hardware of the asset in `artifact` that `record` (the
+    manifest's `coreai` record) describes. Returns a dict (recorded, slimmed, by apple/flow.py)."""
     artifact = Path(artifact)
     asset = _asset(artifact)
-    record = Manifest.read(artifact).extra.get("coreai")
-    if not record:
-        raise ArtifactError(f"{asset} is not recorded in the manifest", "re-run `mpsconvert export-coreai --force`")
     tm = build_torch_model(artifact)
     res = {
         "asset": ASSET_NAME,
@@ -253,31 +245,23 @@ def check_asset(artifact: Path, texts=None, prompt_len: int = compare.PROMPT_LEN
     res["size_ratio"] = round(res["asset_bytes"] / res["fp8_safetensors_bytes"], 4)
     res["weights"] = check_weights(asset, tm, {**record, "storage": res["storage"]})
     if evaluate:
-        res["runtime_eval"] = runtime_eval(artifact, tm, texts=texts, prompt_len=prompt_len, steps=steps,
+        res["runtime_eval"] = runtime_eval(artifact, tm, record["max_len"], texts=texts, prompt_len=prompt_len, steps=steps,
                                            generate=generate, samples=samples, progress=progress)
     res["ok"] = bool(res["interface"]["ok"] and res["weights"]["all_ok"] and res.get("runtime_eval", {}).get("ok", True))
     return res
 
 
-def record_check(artifact: Path, result: dict) -> None:
-    """Keep the check in the manifest's `coreai.check` (without the per-tensor rows)."""
-    slim = {k: v for k, v in result.items() if k != "weights"}
-    slim["weights"] = {k: v for k, v in result["weights"].items() if k != "tensors"}
-    with layout.update_manifest(artifact) as m:
-        m.extra.setdefault("coreai", {})["check"] = slim
-
-
 # --------------------------------------------------------------------------- latency (validate)
 
 
-def coreai_latency(artifact: Path, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
+def coreai_latency(artifact: Path, record: dict, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
                    units=None, platform: str = sys.platform, texts=None, prefill_repeats: int = 3) -> dict:
     """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU, same prompt, same
     number of tokens (compare.decode_timing). Linux: the bundled CPU runtime (labelled). macOS: one row per compute unit
     (`units`, default cpu / gpu / neural_engine) through the OS runtime; a unit that fails is a
     row with its error. Encoders and assets without a stateful decoder: skipped, with why."""
     artifact = Path(artifact)
-    rec = Manifest.read(artifact).extra.get("coreai") or {}
+    rec = record
     if rec.get("task") != "causal-lm":
         return {"status": "skipped", "reason": "latency is measured for stateful decoders (causal LMs)"}
     _asset(artifact)

@@ -27,15 +27,13 @@ import numpy as np
 import torch
 
 from ...errors import ExportError, MpsconvertError
-from ...manifests.layout import COREML_PACKAGE as PACKAGE_NAME
-from ...manifests.layout import check_package_slot, exporting, publish_package
 from ...manifests.manifest import Manifest
 from ... import fp8
 from ...progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
 
-from . import FRONTENDS, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402,F401  (light: the CLI and API read them without this module)
+from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402,F401  (light: the CLI and API read them without this module)
 DEPLOYMENT_TARGET = "iOS18 / macOS15"
 # e4m3fn NaN codes (0x7f, 0xff) never occur in an artifact (values are clamped before the cast);
 # their LUT entries are 0 so that the palette holds only finite values.
@@ -101,11 +99,11 @@ def _keep_fp16(op) -> bool:
 
 
 @dataclass
-class Target:
+class Interface:
     """What is converted: the torch module, how it is traced, and the Core ML interface it gets.
 
     Stateless causal LMs and encoders: `tm.module` with inputs of `seq` length. The stateful
-    decoder (`convert/stateful.py`): input_ids [1, 1..max_len], position [1], one fp16 state per
+    decoder (`apple/stateful.py`): input_ids [1, 1..max_len], position [1], one fp16 state per
     layer and K/V (Core ML states are fp16; coremltools casts around them)."""
 
     module: torch.nn.Module
@@ -157,25 +155,25 @@ def lut_experts(tm: TorchModel) -> tuple[dict, dict]:
     return weights, record
 
 
-def stateless_target(tm: TorchModel, seq: SeqLen) -> Target:
+def stateless_target(tm: TorchModel, seq: SeqLen) -> Interface:
     dynamic = None
     if seq.is_range:
         d = torch.export.Dim("seq_len", min=seq.lo, max=seq.hi)
         dynamic = {n: {1: d} for n in tm.input_names}
-    return Target(tm.module, example_inputs(tm, seq.example), tm.input_names, tm.output_name, dynamic, seq)
+    return Interface(tm.module, example_inputs(tm, seq.example), tm.input_names, tm.output_name, dynamic, seq)
 
 
-def stateful_target(tm: TorchModel, max_len: int) -> Target:
+def stateful_target(tm: TorchModel, max_len: int) -> Interface:
     # fp32 buffers: coremltools makes every state fp16 itself (reads cast to fp32, writes back to fp16)
     wrapper = stateful.StatefulCausalLM(tm.model, max_len).eval()
     seq = SeqLen(1, max_len)
     ids = example_inputs(tm, seq.example)[0].to(torch.int32)
     d = torch.export.Dim("seq_len", min=1, max=max_len)
-    return Target(wrapper, (ids, torch.zeros(1, dtype=torch.int32)), list(stateful.INPUT_NAMES), stateful.OUTPUT_NAME,
+    return Interface(wrapper, (ids, torch.zeros(1, dtype=torch.int32)), list(stateful.INPUT_NAMES), stateful.OUTPUT_NAME,
                   {"input_ids": {1: d}, "position": None}, seq, wrapper.states())
 
 
-def _ct_inputs(target: Target):
+def _ct_inputs(target: Interface):
     import coremltools as ct
 
     seq = target.lengths
@@ -186,13 +184,13 @@ def _ct_inputs(target: Target):
     return inputs
 
 
-def _ct_states(target: Target):
+def _ct_states(target: Interface):
     import coremltools as ct
 
     return [ct.StateType(wrapped_type=ct.TensorType(shape=s.shape, dtype=np.float16), name=s.name) for s in target.states or []]
 
 
-def _convert_with(frontend: str, target: Target):
+def _convert_with(frontend: str, target: Interface):
     import coremltools as ct
 
     common = dict(
@@ -220,7 +218,7 @@ def _convert_with(frontend: str, target: Target):
         return ct.convert(traced, inputs=_ct_inputs(target), **common)
 
 
-def convert(tm: TorchModel, target: Target, frontend: str = "auto"):
+def convert(tm: TorchModel, target: Interface, frontend: str = "auto"):
     """Convert with torch.export, falling back to torch.jit.trace. Returns (mlmodel, record)."""
     from . import ops as coreml_ops
 
@@ -243,7 +241,7 @@ def convert(tm: TorchModel, target: Target, frontend: str = "auto"):
     detail = "; ".join(f"{fe}: {msg}" for fe, msg in attempts.items())
     raise ExportError(
         f"Core ML export of {type(tm.module.model).__name__} failed: {what} ({detail})",
-        "add a converter for it in mpsconvert/convert/coreml/ops.py, or export a different architecture",
+        "add a converter for it in mpsconvert/apple/coreml/ops.py, or export a different architecture",
     ) from last
 
 
@@ -453,20 +451,11 @@ def weight_bytes_of_package(pkg: Path) -> int:
     return sum(p.stat().st_size for p in (pkg / "Data" / "com.apple.CoreML" / "weights").rglob("*") if p.is_file())
 
 
-def export_coreml(artifact: Path, opts: ExportOptions, progress: Progress | None = None) -> dict:
-    """Export `artifact` to `<artifact>/model.mlpackage`; returns manifest.extra["coreml"].
-
-    Under the artifact's lock, the artifact is verified first (every hash, before its config or
-    weights are used); nothing in it changes unless the whole export succeeds, and then the
-    package and the manifest that lists it appear together (layout.publish_package). coremltools'
-    own temporary packages go to a folder of this run in the system temp dir, removed after it
-    (or by the next run, after a kill).
-    """
-    with exporting(Path(artifact), "coreml") as artifact:
-        return _export_verified(artifact, opts, progress)
-
-
-def _export_verified(artifact: Path, opts: ExportOptions, progress: Progress | None) -> dict:
+def build(folder: Path, manifest: Manifest, opts: ExportOptions, progress: Progress | None = None) -> dict:
+    """Write `<folder>/model.mlpackage` from the (verified) artifact in `folder`; returns its
+    manifest record and sets the manifest's coremltools version (apple/flow.py publishes both
+    with the package, in one swap). coremltools' own temporary packages go to the run's private
+    temp folder (the flow's transaction makes it tempfile's default)."""
     import coremltools as ct
 
     progress = or_silent(progress)
@@ -475,8 +464,7 @@ def _export_verified(artifact: Path, opts: ExportOptions, progress: Progress | N
     def status(msg: str) -> None:
         progress("coreml export", next(steps), 3, msg)
 
-    manifest = Manifest.read(artifact)
-    check_package_slot(artifact, PACKAGE_NAME, opts.force)
+    artifact = Path(folder)
     if opts.weights not in WEIGHT_MODES:
         raise MpsconvertError(f"unknown --coreml-weights {opts.weights!r}", f"use one of: {', '.join(WEIGHT_MODES)}")
     status("building the PyTorch model from the artifact's weights")
@@ -535,10 +523,7 @@ def _export_verified(artifact: Path, opts: ExportOptions, progress: Progress | N
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
     }
 
-    def add_record(m: Manifest, pkg: Path) -> None:
-        record["package_weight_bytes"] = weight_bytes_of_package(pkg)
-        m.extra["coreml"] = record
-        m.versions["coremltools"] = ct.__version__
-
-    publish_package(artifact, PACKAGE_NAME, save, add_record)
+    save(artifact / PACKAGE_NAME)
+    record["package_weight_bytes"] = weight_bytes_of_package(artifact / PACKAGE_NAME)
+    manifest.versions["coremltools"] = ct.__version__
     return record
