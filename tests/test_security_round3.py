@@ -348,6 +348,86 @@ def test_counts_are_bounded_layers_files_tensors(base, tmp_path):
         safetensors_io.read_header(many)
 
 
+# --------------------------------------------------------------------------- 1. one trust boundary
+
+
+def test_loaders_read_only_the_files_the_manifest_lists(art):
+    """Unlisted files a transformers loader would read by their names (a named chat template, a
+    special-tokens map, added tokens) change nothing: the loaders read a verified copy of the
+    listed files, and each unlisted one is said ("ignored")."""
+    import warnings
+
+    from mpsconvert.manifests import loadable
+
+    before = loadable.tokenizer(art)
+    (art / "additional_chat_templates").mkdir()
+    (art / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'EVIL' }}")
+    (art / "added_tokens.json").write_text(json.dumps({"<evil>": 7}))
+    (art / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<evil>"}))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tok = loadable.tokenizer(art)
+    said = " ".join(str(w.message) for w in seen)
+    for rel in ("additional_chat_templates/tool_use.jinja", "added_tokens.json", "special_tokens_map.json"):
+        assert f"{rel} is not listed in {MANIFEST_NAME}: ignored" in said, said
+    assert tok.chat_template == before.chat_template == TEMPLATE and tok.eos_token == before.eos_token
+    assert "<evil>" not in tok.get_vocab() and tok("Hello <evil>")["input_ids"] == before("Hello <evil>")["input_ids"]
+    # a loader sees that copy, never the artifact: without the boundary the unlisted files are read
+    from transformers import AutoTokenizer
+
+    raw = AutoTokenizer.from_pretrained(str(art))
+    assert isinstance(raw.chat_template, dict) or "<evil>" in raw.get_vocab()
+    # generate says it too (a UserWarning of mpsconvert's: printed by the CLI, recorded here by pytest), and runs as before
+    with pytest.warns(UserWarning, match="added_tokens.json is not listed"):
+        res = _gen(art)
+    assert res.exit_code == 0, res.output
+
+
+def test_an_unlisted_generation_config_is_ignored_and_said(art):
+    from mpsconvert.manifests import loadable
+
+    with transaction(art) as t:  # an artifact without a generation config (the source had none)
+        (t.folder / "generation_config.json").unlink()
+        del t.manifest.files["generation_config.json"]
+    assert loadable.generation_config(art) is None
+    (art / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(512))}))  # every token ends the text
+    with pytest.warns(UserWarning, match="generation_config.json is not listed"):
+        assert loadable.generation_config(art) is None
+
+
+@pytest.mark.parametrize("attack", ["changed after verify", "a symlink to a copy", "not a regular file"])
+def test_a_listed_file_is_read_once_and_must_match_its_hash(art, attack):
+    """What a loader reads is the bytes that were hashed: a file changed between `verify` and the
+    load, a listed file swapped for a link (even to identical bytes) or a fifo is refused."""
+    from mpsconvert.manifests import loadable
+
+    assert mpsconvert.verify(art).ok
+    p = art / "tokenizer_config.json"
+    if attack == "changed after verify":
+        p.write_text(p.read_text() + " ")
+        says = "does not match the sha256"
+    elif attack == "a symlink to a copy":
+        shutil.copyfile(p, art / "copy.json")  # the same bytes, inside the artifact: a link is still not the listed file
+        p.unlink()
+        p.symlink_to("copy.json")
+        says = "a symlink"
+    else:
+        p.unlink()
+        os.mkfifo(p)
+        says = "not a regular file"
+    with within(60, attack), pytest.raises(ArtifactError, match=says):
+        loadable.tokenizer(art)
+    with within(60, attack), pytest.raises(ArtifactError, match=says):
+        loadable.generation_config(art)
+
+
+def test_a_folder_without_a_manifest_is_read_as_it_is(base):
+    """A source (another tool's checkpoint) has nothing to verify against: loaders read it directly."""
+    from mpsconvert.manifests import loadable
+
+    assert loadable.tokenizer(base[0]).chat_template == TEMPLATE
+
+
 # --------------------------------------------------------------------------- 3. bounded parsing
 
 
@@ -496,7 +576,9 @@ def test_markup_and_escape_sequences_in_names_are_printed_literally(art, monkeyp
     m["summary"]["worst_sqnr_tensor"] = evil
     m["summary"]["ratio"] = "not a number"
     m["recipe"]["calibration"] = {"data": {"id": evil}, "observer": [1, 2]}
-    m["validation"] = {evil: {"kind": "causal-lm", "accuracy": {"mean_kl": "x"}, "speedup": {"decode": "fast"}, "verdict": {"decode": 5}}}
+    # a record of the right types whose untyped figures are not numbers: shown as '?'
+    m["validation"] = {evil: {"kind": "causal-lm", "device": evil, "accuracy": {"mean_kl": "x", "perplexity_bf16": [1]},
+                              "verdict": {"decode": 5}}}
     (art / MANIFEST_NAME).write_text(json.dumps(m))
     for cmd in (("verify", art), ("inspect", art, "--tensors")):
         res = cli(*cmd)
@@ -504,3 +586,9 @@ def test_markup_and_escape_sequences_in_names_are_printed_literally(art, monkeyp
         assert "\x1b" not in res.output and "\x07" not in res.output, repr(res.output[:400])
     res = cli("inspect", art, "--tensors")
     assert res.exit_code == 0 and "[bold red]boom[/]" in res.output and "\\x1b]0;pwned\\x07" in res.output, res.output
+    # a malformed record (manifests/records.py) is one error line, exit 2, its key shown literally too
+    m["validation"][evil]["speedup"] = {"decode": "fast"}
+    (art / MANIFEST_NAME).write_text(json.dumps(m))
+    res = cli("inspect", art)
+    one_line_error(res, "[bold red]boom[/]", "\\x1b]0;pwned\\x07", "speedup")
+    assert "\x1b" not in res.output and "\x07" not in res.output

@@ -31,7 +31,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .. import api
-from ..units import human, speed
+from ..units import human, num, speed
 from ..untrusted import printable
 
 console = Console(stderr=True)  # progress, status, warnings, errors
@@ -138,11 +138,6 @@ def print_json(body) -> None:
 def shown(x) -> str:
     """Untrusted text for a rich console: markup escaped, control characters as escapes."""
     return escape(printable(x))
-
-
-def num(x, spec: str = "") -> str:
-    """A number read from a manifest, formatted; anything else as '?'."""
-    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
 
 
 def _d(x) -> dict:

@@ -4,6 +4,7 @@ transformers and building the model's plan."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -78,17 +79,18 @@ def copy_verified(src: Path, dst: Path, want: dict, name: str, fix: str = "re-cr
     """Copy `src` to `dst`, hashing the bytes as they are read, and refuse (`dst` removed) unless
     they have the size and sha256 `want` records: whoever reads `dst` then reads exactly the bytes
     that were checked (no window in which `src` can change). `src` is opened without following a
-    symlink and must be a regular file. Returns {"sha256", "size"}."""
+    symlink (without blocking on a fifo) and must be a regular file. Returns {"sha256", "size"}."""
     h, n = hashlib.sha256(), 0
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a fifo must not block the open
     except OSError as e:
-        raise ArtifactError(f"{name} cannot be read ({e.strerror or e}{': a symlink' if e.errno == 40 else ''})", fix) from None
+        raise ArtifactError(f"{name} cannot be read ({e.strerror or e}{': a symlink' if e.errno == errno.ELOOP else ''})", fix) from None
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with os.fdopen(fd, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise ArtifactError(f"{name} is not a regular file", fix)
+        os.set_blocking(f.fileno(), True)
         with open(dst, "wb") as out:
             while chunk := f.read(_BLOCK):
                 h.update(chunk)

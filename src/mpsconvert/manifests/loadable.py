@@ -27,11 +27,10 @@ the model's embedding (an IndexError at the first such token). So, before and af
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from pathlib import Path
 
-from .. import atomic, filesystem, templates
+from .. import atomic, templates
 from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import inside, read_json
 from .hashing import copy_verified
@@ -52,23 +51,12 @@ def loader_files(artifact: Path, manifest) -> list[str]:
     index, the manifest and the card. Packages (folders: the Apple exports) are for their own
     runtimes, which verify them."""
     skip = set(weight_files(artifact)) | _OWN_JSON | {"README.md"}
-    return [rel for rel in sorted(manifest.files)
-            if rel not in skip and not rel.endswith(".safetensors")
-            and ("/" not in rel or rel.split("/")[0] in _LOADER_FOLDERS and rel.count("/") == 1)]
+    return [rel for rel in sorted(manifest.files) if rel not in skip and not rel.endswith(".safetensors") and _for_loaders(rel)]
 
 
-def unlisted(artifact: Path, manifest) -> list[str]:
-    """Files in `artifact` that the manifest does not list (what verify reports as unlisted),
-    except mpsconvert's own temporary names and macOS's AppleDouble companions."""
-    out = []
-    for dirpath, dirs, files in os.walk(artifact):
-        here = Path(dirpath).relative_to(artifact)
-        for name in files:
-            rel = (here / name).as_posix()
-            if rel not in manifest.files and rel != MANIFEST_NAME and not name.startswith(atomic.TMP_PREFIX) \
-                    and not filesystem.is_appledouble(name):
-                out.append(rel)
-    return sorted(out)
+def _for_loaders(rel: str) -> bool:
+    """A path transformers' loaders may read: a top-level file, or a named chat template."""
+    return "/" not in rel or rel.split("/")[0] in _LOADER_FOLDERS and rel.count("/") == 1
 
 
 @contextlib.contextmanager
@@ -77,6 +65,7 @@ def verified(artifact: Path):
     verified as it was copied (see the module's docstring); `artifact` itself when it has no
     manifest. Every unlisted file is named in a warning: ignored, never read."""
     from .manifest import Manifest
+    from .verify import unlisted
 
     artifact = Path(artifact)
     if not (artifact / MANIFEST_NAME).is_file():
@@ -87,7 +76,8 @@ def verified(artifact: Path):
         for rel in loader_files(artifact, manifest):
             copy_verified(inside(artifact, rel, what=f"{MANIFEST_NAME} files"), tmp / rel, manifest.files[rel], f"{artifact}/{rel}")
         for rel in unlisted(artifact, manifest):
-            warnings.warn(f"{artifact}/{rel} is not listed in {MANIFEST_NAME}: ignored (not verified, never read by a loader)", stacklevel=3)
+            if _for_loaders(rel) and not rel.rsplit("/", 1)[-1].startswith(atomic.TMP_PREFIX):  # one a loader would have read: said
+                warnings.warn(f"{artifact}/{rel} is not listed in {MANIFEST_NAME}: ignored (not verified, never read by a loader)")
         yield tmp
 
 

@@ -12,6 +12,7 @@ import json
 import re
 import shlex
 
+from ..units import num  # noqa: F401  (a number from the manifest, or '?': the card's too)
 from ..untrusted import printable
 
 _MARKDOWN = re.compile(r"[\\`*_\[\]|~#!]")
@@ -45,8 +46,3 @@ def block(lang: str, lines: list[str]) -> list[str]:
     """A fenced code block whose fence no line inside can close."""
     fence = "`" * max(3, max((len(r) for line in lines for r in re.findall(r"`+", line)), default=0) + 1)
     return [fence + lang, *lines, fence]
-
-
-def num(x, spec: str = "") -> str:
-    """A number from the manifest, formatted; anything else (it is untrusted) as '?'."""
-    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"

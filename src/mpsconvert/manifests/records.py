@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
 from ..errors import ArtifactError
-from ..units import human, speed
+from ..units import human, num, speed
 
 R = TypeVar("R", bound="Record")
 _MORE = "more"
@@ -196,14 +196,16 @@ class Validation(Record):
         for key, r in sorted(self.runs.items()):
             a, sp = r.accuracy, r.speedup or {}
             if r.kind == "causal-lm":
-                acc = (f"ppl {a.get('perplexity_bf16', 0):.3f} -> {a.get('perplexity_fp8', 0):.3f} ({a.get('perplexity_delta_pct', 0):+.2f}%), "
-                       f"KL {a.get('mean_kl', 0):.5f}, top-1 {100 * a.get('top1_agreement', 0):.2f}%")
+                top1 = a.get("top1_agreement")
+                acc = (f"ppl {num(a.get('perplexity_bf16'), '.3f')} -> {num(a.get('perplexity_fp8'), '.3f')} "
+                       f"({num(a.get('perplexity_delta_pct'), '+.2f')}%), KL {num(a.get('mean_kl'), '.5f')}, "
+                       f"top-1 {num(100 * top1 if num(top1) != '?' else None, '.2f')}%")
             elif r.kind == "diffusion-step":
-                acc = f"one denoising step: relative error {a.get('rel_error', 0):.5f}, cosine {a.get('cosine', 0):.6f}"
+                acc = f"one denoising step: relative error {num(a.get('rel_error'), '.5f')}, cosine {num(a.get('cosine'), '.6f')}"
             else:
-                acc = f"embedding cosine mean {a.get('cosine_mean', 0):.5f}, min {a.get('cosine_min', 0):.5f}"
+                acc = f"embedding cosine mean {num(a.get('cosine_mean'), '.5f')}, min {num(a.get('cosine_min'), '.5f')}"
             verdicts = r.verdict or {}  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
-            speeds = ", ".join(f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else f'{v:.2f}x'}"
+            speeds = ", ".join(f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else num(v, '.2f') + 'x'}"
                                for ph, v in sorted(sp.items())) or "latency not measured"
             rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speeds} ({(r.measured_at or '')[:10]})"))
         return rows

@@ -113,24 +113,32 @@ def check_digests(manifest: Manifest, report: VerifyReport, sha256: dict[str, st
             report.files[name] = "ok"
 
 
-def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> None:
-    """Files (and links) in the folder that the manifest does not list: reported; a `.py` among
-    them is a problem (code added to an artifact after it was made is never imported)."""
+def unlisted(folder: Path, manifest: Manifest) -> list[str]:
+    """Files (and links) in the folder that the manifest does not list, sorted (macOS's
+    AppleDouble companions left out: metadata on exFAT/SMB, not part of the artifact)."""
     listed = set(manifest.files) | {MANIFEST_NAME}
+    out = []
     for dirpath, dirs, files in os.walk(folder):  # links are listed, never followed
         here = Path(dirpath).relative_to(folder)
         for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
             rel = (here / name).as_posix()
-            if rel in listed or is_appledouble(name):  # macOS's metadata companions on exFAT/SMB: not part of the artifact
-                continue
-            report.unlisted.append(rel)
-            if name.startswith(TMP_PREFIX):
-                report.warnings.append(f"{rel} was left by an interrupted run (the next write into the artifact removes it)")
-            elif name.endswith(".py"):
-                _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); it is never imported")
-            else:
-                report.warnings.append(f"{rel} is not listed in {MANIFEST_NAME} (not verified, not used)")
-    report.unlisted.sort()
+            if rel not in listed and not is_appledouble(name):
+                out.append(rel)
+    return sorted(out)
+
+
+def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """Files (and links) in the folder that the manifest does not list: reported; a `.py` among
+    them is a problem (code added to an artifact after it was made is never imported)."""
+    for rel in unlisted(folder, manifest):
+        name = rel.rsplit("/", 1)[-1]
+        report.unlisted.append(rel)
+        if name.startswith(TMP_PREFIX):
+            report.warnings.append(f"{rel} was left by an interrupted run (the next write into the artifact removes it)")
+        elif name.endswith(".py"):
+            _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); it is never imported")
+        else:
+            report.warnings.append(f"{rel} is not listed in {MANIFEST_NAME} (not verified, not used)")
 
 
 def check_manifest_sha256(folder: Path, want: str, report: VerifyReport) -> None:
