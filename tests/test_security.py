@@ -295,18 +295,6 @@ def test_records_packages_and_the_card_appear_together_whatever_the_kill_point(a
     assert not [p for p in list(work.iterdir()) + list(work.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
 
 
-def test_calibrate_into_an_artifact_killed_at_each_step_then_rerun(art):
-    cmd = [sys.executable, "-m", "mpsconvert.cli", "calibrate", str(art), "--num-samples", "2", "--seq-len", "16"]
-    for point in ("rebuilt", "between-renames"):
-        r = subprocess.run(cmd, env={**os.environ, atomic.KILL_ENV: point}, capture_output=True, timeout=300)
-        assert r.returncode == -9, r.stderr.decode()[-1500:]
-        assert mpsconvert.verify(art).ok and Manifest.read(art).recipe["name"] == "fp8-dynamic"  # the old artifact, whole
-    r = subprocess.run(cmd, capture_output=True, timeout=300)
-    assert r.returncode == 0, r.stderr.decode()[-1500:]
-    assert mpsconvert.verify(art).ok and Manifest.read(art).recipe["name"] == "fp8"
-    assert not [p for p in art.parent.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
-
-
 @pytest.mark.extra("coreml")
 def test_a_second_writer_is_refused_while_one_holds_the_artifact(art):
     with atomic.writing(art.absolute()):
