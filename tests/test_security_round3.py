@@ -428,6 +428,72 @@ def test_a_folder_without_a_manifest_is_read_as_it_is(base):
     assert loadable.tokenizer(base[0]).chat_template == TEMPLATE
 
 
+# --------------------------------------------------------------------------- 2. a pin that lasts
+
+
+def test_the_pin_lasts_through_the_steps_after_the_conversion_and_says_what_it_covers(base, tmp_path, text_data):
+    from mpsconvert.runtime.validate import ValidateOptions
+
+    res = mpsconvert.quantize(base[0], tmp_path / "art")
+    art, pin = res.output, res.pin_sha256
+    assert len(pin) == 64 and pin != res.manifest_sha256
+    rep = mpsconvert.verify(art, manifest_sha256=pin)
+    assert rep.ok and rep.pinned_sha256 == pin and rep.pin.startswith("the conversion")
+    whole = mpsconvert.verify(art, manifest_sha256=res.manifest_sha256)
+    assert whole.ok and whole.pin.startswith("the whole manifest")
+    # validate, an export's package with its record, upload's hub record: the manifest and the card change, the pin holds
+    mpsconvert.validate(art, options=ValidateOptions(device="cpu", max_samples=1, seq_len=32, prefill_len=16, decode_tokens=2,
+                                                     repeats=1, rounds=1, warmup=0, eval_data=str(text_data / "wiki_eval.jsonl"),
+                                                     kernel_cache=False))
+    with transaction(art, drop=(COREML_PACKAGE,)) as t:
+        (t.folder / COREML_PACKAGE).mkdir()
+        (t.folder / COREML_PACKAGE / "weights.bin").write_bytes(b"x" * 64)
+        t.add_files(COREML_PACKAGE)
+        t.put(Hub(repo="me/art-fp8"))
+    assert not mpsconvert.verify(art, manifest_sha256=res.manifest_sha256).ok  # the whole-file pin did not last
+    rep = mpsconvert.verify(art, manifest_sha256=pin)
+    assert rep.ok, rep.problems
+    assert "validation" in rep.pin and "hub" in rep.pin and f"{COREML_PACKAGE}/weights.bin" in rep.pin and "not the card" in rep.pin
+    out = cli("verify", art, "--manifest-sha256", pin)
+    assert out.exit_code == 0 and "the pin covers the conversion" in out.output, out.output
+
+
+def _tamper_manifest(art, edit):
+    m = json.loads((art / MANIFEST_NAME).read_text())
+    edit(m)
+    (art / MANIFEST_NAME).write_text(json.dumps(m, indent=2))
+
+
+@pytest.mark.parametrize("attack", ["a weight and its hash", "the tokenizer and its hash", "a tensor record", "the recipe",
+                                    "a file dropped from the sealed list", "the sealed list removed", "a conversion version"])
+def test_the_pin_breaks_when_what_it_covers_changes(art, attack):
+    pin = mpsconvert.verify(art).pinned_sha256
+    if attack == "a weight and its hash":
+        p = art / "model.safetensors"
+        b = bytearray(p.read_bytes())
+        b[-1] ^= 1
+        p.write_bytes(bytes(b))
+        models.resign(art, "model.safetensors")
+    elif attack == "the tokenizer and its hash":
+        (art / "tokenizer_config.json").write_text((art / "tokenizer_config.json").read_text() + " ")
+        models.resign(art, "tokenizer_config.json")
+    elif attack == "a tensor record":
+        _tamper_manifest(art, lambda m: next(iter(m["tensors"].values())).update(scale_max=1.0))
+    elif attack == "the recipe":
+        _tamper_manifest(art, lambda m: m["recipe"].update(ignore_patterns=["*"]))
+    elif attack == "a file dropped from the sealed list":
+        _tamper_manifest(art, lambda m: m["pinned"]["files"].remove("tokenizer_config.json"))
+    elif attack == "the sealed list removed":
+        _tamper_manifest(art, lambda m: m.pop("pinned"))
+    else:
+        _tamper_manifest(art, lambda m: m["versions"].update(torch="0.0"))
+    rep = mpsconvert.verify(art, manifest_sha256=pin)
+    assert not rep.ok and any("not the pinned" in p for p in rep.problems), rep.problems
+    assert cli("verify", art, "--manifest-sha256", pin, "--no-hashes").exit_code != 0
+    with pytest.raises(MpsconvertError):
+        mpsconvert.load(art, device="cpu", manifest_sha256=pin)
+
+
 # --------------------------------------------------------------------------- 4. card + manifest in one swap, per command
 
 

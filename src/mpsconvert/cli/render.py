@@ -205,8 +205,10 @@ def quantize_summary(res, as_json: bool) -> None:
         t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {shown(s['worst_sqnr_tensor'])}")
     out.print(t)
     if res.manifest_sha256:  # whole, whatever the width or a pipe: it is copied to pin the artifact
-        out.print(f"manifest sha256 {res.manifest_sha256}  (pin it: mpsconvert verify {shown(res.output)} --manifest-sha256 <it>)",
-                  soft_wrap=True, highlight=False)
+        out.print(f"manifest sha256 {res.manifest_sha256}  (the whole manifest as it is now)", soft_wrap=True, highlight=False)
+    if getattr(res, "pin_sha256", None):
+        out.print(f"pin sha256 {res.pin_sha256}  (pin it: mpsconvert verify {shown(res.output)} --manifest-sha256 <it>; covers the "
+                  "conversion and lasts through validate, the exports and upload)", soft_wrap=True, highlight=False)
     for w in s.get("warnings") or []:
         warn(w)
 
@@ -280,6 +282,10 @@ def verify_report(artifact, report, as_json: bool) -> None:
         out.print(f"  [yellow]warning:[/] {shown(w)}", highlight=False)
     if report.manifest_sha256:
         out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False, soft_wrap=True)
+    if report.pinned_sha256:
+        out.print(f"  pin sha256 {report.pinned_sha256} (the part the conversion sealed)", highlight=False, soft_wrap=True)
+    if report.pin:
+        out.print(f"  the pin covers {shown(report.pin)}", highlight=False, soft_wrap=True)
     out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
 
 

@@ -136,6 +136,7 @@ class Record(Typed):
 
     KEY: ClassVar[str]
     SECTION: ClassVar[str | None] = None
+    AFTER: ClassVar[bool] = False  # written by a step after the conversion (validate, an export, upload): outside the pin (pin.py)
 
     @classmethod
     def path(cls) -> str:
@@ -181,6 +182,7 @@ class Validation(Record):
     """Every `validate` run, keyed by "<device name> (<device>)": a run on another device adds a key."""
 
     KEY: ClassVar[str] = "validation"
+    AFTER: ClassVar[bool] = True
     FIX: ClassVar[str] = "run `mpsconvert validate` again (it rewrites the record)"
     runs: dict[str, ValidationRun] = field(default_factory=dict)
 
@@ -228,6 +230,8 @@ class AppleExport(Record):
     interface, and, once checked, the check. `package` names the file whatever the target calls
     it (Core AI records it as `asset`)."""
 
+    AFTER: ClassVar[bool] = True
+
     task: str
     max_len: int | None = None
     pooling: str | None = None
@@ -269,6 +273,8 @@ class AppleExport(Record):
 class RuntimeResult(Record):
     """A target's runtime part of `validate`: latency (and accuracy) beside PyTorch per engine,
     or why it did not run."""
+
+    AFTER: ClassVar[bool] = True
 
     NAME: ClassVar[str]  # the target's name ("Core ML")
     status: str  # "ran" | "skipped" | "failed"
@@ -344,12 +350,27 @@ class Hub(Record):
     """The hub repo the artifact was uploaded to: the card then loads from there."""
 
     KEY: ClassVar[str] = "hub"
+    AFTER: ClassVar[bool] = True
     FIX: ClassVar[str] = "upload it again (`mpsconvert upload`)"
     repo: str
     more: dict = field(default_factory=dict)
 
     def inspect_rows(self) -> list[tuple[str, str]]:
         return [("hub repo", self.repo)]
+
+
+@dataclass(kw_only=True)
+class Pin(Record):
+    """What the conversion sealed (manifests/pin.py): the top-level keys, library versions and
+    files of the manifest a pin covers."""
+
+    KEY: ClassVar[str] = "pinned"
+    keys: list[str]
+    versions: list[str]
+    files: list[str]
+
+    def inspect_rows(self) -> list[tuple[str, str]]:
+        return [("pin covers", f"{len(self.files)} files, {', '.join(self.keys)}; not the card or later records")]
 
 
 # --------------------------------------------------------------------------- the source
@@ -414,5 +435,5 @@ def kinds(base: type[R] = Record) -> list[type[R]]:
     return [k for k in _KINDS.values() if issubclass(k, base)]
 
 
-for _kind in (Validation, Experts, ExpertCalibration, CalibrationRecord, Hub, GGUFSource, DiffusionSource):
+for _kind in (Validation, Experts, ExpertCalibration, CalibrationRecord, Hub, Pin, GGUFSource, DiffusionSource):
     register(_kind)
