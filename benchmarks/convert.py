@@ -5,6 +5,10 @@ weights: conversion cost does not depend on the values), then runs each contende
 process, in one run, and prints wall time and peak RSS with ratios.
 
     python benchmarks/convert.py [--workdir DIR] [--layers 16] [--repeat 3] [--keep]
+    python benchmarks/convert.py --skip llm-compressor --baseline-src /path/to/old/checkout/src
+
+With `--baseline-src` another mpsconvert (an older checkout's `src/`) runs as the contender
+`mpsconvert-baseline`, interleaved with this one: a before/after of a change in the same run.
 
 With `--flux` the checkpoint is a diffusers FluxTransformer2DModel of Flux.1's real width (3072,
 24 heads, the MLPs 4x) with `--double` double and `--single` single blocks (8 and 16: ~10 GB in
@@ -141,13 +145,19 @@ FLUX_CONTENDERS = {
 }
 
 
+BASELINE_SRC = ""  # --baseline-src
+
+
 def run(name: str, src: Path, out: Path, contenders: dict = CONTENDERS) -> dict:
     """Run one contender in a fresh process; wall time and that process's peak RSS (wait4)."""
+    env = None
+    if name == "mpsconvert-baseline":  # the same CLI from the older checkout's src/
+        name, env = "mpsconvert", {**os.environ, "PYTHONPATH": os.pathsep.join([BASELINE_SRC, os.environ.get("PYTHONPATH", "")])}
     argv = [a.format(src=src, out=out) for a in contenders[name]]
     if "{src}" not in contenders[name]:
         argv += [str(src), str(out)]
     t = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
     err = proc.stderr.read().decode(errors="replace")
@@ -167,6 +177,7 @@ def main():
     ap.add_argument("--single", type=int, default=16, help="with --flux: single blocks")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each contender, interleaved; the median is compared")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--baseline-src", help="an older checkout's src/ run as the contender mpsconvert-baseline (before/after)")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
@@ -191,6 +202,10 @@ def main():
                 while fh.read(64 << 20):
                     pass
         runs: dict[str, list[dict]] = {name: [] for name in contenders if name not in args.skip}
+        if args.baseline_src:
+            global BASELINE_SRC
+            BASELINE_SRC = str(Path(args.baseline_src).resolve())
+            runs["mpsconvert-baseline"] = []
         for i in range(args.repeat):  # interleaved, so that a noisy spell of the machine hits every contender
             for name in runs:
                 out = root / f"out-{name}"
@@ -226,6 +241,8 @@ def main():
                       f"peak RSS {ours['peak_rss_gib'] / lc['peak_rss_gib']:.2f}x of it")
             if "copy" in results:
                 print(f"mpsconvert takes {ours['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy")
+                if "mpsconvert-baseline" in results:
+                    print(f"the baseline ({BASELINE_SRC}) takes {results['mpsconvert-baseline']['wall_s'] / results['copy']['wall_s']:.2f}x")
             print(f"mpsconvert peak RSS = largest shard {ours['peak_rss_gib'] - largest / (1 << 30):+.2f} GiB")
     finally:
         if not args.keep:

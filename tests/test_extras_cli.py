@@ -39,3 +39,23 @@ def test_missing_extra_is_one_line_and_exit_2(art, tmp_path, monkeypatch, args, 
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert lines[0].startswith("error: ") and f"pip install 'mpsconvert[{extra}]'" in lines[0]
     assert not (tmp_path / "out").exists()  # said before converting, nothing half-written
+
+
+@pytest.mark.parametrize("fmt", ["comfyui", "diffusers"])
+def test_diffusion_source_without_diffusers_is_one_line_and_exit_2(tmp_path, monkeypatch, fmt):
+    """A diffusers transformer folder on a base install (no `diffusion` extra): said before anything
+    is written, for both formats (the folder is made by hand: the base lane has no diffusers)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    _missing(monkeypatch, "diffusers")
+    src = tmp_path / "flux"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel", "_diffusers_version": "0.36.0", "num_layers": 1, "num_single_layers": 0}))
+    save_file({"transformer_blocks.0.attn.to_q.weight": torch.randn(32, 32).bfloat16()}, str(src / "diffusion_pytorch_model.safetensors"))
+    res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "out"), "--format", fmt])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "needs diffusers" in lines[0] and "pip install 'mpsconvert[diffusion]'" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -41,7 +41,7 @@ from ..progress import Progress
 from ..safetensors_io import ShardReader, ShardWriter, read_header
 from ..scales import scale_problem
 from ..untrusted import inside, read_json
-from . import CalibOptions
+from .options import CalibOptions
 from .run import Calibration, calibrate
 
 SCALES_FORMAT = "mpsconvert-input-scales"

@@ -17,7 +17,7 @@ import torch
 
 from .. import fp8
 from ..errors import QuantizationError
-from . import DEFAULT_PERCENTILE, OBSERVERS
+from .options import DEFAULT_PERCENTILE, OBSERVERS
 BINS_PER_OCTAVE = 64
 LOG2_LO, LOG2_HI = -32, 32
 NBINS = (LOG2_HI - LOG2_LO) * BINS_PER_OCTAVE  # + 1 zero bin in front

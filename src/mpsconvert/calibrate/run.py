@@ -25,7 +25,8 @@ from .. import devices, filesystem, fp8, modeldef
 from ..plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
 from ..progress import Progress, or_silent
-from . import CalibOptions, data, hooks, observers  # noqa: F401  (CalibOptions: re-exported, where callers found it)
+from . import data, hooks, observers
+from .options import CalibOptions  # noqa: F401  (re-exported, where callers found it)
 
 
 @dataclass
