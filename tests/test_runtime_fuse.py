@@ -389,12 +389,12 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
     attention modules run it (logits identical), while a model of the same class that was not
     installed, calls under torch.compile and calls it does not take run the original; an
     attention module whose modeling function differs is left with the reason."""
-    import sys, torch
+    import sys, types, torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama as ml
     from mpsconvert.runtime import forwards, rotary
     g = torch.Generator().manual_seed(0)
-    original = ml.apply_rotary_pos_emb
+    original = getattr(ml.apply_rotary_pos_emb, "original", ml.apply_rotary_pos_emb)  # an earlier test in this process may have installed it
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         for b, hq, hk, s, d, cb in ((1, 4, 2, 7, 16, 1), (2, 6, 3, 5, 12, 2), (1, 8, 8, 3, 128, 1)):
             x = (torch.randn(b, s, (hq + 2 * hk) * d, generator=g) * 3).to(dt)
@@ -430,13 +430,15 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted():
 
     def apply_rotary_pos_emb(q, k, cos, sin):  # another arithmetic, in this (modeling) module
         return q * cos, k * sin
-    sys.modules["__main__"].apply_rotary_pos_emb = apply_rotary_pos_emb
+    odd = types.ModuleType("odd_modeling")  # a modeling module of its own, as a remote-code model has
+    odd.apply_rotary_pos_emb = apply_rotary_pos_emb
+    sys.modules[odd.__name__] = odd
 
     class OddAttention(ml.LlamaAttention):
         def forward(self, *a, **k):
-            apply_rotary_pos_emb  # noqa
+            odd.apply_rotary_pos_emb  # noqa: B018  (the name among the forward's co_names, as a modeling module's call is)
             return super().forward(*a, **k)
-    OddAttention.__module__ = "__main__"
+    OddAttention.__module__ = odd.__name__
     fresh = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     fresh.model.layers[1].self_attn.__class__ = OddAttention
     report = rotary.install(fresh, torch.bfloat16, "cpu")

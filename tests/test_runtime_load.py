@@ -81,7 +81,7 @@ def test_load_our_artifact_layers_compute_the_scheme(tiny, scheme, gran, act):
 
 
 def test_load_sharded_artifact(tmp_path):
-    src = tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
+    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     m = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     m.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
     shutil.copy(src / "tokenizer.json", tmp_path / "sharded")
