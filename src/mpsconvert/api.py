@@ -811,8 +811,8 @@ def chat(
     sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
     stack = contextlib.ExitStack()
     try:
-        tok = gen.load_tokenizer(artifact)
-        decoder, config = _decoder(artifact, backend, device, stack, progress)
+        decoder, config = _decoder(artifact, backend, device, stack, progress)  # the backend's own checks, then the artifact verified
+        tok = gen.load_tokenizer(artifact)  # after: a verified copy of the listed files (manifests/loadable.verified)
         config = config or load_config(artifact, False)
         conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
     except BaseException:
