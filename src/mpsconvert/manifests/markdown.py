@@ -15,7 +15,9 @@ import shlex
 from ..units import num  # noqa: F401  (a number from the manifest, or '?': the card's too)
 from ..untrusted import printable
 
-_MARKDOWN = re.compile(r"[\\`*_\[\]|~#!]")
+# Markdown's active characters; `_` only where it could open or close emphasis (CommonMark never
+# reads an underscore between two letters or digits as emphasis: `Q4_1`, `down_proj` stay as written)
+_MARKDOWN = re.compile(r"[\\`*\[\]|~#!]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 
 
 def text(x) -> str:
