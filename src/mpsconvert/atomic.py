@@ -223,6 +223,8 @@ def _ours(p: Path, target: Path) -> bool:
     try:
         if not stat.S_ISDIR(os.lstat(p).st_mode):
             return False
+        if set(os.listdir(p)) <= {MARKER} and (not os.path.lexists(p / MARKER) or os.lstat(p / MARKER).st_size == 0):
+            return True  # killed between mkdtemp and its marker: empty, so nothing of anyone's is lost by removing it
         fd = os.open(p / MARKER, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return False
