@@ -12,11 +12,12 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
 BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "plan", "texts", "safetensors_io",
-          "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "version"}
+          "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "version", "templates"}
 MIDDLE = {"convert", "apple", "calibrate", "runtime"}
 # what each layer may import from the package (by the first component of the module path)
 ALLOWED = {
-    "cli": {"api", "errors", "units", "cli"},  # units: the one size formatter, shared with the model card
+    # units: the one size formatter; untrusted: the one rule for showing untrusted text (printable); both shared with the model card
+    "cli": {"api", "errors", "units", "untrusted", "cli"},
     "api": BOTTOM | MIDDLE | {"manifests", "source", "publish", "api"},
     **{m: BOTTOM | {"manifests", "source", m} for m in MIDDLE},
     "manifests": BOTTOM | {"manifests"},

@@ -1,6 +1,8 @@
 """The model card: YAML front matter whose figures are the manifest's, rewritten by validate
 (atomically, its new sha256 in the manifest), the source's card kept below, deterministic."""
 
+import shutil
+
 import yaml
 from click.testing import CliRunner
 
@@ -57,14 +59,22 @@ def test_card_front_matter_is_the_manifests(tmp_path, text_data):
     assert (again / "README.md").read_text() == text
 
 
-def test_hub_source_gets_base_model(tmp_path):
-    src = models.tiny("llama", tmp_path / "models--org--tiny" / "snapshots" / ("c" * 40), tokenizer="bpe", dtype=torch.bfloat16, tie=True)
+def test_hub_source_gets_base_model(tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))  # provenance only for a snapshot in huggingface_hub's own cache
+    src = models.tiny("llama", tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("c" * 40), tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     meta, _ = front(art)
-    # a folder in the HF cache layout keeps its provenance (source.resolve): the card points at the hub model
+    # a snapshot in huggingface_hub's own cache keeps its provenance (source.resolve): the card points at the hub model
     m = Manifest.read(art)
     assert meta["base_model"] == "org/tiny" and meta["base_model_relation"] == "quantized"
     assert meta["mpsconvert"]["source"] == m.source["id"] == "org/tiny" and meta["mpsconvert"]["source_commit"] == "c" * 40
+    # the same layout anywhere else is a plain local folder (issue 33): no hub model, no commit is claimed
+    fake = tmp_path / "elsewhere" / "models--org--tiny" / "snapshots" / ("c" * 40)
+    shutil.copytree(src, fake)
+    meta, _ = front(mpsconvert.quantize(fake, tmp_path / "b").output)
+    assert "base_model" not in meta and "source_commit" not in meta["mpsconvert"] and "org/tiny" not in str(meta)
 
 
 def test_validate_rewrites_the_card(tmp_path, text_data):

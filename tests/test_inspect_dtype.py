@@ -15,7 +15,10 @@ from . import models
 
 
 def test_inspect_summarises_validation_and_names_the_source(tmp_path, text_data, monkeypatch):
+    import huggingface_hub.constants as c
+
     monkeypatch.setenv("COLUMNS", "400")  # one table row per line, for the assertions
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))  # a snapshot in huggingface_hub's cache keeps its provenance
     src = models.tiny("llama", tmp_path / "models--org--tiny" / "snapshots" / ("ab" * 20), tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     art = mpsconvert.quantize(src, tmp_path / "a").output
     opts = ValidateOptions(device="cpu", max_samples=1, seq_len=64, prefill_len=16, decode_tokens=2, repeats=1, rounds=1, warmup=0,

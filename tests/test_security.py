@@ -229,9 +229,9 @@ def test_a_leftover_old_output_never_blocks_force(base, tmp_path):
     old = tmp_path / f"{atomic.TMP_PREFIX}out-old"
     old.write_text("left by an older version")  # a file, which used to block every later --force
     _q(base[0], out)
-    assert not os.path.lexists(old) and verify_artifact(out).ok
-    shutil.move(out, old)  # killed between the two renames: the next run puts the old one back
-    assert mpsconvert.verify(out).ok and not old.exists()
+    # not ours (no marker naming `out` inside: issue 33), so never removed; a swap parks under a fresh name
+    assert old.read_text() == "left by an older version" and verify_artifact(out).ok
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(atomic.TMP_PREFIX) and p != old]
 
 
 # --------------------------------------------------------------------------- 4. locked, kill-safe writers
@@ -293,18 +293,6 @@ def test_records_packages_and_the_card_appear_together_whatever_the_kill_point(a
     assert r.returncode == 0, r.stderr.decode()[-800:]
     assert mpsconvert.verify(work).ok
     assert not [p for p in list(work.iterdir()) + list(work.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
-
-
-def test_calibrate_into_an_artifact_killed_at_each_step_then_rerun(art):
-    cmd = [sys.executable, "-m", "mpsconvert.cli", "calibrate", str(art), "--num-samples", "2", "--seq-len", "16"]
-    for point in ("rebuilt", "between-renames"):
-        r = subprocess.run(cmd, env={**os.environ, atomic.KILL_ENV: point}, capture_output=True, timeout=300)
-        assert r.returncode == -9, r.stderr.decode()[-1500:]
-        assert mpsconvert.verify(art).ok and Manifest.read(art).recipe["name"] == "fp8-dynamic"  # the old artifact, whole
-    r = subprocess.run(cmd, capture_output=True, timeout=300)
-    assert r.returncode == 0, r.stderr.decode()[-1500:]
-    assert mpsconvert.verify(art).ok and Manifest.read(art).recipe["name"] == "fp8"
-    assert not [p for p in art.parent.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
 
 
 @pytest.mark.extra("coreml")

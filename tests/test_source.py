@@ -60,8 +60,14 @@ def test_repo_id_from_offline_hf_cache_records_commit_and_lfs_hashes(tiny_models
     assert snap.known_sha256("config.json") is None  # a git blob, not sha256: must be hashed
 
 
-def test_cache_snapshot_folder_passed_as_path_keeps_provenance(tiny_models, tmp_path):
+def test_cache_snapshot_folder_passed_as_path_keeps_provenance(tiny_models, tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
     snap_dir = make_hf_cache(tmp_path, "org/model", tiny_models["llama"])
+    # outside huggingface_hub's own cache the layout is only a folder name: no provenance (issue 33)
+    snap = source.resolve(str(snap_dir))
+    assert snap.kind == "local" and snap.repo_id is None and snap.commit is None
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))  # inside it, the snapshot keeps its repo and commit
     snap = source.resolve(str(snap_dir))
     assert snap.kind == "local" and snap.repo_id == "org/model" and snap.commit == snap_dir.name
 

@@ -90,7 +90,8 @@ class QuantizeResult(_ByTarget):
     manifest: Manifest
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
     apple: dict[str, ExportResult] = field(default_factory=dict)  # target key -> the export asked for (also `result.<key>`)
-    manifest_sha256: str | None = None  # of the manifest file as written: pin it (`verify --manifest-sha256`)
+    manifest_sha256: str | None = None  # of the manifest file as written: pins everything, until the next step changes it
+    pin_sha256: str | None = None  # of the part the conversion sealed: the pin that lasts (`verify --manifest-sha256`)
     upload: UploadResult | None = None  # when it was published to the hub too
     warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
 
@@ -99,7 +100,7 @@ class QuantizeResult(_ByTarget):
         return self.manifest.summary
 
     def as_dict(self) -> dict:
-        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256,
+        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256, "pin_sha256": self.pin_sha256,
                 **({"warnings": self.warnings} if self.warnings else {})}
 
 
@@ -277,9 +278,12 @@ def quantize(
                              max_shard_size=max_shard_size, format=format, component=component, exports=tuple(apple),
                              before=lambda: flow.require_all(apple), then=follow_ups, progress=progress)
     from .manifests.manifest import manifest_sha256
+    from .manifests.pin import digest
+    from .untrusted import read_json
 
     return replace(result, output=done.output, manifest=Manifest.read(done.output), calibration=done.calibration,
-                   manifest_sha256=manifest_sha256(done.output), warnings=done.warnings)
+                   manifest_sha256=manifest_sha256(done.output), pin_sha256=digest(read_json(done.output / "mpsconvert.json")),
+                   warnings=done.warnings)
 
 
 @contextlib.contextmanager
@@ -813,8 +817,8 @@ def chat(
     sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
     stack = contextlib.ExitStack()
     try:
-        tok = gen.load_tokenizer(artifact)
-        decoder, config = _decoder(artifact, backend, device, stack, progress, compile)
+        decoder, config = _decoder(artifact, backend, device, stack, progress, compile)  # the backend's own checks, then the artifact verified
+        tok = gen.load_tokenizer(artifact)  # after: a verified copy of the listed files (manifests/loadable.verified)
         config = config or load_config(artifact, False)
         conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
     except BaseException:

@@ -12,6 +12,15 @@ point leaves the old artifact or the new one, never a mix, and the next run (wri
 `recover`) puts things right. `--force` replaces only what `check_replaceable` allows.
 `kill_point` is the fault-injection hook the kill tests use (inert unless MPSCONVERT_KILL_AT
 names the point).
+
+The folder around an artifact is untrusted too: the reserved names beside it (`.mpsconvert-lock-
+<name>`, `.mpsconvert-tmp-<name>-*`) are opened without following symlinks, a symlink planted
+under one is an error (never followed, never "restored" into place), and a folder under a
+reserved name is removed or put back only when it is ours: it holds `MARKER`, a file naming the
+target it was made for (a user's folder that happens to match the prefix, or the temp folder of
+another artifact whose name shares a prefix, is left alone). An ARTIFACT that is a symlink is
+resolved once (`real`): its lock, staged copies and swaps go beside the folder it points to, so
+the link keeps pointing at the new state.
 """
 
 from __future__ import annotations
@@ -19,9 +28,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import os
+import secrets
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +45,9 @@ from .filesystem import same_or_inside
 
 TMP_PREFIX = ".mpsconvert-tmp-"
 LOCK_PREFIX = ".mpsconvert-lock-"
+# Inside a folder of ours under a reserved name (a temp folder, a parked `-old`): the name of the
+# target it belongs to. Without it a reserved name is not ours, and nothing removes or restores it.
+MARKER = f"{TMP_PREFIX}owner"
 # Set by the CLI's SIGINT/SIGTERM handlers. The KeyboardInterrupt they raise can be lost when it
 # lands in a finalizer or a weakref callback (CPython ignores exceptions there), so the commit
 # step checks this too: an output is never published after the user asked to stop.
@@ -126,8 +141,9 @@ def locked(target: Path, *, joinable: bool = False):
 
     `joinable`: the lock of a whole command (`claim`), which the steps it calls in the same
     thread join instead of being refused; any other second holder, in this process or another,
-    is refused."""
-    target = Path(target).absolute()
+    is refused. The lock file is opened without following a symlink: a link planted under its
+    name is an error, never a way to create or lock a file elsewhere."""
+    target = real(target)
     if target in _held:
         thread, open_to_steps = _held[target]
         if not (open_to_steps and thread == threading.get_ident()):
@@ -136,10 +152,7 @@ def locked(target: Path, *, joinable: bool = False):
         return
     lock = target.parent / f"{LOCK_PREFIX}{target.name}"
     while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise os_error(e, target.parent) from e
+        fd = _open_lock(lock)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -171,29 +184,91 @@ def locked(target: Path, *, joinable: bool = False):
         os.close(fd)
 
 
+def real(target: Path) -> Path:
+    """The path writers use for `target`: absolute, and an ARTIFACT that is a symlink resolved
+    once to the folder it points to (so a swap replaces that folder and the link stays a link)."""
+    p = Path(target).absolute()
+    return p.resolve() if p.is_symlink() else p
+
+
+def _planted(p: Path) -> MpsconvertError:
+    return MpsconvertError(f"{p} is a symlink under a name mpsconvert reserves beside its outputs; it is never followed",
+                           "remove that link (nothing made it but someone else)")
+
+
+def _open_lock(lock: Path) -> int:
+    """The lock file, opened (created if absent) without following a symlink, and a regular file."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _planted(lock) from None
+        raise os_error(e, lock.parent) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise MpsconvertError(f"{lock} is not a regular file (a name mpsconvert reserves for its lock)", "remove it")
+    return fd
+
+
+def _mark(folder: Path, target: Path) -> None:
+    """Make `folder` (a real folder under a reserved name, or the target about to be parked) ours."""
+    fd = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.fsencode(target.name))
+
+
+def _ours(p: Path, target: Path) -> bool:
+    """Whether `p` (a reserved name beside `target`) is a real folder we made for `target`: its
+    marker names `target`. Checked on lstat: a symlink is never ours."""
+    try:
+        if not stat.S_ISDIR(os.lstat(p).st_mode):
+            return False
+        if set(os.listdir(p)) <= {MARKER} and (not os.path.lexists(p / MARKER) or os.lstat(p / MARKER).st_size == 0):
+            return True  # killed between mkdtemp and its marker: empty, so nothing of anyone's is lost by removing it
+        fd = os.open(p / MARKER, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return f.read(4096) == os.fsencode(target.name)
+
+
 def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
+    """Remove `p` without following it: a folder's tree (links inside are unlinked, not followed),
+    or a file or link."""
+    if stat.S_ISDIR(os.lstat(p).st_mode) if os.path.lexists(p) else False:
         shutil.rmtree(p, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
 
 
+def leftovers(target: Path) -> list[Path]:
+    """Reserved names beside `target` (`.mpsconvert-tmp-<name>-*`): temp folders and parked `-old`
+    folders of killed runs, or names someone else put there. A symlink among them is an error."""
+    target = Path(target)
+    found = sorted(target.parent.glob(glob.escape(f"{TMP_PREFIX}{target.name}-") + "*"))
+    for p in found:
+        if p.is_symlink():
+            raise _planted(p)
+    return found
+
+
 def _recover(target: Path) -> None:
     """Clean up after a killed run into `target` (we hold its lock, so nobody else is writing):
     put back the old output if a kill fell between the two renames of a swap, else remove the
-    leftover `-old`; remove temporary folders beside it and temporary files inside it."""
-    parent = target.parent
-    old = _old(target)
-    if os.path.lexists(old):
-        if not os.path.lexists(target):
-            os.replace(old, target)  # killed between the two renames: put the old one back
-        else:
-            _remove(old)  # killed after them: the new one is in place, the old one was going
-    for p in parent.glob(f"{TMP_PREFIX}{target.name}-*"):
+    leftover `-old`; remove temporary folders beside it and temporary files inside it. Only what
+    is ours (`_ours`) is removed or put back; a planted symlink is an error."""
+    found = [p for p in leftovers(target) if _ours(p, target)]
+    olds = [p for p in found if p.name.startswith(f"{TMP_PREFIX}{target.name}-old-")]
+    if olds and not os.path.lexists(target):
+        os.replace(olds[0], target)  # killed between the two renames: put the old one back
+        found.remove(olds[0])
+        with contextlib.suppress(FileNotFoundError):
+            (target / MARKER).unlink()
+    for p in found:  # killed after them (the old one was going), or a temp folder of a killed run
         _remove(p)
-    if target.is_dir() and not target.is_symlink():
-        for p in target.glob(f"{TMP_PREFIX}*"):  # a manifest write or a package of an older version, killed
+    if stat.S_ISDIR(os.lstat(target).st_mode) if os.path.lexists(target) else False:
+        for p in target.glob(glob.escape(TMP_PREFIX) + "*"):  # inside our artifact: a killed manifest write, a marker
             _remove(p)
 
 
@@ -202,7 +277,7 @@ def writing(target: Path):
     """Hold `target`'s lock and recover what a killed run left: what every writer into an
     existing artifact does first (a step of a command that `claim`ed it joins that lock, the
     recovery already done)."""
-    target = Path(target).absolute()
+    target = real(target)
     joining = target in _held  # locked() refuses unless it is this thread's claim
     with locked(target):
         if not joining:
@@ -216,7 +291,7 @@ def claim(target: Path):
     export, a validation run): a second run is refused at once rather than after the work, and
     the writers the command calls in this thread (an export, its check, the manifest and card
     updates) run under this one lock."""
-    target = Path(target).absolute()
+    target = real(target)
     made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # the lock file goes beside the target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -237,9 +312,10 @@ def claim(target: Path):
 
 def recover(target: Path) -> None:
     """For readers: if a run was killed between the two renames of a swap (`target` gone, its
-    `-old` there), put the old one back first. Raises MpsconvertError if a run is writing it."""
-    target = Path(target).absolute()
-    if not os.path.lexists(target) and os.path.lexists(_old(target)):
+    `-old` of ours there), put the old one back first. Raises MpsconvertError if a run is writing
+    it, or a symlink was planted under a reserved name beside it."""
+    target = real(target)
+    if not os.path.lexists(target) and any(_ours(p, target) for p in leftovers(target)):
         with writing(target):
             pass
 
@@ -247,17 +323,18 @@ def recover(target: Path) -> None:
 def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bool] | None = None,
                       protect: tuple[Path, ...] = ()) -> None:
     """May an output at `target` be written? Only where nothing is, or (with `force`) over a
-    folder `is_ours` recognises (our manifest) that neither is, holds nor lies inside a path in
-    `protect` (the source). Everything else is refused in one line, with nothing touched."""
+    folder `is_ours` recognises (our manifest, parsed: layout.is_ours) that neither is, holds nor
+    lies inside a path in `protect` (the source; a new folder inside it is refused too). Everything
+    else is refused in one line, with nothing touched."""
     target = Path(target).absolute()
-    real = target.resolve()
+    real_ = target.resolve()
     for p in protect:
         src = Path(p).resolve()
-        same, holds = same_or_inside(src, real)  # without case where the volume ignores it (APFS, exFAT)
+        same, holds = same_or_inside(src, real_)  # without case where the volume ignores it (APFS, exFAT)
         if same or holds:
             raise MpsconvertError(f"output {target} {'is' if same else 'holds'} the source model {src}",
                                   "choose an -o outside the source folder")
-        if os.path.lexists(target) and same_or_inside(real, src)[1]:
+        if same_or_inside(real_, src)[1]:  # also a new folder there: the next conversion of that source would carry it
             raise MpsconvertError(f"output {target} lies inside the source model {src}", "choose an -o outside the source folder")
     if not os.path.lexists(target):
         return
@@ -266,23 +343,27 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
         raise MpsconvertError(f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
                               "remove it yourself, or choose another -o")
     if is_ours is not None and not is_ours(target):  # said first: --force would not replace it, so it is not the fix
-        raise MpsconvertError(f"output {target} exists and is not an mpsconvert artifact (no manifest); --force replaces only those",
+        raise MpsconvertError(f"output {target} exists and is not an mpsconvert artifact (no mpsconvert.json "
+                              "that parses and names mpsconvert); --force replaces only those",
                               "choose another -o, or remove it yourself")
     if not force:
         raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
 
 
 def _old(target: Path) -> Path:
-    """Where a swap parks the output it replaces, between its two renames."""
-    return target.parent / f"{TMP_PREFIX}{target.name}-old"
+    """Where a swap parks the output it replaces, between its two renames: a fresh name (a name
+    someone else put there is never renamed over)."""
+    return target.parent / f"{TMP_PREFIX}{target.name}-old-{secrets.token_hex(6)}"
 
 
 def _swap(target: Path, tmp: Path) -> None:
-    """Publish `tmp` as `target` (replacing an old one by two renames that `_recover` completes)."""
+    """Publish `tmp` as `target` (replacing an old one by two renames that `_recover` completes:
+    the old one is marked ours first, so that only it is ever put back)."""
     if stop_requested.is_set():
         raise KeyboardInterrupt("stop requested before the output was published")
     if os.path.lexists(target):
         old = _old(target)
+        _mark(target, target)
         os.replace(target, old)
         kill_point("between-renames")
         os.replace(tmp, target)
@@ -290,12 +371,15 @@ def _swap(target: Path, tmp: Path) -> None:
         _remove(old)
     else:
         os.replace(tmp, target)
+    with contextlib.suppress(FileNotFoundError):  # a kill before this leaves it inside: the next run removes it
+        (target / MARKER).unlink()
 
 
 def _new_tmp(target: Path) -> Path:
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=target.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a finished artifact gets normal permissions
+        _mark(tmp, target)
     except OSError as e:
         raise os_error(e, target.parent) from e
     return tmp
@@ -320,7 +404,7 @@ def staged_copy(target: Path, drop: tuple[str, ...] = ()):
     """A copy of the folder `target` to change (its files hard-linked, so it costs no space:
     nothing ever rewrites a file in place), swapped in for it on success. The caller holds
     `writing(target)`. `drop`: top-level names not carried over (what the caller replaces)."""
-    target = Path(target).absolute()
+    target = real(target)
     if target not in _held:
         raise RuntimeError("staged_copy needs the target's lock (atomic.writing)")
     tmp = _new_tmp(target)
@@ -416,6 +500,8 @@ def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(e, parent) from e
+    if held:
+        target = real(target)  # a rebuild of an artifact reached through a symlink goes beside its folder
     if held and target not in _held:
         raise RuntimeError("output_dir(held=True) needs the target's lock (atomic.writing)")
     with contextlib.nullcontext() if held else writing(target):

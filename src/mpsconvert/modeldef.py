@@ -80,10 +80,37 @@ def _params_on_meta():
         torch.nn.Module.register_parameter = original
 
 
+# How many layers and experts a config may ask for: building costs time per module even on the
+# meta device (1024 Llama layers: 0.3 s; a config saying 10^7 kept quantize busy for minutes).
+# The largest public models have ~130 layers and 384 experts.
+MAX_COUNTS = {"layers": 1024, "experts": 4096}
+_COUNT_KEYS = {"layers": ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers",
+                          "encoder_layers"),
+               "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")}
+
+
+def check_counts(config) -> None:
+    """Refuse a config whose layer or expert counts (its own or a sub-config's: text_config, ...)
+    exceed MAX_COUNTS, before anything is built."""
+    body = config.to_dict() if hasattr(config, "to_dict") else config
+    todo = [("config.json", body)]
+    while todo:
+        where, d = todo.pop()
+        for kind, keys in _COUNT_KEYS.items():
+            for key in keys:
+                v = d.get(key)
+                if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_COUNTS[kind]:
+                    raise SourceError(f"{where}: {key} is {v}, outside 0..{MAX_COUNTS[kind]} {kind}",
+                                      "fix config.json (is it the model's own?)")
+        todo += [(f"{where} {k}", v) for k, v in d.items() if isinstance(v, dict) and k.endswith("config")]
+
+
 def build(config, *, buffers: str = "meta", trust_remote_code: bool = False):
     """The model of `config` with no weights: `buffers="meta"` puts everything on meta,
     `buffers="real"` keeps buffers (rotary tables, position ids) real. Raises SourceError when
-    transformers cannot build the architecture."""
+    transformers cannot build the architecture, or the config asks for more layers or experts
+    than any model has (check_counts)."""
+    check_counts(config)
     cls = model_class(config)
     placement = torch.device("meta") if buffers == "meta" else _params_on_meta()
     with warnings.catch_warnings():

@@ -12,10 +12,13 @@ quantized depends on how the checkpoint stores them (`moe_layout.find_layout`).
 from __future__ import annotations
 
 import fnmatch
-import re
+import functools
 from dataclasses import dataclass, field
 
+import regex
 import torch
+
+from .errors import MpsconvertError
 
 from .modeldef import build_from
 from .moe_layout import checkpoint_module_name, experts_modules
@@ -60,13 +63,47 @@ def _num_experts(config) -> int | None:
     return None
 
 
+# A module name is at most a few hundred characters: any sane pattern matches it in microseconds,
+# so a match that takes longer is catastrophic backtracking (`re:(a+)+$`), refused in one line.
+MATCH_SECONDS = 0.5
+MAX_PATTERN = 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str):
+    """A `re:` pattern compiled (with `regex`, Python's re syntax, which can bound a match's time)."""
+    try:
+        return regex.compile(pattern, regex.VERSION0)
+    except (regex.error, ValueError, OverflowError, RecursionError) as e:
+        raise MpsconvertError(f"ignore pattern 're:{pattern[:80]}' is not a valid regular expression ({str(e)[:80]})",
+                              "fix the pattern (Python regex syntax after 're:'), or use a glob such as '*.mlp.down_proj'") from None
+
+
+def check_patterns(patterns) -> list[str]:
+    """Ignore patterns (from --ignore, a manifest or a config: any of them may be hostile) as a
+    list of strings, every `re:` one compiled: a bad one is one line naming it."""
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise MpsconvertError(f"ignore patterns must be a list of strings (got {str(patterns)[:80]!r})", "fix the ignore list")
+    for p in patterns:
+        if len(p) > MAX_PATTERN:
+            raise MpsconvertError(f"ignore pattern {p[:40]!r}... is {len(p)} characters long (at most {MAX_PATTERN})", "shorten it")
+        if p.startswith("re:"):
+            _compiled(p[3:])
+    return list(patterns)
+
+
 def matches(name: str, patterns: list[str]) -> str | None:
     """The first pattern that names this module: glob (`*.mlp.down_proj`), `re:` regex, or a
-    bare name matching the module or its last components (`lm_head`, `mlp.gate`)."""
-    for p in patterns:
+    bare name matching the module or its last components (`lm_head`, `mlp.gate`). A regex is
+    matched with a time bound (MATCH_SECONDS); globs cannot backtrack catastrophically (fnmatch)."""
+    for p in check_patterns(patterns):
         if p.startswith("re:"):
-            if re.search(p[3:], name):
-                return p
+            try:
+                if _compiled(p[3:]).search(name, timeout=MATCH_SECONDS):
+                    return p
+            except TimeoutError:
+                raise MpsconvertError(f"ignore pattern {p[:80]!r} took more than {MATCH_SECONDS} s to match the module name "
+                                      f"{name[:80]!r} (catastrophic backtracking)", "simplify the pattern (no nested repeats such as (a+)+)") from None
         elif fnmatch.fnmatchcase(name, p) or name == p or name.endswith("." + p):
             return p
     return None
@@ -74,7 +111,7 @@ def matches(name: str, patterns: list[str]) -> str | None:
 
 def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
     """Decide every Linear (and report every other weight-bearing layer) of a meta model."""
-    ignore = list(ignore or [])
+    ignore = check_patterns(list(ignore or []))
     plan = Plan(architecture=type(model).__name__, prefix=getattr(model, "base_model_prefix", "") or "")
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     n_experts = _num_experts(config)

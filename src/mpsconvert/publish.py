@@ -17,7 +17,8 @@ from typing import Callable
 
 from .version import __version__
 from .errors import UploadError
-from .manifests.manifest import Manifest
+from .manifests.manifest import MANIFEST_NAME, Manifest
+from .untrusted import inside, one_line
 
 _TRUE = {"1", "on", "yes", "true"}
 _REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -28,17 +29,19 @@ def offline() -> bool:
 
 
 def commit_message(manifest: Manifest) -> str:
-    """'FP8 fp8-dynamic (weights per row) of org/name@<commit>, by mpsconvert 0.1.0'."""
+    """'FP8 fp8-dynamic (weights per row) of org/name@<commit>, by mpsconvert 0.1.0': one line,
+    control characters removed (the source's id is a folder name or a repo id: untrusted)."""
     src, r = manifest.source, manifest.recipe
-    where = src.get("id") or "a local model"
+    where = str(src.get("id") or "a local model")
     where += f"@{src['commit']}" if src.get("commit") else (f"@{src['revision']}" if src.get("revision") else " (local, no commit)")
-    return f"FP8 {r['name']} (weights per {r['weights']}) of {where}, by mpsconvert {__version__}"
+    return one_line(f"FP8 {r.get('name')} (weights per {r.get('weights')}) of {where}, by mpsconvert {__version__}")
 
 
 def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str | None = None,
                   revision: str | None = None) -> dict:
-    """Create `repo` (if absent) and upload every file of the artifact `folder` in one commit;
-    returns what api.UploadResult holds (repo, url, revision, commit, commit_message, private,
+    """Create `repo` (if absent) and upload the files the artifact's manifest lists, and the
+    manifest, in one commit (an unlisted file, a user's notes or a link planted in the folder, is
+    never sent; `upload` verified the listed ones under the artifact's lock); returns what api.UploadResult holds (repo, url, revision, commit, commit_message, private,
     endpoint, files).
 
     Raises:
@@ -57,8 +60,8 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
     token = token or os.environ.get("HF_TOKEN") or None
     api = hf.HfApi(endpoint=endpoint, token=token)
     msg = commit_message(manifest)
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    files = sorted({*manifest.files, MANIFEST_NAME})
+    ops = [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(inside(folder, rel, what=MANIFEST_NAME))) for rel in files]
     try:
         url = api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
         # An existing repo keeps its visibility (create_repo leaves it as it is): what it really
@@ -67,8 +70,7 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
         if private and not is_private:
             raise UploadError(f"{repo} already exists and is public, so --private does not apply to it; nothing was uploaded",
                               "make the repo private on the hub first (its Settings), or upload without --private")
-        info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", revision=revision,
-                                 commit_message=msg, ignore_patterns=[".*", "**/.*"])
+        info = api.create_commit(repo_id=repo, repo_type="model", revision=revision, commit_message=msg, operations=ops)
     except hf_errors.OfflineModeIsEnabled as e:
         raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on", "unset HF_HUB_OFFLINE to upload") from e
     except hf_errors.HfHubHTTPError as e:

@@ -52,6 +52,7 @@ DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
 }
 TORCH_TO_ST = {v[1]: k for k, v in DTYPES.items() if v[1] is not None}
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+MAX_TENSORS = 1 << 18  # tensors in one file: a whole 671B MoE holds ~92k, in 163 files
 _COPY_BLOCK = 16 << 20  # ShardWriter.copy reads the source in blocks of this size
 
 
@@ -101,6 +102,8 @@ def read_header(path: Path) -> Header:
     except OSError as e:
         raise ArtifactError(f"cannot read {path}: {e.strerror}", "check the file's permissions") from e
     body = parse_json(raw, what=f"{path.name} is not a valid safetensors file: its header", expect=dict, fix="re-download or regenerate it")
+    if len(body) > MAX_TENSORS:
+        raise bad(f"its header lists {len(body)} tensors, more than the {MAX_TENSORS} any model file has")
     meta = body.pop("__metadata__", None)
     meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
@@ -541,14 +544,17 @@ class ShardWriter:
 
 
 # exponent bits of each float dtype: all ones means inf or NaN
-_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F64": ("<u8", 0x7FF0000000000000)}
+# bits whose all-ones pattern is a NaN or inf; e4m3fn has no infinity and two NaN codes, 0x7F and 0xFF
+_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F64": ("<u8", 0x7FF0000000000000),
+             "F8_E4M3": ("u1", 0x7F)}
 
 
 class FiniteCheck:
     """NaN/inf values of a float tensor counted from its bits as its bytes pass by (a copy, a
     cast), in the thread that moves them; `done()` raises when there were any (a NaN in a copied
     norm or embedding is refused like one in a quantized weight, whose scale check catches it).
-    Integer and FP8 tensors pass unchecked (no NaN bits to count in the same way)."""
+    An F8_E4M3 tensor's NaN codes (0x7F / 0xFF, which no quantizer writes) are counted too: a
+    kept FP8 source weight holding them would fail `verify`. Integer tensors pass unchecked."""
 
     _scratch = threading.local()  # per thread: a bit-and buffer and a comparison buffer, reused
 
@@ -573,7 +579,8 @@ class FiniteCheck:
         if self.count:
             from .errors import QuantizationError
 
-            raise QuantizationError(f"tensor {self.name!r} in {self.where} contains {self.count} NaN or inf value(s)", "fix the source checkpoint")
+            what = "NaN code(s) (0x7F / 0xFF, which no quantizer writes)" if self._dt == "u1" else "NaN or inf value(s)"
+            raise QuantizationError(f"tensor {self.name!r} in {self.where} contains {self.count} {what}", "fix the source checkpoint")
 
 
 class Digest:

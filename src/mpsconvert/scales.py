@@ -7,7 +7,12 @@ from here, so they cannot disagree.
 
 from __future__ import annotations
 
+import math
+import struct
 from enum import Enum
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn magnitude (fp8.FP8_MAX)
+F32_MAX = 3.4028234663852886e38
 
 
 class StrEnum(str, Enum):
@@ -48,3 +53,21 @@ def scale_shape(granularity: str, n: int, k: int, block: int = DEFAULT_BLOCK) ->
     if g is Granularity.ROW:
         return (n, 1)
     return (blocks(n, block), blocks(k, block))
+
+
+def scale_problem(value) -> str | None:
+    """Why `value` is no usable FP8 dequant multiplier (None: it is one). Scales are stored as
+    float32, so it must be finite and > 0 *as float32* (1e308 overflows to inf, 5e-324
+    underflows to 0), and the largest value it dequantizes to, 448 x scale, finite in float32
+    (a scale of 3e38 passes the first test and turns every code into inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is {type(value).__name__}, not a number"
+    try:
+        f32 = struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    except OverflowError:
+        return f"is {value!r}, which overflows float32"
+    if not math.isfinite(f32) or f32 <= 0:
+        return f"is {value!r}, not a finite positive float32 (it is stored as {f32!r})"
+    if f32 * E4M3_MAX > F32_MAX:
+        return f"is {value!r}: 448 x scale overflows float32, so its codes would dequantize to inf"
+    return None

@@ -263,9 +263,18 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
 
 
 def _from_cache_layout(snap: Snapshot) -> None:
-    """A folder inside the HF cache (models--org--name/snapshots/<commit>) keeps its provenance."""
+    """A snapshot inside huggingface_hub's own cache (HF_HUB_CACHE/models--org--name/snapshots/
+    <commit>) keeps its provenance, as a download into it would. A folder merely laid out like
+    one elsewhere is a plain local folder: its name is no provenance mpsconvert resolved, and
+    the card would otherwise claim a hub model and commit it never saw."""
+    from huggingface_hub import constants
+
     parts = snap.path.parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+    try:
+        in_cache = snap.path.is_relative_to(Path(constants.HF_HUB_CACHE).resolve())
+    except (OSError, TypeError, ValueError):
+        in_cache = False
+    if in_cache and len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--") and re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
         snap.repo_id = parts[-3][len("models--") :].replace("--", "/")
         snap.commit = parts[-1]
 

@@ -15,11 +15,16 @@ def human(n: float | None) -> str:
     return str(n)
 
 
+def num(x, spec: str = "") -> str:
+    """A number read from a manifest (untrusted), formatted; anything else as '?'."""
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
+
+
 def speed(v: dict) -> str:
     """A timing verdict (timing.verdict): '1.42x faster (spread 6%)', or 'no clear difference
     (0.97x, spread 12%)': a verdict only where the difference exceeds the run-to-run spread
-    measured in the same run."""
-    spread = f"spread {100 * v['spread']:.0f}%"
-    if v["verdict"] == "no clear difference":
-        return f"no clear difference ({v['ratio']:.2f}x, {spread})"
-    return f"{v['ratio']:.2f}x {v['verdict']} ({spread})"
+    measured in the same run. Read from a manifest: a field that is not a number shows as '?'."""
+    spread = f"spread {num(v.get('spread'), '.0%')}"
+    if v.get("verdict") == "no clear difference":
+        return f"no clear difference ({num(v.get('ratio'), '.2f')}x, {spread})"
+    return f"{num(v.get('ratio'), '.2f')}x {v.get('verdict')} ({spread})"

@@ -9,7 +9,12 @@ one place that every reader uses:
   symlink followed, still lies inside the folder (`inside`);
 - a JSON file is at most `MAX_JSON_BYTES`, nested at most `MAX_JSON_DEPTH` deep (the json module
   ends deeper documents in RecursionError), of the top-level type the reader expects
-  (`read_json`), and the fields a reader uses have the types it needs (`field`).
+  (`read_json`), and the fields a reader uses have the types it needs (`field`);
+- text shown to a person (a terminal line, a model card) has its control characters escaped
+  (`printable`): a name can carry ANSI / OSC escape sequences or a line break;
+- YAML (a model card's front matter) is at most `MAX_YAML_BYTES`, nested at most `MAX_JSON_DEPTH`
+  deep and without aliases, checked on PyYAML's event stream before anything is built
+  (`parse_yaml`: its composer recurses, and its scanner is quadratic in flow depth).
 
 Why by hand: the json module bounds neither depth nor size, and pathlib's `is_relative_to` is
 lexical; no library says "this name from a file may be opened inside this folder".
@@ -27,6 +32,26 @@ from .errors import ArtifactError, MpsconvertError
 MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 256 << 20  # a manifest of a 1000-shard MoE is a few MB; a config a few KB
 _ODD = re.compile(r"[\x00-\x1f\x7f\\:]")
+
+
+# C0 and C1 controls (ESC and CSI start terminal escape sequences), DEL, and the Unicode marks that
+# reorder or hide text (bidi overrides and isolates, zero-width characters, the byte-order mark)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def printable(text: Any) -> str:
+    """`text` (anything: it is untrusted) as a string whose control characters are shown as
+    escapes (`\\x1b`, `\\n`, `\\u202e`): a name read from an artifact or a source is printed as what
+    it is, never acted on by a terminal or split across lines."""
+    named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return _UNPRINTABLE.sub(lambda m: named.get(m.group(), f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}"),
+                            str(text))
+
+
+def one_line(text: Any, limit: int = 300) -> str:
+    """`text` as one line of plain text (a commit message): control characters removed, runs of
+    whitespace made one space, at most `limit` characters."""
+    return " ".join(_UNPRINTABLE.sub(" ", str(text)).split())[:limit]
 
 
 def bad_relpath(rel: Any) -> str | None:
@@ -153,3 +178,30 @@ def field(body: dict, key: str, types, *, what: str, error: type[MpsconvertError
     if isinstance(v, bool) and bool not in ts or not isinstance(v, ts):
         raise error(f"{what}: {key!r} is {type(v).__name__}, expected {_json_type(types)}", fix)
     return v
+
+
+MAX_YAML_BYTES = 64 << 10  # a model card's front matter is a few KB
+
+
+def parse_yaml(text: str, *, what: str, error: type[MpsconvertError] = ArtifactError, fix: str = "fix the file") -> Any:
+    """YAML text -> a value (`yaml.safe_load`), bounded in size and depth, aliases refused; any
+    problem is one `error` line."""
+    import yaml
+
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+        raise error(f"{what} is larger than {MAX_YAML_BYTES >> 10} KiB of YAML", fix)
+    opens, closes = (yaml.SequenceStartEvent, yaml.MappingStartEvent), (yaml.SequenceEndEvent, yaml.MappingEndEvent)
+    depth = 0
+    try:
+        for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(ev, opens):
+                depth += 1
+                if depth > MAX_JSON_DEPTH:
+                    raise error(f"{what} nests deeper than {MAX_JSON_DEPTH} levels", fix)
+            elif isinstance(ev, closes):
+                depth -= 1
+            elif isinstance(ev, yaml.AliasEvent):
+                raise error(f"{what} uses a YAML alias (*{str(ev.anchor)[:40]}), which mpsconvert does not expand", fix)
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError) as e:
+        raise error(f"{what} is not valid YAML ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", fix) from None

@@ -85,9 +85,9 @@ def prompt_ids(artifact: Path, tm: TorchModel, length: int, texts: list[str] | N
     if not any((Path(artifact) / f).is_file() for f in _TOKENIZER_FILES):
         ids = np.random.default_rng(0).integers(0, vocab, length)
         return ids.astype(np.int32), f"{length} seeded random token ids (the artifact has no tokenizer)"
-    from transformers import AutoTokenizer
+    from ..manifests import loadable
 
-    tok = AutoTokenizer.from_pretrained(str(artifact))
+    tok = loadable.tokenizer(artifact)
     docs = list(texts) if texts else builtin_prose()
     ids: list[int] = []
     used = 0
@@ -237,12 +237,12 @@ def sample_inputs(artifact: Path, tm, seq: dict, texts=DEFAULT_TEXTS, n: int = 3
     tokenizer: fixed length -> cut or padded (padding masked for encoders; LM text repeated to
     fill); a range -> natural lengths clipped to it. An artifact without a tokenizer (tiny test
     models) gets seeded random token ids, and the returned description says so."""
-    from transformers import AutoTokenizer
+    from ..manifests import loadable
 
     lo, hi = seq["min"], seq["max"]
     tok = None
     if any((Path(artifact) / f).is_file() for f in _TOKENIZER_FILES):
-        tok = AutoTokenizer.from_pretrained(str(artifact))
+        tok = loadable.tokenizer(artifact)
     out = []
     rng = np.random.default_rng(0)
     vocab = int(getattr(tm.config, "vocab_size", 100))

@@ -91,8 +91,7 @@ def export(artifact: Path, target: str | Target, opts=None, check=None, progress
     progress = or_silent(progress)
     artifact = Path(artifact)
     with transaction(artifact, verify=True, drop=(target.package,), tempdir=target.key) as t:
-        if (t.artifact / target.package).exists() and not opts.force:
-            raise MpsconvertError(f"{t.artifact / target.package} already exists", "pass --force to replace it")
+        layout.check_package_slot(t.artifact, target.package, t.manifest.files, opts.force)  # someone else's folder: never replaced
         rec = target.build(t.folder, t.manifest, opts, progress)
         t.add_files(target.package)
         atomic.kill_point("package-written")

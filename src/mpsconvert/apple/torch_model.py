@@ -8,7 +8,6 @@ their checks compare the packages with it, so both start from one definition of 
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from .. import fp8
 from ..errors import ExportError, MpsconvertError
 from ..manifests import layout
+from ..untrusted import parse_json, read_json
 
 
 def _is_causal_lm(config) -> bool:
@@ -57,7 +57,7 @@ def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict
 
     from ..manifests.ct_config import scheme_from_config
 
-    qc = json.loads((artifact / layout.CONFIG_NAME).read_text()).get("quantization_config")
+    qc = read_json(artifact / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config")
     block = scheme_from_config(qc).block if qc else None
 
     files = [artifact / f for f in layout.weight_files(artifact)]
@@ -204,8 +204,8 @@ def _uses_normalize(artifact: Path) -> bool:
     if not p.is_file():
         return False
     try:
-        mods = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        mods = parse_json(p.read_bytes(), what=p.name, expect=list)
+    except (MpsconvertError, OSError):
         return False
     return any("Normalize" in str(m.get("type", "")) for m in mods if isinstance(m, dict))
 
@@ -272,7 +272,7 @@ def build_torch_model(artifact: Path) -> TorchModel:
     import transformers
 
     artifact = Path(artifact)
-    cfg_dict = json.loads((artifact / layout.CONFIG_NAME).read_text())
+    cfg_dict = read_json(artifact / layout.CONFIG_NAME, what=layout.CONFIG_NAME)
     cfg_dict.pop("quantization_config", None)  # the weights are given dense: no compressed-tensors loader
     model_type = cfg_dict.get("model_type")
     try:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from .. import atomic
 from .. import fp8
 from ..errors import ArtifactError, MpsconvertError
 from ..manifests.ct_config import quantization_config, scheme_from_config
+from ..manifests import hashing
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_artifact, read_weight_map, weight_files
 from ..manifests.manifest import Manifest
@@ -40,6 +39,7 @@ from ..manifests.schemes import Scheme
 from ..manifests.transaction import Transaction, transaction
 from ..progress import Progress
 from ..safetensors_io import ShardReader, ShardWriter, read_header
+from ..scales import scale_problem
 from ..untrusted import inside, read_json
 from .options import CalibOptions
 from .run import Calibration, calibrate
@@ -73,8 +73,11 @@ def load_scales(path: Path) -> tuple[dict[str, float], dict]:
     if body.get("format") != SCALES_FORMAT or body.get("version") != SCALES_VERSION:
         raise ArtifactError(f"{path} is not an mpsconvert scales file (version {SCALES_VERSION})", "write one with `mpsconvert calibrate SRC -o FILE`")
     scales = body.get("input_scales")
-    if not isinstance(scales, dict) or not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in scales.values()):
+    if not isinstance(scales, dict):
         raise ArtifactError(f"{path}: input_scales must map module names to finite positive numbers", "re-run calibration")
+    for module, v in scales.items():
+        if (why := scale_problem(v)) is not None:  # as float32, as the artifact stores it: 1e308 and 5e-324 are not scales
+            raise ArtifactError(f"{path}: the input scale of {module[:80]!r} {why}", "re-run calibration")
     record = body.get("calibration") or {}
     if not isinstance(record, dict):
         raise ArtifactError(f"{path}: 'calibration' must be an object", "re-run calibration")
@@ -97,14 +100,9 @@ def carried_files(artifact: Path, manifest: Manifest, packages: bool = True) -> 
 
 
 def copy_verified(src: Path, dst: Path, rec: dict, rel: str) -> dict:
-    """Copy a listed file and check that the copy has the sha256 the manifest records."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
-    digest = sha256_file(dst)
-    if digest != rec.get("sha256"):
-        raise ArtifactError(f"{rel} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
-                            "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
-    return {"sha256": digest, "size": dst.stat().st_size}
+    """Copy a listed file, checking the bytes copied against the sha256 the manifest records."""
+    return hashing.copy_verified(src, dst, rec, rel, "it is not carried into a new manifest: restore the artifact "
+                                 "(`mpsconvert quantize ... --force`), then calibrate")
 
 
 @contextlib.contextmanager

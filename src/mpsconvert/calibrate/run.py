@@ -54,10 +54,9 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
     make = observers.make(opts.observer, opts.percentile)
     plan = plan or plan_for(model_dir, opts.ignore, opts.trust_remote_code)
     device = devices.choose(opts.device)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=opts.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise SourceError(f"no usable tokenizer in {model_dir}: {str(e).splitlines()[0]}", "calibration needs the model's tokenizer files") from e
+    from ..manifests import loadable
+
+    tokenizer = loadable.tokenizer(model_dir, error=SourceError, trust_remote_code=opts.trust_remote_code)  # bounded, one line on failure
     corpus = data.load(opts.data, revision=opts.data_revision, token=opts.token)
     config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=opts.trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)

@@ -3,6 +3,10 @@
 Output that a script reads (`--json`, tables) goes to stdout; progress, status and errors go to
 stderr: bars on a terminal, and a plain line per phase every few seconds when stderr is a log
 file or a pipe (a long run is never silent).
+
+Names from an artifact or a source (files, tensors, a folder, a dataset) are text: every one goes
+through `shown` (rich markup escaped, control characters such as ANSI / OSC escape sequences
+shown as `\\x1b`), and a number from a manifest that is not one shows as "?" (`num`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from rich.progress import (
 from rich.table import Table
 
 from .. import api
-from ..units import human, speed
+from ..units import human, num, speed
+from ..untrusted import printable
 
 console = Console(stderr=True)  # progress, status, warnings, errors
 out = Console()  # results
@@ -130,21 +135,30 @@ def print_json(body) -> None:
     out.print_json(json.dumps(body))
 
 
+def shown(x) -> str:
+    """Untrusted text for a rich console: markup escaped, control characters as escapes."""
+    return escape(printable(x))
+
+
+def _d(x) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    console.print(f"[yellow]warning:[/] {shown(message)}", highlight=False, soft_wrap=True)
 
 
 def error(message: str) -> None:
-    # escaped: "pip install 'mpsconvert[coreai]'" is text, not rich markup
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    # escaped: "pip install 'mpsconvert[coreai]'" is text, not rich markup; a name in it is shown, never acted on
+    console.print(f"[bold red]error:[/] {shown(message)}", highlight=False, soft_wrap=True)
 
 
 def note(message: str) -> None:
-    console.print(message, highlight=False)
+    console.print(printable(message), highlight=False, markup=False)
 
 
 def result(message: str) -> None:
-    out.print(message, highlight=False)
+    out.print(printable(message), highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------- quantize / calibrate
@@ -162,7 +176,7 @@ def calibration(cal) -> None:
 def _grain(recipe: dict) -> str:
     """'row', 'tensor' or 'block (128x128)'."""
     b = recipe.get("block_size")
-    return f"{recipe['weights']} ({b}x{b})" if b else recipe["weights"]
+    return f"{recipe.get('weights')} ({b}x{b})" if b else str(recipe.get("weights"))
 
 
 def quantize_summary(res, as_json: bool) -> None:
@@ -170,29 +184,31 @@ def quantize_summary(res, as_json: bool) -> None:
     if as_json:
         print_json(res.as_dict())
         return
-    t = Table(title=f"{res.output}", show_header=False, box=None)
-    t.add_row("scheme", f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: {manifest.recipe['activations'] or 'bf16'})"
-              + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else ""))
+    t = Table(title=shown(res.output), show_header=False, box=None)
+    t.add_row("scheme", shown(f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: {manifest.recipe['activations'] or 'bf16'})"
+              + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else "")))
     if (fmt := manifest.recipe.get("format")) and manifest.recipe.get("family"):  # a diffusion artifact: where it goes
-        t.add_row("format", f"{fmt} ({manifest.recipe['family_label']}): "
+        t.add_row("format", shown(f"{fmt} ({manifest.recipe['family_label']}): "
                   + (f"{manifest.recipe['file']} -> ComfyUI/models/diffusion_models/, Load Diffusion Model" if fmt != "diffusers"
-                     else "diffusers from_pretrained with the SDNQ backend (pip install sdnq)"))
+                     else "diffusers from_pretrained with the SDNQ backend (pip install sdnq)")))
     if (src := manifest.source.get("fp8")) and all(r.get("codes", "").startswith("copied") for r in manifest.tensors.values()):
         t.add_row("FP8 source", f"{src['layout']}: e4m3 codes kept byte for byte, scales renamed")
     t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
     n_exp = s.get("expert_tensors_quantized", 0)
     t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
     kept = list(manifest.recipe["ignored_modules"])
-    t.add_row("kept (Linear)", f"{len(kept)}: " + ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else "") if kept else "none")
+    t.add_row("kept (Linear)", shown(f"{len(kept)}: " + ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else "")) if kept else "none")
     if s["modules_skipped"]:
         kinds = sorted({r.split(":")[0] for r in manifest.skipped.values()})
-        t.add_row("skipped", f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})")
+        t.add_row("skipped", shown(f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})"))
     if s["worst_sqnr_db"] is not None:
-        t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
+        t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {shown(s['worst_sqnr_tensor'])}")
     out.print(t)
     if res.manifest_sha256:  # whole, whatever the width or a pipe: it is copied to pin the artifact
-        out.print(f"manifest sha256 {res.manifest_sha256}  (pin it: mpsconvert verify {escape(str(res.output))} --manifest-sha256 <it>)",
-                  soft_wrap=True, highlight=False)
+        out.print(f"manifest sha256 {res.manifest_sha256}  (the whole manifest as it is now)", soft_wrap=True, highlight=False)
+    if getattr(res, "pin_sha256", None):
+        out.print(f"pin sha256 {res.pin_sha256}  (pin it: mpsconvert verify {shown(res.output)} --manifest-sha256 <it>; covers the "
+                  "conversion and lasts through validate, the exports and upload)", soft_wrap=True, highlight=False)
     for w in s.get("warnings") or []:
         warn(w)
 
@@ -206,32 +222,44 @@ def source_line(src: dict) -> str:
         ref = src.get("commit") or src.get("revision")
         return f"{src.get('id')}@{ref}" if ref else str(src.get("id"))
     where = src.get("path") or src.get("id")
-    return f"{where} (local folder" + (f", {src['id']}@{src['commit'][:12]}" if src.get("commit") and src.get("id") != where else "") + ")"
+    return f"{where} (local folder" + (f", {src['id']}@{str(src['commit'])[:12]}" if src.get("commit") and src.get("id") != where else "") + ")"
 
 
 def inspect_table(artifact, m, show_tensors: bool) -> None:
-    t = Table(title=str(artifact), show_header=False, box=None)
-    t.add_row("source", escape(source_line(m.source)))
-    t.add_row("scheme", f"{m.recipe['name']}: weights per {_grain(m.recipe)}, activations {m.recipe['activations'] or 'bf16'}"
-              + (f"; unquantized tensors {m.recipe['unquantized_dtype']}" if m.recipe.get("unquantized_dtype") else ""))
-    if cal := m.recipe.get("calibration"):
-        t.add_row("calibration", f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x {cal.get('seq_len')} tokens "
-                  f"of {(cal.get('data') or {}).get('id')} (sha256 {str((cal.get('data') or {}).get('sha256'))[:12]}), {len(cal.get('fallbacks') or {})} fallback(s)")
-    s = m.summary
-    t.add_row("architecture", str(s.get("architecture")))
-    t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
-    t.add_row("tensors", f"{s['tensors_quantized']} quantized, {s['linear_ignored']} Linear kept, {s['modules_skipped']} other modules skipped")
+    """The manifest as a table. Every field is untrusted here (inspect reads what it is given
+    without verifying it): text is `shown`, numbers `num`, and a field of the wrong type is '?'."""
+    t = Table(title=shown(artifact), show_header=False, box=None)
+    r, s = m.recipe, m.summary
+    t.add_row("source", shown(source_line(m.source)))
+    t.add_row("scheme", shown(f"{r.get('name')}: weights per {_grain(r)}, activations {r.get('activations') or 'bf16'}"
+                              + (f"; unquantized tensors {r['unquantized_dtype']}" if r.get("unquantized_dtype") else "")))
+    if cal := _d(r.get("calibration")):
+        data = _d(cal.get("data"))
+        t.add_row("calibration", shown(f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x "
+                                       f"{cal.get('seq_len')} tokens of {data.get('id')} (sha256 {str(data.get('sha256'))[:12]}), "
+                                       f"{len(_d(cal.get('fallbacks')))} fallback(s)"))
+    t.add_row("architecture", shown(s.get("architecture")))
+    before, after = s.get("weight_bytes_before"), s.get("weight_bytes_after")
+    t.add_row("weights", f"{human(before) if isinstance(before, int) else '?'} -> {human(after) if isinstance(after, int) else '?'} "
+                         f"({num(s.get('ratio'), '.2f')}x)")
+    t.add_row("tensors", f"{num(s.get('tensors_quantized'))} quantized, {num(s.get('linear_ignored'))} Linear kept, "
+                         f"{num(s.get('modules_skipped'))} other modules skipped")
     if s.get("worst_sqnr_db") is not None:
-        t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {s['worst_sqnr_tensor']}")
+        t.add_row("worst SQNR", f"{num(s['worst_sqnr_db'], '.1f')} dB at {shown(s.get('worst_sqnr_tensor'))}")
     t.add_row("files", f"{len(m.files)} ({human(sum(f['size'] for f in m.files.values()))})")
-    t.add_row("made with", f"mpsconvert {m.versions.get('mpsconvert')}, torch {m.versions.get('torch')}, transformers {m.versions.get('transformers')} on {m.device}")
+    v = m.versions
+    t.add_row("made with", shown(f"mpsconvert {v.get('mpsconvert')}, torch {v.get('torch')}, transformers {v.get('transformers')} on {m.device}"))
     for label, text in m.inspect_rows():  # the records later steps added (validation, exports, ...), typed
-        t.add_row(label, _marked(text, "FAILED" not in text))
+        t.add_row(shown(label), _marked(text, "FAILED" not in text))
     out.print(t)
     if show_tensors:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
-        for name, r in sorted(m.tensors.items(), key=lambda kv: natural_key(kv[0])):
-            tt.add_row(name, "x".join(map(str, r["shape"])), "x".join(map(str, r["weight_scale_shape"])), f"{r['sqnr_db']:.1f}" if r["sqnr_db"] is not None else "undefined (no signal)" if r.get("sqnr_undefined") else "exact")
+        for name, rec in sorted(m.tensors.items(), key=lambda kv: natural_key(kv[0])):
+            shape = "x".join(map(str, rec.get("shape"))) if isinstance(rec.get("shape"), list) else "?"
+            scale = "x".join(map(str, rec.get("weight_scale_shape"))) if isinstance(rec.get("weight_scale_shape"), list) else "?"
+            sq = rec.get("sqnr_db")
+            tt.add_row(shown(name), shown(shape), shown(scale),
+                       num(sq, ".1f") if sq is not None else "undefined (no signal)" if rec.get("sqnr_undefined") else "exact")
         out.print(tt)
 
 
@@ -249,11 +277,15 @@ def verify_report(artifact, report, as_json: bool) -> None:
            f"({report.scheme}, weights per {report.weights})" if report.hashes_checked
            else f"{artifact}: hashes not checked; {len(report.quantized)} FP8 modules")
     for p in report.problems:
-        out.print(f"  [red]problem:[/] {p}", highlight=False)
+        out.print(f"  [red]problem:[/] {shown(p)}", highlight=False)
     for w in report.warnings:
-        out.print(f"  [yellow]warning:[/] {w}", highlight=False)
+        out.print(f"  [yellow]warning:[/] {shown(w)}", highlight=False)
     if report.manifest_sha256:
         out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False, soft_wrap=True)
+    if report.pinned_sha256:
+        out.print(f"  pin sha256 {report.pinned_sha256} (the part the conversion sealed)", highlight=False, soft_wrap=True)
+    if report.pin:
+        out.print(f"  the pin covers {shown(report.pin)}", highlight=False, soft_wrap=True)
     out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
 
 
@@ -307,7 +339,7 @@ def apple_runtimes(r: dict) -> None:
         if rt is None:
             continue
         if rt.get("status") == "failed":
-            out.print(f"{name}: [red]failed[/] ({escape(str(rt.get('reason')))})", highlight=False)
+            out.print(f"{name}: [red]failed[/] ({shown(str(rt.get('reason')))})", highlight=False)
             continue
         if rt.get("status") != "ran":
             result(f"{name}: not run here ({rt['reason']})")
@@ -317,7 +349,7 @@ def apple_runtimes(r: dict) -> None:
             t.add_column(c, justify="left" if c in ("engine", "accuracy") else "right")
         for row in rt["rows"]:
             if "error" in row:
-                t.add_row(row["engine"], "", "", "", "", f"[red]{escape(row['error'])}[/]")
+                t.add_row(row["engine"], "", "", "", "", f"[red]{shown(row['error'])}[/]")
                 continue
             ratio = row.get("decode_vs_pytorch_cpu", row.get("decode_vs_pytorch_mps", row.get("speedup_vs_pytorch_mps")))
             acc = (f"prefill top-1 {row['prefill_top1']:.1%}, decode top-1 {row['decode_top1']:.1%}" if "prefill_top1" in row
@@ -387,14 +419,14 @@ def check_result(res, as_json: bool) -> None:
     rows, decoder, title = api.targets()[res.target].rows(res.artifact, res.record, res.check)
     t = Table(title=f"{res.artifact}/{res.package.name}", show_header=False, box=None)
     for label, text, ok in rows:
-        t.add_row(escape(label), _marked(text, ok))
+        t.add_row(shown(label), _marked(text, ok))
     out.print(t)
     if decoder is not None:
         decoder_check(title, decoder)
 
 
 def _marked(text: str, ok: bool | None) -> str:
-    return f"[red]{escape(text)}[/]" if ok is False else escape(text)
+    return f"[red]{shown(text)}[/]" if ok is False else shown(text)
 
 
 # --------------------------------------------------------------------------- generate / chat / upload

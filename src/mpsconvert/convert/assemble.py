@@ -104,7 +104,8 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: 
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, plan, shards.bytes_in, shards.bytes_out)
     src_card = snap.path / card.CARD_NAME
-    finish(tmp, manifest, name, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None)
+    finish(tmp, manifest, name, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None,
+           seal=True)
     return manifest
 
 

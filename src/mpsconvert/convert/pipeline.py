@@ -84,7 +84,7 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
     with contextlib.ExitStack() as claimed:
         claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
-        atomic.check_replaceable(out, force=force, is_ours=layout.is_artifact, protect=(path,) if path is not None else ())
+        atomic.check_replaceable(out, force=force, is_ours=layout.is_ours, protect=(path,) if path is not None else ())
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
         from .quantize import shard_size_bytes
@@ -101,7 +101,7 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
             if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
                 out = output_for(snap, snap.repo_id)
                 claimed.enter_context(atomic.claim(out))
-                atomic.check_replaceable(out, force=force, is_ours=layout.is_artifact)
+                atomic.check_replaceable(out, force=force, is_ours=layout.is_ours)
         if snap.diffusion is not None or format is not None:
             from .diffusion.run import quantize_source
 

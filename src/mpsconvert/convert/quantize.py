@@ -49,7 +49,7 @@ from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
 from ..safetensors_io import DTYPES, BufferPool, Digest, FiniteCheck, ShardReader, ShardWriter, TensorInfo, read_header
-from ..scales import scale_shape
+from ..scales import E4M3_MAX, scale_problem, scale_shape
 from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
@@ -217,7 +217,7 @@ def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options)
     all_infos = {name: (f, info) for f, h in headers.items() for name, info in h.tensors.items()}
     for name, (f, info) in fp8_keys.items():
         if not name.endswith(".weight") or len(info.shape) != 2:
-            if len(info.shape) == 3:
+            if len(info.shape) == 3 and plan.experts:
                 continue  # fused experts: _expert_tensors says why they cannot be kept
             raise SourceError(f"the FP8 source stores {name} as F8_E4M3 {list(info.shape)}", "only 2-D FP8 weights with a scale can be kept")
         mod = plan.module_for_tensor(name)
@@ -237,18 +237,29 @@ def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options)
             raise SourceError(f"the FP8 source has {name} but no {scale_key}", "the checkpoint is incomplete; re-download it")
         sf, sinfo = all_infos[scale_key]
         want = scale_shape(src.scheme.weights, *info.shape, src.scheme.block_size)
-        if sinfo.dtype not in _FLOAT_CODES or math.prod(sinfo.shape) != math.prod(want):
+        # the exact shape the format requires (one value per tensor may be stored as [] or [1]): a
+        # transposed [2, 4] for [4, 2] blocks, or a flat [8], has the right count and the wrong meaning
+        exact = tuple(sinfo.shape) == tuple(want) or (tuple(want) == (1,) and tuple(sinfo.shape) in ((), (1,), (1, 1)))
+        if sinfo.dtype not in _FLOAT_CODES or not exact:
             raise SourceError(f"{scale_key} is {sinfo.dtype}{list(sinfo.shape)}, but the source's {src.scheme.weights} scales of a "
-                              f"{list(info.shape)} weight are {list(want)}", "the checkpoint is corrupt or not the layout its config says")
+                              f"{list(info.shape)} weight are {list(want)} (float)", "the checkpoint is corrupt or not the layout its config says")
         ins_key = src.input_scale_key(name)
         with safe_open(str(snap.path / sf), "pt") as fh:
             scale = fh.get_tensor(scale_key).float().reshape(want)
         ins = None
         if ins_key in all_infos:
+            if math.prod(all_infos[ins_key][1].shape) != 1 or all_infos[ins_key][1].dtype not in _FLOAT_CODES:
+                raise SourceError(f"{ins_key} is {all_infos[ins_key][1].dtype}{list(all_infos[ins_key][1].shape)}, not one float",
+                                  "the checkpoint is corrupt or not the layout its config says")
             with safe_open(str(snap.path / all_infos[ins_key][0]), "pt") as fh:
                 ins = fh.get_tensor(ins_key).float().reshape(-1)
-        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-            raise SourceError(f"{scale_key} holds non-finite or non-positive scales", "the checkpoint is corrupt; re-download it")
+            if (why := scale_problem(float(ins[0]))) is not None:
+                raise SourceError(f"the static input scale {ins_key} {why}", "the checkpoint is corrupt; re-download it")
+        # finite and > 0, and what the largest code dequantizes to (448 x scale) finite: a 3e38 scale passes the first
+        bad = ~(torch.isfinite(scale) & (scale > 0) & torch.isfinite(scale * E4M3_MAX))
+        if bool(bad.any()):
+            raise SourceError(f"{scale_key} holds {int(bad.sum())} scale(s) that are not finite positive or dequantize past float32 "
+                              f"(e.g. {float(scale[bad][0])!r})", "the checkpoint is corrupt; re-download it")
         opts.fp8_tensors[name] = SourceTensor(scale, ins, scale_key)
     for mod in list(plan.quantize):
         if mod not in set(found.values()):
@@ -368,7 +379,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
         atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, opts.scheme),
-                          is_ours=layout.is_artifact, protect=(snap.path,)) as tmp,
+                          is_ours=layout.is_ours, protect=(snap.path,)) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
@@ -497,7 +508,12 @@ def _convert_copy(sh: "_Shard", name: str, info: TensorInfo, code: str, check: F
     for buf, release in sh.reader.blocks(info.start, info.nbytes, src_size):
         try:
             check.update(buf.numpy())
-            out = buf.view(info.torch_dtype).to(target)  # a new tensor: the pooled buffer goes back at once
+            src = buf.view(info.torch_dtype)
+            out = src.to(target)  # a new tensor: the pooled buffer goes back at once
+            if not check.count and not bool(torch.isfinite(out).all()):  # a finite source: the cast overflowed
+                big = float(src.float().abs().max())
+                raise QuantizationError(f"tensor {name!r} holds values up to {big:.4g}, which --dtype {target} turns into inf",
+                                        "use --dtype bfloat16 (float32's range), or leave --dtype out to copy it as it is")
         finally:
             release()
         sh.then(sh.writer.write, name, out)
@@ -583,7 +599,8 @@ def _repack_one(sh: _Shard, name: str, info: TensorInfo, module: str, scheme: Sc
         **({"input_scale": float(src.input_scale.reshape(()))} if scheme.needs_calibration else {}),
         **extra,
     }
-    sh.then(sh.writer.copy, name, sh.reader.header.path, info.start, info.nbytes, (Digest(lambda d: rec.__setitem__("codes_sha256", d)),))
+    sh.then(sh.writer.copy, name, sh.reader.header.path, info.start, info.nbytes, (Digest(lambda d: rec.__setitem__("codes_sha256", d)),
+                                                                                    FiniteCheck(info.dtype, name, sh.reader.header.path.name)))
     sh.then(sh.writer.write, name + "_scale", scale)
     if scheme.needs_calibration:
         sh.then(sh.writer.write, name[: -len("weight")] + "input_scale", src.input_scale.reshape(1).contiguous())
@@ -759,6 +776,7 @@ def _quantize_expert(sh: _Shard, name: str, info: TensorInfo, et: ExpertTensor, 
 
 
 def _check_input_scale(s: float | None, what: str) -> float:
-    if s is None or not (math.isfinite(s) and s > 0):
-        raise QuantizationError(f"calibrated input scale of {what} is {s}", "re-run calibration")
+    why = "is missing" if s is None else scale_problem(s)
+    if why is not None:
+        raise QuantizationError(f"the calibrated input scale of {what} {why}", "re-run calibration")
     return s

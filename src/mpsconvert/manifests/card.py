@@ -9,6 +9,12 @@ source's own card kept below a marker, attributed (its front matter folded into 
 is rewritten with the manifest by every change to an artifact (manifests/transaction.py: validate,
 the Apple exports and their checks, calibration into the artifact, upload, which names the repo),
 in the same staged swap, so the card always has the sha256 the manifest records.
+
+Names in it come from the source and the manifest (a folder name, tensor names, a dataset id):
+they are text, never Markdown, HTML or shell (markdown.py: `_t` prose and table cells, `_c`
+inline code, `_sh` a shell argument, `_py` a Python string literal, a number that is not one
+shown as "?"). Hub provenance (`base_model`, a commit) is claimed only for
+what mpsconvert itself resolved on the hub or found in huggingface_hub's own cache.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import re
 from pathlib import Path
 
 from ..atomic import write_text
+from ..errors import ArtifactError
 from ..units import human
+from ..untrusted import parse_yaml, read_json
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
+from .markdown import block as _block, code as _c, num as _n, py as _py, sh as _sh, text as _t
 from .records import AppleExport, CalibrationRecord, DiffusionSource, GGUFSource, Validation, kinds
 
 CARD_NAME = "README.md"
@@ -40,15 +49,14 @@ _GRANULARITY_TEXT = {"row": "one scale per output row (channel)", "tensor": "one
 
 def split_front_matter(text: str) -> tuple[dict, str]:
     """(front matter as a dict, the rest) of a card; a card without valid YAML front matter
-    gives ({}, the whole text). The source's card is untrusted: safe_load only."""
-    import yaml
-
+    (too large, too deep, aliases: untrusted.parse_yaml) gives ({}, the whole text). The
+    source's card is untrusted: bounded, safe_load only."""
     m = _FRONT.match(text)
     if not m:
         return {}, text
     try:
-        meta = yaml.safe_load(m.group(1))
-    except yaml.YAMLError:
+        meta = parse_yaml(m.group(1), what="the card's front matter")
+    except ArtifactError:
         return {}, text
     return (meta if isinstance(meta, dict) else {}), text[m.end():]
 
@@ -65,7 +73,7 @@ def source_card(text: str) -> tuple[dict, str]:
 
 
 def _fmt(x, nd: int = 4):
-    return None if x is None else round(float(x), nd)
+    return round(float(x), nd) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def validation_figures(manifest: Manifest) -> list[dict]:
@@ -98,8 +106,9 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     """The card's metadata, in a fixed order."""
     src, recipe, s = manifest.source, manifest.recipe, manifest.summary
     meta: dict = {}
-    # a hub source, or a folder in the HF cache layout (models--org--name/snapshots/<commit>): a hub model to point at
-    if src.get("id") and (src.get("kind") == "hub" or (src.get("commit") and "/" in src["id"])):
+    # provenance mpsconvert resolved itself: a hub download, or a snapshot inside huggingface_hub's own cache (source.py
+    # records its commit only then); a folder merely laid out like the cache claims nothing
+    if isinstance(src.get("id"), str) and (src.get("kind") == "hub" or (src.get("commit") and "/" in src["id"])):
         meta["base_model"] = src["id"]
         meta["base_model_relation"] = "quantized"
     fmt = diffusion_format(manifest)
@@ -110,11 +119,11 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
     if "license" not in meta and isinstance(config.get("license"), str):
         meta["license"] = config["license"]
     meta["tags"] = ["fp8", "float8_e4m3fn", *(["sdnq"] if fmt == "diffusers" else ["comfyui"] if fmt else ["compressed-tensors"]),
-                    "mpsconvert", recipe["name"], *([recipe.get("family")] if fmt else [])]
+                    "mpsconvert", str(recipe.get("name")), *([str(recipe.get("family"))] if fmt else [])]
     meta["tags"] += [kind.KEY for kind in kinds(AppleExport) if manifest.get(kind) is not None]
     figures = {
-        "scheme": recipe["name"],
-        "weights": recipe["weights"],
+        "scheme": recipe.get("name"),
+        "weights": recipe.get("weights"),
         "activations": recipe.get("activations"),
         "unquantized_dtype": recipe.get("unquantized_dtype"),
         "source": src.get("id"),
@@ -133,38 +142,40 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
 
 def _where(src: dict) -> str:
     """The source as the card names it: `id`, at its commit when known."""
-    return f"`{src.get('id')}`" + (f" at commit `{src['commit']}`" if src.get("commit") else "")
+    return _c(src.get("id")) + (f" at commit {_c(src['commit'])}" if src.get("commit") else "")
 
 
 def _what_was_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
     where = _where(src)
-    kept = r.get("ignored_modules") or {}
+    kept = r.get("ignored_modules") if isinstance(r.get("ignored_modules"), dict) else {}
+    name, weights = r.get("name"), r.get("weights")
     lines = [
         "## What was done", "",
-        f"mpsconvert {manifest.versions.get('mpsconvert')} converted {where} to FP8 (`float8_e4m3fn`) in the "
+        f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted {where} to FP8 (`float8_e4m3fn`) in the "
         "compressed-tensors `float-quantized` format.", "",
         "| | |", "|---|---|",
-        f"| scheme | `{r['name']}`: {_SCHEME_TEXT.get(r['name'], r['name'])} |",
-        f"| weight scales | {_GRANULARITY_TEXT.get(r['weights'], r['weights'])}; `scale = amax / 448`, values clamped to +-448 |",
-        f"| quantized | {s.get('tensors_quantized')} Linear weights |",
-        f"| weights | {human(s.get('weight_bytes_before'))} -> {human(s.get('weight_bytes_after'))} ({s.get('ratio')}x) |",
+        f"| scheme | {_c(name)}: {_t(_SCHEME_TEXT.get(name, name)) if isinstance(name, str) else '?'} |",
+        f"| weight scales | {_t(_GRANULARITY_TEXT.get(weights, weights)) if isinstance(weights, str) else '?'}; `scale = amax / 448`, "
+        "values clamped to +-448 |",
+        f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
+        f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} ({_n(s.get('ratio'))}x) |",
     ]
     if s.get("worst_sqnr_db") is not None:
-        lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
+        lines.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
     g = manifest.get(GGUFSource)
     if g is not None:
         note = g.precision_note()
-        lines.append(f"| source | GGUF {g.file_type} ({', '.join(f'{n} {t}' for t, n in g.tensor_types.items())}), "
-                     f"{g.unpacked}" + (f"; **{note}**" if note else "") + " |")
+        lines.append(f"| source | GGUF {_t(g.file_type)} ({_t(', '.join(f'{n} {t}' for t, n in g.tensor_types.items()))}), "
+                     f"{_t(g.unpacked)}" + (f"; **{_t(note)}**" if note else "") + " |")
     dtype = r.get("unquantized_dtype") or (f"{g.dtype}, as the GGUF was unpacked" if g is not None and g.dtype else "the source's dtype")
-    lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {dtype} (no FP8 kernel applies to them)"
-                 + (f"; Linear: {', '.join(f'`{k}` ({v})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
+    lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {_t(dtype)} (no FP8 kernel applies to them)"
+                 + (f"; Linear: {', '.join(f'{_c(k)} ({_t(v)})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
     cal = manifest.get(CalibrationRecord)
     if cal:
         data = cal.data or {}
-        lines.append(f"| calibration | {cal.num_samples} x {cal.seq_len} tokens of `{data.get('id')}` "
-                     f"(sha256 `{str(data.get('sha256'))[:12]}`), observer {cal.observer}, on {cal.device} |")
+        lines.append(f"| calibration | {_n(cal.num_samples)} x {_n(cal.seq_len)} tokens of {_c(data.get('id'))} "
+                     f"(sha256 {_c(str(data.get('sha256'))[:12])}), observer {_t(cal.observer)}, on {_t(cal.device)} |")
     else:
         lines.append("| calibration | none: data-free (weights only" + (", activations scaled per token at run time" if r.get("activations") == "token" else "") + ") |")
     return lines + [""]
@@ -174,7 +185,7 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
     runs = validation_figures(manifest)
     lines = ["## Validation", ""]
     if not runs:
-        return lines + [f"Not validated yet: `mpsconvert validate {name}` measures accuracy and latency against the BF16 "
+        return lines + [f"Not validated yet: {_c('mpsconvert validate ' + _sh(name))} measures accuracy and latency against the BF16 "
                         "source and rewrites this section.", ""]
     causal = [r for r in runs if r["kind"] == "causal-lm"]
     if causal:
@@ -182,21 +193,22 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
                   "| device | tokens | perplexity BF16 | perplexity FP8 | delta | mean KL | top-1 agreement | prefill speedup | decode speedup |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in causal:
-            lines.append(f"| {r['run']} | {r['tokens']} | {r['perplexity_bf16']} | {r['perplexity_fp8']} | {r['perplexity_delta_pct']:+}% | "
-                         f"{r['mean_kl']} | {r['top1_agreement']:.2%} | {_x(r, 'prefill')} | {_x(r, 'decode')} |")
+            lines.append(f"| {_t(r['run'])} | {_n(r['tokens'])} | {_n(r['perplexity_bf16'])} | {_n(r['perplexity_fp8'])} | "
+                         f"{_n(r['perplexity_delta_pct'], '+')}% | {_n(r['mean_kl'])} | {_n(r['top1_agreement'], '.2%')} | "
+                         f"{_x(r, 'prefill')} | {_x(r, 'decode')} |")
     steps = [r for r in runs if r["kind"] == "diffusion-step"]
     if steps:
         lines += ["One denoising step of the transformer against the BF16 source, same random latents and text embeddings "
                   "(`mpsconvert validate`):", "", "| device | relative error | cosine | speedup |", "|---|---|---|---|"]
         for r in steps:
-            lines.append(f"| {r['run']} | {r['rel_error']} | {r['cosine']} | {_x(r, 'step')} |")
+            lines.append(f"| {_t(r['run'])} | {_n(r['rel_error'])} | {_n(r['cosine'])} | {_x(r, 'step')} |")
         return lines + ["", "Speedups are BF16 median / FP8 median time of the step in the same run.", ""]
     enc = [r for r in runs if r["kind"] not in ("causal-lm", "diffusion-step")]
     if enc:
         lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
         for r in enc:
-            lines.append(f"| {r['run']} | {r['sentences']} | {r['cosine_mean']} | {r['cosine_min']} | {_x(r, 'prefill')} |")
-    data = sorted({str(r['eval_data']) for r in runs})
+            lines.append(f"| {_t(r['run'])} | {_n(r['sentences'])} | {_n(r['cosine_mean'])} | {_n(r['cosine_min'])} | {_x(r, 'prefill')} |")
+    data = sorted({_t(r['eval_data']) for r in runs})
     return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run; "
                         "\"no clear difference\" where the ratio lies within the run-to-run spread of that run.", ""]
 
@@ -207,8 +219,8 @@ def _x(row: dict, phase: str) -> str:
     if v is None:
         return ""
     if word == "no clear difference":
-        return f"no clear difference ({v}x)"
-    return f"{v}x {word}" if word else f"{v}x"
+        return f"no clear difference ({_n(v)}x)"
+    return f"{_n(v)}x {_t(word)}" if word else f"{_n(v)}x"
 
 
 def _is_causal(config: dict) -> bool:
@@ -219,22 +231,19 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
     ref = repo or name
     causal = _is_causal(config)
     auto = "AutoModelForCausalLM" if causal else "AutoModel"
-    lines = ["## How to load", "",
-             "transformers (with `pip install compressed-tensors`):", "", "```python",
-             f"from transformers import {auto}, AutoTokenizer", "",
-             f'model = {auto}.from_pretrained("{ref}", dtype="auto")',
-             f'tokenizer = AutoTokenizer.from_pretrained("{ref}")', "```", ""]
+    lines = ["## How to load", "", "transformers (with `pip install compressed-tensors`):", "",
+             *_block("python", [f"from transformers import {auto}, AutoTokenizer", "",
+                                f'model = {auto}.from_pretrained({_py(ref)}, dtype="auto")',
+                                f"tokenizer = AutoTokenizer.from_pretrained({_py(ref)})"]), ""]
     if causal:
-        lines += ["vLLM:", "", "```", f"vllm serve {ref}", "```", "",
-                  "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "", "```"]
-        if repo:
-            lines += [f"hf download {repo} --local-dir {name}"]
-        lines += [f'mpsconvert generate {name} "Hello"', f"mpsconvert chat {name}", "```", ""]
+        lines += ["vLLM:", "", *_block("", [f"vllm serve {_sh(ref)}"]), "",
+                  "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
+                  *_block("", ([f"hf download {_sh(repo)} --local-dir {_sh(name)}"] if repo else [])
+                          + [f'mpsconvert generate {_sh(name)} "Hello"', f"mpsconvert chat {_sh(name)}"]), ""]
     else:
         lines += ["mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
-                  "```python", "import mpsconvert", "", f'model = mpsconvert.load("{name}")  # a transformers model with FP8 layers',
-                  "```", ""]
-    for kind in kinds(AppleExport):  # each Apple target's package says itself how it is used
+                  *_block("python", ["import mpsconvert", "", f"model = mpsconvert.load({_py(name)})  # a transformers model with FP8 layers"]), ""]
+    for kind in kinds(AppleExport):  # each Apple target's package says itself how it is used (through markdown.py)
         rec = manifest.get(kind)
         if rec is not None:
             lines += rec.card_lines(name, causal)
@@ -255,10 +264,10 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
     name = local_name(folder_name, repo)
     meta, body = source_card(source_text) if source_text else ({}, "")
     src = manifest.source
-    title = f"{(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe['name']})"
+    title = f"{str(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe.get('name')})"
     parts = ["---", yaml.safe_dump(front_matter(manifest, config, meta, repo), sort_keys=False, allow_unicode=True).rstrip(), "---", "",
-             f"# {title}", "",
-             f"An FP8 copy of `{src.get('id')}` made with mpsconvert {manifest.versions.get('mpsconvert')}; it loads wherever compressed-tensors "
+             f"# {_t(title)}", "",
+             f"An FP8 copy of {_c(src.get('id'))} made with mpsconvert {_t(manifest.versions.get('mpsconvert'))}; it loads wherever compressed-tensors "
              "FP8 checkpoints do (transformers, vLLM) and in mpsconvert's own runtime.", ""]
     if diffusion_format(manifest):
         parts[-2] = diffusion_intro(manifest)
@@ -267,7 +276,7 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
         parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
     if body.strip():
         parts += ["## The source model's card", "",
-                  f"Below is the card of `{src.get('id')}` as its authors wrote it (its metadata is folded into the front matter above).",
+                  f"Below is the card of {_c(src.get('id'))} as its authors wrote it (its metadata is folded into the front matter above).",
                   "", SOURCE_MARKER, "", body.rstrip()]
     return "\n".join(parts).rstrip() + "\n"
 
@@ -278,7 +287,7 @@ def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str |
     folder it is built in [default: `folder`'s own]."""
     folder = Path(folder)
     cfg = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / MODEL_INDEX
-    config = json.loads(cfg.read_text(encoding="utf-8"))
+    config = read_json(cfg, what=cfg.name)
     text = render(manifest, config, source_text, repo, name or folder.absolute().name)
     write_text(folder / CARD_NAME, text)
     manifest.files[CARD_NAME] = {"sha256": sha256_file(folder / CARD_NAME), "size": (folder / CARD_NAME).stat().st_size}
@@ -303,37 +312,38 @@ _LOADERS = (
 
 def diffusion_intro(manifest: Manifest) -> str:
     r = manifest.recipe
-    where = ("ComfyUI (Load Diffusion Model)" if r.get("format", "").startswith("comfyui")
+    where = ("ComfyUI (Load Diffusion Model)" if str(r.get("format", "")).startswith("comfyui")
              else "diffusers (`from_pretrained`, SDNQ backend)")
-    return (f"An FP8 copy of the {r.get('family_label')} transformer of `{manifest.source.get('id')}`, made with mpsconvert "
-            f"{manifest.versions.get('mpsconvert')} for {where}.")
+    return (f"An FP8 copy of the {_t(r.get('family_label'))} transformer of {_c(manifest.source.get('id'))}, made with mpsconvert "
+            f"{_t(manifest.versions.get('mpsconvert'))} for {where}.")
 
 
 def diffusion_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
     where = _where(src)
-    hp = r.get("high_precision") or {}
+    hp = r.get("high_precision") if isinstance(r.get("high_precision"), dict) else {}
     kept = r.get("ignored_modules") or {}
     fmt = r.get("format")
-    layout = (f"`{r.get('file')}`: one safetensors file, {r.get('key_names')}; per layer `<m>.weight` F8_E4M3, "
+    layout = (f"{_c(r.get('file'))}: one safetensors file, {_t(r.get('key_names'))}; per layer `<m>.weight` F8_E4M3, "
               + ("`<m>.scale_weight` fp32 and the `scaled_fp8` marker (ComfyUI's legacy layout)" if fmt == "comfyui-legacy" else
                  "`<m>.weight_scale` fp32 (0-d) and `<m>.comfy_quant` (`{\"format\": \"float8_e4m3fn\", \"full_precision_matrix_mult\": "
                  "true}`), the same list in the header's `_quantization_metadata`")
               if fmt != "diffusers" else
-              f"diffusers layout (`{r.get('weights_dir')}`), `<m>.weight` F8_E4M3 and `<m>.scale` fp32 [N, 1]; "
+              f"diffusers layout ({_c(r.get('weights_dir'))}), `<m>.weight` F8_E4M3 and `<m>.scale` fp32 [N, 1]; "
               "`quantization_config` of diffusers' SDNQ backend in config.json")
     lines = ["## What was done", "",
-             f"mpsconvert {manifest.versions.get('mpsconvert')} converted the {r.get('family_label')} "
-             f"{'transformer' if not r.get('component') else '`' + r['component'] + '`'} of {where} to FP8 (`float8_e4m3fn`), "
+             f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted the {_t(r.get('family_label'))} "
+             f"{'transformer' if not r.get('component') else _c(r['component'])} of {where} to FP8 (`float8_e4m3fn`), "
              "weights only: activations stay in 16 bits.", "",
              "| | |", "|---|---|",
              f"| format | {layout} |",
-             f"| weight scales | {_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights'))}; `scale = amax / 448`, values clamped to +-448 |",
-             f"| quantized | {s.get('tensors_quantized')} Linear weights |",
-             f"| weights | {human(s.get('weight_bytes_before'))} -> {human(s.get('weight_bytes_after'))} ({s.get('ratio')}x) |"]
+             f"| weight scales | {_t(_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights')))}; `scale = amax / 448`, values clamped to +-448 |",
+             f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
+             f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} ({_n(s.get('ratio'))}x) |"]
     if s.get("worst_sqnr_db") is not None:
-        lines.append(f"| worst SQNR | {s['worst_sqnr_db']:.1f} dB (`{s['worst_sqnr_tensor']}`) |")
-    lines.append(f"| kept in high precision | {hp.get('rule')}: {', '.join(f'`{x}`' for x in hp.get('patterns') or [])} "
+        lines.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
+    patterns = hp.get("patterns") if isinstance(hp.get("patterns"), list) else []
+    lines.append(f"| kept in high precision | {_t(hp.get('rule'))}: {', '.join(_c(x) for x in patterns)} "
                  f"({len(kept)} Linear layers); norms, biases, convolutions and other non-Linear tensors as in the source |")
     return lines + [""]
 
@@ -342,22 +352,22 @@ def diffusion_how_to_load(manifest: Manifest, repo: str | None, name: str) -> li
     r = manifest.recipe
     fam = r.get("family_label")
     lines = ["## How to load", ""]
-    if r.get("format", "").startswith("comfyui"):
-        lines += [f"Copy `{r.get('file')}` into `ComfyUI/models/diffusion_models/` and pick it in the **Load Diffusion Model** "
-                  f"node (weight_dtype `default`), with the {fam} text encoders and VAE in their usual folders. On a Mac, FP8 "
+    if str(r.get("format", "")).startswith("comfyui"):
+        lines += [f"Copy {_c(r.get('file'))} into `ComfyUI/models/diffusion_models/` and pick it in the **Load Diffusion Model** "
+                  f"node (weight_dtype `default`), with the {_t(fam)} text encoders and VAE in their usual folders. On a Mac, FP8 "
                   "stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch refuses float8 on MPS.", ""]
     else:
         d = manifest.get(DiffusionSource)
-        cls = (d.class_name if d else None) or "the transformer class"
+        cls = d.class_name if d is not None and isinstance(d.class_name, str) and d.class_name.isidentifier() else None
         ref = repo or name
-        lines += ["diffusers with its SDNQ backend (`pip install diffusers sdnq`), on Apple Silicon, CUDA or CPU:", "", "```python",
-                  "import torch"]
-        if r.get("weights_dir") not in (None, "."):
-            lines += ["from diffusers import DiffusionPipeline", "",
-                      f'pipe = DiffusionPipeline.from_pretrained("{ref}", torch_dtype=torch.bfloat16).to("mps")']
+        code = ["import torch"]
+        if r.get("weights_dir") not in (None, ".") or cls is None:
+            code += ["from diffusers import DiffusionPipeline", "",
+                     f'pipe = DiffusionPipeline.from_pretrained({_py(ref)}, torch_dtype=torch.bfloat16).to("mps")']
         else:
-            lines += [f"from diffusers import {cls}", "",
-                      f'transformer = {cls}.from_pretrained("{ref}", torch_dtype=torch.bfloat16).to("mps")']
-        lines += ["```", ""]
+            code += [f"from diffusers import {cls}", "",
+                     f'transformer = {cls}.from_pretrained({_py(ref)}, torch_dtype=torch.bfloat16).to("mps")']
+        lines += ["diffusers with its SDNQ backend (`pip install diffusers sdnq`), on Apple Silicon, CUDA or CPU:", "",
+                  *_block("python", code), ""]
     lines += ["Which loader reads which file:", "", *_LOADERS, ""]
     return lines

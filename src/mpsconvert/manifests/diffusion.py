@@ -13,11 +13,10 @@ Scales must be finite and > 0 and no code a NaN (values.check_values' rules).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .. import filesystem
-from ..errors import MpsconvertError
+from ..errors import ArtifactError, MpsconvertError
 from ..safetensors_io import read_header
 from ..untrusted import inside, parse_json, read_json
 from .layout import CONFIG_NAME
@@ -115,8 +114,8 @@ def _check_comfy_markers(headers: dict, tensors: dict, fp8: dict, report) -> Non
     for name, h in headers.items():
         raw = h.metadata.get("_quantization_metadata")
         try:
-            layers = json.loads(raw).get("layers") if raw else None
-        except (ValueError, AttributeError):
+            layers = parse_json(raw, what=f"{name}: _quantization_metadata").get("layers") if raw else None
+        except ArtifactError:
             layers = None
         if not isinstance(layers, dict):
             _problem(report, f"{name} has no _quantization_metadata header with a layer list")

@@ -4,12 +4,15 @@ transformers and building the model's plan."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from ..errors import ArtifactError
 from ..filesystem import is_appledouble
 
 _BLOCK = 8 << 20
@@ -70,3 +73,30 @@ def folder_files(folder: Path, root: Path) -> dict[str, dict]:
         if p.is_file() and not is_appledouble(p.name):  # macOS's `._*` metadata companions are not package files
             out[p.relative_to(root).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
     return out
+
+
+def copy_verified(src: Path, dst: Path, want: dict, name: str, fix: str = "re-create the artifact; a file that fails its hash is never used") -> dict:
+    """Copy `src` to `dst`, hashing the bytes as they are read, and refuse (`dst` removed) unless
+    they have the size and sha256 `want` records: whoever reads `dst` then reads exactly the bytes
+    that were checked (no window in which `src` can change). `src` is opened without following a
+    symlink (without blocking on a fifo) and must be a regular file. Returns {"sha256", "size"}."""
+    h, n = hashlib.sha256(), 0
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a fifo must not block the open
+    except OSError as e:
+        raise ArtifactError(f"{name} cannot be read ({e.strerror or e}{': a symlink' if e.errno == errno.ELOOP else ''})", fix) from None
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ArtifactError(f"{name} is not a regular file", fix)
+        os.set_blocking(f.fileno(), True)
+        with open(dst, "wb") as out:
+            while chunk := f.read(_BLOCK):
+                h.update(chunk)
+                out.write(chunk)
+                n += len(chunk)
+    if n != want.get("size") or h.hexdigest() != want.get("sha256"):
+        dst.unlink()
+        raise ArtifactError(f"{name} does not match the sha256 in mpsconvert.json (modified or corrupted)", fix)
+    return {"sha256": h.hexdigest(), "size": n}

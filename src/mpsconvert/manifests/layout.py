@@ -10,10 +10,11 @@ in the manifest too.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .. import filesystem
-from ..errors import ArtifactError
+from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import inside, read_json
 
 MANIFEST_NAME = "mpsconvert.json"
@@ -81,7 +82,37 @@ def is_artifact(folder: Path) -> bool:
     return (folder / MANIFEST_NAME).is_file() and ((folder / CONFIG_NAME).is_file() or (folder / MODEL_INDEX).is_file())
 
 
+def is_ours(folder: Path) -> bool:
+    """Whether `folder` is an artifact `--force` may replace: `is_artifact`, and its manifest a
+    regular file (not a link) that parses and says mpsconvert wrote it. Two file names alone
+    (an `mpsconvert.json` that is not even JSON) are not enough."""
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not is_artifact(folder) or path.is_symlink():
+        return False
+    try:
+        body = read_json(path, what=str(path))
+    except ArtifactError:
+        return False
+    return body.get("tool") == "mpsconvert" and type(body.get("schema_version")) is int
+
+
 def diffusion_format(manifest) -> str | None:
     """The diffusion format of an artifact ("comfyui" | "comfyui-legacy" | "diffusers"), None for an LLM's."""
     fmt = manifest.recipe.get("format")
     return fmt if fmt in DIFFUSION_FORMATS else None
+
+
+def check_package_slot(artifact: Path, name: str, files: dict, force: bool) -> None:
+    """May an export write the package `name` into the artifact whose manifest lists `files`?
+    Where nothing is, or (with `force`) over a package the manifest lists. A folder, file or link
+    of someone else's under that name (the manifest lists nothing in it) is never replaced, with
+    or without `force`."""
+    p = Path(artifact) / name
+    if not os.path.lexists(p):
+        return
+    if p.is_symlink() or not any(k.startswith(name + "/") for k in files):
+        raise ArtifactError(f"{p} is not a package mpsconvert wrote ({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), "
+                            "so it is never replaced", "move it out of the artifact, then export again")
+    if not force:
+        raise MpsconvertError(f"{p} already exists", "pass --force to replace it")

@@ -28,6 +28,7 @@ from .layout import MANIFEST_NAME
 from .records import Record, compact, kinds
 
 SCHEMA_VERSION = 1
+MAX_FILES = 100_000  # files one artifact lists: a 1000-shard MoE with both Apple packages is a few thousand
 R = TypeVar("R", bound=Record)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -137,6 +138,9 @@ class Manifest:
             )
         kw = dict(what=str(path), fix=fix)
         files = json_field(body, "files", dict, default={}, **kw)
+        if len(files) > MAX_FILES:
+            raise ArtifactError(f"{path} lists {len(files)} files, more than the {MAX_FILES} an artifact can have",
+                                "the manifest was corrupted or tampered with; re-create the artifact")
         for name, rec in files.items():
             why = bad_relpath(name)
             if why is not None:

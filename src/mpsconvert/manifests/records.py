@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
 from ..errors import ArtifactError
-from ..units import human, speed
+from ..units import human, num, speed
 
 R = TypeVar("R", bound="Record")
 _MORE = "more"
@@ -136,6 +136,7 @@ class Record(Typed):
 
     KEY: ClassVar[str]
     SECTION: ClassVar[str | None] = None
+    AFTER: ClassVar[bool] = False  # written by a step after the conversion (validate, an export, upload): outside the pin (pin.py)
 
     @classmethod
     def path(cls) -> str:
@@ -181,6 +182,7 @@ class Validation(Record):
     """Every `validate` run, keyed by "<device name> (<device>)": a run on another device adds a key."""
 
     KEY: ClassVar[str] = "validation"
+    AFTER: ClassVar[bool] = True
     FIX: ClassVar[str] = "run `mpsconvert validate` again (it rewrites the record)"
     runs: dict[str, ValidationRun] = field(default_factory=dict)
 
@@ -196,14 +198,16 @@ class Validation(Record):
         for key, r in sorted(self.runs.items()):
             a, sp = r.accuracy, r.speedup or {}
             if r.kind == "causal-lm":
-                acc = (f"ppl {a.get('perplexity_bf16', 0):.3f} -> {a.get('perplexity_fp8', 0):.3f} ({a.get('perplexity_delta_pct', 0):+.2f}%), "
-                       f"KL {a.get('mean_kl', 0):.5f}, top-1 {100 * a.get('top1_agreement', 0):.2f}%")
+                top1 = a.get("top1_agreement")
+                acc = (f"ppl {num(a.get('perplexity_bf16'), '.3f')} -> {num(a.get('perplexity_fp8'), '.3f')} "
+                       f"({num(a.get('perplexity_delta_pct'), '+.2f')}%), KL {num(a.get('mean_kl'), '.5f')}, "
+                       f"top-1 {num(100 * top1 if num(top1) != '?' else None, '.2f')}%")
             elif r.kind == "diffusion-step":
-                acc = f"one denoising step: relative error {a.get('rel_error', 0):.5f}, cosine {a.get('cosine', 0):.6f}"
+                acc = f"one denoising step: relative error {num(a.get('rel_error'), '.5f')}, cosine {num(a.get('cosine'), '.6f')}"
             else:
-                acc = f"embedding cosine mean {a.get('cosine_mean', 0):.5f}, min {a.get('cosine_min', 0):.5f}"
+                acc = f"embedding cosine mean {num(a.get('cosine_mean'), '.5f')}, min {num(a.get('cosine_min'), '.5f')}"
             verdicts = r.verdict or {}  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
-            speeds = ", ".join(f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else f'{v:.2f}x'}"
+            speeds = ", ".join(f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else num(v, '.2f') + 'x'}"
                                for ph, v in sorted(sp.items())) or "latency not measured"
             rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speeds} ({(r.measured_at or '')[:10]})"))
         return rows
@@ -225,6 +229,8 @@ class AppleExport(Record):
     """What an Apple target's export wrote: its package inside the artifact, the task and
     interface, and, once checked, the check. `package` names the file whatever the target calls
     it (Core AI records it as `asset`)."""
+
+    AFTER: ClassVar[bool] = True
 
     task: str
     max_len: int | None = None
@@ -267,6 +273,8 @@ class AppleExport(Record):
 class RuntimeResult(Record):
     """A target's runtime part of `validate`: latency (and accuracy) beside PyTorch per engine,
     or why it did not run."""
+
+    AFTER: ClassVar[bool] = True
 
     NAME: ClassVar[str]  # the target's name ("Core ML")
     status: str  # "ran" | "skipped" | "failed"
@@ -342,12 +350,27 @@ class Hub(Record):
     """The hub repo the artifact was uploaded to: the card then loads from there."""
 
     KEY: ClassVar[str] = "hub"
+    AFTER: ClassVar[bool] = True
     FIX: ClassVar[str] = "upload it again (`mpsconvert upload`)"
     repo: str
     more: dict = field(default_factory=dict)
 
     def inspect_rows(self) -> list[tuple[str, str]]:
         return [("hub repo", self.repo)]
+
+
+@dataclass(kw_only=True)
+class Pin(Record):
+    """What the conversion sealed (manifests/pin.py): the top-level keys, library versions and
+    files of the manifest a pin covers."""
+
+    KEY: ClassVar[str] = "pinned"
+    keys: list[str]
+    versions: list[str]
+    files: list[str]
+
+    def inspect_rows(self) -> list[tuple[str, str]]:
+        return [("pin covers", f"{len(self.files)} files, {', '.join(self.keys)}; not the card or later records")]
 
 
 # --------------------------------------------------------------------------- the source
@@ -412,5 +435,5 @@ def kinds(base: type[R] = Record) -> list[type[R]]:
     return [k for k in _KINDS.values() if issubclass(k, base)]
 
 
-for _kind in (Validation, Experts, ExpertCalibration, CalibrationRecord, Hub, GGUFSource, DiffusionSource):
+for _kind in (Validation, Experts, ExpertCalibration, CalibrationRecord, Hub, Pin, GGUFSource, DiffusionSource):
     register(_kind)

@@ -25,23 +25,26 @@ from typing import Iterator, TypeVar
 
 from .. import atomic
 from ..errors import ArtifactError
-from . import card
+from . import card, pin
 from .hashing import folder_files, sha256_file
-from .layout import MANIFEST_NAME
+from .layout import MANIFEST_NAME, is_ours
 from .manifest import Manifest
 from .records import Hub, Record
 
 R = TypeVar("R", bound=Record)
 
 
-def finish(folder: Path, manifest: Manifest, name: str, card_text: str | None) -> None:
+def finish(folder: Path, manifest: Manifest, name: str, card_text: str | None, *, seal: bool = False) -> None:
     """The card rendered from `manifest` into `folder` (its sha256 recorded), then the manifest:
     the last writes of every artifact, new or changed. `name`: the artifact's folder name (the
     card's commands use it; `folder` may be a temporary name). `card_text`: the card now there
-    (the source's own card, carried below ours)."""
+    (the source's own card, carried below ours). `seal`: a conversion (or a calibration, which
+    rewrites the weights): the part a pin covers is what the manifest holds now (pin.seal)."""
     hub = manifest.get(Hub)
     card.write(folder, manifest, card_text, hub.repo if hub else None, name=name)
     atomic.kill_point("card-written")
+    if seal:
+        pin.seal(manifest)
     manifest.write(folder)
 
 
@@ -55,6 +58,7 @@ class Transaction:
         self._stack = stack
         self._drop = drop
         self._folder: Path | None = None
+        self._rebuilt = False
         self._card = (artifact / card.CARD_NAME).read_text(encoding="utf-8", errors="replace") if (artifact / card.CARD_NAME).is_file() else None
 
     def get(self, kind: type[R]) -> R | None:
@@ -79,7 +83,8 @@ class Transaction:
         rewrites the weights and carries (verified) what it keeps itself (calibration)."""
         if self._folder is not None:
             raise RuntimeError("Transaction.rebuild() must come before any use of .folder")
-        self._folder = self._stack.enter_context(atomic.output_dir(self.artifact, force=True, held=True))
+        self._folder = self._stack.enter_context(atomic.output_dir(self.artifact, force=True, is_ours=is_ours, held=True))
+        self._rebuilt = True  # new weights: the pin is sealed anew
         return self._folder
 
     def add_files(self, rel: str) -> None:
@@ -96,7 +101,7 @@ class Transaction:
         self.manifest.files = dict(sorted(files.items()))
 
     def _commit(self) -> None:
-        finish(self.folder, self.manifest, self.artifact.name, self._card)
+        finish(self.folder, self.manifest, self.artifact.name, self._card, seal=self._rebuilt)
 
 
 @contextlib.contextmanager

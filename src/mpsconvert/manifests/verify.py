@@ -42,6 +42,7 @@ from ..untrusted import inside, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256
+from .pin import CARD as CARD_NAME, Pin, digest as pin_digest
 from .values import check_records, check_values, fp8_ranges, hash_and_count
 
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -61,6 +62,8 @@ class VerifyReport:
     unlisted: list = field(default_factory=list)  # files present that the manifest does not list
     warnings: list = field(default_factory=list)  # worth saying, not a failure
     manifest_sha256: str | None = None
+    pinned_sha256: str | None = None  # of the part the conversion sealed (manifests/pin.py): the pin that lasts
+    pin: str | None = None  # what the pin given to verify covered
     format: str | None = None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
 
     @property
@@ -71,6 +74,7 @@ class VerifyReport:
         return {"path": self.path, "ok": self.ok, "hashes_checked": self.hashes_checked, "scheme": self.scheme,
                 "weights": self.weights, "quantized_modules": len(self.quantized), "files": self.files, "problems": self.problems,
                 "unlisted": self.unlisted, "warnings": self.warnings, "manifest_sha256": self.manifest_sha256,
+                "pinned_sha256": self.pinned_sha256, **({"pin": self.pin} if self.pin else {}),
                 **({"format": self.format} if self.format else {})}
 
 
@@ -113,32 +117,54 @@ def check_digests(manifest: Manifest, report: VerifyReport, sha256: dict[str, st
             report.files[name] = "ok"
 
 
-def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> None:
-    """Files (and links) in the folder that the manifest does not list: reported; a `.py` among
-    them is a problem (code added to an artifact after it was made is never imported)."""
+def unlisted(folder: Path, manifest: Manifest) -> list[str]:
+    """Files (and links) in the folder that the manifest does not list, sorted (macOS's
+    AppleDouble companions left out: metadata on exFAT/SMB, not part of the artifact)."""
     listed = set(manifest.files) | {MANIFEST_NAME}
+    out = []
     for dirpath, dirs, files in os.walk(folder):  # links are listed, never followed
         here = Path(dirpath).relative_to(folder)
         for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
             rel = (here / name).as_posix()
-            if rel in listed or is_appledouble(name):  # macOS's metadata companions on exFAT/SMB: not part of the artifact
-                continue
-            report.unlisted.append(rel)
-            if name.startswith(TMP_PREFIX):
-                report.warnings.append(f"{rel} was left by an interrupted run (the next write into the artifact removes it)")
-            elif name.endswith(".py"):
-                _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); it is never imported")
-            else:
-                report.warnings.append(f"{rel} is not listed in {MANIFEST_NAME} (not verified, not used)")
-    report.unlisted.sort()
+            if rel not in listed and not is_appledouble(name):
+                out.append(rel)
+    return sorted(out)
 
 
-def check_manifest_sha256(folder: Path, want: str, report: VerifyReport) -> None:
-    """The manifest file's own sha256 against the one the user pinned."""
+def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """Files (and links) in the folder that the manifest does not list: reported; a `.py` among
+    them is a problem (code added to an artifact after it was made is never imported)."""
+    for rel in unlisted(folder, manifest):
+        name = rel.rsplit("/", 1)[-1]
+        report.unlisted.append(rel)
+        if name.startswith(TMP_PREFIX):
+            report.warnings.append(f"{rel} was left by an interrupted run (the next write into the artifact removes it)")
+        elif name.endswith(".py"):
+            _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); it is never imported")
+        else:
+            report.warnings.append(f"{rel} is not listed in {MANIFEST_NAME} (not verified, not used)")
+
+
+def check_manifest_sha256(folder: Path, want: str, report: VerifyReport, manifest: Manifest | None = None) -> None:
+    """The pin the user gave against the manifest: the sha256 of the whole file (pins everything
+    as it is now) or of the part the conversion sealed (pin.py: lasts through the steps after it);
+    `report.pin` says which part it covers."""
     got = report.manifest_sha256 or sha256_file(Path(folder) / MANIFEST_NAME)
     want = pinned_sha256(want)
-    if got != want:
-        _problem(report, f"{MANIFEST_NAME} has sha256 {got}, not the pinned {want} (the manifest was changed)")
+    if want == got:
+        report.pin = "the whole manifest: every file, record and the card, as they are now"
+    elif want == report.pinned_sha256 and manifest is not None:
+        sealed = manifest.get(Pin)
+        later = sorted(set(manifest.extra) - set(sealed.keys) - {Pin.KEY})
+        added = sorted(set(manifest.files) - set(sealed.files) - {CARD_NAME})
+        report.pin = (f"the conversion: {len(sealed.files)} files and the manifest's {', '.join(sealed.keys)}; not the card"
+                      + (f", the records added since ({', '.join(later)})" if later else "")
+                      + (f" or the {len(added)} files added since ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''})" if added else "")
+                      + ", which are checked against the manifest's hashes only")
+    else:
+        _problem(report, f"{MANIFEST_NAME} is not the pinned one (the manifest was changed, or what the conversion sealed in it; "
+                         f"calibrate rewrites the weights: pin the new value verify prints): pinned {want}, the whole manifest's "
+                         f"sha256 is {got}, its sealed part's {report.pinned_sha256 or 'none'}")
 
 
 def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None,
@@ -227,8 +253,13 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         manifest = None
         _problem(report, f"cannot verify: {folder} has no {MANIFEST_NAME}, so there are no hashes to check the files against "
                          "(made by another tool, or the manifest was deleted)")
+    if manifest is not None:
+        try:
+            report.pinned_sha256 = pin_digest(read_json(folder / MANIFEST_NAME, what=MANIFEST_NAME))
+        except ArtifactError as e:
+            _problem(report, e.problem)
     if manifest_sha256 is not None and report.manifest_sha256 is not None:
-        check_manifest_sha256(folder, manifest_sha256, report)
+        check_manifest_sha256(folder, manifest_sha256, report, manifest)
     counted = {}  # NaN codes counted while hashing: file -> {tensor: count}
     if manifest is not None:
         check_unlisted(folder, manifest, report)

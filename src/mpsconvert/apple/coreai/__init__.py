@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...errors import MpsconvertError
+from ...manifests import markdown as md
 from ...manifests.records import AppleExport, RuntimeResult
 
 ASSET_NAME = "model.aimodel"
@@ -77,8 +78,9 @@ class CoreAIExport(AppleExport):
     asset_bytes: int | None = None
 
     def card_lines(self, name: str, causal: bool) -> list[str]:
-        return [f"Core AI: `{self.asset}` ({self.task}, native f8E4M3FN weights, needs {self.minimum_os})"
-                + (f"; `mpsconvert generate {name} \"Hello\" --backend coreai` runs it with the Core AI runtime." if causal else "."), ""]
+        run = f'mpsconvert generate {md.sh(name)} "Hello" --backend coreai'
+        return [f"Core AI: {md.code(self.asset)} ({md.text(self.task)}, native f8E4M3FN weights, needs {md.text(self.minimum_os)})"
+                + (f"; {md.code(run)} runs it with the Core AI runtime." if causal else "."), ""]
 
     def summary(self) -> str:
         return self.summary_of(self.minimum_os, self.asset_bytes or (self.check.more.get("asset_bytes") if self.check else None))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...errors import MpsconvertError
+from ...manifests import markdown as md
 from ...manifests.records import AppleExport, RuntimeResult
 
 PACKAGE_NAME = "model.mlpackage"
@@ -103,7 +104,8 @@ class CoreMLExport(AppleExport):
     package_weight_bytes: int | None = None
 
     def card_lines(self, name: str, causal: bool) -> list[str]:
-        return [f"Core ML: `{self.package}` ({self.task}, target {self.minimum_deployment_target}, weights {self.weights}); in Swift, "
+        return [f"Core ML: {md.code(self.package)} ({md.text(self.task)}, target {md.text(self.minimum_deployment_target)}, "
+                f"weights {md.text(self.weights)}); in Swift, "
                 "`MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
 
     def summary(self) -> str:

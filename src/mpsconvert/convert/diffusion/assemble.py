@@ -116,7 +116,7 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
     manifest.versions |= _diffusion_versions()
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
     manifest.summary = summarize(manifest, p.as_plan(), shards.bytes_in, shards.bytes_out)
-    finish(tmp, manifest, name, None)  # the card's commands name the folder being published
+    finish(tmp, manifest, name, None, seal=True)  # the card's commands name the folder being published
     return manifest
 
 

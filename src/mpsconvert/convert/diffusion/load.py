@@ -26,6 +26,7 @@ from ...source import resolve
 from .families import BY_NAME
 from .keymap import to_original
 from .write import LEGACY_MARKER
+from ...untrusted import field as json_field, parse_json, read_json
 
 
 @dataclass
@@ -74,7 +75,7 @@ def comfy_state_dict(path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[d
         sd = {k: fh.get_tensor(k) for k in fh.keys()}
     # comfy/utils.py convert_old_quants: the header's list, else the legacy marker's renames
     if "_quantization_metadata" in meta:
-        layers = json.loads(meta["_quantization_metadata"])["layers"]
+        layers = json_field(parse_json(meta["_quantization_metadata"], what=f"{path.name}: _quantization_metadata"), "layers", dict, what=f"{path.name}: _quantization_metadata")
     elif LEGACY_MARKER in sd:
         full = sd.pop(LEGACY_MARKER).numel() == 2
         layers = {}
@@ -91,7 +92,7 @@ def comfy_state_dict(path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[d
         if not k.endswith(".comfy_quant"):
             continue
         mod = k[: -len(".comfy_quant")]
-        conf = json.loads(bytes(sd.pop(k).tolist()))
+        conf = parse_json(bytes(sd.pop(k).tolist()), what=f"{path.name}: {k}")
         if conf.get("format") != "float8_e4m3fn":
             raise ArtifactError(f"{path.name}: layer {mod} has format {conf.get('format')!r}", "only float8_e4m3fn layers are read")
         w, scale = sd.pop(mod + ".weight"), sd.pop(mod + ".weight_scale")
@@ -125,7 +126,7 @@ def load_pair(artifact: Path, manifest: Manifest, device: torch.device, baseline
 
     r = manifest.recipe
     base_dir = baseline_path(artifact, manifest, baseline)
-    cls = _diffusers_class(json.loads((base_dir / "config.json").read_text())["_class_name"])
+    cls = _diffusers_class(json_field(read_json(base_dir / "config.json", error=SourceError), "_class_name", str, what=f"{base_dir}/config.json", error=SourceError))
     bf16 = cls.from_pretrained(str(base_dir), torch_dtype=torch.bfloat16).to(device).eval()
     config = dict(bf16.config)
     if r["format"] == "diffusers":

@@ -68,9 +68,11 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
     with converting(snap):  # one torch thread per quantizing thread; the source hashed from the start
         p = plan(snap, opts)
         pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
-        protect = (snap.path, snap.diffusion.root)
+        # a single file is the source, not the folder it sits in: an output beside it is fine
+        protect = ((snap.path / snap.weight_files[0],) if snap.diffusion.layout == "single-file"
+                   else (snap.path, snap.diffusion.root))
         with (
-            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), is_ours=layout.is_artifact, protect=protect) as tmp,
+            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), is_ours=layout.is_ours, protect=protect) as tmp,
             atomic.BackgroundSync() as syncs,
             ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
         ):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...errors import MpsconvertError
+from ...manifests import loadable
 from .loop import Decoder, GenerationStats, generate_ids
 from .sampling import Sampling
 
@@ -44,23 +45,13 @@ def eos_ids(model_config, generation_config=None, tokenizer=None) -> set[int]:
 
 
 def load_tokenizer(artifact):
-    """The artifact's tokenizer (copied from the source by quantize), or a one-line error."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(artifact))
-    except (OSError, ValueError, TypeError) as e:
-        raise MpsconvertError(f"{artifact} has no usable tokenizer ({str(e).splitlines()[0][:120]})",
-                              "quantize a source that ships its tokenizer files, or copy them into the artifact") from e
+    """The artifact's tokenizer (copied from the source by quantize), or a one-line error
+    (manifests.loadable: only the files the manifest lists and hashes, read through the bounded readers)."""
+    return loadable.tokenizer(artifact)
 
 
 def load_generation_config(artifact):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(str(artifact))
-    except (OSError, ValueError):
-        return None
+    return loadable.generation_config(artifact)
 
 
 class Conversation:
@@ -77,8 +68,7 @@ class Conversation:
         return bool(getattr(self.tok, "chat_template", None))
 
     def _template(self, messages: list[dict]) -> list[int]:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 returns a BatchEncoding
+        return loadable.chat_ids(self.tok, messages)  # apply_chat_template's ids, the template rendered with bounds
 
     def encode(self, prompt: str, use_template: bool) -> list[int]:
         if use_template and self.has_template:

@@ -173,6 +173,7 @@ def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: 
 def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
     import transformers
 
+    from ...manifests import loadable
     from ..load.loader import load, model_bytes
 
     artifact = Path(artifact)
@@ -187,7 +188,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     progress("load fp8", 0, 1, "")
     # load verifies every file first (the tokenizer's included), so the tokenizer is read after it
     fp8_model = load(artifact, device=opts.device, kernel_cache=opts.kernel_cache)
-    tok = transformers.AutoTokenizer.from_pretrained(str(artifact))
+    tok = loadable.tokenizer(artifact)
     causal = _is_causal(fp8_model.config)
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     progress("load bf16", 0, 1, "")

@@ -31,7 +31,9 @@ from typing import Callable
 import torch
 
 from ... import atomic, devices, timing
+from ...errors import MpsconvertError
 from ...progress import Progress, or_silent
+from ...untrusted import read_json
 from ..ops import kernels, triton as tritonlib
 from ..ops.fp8linear import PREFILL_BUCKETS, FP8Linear
 
@@ -92,9 +94,8 @@ class KernelPolicy:
         if self.cache_file is None or not self.cache_file.is_file():
             return {}
         try:
-            body = json.loads(self.cache_file.read_text(encoding="utf-8"))
-            return body if isinstance(body, dict) else {}
-        except (OSError, json.JSONDecodeError):
+            return read_json(self.cache_file, what=str(self.cache_file))
+        except MpsconvertError:
             return {}  # a broken cache is re-measured and rewritten, never trusted
 
     def _write_cache(self) -> None:

@@ -44,6 +44,7 @@ from .triton import act_quant
 from . import triton as tritonlib
 from .fp8linear import hold
 from ...moe_layout import ExpertParam, find_layout
+from ...untrusted import read_json
 
 FP8 = fp8.FP8_DTYPE
 DECODE_PAIRS = 16  # token-expert pairs at or below which the GEMV kernel beats a grouped GEMM
@@ -537,11 +538,10 @@ def load_fp8_experts(model, artifact_dir, device, activations: str | None = FROM
     """Entry point for `runtime.load`: swap `model`'s experts for FP8 ones read from the
     artifact folder (the model may hold BF16 experts, e.g. loaded through transformers +
     compressed-tensors, or be empty)."""
-    import json
     from pathlib import Path
 
     if activations == FROM_CONFIG:
-        config = json.loads((Path(artifact_dir) / "config.json").read_text())
+        config = read_json(Path(artifact_dir) / "config.json", what="config.json")
         activations = _activations_from(model, config.get("quantization_config") or {})
     return replace_moe_experts(model, ArtifactTensors(artifact_dir), device, activations)
 
