@@ -196,3 +196,18 @@ def test_encoder_latency_is_one_sequence_of_prefill_len(arts):
     for name in ("bf16", "fp8"):
         assert r["latency"][name]["prefill"]["tokens"] == 48 and r["latency"][name]["prefill"]["n"] == 4
     assert set(r["verdict"]) == {"prefill"} and r["verdict"]["prefill"]["ratio"] == pytest.approx(r["speedup"]["prefill"])
+
+
+def test_a_model_of_fewer_positions_than_prefill_len_times_a_shorter_prompt(arts):
+    """The default --prefill-len (512) on a model of 256 positions: the engine's cache cannot hold
+    it, so the timed prompt is cut to what fits beside the decode steps, and the result says how
+    long it was (before this, `validate` with its defaults refused such a model)."""
+    from transformers import AutoConfig
+
+    positions = AutoConfig.from_pretrained(arts / "llama").max_position_embeddings
+    opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=64,
+                           max_samples=1, decode_tokens=3, repeats=1, rounds=1, warmup=1, write=False, kernel_cache=False)
+    assert opts.prefill_len > positions
+    r = mpsconvert.validate(arts / "llama-fp8", options=opts).as_dict()
+    for name in ("bf16", "fp8"):
+        assert r["latency"][name]["prefill"]["tokens"] == positions - (1 + 3 + 2)

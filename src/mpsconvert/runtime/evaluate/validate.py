@@ -99,9 +99,11 @@ class _CausalTimer:
     by one, greedy."""
 
     def __init__(self, model, ids: torch.Tensor, opts: ValidateOptions, dev, use_compile: bool):
-        self.prompt = ids[0, : opts.prefill_len].tolist()
         self.opts, self.dev, self.compiled = opts, dev, use_compile
         self.engine = Engine(model, compile=use_compile)
+        room = opts.warmup + opts.decode_tokens + 2  # a model of fewer positions gets a shorter prompt (the result's "tokens" says it)
+        cap = self.engine.max_len - room if self.engine.max_len else opts.prefill_len
+        self.prompt = ids[0, : max(1, min(opts.prefill_len, cap))].tolist()
         self.compile_seconds = self.engine.reserve(len(self.prompt) + opts.warmup + opts.decode_tokens + 2)
         self.prefill_rounds: list[list[float]] = []
         self.decode_rounds: list[list[float]] = []
