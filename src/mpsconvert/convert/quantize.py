@@ -467,7 +467,15 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
             size += nbytes
         if names or len(groups) == start:  # a source shard with nothing left to write still gets its (empty) file
             groups.append((src_name, names, entries))
+    behind: deque = deque()  # (name, writer) of shards whose last copies and writes are still running
+
+    def finished(out_name: str, writer: ShardWriter) -> None:
+        out.files[out_name] = {"sha256": writer.digest, "size": writer.size}  # waits for that writer
+        out.write_modes.add(writer.write_mode)
+
     for (src_name, work, entries), out_name in zip(groups, shard_names(len(groups))):
+        while len(behind) > 1:  # one shard's writer may finish (its embedding copy) while the next one starts
+            finished(*behind.popleft())
         header = headers[src_name]
         with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
             sh = _Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
@@ -490,9 +498,10 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
         syncs.add(writer.sync)
         for name, *_ in entries:
             out.weight_map[name] = out_name
-        out.files[out_name] = {"sha256": writer.digest, "size": writer.size}
-        out.write_modes.add(writer.write_mode)
+        behind.append((out_name, writer))
         out.bytes_out += writer.size
+    while behind:
+        finished(*behind.popleft())
     return out
 
 
