@@ -38,3 +38,33 @@ def test_readme_is_short_and_links_every_doc():
     for page in pages:  # links between the docs pages resolve
         for target in re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]*)?\)", (ROOT / page).read_text(encoding="utf-8")):
             assert (ROOT / "docs" / target).is_file() or f"docs/{target}" in PENDING, f"{page} links {target}"
+
+
+def _expand(token: str) -> list[str]:
+    """`a_{x,y}.{json,log}` -> every name it stands for (how the docs cite a family of runs)."""
+    m = re.search(r"\{([^{}]*)\}", token)
+    if not m:
+        return [token]
+    return [n for alt in m.group(1).split(",") for n in _expand(token[: m.start()] + alt + token[m.end():])]
+
+
+def test_benchmark_results_kept_are_the_ones_the_docs_cite():
+    """benchmarks/results/ keeps what a claim rests on: every file there is cited (by its name, a
+    brace family or a glob, the .json or the .log of the same run) from the README, docs/ or a
+    benchmark, and every `results/<name>` cited exists."""
+    import fnmatch
+
+    results = ROOT / "benchmarks" / "results"
+    texts = [README, *(p.read_text(encoding="utf-8") for p in [*(ROOT / "docs").glob("*.md"), *(ROOT / "benchmarks").glob("*.py")])]
+    corpus = "\n".join(texts)
+    # `..._run3.json`: a name abbreviated after a full one nearby, matched by its end
+    refs = {re.sub(r"^\.\.\.", "*", n) for tok in re.findall(r"(?:\.\.\.)?[\w{},*-][\w.{},*-]*", corpus) if "_" in tok
+            for n in _expand(tok.rstrip(".,"))}
+    kept = sorted(p.name for p in results.iterdir())
+    uncited = [f for f in kept if not any(fnmatch.fnmatch(f, r) or fnmatch.fnmatch(f.split(".")[0], s) for r in refs for s in [r.split(".")[0]])]
+    assert not uncited, f"kept but cited nowhere (cite or delete): {uncited}"
+    for tok in re.findall(r"results/([\w.{},*-]+)", corpus):
+        for name in _expand(tok.rstrip(".,")):
+            if name.endswith("_"):  # a template (`generate_<device>_<model>.json`)
+                continue
+            assert any(fnmatch.fnmatch(f, name) for f in kept), f"cited but missing: results/{name}"
