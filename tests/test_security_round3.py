@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -456,6 +457,18 @@ def test_the_pin_lasts_through_the_steps_after_the_conversion_and_says_what_it_c
     assert "validation" in rep.pin and "hub" in rep.pin and f"{COREML_PACKAGE}/weights.bin" in rep.pin and "not the card" in rep.pin
     out = cli("verify", art, "--manifest-sha256", pin)
     assert out.exit_code == 0 and "the pin covers the conversion" in out.output, out.output
+
+
+def test_calibrate_into_an_artifact_prints_the_new_pin(art):
+    """Calibration rewrites the weights, so a pin taken before breaks: the CLI prints the new one."""
+    old = mpsconvert.verify(art).pinned_sha256
+    out = cli("calibrate", art, "--num-samples", "2", "--seq-len", "32", "--device", "cpu",
+              "--calib-data", str(models.TEXT_DATA / "wiki_calib.jsonl"))
+    assert out.exit_code == 0, out.output
+    new = re.search(r"pin sha256 ([0-9a-f]{64})", out.output).group(1)
+    assert new != old and "no longer holds" in out.output
+    assert cli("verify", art, "--manifest-sha256", new).exit_code == 0
+    assert cli("verify", art, "--manifest-sha256", old).exit_code == 1
 
 
 def _tamper_manifest(art, edit):

@@ -112,6 +112,7 @@ class CalibrateResult:
     written_to: Path
     into_artifact: bool  # True: the artifact now has the static scheme; False: a scales file
     manifest: Manifest | None = None  # the artifact's new manifest, when written into one
+    pin_sha256: str | None = None  # the artifact's new pin (the weights changed: a pin taken before no longer holds)
 
 
 @dataclass
@@ -277,12 +278,11 @@ def quantize(
                              calibration_given=given, scales=for_quantize(scales_file, copts, progress), dtype=dtype,
                              max_shard_size=max_shard_size, format=format, component=component, exports=tuple(apple),
                              before=lambda: flow.require_all(apple), then=follow_ups, progress=progress)
+    from .manifests import pin
     from .manifests.manifest import manifest_sha256
-    from .manifests.pin import digest
-    from .untrusted import read_json
 
     return replace(result, output=done.output, manifest=Manifest.read(done.output), calibration=done.calibration,
-                   manifest_sha256=manifest_sha256(done.output), pin_sha256=digest(read_json(done.output / "mpsconvert.json")),
+                   manifest_sha256=manifest_sha256(done.output), pin_sha256=pin.of_folder(done.output),
                    warnings=done.warnings)
 
 
@@ -331,8 +331,11 @@ def calibrate(
     opts = options or calibration_options()
     if opts.token is None and token is not None:
         opts = replace(opts, token=token)
+    from .manifests import pin
+
     cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, progress=progress)
-    return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest)
+    return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest,
+                           pin_sha256=pin.of_folder(written_to) if manifest is not None else None)
 
 
 # --------------------------------------------------------------------------- check

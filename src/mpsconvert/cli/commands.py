@@ -237,6 +237,7 @@ def calibrate(target, output, revision, token, ignore, trust_remote_code, **cali
     n = len(res.calibration.scales)
     if res.into_artifact:
         render.result(f"wrote {n} input scales into {res.written_to} (scheme fp8, static per-tensor activations)")
+        render.pin(res.written_to, res.pin_sha256, "a pin taken before calibration no longer holds: the weights changed")
     else:
         render.result(f"wrote {n} input scales to {res.written_to}")
 

@@ -173,6 +173,14 @@ def calibration(cal) -> None:
         warn(w)
 
 
+def pin(artifact, sha256: str | None, why: str = "") -> None:
+    """The artifact's pin, whole whatever the width or a pipe (it is copied), and how to use it."""
+    if sha256:
+        out.print(f"pin sha256 {sha256}  (pin it: mpsconvert verify {shown(artifact)} --manifest-sha256 <it>; covers the "
+                  f"conversion and lasts through validate, the exports and upload{'; ' + why if why else ''})",
+                  soft_wrap=True, highlight=False)
+
+
 def _grain(recipe: dict) -> str:
     """'row', 'tensor' or 'block (128x128)'."""
     b = recipe.get("block_size")
@@ -206,9 +214,7 @@ def quantize_summary(res, as_json: bool) -> None:
     out.print(t)
     if res.manifest_sha256:  # whole, whatever the width or a pipe: it is copied to pin the artifact
         out.print(f"manifest sha256 {res.manifest_sha256}  (the whole manifest as it is now)", soft_wrap=True, highlight=False)
-    if getattr(res, "pin_sha256", None):
-        out.print(f"pin sha256 {res.pin_sha256}  (pin it: mpsconvert verify {shown(res.output)} --manifest-sha256 <it>; covers the "
-                  "conversion and lasts through validate, the exports and upload)", soft_wrap=True, highlight=False)
+    pin(res.output, getattr(res, "pin_sha256", None))
     for w in s.get("warnings") or []:
         warn(w)
 

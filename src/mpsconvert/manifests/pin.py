@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
+
 from .records import AppleExport, Pin, kinds
 
 CARD = "README.md"  # card.CARD_NAME (card imports records; this module is below it)
@@ -47,3 +49,11 @@ def digest(body: dict) -> str | None:
             "versions": {k: versions.get(k) for k in pin.versions}, "files": {f: files.get(f) for f in pin.files}}
     text = json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def of_folder(folder) -> str | None:
+    """The pin of the artifact in `folder` as it is now (what quantize and calibrate print)."""
+    from ..untrusted import read_json
+    from .layout import MANIFEST_NAME
+
+    return digest(read_json(Path(folder) / MANIFEST_NAME))
