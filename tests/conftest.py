@@ -15,6 +15,10 @@ from . import models
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CLI's rich consoles fix their width from COLUMNS when first imported (as a process should);
+# a pytest-xdist worker starts with COLUMNS=80: dropped, so that a test's own COLUMNS is read live.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 @functools.cache
@@ -76,15 +80,19 @@ def pytest_collection_modifyitems(config, items):
 INTERPRET = "TRITON_INTERPRET"
 
 
+def _is_interpreted(item) -> bool:
+    mark = item.get_closest_marker("triton")
+    return mark is not None and "interpret" in mark.args
+
+
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked `triton("interpret")` runs its Triton kernels on CPU tensors, which Triton
     does only when TRITON_INTERPRET=1 is set before its kernels are defined: so such a test runs,
-    as the normal test function it is, in one pytest process of its own per session (all of them
-    together), and its outcome (the assertion pytest rewrote, a skip) is reported here."""
-    mark = pyfuncitem.get_closest_marker("triton")
-    if mark is None or "interpret" not in mark.args or os.environ.get(INTERPRET) == "1":
+    as the normal test function it is, in a pytest process of its own (one per test file, all of
+    that file's together), and its outcome (the assertion pytest rewrote, a skip) is reported here."""
+    if not _is_interpreted(pyfuncitem) or os.environ.get(INTERPRET) == "1":
         return None
-    outcome, text = _interpreted(pyfuncitem.session).get(pyfuncitem.nodeid, ("failed", "not run by the interpreted process"))
+    outcome, text = _interpreted(pyfuncitem).get(pyfuncitem.nodeid, ("failed", "not run by the interpreted process"))
     if outcome == "skipped":
         pytest.skip(text)
     if outcome == "failed":
@@ -112,11 +120,12 @@ def _interpreted_runs(rootdir: str, nodeids: tuple[str, ...]) -> dict:
         return out
 
 
-def _interpreted(session) -> dict:
-    """{nodeid: (outcome, text)} of every `triton("interpret")` test of this session, run once."""
-    nodeids = tuple(item.nodeid for item in session.items
-                    if (m := item.get_closest_marker("triton")) is not None and "interpret" in m.args)
-    return _interpreted_runs(str(session.config.rootpath), nodeids)
+def _interpreted(item) -> dict:
+    """{nodeid: (outcome, text)} of every `triton("interpret")` test in `item`'s file, run once:
+    one process per test file, so that under pytest-xdist (`-n auto`, one file per worker: the
+    `--dist loadfile` of pyproject.toml) each runs on the worker that has the file, once."""
+    nodeids = tuple(i.nodeid for i in item.session.items if _is_interpreted(i) and i.path == item.path)
+    return _interpreted_runs(str(item.config.rootpath), nodeids)
 
 
 def pytest_configure(config):
