@@ -471,6 +471,67 @@ def test_calibrate_into_an_artifact_prints_the_new_pin(art):
     assert cli("verify", art, "--manifest-sha256", old).exit_code == 1
 
 
+def test_the_manifest_is_read_once_so_a_swap_after_its_pin_check_is_not_used(art, monkeypatch):
+    """An attacker who swaps the manifest right after its sha256 was taken (and rewrote the
+    tokenizer to match the swapped one) gains nothing: the files are checked against the bytes
+    that were hashed, and `load` with the pin refuses the tokenizer."""
+    from mpsconvert.manifests import verify as verify_mod
+
+    pin = mpsconvert.verify(art).pinned_sha256
+    genuine = (art / MANIFEST_NAME).read_bytes()
+    (art / "tokenizer_config.json").write_text("{}")
+    models.resign(art, "tokenizer_config.json")
+    swapped = (art / MANIFEST_NAME).read_bytes()
+    (art / MANIFEST_NAME).write_bytes(genuine)
+    real = verify_mod.read_bytes
+
+    def then_swap(path, **kw):
+        raw = real(path, **kw)
+        if Path(path).name == MANIFEST_NAME:
+            Path(path).write_bytes(swapped)
+        return raw
+
+    monkeypatch.setattr(verify_mod, "read_bytes", then_swap)
+    rep = mpsconvert.verify(art, manifest_sha256=pin)
+    assert not rep.ok and any(p.startswith("tokenizer_config.json") for p in rep.problems), rep.problems
+    (art / MANIFEST_NAME).write_bytes(genuine)
+    with pytest.raises(ArtifactError, match="tokenizer_config.json"):
+        mpsconvert.load(art, device="cpu", manifest_sha256=pin)
+
+
+@pytest.mark.parametrize("when", ["after the manifest check", "after the verified copy"])
+def test_load_builds_the_model_from_the_config_it_verified(art, monkeypatch, when):
+    """config.json changed after the manifest was checked is refused as it is copied; changed
+    after that copy, it is not what the model is built from: `load` reads the verified copy."""
+    import contextlib
+
+    from mpsconvert.runtime.load import loader
+
+    want = json.loads((art / "config.json").read_text())["rms_norm_eps"]
+
+    def edit():
+        cfg = json.loads((art / "config.json").read_text())
+        (art / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 0.5}))
+
+    if when == "after the manifest check":
+        real = loader._verify_before_use
+        monkeypatch.setattr(loader, "_verify_before_use", lambda *a, **k: (real(*a, **k), edit())[0])
+        with pytest.raises(ArtifactError, match="config.json does not match"):
+            mpsconvert.load(art, device="cpu")
+        return
+    real_verified = loader.loadable.verified
+
+    @contextlib.contextmanager
+    def then_edit(*a, **k):
+        with real_verified(*a, **k) as copy:
+            edit()
+            yield copy
+
+    monkeypatch.setattr(loader.loadable, "verified", then_edit)
+    model = mpsconvert.load(art, device="cpu")
+    assert model.config.rms_norm_eps == want != 0.5
+
+
 def _tamper_manifest(art, edit):
     m = json.loads((art / MANIFEST_NAME).read_text())
     edit(m)

@@ -141,9 +141,10 @@ def parse_json(text: str | bytes, *, what: str, error: type[MpsconvertError] = A
     return body
 
 
-def read_json(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError, expect: type = dict,
-              fix: str = "re-create the file", max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """Read and `parse_json` a file (a missing or unreadable file is `error` too)."""
+def read_bytes(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError,
+               fix: str = "re-create the file", max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """A small file's bytes, read once (what is hashed and what is parsed must be the same bytes:
+    a file swapped between two reads would pass a check on the first and be used from the second)."""
     path = Path(path)
     what = what or str(path)
     try:
@@ -155,6 +156,14 @@ def read_json(path: Path, *, what: str | None = None, error: type[MpsconvertErro
         raise error(f"cannot read {what}: {e.strerror or e}", fix) from None
     if len(raw) > max_bytes:
         raise error(f"{what} is larger than {max_bytes >> 20} MiB", fix)
+    return raw
+
+
+def read_json(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError, expect: type = dict,
+              fix: str = "re-create the file", max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Read and `parse_json` a file (a missing or unreadable file is `error` too)."""
+    what = what or str(path)
+    raw = read_bytes(path, what=what, error=error, fix=fix, max_bytes=max_bytes)
     return parse_json(raw, what=what, error=error, expect=expect, fix=fix)
 
 

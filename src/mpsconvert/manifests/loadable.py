@@ -60,18 +60,19 @@ def _for_loaders(rel: str) -> bool:
 
 
 @contextlib.contextmanager
-def verified(artifact: Path):
+def verified(artifact: Path, manifest=None):
     """A private folder holding the files of `artifact` a transformers loader may read, each
     verified as it was copied (see the module's docstring); `artifact` itself when it has no
-    manifest. Every unlisted file is named in a warning: ignored, never read."""
+    manifest. Every unlisted file is named in a warning: ignored, never read. `manifest`: the one
+    the caller verified (a pinned one: used as it is, not read again from the folder)."""
     from .manifest import Manifest
     from .verify import unlisted
 
     artifact = Path(artifact)
-    if not (artifact / MANIFEST_NAME).is_file():
+    if manifest is None and not (artifact / MANIFEST_NAME).is_file():
         yield artifact
         return
-    manifest = Manifest.read(artifact)
+    manifest = manifest or Manifest.read(artifact)
     with atomic.private_tempdir("load") as tmp:
         for rel in loader_files(artifact, manifest):
             copy_verified(inside(artifact, rel, what=f"{MANIFEST_NAME} files"), tmp / rel, manifest.files[rel], f"{artifact}/{rel}")

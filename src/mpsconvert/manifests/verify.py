@@ -25,6 +25,7 @@ Two kinds of check, both reported (never raised) so a caller can print every pro
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from .hashing import sha256_file
 from . import layout
 from ..atomic import TMP_PREFIX
 from ..filesystem import is_appledouble
-from ..untrusted import inside, read_json
+from ..untrusted import inside, parse_json, read_bytes, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256
@@ -65,6 +66,7 @@ class VerifyReport:
     pinned_sha256: str | None = None  # of the part the conversion sealed (manifests/pin.py): the pin that lasts
     pin: str | None = None  # what the pin given to verify covered
     format: str | None = None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
+    manifest: Manifest | None = field(default=None, repr=False)  # parsed from the bytes that were hashed (not reported)
 
     @property
     def ok(self) -> bool:
@@ -230,12 +232,13 @@ def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
 
 def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = None, ignored: set | None = None,
                     progress=None, manifest_sha256: str | None = None, check_codes: bool = True,
-                    manifest: Manifest | None = None) -> VerifyReport:
+                    manifest: Manifest | None = None, config: dict | None = None) -> VerifyReport:
     """Check an artifact folder; returns a report listing every problem found (empty when sound).
 
     `manifest_sha256`: the manifest file must have this sha256. `check_codes`: scan every FP8
     code for NaNs (one read of the weights; the loader checks them on the device instead).
-    `manifest`: the folder's manifest, when the caller read it already (under the artifact's lock)."""
+    `manifest`: the folder's manifest, when the caller read it already (under the artifact's lock
+    or pinned). `config`: its config.json, when the caller read it from a verified copy."""
     folder = Path(path)
     if manifest_sha256 is not None:
         manifest_sha256 = pinned_sha256(manifest_sha256)  # a malformed pin is bad input, before any hashing
@@ -244,20 +247,18 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         _problem(report, f"{folder} is not a folder")
         return report
     if (folder / MANIFEST_NAME).is_file():
-        report.manifest_sha256 = sha256_file(folder / MANIFEST_NAME)
-        try:
-            manifest = manifest or Manifest.read(folder)
+        try:  # read once: the bytes hashed (the pin) are the bytes parsed and checked against
+            raw = read_bytes(folder / MANIFEST_NAME, what=MANIFEST_NAME, fix="re-create the artifact")
+            report.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+            manifest = manifest or Manifest.parse(raw, folder / MANIFEST_NAME)
+            report.pinned_sha256 = pin_digest(parse_json(raw, what=MANIFEST_NAME))
         except MpsconvertError as e:
             _problem(report, e.problem)
     else:
         manifest = None
         _problem(report, f"cannot verify: {folder} has no {MANIFEST_NAME}, so there are no hashes to check the files against "
                          "(made by another tool, or the manifest was deleted)")
-    if manifest is not None:
-        try:
-            report.pinned_sha256 = pin_digest(read_json(folder / MANIFEST_NAME, what=MANIFEST_NAME))
-        except ArtifactError as e:
-            _problem(report, e.problem)
+    report.manifest = manifest
     if manifest_sha256 is not None and report.manifest_sha256 is not None:
         check_manifest_sha256(folder, manifest_sha256, report, manifest)
     counted = {}  # NaN codes counted while hashing: file -> {tensor: count}
@@ -271,7 +272,7 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
             verify_diffusion(folder, manifest, report, check_codes, counted)
             return report
     try:
-        config = read_json(folder / CONFIG_NAME, what=CONFIG_NAME)
+        config = config if config is not None else read_json(folder / CONFIG_NAME, what=CONFIG_NAME)
         scheme = scheme_from_config(config.get("quantization_config"))
         report.scheme, report.weights = scheme.name, scheme.weights
     except MpsconvertError as e:

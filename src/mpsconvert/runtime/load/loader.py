@@ -34,6 +34,7 @@ How, and why this way:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ from ... import atomic, devices, modeldef
 from ...untrusted import read_json
 from ...fp8 import CODE_DTYPES, dequantize
 from ...errors import MpsconvertError, ArtifactError
-from ...manifests import layout
+from ...manifests import layout, loadable
 from ...manifests.ct_config import scheme_from_config
 from ...manifests.verify import check_artifact, check_digests, check_sizes, raise_problems, verify_artifact
 from ...safetensors_io import DTYPES
@@ -124,14 +125,13 @@ def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
     nothing read before the model exists, code above all, is unverified. The shards are hashed
     as they stream in (stream.read_shards) and checked before the model is returned."""
     from ...manifests.hashing import sha256_file
-    from ...manifests.manifest import Manifest
 
     report = verify_artifact(path, check_hashes=False, manifest_sha256=manifest_sha256, check_codes=False)
     raise_problems(path, report)
-    manifest = Manifest.read(path)
+    manifest = report.manifest  # parsed from the bytes the pin was checked on, never read again
     present = check_sizes(path, manifest, report)
-    shards = set(layout.weight_files(path))
-    check_digests(manifest, report, {n: sha256_file(path / n) for n in present if n not in shards})
+    later = set(layout.weight_files(path)) | set(loadable.loader_files(path, manifest))  # hashed as they are read, below
+    check_digests(manifest, report, {n: sha256_file(path / n) for n in present if n not in later})
     report.hashes_checked = False  # the shards are still to come
     raise_problems(path, report)
     return manifest
@@ -186,19 +186,23 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         import warnings
 
         warnings.warn(f"{path} has no {layout.MANIFEST_NAME}: its files cannot be verified (made by another tool?)", stacklevel=3)
-    try:
-        config_body = read_json(config_path, what=str(config_path), fix="re-create the artifact")
-    except ArtifactError:
-        if verify:  # a damaged config.json: say what the manifest says about it
-            check_artifact(path, check_hashes=True, progress=progress)
-        raise
-    qc = config_body.get("quantization_config")
-    if not qc:
-        raise ArtifactError(f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint")
-    scheme = scheme_from_config(qc)
-    config, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
+    # config.json (and any code it names) read from a copy verified as it was made, not from the
+    # folder, where it could change after it was checked
+    with loadable.verified(path, manifest) if manifest is not None else contextlib.nullcontext(path) as defs:
+        try:
+            config_body = read_json(defs / layout.CONFIG_NAME, what=str(config_path), fix="re-create the artifact")
+        except ArtifactError:
+            if verify:  # a damaged config.json: say what the manifest says about it
+                check_artifact(path, check_hashes=True, progress=progress)
+            raise
+        qc = config_body.get("quantization_config")
+        if not qc:
+            raise ArtifactError(f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint")
+        scheme = scheme_from_config(qc)
+        config, model = modeldef.build_from(defs, buffers="real", trust_remote_code=trust_remote_code)
     linears, ignored = _linear_layout(model, qc)
-    report = verify_artifact(path, check_hashes=False, shapes=linears, ignored=ignored, check_codes=False)
+    report = verify_artifact(path, check_hashes=False, shapes=linears, ignored=ignored, check_codes=False, manifest=manifest,
+                             config=config_body)
     if manifest is None:  # a checkpoint of another tool, loaded unverified as asked (or warned above)
         report.problems = [p for p in report.problems if not p.startswith("cannot verify")]
     raise_problems(path, report)
