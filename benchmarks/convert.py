@@ -145,14 +145,12 @@ FLUX_CONTENDERS = {
 }
 
 
-BASELINE_SRC = ""  # --baseline-src
-
-
-def run(name: str, src: Path, out: Path, contenders: dict = CONTENDERS) -> dict:
-    """Run one contender in a fresh process; wall time and that process's peak RSS (wait4)."""
+def run(name: str, src: Path, out: Path, contenders: dict = CONTENDERS, baseline_src: str = "") -> dict:
+    """Run one contender in a fresh process; wall time and that process's peak RSS (wait4).
+    `mpsconvert-baseline` is the same CLI run from `baseline_src` (an older checkout's src/)."""
     env = None
-    if name == "mpsconvert-baseline":  # the same CLI from the older checkout's src/
-        name, env = "mpsconvert", {**os.environ, "PYTHONPATH": os.pathsep.join([BASELINE_SRC, os.environ.get("PYTHONPATH", "")])}
+    if name == "mpsconvert-baseline":
+        name, env = "mpsconvert", {**os.environ, "PYTHONPATH": os.pathsep.join([baseline_src, os.environ.get("PYTHONPATH", "")])}
     argv = [a.format(src=src, out=out) for a in contenders[name]]
     if "{src}" not in contenders[name]:
         argv += [str(src), str(out)]
@@ -202,15 +200,14 @@ def main():
                 while fh.read(64 << 20):
                     pass
         runs: dict[str, list[dict]] = {name: [] for name in contenders if name not in args.skip}
-        if args.baseline_src:
-            global BASELINE_SRC
-            BASELINE_SRC = str(Path(args.baseline_src).resolve())
+        baseline_src = str(Path(args.baseline_src).resolve()) if args.baseline_src else ""
+        if baseline_src:
             runs["mpsconvert-baseline"] = []
         for i in range(args.repeat):  # interleaved, so that a noisy spell of the machine hits every contender
             for name in runs:
                 out = root / f"out-{name}"
                 shutil.rmtree(out, ignore_errors=True)
-                r = run(name, src, out, contenders)
+                r = run(name, src, out, contenders, baseline_src)
                 shutil.rmtree(out, ignore_errors=True)
                 runs[name].append(r)
                 print(f"  run {i + 1}  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   output {r['out_bytes'] / 1e9:.2f} GB", flush=True)
@@ -242,7 +239,7 @@ def main():
             if "copy" in results:
                 print(f"mpsconvert takes {ours['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy")
                 if "mpsconvert-baseline" in results:
-                    print(f"the baseline ({BASELINE_SRC}) takes {results['mpsconvert-baseline']['wall_s'] / results['copy']['wall_s']:.2f}x")
+                    print(f"the baseline ({baseline_src}) takes {results['mpsconvert-baseline']['wall_s'] / results['copy']['wall_s']:.2f}x")
             print(f"mpsconvert peak RSS = largest shard {ours['peak_rss_gib'] - largest / (1 << 30):+.2f} GiB")
     finally:
         if not args.keep:
