@@ -339,12 +339,15 @@ def check_before_use(path, trust_remote_code: bool = False, manifest: Manifest |
     return report
 
 
+def failed(path, problem: str) -> ArtifactError:
+    """The one error of an artifact that failed verification (a load, a check before use)."""
+    return ArtifactError(f"artifact {path} failed verification: {problem}",
+                         "re-download or re-create it (`mpsconvert quantize ... --force`); pass verify=False only if you trust the files")
+
+
 def raise_problems(path, report: VerifyReport) -> VerifyReport:
     """The report if sound, else its problems as one ArtifactError."""
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
-        raise ArtifactError(
-            f"artifact {path} failed verification: {report.problems[0]}{more}",
-            "re-download or re-create it (`mpsconvert quantize ... --force`); pass verify=False only if you trust the files",
-        )
+        raise failed(path, f"{report.problems[0]}{more}")
     return report

@@ -48,7 +48,7 @@ from ...fp8 import CODE_DTYPES, dequantize
 from ...errors import MpsconvertError, ArtifactError
 from ...manifests import layout, loadable
 from ...manifests.ct_config import scheme_from_config
-from ...manifests.verify import check_artifact, check_digests, check_sizes, raise_problems, verify_artifact
+from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
 from ...safetensors_io import DTYPES
 from . import stream
 from .. import patches
@@ -188,7 +188,11 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         warnings.warn(f"{path} has no {layout.MANIFEST_NAME}: its files cannot be verified (made by another tool?)", stacklevel=3)
     # config.json (and any code it names) read from a copy verified as it was made, not from the
     # folder, where it could change after it was checked
-    with loadable.verified(path, manifest) if manifest is not None else contextlib.nullcontext(path) as defs:
+    with contextlib.ExitStack() as stack:
+        try:
+            defs = stack.enter_context(loadable.verified(path, manifest)) if manifest is not None else path
+        except ArtifactError as e:
+            raise failed(path, e.problem) from None
         try:
             config_body = read_json(defs / layout.CONFIG_NAME, what=str(config_path), fix="re-create the artifact")
         except ArtifactError:
