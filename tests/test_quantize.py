@@ -123,6 +123,34 @@ def test_sharded_checkpoint_gives_sharded_artifact_with_index(tiny_models, tmp_p
     assert index["metadata"]["total_size"] == sum((out / s).stat().st_size for s in shards)
 
 
+def test_a_shard_is_awaited_one_shard_later_so_the_next_one_starts_meanwhile(tiny_models, tmp_path, monkeypatch):
+    """The writer of shard i finishes (its last copies, its sha256) while shard i+1 is read and
+    quantized: its digest is asked for only after shard i+1's writer was opened."""
+    import threading
+
+    from mpsconvert import safetensors_io
+
+    events = []
+    real_init, real_digest = safetensors_io.ShardWriter.__init__, safetensors_io.ShardWriter.digest
+
+    def init(self, path, *a, **k):
+        events.append(("open", path.name))
+        real_init(self, path, *a, **k)
+
+    def digest(self):  # asked for by the conversion's thread (the fsync thread waits on it from the start)
+        if threading.current_thread() is threading.main_thread() and ("digest", self.path.name) not in events:
+            events.append(("digest", self.path.name))
+        return real_digest.fget(self)
+
+    monkeypatch.setattr(safetensors_io.ShardWriter, "__init__", init)
+    monkeypatch.setattr(safetensors_io.ShardWriter, "digest", property(digest))
+    man = convert(tiny_models["llama_sharded"], tmp_path / "o")
+    shards = [n for kind, n in events if kind == "open"]
+    assert len(shards) >= 3 and sorted(shards) == sorted(f for f in man.files if f.endswith(".safetensors"))
+    for a, b in zip(shards, shards[1:]):
+        assert events.index(("open", b)) < events.index(("digest", a)), events
+
+
 def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_path):
     """A source shard whose output exceeds --max-shard-size becomes several files, each within the
     size (its tensors whole), indexed and hashed in the manifest, and the artifact loads equal to
