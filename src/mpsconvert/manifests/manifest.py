@@ -21,13 +21,13 @@ from typing import TypeVar
 from ..version import __version__
 from ..atomic import write_text
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import bad_relpath, parse_json, read_bytes
+from ..untrusted import bad_relpath, read_json
 from ..untrusted import field as json_field
 from .hashing import sha256_file
 from .layout import MANIFEST_NAME
 from .records import Record, compact, kinds
 
-_REBUILD = "re-run `mpsconvert quantize` to rebuild it"
+REBUILD_FIX = "re-run `mpsconvert quantize` to rebuild it"
 
 SCHEMA_VERSION = 1
 MAX_FILES = 100_000  # files one artifact lists: a 1000-shard MoE with both Apple packages is a few thousand
@@ -131,13 +131,13 @@ class Manifest:
         path = Path(folder) / MANIFEST_NAME
         if not path.is_file():
             raise ArtifactError(f"{folder} has no {MANIFEST_NAME}", "is this an mpsconvert artifact? run `mpsconvert quantize` first")
-        return cls.parse(read_bytes(path, what=str(path), fix=_REBUILD), path)
+        return cls.from_body(read_json(path, what=str(path), fix=REBUILD_FIX), path)
 
     @classmethod
-    def parse(cls, raw: bytes, path: Path) -> "Manifest":
-        """The manifest in `raw` (the bytes of `path`, read once by the caller, who hashed them)."""
-        fix = _REBUILD
-        body = parse_json(raw, what=str(path), fix=fix)
+    def from_body(cls, body: dict, path: Path) -> "Manifest":
+        """The manifest in `body`, the parsed JSON of `path` (read once by a caller that also
+        hashed its bytes: verify_artifact)."""
+        fix = REBUILD_FIX
         if body.get("schema_version") != SCHEMA_VERSION:
             raise ArtifactError(
                 f"{path} has schema_version {str(body.get('schema_version'))[:40]!r}, this mpsconvert reads {SCHEMA_VERSION}",

@@ -35,14 +35,13 @@ from ..errors import ArtifactError, MpsconvertError
 
 from ..safetensors_io import Header, read_header
 from .ct_config import scheme_from_config
-from .hashing import sha256_file
 from . import layout
 from ..atomic import TMP_PREFIX
 from ..filesystem import is_appledouble
 from ..untrusted import inside, parse_json, read_bytes, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
-from .manifest import Manifest, pinned_sha256
+from .manifest import REBUILD_FIX, Manifest, pinned_sha256
 from .pin import CARD as CARD_NAME, Pin, digest as pin_digest
 from .values import check_records, check_values, fp8_ranges, hash_and_count
 
@@ -151,7 +150,7 @@ def check_manifest_sha256(folder: Path, want: str, report: VerifyReport, manifes
     """The pin the user gave against the manifest: the sha256 of the whole file (pins everything
     as it is now) or of the part the conversion sealed (pin.py: lasts through the steps after it);
     `report.pin` says which part it covers."""
-    got = report.manifest_sha256 or sha256_file(Path(folder) / MANIFEST_NAME)
+    got = report.manifest_sha256  # of the bytes verify_artifact read and parsed: the file is not read again
     want = pinned_sha256(want)
     if want == got:
         report.pin = "the whole manifest: every file, record and the card, as they are now"
@@ -250,8 +249,9 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         try:  # read once: the bytes hashed (the pin) are the bytes parsed and checked against
             raw = read_bytes(folder / MANIFEST_NAME, what=MANIFEST_NAME, fix="re-create the artifact")
             report.manifest_sha256 = hashlib.sha256(raw).hexdigest()
-            manifest = manifest or Manifest.parse(raw, folder / MANIFEST_NAME)
-            report.pinned_sha256 = pin_digest(parse_json(raw, what=MANIFEST_NAME))
+            body = parse_json(raw, what=str(folder / MANIFEST_NAME), fix=REBUILD_FIX)
+            manifest = manifest or Manifest.from_body(body, folder / MANIFEST_NAME)
+            report.pinned_sha256 = pin_digest(body)
         except MpsconvertError as e:
             _problem(report, e.problem)
     else:

@@ -120,10 +120,12 @@ def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
 
 def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
     """Before any of the artifact is used: the manifest (pinned hash if given), the files it
-    lists present with their sizes, nothing unlisted that is code, the scales sound, and every
-    file that is not a weight shard (config.json, tokenizer, any code) hashed now, so that
-    nothing read before the model exists, code above all, is unverified. The shards are hashed
-    as they stream in (stream.read_shards) and checked before the model is returned."""
+    lists present with their sizes, nothing unlisted that is code, the scales sound, and the
+    files that are neither weight shards nor read by loaders hashed now. config.json, the
+    tokenizer and any code are hashed as `load` copies them (loadable.verified) before the model
+    is built from that copy, so nothing read before the model exists, code above all, is
+    unverified. The shards are hashed as they stream in (stream.read_shards) and checked before
+    the model is returned."""
     from ...manifests.hashing import sha256_file
 
     report = verify_artifact(path, check_hashes=False, manifest_sha256=manifest_sha256, check_codes=False)
