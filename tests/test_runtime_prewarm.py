@@ -38,7 +38,41 @@ def test_every_warm_up_call_is_valid():
     linears = {"l.q_proj": (64, 64), "l.k_proj": (32, 64), "l.v_proj": (32, 64), "l.o_proj": (64, 64),
                "l.gate_proj": (96, 64), "l.up_proj": (96, 64), "l.down_proj": (64, 96)}
     report = {"warmed": [], "failed": []}
-    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report)
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("row", "token"))
     assert report["failed"] == [], report["failed"]
     names = [w.rpartition(" ")[0] for w in report["warmed"]]
-    assert names == ["triton", "quantize 64", "quantize 96", "silu_mul_quantize 192", "rms_norm", "rotary", "sdpa"], names
+    assert names == ["triton", "decode kernels 64x64", "decode kernels 64x96", "decode kernels 128x64", "decode kernels 192x64",
+                     "quantize 64", "quantize 96", "silu_mul_quantize 192", "rms_norm", "rotary", "sdpa"], names
+
+
+def test_compile_configs_compiles_each_configuration_once_the_first_before_the_others():
+    """What the autotuner's first call would compile one by one: every configuration, with the
+    call's own arguments and constants, the first on the calling thread (it makes Triton's
+    per-device binder), the rest on a pool (Triton's AsyncCompileMode where it has one)."""
+    import threading
+
+    from mpsconvert.runtime.ops import triton as tritonlib
+
+    if tritonlib.triton is None or tritonlib.INTERPRET:
+        pytest.skip("needs Triton, not interpreted")
+    calls = []
+
+    class Cfg:
+        def __init__(self, i):
+            self.i = i
+
+        def all_kwargs(self):
+            return {"BLOCK": self.i, "num_warps": 4}
+
+    class Fn:
+        def warmup(self, *args, grid, **kw):
+            calls.append((args, grid, kw, threading.current_thread() is threading.main_thread()))
+
+    class Autotuned:
+        configs = [Cfg(i) for i in range(5)]
+        fn = Fn()
+
+    assert tritonlib.compile_configs(Autotuned(), "x", 3, FLAG=True) == 5
+    assert sorted(c[2]["BLOCK"] for c in calls) == [0, 1, 2, 3, 4]
+    assert all(c[0] == ("x", 3) and c[1] == (1,) and c[2]["FLAG"] is True and c[2]["num_warps"] == 4 for c in calls)
+    assert calls[0][2]["BLOCK"] == 0 and calls[0][3]

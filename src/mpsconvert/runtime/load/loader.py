@@ -223,7 +223,8 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
 
         fp8 = {n: s for n, s in linears.items() if n not in ignored}
         warm = prewarm.start(config, fp8, dtype, dev, PROBE_ROWS,
-                             rowwise=scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW)
+                             rowwise=scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW,
+                             decode=(str(scheme.weights), scheme.activations))
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
         plan = _Plan(model, report, dtype, dev)

@@ -7,7 +7,9 @@ that is eager_fusion.install's probe forward and checks: on the H200, 1.4 s in a
 against 0.3 s in a process that had run them before (Llama-3-8B shape; the load's reading takes
 ~3 s, docs/runtime-notes.md). Here a thread makes the same kinds of calls (the activation
 quantization, fused norm, SiLU*up and rotary kernels, the FP8 GEMMs of each layer shape, SDPA)
-on scratch tensors of the model's sizes while the main thread reads, hashes and copies the
+on scratch tensors of the model's sizes, and compiles and autotunes the Triton decode kernels the
+kernel policy will time (GEMV, W8A8 GEMV, split-K GEMV: 35 configurations, compiled on a thread
+pool, then timed per layer shape by their autotuners), while the main thread reads, hashes and copies the
 shards (mostly waiting on the disk, hashlib and copies, which release the GIL); `join` waits for
 it before the kernel policy and the fusion run.
 
@@ -55,7 +57,27 @@ def _heads(config):
     return (hq, hk, hd) if isinstance(hq, int) and isinstance(hk, int) and isinstance(hd, int) else None
 
 
-def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict) -> None:
+def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtype, dev: torch.device) -> None:
+    """Compile every configuration of the Triton decode kernels for an n x k layer (several at
+    once), then call each once, so that its autotuner times them here rather than in the policy."""
+    from ..ops import kernels
+    from ..ops.fp8linear import FP8Linear
+    from ..ops.triton import experts, gemv
+    from ...fp8 import FP8_DTYPE
+
+    scale = torch.ones(n if weights == "row" else 1, 1, device=dev)
+    layer = FP8Linear.from_tensors(torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), scale, activations=activations, dtype=dtype,
+                                   input_scale=torch.ones(1, device=dev) if activations == "tensor" else None)
+    x = torch.zeros(1, k, dtype=dtype, device=dev)
+    gemv.precompile(x, layer.weight, layer.scale_flat, None)
+    experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)
+    for c in kernels.candidates("cuda", activations, weights, "decode"):  # CUDA's (here also the interpreter's, in tests)
+        if c.startswith("gemv"):
+            kernels.run(c, layer, x)
+
+
+def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict,
+          decode: tuple | None = None) -> None:
     from ..ops.triton import act_quant, launch as triton_launch
     from ..ops.triton import rotary
     from ..ops import triton as tritonlib
@@ -73,6 +95,9 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
     hidden = getattr(config, "hidden_size", None)
     eps = getattr(config, "rms_norm_eps", None)
     step("triton", triton_launch.mode)
+    if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor"):
+        for n, k in sorted(gemms):
+            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev))
     if tritonlib.available():
         for k in sorted({k for _, k in gemms}):
             step(f"quantize {k}", lambda k=k: act_quant.quantize(torch.empty(rows, k, dtype=dtype, device=dev)))
@@ -108,14 +133,15 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
 class Prewarm:
     """The warm-up thread of one load; `join()` returns what it did."""
 
-    def __init__(self, config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool):
+    def __init__(self, config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool,
+                 decode: tuple | None = None):
         self.report: dict = {"warmed": [], "failed": []}
         self._t0 = time.perf_counter()
 
         def run():
             try:
                 with torch.cuda.device(dev):
-                    _work(config, linears, dtype, dev, rows, rowwise, self.report)
+                    _work(config, linears, dtype, dev, rows, rowwise, self.report, decode)
             except Exception as e:  # pragma: no cover - _work catches per step; this is the thread's last guard
                 self.report["failed"].append(f"{type(e).__name__}: {str(e)[:120]}")
             self.report["seconds"] = round(time.perf_counter() - self._t0, 3)
@@ -130,10 +156,13 @@ class Prewarm:
         return self.report
 
 
-def start(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool) -> Prewarm | None:
+def start(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool,
+          decode: tuple | None = None) -> Prewarm | None:
     """Start warming up for a model of `config` whose FP8 Linears are `linears` ({name: (N, K)}),
     probed with `rows` tokens; `rowwise`: their prefill GEMMs are row-wise scaled (per-token
-    activations, per-row weights). None where there is nothing to warm (not CUDA)."""
+    activations, per-row weights); `decode`: (weight granularity, activation scheme) of those
+    layers, whose Triton decode kernels are compiled and autotuned here. None where there is
+    nothing to warm (not CUDA)."""
     if dev.type != "cuda":
         return None
-    return Prewarm(config, linears, dtype, dev, rows, rowwise)
+    return Prewarm(config, linears, dtype, dev, rows, rowwise, decode)

@@ -47,3 +47,37 @@ def eager_on(t: torch.Tensor) -> bool:
 def version() -> str | None:
     """Triton's version (kernel-cache keys), or None without Triton."""
     return getattr(triton, "__version__", None)
+
+
+def compile_configs(autotuned, *args, **kwargs) -> int:
+    """Compile every configuration of an autotuned kernel for these arguments, several at once,
+    so that the autotuner's first call (which compiles them one by one, then times them) finds
+    them compiled. Returns how many were compiled here.
+
+    Why: a fresh machine's first load compiles each decode kernel's configurations (35 for the
+    GEMV candidates, ~0.3 s each) before the kernel policy can time them. Triton's own
+    AsyncCompileMode (Triton 3.4+) compiles on a thread pool; its compile releases the GIL for
+    most of the work. Where this Triton lacks it, they compile one by one, as the autotuner would."""
+    import concurrent.futures
+
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # pragma: no cover - older Triton
+        AsyncCompileMode = None
+    configs = list(getattr(autotuned, "configs", ()))
+    fn = getattr(autotuned, "fn", None)
+    if fn is None or not configs or INTERPRET:
+        return 0
+
+    def one(cfg):
+        fn.warmup(*args, grid=(1,), **kwargs, **cfg.all_kwargs())
+
+    one(configs[0])  # the device's binder is made on the first call, before any thread
+    if AsyncCompileMode is None:
+        for cfg in configs[1:]:
+            one(cfg)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) - 1))) as pool, AsyncCompileMode(pool):
+            for cfg in configs[1:]:
+                one(cfg)
+    return len(configs)

@@ -18,7 +18,7 @@ import torch
 
 from .gemv import autotune
 from .launch import TL_DTYPES
-from ..triton import INTERPRET, tl, triton
+from ..triton import INTERPRET, compile_configs, tl, triton
 
 
 # BLOCK_N, BLOCK_K, SPLIT_K, warps. Split-K gives the down projection (N=4096, K=14336 at
@@ -93,6 +93,23 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: to
     return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
 
 
+def _args(x, tok, ids, codes, scale, y, silu_dtype) -> tuple:
+    """The kernel's arguments, as its launch and `precompile` pass them."""
+    _, N, K = codes.shape
+    return (x, tok, ids, codes, scale, y, N, K, x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), y.stride(0),
+            silu_dtype is not None, getattr(tl, TL_DTYPES[silu_dtype or torch.float32]), INTERPRET)
+
+
+def precompile(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, silu_dtype: torch.dtype | None = None) -> int:
+    """Compile every configuration for a call like `expert_gemv(x, tok, ids, codes, scale,
+    silu_dtype=...)`, several at once (ops/triton `compile_configs`). Returns how many."""
+    if triton is None or INTERPRET:
+        return 0
+    rows = torch.zeros(1, dtype=torch.int32, device=x.device)
+    y = torch.zeros(1, codes.shape[1], dtype=torch.float32, device=x.device)
+    return compile_configs(_kernel, *_args(x.contiguous(), rows, rows, codes, scale, y, silu_dtype))
+
+
 def _out_dtype(x: torch.Tensor, out_dtype, silu_dtype) -> torch.dtype:
     """y's dtype when the caller names none: the SiLU input's rounding dtype, else x's."""
     return out_dtype or silu_dtype or x.dtype
@@ -105,14 +122,7 @@ def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
     y = torch.zeros(P, N, dtype=torch.float32, device=x.device)
     grid = lambda meta: (P, triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2} if INTERPRET else {}
-    act = getattr(tl, TL_DTYPES[silu_dtype or torch.float32])
-    _kernel[grid](
-        x, tok, ids, codes, scale, y,
-        N, K,
-        x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), y.stride(0),
-        silu_dtype is not None, act, INTERPRET,
-        **fixed,
-    )  # fmt: skip
+    _kernel[grid](*_args(x, tok, ids, codes, scale, y, silu_dtype), **fixed)
     out_dtype = _out_dtype(x, out_dtype, silu_dtype)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 

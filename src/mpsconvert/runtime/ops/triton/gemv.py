@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton import INTERPRET, tl, triton
+from ..triton import INTERPRET, compile_configs, tl, triton
 
 OP_NAME = "mpsconvert::fp8_gemv"
 # BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
@@ -126,37 +126,53 @@ if triton is not None:
 
 def _launch_dot(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    M, K = xq.shape
-    N = weight.shape[0]
-    if M > 16:
-        raise ValueError(f"the W8A8 GEMV takes at most 16 rows, got {M}")
-    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    if xq.shape[0] > 16:
+        raise ValueError(f"the W8A8 GEMV takes at most 16 rows, got {xq.shape[0]}")
+    y = torch.empty(xq.shape[0], weight.shape[0], dtype=out_dtype, device=xq.device)
+    args, kw = _dot_args(xq, xs, weight, scale, bias, y)
+    grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_N"]),)  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 32} if INTERPRET else {}
-    _dot_kernel[grid](
-        xq, xs, weight, scale, bias if bias is not None else scale, y,
-        M, N, K,
-        xq.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ROW_SCALE=scale.numel() != 1, BLOCK_M=16, **fixed,
-    )  # fmt: skip
+    _dot_kernel[grid](*args, **kw, **fixed)
     return y
+
+
+def _dot_args(xq, xs, weight, scale, bias, y) -> tuple[tuple, dict]:
+    """The W8A8 kernel's arguments, as its launch and `precompile` pass them."""
+    (M, K), N = xq.shape, weight.shape[0]
+    return ((xq, xs, weight, scale, bias if bias is not None else scale, y, M, N, K, xq.stride(0), weight.stride(0), y.stride(0)),
+            {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1, "BLOCK_M": 16})
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    M, K = x.shape
-    N = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    args, kw = _args(x, weight, scale, bias, y)
+    grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_N"]), x.shape[0])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
-    _kernel[grid](
-        x, weight, scale, bias if bias is not None else scale, y,
-        M, N, K,
-        x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ROW_SCALE=scale.numel() != 1, **fixed,
-    )  # fmt: skip
+    _kernel[grid](*args, **kw, **fixed)
     return y
+
+
+def _args(x, weight, scale, bias, y) -> tuple[tuple, dict]:
+    """The GEMV kernel's arguments, as its launch and `precompile` pass them."""
+    (M, K), N = x.shape, weight.shape[0]
+    return ((x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0)),
+            {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1})
+
+
+def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]) and of
+    the W8A8 GEMV for x quantized, several at once (ops/triton `compile_configs`), so that the
+    autotuners' first calls only time them. Returns how many were compiled."""
+    if triton is None or INTERPRET:
+        return 0
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    args, kw = _args(x, weight, scale, bias, y)
+    n = compile_configs(_kernel, *args, **kw)
+    xq, xs = torch.zeros_like(x, dtype=weight.dtype), torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
+    args, kw = _dot_args(xq, xs, weight, scale, bias, y)
+    return n + compile_configs(_dot_kernel, *args, **kw)
 
 
 if triton is not None:
