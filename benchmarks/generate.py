@@ -120,11 +120,18 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     model = load()
     devices.synchronize(dev)
     out["load_cold_s"] = round(time.perf_counter() - t, 3)
+    if hasattr(model, "mpsconvert"):  # where the first load's time went (the kernel policy measures on a cold cache)
+        out["load_cold_breakdown_s"] = model.mpsconvert.seconds
+        out["load_cold_prewarm"] = getattr(model.mpsconvert, "prewarm", None)
     del model
     t = time.perf_counter()
     model = load()
     devices.synchronize(dev)
     out["load_warm_s"] = round(time.perf_counter() - t, 3)
+    if hasattr(model, "mpsconvert"):
+        out["load_warm_breakdown_s"] = model.mpsconvert.seconds
+        out["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']} M={d['m']}: {d['choice']} {d['timings_us']}"
+                          for d in model.mpsconvert.kernels]
     vocab = model.config.vocab_size
     out["weight_bytes"] = model_bytes(model)
     hf = name.endswith("-hf")
@@ -211,8 +218,37 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         runs = [count_ops(lambda k=k: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
                                                       do_sample=False, pad_token_id=0)) for k in (2, 6)]  # fmt: skip
         out["ops_per_token"] = (runs[1] - runs[0]) / 4
+    if args.profile and eng is not None and args.device == "cuda":
+        out["profile"] = profile_steps(eng, ids)
     out["host_us_per_token"] = host_us_per_token(model, name, args)
     return out
+
+
+def profile_steps(eng, ids: list[int], steps: int = 32) -> dict:
+    """Where a decode step's device time goes: torch.profiler over `steps` steps (on CUDA the
+    captured graph's replays; its kernels are traced one by one), each kernel's microseconds and
+    launches per step, the largest first. Explains the decode figure; it is not the figure."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mpsconvert.runtime import engine
+
+    engine.generate_ids(eng, ids[:8], engine.Sampling(max_tokens=2))  # a conversation to step in
+    eng.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step(ids[0])
+        eng.sync()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            rows.append((us / steps, e.count / steps, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    return {"steps": steps, "kernel_us_per_step": round(total, 1), "kernels_per_step": round(sum(r[1] for r in rows), 1),
+            "top": [f"{us:8.1f} us {n:6.1f}x  {k[:110]}" for us, n, k in rows[:30]]}
 
 
 def host_us_per_token(model, name: str, args) -> float:
@@ -280,6 +316,7 @@ def main() -> None:
     ap.add_argument("--weights", default="row", choices=("row", "tensor", "block"), help="the artifact's weight scales (quantize --weights)")
     ap.add_argument("--work", help="folder for the checkpoint and the artifact (kept); default: a temporary one")
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true", help="CUDA: also trace the decode step's kernels (torch.profiler; explains, not timed)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--paths", help=argparse.SUPPRESS)
     ap.add_argument("--copy-bandwidth", type=float, help=argparse.SUPPRESS)
@@ -319,7 +356,7 @@ def main() -> None:
         argv = [sys.executable, __file__, "--variant", name, "--paths", os.pathsep.join([str(src), str(art)]), "--device", args.device,
                 "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--ttft", ",".join(map(str, args.ttft)),
                 "--repeats", str(args.repeats), "--same-rounds", str(args.same_rounds),
-                "--copy-bandwidth", str(args.copy_bandwidth)]  # fmt: skip
+                "--copy-bandwidth", str(args.copy_bandwidth), *(["--profile"] if args.profile else [])]  # fmt: skip
         r = subprocess.run(argv, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if r.returncode != 0 or line is None:
@@ -328,6 +365,13 @@ def main() -> None:
             continue
         rows[name] = json.loads(line[len("RESULT "):])
         print(summary(name, rows[name]), flush=True)
+        for what in ("load_cold_breakdown_s", "load_cold_prewarm", "load_warm_breakdown_s"):
+            if what in rows[name]:
+                print(f"  {what}: {rows[name][what]}", flush=True)
+        if "profile" in rows[name]:
+            pr = rows[name]["profile"]
+            print(f"  decode step kernels: {pr['kernel_us_per_step']} us, {pr['kernels_per_step']} launches per step", flush=True)
+            print("\n".join("    " + t for t in pr["top"]), flush=True)
     report["variants"] = rows
     ratios = {}
     for a, b in (("ours", "bf16"), ("ours", "bf16-hf"), ("ours", "ours-hf"), ("ours-eager", "ours-hf"), ("bf16", "bf16-hf")):
