@@ -269,3 +269,56 @@ def test_the_static_cache_is_made_before_the_decode_step_is_compiled(monkeypatch
     want = engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=8))
     assert made_at_compile and all(made_at_compile[0]) and len(made_at_compile[0]) == model.config.num_hidden_layers
     assert got.tokens == want.tokens
+
+
+class _Pipelined:
+    """The static-cache engine with the pipelined loop turned on off CUDA (where the copy to the
+    host is synchronous and no event is waited for: the order of the steps is what is tested)."""
+
+    def __new__(cls, model):
+        from mpsconvert.runtime import engine
+
+        class Eng(engine.Engine):
+            pipelined = True
+
+        return Eng(model, static=True)
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temp=0.8, top_p=0.9, seed=3)], ids=["greedy", "top-p"])
+def test_the_pipelined_loop_gives_the_plain_loops_tokens_and_takes_back_a_step_past_eos(sampling):
+    """The loop that starts each step before the host reads the last token (CUDA's, engine/loop.py)
+    gives the plain loop's tokens, greedy and sampled with a seed; it stops at max_tokens, at a
+    full cache and at an end-of-sequence token, where the step it had started past that token is
+    taken back: the next turn of the conversation continues as the plain loop's does."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    prompt = [5, 6, 7, 8, 9, 10]
+    plain, piped = engine.Engine(model, static=True), _Pipelined(model)
+    assert not plain.pipelined and piped.pipelined
+    full = engine.generate_ids(plain, prompt, engine.Sampling(max_tokens=12, **sampling))
+    got = engine.generate_ids(piped, prompt, engine.Sampling(max_tokens=12, **sampling))
+    assert got.tokens == full.tokens and got.stop == full.stop == "max_tokens" and piped.pos == plain.pos
+    for n in (1, 2):
+        assert engine.generate_ids(piped, prompt, engine.Sampling(max_tokens=n, **sampling)).tokens == full.tokens[:n]
+    eos = full.tokens[4]
+    stops = [engine.generate_ids(e, prompt, engine.Sampling(max_tokens=12, **sampling), stop_ids=[eos]) for e in (plain, piped)]
+    assert stops[0].tokens == stops[1].tokens == full.tokens[: full.tokens.index(eos) + 1] and stops[1].stop == "eos"
+    assert piped.pos == plain.pos == len(prompt) + len(stops[0].tokens) - 1
+    turn = [engine.generate_ids(e, [11, 12], engine.Sampling(max_tokens=6, **sampling)) for e in (plain, piped)]
+    assert turn[0].tokens == turn[1].tokens
+    streamed = []
+    short = engine.generate_ids(piped, prompt, engine.Sampling(max_tokens=12, **sampling), on_token=streamed.append)
+    assert streamed == short.tokens == full.tokens
+
+
+def test_the_pipelined_loop_stops_at_a_full_cache():
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    plain, piped = engine.Engine(model, static=True), _Pipelined(model)
+    for e in (plain, piped):
+        e.max_len = 10
+    prompt = [5, 6, 7, 8, 9, 10]
+    a, b = (engine.generate_ids(e, prompt, engine.Sampling(max_tokens=12)) for e in (plain, piped))
+    assert a.tokens == b.tokens and len(a.tokens) == 4 and a.stop == b.stop == "cache_full"

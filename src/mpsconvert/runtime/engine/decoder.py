@@ -129,10 +129,35 @@ class Engine:
         self.pos += n
         return out[0, -1]
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the loop may start a step before the host has read the token it takes
+        (`step_chosen`), and take back a step it did not need (`rewind`): on CUDA with a static
+        cache, where a step's host work (the graph's launch, torch.compile's per-call checks:
+        ~1 ms on the H200 host) then overlaps the previous step's device work instead of
+        following it. A dynamic cache cannot take a step back."""
+        return bool(self._static) and self.dev.type == "cuda"
+
     def step(self, token: int) -> torch.Tensor:
         """One token in, the next position's logits out: the captured graph on CUDA, the model's
         forward with a view of the position buffer elsewhere."""
         self.tok.fill_(token)
+        return self._step_tok()
+
+    def step_chosen(self, chosen: torch.Tensor) -> torch.Tensor:
+        """`step` with the token as a 0-d tensor on the device (the last step's choice), which the
+        host never waits for."""
+        self.tok.copy_(chosen.view(1, 1))
+        return self._step_tok()
+
+    def rewind(self, steps: int = 1) -> None:
+        """Forget the last `steps` steps (a static cache: their entries lie past the position,
+        where the next step or prefill writes over them, and the mask never reads them)."""
+        if not self._static or steps > self.pos:
+            raise MpsconvertError("only a static cache's steps can be taken back", "use the loop without pipelining")
+        self.pos -= steps
+
+    def _step_tok(self) -> torch.Tensor:
         with torch.no_grad():
             if self._step is not None:
                 self.pos_t.fill_(self.pos)

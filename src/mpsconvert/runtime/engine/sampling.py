@@ -50,11 +50,17 @@ class Draws:
 def next_token(logits: torch.Tensor, sampling: Sampling, draws: Draws | None) -> int:
     """argmax at temp 0; else a draw from softmax(logits / temp) restricted to the smallest set
     of tokens whose probability reaches top_p, with `draws`' generator on the logits' device."""
+    return int(choose(logits, sampling, draws))
+
+
+def choose(logits: torch.Tensor, sampling: Sampling, draws: Draws | None) -> torch.Tensor:
+    """`next_token`'s choice as a 0-d tensor on the logits' device, with no wait for the device:
+    the loop can start the next step with it before the host has read it (engine/loop.py)."""
     if sampling.temp == 0:
-        return int(logits.argmax())
+        return logits.argmax()
     probs = torch.softmax(logits.float() / sampling.temp, dim=-1)
     if sampling.top_p < 1:
         p, idx = probs.sort(descending=True, stable=True)  # ties in index order, as argmax breaks them
         keep = p.cumsum(0) - p < sampling.top_p  # always keeps the first
-        probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
-    return int(torch.multinomial(probs, 1, generator=draws.on(probs.device) if draws is not None else None))
+        probs = torch.zeros_like(probs).scatter_(0, idx, p * keep)  # no boolean indexing: it would wait for the device
+    return torch.multinomial(probs, 1, generator=draws.on(probs.device) if draws is not None else None).reshape(())
