@@ -475,7 +475,7 @@ def test_the_manifest_is_read_once_so_a_swap_after_its_pin_check_is_not_used(art
     """An attacker who swaps the manifest right after its sha256 was taken (and rewrote the
     tokenizer to match the swapped one) gains nothing: the files are checked against the bytes
     that were hashed, and `load` with the pin refuses the tokenizer."""
-    from mpsconvert.manifests import verify as verify_mod
+    from mpsconvert.manifests import manifest as verify_mod  # where the manifest is read (read_once)
 
     pin = mpsconvert.verify(art).pinned_sha256
     genuine = (art / MANIFEST_NAME).read_bytes()

@@ -278,11 +278,10 @@ def quantize(
                              calibration_given=given, scales=for_quantize(scales_file, copts, progress), dtype=dtype,
                              max_shard_size=max_shard_size, format=format, component=component, exports=tuple(apple),
                              before=lambda: flow.require_all(apple), then=follow_ups, progress=progress)
-    from .manifests import pin
-    from .manifests.manifest import manifest_sha256
+    from .manifests.manifest import read_once
 
-    return replace(result, output=done.output, manifest=Manifest.read(done.output), calibration=done.calibration,
-                   manifest_sha256=manifest_sha256(done.output), pin_sha256=pin.of_folder(done.output),
+    manifest, sha, pinned = read_once(done.output)  # as the follow-ups left it
+    return replace(result, output=done.output, manifest=manifest, calibration=done.calibration, manifest_sha256=sha, pin_sha256=pinned,
                    warnings=done.warnings)
 
 
@@ -331,11 +330,11 @@ def calibrate(
     opts = options or calibration_options()
     if opts.token is None and token is not None:
         opts = replace(opts, token=token)
-    from .manifests import pin
+    from .manifests.manifest import read_once
 
     cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, progress=progress)
     return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest,
-                           pin_sha256=pin.of_folder(written_to) if manifest is not None else None)
+                           pin_sha256=read_once(written_to)[2] if manifest is not None else None)
 
 
 # --------------------------------------------------------------------------- check

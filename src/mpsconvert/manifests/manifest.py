@@ -21,10 +21,11 @@ from typing import TypeVar
 from ..version import __version__
 from ..atomic import write_text
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import bad_relpath, read_json
+from ..untrusted import bad_relpath, parse_json, read_bytes, read_json
 from ..untrusted import field as json_field
 from .hashing import sha256_file
 from .layout import MANIFEST_NAME
+from .pin import digest as pin_digest
 from .records import Record, compact, kinds
 
 REBUILD_FIX = "re-run `mpsconvert quantize` to rebuild it"
@@ -184,6 +185,22 @@ def pinned_sha256(value: str) -> str:
                               f"{' characters' if isinstance(value, str) else ''})",
                               "copy the whole value `mpsconvert quantize` printed (`mpsconvert verify DIR --json` prints it too)")
     return want
+
+
+def read_once(folder: Path) -> tuple[Manifest, str, str | None]:
+    """The manifest of `folder`, the sha256 of its file and its pin (`pin.digest`), all from one
+    read of its bytes: what is hashed is what is parsed (a file swapped between two reads would
+    pass a check on the first and be used from the second).
+
+    Raises:
+        ArtifactError: no manifest, or one that `Manifest.read` would refuse.
+    """
+    import hashlib
+
+    path = Path(folder) / MANIFEST_NAME
+    raw = read_bytes(path, what=MANIFEST_NAME, fix="re-create the artifact")
+    body = parse_json(raw, what=str(path), fix=REBUILD_FIX)
+    return Manifest.from_body(body, path), hashlib.sha256(raw).hexdigest(), pin_digest(body)
 
 
 def manifest_sha256(folder: Path) -> str:

@@ -49,11 +49,3 @@ def digest(body: dict) -> str | None:
             "versions": {k: versions.get(k) for k in pin.versions}, "files": {f: files.get(f) for f in pin.files}}
     text = json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def of_folder(folder) -> str | None:
-    """The pin of the artifact in `folder` as it is now (what quantize and calibrate print)."""
-    from ..untrusted import read_json
-    from .layout import MANIFEST_NAME
-
-    return digest(read_json(Path(folder) / MANIFEST_NAME))

@@ -25,7 +25,6 @@ Two kinds of check, both reported (never raised) so a caller can print every pro
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -38,11 +37,11 @@ from .ct_config import scheme_from_config
 from . import layout
 from ..atomic import TMP_PREFIX
 from ..filesystem import is_appledouble
-from ..untrusted import inside, parse_json, read_bytes, read_json
+from ..untrusted import inside, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
-from .manifest import REBUILD_FIX, Manifest, pinned_sha256
-from .pin import CARD as CARD_NAME, Pin, digest as pin_digest
+from .manifest import Manifest, pinned_sha256, read_once
+from .pin import CARD as CARD_NAME, Pin
 from .values import check_records, check_values, fp8_ranges, hash_and_count
 
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -247,11 +246,8 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         return report
     if (folder / MANIFEST_NAME).is_file():
         try:  # read once: the bytes hashed (the pin) are the bytes parsed and checked against
-            raw = read_bytes(folder / MANIFEST_NAME, what=MANIFEST_NAME, fix="re-create the artifact")
-            report.manifest_sha256 = hashlib.sha256(raw).hexdigest()
-            body = parse_json(raw, what=str(folder / MANIFEST_NAME), fix=REBUILD_FIX)
-            manifest = manifest or Manifest.from_body(body, folder / MANIFEST_NAME)
-            report.pinned_sha256 = pin_digest(body)
+            parsed, report.manifest_sha256, report.pinned_sha256 = read_once(folder)
+            manifest = manifest or parsed
         except MpsconvertError as e:
             _problem(report, e.problem)
     else:
