@@ -220,7 +220,7 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         out["ops_per_token"] = (runs[1] - runs[0]) / 4
     if args.profile and eng is not None and args.device == "cuda":
         out["profile"] = profile_steps(eng, ids)
-    out["host_us_per_token"] = host_us_per_token(model, name, args)
+    out["host_us_per_token"] = None if args.no_host else host_us_per_token(model, name, args)
     return out
 
 
@@ -316,6 +316,7 @@ def main() -> None:
     ap.add_argument("--weights", default="row", choices=("row", "tensor", "block"), help="the artifact's weight scales (quantize --weights)")
     ap.add_argument("--work", help="folder for the checkpoint and the artifact (kept); default: a temporary one")
     ap.add_argument("--out")
+    ap.add_argument("--no-host", action="store_true", help="skip the width-16 twin's host microseconds per token (saves its compile)")
     ap.add_argument("--profile", action="store_true", help="CUDA: also trace the decode step's kernels (torch.profiler; explains, not timed)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--paths", help=argparse.SUPPRESS)
@@ -356,7 +357,8 @@ def main() -> None:
         argv = [sys.executable, __file__, "--variant", name, "--paths", os.pathsep.join([str(src), str(art)]), "--device", args.device,
                 "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--ttft", ",".join(map(str, args.ttft)),
                 "--repeats", str(args.repeats), "--same-rounds", str(args.same_rounds),
-                "--copy-bandwidth", str(args.copy_bandwidth), *(["--profile"] if args.profile else [])]  # fmt: skip
+                "--copy-bandwidth", str(args.copy_bandwidth), *(["--profile"] if args.profile else []),
+                *(["--no-host"] if args.no_host else [])]  # fmt: skip
         r = subprocess.run(argv, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if r.returncode != 0 or line is None:
@@ -402,9 +404,10 @@ def summary(name: str, r: dict) -> str:
             f"= {sm['ratio']:.2f}x (per round {sm['round_ratios']}; CPU time {sm['cpu_time_ratio']:.2f}x), same tokens {sm['same_tokens']}") if sm else ""
     ttft = ", ".join(f"{k} tok {v:.1f} ms" for k, v in r["ttft_ms"].items())
     comp = f", compile {r['compile_s']:.1f} s" if r.get("compile_s") else (f", first generate {r['first_generate_s']:.1f} s" if "first_generate_s" in r else "")
+    host = f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), " if r.get("host_us_per_token") is not None else ""
     return (f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth {r['bandwidth_fraction']:.3f}, TTFT {ttft}, "
             f"load {r['load_cold_s']:.2f} s cold / {r['load_warm_s']:.2f} s warm{comp}, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
-            f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), {r['ops_per_token']:.0f} aten ops/token{same}")
+            f"{host}{r['ops_per_token']:.0f} aten ops/token{same}")
 
 
 if __name__ == "__main__":
