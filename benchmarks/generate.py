@@ -368,7 +368,7 @@ def main() -> None:
         rows[name] = json.loads(line[len("RESULT "):])
         print(summary(name, rows[name]), flush=True)
         for what in ("load_cold_breakdown_s", "load_cold_prewarm", "load_warm_breakdown_s"):
-            if what in rows[name]:
+            if rows[name].get(what):
                 print(f"  {what}: {rows[name][what]}", flush=True)
         if "profile" in rows[name]:
             pr = rows[name]["profile"]
