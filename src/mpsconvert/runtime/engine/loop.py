@@ -146,20 +146,22 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
     tokens: list[int] = []
     steps: list[float] = []
     room = lambda n: n < sampling.max_tokens and (decoder.max_len is None or len(prompt) + n < decoder.max_len)  # noqa: E731
+
+    def take(tok: int) -> str | None:
+        """Record a chosen token; why the generation stops after it, or None where a step follows."""
+        tokens.append(tok)
+        if tok in stop_ids:
+            return "eos"
+        if on_token:
+            on_token(tok)
+        if room(len(tokens)):
+            return None
+        return "max_tokens" if len(tokens) >= sampling.max_tokens else "cache_full"
+
     if getattr(decoder, "pipelined", False) and not time_steps:
-        stop = _pipelined(decoder, sampling, gen, chosen, tok, tokens, stop_ids, on_token, room)
+        stop = _pipelined(decoder, sampling, gen, chosen, tok, take, room)
     else:
-        stop = "max_tokens"
-        while True:
-            tokens.append(tok)
-            if tok in stop_ids:
-                stop = "eos"
-                break
-            if on_token:
-                on_token(tok)
-            if not room(len(tokens)):
-                stop = "max_tokens" if len(tokens) >= sampling.max_tokens else "cache_full"
-                break
+        while (stop := take(tok)) is None:
             s = time.perf_counter()
             tok = int(choose(decoder.step(tok), sampling, gen))
             if time_steps:
@@ -174,8 +176,7 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
                            compile_seconds=compile_s, step_seconds=steps)
 
 
-def _pipelined(decoder, sampling: Sampling, gen: Draws, chosen: torch.Tensor, tok: int, tokens: list, stop_ids: set,
-               on_token, room) -> str:
+def _pipelined(decoder, sampling: Sampling, gen: Draws, chosen: torch.Tensor, tok: int, take, room) -> str:
     """The decode loop with the next step started before the host reads the last token.
 
     Why: a step's host work (on CUDA the graph launch and torch.compile's per-call checks, ~1 ms
@@ -183,8 +184,10 @@ def _pipelined(decoder, sampling: Sampling, gen: Draws, chosen: torch.Tensor, to
     waits for the previous token to reach the host, so the two add up. Here each step takes the
     last step's choice as a device tensor (`step_chosen`), its token is copied into pinned host
     memory behind it, and the host reads it (an event wait) only after it has started the step
-    that follows. The tokens are the same as the plain loop's (the same operations on the device,
-    in the same order); a step started past an end-of-sequence token is taken back (`rewind`)."""
+    that follows. That step is started only where `room` says the plain loop would step after
+    the token in flight, so only an end-of-sequence token can find a step started past it, which
+    is taken back (`rewind`). `take` and `room` are generate_ids' own bookkeeping; the tokens are
+    the plain loop's (the same operations on the device, in the same order)."""
     cuda = torch.device(decoder.device).type == "cuda"
     host = torch.empty(2, dtype=torch.long, pin_memory=cuda)
     events = [torch.cuda.Event() if cuda else None for _ in range(2)]
@@ -196,26 +199,16 @@ def _pipelined(decoder, sampling: Sampling, gen: Draws, chosen: torch.Tensor, to
             events[slot].record()
         return nxt
 
-    tokens.append(tok)
-    if tok in stop_ids:
-        return "eos"
-    if on_token:
-        on_token(tok)
-    if not room(1):
-        return "max_tokens" if sampling.max_tokens <= 1 else "cache_full"
-    slot, cur = 0, start(chosen, 0)
+    if (stop := take(tok)) is not None:
+        return stop
+    n, slot, cur = 1, 0, start(chosen, 0)  # n: tokens taken; the step in flight gives token n + 1
     while True:
-        nxt = start(cur, 1 - slot) if room(len(tokens) + 1) else None  # the step after the one in flight, if one can follow
+        nxt = start(cur, 1 - slot) if room(n + 1) else None
         if cuda:
             events[slot].synchronize()
-        tok = int(host[slot])
-        tokens.append(tok)
-        if tok in stop_ids:
-            if nxt is not None:
+        n += 1
+        if (stop := take(int(host[slot]))) is not None:
+            if nxt is not None:  # past an end-of-sequence token
                 decoder.rewind(1)
-            return "eos"
-        if on_token:
-            on_token(tok)
-        if nxt is None:
-            return "max_tokens" if len(tokens) >= sampling.max_tokens else "cache_full"
+            return stop
         slot, cur = 1 - slot, nxt
