@@ -69,11 +69,14 @@ def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtyp
     layer = FP8Linear.from_tensors(torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), scale, activations=activations, dtype=dtype,
                                    input_scale=torch.ones(1, device=dev) if activations == "tensor" else None)
     x = torch.zeros(1, k, dtype=dtype, device=dev)
-    gemv.precompile(x, layer.weight, layer.scale_flat, None)
-    experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)
-    for c in kernels.candidates("cuda", activations, weights, "decode"):  # CUDA's (here also the interpreter's, in tests)
-        if c.startswith("gemv"):
-            kernels.run(c, layer, x)
+    triton_kernels = [c for c in kernels.candidates("cuda", activations, weights, "decode") if c.startswith("gemv")]  # CUDA's
+    precompile = {"gemv": lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None),  # (here also the interpreter's, in tests)
+                  "gemv_w8a8": lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True),
+                  "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)}
+    for c in triton_kernels:  # only the candidates the policy will time (no W8A8 for a weight-only scheme)
+        precompile[c]()
+    for c in triton_kernels:
+        kernels.run(c, layer, x)
 
 
 def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict,

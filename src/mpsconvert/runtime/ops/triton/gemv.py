@@ -161,18 +161,19 @@ def _args(x, weight, scale, bias, y) -> tuple[tuple, dict]:
             {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1})
 
 
-def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]) and of
-    the W8A8 GEMV for x quantized, several at once (ops/triton `compile_configs`), so that the
-    autotuners' first calls only time them. Returns how many were compiled."""
+def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dot: bool = False) -> int:
+    """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]), or with
+    `dot` of the W8A8 GEMV for x quantized, several at once (ops/triton `compile_configs`), so
+    that the autotuner's first call only times them. Returns how many were compiled."""
     if triton is None or INTERPRET:
         return 0
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    args, kw = _args(x, weight, scale, bias, y)
-    n = compile_configs(_kernel, *args, **kw)
+    if not dot:
+        args, kw = _args(x, weight, scale, bias, y)
+        return compile_configs(_kernel, *args, **kw)
     xq, xs = torch.zeros_like(x, dtype=weight.dtype), torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
     args, kw = _dot_args(xq, xs, weight, scale, bias, y)
-    return n + compile_configs(_dot_kernel, *args, **kw)
+    return compile_configs(_dot_kernel, *args, **kw)
 
 
 if triton is not None:
