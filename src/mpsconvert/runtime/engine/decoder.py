@@ -33,7 +33,7 @@ import torch
 
 from ... import devices, timing
 from ...errors import MpsconvertError
-from ..patches.hf_compat import accepts, cache_kwarg
+from ..hf_compat import accepts, cache_kwarg
 
 BUCKET = 256  # cache lengths are multiples of this: a longer generation re-captures the graph only past a bucket
 WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph (compile, record, capture)

@@ -12,7 +12,7 @@ in one registry, applied in this order:
     generate        model.generate() at batch 1 with a static cache, which transformers compiles
                     into a CUDA graph (CUDA)
 
-Only patches/hf_compat.py touches transformers' private names. Each patch installs per module,
+Only runtime/hf_compat.py touches transformers' private names. Each patch installs per module,
 only where a probe showed it computes what transformers computes; what it leaves is warned once
 (`base.PatchFallback`) and listed in its report, and an install that fails leaves the model with
 transformers' own code and a report that says so.
@@ -65,7 +65,7 @@ class Attention:
     name, phase, option = "attention", "modules", "decode_attention"
 
     def match(self, model, ctx):
-        from . import hf_compat
+        from .. import hf_compat
 
         why = _needs_cuda_triton(ctx)
         if why is None and hf_compat.attn_implementation(model.config) != "sdpa":
@@ -80,7 +80,8 @@ class Attention:
         return Report(self.name, installed=1, details={"implementation": attention.NAME})
 
     def check(self, model, ctx, report):
-        from . import attention, hf_compat
+        from .. import hf_compat
+        from . import attention
 
         now = hf_compat.attn_implementation(model.config)
         return [] if not report.installed or now == attention.NAME else [f"the model now runs {now!r} attention"]

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from . import forwards, hf_compat
+from .. import hf_compat
+from . import forwards
 
 MAX_POSITIONS = 32768  # the longest call with tables: 16 MB of cos / sin for 128-wide bf16 heads (Llama-3-8B, 8192: 4 MB)
 PROBE_LENGTHS = (1, 7)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextvars
 import torch
 from torch import nn
-from . import forwards, hf_compat
+from .. import hf_compat
+from . import forwards
 from ..ops.triton.rotary import fits, rotary
 
 NAME = hf_compat.ROTARY_FUNCTION
