@@ -5,8 +5,9 @@ Variants, each in a process of its own (a fresh process is what a user starts):
               runs it after tokenizing (runtime/engine: on CUDA a static KV cache and the decode
               step one CUDA graph, compiled before the first token and timed apart; eager elsewhere)
   ours-eager  the same with `compile=False` (`mpsconvert generate --no-compile`)
-  ours-hf     transformers' `generate()` on the loaded model (on CUDA: a static cache at batch 1,
-              runtime/patches/generate.py; elsewhere transformers' default)
+  ours-hf     transformers' `generate()` on the loaded model (on CUDA at batch 1: the engine,
+              runtime/patches/generate.py; elsewhere transformers' default; `generate_path` says
+              which ran)
   bf16        the BF16 source (`from_pretrained`) through the same engine
   bf16-hf     the BF16 source through transformers' default `generate()`
 
@@ -145,13 +146,13 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     def hf_generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
         """transformers' generate() of 1 token, then of n: (seconds of the first, of the second, its tokens, None)"""
         x = torch.tensor([ids], device=dev)
-        kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
+        kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0, eos_token_id=None)  # n tokens, as the engine makes
         times, cpu[:] = [], []
         for k in (1, n):
             devices.synchronize(dev)
             t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():
-                o = model.generate(x, max_new_tokens=k, min_new_tokens=k, **kw)
+                o = model.generate(x, max_new_tokens=k, **kw)
             devices.synchronize(dev)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
@@ -164,9 +165,9 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         st = engine.generate_ids(eng, ids, engine.Sampling(max_tokens=n))
         return st.prompt_seconds, st.prompt_seconds + st.generation_seconds, st.tokens, st
 
-    if hf:  # transformers compiles at its first static-cache generate (CUDA): timed apart, as ours is
-        t = time.perf_counter()
-        generate(prompt_ids(args.prompt, vocab), 4)
+    if hf:  # the first generate() compiles (CUDA; the engine's step, or transformers' own): timed apart, as ours is,
+        t = time.perf_counter()  # and as long as the longest call, so that the cache is sized once, as ours' reserve(longest)
+        generate(prompt_ids(max([args.prompt, *args.ttft]), vocab), args.tokens + 8)
         out["first_generate_s"] = round(time.perf_counter() - t, 3)
     out["ttft_ms"] = {}
     for n in args.ttft:
@@ -178,6 +179,8 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         first, total, tokens, stats = generate(ids, args.tokens)
         rates.append((len(tokens) - 1) / (total - first))
     out["decode_tps"] = round(statistics.median(rates), 3)
+    if hasattr(model, "mpsconvert_generate_path"):
+        out["generate_path"] = model.mpsconvert_generate_path
     out["decode_tps_runs"] = [round(r, 3) for r in rates]
     out["tokens"] = tokens
     if eng is not None and args.same_rounds > 0:  # the same loaded model through transformers' generate(), rounds interleaved with ours
@@ -407,7 +410,7 @@ def summary(name: str, r: dict) -> str:
     host = f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), " if r.get("host_us_per_token") is not None else ""
     return (f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth {r['bandwidth_fraction']:.3f}, TTFT {ttft}, "
             f"load {r['load_cold_s']:.2f} s cold / {r['load_warm_s']:.2f} s warm{comp}, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
-            f"{host}{r['ops_per_token']:.0f} aten ops/token{same}")
+            f"{host}{r['ops_per_token']:.0f} aten ops/token{same}" + (f"; model.generate() ran: {r['generate_path']}" if r.get("generate_path") else ""))
 
 
 if __name__ == "__main__":

@@ -177,41 +177,14 @@ def _tiny_causal():
 
 
 def test_the_compiled_path_is_chosen_on_cuda_only():
-    """The engine compiles its decode step by default on CUDA only; load()'s model.generate()
-    takes the static cache at batch 1 on a (faked) CUDA device and not on CPU; what the caller
-    asks for wins; the tokens are the engine's."""
-    from mpsconvert.runtime import engine, patches
+    """The engine compiles its decode step by default on CUDA only (model.generate() through it:
+    tests/test_model_generate.py)."""
+    from mpsconvert.runtime import engine
 
     assert engine.compiles_by_default(torch.device("cuda")) and not engine.compiles_by_default(torch.device("cpu"))
     assert not engine.compiles_by_default(torch.device("mps"))
     model = _tiny_causal()
     assert not engine.Engine(model).compiled and engine.Engine(model, compile=True).compiled
-    cpu = patches.apply(model, patches.Context(torch.device("cpu"), torch.bfloat16), "forwards")
-    assert cpu["generate"].skipped.startswith("a static cache pays with CUDA graphs only") and "generate" not in model.__dict__
-    off = patches.apply(_tiny_causal(), patches.Context(torch.device("cuda"), torch.bfloat16, {"compile": False}), "forwards")
-    assert off["generate"].skipped == "turned off (compile=False)"
-
-    fake_cuda = patches.Context(torch.device("cuda"), torch.bfloat16, {"eager_fusion": False})  # the device faked: only match reads it
-    assert patches.apply(model, fake_cuda, "forwards")["generate"].installed == 1
-    seen = []
-    own = type(model).generate
-
-    def spy(self, *a, **kw):
-        seen.append(kw.get("cache_implementation"))
-        return own(self, *a, **kw)
-
-    type(model).generate = spy
-    try:
-        prompt = [5, 6, 7, 8, 9, 10]
-        with torch.no_grad():
-            one = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-            model.generate(torch.tensor([prompt, prompt]), max_new_tokens=2, do_sample=False)
-            model.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False, cache_implementation="dynamic")
-    finally:
-        type(model).generate = own
-    assert seen == ["static", None, "dynamic"]
-    ours = engine.generate_ids(engine.Engine(model), prompt, engine.Sampling(max_tokens=12))
-    assert one[0, len(prompt):].tolist() == ours.tokens
 
 
 @pytest.mark.slow

@@ -78,7 +78,7 @@ def test_registry_order_and_one_report_shape():
     assert reports["shared_inputs"].skipped.startswith("CPU")
     for name in ("attention", "eager_fusion"):
         assert reports[name].skipped == "runs on CUDA only (this model is on cpu)"
-    assert reports["generate"].skipped.startswith("a static cache pays with CUDA graphs only")
+    assert reports["generate"].skipped.startswith("mpsconvert's engine takes generate() on CUDA only")
     assert reports["routing"].skipped.startswith("no softmax top-k router")
     assert reports["positions"].applied and reports["positions"].left == []
     off = patches.apply(_tiny("llama"), patches.Context(torch.device("cpu"), torch.bfloat16, {"eager_fusion": False}), "forwards")

@@ -126,7 +126,39 @@ def set_packed_sequence_check(fn) -> None:
     _masking().find_packed_sequence_indices = fn
 
 
+# --------------------------------------------------------------------------- generate()
+
+
+def generation_config(model, given, kwargs: dict):
+    """(the generation config a `model.generate(generation_config=given, **kwargs)` call runs with,
+    the keyword arguments it leaves for the model), resolved by transformers' own
+    `_prepare_generation_config` (the call's settings, then the model's generation config, then
+    transformers' defaults); a string saying why not where that method is gone or refuses the call
+    (transformers' generate() then says the same to the caller)."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if not callable(prepare):
+        return "transformers has no _prepare_generation_config (hf_compat)"
+    try:
+        gc, rest = prepare(given, **kwargs)
+    except Exception as e:  # the caller's settings are transformers' to judge
+        return f"transformers refused the settings: {type(e).__name__}: {str(e)[:160]}"
+    return gc, dict(rest)
+
+
+def default_generation_config():
+    """transformers' generation config with nothing set: its defaults (5.x keeps them apart, in
+    `_get_default_generation_params`; 4.x in the constructor)."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig()
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if callable(defaults):
+        gc.update(**defaults(), defaults_only=True)
+    return gc
+
+
 # --------------------------------------------------------------------------- names the scan knows
 
 PRIVATE = ("_attn_implementation", "_can_set_attn_implementation", ROTARY_FUNCTION, "find_packed_sequence_indices",
-           "sdpa_attention_forward", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", "masking_utils")
+           "sdpa_attention_forward", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", "masking_utils",
+           "_prepare_generation_config", "_get_default_generation_params")

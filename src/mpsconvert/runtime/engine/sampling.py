@@ -1,8 +1,10 @@
 """How the next token is chosen, mlx-lm's options: `temp` 0 is greedy (argmax), otherwise softmax
-at that temperature with nucleus (`top_p`) filtering, seeded: the same seed gives the same tokens
-on the same device and torch. The draw uses a generator on the logits' own device
-(`torch.multinomial` refuses a CPU generator for MPS or CUDA probabilities), made at the first
-draw, so a seed's draws are reproducible per device, not across devices.
+at that temperature, then the `top_k` most likely tokens, then nucleus (`top_p`) filtering (the
+order of transformers' warpers), seeded: the same seed gives the same tokens on the same device
+and torch. The draw uses a generator on the logits' own device (`torch.multinomial` refuses a CPU
+generator for MPS or CUDA probabilities), made at the first draw, so a seed's draws are
+reproducible per device, not across devices; seed None draws from the device's default
+generator, as transformers' generate() does (`torch.manual_seed` repeats it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class Sampling:
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = 0
+    top_k: int = 0  # 0: every token
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -30,6 +33,8 @@ class Sampling:
             raise MpsconvertError(f"--temp must be >= 0 (got {self.temp})", "pass --temp 0 for greedy decoding")
         if not 0 < self.top_p <= 1:
             raise MpsconvertError(f"--top-p must be in (0, 1] (got {self.top_p})", "pass --top-p 1.0 to keep every token")
+        if self.top_k < 0:
+            raise MpsconvertError(f"--top-k must be >= 0 (got {self.top_k})", "pass --top-k 0 to keep every token")
 
 
 class Draws:
@@ -37,19 +42,21 @@ class Draws:
     probabilities it draws from (made at the first draw, with `seed`), as `torch.multinomial`
     requires. None of it is made for greedy decoding."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int | None):
         self.seed, self.gen = seed, None
 
-    def on(self, device: torch.device) -> torch.Generator:
-        """The generator, made on `device` at the first draw (one generation stays on one device)."""
-        if self.gen is None:
+    def on(self, device: torch.device) -> torch.Generator | None:
+        """The generator, made on `device` at the first draw (one generation stays on one device);
+        None (the device's default generator) for seed None."""
+        if self.gen is None and self.seed is not None:
             self.gen = torch.Generator(device=device).manual_seed(self.seed)
         return self.gen
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, draws: Draws | None) -> int:
-    """argmax at temp 0; else a draw from softmax(logits / temp) restricted to the smallest set
-    of tokens whose probability reaches top_p, with `draws`' generator on the logits' device."""
+    """argmax at temp 0; else a draw from softmax(logits / temp) restricted to the top_k most
+    likely tokens, then to the smallest set of those whose probability reaches top_p, with
+    `draws`' generator on the logits' device."""
     return int(choose(logits, sampling, draws))
 
 
@@ -59,6 +66,9 @@ def choose(logits: torch.Tensor, sampling: Sampling, draws: Draws | None) -> tor
     if sampling.temp == 0:
         return logits.argmax()
     probs = torch.softmax(logits.float() / sampling.temp, dim=-1)
+    if 0 < sampling.top_k < probs.numel():  # ties with the k-th are kept, as transformers' top-k keeps them
+        probs = torch.where(probs >= probs.topk(sampling.top_k).values[-1], probs, 0.0)
+        probs = probs / probs.sum()  # top-p then reads the renormalised distribution, as transformers' warpers do
     if sampling.top_p < 1:
         p, idx = probs.sort(descending=True, stable=True)  # ties in index order, as argmax breaks them
         keep = p.cumsum(0) - p < sampling.top_p  # always keeps the first

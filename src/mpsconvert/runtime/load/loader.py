@@ -163,8 +163,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     transformers' packed-sequence check needs no synchronisation (runtime/patches/positions.py; checked
     bit for bit).
     On CUDA an MoE model's softmax top-k routers run as one kernel at decode (runtime/patches/routing.py).
-    compile: on CUDA, the model's transformers `generate()` at batch 1 takes a static KV cache,
-    with which transformers compiles its decode step into a CUDA graph (runtime/patches/generate.py);
+    compile: on CUDA, the model's transformers `generate()` at batch 1 runs mpsconvert's engine
+    (the loop `mpsconvert generate` runs: a static KV cache, the decode step one CUDA graph), or,
+    for settings the engine lacks, transformers' loop with a static cache, which transformers
+    compiles (runtime/patches/generate.py; `model.mpsconvert_generate_path` says which ran);
     False keeps transformers' default. Every change to the model is a patch of runtime/patches,
     reported in `model.mpsconvert.patches`; what a patch left is warned once.
     progress(phase, done, total, detail).

@@ -9,8 +9,8 @@ in one registry, applied in this order:
     eager_fusion    fused RMSNorm / MLP / decoder-layer forwards and the rotary kernel in eager
                     mode, direct prefill calls (CUDA, Triton)
     positions       a call without positions gets the model's own, known on the host (any device)
-    generate        model.generate() at batch 1 with a static cache, which transformers compiles
-                    into a CUDA graph (CUDA)
+    generate        model.generate() at batch 1 through mpsconvert's engine (the loop `mpsconvert
+                    generate` runs), or transformers' own with a static cache (CUDA)
 
 Only runtime/hf_compat.py touches transformers' private names. Each patch installs per module,
 only where a probe showed it computes what transformers computes; what it leaves is warned once
@@ -158,14 +158,15 @@ class Generate:
 
     def match(self, model, ctx):
         if ctx.device.type != "cuda":
-            return f"a static cache pays with CUDA graphs only (this model is on {ctx.device.type}): transformers' default runs"
+            return f"mpsconvert's engine takes generate() on CUDA only (this model is on {ctx.device.type}): transformers' default runs"
         return None if callable(getattr(model, "generate", None)) else "the model has no generate()"
 
     def install(self, model, ctx):
         from . import generate
 
         generate.install(model, ctx.device.type)
-        return Report(self.name, installed=1, details={"batch_1": "static cache (transformers compiles the decode step)"})
+        return Report(self.name, installed=1, details={"batch_1": "mpsconvert's engine (static cache, the decode step one CUDA graph, "
+                                                                "pipelined); settings it lacks: transformers' loop with a static cache"})
 
     def check(self, model, ctx, report):
         from . import generate
