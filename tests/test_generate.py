@@ -71,6 +71,13 @@ def test_sampling_is_seeded_and_top_p_small_is_greedy(art):
     greedy = mpsconvert.generate(art, "The river", **kw).stats.tokens
     nucleus = mpsconvert.generate(art, "The river", temp=1.5, top_p=1e-6, seed=5, **kw).stats.tokens
     assert a == b and a != c and nucleus == greedy
+    res = CliRunner().invoke(main, ["generate", str(art), "The river", "--temp", "1.5", "--top-k", "1", "--seed", "5", "--max-tokens", "12",
+                                    "--device", "cpu", "--ignore-chat-template", "--json"], catch_exceptions=False)
+    k1 = mpsconvert.generate(art, "The river", temp=1.5, top_k=1, seed=5, **kw).stats.tokens
+    free = mpsconvert.generate(art, "The river", temp=1.5, seed=5, **kw).stats.tokens
+    assert res.exit_code == 0 and json.loads(res.output.strip().splitlines()[-1])["tokens"] == k1 != free  # --top-k reaches the sampler
+    bad = CliRunner().invoke(main, ["generate", str(art), "The river", "--top-k", "-1"])
+    assert bad.exit_code == 2 and "--top-k" in bad.output
 
 
 def test_generate_cli_streams_and_reports_speed(art):
@@ -295,3 +302,4 @@ def test_the_pipelined_loop_stops_at_a_full_cache():
     prompt = [5, 6, 7, 8, 9, 10]
     a, b = (engine.generate_ids(e, prompt, engine.Sampling(max_tokens=12)) for e in (plain, piped))
     assert a.tokens == b.tokens and len(a.tokens) == 4 and a.stop == b.stop == "cache_full"
+

@@ -783,6 +783,7 @@ def chat(
     max_tokens: int = 256,
     temp: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     system: str | None = None,
     progress: Progress | None = None,
@@ -796,7 +797,8 @@ def chat(
             runtime; on Linux the CPU runtime bundled in coreai-core) or "coreml"
             (model.mlpackage; macOS only).
         device: for torch: "auto" (mps > cuda > cpu), "mps", "cuda[:N]" or "cpu".
-        max_tokens, temp, top_p, seed: sampling, as mlx-lm names it (temp 0: greedy).
+        max_tokens, temp, top_p, top_k, seed: sampling, as mlx-lm names it (temp 0: greedy; top_k 0:
+            every token; top-k before top-p, as transformers orders them).
         system: a system message that starts the history.
         progress: `progress(phase, done, total, detail)` while loading.
         compile: torch backend: the decode step as a CUDA graph (torch.compile, captured before
@@ -816,7 +818,7 @@ def chat(
     from .runtime import engine as gen
 
     artifact = Path(artifact)
-    sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
+    sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed)
     stack = contextlib.ExitStack()
     try:
         decoder, config = _decoder(artifact, backend, device, stack, progress, compile)  # the backend's own checks, then the artifact verified
@@ -837,7 +839,7 @@ def generate(artifact: str | Path, prompt: str, *, on_text=None, use_template: b
         prompt: the text; wrapped in the tokenizer's chat template when it has one and
             `use_template` (as mlx_lm.generate does).
         on_text: called with each new piece of text.
-        **kw: backend, device, max_tokens, temp, top_p, seed, system, progress (see `chat`).
+        **kw: backend, device, max_tokens, temp, top_p, top_k, seed, system, progress (see `chat`).
 
     Returns:
         GenerateResult: the text and its stats (prompt / generation tokens/s, peak memory, device).

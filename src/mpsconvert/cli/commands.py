@@ -339,6 +339,8 @@ def _sampling(fn):
         click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Sampling temperature (0: greedy)."),
         click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
                      help="Nucleus sampling: keep the most likely tokens up to this total probability."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Sample among the K most likely tokens only (0: all; applied before --top-p)."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler."),
         click.option("--system", "system_prompt", metavar="TEXT", help="A system message first."),
         click.option("--json", "as_json", is_flag=True, help="Print the text and its stats as JSON on stdout (no streaming)."),
@@ -355,14 +357,14 @@ def _sampling(fn):
 @_sampling
 @click.option("--ignore-chat-template", is_flag=True, help="Feed PROMPT as it is, not wrapped in the tokenizer's chat template.")
 @friendly_errors
-def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json, no_compile, ignore_chat_template):
+def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, no_compile, ignore_chat_template):
     """Generate text from ARTIFACT for PROMPT, streamed as it comes, then tokens/s, peak memory and device.
 
     \b
     PROMPT is wrapped in the tokenizer's chat template when it has one (as mlx_lm.generate does).
     """
     with render.progress_bars() as progress:
-        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
+        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                      system=system_prompt, progress=progress,
                      compile=False if no_compile else None)
     with c:
@@ -374,10 +376,10 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, seed, s
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @_sampling
 @friendly_errors
-def chat(artifact, backend, device, max_tokens, temp, top_p, seed, system_prompt, as_json, no_compile):
+def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, no_compile):
     """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or end of input) ends, `/reset` forgets."""
     with render.progress_bars() as progress:
-        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
+        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                      system=system_prompt, progress=progress,
                      compile=False if no_compile else None)
     with c:
