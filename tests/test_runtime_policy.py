@@ -104,7 +104,7 @@ def test_candidates_follow_scheme_and_device(with_triton):
     assert kernels.candidates("cpu", None, "row", "prefill") == ["bf16"]
 
 
-def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_triton):
+def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_triton, monkeypatch):
     table = {(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "gemv_splitk"): 22.0, (1, "gemv_w8a8"): 23.0, (1, "bf16"): 34.0,
              (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0}
     first = fake(table)
@@ -115,6 +115,14 @@ def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_t
     again = fake(table)
     dec, pre, *_ = policy(again, tmp_path).apply(Model(layer()))
     assert again.calls == [] and dec.source == pre.source == "cache" and dec.choice == "gemv"
+    from mpsconvert.runtime.load import policy as policy_mod
+
+    assert f"|kernels {policy_mod.kernels_digest()}|" in key and len(policy_mod.kernels_digest()) == 12
+    with monkeypatch.context() as mp:
+        mp.setattr(policy_mod, "kernels_digest", lambda: "0123456789ab")  # other kernels (another mpsconvert): measured again
+        changed = fake(table)
+        policy(changed, tmp_path).apply(Model(layer()))
+        assert changed.calls
     other = fake(table | {(1, "scaled_mm_tensor"): 1.0, (2048, "scaled_mm_tensor"): 1.0})
     policy(other, tmp_path).apply(Model(layer(gran="tensor", act="tensor", input_scale=0.05)))  # another scheme: measured
     assert other.calls

@@ -20,6 +20,8 @@ devices.capabilities and said once; such kernels are then not candidates at all.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import time
@@ -39,6 +41,17 @@ from ..ops.fp8linear import PREFILL_BUCKETS, FP8Linear
 
 # measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
 Measure = Callable[[str, FP8Linear, int], float]
+
+
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of our kernels' source (runtime/ops: the candidates and their Triton kernels), in
+    the cache key: timings measured for other kernels (an earlier mpsconvert) are measured again."""
+    ops = Path(kernels.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted([*ops.glob("*.py"), *ops.glob("triton/*.py")]):
+        h.update(f.relative_to(ops).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def cache_path() -> Path:
@@ -87,8 +100,8 @@ class KernelPolicy:
     # -- cache -------------------------------------------------------------------------------
     def key(self, sig: tuple, bucket: str, m: int) -> str:
         n, k, w, a = sig
-        return (f"{self.device_name}|torch {torch.__version__}|triton {tritonlib.version()}|{n}x{k}|weights={w}|"
-                f"acts={a or 'bf16'}|{bucket} M={m}")
+        return (f"{self.device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels {kernels_digest()}|{n}x{k}|"
+                f"weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
 
     def _read_cache(self) -> dict:
         if self.cache_file is None or not self.cache_file.is_file():
