@@ -95,6 +95,30 @@ def test_kernel_that_cannot_run_is_recorded_and_skipped(tmp_path, with_triton):
         policy(fake({}), tmp_path / "c").apply(Model(layer()))
 
 
+def test_a_triton_kernel_that_computes_something_else_is_never_timed(monkeypatch):
+    """Our Triton decode kernels are checked against the dequantized product before they are
+    timed: a wrong one raises (the policy records it as an error, above, and chooses another); a
+    close one (the W8A8 GEMV's rounding of the activations) is timed."""
+    lay = layer(64, 32)
+    pol = KernelPolicy(torch.device("cpu"), cache=False, capabilities=FAKE_GPU)
+    monkeypatch.setitem(kernels.FNS, "gemv_splitk", lambda mod, x: torch.zeros(x.shape[0], mod.out_features, dtype=x.dtype))
+    with pytest.raises(RuntimeError, match="gemv_splitk disagrees with the dequantized product"):
+        pol._measure("gemv_splitk", lay, 1)
+    monkeypatch.setitem(kernels.FNS, "gemv_splitk", lambda mod, x: kernels.dequant(mod, x) * 1.03)
+    assert pol._measure("gemv_splitk", lay, 1) > 0
+    monkeypatch.setitem(kernels.FNS, "gemv_splitk", lambda mod, x: kernels.dequant(mod, x) * float("nan"))
+    with pytest.raises(RuntimeError, match="relative error nan"):
+        pol._measure("gemv_splitk", lay, 1)
+    static = layer(64, 32, gran="tensor", act="tensor", input_scale=1e-3)  # random inputs clip at 448 * 1e-3: the scheme's rounding
+    monkeypatch.setitem(kernels.FNS, "gemv_w8a8", lambda mod, x: kernels.dequant(mod, kernels.scheme_rounded(mod, x)))
+    assert pol._measure("gemv_w8a8", static, 1) > 0  # checked against the clipped product, as the kernel computes it
+    from mpsconvert.runtime.load.policy import CHECK_BOUND
+
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(2))
+    clipped, plain = kernels.dequant(static, kernels.scheme_rounded(static, x)), kernels.dequant(static, x)
+    assert float((clipped - plain).norm() / plain.norm()) > CHECK_BOUND  # against the unrounded product it would have failed
+
+
 def test_candidates_follow_scheme_and_device(with_triton):
     assert kernels.candidates("cuda", "tensor", "tensor", "prefill") == ["scaled_mm_tensor", "dequant", "bf16"]
     assert kernels.candidates("cuda", "tensor", "row", "decode") == ["scaled_mm_row", "gemv", "gemv_splitk", "gemv_w8a8", "bf16"]

@@ -41,6 +41,20 @@ from ..ops.fp8linear import PREFILL_BUCKETS, FP8Linear
 
 # measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
 Measure = Callable[[str, FP8Linear, int], float]
+# Our own Triton kernels, checked against the dequantized product on the measuring input before
+# they are timed: one that computes something else (a GPU this project never ran them on) is
+# recorded as an error and never chosen. Bound: the relative error of the whole output, loose
+# enough for the summation orders of the kernels (W8A8: against x rounded to e4m3 with the layer's own
+# scales, so a static scale that clips random inputs clips the reference alike), far below a wrong
+# kernel's (~100%).
+CHECKED = ("gemv", "gemv_splitk", "gemv_w8a8")
+CHECK_BOUND = 0.1
+
+
+def _check(kernel: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+    if not err <= CHECK_BOUND:  # NaN fails too
+        raise RuntimeError(f"{kernel} disagrees with the dequantized product (relative error {err:.3g} > {CHECK_BOUND})")
 
 
 @functools.cache
@@ -229,6 +243,8 @@ class KernelPolicy:
             fn = lambda: torch.nn.functional.linear(x, dense, layer.bias)  # noqa: E731
         else:
             fn = lambda: kernels.run(kernel, layer, x)  # noqa: E731
+            if kernel in CHECKED:  # against the scheme's arithmetic: x rounded as the kernel's scheme rounds it
+                _check(kernel, fn(), kernels.run("dequant", layer, kernels.scheme_rounded(layer, x) if kernel == "gemv_w8a8" else x))
         return timing.per_call_us(fn, self.device)
 
     def explain(self) -> list[dict]:

@@ -173,12 +173,18 @@ def bf16(mod, x):
     return F.linear(x, mod.dense_weight, mod.bias)
 
 
+def scheme_rounded(mod, x: torch.Tensor) -> torch.Tensor:
+    """x as the layer's scheme rounds its activations before a FP8 x FP8 product (per token, or
+    the static scale), in x's dtype: what `dense_qact` multiplies."""
+    xq, xs = act_quant.torch_quantize(x, static_scale(mod))
+    return (xq.float() * xs).to(x.dtype)
+
+
 def dense_qact(mod, x):
     if mod.activations == "group":  # FP8_BLOCK's activations: per token and group of the block edge
         xq, xs = group_quantize(x, mod.block)
         return F.linear(_group_dequantize(xq, xs, mod.block, x.dtype), mod.dense_weight, mod.bias)
-    xq, xs = act_quant.torch_quantize(x, static_scale(mod))
-    return F.linear((xq.float() * xs).to(x.dtype), mod.dense_weight, mod.bias)
+    return F.linear(scheme_rounded(mod, x), mod.dense_weight, mod.bias)
 
 
 FNS = {"scaled_mm_row": scaled_mm_row, "scaled_mm_tensor": scaled_mm_tensor, "scaled_mm_block": scaled_mm_block, "gemv": gemv, "gemv_w8a8": gemv_w8a8, "gemv_splitk": gemv_splitk,
