@@ -26,7 +26,82 @@ def test_shapes_are_the_fused_gemms():
 
 
 def test_not_started_off_cuda():
-    assert prewarm.start(None, {}, torch.bfloat16, torch.device("cpu"), 9, True) is None
+    assert prewarm.start(torch.device("cpu")) is None
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The thread's two phases replaced by recorders (torch.cuda.device made a no-op off CUDA)."""
+    import contextlib
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(prewarm, "_first_use", lambda report: calls.append("first use"))
+    monkeypatch.setattr(prewarm, "_work", lambda *a: calls.append(("work", a)))
+    return calls
+
+
+def test_first_use_runs_before_the_model_is_known_and_the_rest_after_begin(recorded):
+    warm = prewarm.Prewarm(torch.device("cpu"))
+    warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True, decode=("row", "token"))
+    report = warm.join()
+    assert recorded[0] == "first use"
+    assert recorded[1] == ("work", ("cfg", {"l": (8, 4)}, torch.bfloat16, torch.device("cpu"), 9, True, report, ("row", "token")))
+    assert report["waited_s"] >= 0 and report["seconds"] >= 0
+    warm.cancel()  # after begin: nothing changes
+    with pytest.raises(RuntimeError, match="twice"):
+        warm.begin("cfg", {}, torch.bfloat16, 9, True)
+
+
+def test_a_cancelled_warm_up_ends_without_the_model_work(recorded):
+    warm = prewarm.Prewarm(torch.device("cpu"))
+    warm.cancel()
+    warm._thread.join(timeout=10)
+    assert not warm._thread.is_alive()
+    assert recorded == ["first use"]
+
+
+class _Recorder:
+    def __init__(self):
+        self.begun, self.cancelled, self.joined = None, False, False
+
+    def begin(self, config, linears, dtype, rows, rowwise, decode=None):
+        self.begun = (linears, rowwise, decode)
+
+    def cancel(self):
+        self.cancelled = True
+
+    def join(self):
+        self.joined = True
+        return {"warmed": [], "failed": [], "waited_s": 0.0}
+
+
+def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_failure(tmp_path, monkeypatch):
+    """load() starts the thread before anything is read, hands it exactly the FP8 Linears' shapes
+    once the model is built, waits for it before the kernel policy, and ends it when a load fails."""
+    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.errors import ArtifactError
+    from mpsconvert.manifests.schemes import Scheme
+    from mpsconvert.runtime.load import loader
+    from mpsconvert.source import resolve
+
+    from . import models
+
+    started = []
+    monkeypatch.setattr(prewarm, "start", lambda dev: started.append(_Recorder()) or started[-1])
+    with pytest.raises(ArtifactError):
+        loader.load(tmp_path / "nothing", device="cpu")
+    assert started[-1].cancelled and started[-1].begun is None
+    src = models.tiny("llama", tmp_path / "bf16", dtype=torch.bfloat16, tie=False)
+    quantize_snapshot(resolve(str(src)), tmp_path / "art", Options(scheme=Scheme.make("fp8-dynamic", "row"), force=True))
+    model = loader.load(tmp_path / "art", device="cpu")
+    warm = started[-1]
+    linears, rowwise, decode = warm.begun
+    assert linears == {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, loader.FP8Linear)}
+    assert rowwise and decode == ("row", "token") and warm.joined
+    assert "prewarm_wait" in model.mpsconvert.seconds
+    loader.load(tmp_path / "art", device="cpu", eager_fusion=False)
+    assert started[-1] is warm  # no warm-up asked for: none started
 
 
 @pytest.mark.triton("interpret")
@@ -41,7 +116,7 @@ def test_every_warm_up_call_is_valid():
     prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("row", "token"))
     assert report["failed"] == [], report["failed"]
     names = [w.rpartition(" ")[0] for w in report["warmed"]]
-    assert names == ["triton", "decode kernels 64x64", "decode kernels 64x96", "decode kernels 128x64", "decode kernels 192x64",
+    assert names == ["decode kernels 64x64", "decode kernels 64x96", "decode kernels 128x64", "decode kernels 192x64",
                      "quantize 64", "quantize 96", "silu_mul_quantize 192", "rms_norm", "rotary", "sdpa"], names
 
 

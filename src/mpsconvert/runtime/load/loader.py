@@ -50,7 +50,7 @@ from ...manifests import layout, loadable
 from ...manifests.ct_config import scheme_from_config
 from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
 from ...safetensors_io import DTYPES
-from . import stream
+from . import prewarm, stream
 from .. import patches
 from ..ops.fp8linear import FP8Linear
 from .policy import KernelPolicy
@@ -176,6 +176,21 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     t0 = time.perf_counter()
     path = Path(path)
     dev = devices.choose(device)
+    # first-use costs paid while the manifest is verified, the model built and the shards streamed
+    warm = prewarm.start(dev) if eager_fusion else None
+    try:
+        return _load(path, dev, dtype, verify, warm, t0, kernel_cache=kernel_cache, measure=measure,
+                     trust_remote_code=trust_remote_code, progress=progress, share_inputs=share_inputs,
+                     manifest_sha256=manifest_sha256, decode_attention=decode_attention, eager_fusion=eager_fusion,
+                     compile=compile)
+    finally:
+        if warm is not None:
+            warm.cancel()  # a load that failed before the model was known: the thread ends
+
+
+def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm, t0: float, *, kernel_cache, measure,
+          trust_remote_code: bool, progress, share_inputs: bool, manifest_sha256: str | None, decode_attention: bool,
+          eager_fusion: bool, compile: bool):
     atomic.recover(path)
     config_path = path / layout.CONFIG_NAME
     if not config_path.is_file():
@@ -216,17 +231,14 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     raise_problems(path, report)
     seconds = {"build_and_check": time.perf_counter() - t0}
 
-    warm = None
-    if eager_fusion and dev.type == "cuda":  # first-use costs of the fusion's probe, paid while the shards stream
-        from . import prewarm
+    if warm is not None:  # the fusion's probe and the decode kernels, for this model's shapes
         from ..patches.eager_fusion import PROBE_ROWS
         from ...manifests.schemes import Activations
         from ...scales import Granularity
 
         fp8 = {n: s for n, s in linears.items() if n not in ignored}
-        warm = prewarm.start(config, fp8, dtype, dev, PROBE_ROWS,
-                             rowwise=scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW,
-                             decode=(str(scheme.weights), scheme.activations))
+        warm.begin(config, fp8, dtype, PROBE_ROWS, rowwise=scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW,
+                   decode=(str(scheme.weights), scheme.activations))
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
         plan = _Plan(model, report, dtype, dev)

@@ -8,10 +8,14 @@ against 0.3 s in a process that had run them before (Llama-3-8B shape; the load'
 ~3 s, docs/runtime-notes.md). Here a thread makes the same kinds of calls (the activation
 quantization, fused norm, SiLU*up and rotary kernels, the FP8 GEMMs of each layer shape, SDPA)
 on scratch tensors of the model's sizes, and compiles and autotunes the Triton decode kernels the
-kernel policy will time (GEMV, W8A8 GEMV, split-K GEMV: 35 configurations, compiled on a thread
+kernel policy will time (GEMV, W8A8 GEMV, split-K GEMV: 37 configurations, compiled on a thread
 pool, then timed per layer shape by their autotuners), while the main thread reads, hashes and copies the
 shards (mostly waiting on the disk, hashlib and copies, which release the GIL); `join` waits for
-it before the kernel policy and the fusion run.
+it before the kernel policy and the fusion run. The thread starts with the load, before the model
+is known, with Triton's own first use (its driver and the C launcher it builds: 6-8 s on a fresh
+H100 host), paid while the manifest is verified and the model built; `begin` then gives it the
+model's shapes (on the H100 the warm-up took 20 s of a 38.9 s cold load, 12 s of it waited for,
+when it started only once the model was built).
 
 Nothing here is used afterwards but the caches the calls fill (Triton's kernels and our direct
 launches of them, the libraries' loaded kernels and plans); the scratch values are never read.
@@ -79,25 +83,35 @@ def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtyp
         kernels.run(c, layer, x)
 
 
+def _step(report: dict, name: str, fn) -> None:
+    t = time.perf_counter()
+    try:
+        fn()
+        report["warmed"].append(f"{name} {time.perf_counter() - t:.3f}s")
+    except Exception as e:  # the install makes the real call and says what failed
+        report["failed"].append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def _first_use(report: dict) -> None:
+    """What needs no model: Triton's driver, its launcher build and how we launch kernels."""
+    from ..ops.triton import launch as triton_launch
+
+    _step(report, "triton", triton_launch.mode)
+
+
 def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict,
           decode: tuple | None = None) -> None:
-    from ..ops.triton import act_quant, launch as triton_launch
+    from ..ops.triton import act_quant
     from ..ops.triton import rotary
     from ..ops import triton as tritonlib
     from ...fp8 import FP8_DTYPE
 
     def step(name, fn):
-        t = time.perf_counter()
-        try:
-            fn()
-            report["warmed"].append(f"{name} {time.perf_counter() - t:.3f}s")
-        except Exception as e:  # the install makes the real call and says what failed
-            report["failed"].append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+        _step(report, name, fn)
 
     gemms, gated = _shapes(linears)
     hidden = getattr(config, "hidden_size", None)
     eps = getattr(config, "rms_norm_eps", None)
-    step("triton", triton_launch.mode)
     if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor"):
         for n, k in sorted(gemms):
             step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev))
@@ -134,23 +148,43 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
 
 
 class Prewarm:
-    """The warm-up thread of one load; `join()` returns what it did."""
+    """The warm-up thread of one load. Started with the load, it pays Triton's first use while the
+    model is built; `begin` hands it the model's shapes, `join()` returns what it did, and
+    `cancel()` ends a thread whose load failed before `begin` (a no-op after it)."""
 
-    def __init__(self, config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool,
-                 decode: tuple | None = None):
+    def __init__(self, dev: torch.device):
         self.report: dict = {"warmed": [], "failed": []}
         self._t0 = time.perf_counter()
+        self._job: tuple | None = None
+        self._ready = threading.Event()
 
         def run():
             try:
                 with torch.cuda.device(dev):
-                    _work(config, linears, dtype, dev, rows, rowwise, self.report, decode)
-            except Exception as e:  # pragma: no cover - _work catches per step; this is the thread's last guard
+                    _first_use(self.report)
+                    self._ready.wait()
+                    if self._job is not None:
+                        config, linears, dtype, rows, rowwise, decode = self._job
+                        _work(config, linears, dtype, dev, rows, rowwise, self.report, decode)
+            except Exception as e:  # pragma: no cover - the steps catch their own; this is the thread's last guard
                 self.report["failed"].append(f"{type(e).__name__}: {str(e)[:120]}")
             self.report["seconds"] = round(time.perf_counter() - self._t0, 3)
 
         self._thread = threading.Thread(target=run, name="mpsconvert-prewarm", daemon=True)
         self._thread.start()
+
+    def begin(self, config, linears: dict, dtype: torch.dtype, rows: int, rowwise: bool, decode: tuple | None = None) -> None:
+        """Warm up for a model of `config` whose FP8 Linears are `linears` ({name: (N, K)}),
+        probed with `rows` tokens; `rowwise`: their prefill GEMMs are row-wise scaled (per-token
+        activations, per-row weights); `decode`: (weight granularity, activation scheme) of those
+        layers, whose Triton decode kernels are compiled and autotuned here."""
+        if self._ready.is_set():
+            raise RuntimeError("Prewarm.begin called twice or after cancel")
+        self._job = (config, linears, dtype, rows, rowwise, decode)
+        self._ready.set()
+
+    def cancel(self) -> None:
+        self._ready.set()
 
     def join(self) -> dict:
         t = time.perf_counter()
@@ -159,13 +193,9 @@ class Prewarm:
         return self.report
 
 
-def start(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool,
-          decode: tuple | None = None) -> Prewarm | None:
-    """Start warming up for a model of `config` whose FP8 Linears are `linears` ({name: (N, K)}),
-    probed with `rows` tokens; `rowwise`: their prefill GEMMs are row-wise scaled (per-token
-    activations, per-row weights); `decode`: (weight granularity, activation scheme) of those
-    layers, whose Triton decode kernels are compiled and autotuned here. None where there is
-    nothing to warm (not CUDA)."""
+def start(dev: torch.device) -> Prewarm | None:
+    """Start the warm-up thread of a load on `dev` (Triton's first use at once; the model's own
+    calls once `begin` gives its shapes). None where there is nothing to warm (not CUDA)."""
     if dev.type != "cuda":
         return None
-    return Prewarm(config, linears, dtype, dev, rows, rowwise, decode)
+    return Prewarm(dev)
