@@ -180,14 +180,16 @@ def test_shard_writer_refuses_more_bytes_than_declared_and_a_missing_tensor(tmp_
     w.abort()
 
 
-def test_background_hasher_hashes_in_order_and_reports_errors_where_asked(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_background_hasher_hashes_every_file_and_reports_errors_where_asked(tmp_path, threads):
     files = []
-    for i, n in enumerate([0, 1, (32 << 20) + 5]):
+    for i, n in enumerate([0, 1, (32 << 20) + 5, 7 << 20]):
         p = tmp_path / f"f{i}"
         p.write_bytes(os.urandom(n))
         files.append(p)
     missing = tmp_path / "missing"
-    h = BackgroundHasher(files + [missing])
+    h = BackgroundHasher(files + [missing], threads=threads)
+    assert len(h._threads) == threads
     for p in files:
         assert h.sha256(p) == hashlib.sha256(p.read_bytes()).hexdigest()
     with pytest.raises(FileNotFoundError):
@@ -197,10 +199,11 @@ def test_background_hasher_hashes_in_order_and_reports_errors_where_asked(tmp_pa
 def test_cancelled_hasher_stops(tmp_path):
     big = tmp_path / "big"
     big.write_bytes(os.urandom(96 << 20))
-    h = BackgroundHasher([big, big.with_name("other")])
+    h = BackgroundHasher([big, big.with_name("other"), big.with_name("third")], threads=2)
     h.cancel()
-    h._thread.join(timeout=30)
-    assert not h._thread.is_alive()
+    for t in h._threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
 
 
 @pytest.mark.parametrize("preadv", [True, False])

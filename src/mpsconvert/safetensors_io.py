@@ -403,8 +403,8 @@ class ShardWriter:
     """Writes a safetensors file whose tensor list is known up front, data streamed in order.
 
     A tensor's bytes may come in several `write` calls (blocks of rows), or be copied from a
-    source file by `copy`. The sha256, the copies and the file writes run on a background
-    thread; a block's `release` callback (a pooled buffer going back) is called once its bytes
+    source file by `copy`. The copies and the file writes run on a background thread, the
+    sha256 beside them on one of its own; a block's `release` callback (a pooled buffer going back) is called once its bytes
     are written. `close` returns at once: the last writes and copies overlap whatever the
     caller does next (the next shard), `digest` waits for them, and `sync` makes the file durable.
     """
@@ -424,6 +424,7 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.size = 8 + len(raw) + off
         self._hash = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-sha256-out")
         self._f = OutputFile(self.path)
         self._bg = _Background(depth=3)
         self._next = 0
@@ -445,8 +446,14 @@ class ShardWriter:
                 release()
 
     def _write(self, data) -> None:
-        self._hash.update(data)
-        self._f.write(data)
+        # the sha256 and the copy into the write stage side by side, on two threads: in one, the
+        # hash (1.2 GB/s on the 16-core H100 host) and the copy took turns, and that one thread
+        # bounded a 16-core conversion
+        hashed = self._hasher.submit(self._hash.update, data)
+        try:
+            self._f.write(data)
+        finally:
+            hashed.result()
 
     def _advance(self, name: str, nbytes: int) -> None:
         if self._next >= len(self._order) or self._order[self._next] != name:
@@ -508,6 +515,7 @@ class ShardWriter:
                 if not self._closed:
                     raise RuntimeError("ShardWriter.digest is known after close()")
                 self._bg.shutdown()
+                self._hasher.shutdown()
                 self._copy_buf = None
                 self._digest = self._hash.hexdigest()
             return self._digest
@@ -540,6 +548,7 @@ class ShardWriter:
             self._bg.shutdown()
         except Exception:  # the write that failed is what the caller is already handling
             pass
+        self._hasher.shutdown()
         self._f.close()
 
 

@@ -36,6 +36,7 @@ class Shards:
     bytes_in: int = 0
     bytes_out: int = 0
     write_modes: set = field(default_factory=set)  # how the shards reached the disk
+    plan_source: str | None = None  # how the tensors to quantize were known while writing (convert/guess.py)
 
 
 def _record_file(files: dict, folder: Path, rel: str) -> str:
@@ -102,6 +103,8 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: 
     # How the shards reached the disk (O_DIRECT or the page cache, and why): it depends on the
     # filesystem, not on the inputs, so it lives in the block that differs between runs.
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
+    if shards.plan_source:
+        manifest.created["plan"] = shards.plan_source
     manifest.summary = summarize(manifest, plan, shards.bytes_in, shards.bytes_out)
     src_card = snap.path / card.CARD_NAME
     finish(tmp, manifest, name, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None,

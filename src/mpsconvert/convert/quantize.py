@@ -32,8 +32,9 @@ import contextlib
 import functools
 import math
 import os
+import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -54,8 +55,9 @@ from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
 from ..plan import Plan, matches, plan_for
-from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES
+from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES, guess
 from .assemble import Shards, assemble
+from .plan_child import PlanChild
 
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
 # flight bound the memory a conversion needs beyond the runtime itself, whatever the model.
@@ -67,17 +69,35 @@ QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
 _FLOAT_CODES = ("F32", "F16", "BF16")  # what is quantized, cast by --dtype, or read as a scale
 
 
+# From this size of checkpoint on, the plan is built by a child process while the shards are
+# written with a plan guessed from the tensor names (plan_child.py, guess.py): below it the
+# writing is shorter than the child's own start (torch's import, 1-4 s), which would be paid on
+# top of the parent's.
+PLAN_CHILD_MIN_BYTES = 1 << 30
+
 DEFAULT_MAX_SHARD_SIZE = 10**9  # "1GB": an 8B model in 9 files, verified on 9 threads at load
 
 
-def shard_size_bytes(size: int | str) -> int:
-    """"1GB" / "500MB" / "2GiB" / bytes -> bytes, as transformers' `save_pretrained(max_shard_size=)` reads it."""
-    from transformers.utils.hub import convert_file_size_to_int
+_SIZE_UNITS = (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
 
-    try:
-        n = convert_file_size_to_int(size)
-    except (ValueError, TypeError, AttributeError):
-        n = None
+
+def shard_size_bytes(size: int | str) -> int:
+    """"1GB" / "500MB" / "2GiB" / bytes -> bytes, as transformers' `save_pretrained(max_shard_size=)`
+    reads it (`convert_file_size_to_int`: a lower-case final "b" means bits; the same table is
+    checked against it in tests/test_plan_child.py). Written here because importing transformers
+    for it costs 3 s on the H100 host, which a conversion whose plan is built by a child process
+    never pays otherwise."""
+    n = None
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif isinstance(size, str):
+        for unit, factor in _SIZE_UNITS:
+            if size.upper().endswith(unit):
+                digits = size[: -len(unit)]
+                if digits.isascii() and digits.isdigit():
+                    n = int(digits) * factor
+                    n = n // 8 if unit[1] == "B" and size.endswith("b") else n
+                break
     if not isinstance(n, int) or n <= 0:
         raise QuantizationError(f"cannot read {size!r} as a shard size", "pass a size such as 1GB, 500MB or 2GiB")
     return n
@@ -373,24 +393,75 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
         return _quantize_snapshot(snap, out, opts, progress)
 
 
+class _GuessDiffers(Exception):
+    """The plan, once built, quantizes other tensors than the guess the shards were written with."""
+
+
 def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
-    plan, headers, tensor_module, expert_tensors = _prepare(snap, opts)
-    consumed = source_keys(snap, opts) if snap.fp8 else set()
+    headers = {f: read_header(snap.path / f) for f in snap.weight_files}
+    guessed = None
+    if not snap.fp8 and not opts.scheme.needs_calibration and not opts.trust_remote_code and \
+            sum(h.file_size for h in headers.values()) >= PLAN_CHILD_MIN_BYTES:
+        guessed = guess.guess(snap.config, headers, opts.ignore)
+    if guessed is None:
+        plan, headers, tensor_module, expert_tensors = _prepare(snap, opts, headers)
+        child = None
+    else:  # the plan is built by a child process (it imports transformers: seconds) while the shards are written
+        child = PlanChild(snap.path, opts.ignore, snap.weight_files)
+        prepared = _in_background(lambda: _prepare(snap, opts, headers, plan=child.result()))
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
-        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, tensor_module, opts.scheme),
+        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, guessed or tensor_module, opts.scheme),
                           is_ours=layout.is_ours, protect=(snap.path,)) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
+        contextlib.ExitStack() as stack,
     ):
-        shards = _write_shards(snap, headers, tensor_module, expert_tensors, opts, tmp, pool, workers, syncs, or_silent(progress), consumed)
+        if child is not None:
+            stack.callback(child.kill)  # a failed or interrupted run leaves no child behind
+        write = functools.partial(_write_shards, snap, headers, opts=opts, tmp=tmp, pool=pool, workers=workers, syncs=syncs,
+                                  progress=or_silent(progress), consumed=source_keys(snap, opts) if snap.fp8 else set())
+        if guessed is None:
+            shards = write(tensor_module, expert_tensors)
+        else:
+            def differs() -> None:  # between shards: a plan built by now that disagrees stops the writing
+                if prepared.done() and prepared.result()[2:] != (guessed, {}):
+                    raise _GuessDiffers
+
+            try:
+                shards = write(guessed, {}, between=differs)
+                plan, headers, tensor_module, expert_tensors = prepared.result()
+                differs()
+                shards.plan_source = f"guessed from the tensor names while {child.built_by} read the model definition; the two agreed"
+            except _GuessDiffers:
+                plan, headers, tensor_module, expert_tensors = prepared.result()
+                for f in tmp.glob("*.safetensors"):
+                    f.unlink()
+                shards = write(tensor_module, expert_tensors)
+                shards.plan_source = f"the model definition, read by {child.built_by} (the guess from the tensor names differed: shards written again)"
         return assemble(tmp, snap, plan, opts, shards, Path(out).absolute().name)
 
 
-def _prepare(snap: Snapshot, opts: Options):
-    """The plan, the checked shard headers, and which checkpoint tensors get quantized how."""
-    plan = plan_for(snap.path, opts.ignore, opts.trust_remote_code)
-    headers = {f: read_header(snap.path / f) for f in snap.weight_files}
+def _in_background(fn) -> Future:
+    """`fn()` on a daemon thread (a failed or interrupted run exits without waiting for it)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # delivered to whoever asks for the result
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="mpsconvert-plan", daemon=True).start()
+    return fut
+
+
+def _prepare(snap: Snapshot, opts: Options, headers: dict | None = None, plan: Plan | None = None):
+    """The plan (`plan` where a child process built it and checked the shapes against its model:
+    plan_child.py; built here where None), the checked shard headers, and which checkpoint
+    tensors get quantized how."""
+    plan = plan if plan is not None else plan_for(snap.path, opts.ignore, opts.trust_remote_code)
+    headers = headers or {f: read_header(snap.path / f) for f in snap.weight_files}
     check_tensor_layout(snap, headers)
     check_against_model(plan, headers, fp8_source=snap.fp8 is not None)
     tensor_module = _finalize_fp8_plan(plan, headers, snap, opts) if snap.fp8 else _finalize_plan(plan, headers)
@@ -429,7 +500,7 @@ def _prepare(snap: Snapshot, opts: Options):
 
 def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_tensors: dict, opts: Options, tmp: Path,
                   pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress, consumed: set = frozenset(),
-                  shard_names: Callable[[int], list[str]] = layout.shard_names) -> Shards:
+                  shard_names: Callable[[int], list[str]] = layout.shard_names, between: Callable[[], None] = lambda: None) -> Shards:
     """Stream every source shard into its output shards (more than one where its output would
     exceed `opts.max_shard_size`, named by `shard_names`): quantized tensors first, then the ones
     copied as they are (the writer thread copies those, an embedding is half a GB, while this
@@ -474,6 +545,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
         out.write_modes.add(writer.write_mode)
 
     for (src_name, work, entries), out_name in zip(groups, shard_names(len(groups))):
+        between()
         while len(behind) > 1:  # one shard's writer may finish (its embedding copy) while the next one starts
             finished(*behind.popleft())
         header = headers[src_name]

@@ -1,0 +1,42 @@
+"""The plan guessed from tensor names, so that writing starts while transformers is imported.
+
+Why: the plan is read from the model's own definition (plan.py), and building it means importing
+transformers' modeling code: 3 s on a 2-core VM, 7-11 s on the H200 host, as long as writing a
+whole 16 GB checkpoint. For the architectures below the Linear weights have fixed names, so
+`quantize` writes with this guess while the real plan is built on another thread (the import holds
+the GIL, the writing mostly runs without it), then compares the two before anything is published:
+the same tensors, each with the same module, or the shards are written again with the real plan
+(`Options.plan_source` says which happened; the manifest's `created.plan` records it). A guess
+never decides anything on its own.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..plan import matches
+from ..safetensors_io import TensorInfo
+
+# model_type -> the stored names of its quantized Linear weights (every Linear but lm_head)
+_LINEARS = re.compile(r"model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight")
+RULES = {"llama": _LINEARS, "mistral": _LINEARS, "qwen2": _LINEARS, "qwen3": _LINEARS}
+_FLOATS = {"BF16", "F16", "F32"}
+
+
+def guess(config: dict, headers: dict, ignore: list[str]) -> dict[str, str] | None:
+    """tensor name -> module for the weights the plan will quantize, or None where this
+    architecture has no rule (then the conversion waits for the real plan)."""
+    rule = RULES.get(config.get("model_type"))
+    if rule is None:
+        return None
+    found = {}
+    for h in headers.values():
+        for name, info in h.tensors.items():
+            info: TensorInfo
+            if len(info.shape) == 3:  # fused MoE experts: the real plan decides their layout
+                return None
+            if rule.fullmatch(name) and len(info.shape) == 2 and info.dtype in _FLOATS:
+                mod = name[: -len(".weight")]
+                if not matches(mod, ignore):
+                    found[name] = mod
+    return found or None

@@ -1,0 +1,130 @@
+"""The plan built by a child process while the shards are written with a plan guessed from the
+tensor names (convert/plan_child.py, convert/guess.py): the artifact is byte for byte the one
+the in-process plan writes, whichever way the guess and the child go, and the manifest says
+which path ran."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mpsconvert.convert import guess, plan_child, quantize
+from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.errors import SourceError
+from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.source import resolve
+
+from . import models
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return models.tiny("llama", tmp_path_factory.mktemp("plan-child") / "bf16", dtype=torch.bfloat16, tie=False)
+
+
+def _convert(src, out, **kw):
+    quantize_snapshot(resolve(str(src)), out, Options(scheme=Scheme.make("fp8-dynamic", "row"), force=True, **kw))
+    manifest = json.loads((out / "mpsconvert.json").read_text())
+    shards = {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+    return manifest, shards
+
+
+@pytest.fixture(scope="module")
+def reference(src, tmp_path_factory):
+    """The artifact as the in-process plan writes it (a checkpoint below PLAN_CHILD_MIN_BYTES)."""
+    manifest, shards = _convert(src, tmp_path_factory.mktemp("ref") / "out")
+    assert "plan" not in manifest["created"]
+    return manifest, shards
+
+
+@pytest.fixture
+def child_path(monkeypatch):
+    monkeypatch.setattr(quantize, "PLAN_CHILD_MIN_BYTES", 0)
+
+
+def test_the_guess_agrees_with_the_child_and_the_bytes_are_the_in_process_ones(src, reference, tmp_path, child_path):
+    manifest, shards = _convert(src, tmp_path / "out")
+    assert manifest["created"]["plan"] == "guessed from the tensor names while a child process read the model definition; the two agreed"
+    assert shards == reference[1]
+    assert manifest["tensors"] == reference[0]["tensors"]
+
+
+def test_a_wrong_guess_is_caught_and_the_shards_written_again(src, reference, tmp_path, child_path, monkeypatch):
+    real = guess.guess
+
+    def short(config, headers, ignore):  # misses one Linear
+        found = real(config, headers, ignore)
+        found.pop(sorted(found)[0])
+        return found
+
+    monkeypatch.setattr(guess, "guess", short)
+    manifest, shards = _convert(src, tmp_path / "out")
+    assert manifest["created"]["plan"].startswith("the model definition, read by a child process (the guess from the tensor names differed")
+    assert shards == reference[1]
+    assert manifest["tensors"] == reference[0]["tensors"]
+
+
+def test_a_failed_child_leaves_the_plan_to_this_process_and_says_so(src, reference, tmp_path, child_path, monkeypatch):
+    monkeypatch.setattr(plan_child.PlanChild, "command", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"])
+    manifest, shards = _convert(src, tmp_path / "out")
+    assert "while this process (the child exited with 3: boom) read the model definition" in manifest["created"]["plan"]
+    assert shards == reference[1]
+
+
+def test_a_checkpoint_that_does_not_fit_its_config_is_refused_as_without_a_child(src, tmp_path, child_path):
+    """The child's shape check fails; the parent builds the plan itself and raises the real error."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] += 16
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="shape"):
+        _convert(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_child_reports_the_plan_it_built(src):
+    child = plan_child.PlanChild(src, [], ["model.safetensors"])
+    plan = child.result()
+    assert child.why_not is None and child.built_by == "a child process"
+    from mpsconvert.plan import plan_for
+
+    here = plan_for(src, [])
+    assert (plan.architecture, plan.quantize, plan.ignored, plan.skipped, plan.prefix) == \
+        (here.architecture, here.quantize, here.ignored, here.skipped, here.prefix)
+
+
+def test_the_parent_never_imports_transformers_on_the_child_path(src, tmp_path):
+    code = f"""
+import sys, torch
+from mpsconvert.convert import quantize
+from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.source import resolve
+quantize.PLAN_CHILD_MIN_BYTES = 0
+quantize_snapshot(resolve({str(src)!r}), __import__('pathlib').Path({str(tmp_path / 'out')!r}), Options(scheme=Scheme.make('fp8-dynamic', 'row')))
+print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("size", ["1GB", "500MB", "2GiB", "3MiB", "7KiB", "10KB", "8Gb", "16mb", "100kB", "5gib", 123456])
+def test_shard_sizes_read_as_transformers_reads_them(size):
+    from transformers.utils.hub import convert_file_size_to_int
+
+    assert quantize.shard_size_bytes(size) == convert_file_size_to_int(size)
+
+
+@pytest.mark.parametrize("size", ["1TB", "GB", "-1GB", "1.5GB", "0MB", 0, True, None, "１GB"])
+def test_sizes_transformers_would_not_read_are_refused_in_one_line(size):
+    from mpsconvert.errors import QuantizationError
+
+    with pytest.raises(QuantizationError, match="cannot read .* as a shard size"):
+        quantize.shard_size_bytes(size)
