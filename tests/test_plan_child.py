@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from mpsconvert import convert
 from mpsconvert.convert import guess, plan_child, quantize
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import SourceError
@@ -35,7 +36,7 @@ def _convert(src, out, **kw):
 
 @pytest.fixture(scope="module")
 def reference(src, tmp_path_factory):
-    """The artifact as the in-process plan writes it (a checkpoint below PLAN_CHILD_MIN_BYTES)."""
+    """The artifact as the in-process plan writes it (a checkpoint below plan_child.MIN_BYTES)."""
     manifest, shards = _convert(src, tmp_path_factory.mktemp("ref") / "out")
     assert "plan" not in manifest["created"]
     return manifest, shards
@@ -43,7 +44,7 @@ def reference(src, tmp_path_factory):
 
 @pytest.fixture
 def child_path(monkeypatch):
-    monkeypatch.setattr(quantize, "PLAN_CHILD_MIN_BYTES", 0)
+    monkeypatch.setattr(plan_child, "MIN_BYTES", 0)
 
 
 def test_the_guess_agrees_with_the_child_and_the_bytes_are_the_in_process_ones(src, reference, tmp_path, child_path):
@@ -107,7 +108,7 @@ from mpsconvert.convert import quantize
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.source import resolve
-quantize.PLAN_CHILD_MIN_BYTES = 0
+from mpsconvert.convert import plan_child; plan_child.MIN_BYTES = 0
 quantize_snapshot(resolve({str(src)!r}), __import__('pathlib').Path({str(tmp_path / 'out')!r}), Options(scheme=Scheme.make('fp8-dynamic', 'row')))
 print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))
 """
@@ -119,7 +120,7 @@ print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))
 def test_shard_sizes_read_as_transformers_reads_them(size):
     from transformers.utils.hub import convert_file_size_to_int
 
-    assert quantize.shard_size_bytes(size) == convert_file_size_to_int(size)
+    assert convert.shard_size_bytes(size) == convert_file_size_to_int(size)
 
 
 @pytest.mark.parametrize("size", ["1TB", "GB", "-1GB", "1.5GB", "0MB", 0, True, None, "１GB"])
@@ -127,4 +128,26 @@ def test_sizes_transformers_would_not_read_are_refused_in_one_line(size):
     from mpsconvert.errors import QuantizationError
 
     with pytest.raises(QuantizationError, match="cannot read .* as a shard size"):
-        quantize.shard_size_bytes(size)
+        convert.shard_size_bytes(size)
+
+
+def test_the_cli_starts_the_child_before_it_imports_torch(src, tmp_path):
+    """`mpsconvert quantize` starts the plan's child at the top of the conversion, so that the
+    child's imports run beside the parent's own (torch's), not after them."""
+    code = f"""
+import sys, runpy
+from mpsconvert.convert import plan_child
+plan_child.MIN_BYTES = 0
+init = plan_child.PlanChild.__init__
+def spy(self, *a, **kw):
+    print("torch imported when the child started:", "torch" in sys.modules, file=sys.stderr)
+    init(self, *a, **kw)
+plan_child.PlanChild.__init__ = spy
+sys.argv = ["mpsconvert", "quantize", {str(src)!r}, "-o", {str(tmp_path / 'out')!r}]
+runpy.run_module("mpsconvert.cli", run_name="__main__")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("torch imported when the child started: False") == 1
+    manifest = json.loads((tmp_path / "out" / "mpsconvert.json").read_text())
+    assert manifest["created"]["plan"].startswith("guessed from the tensor names while a child process read the model definition")

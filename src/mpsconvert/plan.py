@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import regex
 import torch
 
-from .errors import MpsconvertError
+from .errors import MpsconvertError, SourceError
 
 from .modeldef import build_from
 from .moe_layout import checkpoint_module_name, experts_modules
@@ -169,3 +169,34 @@ def plan_for(path, ignore: list[str] | None = None, trust_remote_code: bool = Fa
     """The plan of the model in folder `path`, read from its weightless definition."""
     config, model = build_from(path, buffers="meta", trust_remote_code=trust_remote_code)
     return plan_from_model(model, config, ignore)
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # a float parameter may be stored as any of these
+
+
+def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> None:
+    """Every stored tensor that is a parameter of the model config.json defines has that
+    parameter's shape, and a float dtype where the parameter is float (e4m3 too in an FP8
+    source): a checkpoint that does not fit its config is refused here, not discovered by
+    `verify` or the forward pass."""
+    floats = FLOAT_DTYPES + (("F8_E4M3",) if fp8_source else ())
+    params = dict(plan.meta_model.named_parameters()) if plan.meta_model is not None else {}
+    prefix = plan.prefix
+
+    def param_of(key: str):
+        for cand in (key, f"{prefix}.{key}" if prefix else None, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None):
+            if cand and cand in params:
+                return params[cand]
+        return None
+
+    for f, h in headers.items():
+        for name, info in h.tensors.items():
+            p = param_of(name)
+            if p is None:
+                continue
+            if tuple(p.shape) != tuple(info.shape):
+                raise SourceError(f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines has {list(p.shape)} there",
+                                  "the weights do not match config.json; re-download the model")
+            if p.is_floating_point() and info.dtype not in floats:
+                raise SourceError(f"{name} in {f} is stored as {info.dtype}, but the model's parameter is a float",
+                                  "the weights do not match config.json; re-download the model")

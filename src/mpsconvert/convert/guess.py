@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import re
 
-from ..plan import matches
-from ..safetensors_io import TensorInfo
-
 # model_type -> the stored names of its quantized Linear weights (every Linear but lm_head)
 _LINEARS = re.compile(r"model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight")
 RULES = {"llama": _LINEARS, "mistral": _LINEARS, "qwen2": _LINEARS, "qwen3": _LINEARS}
@@ -26,13 +23,14 @@ _FLOATS = {"BF16", "F16", "F32"}
 def guess(config: dict, headers: dict, ignore: list[str]) -> dict[str, str] | None:
     """tensor name -> module for the weights the plan will quantize, or None where this
     architecture has no rule (then the conversion waits for the real plan)."""
+    from ..plan import matches  # imports torch, which `applies` must not
+
     rule = RULES.get(config.get("model_type"))
     if rule is None:
         return None
     found = {}
     for h in headers.values():
         for name, info in h.tensors.items():
-            info: TensorInfo
             if len(info.shape) == 3:  # fused MoE experts: the real plan decides their layout
                 return None
             if rule.fullmatch(name) and len(info.shape) == 2 and info.dtype in _FLOATS:

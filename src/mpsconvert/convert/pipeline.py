@@ -87,7 +87,7 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
         atomic.check_replaceable(out, force=force, is_ours=layout.is_ours, protect=(path,) if path is not None else ())
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
-        from .quantize import shard_size_bytes
+        from . import shard_size_bytes
 
         shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
         if before is not None:
@@ -124,6 +124,20 @@ def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts
              progress) -> Converted:
     """A language model's conversion once its source is resolved and its output claimed."""
     snap.start_hashing()  # overlaps the imports and planning below
+    from . import plan_child
+
+    child = plan_child.start_early(snap, sch, list(ignore), trust_remote_code)  # before torch is imported here
+    try:
+        return _convert_with(snap, out, sch, child, ignore=ignore, trust_remote_code=trust_remote_code,
+                             experts_layout=experts_layout, force=force, scales=scales, dtype=dtype, shard_bytes=shard_bytes,
+                             progress=progress)
+    finally:
+        if child is not None:
+            child.kill()  # a run that failed before the writing
+
+
+def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_code, experts_layout, force, scales, dtype,
+                  shard_bytes, progress) -> Converted:
     from .quantize import Options, check_fp8_source, quantize_snapshot
 
     check_fp8_source(snap, sch)
@@ -133,7 +147,7 @@ def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts
     if sch.needs_calibration and not (snap.fp8 is not None and sch == snap.fp8.scheme):  # a static FP8 source brings its scales
         opts.input_scales, opts.calibration, cal = scales(snap.path)
         opts.device = opts.calibration.get("device", opts.device)
-    manifest = quantize_snapshot(snap, out, opts, progress)
+    manifest = quantize_snapshot(snap, out, opts, progress, child)
     done = Converted(out, manifest, cal)
     g = manifest.get(GGUFSource)
     if g is not None and (note := g.precision_note()):  # a GGUF below 8 bits: said in the summary, as in the card

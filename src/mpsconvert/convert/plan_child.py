@@ -21,7 +21,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-MARK = "mpsconvert-plan:"  # the result's line on stdout (transformers may print lines of its own)
+MARK = "mpsconvert-plan:"
+# From this size of checkpoint on, the plan is built by a child process while the shards are
+# written with a plan guessed from the tensor names: below it the writing is shorter than the
+# child's own start (torch's import, 1-4 s), which would be paid on top of the parent's.
+MIN_BYTES = 1 << 30  # the result's line on stdout (transformers may print lines of its own)
+
+
+def start_early(snap, scheme, ignore: list[str], trust_remote_code: bool) -> "PlanChild | None":
+    """The child for `snap`, started before this process imports torch, where the conversion will
+    want one (a checkpoint of MIN_BYTES or more, of an architecture `guess` knows, converted
+    without an FP8 source, calibration or remote code); else None. On the 16-core host the
+    child started after torch's import finished 5 s after the writing did (its own imports take
+    17 s there), so it starts here, at the top of the conversion."""
+    from .guess import RULES
+
+    if snap.fp8 is not None or snap.diffusion is not None or scheme.needs_calibration or trust_remote_code:
+        return None
+    if snap.config.get("model_type") not in RULES:
+        return None
+    if sum((snap.path / f).stat().st_size for f in snap.weight_files) < MIN_BYTES:
+        return None
+    return PlanChild(snap.path, ignore, snap.weight_files)
 
 
 class PlanChild:
@@ -73,9 +94,8 @@ class PlanChild:
 
 
 def _main(request: dict) -> dict:
-    from ..plan import plan_for
+    from ..plan import check_against_model, plan_for
     from ..safetensors_io import read_header
-    from .quantize import check_against_model
 
     try:
         path = Path(request["path"])

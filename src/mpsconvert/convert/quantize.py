@@ -54,10 +54,10 @@ from ..scales import E4M3_MAX, scale_problem, scale_shape
 from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
-from ..plan import Plan, matches, plan_for
-from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES, guess
+from ..plan import Plan, check_against_model, matches, plan_for
+from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES, guess, shard_size_bytes
 from .assemble import Shards, assemble
-from .plan_child import PlanChild
+from . import plan_child
 
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
 # flight bound the memory a conversion needs beyond the runtime itself, whatever the model.
@@ -69,38 +69,7 @@ QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
 _FLOAT_CODES = ("F32", "F16", "BF16")  # what is quantized, cast by --dtype, or read as a scale
 
 
-# From this size of checkpoint on, the plan is built by a child process while the shards are
-# written with a plan guessed from the tensor names (plan_child.py, guess.py): below it the
-# writing is shorter than the child's own start (torch's import, 1-4 s), which would be paid on
-# top of the parent's.
-PLAN_CHILD_MIN_BYTES = 1 << 30
-
 DEFAULT_MAX_SHARD_SIZE = 10**9  # "1GB": an 8B model in 9 files, verified on 9 threads at load
-
-
-_SIZE_UNITS = (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
-
-
-def shard_size_bytes(size: int | str) -> int:
-    """"1GB" / "500MB" / "2GiB" / bytes -> bytes, as transformers' `save_pretrained(max_shard_size=)`
-    reads it (`convert_file_size_to_int`: a lower-case final "b" means bits; the same table is
-    checked against it in tests/test_plan_child.py). Written here because importing transformers
-    for it costs 3 s on the H100 host, which a conversion whose plan is built by a child process
-    never pays otherwise."""
-    n = None
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    elif isinstance(size, str):
-        for unit, factor in _SIZE_UNITS:
-            if size.upper().endswith(unit):
-                digits = size[: -len(unit)]
-                if digits.isascii() and digits.isdigit():
-                    n = int(digits) * factor
-                    n = n // 8 if unit[1] == "B" and size.endswith("b") else n
-                break
-    if not isinstance(n, int) or n <= 0:
-        raise QuantizationError(f"cannot read {size!r} as a shard size", "pass a size such as 1GB, 500MB or 2GiB")
-    return n
 
 
 @dataclass
@@ -325,37 +294,6 @@ def check_tensor_layout(snap: Snapshot, headers: dict) -> None:
             raise SourceError(f"{len(extra)} stored tensors are missing from {INDEX_NAME} (e.g. {extra[0]!r})", "the checkpoint is corrupt; re-download it")
 
 
-FLOAT_DTYPES = _FLOAT_CODES + ("F64",)  # a float parameter may be stored as any of these
-
-
-def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> None:
-    """Every stored tensor that is a parameter of the model config.json defines has that
-    parameter's shape, and a float dtype where the parameter is float (e4m3 too in an FP8
-    source): a checkpoint that does not fit its config is refused here, not discovered by
-    `verify` or the forward pass."""
-    floats = FLOAT_DTYPES + (("F8_E4M3",) if fp8_source else ())
-    params = dict(plan.meta_model.named_parameters()) if plan.meta_model is not None else {}
-    prefix = plan.prefix
-
-    def param_of(key: str):
-        for cand in (key, f"{prefix}.{key}" if prefix else None, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None):
-            if cand and cand in params:
-                return params[cand]
-        return None
-
-    for f, h in headers.items():
-        for name, info in h.tensors.items():
-            p = param_of(name)
-            if p is None:
-                continue
-            if tuple(p.shape) != tuple(info.shape):
-                raise SourceError(f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines has {list(p.shape)} there",
-                                  "the weights do not match config.json; re-download the model")
-            if p.is_floating_point() and info.dtype not in floats:
-                raise SourceError(f"{name} in {f} is stored as {info.dtype}, but the model's parameter is a float",
-                                  "the weights do not match config.json; re-download the model")
-
-
 def estimate_output_bytes(headers: dict, tensor_module: dict, scheme: Scheme) -> int:
     """Bytes the artifact will take: FP8 weights, their scales, copied tensors, plus slack."""
     total = 1 << 20
@@ -387,27 +325,32 @@ def converting(snap: Snapshot):
         torch.set_num_threads(threads)
 
 
-def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
-    """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest."""
-    with converting(snap):
-        return _quantize_snapshot(snap, out, opts, progress)
+def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None,
+                      child: plan_child.PlanChild | None = None) -> Manifest:
+    """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest. `child`:
+    the plan's child process where the caller started it early (plan_child.start_early)."""
+    try:
+        with converting(snap):
+            return _quantize_snapshot(snap, out, opts, progress, child)
+    finally:
+        if child is not None:
+            child.kill()  # done by now, or not needed (no guess), or the run failed
 
 
 class _GuessDiffers(Exception):
     """The plan, once built, quantizes other tensors than the guess the shards were written with."""
 
 
-def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None) -> Manifest:
+def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None, child) -> Manifest:
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     guessed = None
     if not snap.fp8 and not opts.scheme.needs_calibration and not opts.trust_remote_code and \
-            sum(h.file_size for h in headers.values()) >= PLAN_CHILD_MIN_BYTES:
+            sum(h.file_size for h in headers.values()) >= plan_child.MIN_BYTES:
         guessed = guess.guess(snap.config, headers, opts.ignore)
     if guessed is None:
         plan, headers, tensor_module, expert_tensors = _prepare(snap, opts, headers)
-        child = None
     else:  # the plan is built by a child process (it imports transformers: seconds) while the shards are written
-        child = PlanChild(snap.path, opts.ignore, snap.weight_files)
+        child = child or plan_child.PlanChild(snap.path, opts.ignore, snap.weight_files)
         prepared = _in_background(lambda: _prepare(snap, opts, headers, plan=child.result()))
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
@@ -415,10 +358,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                           is_ours=layout.is_ours, protect=(snap.path,)) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
-        contextlib.ExitStack() as stack,
     ):
-        if child is not None:
-            stack.callback(child.kill)  # a failed or interrupted run leaves no child behind
         write = functools.partial(_write_shards, snap, headers, opts=opts, tmp=tmp, pool=pool, workers=workers, syncs=syncs,
                                   progress=or_silent(progress), consumed=source_keys(snap, opts) if snap.fp8 else set())
         if guessed is None:

@@ -31,8 +31,8 @@ from ...errors import QuantizationError, SourceError
 from ...manifests.schemes import Scheme
 from ...safetensors_io import DTYPES, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
 from ...source import DIFFUSERS_WEIGHTS, Snapshot
-from ...plan import Plan
-from ..quantize import (QUANT_THREADS, _FLOAT_CODES, _quantize_matrix, _Shard, check_against_model, check_tensor_layout)
+from ...plan import Plan, check_against_model
+from ..quantize import QUANT_THREADS, _FLOAT_CODES, _quantize_matrix, _Shard, check_tensor_layout
 from . import COMFYUI_FORMATS, FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
