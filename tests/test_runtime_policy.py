@@ -126,6 +126,12 @@ def test_candidates_follow_scheme_and_device(with_triton):
     assert kernels.candidates("mps", "token", "row", "decode") == ["scaled_mm_row", "dequant", "bf16"]  # no Triton on MPS
     assert kernels.candidates("cpu", "token", "row", "decode") == ["dense_qact"]
     assert kernels.candidates("cpu", None, "row", "prefill") == ["bf16"]
+    # block scales: the blockwise scaled_mm (group activations, 128-blocks), the GEMV at decode where it reads the block edge
+    assert kernels.candidates("cuda", "group", "block", "decode", 128) == ["scaled_mm_block", "gemv", "dequant", "bf16"]
+    assert kernels.candidates("cuda", None, "block", "decode", 64) == ["gemv", "dequant", "bf16"]
+    assert kernels.candidates("cuda", None, "block", "decode", 16) == ["dequant", "bf16"]  # a tile's rows would span two
+    assert kernels.candidates("cuda", "group", "block", "prefill", 128) == ["scaled_mm_block", "dequant", "bf16"]
+    assert kernels.candidates("mps", None, "block", "decode", 128) == ["dequant", "bf16"]
 
 
 def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_triton, monkeypatch):

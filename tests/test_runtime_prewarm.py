@@ -98,7 +98,7 @@ def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_fa
     warm = started[-1]
     linears, rowwise, decode = warm.begun
     assert linears == {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, loader.FP8Linear)}
-    assert rowwise and decode == ("row", "token") and warm.joined
+    assert rowwise and decode == ("row", "token", None) and warm.joined
     assert "prewarm_wait" in model.mpsconvert.seconds
     loader.load(tmp_path / "art", device="cpu", eager_fusion=False)
     assert started[-1] is warm  # no warm-up asked for: none started
@@ -118,6 +118,11 @@ def test_every_warm_up_call_is_valid():
     names = [w.rpartition(" ")[0] for w in report["warmed"]]
     assert names == ["decode kernels 64x64", "decode kernels 64x96", "decode kernels 128x64", "decode kernels 192x64",
                      "quantize 64", "quantize 96", "silu_mul_quantize 192", "rms_norm", "rotary", "sdpa"], names
+    report = {"warmed": [], "failed": []}  # block-scaled weights: the GEMV's block variant
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("block", None, 32))
+    assert report["failed"] == [], report["failed"]
+    assert [w.rpartition(" ")[0] for w in report["warmed"]][:4] == ["decode kernels 64x64", "decode kernels 64x96",
+                                                                      "decode kernels 128x64", "decode kernels 192x64"]
 
 
 def test_compile_configs_compiles_each_configuration_once_the_first_before_the_others():

@@ -238,7 +238,7 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
 
         fp8 = {n: s for n, s in linears.items() if n not in ignored}
         warm.begin(config, fp8, dtype, PROBE_ROWS, rowwise=scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW,
-                   decode=(str(scheme.weights), scheme.activations))
+                   decode=(str(scheme.weights), scheme.activations, scheme.block))
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
         plan = _Plan(model, report, dtype, dev)

@@ -61,7 +61,7 @@ def _heads(config):
     return (hq, hk, hd) if isinstance(hq, int) and isinstance(hk, int) and isinstance(hd, int) else None
 
 
-def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtype, dev: torch.device) -> None:
+def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtype, dev: torch.device, block: int | None = None) -> None:
     """Compile every configuration of the Triton decode kernels for an n x k layer (several at
     once), then call each once, so that its autotuner times them here rather than in the policy."""
     from ..ops import kernels
@@ -69,12 +69,14 @@ def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtyp
     from ..ops.triton import experts, gemv
     from ...fp8 import FP8_DTYPE
 
-    scale = torch.ones(n if weights == "row" else 1, 1, device=dev)
+    block = block if weights == "block" else None
+    scale = torch.ones(-(-n // block), -(-k // block), device=dev) if block else torch.ones(n if weights == "row" else 1, 1, device=dev)
     layer = FP8Linear.from_tensors(torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), scale, activations=activations, dtype=dtype,
-                                   input_scale=torch.ones(1, device=dev) if activations == "tensor" else None)
+                                   input_scale=torch.ones(1, device=dev) if activations == "tensor" else None, block=block)
     x = torch.zeros(1, k, dtype=dtype, device=dev)
-    triton_kernels = [c for c in kernels.candidates("cuda", activations, weights, "decode") if c.startswith("gemv")]  # CUDA's
-    precompile = {"gemv": lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None),  # (here also the interpreter's, in tests)
+    triton_kernels = [c for c in kernels.candidates("cuda", activations, weights, "decode", block) if c.startswith("gemv")]  # CUDA's
+    precompile = {"gemv": lambda: (gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block) if block else
+                                   gemv.precompile(x, layer.weight, layer.scale_flat, None)),  # (here also the interpreter's, in tests)
                   "gemv_w8a8": lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True),
                   "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)}
     for c in triton_kernels:  # only the candidates the policy will time (no W8A8 for a weight-only scheme)
@@ -112,9 +114,10 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
     gemms, gated = _shapes(linears)
     hidden = getattr(config, "hidden_size", None)
     eps = getattr(config, "rms_norm_eps", None)
-    if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor"):
+    if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor", "block"):
+        weights, activations, *block = decode
         for n, k in sorted(gemms):
-            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev))
+            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, weights, activations, dtype, dev, *block))
     if tritonlib.available():
         for k in sorted({k for _, k in gemms}):
             step(f"quantize {k}", lambda k=k: act_quant.quantize(torch.empty(rows, k, dtype=dtype, device=dev)))

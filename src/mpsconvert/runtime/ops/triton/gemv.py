@@ -47,8 +47,8 @@ if triton is not None:
     def _fp8_gemv_kernel(
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
         M, N, K,
-        stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
+        stride_xm, stride_wn, stride_ym, stride_sn,
+        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
@@ -61,14 +61,19 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            if SCALE_BLOCK:
+                # block scales [ceil(N/B), ceil(K/B)]: a tile's BLOCK_N rows (BLOCK_N divides B) share
+                # one row of them, so each x element is scaled once, not each weight
+                x = x * tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
             acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
-        if ROW_SCALE:
-            y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-        else:
-            y = y * tl.load(s_ptr)
+        if not SCALE_BLOCK:  # (block scales were applied to x above)
+            if ROW_SCALE:
+                y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+            else:
+                y = y * tl.load(s_ptr)
         if HAS_BIAS:
             y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -146,33 +151,51 @@ def _dot_args(xq, xs, weight, scale, bias, y) -> tuple[tuple, dict]:
             {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1, "BLOCK_M": 16})
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    args, kw = _args(x, weight, scale, bias, y)
+    args, kw = _args(x, weight, scale, bias, y, block)
     grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_N"]), x.shape[0])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
     _kernel[grid](*args, **kw, **fixed)
     return y
 
 
-def _args(x, weight, scale, bias, y) -> tuple[tuple, dict]:
-    """The GEMV kernel's arguments, as its launch and `precompile` pass them."""
+# Block edges the GEMV takes block scales for: multiples of its largest BLOCK_N, so that a tile's
+# rows share one row of block scales.
+BLOCK_EDGE = 32
+
+
+def takes_block(block: int | None) -> bool:
+    """Whether the GEMV reads block scales of this edge (a multiple of every config's BLOCK_N)."""
+    return bool(block) and block % BLOCK_EDGE == 0 and all(block % bn == 0 for bn, *_ in _CONFIGS)
+
+
+def _args(x, weight, scale, bias, y, block: int = 0) -> tuple[tuple, dict]:
+    """The GEMV kernel's arguments, as its launch and `precompile` pass them. `block`: `scale` is
+    the weight's [ceil(N/block), ceil(K/block)] block scales (0: per row [N] or per tensor [1])."""
     (M, K), N = x.shape, weight.shape[0]
-    return ((x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0)),
-            {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1})
+    if block and not takes_block(block):
+        raise ValueError(f"the GEMV takes block scales of edges that are multiples of {BLOCK_EDGE}, not {block}")
+    if block and (scale.dim() != 2 or scale.stride(1) != 1 or tuple(scale.shape) != (-(-N // block), -(-K // block))):
+        raise ValueError(f"block scales of a [{N}, {K}] weight in {block}-blocks are [{-(-N // block)}, {-(-K // block)}], "
+                         f"got {list(scale.shape)}")
+    return ((x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+             scale.stride(0) if block else 0),
+            {"HAS_BIAS": bias is not None, "ROW_SCALE": not block and scale.numel() != 1, "SCALE_BLOCK": block})
 
 
-def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dot: bool = False) -> int:
-    """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]), or with
-    `dot` of the W8A8 GEMV for x quantized, several at once (ops/triton `compile_configs`), so
-    that the autotuner's first call only times them. Returns how many were compiled."""
+def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dot: bool = False,
+               block: int = 0) -> int:
+    """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]; `block`:
+    block scales), or with `dot` of the W8A8 GEMV for x quantized, several at once (ops/triton
+    `compile_configs`), so that the autotuner's first call only times them. Returns how many were compiled."""
     if triton is None or INTERPRET:
         return 0
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if not dot:
-        args, kw = _args(x, weight, scale, bias, y)
+        args, kw = _args(x, weight, scale, bias, y, block)
         return compile_configs(_kernel, *args, **kw)
     xq, xs = torch.zeros_like(x, dtype=weight.dtype), torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
     args, kw = _dot_args(xq, xs, weight, scale, bias, y)
@@ -182,13 +205,13 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
 if triton is not None:
 
     @torch.library.custom_op(OP_NAME, mutates_args=())
-    def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0) -> torch.Tensor:
         """y[M, N] = x[M, K] @ (weight[N, K] * scale).T + bias, x in BF16/FP16, weight e4m3,
-        scale [N] (per row) or [1]."""
-        return _launch(x, weight, scale, bias)
+        scale [N] (per row) or [1], or with `block` [ceil(N/block), ceil(K/block)] (per block)."""
+        return _launch(x, weight, scale, bias, block)
 
     @fp8_gemv.register_fake
-    def _(x, weight, scale, bias):
+    def _(x, weight, scale, bias, block=0):
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.custom_op("mpsconvert::fp8_dot_gemv", mutates_args=())
@@ -214,10 +237,11 @@ def dot_gemv(xq, xs, weight, scale, bias, out_dtype) -> torch.Tensor:
     return _launch_dot(xq, xs.reshape(-1), weight, scale, bias, out_dtype)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The GEMV: the kernel itself in eager mode, the custom op under torch.compile."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0) -> torch.Tensor:
+    """The GEMV: the kernel itself in eager mode, the custom op under torch.compile. `block`:
+    `scale` holds block scales of that edge (`takes_block`)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     if torch.compiler.is_compiling():
-        return fp8_gemv(x, weight, scale, bias)
-    return _launch(x, weight, scale, bias)
+        return fp8_gemv(x, weight, scale, bias, block)
+    return _launch(x, weight, scale, bias, block)
