@@ -399,6 +399,13 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return w.to(dtype)
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float32 (NaN where got holds one): how far a kernel's or a fused
+    forward's output is from its reference, in the checks made at load and in validation."""
+    g, w = got.float(), want.float()
+    return float((g - w).norm() / w.norm().clamp_min(1e-30))
+
+
 def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32: what
     `v.to(float8_e4m3fn).float()` gives, without a float8 op (for a device whose torch has none).

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ... import devices, timing
+from ...fp8 import relative_error
 from ...errors import MpsconvertError
 from ...progress import Progress, or_silent
 from .validate import ValidateOptions, _peak, _record
@@ -76,7 +77,7 @@ def compare(base: torch.Tensor, test: torch.Tensor) -> dict:
     """Relative error, cosine and max |difference| of two predictions (float32)."""
     b, t = base.float().flatten(), test.float().flatten()
     d = t - b
-    return {"rel_error": float(d.norm() / b.norm().clamp_min(1e-30)), "cosine": float(torch.nn.functional.cosine_similarity(b, t, dim=0)),
+    return {"rel_error": relative_error(t, b), "cosine": float(torch.nn.functional.cosine_similarity(b, t, dim=0)),
             "max_abs_error": float(d.abs().max()), "ref_abs_mean": float(b.abs().mean()), "elements": b.numel()}
 
 

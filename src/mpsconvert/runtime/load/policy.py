@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ... import atomic, devices, timing
+from ...fp8 import relative_error
 from ...errors import MpsconvertError
 from ...progress import Progress, or_silent
 from ...untrusted import read_json
@@ -52,7 +53,7 @@ CHECK_BOUND = 0.1
 
 
 def _check(kernel: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+    err = relative_error(got, want)
     if not err <= CHECK_BOUND:  # NaN fails too
         raise RuntimeError(f"{kernel} disagrees with the dequantized product (relative error {err:.3g} > {CHECK_BOUND})")
 

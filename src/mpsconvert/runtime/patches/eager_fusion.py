@@ -50,6 +50,7 @@ from . import attention_prefill, forwards, rotary
 from ..ops import kernels, triton as tritonlib
 from ..ops.fp8linear import DECODE_MAX_M, FP8Linear
 from ..ops.fuse import SharedInput, Stash, group_name
+from ...fp8 import relative_error
 
 PROBE_ROWS = 2 * DECODE_MAX_M + 1  # a prefill-sized call (rows > DECODE_MAX_M), small
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a pre-norm decoder layer's modules
@@ -308,7 +309,7 @@ def _check_mlp(mlp: nn.Module) -> str | None:
         return "its layers' prefill kernels do not quantize activations"
     want = forwards.own_forward(mlp)(mlp, x).float()
     got = _mlp_forward(mlp, x).float()
-    err = float((got - want).norm() / want.norm().clamp(min=1e-30))
+    err = relative_error(got, want)
     return None if err <= MLP_MAX_REL_ERR else f"differs from its own forward (relative error {err:.3g})"
 
 
