@@ -151,3 +151,8 @@ runpy.run_module("mpsconvert.cli", run_name="__main__")
     assert proc.stderr.count("torch imported when the child started: False") == 1
     manifest = json.loads((tmp_path / "out" / "mpsconvert.json").read_text())
     assert manifest["created"]["plan"].startswith("guessed from the tensor names while a child process read the model definition")
+
+
+def test_a_child_that_imports_another_mpsconvert_says_so_and_builds_nothing(src):
+    body = plan_child._main({"path": str(src), "ignore": [], "weight_files": ["model.safetensors"], "package": "/elsewhere"})
+    assert body == {"error": f"the child imported the mpsconvert in {plan_child._package_root()}, not the one in /elsewhere"}

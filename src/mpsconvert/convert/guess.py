@@ -1,13 +1,12 @@
-"""The plan guessed from tensor names, so that writing starts while transformers is imported.
+"""The plan guessed from tensor names, so that writing starts while the real plan is built.
 
 Why: the plan is read from the model's own definition (plan.py), and building it means importing
-transformers' modeling code: 3 s on a 2-core VM, 7-11 s on the H200 host, as long as writing a
-whole 16 GB checkpoint. For the architectures below the Linear weights have fixed names, so
-`quantize` writes with this guess while the real plan is built on another thread (the import holds
-the GIL, the writing mostly runs without it), then compares the two before anything is published:
-the same tensors, each with the same module, or the shards are written again with the real plan
-(`Options.plan_source` says which happened; the manifest's `created.plan` records it). A guess
-never decides anything on its own.
+transformers' modeling code: 3 s on a 2-core VM, 12 s on the 16-core H100 host, as long as
+writing a whole 16 GB checkpoint there. For the architectures below the Linear weights have fixed
+names, so `quantize` writes with this guess while a child process builds the real plan
+(plan_child.py), then compares the two before anything is published: the same tensors, each with
+the same module, or the shards are written again with the real plan (the manifest's
+`created.plan` says which happened). A guess never decides anything on its own.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ _FLOATS = {"BF16", "F16", "F32"}
 def guess(config: dict, headers: dict, ignore: list[str]) -> dict[str, str] | None:
     """tensor name -> module for the weights the plan will quantize, or None where this
     architecture has no rule (then the conversion waits for the real plan)."""
-    from ..plan import matches  # imports torch, which `applies` must not
+    from ..plan import matches  # imports torch: not at the top, which plan_child.start_early reads before torch is imported
 
     rule = RULES.get(config.get("model_type"))
     if rule is None:

@@ -16,16 +16,19 @@ the real error, if there is one, is raised there, as it would be without a child
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-MARK = "mpsconvert-plan:"
+MARK = "mpsconvert-plan:"  # the result's line on stdout (transformers may print lines of its own)
 # From this size of checkpoint on, the plan is built by a child process while the shards are
 # written with a plan guessed from the tensor names: below it the writing is shorter than the
 # child's own start (torch's import, 1-4 s), which would be paid on top of the parent's.
-MIN_BYTES = 1 << 30  # the result's line on stdout (transformers may print lines of its own)
+MIN_BYTES = 1 << 30
+# The child's interpreter: this module run with the parent's mpsconvert reachable. Its folder is
+# appended to sys.path, not put in PYTHONPATH, where it would come before the standard library
+# (a site-packages folder there would let any package shadow a stdlib module).
+_BOOT = "import runpy, sys; sys.path.append(sys.argv.pop(1)); runpy.run_module('mpsconvert.convert.plan_child', run_name='__main__')"
 
 
 def start_early(snap, scheme, ignore: list[str], trust_remote_code: bool) -> "PlanChild | None":
@@ -48,15 +51,14 @@ def start_early(snap, scheme, ignore: list[str], trust_remote_code: bool) -> "Pl
 class PlanChild:
     """`python -m mpsconvert.convert.plan_child` started for the model folder `path` (its weight files `weight_files`)."""
 
-    command = [sys.executable, "-m", __name__]
+    command = [sys.executable, "-c", _BOOT]
 
     def __init__(self, path: Path, ignore: list[str], weight_files: list[str]):
-        package_root = str(Path(__file__).resolve().parents[2])  # this mpsconvert, also when not installed
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        request = json.dumps({"path": str(path), "ignore": list(ignore), "weight_files": list(weight_files)})
+        package_root = str(_package_root())  # this mpsconvert, also when it is not installed
+        request = json.dumps({"path": str(path), "ignore": list(ignore), "weight_files": list(weight_files), "package": package_root})
         self.why_not: str | None = None
-        self._proc = subprocess.Popen([*self.command, request], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      stdin=subprocess.DEVNULL, env=env, text=True)
+        self._proc = subprocess.Popen([*self.command, package_root, request], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      stdin=subprocess.DEVNULL, text=True)
 
     def result(self):
         """The child's Plan (without its meta model: the shape check already ran there), or None
@@ -93,10 +95,16 @@ class PlanChild:
             self._proc.wait()
 
 
+def _package_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
 def _main(request: dict) -> dict:
     from ..plan import check_against_model, plan_for
     from ..safetensors_io import read_header
 
+    if str(_package_root()) != request["package"]:  # another mpsconvert came first on the child's path
+        return {"error": f"the child imported the mpsconvert in {_package_root()}, not the one in {request['package']}"}
     try:
         path = Path(request["path"])
         plan = plan_for(path, request["ignore"])
