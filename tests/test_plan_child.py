@@ -45,6 +45,7 @@ def reference(src, tmp_path_factory):
 @pytest.fixture
 def child_path(monkeypatch):
     monkeypatch.setattr(plan_child, "MIN_BYTES", 0)
+    monkeypatch.setattr(plan_child, "MIN_CPUS", 1)
 
 
 def test_the_guess_agrees_with_the_child_and_the_bytes_are_the_in_process_ones(src, reference, tmp_path, child_path):
@@ -108,7 +109,7 @@ from mpsconvert.convert import quantize
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.manifests.schemes import Scheme
 from mpsconvert.source import resolve
-from mpsconvert.convert import plan_child; plan_child.MIN_BYTES = 0
+from mpsconvert.convert import plan_child; plan_child.MIN_BYTES = 0; plan_child.MIN_CPUS = 1
 quantize_snapshot(resolve({str(src)!r}), __import__('pathlib').Path({str(tmp_path / 'out')!r}), Options(scheme=Scheme.make('fp8-dynamic', 'row')))
 print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))
 """
@@ -138,6 +139,7 @@ def test_the_cli_starts_the_child_before_it_imports_torch(src, tmp_path):
 import sys, runpy
 from mpsconvert.convert import plan_child
 plan_child.MIN_BYTES = 0
+plan_child.MIN_CPUS = 1
 init = plan_child.PlanChild.__init__
 def spy(self, *a, **kw):
     print("torch imported when the child started:", "torch" in sys.modules, file=sys.stderr)
@@ -156,3 +158,10 @@ runpy.run_module("mpsconvert.cli", run_name="__main__")
 def test_a_child_that_imports_another_mpsconvert_says_so_and_builds_nothing(src):
     body = plan_child._main({"path": str(src), "ignore": [], "weight_files": ["model.safetensors"], "package": "/elsewhere"})
     assert body == {"error": f"the child imported the mpsconvert in {plan_child._package_root()}, not the one in /elsewhere"}
+
+
+def test_a_child_plans_only_big_checkpoints_on_machines_with_cores_to_spare(monkeypatch):
+    monkeypatch.setattr(plan_child.os, "cpu_count", lambda: 16)
+    assert plan_child.worth_it(plan_child.MIN_BYTES) and not plan_child.worth_it(plan_child.MIN_BYTES - 1)
+    monkeypatch.setattr(plan_child.os, "cpu_count", lambda: 2)
+    assert not plan_child.worth_it(16 << 30)

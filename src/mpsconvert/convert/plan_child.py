@@ -16,6 +16,7 @@ the real error, if there is one, is raised there, as it would be without a child
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,10 @@ MARK = "mpsconvert-plan:"  # the result's line on stdout (transformers may print
 # written with a plan guessed from the tensor names: below it the writing is shorter than the
 # child's own start (torch's import, 1-4 s), which would be paid on top of the parent's.
 MIN_BYTES = 1 << 30
+# ... and from this many cores on: the child's gain is its imports running beside the writing. On
+# the 2-core VM the cores are busy either way, and the child's own torch import made a 2.5 GB
+# conversion 6% slower (8.57 vs 8.05 s, median of 5).
+MIN_CPUS = 4
 # The child's interpreter: this module run with the parent's mpsconvert reachable. Its folder is
 # appended to sys.path, not put in PYTHONPATH, where it would come before the standard library
 # (a site-packages folder there would let any package shadow a stdlib module).
@@ -33,8 +38,8 @@ _BOOT = "import runpy, sys; sys.path.append(sys.argv.pop(1)); runpy.run_module('
 
 def start_early(snap, scheme, ignore: list[str], trust_remote_code: bool) -> "PlanChild | None":
     """The child for `snap`, started before this process imports torch, where the conversion will
-    want one (a checkpoint of MIN_BYTES or more, of an architecture `guess` knows, converted
-    without an FP8 source, calibration or remote code); else None. On the 16-core host the
+    want one (`worth_it`, an architecture `guess` knows, no FP8 source, calibration or remote
+    code); else None. On the 16-core host the
     child started after torch's import finished 5 s after the writing did (its own imports take
     17 s there), so it starts here, at the top of the conversion."""
     from .guess import RULES
@@ -43,9 +48,14 @@ def start_early(snap, scheme, ignore: list[str], trust_remote_code: bool) -> "Pl
         return None
     if snap.config.get("model_type") not in RULES:
         return None
-    if sum((snap.path / f).stat().st_size for f in snap.weight_files) < MIN_BYTES:
+    if not worth_it(sum((snap.path / f).stat().st_size for f in snap.weight_files)):
         return None
     return PlanChild(snap.path, ignore, snap.weight_files)
+
+
+def worth_it(nbytes: int) -> bool:
+    """Whether a checkpoint of `nbytes` is planned by a child on this machine (MIN_BYTES, MIN_CPUS)."""
+    return nbytes >= MIN_BYTES and (os.cpu_count() or 1) >= MIN_CPUS
 
 
 class PlanChild:

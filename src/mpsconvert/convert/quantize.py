@@ -345,7 +345,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     guessed = None
     if not snap.fp8 and not opts.scheme.needs_calibration and not opts.trust_remote_code and \
-            sum(h.file_size for h in headers.values()) >= plan_child.MIN_BYTES:
+            plan_child.worth_it(sum(h.file_size for h in headers.values())):
         guessed = guess.guess(snap.config, headers, opts.ignore)
     if guessed is None:
         plan, headers, tensor_module, expert_tensors = _prepare(snap, opts, headers)
