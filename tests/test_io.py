@@ -138,7 +138,9 @@ def test_output_file_writes_exact_bytes_on_every_path(tmp_path, monkeypatch, for
         assert f.mode in ("direct", "buffered (O_DIRECT refused by the filesystem)")
 
 
-def test_shard_writer_takes_blocks_and_copies_and_finishes_in_the_background(tmp_path):
+@pytest.mark.parametrize("beside", [True, False])
+def test_shard_writer_takes_blocks_and_copies_and_finishes_in_the_background(tmp_path, monkeypatch, beside):
+    monkeypatch.setattr(safetensors_io, "HASH_BESIDE_COPY", beside)  # the sha256 on a thread of its own, or in the writer's
     torch.manual_seed(0)
     src = {"emb": torch.randn(1000, 33).bfloat16(), "norm": torch.ones(33), "w": torch.randn(64, 40)}
     save_file(src, tmp_path / "src.safetensors")
@@ -158,6 +160,7 @@ def test_shard_writer_takes_blocks_and_copies_and_finishes_in_the_background(tmp
             writer.copy(name, header.path, header.tensors[name].start, header.tensors[name].nbytes)
         with pytest.raises(RuntimeError, match="out of order"):
             writer.write("w", b"")
+    assert (writer._hasher is not None) == beside
     digest = writer.digest
     writer.sync()
     raw = (tmp_path / "out.safetensors").read_bytes()
