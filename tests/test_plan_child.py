@@ -165,3 +165,20 @@ def test_a_child_plans_only_big_checkpoints_on_machines_with_cores_to_spare(monk
     assert plan_child.worth_it(plan_child.MIN_BYTES) and not plan_child.worth_it(plan_child.MIN_BYTES - 1)
     monkeypatch.setattr(plan_child.os, "cpu_count", lambda: 2)
     assert not plan_child.worth_it(16 << 30)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_guess_is_the_real_plan_for_every_architecture_it_knows(arch, tmp_path):
+    """A guess that differed would cost a second write of every shard: for each architecture in
+    guess.RULES it names exactly the tensors, with their modules, that the model's own plan does."""
+    from mpsconvert.safetensors_io import read_header
+
+    path = models.tiny(arch, tmp_path / arch, dtype=torch.bfloat16, tie=False)
+    snap = resolve(str(path))
+    headers = {f: read_header(snap.path / f) for f in snap.weight_files}
+    opts = Options(scheme=Scheme.make("fp8-dynamic", "row"))
+    _, _, tensor_module, expert_tensors = quantize._prepare(snap, opts, headers)
+    assert guess.guess(snap.config, headers, []) == tensor_module and expert_tensors == {}
+    ignored = sorted(tensor_module)[0][: -len(".weight")]
+    _, _, tensor_module, _ = quantize._prepare(snap, Options(scheme=opts.scheme, ignore=[ignored]), headers)
+    assert guess.guess(snap.config, headers, [ignored]) == tensor_module
