@@ -182,3 +182,24 @@ def test_the_guess_is_the_real_plan_for_every_architecture_it_knows(arch, tmp_pa
     ignored = sorted(tensor_module)[0][: -len(".weight")]
     _, _, tensor_module, _ = quantize._prepare(snap, Options(scheme=opts.scheme, ignore=[ignored]), headers)
     assert guess.guess(snap.config, headers, [ignored]) == tensor_module
+
+
+def test_a_conversion_that_fails_while_writing_leaves_no_child_and_no_output(src, tmp_path, child_path, monkeypatch):
+    started = []
+    init = plan_child.PlanChild.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        started.append(self)
+
+    def broken(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(plan_child.PlanChild, "__init__", spy)
+    monkeypatch.setattr(quantize, "_write_shards", broken)
+    from mpsconvert.errors import MpsconvertError
+
+    with pytest.raises(MpsconvertError, match="failed: disk full"):
+        _convert(src, tmp_path / "out")
+    assert len(started) == 1 and started[0]._proc.poll() is not None  # killed, or done: not left running
+    assert not (tmp_path / "out").exists()

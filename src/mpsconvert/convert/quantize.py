@@ -329,19 +329,20 @@ def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progre
                       child: plan_child.PlanChild | None = None) -> Manifest:
     """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest. `child`:
     the plan's child process where the caller started it early (plan_child.start_early)."""
+    children = [child] if child is not None else []  # and the one _quantize_snapshot starts, if it does
     try:
         with converting(snap):
-            return _quantize_snapshot(snap, out, opts, progress, child)
+            return _quantize_snapshot(snap, out, opts, progress, children)
     finally:
-        if child is not None:
-            child.kill()  # done by now, or not needed (no guess), or the run failed
+        for c in children:
+            c.kill()  # done by now, or not needed (no guess), or the run failed
 
 
 class _GuessDiffers(Exception):
     """The plan, once built, quantizes other tensors than the guess the shards were written with."""
 
 
-def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None, child) -> Manifest:
+def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None, children: list) -> Manifest:
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     guessed = None
     if not snap.fp8 and not opts.scheme.needs_calibration and not opts.trust_remote_code and \
@@ -350,7 +351,9 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     if guessed is None:
         plan, headers, tensor_module, expert_tensors = _prepare(snap, opts, headers)
     else:  # the plan is built by a child process (it imports transformers: seconds) while the shards are written
-        child = child or plan_child.PlanChild(snap.path, opts.ignore, snap.weight_files)
+        if not children:
+            children.append(plan_child.PlanChild(snap.path, opts.ignore, snap.weight_files))
+        child = children[0]
         prepared = _in_background(lambda: _prepare(snap, opts, headers, plan=child.result()))
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
