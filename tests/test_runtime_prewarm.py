@@ -43,10 +43,10 @@ def recorded(monkeypatch):
 
 def test_first_use_runs_before_the_model_is_known_and_the_rest_after_begin(recorded):
     warm = prewarm.Prewarm(torch.device("cpu"))
-    warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True, decode=("row", "token"))
+    warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True, decode=("row", "token", None))
     report = warm.join()
     assert recorded[0] == "first use"
-    assert recorded[1] == ("work", ("cfg", {"l": (8, 4)}, torch.bfloat16, torch.device("cpu"), 9, True, report, ("row", "token")))
+    assert recorded[1] == ("work", ("cfg", {"l": (8, 4)}, torch.bfloat16, torch.device("cpu"), 9, True, report, ("row", "token", None)))
     assert report["waited_s"] >= 0 and report["seconds"] >= 0
     warm.cancel()  # after begin: nothing changes
     with pytest.raises(RuntimeError, match="twice"):
@@ -113,7 +113,7 @@ def test_every_warm_up_call_is_valid():
     linears = {"l.q_proj": (64, 64), "l.k_proj": (32, 64), "l.v_proj": (32, 64), "l.o_proj": (64, 64),
                "l.gate_proj": (96, 64), "l.up_proj": (96, 64), "l.down_proj": (64, 96)}
     report = {"warmed": [], "failed": []}
-    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("row", "token"))
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("row", "token", None))
     assert report["failed"] == [], report["failed"]
     names = [w.rpartition(" ")[0] for w in report["warmed"]]
     assert names == ["decode kernels 64x64", "decode kernels 64x96", "decode kernels 128x64", "decode kernels 192x64",

@@ -412,8 +412,9 @@ class ShardWriter:
     A tensor's bytes may come in several `write` calls (blocks of rows), or be copied from a
     source file by `copy`. The copies, the file writes and the sha256 run on a background thread
     (the sha256 beside them on one of its own where HASH_BESIDE_COPY); a block's `release`
-    callback (a pooled buffer going back) is called once its bytes are written. `close` returns at once: the last writes and copies overlap whatever the
-    caller does next (the next shard), `digest` waits for them, and `sync` makes the file durable.
+    callback (a pooled buffer going back) is called once its bytes are written. `close` returns
+    at once: the last writes and copies overlap whatever the caller does next (the next shard),
+    `digest` waits for them, and `sync` makes the file durable.
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):

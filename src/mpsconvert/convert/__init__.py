@@ -7,6 +7,9 @@ from ..errors import QuantizationError
 # How fused 3-D MoE experts are written: split per expert (loads everywhere) or kept fused.
 EXPERTS_LAYOUTS = ("per-expert", "checkpoint")
 
+# What is quantized, cast by --dtype, or read as a scale (safetensors dtype codes)
+FLOAT_CODES = ("F32", "F16", "BF16")
+
 # quantize --dtype: the tensors that stay unquantized (embeddings, lm_head, norms) -> their safetensors dtype
 UNQUANTIZED_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import re
 
+from . import FLOAT_CODES
+
 # model_type -> the stored names of its quantized Linear weights (every Linear but lm_head)
 _LINEARS = re.compile(r"model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight")
 RULES = {"llama": _LINEARS, "mistral": _LINEARS, "qwen2": _LINEARS, "qwen3": _LINEARS}
-_FLOATS = {"BF16", "F16", "F32"}
 
 
 def guess(config: dict, headers: dict, ignore: list[str]) -> dict[str, str] | None:
@@ -32,7 +33,7 @@ def guess(config: dict, headers: dict, ignore: list[str]) -> dict[str, str] | No
         for name, info in h.tensors.items():
             if len(info.shape) == 3:  # fused MoE experts: the real plan decides their layout
                 return None
-            if rule.fullmatch(name) and len(info.shape) == 2 and info.dtype in _FLOATS:
+            if rule.fullmatch(name) and len(info.shape) == 2 and info.dtype in FLOAT_CODES:
                 mod = name[: -len(".weight")]
                 if not matches(mod, ignore):
                     found[name] = mod

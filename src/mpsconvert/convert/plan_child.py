@@ -38,19 +38,20 @@ _BOOT = "import runpy, sys; sys.path.append(sys.argv.pop(1)); runpy.run_module('
 
 def start_early(snap, scheme, ignore: list[str], trust_remote_code: bool) -> "PlanChild | None":
     """The child for `snap`, started before this process imports torch, where the conversion will
-    want one (`worth_it`, an architecture `guess` knows, no FP8 source, calibration or remote
-    code); else None. On the 16-core host the
-    child started after torch's import finished 5 s after the writing did (its own imports take
-    17 s there), so it starts here, at the top of the conversion."""
+    want one (`wanted`); else None. On the 16-core host the child started after torch's import
+    finished 5 s after the writing did (its own imports take 17 s there), so it starts here, at
+    the top of the conversion."""
+    return PlanChild(snap.path, ignore, snap.weight_files) if wanted(snap, scheme, trust_remote_code) else None
+
+
+def wanted(snap, scheme, trust_remote_code: bool) -> bool:
+    """Whether `snap`'s plan is built by a child while the shards are written with a guessed one:
+    an architecture `guess` knows, no FP8 source, calibration or remote code, and `worth_it`."""
     from .guess import RULES
 
     if snap.fp8 is not None or snap.diffusion is not None or scheme.needs_calibration or trust_remote_code:
-        return None
-    if snap.config.get("model_type") not in RULES:
-        return None
-    if not worth_it(sum((snap.path / f).stat().st_size for f in snap.weight_files)):
-        return None
-    return PlanChild(snap.path, ignore, snap.weight_files)
+        return False
+    return snap.config.get("model_type") in RULES and worth_it(sum((snap.path / f).stat().st_size for f in snap.weight_files))
 
 
 def worth_it(nbytes: int) -> bool:

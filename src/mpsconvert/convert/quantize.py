@@ -55,7 +55,7 @@ from ..source import Snapshot
 from .. import fp8
 from ..progress import Progress, or_silent
 from ..plan import Plan, check_against_model, matches, plan_for
-from . import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES, guess, shard_size_bytes
+from . import EXPERTS_LAYOUTS, FLOAT_CODES, UNQUANTIZED_DTYPES, guess, shard_size_bytes
 from .assemble import Shards, assemble
 from . import plan_child
 
@@ -66,7 +66,6 @@ BLOCK_BYTES = 16 << 20
 # intra-op threads on 1M-element chunks. Two on 2 cores (0.1-0.2 s faster than one there, the
 # writer thread taking the rest); beyond 4 the single sha256-and-write thread is the limit.
 QUANT_THREADS = max(1, min(4, os.cpu_count() or 2))
-_FLOAT_CODES = ("F32", "F16", "BF16")  # what is quantized, cast by --dtype, or read as a scale
 
 
 DEFAULT_MAX_SHARD_SIZE = 10**9  # "1GB": an 8B model in 9 files, verified on 9 threads at load
@@ -159,7 +158,7 @@ def _expert_tensors(plan: Plan, headers: dict, experts_layout: str) -> dict[str,
     the others go to `plan.skipped` with the reason."""
     if not plan.experts:
         return {}
-    kinds = _FLOAT_CODES + ("F8_E4M3",)
+    kinds = FLOAT_CODES + ("F8_E4M3",)
     stored = {name: tuple(info.shape) for h in headers.values() for name, info in h.tensors.items() if info.dtype in kinds}
     found: dict[str, ExpertTensor] = {}
     plan.expert_layout = find_layout(plan.meta_model, stored)
@@ -186,7 +185,7 @@ def _finalize_plan(plan: Plan, headers: dict) -> dict[str, str]:
     for h in headers.values():
         for name, info in h.tensors.items():
             mod = plan.module_for_tensor(name)
-            if mod is not None and len(info.shape) == 2 and info.dtype in _FLOAT_CODES:
+            if mod is not None and len(info.shape) == 2 and info.dtype in FLOAT_CODES:
                 found[name] = mod
     present = set(found.values())
     for mod in list(plan.quantize):
@@ -229,7 +228,7 @@ def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options)
         # the exact shape the format requires (one value per tensor may be stored as [] or [1]): a
         # transposed [2, 4] for [4, 2] blocks, or a flat [8], has the right count and the wrong meaning
         exact = tuple(sinfo.shape) == tuple(want) or (tuple(want) == (1,) and tuple(sinfo.shape) in ((), (1,), (1, 1)))
-        if sinfo.dtype not in _FLOAT_CODES or not exact:
+        if sinfo.dtype not in FLOAT_CODES or not exact:
             raise SourceError(f"{scale_key} is {sinfo.dtype}{list(sinfo.shape)}, but the source's {src.scheme.weights} scales of a "
                               f"{list(info.shape)} weight are {list(want)} (float)", "the checkpoint is corrupt or not the layout its config says")
         ins_key = src.input_scale_key(name)
@@ -237,7 +236,7 @@ def _finalize_fp8_plan(plan: Plan, headers: dict, snap: Snapshot, opts: Options)
             scale = fh.get_tensor(scale_key).float().reshape(want)
         ins = None
         if ins_key in all_infos:
-            if math.prod(all_infos[ins_key][1].shape) != 1 or all_infos[ins_key][1].dtype not in _FLOAT_CODES:
+            if math.prod(all_infos[ins_key][1].shape) != 1 or all_infos[ins_key][1].dtype not in FLOAT_CODES:
                 raise SourceError(f"{ins_key} is {all_infos[ins_key][1].dtype}{list(all_infos[ins_key][1].shape)}, not one float",
                                   "the checkpoint is corrupt or not the layout its config says")
             with safe_open(str(snap.path / all_infos[ins_key][0]), "pt") as fh:
@@ -344,10 +343,7 @@ class _GuessDiffers(Exception):
 
 def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None, children: list) -> Manifest:
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
-    guessed = None
-    if not snap.fp8 and not opts.scheme.needs_calibration and not opts.trust_remote_code and \
-            plan_child.worth_it(sum(h.file_size for h in headers.values())):
-        guessed = guess.guess(snap.config, headers, opts.ignore)
+    guessed = guess.guess(snap.config, headers, opts.ignore) if plan_child.wanted(snap, opts.scheme, opts.trust_remote_code) else None
     if guessed is None:
         plan, headers, tensor_module, expert_tensors = _prepare(snap, opts, headers)
     else:  # the plan is built by a child process (it imports transformers: seconds) while the shards are written
@@ -522,7 +518,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
 
 def _copied_dtype(info: TensorInfo, opts: Options) -> str:
     """The stored dtype of a tensor that is not quantized: --dtype for float tensors, else its own."""
-    return opts.dtype_code if opts.dtype_code and info.dtype in _FLOAT_CODES else info.dtype
+    return opts.dtype_code if opts.dtype_code and info.dtype in FLOAT_CODES else info.dtype
 
 
 def _convert_copy(sh: "_Shard", name: str, info: TensorInfo, code: str, check: FiniteCheck) -> None:

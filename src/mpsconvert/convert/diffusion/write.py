@@ -32,7 +32,8 @@ from ...manifests.schemes import Scheme
 from ...safetensors_io import DTYPES, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
 from ...source import DIFFUSERS_WEIGHTS, Snapshot
 from ...plan import Plan, check_against_model
-from ..quantize import QUANT_THREADS, _FLOAT_CODES, _quantize_matrix, _Shard, check_tensor_layout
+from ..quantize import QUANT_THREADS, _quantize_matrix, _Shard, check_tensor_layout
+from .. import FLOAT_CODES
 from . import COMFYUI_FORMATS, FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
@@ -116,7 +117,7 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
                                     "pass --format comfyui for this file, or the diffusers repo / folder for --format diffusers")
         # no module types without the model: a 2-D float `.weight` is a Linear's (convolutions are 4-D / 5-D, norms 1-D)
         p.linears = {n[: -len(".weight")]: i.shape for n, i in infos.items()
-                     if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in _FLOAT_CODES}
+                     if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT_CODES}
     else:
         model = meta_model(snap)
         meta = Plan(architecture=snap.diffusion.class_name, meta_model=model)
@@ -133,7 +134,7 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
         if not out_key.endswith(".weight") or not members or not all(m in p.linears for m in members):
             return False
         dtypes = {infos[m + ".weight"].dtype for m in members}
-        if len(dtypes) != 1 or not dtypes <= set(_FLOAT_CODES):
+        if len(dtypes) != 1 or not dtypes <= set(FLOAT_CODES):
             return False  # a fused tensor's parts in one float dtype, as every release stores them
         pattern = p.keep.match(strip_prefix(original), *(strip_prefix(m) for m in members))
         if pattern is not None:

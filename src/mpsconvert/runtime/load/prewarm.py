@@ -61,7 +61,7 @@ def _heads(config):
     return (hq, hk, hd) if isinstance(hq, int) and isinstance(hk, int) and isinstance(hd, int) else None
 
 
-def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtype, dev: torch.device, block: int | None = None) -> None:
+def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None, dtype: torch.dtype, dev: torch.device) -> None:
     """Compile every configuration of the Triton decode kernels for an n x k layer (several at
     once), then call each once, so that its autotuner times them here rather than in the policy."""
     from ..ops import kernels
@@ -69,7 +69,6 @@ def _decode_kernels(n: int, k: int, weights: str, activations, dtype: torch.dtyp
     from ..ops.triton import experts, gemv
     from ...fp8 import FP8_DTYPE
 
-    block = block if weights == "block" else None
     scale = torch.ones(-(-n // block), -(-k // block), device=dev) if block else torch.ones(n if weights == "row" else 1, 1, device=dev)
     layer = FP8Linear.from_tensors(torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), scale, activations=activations, dtype=dtype,
                                    input_scale=torch.ones(1, device=dev) if activations == "tensor" else None, block=block)
@@ -115,9 +114,8 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
     hidden = getattr(config, "hidden_size", None)
     eps = getattr(config, "rms_norm_eps", None)
     if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor", "block"):
-        weights, activations, *block = decode
         for n, k in sorted(gemms):
-            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, weights, activations, dtype, dev, *block))
+            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev))
     if tritonlib.available():
         for k in sorted({k for _, k in gemms}):
             step(f"quantize {k}", lambda k=k: act_quant.quantize(torch.empty(rows, k, dtype=dtype, device=dev)))
@@ -179,8 +177,8 @@ class Prewarm:
     def begin(self, config, linears: dict, dtype: torch.dtype, rows: int, rowwise: bool, decode: tuple | None = None) -> None:
         """Warm up for a model of `config` whose FP8 Linears are `linears` ({name: (N, K)}),
         probed with `rows` tokens; `rowwise`: their prefill GEMMs are row-wise scaled (per-token
-        activations, per-row weights); `decode`: (weight granularity, activation scheme) of those
-        layers, whose Triton decode kernels are compiled and autotuned here."""
+        activations, per-row weights); `decode`: (weight granularity, activation scheme, block
+        edge or None) of those layers, whose Triton decode kernels are compiled and autotuned here."""
         if self._ready.is_set():
             raise RuntimeError("Prewarm.begin called twice or after cancel")
         self._job = (config, linears, dtype, rows, rowwise, decode)

@@ -18,6 +18,8 @@ the kernel on CPU tensors with one fixed configuration (the tests).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..triton import INTERPRET, compile_configs, tl, triton
@@ -162,14 +164,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: to
     return y
 
 
-# Block edges the GEMV takes block scales for: multiples of its largest BLOCK_N, so that a tile's
-# rows share one row of block scales.
-BLOCK_EDGE = 32
+# Block edges the GEMV takes block scales for are multiples of every config's BLOCK_N, so that a
+# tile's rows share one row of block scales.
+BLOCK_EDGE = math.lcm(*(bn for bn, *_ in _CONFIGS))
 
 
 def takes_block(block: int | None) -> bool:
-    """Whether the GEMV reads block scales of this edge (a multiple of every config's BLOCK_N)."""
-    return bool(block) and block % BLOCK_EDGE == 0 and all(block % bn == 0 for bn, *_ in _CONFIGS)
+    """Whether the GEMV reads block scales of this edge."""
+    return bool(block) and block % BLOCK_EDGE == 0
 
 
 def _args(x, weight, scale, bias, y, block: int = 0) -> tuple[tuple, dict]:
