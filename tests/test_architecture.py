@@ -12,7 +12,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
 BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "plan", "texts", "safetensors_io",
-          "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "version", "templates"}
+          "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "version", "templates", "child"}
 MIDDLE = {"convert", "apple", "calibrate", "runtime"}
 # what each layer may import from the package (by the first component of the module path)
 ALLOWED = {

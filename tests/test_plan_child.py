@@ -156,8 +156,12 @@ runpy.run_module("mpsconvert.cli", run_name="__main__")
 
 
 def test_a_child_that_imports_another_mpsconvert_says_so_and_builds_nothing(src):
-    body = plan_child._main({"path": str(src), "ignore": [], "weight_files": ["model.safetensors"], "package": "/elsewhere"})
-    assert body == {"error": f"the child imported the mpsconvert in {plan_child._package_root()}, not the one in /elsewhere"}
+    from mpsconvert import child
+
+    request = {"path": str(src), "ignore": [], "weight_files": ["model.safetensors"]}
+    body = child.answer_for(plan_child._main, request | {"package": "/elsewhere"})
+    assert body == {"error": f"the child imported the mpsconvert in {child.package_root()}, not the one in /elsewhere"}
+    assert child.answer_for(plan_child._main, request | {"package": str(child.package_root())})["architecture"] == "LlamaForCausalLM"
 
 
 def test_a_child_plans_only_big_checkpoints_on_machines_with_cores_to_spare(monkeypatch):

@@ -7,33 +7,27 @@ that time. On a thread beside the writing (branch `plan-guess`), the 16-core hos
 waited on the GIL. A child has its own interpreter, so the parent's writing runs on the other
 cores undisturbed; the parent itself never imports transformers on this path.
 
-The child runs `plan_for` and `check_against_model` (the two steps that need the weightless
-model) and prints the plan as JSON. Anything else it would do, or any way it fails, is left to
-the parent, which then builds the plan itself (`PlanChild.result` returns None and says why):
-the real error, if there is one, is raised there, as it would be without a child.
+The child (the mechanics: child.py) runs `plan_for` and `check_against_model` (the two steps
+that need the weightless model) and answers the plan as JSON. Anything else it would do, or any
+way it fails, is left to the parent, which then builds the plan itself (`PlanChild.result`
+returns None and says why): the real error, if there is one, is raised there, as it would be
+without a child.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-MARK = "mpsconvert-plan:"  # the result's line on stdout (transformers may print lines of its own)
+from ..child import MIN_CPUS, Child, serve
+
 # From this size of checkpoint on, the plan is built by a child process while the shards are
 # written with a plan guessed from the tensor names: below it the writing is shorter than the
 # child's own start (torch's import, 1-4 s), which would be paid on top of the parent's.
 MIN_BYTES = 1 << 30
-# ... and from this many cores on: the child's gain is its imports running beside the writing. On
-# the 2-core VM the cores are busy either way, and the child's own torch import made a 2.5 GB
-# conversion 6% slower (8.57 vs 8.05 s, median of 5).
-MIN_CPUS = 4
-# The child's interpreter: this module run with the parent's mpsconvert reachable. Its folder is
-# appended to sys.path, not put in PYTHONPATH, where it would come before the standard library
-# (a site-packages folder there would let any package shadow a stdlib module).
-_BOOT = "import runpy, sys; sys.path.append(sys.argv.pop(1)); runpy.run_module('mpsconvert.convert.plan_child', run_name='__main__')"
+# ... and from child.MIN_CPUS cores on: the child's gain is its imports running beside the
+# writing; on the 2-core VM its own torch import made a 2.5 GB conversion 6% slower (8.57 vs
+# 8.05 s, median of 5).
 
 
 def start_early(snap, scheme, ignore: list[str], trust_remote_code: bool) -> "PlanChild | None":
@@ -59,35 +53,22 @@ def worth_it(nbytes: int) -> bool:
     return nbytes >= MIN_BYTES and (os.cpu_count() or 1) >= MIN_CPUS
 
 
-class PlanChild:
-    """`python -m mpsconvert.convert.plan_child` started for the model folder `path` (its weight files `weight_files`)."""
-
-    command = [sys.executable, "-c", _BOOT]
+class PlanChild(Child):
+    """This module run in a child process for the model folder `path` (its weight files `weight_files`)."""
 
     def __init__(self, path: Path, ignore: list[str], weight_files: list[str]):
-        package_root = str(_package_root())  # this mpsconvert, also when it is not installed
-        request = json.dumps({"path": str(path), "ignore": list(ignore), "weight_files": list(weight_files), "package": package_root})
+        super().__init__(__name__,
+                         {"path": str(path), "ignore": list(ignore), "weight_files": list(weight_files)})
         self.why_not: str | None = None
-        self._proc = subprocess.Popen([*self.command, package_root, request], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      stdin=subprocess.DEVNULL, text=True)
 
     def result(self):
         """The child's Plan (without its meta model: the shape check already ran there), or None
         with `why_not` set when the child failed or its plan cannot stand in (fused experts)."""
         from ..plan import Plan
 
-        try:
-            out, err = self._proc.communicate()
-        finally:
-            self.kill()
-        lines = [line[len(MARK):] for line in out.splitlines() if line.startswith(MARK)]
-        if self._proc.returncode != 0 or not lines:
-            last = (err.strip().splitlines() or ["no output"])[-1]
-            self.why_not = f"the child exited with {self._proc.returncode}: {last[:200]}"
-            return None
-        body = json.loads(lines[-1])
+        body = self.answer()
         if "error" in body:
-            self.why_not = f"the child could not build it: {body['error'][:200]}"
+            self.why_not = body["error"][:240]
             return None
         if body["experts"]:
             self.why_not = "the model has fused experts, whose layout needs the model itself"
@@ -100,31 +81,19 @@ class PlanChild:
         """Who built the plan, for the manifest (after `result`)."""
         return "a child process" if self.why_not is None else f"this process ({self.why_not})"
 
-    def kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-
-
-def _package_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
 
 def _main(request: dict) -> dict:
+    """In the child: the plan and its shape check (an error is answered; the parent builds the plan
+    again and raises it itself)."""
     from ..plan import check_against_model, plan_for
     from ..safetensors_io import read_header
 
-    if str(_package_root()) != request["package"]:  # another mpsconvert came first on the child's path
-        return {"error": f"the child imported the mpsconvert in {_package_root()}, not the one in {request['package']}"}
-    try:
-        path = Path(request["path"])
-        plan = plan_for(path, request["ignore"])
-        check_against_model(plan, {f: read_header(path / f) for f in request["weight_files"]})
-    except Exception as e:  # the parent builds the plan again and raises the error itself
-        return {"error": f"{type(e).__name__}: {e}"}
+    path = Path(request["path"])
+    plan = plan_for(path, request["ignore"])
+    check_against_model(plan, {f: read_header(path / f) for f in request["weight_files"]})
     return {"architecture": plan.architecture, "quantize": plan.quantize, "ignored": plan.ignored, "skipped": plan.skipped,
             "prefix": plan.prefix, "experts": plan.experts}
 
 
 if __name__ == "__main__":
-    print(MARK + json.dumps(_main(json.loads(sys.argv[1]))), flush=True)
+    serve(_main)
