@@ -88,7 +88,7 @@ def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_fa
     from . import models
 
     started = []
-    monkeypatch.setattr(prewarm, "start", lambda dev: started.append(_Recorder()) or started[-1])
+    monkeypatch.setattr(prewarm, "start", lambda dev, child=None: started.append(_Recorder()) or started[-1])
     with pytest.raises(ArtifactError):
         loader.load(tmp_path / "nothing", device="cpu")
     assert started[-1].cancelled and started[-1].begun is None
@@ -156,3 +156,203 @@ def test_compile_configs_compiles_each_configuration_once_the_first_before_the_o
     assert sorted(c[2]["BLOCK"] for c in calls) == [0, 1, 2, 3, 4]
     assert all(c[0] == ("x", 3) and c[1] == (1,) and c[2]["FLAG"] is True and c[2]["num_warps"] == 4 for c in calls)
     assert calls[0][2]["BLOCK"] == 0 and calls[0][3]
+
+
+# -- the child that warms up first (runtime/load/prewarm_child.py, child.py) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def artifact(work):
+    """A tiny Llama quantized with the defaults, and the same model loaded on CPU."""
+    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.manifests.schemes import Scheme
+    from mpsconvert.source import resolve
+
+    from . import models
+
+    src = models.tiny("llama", work / "bf16", dtype=torch.bfloat16, tie=False)
+    art = work / "art"
+    quantize_snapshot(resolve(str(src)), art, Options(scheme=Scheme.make("fp8-dynamic", "row"), ignore=["model.layers.1.mlp.down_proj"],
+                                                      force=True))
+    return art
+
+
+def test_the_childs_request_is_what_the_load_hands_its_own_warm_up(artifact, monkeypatch):
+    """Read from config.json and the shard headers alone (no model built), the request names the
+    FP8 Linears the load's `begin` gets (not the ignored one), with the same probe rows, row-wise
+    flag and decode kernels, and the config entries the warm-up reads."""
+    from mpsconvert.runtime.load import loader, prewarm_child
+
+    begun = []
+    monkeypatch.setattr(prewarm, "start", lambda dev, child=None: begun.append(_Recorder()) or begun[-1])
+    model = loader.load(artifact, device="cpu")
+    linears, rowwise, decode = begun[-1].begun
+    req = prewarm_child.request(artifact, torch.bfloat16, torch.device("cuda", 0))
+    assert {k: tuple(v) for k, v in req["linears"].items()} == linears
+    assert "model.layers.1.mlp.down_proj" not in req["linears"] and len(linears) == 13
+    assert (req["rowwise"], tuple(req["decode"])) == (rowwise, decode)
+    cfg = model.config
+    assert req["config"] == {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+                             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps}
+    assert (req["device"], req["dtype"]) == (0, "bfloat16")
+
+
+def test_the_request_believes_only_what_fits(artifact, tmp_path):
+    """Unverified input: config entries of the wrong type or absurd size are left out, a shard
+    linked from outside the folder or a folder with no FP8 weights gives no request at all."""
+    import json
+    import shutil
+
+    from mpsconvert.runtime.load import prewarm_child
+
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    body = json.loads((art / "config.json").read_text())
+    body |= {"hidden_size": 1 << 40, "num_attention_heads": True, "rms_norm_eps": "1e-5"}
+    (art / "config.json").write_text(json.dumps(body))
+    req = prewarm_child.request(art, torch.bfloat16, torch.device("cuda", 0))
+    assert set(req["config"]) == {"num_key_value_heads", "head_dim"}
+    outside = tmp_path / "elsewhere.safetensors"
+    shard = next(art.glob("*.safetensors"))
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    assert prewarm_child.request(art, torch.bfloat16, torch.device("cuda", 0)) is None
+    shard.unlink()
+    assert prewarm_child.request(art, torch.bfloat16, torch.device("cuda", 0)) is None  # no FP8 weights left
+    assert prewarm_child.request(tmp_path / "nothing", torch.bfloat16, torch.device("cuda", 0)) is None
+
+
+def test_no_child_where_it_would_not_pay(artifact, monkeypatch):
+    from mpsconvert.runtime.load import prewarm_child
+
+    assert prewarm_child.start(torch.device("cpu"), artifact, torch.bfloat16) is None  # not CUDA
+    monkeypatch.setattr(prewarm_child.os, "cpu_count", lambda: 2)
+    assert prewarm_child.start(torch.device("cuda", 0), artifact, torch.bfloat16) is None  # too few cores (or no Triton, no GPU here)
+
+
+def test_the_child_runs_the_warm_up_in_its_own_process_and_answers(artifact):
+    """The child's whole path on CPU: booted with this mpsconvert, it runs the warm-up for the
+    request's shapes (on CPU the steps that run there; Triton's need a GPU) and answers its report:
+    the same steps the load's own warm-up makes for that model."""
+    import json
+
+    from transformers import AutoConfig
+
+    from mpsconvert.child import Child
+    from mpsconvert.runtime.load import loader, prewarm_child
+
+    req = prewarm_child.request(artifact, torch.bfloat16, torch.device("cuda", 0)) | {"device": "cpu"}
+    answer = Child(prewarm_child.__name__, req).answer(timeout=300)
+    assert "error" not in answer, answer
+    model = loader.load(artifact, device="cpu", eager_fusion=False)
+    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, loader.FP8Linear)}
+    here = {"warmed": [], "failed": []}
+    rows, rowwise, decode = prewarm.job_of(loader.scheme_from_config(json.loads((artifact / "config.json").read_text())["quantization_config"]))
+    prewarm._work(AutoConfig.from_pretrained(artifact), linears, torch.bfloat16, torch.device("cpu"), rows, rowwise, here, decode)
+    names = [w.rpartition(" ")[0] for w in answer["warmed"]]
+    assert "sdpa" in names and names == [w.rpartition(" ")[0] for w in here["warmed"]] and answer["seconds"] > 0
+
+
+def test_a_child_that_fails_or_hangs_is_an_answer_not_an_exception(monkeypatch):
+    import sys
+
+    from mpsconvert.child import Child
+
+    monkeypatch.setattr(Child, "command", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"])
+    assert Child("x", {}).answer() == {"error": "the child exited with 3: boom"}
+    monkeypatch.setattr(Child, "command", [sys.executable, "-c", "import time; time.sleep(60)"])
+    hung = Child("x", {})
+    assert hung.answer(timeout=0.5) == {"error": "no answer within 0.5 s"} and not hung.running()
+
+
+class _FakeChild:
+    def __init__(self, answer):
+        self._answer, self.killed, self.asked = answer, False, None
+
+    def answer(self, timeout=None):
+        self.asked = timeout
+        return self._answer
+
+    def running(self):
+        return not self.killed
+
+    def kill(self):
+        self.killed = True
+
+
+def test_the_warm_up_waits_for_its_child_then_does_its_own_work(recorded):
+    """The child starts first, before Triton's first use here; once the model is known its answer
+    is awaited (bounded) and reported, then this thread's own work runs (finding the caches full)."""
+    child = _FakeChild({"warmed": ["decode kernels 8x4 1.0s"], "failed": [], "seconds": 2.5})
+    order = []
+    warm = prewarm.Prewarm(torch.device("cpu"), child=lambda: order.append("child") or child)
+    warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True, decode=("row", "token", None))
+    report = warm.join()
+    assert order == ["child"] and recorded[0] == "first use" and recorded[1][0] == "work"
+    assert child.asked == prewarm.CHILD_WAIT_S and child.killed
+    assert report["child"]["started"] and report["child"]["seconds"] == 2.5 and report["child"]["warmed"] == 1
+    failed = _FakeChild({"error": "the child exited with 1: CUDA out of memory"})
+    warm = prewarm.Prewarm(torch.device("cpu"), child=lambda: failed)
+    warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True)
+    report = warm.join()
+    assert report["child"] == {"started": True, "error": "the child exited with 1: CUDA out of memory"}
+    assert recorded[-1][0] == "work"  # the work is done here all the same
+
+
+def test_a_cancelled_load_kills_its_child(recorded):
+    child = _FakeChild({})
+    warm = prewarm.Prewarm(torch.device("cpu"), child=lambda: child)
+    warm.cancel()
+    warm._thread.join(timeout=10)
+    assert child.killed and child.asked is None and recorded == ["first use"]
+
+
+def test_the_thread_starts_its_child_without_importing_anything(artifact):
+    """The warm-up thread reads the hint while the main thread imports transformers: an import on
+    the thread then (eager_fusion's, for its probe rows) broke transformers' lazy module ("no
+    attribute 'AutoConfig'", on an H100). With the loader imported, the hint imports nothing."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from mpsconvert.runtime.load import loader, prewarm, prewarm_child
+before = set(sys.modules)
+req = prewarm_child.request({str(artifact)!r}, torch.bfloat16, torch.device("cuda", 0))
+assert req is not None and req["linears"]
+new = sorted(set(sys.modules) - before)
+assert not new, new
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_child_for_kernels_this_machine_measured_before(artifact, tmp_path, monkeypatch):
+    """The child pays on a cold machine only: where the kernel cache holds the decode decision of
+    every GEMM the model will run (on this device, with this code), their compiles are in Triton's
+    cache already and the child's own start would make the load slower, so none is started."""
+    import json
+
+    from mpsconvert.runtime.load import policy, prewarm_child
+
+    started = []
+    monkeypatch.setattr(prewarm_child.tritonlib, "available", lambda: True)
+    monkeypatch.setattr(prewarm_child.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "GPU X")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 40, 1 << 40))
+    monkeypatch.setattr(prewarm_child, "Child", lambda module, body: started.append(body) or "child")
+    cache = tmp_path / "kernels.json"
+    dev = torch.device("cuda", 0)
+    assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) == "child"  # nothing measured yet
+    req = started[-1]
+    gemms, _ = prewarm._shapes({k: tuple(v) for k, v in req["linears"].items()})
+    keys = [policy.cache_key("GPU X", (n, k, "row", "token"), "decode", 1) for n, k in sorted(gemms)]
+    cache.write_text(json.dumps({key: {"timings_us": {}} for key in keys[1:]}))
+    assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) == "child"  # one shape not measured
+    cache.write_text(json.dumps({key: {"timings_us": {}} for key in keys}))
+    assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) is None
+    assert prewarm_child.start(dev, artifact, torch.bfloat16, False) is None  # no cache: a warm machine cannot be told apart
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "GPU Y")
+    assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) == "child"  # another device's measurements
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 30, 1 << 40))
+    assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) is None  # no room for a second context

@@ -50,7 +50,7 @@ from ...manifests import layout, loadable
 from ...manifests.ct_config import scheme_from_config
 from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
 from ...safetensors_io import DTYPES
-from . import prewarm, stream
+from . import prewarm, prewarm_child, stream
 from .. import patches
 from ..ops.fp8linear import FP8Linear
 from .policy import KernelPolicy
@@ -177,7 +177,8 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     path = Path(path)
     dev = devices.choose(device)
     # first-use costs paid while the manifest is verified, the model built and the shards streamed
-    warm = prewarm.start(dev) if eager_fusion else None
+    # (a child process first, where one pays, from the artifact's own description)
+    warm = prewarm.start(dev, lambda: prewarm_child.start(dev, path, dtype, kernel_cache)) if eager_fusion else None
     try:
         return _load(path, dev, dtype, verify, warm, t0, kernel_cache=kernel_cache, measure=measure,
                      trust_remote_code=trust_remote_code, progress=progress, share_inputs=share_inputs,
@@ -232,13 +233,8 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
     seconds = {"build_and_check": time.perf_counter() - t0}
 
     if warm is not None:  # the fusion's probe and the decode kernels, for this model's shapes
-        from ..patches.eager_fusion import PROBE_ROWS
-        from ...manifests.schemes import Activations
-        from ...scales import Granularity
-
-        fp8 = {n: s for n, s in linears.items() if n not in ignored}
-        warm.begin(config, fp8, dtype, PROBE_ROWS, rowwise=scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW,
-                   decode=(str(scheme.weights), scheme.activations, scheme.block))
+        rows, rowwise, decode = prewarm.job_of(scheme)
+        warm.begin(config, {n: s for n, s in linears.items() if n not in ignored}, dtype, rows, rowwise, decode)
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
         plan = _Plan(model, report, dtype, dev)

@@ -77,6 +77,27 @@ def cache_path() -> Path:
     return Path(xdg or Path.home() / ".cache") / "mpsconvert" / "kernels.json"
 
 
+def cache_key(device_name: str, sig: tuple, bucket: str, m: int) -> str:
+    """The cache's key for a layer signature (N, K, weights, activations) in one bucket."""
+    n, k, w, a = sig
+    return (f"{device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels {kernels_digest()}|{n}x{k}|"
+            f"weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
+
+
+def decided_before(device_name: str, sigs, cache=None, decode_m: int = 1) -> bool:
+    """Whether the cache (`cache` as KernelPolicy takes it) holds the decode decision of every
+    signature: these kernels were measured on this machine, by this code, so their first use
+    (Triton's compiles and autotuning, which fill its own on-disk cache then) was paid before."""
+    path = cache_path() if cache is None or cache is True else (None if cache is False else Path(cache))
+    if path is None or not path.is_file():
+        return False
+    try:
+        body = read_json(path, what=str(path))
+    except MpsconvertError:
+        return False
+    return all(cache_key(device_name, sig, "decode", decode_m) in body for sig in sigs)
+
+
 @dataclass
 class Decision:
     """The choice for one layer signature and bucket, with the evidence."""
@@ -114,9 +135,7 @@ class KernelPolicy:
 
     # -- cache -------------------------------------------------------------------------------
     def key(self, sig: tuple, bucket: str, m: int) -> str:
-        n, k, w, a = sig
-        return (f"{self.device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels {kernels_digest()}|{n}x{k}|"
-                f"weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
+        return cache_key(self.device_name, sig, bucket, m)
 
     def _read_cache(self) -> dict:
         if self.cache_file is None or not self.cache_file.is_file():

@@ -15,7 +15,9 @@ it before the kernel policy and the fusion run. The thread starts with the load,
 is known, with Triton's own first use (its driver and the C launcher it builds: 6-8 s on a fresh
 H100 host), paid while the manifest is verified and the model built; `begin` then gives it the
 model's shapes (on the H100 the warm-up took 20 s of a 38.9 s cold load, 12 s of it waited for,
-when it started only once the model was built).
+when it started only once the model was built). Where the machine has cores to spare, a child
+process does the same work first, from the artifact's own description, so that this thread finds
+the kernels compiled and timed in Triton's caches (prewarm_child.py).
 
 Nothing here is used afterwards but the caches the calls fill (Triton's kernels and our direct
 launches of them, the libraries' loaded kernels and plans); the scratch values are never read.
@@ -27,11 +29,19 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ...child import Child
+from ...manifests.schemes import Activations
+from ...scales import Granularity
+from ..ops.fp8linear import PROBE_ROWS
 from ..ops.fuse import SIBLINGS
+
+# How long the warm-up waits for its child once the model is known (then it does the work itself)
+CHILD_WAIT_S = 120.0
 
 
 def _shapes(linears: dict[str, tuple[int, int]]) -> tuple[set, set]:
@@ -51,6 +61,14 @@ def _shapes(linears: dict[str, tuple[int, int]]) -> tuple[set, set]:
                     gated.add(n)
     gemms.update(v for k, v in linears.items() if k not in taken)
     return gemms, gated
+
+
+def job_of(scheme) -> tuple[int, bool, tuple]:
+    """What `Prewarm.begin` takes besides the model for an artifact of `scheme`: the rows of the
+    fusion's probe, whether the prefill GEMMs are row-wise scaled (per-token activations, per-row
+    weights), and the decode kernels' (weight granularity, activation scheme, block edge)."""
+    rowwise = scheme.activations is Activations.TOKEN and scheme.weights is Granularity.ROW
+    return PROBE_ROWS, rowwise, (str(scheme.weights), scheme.activations, scheme.block)
 
 
 def _heads(config):
@@ -150,42 +168,84 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
 
 class Prewarm:
     """The warm-up thread of one load. Started with the load, it pays Triton's first use while the
-    model is built; `begin` hands it the model's shapes, `join()` returns what it did, and
-    `cancel()` ends a thread whose load failed before `begin` (a no-op after it)."""
+    model is built (and first starts a child with `child()`, e.g. prewarm_child.start, where one
+    is given: its work is waited for before this thread's own); `begin` hands it the model's shapes, `join()` returns what it did, and `cancel()`
+    ends a thread whose load failed before `begin` (a no-op after it)."""
 
-    def __init__(self, dev: torch.device):
+    def __init__(self, dev: torch.device, child: Callable[[], Child | None] | None = None):
         self.report: dict = {"warmed": [], "failed": []}
         self._t0 = time.perf_counter()
         self._job: tuple | None = None
         self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._child = None
+        self._cancelled = False
 
         def run():
             try:
                 with torch.cuda.device(dev):
+                    if child is not None:
+                        self._start_child(child)
                     _first_use(self.report)
                     self._ready.wait()
                     if self._job is not None:
-                        config, linears, dtype, rows, rowwise, decode = self._job
-                        _work(config, linears, dtype, dev, rows, rowwise, self.report, decode)
+                        config, linears, dtype_, rows, rowwise, decode = self._job
+                        if self._child is not None:  # its compiles and timings first, then ours find them cached
+                            self.report["child"] = self._child_report(self._child.answer(timeout=CHILD_WAIT_S))
+                        _work(config, linears, dtype_, dev, rows, rowwise, self.report, decode)
             except Exception as e:  # pragma: no cover - the steps catch their own; this is the thread's last guard
                 self.report["failed"].append(f"{type(e).__name__}: {str(e)[:120]}")
+            finally:
+                self.cancel_child()
             self.report["seconds"] = round(time.perf_counter() - self._t0, 3)
 
         self._thread = threading.Thread(target=run, name="mpsconvert-prewarm", daemon=True)
         self._thread.start()
 
+    def _start_child(self, start: Callable[[], Child | None]) -> None:
+        t = time.perf_counter()
+        try:
+            child = start()
+        except Exception as e:  # a hint that cannot be read: this thread does the work alone
+            self.report["child"] = {"started": False, "why": f"{type(e).__name__}: {str(e)[:120]}"}
+            return
+        with self._lock:
+            if self._cancelled and child is not None:
+                child.kill()
+                child = None
+            self._child = child
+        if child is None:
+            self.report.setdefault("child", {"started": False})
+        self.report["child_start_s"] = round(time.perf_counter() - t, 3)
+
+    def _child_report(self, answer: dict) -> dict:
+        if "error" in answer:
+            return {"started": True, "error": answer["error"]}
+        return {"started": True, "seconds": answer.get("seconds"), "warmed": len(answer.get("warmed", [])),
+                "failed": answer.get("failed", []), "waited_s": round(time.perf_counter() - self._begun, 3)}
+
     def begin(self, config, linears: dict, dtype: torch.dtype, rows: int, rowwise: bool, decode: tuple | None = None) -> None:
         """Warm up for a model of `config` whose FP8 Linears are `linears` ({name: (N, K)}),
         probed with `rows` tokens; `rowwise`: their prefill GEMMs are row-wise scaled (per-token
         activations, per-row weights); `decode`: (weight granularity, activation scheme, block
-        edge or None) of those layers, whose Triton decode kernels are compiled and autotuned here."""
+        edge or None) of those layers, whose Triton decode kernels are compiled and autotuned here
+        (`job_of` gives the last three for a scheme)."""
         if self._ready.is_set():
             raise RuntimeError("Prewarm.begin called twice or after cancel")
         self._job = (config, linears, dtype, rows, rowwise, decode)
+        self._begun = time.perf_counter()
         self._ready.set()
 
     def cancel(self) -> None:
         self._ready.set()
+        if self._job is None:
+            self.cancel_child()
+
+    def cancel_child(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._child is not None:
+                self._child.kill()
 
     def join(self) -> dict:
         t = time.perf_counter()
@@ -194,9 +254,10 @@ class Prewarm:
         return self.report
 
 
-def start(dev: torch.device) -> Prewarm | None:
-    """Start the warm-up thread of a load on `dev` (Triton's first use at once; the model's own
-    calls once `begin` gives its shapes). None where there is nothing to warm (not CUDA)."""
+def start(dev: torch.device, child: Callable[[], Child | None] | None = None) -> Prewarm | None:
+    """Start the warm-up thread of a load on `dev` (Triton's first use at once, after starting the
+    child that `child()` returns, if any; the model's own calls once `begin` gives its shapes).
+    None where there is nothing to warm (not CUDA)."""
     if dev.type != "cuda":
         return None
-    return Prewarm(dev)
+    return Prewarm(dev, child)

@@ -29,6 +29,7 @@ from . import kernels
 
 # Activations with at most this many rows (tokens x batch) use the decode kernel.
 DECODE_MAX_M = 4
+PROBE_ROWS = 2 * DECODE_MAX_M + 1  # a prefill-sized call (rows > DECODE_MAX_M), small: the load's checks and warm-up
 # Prefill buckets, by the most rows each takes; longer calls take the last. The policy measures
 # each bucket at its bound: the fastest kernel changes with M (on the H200 a default load tuned
 # for 512 rows lost a third of the FP8 speed-up at 2048; docs/benchmarks.md).

@@ -48,11 +48,10 @@ from transformers import DynamicCache
 from ..ops.triton import act_quant, launch as triton_launch
 from . import attention_prefill, forwards, rotary
 from ..ops import kernels, triton as tritonlib
-from ..ops.fp8linear import DECODE_MAX_M, FP8Linear
+from ..ops.fp8linear import DECODE_MAX_M, PROBE_ROWS, FP8Linear
 from ..ops.fuse import SharedInput, Stash, group_name
 from ...fp8 import relative_error
 
-PROBE_ROWS = 2 * DECODE_MAX_M + 1  # a prefill-sized call (rows > DECODE_MAX_M), small
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a pre-norm decoder layer's modules
 NORM_MAX_ULP_FRACTION = 1e-3  # elements of a checked norm allowed off by at most two ulps (summation order)
 MLP_MAX_REL_ERR = 2**-8  # relative (Frobenius) error of a checked MLP against its own forward
