@@ -168,9 +168,10 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
 
 class Prewarm:
     """The warm-up thread of one load. Started with the load, it pays Triton's first use while the
-    model is built (and first starts a child with `child()`, e.g. prewarm_child.start, where one
-    is given: its work is waited for before this thread's own); `begin` hands it the model's shapes, `join()` returns what it did, and `cancel()`
-    ends a thread whose load failed before `begin` (a no-op after it)."""
+    model is built (first starting the child that `child()` returns, e.g. prewarm_child.start's,
+    whose work is awaited before this thread's own); `begin` hands it the model's shapes, `join()`
+    returns what it did, and `cancel()` ends a child still running and a thread whose load failed
+    before `begin`."""
 
     def __init__(self, dev: torch.device, child: Callable[[], Child | None] | None = None):
         self.report: dict = {"warmed": [], "failed": []}
@@ -238,8 +239,7 @@ class Prewarm:
 
     def cancel(self) -> None:
         self._ready.set()
-        if self._job is None:
-            self.cancel_child()
+        self.cancel_child()
 
     def cancel_child(self) -> None:
         with self._lock:
