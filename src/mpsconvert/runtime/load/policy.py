@@ -84,18 +84,26 @@ def cache_key(device_name: str, sig: tuple, bucket: str, m: int) -> str:
             f"weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
 
 
+def _cache_file(cache: Path | None | bool) -> Path | None:
+    """The cache file KernelPolicy's `cache` argument names: the default (None, True), a path, or none (False)."""
+    return cache_path() if cache is None or cache is True else (None if cache is False else Path(cache))
+
+
+def _read_cache_file(path: Path | None) -> dict:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return read_json(path, what=str(path))
+    except MpsconvertError:
+        return {}  # a broken cache is re-measured and rewritten, never trusted
+
+
 def decided_before(device_name: str, sigs, cache=None, decode_m: int = 1) -> bool:
     """Whether the cache (`cache` as KernelPolicy takes it) holds the decode decision of every
     signature: these kernels were measured on this machine, by this code, so their first use
     (Triton's compiles and autotuning, which fill its own on-disk cache then) was paid before."""
-    path = cache_path() if cache is None or cache is True else (None if cache is False else Path(cache))
-    if path is None or not path.is_file():
-        return False
-    try:
-        body = read_json(path, what=str(path))
-    except MpsconvertError:
-        return False
-    return all(cache_key(device_name, sig, "decode", decode_m) in body for sig in sigs)
+    body = _read_cache_file(_cache_file(cache))
+    return bool(body) and all(cache_key(device_name, sig, "decode", decode_m) in body for sig in sigs)
 
 
 @dataclass
@@ -127,7 +135,7 @@ class KernelPolicy:
         self.device = device
         self.decode_m = decode_m
         self.measure = measure or self._measure
-        self.cache_file = cache_path() if cache is None or cache is True else (None if cache is False else Path(cache))
+        self.cache_file = _cache_file(cache)
         self.caps = capabilities or devices.capabilities(device)
         self.device_name = self.caps.name
         self.decisions: list[Decision] = []
@@ -138,12 +146,7 @@ class KernelPolicy:
         return cache_key(self.device_name, sig, bucket, m)
 
     def _read_cache(self) -> dict:
-        if self.cache_file is None or not self.cache_file.is_file():
-            return {}
-        try:
-            return read_json(self.cache_file, what=str(self.cache_file))
-        except MpsconvertError:
-            return {}  # a broken cache is re-measured and rewritten, never trusted
+        return _read_cache_file(self.cache_file)
 
     def _write_cache(self) -> None:
         if self.cache_file is None:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ...child import Child
 from ...manifests.schemes import Activations
-from ...scales import Granularity
+from ...scales import Granularity, scale_shape
 from ..ops.fp8linear import PROBE_ROWS
 from ..ops.fuse import SIBLINGS
 
@@ -87,7 +87,7 @@ def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None
     from ..ops.triton import experts, gemv
     from ...fp8 import FP8_DTYPE
 
-    scale = torch.ones(-(-n // block), -(-k // block), device=dev) if block else torch.ones(n if weights == "row" else 1, 1, device=dev)
+    scale = torch.ones(scale_shape("block", n, k, block), device=dev) if block else torch.ones(n if weights == "row" else 1, 1, device=dev)
     layer = FP8Linear.from_tensors(torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), scale, activations=activations, dtype=dtype,
                                    input_scale=torch.ones(1, device=dev) if activations == "tensor" else None, block=block)
     x = torch.zeros(1, k, dtype=dtype, device=dev)

@@ -23,6 +23,7 @@ import math
 import torch
 
 from ..triton import INTERPRET, compile_configs, tl, triton
+from ....scales import scale_shape
 
 OP_NAME = "mpsconvert::fp8_gemv"
 # BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
@@ -180,8 +181,8 @@ def _args(x, weight, scale, bias, y, block: int = 0) -> tuple[tuple, dict]:
     (M, K), N = x.shape, weight.shape[0]
     if block and not takes_block(block):
         raise ValueError(f"the GEMV takes block scales of edges that are multiples of {BLOCK_EDGE}, not {block}")
-    if block and (scale.dim() != 2 or scale.stride(1) != 1 or tuple(scale.shape) != (-(-N // block), -(-K // block))):
-        raise ValueError(f"block scales of a [{N}, {K}] weight in {block}-blocks are [{-(-N // block)}, {-(-K // block)}], "
+    if block and (scale.dim() != 2 or scale.stride(1) != 1 or tuple(scale.shape) != scale_shape("block", N, K, block)):
+        raise ValueError(f"block scales of a [{N}, {K}] weight in {block}-blocks are {list(scale_shape('block', N, K, block))}, "
                          f"got {list(scale.shape)}")
     return ((x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
              scale.stride(0) if block else 0),
