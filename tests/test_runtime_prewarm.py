@@ -4,6 +4,10 @@ on CPU: a call with a wrong signature would be listed as failed)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -46,7 +50,8 @@ def test_first_use_runs_before_the_model_is_known_and_the_rest_after_begin(recor
     warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True, decode=("row", "token", None))
     report = warm.join()
     assert recorded[0] == "first use"
-    assert recorded[1] == ("work", ("cfg", {"l": (8, 4)}, torch.bfloat16, torch.device("cpu"), 9, True, report, ("row", "token", None)))
+    assert recorded[1] == ("work", ("cfg", {"l": (8, 4)}, torch.bfloat16, torch.device("cpu"), 9, True, report, ("row", "token", None),
+                                    warm._stop))
     assert report["waited_s"] >= 0 and report["seconds"] >= 0
     warm.cancel()  # after begin: nothing changes
     with pytest.raises(RuntimeError, match="twice"):
@@ -59,6 +64,48 @@ def test_a_cancelled_warm_up_ends_without_the_model_work(recorded):
     warm._thread.join(timeout=10)
     assert not warm._thread.is_alive()
     assert recorded == ["first use"]
+
+
+def test_a_cancelled_warm_up_makes_no_more_calls():
+    """A load that failed after `begin` cancels its warm-up: the steps not yet begun are skipped (and
+    listed), so a failed load stops using the GPU at the end of the current call."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    linears = {"l.q_proj": (64, 64), "l.down_proj": (64, 96)}
+    stop = threading.Event()
+    stop.set()
+    report = {"warmed": [], "failed": []}
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, None, stop)
+    assert report["warmed"] == [] and report["failed"] == [] and "sdpa" in report["cancelled"]
+    report = {"warmed": [], "failed": []}  # the same call not cancelled makes them
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, None, threading.Event())
+    assert "cancelled" not in report and [w.rpartition(" ")[0] for w in report["warmed"]][-1] == "sdpa"
+
+
+def test_the_exit_waits_for_a_warm_up_still_running(tmp_path):
+    """A script whose load failed exits while the warm-up thread is inside a call (on CUDA: Triton's
+    first use, seconds long). The exit cancels it and waits for that call, instead of tearing the
+    process down under a daemon thread in C++ code (the "terminate called without an active
+    exception" seen on an H100); the model's work, not begun, is skipped."""
+    marker = tmp_path / "marker"
+    script = f"""
+import contextlib, time, torch
+from mpsconvert.runtime.load import prewarm
+torch.cuda.device = lambda dev: contextlib.nullcontext()
+def first_use(report):
+    time.sleep(1.5)
+    open({str(marker)!r}, "w").write("first use ended")
+prewarm._first_use = first_use
+prewarm._work = lambda *a: open({str(marker)!r}, "a").write(", model work")
+warm = prewarm.Prewarm(torch.device("cpu"))
+warm.begin("cfg", {{}}, torch.bfloat16, 9, True)
+warm.cancel()
+raise RuntimeError("the load failed")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "the load failed" in r.stderr, r.stderr
+    assert marker.read_text() == "first use ended"
 
 
 class _Recorder:

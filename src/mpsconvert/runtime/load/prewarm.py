@@ -27,8 +27,10 @@ calls and checks them itself, so a warm-up can only save time, never change a re
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -42,6 +44,8 @@ from ..ops.fuse import SIBLINGS
 
 # How long the warm-up waits for its child once the model is known (then it does the work itself)
 CHILD_WAIT_S = 120.0
+# How long the interpreter's exit waits for a warm-up thread to finish the step it is in
+EXIT_WAIT_S = 60.0
 
 
 def _shapes(linears: dict[str, tuple[int, int]]) -> tuple[set, set]:
@@ -102,7 +106,10 @@ def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None
         kernels.run(c, layer, x)
 
 
-def _step(report: dict, name: str, fn) -> None:
+def _step(report: dict, name: str, fn, stop: threading.Event | None = None) -> None:
+    if stop is not None and stop.is_set():  # the load failed or the process is ending: no more calls
+        report.setdefault("cancelled", []).append(name)
+        return
     t = time.perf_counter()
     try:
         fn()
@@ -119,14 +126,14 @@ def _first_use(report: dict) -> None:
 
 
 def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict,
-          decode: tuple | None = None) -> None:
+          decode: tuple | None = None, stop: threading.Event | None = None) -> None:
     from ..ops.triton import act_quant
     from ..ops.triton import rotary
     from ..ops import triton as tritonlib
     from ...fp8 import FP8_DTYPE
 
     def step(name, fn):
-        _step(report, name, fn)
+        _step(report, name, fn, stop)
 
     gemms, gated = _shapes(linears)
     hidden = getattr(config, "hidden_size", None)
@@ -170,8 +177,11 @@ class Prewarm:
     """The warm-up thread of one load. Started with the load, it pays Triton's first use while the
     model is built (first starting the child that `child()` returns, e.g. prewarm_child.start's,
     whose work is awaited before this thread's own); `begin` hands it the model's shapes, `join()`
-    returns what it did, and `cancel()` ends a child still running and a thread whose load failed
-    before `begin`."""
+    returns what it did, and `cancel()` (a failed load) kills a child still running and skips the
+    thread's calls not yet begun. The interpreter's exit cancels every warm-up still running and
+    waits for it to finish its current call (at most EXIT_WAIT_S): a daemon thread still inside
+    CUDA or Triton code while the process tears down is the likely cause of the "terminate called
+    without an active exception" that followed a failed load's traceback (H100, 2026-12-05)."""
 
     def __init__(self, dev: torch.device, child: Callable[[], Child | None] | None = None):
         self.report: dict = {"warmed": [], "failed": []}
@@ -181,6 +191,7 @@ class Prewarm:
         self._lock = threading.Lock()
         self._child = None
         self._cancelled = False
+        self._stop = threading.Event()
 
         def run():
             try:
@@ -189,11 +200,11 @@ class Prewarm:
                         self._start_child(child)
                     _first_use(self.report)
                     self._ready.wait()
-                    if self._job is not None:
+                    if self._job is not None and not self._stop.is_set():
                         config, linears, dtype_, rows, rowwise, decode = self._job
                         if self._child is not None:  # its compiles and timings first, then ours find them cached
                             self.report["child"] = self._child_report(self._child.answer(timeout=CHILD_WAIT_S))
-                        _work(config, linears, dtype_, dev, rows, rowwise, self.report, decode)
+                        _work(config, linears, dtype_, dev, rows, rowwise, self.report, decode, self._stop)
             except Exception as e:  # pragma: no cover - the steps catch their own; this is the thread's last guard
                 self.report["failed"].append(f"{type(e).__name__}: {str(e)[:120]}")
             finally:
@@ -201,6 +212,7 @@ class Prewarm:
             self.report["seconds"] = round(time.perf_counter() - self._t0, 3)
 
         self._thread = threading.Thread(target=run, name="mpsconvert-prewarm", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     def _start_child(self, start: Callable[[], Child | None]) -> None:
@@ -238,6 +250,7 @@ class Prewarm:
         self._ready.set()
 
     def cancel(self) -> None:
+        self._stop.set()
         self._ready.set()
         self.cancel_child()
 
@@ -252,6 +265,19 @@ class Prewarm:
         self._thread.join()
         self.report["waited_s"] = round(time.perf_counter() - t, 3)  # what the reading did not hide
         return self.report
+
+
+_RUNNING: weakref.WeakSet[Prewarm] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_all(wait_s: float = EXIT_WAIT_S) -> None:
+    """At the interpreter's exit: cancel every warm-up still running and wait for its current call."""
+    deadline = time.monotonic() + wait_s
+    for warm in list(_RUNNING):
+        warm.cancel()
+    for warm in list(_RUNNING):
+        warm._thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def start(dev: torch.device, child: Callable[[], Child | None] | None = None) -> Prewarm | None:
