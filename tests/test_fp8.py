@@ -9,13 +9,14 @@ from mpsconvert.errors import QuantizationError
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
 
-def test_fp8_to_float_is_exact_for_every_code():
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+@pytest.mark.parametrize("copies", [1, fp8.CAST_BELOW // 256 + 1])  # the cast of a few codes, the bit move of many
+def test_fp8_to_float_is_exact_for_every_code(copies):
+    codes = torch.arange(256, dtype=torch.uint8).repeat(copies).view(torch.float8_e4m3fn)
     ours = fp8.fp8_to_float(codes)
     ref = codes.float()
     finite = torch.isfinite(ref)
     assert torch.equal(ours[finite], ref[finite])
-    assert finite.sum() == 254  # 0x7f and 0xff are NaN in e4m3fn
+    assert finite.sum() == 254 * copies  # 0x7f and 0xff are NaN in e4m3fn
 
 
 @pytest.mark.parametrize("gran", ["row", "tensor"])

@@ -552,3 +552,39 @@ def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
 
     bf16, ours = diff_sources(False), diff_sources(True)
     assert ours == bf16, sorted(ours ^ bf16)
+
+
+def test_on_cpu_siblings_share_one_rounding_and_one_dense_weight(llama_art):
+    """On CPU an fp8-dynamic layer rounds its input through e4m3 before its dense product
+    (`dense_qact`): q/k/v and gate/up round their one input once and run one product, each member's
+    dense weight a view of the group's (one copy in memory), and compute what they compute apart;
+    also under torch.inference_mode, whose tensors have no version counter."""
+    from mpsconvert import load
+    from mpsconvert.runtime.load.loader import model_bytes
+
+    shared, apart = load(llama_art, device="cpu"), load(llama_art, device="cpu", share_inputs=False)
+    groups = [m for m in shared.modules() if isinstance(m, SharedInput)]
+    layers = shared.config.num_hidden_layers
+    assert len(groups) == 2 * layers == shared.mpsconvert.patches["shared_inputs"]["installed"]
+    assert not any(isinstance(m, SharedInput) for m in apart.modules())
+    for g in groups:
+        assert g.inner.kernels["decode"] == "dense_qact" and g.inner.weight is None
+        parent = next(p for p in shared.modules() if any(c is g for c in p.children()))
+        for n in g.names:
+            m = parent._modules[n]
+            assert m.weight is None and m.dense_weight.untyped_storage().data_ptr() == g.inner.dense_weight.untyped_storage().data_ptr()
+    assert model_bytes(shared) == model_bytes(apart)  # the fused dense weights replace the members', no copy kept
+
+    from .test_runtime_patches import _aten_ops
+
+    ids = torch.randint(0, shared.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = apart(ids).logits
+        got = shared(ids).logits
+        rounds = {name: sum(op == "amax" for op, _ in _aten_ops(lambda: mod(ids))) for name, mod in (("shared", shared), ("apart", apart))}
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got - want).abs().max()
+    assert rounds == {"shared": 4 * layers, "apart": 7 * layers}  # per-token amax: one per rounded input
+    with torch.inference_mode():
+        assert torch.equal(shared(ids).logits, got)
+    assert all(g.shared and g.stash.hits > 0 for g in groups)
+    assert torch.equal(shared.generate(ids, max_new_tokens=6, do_sample=False), apart.generate(ids, max_new_tokens=6, do_sample=False))

@@ -67,8 +67,9 @@ def test_the_private_name_scan_sees_a_use(tmp_path):
 
 
 def test_registry_order_and_one_report_shape():
-    assert [p.name for p in patches.REGISTRY] == ["shared_inputs", "attention", "routing", "eager_fusion", "positions", "generate"]
-    assert [p.phase for p in patches.REGISTRY] == ["modules"] * 3 + ["forwards"] * 3
+    assert [p.name for p in patches.REGISTRY] == ["shared_inputs", "attention", "routing", "eager_fusion", "positions", "lm_head",
+                                                  "generate"]
+    assert [p.phase for p in patches.REGISTRY] == ["modules"] * 3 + ["forwards"] * 4
     model = _tiny("llama")
     ctx = patches.Context(torch.device("cpu"), torch.bfloat16)
     reports = patches.apply(model, ctx, "modules") | patches.apply(model, ctx, "forwards")
@@ -87,8 +88,8 @@ def test_registry_order_and_one_report_shape():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_patches_install_on_every_architecture_and_keep_the_output(arch):
-    """On CPU only `positions` applies: installed on all six, nothing left, logits and greedy
-    tokens bit for bit the model's own (with and without a cache)."""
+    """On CPU only `positions` and `lm_head` apply: installed on all six, nothing left, logits and
+    greedy tokens bit for bit the model's own (with and without a cache)."""
     model = _tiny(arch)
     ids = torch.randint(0, 128, (1, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -100,12 +101,56 @@ def test_cpu_patches_install_on_every_architecture_and_keep_the_output(arch):
         reports = patches.apply(model, ctx, "modules") | patches.apply(model, ctx, "forwards")
         patches.check(model, ctx, reports)
     installed = {n: r.installed for n, r in reports.items() if r.applied}
-    assert installed == {"positions": 1}, {n: r.as_dict() for n, r in reports.items()}
+    assert installed == {"positions": 1, "lm_head": 1}, {n: r.as_dict() for n, r in reports.items()}
     assert all(not r.left for r in reports.values())
     assert not [w for w in caught if issubclass(w.category, patches.PatchFallback)]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want_gen)
+
+
+def _aten_ops(fn) -> list[tuple[str, list]]:
+    """(op, the shapes of its tensor arguments) of every aten op `fn` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func.overloadpacket.__name__, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def test_the_output_head_never_copies_its_weight_for_the_kept_tokens():
+    """`model(ids, logits_to_keep=1)` hands the head a slice of the prompt's hidden states; with a
+    weight that does not require grad (every loaded model) torch's matmul ran a batched product
+    over the weight expanded and copied (on CPU 30x the product). Installed, the head runs one
+    matrix product of the kept rows: the same logits, no copy of the weight, one or more
+    sequences."""
+    from mpsconvert.runtime.patches import lm_head
+
+    model = _tiny("llama")
+    head = model.get_output_embeddings()
+    vocab, hidden = head.weight.shape
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+
+    def weight_copies(fn):  # a batched product over the expanded weight, which the CPU kernel copies
+        return [op for op, shapes in _aten_ops(fn) if op == "bmm" and any(s[-2:] == (hidden, vocab) for s in shapes)]
+
+    with torch.no_grad():
+        full = model(ids).logits
+        assert weight_copies(lambda: model(ids[:1], logits_to_keep=1)), "negative control: torch no longer takes its batched path"
+        assert lm_head.install(model) == {"installed": True, "left": None} and lm_head.installed(model)
+        for rows in (ids[:1], ids):
+            kept = model(rows, logits_to_keep=1).logits
+            assert kept.shape == (rows.shape[0], 1, vocab)
+            assert torch.allclose(kept.float(), full[: rows.shape[0], -1:].float(), atol=1e-2, rtol=1e-2)
+            assert weight_copies(lambda: model(rows, logits_to_keep=1)) == []
+        assert torch.equal(model(ids).logits, full)  # every token: the product it always was
 
 
 def test_a_failing_install_never_raises_and_is_warned_once():

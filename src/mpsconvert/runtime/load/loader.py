@@ -53,6 +53,7 @@ from ...safetensors_io import DTYPES
 from . import prewarm, prewarm_child, stream
 from .. import patches
 from ..ops.fp8linear import FP8Linear
+from ..ops.fuse import SharedInput
 from .policy import KernelPolicy
 
 _FP8_PARTS = ("weight", "weight_scale", "input_scale", "bias")
@@ -281,7 +282,7 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
     patches.check(model, ctx, reports)
     info.patches = {name: r.as_dict() for name, r in reports.items()}
     seconds["patches"] = time.perf_counter() - t4
-    info.fp8_layers = sum(isinstance(m, FP8Linear) for m in model.modules())
+    info.fp8_layers = sum(isinstance(m, FP8Linear) and not isinstance(p, SharedInput) for p in model.modules() for m in p.children())
     info.weights_held = weights_held(model, dev, dtype)
     info.weight_bytes = model_bytes(model)
     seconds["total"] = time.perf_counter() - t0

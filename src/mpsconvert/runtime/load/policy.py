@@ -231,6 +231,7 @@ class KernelPolicy:
         for mod in model.modules():
             if isinstance(mod, FP8Linear) and mod.group is None:  # members of a fused group run its inner layer
                 groups.setdefault(mod.signature, []).append(mod)
+        fused = {id(g.inner): (parent, g) for parent in model.modules() for g in parent.children() if isinstance(g, SharedInput)}
         self.decisions = []
         progress = or_silent(progress)
         for i, (sig, layers) in enumerate(groups.items()):
@@ -239,21 +240,21 @@ class KernelPolicy:
             prefill = pre[0].choice if len(pre) == 1 else {d.m: d.choice for d in pre}
             for layer in layers:
                 layer.set_kernels(dec.choice, prefill)
+                if id(layer) in fused:  # its members at once: a dense kernel frees the group's codes before the next is made
+                    parent, group = fused[id(layer)]
+                    members = [parent._modules[n] for n in group.names]
+                    if group.inner.kernels["decode"] == "dense_qact":  # CPU: one rounding and one dense product for all
+                        group.hold_dense(members)
+                    elif group.inner.dense_weight is not None:  # BF16 won for the fused shape: no fusion, each member dense
+                        unshare(parent, group)
+                        for m in members:
+                            m.set_kernels("bf16", "bf16")
+                    else:
+                        for m in members:  # used when the members turn out not to share an input
+                            m.set_kernels(**group.inner.kernels)
             for d in (dec, *pre):
                 d.layers = len(layers)
             self.decisions += [dec, *pre]
-        for parent in list(model.modules()):
-            for name, group in list(parent._modules.items()):
-                if not isinstance(group, SharedInput):
-                    continue
-                members = [parent._modules[n] for n in group.names]
-                if group.inner.dense_weight is not None:  # BF16 won for the fused shape: no fusion, each member dense
-                    unshare(parent, group)
-                    for m in members:
-                        m.set_kernels("bf16", "bf16")
-                else:
-                    for m in members:  # used when the members turn out not to share an input
-                        m.set_kernels(**group.inner.kernels)
         if self.device.type != "cpu":
             self._write_cache()
         return self.decisions

@@ -11,7 +11,7 @@ In a transformers model the three projections are called one after another by th
 code (`self.q_proj(h)`, `self.k_proj(h)`, `self.v_proj(h)`), which we do not change. So each
 member stays an FP8Linear whose weight is a view of the fused weight, and `SharedInput` runs the
 fused GEMM on the first member's call and hands the other members their slices when they are
-called with the very same tensor (same object, unmodified: `_version`; the state lives in a plain `Stash`). What is shared at
+called with the very same tensor (same object, unmodified: `version`; the state lives in a plain `Stash`). What is shared at
 prefill is a switch, measured (PREFILL_SHARES). A member called with
 another input gets its own product, so the outputs are always the members' own; if the members
 of a group turn out not to share their input, the group stops fusing (`shared = False`).
@@ -40,6 +40,13 @@ from .fp8linear import DECODE_MAX_M, FP8Linear, hold
 PREFILL_SHARES = "gemm"
 # Sibling projections that read one input, by the names transformers gives them.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+
+
+def version(t: torch.Tensor) -> int:
+    """t's in-place version counter, by which a hand-over checks that its tensor was not changed
+    since; -2 for an inference tensor (made under torch.inference_mode), which has none and
+    raises on `_version`: such a tensor is matched by identity alone."""
+    return -2 if t.is_inference() else t._version
 
 
 def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
@@ -122,6 +129,16 @@ class SharedInput(nn.Module):
             object.__setattr__(m, "slot", slot)
             start = stop
 
+    def hold_dense(self, members: list[FP8Linear]) -> None:
+        """Where the fused layer runs a dense kernel that rounds its input (`dense_qact`, CPU):
+        each member's dense weight becomes a view of the fused one, so the model holds one dense
+        copy and a member called alone computes what it would have unfused."""
+        start = 0
+        for m in members:
+            hold(m, "dense_weight", self.inner.dense_weight[start : start + m.out_features])
+            m.set_kernels(**self.inner.kernels)  # dense everywhere: drops the member's view of the FP8 codes
+            start += m.out_features
+
     def _shared(self, member: FP8Linear, x: torch.Tensor):
         """What the first member computes for all: the fused GEMM's output, split (decode, and
         prefill by default), or with PREFILL_SHARES = "quantization" at prefill the quantized
@@ -164,7 +181,7 @@ class SharedInput(nn.Module):
         if pre is None:
             return None
         st.pre = None
-        return pre[2] if pre[0] is x and pre[1] == x._version else None
+        return pre[2] if pre[0] is x and pre[1] == version(x) else None
 
     @staticmethod
     def _take(member: FP8Linear, kind: str, value, x: torch.Tensor, slot: int) -> torch.Tensor:
@@ -193,7 +210,7 @@ class SharedInput(nn.Module):
             return self._traced(member, x)
         st = self.stash
         cur = st.cur
-        if cur is not None and cur[0] is x and cur[1] == x._version and cur[3] >> slot & 1:
+        if cur is not None and cur[0] is x and cur[1] == version(x) and cur[3] >> slot & 1:
             pending = cur[3] & ~(1 << slot)
             st.cur = (x, cur[1], cur[2], pending) if pending else None
             st.hits += 1
@@ -206,7 +223,7 @@ class SharedInput(nn.Module):
             st.cur = None
             return member.project(x)
         out = self._shared(member, x)
-        st.cur = (x, x._version, out, self._all & ~(1 << slot))
+        st.cur = (x, version(x), out, self._all & ~(1 << slot))
         return self._take(member, *out, x, slot)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...fp8 import FP8_DTYPE, FP8_MAX, dequantize, per_group_scale
+from ...fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_to_float, per_group_scale
 from .triton import act_quant, experts as moe_triton, gemv as triton_gemv
 from . import triton as tritonlib
 
@@ -109,7 +109,7 @@ def group_quantize(x: torch.Tensor, group: int):
 
 def _group_dequantize(xq: torch.Tensor, xs: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
     k = xq.shape[1]
-    return (xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]).to(dtype)
+    return (fp8_to_float(xq) * xs.repeat_interleave(group, dim=1)[:, :k]).to(dtype)
 
 
 def _block_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor, out_dtype: torch.dtype):
@@ -179,7 +179,7 @@ def scheme_rounded(mod, x: torch.Tensor) -> torch.Tensor:
     """x as the layer's scheme rounds its activations before a FP8 x FP8 product (per token, or
     the static scale), in x's dtype: what `dense_qact` multiplies."""
     xq, xs = act_quant.torch_quantize(x, static_scale(mod))
-    return (xq.float() * xs).to(x.dtype)
+    return fp8_to_float(xq).mul_(xs).to(x.dtype)
 
 
 def dense_qact(mod, x):

@@ -2,13 +2,15 @@
 in one registry, applied in this order:
 
   phase "modules" (before the kernel policy measures the layers):
-    shared_inputs   sibling FP8 layers that read one input share its quantization and GEMM (GPUs)
+    shared_inputs   sibling FP8 layers that read one input share its quantization and GEMM
     attention       decode attention through the split-KV kernel, SDPA otherwise (CUDA, Triton)
     routing         MoE softmax top-k routers as one kernel at decode (CUDA, Triton)
   phase "forwards" (after it: they read the kernels it chose):
     eager_fusion    fused RMSNorm / MLP / decoder-layer forwards and the rotary kernel in eager
                     mode, direct prefill calls (CUDA, Triton)
     positions       a call without positions gets the model's own, known on the host (any device)
+    lm_head         the output head reads the kept tokens as one matrix, never a batched product
+                    over a copy of its weight (any device)
     generate        model.generate() at batch 1 through mpsconvert's engine (the loop `mpsconvert
                     generate` runs), or transformers' own with a static cache (CUDA)
 
@@ -46,8 +48,10 @@ class SharedInputs:
     name, phase, option = "shared_inputs", "modules", "share_inputs"
 
     def match(self, model, ctx):
-        if ctx.device.type == "cpu":
-            return "CPU: every layer holds its own dense weight, there is no quantization to share"
+        from ..ops.fp8linear import FP8Linear
+
+        if ctx.device.type == "cpu" and not any(isinstance(m, FP8Linear) and m.activations for m in model.modules()):
+            return "CPU, weights only: every layer holds a dense weight and no input is rounded, so there is nothing to share"
         return None
 
     def install(self, model, ctx):
@@ -153,6 +157,26 @@ class Positions:
         return [] if n == report.installed else ["the base model lost its installed forward"]
 
 
+class LmHead:
+    name, phase, option = "lm_head", "forwards", None
+
+    def match(self, model, ctx):
+        from . import lm_head
+
+        return None if lm_head.head(model) is not None else "the model has no plain nn.Linear output head"
+
+    def install(self, model, ctx):
+        from . import lm_head
+
+        r = lm_head.install(model)
+        return Report(self.name, installed=1) if r["installed"] else Report(self.name, left=[f"the output head: {r['left']}"])
+
+    def check(self, model, ctx, report):
+        from . import lm_head
+
+        return [] if not report.installed or lm_head.installed(model) else ["the output head lost its installed forward"]
+
+
 class Generate:
     name, phase, option = "generate", "forwards", "compile"
 
@@ -174,7 +198,7 @@ class Generate:
         return [] if generate.installed(model) else ["model.generate was replaced after the patch"]
 
 
-REGISTRY: tuple[Patch, ...] = (SharedInputs(), Attention(), Routing(), EagerFusion(), Positions(), Generate())
+REGISTRY: tuple[Patch, ...] = (SharedInputs(), Attention(), Routing(), EagerFusion(), Positions(), LmHead(), Generate())
 
 
 def apply(model: nn.Module, ctx: Context, phase: str, registry=REGISTRY) -> dict[str, Report]:

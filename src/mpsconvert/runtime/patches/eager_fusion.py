@@ -49,7 +49,7 @@ from ..ops.triton import act_quant, launch as triton_launch
 from . import attention_prefill, forwards, rotary
 from ..ops import kernels, triton as tritonlib
 from ..ops.fp8linear import DECODE_MAX_M, PROBE_ROWS, FP8Linear
-from ..ops.fuse import SharedInput, Stash, group_name
+from ..ops.fuse import SharedInput, Stash, group_name, version
 from ...fp8 import relative_error
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a pre-norm decoder layer's modules
@@ -86,7 +86,7 @@ def _handed(norm: nn.Module, x: torch.Tensor):
     if pre is None:
         return None
     hand.pre = None
-    return pre if pre[0] is x and pre[1] == x._version else None
+    return pre if pre[0] is x and pre[1] == version(x) else None
 
 
 def _fused_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None, store_y: bool = True):
@@ -107,7 +107,7 @@ def _fused_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None 
         total = total.view(x.shape)
     y = y.view(x.shape) if y is not None else None
     if quant and y is not None:
-        group.stash.pre = (y, y._version, (q, s))
+        group.stash.pre = (y, version(y), (q, s))
     return total, y, (q, s) if quant else None
 
 
@@ -155,7 +155,7 @@ def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bo
     total, y, codes = _fused_norm(norm, x, residual)
     if not hand:
         return total, y
-    norm.mpsconvert_hand.pre = (total, total._version, y, codes)
+    norm.mpsconvert_hand.pre = (total, version(total), y, codes)
     return total
 
 
@@ -204,7 +204,7 @@ def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, si
     if nxt is None:
         return total + h
     total, y, codes = _fused_norm(nxt, h, total, store_y=False)
-    nxt.mpsconvert_hand.pre = (total, total._version, y, codes)
+    nxt.mpsconvert_hand.pre = (total, version(total), y, codes)
     return total
 
 

@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from .. import hf_compat
 from . import forwards
+from ..ops.fuse import version
 
 MAX_POSITIONS = 32768  # the longest call with tables: 16 MB of cos / sin for 128-wide bf16 heads (Llama-3-8B, 8192: 4 MB)
 PROBE_LENGTHS = (1, 7)
@@ -58,7 +59,7 @@ def start(position_ids) -> int | None:
     if not isinstance(position_ids, torch.Tensor):
         return None
     base = position_ids._base
-    if (base is None or getattr(base, "mpsconvert_positions", None) != base._version or position_ids.ndim != 2
+    if (base is None or getattr(base, "mpsconvert_positions", None) != version(base) or position_ids.ndim != 2
             or position_ids.stride(-1) != 1 or (position_ids.shape[0] != 1 and position_ids.stride(0) != 0)):  # fmt: skip
         return None
     return position_ids.storage_offset()
@@ -168,7 +169,7 @@ def install(model: nn.Module) -> dict:
     if n < max(PROBE_LENGTHS):
         return {"installed": False, "left": f"max_position_embeddings {n} is too short"}
     buf = torch.arange(n, device=device)[None].clone()  # not a view: its views' _base is this tensor
-    buf.mpsconvert_positions = buf._version  # marks the buffer; a write to it would change its version
+    buf.mpsconvert_positions = version(buf)  # marks the buffer; a write to it would change its version
     original = hf_compat.packed_sequence_check()
     original = getattr(original, "original", original)
     if original is None:
