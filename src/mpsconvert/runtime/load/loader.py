@@ -150,7 +150,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     error, never a fallback). verify: check every file's sha256 against the manifest (while the
     files are read, before the model is returned). kernel_cache / measure: passed to
     KernelPolicy (cache file or False; injected timer). share_inputs: fuse q/k/v and gate/up
-    into one GEMM each on GPUs (fuse.py). decode_attention: on CUDA, a model that uses SDPA runs
+    into one GEMM each (on CPU where the scheme rounds activations: one rounding; fuse.py). decode_attention: on CUDA, a model that uses SDPA runs
     decode steps through the split-KV kernel of runtime/patches/attention.py (prefill stays SDPA).
     eager_fusion: on CUDA, RMSNorms run as one kernel that also quantizes the input of the
     layers they feed, gated MLPs fuse SiLU * up with down_proj's quantization, attention
@@ -162,7 +162,8 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     device it also gives a call without positions (no cache, or a DynamicCache) the model's own
     as a view of a buffer made at load, so that the rotary tables are read, not recomputed, and
     transformers' packed-sequence check needs no synchronisation (runtime/patches/positions.py; checked
-    bit for bit).
+    bit for bit), and the output head runs the kept tokens as one matrix product, never a
+    batched one over a copy of its weight (runtime/patches/lm_head.py).
     On CUDA an MoE model's softmax top-k routers run as one kernel at decode (runtime/patches/routing.py).
     compile: on CUDA, the model's transformers `generate()` at batch 1 runs mpsconvert's engine
     (the loop `mpsconvert generate` runs: a static KV cache, the decode step one CUDA graph), or,

@@ -158,7 +158,7 @@ class Positions:
 
 
 class LmHead:
-    name, phase, option = "lm_head", "forwards", None
+    name, phase, option = "lm_head", "forwards", "eager_fusion"
 
     def match(self, model, ctx):
         from . import lm_head
