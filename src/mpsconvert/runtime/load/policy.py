@@ -106,6 +106,24 @@ def decided_before(device_name: str, sigs, cache=None, decode_m: int = 1) -> boo
     return bool(body) and all(cache_key(device_name, sig, "decode", decode_m) in body for sig in sigs)
 
 
+def _settle(parent: torch.nn.Module, group) -> None:
+    """The members of a fused group, once its layer's kernels are chosen: sharing one dense
+    weight (`dense_qact`, CPU), unfused and dense (BF16 won for the fused shape), or given the
+    group's kernels for a call with an input the others do not share."""
+    from ..ops.fuse import unshare
+
+    members = [parent._modules[n] for n in group.names]
+    if group.inner.kernels["decode"] == "dense_qact":
+        group.hold_dense(members)
+    elif group.inner.dense_weight is not None:
+        unshare(parent, group)
+        for m in members:
+            m.set_kernels("bf16", "bf16")
+    else:
+        for m in members:
+            m.set_kernels(**group.inner.kernels)
+
+
 @dataclass
 class Decision:
     """The choice for one layer signature and bucket, with the evidence."""
@@ -225,7 +243,7 @@ class KernelPolicy:
 
     def apply(self, model: torch.nn.Module, progress: Progress | None = None) -> list[Decision]:
         """Decide once per distinct layer signature, install the kernels on every FP8Linear."""
-        from ..ops.fuse import SharedInput, unshare
+        from ..ops.fuse import SharedInput
 
         groups: dict[tuple, list[FP8Linear]] = {}
         for mod in model.modules():
@@ -241,17 +259,7 @@ class KernelPolicy:
             for layer in layers:
                 layer.set_kernels(dec.choice, prefill)
                 if id(layer) in fused:  # its members at once: a dense kernel frees the group's codes before the next is made
-                    parent, group = fused[id(layer)]
-                    members = [parent._modules[n] for n in group.names]
-                    if group.inner.kernels["decode"] == "dense_qact":  # CPU: one rounding and one dense product for all
-                        group.hold_dense(members)
-                    elif group.inner.dense_weight is not None:  # BF16 won for the fused shape: no fusion, each member dense
-                        unshare(parent, group)
-                        for m in members:
-                            m.set_kernels("bf16", "bf16")
-                    else:
-                        for m in members:  # used when the members turn out not to share an input
-                            m.set_kernels(**group.inner.kernels)
+                    _settle(*fused[id(layer)])
             for d in (dec, *pre):
                 d.layers = len(layers)
             self.decisions += [dec, *pre]

@@ -190,8 +190,7 @@ class Prewarm:
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._child = None
-        self._cancelled = False
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # cancelled: no child, no more calls
 
         def run():
             try:
@@ -208,7 +207,7 @@ class Prewarm:
             except Exception as e:  # pragma: no cover - the steps catch their own; this is the thread's last guard
                 self.report["failed"].append(f"{type(e).__name__}: {str(e)[:120]}")
             finally:
-                self.cancel_child()
+                self._kill_child()
             self.report["seconds"] = round(time.perf_counter() - self._t0, 3)
 
         self._thread = threading.Thread(target=run, name="mpsconvert-prewarm", daemon=True)
@@ -223,7 +222,7 @@ class Prewarm:
             self.report["child"] = {"started": False, "why": f"{type(e).__name__}: {str(e)[:120]}"}
             return
         with self._lock:
-            if self._cancelled and child is not None:
+            if self._stop.is_set() and child is not None:
                 child.kill()
                 child = None
             self._child = child
@@ -252,11 +251,10 @@ class Prewarm:
     def cancel(self) -> None:
         self._stop.set()
         self._ready.set()
-        self.cancel_child()
+        self._kill_child()
 
-    def cancel_child(self) -> None:
+    def _kill_child(self) -> None:
         with self._lock:
-            self._cancelled = True
             if self._child is not None:
                 self._child.kill()
 

@@ -40,6 +40,7 @@ from ...manifests.schemes import Activations
 from ...safetensors_io import read_header
 from ...untrusted import inside, read_json
 from ..ops import triton as tritonlib
+from ..ops.fp8linear import signature
 from . import policy, prewarm
 
 # config.json's entries the warm-up reads (prewarm._work, `_heads`), each checked for its type and size
@@ -58,10 +59,12 @@ def request(path: Path, dtype: torch.dtype, dev: torch.device) -> dict | None:
     try:
         body = read_json(path / "config.json")
         scheme = scheme_from_config(body.get("quantization_config"))
-        linears = {}
+        linears, nbytes = {}, 0
         for name in sorted(os.listdir(path)):
             if name.endswith(".safetensors"):
-                for t in read_header(inside(path, name, what=str(path), root=root)).tensors.values():
+                shard = inside(path, name, what=str(path), root=root)
+                nbytes += shard.stat().st_size
+                for t in read_header(shard).tensors.values():
                     if t.dtype == "F8_E4M3" and len(t.shape) == 2 and t.name.endswith(".weight"):
                         linears[t.name.removesuffix(".weight")] = list(t.shape)
     except (MpsconvertError, OSError, ValueError):
@@ -75,7 +78,7 @@ def request(path: Path, dtype: torch.dtype, dev: torch.device) -> dict | None:
             config[key] = v
     rows, rowwise, decode = prewarm.job_of(scheme)
     return {"device": dev.index if dev.index is not None else torch.cuda.current_device(), "dtype": str(dtype).removeprefix("torch."),
-            "config": config, "linears": linears, "rows": rows, "rowwise": rowwise, "decode": list(decode)}
+            "config": config, "linears": linears, "rows": rows, "rowwise": rowwise, "decode": list(decode), "bytes": nbytes}
 
 
 def start(dev: torch.device, path: Path, dtype: torch.dtype, kernel_cache=None) -> Child | None:
@@ -90,13 +93,11 @@ def start(dev: torch.device, path: Path, dtype: torch.dtype, kernel_cache=None) 
     body = request(path, dtype, dev)
     if body is None:
         return None
-    weights, activations, block = body["decode"]
     gemms, _ = prewarm._shapes({k: tuple(v) for k, v in body["linears"].items()})
-    sigs = [(n, k, f"block{block}" if block else weights, activations) for n, k in gemms]
+    sigs = [signature(n, k, *body["decode"]) for n, k in gemms]
     if kernel_cache is False or policy.decided_before(torch.cuda.get_device_name(dev), sigs, kernel_cache):
         return None
-    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-    if torch.cuda.mem_get_info(dev)[0] < weights + HEADROOM:
+    if torch.cuda.mem_get_info(dev)[0] < body["bytes"] + HEADROOM:  # the weights and a second context
         return None
     return Child(__name__, body)
 

@@ -61,6 +61,12 @@ def hold(mod: nn.Module, name: str, t: torch.Tensor | None) -> None:
     mod._parameters[name] = None if t is None else t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
 
 
+def signature(n: int, k: int, weights: str, activations: str | None, block: int | None) -> tuple:
+    """The kernel policy's key for layers of this shape and scheme (FP8Linear.signature; the load's
+    warm-up child asks the policy's cache with it before any layer exists)."""
+    return (n, k, f"block{block}" if block else weights, activations)
+
+
 class FP8Linear(nn.Module):
     """y = x @ (weight * weight_scale).T + bias, with weight e4m3 codes (float8_e4m3fn, or uint8 bytes)."""
 
@@ -122,7 +128,7 @@ class FP8Linear(nn.Module):
     @property
     def signature(self) -> tuple:
         """What determines the kernel choice: shape, scale granularity (and block), activation scheme."""
-        return (self.out_features, self.in_features, f"block{self.block}" if self.block else self.weights, self.activations)
+        return signature(self.out_features, self.in_features, self.weights, self.activations, self.block)
 
     def set_kernels(self, decode: str, prefill: str | dict) -> None:
         """Install the chosen kernels: `prefill` one kernel for every prefill length, or

@@ -30,7 +30,7 @@ def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def head(model: nn.Module) -> nn.Module | None:
-    """The model's output head where it is a plain nn.Linear (the class, not a subclass of ours)."""
+    """The model's output head where it is a plain nn.Linear (its class under an installed forward)."""
     get = getattr(model, "get_output_embeddings", None)
     out = get() if callable(get) else None
     return out if out is not None and forwards._base(out) is nn.Linear else None
@@ -54,5 +54,5 @@ def install(model: nn.Module) -> dict:
 
 
 def installed(model: nn.Module) -> bool:
-    mod = getattr(model, "get_output_embeddings", lambda: None)()
+    mod = head(model)
     return mod is not None and forwards.installed(mod, _head_forward)
