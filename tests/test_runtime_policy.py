@@ -259,3 +259,38 @@ def test_buckets_cover_every_length_and_each_runs_its_own_kernel(tmp_path, with_
     for rows in (1, 5, 16, 17, 600, 10000):
         lay(torch.zeros(rows, 32, dtype=torch.bfloat16))
     assert ran == ["gemv", "dequant", "dequant", "scaled_mm_row", "scaled_mm_row", "scaled_mm_row"]
+
+
+def test_a_kernel_is_timed_over_weights_that_outgrow_the_cache(monkeypatch):
+    """A decode step reads each layer's weight once from memory, so a kernel is timed calling the
+    layers of its signature in turn, as many as twice the device's last cache holds (one weight
+    called again and again would be timed from L2); the BF16 candidate likewise over as many
+    dense twins. A signature with one layer, or a layer decided alone, is timed on itself."""
+    layers = [layer(n=64, k=32, seed=i) for i in range(5)]
+    code_bytes = 64 * 32  # one e4m3 code per weight
+    caps = Capabilities("cpu", True, False, "FakeDevice", cache_bytes=code_bytes)  # two layers' codes outgrow it twice
+    pol = KernelPolicy(torch.device("cpu"), cache=False, capabilities=caps)
+    called, dense = [], []
+    monkeypatch.setitem(kernels.FNS, "dequant", lambda mod, x: called.append(mod) or torch.zeros(x.shape[0], mod.out_features))
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: dense.append(w.data_ptr()) or real_linear(x, w, b))
+
+    pol._peers = {layers[0].signature: layers}  # as `apply` sets them while it decides
+    assert pol.streamed(layers[0], code_bytes) == 2 and pol.streamed(layers[0], 2 * code_bytes) == 1
+    pol._measure("dequant", layers[3], 1)
+    assert {id(m) for m in called} == {id(layers[3]), id(layers[0])}  # the layer decided, then its peers in turn
+    pol._measure("bf16", layers[3], 1)  # BF16 twins hold two bytes a weight: one of them outgrows the cache twice
+    assert len(set(dense)) == 1
+
+    caps_big = Capabilities("cpu", True, False, "FakeDevice", cache_bytes=100 * code_bytes)
+    pol = KernelPolicy(torch.device("cpu"), cache=False, capabilities=caps_big)
+    pol._peers = {layers[0].signature: layers}
+    called.clear(), dense.clear()
+    pol._measure("dequant", layers[1], 1)
+    assert {id(m) for m in called} == {id(m) for m in layers}  # all five, and no more than there are
+    pol._measure("bf16", layers[1], 1)
+    assert len(set(dense)) == 5
+    pol._peers = {}  # outside `apply`: the layer alone
+    called.clear()
+    pol._measure("dequant", layers[1], 1)
+    assert {id(m) for m in called} == {id(layers[1])}

@@ -121,6 +121,7 @@ class Capabilities:
     scaled_mm: bool  # torch._scaled_mm / F.scaled_mm runs here
     name: str  # the device's own name: kernel caches and validation records are keyed by it
     lacks: str = ""  # what this torch lacks here and what runs instead, one sentence ("" where nothing)
+    cache_bytes: int = 0  # the last cache level a kernel's weights pass through (CUDA's L2; a guess on MPS; 0 on CPU)
 
     @property
     def code_dtype(self) -> torch.dtype:
@@ -132,6 +133,9 @@ class Capabilities:
 
 _CAPS: dict[str, Capabilities] = {}
 MPS_NAME = "Apple GPU (MPS)"  # where the Mac's chip cannot be read
+# Apple's system-level cache, which the GPU's reads pass through: 8 MB (M1) to 96 MB (M-series Max
+# and Ultra); torch does not report it, so the largest is assumed (more copies timed, never fewer).
+MPS_CACHE_BYTES = 96 << 20
 
 
 def mac_chip() -> str | None:
@@ -193,10 +197,11 @@ def capabilities(device: torch.device) -> Capabilities:
     if key not in _CAPS:
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
-            caps = Capabilities("cuda", True, (major, minor) >= (8, 9), torch.cuda.get_device_name(device))
+            caps = Capabilities("cuda", True, (major, minor) >= (8, 9), torch.cuda.get_device_name(device),
+                                cache_bytes=int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0))
         elif device.type == "mps":
             fp8, mm, lacks = _probe_mps()
-            caps = Capabilities("mps", fp8, mm, mps_name(), lacks)
+            caps = Capabilities("mps", fp8, mm, mps_name(), lacks, cache_bytes=MPS_CACHE_BYTES)
         else:
             caps = Capabilities("cpu", True, False, "CPU")
         if caps.lacks:

@@ -6,7 +6,11 @@ token; on MPS `scaled_mm` is reported slow for big matmuls and fast for GEMVs). 
 distinct layer signature (N, K, weight granularity, activation scheme) and each token bucket
 (decode: `M = decode_m` tokens; prefill: `M` = each bound of `fp8linear.PREFILL_BUCKETS`, 16 to
 8192, so every prompt length runs the kernel measured nearest it and no caller names one),
-every candidate kernel of kernels.py is timed and the fastest wins. A BF16 weight is kept only
+every candidate kernel of kernels.py is timed and the fastest wins. A kernel is timed as the
+model runs it: the layers of one signature take turns (`streamed`), enough of them that their
+weights outgrow the device's last cache, since a decode step reads each weight once from memory;
+one weight called again and again would be read from L2 (50 MB on a Hopper GPU holds a whole
+4096 x 4096 layer) and favour the kernels that are bound by arithmetic rather than memory. A BF16 weight is kept only
 when BF16 beats every FP8 kernel in every bucket (a BF16 copy for some buckets would double that
 layer's memory); such a fallback is recorded.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -49,6 +54,7 @@ Measure = Callable[[str, FP8Linear, int], float]
 # scales, so a static scale that clips random inputs clips the reference alike), far below a wrong
 # kernel's (~100%).
 CHECKED = ("gemv", "gemv_splitk", "gemv_w8a8")
+TIMING = "streamed"  # how a kernel is timed (in the cache key: timings taken otherwise are taken again)
 CHECK_BOUND = 0.1
 
 
@@ -80,7 +86,7 @@ def cache_path() -> Path:
 def cache_key(device_name: str, sig: tuple, bucket: str, m: int) -> str:
     """The cache's key for a layer signature (N, K, weights, activations) in one bucket."""
     n, k, w, a = sig
-    return (f"{device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels {kernels_digest()}|{n}x{k}|"
+    return (f"{device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels {kernels_digest()}|{TIMING}|{n}x{k}|"
             f"weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
 
 
@@ -158,6 +164,7 @@ class KernelPolicy:
         self.device_name = self.caps.name
         self.decisions: list[Decision] = []
         self._cache = self._read_cache()
+        self._peers: dict[tuple, list[FP8Linear]] = {}  # signature -> its layers, while `apply` decides
 
     # -- cache -------------------------------------------------------------------------------
     def key(self, sig: tuple, bucket: str, m: int) -> str:
@@ -250,7 +257,7 @@ class KernelPolicy:
             if isinstance(mod, FP8Linear) and mod.group is None:  # members of a fused group run its inner layer
                 groups.setdefault(mod.signature, []).append(mod)
         fused = {id(g.inner): (parent, g) for parent in model.modules() for g in parent.children() if isinstance(g, SharedInput)}
-        self.decisions = []
+        self.decisions, self._peers = [], groups
         progress = or_silent(progress)
         for i, (sig, layers) in enumerate(groups.items()):
             progress("kernels", i, len(groups), f"{sig[0]}x{sig[1]}")
@@ -263,21 +270,33 @@ class KernelPolicy:
             for d in (dec, *pre):
                 d.layers = len(layers)
             self.decisions += [dec, *pre]
+        self._peers = {}
         if self.device.type != "cpu":
             self._write_cache()
         return self.decisions
 
     # -- timing ------------------------------------------------------------------------------
+    def streamed(self, layer: FP8Linear, weight_bytes: int) -> int:
+        """How many weights of `weight_bytes` each to time in turn: enough to outgrow twice the
+        device's last cache (so none is still cached when its turn comes again), at most the
+        layers of this signature there are."""
+        peers = len(self._peers.get(layer.signature, ())) or 1
+        return max(1, min(peers, -(-2 * self.caps.cache_bytes // max(1, weight_bytes))))
+
     def _measure(self, kernel: str, layer: FP8Linear, m: int) -> float:
         x = torch.randn(m, layer.in_features, device=self.device, dtype=layer.dtype)
-        if kernel == "bf16":  # time a dense twin of the same shape; the layer itself is untouched
-            dense = torch.randn(layer.out_features, layer.in_features, device=self.device, dtype=layer.dtype)
-            fn = lambda: torch.nn.functional.linear(x, dense, layer.bias)  # noqa: E731
+        if kernel == "bf16":  # dense twins of the same shape; the layers themselves are untouched
+            n = self.streamed(layer, layer.out_features * layer.in_features * x.element_size())
+            dense = [torch.randn(layer.out_features, layer.in_features, device=self.device, dtype=layer.dtype) for _ in range(n)]
+            fns = [lambda d=d: torch.nn.functional.linear(x, d, layer.bias) for d in dense]
         else:
-            fn = lambda: kernels.run(kernel, layer, x)  # noqa: E731
+            peers = self._peers.get(layer.signature, [layer])
+            n = self.streamed(layer, layer.weight.numel() * layer.weight.element_size())
+            fns = [lambda p=p: kernels.run(kernel, p, x) for p in [layer, *(p for p in peers if p is not layer)][:n]]
             if kernel in CHECKED:  # against the scheme's arithmetic: x rounded as the kernel's scheme rounds it
-                _check(kernel, fn(), kernels.run("dequant", layer, kernels.scheme_rounded(layer, x) if kernel == "gemv_w8a8" else x))
-        return timing.per_call_us(fn, self.device)
+                _check(kernel, fns[0](), kernels.run("dequant", layer, kernels.scheme_rounded(layer, x) if kernel == "gemv_w8a8" else x))
+        turn = itertools.cycle(fns)
+        return timing.per_call_us(lambda: next(turn)(), self.device)
 
     def explain(self) -> list[dict]:
         return [d.as_dict() for d in self.decisions]
