@@ -10,7 +10,8 @@ every candidate kernel of kernels.py is timed and the fastest wins. A kernel is 
 model runs it: the layers of one signature take turns (`streamed`), enough of them that their
 weights outgrow the device's last cache, since a decode step reads each weight once from memory;
 one weight called again and again would be read from L2 (50 MB on a Hopper GPU holds a whole
-4096 x 4096 layer) and favour the kernels that are bound by arithmetic rather than memory. A BF16 weight is kept only
+4096 x 4096 layer), which speeds kernels up unequally (on an H100 the GEMV of such a layer took
+5.9 us from L2 and 9.0 us streamed, the W8A8 GEMV 9.4 and 11.3 us). A BF16 weight is kept only
 when BF16 beats every FP8 kernel in every bucket (a BF16 copy for some buckets would double that
 layer's memory); such a fallback is recorded.
 
