@@ -301,7 +301,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
         with torch.no_grad():
             ref, ref1 = model(ids).logits, model(ids[:, :1]).logits
             report = eager_fusion.install(model)
-            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "layers": 2, "attention": 2, "rotary": 2, "left": [],
+            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "mlps_gated_decode": 0, "layers": 2, "attention": 2, "rotary": 2, "left": [],
                               "launch": "kernel[grid] (the Triton interpreter)"}, report
             layer = model.model.layers[0]
             assert layer.input_layernorm.mpsconvert_feeds is layer.self_attn.fused_q_proj_k_proj_v_proj

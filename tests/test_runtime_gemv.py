@@ -56,3 +56,34 @@ def test_block_scales_the_gemv_cannot_read_are_refused():
         triton_gemv._args(x, codes, torch.ones(4, 4), None, y, block=16)
     with pytest.raises(ValueError, match=r"are \[1, 1\], got \[2, 1\]"):
         triton_gemv._args(x, codes, torch.ones(2, 1), None, y, block=128)
+
+
+@pytest.mark.triton("interpret")
+@pytest.mark.parametrize("dot", [False, True])
+@pytest.mark.parametrize("per_row,bias", [(True, False), (False, True)])
+def test_gated_decode_is_silu_gate_times_up_of_the_plain_product(dot, per_row, bias):
+    """The gated form of the decode GEMVs (a gated MLP's [gate; up] rows in one weight) returns
+    what the module computes from the plain kernel's output: silu(gate) * up, each rounded to the
+    activation dtype, for per-row and per-tensor scales, with a bias, ragged edges included."""
+    from mpsconvert.runtime.ops.triton import act_quant
+
+    n, k = 40, 136  # 40 gate rows and 40 up rows: the last tile of each half ragged
+    codes, g = _weight(2 * n, k, seed=2)
+    scale = torch.rand(2 * n if per_row else 1, generator=g) + 0.05
+    b = (torch.randn(2 * n, generator=g) * 4).to(torch.bfloat16) if bias else None
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    if dot:  # the plain product in float32 (the same sums in the same order, unrounded)
+        xq, xs = act_quant.quantize(x)
+        plain = triton_gemv.dot_gemv(xq, xs, codes, scale, b, torch.float32)
+        got = triton_gemv.dot_gemv(xq, xs, codes, scale, b, torch.bfloat16, gated=True)
+    else:
+        plain = triton_gemv.gemv(x.float(), codes, scale, None if b is None else b.float())
+        got = triton_gemv.gemv(x, codes, scale, b, gated=True)
+    gate, up = plain.bfloat16().split(n, dim=-1)  # the projections' outputs, as the layers return them
+    want = torch.nn.functional.silu(gate) * up  # the module's own ops on bfloat16 tensors
+    assert got.shape == (3, n) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)  # the same sums, then the module's roundings
+    with pytest.raises(ValueError, match="equal counts"):
+        triton_gemv.gemv(x, codes[:-1], scale[:-1] if per_row else scale, None, gated=True)
+    with pytest.raises(ValueError, match="not block scales"):
+        triton_gemv._args(x, codes, torch.ones(1, 2), None, torch.empty(3, n, dtype=torch.bfloat16), block=128, gated=True)

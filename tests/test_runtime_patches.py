@@ -246,12 +246,15 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reports = patches.apply(model, ctx, "modules")
-            for g in model.modules():
+            for g in model.modules():  # gate/up decode by the GEMVs that have a gated form (W8A8 or BF16 activations)
                 if type(g).__name__ == "SharedInput":
-                    g.inner.set_kernels("scaled_mm_row", "scaled_mm_row")
+                    gated = g.names == ["gate_proj", "up_proj"]
+                    g.inner.set_kernels(("gemv_w8a8" if arch in ("llama", "qwen2") else "gemv") if gated else "scaled_mm_row", "scaled_mm_row")
             reports |= patches.apply(model, ctx, "forwards")
             patches.check(model, ctx, reports)
         seen[arch] = {n: (r.installed, sorted({e.partition(": ")[2] for e in r.left}), r.skipped) for n, r in reports.items()}
+        dense_mlps = sum(type(m).__name__.endswith("MLP") and hasattr(m, "gate_proj") for m in model.modules())
+        assert reports["eager_fusion"].details["mlps_gated_decode"] == dense_mlps, (arch, reports["eager_fusion"].details)
         ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))  # longer than the routing kernel takes: a prefill all exact
         with torch.no_grad():
             assert torch.equal(model(ids).logits, ref(ids).logits), arch

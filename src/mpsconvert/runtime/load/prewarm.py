@@ -83,9 +83,12 @@ def _heads(config):
     return (hq, hk, hd) if isinstance(hq, int) and isinstance(hk, int) and isinstance(hd, int) else None
 
 
-def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None, dtype: torch.dtype, dev: torch.device) -> None:
+def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None, dtype: torch.dtype, dev: torch.device,
+                    gated: bool = False) -> None:
     """Compile every configuration of the Triton decode kernels for an n x k layer (several at
-    once), then call each once, so that its autotuner times them here rather than in the policy."""
+    once), then call each once, so that its autotuner times them here rather than in the policy;
+    with `gated` (a gated MLP's fused gate/up) their gated forms too (kernels.GATED), which the
+    fusion's install check calls first."""
     from ..ops import kernels
     from ..ops.fp8linear import FP8Linear
     from ..ops.triton import experts, gemv
@@ -100,10 +103,18 @@ def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None
                                    gemv.precompile(x, layer.weight, layer.scale_flat, None)),  # (here also the interpreter's, in tests)
                   "gemv_w8a8": lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True),
                   "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)}
+    gated_forms = {"gemv": (kernels.gemv_gated, lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=True)),
+                   "gemv_w8a8": (kernels.gemv_w8a8_gated, lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True,
+                                                                                   gated=True))}  # fmt: skip
+    gated_kernels = [c for c in triton_kernels if c in gated_forms] if gated and not block else []
     for c in triton_kernels:  # only the candidates the policy will time (no W8A8 for a weight-only scheme)
         precompile[c]()
+    for c in gated_kernels:
+        gated_forms[c][1]()
     for c in triton_kernels:
         kernels.run(c, layer, x)
+    for c in gated_kernels:
+        gated_forms[c][0](layer, x)
 
 
 def _step(report: dict, name: str, fn, stop: threading.Event | None = None) -> None:
@@ -140,7 +151,7 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
     eps = getattr(config, "rms_norm_eps", None)
     if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor", "block"):
         for n, k in sorted(gemms):
-            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev))
+            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev, gated=n in gated))
     if tritonlib.available():
         for k in sorted({k for _, k in gemms}):
             step(f"quantize {k}", lambda k=k: act_quant.quantize(torch.empty(rows, k, dtype=dtype, device=dev)))

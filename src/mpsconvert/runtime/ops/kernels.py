@@ -18,6 +18,8 @@ scales prepared once in the layouts the kernels take, optional input_scale [1], 
 - ``gemv_w8a8``: decode as the scheme computes it (activations quantized as for `_scaled_mm`),
   the e4m3 x e4m3 product on the tensor cores with the few rows padded to 16 (triton_gemv.py):
   no weight is converted element by element, which is what bounds the BF16-activation GEMV.
+  Both GEMVs have a gated form for a gated MLP's fused [gate; up] layer (`GATED`), which
+  returns silu(gate) * up (runtime/patches/eager_fusion.py runs it at decode).
 - ``gemv_splitk``: the same product through the MoE decode kernel (moe_triton.py, one expert):
   split-K with atomic adds, which fills the GPU where few output rows leave programs idle.
 - ``dequant``: dequantize the weight on every call, then a BF16 matmul (weights stay FP8 in
@@ -159,6 +161,28 @@ def gemv(mod, x):
 def gemv_w8a8(mod, x):
     xq, xs = act_quant.quantize(x, static_scale(mod))
     return triton_gemv.dot_gemv(xq, xs, mod.weight, mod.scale_flat, mod.bias, x.dtype)
+
+
+def gemv_gated(mod, x):
+    """`gemv` of a gated MLP's fused [gate; up] layer that returns silu(gate) * up [M, N / 2]."""
+    return triton_gemv.gemv(x, mod.weight, mod.scale_flat, mod.bias, gated=True)
+
+
+def gemv_w8a8_gated(mod, x):
+    """`gemv_w8a8` of a gated MLP's fused [gate; up] layer that returns silu(gate) * up [M, N / 2]."""
+    xq, xs = act_quant.quantize(x, static_scale(mod))
+    return triton_gemv.dot_gemv(xq, xs, mod.weight, mod.scale_flat, mod.bias, x.dtype, gated=True)
+
+
+# Decode kernels with a gated form: the gated MLP's SiLU * up computed where the fused gate/up
+# product is (one launch per layer fewer, and the [M, 2I] product never written).
+GATED = {gemv: gemv_gated, gemv_w8a8: gemv_w8a8_gated}
+
+
+def gated_decode(mod):
+    """The gated form of a fused [gate; up] layer's decode kernel (per-row or per-tensor scales),
+    or None where it has none."""
+    return None if mod.block else GATED.get(mod._decode_fn)
 
 
 def gemv_splitk(mod, x):

@@ -20,6 +20,14 @@ model's final norm), found by the probe forward, and that norm's next call on ex
 returns it (`mpsconvert_hand`). On the H200 this took 64 of 569 kernels out of a 2048-token
 Llama-3-8B prefill (GPU work 26.4 -> 25.9 ms).
 
+At decode (eager, and under torch.compile, where the decode step is one CUDA graph) a gated MLP
+whose fused gate/up layer decodes with a Triton GEMV runs that GEMV's gated form
+(kernels.GATED): the kernel computes the gate and up rows of its tile together and writes
+silu(gate) * up, rounded as the module's own ops round it, so the [M, 2I] product is never
+written and SiLU * up is not a kernel of its own (inductor's fused silu-mul was 1.2 us of GPU time
+and one launch per layer of the H200's 3.2 ms Llama-3-8B decode step). It is checked at install
+on a decode-sized probe against the module's own forward, as the prefill path is.
+
 A prefill whose attention module is Llama-style runs the whole layer as direct calls
 (`_direct_layer`, runtime/patches/attention_prefill.py): the same kernels, none of the modules' Python
 between them, and norms that write only the codes their GEMMs read.
@@ -124,14 +132,28 @@ def _mlp_parts(mlp: nn.Module):
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """The installed forward of a gated MLP (forwards.install): gate/up GEMM -> one
-    silu*up quantization -> down_proj's GEMM."""
+    """The installed forward of a gated MLP (forwards.install): at prefill gate/up GEMM -> one
+    silu*up quantization -> down_proj's GEMM; at decode (eager or compiled) the gated form of
+    the gate/up kernel, which writes silu(gate) * up itself (`_gated_decode`) -> down_proj."""
     group, down = parts = self.mpsconvert_parts
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= DECODE_MAX_M:
+        gated = _gated_decode(self, x2)
+        return self.mpsconvert_base.forward(self, x) if gated is None else down(gated(group.inner, x2).view(*x.shape[:-1], -1))
     if (torch.compiler.is_compiling() or not tritonlib.eager_on(x) or not group.quantizes(x2.shape[0])
             or down.prefill_fn(x2.shape[0]) not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
         return self.mpsconvert_base.forward(self, x)
     return _mlp_prefill(parts, x2, group.quantized_input(x, x2)).view(*x.shape[:-1], down.out_features)
+
+
+def _gated_decode(mlp: nn.Module, x2: torch.Tensor):
+    """The gated decode kernel (kernels.gated_decode) for this call of the MLP, or None where the
+    module's own forward runs: the install check found them different (`mpsconvert_gated`), the
+    group no longer fuses, the kernel has no gated form, or the input needs what it lacks."""
+    group, down = mlp.mpsconvert_parts
+    if not mlp.mpsconvert_gated or not group.shared or x2.dtype != down.dtype or x2.requires_grad or group.sizes[0] != group.sizes[1]:
+        return None
+    return kernels.gated_decode(group.inner)
 
 
 def _mlp_prefill(parts, x: torch.Tensor, codes) -> torch.Tensor:
@@ -300,6 +322,8 @@ def _check_norm(norm: nn.Module, quant_scale) -> str | None:
 
 
 def _check_mlp(mlp: nn.Module) -> str | None:
+    """None if the installed MLP forward matches the module's own on a prefill-sized probe (its
+    gated decode, off until then: `_check_gated`)."""
     group, down = mlp.mpsconvert_parts
     g = torch.Generator(device="cpu").manual_seed(0)
     k = group.inner.in_features
@@ -310,6 +334,28 @@ def _check_mlp(mlp: nn.Module) -> str | None:
     got = _mlp_forward(mlp, x).float()
     err = relative_error(got, want)
     return None if err <= MLP_MAX_REL_ERR else f"differs from its own forward (relative error {err:.3g})"
+
+
+def _check_gated(mlp: nn.Module) -> str | None:
+    """Switch the MLP's gated decode on (`mpsconvert_gated`) if its decode kernel has a gated form
+    and a decode-sized probe gives the module's own forward; returns why not where it has a form."""
+    group, down = mlp.mpsconvert_parts
+    if kernels.gated_decode(group.inner) is None:
+        return None
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(1, 1, group.inner.in_features, generator=g).to(device=down.weight.device, dtype=down.dtype)
+    try:
+        want = forwards.own_forward(mlp)(mlp, x).float()
+        object.__setattr__(mlp, "mpsconvert_gated", True)
+        got = _mlp_forward(mlp, x).float()
+    except Exception as e:  # a kernel this Triton or device cannot run: the module's decode
+        object.__setattr__(mlp, "mpsconvert_gated", False)
+        return f"its gated decode failed ({type(e).__name__}: {str(e)[:120]})"
+    err = relative_error(got, want)
+    if got.shape != want.shape or err > MLP_MAX_REL_ERR:
+        object.__setattr__(mlp, "mpsconvert_gated", False)
+        return f"its gated decode differs from its own forward (relative error {err:.3g})"
+    return None
 
 
 def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
@@ -381,7 +427,7 @@ def _check_call(layer: nn.Module, want_kw: dict, got_kw: dict, caches) -> str | 
 def install(model: nn.Module) -> dict:
     """Install the fused eager forwards into a loaded model (after share_inputs and the kernel
     policy, whose choices they read at call time); returns what was installed and what was not."""
-    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "layers": 0, "attention": 0, "rotary": 0, "left": []}
+    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "mlps_gated_decode": 0, "layers": 0, "attention": 0, "rotary": 0, "left": []}
     if not tritonlib.available():
         report["left"].append("Triton is not available here")
         return report
@@ -416,6 +462,7 @@ def install(model: nn.Module) -> dict:
         report["norms_quantizing"] += group is not None
     for mlp, parts in mlps:
         object.__setattr__(mlp, "mpsconvert_parts", parts)
+        object.__setattr__(mlp, "mpsconvert_gated", False)  # the gated decode: on once checked (_check_gated)
         forwards.install(mlp, _mlp_forward)  # checked installed (its fallbacks call the class's own forward)
         why = _check_mlp(mlp)
         if why:
@@ -423,6 +470,10 @@ def install(model: nn.Module) -> dict:
             report["left"].append(f"{names[mlp]}: {why}")
             continue
         report["mlps"] += 1
+        why = _check_gated(mlp)
+        if why:
+            report["left"].append(f"{names[mlp]}: {why}; its decode runs the module's forward")
+        report["mlps_gated_decode"] += bool(mlp.mpsconvert_gated)
     fused = {m for m in norms if forwards.installed(m, _norm_forward)}
     for layer in layers:
         parts = [layer._modules[n] for n in LAYER_PARTS]

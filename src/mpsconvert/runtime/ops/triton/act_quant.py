@@ -95,6 +95,14 @@ if triton is not None:
             return v.to(dt).to(tl.float32)
 
     @triton.jit
+    def _silu_mul(g, u, dt: tl.constexpr, PRE_ROUND: tl.constexpr):
+        # silu(g) * u of float32 g and u as a gated MLP's `act_fn(gate) * up` on dt tensors rounds
+        # it: g and u in dt, silu of g rounded to dt, the product rounded to dt (as float32)
+        g = _round_to(g, dt, PRE_ROUND)
+        act = _round_to(g / (1.0 + tl.exp(-g)), dt, PRE_ROUND)
+        return _round_to(act * _round_to(u, dt, PRE_ROUND), dt, PRE_ROUND)
+
+    @triton.jit
     def _encode(v, s, PRE_ROUND: tl.constexpr):
         # float32 v divided by its scale, clamped to e4m3's range and (interpreter) put on its grid
         q = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)
@@ -107,9 +115,7 @@ if triton is not None:
         if SILU:
             g = tl.load(x_ptr + offs, mask=mask, other=0.0)
             u = tl.load(x_ptr + I + offs, mask=mask, other=0.0)
-            gf = g.to(tl.float32)
-            act = _round_to(gf / (1.0 + tl.exp(-gf)), g.dtype, PRE_ROUND)  # silu(gate) in the activation dtype
-            return _round_to(act * u.to(tl.float32), g.dtype, PRE_ROUND)  # times up, likewise
+            return _silu_mul(g.to(tl.float32), u.to(tl.float32), g.dtype, PRE_ROUND)
         else:
             return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 

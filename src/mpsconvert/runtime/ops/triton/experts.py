@@ -30,7 +30,7 @@ _CONFIGS = (
 # TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests) with one configuration: the autotuner
 # needs a GPU driver. The interpreter's casts round wrongly, so there the kernel rounds by hand.
 if triton is not None:
-    from .act_quant import _round_to
+    from .act_quant import _silu_mul
 
     @triton.jit
     def _expert_gemv_kernel(
@@ -54,9 +54,7 @@ if triton is not None:
             k_ok = offs_k < K
             x = tl.load(x_ptr + t * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             if SILU:  # x is the gate half of a fused gate/up row, the up half follows at +K
-                u = _round_to(tl.load(x_ptr + t * stride_xm + K + offs_k, mask=k_ok, other=0.0).to(tl.float32), ACT, PRE_ROUND)
-                g = _round_to(x, ACT, PRE_ROUND)
-                x = _round_to(_round_to(g / (1.0 + tl.exp(-g)), ACT, PRE_ROUND) * u, ACT, PRE_ROUND)
+                x = _silu_mul(x, tl.load(x_ptr + t * stride_xm + K + offs_k, mask=k_ok, other=0.0).to(tl.float32), ACT, PRE_ROUND)
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
         s = tl.load(s_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)

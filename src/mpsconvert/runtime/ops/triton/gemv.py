@@ -45,20 +45,24 @@ def autotune(configs, key, **kw):
 
 
 if triton is not None:
+    from .act_quant import _round_to, _silu_mul  # the gated form's epilogue: silu(gate) * up, rounded as the module rounds it
 
     @triton.jit
     def _fp8_gemv_kernel(
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
         M, N, K,
         stride_xm, stride_wn, stride_ym, stride_sn,
-        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, PRE_ROUND: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        # GATED: w holds a gated MLP's [gate; up] rows (2N x K) and y[M, N] = silu(gate) * up, rounded as the module rounds it
+        # (PRE_ROUND: every rounding to the output dtype by hand, where the interpreter's casts truncate)
         pid_n = tl.program_id(0)
         m = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -70,6 +74,10 @@ if triton is not None:
                 x = x * tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+            if GATED:  # (never with block scales: `_args` refuses them)
+                wu = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                             eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+                acc_up += wu * x[None, :]
             acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
         if not SCALE_BLOCK:  # (block scales were applied to x above)
@@ -79,13 +87,22 @@ if triton is not None:
                 y = y * tl.load(s_ptr)
         if HAS_BIAS:
             y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        if GATED:
+            up = tl.sum(acc_up, axis=1)
+            if ROW_SCALE:
+                up = up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)
+            else:
+                up = up * tl.load(s_ptr)
+            if HAS_BIAS:
+                up = up + tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            y = _silu_mul(y, up, y_ptr.dtype.element_ty, PRE_ROUND)
+        tl.store(y_ptr + m * stride_ym + offs_n, _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty), mask=n_mask)
 
     if INTERPRET:
         _kernel = _fp8_gemv_kernel
     else:
         _kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _CONFIGS],
-                           key=["N", "K", "M"])(_fp8_gemv_kernel)  # fmt: skip
+                           key=["N", "K", "M", "GATED"])(_fp8_gemv_kernel)  # fmt: skip
 
 
 # W8A8 decode: BLOCK_N, BLOCK_K, warps, pipeline stages (BLOCK_M is 16, the smallest tl.dot tile).
@@ -99,7 +116,7 @@ if triton is not None:
         xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
         M, N, K,
         stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr, PRE_ROUND: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # y[M, N] = (xq[M, K] @ w[N, K].T) * xs[M] * s[N]: e4m3 x e4m3 on the tensor cores, the
@@ -111,12 +128,16 @@ if triton is not None:
         m_ok = offs_m < M
         n_ok = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if GATED:  # the up rows, N below the gate rows; both loads in flight before either product
+                bu = tl.load(w_cols + N * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_up = tl.dot(a, bu, acc_up)
             acc = tl.dot(a, b, acc)
         xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
         if ROW_SCALE:
@@ -126,40 +147,60 @@ if triton is not None:
         y = acc * xs[:, None] * ws[None, :]
         if HAS_BIAS:
             y = y + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if GATED:
+            if ROW_SCALE:
+                wu = tl.load(s_ptr + N + offs_n, mask=n_ok, other=0.0)
+            else:
+                wu = tl.load(s_ptr + offs_n * 0)
+            up = acc_up * xs[:, None] * wu[None, :]
+            if HAS_BIAS:
+                up = up + tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            y = _silu_mul(y, up, y_ptr.dtype.element_ty, PRE_ROUND)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
 
     if INTERPRET:
         _dot_kernel = _fp8_dot_kernel
     else:
         _dot_kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _DOT_CONFIGS],
-                               key=["N", "K", "M"])(_fp8_dot_kernel)  # fmt: skip
+                               key=["N", "K", "M", "GATED"])(_fp8_dot_kernel)  # fmt: skip
 
 
 def _launch_dot(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, gated: bool = False) -> torch.Tensor:
     if xq.shape[0] > 16:
         raise ValueError(f"the W8A8 GEMV takes at most 16 rows, got {xq.shape[0]}")
-    y = torch.empty(xq.shape[0], weight.shape[0], dtype=out_dtype, device=xq.device)
-    args, kw = _dot_args(xq, xs, weight, scale, bias, y)
-    grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_N"]),)  # noqa: E731
+    n = _out_features(weight, gated)
+    y = torch.empty(xq.shape[0], n, dtype=out_dtype, device=xq.device)
+    args, kw = _dot_args(xq, xs, weight, scale, bias, y, gated)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 32} if INTERPRET else {}
     _dot_kernel[grid](*args, **kw, **fixed)
     return y
 
 
-def _dot_args(xq, xs, weight, scale, bias, y) -> tuple[tuple, dict]:
+def _out_features(weight: torch.Tensor, gated: bool) -> int:
+    """Outputs per row: the weight's rows, or with `gated` half of them (its [gate; up] pairs)."""
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated product needs [gate; up] rows of equal counts, got {weight.shape[0]} rows")
+    return weight.shape[0] // 2 if gated else weight.shape[0]
+
+
+def _dot_args(xq, xs, weight, scale, bias, y, gated: bool = False) -> tuple[tuple, dict]:
     """The W8A8 kernel's arguments, as its launch and `precompile` pass them."""
-    (M, K), N = xq.shape, weight.shape[0]
+    (M, K), N = xq.shape, _out_features(weight, gated)
     return ((xq, xs, weight, scale, bias if bias is not None else scale, y, M, N, K, xq.stride(0), weight.stride(0), y.stride(0)),
-            {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1, "BLOCK_M": 16})
+            {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1, "GATED": gated, "PRE_ROUND": INTERPRET, "BLOCK_M": 16})
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
+            gated: bool = False) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    args, kw = _args(x, weight, scale, bias, y, block)
-    grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_N"]), x.shape[0])  # noqa: E731
+    n = _out_features(weight, gated)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    args, kw = _args(x, weight, scale, bias, y, block, gated)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), x.shape[0])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
     _kernel[grid](*args, **kw, **fixed)
     return y
@@ -175,10 +216,13 @@ def takes_block(block: int | None) -> bool:
     return bool(block) and block % BLOCK_EDGE == 0
 
 
-def _args(x, weight, scale, bias, y, block: int = 0) -> tuple[tuple, dict]:
+def _args(x, weight, scale, bias, y, block: int = 0, gated: bool = False) -> tuple[tuple, dict]:
     """The GEMV kernel's arguments, as its launch and `precompile` pass them. `block`: `scale` is
-    the weight's [ceil(N/block), ceil(K/block)] block scales (0: per row [N] or per tensor [1])."""
-    (M, K), N = x.shape, weight.shape[0]
+    the weight's [ceil(N/block), ceil(K/block)] block scales (0: per row [N] or per tensor [1]).
+    `gated`: the weight holds [gate; up] rows, and the output is silu(gate) * up."""
+    (M, K), N = x.shape, _out_features(weight, gated)
+    if block and gated:
+        raise ValueError("the gated GEMV takes per-row or per-tensor scales, not block scales")
     if block and not takes_block(block):
         raise ValueError(f"the GEMV takes block scales of edges that are multiples of {BLOCK_EDGE}, not {block}")
     if block and (scale.dim() != 2 or scale.stride(1) != 1 or tuple(scale.shape) != scale_shape("block", N, K, block)):
@@ -186,65 +230,73 @@ def _args(x, weight, scale, bias, y, block: int = 0) -> tuple[tuple, dict]:
                          f"got {list(scale.shape)}")
     return ((x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
              scale.stride(0) if block else 0),
-            {"HAS_BIAS": bias is not None, "ROW_SCALE": not block and scale.numel() != 1, "SCALE_BLOCK": block})
+            {"HAS_BIAS": bias is not None, "ROW_SCALE": not block and scale.numel() != 1, "SCALE_BLOCK": block, "GATED": gated,
+             "PRE_ROUND": INTERPRET})
 
 
 def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dot: bool = False,
-               block: int = 0) -> int:
+               block: int = 0, gated: bool = False) -> int:
     """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]; `block`:
-    block scales), or with `dot` of the W8A8 GEMV for x quantized, several at once (ops/triton
-    `compile_configs`), so that the autotuner's first call only times them. Returns how many were compiled."""
+    block scales; `gated`: silu(gate) * up of [gate; up] rows), or with `dot` of the W8A8 GEMV for
+    x quantized, several at once (ops/triton `compile_configs`), so that the autotuner's first
+    call only times them. Returns how many were compiled."""
     if triton is None or INTERPRET:
         return 0
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], _out_features(weight, gated), dtype=x.dtype, device=x.device)
     if not dot:
-        args, kw = _args(x, weight, scale, bias, y, block)
+        args, kw = _args(x, weight, scale, bias, y, block, gated)
         return compile_configs(_kernel, *args, **kw)
     xq, xs = torch.zeros_like(x, dtype=weight.dtype), torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
-    args, kw = _dot_args(xq, xs, weight, scale, bias, y)
+    args, kw = _dot_args(xq, xs, weight, scale, bias, y, gated)
     return compile_configs(_dot_kernel, *args, **kw)
 
 
 if triton is not None:
 
     @torch.library.custom_op(OP_NAME, mutates_args=())
-    def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0) -> torch.Tensor:
+    def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
+                 gated: bool = False) -> torch.Tensor:
         """y[M, N] = x[M, K] @ (weight[N, K] * scale).T + bias, x in BF16/FP16, weight e4m3,
-        scale [N] (per row) or [1], or with `block` [ceil(N/block), ceil(K/block)] (per block)."""
-        return _launch(x, weight, scale, bias, block)
+        scale [N] (per row) or [1], or with `block` [ceil(N/block), ceil(K/block)] (per block);
+        with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]."""
+        return _launch(x, weight, scale, bias, block, gated)
 
     @fp8_gemv.register_fake
-    def _(x, weight, scale, bias, block=0):
-        return x.new_empty(x.shape[0], weight.shape[0])
+    def _(x, weight, scale, bias, block=0, gated=False):
+        return x.new_empty(x.shape[0], _out_features(weight, gated))
 
     @torch.library.custom_op("mpsconvert::fp8_dot_gemv", mutates_args=())
     def fp8_dot_gemv(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                     out_dtype: torch.dtype) -> torch.Tensor:
-        """y[M, N] = (xq @ weight.T) * xs * scale (+ bias), xq e4m3 [M <= 16, K] with row scales xs."""
-        return _launch_dot(xq, xs, weight, scale, bias, out_dtype)
+                     out_dtype: torch.dtype, gated: bool = False) -> torch.Tensor:
+        """y[M, N] = (xq @ weight.T) * xs * scale (+ bias), xq e4m3 [M <= 16, K] with row scales xs;
+        with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]."""
+        return _launch_dot(xq, xs, weight, scale, bias, out_dtype, gated)
 
     @fp8_dot_gemv.register_fake
-    def _(xq, xs, weight, scale, bias, out_dtype):
-        return xq.new_empty(xq.shape[0], weight.shape[0], dtype=out_dtype)
+    def _(xq, xs, weight, scale, bias, out_dtype, gated=False):
+        return xq.new_empty(xq.shape[0], _out_features(weight, gated), dtype=out_dtype)
 
 else:
     fp8_gemv = fp8_dot_gemv = None
 
 
-def dot_gemv(xq, xs, weight, scale, bias, out_dtype) -> torch.Tensor:
-    """The W8A8 GEMV: the kernel itself in eager mode, the custom op under torch.compile."""
+def dot_gemv(xq, xs, weight, scale, bias, out_dtype, gated: bool = False) -> torch.Tensor:
+    """The W8A8 GEMV: the kernel itself in eager mode, the custom op under torch.compile.
+    `gated`: the weight holds a gated MLP's [gate; up] rows, and the result is silu(gate) * up."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     if torch.compiler.is_compiling():
-        return fp8_dot_gemv(xq, xs.reshape(-1), weight, scale, bias, out_dtype)
-    return _launch_dot(xq, xs.reshape(-1), weight, scale, bias, out_dtype)
+        return fp8_dot_gemv(xq, xs.reshape(-1), weight, scale, bias, out_dtype, gated)
+    return _launch_dot(xq, xs.reshape(-1), weight, scale, bias, out_dtype, gated)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
+         gated: bool = False) -> torch.Tensor:
     """The GEMV: the kernel itself in eager mode, the custom op under torch.compile. `block`:
-    `scale` holds block scales of that edge (`takes_block`)."""
+    `scale` holds block scales of that edge (`takes_block`); `gated`: the weight holds a gated
+    MLP's [gate; up] rows, and the result is silu(gate) * up."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     if torch.compiler.is_compiling():
-        return fp8_gemv(x, weight, scale, bias, block)
-    return _launch(x, weight, scale, bias, block)
+        return fp8_gemv(x, weight, scale, bias, block, gated)
+    return _launch(x, weight, scale, bias, block, gated)
