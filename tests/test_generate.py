@@ -251,6 +251,31 @@ def test_the_static_cache_is_made_before_the_decode_step_is_compiled(monkeypatch
     assert got.tokens == want.tokens
 
 
+def test_the_decode_step_compiles_with_the_engines_inductor_options(monkeypatch):
+    """Inductor reads its options when the step is first called (compiled): that call, and the
+    captures after it, run under INDUCTOR_OPTIONS (combo kernels: fewer launches per step)."""
+    import torch._inductor.config as config
+
+    from mpsconvert.runtime import engine
+    from mpsconvert.runtime.engine import decoder
+
+    model = _tiny_causal()
+    eng = engine.Engine(model, compile=True)
+    seen = []
+
+    def compile_spy(fn, **kw):
+        def step(*a):
+            seen.append({k: getattr(config, k) for k in decoder.INDUCTOR_OPTIONS})
+            return fn(*a)
+        return step
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    assert decoder.INDUCTOR_OPTIONS == {"combo_kernels": True} and config.combo_kernels is False  # not torch's default
+    engine.generate_ids(eng, [5, 6, 7], engine.Sampling(max_tokens=4))
+    assert len(seen) >= decoder.WARM_STEPS and all(s == decoder.INDUCTOR_OPTIONS for s in seen[: decoder.WARM_STEPS])
+    assert config.combo_kernels is False  # only the engine's compile sees them
+
+
 class _Pipelined:
     """The static-cache engine with the pipelined loop turned on off CUDA (where the copy to the
     host is synchronous and no event is waited for: the order of the steps is what is tested)."""

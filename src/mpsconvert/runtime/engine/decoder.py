@@ -7,7 +7,7 @@ rounded up to BUCKET positions): a step allocates nothing and its tensors keep t
 so it is captured once as a CUDA graph and replayed per token. It is compiled and captured in
 `reserve`, before the generation's timer starts, on a scratch step of the cache (reset after),
 and the seconds it took are reported apart (`compile_seconds`); Inductor's graph cache on disk
-keeps what it compiled for the next process (torch's default). The prefill runs eager: on the
+keeps what it compiled for the next process (torch's default), with `INDUCTOR_OPTIONS`. The prefill runs eager: on the
 H200 the eager prefill measured faster than the compiled one (docs/benchmarks.md: 30.2 vs
 31.0 ms for 2048 tokens of the Llama-3-8B shape), so no length compiles it. It runs over an
 empty DynamicCache, whose keys and values are then written into the static cache (its public
@@ -37,6 +37,19 @@ from ..hf_compat import accepts, cache_kwarg
 
 BUCKET = 256  # cache lengths are multiples of this: a longer generation re-captures the graph only past a bucket
 WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph (compile, record, capture)
+# Inductor options the decode step is compiled with (those this torch has). combo_kernels: small
+# kernels that do not depend on each other run as one launch. A layer's rotary of q and k and its
+# writes of k and v into the static cache were four kernels of ~1.2 us each; on the H100 (Llama-3-8B
+# shape, 32 layers) the step went from 424 to 332 launches and 259.0 to 267.3 tok/s
+# (benchmarks/results/generate_cuda_h100_llama32_combo.log).
+INDUCTOR_OPTIONS = {"combo_kernels": True}
+
+
+def inductor_options():
+    """A context in which torch.compile compiles with INDUCTOR_OPTIONS (those this torch knows)."""
+    import torch._inductor.config as config
+
+    return config.patch({k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)})
 
 
 def compiles_by_default(device: torch.device) -> bool:
@@ -86,7 +99,7 @@ class Engine:
         torch._dynamo.reset()  # graphs of an earlier cache hold its addresses
         self._step = torch.compile(self._decode, mode="reduce-overhead", fullgraph=False, dynamic=False)
         t = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), inductor_options():  # compiled on the first call
             for _ in range(WARM_STEPS):  # a scratch step at the last position, forgotten by reset()
                 self.pos_t.fill_(cap - 1)
                 self._step(self.tok, self.pos_t)
