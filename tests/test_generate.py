@@ -273,7 +273,36 @@ def test_the_decode_step_compiles_with_the_engines_inductor_options(monkeypatch)
     assert decoder.INDUCTOR_OPTIONS == {"combo_kernels": True} and config.combo_kernels is False  # not torch's default
     engine.generate_ids(eng, [5, 6, 7], engine.Sampling(max_tokens=4))
     assert len(seen) >= decoder.WARM_STEPS and all(s == decoder.INDUCTOR_OPTIONS for s in seen[: decoder.WARM_STEPS])
-    assert config.combo_kernels is False  # only the engine's compile sees them
+    assert config.combo_kernels is False and eng.inductor_options == decoder.INDUCTOR_OPTIONS  # only the engine's compile sees them
+
+
+def test_a_step_that_fails_to_compile_with_the_options_compiles_without_them_and_says_so(monkeypatch):
+    """Combo kernels are not Inductor's default: where compiling with them fails, the step is
+    compiled with torch's defaults, a warning names the options and the error, the engine records
+    what it ran with, and the tokens are the eager loop's. A failure without the options raises."""
+    import torch._inductor.config as config
+
+    from mpsconvert.runtime import engine
+
+    def compile_spy(fn, **kw):
+        def step(*a):
+            if config.combo_kernels:
+                raise RuntimeError("CUDA driver error: invalid argument")
+            return fn(*a)
+        return step
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    model = _tiny_causal()
+    eng = engine.Engine(model, compile=True)
+    prompt = [5, 6, 7, 8, 9, 10]
+    with pytest.warns(UserWarning, match=r"combo_kernels.*RuntimeError: CUDA driver error.*torch's defaults"):
+        got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=8))
+    assert eng.inductor_options == {} and got.compile_seconds > 0
+    assert got.tokens == engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=8)).tokens
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler"))))
+    with pytest.warns(UserWarning, match="no compiler"), pytest.raises(RuntimeError, match="no compiler"):
+        engine.generate_ids(engine.Engine(model, compile=True), prompt, engine.Sampling(max_tokens=8))
 
 
 class _Pipelined:

@@ -28,6 +28,7 @@ and the host never asks the device how long the cache is.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -41,15 +42,16 @@ WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph 
 # kernels that do not depend on each other run as one launch. A layer's rotary of q and k and its
 # writes of k and v into the static cache were four kernels of ~1.2 us each; on the H100 (Llama-3-8B
 # shape, 32 layers) the step went from 424 to 332 launches and 259.0 to 267.3 tok/s
-# (benchmarks/results/generate_cuda_h100_llama32_combo.log).
+# (benchmarks/results/generate_cuda_h100_llama32_combo.log). They are not Inductor's defaults: where
+# compiling with them fails, `reserve` warns and compiles with torch's defaults.
 INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
-def inductor_options():
-    """A context in which torch.compile compiles with INDUCTOR_OPTIONS (those this torch knows)."""
+def inductor_options(options: dict):
+    """A context in which torch.compile compiles with these Inductor options (those this torch knows)."""
     import torch._inductor.config as config
 
-    return config.patch({k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)})
+    return config.patch({k: v for k, v in options.items() if hasattr(config, k)})
 
 
 def compiles_by_default(device: torch.device) -> bool:
@@ -73,6 +75,7 @@ class Engine:
         self.capacity, self.cache, self.kw, self._step, self._static = 0, None, {}, None, False
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
         self.pos = 0
+        self.inductor_options = dict(INDUCTOR_OPTIONS)  # what the step is compiled with ({} once they failed: see _compile)
 
     def reserve(self, tokens: int) -> float | None:
         """A static cache for at least `tokens` (rounded up to BUCKET, at most max_len); the
@@ -96,16 +99,30 @@ class Engine:
         with torch.no_grad():  # transformers' StaticCache makes its tensors at its first update: made here, eager, they
             self.pos_t.fill_(cap - 1)  # live outside the CUDA graph's pool (made inside it, the next replay overwrites
             self._decode(self.tok, self.pos_t)  # them under the prefill's writes; seen on the H200: "overwritten by a subsequent run")
-        torch._dynamo.reset()  # graphs of an earlier cache hold its addresses
-        self._step = torch.compile(self._decode, mode="reduce-overhead", fullgraph=False, dynamic=False)
         t = time.perf_counter()
-        with torch.no_grad(), inductor_options():  # compiled on the first call
-            for _ in range(WARM_STEPS):  # a scratch step at the last position, forgotten by reset()
+        try:
+            self._compile(cap)
+        except Exception as e:  # Inductor failed with its non-default options: torch's defaults, and said so
+            if not self.inductor_options:
+                raise
+            warnings.warn(f"the decode step failed to compile with Inductor's {self.inductor_options} ({type(e).__name__}: "
+                          f"{str(e)[:200]}); compiled with torch's defaults instead (a few more kernel launches per token)",
+                          stacklevel=2)  # fmt: skip
+            self.inductor_options = {}
+            self._compile(cap)
+        self.cache.reset()
+        return time.perf_counter() - t
+
+    def _compile(self, cap: int) -> None:
+        """Compile the decode step and capture its graph: a few scratch steps at the last position
+        (forgotten by the cache's reset), the first of which compiles under `inductor_options`."""
+        torch._dynamo.reset()  # graphs of an earlier cache (or a failed compile) hold their addresses
+        self._step = torch.compile(self._decode, mode="reduce-overhead", fullgraph=False, dynamic=False)
+        with torch.no_grad(), inductor_options(self.inductor_options):
+            for _ in range(WARM_STEPS):
                 self.pos_t.fill_(cap - 1)
                 self._step(self.tok, self.pos_t)
         devices.synchronize(self.dev)
-        self.cache.reset()
-        return time.perf_counter() - t
 
     def _decode(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tok, position_ids=pos, use_cache=True, **self.kw).logits
