@@ -75,7 +75,7 @@ class Engine:
         self.capacity, self.cache, self.kw, self._step, self._static = 0, None, {}, None, False
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
         self.pos = 0
-        self.inductor_options = dict(INDUCTOR_OPTIONS)  # what the step is compiled with ({} once they failed: see _compile)
+        self.inductor_options = dict(INDUCTOR_OPTIONS)  # what the step is compiled with ({} once they failed: see reserve)
 
     def reserve(self, tokens: int) -> float | None:
         """A static cache for at least `tokens` (rounded up to BUCKET, at most max_len); the
