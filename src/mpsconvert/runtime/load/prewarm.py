@@ -99,22 +99,19 @@ def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None
                                    input_scale=torch.ones(1, device=dev) if activations == "tensor" else None, block=block)
     x = torch.zeros(1, k, dtype=dtype, device=dev)
     triton_kernels = [c for c in kernels.candidates("cuda", activations, weights, "decode", block) if c.startswith("gemv")]  # CUDA's
-    precompile = {"gemv": lambda: (gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block) if block else
-                                   gemv.precompile(x, layer.weight, layer.scale_flat, None)),  # (here also the interpreter's, in tests)
-                  "gemv_w8a8": lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True),
-                  "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)}
-    gated_forms = {"gemv": (kernels.gemv_gated, lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=True)),
-                   "gemv_w8a8": (kernels.gemv_w8a8_gated, lambda: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True,
-                                                                                   gated=True))}  # fmt: skip
-    gated_kernels = [c for c in triton_kernels if c in gated_forms] if gated and not block else []
+    precompile = {"gemv": lambda gated=False: (gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block) if block else
+                                               gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=gated)),  # (here also the interpreter's, in tests)
+                  "gemv_w8a8": lambda gated=False: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True, gated=gated),
+                  "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)}  # fmt: skip
+    gated_kernels = [c for c in triton_kernels if kernels.FNS[c] in kernels.GATED] if gated and not block else []
     for c in triton_kernels:  # only the candidates the policy will time (no W8A8 for a weight-only scheme)
         precompile[c]()
     for c in gated_kernels:
-        gated_forms[c][1]()
+        precompile[c](gated=True)
     for c in triton_kernels:
         kernels.run(c, layer, x)
     for c in gated_kernels:
-        gated_forms[c][0](layer, x)
+        kernels.GATED[kernels.FNS[c]](layer, x)
 
 
 def _step(report: dict, name: str, fn, stop: threading.Event | None = None) -> None:

@@ -148,10 +148,10 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _gated_decode(mlp: nn.Module, x2: torch.Tensor):
     """The gated decode kernel (kernels.gated_decode) for this call of the MLP, or None where the
-    module's own forward runs: the install check found them different (`mpsconvert_gated`), the
+    module's own forward runs: the install check did not switch it on (`mpsconvert_gated`), the
     group no longer fuses, the kernel has no gated form, or the input needs what it lacks."""
     group, down = mlp.mpsconvert_parts
-    if not mlp.mpsconvert_gated or not group.shared or x2.dtype != down.dtype or x2.requires_grad or group.sizes[0] != group.sizes[1]:
+    if not mlp.mpsconvert_gated or not group.shared or x2.dtype != down.dtype or x2.requires_grad:
         return None
     return kernels.gated_decode(group.inner)
 
@@ -337,25 +337,25 @@ def _check_mlp(mlp: nn.Module) -> str | None:
 
 
 def _check_gated(mlp: nn.Module) -> str | None:
-    """Switch the MLP's gated decode on (`mpsconvert_gated`) if its decode kernel has a gated form
-    and a decode-sized probe gives the module's own forward; returns why not where it has a form."""
+    """Switch the MLP's gated decode on (`mpsconvert_gated`) if its decode kernel has a gated form,
+    its gate and up are as wide, and a decode-sized probe gives the module's own forward; returns
+    why not where it has a form."""
     group, down = mlp.mpsconvert_parts
-    if kernels.gated_decode(group.inner) is None:
+    if kernels.gated_decode(group.inner) is None or group.sizes[0] != group.sizes[1]:
         return None
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(1, 1, group.inner.in_features, generator=g).to(device=down.weight.device, dtype=down.dtype)
     try:
         want = forwards.own_forward(mlp)(mlp, x).float()
-        object.__setattr__(mlp, "mpsconvert_gated", True)
+        object.__setattr__(mlp, "mpsconvert_gated", True)  # for the probe call
         got = _mlp_forward(mlp, x).float()
+        err = relative_error(got, want)
+        why = None if got.shape == want.shape and err <= MLP_MAX_REL_ERR else \
+            f"its gated decode differs from its own forward (relative error {err:.3g})"
     except Exception as e:  # a kernel this Triton or device cannot run: the module's decode
-        object.__setattr__(mlp, "mpsconvert_gated", False)
-        return f"its gated decode failed ({type(e).__name__}: {str(e)[:120]})"
-    err = relative_error(got, want)
-    if got.shape != want.shape or err > MLP_MAX_REL_ERR:
-        object.__setattr__(mlp, "mpsconvert_gated", False)
-        return f"its gated decode differs from its own forward (relative error {err:.3g})"
-    return None
+        why = f"its gated decode failed ({type(e).__name__}: {str(e)[:120]})"
+    object.__setattr__(mlp, "mpsconvert_gated", why is None)
+    return why
 
 
 def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
