@@ -357,3 +357,22 @@ def test_the_pipelined_loop_stops_at_a_full_cache():
     a, b = (engine.generate_ids(e, prompt, engine.Sampling(max_tokens=12)) for e in (plain, piped))
     assert a.tokens == b.tokens and len(a.tokens) == 4 and a.stop == b.stop == "cache_full"
 
+
+
+def test_a_rewound_step_is_forgotten_by_the_static_cache():
+    """A step taken back (`rewind`, what the pipelined loop does past an end-of-sequence token)
+    leaves the static cache as if it never ran: the conversation's next prompt and step give the
+    logits of an engine that never took it. transformers >= 5.17's StaticCache layers write at a
+    counter of their own (`cumulative_length`), which must move back with the engine's position."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    a, b = engine.Engine(model, static=True), engine.Engine(model, static=True)
+    for e in (a, b):
+        e.reserve(32)
+        e.reset()
+        e.prefill([5, 6, 7, 8])
+    a.step(9)
+    a.rewind(1)
+    assert torch.equal(a.prefill([11, 12]), b.prefill([11, 12])) and a.pos == b.pos == 6
+    assert torch.equal(a.step(13), b.step(13))

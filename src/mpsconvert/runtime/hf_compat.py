@@ -40,6 +40,17 @@ def cache_kwarg(model, cache) -> dict:
     return {"cache": cache} if accepts(model, "cache") else {"past_key_values": cache}
 
 
+def rewind_cache(cache, steps: int) -> None:
+    """Move a static cache's own write positions back by `steps`. transformers' StaticCache layers
+    (5.16 on) write at a per-layer counter (`cumulative_length`), not at the positions a step
+    passes, so a step the engine takes back must also be taken back there; layers without such a
+    counter write where they are told and need nothing."""
+    for layer in getattr(cache, "layers", ()):
+        n = getattr(layer, "cumulative_length", None)
+        if hasattr(n, "sub_"):  # a tensor (static layers), updated in place: a compiled step holds its address
+            n.sub_(steps)
+
+
 def takes_cache_position(model) -> bool:
     """Whether the model's forward names `cache_position` (transformers 4.x; 5.x derives the
     positions from the cache and would only pass it along unread)."""

@@ -34,7 +34,7 @@ import torch
 
 from ... import devices, timing
 from ...errors import MpsconvertError
-from ..hf_compat import accepts, cache_kwarg
+from ..hf_compat import accepts, cache_kwarg, rewind_cache
 
 BUCKET = 256  # cache lengths are multiples of this: a longer generation re-captures the graph only past a bucket
 WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph (compile, record, capture)
@@ -182,9 +182,11 @@ class Engine:
 
     def rewind(self, steps: int = 1) -> None:
         """Forget the last `steps` steps (a static cache: their entries lie past the position,
-        where the next step or prefill writes over them, and the mask never reads them)."""
+        where the next step or prefill writes over them, and the mask never reads them; the
+        cache's own write counters move back with the position: hf_compat.rewind_cache)."""
         if not self._static or steps > self.pos:
             raise MpsconvertError("only a static cache's steps can be taken back", "use the loop without pipelining")
+        rewind_cache(self.cache, steps)
         self.pos -= steps
 
     def _step_tok(self) -> torch.Tensor:
