@@ -359,19 +359,27 @@ def test_the_pipelined_loop_stops_at_a_full_cache():
 
 
 
-def test_a_rewound_step_is_forgotten_by_the_static_cache():
+@pytest.mark.parametrize("writes", ["position", "counter"])
+def test_a_rewound_step_is_forgotten_by_the_static_cache(writes, monkeypatch):
     """A step taken back (`rewind`, what the pipelined loop does past an end-of-sequence token)
     leaves the static cache as if it never ran: the conversation's next prompt and step give the
-    logits of an engine that never took it. transformers >= 5.17's StaticCache layers write at a
-    counter of their own (`cumulative_length`), which must move back with the engine's position."""
+    logits of an engine that never took it. The engine's static cache writes at the engine's
+    position (hf_compat.write_at); where it cannot (`counter`: transformers' own StaticCache
+    layers, 5.16 on, write at a counter of their own, `cumulative_length`), the counters move
+    back with the engine's position."""
     from mpsconvert.runtime import engine
+    from mpsconvert.runtime.engine import decoder
 
+    if writes == "counter":
+        monkeypatch.setattr(decoder, "write_at", lambda cache, position: False)
     model = _tiny_causal()
     a, b = engine.Engine(model, static=True), engine.Engine(model, static=True)
     for e in (a, b):
         e.reserve(32)
         e.reset()
         e.prefill([5, 6, 7, 8])
+        assert e.writes_at == writes
+        assert all((layer.cumulative_length is e.pos_t) == (writes == "position") for layer in e.cache.layers)
     a.step(9)
     a.rewind(1)
     assert torch.equal(a.prefill([11, 12]), b.prefill([11, 12])) and a.pos == b.pos == 6

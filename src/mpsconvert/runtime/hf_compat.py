@@ -20,6 +20,8 @@ from __future__ import annotations
 import inspect
 import sys
 
+import torch
+
 ROTARY_FUNCTION = "apply_rotary_pos_emb"  # the modeling module's global that attention forwards call
 
 
@@ -40,14 +42,65 @@ def cache_kwarg(model, cache) -> dict:
     return {"cache": cache} if accepts(model, "cache") else {"past_key_values": cache}
 
 
+def _static_layer():
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:  # pragma: no cover - a transformers without it
+        return None
+    return StaticLayer
+
+
+def _positioned_update(self, key_states, value_states, *args, **kwargs):
+    """StaticLayer.update (transformers 5.16-5.25) without advancing `cumulative_length`: the keys
+    and values are written at the position the caller set there."""
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+    at = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+    try:
+        self.keys.index_copy_(2, at, key_states)
+        self.values.index_copy_(2, at, value_states)
+    except NotImplementedError:  # devices without index_copy_ (MPS), as StaticLayer does
+        self.keys[:, :, at] = key_states
+        self.values[:, :, at] = value_states
+    return self.keys, self.values
+
+
+_POSITIONED: dict = {}  # StaticLayer -> its subclass that writes at the caller's position
+
+
+def write_at(cache, position) -> bool:
+    """Make every layer of a transformers StaticCache write at `position` (a 0-d long tensor on the
+    cache's device, which the caller sets before each forward) instead of at a counter of its own.
+
+    Why: StaticCache layers (5.16 on) write at a per-layer `cumulative_length` that every update
+    advances in place: in a CUDA-graph decode step that is one more small kernel per layer per
+    token (32 a step for Llama-3-8B, ~1.2 us each on the H100, plus a launch gap each), and a
+    step taken back must be taken back in every layer's counter too. With one position tensor,
+    shared by the layers and advanced by the caller outside the graph, the step writes nothing
+    but the keys and values. Every layer must be transformers' plain StaticLayer (a sliding-window
+    layer keeps its own logic); otherwise the cache is left as it is and False is returned."""
+    base = _static_layer()
+    layers = list(getattr(cache, "layers", ()))
+    if base is None or not layers or any(type(l) is not base or not isinstance(getattr(l, "cumulative_length", None), torch.Tensor)
+                                         for l in layers):  # fmt: skip
+        return False
+    cls = _POSITIONED.get(base)
+    if cls is None:
+        cls = _POSITIONED[base] = type("PositionedStaticLayer", (base,), {"update": _positioned_update})
+    for layer in layers:
+        layer.__class__ = cls
+        layer.cumulative_length = position  # read by get_seq_length (the mask's offset) and by the update above
+    return True
+
+
 def rewind_cache(cache, steps: int) -> None:
     """Move a static cache's own write positions back by `steps`. transformers' StaticCache layers
     (5.16 on) write at a per-layer counter (`cumulative_length`), not at the positions a step
-    passes, so a step the engine takes back must also be taken back there; layers without such a
-    counter write where they are told and need nothing."""
+    passes, so a step the engine takes back must also be taken back there; layers that write at
+    the caller's position (`write_at`) or where they are told need nothing."""
     for layer in getattr(cache, "layers", ()):
         n = getattr(layer, "cumulative_length", None)
-        if hasattr(n, "sub_"):  # a tensor (static layers), updated in place: a compiled step holds its address
+        if hasattr(n, "sub_") and type(layer) not in _POSITIONED.values():  # a tensor, updated in place: a compiled step holds its address
             n.sub_(steps)
 
 

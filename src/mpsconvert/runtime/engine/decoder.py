@@ -34,7 +34,7 @@ import torch
 
 from ... import devices, timing
 from ...errors import MpsconvertError
-from ..hf_compat import accepts, cache_kwarg, rewind_cache
+from ..hf_compat import accepts, cache_kwarg, rewind_cache, write_at
 
 BUCKET = 256  # cache lengths are multiples of this: a longer generation re-captures the graph only past a bucket
 WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph (compile, record, capture)
@@ -75,6 +75,7 @@ class Engine:
         self.capacity, self.cache, self.kw, self._step, self._static = 0, None, {}, None, False
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
         self.pos = 0
+        self.writes_at = None  # a static cache's layers write at: "position" (the engine's), "counter" (their own); see reserve
         self.inductor_options = dict(INDUCTOR_OPTIONS)  # what the step is compiled with ({} once they failed: see reserve)
 
     def reserve(self, tokens: int) -> float | None:
@@ -89,11 +90,13 @@ class Engine:
         cap = min(cap, self.max_len) if self.max_len else cap
         self._static = self.compiled if self.static is None else self.static
         self.cache = StaticCache(config=self.model.config, max_cache_len=cap) if self._static else DynamicCache(config=self.model.config)
+        # the step's position, 0-d: the static cache's layers write there (hf_compat.write_at), set before each forward
+        self.pos_t = torch.zeros((), dtype=torch.long, device=self.dev)
+        self.writes_at = "position" if self._static and write_at(self.cache, self.pos_t) else "counter" if self._static else None
         self.kw = cache_kwarg(self.model, self.cache)
         self.capacity = cap
         own = getattr(getattr(self.model, "base_model", None), "mpsconvert_positions", None)  # runtime/patches/positions.py
         self.positions = own if own is not None and own.shape[-1] >= cap else torch.arange(cap, device=self.dev)[None]
-        self.pos_t = torch.zeros(1, 1, dtype=torch.long, device=self.dev)  # the compiled step's position: one address
         if not self.compiled:
             return None
         with torch.no_grad():  # transformers' StaticCache makes its tensors at its first update: made here, eager, they
@@ -125,7 +128,7 @@ class Engine:
         devices.synchronize(self.dev)
 
     def _decode(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tok, position_ids=pos, use_cache=True, **self.kw).logits
+        return self.model(input_ids=tok, position_ids=pos.view(1, 1), use_cache=True, **self.kw).logits
 
     def reset(self) -> None:
         if self._static:
@@ -147,6 +150,8 @@ class Engine:
         x = torch.tensor([ids], dtype=torch.long, device=self.dev)
         pos = self.positions[:, self.pos : self.pos + n]
         with torch.no_grad():
+            if self._static:
+                self.pos_t.fill_(self.pos)  # where the static cache's layers write (the prompt's first position)
             if self._static and self.pos == 0:  # prefilled over an empty DynamicCache, then written into the static one
                 from transformers import DynamicCache
 
@@ -196,6 +201,8 @@ class Engine:
                 with timing.warm_guards(True):  # captured in reserve(): only the guards that tell graphs apart run
                     logits = self._step(self.tok, self.pos_t)
             else:
+                if self._static:
+                    self.pos_t.fill_(self.pos)
                 logits = self._decode(self.tok, self.positions[:, self.pos : self.pos + 1])
         self.pos += 1
         return logits[0, -1]
