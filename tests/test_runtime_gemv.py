@@ -87,3 +87,64 @@ def test_gated_decode_is_silu_gate_times_up_of_the_plain_product(dot, per_row, b
         triton_gemv.gemv(x, codes[:-1], scale[:-1] if per_row else scale, None, gated=True)
     with pytest.raises(ValueError, match="not block scales"):
         triton_gemv._args(x, codes, torch.ones(1, 2), None, torch.empty(3, n, dtype=torch.bfloat16), block=128, gated=True)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama's), op for op, on x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.triton("interpret")
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("per_row,bias", [(True, False), (False, True)])
+def test_the_norm_folded_into_the_gemv_is_the_gemv_of_the_norm(gated, per_row, bias):
+    """With `norm`, the GEMV reads an RMSNorm's input and computes the product of its output: the
+    weight's columns times the norm's weight, each sum times the row's 1 / rms at the end. It
+    skips the norm output's two roundings to the activation dtype, so against the float64
+    product it is at least as close as the plain GEMV of the module's norm output, and it stays
+    within a few of those roundings of that GEMV; a wrong eps, weight or row fails."""
+    from mpsconvert.fp8 import relative_error
+
+    n, k, eps = 40, 136, 1e-5
+    codes, g = _weight(2 * n if gated else n, k, seed=3)
+    scale = torch.rand(codes.shape[0] if per_row else 1, generator=g) + 0.05
+    b = (torch.randn(codes.shape[0], generator=g) * 4).to(torch.bfloat16) if bias else None
+    x = (torch.randn(3, k, generator=g) * 8).to(torch.bfloat16)
+    x[1] *= 50  # rows of other scales: each its own rms
+    nw = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16)
+    got = triton_gemv.gemv(x, codes, scale, b, gated=gated, norm=nw, eps=eps).float()
+    want = triton_gemv.gemv(_rms_norm(x, nw, eps), codes, scale, b, gated=gated).float()
+    assert got.shape == want.shape == (3, n)
+    h = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+    exact = h @ (codes.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
+    if gated:
+        exact = torch.nn.functional.silu(exact[:, :n]) * exact[:, n:]
+    assert relative_error(got.double(), exact) <= relative_error(want.double(), exact) * 1.05
+    assert relative_error(got, want) < 2**-7
+    other = triton_gemv.gemv(x, codes, scale, b, gated=gated, norm=nw, eps=100.0).float()
+    assert relative_error(other, want) > 2**-6  # eps is read
+    with pytest.raises(ValueError, match=r"weight of \[136\]"):
+        triton_gemv.gemv(x, codes, scale, b, gated=gated, norm=nw[:-1], eps=eps)
+
+
+@pytest.mark.triton("interpret")
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_residual_folded_into_the_gemv_is_the_add_bit_for_bit(gated):
+    """With `residual`, the GEMV's output is added to it in the kernel, rounded as the eager
+    `residual + y` on bfloat16 tensors rounds: equal bit for bit (the add is a decoder layer's
+    residual stream, so it must not drift)."""
+    n, k = 40, 136
+    codes, g = _weight(2 * n if gated else n, k, seed=4)
+    scale = torch.rand(codes.shape[0], generator=g) + 0.05
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    r = (torch.randn(3, n, generator=g) * 30).to(torch.bfloat16)
+    plain = triton_gemv.gemv(x, codes, scale, None, gated=gated)
+    got = triton_gemv.gemv(x, codes, scale, None, gated=gated, residual=r)
+    assert torch.equal(got, r + plain)
+    nw = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16)  # both folded: the norm's product, then the add
+    both = triton_gemv.gemv(x, codes, scale, None, gated=gated, norm=nw, eps=1e-6, residual=r)
+    assert torch.equal(both, r + triton_gemv.gemv(x, codes, scale, None, gated=gated, norm=nw, eps=1e-6))
+    with pytest.raises(ValueError, match=r"is \[3, 40\], got \[3, 39\]"):
+        triton_gemv.gemv(x, codes, scale, None, gated=gated, residual=r[:, :-1])

@@ -49,25 +49,32 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemv_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, nw_ptr, r_ptr,
         M, N, K,
-        stride_xm, stride_wn, stride_ym, stride_sn,
+        stride_xm, stride_wn, stride_ym, stride_sn, stride_rm, eps,
         HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, PRE_ROUND: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # GATED: w holds a gated MLP's [gate; up] rows (2N x K) and y[M, N] = silu(gate) * up, rounded as the module rounds it
-        # (PRE_ROUND: every rounding to the output dtype by hand, where the interpreter's casts truncate)
+        # (PRE_ROUND: every rounding to the output dtype by hand, where the interpreter's casts truncate).
+        # NORM: x is an RMSNorm's input and nw its weight: the product is of nw * x, and the row's
+        # 1 / rms (its sum of squares taken in the same loop, which reads all of x anyway) multiplies
+        # each sum once at the end. RESIDUAL: y is added to r[M, N] (rounded as a dtype add rounds).
         pid_n = tl.program_id(0)
         m = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            if NORM:
+                sq += x * x
+                x = x * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if SCALE_BLOCK:
                 # block scales [ceil(N/B), ceil(K/B)]: a tile's BLOCK_N rows (BLOCK_N divides B) share
                 # one row of them, so each x element is scaled once, not each weight
@@ -80,6 +87,9 @@ if triton is not None:
                 acc_up += wu * x[None, :]
             acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
+        if NORM:
+            rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            y = y * rstd
         if not SCALE_BLOCK:  # (block scales were applied to x above)
             if ROW_SCALE:
                 y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
@@ -89,6 +99,8 @@ if triton is not None:
             y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATED:
             up = tl.sum(acc_up, axis=1)
+            if NORM:
+                up = up * rstd
             if ROW_SCALE:
                 up = up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)
             else:
@@ -96,13 +108,15 @@ if triton is not None:
             if HAS_BIAS:
                 up = up + tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             y = _silu_mul(y, up, y_ptr.dtype.element_ty, PRE_ROUND)
+        if RESIDUAL:
+            y = _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND) + tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + offs_n, _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty), mask=n_mask)
 
     if INTERPRET:
         _kernel = _fp8_gemv_kernel
     else:
         _kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _CONFIGS],
-                           key=["N", "K", "M", "GATED"])(_fp8_gemv_kernel)  # fmt: skip
+                           key=["N", "K", "M", "GATED", "NORM", "RESIDUAL"])(_fp8_gemv_kernel)  # fmt: skip
 
 
 # W8A8 decode: BLOCK_N, BLOCK_K, warps, pipeline stages (BLOCK_M is 16, the smallest tl.dot tile).
@@ -194,12 +208,14 @@ def _dot_args(xq, xs, weight, scale, bias, y, gated: bool = False) -> tuple[tupl
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
-            gated: bool = False) -> torch.Tensor:
+            gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
     n = _out_features(weight, gated)
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    args, kw = _args(x, weight, scale, bias, y, block, gated)
+    args, kw = _args(x, weight, scale, bias, y, block, gated, norm, eps, residual)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), x.shape[0])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
     _kernel[grid](*args, **kw, **fixed)
@@ -216,11 +232,18 @@ def takes_block(block: int | None) -> bool:
     return bool(block) and block % BLOCK_EDGE == 0
 
 
-def _args(x, weight, scale, bias, y, block: int = 0, gated: bool = False) -> tuple[tuple, dict]:
+def _args(x, weight, scale, bias, y, block: int = 0, gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
+          residual: torch.Tensor | None = None) -> tuple[tuple, dict]:
     """The GEMV kernel's arguments, as its launch and `precompile` pass them. `block`: `scale` is
     the weight's [ceil(N/block), ceil(K/block)] block scales (0: per row [N] or per tensor [1]).
-    `gated`: the weight holds [gate; up] rows, and the output is silu(gate) * up."""
+    `gated`: the weight holds [gate; up] rows, and the output is silu(gate) * up. `norm` (an
+    RMSNorm's weight [K]) and `eps`: x is the norm's input, and the product is of its output.
+    `residual` [M, N]: added to the output."""
     (M, K), N = x.shape, _out_features(weight, gated)
+    if norm is not None and tuple(norm.shape) != (K,):
+        raise ValueError(f"an RMSNorm before a GEMV of {K} inputs has a weight of [{K}], got {list(norm.shape)}")
+    if residual is not None and tuple(residual.shape) != (M, N):
+        raise ValueError(f"the residual added to a GEMV's [{M}, {N}] output is [{M}, {N}], got {list(residual.shape)}")
     if block and gated:
         raise ValueError("the gated GEMV takes per-row or per-tensor scales, not block scales")
     if block and not takes_block(block):
@@ -228,10 +251,11 @@ def _args(x, weight, scale, bias, y, block: int = 0, gated: bool = False) -> tup
     if block and (scale.dim() != 2 or scale.stride(1) != 1 or tuple(scale.shape) != scale_shape("block", N, K, block)):
         raise ValueError(f"block scales of a [{N}, {K}] weight in {block}-blocks are {list(scale_shape('block', N, K, block))}, "
                          f"got {list(scale.shape)}")
-    return ((x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-             scale.stride(0) if block else 0),
+    return ((x, weight, scale, bias if bias is not None else scale, y, norm if norm is not None else scale,
+             residual if residual is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), scale.stride(0) if block else 0,
+             residual.stride(0) if residual is not None else 0, float(eps)),
             {"HAS_BIAS": bias is not None, "ROW_SCALE": not block and scale.numel() != 1, "SCALE_BLOCK": block, "GATED": gated,
-             "PRE_ROUND": INTERPRET})
+             "PRE_ROUND": INTERPRET, "NORM": norm is not None, "RESIDUAL": residual is not None})
 
 
 def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dot: bool = False,
@@ -255,14 +279,16 @@ if triton is not None:
 
     @torch.library.custom_op(OP_NAME, mutates_args=())
     def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
-                 gated: bool = False) -> torch.Tensor:
+                 gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """y[M, N] = x[M, K] @ (weight[N, K] * scale).T + bias, x in BF16/FP16, weight e4m3,
         scale [N] (per row) or [1], or with `block` [ceil(N/block), ceil(K/block)] (per block);
-        with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]."""
-        return _launch(x, weight, scale, bias, block, gated)
+        with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]; with `norm`
+        x is an RMSNorm's input (its weight `norm`, `eps`); with `residual`, + residual [M, N]."""
+        return _launch(x, weight, scale, bias, block, gated, norm, eps, residual)
 
     @fp8_gemv.register_fake
-    def _(x, weight, scale, bias, block=0, gated=False):
+    def _(x, weight, scale, bias, block=0, gated=False, norm=None, eps=0.0, residual=None):
         return x.new_empty(x.shape[0], _out_features(weight, gated))
 
     @torch.library.custom_op("mpsconvert::fp8_dot_gemv", mutates_args=())
@@ -291,12 +317,14 @@ def dot_gemv(xq, xs, weight, scale, bias, out_dtype, gated: bool = False) -> tor
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMV: the kernel itself in eager mode, the custom op under torch.compile. `block`:
     `scale` holds block scales of that edge (`takes_block`); `gated`: the weight holds a gated
-    MLP's [gate; up] rows, and the result is silu(gate) * up."""
+    MLP's [gate; up] rows, and the result is silu(gate) * up. `norm`, `eps`, `residual`: the
+    RMSNorm before it and the residual add after it, folded in (ops/graph_fusion.py puts them
+    there in a compiled decode step)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     if torch.compiler.is_compiling():
-        return fp8_gemv(x, weight, scale, bias, block, gated)
-    return _launch(x, weight, scale, bias, block, gated)
+        return fp8_gemv(x, weight, scale, bias, block, gated, norm, eps, residual)
+    return _launch(x, weight, scale, bias, block, gated, norm, eps, residual)
