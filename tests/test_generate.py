@@ -253,7 +253,8 @@ def test_the_static_cache_is_made_before_the_decode_step_is_compiled(monkeypatch
 
 def test_the_decode_step_compiles_with_the_engines_inductor_options(monkeypatch):
     """Inductor reads its options when the step is first called (compiled): that call, and the
-    captures after it, run under INDUCTOR_OPTIONS (combo kernels: fewer launches per step)."""
+    captures after it, run under INDUCTOR_OPTIONS (combo kernels, the decode GEMVs' norm and
+    residual folding: fewer launches per step)."""
     import torch._inductor.config as config
 
     from mpsconvert.runtime import engine
@@ -270,10 +271,12 @@ def test_the_decode_step_compiles_with_the_engines_inductor_options(monkeypatch)
         return step
 
     monkeypatch.setattr(torch, "compile", compile_spy)
-    assert decoder.INDUCTOR_OPTIONS == {"combo_kernels": True} and config.combo_kernels is False  # not torch's default
+    assert decoder.INDUCTOR_OPTIONS == {"combo_kernels": True, "post_grad_custom_pre_pass": decoder.FUSION}
+    assert config.combo_kernels is False and config.post_grad_custom_pre_pass is None  # not torch's defaults
     engine.generate_ids(eng, [5, 6, 7], engine.Sampling(max_tokens=4))
     assert len(seen) >= decoder.WARM_STEPS and all(s == decoder.INDUCTOR_OPTIONS for s in seen[: decoder.WARM_STEPS])
-    assert config.combo_kernels is False and eng.inductor_options == decoder.INDUCTOR_OPTIONS  # only the engine's compile sees them
+    assert config.combo_kernels is False and config.post_grad_custom_pre_pass is None  # only the engine's compile sees them
+    assert eng.inductor_options == decoder.INDUCTOR_OPTIONS
 
 
 def test_a_step_that_fails_to_compile_with_the_options_compiles_without_them_and_says_so(monkeypatch):
@@ -371,7 +374,7 @@ def test_a_rewound_step_is_forgotten_by_the_static_cache(writes, monkeypatch):
     from mpsconvert.runtime.engine import decoder
 
     if writes == "counter":
-        monkeypatch.setattr(decoder, "write_at", lambda cache, position: False)
+        monkeypatch.setattr(decoder, "write_at", lambda *a: False)
     model = _tiny_causal()
     a, b = engine.Engine(model, static=True), engine.Engine(model, static=True)
     for e in (a, b):
@@ -384,3 +387,28 @@ def test_a_rewound_step_is_forgotten_by_the_static_cache(writes, monkeypatch):
     a.rewind(1)
     assert torch.equal(a.prefill([11, 12]), b.prefill([11, 12])) and a.pos == b.pos == 6
     assert torch.equal(a.step(13), b.step(13))
+
+
+@pytest.mark.parametrize("window", [4096, 5])
+def test_the_compiled_engine_decodes_a_sliding_window_model(window):
+    """Mistral-style models declare a sliding window; transformers' StaticCache then makes
+    sliding-window layers, which keep their length in a Python int, so a compiled step would
+    compile anew at every token (it raised under the engine's warm guards). Where the window holds
+    the whole cache the layers are plain ones (the engine's position writes them); where it does
+    not, the engine says so and decodes eagerly. Either way the tokens are the eager loop's."""
+    from mpsconvert.runtime import engine
+
+    from .models import tiny_model
+
+    model = tiny_model("mistral", dtype=torch.bfloat16, sliding_window=window)
+    prompt = [5, 6, 7, 8, 9, 10]
+    want = engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=10)).tokens
+    eng = engine.Engine(model, compile=True)
+    if window >= 256:
+        got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=10))
+        assert eng.writes_at == "position" and eng.compiled and got.compile_seconds > 0
+    else:
+        with pytest.warns(UserWarning, match="decode step runs eagerly"):
+            got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=10))
+        assert eng.writes_at == "counter" and not eng.compiled and got.compile_seconds is None
+    assert got.tokens == want

@@ -68,21 +68,34 @@ def _positioned_update(self, key_states, value_states, *args, **kwargs):
 _POSITIONED: dict = {}  # StaticLayer -> its subclass that writes at the caller's position
 
 
-def write_at(cache, position) -> bool:
-    """Make every layer of a transformers StaticCache write at `position` (a 0-d long tensor on the
-    cache's device, which the caller sets before each forward) instead of at a counter of its own.
+def _plain(layer, base, capacity: int) -> bool:
+    """Whether a StaticCache layer writes as a plain StaticLayer: one, or a sliding-window one
+    whose window holds the whole cache (transformers makes it min(window, length) long, so it
+    never fills, and its mask is the causal one)."""
+    if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+        return False
+    if type(layer) is base:
+        return True
+    return isinstance(layer, base) and type(layer).__name__ == "StaticSlidingWindowLayer" and layer.max_cache_len >= capacity
+
+
+def write_at(cache, position, capacity: int) -> bool:
+    """Make every layer of a transformers StaticCache of `capacity` positions write at `position`
+    (a 0-d long tensor on the cache's device, which the caller sets before each forward) instead
+    of at a counter of its own.
 
     Why: StaticCache layers (5.16 on) write at a per-layer `cumulative_length` that every update
     advances in place: in a CUDA-graph decode step that is one more small kernel per layer per
     token (32 a step for Llama-3-8B, ~1.2 us each on the H100, plus a launch gap each), and a
     step taken back must be taken back in every layer's counter too. With one position tensor,
     shared by the layers and advanced by the caller outside the graph, the step writes nothing
-    but the keys and values. Every layer must be transformers' plain StaticLayer (a sliding-window
-    layer keeps its own logic); otherwise the cache is left as it is and False is returned."""
+    but the keys and values. A sliding-window layer also keeps a Python int, which a captured
+    graph cannot follow (every step would compile anew); where its window holds the whole cache
+    it is a plain layer and becomes one here. Every layer must be one of those; otherwise the
+    cache is left as it is and False is returned."""
     base = _static_layer()
     layers = list(getattr(cache, "layers", ()))
-    if base is None or not layers or any(type(l) is not base or not isinstance(getattr(l, "cumulative_length", None), torch.Tensor)
-                                         for l in layers):  # fmt: skip
+    if base is None or not layers or not all(_plain(layer, base, capacity) for layer in layers):
         return False
     cls = _POSITIONED.get(base)
     if cls is None:
@@ -91,6 +104,14 @@ def write_at(cache, position) -> bool:
         layer.__class__ = cls
         layer.cumulative_length = position  # read by get_seq_length (the mask's offset) and by the update above
     return True
+
+
+def static_cache_compiles(cache) -> bool:
+    """Whether a captured decode step can replay over this StaticCache: False where a layer keeps
+    its length in a Python int (a sliding-window layer that can fill), which would make every
+    step compile anew."""
+    return not any(hasattr(layer, "cumulative_length_int") and type(layer) not in _POSITIONED.values()
+                   for layer in getattr(cache, "layers", ()))  # fmt: skip
 
 
 def rewind_cache(cache, steps: int) -> None:

@@ -34,7 +34,8 @@ import torch
 
 from ... import devices, timing
 from ...errors import MpsconvertError
-from ..hf_compat import accepts, cache_kwarg, rewind_cache, write_at
+from ..hf_compat import accepts, cache_kwarg, rewind_cache, static_cache_compiles, write_at
+from ..ops.graph_fusion import FUSION
 
 BUCKET = 256  # cache lengths are multiples of this: a longer generation re-captures the graph only past a bucket
 WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph (compile, record, capture)
@@ -44,7 +45,9 @@ WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph 
 # shape, 32 layers) the step went from 424 to 332 launches and 259.0 to 267.3 tok/s
 # (benchmarks/results/generate_cuda_h100_llama32_combo.log). They are not Inductor's defaults: where
 # compiling with them fails, `reserve` warns and compiles with torch's defaults.
-INDUCTOR_OPTIONS = {"combo_kernels": True}
+# post_grad_custom_pre_pass: the RMSNorms and residual adds around the decode GEMVs folded into
+# them (ops/graph_fusion.py), two kernels per layer fewer.
+INDUCTOR_OPTIONS = {"combo_kernels": True, "post_grad_custom_pre_pass": FUSION}
 
 
 def inductor_options(options: dict):
@@ -77,6 +80,7 @@ class Engine:
         self.pos = 0
         self.writes_at = None  # a static cache's layers write at: "position" (the engine's), "counter" (their own); see reserve
         self.inductor_options = dict(INDUCTOR_OPTIONS)  # what the step is compiled with ({} once they failed: see reserve)
+        self.graph_fusion = None  # what the last compile folded into the decode GEMVs (ops/graph_fusion.py)
 
     def reserve(self, tokens: int) -> float | None:
         """A static cache for at least `tokens` (rounded up to BUCKET, at most max_len); the
@@ -92,11 +96,15 @@ class Engine:
         self.cache = StaticCache(config=self.model.config, max_cache_len=cap) if self._static else DynamicCache(config=self.model.config)
         # the step's position, 0-d: the static cache's layers write there (hf_compat.write_at), set before each forward
         self.pos_t = torch.zeros((), dtype=torch.long, device=self.dev)
-        self.writes_at = "position" if self._static and write_at(self.cache, self.pos_t) else "counter" if self._static else None
+        self.writes_at = "position" if self._static and write_at(self.cache, self.pos_t, cap) else "counter" if self._static else None
         self.kw = cache_kwarg(self.model, self.cache)
         self.capacity = cap
         own = getattr(getattr(self.model, "base_model", None), "mpsconvert_positions", None)  # runtime/patches/positions.py
         self.positions = own if own is not None and own.shape[-1] >= cap else torch.arange(cap, device=self.dev)[None]
+        if self.compiled and not static_cache_compiles(self.cache):
+            warnings.warn("the decode step runs eagerly: this model's sliding-window cache layers keep their length in a Python "
+                          f"int, which a captured CUDA graph cannot follow past the window ({cap} positions reserved)", stacklevel=2)
+            self.compiled = False
         if not self.compiled:
             return None
         with torch.no_grad():  # transformers' StaticCache makes its tensors at its first update: made here, eager, they
@@ -121,11 +129,15 @@ class Engine:
         (forgotten by the cache's reset), the first of which compiles under `inductor_options`."""
         torch._dynamo.reset()  # graphs of an earlier cache (or a failed compile) hold their addresses
         self._step = torch.compile(self._decode, mode="reduce-overhead", fullgraph=False, dynamic=False)
+        FUSION.reset()
         with torch.no_grad(), inductor_options(self.inductor_options):
             for _ in range(WARM_STEPS):
                 self.pos_t.fill_(cap - 1)
                 self._step(self.tok, self.pos_t)
         devices.synchronize(self.dev)
+        ran = FUSION.counts if self.inductor_options.get("post_grad_custom_pre_pass") is FUSION else {"graphs": 0}
+        # what ops/graph_fusion.py folded into the decode GEMVs; None where no graph passed through it (Inductor's cache on disk)
+        self.graph_fusion = {k: v for k, v in ran.items() if k != "graphs"} if ran["graphs"] else None
 
     def _decode(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tok, position_ids=pos.view(1, 1), use_cache=True, **self.kw).logits
