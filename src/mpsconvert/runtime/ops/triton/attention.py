@@ -54,8 +54,8 @@ if triton is not None:
         s = tl.arange(0, SPLITS)
         ms = (bh * S + s[:, None]) * RP + r[None, :]
         ok = (s[:, None] < S) & r_ok[None, :]
-        m = tl.load(m_ptr + ms, mask=ok, other=float("-inf"))
-        l = tl.load(l_ptr + ms, mask=ok, other=0.0)
+        m = tl.load(m_ptr + ms, mask=ok, other=float("-inf"), cache_modifier=".cg")  # (L2: written by other SMs in this launch)
+        l = tl.load(l_ptr + ms, mask=ok, other=0.0, cache_modifier=".cg")
         big = tl.max(m, axis=0)
         big = tl.where(big == float("-inf"), 0.0, big)
         den = tl.sum(tl.exp(m - big[None, :]) * l, axis=0)
@@ -66,8 +66,8 @@ if triton is not None:
             sb = s0 + tl.arange(0, SB)
             okb = (sb[:, None] < S) & r_ok[None, :]
             pb = (bh * S + sb[:, None]) * RP + r[None, :]
-            w = tl.exp(tl.load(m_ptr + pb, mask=okb, other=float("-inf")) - big[None, :])
-            acc = tl.load(acc_ptr + pb[:, :, None] * D + d[None, None, :], mask=okb[:, :, None], other=0.0)
+            w = tl.exp(tl.load(m_ptr + pb, mask=okb, other=float("-inf"), cache_modifier=".cg") - big[None, :])
+            acc = tl.load(acc_ptr + pb[:, :, None] * D + d[None, None, :], mask=okb[:, :, None], other=0.0, cache_modifier=".cg")
             num += tl.sum(acc * w[:, :, None], axis=0)
         h = kvh * G + r // Lq
         o = o_ptr + b * sob + (r % Lq)[:, None] * sol + h[:, None] * soh + d[None, :]
