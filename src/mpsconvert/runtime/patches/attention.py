@@ -7,10 +7,8 @@ head for its query group (`repeat_kv`: the cache of a Llama-3-8B layer, 8.6 MB, 
 six kernels and ~29 us per layer, ~0.9 ms of a 5.4 ms FP8 decode step (32 layers, 2096 cached
 positions; docs/runtime-notes.md). Here one program reads one key/value tile once for all
 query heads of its group (no repeat), the cache is split across programs so that every SM has
-work, and the last program to finish each key/value head combines its partial softmaxes: one
-kernel per layer (a second, combining kernel cost 1.7 us plus a launch gap per layer in a
-CUDA-graph decode step; ops/triton/attention.py says how the last program knows it is last).
-Tiles the mask excludes entirely (the unused tail of a static cache) are not read at all.
+work, and a second kernel combines the partial softmaxes: two kernels per layer. Tiles the mask
+excludes entirely (the unused tail of a static cache) are not read at all.
 
 `install(model)` registers the function under `NAME` with transformers' AttentionInterface and
 switches a model that uses SDPA to it. Every call the kernel cannot take (prefill: more than
