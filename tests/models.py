@@ -95,6 +95,25 @@ def tiny_model(arch: str, *, vocab: int = 256, seed: int = 0, tie: bool = False,
     return model.eval()
 
 
+def fp8_layers(model, decode: str = "scaled_mm_row"):
+    """The decoder layers' Linears (16 outputs or more) of a model in memory replaced by FP8Linear
+    (per-row weights, per-token activations) that decode with `decode` and prefill with
+    scaled_mm_row, as the kernel policy would set them on CUDA (tests fake the device)."""
+    from torch import nn
+
+    from mpsconvert import fp8
+    from mpsconvert.runtime.ops.fp8linear import FP8Linear
+
+    for name, lin in list(model.model.layers.named_modules()):
+        if isinstance(lin, nn.Linear) and lin.out_features >= 16:
+            q, s, _ = fp8.quantize(lin.weight.float(), "row")
+            new = FP8Linear.from_tensors(q, s, activations="token", bias=lin.bias)
+            new.set_kernels(decode, "scaled_mm_row")
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.model.layers.get_submodule(parent), leaf, new)
+    return model
+
+
 def tiny(arch: str, path: Path, *, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, fused: bool = False,
          max_shard_size: str | None = None, **model) -> Path:
     """The one builder of a tiny source checkpoint: `tiny_model(arch, **model)` saved to `path` in

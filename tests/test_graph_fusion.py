@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from mpsconvert.runtime.ops import graph_fusion
 
@@ -100,20 +99,11 @@ def test_what_is_not_the_pattern_is_left_alone():
 def _fp8_model(arch):
     """A tiny FP8 model whose decode runs the Triton GEMV for every layer, the patches installed
     as on CUDA (the device faked: only the patches' match reads it)."""
-    from mpsconvert import fp8
     from mpsconvert.runtime import patches
-    from mpsconvert.runtime.ops.fp8linear import FP8Linear
 
-    from .models import tiny_model
+    from .models import fp8_layers, tiny_model
 
-    model = tiny_model(arch, dtype=torch.bfloat16).requires_grad_(False)
-    for name, lin in list(model.model.layers.named_modules()):
-        if isinstance(lin, nn.Linear) and lin.out_features >= 16:
-            q, s, _ = fp8.quantize(lin.weight.float(), "row")
-            new = FP8Linear.from_tensors(q, s, activations="token", bias=lin.bias)
-            new.set_kernels("gemv", "scaled_mm_row")
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.model.layers.get_submodule(parent), leaf, new)
+    model = fp8_layers(tiny_model(arch, dtype=torch.bfloat16).requires_grad_(False), decode="gemv")
     model.config._attn_implementation = "sdpa"
     ctx = patches.Context(torch.device("cuda"), torch.bfloat16)
     with warnings.catch_warnings():

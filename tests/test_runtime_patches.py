@@ -223,19 +223,9 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
     from torch import nn
     from transformers import DynamicCache
 
-    from mpsconvert import fp8
-    from mpsconvert.runtime.ops.fp8linear import FP8Linear
     from mpsconvert.runtime.hf_compat import cache_kwarg
 
-    def fp8_layers(model):
-        for name, lin in list(model.model.layers.named_modules()):
-            if isinstance(lin, nn.Linear) and lin.out_features >= 16:
-                q, s, _ = fp8.quantize(lin.weight.float(), "row")
-                new = FP8Linear.from_tensors(q, s, activations="token", bias=lin.bias)
-                new.set_kernels("scaled_mm_row", "scaled_mm_row")
-                parent, _, leaf = name.rpartition(".")
-                setattr(model.model.layers.get_submodule(parent), leaf, new)
-        return model
+    from .models import fp8_layers
 
     ctx = patches.Context(torch.device("cuda"), torch.bfloat16)  # the device faked: only the patches' match reads it
     seen = {}
