@@ -121,9 +121,9 @@ def _fp8_model(arch):
 def test_the_engine_folds_every_layers_norms_and_adds_into_its_gemvs(arch, folds):
     """Through the engine's compile (what `mpsconvert generate` runs on CUDA): every decoder
     layer's two norms and two residual adds go into its GEMVs (Qwen2: q/k/v with a bias, which
-    the GEMV adds after the norm's 1 / rms), and where an MoE block follows the post-attention norm (its experts are not a
-    GEMV; Qwen2-MoE's shared expert and router read that norm too) that norm and the block's add
-    stay. The greedy tokens are the eager engine's."""
+    the GEMV adds after the norm's 1 / rms), and where an MoE block follows the post-attention
+    norm (its experts are not a GEMV; Qwen2-MoE's shared expert and router read that norm too)
+    that norm and the block's add stay. The greedy tokens are the eager engine's."""
     import torch._inductor.config as config
 
     from mpsconvert.runtime import engine

@@ -220,7 +220,6 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
     logits of a prefill and of decode steps over a cache equal the model's own."""
     import copy
 
-    from torch import nn
     from transformers import DynamicCache
 
     from mpsconvert.runtime.hf_compat import cache_kwarg
