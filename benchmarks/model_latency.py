@@ -13,6 +13,8 @@ by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), 
             ours-warm (both from the page cache) and *-cold (both from disk)
   ours-sdpa the same, with transformers' SDPA at decode too (without runtime/patches/attention.py)
   ours-unfused  the same, with the model's own RMSNorm and MLP forwards (load(eager_fusion=False))
+  ours-nographs the same without CUDA graphs (load(compile=False)): the prefill's direct calls
+            launched one by one (runtime/patches/prefill_graphs.py)
   ours-sharedquant  prefill siblings share one quantization, a GEMM each (fuse.PREFILL_SHARES)
   bf16-attn BF16 with our decode attention installed (to separate what attention contributes)
   ours-warm a second load: kernel cache and page cache warm (load time only)
@@ -527,8 +529,16 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                 row["eager_prefill_host_profile"] = host_profile(prefill, 2, top=45)
                 log(f"{name}: eager prefill host profile (ms per call)", row["eager_prefill_host_profile"][:25])
         else:
+            t0 = time.perf_counter()
+            prefill()
+            sync()
+            first_ms = round((time.perf_counter() - t0) * 1e3, 3)  # ours: includes capturing this length's prefill graphs
             row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
-            row["eager_prefill"].update(timeline(prefill, decoder_layers(model)))
+            row["eager_prefill"].update(timeline(prefill, decoder_layers(model)), first_ms=first_ms)
+            graphs = getattr(decoder_layers(model)[0], "mpsconvert_graphs", None) if decoder_layers(model) else None
+            if graphs is not None:
+                row["eager_prefill"]["prefill_graphs"] = graphs.report()
+                log(f"{name}: prefill graphs", graphs.report())
             if device.type == "cuda":
                 row["eager_prefill"]["gpu_queued_ms"] = round(statistics.median(queued_gpu_ms(prefill) for _ in range(3)), 3)
             LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
@@ -648,7 +658,8 @@ LOGITS: dict = {}  # variant -> {"eager"|"compiled": last-position logits of the
 
 
 def agreement() -> dict:
-    """Each variant's prefill logits against BF16's and, compiled, against its own eager ones."""
+    """Each variant's prefill logits against BF16's, ours-* against ours', and compiled against
+    its own eager ones."""
     base = LOGITS.get("bf16", {}).get("eager")
     out = {}
     for name, d in LOGITS.items():
@@ -656,6 +667,9 @@ def agreement() -> dict:
         if base is not None and "eager" in d:
             row["rel_err_vs_bf16"] = round(float((d["eager"] - base).norm() / base.norm()), 4)
             row["same_argmax_as_bf16"] = bool(d["eager"].argmax() == base.argmax())
+        ours = LOGITS.get("ours", {}).get("eager")
+        if name.startswith("ours-") and ours is not None and "eager" in d:  # e.g. ours-nographs: the same kernels launched one by one
+            row["rel_err_vs_ours"] = round(float((d["eager"] - ours).norm() / ours.norm()), 6)
         if "compiled" in d and "eager" in d:
             row["compiled_vs_eager_rel_err"] = round(float((d["compiled"] - d["eager"]).norm() / d["eager"].norm()), 4)
         out[name] = row
@@ -676,13 +690,13 @@ def loaders(name: str, src: Path, art: Path, device, args):
 
         return bf16
     name = name.partition("@")[0]  # the artifact is chosen by the caller
-    if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa", "ours-unfused"):
+    if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa", "ours-unfused", "ours-nographs"):
         from mpsconvert.runtime.ops import fuse
         from mpsconvert.runtime import load
 
         fuse.PREFILL_SHARES = "quantization" if name == "ours-sharedquant" else DEFAULT_SHARES  # ours: the library's default
-        return lambda: load(art, device=str(device), decode_attention=name != "ours-sdpa",
-                            eager_fusion=name != "ours-unfused")  # ours-unfused: the model's own norms and MLPs
+        return lambda: load(art, device=str(device), decode_attention=name != "ours-sdpa", eager_fusion=name != "ours-unfused",
+                            compile=name != "ours-nographs")  # ours-unfused: the model's own norms and MLPs
     if name in ("ct", "ct-opt"):
         from transformers import CompressedTensorsConfig
 

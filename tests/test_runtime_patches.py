@@ -67,9 +67,9 @@ def test_the_private_name_scan_sees_a_use(tmp_path):
 
 
 def test_registry_order_and_one_report_shape():
-    assert [p.name for p in patches.REGISTRY] == ["shared_inputs", "attention", "routing", "eager_fusion", "positions", "lm_head",
-                                                  "generate"]
-    assert [p.phase for p in patches.REGISTRY] == ["modules"] * 3 + ["forwards"] * 4
+    assert [p.name for p in patches.REGISTRY] == ["shared_inputs", "attention", "routing", "eager_fusion", "prefill_graphs", "positions",
+                                                  "lm_head", "generate"]
+    assert [p.phase for p in patches.REGISTRY] == ["modules"] * 3 + ["forwards"] * 5
     model = _tiny("llama")
     ctx = patches.Context(torch.device("cpu"), torch.bfloat16)
     reports = patches.apply(model, ctx, "modules") | patches.apply(model, ctx, "forwards")
@@ -77,13 +77,14 @@ def test_registry_order_and_one_report_shape():
     for r in reports.values():
         assert set(r.as_dict()) <= {"patch", "applied", "installed", "left", "skipped", "details"}
     assert reports["shared_inputs"].skipped.startswith("CPU")
-    for name in ("attention", "eager_fusion"):
+    for name in ("attention", "eager_fusion", "prefill_graphs"):
         assert reports[name].skipped == "runs on CUDA only (this model is on cpu)"
     assert reports["generate"].skipped.startswith("mpsconvert's engine takes generate() on CUDA only")
     assert reports["routing"].skipped.startswith("no softmax top-k router")
     assert reports["positions"].applied and reports["positions"].left == []
     off = patches.apply(_tiny("llama"), patches.Context(torch.device("cpu"), torch.bfloat16, {"eager_fusion": False}), "forwards")
     assert off["positions"].skipped == off["lm_head"].skipped == "turned off (eager_fusion=False)"
+    assert off["prefill_graphs"].skipped == "eager_fusion is off: no direct prefill calls to record"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -260,6 +261,7 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
         assert r["attention"][:2] == (1, []), (arch, r)
         assert r["routing"][0] == (2 if moe else 0) and r["routing"][1] == [], (arch, r)
         assert r["positions"][:2] == (1, []), (arch, r)
+        assert r["prefill_graphs"][2] == "the model's weights are not on a CUDA device (CUDA graphs)", (arch, r)  # tests/test_prefill_graphs.py
         fused, left, _ = r["eager_fusion"]
         assert fused > 0, (arch, r)
         if arch == "qwen3":  # q/k norms inside its attention: its prefill keeps the attention module's forward

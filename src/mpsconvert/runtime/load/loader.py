@@ -169,7 +169,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     (the loop `mpsconvert generate` runs: a static KV cache, the decode step one CUDA graph), or,
     for settings the engine lacks, transformers' loop with a static cache, which transformers
     compiles (runtime/patches/generate.py; `model.mpsconvert_generate_path` says which ran);
-    False keeps transformers' default. Every change to the model is a patch of runtime/patches,
+    False keeps transformers' default. Also on CUDA: a batch-1 prefill of up to 1024 tokens replays
+    each decoder layer's direct calls as one CUDA graph per padded length, captured on that
+    length's first prompt (runtime/patches/prefill_graphs.py); False launches them one by one.
+    Every change to the model is a patch of runtime/patches,
     reported in `model.mpsconvert.patches`; what a patch left is warned once.
     progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With

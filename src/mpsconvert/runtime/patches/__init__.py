@@ -8,6 +8,8 @@ in one registry, applied in this order:
   phase "forwards" (after it: they read the kernels it chose):
     eager_fusion    fused RMSNorm / MLP / decoder-layer forwards and the rotary kernel in eager
                     mode, direct prefill calls (CUDA, Triton)
+    prefill_graphs  a prefill of up to 1024 tokens replays each layer's direct calls as one CUDA
+                    graph per padded length (CUDA, Triton; off with compile=False)
     positions       a call without positions gets the model's own, known on the host (any device)
     lm_head         the output head reads the kept tokens as one matrix, never a batched product
                     over a copy of its weight (any device)
@@ -134,6 +136,30 @@ class EagerFusion:
         return [] if n == report.installed else [f"{report.installed - n} modules lost their fused forward"]
 
 
+class PrefillGraphs:
+    name, phase, option = "prefill_graphs", "forwards", "compile"
+
+    def match(self, model, ctx):
+        if not ctx.on("eager_fusion"):
+            return "eager_fusion is off: no direct prefill calls to record"
+        why = _needs_cuda_triton(ctx)
+        if why is None and not any(p.device.type == "cuda" for p in model.parameters()):
+            why = "the model's weights are not on a CUDA device (CUDA graphs)"
+        return why
+
+    def install(self, model, ctx):
+        from . import prefill_graphs
+
+        r = prefill_graphs.install(model)
+        if not r["installed"]:
+            return Report(self.name, left=[f"the model: {r['left']}"])
+        return Report(self.name, installed=r["installed"], details={k: v for k, v in r.items() if k != "installed"})
+
+    def check(self, model, ctx, report):
+        n = sum(getattr(m, "mpsconvert_graphs", None) is not None for m in model.modules())
+        return [] if n == report.installed else [f"{report.installed - n} layers lost their prefill graphs"]
+
+
 class Positions:
     name, phase, option = "positions", "forwards", "eager_fusion"
 
@@ -198,7 +224,7 @@ class Generate:
         return [] if generate.installed(model) else ["model.generate was replaced after the patch"]
 
 
-REGISTRY: tuple[Patch, ...] = (SharedInputs(), Attention(), Routing(), EagerFusion(), Positions(), LmHead(), Generate())
+REGISTRY: tuple[Patch, ...] = (SharedInputs(), Attention(), Routing(), EagerFusion(), PrefillGraphs(), Positions(), LmHead(), Generate())
 
 
 def apply(model: nn.Module, ctx: Context, phase: str, registry=REGISTRY) -> dict[str, Report]:

@@ -124,10 +124,11 @@ def takes(p: Plan, x: torch.Tensor, kwargs: dict):
     return cos, sin, cache
 
 
-def forward(p: Plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+def forward(p: Plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tensor, cache, kv_out=None) -> torch.Tensor:
     """The attention module's output [B, S, hidden] for the input norm's output, given as its codes
     (`codes`, what the q/k/v GEMM reads) for the layer input x [B, S, hidden] (read for its
-    shape and dtype): what the module's own forward computes, op for op."""
+    shape and dtype): what the module's own forward computes, op for op. `kv_out`: two
+    [B, hk, S, d] tensors the keys (after the rotary) and values are copied into."""
     p.calls += 1
     b, s, _ = x.shape
     inner = p.group.inner
@@ -138,6 +139,9 @@ def forward(p: Plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tenso
     k = qkv.as_strided((b, p.hk, s, d), st, off + p.hq * d)
     v = qkv.as_strided((b, p.hk, s, d), st, off + (p.hq + p.hk) * d)
     q, k = rotary.rotary(q, k, cos, sin)
+    if kv_out is not None:
+        kv_out[0].copy_(k)
+        kv_out[1].copy_(v)
     if cache is not None:
         k, v = cache.update(k, v, p.layer_idx)
     o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=p.scaling, is_causal=True, **p.gqa)

@@ -157,12 +157,13 @@ def _gated_decode(mlp: nn.Module, x2: torch.Tensor):
 
 
 def _mlp_prefill(parts, x: torch.Tensor, codes) -> torch.Tensor:
-    """The gated MLP's output [M, hidden] for the codes of its input (x: the input, or where only
-    the codes were written any tensor of its dtype: the GEMM reads only x's dtype)."""
+    """The gated MLP's output [M, hidden] for the codes of its input (codes[0]: [M, K]; x: the
+    input, or where only the codes were written any tensor of its dtype: the GEMMs read only x's
+    dtype, and the rows' kernel bucket is the codes')."""
     group, down = parts
-    inner = group.inner
-    h = inner.prefill_fn(x.shape[0])(inner, x, codes)
-    return down.prefill_fn(x.shape[0])(down, h, act_quant.silu_mul_quantize(h, kernels.static_scale(down)))
+    inner, rows = group.inner, codes[0].shape[0]
+    h = inner.prefill_fn(rows)(inner, x, codes)
+    return down.prefill_fn(rows)(down, h, act_quant.silu_mul_quantize(h, kernels.static_scale(down)))
 
 
 def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bool = False):
@@ -193,6 +194,9 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     if plan is not None:
         call = attention_prefill.takes(plan, hidden_states, kwargs)
         if call is not None:
+            graphs = self.mpsconvert_graphs  # runtime/patches/prefill_graphs.py, where installed
+            if graphs is not None and graphs.takes(self, hidden_states):
+                return graphs.run(self, hidden_states, *call)
             return _direct_layer(self, plan, hidden_states, *call)
     in_norm, attn, post, mlp, nxt = self.mpsconvert_layer
     h, _ = attn(hidden_states=in_norm(hidden_states), **kwargs)
@@ -208,7 +212,7 @@ def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, si
     and only an MLP that is not a fused gated one (an MoE block) is called as a module. The next
     layer's input norm gets the sum and codes (its own forward computes its output afresh if that
     layer takes the module path)."""
-    in_norm, _, post, mlp, nxt = layer.mpsconvert_layer
+    in_norm, nxt = layer.mpsconvert_layer[0], layer.mpsconvert_layer[4]
     pre = _handed(in_norm, x)
     if pre is not None and pre[3] is not None:
         codes = pre[3]
@@ -216,18 +220,25 @@ def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, si
             plan.group.stash.pre = None
     else:
         codes = _fused_norm(in_norm, x, store_y=False)[2]
-    h = attention_prefill.forward(plan, x, codes, cos, sin, cache)
-    if plan.fused_mlp:  # the gated MLP from the post-attention norm's codes
-        total, _, codes = _fused_norm(post, h, x, store_y=False)
-        h = _mlp_prefill(mlp.mpsconvert_parts, x, codes).view(x.shape)
-    else:
-        total, y, _ = _fused_norm(post, h, x)
-        h = mlp(y)
+    total, h = layer_rest(layer, plan, x, codes, cos, sin, cache)
     if nxt is None:
         return total + h
     total, y, codes = _fused_norm(nxt, h, total, store_y=False)
     nxt.mpsconvert_hand.pre = (total, version(total), y, codes)
     return total
+
+
+def layer_rest(layer: nn.Module, plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tensor, cache, kv_out=None):
+    """The layer after its input norm, as direct calls: (x + attention, the MLP's output), whose
+    sum is the layer's output. `codes`: the input norm's codes of x; `kv_out`: buffers the keys
+    and values are copied into (runtime/patches/prefill_graphs.py)."""
+    _, _, post, mlp, _ = layer.mpsconvert_layer
+    h = attention_prefill.forward(plan, x, codes, cos, sin, cache, kv_out)
+    if plan.fused_mlp:  # the gated MLP from the post-attention norm's codes
+        total, _, codes = _fused_norm(post, h, x, store_y=False)
+        return total, _mlp_prefill(mlp.mpsconvert_parts, x, codes).view(x.shape)
+    total, y, _ = _fused_norm(post, h, x)
+    return total, mlp(y)
 
 
 def _direct_plan(parts: list, nxt: nn.Module | None):
@@ -487,6 +498,7 @@ def install(model: nn.Module) -> dict:
             report["left"].append(f"{names[parts[1]]}: {plan}; its prefill runs the module's forward")
             plan = None
         object.__setattr__(layer, "mpsconvert_attention", plan)
+        object.__setattr__(layer, "mpsconvert_graphs", None)  # the prefill's CUDA graphs (prefill_graphs.install)
         forwards.install(layer, _layer_forward)
         why = _check_layer(layer, calls[layer])
         if why and plan is not None:  # the layer without the direct attention path
