@@ -155,7 +155,8 @@ class Graphs:
         graphs = []
         for layer in self.layers:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):  # another thread's CUDA calls (a
+                # warm-up thread of load) neither break nor join the capture
                 self._body(layer, size)
             self.pool = self.pool if self.pool is not None else g.pool()
             graphs.append(g)
