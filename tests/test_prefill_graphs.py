@@ -137,3 +137,21 @@ def test_a_failed_capture_turns_the_graphs_off_with_a_warning_interpreted(monkey
         want = model(ids, use_cache=False).logits
         back()
         assert torch.equal(got, want)  # the direct path ran
+
+
+@pytest.mark.triton("interpret")
+def test_the_install_check_refuses_a_graph_that_differs_interpreted(monkeypatch):
+    """Negative control for the install check: a recorded layer whose output is off is not installed."""
+    from mpsconvert.runtime.patches import prefill_graphs
+
+    body = prefill_graphs.Graphs._body
+
+    def off_by_a_bit(self, layer, size):
+        body(self, layer, size)
+        self.x[:, :size].mul_(1.01)
+
+    monkeypatch.setattr(prefill_graphs.Graphs, "_body", off_by_a_bit)
+    model = _model()
+    r = prefill_graphs.install(model, capture=False)
+    assert r == {"installed": 0, "left": "its graph's output or cache differs from the direct path's"}, r
+    assert all(m.mpsconvert_graphs is None for m in model.model.layers)

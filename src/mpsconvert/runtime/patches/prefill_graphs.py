@@ -21,7 +21,8 @@ The graphs of a length are captured on its first prompt (all layers, after one w
 the same calls), share one memory pool, and are kept; a capture that fails turns the graphs off
 for the model with a warning (PatchFallback), and every later prefill runs the direct path.
 Longer prompts run the direct path (GPU-bound there: no gain, and their buffers would be large).
-`install` checks a layer's graph against its direct path on a probe, the cache included.
+`install` checks the first layer's graph against its direct path on a probe, bit for bit, the
+cache included.
 """
 
 from __future__ import annotations
@@ -36,13 +37,11 @@ from transformers import DynamicCache
 
 from . import eager_fusion, forwards
 from ..ops.fuse import version
-from ...fp8 import relative_error
 from .base import PatchFallback
 
 PAD = 128  # prompt lengths are padded to a multiple of this: at most MAX_TOKENS / PAD lengths are captured
 MAX_TOKENS = 1024  # longer prefills run the direct path
 PROBE_TOKENS = 9  # the install check's prompt (padded to PAD: it captures that length's graphs)
-MAX_REL_ERR = 2**-8  # a probe's graph output against the direct path's (other GEMM row counts round differently)
 
 
 class _Eager:
@@ -175,30 +174,31 @@ def _eligible(model: nn.Module) -> list[nn.Module]:
 
 
 def _check(graphs: Graphs, layer: nn.Module) -> str | None:
-    """None if the layer's graph gives its direct path's output and cache (within rounding: other
-    row counts) on a probe, else why not. The direct path was checked against the module's own
-    forward at its install; any rotary table does here."""
+    """None if the layer's graph gives, bit for bit, what its direct path gives for the same rows
+    with zero rows appended up to PAD (its output and cache, the real rows), else why not. The
+    direct path was checked against the module's own forward at its install; any rotary table
+    does here."""
     plan = layer.mpsconvert_attention
-    dev, dtype = graphs.x.device, graphs.x.dtype
+    dev, dtype, n = graphs.x.device, graphs.x.dtype, PROBE_TOKENS
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, PROBE_TOKENS, plan.o_proj.out_features, generator=g).to(device=dev, dtype=dtype)
-    angle = torch.arange(PROBE_TOKENS, dtype=torch.float32)[:, None] / 10 ** (torch.arange(plan.d, dtype=torch.float32) / plan.d)
+    x = torch.randn(1, n, plan.o_proj.out_features, generator=g).to(device=dev, dtype=dtype)
+    angle = torch.arange(PAD, dtype=torch.float32)[:, None] / 10 ** (torch.arange(plan.d, dtype=torch.float32) / plan.d)
     cos, sin = (f(angle)[None].to(device=dev, dtype=dtype) for f in (torch.cos, torch.sin))
     caches = [DynamicCache(config=plan.attn.config) for _ in range(2)]
     nxt = layer.mpsconvert_layer[4]
     try:
-        want = eager_fusion._direct_layer(layer, plan, x, cos, sin, caches[0])
+        want = eager_fusion._direct_layer(layer, plan, torch.cat([x, x.new_zeros(1, PAD - n, x.shape[-1])], dim=1), cos, sin, caches[0])
         if nxt is not None:
             nxt.mpsconvert_hand.pre = None
-        got = graphs.run(layer, x, cos, sin, caches[1])
+        got = graphs.run(layer, x, cos[:, :n], sin[:, :n], caches[1])
     except Exception as e:  # noqa: BLE001 - the layers keep the direct path
         return f"its probe failed ({type(e).__name__}: {str(e)[:120]})"
     if graphs.off is not None:
         return graphs.off
     held = [caches[i].layers[plan.layer_idx] for i in range(2)]
-    for a, b in ((want, got), (held[0].keys, held[1].keys), (held[0].values, held[1].values)):
-        if a.shape != b.shape or relative_error(b.float(), a.float()) > MAX_REL_ERR:
-            return "its graph's output or cache differs from the direct path's"
+    if not (torch.equal(got, want[:, :n]) and torch.equal(held[1].keys, held[0].keys[:, :, :n])
+            and torch.equal(held[1].values, held[0].values[:, :, :n])):  # fmt: skip
+        return "its graph's output or cache differs from the direct path's"
     if any(t.untyped_storage().data_ptr() in (graphs.k.untyped_storage().data_ptr(), graphs.v.untyped_storage().data_ptr())
            for t in (held[1].keys, held[1].values)):  # fmt: skip
         return "the cache keeps the graph's buffers instead of copying them"
