@@ -676,7 +676,9 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
             used, the weights as they are read, all before the model is returned).
         **kw: `kernel_cache`, `measure`, `trust_remote_code`, `progress`, `compile` (on CUDA, the
             model's generate() at batch 1 with a static cache, compiled by transformers; False: its default),
-            `manifest_sha256` (the manifest file's pinned sha256) (see `runtime.load.loader.load`).
+            `manifest_sha256` (the manifest file's pinned sha256), `prefill_graphs` (on CUDA, a
+            short prefill's layers replayed as CUDA graphs; off by default until measured on a
+            GPU) (see `runtime.load.loader.load`).
 
     Returns:
         The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each

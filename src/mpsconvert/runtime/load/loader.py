@@ -143,7 +143,7 @@ def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
 def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify: bool = True, *,
          kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None,
          share_inputs: bool = True, manifest_sha256: str | None = None, decode_attention: bool = True,
-         eager_fusion: bool = True, compile: bool = True):
+         eager_fusion: bool = True, compile: bool = True, prefill_graphs: bool = False):
     """Load an FP8 artifact as a transformers model in eval mode; `model.mpsconvert` says how.
 
     device: 'auto' | 'cuda' | 'cuda:N' | 'mps' | 'cpu' (devices.choose: an unavailable device is an
@@ -169,9 +169,10 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     (the loop `mpsconvert generate` runs: a static KV cache, the decode step one CUDA graph), or,
     for settings the engine lacks, transformers' loop with a static cache, which transformers
     compiles (runtime/patches/generate.py; `model.mpsconvert_generate_path` says which ran);
-    False keeps transformers' default. Also on CUDA: a batch-1 prefill of up to 1024 tokens replays
-    each decoder layer's direct calls as one CUDA graph per padded length, captured on that
-    length's first prompt (runtime/patches/prefill_graphs.py); False launches them one by one.
+    False keeps transformers' default. prefill_graphs: on CUDA, a batch-1 prefill of up to 1024
+    tokens replays each decoder layer's direct calls as one CUDA graph per padded length, captured
+    on that length's first prompt (runtime/patches/prefill_graphs.py). Off by default until it has
+    been measured on a GPU (docs/benchmarks.md); the direct calls are then launched one by one.
     Every change to the model is a patch of runtime/patches,
     reported in `model.mpsconvert.patches`; what a patch left is warned once.
     progress(phase, done, total, detail).
@@ -188,7 +189,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
         return _load(path, dev, dtype, verify, warm, t0, kernel_cache=kernel_cache, measure=measure,
                      trust_remote_code=trust_remote_code, progress=progress, share_inputs=share_inputs,
                      manifest_sha256=manifest_sha256, decode_attention=decode_attention, eager_fusion=eager_fusion,
-                     compile=compile)
+                     compile=compile, prefill_graphs=prefill_graphs)
     finally:
         if warm is not None:
             warm.cancel()  # a load that failed before the model was known: the thread ends
@@ -196,7 +197,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
 
 def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm, t0: float, *, kernel_cache, measure,
           trust_remote_code: bool, progress, share_inputs: bool, manifest_sha256: str | None, decode_attention: bool,
-          eager_fusion: bool, compile: bool):
+          eager_fusion: bool, compile: bool, prefill_graphs: bool):
     atomic.recover(path)
     config_path = path / layout.CONFIG_NAME
     if not config_path.is_file():
@@ -271,7 +272,7 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
                             "the checkpoint is incomplete; re-create it")
     model.eval().requires_grad_(False)
     ctx = patches.Context(dev, dtype, {"share_inputs": share_inputs, "decode_attention": decode_attention, "eager_fusion": eager_fusion,
-                                      "compile": compile})
+                                      "compile": compile, "prefill_graphs": prefill_graphs})
     reports = patches.apply(model, ctx, "modules")
     seconds["install"] = time.perf_counter() - t2
     if warm is not None:
