@@ -7,9 +7,10 @@ BF16's, which is bound by its GPU (docs/benchmarks.md). A graph replays a layer'
 one launch. vLLM does the same ("piecewise" graphs around the attention); here the attention
 (SDPA, causal) is inside the graph and only the cache update stays outside.
 
-How: a prompt of s tokens (2 <= s <= MAX_TOKENS, batch 1) is padded to S, the next multiple of
-PAD, and each layer's graph for S runs the direct path's kernels on fixed buffers: the residual
-stream x [1, S, hidden], cos / sin [1, S, d], and the layer's keys and values [1, hk, S, d]. The
+How: a prompt of s tokens (a prefill: more than DECODE_MAX_M, at most MAX_TOKENS; batch 1) is
+padded to S, the next multiple of PAD, and each layer's graph for S runs the direct path's
+kernels on fixed buffers: the residual stream x [1, S, hidden], cos / sin [1, S, d], and the
+layer's keys and values [1, hk, S, d]. The
 padded rows only add work: every op is per row (norms, per-token quantization, GEMMs, the
 rotary) except the causal attention, where a real row never reads a later one. Outside the
 graph, per layer: the keys and values of the s real rows go to the DynamicCache (which copies
@@ -22,7 +23,8 @@ the same calls), share one memory pool, and are kept; a capture that fails turns
 for the model with a warning (PatchFallback), and every later prefill runs the direct path.
 Longer prompts run the direct path (GPU-bound there: no gain, and their buffers would be large).
 `install` checks the first layer's graph against its direct path on a probe, bit for bit, the
-cache included.
+cache included. Off unless `load(path, prefill_graphs=True)`: not yet measured on a GPU
+(docs/benchmarks.md says what to run).
 """
 
 from __future__ import annotations
