@@ -10,9 +10,9 @@ one launch. vLLM does the same ("piecewise" graphs around the attention); here t
 How: a prompt of s tokens (a prefill: more than DECODE_MAX_M, at most MAX_TOKENS; batch 1) is
 padded to S, the next multiple of PAD, and each layer's graph for S runs the direct path's
 kernels on fixed buffers: the residual stream x [1, S, hidden], cos / sin [1, S, d], and the
-layer's keys and values [1, hk, S, d]. The
-padded rows only add work: every op is per row (norms, per-token quantization, GEMMs, the
-rotary) except the causal attention, where a real row never reads a later one. Outside the
+layer's keys and values [1, hk, S, d]. The padded rows only add work: every op is per row
+(norms, per-token quantization, GEMMs, the rotary) except the causal attention, where a real
+row never reads a later one. Outside the
 graph, per layer: the keys and values of the s real rows go to the DynamicCache (which copies
 them), and the layer returns a copy of x's s rows (so a caller that keeps a layer's output, an
 output recorder say, keeps it). The next layer's call finds its input is that copy, unchanged,
