@@ -8,15 +8,14 @@ one launch. vLLM does the same ("piecewise" graphs around the attention); here t
 (SDPA, causal) is inside the graph and only the cache update stays outside.
 
 How: a prompt of s tokens (a prefill: more than DECODE_MAX_M, at most MAX_TOKENS; batch 1) is
-padded to S, the next multiple of PAD, and each layer's graph for S runs the direct path's
-kernels on fixed buffers: the residual stream x [1, S, hidden], cos / sin [1, S, d], and the
-layer's keys and values [1, hk, S, d]. The padded rows only add work: every op is per row
-(norms, per-token quantization, GEMMs, the rotary) except the causal attention, where a real
-row never reads a later one. Outside the
-graph, per layer: the keys and values of the s real rows go to the DynamicCache (which copies
-them), and the layer returns a copy of x's s rows (so a caller that keeps a layer's output, an
-output recorder say, keeps it). The next layer's call finds its input is that copy, unchanged,
-and skips copying it back in.
+padded to S, the next multiple of PAD, and each layer's graph for S runs the direct path's kernels
+on fixed buffers: the residual stream x [1, S, hidden], cos / sin [1, S, d], and the layer's keys
+and values [1, hk, S, d]. The padded rows only add work: every op is per row (norms, per-token
+quantization, GEMMs, the rotary) except the causal attention, where a real row never reads a later
+one. Outside the graph, per layer: the keys and values of the s real rows go to the DynamicCache
+(which copies them), and the layer returns a copy of x's s rows (so a caller that keeps a layer's
+output, an output recorder say, keeps it). The next layer's call finds its input is that copy,
+unchanged, and skips copying it back in.
 
 The graphs of a length are captured on its first prompt (all layers, after one warm-up pass of
 the same calls), share one memory pool, and are kept; a capture that fails turns the graphs off
