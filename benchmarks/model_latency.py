@@ -533,9 +533,10 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
             prefill()
             sync()
             first_ms = round((time.perf_counter() - t0) * 1e3, 3)  # ours: includes capturing this length's prefill graphs
+            layers = decoder_layers(model)
             row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
-            row["eager_prefill"].update(timeline(prefill, decoder_layers(model)), first_ms=first_ms)
-            graphs = getattr(decoder_layers(model)[0], "mpsconvert_graphs", None) if decoder_layers(model) else None
+            row["eager_prefill"].update(timeline(prefill, layers), first_ms=first_ms)
+            graphs = getattr(layers[0], "mpsconvert_graphs", None) if layers else None
             if graphs is not None:
                 row["eager_prefill"]["prefill_graphs"] = graphs.report()
                 log(f"{name}: prefill graphs", graphs.report())

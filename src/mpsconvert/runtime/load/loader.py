@@ -173,8 +173,8 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     tokens replays each decoder layer's direct calls as one CUDA graph per padded length, captured
     on that length's first prompt (runtime/patches/prefill_graphs.py). Off by default until it has
     been measured on a GPU (docs/benchmarks.md); the direct calls are then launched one by one.
-    Every change to the model is a patch of runtime/patches,
-    reported in `model.mpsconvert.patches`; what a patch left is warned once.
+    Every change to the model is a patch of runtime/patches, reported in
+    `model.mpsconvert.patches`; what a patch left is warned once.
     progress(phase, done, total, detail).
     manifest_sha256: the manifest file must have this sha256 (a pinned artifact). With
     `trust_remote_code`, the artifact's code is imported only after it matched its hash.

@@ -213,12 +213,8 @@ def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, si
     layer's input norm gets the sum and codes (its own forward computes its output afresh if that
     layer takes the module path)."""
     in_norm, nxt = layer.mpsconvert_layer[0], layer.mpsconvert_layer[4]
-    pre = _handed(in_norm, x)
-    if pre is not None and pre[3] is not None:
-        codes = pre[3]
-        if pre[2] is not None:  # also stashed for the module path's call on that output: taken here
-            plan.group.stash.pre = None
-    else:
+    codes = take_handed_codes(layer, plan, x)
+    if codes is None:
         codes = _fused_norm(in_norm, x, store_y=False)[2]
     total, h = layer_rest(layer, plan, x, codes, cos, sin, cache)
     if nxt is None:
@@ -226,6 +222,17 @@ def _direct_layer(layer: nn.Module, plan, x: torch.Tensor, cos: torch.Tensor, si
     total, y, codes = _fused_norm(nxt, h, total, store_y=False)
     nxt.mpsconvert_hand.pre = (total, version(total), y, codes)
     return total
+
+
+def take_handed_codes(layer: nn.Module, plan, x: torch.Tensor):
+    """The codes of the layer's input norm of x that the layer before computed with its residual
+    add (None if it handed none over), taken with whatever was stashed for them."""
+    pre = _handed(layer.mpsconvert_layer[0], x)
+    if pre is None or pre[3] is None:
+        return None
+    if pre[2] is not None:  # also stashed for the module path's call on that output: taken here
+        plan.group.stash.pre = None
+    return pre[3]
 
 
 def layer_rest(layer: nn.Module, plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tensor, cache, kv_out=None):

@@ -92,17 +92,15 @@ class Graphs:
             if graphs is None:
                 return eager_fusion._direct_layer(layer, layer.mpsconvert_attention, x, cos, sin, cache)
         plan = layer.mpsconvert_attention
-        pre = eager_fusion._handed(layer.mpsconvert_layer[0], x)  # a direct-path layer before may have handed its norm over
-        if pre is not None and pre[2] is not None:
-            plan.group.stash.pre = None
+        eager_fusion.take_handed_codes(layer, plan, x)  # a direct-path layer before may have handed them over: unused here
         held = self._held
         if held is None or held[0] is not x or held[1] != version(x):
             self.x[:, :s].copy_(x)
             self.x[:, s:size].zero_()
         pos = (cos, sin, version(cos), version(sin))
         if self._pos is None or self._pos[0] is not cos or self._pos[1] is not sin or self._pos[2:] != pos[2:]:
-            self.cos[:, :s].copy_(cos.expand(1, s, -1))
-            self.sin[:, :s].copy_(sin.expand(1, s, -1))
+            self.cos[:, :s].copy_(cos)  # [1, s, d]: attention_prefill.takes checked it for batch 1
+            self.sin[:, :s].copy_(sin)
             self._pos = pos
         graphs[self.index[layer]].replay()
         self.replays += 1
