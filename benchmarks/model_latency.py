@@ -13,8 +13,8 @@ by transformers (`save_pretrained`, 5 GB shards, as the hub's checkpoints are), 
             ours-warm (both from the page cache) and *-cold (both from disk)
   ours-sdpa the same, with transformers' SDPA at decode too (without runtime/patches/attention.py)
   ours-unfused  the same, with the model's own RMSNorm and MLP forwards (load(eager_fusion=False))
-  ours-graphs the same with a short prefill's layers replayed as CUDA graphs
-            (load(prefill_graphs=True), runtime/patches/prefill_graphs.py)
+  ours-direct the same without the prefill's CUDA graphs: each layer's direct calls launched
+            one by one (load(prefill_graphs=False); ours replays them, runtime/patches/prefill_graphs.py)
   ours-sharedquant  prefill siblings share one quantization, a GEMM each (fuse.PREFILL_SHARES)
   bf16-attn BF16 with our decode attention installed (to separate what attention contributes)
   ours-warm a second load: kernel cache and page cache warm (load time only)
@@ -669,7 +669,7 @@ def agreement() -> dict:
             row["rel_err_vs_bf16"] = round(float((d["eager"] - base).norm() / base.norm()), 4)
             row["same_argmax_as_bf16"] = bool(d["eager"].argmax() == base.argmax())
         ours = LOGITS.get("ours", {}).get("eager")
-        if name.startswith("ours-") and ours is not None and "eager" in d:  # e.g. ours-graphs: the same kernels replayed as graphs
+        if name.startswith("ours-") and ours is not None and "eager" in d:  # e.g. ours-direct: the same kernels launched one by one
             row["rel_err_vs_ours"] = round(float((d["eager"] - ours).norm() / ours.norm()), 6)
         if "compiled" in d and "eager" in d:
             row["compiled_vs_eager_rel_err"] = round(float((d["compiled"] - d["eager"]).norm() / d["eager"].norm()), 4)
@@ -691,13 +691,13 @@ def loaders(name: str, src: Path, art: Path, device, args):
 
         return bf16
     name = name.partition("@")[0]  # the artifact is chosen by the caller
-    if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa", "ours-unfused", "ours-graphs"):
+    if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa", "ours-unfused", "ours-direct"):
         from mpsconvert.runtime.ops import fuse
         from mpsconvert.runtime import load
 
         fuse.PREFILL_SHARES = "quantization" if name == "ours-sharedquant" else DEFAULT_SHARES  # ours: the library's default
         return lambda: load(art, device=str(device), decode_attention=name != "ours-sdpa", eager_fusion=name != "ours-unfused",
-                            prefill_graphs=name == "ours-graphs")  # ours-unfused: the model's own norms and MLPs
+                            prefill_graphs=name != "ours-direct")  # ours-unfused: the model's own norms and MLPs
     if name in ("ct", "ct-opt"):
         from transformers import CompressedTensorsConfig
 

@@ -677,8 +677,8 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
         **kw: `kernel_cache`, `measure`, `trust_remote_code`, `progress`, `compile` (on CUDA, the
             model's generate() at batch 1 with a static cache, compiled by transformers; False: its default),
             `manifest_sha256` (the manifest file's pinned sha256), `prefill_graphs` (on CUDA, a
-            short prefill's layers replayed as CUDA graphs; off by default until measured on a
-            GPU) (see `runtime.load.loader.load`).
+            prefill of up to 1024 tokens replays its layers as CUDA graphs; False: launched one
+            by one) (see `runtime.load.loader.load`).
 
     Returns:
         The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each

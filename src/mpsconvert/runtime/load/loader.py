@@ -143,7 +143,7 @@ def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
 def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify: bool = True, *,
          kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None,
          share_inputs: bool = True, manifest_sha256: str | None = None, decode_attention: bool = True,
-         eager_fusion: bool = True, compile: bool = True, prefill_graphs: bool = False):
+         eager_fusion: bool = True, compile: bool = True, prefill_graphs: bool = True):
     """Load an FP8 artifact as a transformers model in eval mode; `model.mpsconvert` says how.
 
     device: 'auto' | 'cuda' | 'cuda:N' | 'mps' | 'cpu' (devices.choose: an unavailable device is an
@@ -171,8 +171,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     compiles (runtime/patches/generate.py; `model.mpsconvert_generate_path` says which ran);
     False keeps transformers' default. prefill_graphs: on CUDA, a batch-1 prefill of up to 1024
     tokens replays each decoder layer's direct calls as one CUDA graph per padded length, captured
-    on that length's first prompt (runtime/patches/prefill_graphs.py). Off by default until it has
-    been measured on a GPU (docs/benchmarks.md); the direct calls are then launched one by one.
+    on that length's first prompt (runtime/patches/prefill_graphs.py; the 128-row ones at load);
+    False launches the direct calls one by one (a 512-token prefill took 2x as long on an H100:
+    docs/benchmarks.md).
     Every change to the model is a patch of runtime/patches, reported in
     `model.mpsconvert.patches`; what a patch left is warned once.
     progress(phase, done, total, detail).

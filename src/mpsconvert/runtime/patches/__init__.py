@@ -9,8 +9,8 @@ in one registry, applied in this order:
     eager_fusion    fused RMSNorm / MLP / decoder-layer forwards and the rotary kernel in eager
                     mode, direct prefill calls (CUDA, Triton)
     prefill_graphs  a prefill of up to 1024 tokens replays each layer's direct calls as one CUDA
-                    graph per padded length (CUDA, Triton; load(prefill_graphs=True): not yet
-                    measured on a GPU)
+                    graph per padded length (CUDA, Triton; load(prefill_graphs=False) turns
+                    it off)
     positions       a call without positions gets the model's own, known on the host (any device)
     lm_head         the output head reads the kept tokens as one matrix, never a batched product
                     over a copy of its weight (any device)

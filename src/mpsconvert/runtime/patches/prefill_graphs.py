@@ -22,8 +22,9 @@ the same calls), share one memory pool, and are kept; a capture that fails turns
 for the model with a warning (PatchFallback), and every later prefill runs the direct path.
 Longer prompts run the direct path (GPU-bound there: no gain, and their buffers would be large).
 `install` checks the first layer's graph against its direct path on a probe, bit for bit, the
-cache included. Off unless `load(path, prefill_graphs=True)`: not yet measured on a GPU
-(docs/benchmarks.md says what to run).
+cache included. On by default; `load(path, prefill_graphs=False)` turns it off. Measured on an
+H100 (docs/benchmarks.md): a 512-token prefill 9.4 ms against the direct path's 18.9 ms, logits
+equal bit for bit.
 """
 
 from __future__ import annotations
