@@ -87,7 +87,6 @@ def test_registry_order_and_one_report_shape():
     assert off["prefill_graphs"].skipped == "eager_fusion is off: no direct prefill calls to record"
 
 
-
 def test_load_asks_for_the_prefill_graphs_by_default_and_false_turns_them_off(llama_art):
     """The prefill graphs are load()'s default (measured faster, docs/benchmarks.md): on CPU the
     patch is skipped for the device only, and `prefill_graphs=False` is what turns it off."""
@@ -101,6 +100,7 @@ def test_load_asks_for_the_prefill_graphs_by_default_and_false_turns_them_off(ll
     off = api.load(llama_art, device="cpu", prefill_graphs=False).mpsconvert.patches["prefill_graphs"]
     assert default["skipped"] == "runs on CUDA only (this model is on cpu)", default
     assert off["skipped"] == "turned off (prefill_graphs=False)", off
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_patches_install_on_every_architecture_and_keep_the_output(arch):
