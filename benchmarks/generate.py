@@ -187,6 +187,9 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     out["decode_tps"] = round(statistics.median(rates), 3)
     if hasattr(model, "mpsconvert_generate_path"):
         out["generate_path"] = model.mpsconvert_generate_path
+    graphs = next((m.mpsconvert_graphs for m in model.modules() if hasattr(m, "mpsconvert_graphs")), None)
+    if graphs is not None:  # which prefill path ran: the graphs' lengths captured and replays (0: the direct calls)
+        out["prefill_graphs"] = graphs.report()
     out["decode_tps_runs"] = [round(r, 3) for r in rates]
     out["tokens"] = tokens
     if eng is not None and args.same_rounds > 0:  # the same loaded model through transformers' generate(), rounds interleaved with ours
@@ -376,7 +379,7 @@ def main() -> None:
             continue
         rows[name] = json.loads(line[len("RESULT "):])
         print(summary(name, rows[name]), flush=True)
-        for what in ("engine", "load_cold_breakdown_s", "load_cold_prewarm", "load_warm_breakdown_s"):
+        for what in ("engine", "prefill_graphs", "load_cold_breakdown_s", "load_cold_prewarm", "load_warm_breakdown_s"):
             if rows[name].get(what):
                 print(f"  {what}: {rows[name][what]}", flush=True)
         if "profile" in rows[name]:

@@ -7,9 +7,9 @@
 on a 4-bit grid: the BF16 baseline is that dequantized model) and saves it as BF16 safetensors.
 --random-from builds the architecture in CFG_DIR (config.json + tokenizer) with transformers'
 random init: perplexities are then meaningless (~vocab size) but KL and top-1 agreement still
-measure how far FP8 moves the outputs. The static `fp8` scheme needs input scales: they come
-from a plain max-|x| observer over --calib-samples chunks of wiki_calib.jsonl run through the
-BF16 model (a minimal stand-in for `mpsconvert calibrate`, recorded as such in the manifest).
+measure how far FP8 moves the outputs. Each scheme is quantized as a user quantizes it
+(`mpsconvert.quantize`); the static `fp8` scheme is calibrated there on --calib-samples chunks of
+wiki_calib.jsonl (`mpsconvert calibrate`'s default observer, on --device).
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mpsconvert import fp8
-from mpsconvert.convert.quantize import Options, quantize_snapshot
-from mpsconvert.manifests.schemes import Scheme
 import mpsconvert
-from mpsconvert.source import resolve
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -63,27 +59,6 @@ def random_bf16(cfg_dir: Path, out: Path) -> Path:
     return out
 
 
-def calibrate_max(src: Path, calib: Path, samples: int, seq_len: int, device: str) -> dict[str, float]:
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(src)
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device).eval()
-    amax: dict[str, float] = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: amax.__setitem__(n, max(amax.get(n, 0.0), float(inp[0].abs().amax()))))
-             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    ids = []
-    for line in calib.read_text(encoding="utf-8").splitlines():
-        ids += tok(json.loads(line)["text"])["input_ids"]
-        if len(ids) >= samples * seq_len:
-            break
-    with torch.no_grad():
-        for i in range(samples):
-            model(torch.tensor(ids[i * seq_len:(i + 1) * seq_len])[None].to(device))
-    for h in hooks:
-        h.remove()
-    return {n: max(a, 1e-8) / fp8.FP8_MAX for n, a in amax.items()}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -104,18 +79,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     bf16 = smollm2_bf16(args.work / "smollm2-bf16") if args.smollm2 else random_bf16(args.random_from, args.work / "random-bf16")
-    snap = resolve(str(bf16))
     results = {}
     for name in args.schemes.split(","):
         t0 = time.perf_counter()
-        opts = Options(scheme=Scheme.make(name), force=True)
-        if opts.scheme.needs_calibration:
-            dev = "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-            opts.input_scales = calibrate_max(bf16, args.calib_data, args.calib_samples, args.seq_len, dev)
-            opts.calibration = {"observer": "max |x| (benchmarks/validate_schemes.py stand-in)", "data": str(args.calib_data),
-                                "samples": args.calib_samples, "seq_len": args.seq_len}
         out = args.work / f"{bf16.name}-{name}"
-        quantize_snapshot(snap, out, opts)
+        calibration = mpsconvert.calibration_options(data=str(args.calib_data), num_samples=args.calib_samples, seq_len=args.seq_len,
+                                                     device=args.device)
+        mpsconvert.quantize(bf16, out, scheme=name, force=True, calibration=calibration if name == "fp8" else None)
         vo = mpsconvert.validate_options(baseline=str(bf16), eval_data=str(args.eval_data), device=args.device, seq_len=args.seq_len,
                              max_samples=args.max_samples, prefill_len=args.prefill_len, decode_tokens=args.decode_tokens,
                              latency=name in args.latency.split(","))
