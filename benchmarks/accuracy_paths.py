@@ -25,7 +25,7 @@ import transformers
 
 import mpsconvert
 from mpsconvert.runtime.evaluate import metrics
-from mpsconvert.runtime.evaluate.validate import read_texts
+from mpsconvert.runtime.evaluate.validate import eval_ids, read_texts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import validate_schemes  # noqa: E402
@@ -46,12 +46,7 @@ def main(argv=None) -> None:
         mpsconvert.quantize(bf16, art, scheme="fp8-dynamic", force=True)
     tok = transformers.AutoTokenizer.from_pretrained(bf16)
     texts, _ = read_texts(str(args.eval_data))
-    ids: list[int] = []
-    for t in texts:  # as validate builds its chunks
-        ids += tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        if len(ids) >= SEQ * CHUNKS:
-            break
-    chunks = torch.tensor(ids[: CHUNKS * SEQ]).reshape(CHUNKS, SEQ)
+    chunks = torch.tensor(eval_ids(tok, texts, SEQ * CHUNKS)[: CHUNKS * SEQ]).reshape(CHUNKS, SEQ)  # validate's chunks
     gpu = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script
 
     def logits(model, dev):

@@ -104,6 +104,7 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     from mpsconvert import devices
     from mpsconvert.runtime import engine
     from mpsconvert.runtime.load.loader import model_bytes
+    from mpsconvert.runtime.patches import prefill_graphs
 
     dev = torch.device(args.device)
     out: dict = {"variant": name}
@@ -187,7 +188,7 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     out["decode_tps"] = round(statistics.median(rates), 3)
     if hasattr(model, "mpsconvert_generate_path"):
         out["generate_path"] = model.mpsconvert_generate_path
-    graphs = next((m.mpsconvert_graphs for m in model.modules() if hasattr(m, "mpsconvert_graphs")), None)
+    graphs = prefill_graphs.of(model)
     if graphs is not None:  # which prefill path ran: the graphs' lengths captured and replays (0: the direct calls)
         out["prefill_graphs"] = graphs.report()
     out["decode_tps_runs"] = [round(r, 3) for r in rates]

@@ -93,6 +93,7 @@ import torch  # noqa: E402
 
 T0 = time.perf_counter()
 from mpsconvert.runtime.ops.fuse import PREFILL_SHARES as DEFAULT_SHARES  # noqa: E402
+from mpsconvert.runtime.patches import prefill_graphs  # noqa: E402
 from mpsconvert.timing import warm_guards  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -536,7 +537,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
             layers = decoder_layers(model)
             row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
             row["eager_prefill"].update(timeline(prefill, layers), first_ms=first_ms)
-            graphs = getattr(layers[0], "mpsconvert_graphs", None) if layers else None
+            graphs = prefill_graphs.of(model)
             if graphs is not None:
                 row["eager_prefill"]["prefill_graphs"] = graphs.report()
                 log(f"{name}: prefill graphs", graphs.report())

@@ -83,9 +83,9 @@ def main(argv=None):
     for name in args.schemes.split(","):
         t0 = time.perf_counter()
         out = args.work / f"{bf16.name}-{name}"
-        calibration = mpsconvert.calibration_options(data=str(args.calib_data), num_samples=args.calib_samples, seq_len=args.seq_len,
-                                                     device=args.device)
-        mpsconvert.quantize(bf16, out, scheme=name, force=True, calibration=calibration if name == "fp8" else None)
+        calibration = (mpsconvert.calibration_options(data=str(args.calib_data), num_samples=args.calib_samples, seq_len=args.seq_len,
+                                                      device=args.device) if name == "fp8" else None)  # fmt: skip
+        mpsconvert.quantize(bf16, out, scheme=name, force=True, calibration=calibration)
         vo = mpsconvert.validate_options(baseline=str(bf16), eval_data=str(args.eval_data), device=args.device, seq_len=args.seq_len,
                              max_samples=args.max_samples, prefill_len=args.prefill_len, decode_tokens=args.decode_tokens,
                              latency=name in args.latency.split(","))

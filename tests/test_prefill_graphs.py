@@ -57,6 +57,7 @@ def test_prefill_graphs_give_the_direct_paths_logits_and_cache_interpreted():
     report = prefill_graphs.install(model, capture=False)
     assert report["installed"] == 2 and report["off"] is None and report["mode"] == "eager (no capture)", report
     graphs = model.model.layers[0].mpsconvert_graphs
+    assert prefill_graphs.of(model) is graphs is model.model.layers[1].mpsconvert_graphs  # one object, found from the model
     assert list(graphs.graphs) == [prefill_graphs.PAD]  # the install check recorded the PAD-token length
     g = torch.Generator().manual_seed(1)
 
@@ -155,3 +156,4 @@ def test_the_install_check_refuses_a_graph_that_differs_interpreted(monkeypatch)
     r = prefill_graphs.install(model, capture=False)
     assert r == {"installed": 0, "left": "its graph's output or cache differs from the direct path's"}, r
     assert all(m.mpsconvert_graphs is None for m in model.model.layers)
+    assert prefill_graphs.of(model) is None  # eager_fusion's None on every layer is not a Graphs

@@ -86,6 +86,18 @@ def read_texts(path: str | None) -> tuple[list[str], str]:
     return texts, str(p)
 
 
+def eval_ids(tok, texts: list[str], tokens: int) -> list[int]:
+    """The eval texts' token ids, each text followed by EOS (0 where the tokenizer has none), until
+    at least `tokens` are read: what the perplexity is scored on, cut into chunks by the caller."""
+    sep = tok.eos_token_id if tok.eos_token_id is not None else 0
+    ids: list[int] = []
+    for t in texts:
+        ids += tok(t, add_special_tokens=False)["input_ids"] + [sep]
+        if len(ids) >= tokens:
+            break
+    return ids
+
+
 def _peak(dev) -> int | None:
     m = devices.memory(dev)
     return m.get("peak_allocated", m.get("driver_allocated"))
@@ -212,12 +224,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         "weight_bytes": {"bf16": model_bytes(base_model), "fp8": model_bytes(fp8_model)},
     }
     if causal:
-        sep = tok.eos_token_id if tok.eos_token_id is not None else 0
-        ids: list[int] = []
-        for t in texts:
-            ids += tok(t, add_special_tokens=False)["input_ids"] + [sep]
-            if len(ids) >= opts.seq_len * opts.max_samples:
-                break
+        ids = eval_ids(tok, texts, opts.seq_len * opts.max_samples)
         n = min(opts.max_samples, len(ids) // opts.seq_len)
         if n == 0:
             raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than --seq-len {opts.seq_len}", "use more text or a smaller --seq-len")

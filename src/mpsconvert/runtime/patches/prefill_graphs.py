@@ -167,6 +167,11 @@ class Graphs:
                 "replays": self.replays, "mode": "CUDA graphs" if self.capture else "eager (no capture)", "off": self.off}
 
 
+def of(model: nn.Module) -> Graphs | None:
+    """The model's prefill graphs (one object its layers share), or None where none are installed."""
+    return next((g for m in model.modules() if (g := getattr(m, "mpsconvert_graphs", None)) is not None), None)
+
+
 def _eligible(model: nn.Module) -> list[nn.Module]:
     """The decoder layers whose whole prefill the direct path computes, in the model's order."""
     return [m for m in model.modules() if forwards.installed(m, eager_fusion._layer_forward) and m.mpsconvert_attention is not None
