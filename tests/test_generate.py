@@ -88,13 +88,15 @@ def test_generate_cli_streams_and_reports_speed(art):
 
 
 def test_chat_runs_a_scripted_two_turn_session(art):
-    script = "Forget this.\n/reset\nTell me about rivers.\nAnd mountains?\n/exit\nnever read\n"
+    script = "Forget this.\n/reset\nTell me about rivers.\n/quiet\n/help\nAnd mountains?\n/quit\nnever read\n"
     res = CliRunner().invoke(main, ["chat", str(art), "--max-tokens", "6", "--device", "cpu", "--json"], input=script,
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     turns = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     turns = turns[1:]  # the turn before /reset
-    assert len(turns) == 2  # /exit ended it: the line after was never read
+    assert len(turns) == 2  # /quit ended it: the line after was never read; /quiet and /help were not sent
+    said = " ".join(res.output.split())  # the console wraps its notes
+    assert "unknown command /quiet" in said and said.count("/reset forgets the history") == 2
     # the second prompt is the whole history through the template: turn 1's prompt, its reply, the new message
     from transformers import AutoTokenizer
 

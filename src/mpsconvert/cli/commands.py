@@ -372,27 +372,38 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, 
     render.generation(res, as_json)
 
 
+# chat's commands: a line of one word starting with "/" that is none of these is not sent to the model
+CHAT_COMMANDS = {"end": ("/exit", "/quit", "/bye"), "reset": ("/reset", "/clear"), "help": ("/help", "/?")}
+CHAT_HELP = "/exit (or /quit, end of input) ends, /reset forgets the history; a message may start with / where it has a space"
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @_sampling
 @friendly_errors
 def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, no_compile):
-    """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or end of input) ends, `/reset` forgets."""
+    """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or `/quit`, or end
+    of input) ends, `/reset` forgets, `/help` lists these."""
     with render.progress_bars() as progress:
         c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                      system=system_prompt, progress=progress,
                      compile=False if no_compile else None)
     with c:
-        render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history")
+        render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history, /help")
         while True:
             line = render.ask()
-            if line is None or line.strip() == "/exit":
+            command = line.strip() if line is not None else "/exit"
+            if command in CHAT_COMMANDS["end"]:
                 break
-            if line.strip() == "/reset":
+            if command in CHAT_COMMANDS["reset"]:
                 c.reset()
                 render.note("history cleared")
                 continue
-            if not line.strip():
+            if not command:
+                continue
+            if command.startswith("/") and not any(ch.isspace() for ch in command):  # one word: meant as a command, not a message
+                known = command in CHAT_COMMANDS["help"]
+                render.note(("" if known else f"unknown command {command}: ") + CHAT_HELP)
                 continue
             res = c.say(line, None if as_json else render.stream)
             render.generation(res, as_json)
