@@ -90,6 +90,8 @@ def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
     assert "| source | GGUF Q4_1" in card and "already below 8 bits" in card
     assert m.summary["tensors_quantized"] == 210 and mpsconvert.verify(art).ok
     assert (art / "tokenizer.json").is_file() or (art / "tokenizer.model").is_file()
+    shown = " ".join(CliRunner().invoke(main, ["inspect", str(art)], catch_exceptions=False).output.split())
+    assert "(GGUF file, Q4_1)" in shown and "local folder" not in shown  # a file, not a folder
     # the unpacked folder lived in this run's temporary folder and is gone
     assert not [p for p in Path(tempfile.gettempdir()).glob(f"mpsconvert-gguf-{os.getpid()}-*")]
 

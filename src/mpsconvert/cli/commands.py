@@ -106,7 +106,7 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @friendly_errors
 def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
              scales_file, dtype, max_shard_size, upload_repo, private, fmt, component, **rest):
-    """Quantize SOURCE (a hub repo id or a local folder) to an FP8 compressed-tensors artifact; a
+    """Quantize SOURCE (a hub repo id, a local folder or a .gguf file) to an FP8 compressed-tensors artifact; a
     diffusers pipeline, component or original .safetensors file to FP8 for ComfyUI or diffusers.
 
     The artifact's README.md is a model card (front matter, what was done, how to load it, the

@@ -187,12 +187,21 @@ def _grain(recipe: dict) -> str:
     return f"{recipe.get('weights')} ({b}x{b})" if b else str(recipe.get("weights"))
 
 
+def _facts(title: str) -> Table:
+    """A two-column table of label and value; a long value (a path, a tensor name) folds onto the
+    next line rather than being cut with an ellipsis."""
+    t = Table(title=title, show_header=False, box=None)
+    t.add_column(no_wrap=True)
+    t.add_column(overflow="fold")
+    return t
+
+
 def quantize_summary(res, as_json: bool) -> None:
     manifest, s = res.manifest, res.summary
     if as_json:
         print_json(res.as_dict())
         return
-    t = Table(title=shown(res.output), show_header=False, box=None)
+    t = _facts(shown(res.output))
     t.add_row("scheme", shown(f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: {manifest.recipe['activations'] or 'bf16'})"
               + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else "")))
     if (fmt := manifest.recipe.get("format")) and manifest.recipe.get("family"):  # a diffusion artifact: where it goes
@@ -228,13 +237,16 @@ def source_line(src: dict) -> str:
         ref = src.get("commit") or src.get("revision")
         return f"{src.get('id')}@{ref}" if ref else str(src.get("id"))
     where = src.get("path") or src.get("id")
+    gguf = src.get("gguf")
+    if isinstance(gguf, dict):  # one file, not a folder
+        return f"{where} (GGUF file" + (f", {gguf['file_type']}" if isinstance(gguf.get("file_type"), str) else "") + ")"
     return f"{where} (local folder" + (f", {src['id']}@{str(src['commit'])[:12]}" if src.get("commit") and src.get("id") != where else "") + ")"
 
 
 def inspect_table(artifact, m, show_tensors: bool) -> None:
     """The manifest as a table. Every field is untrusted here (inspect reads what it is given
     without verifying it): text is `shown`, numbers `num`, and a field of the wrong type is '?'."""
-    t = Table(title=shown(artifact), show_header=False, box=None)
+    t = _facts(shown(artifact))
     r, s = m.recipe, m.summary
     t.add_row("source", shown(source_line(m.source)))
     t.add_row("scheme", shown(f"{r.get('name')}: weights per {_grain(r)}, activations {r.get('activations') or 'bf16'}"
@@ -423,7 +435,7 @@ def check_result(res, as_json: bool) -> None:
         print_json(res.as_dict())
         return
     rows, decoder, title = api.targets()[res.target].rows(res.artifact, res.record, res.check)
-    t = Table(title=f"{res.artifact}/{res.package.name}", show_header=False, box=None)
+    t = _facts(f"{res.artifact}/{res.package.name}")
     for label, text, ok in rows:
         t.add_row(shown(label), _marked(text, ok))
     out.print(t)
