@@ -30,7 +30,7 @@ def calibration_options(fn):
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of the (deterministic) document shuffle."),
         click.option("--observer", type=click.Choice(api.OBSERVERS), default="minmax", show_default=True,
                      help="minmax: the true maximum |x| (best measured on SmolLM2 and MiniLM). percentile: the --percentile of |x| "
-                          "(clips outlier activations, which LLMs need: it hurts them badly). "
+                          "(clips the largest activations; LLMs rely on those outliers, so it hurts them badly). "
                           "mse: the clip that minimises the FP8 error on the observed activations."),
         click.option("--percentile", type=float, default=api.DEFAULT_PERCENTILE, show_default=True, help="For --observer percentile."),
         click.option("--device", default="auto", show_default=True, metavar="auto|mps|cuda[:N]|cpu",
