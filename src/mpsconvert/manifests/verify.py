@@ -338,7 +338,7 @@ def check_before_use(path, trust_remote_code: bool = False, manifest: Manifest |
 def failed(path, problem: str) -> ArtifactError:
     """The one error of an artifact that failed verification (a load, a check before use)."""
     return ArtifactError(f"artifact {path} failed verification: {problem}",
-                         "re-download or re-create it (`mpsconvert quantize ... --force`); pass verify=False only if you trust the files")
+                         "re-download or re-create it (`mpsconvert quantize ... --force`); from Python, `mpsconvert.load(path, verify=False)` skips the check, only for files you trust")
 
 
 def raise_problems(path, report: VerifyReport) -> VerifyReport:
