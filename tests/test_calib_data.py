@@ -43,6 +43,22 @@ def test_more_samples_than_documents_takes_several_windows_per_document(tok):
     assert len({(d["doc"], d["start"]) for d in s.drawn}) == 100  # no window twice
 
 
+def test_text_that_falls_short_is_warned_with_what_to_do(tok):
+    corpus = data.load(None)
+    n = corpus.source["documents"]
+    enough = data.draw(corpus, tok, 4, 32, seed=0)  # short windows that the documents fill
+    assert data.short_text(enough, 4, 32, corpus.source) is None
+    few = data.draw(corpus, tok, n + 5000, 32, seed=0)  # more windows than the text holds
+    assert len(few.input_ids) < n + 5000
+    said = data.short_text(few, n + 5000, 32, corpus.source)
+    assert said.startswith(f"the calibration text gave {len(few.input_ids)} windows of the {n + 5000} asked for")
+    assert "the built-in set" in said and "--calib-data" in said
+    long = data.draw(corpus, tok, 4, 4096, seed=0)  # every window asked for, each far shorter than --seq-len
+    assert len(long.input_ids) == 4 and long.tokens < 4 * 4096 // 2
+    said = data.short_text(long, 4, 4096, corpus.source)
+    assert f"{long.tokens} tokens of the {4 * 4096}" in said
+
+
 def test_text_and_jsonl_files(tmp_path, tok):
     txt = tmp_path / "notes.txt"
     txt.write_text("first document, about rivers and lakes.\n\nsecond document about mountains.\n\n\n", encoding="utf-8")

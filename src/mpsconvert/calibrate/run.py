@@ -64,8 +64,8 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
         raise QuantizationError(f"--seq-len {opts.seq_len} is longer than this model's {limit} positions", f"pass --seq-len {limit} or less")
     samples = data.draw(corpus, tokenizer, opts.num_samples, opts.seq_len, opts.seed)
     warnings: list[str] = []
-    if len(samples.input_ids) < opts.num_samples:
-        warnings.append(f"only {len(samples.input_ids)} windows of the {opts.num_samples} asked for could be drawn from {corpus.source['documents']} documents")
+    if short := data.short_text(samples, opts.num_samples, opts.seq_len, corpus.source):
+        warnings.append(short)
 
     devices.reset_peak(device)
     t0 = time.perf_counter()
