@@ -107,6 +107,15 @@ def test_chat_runs_a_scripted_two_turn_session(art):
     assert turns[0]["prompt_tokens"] == len(enc(first)) and turns[1]["prompt_tokens"] == len(enc(second))
 
 
+def test_chat_without_a_template_fails_before_the_prompt(work):
+    plain = work / "plain-art"
+    if not plain.is_dir():
+        mpsconvert.quantize(models.tiny("llama", work / "plain-src", tokenizer="bpe", dtype=torch.bfloat16, tie=False), plain)
+    res = CliRunner().invoke(main, ["chat", str(plain), "--device", "cpu"], input="hello\n")
+    assert res.exit_code == 2 and "has no chat template" in res.output and "use `mpsconvert generate`" in res.output
+    assert ">>" not in res.output and "chatting with" not in res.output  # no prompt shown, no message read
+
+
 def test_chat_api_keeps_the_history(art):
     with mpsconvert.chat(art, device="cpu", max_tokens=4, system="Be brief.") as c:
         r1 = c.say("Hello")

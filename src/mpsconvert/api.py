@@ -729,6 +729,10 @@ class Chat:
     def device(self) -> str:
         return self._conv.decoder.device
 
+    def require_template(self) -> None:
+        """Raises MpsconvertError where the tokenizer has no chat template (`say` would, at the first message)."""
+        self._conv.require_template()
+
     def say(self, message: str, on_text=None) -> GenerateResult:
         text, stats = self._conv.say(message, on_text)
         return GenerateResult(text, stats)

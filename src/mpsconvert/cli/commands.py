@@ -389,6 +389,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system
                      system=system_prompt, progress=progress,
                      compile=False if no_compile else None)
     with c:
+        c.require_template()  # before the prompt, not at the first message
         render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history, /help")
         while True:
             line = render.ask()

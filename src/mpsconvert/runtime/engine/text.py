@@ -89,10 +89,14 @@ class Conversation:
             on_text(rest)
         return self.tok.decode([t for t in stats.tokens if t not in self.stop_ids], skip_special_tokens=True), stats
 
-    def say(self, message: str, on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
-        """One chat turn: the user's message, the model's reply (kept in the history)."""
+    def require_template(self) -> None:
+        """Raise the one-line error of a tokenizer that cannot chat (no chat template)."""
         if not self.has_template:
             raise MpsconvertError("the artifact's tokenizer has no chat template", "use `mpsconvert generate` for plain text completion")
+
+    def say(self, message: str, on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
+        """One chat turn: the user's message, the model's reply (kept in the history)."""
+        self.require_template()
         msgs = self.history + [{"role": "user", "content": message}]
         text, stats = self.complete(self._template(msgs), on_text)
         self.history = msgs + [{"role": "assistant", "content": text}]
