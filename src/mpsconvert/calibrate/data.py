@@ -140,13 +140,14 @@ def draw(corpus: Corpus, tokenizer, num_samples: int, seq_len: int, seed: int) -
 def short_text(samples: Samples, num_samples: int, seq_len: int, source: dict) -> str | None:
     """The warning for calibration text that fell short of what was asked: fewer windows than
     --num-samples, or windows so short (documents shorter than --seq-len) that under half the
-    tokens asked for were seen. Scales from little text may clip activations met later. None
-    where the text sufficed."""
+    tokens asked for were seen. Scales from little text can miss the activations of other text
+    (docs/calibration.md has what the built-in set's 2,600 tokens measured). None where the text
+    sufficed."""
     asked = num_samples * seq_len
     if len(samples.input_ids) >= num_samples and samples.tokens >= asked // 2:
         return None
     where = "the built-in set" if source.get("kind") == "builtin" else str(source.get("id"))
     return (f"the calibration text gave {len(samples.input_ids)} windows of the {num_samples} asked for and {samples.tokens} tokens "
-            f"of the {asked} ({source.get('documents')} documents in {where}, windows of up to {seq_len} tokens); scales measured "
-            "on less text may clip activations the model meets later: give more text with --calib-data (a file, folder or "
-            "dataset id), or ask for fewer --num-samples")
+            f"of the {asked} ({source.get('documents')} documents in {where}, windows of up to {seq_len} tokens); scales from "
+            "little text can miss activations that other text makes: give more (text like the model's use) with --calib-data "
+            "(a file, folder or dataset id), or ask for fewer --num-samples")
