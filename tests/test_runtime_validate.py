@@ -182,6 +182,10 @@ def test_cli_validate_json_explain_and_errors(arts):
     res = runner.invoke(main, args + ["--explain"])
     assert res.exit_code == 0, res.output
     assert "perplexity" in res.stdout and "top-1 agreement" in res.stdout and "kernel policy" in res.stdout and "dense_qact" in res.stdout
+    # on CPU the FP8 weights are held dequantized: the table's "weights in memory" (about 1x) is explained under it
+    assert body["weights_held"]["e4m3"] == 0 and body["weights_held"]["dequantized"] > 0
+    said = " ".join(res.stdout.split())
+    assert "note: CPU: every FP8 weight is dequantized to bfloat16 once at load" in said and "as much memory as bfloat16" in said
     llmc = Path(__file__).parent / "data" / "llmc" / "oneshot"  # no manifest: its source is unknown
     res = runner.invoke(main, ["validate", str(llmc), "--device", "cpu", "--eval-data", str(TEXT_DATA / "wiki_eval.jsonl")])
     assert res.exit_code == 2 and "pass --baseline" in res.output

@@ -342,6 +342,8 @@ def validation(res, explain: bool = False) -> None:
     out.print(t)
     for d in r.get("dequantized_at_load") or []:
         out.print(f"note: {d}")
+    if held_note := (r.get("weights_held") or {}).get("note"):
+        out.print(f"note: {held_note}")
     if explain:
         kernels(r["kernels"])
     if r.get("recorded"):

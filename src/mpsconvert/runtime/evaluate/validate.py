@@ -221,6 +221,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         "weights": fp8_model.mpsconvert.weights,
         "kernels": fp8_model.mpsconvert.kernels,
         "dequantized_at_load": fp8_model.mpsconvert.dequantized,
+        "weights_held": fp8_model.mpsconvert.weights_held,  # why "weights in memory" reads 1.0x on CPU
         "weight_bytes": {"bf16": model_bytes(base_model), "fp8": model_bytes(fp8_model)},
     }
     if causal:
