@@ -313,6 +313,17 @@ def test_validate_comfyui_artifact(artifacts):
                                                                                warmup=0, write=False))
     assert res.accuracy["rel_error"] < TOLERANCE["rel_error"] and res.accuracy["cosine"] > TOLERANCE["cosine"]
     assert "comfy-kitchen" in json.dumps(res.kernels) and res.recorded is None
+    from click.testing import CliRunner
+
+    from mpsconvert.cli import main
+
+    # the command's table: the step's accuracy and latency rows (it read an LLM's keys and crashed)
+    cli = CliRunner().invoke(main, ["validate", str(art.output), "--device", "cpu", "--prefill-len", "64", "--repeats", "1", "--rounds", "1",
+                                    "--warmup", "0", "--no-write", "--explain"])
+    said = " ".join(cli.output.split())
+    assert cli.exit_code == 0, cli.output
+    assert "denoising" in said and "relative error" in said and "denoising step (64" in said and "|error|" in said  # cells wrap at 80 columns
+    assert "how the FP8 layers ran" in said and "comfy-kitchen" in said and "kernel policy" not in said
 
 
 # --------------------------------------------------------------------------- bad input

@@ -323,6 +323,9 @@ def validation(res, explain: bool = False) -> None:
                   f"{a['perplexity_delta']:+.3f} ({a['perplexity_delta_pct']:+.2f}%)")
         t.add_row("mean KL(bf16 || fp8)", "", "", f"{a['mean_kl']:.5f} nats")
         t.add_row("top-1 agreement", "", "", f"{100 * a['top1_agreement']:.2f}%")
+    elif r["kind"] == "diffusion-step":
+        t.add_row(f"one denoising step ({a['elements']} outputs)", "", "", f"relative error {a['rel_error']:.5f}, cosine {a['cosine']:.6f}")
+        t.add_row("max |error| (mean |BF16 output|)", "", "", f"{a['max_abs_error']:.5f} ({a['ref_abs_mean']:.5f})")
     else:
         t.add_row(f"embedding cosine ({a['sentences']} sentences)", "", "", f"mean {a['cosine_mean']:.5f}, min {a['cosine_min']:.5f}")
     wb = r["weight_bytes"]
@@ -330,8 +333,13 @@ def validation(res, explain: bool = False) -> None:
     lat = r.get("latency")
     if lat:
         b, f = lat["bf16"], lat["fp8"]
-        t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
-                  f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", speed(r['verdict']['prefill']))
+        if "step" in b:  # a diffusion transformer: one denoising step
+            t.add_row(f"denoising step ({r['settings']['image_tokens']} image tokens), median (p95) ms",
+                      f"{b['step']['median_ms']:.2f} ({b['step']['p95_ms']:.2f})", f"{f['step']['median_ms']:.2f} ({f['step']['p95_ms']:.2f})",
+                      speed(r['verdict']['step']))
+        else:
+            t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
+                      f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", speed(r['verdict']['prefill']))
         if "decode" in b:
             t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
                       f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
@@ -384,9 +392,15 @@ def apple_runtimes(r: dict) -> None:
 
 def kernels(decisions: list) -> None:
     """One line per layer shape and bucket: the kernel, how it was decided, what was measured (fastest first)."""
-    out.print("[bold]kernel policy[/] (per layer shape and token bucket; us per call, fastest first)")
+    if any("timings_us" in d for d in decisions):
+        out.print("[bold]kernel policy[/] (per layer shape and token bucket; us per call, fastest first)")
+    else:
+        out.print("[bold]how the FP8 layers ran[/]")
     notes: dict[str, list[str]] = {}
     for d in decisions:
+        if "timings_us" not in d:  # a diffusion artifact's: the loader that ran its FP8 layers, no policy
+            out.print("  " + ", ".join(f"{k}: {shown(str(v))}" for k, v in d.items()), highlight=False)
+            continue
         ok = sorted((v, k) for k, v in d["timings_us"].items() if not isinstance(v, str))
         bad = [f"{k} ({v})" for k, v in d["timings_us"].items() if isinstance(v, str)]
         measured = " | ".join(f"{k} {v:.1f}" for v, k in ok) + (f"; cannot run: {', '.join(bad)}" if bad else "")

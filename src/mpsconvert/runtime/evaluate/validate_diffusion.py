@@ -119,7 +119,7 @@ def validate(artifact: Path, opts: ValidateOptions, load_pair, progress: Progres
         "scheme": r.get("name"),
         "weights": r.get("weights"),
         "kernels": [pair.how],
-        "dequantized_at_load": [] if r.get("format") == "diffusers" else ["every FP8 layer (comfy-kitchen)"],
+        "dequantized_at_load": [] if r.get("format") == "diffusers" else ["every FP8 layer: dequantized at load by comfy-kitchen, as ComfyUI reads the file, so held as BF16"],
         "accuracy": accuracy,
         "weight_bytes": {"bf16": _bytes(pair.bf16), "fp8": _bytes(pair.fp8)},
     }
