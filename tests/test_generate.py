@@ -87,6 +87,15 @@ def test_generate_cli_streams_and_reports_speed(art):
         assert key in res.output, res.output
 
 
+def test_generate_reads_the_prompt_from_stdin_with_a_dash(art):
+    args = ["generate", str(art), "--max-tokens", "4", "--device", "cpu", "--ignore-chat-template", "--json"]
+    piped = CliRunner().invoke(main, args[:2] + ["-"] + args[2:], input="The river\n", catch_exceptions=False)
+    given = CliRunner().invoke(main, args[:2] + ["The river\n"] + args[2:], catch_exceptions=False)
+    assert piped.exit_code == 0 and given.exit_code == 0, piped.output
+    body = json.loads(piped.stdout.strip().splitlines()[-1])
+    assert body["prompt_ids"] == json.loads(given.stdout.strip().splitlines()[-1])["prompt_ids"] and len(body["prompt_ids"]) > 2
+
+
 def test_chat_runs_a_scripted_two_turn_session(art):
     script = "Forget this.\n/reset\nTell me about rivers.\n/quiet\n/help\nAnd mountains?\n/quit\nnever read\n"
     res = CliRunner().invoke(main, ["chat", str(art), "--max-tokens", "6", "--device", "cpu", "--json"], input=script,

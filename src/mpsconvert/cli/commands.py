@@ -361,8 +361,11 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, 
     """Generate text from ARTIFACT for PROMPT, streamed as it comes, then tokens/s, peak memory and device.
 
     \b
-    PROMPT is wrapped in the tokenizer's chat template when it has one (as mlx_lm.generate does).
+    PROMPT is wrapped in the tokenizer's chat template when it has one (as mlx_lm.generate does);
+    `-` reads it from standard input (`cat notes.txt | mpsconvert generate DIR -`).
     """
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
     with render.progress_bars() as progress:
         c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                      system=system_prompt, progress=progress,
