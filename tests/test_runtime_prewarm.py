@@ -337,7 +337,7 @@ def test_the_warm_up_waits_for_its_child_then_does_its_own_work(recorded):
     report = warm.join()
     assert order == ["child"] and recorded[0] == "first use" and recorded[1][0] == "work"
     assert child.asked == prewarm.CHILD_WAIT_S and child.killed
-    assert report["child"]["started"] and report["child"]["seconds"] == 2.5 and report["child"]["warmed"] == 1
+    assert report["child"]["started"] and report["child"]["seconds"] == 2.5 and report["child"]["warmed"] == ["decode kernels 8x4 1.0s"]
     failed = _FakeChild({"error": "the child exited with 1: CUDA out of memory"})
     warm = prewarm.Prewarm(torch.device("cpu"), child=lambda: failed)
     warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True)

@@ -241,7 +241,7 @@ class Prewarm:
     def _child_report(self, answer: dict) -> dict:
         if "error" in answer:
             return {"started": True, "error": answer["error"]}
-        return {"started": True, "seconds": answer.get("seconds"), "warmed": len(answer.get("warmed", [])),
+        return {"started": True, "seconds": answer.get("seconds"), "warmed": answer.get("warmed", []),  # each step with its seconds
                 "failed": answer.get("failed", []), "waited_s": round(time.perf_counter() - self._begun, 3)}
 
     def begin(self, config, linears: dict, dtype: torch.dtype, rows: int, rowwise: bool, decode: tuple | None = None) -> None:

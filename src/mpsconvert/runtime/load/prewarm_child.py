@@ -110,6 +110,8 @@ def _main(request: dict) -> dict:
     weights, activations, block = request["decode"]
     decode = (weights, Activations(activations) if activations is not None else None, block)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        if dev.type == "cuda":  # Triton's first use as a step of its own, so that the report tells it from the compiles
+            prewarm._first_use(report)
         prewarm._work(SimpleNamespace(**request["config"]), {k: tuple(v) for k, v in request["linears"].items()},
                       getattr(torch, request["dtype"]), dev, request["rows"], request["rowwise"], report, decode)
     report["seconds"] = round(time.perf_counter() - t, 3)
