@@ -125,6 +125,14 @@ def test_chat_without_a_template_fails_before_the_prompt(work):
     assert ">>" not in res.output and "chatting with" not in res.output  # no prompt shown, no message read
 
 
+def test_chat_prints_one_line_of_rates_a_turn(art):
+    res = CliRunner().invoke(main, ["chat", str(art), "--max-tokens", "3", "--device", "cpu"], input="Hello\nAgain\n", catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    lines = [line for line in res.output.splitlines() if line.startswith("[prompt ")]
+    assert len(lines) == 2 and all(" generated at " in line for line in lines)
+    assert "peak memory" not in res.output and "==========" not in res.output  # generate's end block, not a chat turn's
+
+
 def test_chat_api_keeps_the_history(art):
     with mpsconvert.chat(art, device="cpu", max_tokens=4, system="Be brief.") as c:
         r1 = c.say("Hello")

@@ -410,7 +410,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system
                 render.note(("" if known else f"unknown command {command}: ") + CHAT_HELP)
                 continue
             res = c.say(line, None if as_json else render.stream)
-            render.generation(res, as_json)
+            render.generation(res, as_json, turn=True)
 
 
 @main.command()

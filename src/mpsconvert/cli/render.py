@@ -483,8 +483,9 @@ def ask() -> str | None:
     return None if line == "" else line.rstrip("\n")
 
 
-def generation(res, as_json: bool) -> None:
-    """After the streamed text: prompt and generation tokens/s, peak memory, device (mlx-lm's end lines)."""
+def generation(res, as_json: bool, turn: bool = False) -> None:
+    """After the streamed text: prompt and generation tokens/s, peak memory, device (mlx-lm's end
+    lines); a chat `turn` gets one dim line of the rates, the device having been named at its start."""
     if as_json:  # one line per generation (JSON Lines: a chat prints one per turn)
         import sys
 
@@ -494,10 +495,15 @@ def generation(res, as_json: bool) -> None:
     s = res.stats
     out.print("")
     gen = f"{s.generation_tps:.1f} tokens/s" if s.generation_tps is not None else "n/a (one token)"
+    stopped = " (stopped: end of sequence)" if s.stop == "eos" else " (stopped: the cache is full)" if s.stop == "cache_full" else ""
+    if turn:
+        compiled = f", compile {s.compile_seconds:.1f} s" if s.compile_seconds is not None else ""
+        console.print(f"[dim]\\[prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tokens/s, {s.generated_tokens} generated at {gen}"
+                      f"{compiled}{stopped}][/]", highlight=False)
+        return
     note("=" * 10)
     note(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s")
-    note(f"generation: {s.generated_tokens} tokens, {gen}" + (" (stopped: end of sequence)" if s.stop == "eos" else
-                                                              " (stopped: the cache is full)" if s.stop == "cache_full" else ""))
+    note(f"generation: {s.generated_tokens} tokens, {gen}{stopped}")
     if s.compile_seconds is not None:
         note(f"compile: {s.compile_seconds:.1f} s (the decode step captured as a CUDA graph; not in the rates above; --no-compile: eager)")
     note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'} ({s.peak_memory_source})")
