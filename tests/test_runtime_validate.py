@@ -182,6 +182,9 @@ def test_cli_validate_json_explain_and_errors(arts):
     res = runner.invoke(main, args + ["--explain"])
     assert res.exit_code == 0, res.output
     assert "perplexity" in res.stdout and "top-1 agreement" in res.stdout and "kernel policy" in res.stdout and "dense_qact" in res.stdout
+    ar = body["accuracy"]["activations_rounded"]  # CPU's dense_qact rounds every layer's activations as the scheme says
+    assert ar["rows"] == 32 and ar["layers"] == ar["rounded"] > 0 and ar["bf16_activation_kernels"] == []
+    assert "with BF16 activations" not in res.stdout
     # on CPU the FP8 weights are held dequantized: the table's "weights in memory" (about 1x) is explained under it
     assert body["weights_held"]["e4m3"] == 0 and body["weights_held"]["dequantized"] > 0
     said = " ".join(res.stdout.split())
@@ -191,6 +194,24 @@ def test_cli_validate_json_explain_and_errors(arts):
     assert res.exit_code == 2 and "pass --baseline" in res.output
     res = runner.invoke(main, args[:4] + ["--eval-data", "/nonexistent.jsonl", "--device", "cpu"])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_layers_run_without_activation_rounding_are_said(arts, monkeypatch):
+    """A kernel that reads BF16 activations (dequant on a device without FP8 matmul; here CPU's
+    `bf16` forced) computes weight-only arithmetic for a dynamic scheme: validate counts those
+    layers beside its accuracy and says so under the table."""
+    from mpsconvert.runtime.ops import kernels
+
+    args = ["validate", str(arts / "llama-fp8"), "--baseline", str(arts / "llama"), "--eval-data", str(TEXT_DATA / "wiki_eval.jsonl"),
+            "--device", "cpu", "--seq-len", "32", "--max-samples", "2", "--no-latency", "--no-write"]
+    rounded = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)["accuracy"]
+    monkeypatch.setattr(kernels, "candidates", lambda *a, **k: ["bf16"])
+    body = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)["accuracy"]
+    ar = body["activations_rounded"]
+    assert ar["rounded"] == 0 and ar["layers"] == rounded["activations_rounded"]["layers"] and ar["bf16_activation_kernels"] == ["bf16"]
+    assert body["mean_kl"] < rounded["mean_kl"]  # without the activations' rounding the model is closer to BF16
+    said = " ".join(CliRunner().invoke(main, args).stdout.split())
+    assert f"ran {ar['layers']} of {ar['layers']} FP8 layers with BF16 activations (bf16, as the kernel policy chose)" in said
 
 
 def test_encoder_latency_is_one_sequence_of_prefill_len(arts):

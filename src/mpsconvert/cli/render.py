@@ -352,6 +352,10 @@ def validation(res, explain: bool = False) -> None:
         out.print(f"note: {d}")
     if held_note := (r.get("weights_held") or {}).get("note"):
         out.print(f"note: {held_note}")
+    if (ar := a.get("activations_rounded")) and ar["rounded"] < ar["layers"]:
+        out.print(f"note: the accuracy pass ({ar['rows']} tokens a forward) ran {ar['layers'] - ar['rounded']} of {ar['layers']} FP8 "
+                  f"layers with BF16 activations ({', '.join(ar['bf16_activation_kernels'])}, as the kernel policy chose): weight-only "
+                  "arithmetic there, so these figures leave out part of the scheme's activation rounding (--explain lists the kernels)")
     if explain:
         kernels(r["kernels"])
     if r.get("recorded"):

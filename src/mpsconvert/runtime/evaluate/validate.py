@@ -184,6 +184,25 @@ def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: 
     return out
 
 
+def activations_rounded(decisions: list[dict], rows: int) -> dict | None:
+    """For a scheme that quantizes activations: of the FP8 layers a forward of `rows` tokens runs,
+    how many round the activations as the scheme says, and the kernels that ran the others with
+    BF16 activations (weight-only arithmetic there, e.g. `dequant` on a device without FP8
+    matmul: the accuracy measured is then better than the scheme's own rounding gives, as vLLM
+    computes it). None for a weight-only scheme."""
+    from ..ops.fp8linear import DECODE_MAX_M, PREFILL_BUCKETS, bucket_index
+    from ..ops.kernels import ROUNDING
+
+    if rows <= DECODE_MAX_M:
+        hits = [d for d in decisions if d["activations"] and d["bucket"] == "decode"]
+    else:  # the bucket a call of `rows` rows runs (CPU decides once for every length: M 0)
+        hits = [d for d in decisions if d["activations"] and d["bucket"] == "prefill" and d["m"] in (0, PREFILL_BUCKETS[bucket_index(rows)])]
+    if not hits:
+        return None
+    return {"rows": rows, "layers": sum(d["layers"] for d in hits), "rounded": sum(d["layers"] for d in hits if d["choice"] in ROUNDING),
+            "bf16_activation_kernels": sorted({d["choice"] for d in hits if d["choice"] not in ROUNDING})}
+
+
 def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
     import transformers
 
@@ -237,6 +256,8 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
                 scores.update(base_model(x).logits, fp8_model(x).logits, x)
                 progress("accuracy", i + 1, n, "")
         result["accuracy"] = scores.result()
+        if (rounded := activations_rounded(result["kernels"], opts.seq_len)) is not None:
+            result["accuracy"]["activations_rounded"] = rounded
         sample = chunks[:1].to(dev)
         if opts.latency and opts.prefill_len > opts.seq_len:
             sample = torch.tensor(ids[: opts.prefill_len])[None].to(dev)

@@ -44,6 +44,10 @@ from . import triton as tritonlib
 
 KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "scaled_mm_block", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
+# Kernels that round the activations through e4m3 as the scheme says (per token, per group, or the
+# static scale). The others read BF16 activations: a layer they run under a scheme that quantizes
+# activations computes weight-only arithmetic (closer to BF16 than the scheme; validate says where).
+ROUNDING = ("scaled_mm_row", "scaled_mm_tensor", "scaled_mm_block", "gemv_w8a8", "dense_qact")
 
 
 # The block edge torch._scaled_mm's blockwise scaling takes (1 x 128 activations, 128 x 128 weights).
