@@ -43,20 +43,25 @@ def test_more_samples_than_documents_takes_several_windows_per_document(tok):
     assert len({(d["doc"], d["start"]) for d in s.drawn}) == 100  # no window twice
 
 
-def test_text_that_falls_short_is_warned_with_what_to_do(tok):
-    corpus = data.load(None)
+def test_text_that_falls_short_is_warned_with_what_to_do(tok, tmp_path):
+    own = tmp_path / "notes.jsonl"  # the user's own text: a short one is warned about
+    own.write_text("".join(json.dumps({"text": t}) + "\n" for t in data.load(None).texts), encoding="utf-8")
+    corpus = data.load(str(own))
     n = corpus.source["documents"]
     enough = data.draw(corpus, tok, 4, 32, seed=0)  # short windows that the documents fill
-    assert data.short_text(enough, 4, 32, corpus.source) is None
+    assert not data.short(enough, 4, 32) and data.short_text(enough, 4, 32, corpus.source) is None
     few = data.draw(corpus, tok, n + 5000, 32, seed=0)  # more windows than the text holds
-    assert len(few.input_ids) < n + 5000
+    assert len(few.input_ids) < n + 5000 and data.short(few, n + 5000, 32)
     said = data.short_text(few, n + 5000, 32, corpus.source)
     assert said.startswith(f"the calibration text gave {len(few.input_ids)} windows of the {n + 5000} asked for")
-    assert "the built-in set" in said and "--calib-data" in said
+    assert str(own) in said and "--calib-data" in said
     long = data.draw(corpus, tok, 4, 4096, seed=0)  # every window asked for, each far shorter than --seq-len
-    assert len(long.input_ids) == 4 and long.tokens < 4 * 4096 // 2
-    said = data.short_text(long, 4, 4096, corpus.source)
-    assert f"{long.tokens} tokens of the {4 * 4096}" in said
+    assert len(long.input_ids) == 4 and long.tokens < 4 * 4096 // 2 and data.short(long, 4, 4096)
+    assert f"{long.tokens} tokens of the {4 * 4096}" in data.short_text(long, 4, 4096, corpus.source)
+    # the built-in set is small by design: short, but not warned (calibrate's summary line says it)
+    builtin = data.load(None)
+    assert data.short(data.draw(builtin, tok, 4, 4096, seed=0), 4, 4096)
+    assert data.short_text(data.draw(builtin, tok, 4, 4096, seed=0), 4, 4096, builtin.source) is None
 
 
 def test_text_and_jsonl_files(tmp_path, tok):

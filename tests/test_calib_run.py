@@ -215,6 +215,12 @@ def test_builtin_default_and_cli_errors(bert, tmp_path):
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "o" / "mpsconvert.json").read_text())
     assert m["recipe"]["calibration"]["data"]["kind"] == "builtin"
+    said = " ".join(r.output.split())
+    assert "tokens of the built-in text in" in said and "warning" not in said  # 2 windows of 32: the text sufficed
+    r = _run(["calibrate", str(bert), "-o", str(tmp_path / "big.json"), "--num-samples", "500", "--seq-len", "128"])
+    said = " ".join(r.output.split())  # more than the built-in set holds: said on the summary line, not warned
+    assert r.exit_code == 0 and "of the built-in text (all it gives at this --seq-len; --calib-data for more" in said
+    assert "warning" not in said
     r = _run(["quantize", str(bert), "--calib-data", CALIB, "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "only apply to --scheme fp8" in r.output
     r = _run(["calibrate", str(bert)])

@@ -37,6 +37,7 @@ class Calibration:
     warnings: list[str] = field(default_factory=list)  # for the caller to show (the CLI prints them)
     seconds: float = 0.0
     peak_memory: dict = field(default_factory=dict)
+    short: bool = False  # the text gave fewer windows, or under half the tokens, asked for (data.short)
 
 
 def _model_dtype(config) -> torch.dtype:
@@ -104,7 +105,7 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
         "any other Linear that saw no input gets the max clip over all observed Linears",
         "experts": expert_record,
     }
-    return Calibration(scales, expert_scales, record, warnings, seconds, peak)
+    return Calibration(scales, expert_scales, record, warnings, seconds, peak, short=data.short(samples, opts.num_samples, opts.seq_len))
 
 
 # --- whole model -----------------------------------------------------------------------------

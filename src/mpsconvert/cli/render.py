@@ -167,8 +167,12 @@ def result(message: str) -> None:
 def calibration(cal) -> None:
     """Where calibration ran, how fast, and every warning (fallbacks included)."""
     r = cal.record
+    data = r.get("data") or {}
+    builtin = " of the built-in text" if data.get("kind") == "builtin" else ""
+    if builtin and cal.short:
+        builtin += " (all it gives at this --seq-len; --calib-data for more, or for text like the model's use)"
     note(f"calibrated on {r['device']} ({r['mode']}, observer {r['observer']}): {r['num_samples']} samples, "
-         f"{r['tokens']} tokens in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} samples/s)")
+         f"{r['tokens']} tokens{builtin} in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} samples/s)")
     for w in cal.warnings:
         warn(w)
 
