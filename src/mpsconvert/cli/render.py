@@ -514,7 +514,7 @@ def generation(res, as_json: bool, turn: bool = False) -> None:
     note(f"generation: {s.generated_tokens} tokens, {gen}{stopped}")
     if s.compile_seconds is not None:
         note(f"compile: {s.compile_seconds:.1f} s (the decode step captured as a CUDA graph; not in the rates above; --no-compile: eager)")
-    note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'} ({s.peak_memory_source})")
+    note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'}, {s.peak_memory_source}")
     note(f"backend: {s.backend} on {s.device}")
 
 
