@@ -64,9 +64,10 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
     if isinstance(limit, int) and opts.seq_len > limit:
         raise QuantizationError(f"--seq-len {opts.seq_len} is longer than this model's {limit} positions", f"pass --seq-len {limit} or less")
     samples = data.draw(corpus, tokenizer, opts.num_samples, opts.seq_len, opts.seed)
+    short = data.short(samples, opts.num_samples, opts.seq_len)
     warnings: list[str] = []
-    if short := data.short_text(samples, opts.num_samples, opts.seq_len, corpus.source):
-        warnings.append(short)
+    if short and (warning := data.short_text(samples, opts.num_samples, opts.seq_len, corpus.source)):
+        warnings.append(warning)
 
     devices.reset_peak(device)
     t0 = time.perf_counter()
@@ -105,7 +106,7 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
         "any other Linear that saw no input gets the max clip over all observed Linears",
         "experts": expert_record,
     }
-    return Calibration(scales, expert_scales, record, warnings, seconds, peak, short=data.short(samples, opts.num_samples, opts.seq_len))
+    return Calibration(scales, expert_scales, record, warnings, seconds, peak, short=short)
 
 
 # --- whole model -----------------------------------------------------------------------------
