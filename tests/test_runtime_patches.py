@@ -104,7 +104,7 @@ def test_load_asks_for_the_prefill_graphs_by_default_and_false_turns_them_off(ll
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_patches_install_on_every_architecture_and_keep_the_output(arch):
-    """On CPU only `positions` and `lm_head` apply: installed on all six, nothing left, logits and
+    """On CPU only `positions` and `lm_head` apply (the latter where this torch needs it): installed on all six, nothing left, logits and
     greedy tokens bit for bit the model's own (with and without a cache)."""
     model = _tiny(arch)
     ids = torch.randint(0, 128, (1, 11), generator=torch.Generator().manual_seed(3))
@@ -117,7 +117,10 @@ def test_cpu_patches_install_on_every_architecture_and_keep_the_output(arch):
         reports = patches.apply(model, ctx, "modules") | patches.apply(model, ctx, "forwards")
         patches.check(model, ctx, reports)
     installed = {n: r.installed for n, r in reports.items() if r.applied}
-    assert installed == {"positions": 1, "lm_head": 1}, {n: r.as_dict() for n, r in reports.items()}
+    from mpsconvert.runtime.patches import lm_head
+
+    head = {"lm_head": 1} if lm_head.copies_weight(torch.device("cpu"), model.dtype) else {}  # only where this torch copies
+    assert installed == {"positions": 1} | head, {n: r.as_dict() for n, r in reports.items()}
     assert all(not r.left for r in reports.values())
     assert not [w for w in caught if issubclass(w.category, patches.PatchFallback)]
     with torch.no_grad():
@@ -141,32 +144,70 @@ def _aten_ops(fn) -> list[tuple[str, list]]:
     return seen
 
 
-def test_the_output_head_never_copies_its_weight_for_the_kept_tokens():
-    """`model(ids, logits_to_keep=1)` hands the head a slice of the prompt's hidden states; with a
-    weight that does not require grad (every loaded model) torch's matmul ran a batched product
-    over the weight expanded and copied (on CPU 30x the product). Installed, the head runs one
-    matrix product of the kept rows: the same logits, no copy of the weight, one or more
-    sequences."""
+def _head_weight_copies(model, fn) -> list[str]:
+    """The batched products over the output head's expanded weight that `fn` dispatches (the path
+    whose CPU kernel copies the whole weight)."""
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    return [op for op, shapes in _aten_ops(fn) if op == "bmm" and any(s[-2:] == (hidden, vocab) for s in shapes)]
+
+
+def test_the_head_probe_says_what_this_torch_dispatches():
+    """`lm_head.copies_weight` (the patch's probe, a small product) agrees with what the whole
+    model's head dispatches for `model(ids, logits_to_keep=1)` on this torch: a batched product
+    over the copied weight up to torch 2.14, one matrix product from 2.15."""
     from mpsconvert.runtime.patches import lm_head
 
     model = _tiny("llama")
-    head = model.get_output_embeddings()
-    vocab, hidden = head.weight.shape
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        copies = bool(_head_weight_copies(model, lambda: model(ids[:1], logits_to_keep=1)))
+    assert lm_head.copies_weight(torch.device("cpu"), model.dtype) is copies
+    assert (lm_head.not_needed(model) is None) is copies
 
-    def weight_copies(fn):  # a batched product over the expanded weight, which the CPU kernel copies
-        return [op for op, shapes in _aten_ops(fn) if op == "bmm" and any(s[-2:] == (hidden, vocab) for s in shapes)]
 
+@pytest.mark.parametrize("needed", [True, False], ids=["torch-copies", "torch-folds"])
+def test_the_output_head_patch_is_installed_only_where_torch_needs_it(monkeypatch, needed):
+    """Both arms of the probe, on whatever torch runs the test (the probe's answer is set; the test
+    above checks it against the real one). Needed: installed, the kept tokens' logits are the full
+    forward's, and no batched product over the weight is left. Not needed: left out with the reason,
+    the model's own head runs and gives the same logits."""
+    from mpsconvert.runtime.patches import lm_head
+
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(lm_head, "_COPIES", {("cpu", model.dtype): needed})
+    ctx = patches.Context(torch.device("cpu"), torch.bfloat16)
     with torch.no_grad():
         full = model(ids).logits
-        assert weight_copies(lambda: model(ids[:1], logits_to_keep=1)), "negative control: torch no longer takes its batched path"
-        assert lm_head.install(model) == {"installed": True, "left": None} and lm_head.installed(model)
+        report = patches.apply(model, ctx, "forwards")["lm_head"]
+        assert lm_head.installed(model) is needed and report.applied is needed, report.as_dict()
+        if not needed:
+            assert report.skipped.startswith(f"torch {torch.__version__} computes the kept tokens' logits as one matrix product")
         for rows in (ids[:1], ids):
             kept = model(rows, logits_to_keep=1).logits
-            assert kept.shape == (rows.shape[0], 1, vocab)
+            assert kept.shape == (rows.shape[0], 1, full.shape[-1])
             assert torch.allclose(kept.float(), full[: rows.shape[0], -1:].float(), atol=1e-2, rtol=1e-2)
-            assert weight_copies(lambda: model(rows, logits_to_keep=1)) == []
+            if needed:
+                assert _head_weight_copies(model, lambda: model(rows, logits_to_keep=1)) == []
         assert torch.equal(model(ids).logits, full)  # every token: the product it always was
+
+
+def test_no_patch_is_installed_where_its_probe_says_torch_does_not_need_it(llama_art):
+    """Every patch that works around a torch limitation (it has `not_needed`) is, in a model that
+    load() returns, installed only where its probe says this torch needs it; else its report says why."""
+    from mpsconvert import api
+
+    model = api.load(llama_art, device="cpu")
+    probed = [p for p in patches.REGISTRY if hasattr(p, "not_needed")]
+    assert probed, "no patch carries a probe: update this test"
+    ctx = patches.Context(torch.device("cpu"), torch.bfloat16)
+    for patch in probed:
+        report = model.mpsconvert.patches[patch.name]
+        why = patch.not_needed(model, ctx)
+        if why is None:
+            assert report["installed"], (patch.name, report)
+        else:
+            assert not report["installed"] and report["skipped"] == why, (patch.name, report)
 
 
 def test_a_failing_install_never_raises_and_is_warned_once():

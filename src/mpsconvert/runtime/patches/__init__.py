@@ -17,6 +17,10 @@ in one registry, applied in this order:
     generate        model.generate() at batch 1 through mpsconvert's engine (the loop `mpsconvert
                     generate` runs), or transformers' own with a static cache (CUDA)
 
+A patch that works around a limitation of torch itself (today `lm_head`) also has `not_needed`, a
+probe of the installed torch: where torch no longer has the limitation the patch is left out and
+its report says so (`skipped`), so a fixed torch runs the model's own code.
+
 Only runtime/hf_compat.py touches transformers' private names. Each patch installs per module,
 only where a probe showed it computes what transformers computes; what it leaves is warned once
 (`base.PatchFallback`) and listed in its report, and an install that fails leaves the model with
@@ -192,6 +196,11 @@ class LmHead:
 
         return None if lm_head.head(model) is not None else "the model has no plain nn.Linear output head"
 
+    def not_needed(self, model, ctx):
+        from . import lm_head
+
+        return lm_head.not_needed(model)
+
     def install(self, model, ctx):
         from . import lm_head
 
@@ -236,6 +245,8 @@ def apply(model: nn.Module, ctx: Context, phase: str, registry=REGISTRY) -> dict
     for patch in (p for p in registry if p.phase == phase):
         option = getattr(patch, "option", None)
         why = f"turned off ({option}=False)" if option and not ctx.on(option) else patch.match(model, ctx)
+        if why is None and hasattr(patch, "not_needed"):
+            why = patch.not_needed(model, ctx)
         if why is not None:
             out[patch.name] = Report(patch.name, skipped=why)
             continue

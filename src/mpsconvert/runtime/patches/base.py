@@ -69,6 +69,9 @@ class Patch(Protocol):
     def match(self, model: nn.Module, ctx: Context) -> str | None:
         """None where the patch applies to this model here; else why not (one line)."""
 
+    # Optional, for a patch that works around a limitation of torch itself:
+    #   def not_needed(self, model, ctx) -> str | None: why this torch does not need it (probed), or None.
+
     def install(self, model: nn.Module, ctx: Context) -> Report:
         """Install where the patch computes exactly what transformers does; report the rest."""
 

@@ -22,11 +22,46 @@ from torch import nn
 
 from . import forwards
 
+_COPIES: dict[tuple[str, torch.dtype], bool] = {}
+
 
 def _head_forward(self, x: torch.Tensor) -> torch.Tensor:
     if x.dim() <= 2:
         return F.linear(x, self.weight, self.bias)
     return F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
+
+
+def copies_weight(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch runs `F.linear` on the last token of each of two sequences (a 3-D slice
+    whose batch stride is the sequence's) as a batched product over the weight expanded to the
+    batch, the path that copies the whole weight; probed once per device type and dtype by
+    recording the aten ops a small product of that shape dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    key = (torch.device(device).type, dtype)
+    if key not in _COPIES:
+        seen: list[str] = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        w = torch.zeros(8, 16, device=device, dtype=dtype)
+        x = torch.zeros(2, 3, 16, device=device, dtype=dtype)[:, -1:, :]
+        with torch.no_grad(), Record():
+            F.linear(x, w)
+        _COPIES[key] = "bmm" in seen
+    return _COPIES[key]
+
+
+def not_needed(model: nn.Module) -> str | None:
+    """Why the patch is not needed with this torch (one line), or None where it is."""
+    mod = head(model)
+    if mod is None or copies_weight(mod.weight.device, mod.weight.dtype):
+        return None
+    return (f"torch {torch.__version__} computes the kept tokens' logits as one matrix product on {mod.weight.device.type} "
+            "(probed): the model's own head runs")
 
 
 def head(model: nn.Module) -> nn.Module | None:
