@@ -10,6 +10,16 @@ sees every torch call made while it is active:
   generator that is not the device's (a CPU generator: what `torch.multinomial` refuses on MPS
   and CUDA).
 
+Two profiles, the torches a Mac user runs (`fake_mps(monkeypatch, profile=...)`):
+- "2.13" (and every torch before 2.15): no float8 on MPS, no FP8 matmul, no MPS grouped matmul;
+- "2.15": float8_e4m3fn tensors, `F.scaled_mm` with tensor-wise and row-wise scaling only (a
+  block-wise scaling type is refused), `F.grouped_mm` on the device; still no float64.
+The flags (`fp8`, `scaled_mm`, `grouped_mm`) can also be set one by one.
+
+While the mode is active it records which of src/'s MPS branches ran (`BRANCHES`: every
+comparison of a device with "mps" in src/mpsconvert, found by reading the source), under which
+profile, into `HIT`: tests/test_runtime_mps.py's last test asserts that each ran under a profile.
+
 `fake_mps(monkeypatch, ...)` activates it for the rest of a test, with what else a Mac answers:
 `devices.mps_available()` is True, `torch.Generator(device="mps")` makes a generator the fake
 knows as the device's, torch.mps's synchronize and memory calls are harmless, the chip is named,
@@ -18,7 +28,10 @@ and the capabilities cache is empty, so `devices.capabilities` probes this fake 
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import sys
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -27,6 +40,29 @@ from torch.utils._pytree import tree_flatten, tree_map
 MPS, CPU = torch.device("mps"), torch.device("cpu")
 CHIP = "Apple M4 Pro"
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+PROFILES = {  # what MPS offers with each torch a Mac user runs
+    "2.13": {"fp8": False, "scaled_mm": False, "grouped_mm": False},
+    "2.15": {"fp8": True, "scaled_mm": True, "grouped_mm": True},
+}
+SRC = Path(__import__("mpsconvert").__file__).resolve().parent  # the package as imported (torch-free)
+
+
+def _mps_branches() -> dict[str, set[int]]:
+    """{file: lines} of every comparison with "mps" in src/ (`x.type == "mps"`, `name in ("cpu", "mps")`)."""
+    out: dict[str, set[int]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            elts = [e for s in sides for e in ([s] + list(getattr(s, "elts", [])))]
+            if any(isinstance(e, ast.Constant) and e.value == "mps" for e in elts):
+                out.setdefault(str(path), set()).add(node.lineno)
+    return out
+
+
+BRANCHES = _mps_branches()
+HIT: dict[tuple[str, int], set[str]] = {}  # (file, line) -> the profiles it ran under, in this process
 
 
 class OnMPS(torch.Tensor):
@@ -41,10 +77,25 @@ def _is_cpu(x) -> bool:
     return (isinstance(x, torch.device) and x.type == "cpu") or x == "cpu"
 
 
+def _blockwise(args, kwargs) -> bool:
+    """Whether an FP8 matmul call asks for a block-wise scaling: `F.scaled_mm`'s ScalingType
+    arguments, or the recipe lists of their values that it hands to `torch._scaled_mm_v2`."""
+    import torch.nn.functional as F
+
+    kinds = getattr(getattr(F, "ScalingType", None), "__members__", {})
+    block = {int(m) for name, m in kinds.items() if "Block" in name}
+    for a in (*args, *kwargs.values()):
+        if "ScalingType" in type(a).__name__ and int(a) in block:
+            return True
+        if isinstance(a, (list, tuple)) and any(type(v) is int and v in block for v in a):
+            return True
+    return False
+
+
 class FakeMPS(TorchFunctionMode):
-    def __init__(self, fp8: bool = False, scaled_mm: bool = False):
+    def __init__(self, fp8: bool = False, scaled_mm: bool = False, grouped_mm: bool = False):
         super().__init__()
-        self.fp8, self.scaled_mm = fp8, scaled_mm
+        self.fp8, self.scaled_mm, self.grouped_mm = fp8, scaled_mm, grouped_mm
         self.generators: list[torch.Generator] = []  # made with device="mps"
         self.refused: list[str] = []  # what was refused, for tests that expect a refusal to be caught
 
@@ -66,6 +117,10 @@ class FakeMPS(TorchFunctionMode):
         to_cpu = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(_is_cpu(a) for a in flat[1:] if not isinstance(a, torch.Tensor)))
         name = getattr(func, "__name__", "")
         if on_device and "scaled_mm" in name and not self.scaled_mm:
+            self._refuse(NotImplementedError(f"Could not run 'aten::{name}' with arguments from the 'MPS' backend."))
+        if on_device and "scaled_mm" in name and _blockwise(args, kwargs):
+            self._refuse(NotImplementedError("scaled_mm on MPS supports TensorWise and RowWise scaling only"))
+        if on_device and "grouped_mm" in name and not self.grouped_mm:
             self._refuse(NotImplementedError(f"Could not run 'aten::{name}' with arguments from the 'MPS' backend."))
         if on_device and name == "multinomial":
             gen = kwargs.get("generator")
@@ -98,12 +153,32 @@ def to_mps(t: torch.Tensor) -> OnMPS:
     return t.clone().as_subclass(OnMPS)
 
 
+def _tracer(profile: str):
+    """A sys.settrace function that records the MPS branches of src/ that run (only frames of the
+    files that hold one are traced line by line)."""
+    def lines(frame, event, arg):
+        if event == "line" and frame.f_lineno in BRANCHES[frame.f_code.co_filename]:
+            HIT.setdefault((frame.f_code.co_filename, frame.f_lineno), set()).add(profile)
+        return lines
+
+    def calls(frame, event, arg):
+        return lines if frame.f_code.co_filename in BRANCHES else None
+
+    return calls
+
+
 @contextlib.contextmanager
-def fake_mps(monkeypatch, fp8: bool = False, scaled_mm: bool = False, chip: str | None = CHIP):
-    """Within the block, this process looks like a Mac with MPS (the module docstring); yields the mode."""
+def fake_mps(monkeypatch, fp8: bool | None = None, scaled_mm: bool | None = None, chip: str | None = CHIP,
+             profile: str = "2.13", grouped_mm: bool | None = None):
+    """Within the block, this process looks like a Mac with MPS and the torch of `profile` (the
+    module docstring); a flag given overrides the profile's; yields the mode."""
     from mpsconvert import devices
 
-    mode = FakeMPS(fp8=fp8, scaled_mm=scaled_mm)
+    flags = dict(PROFILES[profile])
+    flags.update({k: v for k, v in (("fp8", fp8), ("scaled_mm", scaled_mm), ("grouped_mm", grouped_mm)) if v is not None})
+    custom = flags != PROFILES[profile]
+    mode = FakeMPS(**flags)
+    mode.profile = None if custom else profile  # branches count for a profile only under exactly its flags
     real_generator = torch.Generator
 
     class Generator(real_generator):
@@ -119,5 +194,11 @@ def fake_mps(monkeypatch, fp8: bool = False, scaled_mm: bool = False, chip: str 
     monkeypatch.setattr(devices, "_CAPS", {})
     for fn, value in (("synchronize", None), ("empty_cache", None), ("current_allocated_memory", 0), ("driver_allocated_memory", 0)):
         monkeypatch.setattr(torch.mps, fn, lambda value=value: value)
-    with mode:
-        yield mode
+    old = sys.gettrace()
+    if mode.profile is not None:
+        sys.settrace(_tracer(mode.profile))
+    try:
+        with mode:
+            yield mode
+    finally:
+        sys.settrace(old)

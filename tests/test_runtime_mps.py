@@ -1,5 +1,7 @@
 """What only a Mac runs, run here on a fake MPS device (tests/fake_mps.py: CPU tensors that refuse
-float64, float8 before torch 2.15, FP8 matmuls and a foreign sampling generator, as MPS does):
+float64, float8 before torch 2.15, FP8 matmuls and a foreign sampling generator, as MPS does; two
+profiles, the torch 2.13 and the torch 2.15 a Mac user runs, and a last test that every MPS branch
+of src/ ran under one of them):
 metrics and observers without float64 on the device, sampling with the device's generator, the
 capability probe said once, e4m3 codes held as bytes and decoded bit by bit where the device has
 no float8, MoE experts in one copy, the chip in the device name, and `--device mps` without MPS."""
@@ -252,6 +254,81 @@ def text_art(tmp_path_factory, text_data):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_load_on_mps_with_torch_2_15_holds_float8_and_computes_what_cpu_computes(monkeypatch, arts, arch):
+    """torch 2.15 on MPS: the e4m3 codes are float8 tensors on the device, the policy measures the
+    kernels MPS has (weight-only: dequantize per call or a BF16 copy), MoE experts run F.grouped_mm
+    on the device (2.15's native one; 2.13 has none: a loop over the experts), nothing is refused,
+    and the logits are the CPU's."""
+    cpu = mpsconvert.load(arts[arch], device="cpu", dtype=torch.bfloat16)
+    ids = torch.randint(0, cpu.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = cpu(ids).logits
+    paths = {}
+    for profile in ("2.15", "2.13"):
+        with fake_mps(monkeypatch, profile=profile) as mode:
+            model = mpsconvert.load(arts[arch], device="mps", kernel_cache=False, measure=lambda k, l, m: {"dequant": 1.0, "bf16": 2.0}[k])
+            with torch.no_grad():
+                got = model(to_mps(ids)).logits.cpu()
+        paths[profile] = {e.path for e in model.modules() if isinstance(e, FP8Experts)}
+        assert torch.equal(got, want), profile
+        if profile == "2.15":
+            info = model.mpsconvert
+            assert mode.refused == [] and info.weights_held["code_dtype"] == "float8_e4m3fn"
+            layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]
+            assert layers and all(m.weight.dtype == torch.float8_e4m3fn and isinstance(m.weight, OnMPS) for m in layers)
+            assert {d["choice"] for d in info.kernels} == {"dequant"} and not any("torch >= 2.15" in d["note"] for d in info.kernels)
+    assert paths == ({"2.15": {"grouped_mm"}, "2.13": {"loop"}} if arch == "mixtral" else {"2.15": set(), "2.13": set()})
+
+
+def test_the_2_15_profile_offers_fp8_matmul_but_no_block_scaling(monkeypatch):
+    import torch.nn.functional as F
+
+    with fake_mps(monkeypatch, profile="2.15") as mode:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            caps = devices.capabilities(torch.device("mps"))
+        assert (caps.fp8_tensors, caps.scaled_mm, caps.lacks) == (True, True, "") and not caught and not mode.refused
+        a = torch.ones(16, 16, device="mps").to(torch.float8_e4m3fn)
+        one = torch.ones((), device="mps")
+        y = F.scaled_mm(a, a.t(), one, F.ScalingType.TensorWise, one, F.ScalingType.TensorWise, output_dtype=torch.bfloat16)
+        assert isinstance(y, OnMPS) and bool((y.float() == 16).all())
+        with pytest.raises(NotImplementedError, match="TensorWise and RowWise"):
+            F.scaled_mm(a, a.t(), one, F.ScalingType.BlockWise1x128, one, F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
+def test_a_policy_on_2_15_mps_measures_scaled_mm_against_bf16_per_bucket(monkeypatch):
+    """With FP8 matmul on MPS (torch 2.15) the policy times `F.scaled_mm` against dequantizing and
+    BF16 in each token bucket and keeps what measured fastest there (BF16 alone only where it won
+    every bucket: a second copy of the weight for some buckets would double its memory)."""
+    layer = FP8Linear.from_tensors(*fp8.quantize(torch.randn(64, 32), "row")[:2], activations="token")
+    block = FP8Linear.from_tensors(*fp8.quantize(torch.randn(256, 256), "block")[:2], activations="group", block=128)
+
+    def measure(kernel, layer, m):  # the GEMV wins at decode, dequantize + BF16 matmul at prefill
+        return {"scaled_mm_row": 1.0 if m == 1 else 9.0, "dequant": 3.0, "bf16": 2.0 if m == 1 else 4.0}[kernel]
+
+    with fake_mps(monkeypatch, profile="2.15"):
+        decisions = KernelPolicy(torch.device("mps"), measure=measure, cache=False).apply(torch.nn.Sequential(layer, block))
+    row = [d for d in decisions if d.weights == "row"]
+    assert row[0].bucket == "decode" and row[0].m == 1 and row[0].choice == "scaled_mm_row"
+    assert {d.choice for d in row[1:]} == {"dequant"} and set(row[0].timings_us) == {"scaled_mm_row", "dequant", "bf16"}
+    blocks = [d for d in decisions if d.weights == "block128"]  # no block-wise scaled_mm on MPS: which path runs is said
+    assert blocks and all(set(d.timings_us) == {"dequant", "bf16"} for d in blocks)
+    assert all("no block-scaled FP8 kernel on mps" in d.note for d in blocks)
+
+
+@pytest.mark.parametrize("profile", ["2.13", "2.15"])
+def test_an_out_of_memory_on_mps_names_the_watermark(monkeypatch, profile):
+    emptied = []
+    with fake_mps(monkeypatch, profile=profile):
+        monkeypatch.setattr(torch.mps, "empty_cache", lambda: emptied.append(1))
+        devices.empty_cache(torch.device("mps"))  # between phases: the device's own cache call
+        assert emptied == [1]
+        with pytest.raises(mpsconvert.DeviceError, match="PYTORCH_MPS_HIGH_WATERMARK_RATIO"):
+            with devices.oom_hint(torch.device("mps"), "calibration"):
+                raise RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB)")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
 def test_load_on_mps_without_float8_holds_bytes_and_computes_what_cpu_computes(monkeypatch, arts, arch):
     cpu = mpsconvert.load(arts[arch], device="cpu", dtype=torch.bfloat16)
     ids = torch.randint(0, cpu.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))
@@ -262,7 +339,8 @@ def test_load_on_mps_without_float8_holds_bytes_and_computes_what_cpu_computes(m
         info = model.mpsconvert
         with torch.no_grad():
             got = model(to_mps(ids)).logits.cpu()
-    assert mode.refused == [mode.refused[0]] and "Float8" in mode.refused[0]  # the probe's float8, and nothing after it
+    probes = [r for r in mode.refused if "grouped_mm" not in r]  # 2.13 has no MPS grouped matmul: its probe is refused too
+    assert probes == [mode.refused[0]] and "Float8" in mode.refused[0]  # the probe's float8, and nothing after it
     assert info.device == "mps" and info.weights_held["code_dtype"] == "uint8"
     layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]
     assert layers and all(m.weight.dtype == torch.uint8 and isinstance(m.weight, OnMPS) and m.dense_weight is None for m in layers)
@@ -275,16 +353,18 @@ def test_load_on_mps_without_float8_holds_bytes_and_computes_what_cpu_computes(m
     assert torch.equal(got, want)
 
 
-def test_generate_and_validate_on_mps(monkeypatch, tmp_path, text_art):
-    """The user's commands on a Mac with torch before 2.15, end to end: sampling, and validate's
-    accuracy (float64 metrics) and latency, recorded under the chip's name."""
+@pytest.mark.parametrize("profile", ["2.13", "2.15"])
+def test_generate_and_validate_on_mps(monkeypatch, tmp_path, text_art, profile):
+    """The user's commands on a Mac with torch 2.13 and 2.15, end to end: sampling, and validate's
+    accuracy (float64 metrics) and latency, recorded under the chip's name. On 2.15 nothing is
+    refused (float8 and F.scaled_mm exist); on 2.13 only the capability probe's float8."""
     art = text_art
     monkeypatch.setenv("MPSCONVERT_CACHE_DIR", str(tmp_path / "cache"))
-    with fake_mps(monkeypatch) as mode:
+    with fake_mps(monkeypatch, profile=profile) as mode:
         res = mpsconvert.generate(art, "The river", device="mps", temp=1.0, seed=3, max_tokens=6, use_template=False)
         val = mpsconvert.validate(art, options=mpsconvert.validate_options(device="mps", seq_len=32, max_samples=2, prefill_len=16,
                                                                           decode_tokens=3, repeats=1, warmup=1, rounds=1))
-    assert res.stats.device == "mps" and len(res.stats.tokens) == 6 and len(mode.refused) == 1
+    assert res.stats.device == "mps" and len(res.stats.tokens) == 6 and len(mode.refused) == (profile == "2.13")
     assert val.device_name == f"{CHIP} (MPS)" and val.accuracy["tokens"] == 62 and 0 <= val.accuracy["mean_kl"] < 0.1
     import json
 
@@ -299,3 +379,19 @@ def test_cpu_load_says_the_weights_are_dequantized(arts):
     held = info.weights_held
     assert held["e4m3"] == 0 and held["dequantized"] > 0 and "no faster" in held["note"] and "as much memory" in held["note"]
     assert all(r["weights"] == "bfloat16 (dequantized at load)" for r in info.experts.values())
+
+
+# -- every MPS branch of src/ ran under a profile (keep this test last in the file) ---------------------
+
+
+def test_every_mps_branch_in_src_ran_under_a_profile(request):
+    """Each comparison with "mps" in src/mpsconvert (found by reading the source: a new one joins the
+    list by itself) ran in this module's tests under the fake device's 2.13 or 2.15 profile."""
+    from .fake_mps import BRANCHES, HIT
+
+    if request.config.option.keyword or any("::" in a for a in request.config.args):
+        pytest.skip("needs the whole module: the branches are recorded by the tests above")
+    assert BRANCHES, "no MPS branch found in src/: the scan is broken"
+    missed = sorted(f"{f.split('mpsconvert/', 1)[1]}:{line}" for f, lines in BRANCHES.items() for line in lines if not HIT.get((f, line)))
+    assert not missed, f"MPS branches no test ran under a fake-MPS profile: {missed}"
+    assert set().union(*HIT.values()) == {"2.13", "2.15"}

@@ -131,6 +131,11 @@ def _settle(parent: torch.nn.Module, group) -> None:
             m.set_kernels(**group.inner.kernels)
 
 
+def _joined(*notes: str) -> str:
+    """A decision's notes in one line: why these candidates, then why this choice."""
+    return "; ".join(n for n in notes if n)
+
+
 @dataclass
 class Decision:
     """The choice for one layer signature and bucket, with the evidence."""
@@ -216,6 +221,9 @@ class KernelPolicy:
             self._cache[key] = {"timings_us": d.timings_us, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if self.caps.lacks:  # why only dequantizing kernels were candidates (warned once, by devices.capabilities)
             d.note = self.caps.lacks
+        elif layer.weights == "block" and not any(c.startswith("scaled_mm") or c.startswith("gemv") for c in cands):
+            d.note = (f"no block-scaled FP8 kernel on {self.device.type} (F.scaled_mm there takes tensor- and row-wise scales "
+                      "only): this layer dequantizes its weight per call, or keeps a BF16 copy where that measured faster")
         return d
 
     @staticmethod
@@ -240,13 +248,13 @@ class KernelPolicy:
         if all(b == "bf16" for b in best):
             for d in ds:
                 d.choice = "bf16"
-                d.note = "fallback: BF16 measured faster than every FP8 kernel in every bucket; this layer keeps a BF16 weight"
+                d.note = _joined(d.note, "fallback: BF16 measured faster than every FP8 kernel in every bucket; this layer keeps a BF16 weight")
         else:
             for d, b in zip(ds, best):
                 d.choice = b if b != "bf16" else self._best(d.timings_us, exclude=("bf16",))
                 if b == "bf16":
-                    d.note = ("BF16 was faster here but not in every bucket; FP8 kept "
-                              "(a second, BF16 copy would double this layer's memory)")
+                    d.note = _joined(d.note, "BF16 was faster here but not in every bucket; FP8 kept "
+                                             "(a second, BF16 copy would double this layer's memory)")
         return ds
 
     def apply(self, model: torch.nn.Module, progress: Progress | None = None) -> list[Decision]:
