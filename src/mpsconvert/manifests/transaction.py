@@ -7,7 +7,8 @@ exports and their checks, calibration written back, the hub repo an upload names
         pkg = t.folder / "model.mlpackage"             # files: written into a staged copy
         ...; t.add_files("model.mlpackage")
     # on leaving: the card (README.md) re-rendered from the new manifest, both written into the
-    # staged copy, and the copy swapped in for the artifact: one step a kill cannot split
+    # staged copy (or earlier, by t.stage()), and the copy swapped in for the artifact: one step a
+    # kill cannot split
 
 Nothing of the artifact changes until the block ends without an error. The staged copy is a
 folder of hard links (atomic.staged_copy: no space, made when the transaction first needs it)
@@ -59,6 +60,7 @@ class Transaction:
         self._drop = drop
         self._folder: Path | None = None
         self._rebuilt = False
+        self._staged = False
         self._card = (artifact / card.CARD_NAME).read_text(encoding="utf-8", errors="replace") if (artifact / card.CARD_NAME).is_file() else None
 
     def get(self, kind: type[R]) -> R | None:
@@ -100,8 +102,18 @@ class Transaction:
             raise ArtifactError(f"writing {rel} produced nothing", "report this: the writer wrote no file")
         self.manifest.files = dict(sorted(files.items()))
 
+    def stage(self) -> Path:
+        """Write the card and the manifest into the staged folder now and return it: the
+        artifact as it will be, for a step that must succeed before anything local changes (an
+        upload sends this folder; the swap follows only if it returns). Records put after this
+        are not written."""
+        if not self._staged:
+            finish(self.folder, self.manifest, self.artifact.name, self._card, seal=self._rebuilt)
+            self._staged = True
+        return self.folder
+
     def _commit(self) -> None:
-        finish(self.folder, self.manifest, self.artifact.name, self._card, seal=self._rebuilt)
+        self.stage()
 
 
 @contextlib.contextmanager
