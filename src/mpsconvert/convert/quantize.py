@@ -76,6 +76,7 @@ class Options:
     scheme: Scheme = field(default_factory=Scheme)
     ignore: list[str] = field(default_factory=list)
     force: bool = False
+    delete_unlisted: bool = False  # with force: also delete files the old artifact's manifest does not list
     trust_remote_code: bool = False
     # Static activation scales (module -> dequant scale), required by the "fp8" scheme. MoE
     # experts: "<experts module>.<param>" -> one scale per expert (calibrate.experts).
@@ -354,7 +355,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
         atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, guessed or tensor_module, opts.scheme),
-                          is_ours=layout.is_ours, protect=(snap.path,)) as tmp,
+                          protect=(snap.path,), delete_unlisted=opts.delete_unlisted, **layout.OUTPUT_RULES) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
