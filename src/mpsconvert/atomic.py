@@ -345,11 +345,11 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
     before any work and again under the output's lock just before the write. Refused in one line,
     with nothing touched:
 
+    - `target` lies inside a folder `is_artifact` recognises (an mpsconvert artifact): only the
+      artifact's own transaction writes into one (manifests/transaction.py);
     - `target` is, holds or lies inside a path in `protect` (the source, or the artifact a
       command reads): an output never goes where its input is, and a new folder inside a source
       would be carried by its next conversion;
-    - `target` lies inside a folder `is_artifact` recognises (an mpsconvert artifact): only the
-      artifact's own transaction writes into one (manifests/transaction.py);
     - `target` exists and is a symlink, or not the kind asked for (a file for a folder output, a
       folder or a fifo for a file output);
     - `target` exists and `is_ours` does not recognise it (our manifest, parsed; our scales
@@ -362,6 +362,11 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
     target = Path(target).absolute()
     real_ = target.resolve()
     what = "the output file" if file else "output"
+    if is_artifact is not None:
+        for folder in real_.parents:
+            if is_artifact(folder):
+                raise MpsconvertError(f"{what} {target} lies inside the mpsconvert artifact {folder}, which only mpsconvert's own steps "
+                                      "(export, validate, calibrate, upload) change", "choose an -o outside the artifact")
     for p in protect:
         src = Path(p).resolve()
         same, holds = same_or_inside(src, real_)  # without case where the volume ignores it (APFS, exFAT)
@@ -370,11 +375,6 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
                                   "choose an -o outside the source folder")
         if same_or_inside(real_, src)[1]:  # also a new folder there: the next conversion of that source would carry it
             raise MpsconvertError(f"{what} {target} lies inside the source model {src}", "choose an -o outside the source folder")
-    if is_artifact is not None:
-        for folder in real_.parents:
-            if is_artifact(folder):
-                raise MpsconvertError(f"{what} {target} lies inside the mpsconvert artifact {folder}, which only mpsconvert's own steps "
-                                      "(export, validate, calibrate, upload) change", "choose an -o outside the artifact")
     if not os.path.lexists(target):
         return
     st = os.lstat(target)

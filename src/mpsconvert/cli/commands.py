@@ -218,7 +218,7 @@ main.generate = generated
 
 @main.command()
 @click.argument("target")
-@click.option("-o", "--output", "output", type=click.Path(path_type=Path, dir_okay=False),
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path),
               help="Write the scales to this JSON file (for `quantize --scheme fp8 --scales FILE`) instead of into the artifact. "
                    "Never inside the source or an artifact.")
 @click.option("--force", is_flag=True, help="Replace an existing -o FILE (a scales file mpsconvert wrote; any other file is refused).")
