@@ -262,3 +262,46 @@ def test_a_planted_symlink_under_a_reserved_name_is_an_error_for_readers_too(box
     with pytest.raises(MpsconvertError, match="never followed"):
         mpsconvert.load(art, device="cpu")
     assert tree(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- smaller items: what quantize says about its source
+
+def _with_extra_tensor(src: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.backdoor.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return src
+
+
+@pytest.mark.parametrize("planned_in", ["a child process", "this process"])
+def test_a_tensor_the_model_does_not_define_is_said_not_copied_silently(box, tmp_path, monkeypatch, planned_in):
+    from mpsconvert.convert import plan_child
+
+    src = _with_extra_tensor(box[0])
+    if planned_in == "this process":
+        monkeypatch.setattr(plan_child, "wanted", lambda *a, **k: False)
+    res = cli("quantize", src, "-o", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert "warning:" in res.output and "does not define ('model.backdoor.weight')" in res.output, res.output
+    assert "copied into the artifact as it is" in res.output
+    out = mpsconvert.quantize(src, tmp_path / "out2")
+    assert any("model.backdoor.weight" in w for w in out.warnings)
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3_moe", {}), ("bert", {}), ("gpt2", {})])
+def test_a_source_whose_tensors_the_model_defines_gets_no_such_note(tmp_path, arch, kw):
+    src = models.tiny(arch, tmp_path / "src", **kw)
+    res = mpsconvert.quantize(src, tmp_path / "out")
+    assert not [w for w in res.warnings if "does not define" in w], res.warnings
+
+
+def test_revision_with_a_local_source_is_refused_not_ignored(box, tmp_path):
+    src, art = box
+    before = tree(tmp_path)
+    one_line_error(cli("quantize", src, "--revision", "v2", "-o", tmp_path / "out"), "--revision v2 applies to a hub repo",
+                   "is a local folder")
+    one_line_error(cli("calibrate", src, "--revision", "v2", "-o", tmp_path / "s.json", *CALIB), "applies to a hub repo")
+    one_line_error(cli("calibrate", art, "--revision", "v2", *CALIB), "applies to a hub repo")
+    assert tree(tmp_path) == before

@@ -229,11 +229,13 @@ def calibrate_target(target: str | Path, output: str | Path | None, options: Cal
     its scales written into it unless `output` names a scales file; a source needs `output`.
     Returns (the calibration, where it was written, the artifact's new manifest or None)."""
     from ..manifests.verify import check_before_use
-    from ..source import resolve
+    from ..source import no_revision, resolve
 
     path = Path(target).expanduser()
     atomic.recover(path)
     local = path.exists()
+    if local:
+        no_revision(path, revision)
     if output is not None:  # before any work: a file mpsconvert may not replace, or one inside what it reads
         check_scales_output(output, force=force, protect=(path,) if local else ())
     if is_artifact(path):

@@ -66,6 +66,8 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
     # Where the output goes, and whether it may, before any work: a local folder is read now (a
     # config and an index), a hub id only named.
     path = sources.local_path(str(source))
+    if path is not None:
+        sources.no_revision(path, revision)  # a GGUF file too: refused before the output is even named
     gguf_file = path if sources.is_gguf(path) else None
     snap = (sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
             if path is not None and gguf_file is None else None)
@@ -149,7 +151,7 @@ def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_c
         opts.input_scales, opts.calibration, cal = scales(snap.path)
         opts.device = opts.calibration.get("device", opts.device)
     manifest = quantize_snapshot(snap, out, opts, progress, child)
-    done = Converted(out, manifest, cal)
+    done = Converted(out, manifest, cal, warnings=list(opts.notes))
     g = manifest.get(GGUFSource)
     if g is not None and (note := g.precision_note()):  # a GGUF below 8 bits: said in the summary, as in the card
         done.warnings.append(note)
