@@ -895,9 +895,12 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
            verify_first: bool = True, progress: Progress | None = None) -> UploadResult:
     """Publish an artifact to a Hugging Face hub model repo (created if absent).
 
-    The artifact is verified first (every sha256 against the manifest), its model card is
-    rewritten to name the repo (how to load it from there), then the whole folder goes up in
-    one commit with huggingface_hub, whose message names the scheme and the source commit.
+    The artifact is verified first (every sha256 against the manifest); its model card,
+    rewritten to name the repo (how to load it from there), and the manifest go into a staged
+    copy; the listed files go up from it in one commit with huggingface_hub, as the bytes that
+    were verified (never a path it would reopen), whose message names the scheme and the source
+    commit; the staged copy replaces the artifact only once the commit succeeded (a failed
+    upload changes nothing local).
 
     Args:
         artifact: the artifact folder.
@@ -914,7 +917,8 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
 
     Raises:
         UploadError: offline mode, the hub unreachable (HF_ENDPOINT), no write rights, a bad repo id.
-        ArtifactError: not an artifact, or it fails verification.
+        ArtifactError: not an artifact, it fails verification, or a file changed after it was
+            verified (nothing is sent).
     """
     from . import publish
 
