@@ -91,6 +91,8 @@ def test_a_file_changed_after_verification_is_never_published_as_it_now_is(onlin
         return real_commit(self, *a, **kw)
 
     monkeypatch.setattr(hf.HfApi, "create_commit", attacked)
+    # a send cut off before its last bytes is a broken request for the local hub: not its traceback in our output
+    monkeypatch.setattr(online.server, "handle_error", lambda *a: None)
     res = cli("upload", art, "me/x")
     sent = [c["files"].get(rel) for c in online.commits]
     assert all(s == verified for s in sent), (attack, rel)  # the verified bytes, or nothing
