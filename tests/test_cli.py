@@ -129,8 +129,10 @@ def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_model
     assert run("quantize", tiny_models["llama"], "-o", out).exit_code == 0
     res = run("quantize", tiny_models["llama"], "-o", out)  # an artifact: --force is the fix, and it works
     assert res.exit_code == 2 and "already exists" in res.output and "pass --force" in res.output, res.output
-    (out / "stale.txt").write_text("x")
+    (out / "stale.txt").write_text("x")  # a file the manifest does not list: --force names it and keeps it
     res = run("quantize", tiny_models["llama"], "-o", out, "--force")
+    assert res.exit_code == 2 and "stale.txt" in res.output and (out / "stale.txt").read_text() == "x", res.output
+    res = run("quantize", tiny_models["llama"], "-o", out, "--force", "--force-delete-unlisted")
     assert res.exit_code == 0 and not (out / "stale.txt").exists() and (out / "mpsconvert.json").is_file()
     assert leftovers(tmp_path) == []
 

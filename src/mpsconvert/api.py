@@ -184,6 +184,7 @@ def quantize(
     trust_remote_code: bool = False,
     experts_layout: str = "per-expert",
     force: bool = False,
+    delete_unlisted: bool = False,
     calibration: CalibOptions | None = None,
     scales_file: str | Path | None = None,
     exports: dict[str, Any] | None = None,
@@ -215,7 +216,11 @@ def quantize(
         trust_remote_code: allow an architecture defined by code in the repo.
         experts_layout: fused MoE experts written "per-expert" (loads everywhere) or as in the
             "checkpoint" (fused; only mpsconvert's runtime loads it).
-        force: replace an existing output (only once the new one is complete).
+        force: replace an existing output (only once the new one is complete); an artifact of
+            mpsconvert only, and one holding files its manifest does not list (a user's notes)
+            only with `delete_unlisted`.
+        delete_unlisted: with `force`, also delete the files of the old artifact its manifest
+            does not list [default: refused, naming them].
         calibration: for scheme "fp8", how to calibrate [default: the built-in text, 128 x 512
             tokens, minmax]; ignored when `scales_file` is given.
         scales_file: for scheme "fp8", input scales written earlier by `calibrate(..., output=FILE)`.
@@ -276,6 +281,7 @@ def quantize(
 
     done = pipeline.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token,
                              ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
+                             delete_unlisted=delete_unlisted,
                              calibration_given=given, scales=for_quantize(scales_file, copts, progress), dtype=dtype,
                              max_shard_size=max_shard_size, format=format, component=component, exports=tuple(apple),
                              before=lambda: flow.require_all(apple), then=follow_ups, progress=progress)
@@ -305,6 +311,7 @@ def calibrate(
     options: CalibOptions | None = None,
     revision: str | None = None,
     token: str | None = None,
+    force: bool = False,
     progress: Progress | None = None,
 ) -> CalibrateResult:
     """Measure static FP8 input scales on real text.
@@ -317,6 +324,8 @@ def calibrate(
         options: how to calibrate (`calibration_options(...)`); an artifact's own ignore
             patterns are used for it.
         revision, token: for a hub source (and the token for a calibration dataset).
+        force: replace an existing `output` (a scales file mpsconvert wrote; any other file, and
+            any path inside the source or an artifact, is refused, with or without it).
         progress: `progress("calibrate", done, total, detail)`.
 
     Returns:
@@ -333,7 +342,7 @@ def calibrate(
         opts = replace(opts, token=token)
     from .manifests.manifest import read_once
 
-    cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, progress=progress)
+    cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, force=force, progress=progress)
     return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest,
                            pin_sha256=read_once(written_to)[2] if manifest is not None else None)
 
@@ -372,7 +381,11 @@ def inspect(artifact: str | Path) -> Manifest:
 
     Raises:
         ArtifactError: no manifest, or one this version cannot read.
+        MpsconvertError: a symlink planted under a name mpsconvert reserves beside it.
     """
+    from . import atomic
+
+    atomic.recover(Path(artifact))  # what a killed run left, as every command does first
     return Manifest.read(Path(artifact))
 
 
@@ -882,9 +895,12 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
            verify_first: bool = True, progress: Progress | None = None) -> UploadResult:
     """Publish an artifact to a Hugging Face hub model repo (created if absent).
 
-    The artifact is verified first (every sha256 against the manifest), its model card is
-    rewritten to name the repo (how to load it from there), then the whole folder goes up in
-    one commit with huggingface_hub, whose message names the scheme and the source commit.
+    The artifact is verified first (every sha256 against the manifest); its model card,
+    rewritten to name the repo (how to load it from there), and the manifest go into a staged
+    copy; the listed files go up from it in one commit with huggingface_hub, as the bytes that
+    were verified (never a path it would reopen), whose message names the scheme and the source
+    commit; the staged copy replaces the artifact only once the commit succeeded (a failed
+    upload changes nothing local).
 
     Args:
         artifact: the artifact folder.
@@ -901,7 +917,8 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
 
     Raises:
         UploadError: offline mode, the hub unreachable (HF_ENDPOINT), no write rights, a bad repo id.
-        ArtifactError: not an artifact, or it fails verification.
+        ArtifactError: not an artifact, it fails verification, or a file changed after it was
+            verified (nothing is sent).
     """
     from . import publish
 

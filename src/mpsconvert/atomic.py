@@ -311,35 +311,85 @@ def claim(target: Path):
 
 
 def recover(target: Path) -> None:
-    """For readers: if a run was killed between the two renames of a swap (`target` gone, its
-    `-old` of ours there), put the old one back first. Raises MpsconvertError if a run is writing
-    it, or a symlink was planted under a reserved name beside it."""
+    """For readers: what a killed run left is repaired, as a writer does first: a swap cut
+    between its two renames completed backwards (`target` gone, its `-old` of ours put back), and
+    the temporary folders beside `target` and files inside it removed, when they are provably
+    ours (`_ours`: their marker names `target`) and stale (this reader takes the lock, which every
+    run holds while its temporary folders exist). Where the lock is held (a run is writing it
+    now) or cannot be taken (a read-only volume), they are left to a later run, unless `target`
+    is gone (then nothing can be read: the error says why). A symlink under a reserved name
+    beside `target` (the lock's, a temporary folder's) is an error, never followed."""
     target = real(target)
-    if not os.path.lexists(target) and any(_ours(p, target) for p in leftovers(target)):
+    lock = target.parent / f"{LOCK_PREFIX}{target.name}"
+    if os.path.islink(lock):
+        raise _planted(lock)
+    mine = [p for p in leftovers(target) if _ours(p, target)]  # leftovers: a planted link is an error
+    inside = (stat.S_ISDIR(os.lstat(target).st_mode) if os.path.lexists(target) else False) and \
+        next(iter(target.glob(glob.escape(TMP_PREFIX) + "*")), None) is not None
+    if not (mine or inside) or target in _held:  # nothing left, or this process is writing it (a step of its command)
+        return
+    try:
         with writing(target):
             pass
+    except MpsconvertError:
+        if not os.path.lexists(target):
+            raise
 
 
 def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bool] | None = None,
-                      protect: tuple[Path, ...] = ()) -> None:
-    """May an output at `target` be written? Only where nothing is, or (with `force`) over a
-    folder `is_ours` recognises (our manifest, parsed: layout.is_ours) that neither is, holds nor
-    lies inside a path in `protect` (the source; a new folder inside it is refused too). Everything
-    else is refused in one line, with nothing touched."""
+                      protect: tuple[Path, ...] = (), is_artifact: Callable[[Path], bool] | None = None,
+                      unlisted: Callable[[Path], list[str]] | None = None, delete_unlisted: bool = False,
+                      file: bool = False) -> None:
+    """May an output at `target` be written? The one rule for every output path of every command
+    (a folder: quantize's artifact, calibrate's rebuild; a `file`: calibrate's scales), checked
+    before any work and again under the output's lock just before the write. Refused in one line,
+    with nothing touched:
+
+    - `target` lies inside a folder `is_artifact` recognises (an mpsconvert artifact): only the
+      artifact's own transaction writes into one (manifests/transaction.py);
+    - `target` is, holds or lies inside a path in `protect` (the source, or the artifact a
+      command reads): an output never goes where its input is, and a new folder inside a source
+      would be carried by its next conversion;
+    - `target` exists and is a symlink, or not the kind asked for (a file for a folder output, a
+      folder or a fifo for a file output);
+    - `target` exists and `is_ours` does not recognise it (our manifest, parsed; our scales
+      file): `--force` replaces only what mpsconvert made;
+    - `target` exists and `force` is not given;
+    - with `force`, `unlisted(target)` names files the output's manifest does not list (a user's
+      notes in an artifact): they would be deleted, so they are listed and refused unless
+      `delete_unlisted`.
+    """
     target = Path(target).absolute()
     real_ = target.resolve()
+    what = "the output file" if file else "output"
+    if is_artifact is not None:
+        for folder in real_.parents:
+            if is_artifact(folder):
+                raise MpsconvertError(f"{what} {target} lies inside the mpsconvert artifact {folder}, which only mpsconvert's own steps "
+                                      "(export, validate, calibrate, upload) change", "choose an -o outside the artifact")
     for p in protect:
         src = Path(p).resolve()
         same, holds = same_or_inside(src, real_)  # without case where the volume ignores it (APFS, exFAT)
         if same or holds:
-            raise MpsconvertError(f"output {target} {'is' if same else 'holds'} the source model {src}",
+            raise MpsconvertError(f"{what} {target} {'is' if same else 'holds'} the source model {src}",
                                   "choose an -o outside the source folder")
         if same_or_inside(real_, src)[1]:  # also a new folder there: the next conversion of that source would carry it
-            raise MpsconvertError(f"output {target} lies inside the source model {src}", "choose an -o outside the source folder")
+            raise MpsconvertError(f"{what} {target} lies inside the source model {src}", "choose an -o outside the source folder")
     if not os.path.lexists(target):
         return
-    if target.is_symlink() or not target.is_dir():
-        kind = "a symlink" if target.is_symlink() else "a file"
+    st = os.lstat(target)
+    if file:
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise MpsconvertError(f"{what} {target} is {kind}; mpsconvert never replaces it", "remove it yourself, or choose another -o")
+        if is_ours is not None and not is_ours(target):
+            raise MpsconvertError(f"{what} {target} exists and is not a file mpsconvert wrote; --force replaces only those",
+                                  "choose another -o, or remove it yourself")
+        if not force:
+            raise MpsconvertError(f"{what} {target} already exists", "pass --force to replace it, or choose another -o")
+        return
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"
         raise MpsconvertError(f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
                               "remove it yourself, or choose another -o")
     if is_ours is not None and not is_ours(target):  # said first: --force would not replace it, so it is not the fix
@@ -348,6 +398,41 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
                               "choose another -o, or remove it yourself")
     if not force:
         raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
+    if unlisted is not None and not delete_unlisted and (theirs := unlisted(target)):
+        shown = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
+        raise MpsconvertError(f"output {target} holds {len(theirs)} file{'s' if len(theirs) > 1 else ''} its manifest does not list "
+                              f"({shown}); --force would delete them with the old artifact",
+                              "move them out of it, or add --force-delete-unlisted to delete them too")
+
+
+def write_file(target: Path, text: str, **rule) -> None:
+    """Write a file output (calibrate's scales) whole: under its lock (a claim of the command
+    joined), `check_replaceable(target, file=True, **rule)` once more (the file may have appeared
+    while the command worked), then `write_text`."""
+    target = Path(target).absolute()
+    if not target.parent.is_dir():
+        raise MpsconvertError(f"cannot write {target}: folder {target.parent} does not exist", "create it, or choose another -o")
+    with locked(target):
+        check_replaceable(target, file=True, **rule)
+        write_text(target, text)
+
+
+def carry(src: Path, dst: Path, rels: list[str]) -> None:
+    """Put the files `rels` of the folder `src` into `dst` as they are (hard links; a copy where
+    the file system has none), for a rebuild that keeps what it does not know (a user's notes in
+    an artifact). A link or a special file among them is refused, as in `staged_copy`."""
+    for rel in rels:
+        s, d = Path(src) / rel, Path(dst) / rel
+        if os.path.lexists(d):
+            continue
+        if not stat.S_ISREG(os.lstat(s).st_mode):
+            raise MpsconvertError(f"{s} is {'a symlink' if s.is_symlink() else 'not a regular file'} inside the artifact",
+                                  "move it out of the artifact, then run the command again")
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
 
 
 def _old(target: Path) -> Path:
@@ -485,13 +570,15 @@ def private_tempdir(kind: str, redirect: bool = False):
 
 @contextlib.contextmanager
 def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours: Callable[[Path], bool] | None = None,
-               protect: tuple[Path, ...] = (), held: bool = False):
+               protect: tuple[Path, ...] = (), held: bool = False, is_artifact: Callable[[Path], bool] | None = None,
+               unlisted: Callable[[Path], list[str]] | None = None, delete_unlisted: bool = False):
     """Yield a fresh temporary folder beside `target`; on success it becomes `target`.
 
     On any error (or Ctrl-C / SIGTERM) the temporary folder is removed and `target` is
-    untouched. An existing `target` is replaced only with `force=True`, only if `is_ours`
-    accepts it and it is not (inside) a `protect`ed path (check_replaceable), and only after the
-    new one is complete. `min_free`: bytes the output needs, checked before anything is written.
+    untouched. An existing `target` is replaced only as `check_replaceable` allows (with
+    `force=True`, over a folder `is_ours` accepts, not (inside) a `protect`ed path or an
+    artifact, holding no file `unlisted` names unless `delete_unlisted`), and only after the new
+    one is complete. `min_free`: bytes the output needs, checked before anything is written.
     `held`: the caller already holds `writing(target)` (it verified what it rebuilds under it).
     """
     target = Path(target).absolute()
@@ -505,7 +592,8 @@ def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours:
     if held and target not in _held:
         raise RuntimeError("output_dir(held=True) needs the target's lock (atomic.writing)")
     with contextlib.nullcontext() if held else writing(target):
-        check_replaceable(target, force=force, is_ours=is_ours, protect=protect)
+        check_replaceable(target, force=force, is_ours=is_ours, protect=protect, is_artifact=is_artifact, unlisted=unlisted,
+                          delete_unlisted=delete_unlisted)
         free = shutil.disk_usage(parent).free
         if min_free and free < min_free:
             raise MpsconvertError(

@@ -38,6 +38,7 @@ class Plan:
     experts: list[str] = field(default_factory=list)  # fused 3-D experts modules
     expert_layout: dict = field(default_factory=dict)  # "<module>.<param>" -> moe_layout.ExpertParam
     meta_model: object = field(default=None, repr=False)  # the weightless model the plan was read from
+    unknown: list[str] = field(default_factory=list)  # stored tensors the model does not define (check_against_model)
 
     def module_for_tensor(self, tensor_name: str) -> str | None:
         """The quantized module a checkpoint key `<module>.weight` belongs to, or None."""
@@ -172,16 +173,36 @@ def plan_for(path, ignore: list[str] | None = None, trust_remote_code: bool = Fa
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # a float parameter may be stored as any of these
+# What FP8 formats store beside a weight (compressed-tensors, FineGrainedFP8, ComfyUI): read by the
+# source's format checks, not parameters of the model.
+_COMPANIONS = (".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point", ".input_zero_point",
+               ".weight_global_scale", ".input_global_scale", ".comfy_quant", ".scale_weight", ".scale_input")
 
 
 def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> None:
     """Every stored tensor that is a parameter of the model config.json defines has that
     parameter's shape, and a float dtype where the parameter is float (e4m3 too in an FP8
     source): a checkpoint that does not fit its config is refused here, not discovered by
-    `verify` or the forward pass."""
+    `verify` or the forward pass. Stored tensors the model defines nowhere (no parameter, buffer,
+    fused experts or FP8 companion of that name) are listed in `plan.unknown`: they are copied
+    as they are, and the conversion says so (transformers ignores them at load)."""
     floats = FLOAT_DTYPES + (("F8_E4M3",) if fp8_source else ())
-    params = dict(plan.meta_model.named_parameters()) if plan.meta_model is not None else {}
+    if plan.meta_model is None:  # the plan came from a child process, which ran this check on its model
+        return
+    params = dict(plan.meta_model.named_parameters(remove_duplicate=False))
+    known = set(params) | {n for n, _ in plan.meta_model.named_buffers(remove_duplicate=False)}
     prefix = plan.prefix
+    experts = tuple(e + "." for e in plan.experts)
+
+    def defined(key: str) -> bool:
+        if key.endswith(_COMPANIONS):
+            return True
+        for cand in (key, f"{prefix}.{key}" if prefix else None, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None):
+            if cand and (cand in known or (bool(experts) and cand.startswith(experts))):  # per-expert tensors of fused experts
+                return True
+        return False
+
+    plan.unknown = sorted(name for h in headers.values() for name in h.tensors if not defined(name))
 
     def param_of(key: str):
         for cand in (key, f"{prefix}.{key}" if prefix else None, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None):

@@ -1,11 +1,16 @@
-"""An artifact -> a Hugging Face hub repo, with huggingface_hub (`create_repo`, `upload_folder`).
+"""An artifact -> a Hugging Face hub repo, with huggingface_hub (`create_repo`, `create_commit`).
 
 Where a model goes, as source.py is where it comes from. The artifact is verified first (every
 sha256 against the manifest: a damaged artifact is never published), the repo is created if it
-is not there (`private` as asked), and the whole folder goes up in one commit whose message
-names the scheme and the source commit. `HF_TOKEN` and `HF_ENDPOINT` are read when the upload
-runs (not when huggingface_hub was imported), and offline mode (`HF_HUB_OFFLINE`) is a one-line
-error before any request.
+is not there (`private` as asked), and the listed files go up in one commit whose message names
+the scheme and the source commit. What is sent is what was verified: each file is opened once
+(no link followed), hashed as it is read and handed to huggingface_hub as those bytes (or, for a
+weight file, as that open file, hashed again as it is sent: `hashing.VerifiedReader`), never as
+a path it would open again. The card and the manifest that name the repo are written into a
+staged copy of the artifact, the upload is sent from it, and it replaces the artifact only once
+the hub took the commit: a failed upload changes nothing local. `HF_TOKEN` and `HF_ENDPOINT`
+are read when the upload runs (not when huggingface_hub was imported), and offline mode
+(`HF_HUB_OFFLINE`) is a one-line error before any request.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from pathlib import Path
 from typing import Callable
 
 from .version import __version__
-from .errors import UploadError
+from .errors import MpsconvertError, UploadError
+from .manifests.hashing import read_verified
 from .manifests.manifest import MANIFEST_NAME, Manifest
-from .untrusted import inside, one_line
+from .untrusted import one_line, parse_json, read_bytes
 
 _TRUE = {"1", "on", "yes", "true"}
 _REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -37,19 +43,48 @@ def commit_message(manifest: Manifest) -> str:
     return one_line(f"FP8 {r.get('name')} (weights per {r.get('weights')}) of {where}, by mpsconvert {__version__}")
 
 
+_CHANGED = "nothing was uploaded; verify the artifact, and upload again once nothing else writes it"
+
+
+def sendable(folder: Path) -> tuple[Manifest, list]:
+    """(the manifest, one `CommitOperationAdd` per file it lists and for itself) for `folder`:
+    the manifest's bytes read once, parsed and sent as read; every listed file opened once
+    without following a link (`hashing.read_verified`) and refused unless it matches its sha256
+    there. Unlisted files (a user's notes, a link planted in the folder) are never sent."""
+    import huggingface_hub as hf
+
+    folder = Path(folder)
+    raw = read_bytes(folder / MANIFEST_NAME, what=MANIFEST_NAME, fix="re-create the artifact")
+    manifest = Manifest.from_body(parse_json(raw, what=str(folder / MANIFEST_NAME)), folder / MANIFEST_NAME)
+    ops = [hf.CommitOperationAdd(path_in_repo=MANIFEST_NAME, path_or_fileobj=raw)]
+    try:
+        for rel in sorted(manifest.files):
+            want = manifest.files[rel]
+            data = read_verified(folder, rel, want, _CHANGED)
+            op = hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=data)
+            ops.append(op)
+            if op.upload_info.sha256.hex() != want["sha256"]:  # what huggingface_hub will announce to the hub
+                raise UploadError(f"{rel} does not match the sha256 in {MANIFEST_NAME} (changed after it was verified)", _CHANGED)
+    except BaseException:
+        for op in ops:
+            if hasattr(op.path_or_fileobj, "close"):
+                op.path_or_fileobj.close()
+        raise
+    return manifest, ops
+
+
 def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str | None = None,
                   revision: str | None = None) -> dict:
     """Create `repo` (if absent) and upload the files the artifact's manifest lists, and the
-    manifest, in one commit (an unlisted file, a user's notes or a link planted in the folder, is
-    never sent; `upload` verified the listed ones under the artifact's lock); returns what api.UploadResult holds (repo, url, revision, commit, commit_message, private,
-    endpoint, files).
+    manifest, in one commit, as the bytes `sendable` verified (the caller holds the artifact's
+    lock); returns what api.UploadResult holds (repo, url, revision, commit, commit_message,
+    private, endpoint, files).
 
     Raises:
         UploadError: offline mode, no network, no (write) token, the hub refused it.
-        ArtifactError: `folder` is not an artifact.
+        ArtifactError: `folder` is not an artifact, or a file does not match its sha256.
     """
     folder = Path(folder)
-    manifest = Manifest.read(folder)
     if offline():
         raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
                           "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
@@ -59,9 +94,20 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
     endpoint = (os.environ.get("HF_ENDPOINT") or hf.constants.ENDPOINT).rstrip("/")
     token = token or os.environ.get("HF_TOKEN") or None
     api = hf.HfApi(endpoint=endpoint, token=token)
+    manifest, ops = sendable(folder)
     msg = commit_message(manifest)
-    files = sorted({*manifest.files, MANIFEST_NAME})
-    ops = [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(inside(folder, rel, what=MANIFEST_NAME))) for rel in files]
+    files = sorted(op.path_in_repo for op in ops)
+    try:
+        return _send(api, ops, repo, msg, files, private=private, revision=revision, endpoint=endpoint, hf_errors=hf_errors)
+    finally:
+        for op in ops:
+            if hasattr(op.path_or_fileobj, "close"):
+                op.path_or_fileobj.close()
+
+
+def _send(api, ops: list, repo: str, msg: str, files: list[str], *, private: bool, revision: str | None, endpoint: str,
+          hf_errors) -> dict:
+    """Create the repo and send the commit; the hub's and the network's failures as one line."""
     try:
         url = api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
         # An existing repo keeps its visibility (create_repo leaves it as it is): what it really
@@ -77,9 +123,11 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
         status = getattr(e.response, "status_code", None)
         url_ = str(getattr(getattr(e.response, "request", None), "url", "") or "")
         raise http_failure(status, str(e).splitlines()[0][:160], url_, endpoint, repo) from e
-    except UploadError:
+    except MpsconvertError:
         raise
     except Exception as e:
+        if (ours := _ours_in(e)) is not None:  # a file that changed while it was sent, wrapped by huggingface_hub's workers
+            raise ours from e
         if not _is_transport_error(e):
             raise
         # hf_xet reports an HTTP answer as a "network error": an answer is not an unreachable hub
@@ -113,6 +161,17 @@ def http_failure(status: int | None, detail: str, url: str, endpoint: str, repo:
     return UploadError(f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}", "retry, or check the hub's status")
 
 
+def _ours_in(e: BaseException) -> MpsconvertError | None:
+    """An MpsconvertError that `e` was raised from (its causes and contexts), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, MpsconvertError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _is_transport_error(e: BaseException) -> bool:
     """A network failure (DNS, refused connection, TLS, timeout) from whichever HTTP client
     huggingface_hub uses (its versions moved from requests to httpx and on): judged by the
@@ -140,9 +199,10 @@ def check_upload(repo: str, what: str = "--upload-repo") -> None:
 def upload(artifact: Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
            verify: Callable[[Path], object] | None = None) -> dict:
     """Publish an artifact (see api.upload): under its lock, `verify(artifact)` (a report with
-    `ok` and `problems`: a damaged artifact is never uploaded), the card rewritten to name the
-    repo (the manifest's `hub` record, one transaction), then the folder in one commit. Returns
-    what `upload_folder` returns."""
+    `ok` and `problems`: a damaged artifact is never uploaded); in one transaction, the card
+    rewritten to name the repo (the manifest's `hub` record) in the staged copy, the staged copy
+    sent in one commit, and swapped in only once the commit succeeded. Returns what
+    `upload_folder` returns."""
     from . import atomic
     from .errors import ArtifactError
     from .manifests import layout
@@ -164,4 +224,6 @@ def upload(artifact: Path, repo: str, *, private: bool = False, token: str | Non
                                     "re-create the artifact; a damaged one is never uploaded")
         with transaction(artifact) as t:
             t.put(Hub(repo=repo))
-        return upload_folder(artifact, repo, private=private, token=token, revision=revision)
+            # The card and the manifest naming the repo go into the staged copy, the upload is
+            # sent from it, and it replaces the artifact only if the hub took the commit.
+            return upload_folder(t.stage(), repo, private=private, token=token, revision=revision)

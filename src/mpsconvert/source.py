@@ -16,7 +16,7 @@ from .errors import SourceError
 from .manifests.fp8_source import SourceFP8, source_fp8
 from .manifests.hashing import BackgroundHasher
 from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_INDEX, SINGLE_FILE, is_plain_shard_name
-from .untrusted import inside, read_json
+from .untrusted import inside, one_line, read_json
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
 ALLOW_PATTERNS = [
@@ -177,6 +177,7 @@ def resolve(src: str, revision: str | None = None, token: str | None = None, *, 
     of a pipeline [default: transformer])."""
     path = local_path(src)
     if path is not None:
+        no_revision(path, revision)
         if is_gguf(path):
             raise SourceError(f"{src} is a GGUF file; only `mpsconvert quantize` reads GGUF files",
                               "quantize it first (`mpsconvert quantize FILE.gguf`), then use the artifact, or pass a model folder")
@@ -198,6 +199,15 @@ def resolve(src: str, revision: str | None = None, token: str | None = None, *, 
         raise SourceError(f"--component {component} applies to a diffusers pipeline, and {src} has no {MODEL_INDEX}",
                           "drop --component, or pass a diffusers pipeline folder or repo")
     return _inventory(snap)
+
+
+def no_revision(path: Path, revision: str | None) -> None:
+    """A local file or folder has no revisions to pick from: `--revision` with one is refused, not
+    ignored (it would also be recorded as the source's revision in the manifest and the card)."""
+    if revision is not None:
+        raise SourceError(f"--revision {one_line(revision, 80)} applies to a hub repo, and {path} is a local "
+                          f"{'folder' if Path(path).is_dir() else 'file'}",
+                          "drop --revision (check that revision out into the folder yourself), or pass the hub repo id")
 
 
 def is_diffusers_folder(path: Path) -> bool:

@@ -48,12 +48,24 @@ SCALES_FORMAT = "mpsconvert-input-scales"
 SCALES_VERSION = 1
 
 
-def save_scales(path: Path, cal: Calibration) -> None:
+def is_scales_file(path: Path) -> bool:
+    """Whether `path` is a scales file mpsconvert wrote (what `calibrate -o FILE --force` may replace)."""
+    try:
+        body = read_json(path, what=str(path), max_bytes=64 << 20)
+    except MpsconvertError:
+        return False
+    return body.get("format") == SCALES_FORMAT
+
+
+def check_scales_output(path: Path, *, force: bool, protect: tuple[Path, ...] = ()) -> None:
+    """`calibrate -o FILE` may write FILE (atomic.check_replaceable, the one output rule): said
+    before any work, and again when the file is written."""
+    atomic.check_replaceable(Path(path), file=True, force=force, is_ours=is_scales_file, protect=protect, is_artifact=is_artifact)
+
+
+def save_scales(path: Path, cal: Calibration, *, force: bool = False, protect: tuple[Path, ...] = ()) -> None:
+    """Write the scales file `path` whole, as the output rule allows (`check_scales_output`)."""
     path = Path(path)
-    if path.is_dir():
-        raise ArtifactError(f"cannot write scales to {path}: it is a folder", "pass a file name such as scales.json")
-    if not path.parent.is_dir():
-        raise ArtifactError(f"cannot write {path}: folder {path.parent} does not exist", "create it, or choose another -o")
     body = {
         "format": SCALES_FORMAT,
         "version": SCALES_VERSION,
@@ -61,7 +73,8 @@ def save_scales(path: Path, cal: Calibration) -> None:
         "expert_input_scales": cal.expert_scales,
         "calibration": cal.record,
     }
-    atomic.write_text(path, json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    atomic.write_file(path, json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n", force=force, is_ours=is_scales_file,
+                      protect=protect, is_artifact=is_artifact)
 
 
 def load_scales(path: Path) -> tuple[dict[str, float], dict]:
@@ -211,15 +224,20 @@ def write_into_artifact(t: Transaction, cal: Calibration) -> Manifest:
 
 
 def calibrate_target(target: str | Path, output: str | Path | None, options: CalibOptions, *, revision: str | None = None,
-                     progress: Progress | None = None) -> tuple[Calibration, Path, Manifest | None]:
+                     force: bool = False, progress: Progress | None = None) -> tuple[Calibration, Path, Manifest | None]:
     """The `calibrate` command: an artifact (calibrated as it will run, from its FP8 weights) gets
     its scales written into it unless `output` names a scales file; a source needs `output`.
     Returns (the calibration, where it was written, the artifact's new manifest or None)."""
     from ..manifests.verify import check_before_use
-    from ..source import resolve
+    from ..source import no_revision, resolve
 
     path = Path(target).expanduser()
     atomic.recover(path)
+    local = path.exists()
+    if local:
+        no_revision(path, revision)
+    if output is not None:  # before any work: a file mpsconvert may not replace, or one inside what it reads
+        check_scales_output(output, force=force, protect=(path,) if local else ())
     if is_artifact(path):
         # Written into: one transaction from before any work to the card (verified first, every
         # hash, before any of its config, code or weights is used). Into a file: verified, read.
@@ -234,13 +252,14 @@ def calibrate_target(target: str | Path, output: str | Path | None, options: Cal
                 cal = calibrate(snap_dir, replace(options, ignore=list(ignore or options.ignore)), progress)
             cal.record["weights"] = "the artifact's FP8 weights, dequantized"
             if t is None:
-                save_scales(Path(output), cal)
+                save_scales(Path(output), cal, force=force, protect=(path,))
                 return cal, Path(output), None
             manifest = write_into_artifact(t, cal)
         return cal, path, manifest
     if output is None:
         raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
     snap = resolve(str(target), revision=revision, token=options.token)
+    check_scales_output(output, force=force, protect=(snap.path,))  # a hub source: its snapshot, now known
     cal = calibrate(snap.path, options, progress)
-    save_scales(Path(output), cal)
+    save_scales(Path(output), cal, force=force, protect=(snap.path,))
     return cal, Path(output), None

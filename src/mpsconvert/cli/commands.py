@@ -84,7 +84,11 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @click.option("--experts-layout", type=click.Choice(api.EXPERTS_LAYOUTS), default="per-expert", show_default=True,
               help="MoE checkpoints that store experts fused (3-D): per-expert writes one FP8 tensor per expert and projection "
                    "(loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused (loads only in mpsconvert's runtime).")
-@click.option("--force", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
+@click.option("--force", is_flag=True,
+              help="Replace an existing output folder (only once the new one is complete): an mpsconvert artifact only, and "
+                   "one holding files its manifest does not list (your notes) is refused, naming them.")
+@click.option("--force-delete-unlisted", "delete_unlisted", is_flag=True,
+              help="With --force: also delete the files in the old output that its manifest does not list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--scales", "scales_file", type=click.Path(path_type=Path, dir_okay=False),
               help="For --scheme fp8: use the input scales from `mpsconvert calibrate -o FILE` instead of calibrating.")
@@ -104,8 +108,8 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
                    "Language models take none.")
 @click.option("--component", metavar="NAME", help="The diffusers pipeline component to quantize [default: transformer].")
 @friendly_errors
-def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force, as_json,
-             scales_file, dtype, max_shard_size, upload_repo, private, fmt, component, **rest):
+def quantize(source, output, scheme, weights, block_size, revision, token, ignore, trust_remote_code, experts_layout, force,
+             delete_unlisted, as_json, scales_file, dtype, max_shard_size, upload_repo, private, fmt, component, **rest):
     """Quantize SOURCE (a hub repo id, a local folder or a .gguf file) to an FP8 compressed-tensors artifact; a
     diffusers pipeline, component or original .safetensors file to FP8 for ComfyUI or diffusers.
 
@@ -115,7 +119,7 @@ def quantize(source, output, scheme, weights, block_size, revision, token, ignor
     with render.progress_bars() as progress:
         res = api.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
-                           calibration=_calibration(**rest), scales_file=scales_file, exports=exports,
+                           delete_unlisted=delete_unlisted, calibration=_calibration(**rest), scales_file=scales_file, exports=exports,
                            dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo, private=private, format=fmt,
                            component=component, progress=progress)
     if res.calibration is not None:
@@ -214,15 +218,17 @@ main.generate = generated
 
 @main.command()
 @click.argument("target")
-@click.option("-o", "--output", "output", type=click.Path(path_type=Path, dir_okay=False),
-              help="Write the scales to this JSON file (for `quantize --scheme fp8 --scales FILE`) instead of into the artifact.")
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path),
+              help="Write the scales to this JSON file (for `quantize --scheme fp8 --scales FILE`) instead of into the artifact. "
+                   "Never inside the source or an artifact.")
+@click.option("--force", is_flag=True, help="Replace an existing -o FILE (a scales file mpsconvert wrote; any other file is refused).")
 @click.option("--revision", help="Branch, tag or commit of a hub model repo [default: main].")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos and datasets.")
 @click.option("--ignore", multiple=True, metavar="PATTERN", help="Linear modules left unquantized (as given to quantize). Repeatable.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
 @calibration_options
 @friendly_errors
-def calibrate(target, output, revision, token, ignore, trust_remote_code, **calib):
+def calibrate(target, output, force, revision, token, ignore, trust_remote_code, **calib):
     """Measure static FP8 input scales for TARGET on real text.
 
     \b
@@ -232,7 +238,7 @@ def calibrate(target, output, revision, token, ignore, trust_remote_code, **cali
     """
     opts = _calibration(**calib, ignore=list(ignore), trust_remote_code=trust_remote_code, token=token)
     with render.progress_bars() as progress:
-        res = api.calibrate(target, output, options=opts, revision=revision, token=token, progress=progress)
+        res = api.calibrate(target, output, options=opts, revision=revision, token=token, force=force, progress=progress)
     render.calibration(res.calibration)
     n = len(res.calibration.scales)
     if res.into_artifact:

@@ -49,7 +49,7 @@ def default_output(source_name: str, scheme: str) -> Path:
 def quantize(source: str | Path, output: str | Path | None, *, scheme: str | None, weights: str | None, block_size: int | None,
              revision: str | None, token: str | None, ignore, trust_remote_code: bool, experts_layout: str, force: bool,
              calibration_given: dict[str, bool], scales: Scales | None, dtype: str | None, max_shard_size, format: str | None, component: str | None,
-             exports: tuple[str, ...] = (), before: Callable[[], None] | None = None,
+             exports: tuple[str, ...] = (), before: Callable[[], None] | None = None, delete_unlisted: bool = False,
              then: Callable[[Converted], None] | None = None, progress: Progress | None = None) -> Converted:
     """Convert `source` (see api.quantize for every argument): `calibration_given` says which of
     calibration data and a scales file were given ({"--calib-data": bool, "--scales": bool}: only
@@ -66,6 +66,8 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
     # Where the output goes, and whether it may, before any work: a local folder is read now (a
     # config and an index), a hub id only named.
     path = sources.local_path(str(source))
+    if path is not None:
+        sources.no_revision(path, revision)  # a GGUF file too: refused before the output is even named
     gguf_file = path if sources.is_gguf(path) else None
     snap = (sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
             if path is not None and gguf_file is None else None)
@@ -84,7 +86,8 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
     with contextlib.ExitStack() as claimed:
         claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
-        atomic.check_replaceable(out, force=force, is_ours=layout.is_ours, protect=(path,) if path is not None else ())
+        atomic.check_replaceable(out, force=force, protect=(path,) if path is not None else (), delete_unlisted=delete_unlisted,
+                                 **layout.OUTPUT_RULES)
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
         from . import shard_size_bytes
@@ -101,27 +104,27 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
             if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
                 out = output_for(snap, snap.repo_id)
                 claimed.enter_context(atomic.claim(out))
-                atomic.check_replaceable(out, force=force, is_ours=layout.is_ours)
+                atomic.check_replaceable(out, force=force, delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
         if snap.diffusion is not None or format is not None:
             from .diffusion.run import quantize_source
 
             llm_only = {"--scheme": scheme, "--weights": weights, **calibration_given, "--dtype": dtype,
                         "--experts-layout": experts_layout != "per-expert", **{f"--{k}": True for k in exports}}
             out, manifest = quantize_source(snap, out, format, ignore=list(ignore), force=force, max_shard_size=shard_bytes,
-                                            llm_only=llm_only, progress=progress)
+                                            llm_only=llm_only, progress=progress, delete_unlisted=delete_unlisted)
             done = Converted(out, manifest)
         else:
             if snap.fp8 is not None and scheme is None and weights is None:
                 sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
             done = _convert(snap, out, sch, ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
-                            force=force, scales=scales, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
+                            force=force, delete_unlisted=delete_unlisted, scales=scales, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
         if then is not None:
             then(done)
         return done
 
 
-def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts_layout, force, scales, dtype, shard_bytes,
-             progress) -> Converted:
+def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts_layout, force, delete_unlisted, scales, dtype,
+             shard_bytes, progress) -> Converted:
     """A language model's conversion once its source is resolved and its output claimed."""
     snap.start_hashing()  # overlaps the imports and planning below
     from . import plan_child
@@ -129,26 +132,26 @@ def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts
     child = plan_child.start_early(snap, sch, list(ignore), trust_remote_code)  # before torch is imported here
     try:
         return _convert_with(snap, out, sch, child, ignore=ignore, trust_remote_code=trust_remote_code,
-                             experts_layout=experts_layout, force=force, scales=scales, dtype=dtype, shard_bytes=shard_bytes,
-                             progress=progress)
+                             experts_layout=experts_layout, force=force, delete_unlisted=delete_unlisted, scales=scales, dtype=dtype,
+                             shard_bytes=shard_bytes, progress=progress)
     finally:
         if child is not None:
             child.kill()  # a run that failed before the writing
 
 
-def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_code, experts_layout, force, scales, dtype,
-                  shard_bytes, progress) -> Converted:
+def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_code, experts_layout, force, delete_unlisted, scales,
+                  dtype, shard_bytes, progress) -> Converted:
     from .quantize import Options, check_fp8_source, quantize_snapshot
 
     check_fp8_source(snap, sch)
-    opts = Options(scheme=sch, ignore=list(ignore), force=force, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
-                   dtype=dtype, max_shard_size=shard_bytes)
+    opts = Options(scheme=sch, ignore=list(ignore), force=force, delete_unlisted=delete_unlisted, trust_remote_code=trust_remote_code,
+                   experts_layout=experts_layout, dtype=dtype, max_shard_size=shard_bytes)
     cal = None
     if sch.needs_calibration and not (snap.fp8 is not None and sch == snap.fp8.scheme):  # a static FP8 source brings its scales
         opts.input_scales, opts.calibration, cal = scales(snap.path)
         opts.device = opts.calibration.get("device", opts.device)
     manifest = quantize_snapshot(snap, out, opts, progress, child)
-    done = Converted(out, manifest, cal)
+    done = Converted(out, manifest, cal, warnings=list(opts.notes))
     g = manifest.get(GGUFSource)
     if g is not None and (note := g.precision_note()):  # a GGUF below 8 bits: said in the summary, as in the card
         done.warnings.append(note)

@@ -74,7 +74,7 @@ class PlanChild(Child):
             self.why_not = "the model has fused experts, whose layout needs the model itself"
             return None
         return Plan(architecture=body["architecture"], quantize={k: tuple(v) for k, v in body["quantize"].items()},
-                    ignored=body["ignored"], skipped=body["skipped"], prefix=body["prefix"])
+                    ignored=body["ignored"], skipped=body["skipped"], prefix=body["prefix"], unknown=body.get("unknown", []))
 
     @property
     def built_by(self) -> str:
@@ -92,7 +92,7 @@ def _main(request: dict) -> dict:
     plan = plan_for(path, request["ignore"])
     check_against_model(plan, {f: read_header(path / f) for f in request["weight_files"]})
     return {"architecture": plan.architecture, "quantize": plan.quantize, "ignored": plan.ignored, "skipped": plan.skipped,
-            "prefix": plan.prefix, "experts": plan.experts}
+            "prefix": plan.prefix, "experts": plan.experts, "unknown": plan.unknown}
 
 
 if __name__ == "__main__":

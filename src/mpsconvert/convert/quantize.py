@@ -76,6 +76,7 @@ class Options:
     scheme: Scheme = field(default_factory=Scheme)
     ignore: list[str] = field(default_factory=list)
     force: bool = False
+    delete_unlisted: bool = False  # with force: also delete files the old artifact's manifest does not list
     trust_remote_code: bool = False
     # Static activation scales (module -> dequant scale), required by the "fp8" scheme. MoE
     # experts: "<experts module>.<param>" -> one scale per expert (calibrate.experts).
@@ -97,6 +98,7 @@ class Options:
     fp8_tensors: dict = field(default_factory=dict)
     source_scheme: Scheme | None = None  # the scheme an FP8 source's codes and scales are in
     repack: bool = False  # an FP8 source whose codes are kept (the scheme asked for is its own)
+    notes: list[str] = field(default_factory=list)  # what the conversion says about the source (tensors the model does not define)
     # The leaf name of a weight's scale: compressed-tensors' `<m>.weight_scale`, or another
     # loader's (diffusers' SDNQ backend reads `<m>.scale`).
     scale_leaf: str = "weight_scale"
@@ -354,7 +356,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
         atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, guessed or tensor_module, opts.scheme),
-                          is_ours=layout.is_ours, protect=(snap.path,)) as tmp,
+                          protect=(snap.path,), delete_unlisted=opts.delete_unlisted, **layout.OUTPUT_RULES) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
@@ -403,6 +405,11 @@ def _prepare(snap: Snapshot, opts: Options, headers: dict | None = None, plan: P
     headers = headers or {f: read_header(snap.path / f) for f in snap.weight_files}
     check_tensor_layout(snap, headers)
     check_against_model(plan, headers, fp8_source=snap.fp8 is not None)
+    if plan.unknown:
+        shown = ", ".join(repr(n[:80]) for n in plan.unknown[:3]) + (f" and {len(plan.unknown) - 3} more" if len(plan.unknown) > 3 else "")
+        opts.notes.append(f"the source stores {len(plan.unknown)} tensor{'s' if len(plan.unknown) > 1 else ''} that the model "
+                          f"({plan.architecture}) does not define ({shown}): copied into the artifact as "
+                          f"{'they are' if len(plan.unknown) > 1 else 'it is'}; transformers ignores them when it loads it")
     tensor_module = _finalize_fp8_plan(plan, headers, snap, opts) if snap.fp8 else _finalize_plan(plan, headers)
     expert_tensors = _expert_tensors(plan, headers, opts.experts_layout)
     # an error unless the plan names layers it keeps on purpose (GPT-2's Conv1D, MoE experts it cannot read)

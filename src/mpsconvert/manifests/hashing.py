@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import os
 import stat
 import threading
@@ -87,22 +88,45 @@ def folder_files(folder: Path, root: Path) -> dict[str, dict]:
     return out
 
 
+def open_regular(src: Path, name: str, fix: str, *, folder: Path | None = None) -> int:
+    """A read-only descriptor of the regular file `src`, opened without following a symlink and
+    without blocking on a fifo. With `folder`, `src` is a path relative to it and no part of it
+    may be a link either (each folder opened with O_NOFOLLOW below the last): a folder of a
+    package swapped for a link after a check cannot lead the read outside."""
+    nofollow = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)  # a fifo must not block the open
+    fds: list[int] = []
+    try:
+        if folder is None:
+            fd = os.open(src, nofollow)
+        else:
+            fds.append(os.open(folder, os.O_RDONLY | os.O_DIRECTORY))
+            *dirs, leaf = Path(src).parts
+            for d in dirs:
+                fds.append(os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+            fd = os.open(leaf, nofollow, dir_fd=fds[-1])
+    except OSError as e:
+        link = e.errno in (errno.ELOOP, errno.ENOTDIR)
+        raise ArtifactError(f"{name} cannot be read ({e.strerror or e}{': a symlink' if link else ''})", fix) from None
+    finally:
+        for d in fds:
+            os.close(d)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArtifactError(f"{name} is not a regular file", fix)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def copy_verified(src: Path, dst: Path, want: dict, name: str, fix: str = "re-create the artifact; a file that fails its hash is never used") -> dict:
     """Copy `src` to `dst`, hashing the bytes as they are read, and refuse (`dst` removed) unless
     they have the size and sha256 `want` records: whoever reads `dst` then reads exactly the bytes
     that were checked (no window in which `src` can change). `src` is opened without following a
     symlink (without blocking on a fifo) and must be a regular file. Returns {"sha256", "size"}."""
     h, n = hashlib.sha256(), 0
-    try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))  # a fifo must not block the open
-    except OSError as e:
-        raise ArtifactError(f"{name} cannot be read ({e.strerror or e}{': a symlink' if e.errno == errno.ELOOP else ''})", fix) from None
+    fd = open_regular(src, name, fix)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with os.fdopen(fd, "rb", buffering=0) as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ArtifactError(f"{name} is not a regular file", fix)
-        os.set_blocking(f.fileno(), True)
         with open(dst, "wb") as out:
             while chunk := f.read(_BLOCK):
                 h.update(chunk)
@@ -112,3 +136,88 @@ def copy_verified(src: Path, dst: Path, want: dict, name: str, fix: str = "re-cr
         dst.unlink()
         raise ArtifactError(f"{name} does not match the sha256 in mpsconvert.json (modified or corrupted)", fix)
     return {"sha256": h.hexdigest(), "size": n}
+
+
+# Files up to this size are sent as the bytes that were hashed (a card, a config, a tokenizer);
+# larger ones (weights) through `VerifiedReader`, so a shard never has to fit in memory.
+SEND_AS_BYTES = 64 << 20
+
+
+class VerifiedReader(io.BufferedIOBase):
+    """A file handed to a library that reads it (huggingface_hub's upload) as the bytes that were
+    verified: opened once (`open_regular`), hashed in full against `want` before it is handed
+    over, and hashed again on every pass a reader makes from its start, which fails *before*
+    the pass's last bytes are returned if they differ (a file rewritten in place after its check
+    never reaches its end). A rename or a link put under the file's name later changes nothing:
+    the descriptor is the file that was checked."""
+
+    def __init__(self, fd: int, want: dict, name: str, fix: str):
+        super().__init__()
+        self._fd, self._want, self._name, self._fix = fd, want, name, fix
+        self._pos = 0
+        self._pass: "hashlib._Hash | None" = None
+        self._done = 0  # bytes of the current pass hashed so far (it started at 0, read without gaps)
+        while self.read(_BLOCK):  # the first pass: refused here, before anything is sent
+            pass
+        self.seek(0)
+
+    def _check(self, final: bool) -> None:
+        if self._done > self._want.get("size", -1) or final and (
+                self._done != self._want.get("size") or self._pass.hexdigest() != self._want.get("sha256")):
+            self._pass = None
+            raise ArtifactError(f"{self._name} does not match the sha256 in mpsconvert.json (changed after it was verified)",
+                                self._fix)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: os.fstat(self._fd).st_size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            size = max(0, os.fstat(self._fd).st_size - self._pos) + 1  # to the end (one byte more shows a file that grew)
+        data = os.pread(self._fd, size, self._pos)
+        if self._pos == 0:
+            self._pass, self._done = hashlib.sha256(), 0
+        if self._pass is not None and self._pos == self._done:  # the pass goes on without a gap
+            self._pass.update(data)
+            self._done += len(data)
+            self._check(final=not data or self._done >= self._want.get("size", 0))  # checked before the last bytes go out
+        self._pos += len(data)
+        return data
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.read(size)
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def read_verified(folder: Path, rel: str, want: dict, fix: str) -> "bytes | VerifiedReader":
+    """The listed file `folder/rel` as what was verified: its bytes (small files), or a
+    `VerifiedReader` (large ones), each opened once without following a link at any part of
+    `rel`, and refused unless it has the size and sha256 `want` records."""
+    fd = open_regular(Path(rel), rel, fix, folder=folder)
+    if os.fstat(fd).st_size > SEND_AS_BYTES:
+        return VerifiedReader(fd, want, rel, fix)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        raw = f.read(SEND_AS_BYTES + 1)
+    if len(raw) != want.get("size") or hashlib.sha256(raw).hexdigest() != want.get("sha256"):
+        raise ArtifactError(f"{rel} does not match the sha256 in mpsconvert.json (changed after it was verified)", fix)
+    return raw

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from .. import filesystem
+from ..atomic import TMP_PREFIX
 from ..errors import ArtifactError, MpsconvertError
 from ..untrusted import inside, read_json
 
@@ -95,6 +96,37 @@ def is_ours(folder: Path) -> bool:
     except ArtifactError:
         return False
     return body.get("tool") == "mpsconvert" and type(body.get("schema_version")) is int
+
+
+def unlisted(folder: Path, listed: set[str] | None = None, limit: int | None = None, temporary: bool = False) -> list[str]:
+    """Files (and links) in `folder` that its manifest does not list (`listed`: the names it
+    lists, else read from the folder's manifest; an unreadable one lists nothing), sorted; macOS's
+    AppleDouble companions left out, and a killed run's temporary files unless `temporary`.
+    `limit`: stop after that many (enough to refuse a folder that is mostly someone else's)."""
+    folder = Path(folder)
+    if listed is None:
+        try:
+            files = read_json(folder / MANIFEST_NAME, what=MANIFEST_NAME).get("files")
+        except ArtifactError:
+            files = None
+        listed = set(files) if isinstance(files, dict) else set()
+    listed = set(listed) | {MANIFEST_NAME}
+    out = []
+    for dirpath, dirs, files in os.walk(folder):  # links are listed, never followed
+        here = Path(dirpath).relative_to(folder)
+        for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
+            rel = (here / name).as_posix()
+            if rel not in listed and not filesystem.is_appledouble(name) and (temporary or not (here == Path(".") and name.startswith(TMP_PREFIX))):
+                out.append(rel)
+                if limit is not None and len(out) >= limit:
+                    return sorted(out)
+    return sorted(out)
+
+
+# What the one output rule (atomic.check_replaceable) needs to know about mpsconvert's own
+# folders: which one `--force` may replace, which files in it are not the artifact's, and that
+# nothing but an artifact's own transaction writes inside one.
+OUTPUT_RULES = dict(is_ours=is_ours, is_artifact=is_artifact, unlisted=lambda folder: unlisted(folder, limit=1000))
 
 
 def diffusion_format(manifest) -> str | None:

@@ -7,7 +7,8 @@ exports and their checks, calibration written back, the hub repo an upload names
         pkg = t.folder / "model.mlpackage"             # files: written into a staged copy
         ...; t.add_files("model.mlpackage")
     # on leaving: the card (README.md) re-rendered from the new manifest, both written into the
-    # staged copy, and the copy swapped in for the artifact: one step a kill cannot split
+    # staged copy (or earlier, by t.stage()), and the copy swapped in for the artifact: one step a
+    # kill cannot split
 
 Nothing of the artifact changes until the block ends without an error. The staged copy is a
 folder of hard links (atomic.staged_copy: no space, made when the transaction first needs it)
@@ -27,7 +28,7 @@ from .. import atomic
 from ..errors import ArtifactError
 from . import card, pin
 from .hashing import folder_files, sha256_file
-from .layout import MANIFEST_NAME, is_ours
+from .layout import MANIFEST_NAME, is_ours, unlisted
 from .manifest import Manifest
 from .records import Hub, Record
 
@@ -59,6 +60,8 @@ class Transaction:
         self._drop = drop
         self._folder: Path | None = None
         self._rebuilt = False
+        self._staged = False
+        self._theirs: list[str] = []  # a rebuild's files that are not the artifact's, carried over as they are
         self._card = (artifact / card.CARD_NAME).read_text(encoding="utf-8", errors="replace") if (artifact / card.CARD_NAME).is_file() else None
 
     def get(self, kind: type[R]) -> R | None:
@@ -80,9 +83,12 @@ class Transaction:
 
     def rebuild(self) -> Path:
         """An empty folder that replaces the artifact instead of a staged copy: for a writer that
-        rewrites the weights and carries (verified) what it keeps itself (calibration)."""
+        rewrites the weights and carries (verified) what it keeps itself (calibration). Files the
+        manifest does not list (a user's notes) are carried over untouched when it is staged, as a
+        staged copy keeps them: a rebuild changes the artifact, never what is not the artifact's."""
         if self._folder is not None:
             raise RuntimeError("Transaction.rebuild() must come before any use of .folder")
+        self._theirs = unlisted(self.artifact, set(self.manifest.files))
         self._folder = self._stack.enter_context(atomic.output_dir(self.artifact, force=True, is_ours=is_ours, held=True))
         self._rebuilt = True  # new weights: the pin is sealed anew
         return self._folder
@@ -100,8 +106,20 @@ class Transaction:
             raise ArtifactError(f"writing {rel} produced nothing", "report this: the writer wrote no file")
         self.manifest.files = dict(sorted(files.items()))
 
+    def stage(self) -> Path:
+        """Write the card and the manifest into the staged folder now and return it: the
+        artifact as it will be, for a step that must succeed before anything local changes (an
+        upload sends this folder; the swap follows only if it returns). Records put after this
+        are not written."""
+        if not self._staged:
+            if self._rebuilt:
+                atomic.carry(self.artifact, self.folder, self._theirs)
+            finish(self.folder, self.manifest, self.artifact.name, self._card, seal=self._rebuilt)
+            self._staged = True
+        return self.folder
+
     def _commit(self) -> None:
-        finish(self.folder, self.manifest, self.artifact.name, self._card, seal=self._rebuilt)
+        self.stage()
 
 
 @contextlib.contextmanager

@@ -36,7 +36,6 @@ from ..safetensors_io import Header, read_header
 from .ct_config import scheme_from_config
 from . import layout
 from ..atomic import TMP_PREFIX
-from ..filesystem import is_appledouble
 from ..untrusted import inside, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
@@ -120,15 +119,7 @@ def check_digests(manifest: Manifest, report: VerifyReport, sha256: dict[str, st
 def unlisted(folder: Path, manifest: Manifest) -> list[str]:
     """Files (and links) in the folder that the manifest does not list, sorted (macOS's
     AppleDouble companions left out: metadata on exFAT/SMB, not part of the artifact)."""
-    listed = set(manifest.files) | {MANIFEST_NAME}
-    out = []
-    for dirpath, dirs, files in os.walk(folder):  # links are listed, never followed
-        here = Path(dirpath).relative_to(folder)
-        for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
-            rel = (here / name).as_posix()
-            if rel not in listed and not is_appledouble(name):
-                out.append(rel)
-    return sorted(out)
+    return layout.unlisted(folder, set(manifest.files), temporary=True)
 
 
 def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> None:

@@ -39,7 +39,7 @@ def check_options(llm_only: dict) -> None:
 
 
 def quantize_source(snap: Snapshot, output: str | Path | None, fmt: str | None, *, ignore: list[str], force: bool,
-                    max_shard_size: int, llm_only: dict, progress: Progress | None) -> tuple[Path, Manifest]:
+                    max_shard_size: int, llm_only: dict, progress: Progress | None, delete_unlisted: bool = False) -> tuple[Path, Manifest]:
     """Convert the diffusion transformer of `snap`; returns the output folder and its manifest."""
     if snap.diffusion is None:
         raise MpsconvertError(f"--format {fmt} is for diffusion models, and {snap.repo_id or snap.path} is a transformers model "
@@ -52,7 +52,7 @@ def quantize_source(snap: Snapshot, output: str | Path | None, fmt: str | None, 
     if fmt not in FORMATS:
         raise MpsconvertError(f"unknown format {fmt!r}", f"use one of: {', '.join(FORMATS)}")
     out = Path(output) if output is not None else default_output(snap, fmt)
-    opts = DiffusionOptions(format=fmt, ignore=list(ignore), force=force, max_shard_size=max_shard_size)
+    opts = DiffusionOptions(format=fmt, ignore=list(ignore), force=force, max_shard_size=max_shard_size, delete_unlisted=delete_unlisted)
     return out, quantize(snap, out, opts, progress)
 
 
@@ -72,7 +72,8 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
         protect = ((snap.path / snap.weight_files[0],) if snap.diffusion.layout == "single-file"
                    else (snap.path, snap.diffusion.root))
         with (
-            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), is_ours=layout.is_ours, protect=protect) as tmp,
+            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), protect=protect, delete_unlisted=opts.delete_unlisted,
+                              **layout.OUTPUT_RULES) as tmp,
             atomic.BackgroundSync() as syncs,
             ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
         ):

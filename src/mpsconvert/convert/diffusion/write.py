@@ -55,6 +55,7 @@ class DiffusionOptions:
     format: str = "diffusers"
     ignore: list[str] = field(default_factory=list)  # replaces the family's high-precision list
     force: bool = False
+    delete_unlisted: bool = False  # with force: also delete files the old artifact's manifest does not list
     max_shard_size: int = 10**9  # diffusers format only; ComfyUI reads one file
 
     def __post_init__(self):
