@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="-m of the one-shot commands")
     ap.add_argument("--long", type=int, default=2048, help="tokens of the steady-decode generation")
     ap.add_argument("--compile-too", action="store_true", help="also the steady run with --decode compile (torch.compile)")
+    ap.add_argument("--ours-decode", default="auto", choices=("auto", "graph", "compile", "eager"),
+                    help="generate's --decode for ours and the steady run (auto: the default, what the targets are about)")
     ap.add_argument("--out")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # internal: the steady run in this process, of this artifact
     ap.add_argument("--decode", default=None, help=argparse.SUPPRESS)
@@ -130,7 +132,7 @@ def main() -> None:
     import _sources
     import chat_template
 
-    report: dict = {"device": args.device, "torch": torch.__version__, "prompt": PROMPT, "tokens": args.tokens,
+    report: dict = {"device": args.device, "ours_decode": args.ours_decode, "torch": torch.__version__, "prompt": PROMPT, "tokens": args.tokens,
                     "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": "in the page cache (written by this run)"}
     report["device_name"] = torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()} CPU cores"
     src, art = work / "src", work / "art"
@@ -149,7 +151,7 @@ def main() -> None:
     print(f"{report['device_name']}: copy bandwidth {bw / 1e9:.1f} GB/s; caches {caches} (empty at the start)", flush=True)
 
     ours_argv = [sys.executable, "-m", "mpsconvert.cli", "generate", str(art), PROMPT, "-m", str(args.tokens), "--device", args.device,
-                 "--json"]  # fmt: skip
+                 "--json", "--decode", args.ours_decode]  # fmt: skip
     rows = {}
     for name in ("ours #1", "ours #2"):
         wall, out, err = run(ours_argv, env)
@@ -165,7 +167,7 @@ def main() -> None:
         gen = next((int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("GENERATED")), None)
         rows[name] = {"wall_s": round(wall, 2), "generated": gen}
         print(f"{name}: {wall:.2f} s wall, {gen} tokens", flush=True)
-    for name, decode in (("steady", None), *((("steady compile", "compile"),) if args.compile_too else ())):
+    for name, decode in (("steady", None if args.ours_decode == "auto" else args.ours_decode), *((("steady compile", "compile"),) if args.compile_too else ())):
         argv = [sys.executable, __file__, "--child", str(art), "--device", args.device, "--tokens", str(args.tokens), "--long",
                 str(args.long), *(["--decode", decode] if decode else [])]  # fmt: skip
         wall, out, _ = run(argv, env)

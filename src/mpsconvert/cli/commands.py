@@ -345,9 +345,9 @@ def _sampling(fn):
         click.option("--system", "system_prompt", metavar="TEXT", help="A system message first."),
         click.option("--json", "as_json", is_flag=True, help="Print the text and its stats as JSON on stdout (no streaming)."),
         click.option("--decode", "decode", type=click.Choice(["auto", "graph", "compile", "eager"]), default="auto", show_default=True,
-                     help="With --backend torch: how each token's step runs. auto: graph on CUDA, eager elsewhere; graph: the eager "
-                          "step captured as a CUDA graph (seconds); compile: torch.compile (~30 s per process, a few percent faster "
-                          "per token); eager: no graph. --json says which ran and what it cost."),
+                     help="With --backend torch: how each token's step runs. auto: a CUDA graph on CUDA (compile, for now), eager "
+                          "elsewhere; graph: the eager step captured as a CUDA graph (seconds); compile: torch.compile (~30 s per "
+                          "process); eager: no graph. --json says which ran and what it cost."),
         click.option("--no-compile", is_flag=True, help="With --backend torch on CUDA: the eager decode loop (--decode eager)."),
     ]
     for o in reversed(opts):

@@ -4,7 +4,8 @@ prefill and a decode step, replayed as one CUDA graph on CUDA and eager elsewher
 Three decode paths (`decode_path` picks one; `Engine.decode_report` says which ran and what it
 cost, and `generate --json` prints it as `decode`):
 
-- "graph" (the default on CUDA): the eager decode step (the model's forward over a preallocated
+- "graph" (`compile="graph"`, `generate --decode graph`; to become the default on CUDA once it has
+  run on a GPU: CUDA_DEFAULT): the eager decode step (the model's forward over a preallocated
   static cache, the FP8 Triton GEMVs and our attention as they run eagerly) captured once with
   `torch.cuda.graph` and replayed per token (`CapturedStep`). No Dynamo and no Inductor: the
   capture costs a few eager steps (fractions of a second), where torch.compile cost ~30 s in
@@ -14,8 +15,8 @@ cost, and `generate --json` prints it as `decode`):
   positions the capture never saw, over a cache with a history (a graph that had frozen a
   position on the host would differ there); a capture or a check that fails warns, names the
   eager path that runs instead, and `decode_report["fallback"]` keeps why.
-- "compile" (`compile=True`, `generate --decode compile`): `torch.compile(mode="reduce-overhead")`
-  of the same step, as before issue 52: a few percent more tokens/s in return for its compile
+- "compile" (the default on CUDA for now, `compile=True`, `generate --decode compile`):
+  `torch.compile(mode="reduce-overhead")` of the same step, as before issue 52: a few percent more tokens/s in return for its compile
   (Inductor folds the norms into the GEMVs and merges small kernels; see INDUCTOR_OPTIONS).
 - "eager" (CPU, MPS, `compile=False`, `--no-compile`): the forward per token, over a DynamicCache.
 
@@ -79,16 +80,20 @@ def compiles_by_default(device: torch.device) -> bool:
 
 
 DECODE_PATHS = ("graph", "compile", "eager")
+# The path "auto" runs on CUDA. "compile" until the graph path has run on a GPU: it was written and
+# tested on CPU (its capture stood in for) while no GPU could be had (issue 52, 2026-12-07), and a
+# default must not rest on code no GPU has run. Once benchmarks/first_run.py shows the graph path
+# capturing, passing its check and decoding at >= 0.75 of copy bandwidth, this becomes "graph".
+CUDA_DEFAULT = "compile"
 
 
 def decode_path(device: torch.device, compile: bool | str | None = None) -> str:
-    """The decode path an Engine on `device` runs for `compile`: None or "auto": "graph" on CUDA
-    (the eager step captured as a CUDA graph, seconds), "eager" elsewhere; True or "compile":
-    torch.compile (~30 s per process on the H100, a few percent faster per token); False or
-    "eager": the eager loop; "graph": the captured eager step (off CUDA its capture fails and the
-    eager loop runs, with a warning)."""
+    """The decode path an Engine on `device` runs for `compile`: None or "auto": CUDA_DEFAULT on
+    CUDA, "eager" elsewhere; True or "compile": torch.compile (~30 s per process on the H100);
+    "graph": the eager step captured as a CUDA graph (seconds; off CUDA its capture fails and the
+    eager loop runs, with a warning); False or "eager": the eager loop."""
     if compile is None or compile == "auto":
-        return "graph" if compiles_by_default(device) else "eager"
+        return CUDA_DEFAULT if compiles_by_default(device) else "eager"
     if compile is True or compile == "compile":
         return "compile"
     if compile is False or compile == "eager":
