@@ -21,7 +21,12 @@ The model is benchmarks/generate.py's Llama-3-8B shape (`_sources.config_for("ll
 random weights and a 32k-token byte-level BPE with a ChatML template (benchmarks/chat_template.py),
 as the issue measured it.
 
-    python benchmarks/first_run.py --work /tmp/fr [--compile-too]
+Not yet run on a GPU: written on 2026-12-07, when no GPU machine could be had (four starts refused,
+one taken back mid-run); checked on CPU only (`--layers 2 --device cpu`). Its first GPU run decides
+whether the graph path becomes the CUDA default (runtime/engine/decoder.py, CUDA_DEFAULT).
+
+    python benchmarks/first_run.py --work /tmp/fr --ours-decode graph --compile-too   # the graph path, against compile
+    python benchmarks/first_run.py --work /tmp/fr [--compile-too]                     # defaults
     python benchmarks/first_run.py --layers 2 --device cpu --tokens 8 --long 16   # the script's own check
 """
 

@@ -238,8 +238,8 @@ class Engine:
     def _check_graph(self, graph: CapturedStep, cap: int) -> str | None:
         """Why the captured step cannot replace the eager one, or None: at a position the capture
         did not see (the middle of the cache), after CHECK_HISTORY eager steps before it, the
-        replay's logits must equal the eager step's there (within GRAPH_TOLERANCE of its largest
-        logit). Both write the same keys and values at that position; the cache is reset after."""
+        replay's logits must equal the eager step's there (the RMS of the difference at most
+        GRAPH_TOLERANCE of the logits' RMS). Both write the same keys and values at that position; the cache is reset after."""
         if cap < CHECK_HISTORY + 2:
             return None  # no room for a history (a cache this small is never made: BUCKET)
         at = cap // 2
