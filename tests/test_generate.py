@@ -195,6 +195,9 @@ def test_json_has_prompt_ids_and_replaying_them_through_model_generate_gives_the
     assert res.exit_code == 0, res.output
     body = json.loads(res.output.strip().splitlines()[-1])
     assert body["prompt_ids"] and len(body["prompt_ids"]) == body["prompt_tokens"] and body["compile_seconds"] is None
+    # which decode path ran and what it cost; where the load's time went (issue 52)
+    assert body["decode"] == {"path": "eager", "asked": "eager", "seconds": None, "fallback": None}  # no check: nothing captured
+    assert body["load_seconds"] and all(isinstance(v, (int, float)) for v in body["load_seconds"].values())
     model = mpsconvert.load(art, device="cpu")
     ids = torch.tensor([body["prompt_ids"]])
     with torch.no_grad():
@@ -202,12 +205,12 @@ def test_json_has_prompt_ids_and_replaying_them_through_model_generate_gives_the
     assert out[0, ids.shape[1]:].tolist() == body["tokens"]
 
 
-def _tiny_causal():
+def _tiny_causal(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512)
+                      num_key_value_heads=2, max_position_embeddings=512, **kw)
     return LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
 
 
@@ -440,3 +443,116 @@ def test_the_compiled_engine_decodes_a_sliding_window_model(window):
             got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=10))
         assert eng.writes_at == "counter" and not eng.compiled and got.compile_seconds is None
     assert got.tokens == want
+
+
+# --------------------------------------------------------------------------- the decode paths (issue 52)
+
+
+def test_the_decode_path_is_a_cuda_graph_on_cuda_and_eager_elsewhere():
+    """On CUDA the default is one of the two graph paths (CUDA_DEFAULT: torch.compile's until the
+    captured eager step has run on a GPU); each is chosen where asked; the eager loop off CUDA."""
+    from mpsconvert.errors import MpsconvertError
+    from mpsconvert.runtime import engine
+    from mpsconvert.runtime.engine import decoder
+
+    cuda, cpu, mps = torch.device("cuda"), torch.device("cpu"), torch.device("mps")
+    assert engine.decode_path(cuda) == engine.decode_path(cuda, "auto") == decoder.CUDA_DEFAULT in ("graph", "compile")
+    assert engine.decode_path(cuda, "graph") == "graph"
+    assert engine.decode_path(cpu) == engine.decode_path(mps) == "eager"
+    assert engine.decode_path(cuda, True) == engine.decode_path(cpu, "compile") == "compile"
+    assert engine.decode_path(cuda, False) == engine.decode_path(cuda, "eager") == "eager"
+    assert engine.decode_path(cpu, "graph") == "graph"  # asked for: its capture refuses off CUDA, said so (below)
+    with pytest.raises(MpsconvertError, match="unknown decode path"):
+        engine.decode_path(cuda, "fast")
+    model = _tiny_causal()
+    assert engine.Engine(model, compile="graph").compiled and engine.Engine(model).decode_report["path"] == "eager"
+
+
+class _EagerGraph:
+    """A stand-in for CapturedStep on CPU: the recorded step run again at each replay (what a
+    faithful CUDA graph does)."""
+
+    made = 0
+
+    def __init__(self, fn, dev, warm=3):
+        type(self).made += 1
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self):
+        self.out = self.fn()
+        return self.out
+
+
+def test_the_captured_step_gives_the_eager_tokens_and_says_what_ran(monkeypatch):
+    """The graph path (its capture stood in for on CPU): captured once per cache in reserve(),
+    checked, the eager loop's greedy tokens; stats.decode names the path and its seconds."""
+    from mpsconvert.runtime import engine
+    from mpsconvert.runtime.engine import decoder
+
+    monkeypatch.setattr(decoder, "CapturedStep", _EagerGraph)
+    model = _tiny_causal()
+    prompt = [5, 6, 7, 8, 9, 10]
+    want = engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=12)).tokens
+    eng = engine.Engine(model, compile="graph")
+    first = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
+    again = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
+    assert first.tokens == again.tokens == want and _EagerGraph.made == 1 and eng._graph is not None
+    assert first.decode["path"] == "graph" and first.decode["fallback"] is None and first.decode["seconds"] > 0
+    assert first.decode["check"]["rms_diff"] == 0 and first.decode["check"]["rms_logits"] > 0
+    assert again.decode["seconds"] is None and again.compile_seconds is None  # the same cache: nothing captured twice
+    assert json.loads(json.dumps(first.as_dict()))["decode"]["path"] == "graph"
+
+
+class _FrozenGraph(_EagerGraph):
+    """A graph that froze the position it was captured at (what a host-side read of the position
+    would record): each replay runs at that position, whatever the engine set."""
+
+    engine = None
+
+    def __init__(self, fn, dev, warm=3):
+        self.at = self.engine.pos_t.clone()
+        super().__init__(fn, dev, warm)
+
+    def replay(self):
+        now = self.engine.pos_t.clone()
+        self.engine.pos_t.copy_(self.at)
+        try:
+            return super().replay()
+        finally:
+            self.engine.pos_t.copy_(now)
+
+
+def test_a_graph_that_differs_from_the_eager_step_is_not_used_and_the_warning_says_what_runs(monkeypatch):
+    """The check at a position the capture never saw catches a graph that froze its position: it
+    is dropped, a warning says the step runs eagerly and why, stats.decode keeps the fallback, and
+    the tokens are the eager loop's. Never a silent fallback."""
+    from mpsconvert.runtime import engine
+    from mpsconvert.runtime.engine import decoder
+
+    monkeypatch.setattr(decoder, "CapturedStep", _FrozenGraph)
+    model = _tiny_causal(initializer_range=0.2)  # attention that moves the logits (at 0.02 a position moved them by 1% RMS)
+    prompt = [5, 6, 7, 8, 9, 10]
+    want = engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=12)).tokens
+    eng = _FrozenGraph.engine = engine.Engine(model, compile="graph")
+    with pytest.warns(UserWarning, match="the decode step runs eagerly .*replay differs from the eager step"):
+        got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
+    assert got.tokens == want and eng._graph is None and not eng.compiled
+    assert got.decode["path"] == "eager" and got.decode["asked"] == "graph" and got.decode["fallback"].startswith("graph: its replay")
+    assert got.decode["check"]["rms_diff"] > 0.1 * got.decode["check"]["rms_logits"]  # far past the tolerance
+    assert got.decode["seconds"] > 0  # what the failed capture cost is still said
+
+
+def test_a_capture_that_fails_falls_back_to_the_eager_step_with_a_warning():
+    """Off CUDA the real capture refuses: the eager loop runs, said in a warning and in stats.decode."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    with pytest.warns(UserWarning, match="the decode step runs eagerly .*capturing it failed .*needs a CUDA device"):
+        got = engine.generate_ids(engine.Engine(model, compile="graph"), [5, 6, 7], engine.Sampling(max_tokens=4))
+    assert got.decode["path"] == "eager" and "CUDA device" in got.decode["fallback"] and len(got.tokens) == 4
+
+
+def test_no_compile_contradicting_decode_is_a_usage_error(art):
+    res = CliRunner().invoke(main, ["generate", str(art), "x", "--device", "cpu", "--no-compile", "--decode", "graph"])
+    assert res.exit_code == 2 and "--no-compile" in res.output and "--decode graph" in res.output, res.output

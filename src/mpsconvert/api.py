@@ -719,9 +719,10 @@ class GenerateResult:
 
     text: str
     stats: Any  # runtime.engine.GenerationStats
+    load: dict | None = None  # the load's seconds by step (LoadInfo.seconds) where this generation's model was loaded by `load`
 
     def as_dict(self) -> dict:
-        return {"text": self.text, **self.stats.as_dict()}
+        return {"text": self.text, **self.stats.as_dict(), **({"load_seconds": self.load} if self.load is not None else {})}
 
 
 class Chat:
@@ -747,14 +748,18 @@ class Chat:
         """Raises MpsconvertError where the tokenizer has no chat template (`say` would, at the first message)."""
         self._conv.require_template()
 
+    def _load_seconds(self) -> dict | None:
+        info = getattr(getattr(self._conv.decoder, "model", None), "mpsconvert", None)
+        return dict(info.seconds) if info is not None and isinstance(getattr(info, "seconds", None), dict) else None
+
     def say(self, message: str, on_text=None) -> GenerateResult:
         text, stats = self._conv.say(message, on_text)
-        return GenerateResult(text, stats)
+        return GenerateResult(text, stats, self._load_seconds())
 
     def complete(self, prompt: str, on_text=None, use_template: bool = True) -> GenerateResult:
         """A prompt on its own (no history): what `generate` runs."""
         text, stats = self._conv.complete(self._conv.encode(prompt, use_template), on_text)
-        return GenerateResult(text, stats)
+        return GenerateResult(text, stats, self._load_seconds())
 
     def reset(self) -> None:
         """Forget the conversation (a system message stays)."""
@@ -776,7 +781,7 @@ def backends() -> tuple[str, ...]:
 
 
 def _decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitStack, progress: Progress | None,
-             compile: bool | None = None):
+             compile: bool | str | None = None):
     """(the decoder of `backend`, the model's config or None): the PyTorch model on `device`, or
     an Apple target's stateful package on its runtime (apple/flow.py's `decoder`)."""
     from .runtime import engine as gen
@@ -807,7 +812,7 @@ def chat(
     seed: int = 0,
     system: str | None = None,
     progress: Progress | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
 ) -> Chat:
     """Open an artifact for text generation: `with chat(dir) as c: c.say("hi", print)`.
 
@@ -821,9 +826,12 @@ def chat(
             every token; top-k before top-p, as transformers orders them).
         system: a system message that starts the history.
         progress: `progress(phase, done, total, detail)` while loading.
-        compile: torch backend: the decode step as a CUDA graph (torch.compile, captured before
-            the first token is timed; its time is `stats.compile_seconds`). None: on CUDA only;
-            False: the eager loop (what `--no-compile` asks).
+        compile: torch backend: how the decode step runs (runtime/engine/decoder.py,
+            `decode_path`). None: on CUDA the eager step captured as a CUDA graph (seconds), eager
+            elsewhere; True or "compile": torch.compile's CUDA graph (~30 s per process, a few
+            percent faster per token); "graph"; False or "eager": the eager loop (`--no-compile`).
+            Set up before the first token is timed; `stats.decode` says which path ran and what
+            it cost (`stats.compile_seconds` too).
 
     Returns:
         Chat: `say(message, on_text)` and `complete(prompt, on_text)` -> GenerateResult.

@@ -350,11 +350,22 @@ def _sampling(fn):
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler."),
         click.option("--system", "system_prompt", metavar="TEXT", help="A system message first."),
         click.option("--json", "as_json", is_flag=True, help="Print the text and its stats as JSON on stdout (no streaming)."),
-        click.option("--no-compile", is_flag=True, help="With --backend torch on CUDA: the eager decode loop, not the CUDA graph."),
+        click.option("--decode", "decode", type=click.Choice(["auto", "graph", "compile", "eager"]), default="auto", show_default=True,
+                     help="With --backend torch: how each token's step runs. auto: a CUDA graph on CUDA (compile, for now), eager "
+                          "elsewhere; graph: the eager step captured as a CUDA graph (seconds); compile: torch.compile (~30 s per "
+                          "process); eager: no graph. --json says which ran and what it cost."),
+        click.option("--no-compile", is_flag=True, help="With --backend torch on CUDA: the eager decode loop (--decode eager)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
     return fn
+
+
+def _decode_arg(decode: str, no_compile: bool):
+    """`compile` for api.chat from --decode and --no-compile (which asks the eager loop)."""
+    if no_compile and decode not in ("auto", "eager"):
+        raise click.UsageError(f"--no-compile asks the eager loop; it contradicts --decode {decode}")
+    return "eager" if no_compile else None if decode == "auto" else decode
 
 
 @main.command()
@@ -363,7 +374,8 @@ def _sampling(fn):
 @_sampling
 @click.option("--ignore-chat-template", is_flag=True, help="Feed PROMPT as it is, not wrapped in the tokenizer's chat template.")
 @friendly_errors
-def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, no_compile, ignore_chat_template):
+def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, decode, no_compile,
+             ignore_chat_template):
     """Generate text from ARTIFACT for PROMPT, streamed as it comes, then tokens/s, peak memory and device.
 
     \b
@@ -375,7 +387,7 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, 
     with render.progress_bars() as progress:
         c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                      system=system_prompt, progress=progress,
-                     compile=False if no_compile else None)
+                     compile=_decode_arg(decode, no_compile))
     with c:
         res = c.complete(prompt, None if as_json else render.stream, use_template=not ignore_chat_template)
     render.generation(res, as_json)
@@ -390,13 +402,13 @@ CHAT_HELP = "/exit (or /quit, end of input) ends, /reset forgets the history; a 
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @_sampling
 @friendly_errors
-def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, no_compile):
+def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, decode, no_compile):
     """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or `/quit`, or end
     of input) ends, `/reset` forgets, `/help` lists these."""
     with render.progress_bars() as progress:
         c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                      system=system_prompt, progress=progress,
-                     compile=False if no_compile else None)
+                     compile=_decode_arg(decode, no_compile))
     with c:
         c.require_template()  # before the prompt, not at the first message
         render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history, /help")

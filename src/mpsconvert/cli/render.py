@@ -505,15 +505,20 @@ def generation(res, as_json: bool, turn: bool = False) -> None:
     gen = f"{s.generation_tps:.1f} tokens/s" if s.generation_tps is not None else "n/a (one token)"
     stopped = " (stopped: end of sequence)" if s.stop == "eos" else " (stopped: the cache is full)" if s.stop == "cache_full" else ""
     if turn:
-        compiled = f", compile {s.compile_seconds:.1f} s" if s.compile_seconds is not None else ""
+        compiled = f", decode setup {s.compile_seconds:.1f} s" if s.compile_seconds is not None else ""
         console.print(f"[dim]\\[prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tokens/s, {s.generated_tokens} generated at {gen}"
                       f"{compiled}{stopped}][/]", highlight=False)
         return
     note("=" * 10)
     note(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s")
     note(f"generation: {s.generated_tokens} tokens, {gen}{stopped}")
+    d = getattr(s, "decode", None)
+    if d and d.get("fallback"):
+        note(f"decode: {d['path']} (asked: {d['asked']}; {d['fallback']})")
     if s.compile_seconds is not None:
-        note(f"compile: {s.compile_seconds:.1f} s (the decode step captured as a CUDA graph; not in the rates above; --no-compile: eager)")
+        how = {"graph": "the eager step captured as a CUDA graph", "compile": "torch.compile's CUDA graph"}.get((d or {}).get("asked"),
+                                                                                                              "the decode step set up")
+        note(f"decode setup: {s.compile_seconds:.1f} s ({how}; not in the rates above; --decode eager: none)")
     note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'}, {s.peak_memory_source}")
     note(f"backend: {s.backend} on {s.device}")
 

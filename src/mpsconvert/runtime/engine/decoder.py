@@ -1,13 +1,30 @@
 """The engine: a transformers causal LM as a decoder with a KV cache made once per generation, a
-prefill and a decode step, compiled into a CUDA graph on CUDA and eager elsewhere.
+prefill and a decode step, replayed as one CUDA graph on CUDA and eager elsewhere.
 
-On CUDA (`compile=None` means: on CUDA) the decode step is `torch.compile(mode="reduce-overhead")`
-of the model's forward over a preallocated static cache (`transformers.StaticCache`, `reserve`:
-rounded up to BUCKET positions): a step allocates nothing and its tensors keep their addresses,
-so it is captured once as a CUDA graph and replayed per token. It is compiled and captured in
-`reserve`, before the generation's timer starts, on a scratch step of the cache (reset after),
-and the seconds it took are reported apart (`compile_seconds`); Inductor's graph cache on disk
-keeps what it compiled for the next process (torch's default), with `INDUCTOR_OPTIONS`. The prefill runs eager: on the
+Three decode paths (`decode_path` picks one; `Engine.decode_report` says which ran and what it
+cost, and `generate --json` prints it as `decode`):
+
+- "graph" (`compile="graph"`, `generate --decode graph`; to become the default on CUDA once it has
+  run on a GPU: CUDA_DEFAULT): the eager decode step (the model's forward over a preallocated
+  static cache, the FP8 Triton GEMVs and our attention as they run eagerly) captured once with
+  `torch.cuda.graph` and replayed per token (`CapturedStep`). No Dynamo and no Inductor: the
+  capture costs a few eager steps (fractions of a second), where torch.compile cost ~30 s in
+  every new process on the H100 (issue 52: 34.0 s in a fresh one, 29.6 s in the next with
+  Inductor's on-disk caches warm, so persisting its artifacts could not make a one-shot command
+  cheap: the tracing itself is what costs). The replay is checked against the eager step at
+  positions the capture never saw, over a cache with a history (a graph that had frozen a
+  position on the host would differ there); a capture or a check that fails warns, names the
+  eager path that runs instead, and `decode_report["fallback"]` keeps why.
+- "compile" (the default on CUDA for now, `compile=True`, `generate --decode compile`):
+  `torch.compile(mode="reduce-overhead")` of the same step, as before issue 52: a few percent more tokens/s in return for its compile
+  (Inductor folds the norms into the GEMVs and merges small kernels; see INDUCTOR_OPTIONS).
+- "eager" (CPU, MPS, `compile=False`, `--no-compile`): the forward per token, over a DynamicCache.
+
+The static cache (`reserve`: rounded up to BUCKET positions) makes a step allocate nothing and
+keep its tensors' addresses, so the step is captured once and replayed per token. It is captured
+(or compiled) in `reserve`, before the generation's timer starts, on a scratch step of the cache
+(reset after), and the seconds it took are reported apart (`compile_seconds`, and
+`decode_report["seconds"]`). The prefill runs eager: on the
 H200 the eager prefill measured faster than the compiled one (docs/benchmarks.md: 30.2 vs
 31.0 ms for 2048 tokens of the Llama-3-8B shape), so no length compiles it. It runs over an
 empty DynamicCache, whose keys and values are then written into the static cache (its public
@@ -62,17 +79,84 @@ def compiles_by_default(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+DECODE_PATHS = ("graph", "compile", "eager")
+# The path "auto" runs on CUDA. "compile" until the graph path has run on a GPU: it was written and
+# tested on CPU (its capture stood in for) while no GPU could be had (issue 52, 2026-12-07), and a
+# default must not rest on code no GPU has run. Once benchmarks/first_run.py shows the graph path
+# capturing, passing its check and decoding at >= 0.75 of copy bandwidth, this becomes "graph".
+CUDA_DEFAULT = "compile"
+
+
+def decode_path(device: torch.device, compile: bool | str | None = None) -> str:
+    """The decode path an Engine on `device` runs for `compile`: None or "auto": CUDA_DEFAULT on
+    CUDA, "eager" elsewhere; True or "compile": torch.compile (~30 s per process on the H100);
+    "graph": the eager step captured as a CUDA graph (seconds; off CUDA its capture fails and the
+    eager loop runs, with a warning); False or "eager": the eager loop."""
+    if compile is None or compile == "auto":
+        return CUDA_DEFAULT if compiles_by_default(device) else "eager"
+    if compile is True or compile == "compile":
+        return "compile"
+    if compile is False or compile == "eager":
+        return "eager"
+    if compile == "graph":
+        return "graph"
+    raise MpsconvertError(f"unknown decode path {compile!r}", f"use one of: auto, {', '.join(DECODE_PATHS)}")
+
+
+# How far the captured step's logits may lie from the eager step's: the RMS of the difference over
+# the RMS of the eager logits. The same kernels on the same inputs give the same bits; the margin is
+# for a library that picks another algorithm under capture (cuBLAS for the BF16 head: a BF16
+# rounding flipped here and there, ~0.1%). A graph that froze a position on the host differs by
+# far more in a trained or 32-layer model: its rotary angles or its mask are another position's.
+GRAPH_TOLERANCE = 1e-2
+CHECK_HISTORY = 3  # eager steps written before the check's position: the attention must read a history
+
+
+class CapturedStep:
+    """`fn()` captured once as a CUDA graph on `dev`; `replay()` runs its kernels again on the same
+    buffers and returns its output (the same tensor every time, overwritten by each replay).
+
+    Before the capture `fn` runs `warm` times on a side stream (as torch.cuda.graphs' docs ask):
+    Triton compiles and autotunes there, and every lazily made buffer is made outside the graph's
+    pool. `capture_error_mode="thread_local"`: another thread's CUDA calls (the load's warm-up) do
+    not break the capture. Off CUDA it refuses (MpsconvertError), and the engine runs eagerly."""
+
+    def __init__(self, fn, dev: torch.device, warm: int = WARM_STEPS):
+        if dev.type != "cuda":
+            raise MpsconvertError(f"a CUDA graph needs a CUDA device, not {dev}", "run the eager loop (--no-compile)")
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(warm):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = fn()
+        torch.cuda.synchronize(dev)
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
 class Engine:
     """A transformers causal LM (as `runtime.load` returns it) as one conversation at batch 1."""
 
     backend = "torch"
 
-    def __init__(self, model, *, compile: bool | None = None, static: bool | None = None):
+    def __init__(self, model, *, compile: bool | str | None = None, static: bool | None = None):
         self.model = model
         self.static = static  # None: a static cache where the step is compiled, else a dynamic one (see reset)
         self.dev = next(model.parameters()).device
         self.device = str(self.dev)
-        self.compiled = compiles_by_default(self.dev) if compile is None else bool(compile)
+        self.path = decode_path(self.dev, compile)  # what decodes: "graph", "compile" or "eager" (decode_path; a fallback moves it)
+        self.asked = self.path  # what was asked (decode_report tells a fallback from a choice)
+        self.compiled = self.path != "eager"  # a captured graph replays the step (captured eager, or torch.compile's)
+        self.fallback: str | None = None  # why the asked path did not run, where it did not
+        self.setup_seconds: float | None = None  # what capturing or compiling the step cost (the last reserve that did)
+        self._graph: CapturedStep | None = None
+        self.graph_check: dict | None = None  # the last capture's check: its position, the RMS of the difference and of the logits
         self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.keep = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
         self.capacity, self.cache, self.kw, self._step, self._static = 0, None, {}, None, False
@@ -104,13 +188,19 @@ class Engine:
         if self.compiled and not static_cache_compiles(self.cache):
             warnings.warn("the decode step runs eagerly: this model's sliding-window cache layers keep their length in a Python "
                           f"int, which a captured CUDA graph cannot follow past the window ({cap} positions reserved)", stacklevel=2)
-            self.compiled = False
+            self.compiled, self.path = False, "eager"
+            self.fallback = f"{self.asked}: a sliding-window cache layer keeps its length in a Python int"
         if not self.compiled:
             return None
         with torch.no_grad():  # transformers' StaticCache makes its tensors at its first update: made here, eager, they
             self.pos_t.fill_(cap - 1)  # live outside the CUDA graph's pool (made inside it, the next replay overwrites
             self._decode(self.tok, self.pos_t)  # them under the prefill's writes; seen on the H200: "overwritten by a subsequent run")
         t = time.perf_counter()
+        if self.path == "graph":
+            self._capture(cap)
+            self.cache.reset()
+            self.setup_seconds = time.perf_counter() - t
+            return self.setup_seconds
         try:
             self._compile(cap)
         except Exception as e:  # Inductor failed with its non-default options: torch's defaults, and said so
@@ -122,7 +212,61 @@ class Engine:
             self.inductor_options = {}
             self._compile(cap)
         self.cache.reset()
-        return time.perf_counter() - t
+        self.setup_seconds = time.perf_counter() - t
+        return self.setup_seconds
+
+    def _capture(self, cap: int) -> None:
+        """Capture the eager step as a CUDA graph (CapturedStep) and check it against the eager
+        step (`_check_graph`); where either fails, warn and decode eagerly over the static cache
+        (the path and why are in `decode_report`)."""
+        self._graph = None  # an earlier cache's graph holds that cache's addresses
+        self._step = None
+        try:
+            with torch.no_grad():
+                self.pos_t.fill_(cap - 1)
+                graph = CapturedStep(lambda: self._decode(self.tok, self.pos_t), self.dev)
+                why = self._check_graph(graph, cap)
+        except Exception as e:  # a capture the eager code does not allow (a host read of a device value, say)
+            why = f"capturing it failed ({type(e).__name__}: {str(e)[:200]})"
+        if why is None:
+            self._graph = graph
+            return
+        self.compiled, self.path, self.fallback = False, "eager", f"graph: {why}"
+        warnings.warn(f"the decode step runs eagerly (several times slower per token on CUDA): as a CUDA graph {why}; "
+                      "`--decode compile` compiles it with torch.compile instead", stacklevel=3)
+
+    def _check_graph(self, graph: CapturedStep, cap: int) -> str | None:
+        """Why the captured step cannot replace the eager one, or None: at a position the capture
+        did not see (the middle of the cache), after CHECK_HISTORY eager steps before it, the
+        replay's logits must equal the eager step's there (the RMS of the difference at most
+        GRAPH_TOLERANCE of the logits' RMS). Both write the same keys and values at that position; the cache is reset after."""
+        if cap < CHECK_HISTORY + 2:
+            return None  # no room for a history (a cache this small is never made: BUCKET)
+        at = cap // 2
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0) or 2
+        for i in range(CHECK_HISTORY):  # a history of other tokens at the positions before
+            self.tok.fill_((7 * i + 1) % vocab)
+            self.pos_t.fill_(at - CHECK_HISTORY + i)
+            self._decode(self.tok, self.pos_t)
+        self.tok.fill_(3 % vocab)
+        self.pos_t.fill_(at)
+        want = self._decode(self.tok, self.pos_t)[0, -1].float().clone()
+        got = graph.replay()[0, -1].float()
+        scale = float(want.square().mean().sqrt())
+        err = float((got - want).square().mean().sqrt())
+        self.tok.zero_()
+        self.graph_check = {"position": at, "rms_diff": err, "rms_logits": scale}
+        if not (err == err and scale == scale) or err > GRAPH_TOLERANCE * max(scale, 1e-6):
+            return f"its replay differs from the eager step at position {at}: RMS {err:.3g} against the logits' RMS {scale:.3g}"
+        return None
+
+    @property
+    def decode_report(self) -> dict:
+        """Which decode path runs ("graph", "compile", "eager"), which was asked, what setting it up
+        cost in its last reserve (seconds; None: nothing was set up), and why the asked one did not
+        run (None where it did)."""
+        return {"path": self.path, "asked": self.asked, "seconds": None if self.setup_seconds is None else round(self.setup_seconds, 3),
+                "fallback": self.fallback, **({"check": self.graph_check} if self.graph_check is not None else {})}
 
     def _compile(self, cap: int) -> None:
         """Compile the decode step and capture its graph: a few scratch steps at the last position
@@ -208,7 +352,10 @@ class Engine:
 
     def _step_tok(self) -> torch.Tensor:
         with torch.no_grad():
-            if self._step is not None:
+            if self._graph is not None:
+                self.pos_t.fill_(self.pos)
+                logits = self._graph.replay()
+            elif self._step is not None:
                 self.pos_t.fill_(self.pos)
                 with timing.warm_guards(True):  # captured in reserve(): only the guards that tell graphs apart run
                     logits = self._step(self.tok, self.pos_t)

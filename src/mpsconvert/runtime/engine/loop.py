@@ -39,7 +39,10 @@ class GenerationStats:
     stop: str  # "eos" | "max_tokens" | "cache_full"
     tokens: list = field(default_factory=list)
     prompt_ids: list = field(default_factory=list)  # the prompt as token ids: replayable through model.generate()
-    compile_seconds: float | None = None  # capturing the decode step (CUDA graph) before the timer started; None: eager
+    compile_seconds: float | None = None  # capturing the decode step (CUDA graph) before the timer started; None: nothing set up now
+    # which decode path ran and what setting it up cost in this generation (Engine.decode_report): {"path": "graph" | "compile" |
+    # "eager", "asked", "seconds", "fallback": why the asked path did not run, or None}; None for a decoder that has no paths
+    decode: dict | None = None
     step_seconds: list = field(default_factory=list)  # each decode step, the device synchronised (only when asked: time_steps)
 
     @property
@@ -135,6 +138,8 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
     stop_ids = set(stop_ids)
     gen = Draws(sampling.seed)
     compile_s = decoder.reserve(len(prompt) + sampling.max_tokens)
+    report = getattr(decoder, "decode_report", None)
+    decode = None if report is None else {**report, "seconds": None if compile_s is None else round(compile_s, 3)}
     decoder.reset()
     if decoder.device.startswith("cuda"):
         devices.reset_peak(torch.device(decoder.device))
@@ -173,7 +178,7 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
     return GenerationStats(backend=decoder.backend, device=decoder.device, prompt_tokens=len(prompt), prompt_seconds=t1 - t0,
                            generated_tokens=len(tokens), generation_seconds=t2 - t1, peak_memory_bytes=peak,
                            peak_memory_source=source, stop=stop, tokens=tokens, prompt_ids=list(prompt),
-                           compile_seconds=compile_s, step_seconds=steps)
+                           compile_seconds=compile_s, step_seconds=steps, decode=decode)
 
 
 def _pipelined(decoder, sampling: Sampling, gen: Draws, chosen: torch.Tensor, tok: int, take, room) -> str:
