@@ -60,14 +60,25 @@ def _mpsconvert(*args, timeout=600) -> dict:
     return json.loads(r.stdout[r.stdout.index("{"):])
 
 
+_RUNS: dict = {}  # (what, model, prompts, n) -> result: the server tests reuse the LLM tests' runs (SmolLM2 on 2 cores is slow)
+
+
 def ours(art: Path, prompts: list[str], n: int) -> list[dict]:
     """`mpsconvert generate --device cpu --json` per prompt: prompt ids and greedy tokens."""
-    return [_mpsconvert("generate", art, p, "--device", "cpu", "--json", "--max-tokens", n, "--no-compile") for p in prompts]
+    return [_RUNS.get(("ours", str(art), p, n)) or _RUNS.setdefault(("ours", str(art), p, n), _mpsconvert(
+        "generate", art, p, "--device", "cpu", "--json", "--max-tokens", n, "--no-compile")) for p in prompts]
 
 
 def run_vllm(vllm, model: Path, prompt_ids: list[list[int]], n: int) -> dict:
     """Greedy tokens of vLLM's `LLM` for these prompt ids (ignore_eos: the same count as asked),
-    with the wall time of the generation and the linear scheme vLLM picked (from its model)."""
+    their texts and the generation's tokens/s (all prompts in one batch)."""
+    key = ("vllm", str(model), json.dumps(prompt_ids), n)
+    if key not in _RUNS:
+        _RUNS[key] = _run_vllm(vllm, model, prompt_ids, n)
+    return _RUNS[key]
+
+
+def _run_vllm(vllm, model: Path, prompt_ids: list[list[int]], n: int) -> dict:
     llm = vllm.LLM(model=str(model), **VLLM_ARGS)
     try:
         params = vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -253,9 +264,11 @@ def serve(model: Path, work: Path):
 def test_default_artifact_through_the_openai_server(vllm_mod, which, request, work):
     art = request.getfixturevalue("tiny")[1]["default"] if which == "tiny" else request.getfixturevalue("smollm2")[1]
     n = TINY_TOKENS if which == "tiny" else SMOL_TOKENS
-    prompt = (TINY_PROMPTS if which == "tiny" else SMOL_PROMPTS)[0]
-    mine = ours(art, [prompt], n)[0]
-    direct = run_vllm(vllm_mod, art, [mine["prompt_ids"]], n)
+    prompts = TINY_PROMPTS if which == "tiny" else SMOL_PROMPTS
+    prompt = prompts[0]
+    mine_all = ours(art, prompts, n)
+    mine = mine_all[0]
+    direct = run_vllm(vllm_mod, art, [m["prompt_ids"] for m in mine_all], n)  # the LLM test's run, reused
     url, proc, listed = serve(art, work)
     try:
         assert [m["id"] for m in listed["data"]] == [str(art)]
