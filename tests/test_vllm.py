@@ -42,9 +42,11 @@ GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.g
 TINY_PROMPTS = ["The history of the city", "In the year"]
 SMOL_PROMPTS = ["What is the capital of France?", "Name a primary colour."]
 TINY_TOKENS, SMOL_TOKENS = 16, 8
-# vLLM on CPU reserves gpu_memory_utilization x RAM (despite the name) for the weights and the KV cache: 0.05 (1.2 GiB
-# of 23.5) left SmolLM2 a negative KV budget ("requested memory for kv (-0.21/1.18 GiB)"); 0.15 fits both
-VLLM_ARGS = dict(dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.15)
+# vLLM on CPU reserves gpu_memory_utilization x RAM (despite the name) for the weights, activations and KV cache,
+# and refuses to start unless that much is free: 1.2 GiB left SmolLM2 a negative KV budget ("requested memory
+# for kv (-0.21/1.18 GiB)"), 2 GiB fits it with max_model_len 256; asked as a fraction of this machine's RAM
+RESERVE = f"{2 * 2**30 / (os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')):.3f}"
+VLLM_ARGS = dict(dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=float(RESERVE))
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +248,7 @@ def serve(model: Path, work: Path):
     log = open(work / f"server-{model.name}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
                              "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
-                             "--gpu-memory-utilization", "0.15", "--seed", "0"], stdout=log, stderr=subprocess.STDOUT)
+                             "--gpu-memory-utilization", RESERVE, "--seed", "0"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
