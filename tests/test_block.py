@@ -284,7 +284,7 @@ def test_llm_compressor_fp8_block_artifact_loads_and_equals_its_dequantization(t
     src = tmp_path / "src"
     shutil.copytree(fixture, src)
     res = mpsconvert.quantize(src, tmp_path / "repacked")
-    assert not res.warnings and res.manifest.recipe["weights"] == "block"
+    assert not [w for w in res.warnings if "vLLM" not in w] and res.manifest.recipe["weights"] == "block"  # (vLLM: its q_proj is 128+64+64)
     out = load_file(tmp_path / "repacked" / "model.safetensors")
     for k, v in sd.items():
         if v.dtype == fp8.FP8_DTYPE:  # every code kept; embed_tokens (no Linear) with its scale as it was
@@ -319,3 +319,66 @@ def test_a_block_scaled_layer_compiles_into_one_graph():
         xq = torch.empty(16, 384, dtype=torch.float8_e4m3fn)
         y = fake(xq, torch.empty(16, 3), torch.empty(256, 384, dtype=torch.float8_e4m3fn), torch.empty(4, 2), torch.bfloat16)
     assert y.shape == (16, 256) and y.dtype == torch.bfloat16
+
+
+def test_block_weights_vllm_would_refuse_are_said_recorded_and_shown(tiny_models, tmp_path):
+    """vLLM merges q/k/v and gate/up, and refuses block weights where a merged part but the last
+    is not a multiple of the block (validate_fp8_block_shape): the tiny Llama's q_proj has 64 rows.
+    quantize says it in one line, the recipe records it (inside the pin), and the card and
+    `inspect` name the engines from that record; a fitting block size and per-row weights do not."""
+    from click.testing import CliRunner
+
+    from mpsconvert.cli import main
+    from mpsconvert.manifests import engines
+    from mpsconvert.manifests.manifest import Manifest
+
+    res = mpsconvert.quantize(tiny_models["llama"], tmp_path / "b128", weights="block")
+    said = [w for w in res.warnings if "vLLM" in w]
+    assert len(said) == 1 and "model.layers.N.self_attn.qkv_proj = 64+32+32 rows" in said[0] and "--weights row" in said[0], res.warnings
+    m = Manifest.read(res.output)
+    rec = m.get(engines.VLLMBlock)
+    assert rec.block == 128 and rec.vllm == engines.VLLM and len(rec.refused) == 1  # qkv_proj; gate_up (128+128) fits
+    assert "vllm_block" in m.recipe and mpsconvert.verify(res.output).ok
+    line = engines.line(m)
+    assert "not in vLLM GPU (from code: validate_fp8_block_shape: model.layers.N.self_attn.qkv_proj" in line
+    card = (res.output / "README.md").read_text()
+    assert line in card and "| vLLM GPU | **no** |" in card and "vllm serve" not in card
+    shown = CliRunner().invoke(main, ["inspect", str(res.output)], env={"COLUMNS": "400"}).output
+    assert "engines" in shown and "not in vLLM GPU" in shown
+
+    fits = mpsconvert.quantize(tiny_models["llama"], tmp_path / "b32", weights="block", block_size=32)
+    assert not [w for w in fits.warnings if "vLLM" in w] and Manifest.read(fits.output).get(engines.VLLMBlock).refused == []
+    assert "vLLM GPU (from code)" in engines.line(Manifest.read(fits.output))
+    row = mpsconvert.quantize(tiny_models["llama"], tmp_path / "row")
+    m = Manifest.read(row.output)
+    assert m.get(engines.VLLMBlock) is None and "loads in vLLM GPU (from code), vLLM CPU (verified)" in engines.line(m)
+    assert "vllm serve" in (row.output / "README.md").read_text()
+
+
+def test_vllm_block_rule_on_the_sizes_of_real_models():
+    """The rule on the shapes alone: SmolLM2-135M (576+192+192) is refused, Llama-3-8B fits, the
+    last part of a merged layer may be ragged, MoE experts' gate/up rows must fit."""
+    from mpsconvert.manifests import engines
+
+    def recs(**shapes):
+        return {f"model.layers.0.{k.replace('__', '.')}.weight": {"module": f"model.layers.0.{k.replace('__', '.')}", "shape": v}
+                for k, v in shapes.items()}
+
+    smol = recs(self_attn__q_proj=[576, 576], self_attn__k_proj=[192, 576], self_attn__v_proj=[192, 576],
+                mlp__gate_proj=[1536, 576], mlp__up_proj=[1536, 576], mlp__down_proj=[576, 1536])
+    assert engines.vllm_block_check(smol, 128).refused == [
+        "model.layers.N.self_attn.qkv_proj = 576+192+192 rows (q_proj/k_proj/v_proj): 576 is not a multiple of 128"]
+    llama8b = recs(self_attn__q_proj=[4096, 4096], self_attn__k_proj=[1024, 4096], self_attn__v_proj=[1000, 4096],
+                   mlp__gate_proj=[14336, 4096], mlp__up_proj=[14336, 4096])
+    assert engines.vllm_block_check(llama8b, 128).refused == []  # v_proj (the last part) may be ragged
+    moe = recs(block_sparse_moe__experts__0__w1=[96, 64], block_sparse_moe__experts__0__w3=[96, 64])
+    assert len(engines.vllm_block_check(moe, 128).refused) == 2
+    assert engines.vllm_block_check(smol, 128).more == {}  # every merged layer seen was checked
+    # q/k/v or gate/up already fused in the checkpoint (Phi-3): the split is in config.json, not seen: said unchecked
+    phi3 = recs(self_attn__qkv_proj=[9216, 3072], mlp__gate_up_proj=[16384, 3072])
+    rec = engines.vllm_block_check(phi3, 128)
+    assert rec.refused == [] and rec.more["unchecked"] == ["model.layers.N.mlp.gate_up_proj", "model.layers.N.self_attn.qkv_proj"]
+    gpu = engines.engines({"name": "fp8-dynamic", "weights": "block"}, rec)[0]
+    assert gpu.loads and "unchecked sizes: model.layers.N.mlp.gate_up_proj" in gpu.note
+    assert not engines.engines({"name": "fp8", "weights": "block"})[0].loads  # static + block: vLLM asserts, any sizes
+    assert engines.warning(None, static=True) and engines.warning(engines.vllm_block_check(llama8b, 128), static=False) is None

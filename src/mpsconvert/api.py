@@ -389,6 +389,15 @@ def inspect(artifact: str | Path) -> Manifest:
     return Manifest.read(Path(artifact))
 
 
+def engine_line(manifest: Manifest) -> str | None:
+    """Where the artifact of `manifest` loads and where not (vLLM GPU and CPU, transformers,
+    mpsconvert, Core ML / Core AI), with how each is known: the line its model card says
+    (manifests/engines.py decides it); None for a diffusion artifact."""
+    from .manifests import engines
+
+    return engines.line(manifest)
+
+
 def validate(artifact: str | Path, *, options: ValidateOptions | None = None, progress: Progress | None = None) -> ValidationResult:
     """Accuracy and latency of an FP8 artifact against its BF16 baseline, on one device.
 

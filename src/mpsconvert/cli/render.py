@@ -269,6 +269,8 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     if s.get("worst_sqnr_db") is not None:
         t.add_row("worst SQNR", f"{num(s['worst_sqnr_db'], '.1f')} dB at {shown(s.get('worst_sqnr_tensor'))}")
     t.add_row("files", f"{len(m.files)} ({human(sum(f['size'] for f in m.files.values()))})")
+    if engine_line := api.engine_line(m):
+        t.add_row("engines", shown(engine_line))
     v = m.versions
     t.add_row("made with", shown(f"mpsconvert {v.get('mpsconvert')}, torch {v.get('torch')}, transformers {v.get('transformers')} on {m.device}"))
     for label, text in m.inspect_rows():  # the records later steps added (validation, exports, ...), typed

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import atomic, fp8
-from ..manifests import card
+from ..manifests import card, engines
 from ..manifests.ct_config import quantization_config
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME
@@ -96,6 +96,8 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: 
         files=dict(sorted(files.items())),
         device=opts.device,
     )
+    if scheme.block:  # which merged layers vLLM would refuse: the card and inspect say it (manifests/engines.py)
+        manifest.put(engines.vllm_block_check(manifest.tensors, scheme.block))
     if plan.expert_layout:
         manifest.put(Experts(experts_layout=opts.experts_layout, experts={n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
                              scales="per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "

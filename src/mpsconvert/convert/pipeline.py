@@ -21,7 +21,8 @@ from .. import source as sources
 from ..errors import MpsconvertError
 from ..manifests import layout
 from ..manifests.manifest import Manifest
-from ..manifests.records import GGUFSource
+from ..manifests import engines
+from ..manifests.records import GGUFSource, VLLMBlock
 from ..manifests.schemes import Scheme
 from ..progress import Progress
 
@@ -155,6 +156,8 @@ def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_c
     g = manifest.get(GGUFSource)
     if g is not None and (note := g.precision_note()):  # a GGUF below 8 bits: said in the summary, as in the card
         done.warnings.append(note)
+    if sch.block and (w := engines.warning(manifest.get(VLLMBlock), static=sch.needs_calibration)):
+        done.warnings.append(w)  # the mpsconvert runtime still runs it; vLLM users hear it now, not at `vllm serve`
     if snap.fp8 is not None and sch != snap.fp8.scheme:
         sqnrs = sorted(r["sqnr_db"] for r in manifest.tensors.values() if r.get("sqnr_db") is not None)
         measured = (f"round-trip SQNR against the source: worst {sqnrs[0]:.1f} dB, median {sqnrs[len(sqnrs) // 2]:.1f} dB"

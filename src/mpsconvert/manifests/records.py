@@ -416,6 +416,20 @@ class DiffusionSource(Record):
     more: dict = field(default_factory=dict)
 
 
+@dataclass(kw_only=True)
+class VLLMBlock(Record):
+    """Block weights checked against vLLM's rule at quantize time (manifests/engines.py): the
+    merged layers (qkv_proj, gate_up_proj) and MoE experts vLLM would refuse, with their sizes.
+    In the recipe, so the pin covers it; the card and inspect read it through engines.line."""
+
+    KEY: ClassVar[str] = "vllm_block"
+    SECTION: ClassVar[str | None] = "recipe"
+    block: int
+    vllm: str
+    refused: list[str] = field(default_factory=list)
+    more: dict = field(default_factory=dict)
+
+
 _KINDS: dict[str, type[Record]] = {}
 
 
@@ -435,5 +449,5 @@ def kinds(base: type[R] = Record) -> list[type[R]]:
     return [k for k in _KINDS.values() if issubclass(k, base)]
 
 
-for _kind in (Validation, Experts, ExpertCalibration, CalibrationRecord, Hub, Pin, GGUFSource, DiffusionSource):
+for _kind in (Validation, Experts, ExpertCalibration, CalibrationRecord, Hub, Pin, GGUFSource, DiffusionSource, VLLMBlock):
     register(_kind)
