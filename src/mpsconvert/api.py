@@ -706,9 +706,10 @@ class GenerateResult:
 
     text: str
     stats: Any  # runtime.engine.GenerationStats
+    dropped: int = 0  # chat: the oldest messages dropped from the history so that it fits the model's context
 
     def as_dict(self) -> dict:
-        return {"text": self.text, **self.stats.as_dict()}
+        return {"text": self.text, **self.stats.as_dict(), **({"dropped_messages": self.dropped} if self.dropped else {})}
 
 
 class Chat:
@@ -736,7 +737,7 @@ class Chat:
 
     def say(self, message: str, on_text=None) -> GenerateResult:
         text, stats = self._conv.say(message, on_text)
-        return GenerateResult(text, stats)
+        return GenerateResult(text, stats, self._conv.dropped)
 
     def complete(self, prompt: str, on_text=None, use_template: bool = True) -> GenerateResult:
         """A prompt on its own (no history): what `generate` runs."""

@@ -59,6 +59,23 @@ def printable(text: Any) -> str:
                             str(text))
 
 
+_UNSHOWN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def shown_text(text: Any) -> str:
+    """Text a model generated, for a terminal: line breaks and tabs kept (it is prose), every
+    other control character shown as an escape as `printable` does, so an `ESC]0;...BEL` or
+    `ESC[2J` in a vocabulary entry is printed, never acted on."""
+    return _UNSHOWN.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", str(text))
+
+
+def is_panic(e: BaseException) -> bool:
+    """Whether `e` is a Rust panic surfaced by pyo3 (`pyo3_runtime.PanicException`, a
+    BaseException that `except Exception` misses): a tokenizer's regex past Onig's backtracking
+    limit raises one. Caused by the input, so a bad input, not a bug of ours."""
+    return type(e).__name__ == "PanicException"
+
+
 def one_line(text: Any, limit: int = 300) -> str:
     """`text` as one line of plain text (a commit message): control characters removed, runs of
     whitespace made one space, at most `limit` characters."""
@@ -333,6 +350,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "--max-tokens": (1, 1 << 20),
     "--seed": (0, (1 << 64) - 1),
     "--temp": (0, 1e4),
+    "--top-p": (0, 1),
     # text a person typed or piped (characters)
     "prompt characters": (0, 4 << 20),
 }
