@@ -523,11 +523,11 @@ def ask() -> str | None:
         while (more := src.readline(1 << 20)) and not more.endswith(b"\n"):  # the rest of the line is dropped unread into memory
             pass
         raise PromptError(f"the message is longer than {limit:,} characters (the limit on prompt characters)", "send a shorter message")
-    text = _decoded(raw, "the message")
+    text = _decoded(raw, "the message").removesuffix("\n")
     if len(text) > limit:
         raise PromptError(f"the message is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
                           "send a shorter message")
-    return text.rstrip("\n")
+    return text
 
 
 def _binary(stream):
