@@ -195,5 +195,5 @@ def test_a_chat_line_too_long_for_the_context_is_refused_before_tokenizing(art, 
     real = loadable.chat_ids
     monkeypatch.setattr(loadable, "chat_ids", lambda tok, msgs: calls.append(sum(len(m["content"]) for m in msgs)) or real(tok, msgs))
     res = cli("chat", art, "--max-tokens", "4", "--device", "cpu", input="y" * 200_000 + "\nhello\n")
-    assert res.exit_code == 0 and "more than the model's context of 128 tokens can hold" in " ".join(res.output.split()), res.output[-2000:]
+    assert res.exit_code == 0 and "and the torch model holds 128 tokens, of at most" in " ".join(res.output.split()), res.output[-2000:]
     assert calls and max(calls) < 1000  # only "hello" was rendered

@@ -396,6 +396,7 @@ _SIZE_KEYS = {
     "positions": ("max_position_embeddings", "n_positions", "original_max_position_embeddings", "n_ctx"),
 }
 # values a forward pass divides by or raises to: finite, and in a range that computes numbers
+MAX_LIST = 4096  # entries of a per-layer list in a config
 _EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 _POSITIVE_KEYS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")
 _NONNEGATIVE_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -421,7 +422,7 @@ def check_model_config(body: dict, *, what: str = "config.json", error: type[Mps
                 v = d.get(key)
                 if v is None:
                     continue
-                for x in (v if isinstance(v, list) and limit in ("attention heads", "head dim", "layers") else [v]):
+                for x in (v if isinstance(v, list) and len(v) <= MAX_LIST else [v]):  # per block / per layer lists (diffusers' UNets, some LMs)
                     bounded(x, limit, what=f"{where}: {key}", error=error, fix=fix)
         for key in _EPS_KEYS:
             v = d.get(key)

@@ -175,7 +175,7 @@ class Manifest:
             section = body if kind.SECTION is None else {}
             if kind.KEY in section and not isinstance(section[kind.KEY], dict):
                 raise ArtifactError(f"{path}: the `{kind.path()}` record is "
-                                    f"{type(section[kind.KEY]).__name__}, not an object", tampered)
+                                    f"{type(section[kind.KEY]).__name__}, not an object", kind.FIX or tampered)
         known = {"schema_version", "tool", "versions", "source", "recipe", "device", "summary", "tensors", "skipped", "files", "created"}
         return cls(
             source=json_field(body, "source", dict, **kw),

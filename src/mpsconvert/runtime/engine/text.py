@@ -82,8 +82,8 @@ class Conversation:
                 self._longest = max((len(t.encode("utf-8", "surrogatepass")) for t in self.tok.get_vocab()), default=1) or 1
             size = len(text.encode("utf-8", "surrogatepass"))
             if size > cap * self._longest:
-                raise PromptError(f"{what} is {size:,} bytes, more than the model's context of {cap:,} tokens can hold",
-                                  "pass a shorter text")
+                raise PromptError(f"{what} is {size:,} bytes and the {self.decoder.backend} model holds {cap:,} tokens, of at most "
+                                  f"{self._longest} bytes each: it cannot fit", "pass a shorter text")
 
     @property
     def has_template(self) -> bool:
