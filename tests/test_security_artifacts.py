@@ -151,7 +151,17 @@ def test_a_fifo_at_config_json_does_not_block_verify(art):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
-def test_a_device_is_never_read_as_a_file(tmp_path):
+def test_a_device_or_fifo_is_never_read_as_a_file(tmp_path):
+    """Every reader of ours opens without blocking and reads only a regular file: JSON, a
+    safetensors header, a hash (a device never ends; a FIFO's open waits for a writer)."""
+    from mpsconvert.manifests.hashing import sha256_file
+    from mpsconvert.safetensors_io import read_header
+
     (tmp_path / "config.json").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "model.safetensors")
     with pytest.raises(ArtifactError, match="is a device, not a regular file"):
         read_json(tmp_path / "config.json")
+    with pytest.raises(ArtifactError, match="is a FIFO, not a regular file"):
+        read_header(tmp_path / "model.safetensors")
+    with pytest.raises(ArtifactError, match="is a device"):
+        sha256_file(tmp_path / "config.json")

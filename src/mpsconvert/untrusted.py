@@ -200,18 +200,21 @@ def parse_json(text: str | bytes, *, what: str, error: type[MpsconvertError] = A
 
 
 def open_regular(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError,
-                 fix: str = "re-create the file", nofollow: bool = False) -> int:
+                 fix: str = "re-create the file", nofollow: bool = False, raw_oserror: bool = False) -> int:
     """A read-only descriptor of `path`, refused unless it is a regular file: opened without
     blocking (a FIFO's open waits for a writer forever), then checked with fstat on what was
     opened (not on the name, which could be swapped between a check and the open). `nofollow`:
-    a symlink is refused too."""
+    a symlink is refused too. `raw_oserror`: a missing or unreadable file raises its OSError as it
+    is (for callers that handle those themselves); only a file that is not regular is `error`."""
     what = what or str(path)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
     try:
         fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise error(f"{what} does not exist", fix) from None
     except OSError as e:
+        if raw_oserror:
+            raise
+        if isinstance(e, FileNotFoundError):
+            raise error(f"{what} does not exist", fix) from None
         if nofollow and os.path.islink(path):
             raise error(f"{what} is a symlink, which is never followed here", fix) from None
         raise error(f"cannot read {what}: {e.strerror or e}", fix) from None
@@ -227,12 +230,6 @@ def open_regular(path: Path, *, what: str | None = None, error: type[MpsconvertE
         os.close(fd)
         raise
     return fd
-
-
-def require_regular(path: Path, **kw) -> None:
-    """`open_regular`'s check alone, for a file another library opens by name (transformers'
-    config.json): a FIFO or device there is refused before that library blocks on it."""
-    os.close(open_regular(path, **kw))
 
 
 def read_bytes(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..safetensors_io import Header
+from ..untrusted import open_regular
 from .layout import MANIFEST_NAME
 
 _SCALE_NP = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
@@ -47,7 +48,7 @@ def hash_and_count(path: Path, ranges: list[tuple[str, int, int]] = (), block: i
     (hex digest, {tensor: NaN codes}). Without ranges it is a plain streamed sha256."""
     h = hashlib.sha256()
     counts = {name: 0 for name, _, _ in ranges}
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path, raw_oserror=True), "rb", buffering=0) as f:  # a FIFO or device is refused, never read
         buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size)))
         view = memoryview(buf)
         arr = np.frombuffer(buf, dtype=np.uint8)
