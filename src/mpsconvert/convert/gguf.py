@@ -27,7 +27,7 @@ from .. import atomic
 from ..errors import SourceError
 from ..extras import require
 from ..source import Snapshot, resolve
-from ..untrusted import LIMITS, bounded, check_model_config, open_regular, printable
+from ..untrusted import bounded, check_model_config, open_regular, printable
 
 # The dtype the GGUF is unpacked to when quantize gets no --dtype: what validate's baseline runs in.
 DEFAULT_DTYPE = "bfloat16"
