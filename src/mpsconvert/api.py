@@ -729,9 +729,11 @@ class GenerateResult:
     text: str
     stats: Any  # runtime.engine.GenerationStats
     load: dict | None = None  # the load's seconds by step (LoadInfo.seconds) where this generation's model was loaded by `load`
+    dropped: int = 0  # chat: the oldest messages dropped from the history so that it fits the model's context
 
     def as_dict(self) -> dict:
-        return {"text": self.text, **self.stats.as_dict(), **({"load_seconds": self.load} if self.load is not None else {})}
+        return {"text": self.text, **self.stats.as_dict(), **({"load_seconds": self.load} if self.load is not None else {}),
+                **({"dropped_messages": self.dropped} if self.dropped else {})}
 
 
 class Chat:
@@ -763,7 +765,7 @@ class Chat:
 
     def say(self, message: str, on_text=None) -> GenerateResult:
         text, stats = self._conv.say(message, on_text)
-        return GenerateResult(text, stats, self._load_seconds())
+        return GenerateResult(text, stats, self._load_seconds(), self._conv.dropped)
 
     def complete(self, prompt: str, on_text=None, use_template: bool = True) -> GenerateResult:
         """A prompt on its own (no history): what `generate` runs."""

@@ -55,3 +55,8 @@ class MissingExtraError(MpsconvertError):
 
 class UploadError(MpsconvertError):
     """The hub refused an upload, could not be reached, or offline mode is on."""
+
+
+class PromptError(MpsconvertError):
+    """A prompt or chat message that cannot be used as it is (not UTF-8, too long for the limit
+    or the model's context); `chat` says it and goes on."""

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from .errors import SourceError
+from .untrusted import check_model_config, read_json
 
 
 def model_class(config):
@@ -42,6 +43,12 @@ def load_config(path, trust_remote_code: bool = False):
     """transformers' config of the model in `path`, with remote code refused unless allowed."""
     import transformers
 
+    from pathlib import Path
+
+    cfg = Path(path) / "config.json" if Path(path).is_dir() else None
+    if cfg is not None and (cfg.exists() or cfg.is_symlink()):  # read by us first: bounded, each key once, no NaN, a regular file
+        fix = "fix config.json or re-create the model folder"
+        check_model_config(read_json(cfg, what=str(cfg), error=SourceError, fix=fix), what=str(cfg), error=SourceError)
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -55,6 +62,7 @@ def load_config(path, trust_remote_code: bool = False):
     except Exception as e:  # a config.json of the wrong shape (transformers' dataclass validation, TypeError, ...)
         raise SourceError(f"transformers cannot read config.json: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
                           "fix config.json or re-create the model folder") from e
+    check_counts(config)
     archs = getattr(config, "architectures", None)
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise SourceError(f"config.json: architectures is {str(archs)[:60]!r}, not a list of class names", "fix config.json")
@@ -80,29 +88,12 @@ def _params_on_meta():
         torch.nn.Module.register_parameter = original
 
 
-# How many layers and experts a config may ask for: building costs time per module even on the
-# meta device (1024 Llama layers: 0.3 s; a config saying 10^7 kept quantize busy for minutes).
-# The largest public models have ~130 layers and 384 experts.
-MAX_COUNTS = {"layers": 1024, "experts": 4096}
-_COUNT_KEYS = {"layers": ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers",
-                          "encoder_layers"),
-               "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")}
-
-
 def check_counts(config) -> None:
-    """Refuse a config whose layer or expert counts (its own or a sub-config's: text_config, ...)
-    exceed MAX_COUNTS, before anything is built."""
+    """Refuse a config (transformers' object or its dict) whose sizes exceed untrusted.LIMITS
+    (layers, experts, hidden size, vocabulary, ...) or whose values make the model compute garbage
+    (untrusted.check_model_config), its sub-configs included, before anything is built."""
     body = config.to_dict() if hasattr(config, "to_dict") else config
-    todo = [("config.json", body)]
-    while todo:
-        where, d = todo.pop()
-        for kind, keys in _COUNT_KEYS.items():
-            for key in keys:
-                v = d.get(key)
-                if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_COUNTS[kind]:
-                    raise SourceError(f"{where}: {key} is {v}, outside 0..{MAX_COUNTS[kind]} {kind}",
-                                      "fix config.json (is it the model's own?)")
-        todo += [(f"{where} {k}", v) for k, v in d.items() if isinstance(v, dict) and k.endswith("config")]
+    check_model_config(body, error=SourceError)
 
 
 def build(config, *, buffers: str = "meta", trust_remote_code: bool = False):

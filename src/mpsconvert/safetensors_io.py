@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .errors import ArtifactError
-from .untrusted import parse_json
+from .untrusted import open_regular, parse_json
 
 DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
     "BOOL": (1, torch.bool),
@@ -90,8 +90,9 @@ def read_header(path: Path) -> Header:
         return ArtifactError(f"{path.name} is not a valid safetensors file: {why}", "re-download or regenerate it")
 
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        fd = open_regular(path, what=path.name, fix="re-download or regenerate it", raw_oserror=True)  # a FIFO or device: refused
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise bad(f"only {len(head)} bytes long")

@@ -16,7 +16,7 @@ from .errors import SourceError
 from .manifests.fp8_source import SourceFP8, source_fp8
 from .manifests.hashing import BackgroundHasher
 from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_INDEX, SINGLE_FILE, is_plain_shard_name
-from .untrusted import inside, one_line, read_json
+from .untrusted import check_model_config, inside, one_line, read_json
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
 ALLOW_PATTERNS = [
@@ -254,7 +254,8 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
                               "drop --component")
         name, path, layout = None, root, "component"
     comp = Snapshot(path=path.resolve(), kind=snap.kind, repo_id=snap.repo_id, revision=snap.revision, commit=snap.commit)
-    comp.config = read_json(path / CONFIG_NAME, what=str(path / CONFIG_NAME), error=SourceError, fix="fix or re-download config.json")
+    comp.config = check_model_config(read_json(path / CONFIG_NAME, what=str(path / CONFIG_NAME), error=SourceError, fix="fix or re-download config.json"),
+                                     what=str(path / CONFIG_NAME), error=SourceError)
     if "quantization_config" in comp.config:
         raise SourceError(f"{path} is already quantized ({str(comp.config['quantization_config'])[:60]})",
                           "convert the model's BF16 / FP16 release")
@@ -335,7 +336,8 @@ def _inventory(snap: Snapshot) -> Snapshot:
             "pass the folder that holds config.json and *.safetensors",
         )
     check_inside(snap, CONFIG_NAME)
-    snap.config = read_json(cfg, what=str(cfg), error=SourceError, fix="fix or re-download config.json")
+    snap.config = check_model_config(read_json(cfg, what=str(cfg), error=SourceError, fix="fix or re-download config.json"),
+                                     what=str(cfg), error=SourceError)
     if "quantization_config" in snap.config:
         snap.fp8 = source_fp8(snap.config["quantization_config"], str(snap.repo_id or p))  # FP8 kept as it is, others refused
 

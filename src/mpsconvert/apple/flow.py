@@ -28,7 +28,7 @@ from ..manifests.records import AppleExport, ExportCheck
 from ..manifests.transaction import transaction
 from ..progress import Progress, or_silent
 from . import registry
-from .target import Target, package_in
+from .target import Target, check_numbers, package_in
 
 
 @dataclass
@@ -85,9 +85,12 @@ def export(artifact: Path, target: str | Target, opts=None, check=None, progress
     the defaults, or False. See the module's docstring for how; raises ExportError when the
     checks fail (recorded first)."""
     target = registry.get(target)
-    require(target.module, target.extra, f"{target.name} export")
     opts = opts if opts is not None else target.options()
     check = target.check_options() if check is True else check or None
+    check_numbers(opts, target.export_flags)
+    if check is not None:
+        check_numbers(check, target.check_flags)
+    require(target.module, target.extra, f"{target.name} export")
     progress = or_silent(progress)
     artifact = Path(artifact)
     with transaction(artifact, verify=True, drop=(target.package,), tempdir=target.key) as t:
@@ -106,8 +109,9 @@ def check(artifact: Path, target: str | Target, opts=None, *, verify: bool = Tru
     """Check the package of `target` already in `artifact` and record the check (one
     transaction); `verify`: check the artifact's hashes first. Raises ExportError when it fails."""
     target = registry.get(target)
-    require(target.module, target.extra, f"checking a {target.name} {target.noun}")
     opts = opts if opts is not None else target.check_options()
+    check_numbers(opts, target.check_flags)
+    require(target.module, target.extra, f"checking a {target.name} {target.noun}")
     artifact = Path(artifact)
     with transaction(artifact, verify=verify) as t:  # the check is recorded: the lock is taken before it runs
         package_in(t.artifact, target.package, target.key)

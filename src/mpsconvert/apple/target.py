@@ -44,6 +44,17 @@ class Option:
     metavar: str | None = None
 
 
+def check_numbers(opts, flags: tuple[Option, ...]) -> None:
+    """Every integer setting of `opts` that one of `flags` declares, within untrusted.LIMITS for
+    its flag (`--decode-steps 1000000000` is one line, not a run that never ends)."""
+    from ..untrusted import LIMITS, bounded
+
+    for o in flags:
+        v = getattr(opts, o.name, None)
+        if o.kind == "int" and v is not None and o.flag in LIMITS:
+            bounded(v, o.flag)
+
+
 class Target:
     """An Apple export target. Subclasses set the class attributes and implement the methods;
     each method imports its heavy modules (torch, the target's library) when it is called."""

@@ -82,7 +82,7 @@ def load_scales(path: Path) -> tuple[dict[str, float], dict]:
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"scales file {path} does not exist", "run `mpsconvert calibrate SRC -o scales.json` first")
-    body = read_json(path, fix="re-run `mpsconvert calibrate ... -o` to rebuild it")
+    body = read_json(path, fix="re-run `mpsconvert calibrate ... -o` to rebuild it", nonfinite=True)  # each scale is checked, by name
     if body.get("format") != SCALES_FORMAT or body.get("version") != SCALES_VERSION:
         raise ArtifactError(f"{path} is not an mpsconvert scales file (version {SCALES_VERSION})", "write one with `mpsconvert calibrate SRC -o FILE`")
     scales = body.get("input_scales")

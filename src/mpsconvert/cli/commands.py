@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from .. import api
+from ..errors import PromptError
 from . import render
 from .app import friendly_errors, main
 
@@ -383,7 +384,7 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, 
     `-` reads it from standard input (`cat notes.txt | mpsconvert generate DIR -`).
     """
     if prompt == "-":
-        prompt = click.get_text_stream("stdin").read()
+        prompt = render.read_prompt()
     with render.progress_bars() as progress:
         c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                      system=system_prompt, progress=progress,
@@ -413,7 +414,11 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system
         c.require_template()  # before the prompt, not at the first message
         render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history, /help")
         while True:
-            line = render.ask()
+            try:
+                line = render.ask()
+            except PromptError as e:  # a message that cannot be sent: said, and the chat goes on
+                render.error(str(e))
+                continue
             command = line.strip() if line is not None else "/exit"
             if command in CHAT_COMMANDS["end"]:
                 break
@@ -427,7 +432,13 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system
                 known = command in CHAT_COMMANDS["help"]
                 render.note(("" if known else f"unknown command {command}: ") + CHAT_HELP)
                 continue
-            res = c.say(line, None if as_json else render.stream)
+            try:
+                res = c.say(line, None if as_json else render.stream)
+            except PromptError as e:  # too long for the model even alone: said, and the chat goes on
+                render.error(str(e))
+                continue
+            if res.dropped:
+                render.warn(f"the history outgrew the model's context: the {res.dropped} oldest message(s) were dropped")
             render.generation(res, as_json, turn=True)
 
 

@@ -32,7 +32,8 @@ from rich.table import Table
 
 from .. import api
 from ..units import human, num, speed
-from ..untrusted import printable
+from ..errors import PromptError
+from ..untrusted import LIMITS, printable, shown_text
 
 console = Console(stderr=True)  # progress, status, warnings, errors
 out = Console()  # results
@@ -477,20 +478,72 @@ def _marked(text: str, ok: bool | None) -> str:
 
 
 def stream(piece: str) -> None:
-    """Generated text as it comes, on stdout, unbuffered."""
+    """Generated text as it comes, on stdout, unbuffered. On a terminal it is shown, never acted
+    on: a model's vocabulary can hold escape sequences (`ESC]0;...BEL` retitles the window,
+    `ESC[2J` clears it), so every control character but line breaks and tabs is printed as an
+    escape (untrusted.shown_text). Piped, it is the model's text as it is (data)."""
     import sys
 
-    sys.stdout.write(piece)
+    sys.stdout.write(shown_text(piece) if _is_terminal(sys.stdout) else piece)
     sys.stdout.flush()
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def read_prompt() -> str:
+    """All of standard input as the prompt (`generate ART -`): at most the limit on prompt
+    characters (untrusted.LIMITS; 4 bytes a character at most), UTF-8; else one PromptError line."""
+    import sys
+
+    limit = int(LIMITS["prompt characters"][1])
+    raw = _binary(sys.stdin).read(4 * limit + 1)
+    text = _decoded(raw, "standard input")
+    if len(raw) > 4 * limit or len(text) > limit:
+        raise PromptError(f"standard input holds more than {limit:,} characters (the limit on prompt characters)",
+                          "pass a shorter prompt")
+    return text
+
+
 def ask() -> str | None:
-    """One line of user input for chat (None at end of input)."""
+    """One line of user input for chat (None at end of input): UTF-8 (else one PromptError
+    line), at most the limit on prompt characters (a longer line is read to its end and refused
+    without being kept, let alone tokenized)."""
     import sys
 
     console.print("[bold]>>[/] ", end="")
-    line = sys.stdin.readline()
-    return None if line == "" else line.rstrip("\n")
+    limit = int(LIMITS["prompt characters"][1])
+    src = _binary(sys.stdin)
+    raw = src.readline(4 * limit + 1)
+    if raw == b"" or raw == "":
+        return None
+    if len(raw) > 4 * limit and not raw.endswith(b"\n"):
+        while (more := src.readline(1 << 20)) and not more.endswith(b"\n"):  # the rest of the line is dropped unread into memory
+            pass
+        raise PromptError(f"the message is longer than {limit:,} characters (the limit on prompt characters)", "send a shorter message")
+    text = _decoded(raw, "the message").removesuffix("\n")
+    if len(text) > limit:
+        raise PromptError(f"the message is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
+                          "send a shorter message")
+    return text
+
+
+def _binary(stream):
+    """The bytes under a text stream (click's test runner and a real stdin both have one)."""
+    return getattr(stream, "buffer", stream)
+
+
+def _decoded(raw, what: str) -> str:
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})", "pass UTF-8 text") from None
 
 
 def generation(res, as_json: bool, turn: bool = False) -> None:

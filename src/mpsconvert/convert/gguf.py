@@ -15,6 +15,10 @@ Needs the `gguf` extra (gguf; and accelerate, which transformers >= 5.24 needs t
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
+import re
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
@@ -23,6 +27,7 @@ from .. import atomic
 from ..errors import SourceError
 from ..extras import require
 from ..source import Snapshot, resolve
+from ..untrusted import bounded, check_model_config, open_regular, printable
 
 # The dtype the GGUF is unpacked to when quantize gets no --dtype: what validate's baseline runs in.
 DEFAULT_DTYPE = "bfloat16"
@@ -46,6 +51,167 @@ def _transformers_version() -> tuple[int, ...]:
     return tuple(parts)
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_BAD_GGUF = "check the file (a complete download? the model's own?), or pass a model folder"
+
+
+class _Header:
+    """What a GGUF's header says, read with every count bounded before it is used: the metadata
+    (arrays kept as their length only, but tokens' and merges' count), and each tensor's dims."""
+
+    def __init__(self):
+        self.fields: dict[str, object] = {}
+        self.tensors: dict[str, tuple[int, ...]] = {}
+
+
+def read_header(path: Path) -> _Header:
+    """Walk a GGUF header (magic, version, tensor and metadata counts, every key and value, every
+    tensor's name, dims and type) without building anything, each count checked against
+    untrusted.LIMITS and against the bytes left in the file before it is looped over or
+    allocated: a declared 2^40-element array or 2^60 tensors is one line, not a long run or an
+    allocation. The `gguf` package reads the file only after this passed.
+
+    Raises:
+        SourceError: not a GGUF, a count past its limit, or a header that runs past the file.
+    """
+    name = path.name
+    fd = open_regular(path, what=str(path), error=SourceError, fix=_BAD_GGUF)
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            raise SourceError(f"{name} is not a GGUF file mpsconvert reads: {os.fstat(f.fileno()).st_size} bytes long", _BAD_GGUF)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:  # only the header's pages are read
+            return _walk(name, buf)
+
+
+def _walk(name: str, buf) -> _Header:
+    pos = 0
+
+    def bad(why: str) -> SourceError:
+        return SourceError(f"{name} is not a GGUF file mpsconvert reads: {why}", _BAD_GGUF)
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if n < 0 or pos + n > len(buf):
+            raise bad(f"its header runs past the end of the file (at byte {pos}, {n} more)")
+        out = buf[pos:pos + n]
+        pos += n
+        return out
+
+    def unpack(fmt: str):
+        return struct.unpack(fmt, take(struct.calcsize(fmt)))[0]
+
+    def count(limit: str, what: str, least_bytes: int) -> int:
+        n = unpack("<Q")
+        bounded(n, limit, what=f"{name}: {what}", error=SourceError, fix=_BAD_GGUF)
+        if n * least_bytes > len(buf) - pos:
+            raise bad(f"{what} ({n}) cannot fit in the {len(buf) - pos} bytes left of its header")
+        return n
+
+    def string(what: str) -> str:
+        n = count("GGUF string bytes", f"a string of {what}", 1)
+        return take(n).decode("utf-8", "replace")
+
+    def value(t: int, what: str, depth: int = 0):
+        if t in _SCALARS:
+            return unpack(_SCALARS[t])
+        if t == _STRING:
+            return string(what)
+        if t == _ARRAY and depth == 0:
+            item = unpack("<I")
+            if item not in _SCALARS and item not in (_STRING, _ARRAY):
+                raise bad(f"{what} is an array of unknown type {item}")
+            least = struct.calcsize(_SCALARS[item]) if item in _SCALARS else 8 if item == _STRING else 12
+            n = count("GGUF array length", f"the length of {what}", least)
+            if item in _SCALARS:
+                take(n * least)  # numbers: only how many
+                return _Length(n)
+            for _ in range(n):
+                value(item, what, depth + 1)
+            return _Length(n)
+        raise bad(f"{what} has " + ("an array inside an array" if t == _ARRAY else f"unknown value type {t}"))
+
+    if take(4) != b"GGUF":
+        raise bad("it does not start with GGUF")
+    version = unpack("<I")
+    if version not in (2, 3):
+        raise bad(f"version {version} (mpsconvert reads versions 2 and 3)")
+    n_tensors = count("GGUF tensors", "its tensor count", 24)
+    n_kv = count("GGUF metadata keys", "its metadata key count", 12)
+    head = _Header()
+    for _ in range(n_kv):
+        key = string("a metadata key")
+        head.fields[key] = value(unpack("<I"), printable(key)[:80])
+    for _ in range(n_tensors):
+        tname = string("a tensor name")
+        dims = unpack("<I")
+        bounded(dims, "GGUF dimensions", what=f"{name}: the dimensions of {printable(tname)[:80]}", error=SourceError, fix=_BAD_GGUF)
+        shape = tuple(unpack("<Q") for _ in range(dims))
+        elements = 1
+        for d in shape:
+            elements *= d
+        bounded(elements, "GGUF tensor elements", what=f"{name}: the elements of {printable(tname)[:80]} {list(shape)}",
+                error=SourceError, fix=_BAD_GGUF)
+        unpack("<I")
+        unpack("<Q")
+        head.tensors[tname] = shape
+    return head
+
+
+class _Length(int):
+    """An array's length, standing for the array (its values are not kept)."""
+
+
+# GGUF metadata (`<arch>.<key>`) -> the limit it falls under: what transformers builds the model's config from
+_SIZES = {"block_count": "layers", "embedding_length": "hidden size", "feed_forward_length": "intermediate size",
+          "attention.head_count": "attention heads", "attention.head_count_kv": "attention heads", "context_length": "positions",
+          "vocab_size": "vocabulary", "expert_count": "experts", "attention.key_length": "head dim", "attention.value_length": "head dim"}
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def check_header(path: Path) -> _Header:
+    """A GGUF's header, checked before transformers builds anything from it: counts bounded
+    (read_header), the model's sizes in its metadata bounded, its blocks those the metadata
+    counts (0 .. block_count-1, each present), and the embedding as wide as the metadata says.
+    A GGUF without tensors or without the sizes would have transformers build its default model
+    (32 layers x 4096) and fill it with random weights.
+
+    Raises:
+        SourceError: any of these, in one line.
+    """
+    head = read_header(path)
+    name = path.name
+    arch = head.fields.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise SourceError(f"{name} names no general.architecture", _BAD_GGUF)
+    for key, limit in _SIZES.items():
+        v = head.fields.get(f"{arch}.{key}")
+        if v is not None:
+            bounded(int(v) if isinstance(v, int) and not isinstance(v, bool) else v, limit, what=f"{name}: {arch}.{key}",
+                    error=SourceError, fix=_BAD_GGUF)
+    tokens = head.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        bounded(int(tokens), "vocabulary", what=f"{name}: tokenizer.ggml.tokens' length", error=SourceError, fix=_BAD_GGUF)
+    for key in ("block_count", "embedding_length"):
+        if not isinstance(head.fields.get(f"{arch}.{key}"), int):
+            raise SourceError(f"{name} does not say its {arch}.{key}; without it transformers would build a default-size model",
+                              _BAD_GGUF)
+    layers = int(head.fields[f"{arch}.block_count"])
+    blocks = {int(m.group(1)) for t in head.tensors if (m := _BLOCK.match(t))}
+    if blocks != set(range(layers)):
+        missing = sorted(set(range(layers)) - blocks)
+        raise SourceError(f"{name} says {layers} blocks but holds tensors of "
+                          + (f"no block {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") if missing
+                             else f"block {max(blocks - set(range(layers)))}"), _BAD_GGUF)
+    emb = head.tensors.get("token_embd.weight")
+    if emb is None:
+        raise SourceError(f"{name} holds no token_embd.weight (the token embedding)", _BAD_GGUF)
+    if emb[0] != head.fields[f"{arch}.embedding_length"]:
+        raise SourceError(f"{name}: token_embd.weight is {emb[0]} wide but {arch}.embedding_length says "
+                          f"{head.fields[f'{arch}.embedding_length']}", _BAD_GGUF)
+    return head
+
+
 def describe(path: Path) -> dict:
     """What the GGUF holds, from its header: file type, tensors per quantization type, and the
     bits per weight of the quantized ones (scales included, as `gguf.GGML_QUANT_SIZES` gives
@@ -56,6 +222,7 @@ def describe(path: Path) -> dict:
     """
     import gguf
 
+    check_header(path)  # every count bounded before gguf's reader loops over any of them
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # an untrusted file: whatever the reader trips on is a bad input, said in one line
@@ -128,12 +295,18 @@ def _unpack(path: Path, folder: Path, dtype: str) -> str:
     if hasattr(transformers, "GgufConfig"):  # newer transformers keep GGUF blocks packed unless asked to dequantize
         kw["quantization_config"] = transformers.GgufConfig(dequantize=True)
     try:
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype,
-                                                                   device_map="cpu", **kw)
+        config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        check_model_config(config.to_dict(), what=f"the config of {path.name}", error=SourceError, fix=_BAD_GGUF)
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype,
+                                                                         device_map="cpu", output_loading_info=True, **kw)
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError, NotImplementedError, OSError, RuntimeError) as e:  # an architecture or type transformers cannot read
         raise SourceError(f"transformers {transformers.__version__} cannot load {path.name}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
                           "use the model's safetensors repo or folder instead, or a transformers version that reads this GGUF") from e
+    holes = sorted(info.get("missing_keys") or []) + sorted(k for k, *_ in info.get("mismatched_keys") or [])
+    if holes:  # transformers filled them with its random init: a model that is not the file's
+        raise SourceError(f"{path.name} does not hold {len(holes)} tensor(s) of {type(loaded).__name__} (e.g. {holes[0]}), "
+                          "which would be random weights", _BAD_GGUF)
     config = loaded.config
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # dequantized on load: a plain model now

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import ArtifactError
 from ..filesystem import is_appledouble
+from ..untrusted import open_regular
 
 _BLOCK = 8 << 20
 # Big reads for the background hasher: each block it reads and hashes without the GIL, then
@@ -24,7 +25,7 @@ _BG_BLOCK = 32 << 20
 
 def sha256_file(path: Path, block: int = _BLOCK, stop: threading.Event | None = None) -> str:
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path, raw_oserror=True), "rb", buffering=0) as f:  # a FIFO or device is refused, never read
         buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size)))  # a config.json needs no 8 MiB
         view = memoryview(buf)
         while n := f.readinto(buf):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .. import atomic, templates
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import inside, read_json
+from ..untrusted import inside, is_panic, read_json
 from .hashing import copy_verified
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, weight_files
 
@@ -163,7 +163,9 @@ def tokenizer(folder: Path, where: str | None = None, *, error: type[MpsconvertE
         tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except MpsconvertError:
         raise
-    except Exception as e:  # a tokenizer file of the wrong shape: transformers' TypeError, ValueError, KeyError, ...
+    except BaseException as e:  # a tokenizer file of the wrong shape: transformers' TypeError, ValueError, KeyError, a Rust panic ...
+        if not isinstance(e, Exception) and not is_panic(e):  # Ctrl-C, SystemExit
+            raise
         files = ", ".join(sorted(p.name for p in folder.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "added_tokens",
                                                                                            "vocab", "merges", "chat_template"))))
         raise error(f"{where} has no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}; "
@@ -216,4 +218,17 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
         raise ArtifactError(f"the chat template in {where} cannot be used ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
                             "fix the chat template, or pass --ignore-chat-template") from None
     text = templates.render(template, messages, where, add_generation_prompt=True, **tok.special_tokens_map)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return encode(tok, text, add_special_tokens=False)
+
+
+def encode(tok, text: str, **kw) -> list[int]:
+    """`tok(text, **kw)`'s input ids; a Rust panic of the tokenizer (a pre-tokenizer regex that
+    backtracks past Onig's limit on this text: `pyo3_runtime.PanicException`, which `except
+    Exception` misses) is one line naming the tokenizer."""
+    try:
+        return list(tok(text, **kw)["input_ids"])
+    except BaseException as e:
+        if not is_panic(e):
+            raise
+        raise ArtifactError(f"the tokenizer failed on this text (its Rust code panicked: {str(e).splitlines()[0][:120] if str(e) else 'no message'})",
+                            "a pre-tokenizer regex in tokenizer.json backtracks too much on it: fix tokenizer.json, or change the text") from None

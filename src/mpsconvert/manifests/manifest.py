@@ -21,8 +21,9 @@ from typing import TypeVar
 from ..version import __version__
 from ..atomic import write_text
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import bad_relpath, parse_json, read_bytes, read_json
+from ..untrusted import LIMITS, bad_relpath, bounded, parse_json, read_bytes, read_json
 from ..untrusted import field as json_field
+from ..untrusted import printable
 from .hashing import sha256_file
 from .layout import MANIFEST_NAME
 from .pin import digest as pin_digest
@@ -31,7 +32,7 @@ from .records import Record, compact, kinds
 REBUILD_FIX = "re-run `mpsconvert quantize` to rebuild it"
 
 SCHEMA_VERSION = 1
-MAX_FILES = 100_000  # files one artifact lists: a 1000-shard MoE with both Apple packages is a few thousand
+MAX_FILES = int(LIMITS["manifest files"][1])  # a 1000-shard MoE with both Apple packages lists a few thousand
 R = TypeVar("R", bound=Record)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -145,10 +146,16 @@ class Manifest:
                 "upgrade mpsconvert or rebuild the artifact",
             )
         kw = dict(what=str(path), fix=fix)
-        files = json_field(body, "files", dict, default={}, **kw)
+        tampered = "the manifest was corrupted or tampered with; re-create the artifact"
+        if body.get("tool") != "mpsconvert":  # exactly: a lookalike ("mpsconvert\u200b") is another tool's file
+            raise ArtifactError(f"{path} says \"tool\": {printable(repr(body.get('tool')))[:60]}, not \"mpsconvert\"", tampered)
+        # the shape every artifact's manifest has: a verify that reads an empty or null field as
+        # "nothing to check" would say ok about what it never checked
+        files = json_field(body, "files", dict, **kw)
+        if not files:
+            raise ArtifactError(f"{path} lists no files, so nothing of the artifact could be checked", tampered)
         if len(files) > MAX_FILES:
-            raise ArtifactError(f"{path} lists {len(files)} files, more than the {MAX_FILES} an artifact can have",
-                                "the manifest was corrupted or tampered with; re-create the artifact")
+            raise ArtifactError(f"{path} lists {len(files)} files, more than the {MAX_FILES} an artifact can have (untrusted.LIMITS)", tampered)
         for name, rec in files.items():
             why = bad_relpath(name)
             if why is not None:
@@ -156,9 +163,19 @@ class Manifest:
             if not (isinstance(rec, dict) and isinstance(rec.get("sha256"), str) and _SHA256.match(rec["sha256"])
                     and type(rec.get("size")) is int and rec["size"] >= 0):
                 raise ArtifactError(f"{path}: the record of {name!r} needs a sha256 (64 hex digits) and a size", fix)
-        tensors = json_field(body, "tensors", dict, default={}, **kw)
-        if not all(isinstance(r, dict) for r in tensors.values()):
-            raise ArtifactError(f"{path}: every record under 'tensors' must be an object", fix)
+        tensors = json_field(body, "tensors", dict, **kw)
+        bounded(len(tensors), "manifest tensor records", what=f"{path} records {len(tensors)} tensors, and the count",
+                error=ArtifactError, fix=tampered)
+        for name, r in tensors.items():
+            if not (isinstance(r, dict) and isinstance(r.get("dtype", ""), str) and isinstance(r.get("shape", []), list)
+                    and all(type(d) is int and d >= 0 for d in r.get("shape", []))):
+                raise ArtifactError(f"{path}: the record of tensor {printable(name)[:80]!r} must be an object with a dtype string "
+                                    "and a shape of non-negative integers", fix)
+        for kind in kinds():  # a top-level record present must be an object: `"pinned": null` is not "no pin"
+            section = body if kind.SECTION is None else {}
+            if kind.KEY in section and not isinstance(section[kind.KEY], dict):
+                raise ArtifactError(f"{path}: the `{kind.path()}` record is "
+                                    f"{type(section[kind.KEY]).__name__}, not an object", kind.FIX or tampered)
         known = {"schema_version", "tool", "versions", "source", "recipe", "device", "summary", "tensors", "skipped", "files", "created"}
         return cls(
             source=json_field(body, "source", dict, **kw),

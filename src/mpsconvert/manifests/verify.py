@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from ..safetensors_io import Header, read_header
 from .ct_config import scheme_from_config
 from . import layout
 from ..atomic import TMP_PREFIX
-from ..untrusted import inside, read_json
+from ..untrusted import check_model_config, inside, read_json
 from ..progress import Progress, or_silent
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256, read_once
@@ -55,6 +56,7 @@ class VerifyReport:
     scheme: str | None = None
     weights: str | None = None
     quantized: dict = field(default_factory=dict)  # module -> [N, K]
+    linears: set = field(default_factory=set, repr=False)  # the Linear modules of the model built from config.json (not reported)
     shards: list = field(default_factory=list)
     headers: dict = field(default_factory=dict, repr=False)  # shard -> validated Header (not reported)
     unlisted: list = field(default_factory=list)  # files present that the manifest does not list
@@ -260,13 +262,14 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
             return report
     try:
         config = config if config is not None else read_json(folder / CONFIG_NAME, what=CONFIG_NAME)
+        check_model_config(config, what=CONFIG_NAME, error=ArtifactError)  # values that would build or compute garbage
         scheme = scheme_from_config(config.get("quantization_config"))
         report.scheme, report.weights = scheme.name, scheme.weights
     except MpsconvertError as e:
         if not (folder / CONFIG_NAME).exists():
             _problem(report, "config.json is missing")
         else:
-            _problem(report, f"config.json: {e}")
+            _problem(report, str(e) if str(e).startswith(CONFIG_NAME) else f"config.json: {e}")
         return report
 
     headers = _shards(folder, report)
@@ -307,6 +310,39 @@ def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set |
             _problem(report, f"{mod}.weight is {n}x{k} but the model built from config.json has {shapes[mod][0]}x{shapes[mod][1]}")
         if ignored and mod in ignored:
             _problem(report, f"{mod} is quantized but the quantization_config ignores it")
+
+
+_LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|layer|h|blocks)\.\d+)\.")
+
+
+def check_model_structure(report: VerifyReport, params: dict, modules: set) -> None:
+    """config.json's structural numbers (num_hidden_layers, hidden_size, vocab_size, ...) against
+    the shards: every Linear weight and every parameter the model built from config.json has (its
+    canonical name: a tied weight once) that is stored under its own name has that parameter's
+    shape, no Linear weight of the model is missing from the shards, and no shard holds a layer the
+    model does not have. `params`: name -> shape of the built model's parameters; `modules`: the
+    names of its modules. A raised num_hidden_layers (missing layers), a lowered one (layers the
+    model never reads), or another vocab or hidden size are each a problem, not a later crash."""
+    tensors = {name: info for h in report.headers.values() for name, info in h.tensors.items()}
+    if not tensors or not any(f"{m}.weight" in tensors for m in report.linears):
+        return  # the checkpoint names its tensors otherwise than the model its modules (a conversion mapping): nothing to compare by name
+    found = []
+    for name, shape in params.items():
+        info = tensors.get(name)
+        if info is None:
+            mod = name.rpartition(".")[0]
+            if name.endswith(".weight") and mod in report.linears:
+                found.append(f"config.json's model has {name}, which no shard holds (config.json does not describe these weights)")
+            continue
+        if info.dtype != "F8_E4M3" and list(info.shape) != list(shape):
+            found.append(f"{name} is {list(info.shape)} but the model built from config.json has {list(shape)}")
+    extra = sorted({m.group(1) for n in tensors if (m := _LAYER.match(n)) and m.group(1) not in modules})
+    if extra:
+        found.append(f"the shards hold {len(extra)} layer(s) the model built from config.json does not have ({extra[0]}, ...): "
+                     "config.json does not describe these weights")
+    report.problems += found[:20]
+    if len(found) > 20:
+        report.problems.append(f"... and {len(found) - 20} more differences between config.json's model and the shards")
 
 
 def check_artifact(path, **kw) -> VerifyReport:

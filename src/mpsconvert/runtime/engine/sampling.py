@@ -27,6 +27,13 @@ class Sampling:
     top_k: int = 0  # 0: every token
 
     def __post_init__(self):
+        from ...untrusted import bounded
+
+        bounded(self.max_tokens, "--max-tokens", fix="pass --max-tokens 1 or more")
+        bounded(self.temp, "--temp", integer=False, fix="pass --temp 0 for greedy decoding")
+        bounded(self.top_p, "--top-p", integer=False, fix="pass --top-p 1.0 to keep every token")
+        if self.seed is not None:
+            bounded(self.seed, "--seed")
         if self.max_tokens < 1:
             raise MpsconvertError(f"--max-tokens must be at least 1 (got {self.max_tokens})", "pass --max-tokens 1 or more")
         if self.temp < 0:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...errors import MpsconvertError
+from ...errors import MpsconvertError, PromptError
+from ...untrusted import LIMITS
 from ...manifests import loadable
 from .loop import Decoder, GenerationStats, generate_ids
 from .sampling import Sampling
@@ -62,6 +63,27 @@ class Conversation:
     def __init__(self, decoder: Decoder, tokenizer, stop_ids: set[int], sampling: Sampling, system: str | None = None):
         self.decoder, self.tok, self.stop_ids, self.sampling = decoder, tokenizer, stop_ids, sampling
         self.history: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.dropped = 0  # messages the last turn dropped from the history to fit the context
+        self._longest = None
+
+    def _check_text(self, text: str, what: str) -> None:
+        """Refuse `text` before it is rendered or tokenized when it cannot be used: longer than the
+        limit on prompt characters, or more bytes than the model's context could hold even at the
+        vocabulary's longest token per position (a 5 MB line is not tokenized to find out)."""
+        limit = int(LIMITS["prompt characters"][1])
+        if not isinstance(text, str):
+            raise PromptError(f"{what} is {type(text).__name__}, not text", "pass a string")
+        if len(text) > limit:
+            raise PromptError(f"{what} is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
+                              "pass a shorter text")
+        cap = self.decoder.max_len
+        if cap:
+            if self._longest is None:
+                self._longest = max((len(t.encode("utf-8", "surrogatepass")) for t in self.tok.get_vocab()), default=1) or 1
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > cap * self._longest:
+                raise PromptError(f"{what} is {size:,} bytes and the {self.decoder.backend} model holds {cap:,} tokens, of at most "
+                                  f"{self._longest} bytes each: it cannot fit", "pass a shorter text")
 
     @property
     def has_template(self) -> bool:
@@ -71,9 +93,10 @@ class Conversation:
         return loadable.chat_ids(self.tok, messages)  # apply_chat_template's ids, the template rendered with bounds
 
     def encode(self, prompt: str, use_template: bool) -> list[int]:
+        self._check_text(prompt, "the prompt")
         if use_template and self.has_template:
             return self._template(self.history + [{"role": "user", "content": prompt}])
-        return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
+        return loadable.encode(self.tok, prompt, add_special_tokens=True)
 
     def complete(self, ids: list[int], on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
         stream = TextStream(self.tok)
@@ -97,7 +120,20 @@ class Conversation:
     def say(self, message: str, on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
         """One chat turn: the user's message, the model's reply (kept in the history)."""
         self.require_template()
+        self._check_text(message, "the message")
         msgs = self.history + [{"role": "user", "content": message}]
-        text, stats = self.complete(self._template(msgs), on_text)
+        ids, self.dropped = self._template(msgs), 0
+        cap = self.decoder.max_len
+        if cap:  # the history outgrew the context: the oldest turns go (a system message stays), said by the caller
+            room = min(self.sampling.max_tokens, max(1, cap // 4))
+            while len(ids) + room > cap and (old := [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]):
+                turn = [old[0]] + ([old[1]] if len(old) > 1 and msgs[old[1]]["role"] == "assistant" else [])
+                msgs = [m for i, m in enumerate(msgs) if i not in turn]
+                self.dropped += len(turn)
+                ids = self._template(msgs)
+            if len(ids) >= cap:
+                raise PromptError(f"the message is {len(ids):,} tokens with the chat template, the model holds {cap:,}",
+                                  "send a shorter message")
+        text, stats = self.complete(ids, on_text)
         self.history = msgs + [{"role": "assistant", "content": text}]
         return text, stats

@@ -49,6 +49,16 @@ class ValidateOptions:
     write: bool = True
     kernel_cache: object = None  # KernelPolicy cache file, or False
 
+    def __post_init__(self):
+        """Every count within untrusted.LIMITS (one line each, before anything loads): a length of
+        0 or -5 was a traceback deep in the run, 10^9 repeats a run that never ends."""
+        from ...untrusted import bounded
+
+        for key in ("seq_len", "max_samples", "prefill_len", "decode_tokens", "repeats", "rounds", "warmup"):
+            v = getattr(self, key)
+            if v is not None:
+                bounded(v, "--" + key.replace("_", "-"))
+
 
 def _is_causal(config) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (getattr(config, "architectures", None) or []))
@@ -71,6 +81,34 @@ def resolve_baseline(artifact: Path, baseline: str | None) -> str:
         if cand and Path(cand).is_dir():
             return str(resolve(cand).path)
     raise SourceError(f"the manifest names a local source ({src.get('id')!r}) that is not here", "pass --baseline <folder of the BF16 model>")
+
+
+# what must agree between an artifact and its baseline for a comparison to mean anything
+_SAME = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads")
+
+
+def check_baseline(artifact: Path, base_path: str) -> None:
+    """The baseline is a model mpsconvert may build (its config read the way every config is:
+    bounded and typed; code in it never run: remote code is refused) and the same model as the
+    artifact (architecture and sizes), before either is loaded.
+
+    Raises:
+        SourceError: remote code, an unreadable config, or another model, in one line.
+    """
+    from ... import modeldef
+    from ...manifests.layout import CONFIG_NAME
+    from ...untrusted import read_json
+
+    fix = "pass --baseline <the model this artifact was made from>"
+    try:
+        base = modeldef.load_config(base_path, trust_remote_code=False).to_dict()
+    except SourceError as e:
+        raise SourceError(f"the baseline {base_path}: {e.problem}", fix) from None
+    mine = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
+    for key in _SAME:
+        a, b = mine.get(key), base.get(key)
+        if a is not None and b is not None and a != b:
+            raise SourceError(f"the baseline {base_path} is another model: its {key} is {str(b)[:60]}, the artifact's {str(a)[:60]}", fix)
 
 
 def read_texts(path: str | None) -> tuple[list[str], str]:
@@ -217,6 +255,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
                    warmup=opts.warmup if opts.warmup is not None else (3 if gpu else 1))
     use_compile = opts.compile == "on" or (opts.compile == "auto" and dev.type == "cuda")
     base_path = resolve_baseline(artifact, opts.baseline)
+    check_baseline(artifact, base_path)
     texts, data_path = read_texts(opts.eval_data)
     progress("load fp8", 0, 1, "")
     # load verifies every file first (the tokenizer's included), so the tokenizer is read after it
@@ -226,7 +265,11 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     progress("load bf16", 0, 1, "")
     with devices.oom_hint(dev, "loading the BF16 baseline"):
-        base_model = cls.from_pretrained(base_path, dtype=torch.bfloat16).to(dev).eval()
+        try:
+            base_model = cls.from_pretrained(base_path, dtype=torch.bfloat16).to(dev).eval()
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # weights transformers cannot read: the baseline's problem
+            raise SourceError(f"transformers cannot load the baseline {base_path}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
+                              "pass --baseline <the model this artifact was made from>") from e
     models = {"bf16": base_model, "fp8": fp8_model}
     result = {
         "kind": "causal-lm" if causal else "encoder",

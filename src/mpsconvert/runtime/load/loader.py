@@ -469,7 +469,7 @@ def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, pro
 
     The files are checked first; the model is built from config.json only after that, and with
     `trust_remote_code` only once every file (its code included) matched its hash."""
-    from ...manifests.verify import check_model_shapes, verify_artifact
+    from ...manifests.verify import check_model_shapes, check_model_structure, verify_artifact
 
     path = Path(path)
     atomic.recover(path)
@@ -486,4 +486,11 @@ def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, pro
     except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact said which
         return report
     check_model_shapes(report, linears, ignored)
+    report.linears = set(linears)
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    out = model.get_output_embeddings() if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_output_embeddings") else None
+    for n, m in model.named_modules():  # a tied output embedding is the input embedding: not stored under its own name
+        if out is not None and m is out:
+            params.pop(f"{n}.weight", None)
+    check_model_structure(report, params, {n for n, _ in model.named_modules()})
     return report

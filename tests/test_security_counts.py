@@ -1,0 +1,135 @@
+"""Numbers read from a file or the command line (issue 53, classes 6 and 8): one table bounds them
+all (`untrusted.LIMITS`, checked by `untrusted.bounded`), before any work scales with them; the
+error names the limit. 0, -5, 10^9, NaN and 2^70 are one line and exit 2, never a traceback or a
+run that does not end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from mpsconvert import untrusted
+from mpsconvert.cli import main
+from mpsconvert.errors import MpsconvertError, SourceError
+from mpsconvert.manifests.layout import MANIFEST_NAME
+
+from . import models
+
+
+def cli(*args, **kw):
+    return CliRunner().invoke(main, [str(a) for a in args], **kw)
+
+
+def one_line_error(res, *says) -> None:
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert "Traceback" not in res.output and len(lines) == 1 and lines[0].startswith("error:"), res.output
+    for s in says:
+        assert s in res.output, res.output
+
+
+def test_bounded_names_the_limit_and_refuses_what_is_not_a_number():
+    assert untrusted.bounded(5, "--seq-len") == 5
+    for bad, says in [(0, "--seq-len is 0, outside 1..131,072"), (10**9, "outside 1..131,072"), (True, "not an integer"),
+                      (1e3, "not an integer"), ("8", "not an integer")]:
+        with pytest.raises(MpsconvertError, match=None) as e:
+            untrusted.bounded(bad, "--seq-len")
+        assert says in str(e.value), str(e.value)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(MpsconvertError, match="outside 0..10,000"):
+            untrusted.bounded(bad, "--temp", integer=False)
+    with pytest.raises(SourceError, match=r"config.json: n is 2000, outside 0..1,024 \(the limit on layers\)"):
+        untrusted.bounded(2000, "layers", what="config.json: n", error=SourceError)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--seq-len", "0"], "--seq-len is 0"),
+    (["--seq-len", "-5"], "--seq-len is -5"),
+    (["--rounds", "-1"], "--rounds is -1"),
+    (["--warmup", "-1"], "--warmup is -1"),
+    (["--repeats", "1000000000"], "--repeats is 1000000000, outside 1..10,000"),
+    (["--prefill-len", "1000000000"], "--prefill-len is 1000000000"),
+    (["--decode-tokens", "1000000000"], "--decode-tokens is 1000000000"),
+    (["--max-samples", "0"], "--max-samples is 0"),
+])
+def test_validate_numbers_are_bounded_before_anything_loads(tmp_path, args, says):
+    t = time.monotonic()
+    one_line_error(cli("validate", tmp_path, *args), says)
+    assert time.monotonic() - t < 30
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--temp", "nan"], "--temp is nan"),
+    (["--temp", "inf"], "--temp is inf"),
+    (["--seed", str(2**70)], "--seed is 1180591620717411303424, outside 0..18,446,744,073,709,551,615"),
+    (["--seed", "-1"], "--seed is -1"),
+    (["--max-tokens", str(10**9)], "--max-tokens is 1000000000"),
+])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_sampling_numbers_are_bounded(tmp_path, command, args, says):
+    one_line_error(cli(command, tmp_path, *(["hi"] if command == "generate" else []), *args, "--device", "cpu"), says)
+
+
+@pytest.mark.extra("coreml")
+def test_export_decode_steps_are_bounded(llama_art, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(llama_art, art)
+    before = models.tree_hashes(art)
+    one_line_error(cli("export-coreml", art, "--decode-steps", "1000000000"), "--decode-steps is 1000000000")
+    assert models.tree_hashes(art) == before
+
+
+def test_a_manifest_with_200000_bogus_tensor_records_is_a_few_lines(llama_art, tmp_path):
+    """verify said each of them (200,000 lines); a manifest past the limit is one line."""
+    art = tmp_path / "art"
+    shutil.copytree(llama_art, art)
+    m = json.loads((art / MANIFEST_NAME).read_text())
+    m["tensors"].update({f"bogus.{i}.weight": {"dtype": "F8_E4M3", "shape": [16, 16]} for i in range(200_000)})
+    (art / MANIFEST_NAME).write_text(json.dumps(m))
+    res = cli("verify", art)
+    assert res.exit_code == 1 and "and 199980 more tensor records" in res.output, res.output[-2000:]
+    assert len(res.output.splitlines()) < 80
+    m["tensors"].update({f"more.{i}": {} for i in range(untrusted.LIMITS["manifest tensor records"][1])})
+    (art / MANIFEST_NAME).write_text(json.dumps(m))
+    res = cli("verify", art)
+    assert res.exit_code == 1 and "the limit on manifest tensor records" in res.output, res.output[-2000:]
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"num_layers": 1000000}, "num_layers is 1000000, outside 0..1,024"),
+    ({"attention_head_dim": 1e9}, "attention_head_dim is 1000000000.0, not an integer"),
+    ({"num_attention_heads": 10**8}, "num_attention_heads is 100000000"),
+    ({"joint_attention_dim": -4}, "joint_attention_dim is -4"),
+])
+def test_a_diffusion_component_config_is_bounded_before_a_model_is_built(tmp_path, edit, says):
+    """A component config (num_layers: 1000000) built a meta model of that size or died in the
+    allocator; its numbers go through the same table as a language model's."""
+    from mpsconvert import source
+
+    comp = tmp_path / "transformer"
+    comp.mkdir()
+    cfg = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": "0.36.0", "num_layers": 2, "num_single_layers": 2,
+           "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 64, "in_channels": 16}
+    cfg.update(edit)
+    (comp / "config.json").write_text(json.dumps(cfg))
+    (comp / "diffusion_pytorch_model.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0{}")
+    with pytest.raises(SourceError, match=None) as e:
+        source.resolve(str(comp))
+    assert says in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 10**7), ("hidden_size", 1 << 20), ("vocab_size", 1 << 30),
+                                        ("intermediate_size", 1 << 30), ("num_attention_heads", 10**6), ("head_dim", 10**6)])
+def test_a_source_config_sizes_are_bounded_before_a_model_is_built(llama_art, work, tmp_path, key, value):
+    s = tmp_path / "s"
+    shutil.copytree(work / "src-llama", s)
+    cfg = json.loads((s / "config.json").read_text())
+    cfg[key] = value
+    (s / "config.json").write_text(json.dumps(cfg))
+    t = time.monotonic()
+    one_line_error(cli("quantize", s, "-o", tmp_path / "out"), f"{key} is {value}, outside")
+    assert time.monotonic() - t < 30 and not (tmp_path / "out").exists()

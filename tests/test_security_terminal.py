@@ -1,0 +1,199 @@
+"""The terminal is an output too, and standard input an input (issue 53, classes 7 and 8, and the
+chat items): generated text on a terminal goes through the shown-text filter (piped or `--json`,
+it is data); stdin that is not UTF-8 or too long is one line, named as such; a tokenizer's Rust
+panic is one line; chat drops its oldest turns when the history outgrows the context."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import mpsconvert
+from mpsconvert import api
+from mpsconvert.cli import main, render
+from mpsconvert.errors import ArtifactError
+
+from . import models
+
+HOSTILE = "ok\x1b]0;pwned\x07\x1b[2J\r\u202eend\n\tnext"
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def cli(*args, **kw):
+    return CliRunner().invoke(main, [str(a) for a in args], **kw)
+
+
+def one_line_error(res, *says) -> None:
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert "Traceback" not in res.output and len(errors) == 1, res.output
+    for s in says:
+        assert s in errors[0], res.output
+
+
+class _Said:
+    """A stand-in for an open model (api.Chat) whose reply is `reply`, streamed in pieces, or
+    `fails` raised from it: what the CLI does with the text is under test, not the model."""
+
+    backend, device, history = "torch", "cpu", []
+
+    def __init__(self, reply: str = HOSTILE, fails: BaseException | None = None):
+        self.reply, self.fails = reply, fails
+
+    def _result(self, on_text):
+        if self.fails is not None:
+            raise self.fails
+        for i in range(0, len(self.reply), 3):  # an escape sequence split across pieces too
+            if on_text:
+                on_text(self.reply[i:i + 3])
+        stats = SimpleNamespace(prompt_tokens=1, prompt_tps=1.0, generation_tps=1.0, generated_tokens=1, stop="eos", compile_seconds=None,
+                                peak_memory_bytes=None, peak_memory_source="n/a", backend="torch", device="cpu",
+                                as_dict=lambda: {"generated_tokens": 1})
+        return api.GenerateResult(self.reply, stats)
+
+    def complete(self, prompt, on_text=None, use_template=True):
+        return self._result(on_text)
+
+    def say(self, message, on_text=None):
+        return self._result(on_text)
+
+    def require_template(self):
+        pass
+
+    def reset(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+@pytest.fixture
+def said(monkeypatch):
+    def use(**kw):
+        monkeypatch.setattr(api, "chat", lambda *a, **k: _Said(**kw))
+    return use
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generated_text_on_a_terminal_is_shown_not_acted_on(said, monkeypatch, tmp_path, command):
+    """A vocabulary entry carrying ESC]0;...BEL / ESC[2J (in a verified, even pinned, artifact)
+    retitled and cleared the user's terminal."""
+    said()
+    args = [command, tmp_path, *(["hi"] if command == "generate" else [])]
+    monkeypatch.setattr(render, "_is_terminal", lambda stream: True)
+    res = cli(*args, input="hi\n/exit\n")
+    assert res.exit_code == 0, res.output
+    assert "\x1b" not in res.stdout and "\x07" not in res.stdout and "\u202e" not in res.stdout and "\r" not in res.stdout
+    assert "ok\\x1b]0;pwned\\x07\\x1b[2J\\x0d\\u202eend\n\tnext" in res.stdout  # shown, line breaks and tabs kept
+    monkeypatch.setattr(render, "_is_terminal", lambda stream: False)  # piped: the text is data, as the model made it
+    assert HOSTILE in cli(*args, input="hi\n/exit\n").stdout
+    res = cli(*args, "--json", input="hi\n/exit\n")  # JSON: escaped by the encoder, read back exactly
+    assert "\x1b" not in res.stdout and json.loads(res.stdout.strip().splitlines()[-1])["text"] == HOSTILE
+
+
+def test_the_filter_keeps_prose_and_escapes_controls():
+    from mpsconvert.untrusted import shown_text
+
+    assert shown_text("a\nb\tc é 漢字") == "a\nb\tc é 漢字"
+    assert shown_text("\x1b[31mred\x9b\x00") == "\\x1b[31mred\\x9b\\x00"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_stdin_that_is_not_utf8_is_one_line(said, tmp_path, command):
+    said()
+    res = cli(command, tmp_path, *(["-"] if command == "generate" else []), input=b"caf\xe9 \xff\n")
+    if command == "generate":
+        one_line_error(res, "standard input is not UTF-8 text")
+    else:  # chat says it and goes on; end of input ends it
+        assert res.exit_code == 0 and "the message is not UTF-8 text" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_a_huge_stdin_prompt_is_named_not_blamed_on_the_template(said, tmp_path):
+    said()
+    one_line_error(cli("generate", tmp_path, "-", input="x" * (20 << 20)), "standard input holds more than 4,194,304 characters")
+
+
+def test_a_huge_chat_line_is_refused_and_the_chat_goes_on(said, tmp_path):
+    said(reply="fine")
+    res = cli("chat", tmp_path, input="x" * (5 << 20) + "\nhello\n")
+    assert res.exit_code == 0 and "the message is 5,242,880 characters, more than 4,194,304" in res.output, res.output[-2000:]
+    assert "fine" in res.stdout
+
+
+def test_a_rust_panic_is_one_line(said, tmp_path):
+    """pyo3's PanicException is a BaseException: `except Exception` (the CLI's catch-all) missed it."""
+    panic = type("PanicException", (BaseException,), {})("Onig: Regex search error: retry-limit-in-match over")
+    said(fails=panic)
+    one_line_error(cli("generate", tmp_path, "hi"), "Rust code panicked", "retry-limit-in-match")
+
+
+# --------------------------------------------------------------------------- with a real model
+
+
+@pytest.fixture(scope="module")
+def art(work):
+    """A tiny Llama artifact whose tokenizer has a chat template; 128 positions."""
+    from transformers import AutoTokenizer
+
+    src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, max_positions=128)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(src))
+    out = work / "art"
+    mpsconvert.quantize(src, out)
+    return out
+
+
+def test_a_tokenizer_regex_that_panics_is_one_line(art, tmp_path):
+    """A real one: a pre-tokenizer Split regex that backtracks past Onig's retry limit."""
+    import shutil
+
+    a = tmp_path / "art"
+    shutil.copytree(art, a)
+    tj = json.loads((a / "tokenizer.json").read_text())
+    tj["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False}
+    (a / "tokenizer.json").write_text(json.dumps(tj))
+    models.resign(a, "tokenizer.json")
+    one_line_error(cli("generate", a, "a" * 40 + "!", "--device", "cpu", "--ignore-chat-template", "--max-tokens", "2"),
+                   "the tokenizer failed on this text", "retry-limit-in-match")
+    from mpsconvert.manifests import loadable
+
+    tok = loadable.tokenizer(a)
+    with pytest.raises(ArtifactError, match="Rust code panicked"):
+        loadable.encode(tok, "a" * 40 + "!")
+
+
+def test_chat_drops_the_oldest_turns_when_the_history_outgrows_the_context(art):
+    """chat exited (the prompt no longer fit the cache) after a few long turns; now the oldest go and it says so."""
+    line = "The river runs through the old town and past the mill. "
+    script = "".join(f"{line * 3} {i}\n" for i in range(6))
+    res = cli("chat", art, "--max-tokens", "8", "--device", "cpu", "--json", input=script)
+    assert res.exit_code == 0, res.output[-3000:]
+    turns = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert len(turns) == 6, res.output[-3000:]
+    said = " ".join(res.output.split())
+    assert "the history outgrew the model's context" in said and "oldest message(s) were dropped" in said
+    assert any(t.get("dropped_messages") for t in turns) and all(t["prompt_tokens"] < 128 for t in turns)
+
+
+def test_a_chat_line_too_long_for_the_context_is_refused_before_tokenizing(art, monkeypatch):
+    """A line that cannot fit the context even at the vocabulary's longest token per position is
+    refused on its length: it is never rendered or tokenized (a 5 MB line took the tokenizer's time)."""
+    from mpsconvert.manifests import loadable
+
+    calls = []
+    real = loadable.chat_ids
+    monkeypatch.setattr(loadable, "chat_ids", lambda tok, msgs: calls.append(sum(len(m["content"]) for m in msgs)) or real(tok, msgs))
+    res = cli("chat", art, "--max-tokens", "4", "--device", "cpu", input="y" * 200_000 + "\nhello\n")
+    assert res.exit_code == 0 and "and the torch model holds 128 tokens, of at most" in " ".join(res.output.split()), res.output[-2000:]
+    assert calls and max(calls) < 1000  # only "hello" was rendered
