@@ -346,6 +346,11 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
     """Check an artifact: every file's sha256 against the manifest, and its consistency (every
     FP8 weight has its scale, shapes and dtypes as config.json's model says).
 
+    An artifact with its manifest is checked from JSON and safetensors headers alone (no torch,
+    no transformers: under a second); the model is built from config.json (weightless) only
+    where the manifest does not vouch for that file: a checkpoint of another tool, or a
+    config.json that is not the one recorded.
+
     Args:
         artifact: the artifact folder (or any compressed-tensors FP8 checkpoint: then only the
             structural checks run, and the report says hashes were not checked).
@@ -361,10 +366,17 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from .runtime.load import loader
+    from . import atomic
+    from .manifests.verify import verify_artifact
 
-    return loader.verify(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress,
-                         manifest_sha256=manifest_sha256)
+    artifact = Path(artifact)
+    atomic.recover(artifact)
+    report = verify_artifact(artifact, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
+    if report.needs_model:  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
+        from .runtime.load import loader
+
+        loader.check_built_model(artifact, report, trust_remote_code=trust_remote_code)
+    return report
 
 
 def inspect(artifact: str | Path) -> Manifest:

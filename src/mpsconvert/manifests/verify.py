@@ -18,7 +18,9 @@ Two kinds of check, both reported (never raised) so a caller can print every pro
   as the config's strategy says, and `<m>.input_scale` [1] when activations are static; the
   manifest's tensor records match the files' shapes and dtypes; and, when `shapes` is given
   (module -> (out, in), from the model built from config.json), every FP8 weight has its
-  Linear's shape and no ignored module is quantized.
+  Linear's shape and no ignored module is quantized. Building that model takes torch and
+  transformers (seconds to import), so `mpsconvert verify` does it only where the manifest does
+  not vouch for config.json (`VerifyReport.needs_model`); else the records are those shapes.
 
 `check_artifact` raises the first problem as an ArtifactError, for loaders.
 """
@@ -39,6 +41,7 @@ from ..atomic import TMP_PREFIX
 from ..filesystem import is_appledouble
 from ..untrusted import inside, read_json
 from ..progress import Progress, or_silent
+from .hashing import sha256_file
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256, read_once
 from .pin import CARD as CARD_NAME, Pin
@@ -65,10 +68,21 @@ class VerifyReport:
     pin: str | None = None  # what the pin given to verify covered
     format: str | None = None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
     manifest: Manifest | None = field(default=None, repr=False)  # parsed from the bytes that were hashed (not reported)
+    # config.json is the one the manifest recorded (its sha256 checked, also without check_hashes:
+    # a few KB): the records' shapes then already are the model's, and nothing needs building
+    config_recorded: bool = field(default=False, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether the shapes still need checking against the model config.json builds (torch
+        and transformers, seconds to import): a compressed-tensors checkpoint whose config.json
+        the manifest does not vouch for. Where it does, the manifest's records, checked against
+        the files' headers, are the shapes of the model the conversion built from that config."""
+        return self.scheme is not None and not self.format and not self.config_recorded
 
     def as_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, "hashes_checked": self.hashes_checked, "scheme": self.scheme,
@@ -192,6 +206,19 @@ def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progre
     return counted
 
 
+def _is_recorded(folder: Path, manifest: Manifest, name: str, report: VerifyReport) -> bool:
+    """Is the small file `name` the one the manifest lists, byte for byte? The hash already
+    computed when every file was hashed, else its own (a config is a few KB)."""
+    rec = manifest.files.get(name) or {}
+    if name in report.files:
+        return report.files[name] == "ok"
+    try:
+        p = inside(folder, name, what=f"{MANIFEST_NAME} files")
+        return bool(rec.get("sha256")) and p.is_file() and p.stat().st_size == rec.get("size") and sha256_file(p) == rec["sha256"]
+    except (OSError, MpsconvertError):
+        return False
+
+
 def _fp8_ranges(path: Path) -> list | None:
     """The F8_E4M3 byte ranges of a safetensors file, or None where its header does not read (the
     structural checks say why, and scan its codes on their own)."""
@@ -262,6 +289,7 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         check_unlisted(folder, manifest, report)
         if check_hashes:
             counted = _check_hashes(folder, manifest, report, progress, codes=check_codes)
+        report.config_recorded = _is_recorded(folder, manifest, CONFIG_NAME, report)
         if layout.diffusion_format(manifest):
             from .diffusion import verify_diffusion
 
