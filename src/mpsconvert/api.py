@@ -162,7 +162,7 @@ def calibration_options(**kw: Any) -> CalibOptions:
 
 def validate_options(**kw: Any) -> ValidateOptions:
     """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
-    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
+    decode_tokens, repeats, rounds, warmup, full, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
     from .runtime.evaluate.validate import ValidateOptions
 
     return ValidateOptions(**kw)
@@ -398,7 +398,8 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
 
     Args:
         artifact: the artifact folder.
-        options: `validate_options(...)` [default: the bundled text, 8 x 512 tokens, auto device].
+        options: `validate_options(...)` [default: the bundled text, auto device; 8 samples of 512 tokens on a
+            GPU, 4 of 256 on CPU (`full=True`: 8 of 512 there too); runtime.evaluate.validate.DEFAULTS].
         progress: `progress(phase, done, total, detail)` (phases "load fp8", "load bf16",
             "accuracy", "latency").
 
@@ -426,7 +427,7 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
             from .runtime.evaluate import validate_diffusion
 
             return ValidationResult(**validate_diffusion.validate(artifact, opts, load_pair, progress))
-        with validation_baseline(artifact, opts.baseline) as gguf:  # a GGUF source is compared with that GGUF
+        with validation_baseline(artifact, opts.baseline, progress) as gguf:  # a GGUF source is compared with that GGUF
             body = validation.validate(artifact, replace(opts, baseline=str(gguf.folder)) if gguf else opts, progress)
             if gguf:
                 gguf(body)
