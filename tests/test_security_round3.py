@@ -598,6 +598,7 @@ def _command(name, art, text_data, online=None):
     return [sys.executable, "-m", "mpsconvert.cli", *args], env
 
 
+@pytest.mark.slow  # a real process killed at every step: CI runs it in the slow lane
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extra(n.split("-")[1])] if n.startswith("export") else [])
                                   for n in COMMANDS])
 def test_each_command_killed_where_card_and_manifest_could_part_leaves_them_together(art, text_data, request, name):
