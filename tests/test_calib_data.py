@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mpsconvert.calibrate import data
-from .models import MINILM_DIR, TEXT_DATA
+from .models import TEXT_DATA, minilm_dir
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch 
 def tok():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(MINILM_DIR))
+    return AutoTokenizer.from_pretrained(str(minilm_dir()))
 
 
 def test_builtin_set_ships_varied_text_and_draws_deterministically(tok):

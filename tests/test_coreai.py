@@ -430,8 +430,8 @@ def test_validate_without_warmup_or_repeats_gives_the_core_ai_part_the_runs_own_
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
-    assert res["settings"]["warmup"] == 1 and res["settings"]["repeats"] == 3  # CPU defaults, resolved by the run
-    assert seen[0]["warmup"] == 1 and seen[0]["prefill_repeats"] == 3 and res["coreai"]["status"] == "ran"
+    assert res["settings"]["warmup"] == 1 and res["settings"]["repeats"] == 2  # CPU defaults, resolved by the run
+    assert seen[0]["warmup"] == 1 and seen[0]["prefill_repeats"] == 2 and res["coreai"]["status"] == "ran"
 
 
 @pytest.mark.extra("coreai")

@@ -140,6 +140,7 @@ def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
     np.testing.assert_allclose(applied, want, rtol=2**-11, atol=0)
 
 
+@pytest.mark.slow  # 3.5 min on 2 cores
 def test_per_tensor_scale_is_folded_and_bit_exact(work):
     art = tiny_artifact(work, "llama-tensor", lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=1), Scheme.make("fp8-weight-only", "tensor"))
     art = _copy(art, work, "llama-tensor-export")

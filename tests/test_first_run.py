@@ -286,12 +286,12 @@ def test_without_a_terminal_a_long_phase_prints_a_line_every_few_seconds():
     assert lines == []  # 9 s into the phase
     now[0] = 12.5
     p("accuracy", 2, 8, "")
-    assert lines == ["accuracy: 2/8 (10 s)"]
+    assert lines == ["accuracy: 2/8 (10 s, about 32 s left)"]  # 6 more steps at the rate of the first 2
     now[0] = 20
     p.tick()  # the timer: no update came, and 7.5 s is not yet the interval
     now[0] = 23
     p.tick()  # nothing reported for 10.5 s: still a line (a phase with no updates is not silent)
-    assert lines[-1] == "accuracy: 2/8 (21 s)"
+    assert lines[-1] == "accuracy: 2/8 (21 s, about 63 s left)"
     now[0] = 40
     p("accuracy", 8, 8, "")
     assert lines[-1] == "accuracy: 8/8 (38 s, done)" and len(lines) == 3

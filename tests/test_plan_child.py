@@ -48,6 +48,7 @@ def child_path(monkeypatch):
     monkeypatch.setattr(plan_child, "MIN_CPUS", 1)
 
 
+@pytest.mark.slow  # 2 min on 2 cores
 def test_the_guess_agrees_with_the_child_and_the_bytes_are_the_in_process_ones(src, reference, tmp_path, child_path):
     manifest, shards = _convert(src, tmp_path / "out")
     assert manifest["created"]["plan"] == "guessed from the tensor names while a child process read the model definition; the two agreed"

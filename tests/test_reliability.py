@@ -263,6 +263,7 @@ def _assert_complete_or_absent(out: Path):
     "sig,points",
     [(signal.SIGKILL, list(KILL_POINTS)), (signal.SIGTERM, ["first-shard-open", "config-written"]), (signal.SIGINT, ["second-shard-open"])],
 )
+@pytest.mark.slow  # a real process killed at several points: 4 min on 2 cores
 def test_killing_a_real_conversion_at_several_points_then_rerunning(medium_model, tmp_path, sig, points):
     out = tmp_path / "out"
     hit = []

@@ -17,6 +17,7 @@ from mpsconvert.runtime.ops.fuse import SharedInput, share_inputs
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the Triton interpreter over many shapes: 6 min on 2 cores
 @pytest.mark.triton("interpret")
 def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     import torch

@@ -270,6 +270,7 @@ def test_hf_compat_answers_without_raising_where_a_name_is_gone(monkeypatch):
     assert reports["positions"].left == ["the model: transformers has no packed-sequence check by that name (hf_compat)"]
 
 
+@pytest.mark.slow  # every architecture through the Triton interpreter: 19 min of the suite on 2 cores
 @pytest.mark.triton("interpret")
 def test_cuda_patches_install_on_every_architecture_interpreted():
     """The CUDA patches (shared inputs, decode attention, MoE routing, eager fusion, positions)

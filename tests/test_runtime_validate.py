@@ -224,15 +224,35 @@ def test_encoder_latency_is_one_sequence_of_prefill_len(arts):
 
 
 def test_a_model_of_fewer_positions_than_prefill_len_times_a_shorter_prompt(arts):
-    """The default --prefill-len (512) on a model of 256 positions: the engine's cache cannot hold
+    """The full --prefill-len (512) on a model of 256 positions: the engine's cache cannot hold
     it, so the timed prompt is cut to what fits beside the decode steps, and the result says how
     long it was (before this, `validate` with its defaults refused such a model)."""
     from transformers import AutoConfig
 
     positions = AutoConfig.from_pretrained(arts / "llama").max_position_embeddings
     opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=64,
-                           max_samples=1, decode_tokens=3, repeats=1, rounds=1, warmup=1, write=False, kernel_cache=False)
-    assert opts.prefill_len > positions
+                           max_samples=1, decode_tokens=3, repeats=1, rounds=1, warmup=1, write=False, kernel_cache=False, full=True)
+    assert 512 > positions
     r = mpsconvert.validate(arts / "llama-fp8", options=opts).as_dict()
     for name in ("bf16", "fp8"):
         assert r["latency"][name]["prefill"]["tokens"] == positions - (1 + 3 + 2)
+
+
+def test_cpu_defaults_are_the_quick_ones_and_the_table_says_so(arts):
+    """On CPU, options not given take the quick defaults (fewer, shorter samples); --full takes
+    the GPU's sizes; an option given wins over either."""
+    from mpsconvert.runtime.evaluate.validate import DEFAULTS, with_defaults
+
+    quick = with_defaults(ValidateOptions(), gpu=False)
+    assert (quick.seq_len, quick.max_samples, quick.prefill_len, quick.decode_tokens) == (256, 4, 128, 16)
+    full = with_defaults(ValidateOptions(full=True, seq_len=64), gpu=False)
+    assert (full.seq_len, full.max_samples, full.prefill_len, full.rounds) == (64, 8, 512, 3)
+    assert with_defaults(ValidateOptions(), gpu=True).repeats == DEFAULTS["gpu"]["repeats"] == 10
+    args = ["validate", str(arts / "llama-fp8"), "--baseline", str(arts / "llama"), "--eval-data", str(TEXT_DATA / "wiki_eval.jsonl"),
+            "--device", "cpu", "--no-latency", "--no-write"]
+    res = CliRunner().invoke(main, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    body = json.loads(res.stdout)
+    assert body["settings"]["defaults"] == "cpu" and body["settings"]["seq_len"] == 256 and body["accuracy"]["tokens"] == 4 * 255
+    said = " ".join(CliRunner().invoke(main, args).stdout.split())
+    assert "note: CPU's quick defaults: 4 accuracy samples of 256 tokens (--full: 8 of 512" in said

@@ -267,6 +267,7 @@ def _run_killed(point, *args):
     return subprocess.run([sys.executable, "-c", _PUBLISH, *map(str, args)], env=env, capture_output=True, timeout=120)
 
 
+@pytest.mark.slow  # a real process killed at every step: CI runs it in the slow lane
 @pytest.mark.parametrize("mode", ["package", "record"])
 @pytest.mark.parametrize("point", PUBLISH_POINTS)
 def test_records_packages_and_the_card_appear_together_whatever_the_kill_point(art, tmp_path, point, mode):
@@ -536,6 +537,7 @@ def coreml_art(tmp_path_factory):
     return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", partial(tiny, "llama", dtype=torch.bfloat16, tie=True))
 
 
+@pytest.mark.slow  # a real process killed at every step: CI runs it in the slow lane
 @pytest.mark.extra("coreml")
 def test_export_coreml_killed_between_its_steps_then_rerun(coreml_art, tmp_path):
     """The real command, SIGKILLed after the package is written and between the two renames of

@@ -596,6 +596,7 @@ def _command(name, art, text_data):
 
 # upload commits to the hub before its local swap, so a kill between them leaves a commit and the old
 # artifact: tests/test_security_upload.py kills it at its own points
+@pytest.mark.slow  # a real process killed at every step: CI runs it in the slow lane
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extra(n.split("-")[1])] if n.startswith("export") else [])
                                   for n in COMMANDS])
 def test_each_command_killed_where_card_and_manifest_could_part_leaves_them_together(art, text_data, request, name):

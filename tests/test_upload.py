@@ -2,6 +2,8 @@
 message, through huggingface_hub's own client; offline mode is one line."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -13,14 +15,28 @@ from mpsconvert.cli import main
 from . import models
 
 
+@pytest.fixture(scope="module")
+def src(work):
+    """The tiny chat model every test uploads, built once."""
+    return models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
+
+
+@pytest.fixture(scope="module")
+def quantized(src, work):
+    return mpsconvert.quantize(src, work / "llama-fp8").output
+
+
+@pytest.fixture
+def art(quantized, tmp_path):
+    """A copy of the module's artifact for one test (an upload rewrites its card)."""
+    return Path(shutil.copytree(quantized, tmp_path / "llama-fp8"))
+
+
 def artifact_files(folder):
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_upload_sends_every_file_in_one_commit(online, tmp_path):
-    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
-    art = tmp_path / "llama-fp8"
-    mpsconvert.quantize(src, art)
+def test_upload_sends_every_file_in_one_commit(online, art):
     res = CliRunner().invoke(main, ["upload", str(art), "me/llama-fp8", "--private", "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
@@ -39,8 +55,7 @@ def test_upload_sends_every_file_in_one_commit(online, tmp_path):
     assert mpsconvert.inspect(art).extra["hub"] == {"repo": "me/llama-fp8"}  # later card rewrites keep loading from the repo
 
 
-def test_quantize_upload_repo_and_existing_repo(online, tmp_path):
-    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
+def test_quantize_upload_repo_and_existing_repo(online, src, tmp_path):
     online.repos["me/again"] = {"name": "again"}  # already there: create_repo(exist_ok) carries on
     res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/again"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -49,21 +64,18 @@ def test_quantize_upload_repo_and_existing_repo(online, tmp_path):
     assert "uploaded" in res.output
 
 
-def test_offline_is_one_line_before_any_work(tmp_path, monkeypatch):
+def test_offline_is_one_line_before_any_work(src, art, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    src = models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
     res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/x"])
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "offline mode" in res.output, res.output
     assert not (tmp_path / "a").exists()
-    art = mpsconvert.quantize(src, tmp_path / "b").output
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
     assert res.exit_code == 2 and "HF_HUB_OFFLINE" in res.output and res.output.count("\n") == 1, res.output
     res = CliRunner().invoke(main, ["upload", str(art), "not a repo!"])
     assert res.exit_code == 2 and "not a hub repo id" in res.output
 
 
-def test_a_damaged_artifact_is_not_uploaded(online, tmp_path):
-    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
+def test_a_damaged_artifact_is_not_uploaded(art, online):
     with open(art / "model.safetensors", "r+b") as f:
         f.seek(-4, 2)
         f.write(b"\0\0\0\1")
@@ -72,10 +84,9 @@ def test_a_damaged_artifact_is_not_uploaded(online, tmp_path):
     assert online.commits == [] and online.repos == {}
 
 
-def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch):
+def test_an_unreachable_hub_is_one_line(art, monkeypatch):
     import huggingface_hub.constants as c
 
-    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
@@ -84,11 +95,10 @@ def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch):
     assert res.exit_code == 2 and "cannot reach http://127.0.0.1:9" in res.output and res.output.count("\n") == 1, res.output
 
 
-def test_an_existing_repo_keeps_its_visibility_and_is_reported_as_it_is(online, tmp_path):
+def test_an_existing_repo_keeps_its_visibility_and_is_reported_as_it_is(art, online):
     """`--private` only makes a new repo private: an existing public one is refused before anything
     is sent (never an artifact meant to be private in a public repo), and the visibility reported is
     the hub's, not the flag's."""
-    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     online.repos["me/public"] = {"name": "public", "visibility": "public"}
     res = CliRunner().invoke(main, ["upload", str(art), "me/public", "--private"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
@@ -102,12 +112,11 @@ def test_an_existing_repo_keeps_its_visibility_and_is_reported_as_it_is(online, 
     assert [c["repo"] for c in online.commits] == ["me/public", "me/secret"]
 
 
-def test_a_hub_without_xet_storage_is_not_unreachable(online, tmp_path, monkeypatch):
+def test_a_hub_without_xet_storage_is_not_unreachable(art, online, monkeypatch):
     """huggingface_hub uploads through Xet by default; a hub that does not serve it answers 404,
     which hf_xet reports as a network error: said as what it is, with the switch that helps."""
     import huggingface_hub.constants as c
 
-    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     monkeypatch.setattr(c, "HF_HUB_DISABLE_XET", False)
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
@@ -115,10 +124,9 @@ def test_a_hub_without_xet_storage_is_not_unreachable(online, tmp_path, monkeypa
     assert "cannot reach" not in res.output and online.commits == []
 
 
-def test_a_404_from_the_hub_says_what_was_not_found(online, tmp_path, monkeypatch):
+def test_a_404_from_the_hub_says_what_was_not_found(art, online, monkeypatch):
     import mpsconvert.publish as publish
 
-    art = mpsconvert.quantize(models.tiny("llama", tmp_path / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True), tmp_path / "a").output
     monkeypatch.setenv("HF_ENDPOINT", online.url + "/not-a-hub")  # a server, but no hub API under that path
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output

@@ -162,7 +162,7 @@ def calibration_options(**kw: Any) -> CalibOptions:
 
 def validate_options(**kw: Any) -> ValidateOptions:
     """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
-    decode_tokens, repeats, rounds, warmup, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
+    decode_tokens, repeats, rounds, warmup, full, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
     from .runtime.evaluate.validate import ValidateOptions
 
     return ValidateOptions(**kw)
@@ -355,6 +355,11 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
     """Check an artifact: every file's sha256 against the manifest, and its consistency (every
     FP8 weight has its scale, shapes and dtypes as config.json's model says).
 
+    An artifact with its manifest is checked from JSON and safetensors headers alone (no torch,
+    no transformers: under a second); the model is built from config.json (weightless) only
+    where the manifest does not vouch for that file: a checkpoint of another tool, or a
+    config.json that is not the one recorded.
+
     Args:
         artifact: the artifact folder (or any compressed-tensors FP8 checkpoint: then only the
             structural checks run, and the report says hashes were not checked).
@@ -370,10 +375,17 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from .runtime.load import loader
+    from . import atomic
+    from .manifests.verify import verify_artifact
 
-    return loader.verify(Path(artifact), check_hashes=check_hashes, trust_remote_code=trust_remote_code, progress=progress,
-                         manifest_sha256=manifest_sha256)
+    artifact = Path(artifact)
+    atomic.recover(artifact)
+    report = verify_artifact(artifact, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
+    if report.needs_model:  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
+        from .runtime.load import loader
+
+        loader.check_built_model(artifact, report, trust_remote_code=trust_remote_code)
+    return report
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -408,7 +420,8 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
 
     Args:
         artifact: the artifact folder.
-        options: `validate_options(...)` [default: the bundled text, 8 x 512 tokens, auto device].
+        options: `validate_options(...)` [default: the bundled text, auto device; 8 samples of 512 tokens on a
+            GPU, 4 of 256 on CPU (`full=True`: 8 of 512 there too); runtime.evaluate.validate.DEFAULTS].
         progress: `progress(phase, done, total, detail)` (phases "load fp8", "load bf16",
             "accuracy", "latency").
 
@@ -436,7 +449,7 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
             from .runtime.evaluate import validate_diffusion
 
             return ValidationResult(**validate_diffusion.validate(artifact, opts, load_pair, progress))
-        with validation_baseline(artifact, opts.baseline) as gguf:  # a GGUF source is compared with that GGUF
+        with validation_baseline(artifact, opts.baseline, progress) as gguf:  # a GGUF source is compared with that GGUF
             body = validation.validate(artifact, replace(opts, baseline=str(gguf.folder)) if gguf else opts, progress)
             if gguf:
                 gguf(body)

@@ -20,6 +20,16 @@ from pathlib import Path
 APPLEDOUBLE_PREFIX = "._"
 
 
+def cache_dir() -> Path:
+    """mpsconvert's folder in the user's cache (what is measured or built once and reused: kernel
+    timings, the BF16 baseline of a GGUF source): MPSCONVERT_CACHE_DIR, else
+    $XDG_CACHE_HOME/mpsconvert, else ~/.cache/mpsconvert."""
+    root = os.environ.get("MPSCONVERT_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpsconvert"
+
+
 def is_appledouble(name: str) -> bool:
     """Whether a file name is a macOS AppleDouble companion (`._<name>`), never a model file."""
     return name.startswith(APPLEDOUBLE_PREFIX)

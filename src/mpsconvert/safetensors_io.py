@@ -19,38 +19,52 @@ import mmap
 import os
 import queue
 import struct
+import sys
 import threading
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from .errors import ArtifactError
 from .untrusted import open_regular, parse_json
 
-DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
-    "BOOL": (1, torch.bool),
-    "U8": (1, torch.uint8),
-    "I8": (1, torch.int8),
-    "I16": (2, torch.int16),
-    "U16": (2, getattr(torch, "uint16", None)),
-    "F16": (2, torch.float16),
-    "BF16": (2, torch.bfloat16),
-    "I32": (4, torch.int32),
-    "U32": (4, getattr(torch, "uint32", None)),
-    "F32": (4, torch.float32),
-    "F64": (8, torch.float64),
-    "I64": (8, torch.int64),
-    "U64": (8, getattr(torch, "uint64", None)),
-    "F8_E4M3": (1, torch.float8_e4m3fn),
-    "F8_E5M2": (1, torch.float8_e5m2),
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype -> (bytes per element, torch dtype's name). Names, not torch dtypes: reading a
+# header (verify, inspect) is JSON and must not import torch (seconds on a small machine);
+# `torch_dtype` resolves a name where a tensor is made.
+DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "F32": (4, "float32"),
+    "F64": (8, "float64"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
 }
-TORCH_TO_ST = {v[1]: k for k, v in DTYPES.items() if v[1] is not None}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (a key of DTYPES)."""
+    import torch
+
+    return getattr(torch, DTYPES[dtype][1])
+
+
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 MAX_TENSORS = 1 << 18  # tensors in one file: a whole 671B MoE holds ~92k, in 163 files
 _COPY_BLOCK = 16 << 20  # ShardWriter.copy reads the source in blocks of this size
@@ -70,7 +84,7 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][1]
+        return torch_dtype(self.dtype)
 
 
 @dataclass
@@ -116,7 +130,7 @@ def read_header(path: Path) -> Header:
         if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
             raise bad(f"entry {name!r} is malformed")
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPES or DTYPES[dtype][1] is None:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
@@ -195,6 +209,8 @@ class BufferPool:
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
         """A uint8 tensor of `nbytes` and the callback that gives it back (a no-op for a block
         larger than the pool's buffers, which gets memory of its own)."""
+        import torch
+
         if nbytes > self.nbytes:
             return torch.empty(nbytes, dtype=torch.uint8), _nothing
         try:
@@ -248,6 +264,8 @@ class ShardReader:
 
     def read(self, info: TensorInfo) -> memoryview:
         """A whole tensor's bytes, in a buffer of its own."""
+        import torch
+
         return memoryview(self.read_into(torch.empty(info.nbytes, dtype=torch.uint8), info.start).numpy()).cast("B")
 
     def blocks(self, start: int, nbytes: int, align: int = 1):
@@ -276,6 +294,8 @@ class ShardReader:
 
 def as_tensor(buf, info: TensorInfo) -> torch.Tensor:
     """Zero-copy, read-only view of raw little-endian bytes as a torch tensor (never written to)."""
+    import torch
+
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.torch_dtype)
     with warnings.catch_warnings():
@@ -479,7 +499,8 @@ class ShardWriter:
         """Append `data` (a bytes-like object or a CPU tensor) to tensor `name`: tensors in the
         declared order, each exactly its declared size in total. `data` must not change until
         `release` is called (or, without one, until `digest` returned)."""
-        if isinstance(data, torch.Tensor):
+        torch = sys.modules.get("torch")  # a tensor exists only once torch was imported
+        if torch is not None and isinstance(data, torch.Tensor):
             data = data.contiguous().view(torch.uint8).numpy() if data.numel() else b""
         mv = memoryview(data).cast("B")
         self._advance(name, mv.nbytes)

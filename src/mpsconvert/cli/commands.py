@@ -269,14 +269,18 @@ def inspect(artifact, as_json, show_tensors):
 @click.option("--eval-data", "eval_data", type=click.Path(dir_okay=False), help="Eval text: .jsonl with a 'text' field per line, or .txt.")
 @click.option("--device", type=click.Choice(["auto", "mps", "cuda", "cpu"]), default="auto", show_default=True,
               help="Where both models run; an unavailable device is an error, never a fallback.")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per accuracy sample.")
-@click.option("--max-samples", type=int, default=8, show_default=True, help="Accuracy samples (of --seq-len tokens).")
-@click.option("--prefill-len", type=int, default=512, show_default=True, help="Tokens of the one sequence (batch 1) timed for prefill; encoders too.")
-@click.option("--decode-tokens", type=int, default=32, show_default=True, help="Tokens timed for decode (batch 1).")
-@click.option("--repeats", type=int, default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 3 on CPU].")
-@click.option("--rounds", type=int, default=3, show_default=True,
-              help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear.")
-@click.option("--warmup", type=int, default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
+@click.option("--seq-len", type=click.IntRange(min=2), default=None, help="Tokens per accuracy sample [default: 512; on CPU 256].")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Accuracy samples (of --seq-len tokens) [default: 8; on CPU 4].")
+@click.option("--prefill-len", type=click.IntRange(min=1), default=None,
+              help="Tokens of the one sequence (batch 1) timed for prefill; encoders too [default: 512; on CPU 128].")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=None, help="Tokens timed for decode (batch 1) [default: 32; on CPU 16].")
+@click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 2 on CPU].")
+@click.option("--rounds", type=click.IntRange(min=1), default=None,
+              help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear [default: 3; on CPU 2].")
+@click.option("--warmup", type=click.IntRange(min=0), default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
+@click.option("--full", is_flag=True,
+              help="On CPU too, the full run: 8 samples of 512 tokens, prefill 512, decode 32, 3 rounds of 3 (about 5x the CPU "
+                   "defaults' time); options given still win.")
 @click.option("--no-latency", is_flag=True, help="Accuracy only.")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="torch.compile + CUDA graphs for decode (auto: on CUDA).")
@@ -284,12 +288,15 @@ def inspect(artifact, as_json, show_tensors):
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @click.option("--explain", is_flag=True, help="Also print the kernel chosen for every layer shape, with the timings behind it.")
 @friendly_errors
-def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, rounds, warmup,
+def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens, repeats, rounds, warmup, full,
              no_latency, compile_mode, no_write, as_json, explain):
-    """Check ARTIFACT against its BF16 baseline: accuracy (perplexity, KL, top-1 / embedding cosine) and latency."""
+    """Check ARTIFACT against its BF16 baseline: accuracy (perplexity, KL, top-1 / embedding cosine) and latency.
+
+    On CPU the defaults are fewer and shorter samples (a few minutes for a 135M model on 2 cores;
+    the table says so); --full runs the GPU's sizes there too."""
     opts = api.validate_options(baseline=baseline, eval_data=eval_data, device=device, seq_len=seq_len, max_samples=max_samples,
                                 prefill_len=prefill_len, decode_tokens=decode_tokens, repeats=repeats, rounds=rounds,
-                                warmup=warmup, latency=not no_latency, compile=compile_mode, write=not no_write)
+                                warmup=warmup, full=full, latency=not no_latency, compile=compile_mode, write=not no_write)
     def show(res, as_json: bool) -> None:
         if as_json:
             render.print_json(res.as_dict())

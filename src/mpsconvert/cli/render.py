@@ -26,6 +26,7 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
+    TimeRemainingColumn,
     TransferSpeedColumn,
 )
 from rich.table import Table
@@ -64,7 +65,9 @@ class ProgressLines:
             amount = f"{human(done)}" + (f" of {human(total)}" if total else "")
         else:
             amount = f"{done}" + (f"/{total}" if total else "")
-        self.write(f"{phase}: {amount}" + (f" {detail}" if detail else "") + f" ({now - started:.0f} s{', done' if finished else ''})")
+        left = remaining(done, total, now - started)
+        when = ", done" if finished else f", about {left:.0f} s left" if left is not None else ""
+        self.write(f"{phase}: {amount}" + (f" {detail}" if detail else "") + f" ({now - started:.0f} s{when})")
         self.state[phase][4] = now
         self.state[phase][5] += 1
 
@@ -93,6 +96,15 @@ class ProgressLines:
             self._line(self.current, now)
 
 
+def remaining(done: float, total: float | None, elapsed: float) -> float | None:
+    """Seconds a phase has left at the rate it went so far, or None before anything is done
+    (or without a total). A phase of a few equal steps (validate's samples and rounds) is
+    estimated from its first."""
+    if not total or done <= 0 or done >= total:
+        return None
+    return elapsed * (total - done) / done
+
+
 @contextlib.contextmanager
 def progress_bars(every: float = LINE_EVERY):
     """Yield a `progress(phase, done, total, detail)` callback: one bar per phase on stderr, or,
@@ -119,7 +131,8 @@ def progress_bars(every: float = LINE_EVERY):
                 cols = (DownloadColumn(), TransferSpeedColumn()) if is_bytes else (MofNCompleteColumn(),)
                 bars[is_bytes] = stack.enter_context(Progress(
                     TextColumn("[bold]{task.fields[phase]}[/]"), BarColumn(), *cols, TimeElapsedColumn(),
-                    TextColumn("{task.description}"), console=console))
+                    TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"), console=console,
+                    speed_estimate_period=30.0 if is_bytes else 3600.0))  # a phase of few slow steps: its ETA from all of them
             return bars[is_bytes]
 
         def update(phase: str, done: int, total: int | None, detail: str = "") -> None:
@@ -355,6 +368,12 @@ def validation(res, explain: bool = False) -> None:
             t.add_row("peak device memory", human(b["peak_memory_bytes"]), human(f["peak_memory_bytes"]),
                       f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")
     out.print(t)
+    st = r.get("settings") or {}
+    if st.get("defaults") == "cpu":
+        lat_note = (f"; latency: prefill {st['prefill_len']} tokens, decode {st['decode_tokens']}, {st['rounds']} rounds of {st['repeats']}"
+                    if st.get("latency") else "")
+        out.print(f"note: CPU's quick defaults: {st['max_samples']} accuracy samples of {st['seq_len']} tokens{lat_note} "
+                  "(--full: 8 of 512, prefill 512, decode 32, 3 rounds of 3)")
     for d in r.get("dequantized_at_load") or []:
         out.print(f"note: {d}")
     if held_note := (r.get("weights_held") or {}).get("note"):

@@ -8,6 +8,9 @@ recorded in the manifest's source with what it held, read from its header by the
 the file type, the quantization type of each tensor and the bits per weight. A GGUF whose weights
 are below 8 bits (Q4_1: 5 bits per weight with its scales) already lost what FP8 could have
 kept: the FP8 artifact sits on that coarser grid, and the summary and the model card say so.
+validate compares with that GGUF dequantized to BF16, which takes minutes on a small CPU: it is
+built once per GGUF (by its sha256) and transformers version, kept in the user's cache
+(filesystem.cache_dir) with the sha256 of every file, and checked against those before each reuse.
 
 Needs the `gguf` extra (gguf; and accelerate, which transformers >= 5.24 needs to load a GGUF).
 """
@@ -19,13 +22,16 @@ import mmap
 import os
 import re
 import struct
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .. import atomic
-from ..errors import SourceError
+from ..errors import MpsconvertError, SourceError
 from ..extras import require
+from ..filesystem import cache_dir
+from ..progress import Progress, or_silent
 from ..source import Snapshot, resolve
 from ..untrusted import bounded, check_model_config, open_regular, printable
 
@@ -321,10 +327,97 @@ def _unpack(path: Path, folder: Path, dtype: str) -> str:
     return f"dequantized to {dtype} by transformers {transformers.__version__} (gguf_file=)"
 
 
+# validate's baseline of a GGUF source, built once per GGUF file (by its sha256), dtype and
+# transformers version (which does the dequantizing), in the user's cache
+BASELINES = "gguf-baselines"
+RECORD = "mpsconvert-baseline.json"  # in a cached baseline: the GGUF it came from and every file's sha256
+
+
+def baseline_folder(digest: str, dtype: str = DEFAULT_DTYPE) -> Path:
+    """Where the cached baseline of the GGUF whose sha256 is `digest` lives."""
+    from importlib import metadata
+
+    return cache_dir() / BASELINES / f"{digest[:32]}-{dtype}-transformers-{metadata.version('transformers')}"
+
+
+def _listing(folder: Path) -> dict[str, dict]:
+    """Every file of a baseline folder (the record and atomic's marker left out): name -> sha256, size."""
+    from ..manifests.hashing import sha256_file
+
+    return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(folder.iterdir())
+            if p.name != RECORD and not p.name.startswith(atomic.TMP_PREFIX)}
+
+
+def stale(folder: Path, digest: str) -> str | None:
+    """Why the cached baseline in `folder` cannot be used for the GGUF of sha256 `digest` (absent,
+    another GGUF, a file changed, added or missing), or None: every file is the one recorded."""
+    from ..untrusted import read_json
+
+    if not (folder / RECORD).is_file():
+        return "not built yet"
+    try:
+        rec = read_json(folder / RECORD, what=RECORD)
+    except MpsconvertError as e:
+        return str(e)
+    if rec.get("gguf_sha256") != digest:
+        return "built from another GGUF"
+    if _listing(folder) != rec.get("files"):
+        return "its files are not the ones recorded"
+    return None
+
+
+def cached_baseline(path: Path, digest: str, progress: Progress | None = None) -> Path:
+    """The GGUF at `path` (sha256 `digest`) dequantized to BF16, as a plain folder in the user's
+    cache: built once (written whole or not at all, atomic.output_dir, with the sha256 of every
+    file recorded), and every later run checks those hashes before using it (a few hundred MB
+    hashed instead of minutes of dequantizing).
+
+    Raises:
+        SourceError: transformers cannot read the GGUF.
+        MpsconvertError: the cache cannot be written (read-only, full, another run building it).
+    """
+    progress = or_silent(progress)
+    target = baseline_folder(digest)
+    progress("bf16 baseline", 0, 1, "checking the cached copy")
+    if (why := stale(target, digest)) is None:
+        progress("bf16 baseline", 1, 1, f"cached ({target})")
+        return target
+    requirements(f"validating against a GGUF file ({path.name})")
+    progress("bf16 baseline", 0, 1, f"dequantizing {path.name} once ({why}); cached for the next runs")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise atomic.os_error(e, target.parent) from e
+    with atomic.output_dir(target, force=True, is_ours=lambda p: (p / RECORD).is_file()) as tmp:
+        how = _unpack(path, tmp, DEFAULT_DTYPE)
+        record = {"gguf": path.name, "gguf_sha256": digest, "dtype": DEFAULT_DTYPE, "unpacked": how, "files": _listing(tmp)}
+        atomic.write_text(tmp / RECORD, json.dumps(record, indent=2))
+    progress("bf16 baseline", 1, 1, f"built ({target})")
+    return target
+
+
 @contextlib.contextmanager
-def validation_baseline(artifact: Path, baseline: str | None) -> Iterator[Callable[[dict], None] | None]:
-    """validate's baseline of an artifact quantized from a GGUF file: that file, dequantized as
-    quantize dequantized it (in a temporary folder for the block). Yields None when the source is
+def _baseline(path: Path, digest: str, progress: Progress | None):
+    """The baseline folder for the block: the cached one, or where the cache cannot be written,
+    one unpacked in this run's temporary folder (as quantize does)."""
+    try:
+        folder = cached_baseline(path, digest, progress)
+    except SourceError:
+        raise
+    except MpsconvertError:
+        folder = None
+    if folder is not None:
+        yield folder
+        return
+    with unpacked(path) as snap:
+        yield snap.path
+
+
+@contextlib.contextmanager
+def validation_baseline(artifact: Path, baseline: str | None, progress: Progress | None = None) -> Iterator[Callable[[dict], None] | None]:
+    """validate's baseline of an artifact quantized from a GGUF file: that file, dequantized to
+    BF16 as quantize dequantizes it, built once and kept in the user's cache (`cached_baseline`;
+    a temporary folder for the block where the cache cannot be written). Yields None when the source is
     no GGUF or a `baseline` was given; else `name(result)`, which names the GGUF file (not the
     temporary folder) as the baseline in validate's `result` and its recorded run; `name.folder`
     is the folder to pass as validate's baseline.
@@ -347,11 +440,12 @@ def validation_baseline(artifact: Path, baseline: str | None) -> Iterator[Callab
     want = (m.source.get("files") or {}).get(path.name)
     if not path.is_file():
         raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass --baseline <the GGUF's model folder or hub id>")
-    if want and sha256_file(path) != want:
+    digest = sha256_file(path)
+    if want and digest != want:
         raise SourceError(f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
                           "pass --baseline <the source model>, or restore that file")
     label = f"{path} ({g.unpacked or 'dequantized'})"
-    with unpacked(path) as snap:  # validate's baseline runs in bfloat16 whatever quantize unpacked to
+    with _baseline(path, digest, progress) as folder:  # validate's baseline runs in bfloat16 whatever quantize unpacked to
 
         def name(result: dict) -> None:
             result["baseline"] = label
@@ -361,5 +455,5 @@ def validation_baseline(artifact: Path, baseline: str | None) -> Iterator[Callab
                     rec.runs[f"{result['device_name']} ({result['device']})"].baseline = label
                     t.put(rec)
 
-        name.folder = snap.path
+        name.folder = folder
         yield name

@@ -49,7 +49,7 @@ from ..manifests.layout import INDEX_NAME
 from ..manifests.manifest import Manifest
 from ..manifests.schemes import Scheme
 from ..moe_layout import ExpertParam, find_layout
-from ..safetensors_io import DTYPES, BufferPool, Digest, FiniteCheck, ShardReader, ShardWriter, TensorInfo, read_header
+from ..safetensors_io import DTYPES, torch_dtype, BufferPool, Digest, FiniteCheck, ShardReader, ShardWriter, TensorInfo, read_header
 from ..scales import E4M3_MAX, scale_problem, scale_shape
 from ..source import Snapshot
 from .. import fp8
@@ -531,7 +531,7 @@ def _copied_dtype(info: TensorInfo, opts: Options) -> str:
 def _convert_copy(sh: "_Shard", name: str, info: TensorInfo, code: str, check: FiniteCheck) -> None:
     """An unquantized float tensor cast to `code`, block by block (whole elements per block), its
     values checked for NaN/inf on the way (`check`)."""
-    src_size, target = DTYPES[info.dtype][0], DTYPES[code][1]
+    src_size, target = DTYPES[info.dtype][0], torch_dtype(code)
     for buf, release in sh.reader.blocks(info.start, info.nbytes, src_size):
         try:
             check.update(buf.numpy())

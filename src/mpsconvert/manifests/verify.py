@@ -18,7 +18,9 @@ Two kinds of check, both reported (never raised) so a caller can print every pro
   as the config's strategy says, and `<m>.input_scale` [1] when activations are static; the
   manifest's tensor records match the files' shapes and dtypes; and, when `shapes` is given
   (module -> (out, in), from the model built from config.json), every FP8 weight has its
-  Linear's shape and no ignored module is quantized.
+  Linear's shape and no ignored module is quantized. Building that model takes torch and
+  transformers (seconds to import), so `mpsconvert verify` does it only where the manifest does
+  not vouch for config.json (`VerifyReport.needs_model`); else the records are those shapes.
 
 `check_artifact` raises the first problem as an ArtifactError, for loaders.
 """
@@ -39,6 +41,7 @@ from . import layout
 from ..atomic import TMP_PREFIX
 from ..untrusted import check_model_config, inside, read_json
 from ..progress import Progress, or_silent
+from .hashing import sha256_file
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256, read_once
 from .pin import CARD as CARD_NAME, Pin
@@ -66,10 +69,21 @@ class VerifyReport:
     pin: str | None = None  # what the pin given to verify covered
     format: str | None = None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
     manifest: Manifest | None = field(default=None, repr=False)  # parsed from the bytes that were hashed (not reported)
+    # config.json is the one the manifest recorded (its sha256 checked, also without check_hashes:
+    # a few KB): the records' shapes then already are the model's, and nothing needs building
+    config_recorded: bool = field(default=False, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether the shapes still need checking against the model config.json builds (torch
+        and transformers, seconds to import): a compressed-tensors checkpoint whose config.json
+        the manifest does not vouch for. Where it does, the manifest's records, checked against
+        the files' headers, are the shapes of the model the conversion built from that config."""
+        return self.scheme is not None and not self.format and not self.config_recorded
 
     def as_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, "hashes_checked": self.hashes_checked, "scheme": self.scheme,
@@ -185,6 +199,19 @@ def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progre
     return counted
 
 
+def _is_recorded(folder: Path, manifest: Manifest, name: str, report: VerifyReport) -> bool:
+    """Is the small file `name` the one the manifest lists, byte for byte? The hash already
+    computed when every file was hashed, else its own (a config is a few KB)."""
+    rec = manifest.files.get(name) or {}
+    if name in report.files:
+        return report.files[name] == "ok"
+    try:
+        p = inside(folder, name, what=f"{MANIFEST_NAME} files")
+        return bool(rec.get("sha256")) and p.is_file() and p.stat().st_size == rec.get("size") and sha256_file(p) == rec["sha256"]
+    except (OSError, MpsconvertError):
+        return False
+
+
 def _fp8_ranges(path: Path) -> list | None:
     """The F8_E4M3 byte ranges of a safetensors file, or None where its header does not read (the
     structural checks say why, and scan its codes on their own)."""
@@ -255,6 +282,7 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         check_unlisted(folder, manifest, report)
         if check_hashes:
             counted = _check_hashes(folder, manifest, report, progress, codes=check_codes)
+        report.config_recorded = _is_recorded(folder, manifest, CONFIG_NAME, report)
         if layout.diffusion_format(manifest):
             from .diffusion import verify_diffusion
 
@@ -296,6 +324,8 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
     if not report.quantized and headers:
         _problem(report, "no F8_E4M3 weights found: this is not an FP8 checkpoint")
     check_model_shapes(report, shapes, ignored)
+    if report.config_recorded and isinstance(config, dict):
+        check_config_numbers(report, config, tensors)
     check_values(headers, report, codes=check_codes, counted=counted)
     if manifest is not None:
         check_records(manifest, tensors, report)
@@ -313,6 +343,53 @@ def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set |
 
 
 _LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|layer|h|blocks)\.\d+)\.")
+_EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|wte|word_embeddings)\.weight$")
+_MLP = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}  # the intermediate size's axis in a gated MLP's weights
+
+
+def check_config_numbers(report: VerifyReport, config: dict, tensors: dict) -> None:
+    """config.json's structural numbers against the shards without building the model: what verify
+    runs where the manifest vouches for config.json (so no torch is imported), since a config.json
+    edited and re-hashed into an unpinned manifest describes other weights than the shards hold.
+    Checked where the names say what they are: the decoder layers stored are exactly
+    0..num_hidden_layers-1 (one stack of layers), the input embedding is [vocab_size, hidden_size],
+    and a gated MLP's gate / up / down projections have intermediate_size on their inner axis.
+    A config whose model the names do not show (several stacks, other names) is checked in full
+    where the model is built (runtime/load/loader.check_built_model)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    found = []
+    stacks: dict[str, set[int]] = {}
+    for name in tensors:
+        if m := _LAYER.match(name):
+            prefix, _, idx = m.group(1).rpartition(".")
+            stacks.setdefault(prefix, set()).add(int(idx))
+    n = text.get("num_hidden_layers")
+    if type(n) is int and len(stacks) == 1:
+        ((prefix, held),) = stacks.items()
+        lo = min(held)
+        if missing := sorted(set(range(n)) - held):
+            like = sorted(t for t in tensors if t.startswith(f"{prefix}.{lo}.") and tensors[t].dtype == "F8_E4M3")
+            what = like[0].replace(f"{prefix}.{lo}.", f"{prefix}.{missing[0]}.", 1) if like else f"{prefix}.{missing[0]}"
+            found.append(f"config.json's model has {what}, which no shard holds ({len(missing)} layer(s) missing): "
+                         "config.json does not describe these weights")
+        if extra := sorted(held - set(range(n))):
+            found.append(f"the shards hold {len(extra)} layer(s) the model built from config.json does not have ({prefix}.{extra[0]}, ...): "
+                         "config.json does not describe these weights")
+    vocab, hidden, inner = (text.get(k) for k in ("vocab_size", "hidden_size", "intermediate_size"))
+    for name, info in sorted(tensors.items()):
+        shape = list(info.shape)
+        if _EMBED.search(name) and info.dtype != "F8_E4M3" and len(shape) == 2:
+            want = [vocab if type(vocab) is int else shape[0], hidden if type(hidden) is int else shape[1]]
+            if shape != want:
+                found.append(f"{name} is {shape} but the model built from config.json has {want}")
+        proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") and ".mlp." in name and ".experts." not in name else None
+        if proj in _MLP and type(inner) is int and len(shape) == 2 and shape[_MLP[proj]] != inner:
+            want = list(shape)
+            want[_MLP[proj]] = inner
+            found.append(f"{name} is {shape[0]}x{shape[1]} but the model built from config.json has {want[0]}x{want[1]}")
+    report.problems += found[:20]
+    if len(found) > 20:
+        report.problems.append(f"... and {len(found) - 20} more differences between config.json's model and the shards")
 
 
 def check_model_structure(report: VerifyReport, params: dict, modules: set) -> None:

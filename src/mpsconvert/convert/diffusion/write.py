@@ -29,7 +29,7 @@ import torch
 from ... import fp8
 from ...errors import QuantizationError, SourceError
 from ...manifests.schemes import Scheme
-from ...safetensors_io import DTYPES, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
+from ...safetensors_io import DTYPES, torch_dtype, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
 from ...source import DIFFUSERS_WEIGHTS, Snapshot
 from ...plan import Plan, check_against_model
 from ..quantize import QUANT_THREADS, _quantize_matrix, _Shard, check_tensor_layout
@@ -298,4 +298,4 @@ class _Stacked:
 
     @property
     def torch_dtype(self):
-        return DTYPES[self.dtype][1]
+        return torch_dtype(self.dtype)

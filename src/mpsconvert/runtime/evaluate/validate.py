@@ -37,17 +37,41 @@ class ValidateOptions:
     baseline: str | None = None
     eval_data: str | None = None
     device: str = "auto"
-    seq_len: int = 512
-    max_samples: int = 8
-    prefill_len: int = 512
-    decode_tokens: int = 32
-    repeats: int | None = None  # timed runs per round; None: 10 on a GPU, 3 on CPU
-    warmup: int | None = None  # untimed runs first; None: 3 on a GPU, 1 on CPU
-    rounds: int = 3  # the spread between rounds decides whether a speed difference is clear
+    # None: the device's default (DEFAULTS; `full` takes the GPU's on any device)
+    seq_len: int | None = None
+    max_samples: int | None = None
+    prefill_len: int | None = None
+    decode_tokens: int | None = None
+    repeats: int | None = None  # timed runs per round
+    warmup: int | None = None  # untimed runs first
+    rounds: int | None = None  # the spread between rounds decides whether a speed difference is clear
     latency: bool = True
     compile: str = "auto"  # auto (CUDA only) | on | off
     write: bool = True
     kernel_cache: object = None  # KernelPolicy cache file, or False
+    full: bool = False  # on CPU too: the GPU's sample counts and lengths (the long run)
+
+
+# What validate measures when an option is not given. A GPU runs the full set in seconds. On CPU
+# it took ten minutes for SmolLM2-135M on a 2-core machine (BF16 matmul is emulated on most
+# CPUs, and both models run every sample), so CPU runs fewer and shorter samples by default,
+# which the table states; `full` (--full) runs the full lengths there too, with CPU's repeats.
+DEFAULTS = {
+    "gpu": dict(seq_len=512, max_samples=8, prefill_len=512, decode_tokens=32, repeats=10, warmup=3, rounds=3),
+    "cpu": dict(seq_len=256, max_samples=4, prefill_len=128, decode_tokens=16, repeats=2, warmup=1, rounds=2),
+    "cpu-full": dict(seq_len=512, max_samples=8, prefill_len=512, decode_tokens=32, repeats=3, warmup=1, rounds=3),
+}
+
+
+def defaults_name(opts: ValidateOptions, gpu: bool) -> str:
+    """Which DEFAULTS fill the options left unset: "gpu", "cpu" (the quick CPU run) or "cpu-full"."""
+    return "gpu" if gpu else "cpu-full" if opts.full else "cpu"
+
+
+def with_defaults(opts: ValidateOptions, gpu: bool) -> ValidateOptions:
+    """`opts` with every unset option filled from DEFAULTS for the device."""
+    fill = DEFAULTS[defaults_name(opts, gpu)]
+    return replace(opts, **{k: v for k, v in fill.items() if getattr(opts, k) is None})
 
     def __post_init__(self):
         """Every count within untrusted.LIMITS (one line each, before anything loads): a length of
@@ -201,13 +225,16 @@ def _latency(models: dict, make_timer, opts: ValidateOptions, dev, use_compile: 
     out = {}
     if not use_compile:
         timers = {name: make_timer(model) for name, model in models.items()}
+        steps = opts.rounds * len(timers)
+        progress("latency", 0, steps, f"round 1 of {opts.rounds}")
         for r in range(opts.rounds):
-            for name, timer in timers.items():
+            for i, (name, timer) in enumerate(timers.items()):
                 timer.round()
-            progress("latency", r + 1, opts.rounds, "rounds")
+                progress("latency", r * len(timers) + i + 1, steps, f"round {r + 1} of {opts.rounds}, {name}")
         for name, timer in timers.items():
             out[name] = timer.result() | {"peak_memory_bytes": _peak(dev), "peak_memory_note": PEAK_NOTE}
         return out
+    progress("latency", 0, len(models), "")
     for i, (name, model) in enumerate(models.items()):
         devices.empty_cache(dev)
         devices.reset_peak(dev)
@@ -250,19 +277,19 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     artifact = Path(artifact)
     progress = or_silent(progress)
     dev = devices.choose(opts.device)
-    gpu = dev.type != "cpu"  # CPU runs are slow (BF16 matmul is emulated on most CPUs): fewer repeats
-    opts = replace(opts, repeats=opts.repeats if opts.repeats is not None else (10 if gpu else 3),
-                   warmup=opts.warmup if opts.warmup is not None else (3 if gpu else 1))
+    gpu = dev.type != "cpu"  # CPU runs are slow (BF16 matmul is emulated on most CPUs): fewer, shorter samples
+    opts = with_defaults(opts, gpu)
     use_compile = opts.compile == "on" or (opts.compile == "auto" and dev.type == "cuda")
     base_path = resolve_baseline(artifact, opts.baseline)
     check_baseline(artifact, base_path)
     texts, data_path = read_texts(opts.eval_data)
-    progress("load fp8", 0, 1, "")
+    progress("load fp8", 0, 1, str(artifact.name))
     # load verifies every file first (the tokenizer's included), so the tokenizer is read after it
     fp8_model = load(artifact, device=opts.device, kernel_cache=opts.kernel_cache)
     tok = loadable.tokenizer(artifact)
     causal = _is_causal(fp8_model.config)
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    progress("load fp8", 1, 1, "")
     progress("load bf16", 0, 1, "")
     with devices.oom_hint(dev, "loading the BF16 baseline"):
         try:
@@ -270,6 +297,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # weights transformers cannot read: the baseline's problem
             raise SourceError(f"transformers cannot load the baseline {base_path}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
                               "pass --baseline <the model this artifact was made from>") from e
+    progress("load bf16", 1, 1, "")
     models = {"bf16": base_model, "fp8": fp8_model}
     result = {
         "kind": "causal-lm" if causal else "encoder",
@@ -278,7 +306,8 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         "torch": torch.__version__,
         "baseline": base_path,
         "eval_data": data_path,
-        "settings": {k: v for k, v in asdict(opts).items() if k not in ("baseline", "eval_data", "kernel_cache")} | {"compile": use_compile},
+        "settings": {k: v for k, v in asdict(opts).items() if k not in ("baseline", "eval_data", "kernel_cache", "full")}
+                    | {"compile": use_compile, "defaults": defaults_name(opts, gpu)},
         "scheme": fp8_model.mpsconvert.scheme,
         "weights": fp8_model.mpsconvert.weights,
         "kernels": fp8_model.mpsconvert.kernels,
@@ -293,11 +322,12 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
             raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than --seq-len {opts.seq_len}", "use more text or a smaller --seq-len")
         chunks = torch.tensor(ids[: n * opts.seq_len]).reshape(n, opts.seq_len)
         scores = metrics.CausalLMScores()
+        progress("accuracy", 0, n, f"samples of {opts.seq_len} tokens")
         with torch.no_grad():
             for i in range(n):
                 x = chunks[i : i + 1].to(dev)
                 scores.update(base_model(x).logits, fp8_model(x).logits, x)
-                progress("accuracy", i + 1, n, "")
+                progress("accuracy", i + 1, n, f"samples of {opts.seq_len} tokens")
         result["accuracy"] = scores.result()
         if (rounded := activations_rounded(result["kernels"], opts.seq_len)) is not None:
             result["accuracy"]["activations_rounded"] = rounded

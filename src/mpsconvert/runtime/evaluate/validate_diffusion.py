@@ -14,6 +14,7 @@ the runtime does not import the conversion package).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from ... import devices, timing
 from ...fp8 import relative_error
 from ...errors import MpsconvertError
 from ...progress import Progress, or_silent
-from .validate import ValidateOptions, _peak, _record
+from .validate import ValidateOptions, _peak, _record, with_defaults
 
 INPUT_NOTE = "random latents and text embeddings of the config's shapes, timestep 500/1000, seed {seed}"
 
@@ -92,8 +93,8 @@ def validate(artifact: Path, opts: ValidateOptions, load_pair, progress: Progres
     progress = or_silent(progress)
     dev = devices.choose(opts.device)
     gpu = dev.type != "cpu"
-    repeats = opts.repeats if opts.repeats is not None else (10 if gpu else 3)
-    warmup = opts.warmup if opts.warmup is not None else (3 if gpu else 1)
+    opts = with_defaults(replace(opts, full=True), gpu)  # one step of each model: CPU's quick defaults would not shorten it
+    repeats, warmup = opts.repeats, opts.warmup
     manifest = Manifest.read(artifact)
     progress("load", 0, 2, "BF16 source and FP8 artifact")
     with devices.oom_hint(dev, "loading the two transformers"):

@@ -49,7 +49,7 @@ from ...errors import MpsconvertError, ArtifactError
 from ...manifests import layout, loadable
 from ...manifests.ct_config import scheme_from_config
 from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
-from ...safetensors_io import DTYPES
+from ...safetensors_io import torch_dtype
 from . import prewarm, prewarm_child, stream
 from .. import patches
 from ..ops.fp8linear import FP8Linear
@@ -364,7 +364,7 @@ class _Plan:
             )
 
     def _alloc(self, info) -> torch.Tensor:
-        dtype = self.code_dtype if info.dtype == "F8_E4M3" else DTYPES[info.dtype][1]
+        dtype = self.code_dtype if info.dtype == "F8_E4M3" else torch_dtype(info.dtype)
         return torch.empty(info.shape, dtype=dtype, device=self.dev)
 
     def install(self, model: nn.Module, activations, info: LoadInfo, block: int | None = None) -> None:
@@ -463,28 +463,25 @@ def _linear_layout(model, qc: dict) -> tuple[dict, set]:
     return linears, {n for n in linears if matches(n, list(qc.get("ignore") or []))}
 
 
-def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, progress=None, manifest_sha256: str | None = None):
-    """What `mpsconvert verify` checks: every file's sha256 against the manifest, and the
-    artifact's consistency with the model its config.json builds. Returns the report.
-
-    The files are checked first; the model is built from config.json only after that, and with
-    `trust_remote_code` only once every file (its code included) matched its hash."""
-    from ...manifests.verify import check_model_shapes, check_model_structure, verify_artifact
+def check_built_model(path, report, trust_remote_code: bool = False) -> None:
+    """The part of `mpsconvert verify` that needs the model: build it from config.json (weightless)
+    and check every FP8 weight against its Linear's shape and the config's ignore list, adding
+    what disagrees to `report` (manifests/verify.py's, run first). verify asks for it only where
+    the manifest does not vouch for config.json (`report.needs_model`): a checkpoint of another
+    tool, a config.json changed since the conversion. With `trust_remote_code` the model's code
+    runs only once every file (that code included) matched its hash."""
+    from ...manifests.verify import check_model_shapes, check_model_structure
 
     path = Path(path)
-    atomic.recover(path)
-    report = verify_artifact(path, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
-    if report.scheme is None or report.format:  # config.json unreadable (the report says why), or a diffusion artifact: nothing to build
-        return report
     if trust_remote_code and not (report.ok and report.hashes_checked):
         report.warnings.append("the model was not built from config.json: with --trust-remote-code, code runs only from an artifact that verified")
-        return report
+        return
     try:
         qc = read_json(path / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config") or {}
         _, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
         linears, ignored = _linear_layout(model, qc if isinstance(qc, dict) else {})
     except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact said which
-        return report
+        return
     check_model_shapes(report, linears, ignored)
     report.linears = set(linears)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -493,4 +490,3 @@ def verify(path, check_hashes: bool = True, trust_remote_code: bool = False, pro
         if out is not None and m is out:
             params.pop(f"{n}.weight", None)
     check_model_structure(report, params, {n for n, _ in model.named_modules()})
-    return report

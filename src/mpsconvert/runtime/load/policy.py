@@ -29,7 +29,6 @@ import functools
 import hashlib
 import itertools
 import json
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -40,6 +39,7 @@ import torch
 
 from ... import atomic, devices, timing
 from ...fp8 import relative_error
+from ...filesystem import cache_dir
 from ...errors import MpsconvertError
 from ...progress import Progress, or_silent
 from ...untrusted import read_json
@@ -77,11 +77,7 @@ def kernels_digest() -> str:
 
 
 def cache_path() -> Path:
-    root = os.environ.get("MPSCONVERT_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels.json"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "mpsconvert" / "kernels.json"
+    return cache_dir() / "kernels.json"
 
 
 def cache_key(device_name: str, sig: tuple, bucket: str, m: int) -> str:
