@@ -136,7 +136,7 @@ def test_the_reader_refuses_a_pass_that_differs_before_returning_its_end(tmp_pat
     f = tmp_path / "w.bin"
     f.write_bytes(bytes(range(256)) * 64)
     want = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "size": f.stat().st_size}
-    r = hashing.VerifiedReader(hashing.open_regular(Path("w.bin"), "w.bin", "fix", folder=tmp_path), want, "w.bin", "fix")
+    r = hashing.VerifiedReader(hashing.open_unlinked(Path("w.bin"), "w.bin", "fix", folder=tmp_path), want, "w.bin", "fix")
     assert r.read() == f.read_bytes() and (r.seek(0), r.read(100), r.read())[2] == f.read_bytes()[100:]
     r.seek(0)
     with f.open("r+b") as w:
@@ -147,12 +147,12 @@ def test_the_reader_refuses_a_pass_that_differs_before_returning_its_end(tmp_pat
         r.read(100000)
     bad = dict(want, sha256="0" * 64)
     with pytest.raises(mpsconvert.errors.ArtifactError):
-        hashing.VerifiedReader(hashing.open_regular(Path("w.bin"), "w.bin", "fix", folder=tmp_path), bad, "w.bin", "fix")
+        hashing.VerifiedReader(hashing.open_unlinked(Path("w.bin"), "w.bin", "fix", folder=tmp_path), bad, "w.bin", "fix")
     (tmp_path / "d").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "d", target_is_directory=True)
     (tmp_path / "d" / "x").write_bytes(b"x")
     with pytest.raises(mpsconvert.errors.ArtifactError, match="a symlink"):  # a folder on the way swapped for a link
-        hashing.open_regular(Path("link/x"), "link/x", "fix", folder=tmp_path)
+        hashing.open_unlinked(Path("link/x"), "link/x", "fix", folder=tmp_path)
 
 
 FAILURES = {

@@ -89,7 +89,7 @@ def folder_files(folder: Path, root: Path) -> dict[str, dict]:
     return out
 
 
-def open_regular(src: Path, name: str, fix: str, *, folder: Path | None = None) -> int:
+def open_unlinked(src: Path, name: str, fix: str, *, folder: Path | None = None) -> int:
     """A read-only descriptor of the regular file `src`, opened without following a symlink and
     without blocking on a fifo. With `folder`, `src` is a path relative to it and no part of it
     may be a link either (each folder opened with O_NOFOLLOW below the last): a folder of a
@@ -124,7 +124,7 @@ def copy_verified(src: Path, dst: Path, want: dict, name: str, fix: str = "re-cr
     that were checked (no window in which `src` can change). `src` is opened without following a
     symlink (without blocking on a fifo) and must be a regular file. Returns {"sha256", "size"}."""
     h, n = hashlib.sha256(), 0
-    fd = open_regular(src, name, fix)
+    fd = open_unlinked(src, name, fix)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with os.fdopen(fd, "rb", buffering=0) as f:
@@ -146,7 +146,7 @@ SEND_AS_BYTES = 64 << 20
 
 class VerifiedReader(io.BufferedIOBase):
     """A file handed to a library that reads it (huggingface_hub's upload) as the bytes that were
-    verified: opened once (`open_regular`), hashed in full against `want` before it is handed
+    verified: opened once (`open_unlinked`), hashed in full against `want` before it is handed
     over, and hashed again on every pass a reader makes from its start, which fails *before*
     the pass's last bytes are returned if they differ (a file rewritten in place after its check
     never reaches its end). A rename or a link put under the file's name later changes nothing:
@@ -214,7 +214,7 @@ def read_verified(folder: Path, rel: str, want: dict, fix: str) -> "bytes | Veri
     """The listed file `folder/rel` as what was verified: its bytes (small files), or a
     `VerifiedReader` (large ones), each opened once without following a link at any part of
     `rel`, and refused unless it has the size and sha256 `want` records."""
-    fd = open_regular(Path(rel), rel, fix, folder=folder)
+    fd = open_unlinked(Path(rel), rel, fix, folder=folder)
     if os.fstat(fd).st_size > SEND_AS_BYTES:
         return VerifiedReader(fd, want, rel, fix)
     with os.fdopen(fd, "rb", buffering=0) as f:
