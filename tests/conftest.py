@@ -178,6 +178,38 @@ def art_copy(llama_art, tmp_path):
     return Path(shutil.copytree(llama_art, tmp_path / "art"))
 
 
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory):
+    """A tiny Llama with a byte-level tokenizer that has a chat template (helpers.CHAT_TEMPLATE), and
+    its artifact: (source, artifact), built once per module."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import mpsconvert
+
+    from .helpers import CHAT_TEMPLATE
+
+    work = tmp_path_factory.mktemp("chat")
+    src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(src))
+    art = work / "art"
+    mpsconvert.quantize(src, art)
+    return src, art
+
+
+@pytest.fixture
+def chat_art(chat_llama, tmp_path):
+    """A copy of `chat_llama`'s artifact (in a folder of its own: what a writer leaves beside it is
+    under `tmp_path / "box"`) for one test to change."""
+    import shutil
+
+    dst = tmp_path / "box" / "art"
+    shutil.copytree(chat_llama[1], dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Builders run once per session; returns {name: source folder}."""

@@ -5,7 +5,29 @@ what it checks with, here."""
 from __future__ import annotations
 
 import torch
+from click.testing import CliRunner
 from torch import nn
+
+COREAI_ASSET, COREML_PACKAGE = "model.aimodel", "model.mlpackage"  # the Apple targets' package names (apple/)
+# a chat template for the tiny tokenizers (the conftest's `chat_llama` has it)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def one_error(res, *says) -> None:
+    """Exit 2 with `error:` once in the output, which says each of `says`, and no traceback (other
+    lines, a warning or a progress line, may come with it)."""
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and res.output.count("error:") == 1, res.output
+    for s in says:
+        assert s in res.output, res.output
+
+
+def run_generate(art, *extra):
+    """`mpsconvert generate ART "Hello there"` on the CPU, 3 tokens, through the CLI."""
+    from mpsconvert.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in ("generate", art, "Hello there", "--device", "cpu", "--max-tokens", "3", *extra)])
 
 
 def fp8_model(cls, cfg, act: str = "token"):

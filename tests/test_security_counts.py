@@ -1,23 +1,30 @@
 """Numbers read from a file or the command line (issue 53, classes 6 and 8): one table bounds them
 all (`untrusted.LIMITS`, checked by `untrusted.bounded`), before any work scales with them; the
 error names the limit. 0, -5, 10^9, NaN and 2^70 are one line and exit 2, never a traceback or a
-run that does not end."""
+run that does not end. What is parsed from an artifact or a source is parsed with bounds (issue
+33): layers, files and tensors counted; a chat template sandboxed and timed; tokenizer and
+generation files bounded in depth and checked for type; a card's front matter."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+import mpsconvert
 from mpsconvert import untrusted
 from mpsconvert.cli import main
-from mpsconvert.errors import MpsconvertError, SourceError
+from mpsconvert.errors import ArtifactError, MpsconvertError, SourceError
 from mpsconvert.manifests.layout import MANIFEST_NAME
 
 from . import models
+from .bounded import within
+from .helpers import CHAT_TEMPLATE, one_error, run_generate
 
 
 def cli(*args, **kw):
@@ -133,3 +140,110 @@ def test_a_source_config_sizes_are_bounded_before_a_model_is_built(llama_art, wo
     t = time.monotonic()
     one_line_error(cli("quantize", s, "-o", tmp_path / "out"), f"{key} is {value}, outside")
     assert time.monotonic() - t < 30 and not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- counts in a source, a manifest and a shard header (issue 33)
+
+
+def test_counts_are_bounded_layers_files_tensors(chat_llama, tmp_path):
+    from mpsconvert import safetensors_io
+
+    src = tmp_path / "src"
+    shutil.copytree(chat_llama[0], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = 10**7
+    (src / "config.json").write_text(json.dumps(cfg))
+    one_error(cli("quantize", src, "-o", tmp_path / "out"), "num_hidden_layers is 10000000")
+    art = tmp_path / "art"
+    shutil.copytree(chat_llama[1], art)
+    m = json.loads((art / MANIFEST_NAME).read_text())
+    m["files"].update({f"f{i}": {"sha256": "0" * 64, "size": 0} for i in range(10**6)})
+    (art / MANIFEST_NAME).write_text(json.dumps(m))
+    res = cli("verify", art)
+    assert res.exit_code == 1 and "more than the 100000" in res.output, res.output
+    many = tmp_path / "many.safetensors"
+    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(safetensors_io.MAX_TENSORS + 1)})
+    header += " " * (-len(header) % 8)
+    many.write_bytes(len(header).to_bytes(8, "little") + header.encode())
+    with pytest.raises(ArtifactError, match="tensors, more than"):
+        safetensors_io.read_header(many)
+
+
+# --------------------------------------------------------------------------- bounded parsing: templates, tokenizer and generation files, a card's front matter (issue 33)
+
+
+def _escape_marker() -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"mpsconvert-escape-{os.getpid()}"
+
+
+HOSTILE_TEMPLATES = {
+    "sandbox escape through __class__": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "sandbox escape through cycler's globals": "{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}",
+    "sandbox escape through lipsum's globals": "{{ lipsum.__globals__['os'].system('touch MARKER') }}",
+    "sandbox escape through the template context": "{{ self._TemplateReference__context.joiner.__init__.__globals__.os.system('touch MARKER') }}",
+    "raise_exception": "{{ raise_exception('this template refuses') }}",
+    "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "200 MB of output": "{{ 'x' * 200000000 }}",
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "nested loops with output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+    "not Jinja": "{% for %}",
+    "undefined": "{{ messages.nope.nope }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_one_line_naming_its_file(chat_art, monkeypatch, name):
+    from mpsconvert import templates
+
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 4.0)
+    marker = _escape_marker()
+    (chat_art / "chat_template.jinja").write_text(HOSTILE_TEMPLATES[name].replace("MARKER", str(marker)))
+    models.resign(chat_art, "chat_template.jinja")  # an attacker who rewrote the manifest too: the bounds are what is left
+    with within(120, f"generate with the template {name!r}"):
+        res = run_generate(chat_art)
+    one_error(res, "chat_template.jinja")
+    assert not marker.exists()
+    with within(120, "the next render, after a killed worker"):  # the renderer recovers: a sound template renders again
+        (chat_art / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        models.resign(chat_art, "chat_template.jinja")
+        assert run_generate(chat_art).exit_code == 0
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name,body,says", [
+    ("tokenizer.json", DEEP, "nests deeper"),
+    ("tokenizer_config.json", DEEP, "nests deeper"),
+    ("special_tokens_map.json", DEEP, "nests deeper"),
+    ("added_tokens.json", DEEP, "nests deeper"),
+    ("generation_config.json", DEEP, "nests deeper"),
+    ("chat_template.json", DEEP, "nests deeper"),
+    ("tokenizer_config.json", json.dumps({"added_tokens_decoder": [1, 2]}), "added_tokens_decoder"),
+    ("tokenizer_config.json", json.dumps({"eos_token": ["<eos>", 3]}), "eos_token is list"),
+    ("tokenizer_config.json", json.dumps({"chat_template": 5}), "chat_template is neither"),
+    ("generation_config.json", json.dumps({"eos_token_id": "x"}), "eos_token_id"),
+    ("generation_config.json", json.dumps({"eos_token_id": [1, [2]]}), "eos_token_id"),
+    ("added_tokens.json", json.dumps({"<evil>": 600}), "past the model's vocabulary of 512"),
+    ("tokenizer.json", "\xff not json", "not valid JSON"),
+])
+def test_tokenizer_and_generation_files_are_read_with_bounds(chat_art, name, body, says):
+    (chat_art / name).write_text(body)
+    models.resign(chat_art, name)
+    with within(120, f"generate with a hostile {name}"):
+        res = run_generate(chat_art)
+    one_error(res, name if "vocabulary" not in says else "", says)
+
+
+def test_a_deep_front_matter_in_the_source_card_is_ignored_not_a_traceback(chat_llama, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(chat_llama[0], src)
+    (src / "README.md").write_text("---\nlicense: mit\ndeep: " + DEEP + "\n---\n# the source's card\n")
+    with within(120, "quantize with a deep card"):
+        res = cli("quantize", src, "-o", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    from mpsconvert.manifests.card import split_front_matter
+
+    meta, _ = split_front_matter((tmp_path / "out" / "README.md").read_text())
+    assert "mpsconvert" in meta and "license" not in meta  # ours; nothing carried from front matter that was refused
+    assert mpsconvert.verify(tmp_path / "out").ok

@@ -6,8 +6,10 @@ with --force and only when mpsconvert made it, and never a user's file deleted w
 (files an artifact's manifest does not list are named and refused unless
 --force-delete-unlisted; a rebuild carries them over). What a killed run leaves beside an
 artifact is removed by the next command, reader or writer, when it is provably ours and stale;
-a symlink under a reserved name is an error for every command. Each attack ends in one line
-(exit 2) with nothing lost or half-written, or in the right result."""
+a symlink under a reserved name is an error for every command, and folders of the user's or of
+another artifact that share the reserved prefix are left alone. Each writing command, killed where
+the card and the manifest could part, leaves them together. Each attack ends in one line (exit 2)
+with nothing lost or half-written, or in the right result."""
 
 from __future__ import annotations
 
@@ -25,9 +27,15 @@ from click.testing import CliRunner
 import mpsconvert
 from mpsconvert import atomic
 from mpsconvert.cli import main
-from mpsconvert.errors import MpsconvertError
+from mpsconvert.errors import ArtifactError, MpsconvertError
+from mpsconvert.manifests import layout
+from mpsconvert.manifests.layout import MANIFEST_NAME
+from mpsconvert.manifests.manifest import Manifest
+from mpsconvert.manifests.records import Hub
+from mpsconvert.manifests.transaction import transaction
 
 from . import models
+from .helpers import COREAI_ASSET, COREML_PACKAGE
 
 CALIB = ("--num-samples", "1", "--seq-len", "16")
 
@@ -305,3 +313,194 @@ def test_revision_with_a_local_source_is_refused_not_ignored(box, tmp_path):
     one_line_error(cli("calibrate", src, "--revision", "v2", "-o", tmp_path / "s.json", *CALIB), "applies to a hub repo")
     one_line_error(cli("calibrate", art, "--revision", "v2", *CALIB), "applies to a hub repo")
     assert tree(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- the folder around an artifact (issue 33)
+
+
+def test_a_planted_lock_symlink_is_an_error_and_creates_nothing_outside(chat_art, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    lock = chat_art.parent / f"{atomic.LOCK_PREFIX}{chat_art.name}"
+    lock.symlink_to(outside / "created-by-the-lock")  # dangling: O_CREAT through it would make a file outside
+    res = cli("calibrate", chat_art, "--num-samples", "1", "--seq-len", "16")
+    one_line_error(res, "symlink under a name mpsconvert reserves", "never followed")
+    assert not (outside / "created-by-the-lock").exists() and lock.is_symlink()
+    with pytest.raises(MpsconvertError, match="never followed"):
+        with transaction(chat_art):
+            pass
+    lock.unlink()
+    assert mpsconvert.verify(chat_art).ok
+
+
+@pytest.mark.parametrize("name", ["old", "old-0123456789ab", "x"])
+def test_a_planted_old_symlink_is_never_restored(chat_art, tmp_path, name):
+    """The artifact is gone and a link under the reserved `-old` name points outside: a reader must
+    not rename it into place (the artifact path would then lead outside)."""
+    outside = tmp_path / "outside"
+    shutil.copytree(chat_art, outside)
+    before = models.tree_hashes(outside)
+    shutil.rmtree(chat_art)
+    planted = chat_art.parent / f"{atomic.TMP_PREFIX}{chat_art.name}-{name}"
+    planted.symlink_to(outside, target_is_directory=True)
+    for cmd in (("verify", chat_art), ("inspect", chat_art)):
+        res = cli(*cmd)
+        assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+        assert not os.path.lexists(chat_art), cmd
+    with pytest.raises(MpsconvertError, match="never followed"):
+        mpsconvert.load(chat_art, device="cpu")
+    assert planted.is_symlink() and not os.path.lexists(chat_art) and models.tree_hashes(outside) == before
+
+
+def test_user_folders_under_the_reserved_prefix_are_never_deleted_or_restored(chat_art):
+    mine = chat_art.parent / f"{atomic.TMP_PREFIX}{chat_art.name}-mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    parked = chat_art.parent / f"{atomic.TMP_PREFIX}{chat_art.name}-old"  # an older version's name, or a user's folder
+    parked.mkdir()
+    (parked / "notes.txt").write_text("mine too")
+    with transaction(chat_art) as t:  # a writer: recovers what killed runs of ours left, only that
+        t.put(Hub(repo="me/x"))
+    assert mpsconvert.verify(chat_art).ok
+    assert (mine / "thesis.tex").read_text() == "years of work" and (parked / "notes.txt").read_text() == "mine too"
+    # the artifact gone: a folder that is not ours is not "put back" as it
+    shutil.rmtree(chat_art)
+    assert cli("verify", chat_art).exit_code != 0
+    assert not chat_art.exists() and (parked / "notes.txt").read_text() == "mine too"
+
+
+def test_another_artifacts_temp_folder_sharing_a_prefix_is_left_alone(chat_art):
+    """`.mpsconvert-tmp-art-b-*` is the temp folder of artifact `art-b` (another lock): recovering
+    `art` must not take it for its own."""
+    other = chat_art.parent / "art-b"
+    other_tmp = atomic._new_tmp(other.absolute())
+    (other_tmp / "model.safetensors").write_bytes(b"in progress")
+    with atomic.writing(chat_art):
+        pass
+    assert (other_tmp / "model.safetensors").read_bytes() == b"in progress"
+    with atomic.writing(other):  # its own writer does remove it
+        pass
+    assert not other_tmp.exists()
+
+
+def test_force_replaces_only_a_folder_whose_manifest_parses_and_is_ours(chat_llama, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MANIFEST_NAME).write_text("not json at all")
+    (out / "config.json").write_text("{}")
+    (out / "thesis.tex").write_text("years of work")
+    before = models.tree_hashes(tmp_path)
+    one_line_error(cli("quantize", chat_llama[0], "-o", out, "--force"), "not an mpsconvert artifact")
+    (out / MANIFEST_NAME).write_text(json.dumps({"tool": "something else", "schema_version": 1}))
+    before = models.tree_hashes(tmp_path)
+    one_line_error(cli("quantize", chat_llama[0], "-o", out, "--force"), "not an mpsconvert artifact")
+    assert models.tree_hashes(tmp_path) == before
+
+
+def test_an_unlisted_folder_under_a_package_name_is_never_replaced(chat_art):
+    user = chat_art / COREAI_ASSET
+    user.mkdir()
+    (user / "my-notes.txt").write_text("mine")
+
+    with pytest.raises(ArtifactError, match="not a package mpsconvert wrote"):
+        layout.check_package_slot(chat_art, COREAI_ASSET, Manifest.read(chat_art).files, force=True)
+    assert (user / "my-notes.txt").read_text() == "mine"
+    # a package mpsconvert wrote (listed) is replaced with force, and refused without
+    shutil.rmtree(user)
+    with transaction(chat_art, drop=(COREAI_ASSET,)) as t:
+        (t.folder / COREAI_ASSET).mkdir()
+        (t.folder / COREAI_ASSET / "weights.bin").write_bytes(b"x")
+        t.add_files(COREAI_ASSET)
+    with pytest.raises(MpsconvertError, match="already exists"):
+        layout.check_package_slot(chat_art, COREAI_ASSET, Manifest.read(chat_art).files, force=False)
+    layout.check_package_slot(chat_art, COREAI_ASSET, Manifest.read(chat_art).files, force=True)
+
+
+@pytest.mark.extra("coreai")
+def test_export_coreai_force_refuses_a_user_folder_named_like_its_asset(chat_art):
+    user = chat_art / COREAI_ASSET
+    user.mkdir()
+    (user / "my-notes.txt").write_text("mine")
+    res = cli("export-coreai", chat_art, "--force")
+    one_line_error(res, "not a package mpsconvert wrote")
+    assert (user / "my-notes.txt").read_text() == "mine"
+
+
+def test_a_symlinked_artifact_is_written_through_its_target(chat_art, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(chat_art, target_is_directory=True)
+    with transaction(link) as t:
+        t.put(Hub(repo="me/through-the-link"))
+    with transaction(link, drop=(COREML_PACKAGE,)) as t:
+        (t.folder / COREML_PACKAGE).mkdir()
+        (t.folder / COREML_PACKAGE / "weights.bin").write_bytes(b"x" * 100)
+        t.add_files(COREML_PACKAGE)
+    assert link.is_symlink() and link.resolve() == chat_art.resolve()
+    m = Manifest.read(chat_art)
+    assert m.get(Hub).repo == "me/through-the-link" and (chat_art / COREML_PACKAGE / "weights.bin").is_file()
+    assert mpsconvert.verify(link).ok and mpsconvert.verify(chat_art).ok
+    assert not [p for p in list(tmp_path.iterdir()) + list(chat_art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
+
+
+def test_o_an_existing_file_or_a_new_folder_inside_the_source_is_refused(chat_llama, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(chat_llama[0], src)
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    before = models.tree_hashes(tmp_path)
+    one_line_error(cli("quantize", src, "-o", f), "is a file")
+    one_line_error(cli("quantize", src, "-o", src / "fp8"), "inside the source")
+    one_line_error(cli("quantize", src, "-o", src / "sub" / "fp8", "--force"), "inside the source")
+    assert models.tree_hashes(tmp_path) == before and not (src / "fp8").exists() and not (src / "sub").exists()
+
+
+# --------------------------------------------------------------------------- card + manifest in one swap: each writer killed where they could part (issue 33)
+
+
+# each command that changes an artifact, as a user runs it; what its change leaves in the card
+COMMANDS = {
+    "validate": (["validate", "{art}", "--device", "cpu", "--max-samples", "1", "--seq-len", "32", "--prefill-len", "16",
+                  "--decode-tokens", "2", "--repeats", "1", "--rounds", "1", "--warmup", "0", "--eval-data", "{text}"], "| CPU"),
+    "calibrate": (["calibrate", "{art}", "--num-samples", "2", "--seq-len", "16"], "| calibration | 2 x 16 tokens"),
+    "export-coreml": (["export-coreml", "{art}", "--no-kv-cache", "--seq-len", "8", "--no-check"], "Core ML: `model.mlpackage`"),
+    "export-coreai": (["export-coreai", "{art}", "--max-len", "16", "--no-check"], "Core AI: `model.aimodel`"),
+}
+# the transaction's steps where the card and the manifest could part: the card written (the
+# manifest not yet), both written in the staged copy (calibrate rebuilds the folder instead: its
+# weights rewritten, the card not yet), between the swap's two renames
+SPLIT_POINTS = ["card-written", "staged-written", "between-renames"]
+REBUILD_POINTS = ["rebuilt", "card-written", "between-renames"]
+
+
+def _command(name, art, text_data):
+    import sys
+
+    args = [a.format(art=art, text=text_data / "wiki_eval.jsonl") for a in COMMANDS[name][0]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    return [sys.executable, "-m", "mpsconvert.cli", *args], env
+
+
+# upload commits to the hub before its local swap, so a kill between them leaves a commit and the old
+# artifact: tests/test_security_upload.py kills it at its own points
+@pytest.mark.slow  # a real process killed at every step: CI runs it in the slow lane
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extra(n.split("-")[1])] if n.startswith("export") else [])
+                                  for n in COMMANDS])
+def test_each_command_killed_where_card_and_manifest_could_part_leaves_them_together(chat_art, text_data, request, name):
+    """The real command, SIGKILLed at each step of its transaction where the card and the
+    manifest could part: the artifact verifies (the card has the sha256 the manifest records) and
+    is the one before the command, whole; the rerun completes, the card says what it recorded,
+    and nothing is left behind."""
+    import subprocess
+
+    cmd, env = _command(name, chat_art, text_data)
+    before = models.tree_hashes(chat_art)
+    for point in REBUILD_POINTS if name == "calibrate" else SPLIT_POINTS:
+        r = subprocess.run(cmd, env={**env, atomic.KILL_ENV: point}, capture_output=True, timeout=600)
+        assert r.returncode == -9, (point, r.stderr.decode()[-1500:])  # the kill point was reached
+        report = mpsconvert.verify(chat_art)  # a reader recovers a swap cut in two
+        assert report.ok, (point, report.problems)
+        assert models.tree_hashes(chat_art) == before, point
+    r = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()[-1500:]
+    assert mpsconvert.verify(chat_art).ok and COMMANDS[name][1] in (chat_art / "README.md").read_text()
+    assert not [p for p in list(chat_art.iterdir()) + list(chat_art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]

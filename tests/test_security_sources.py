@@ -1,7 +1,10 @@
 """What a source may say about itself (issue 53, classes 3, 8, 9): a GGUF's header and tensors, a
 source's config.json. Every parameter the model defines is read from the file or the source is
 refused; every count in a GGUF header is bounded before anything is built or looped over; a
-config that would build something no model is, or compute garbage, is refused in one line."""
+config that would build something no model is, or compute garbage, is refused in one line. What
+quantize is given is checked before anything is written (issue 33): an FP8 source's scales and
+NaN codes, a static source's input scales, a scales file, a --dtype a tensor overflows, --ignore
+regexes (compiled and matched within a time bound)."""
 
 from __future__ import annotations
 
@@ -9,15 +12,21 @@ import json
 import shutil
 import struct
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+import mpsconvert
 from mpsconvert.cli import main
 from mpsconvert.errors import SourceError
+from mpsconvert.manifests.layout import MANIFEST_NAME
+from mpsconvert.manifests.manifest import Manifest
 
 from . import models
+from .bounded import within
+from .helpers import one_error
 
 
 def cli(*args, **kw):
@@ -169,3 +178,117 @@ def test_validate_baseline_that_is_another_model_or_needs_remote_code_is_one_lin
             says = "its num_hidden_layers is 3, the artifact's 2"
         (base / "config.json").write_text(json.dumps(cfg))
     one_line_error(cli("validate", llama_art, "--baseline", base, "--device", "cpu", "--no-write"), says)
+
+
+# --------------------------------------------------------------------------- sources checked before anything is written (issue 33)
+
+
+@pytest.fixture(scope="module")
+def fp8_source(tmp_path_factory):
+    """A FineGrainedFP8 source with 32 x 32 blocks: gate_proj [128, 64] has [4, 2] scales."""
+    import torch
+
+    work = tmp_path_factory.mktemp("fp8src")
+    return models.to_fine_grained_fp8(models.tiny("qwen3", work / "bf16", dtype=torch.float32), work / "fp8", 32)
+
+
+GATE = "model.layers.0.mlp.gate_proj.weight"
+
+
+def _edited(src: Path, dst: Path, edit, cfg_edit=None) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if cfg_edit is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg_edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _nan_code(sd, code=0x7F):
+    import torch
+
+    w = sd[GATE].view(torch.uint8).clone()
+    w[3, 5] = code
+    sd[GATE] = w.view(torch.float8_e4m3fn)
+
+
+def _set(key, fn):
+    def edit(sd):
+        sd[key] = fn(sd[key])
+    return edit
+
+
+FP8_SOURCE_ATTACKS = {
+    "scale 3e38 (finite, but 448 x it is inf)": (_set(GATE + "_scale_inv", lambda s: s.fill_(3e38)), "dequantize past float32"),
+    "scale transposed [2, 4] for [4, 2]": (_set(GATE + "_scale_inv", lambda s: s.t().contiguous()), "are [4, 2]"),
+    "scale flat [8]": (_set(GATE + "_scale_inv", lambda s: s.reshape(-1).contiguous()), "are [4, 2]"),
+    "scale negative": (_set(GATE + "_scale_inv", lambda s: -s), "not finite positive"),
+    "NaN code 0x7F": (_nan_code, "NaN code"),
+    "NaN code 0xFF": (lambda sd: _nan_code(sd, 0xFF), "NaN code"),
+    "3-D FP8 tensor": (lambda sd: sd.__setitem__("model.extra.weight", sd[GATE].reshape(2, 64, 64).clone()), "2-D FP8 weights"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(FP8_SOURCE_ATTACKS))
+def test_an_fp8_source_that_verify_would_reject_is_refused_at_quantize(fp8_source, tmp_path, attack):
+    edit, says = FP8_SOURCE_ATTACKS[attack]
+    src = _edited(fp8_source, tmp_path / "src", edit)
+    one_error(cli("quantize", src, "-o", tmp_path / "out"), says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_negative_static_input_scale_of_an_fp8_source_is_refused(chat_llama, tmp_path):
+    """A compressed-tensors static FP8 source (ours, calibrated) whose input_scale is negative."""
+    from safetensors.torch import load_file
+
+    static = tmp_path / "static"
+    mpsconvert.quantize(chat_llama[0], static, scheme="fp8", calibration=mpsconvert.calibration_options(num_samples=1, seq_len=16))
+    key = next(k for k in load_file(str(static / "model.safetensors")) if k.endswith("input_scale"))
+    src = _edited(static, tmp_path / "src", _set(key, lambda s: -s))
+    (src / MANIFEST_NAME).unlink()
+    one_error(cli("quantize", src, "-o", tmp_path / "out"), "input scale", key)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [1e308, 5e-324, 3e38, -1.0, float("nan")])
+def test_a_scales_file_with_values_float32_cannot_hold_is_refused(chat_llama, tmp_path, value):
+    from mpsconvert.calibrate.artifact import SCALES_FORMAT, SCALES_VERSION
+
+    mods = {r["module"] for r in Manifest.read(chat_llama[1]).tensors.values()}
+    scales = tmp_path / "scales.json"
+    body = {"format": SCALES_FORMAT, "version": SCALES_VERSION, "input_scales": {m: 0.01 for m in mods}, "calibration": {}}
+    body["input_scales"][sorted(mods)[0]] = value
+    scales.write_text(json.dumps(body))
+    one_error(cli("quantize", chat_llama[0], "-o", tmp_path / "out", "--scheme", "fp8", "--scales", scales), "input scale")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dtype_float16_that_overflows_a_tensor_is_an_error_naming_it(chat_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(chat_llama[0], src)
+    sd = load_file(str(src / "model.safetensors"))
+    sd["model.norm.weight"] = sd["model.norm.weight"].clone()
+    sd["model.norm.weight"][7] = 1e6  # fine in bfloat16, inf in float16
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    one_error(cli("quantize", src, "-o", tmp_path / "out", "--dtype", "float16"), "model.norm.weight", "inf")
+    assert not (tmp_path / "out").exists()
+    assert cli("quantize", src, "-o", tmp_path / "out", "--dtype", "bfloat16").exit_code == 0
+
+
+@pytest.mark.parametrize("pattern,says", [("re:[", "not a valid regular expression"), ("re:(a|aa)+$", None),
+                                          ("re:(.*){1,32000}[bc]", "catastrophic backtracking"), ("re:" + "x" * 2000, "characters long")])
+def test_ignore_patterns_are_compiled_and_matched_with_a_time_bound(chat_llama, tmp_path, pattern, says):
+    with within(60, f"quantize --ignore {pattern[:20]}"):
+        res = cli("quantize", chat_llama[0], "-o", tmp_path / "out", "--ignore", pattern)
+    if says is None:  # a pattern that backtracks only on a long run of a's: matches nothing here, fine
+        assert res.exit_code == 0, res.output
+    else:
+        one_error(res, says)
+        assert not (tmp_path / "out").exists()

@@ -1,11 +1,14 @@
 """The terminal is an output too, and standard input an input (issue 53, classes 7 and 8, and the
 chat items): generated text on a terminal goes through the shown-text filter (piped or `--json`,
 it is data); stdin that is not UTF-8 or too long is one line, named as such; a tokenizer's Rust
-panic is one line; chat drops its oldest turns when the history outgrows the context."""
+panic is one line; chat drops its oldest turns when the history outgrows the context. Names are
+text wherever they are shown (issue 33): a hostile folder name in the card, its YAML and its
+commands, a source id in a commit message, markup and escape sequences in verify and inspect."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -16,13 +19,13 @@ import mpsconvert
 from mpsconvert import api
 from mpsconvert.cli import main, render
 from mpsconvert.errors import ArtifactError
+from mpsconvert.manifests.layout import MANIFEST_NAME
+from mpsconvert.manifests.manifest import Manifest
 
 from . import models
+from .helpers import CHAT_TEMPLATE, one_error
 
 HOSTILE = "ok\x1b]0;pwned\x07\x1b[2J\r\u202eend\n\tnext"
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def cli(*args, **kw):
@@ -147,7 +150,7 @@ def art(work):
 
     src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, max_positions=128)
     tok = AutoTokenizer.from_pretrained(str(src))
-    tok.chat_template = TEMPLATE
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(src))
     out = work / "art"
     mpsconvert.quantize(src, out)
@@ -197,3 +200,85 @@ def test_a_chat_line_too_long_for_the_context_is_refused_before_tokenizing(art, 
     res = cli("chat", art, "--max-tokens", "4", "--device", "cpu", input="y" * 200_000 + "\nhello\n")
     assert res.exit_code == 0 and "and the torch model holds 128 tokens, of at most" in " ".join(res.output.split()), res.output[-2000:]
     assert calls and max(calls) < 1000  # only "hello" was rendered
+
+
+# --------------------------------------------------------------------------- cards, commit messages and terminal output are text (issue 33)
+
+
+HOSTILE_NAME = "evil\n# Heading\n<img src=x onerror=alert(1)> $(touch PWNED) `tick` | pipe [link](javascript:x) \x1b[31mred"
+
+
+def _markdown_tokens(text: str):
+    from markdown_it import MarkdownIt
+
+    tokens, todo = [], MarkdownIt("commonmark").enable("table").parse(text)
+    while todo:
+        t = todo.pop(0)
+        tokens.append(t)
+        todo[:0] = t.children or []
+    return tokens
+
+
+def test_a_hostile_source_folder_name_is_text_in_the_card_and_its_commands(chat_llama, tmp_path, monkeypatch):
+    import shlex
+
+    import yaml
+
+    from mpsconvert.untrusted import printable
+
+    src = tmp_path / HOSTILE_NAME
+    shutil.copytree(chat_llama[0], src)
+    monkeypatch.chdir(tmp_path)
+    res = mpsconvert.quantize(src)  # the default output is named for the source: the hostile name again
+    art = res.output
+    text = (art / "README.md").read_text()
+    meta = yaml.safe_load(text.split("---\n")[1])
+    assert meta["mpsconvert"]["source"] == HOSTILE_NAME and "base_model" not in meta  # YAML carries it exactly, quoted
+    body = text.split("---\n", 2)[2]
+    tokens = _markdown_tokens(body)
+    assert not [t for t in tokens if t.type in ("html_inline", "html_block")], "HTML from a name reached the card"
+    assert not [t for t in tokens if t.type == "link_open"], "a link from a name reached the card"
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert not any("Heading" in h for h in headings if not h.startswith(("FP8", "evil"))), headings
+    assert "\x1b" not in text and "PWNED" in text  # shown, escaped, never run
+    runs = [shlex.split(line) for t in tokens if t.type == "fence" for line in t.content.splitlines()
+            if line.startswith("mpsconvert ")]
+    assert runs and all(argv[2] == printable(art.name) for argv in runs), runs  # one argument, quoted
+    assert mpsconvert.verify(art).ok
+
+
+def test_commit_messages_are_one_line_without_control_characters(chat_art):
+    from mpsconvert.publish import commit_message
+
+    m = Manifest.read(chat_art)
+    m.source["id"] = "org/x\n\nSigned-off-by: someone else\x1b[2J\x00"
+    msg = commit_message(m)
+    assert "\n" not in msg and "\x1b" not in msg and "\x00" not in msg and "Signed-off-by: someone else" in msg
+
+
+def test_markup_and_escape_sequences_in_names_are_printed_literally(chat_art, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    evil = "[bold red]boom[/] \x1b]0;pwned\x07 \x1b[2J [link=file:///etc/passwd]x[/link]"
+    (chat_art / f"notes {evil[:30].replace('/', '_')}.txt").write_text("unlisted")
+    m = json.loads((chat_art / MANIFEST_NAME).read_text())
+    name, rec = next(iter(m["tensors"].items()))
+    m["tensors"][evil] = m["tensors"].pop(name)
+    m["summary"]["worst_sqnr_tensor"] = evil
+    m["summary"]["ratio"] = "not a number"
+    m["recipe"]["calibration"] = {"data": {"id": evil}, "observer": [1, 2]}
+    # a record of the right types whose untyped figures are not numbers: shown as '?'
+    m["validation"] = {evil: {"kind": "causal-lm", "device": evil, "accuracy": {"mean_kl": "x", "perplexity_bf16": [1]},
+                              "verdict": {"decode": 5}}}
+    (chat_art / MANIFEST_NAME).write_text(json.dumps(m))
+    for cmd in (("verify", chat_art), ("inspect", chat_art, "--tensors")):
+        res = cli(*cmd)
+        assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit), res.output
+        assert "\x1b" not in res.output and "\x07" not in res.output, repr(res.output[:400])
+    res = cli("inspect", chat_art, "--tensors")
+    assert res.exit_code == 0 and "[bold red]boom[/]" in res.output and "\\x1b]0;pwned\\x07" in res.output, res.output
+    # a malformed record (manifests/records.py) is one error line, exit 2, its key shown literally too
+    m["validation"][evil]["speedup"] = {"decode": "fast"}
+    (chat_art / MANIFEST_NAME).write_text(json.dumps(m))
+    res = cli("inspect", chat_art)
+    one_error(res, "[bold red]boom[/]", "\\x1b]0;pwned\\x07", "speedup")
+    assert "\x1b" not in res.output and "\x07" not in res.output
