@@ -41,7 +41,7 @@ def one_line_error(res, *says) -> None:
 
 def test_bounded_names_the_limit_and_refuses_what_is_not_a_number():
     assert untrusted.bounded(5, "--seq-len") == 5
-    for bad, says in [(0, "--seq-len is 0, outside 1..131,072"), (10**9, "outside 1..131,072"), (True, "not an integer"),
+    for bad, says in [(0, "--seq-len is 0, outside 2..131,072"), (10**9, "outside 2..131,072"), (True, "not an integer"),
                       (1e3, "not an integer"), ("8", "not an integer")]:
         with pytest.raises(MpsconvertError, match=None) as e:
             untrusted.bounded(bad, "--seq-len")

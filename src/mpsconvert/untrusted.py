@@ -333,7 +333,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "manifest files": (0, 100_000),
     "manifest tensor records": (0, 1 << 20),
     # the command line (and the API's options)
-    "--seq-len": (1, 1 << 17),
+    "--seq-len": (2, 1 << 17),  # a sample scores next-token predictions: two tokens at least
     "--max-samples": (1, 1 << 16),
     "--prefill-len": (1, 1 << 17),
     "--decode-tokens": (1, 1 << 16),

@@ -269,15 +269,15 @@ def inspect(artifact, as_json, show_tensors):
 @click.option("--eval-data", "eval_data", type=click.Path(dir_okay=False), help="Eval text: .jsonl with a 'text' field per line, or .txt.")
 @click.option("--device", type=click.Choice(["auto", "mps", "cuda", "cpu"]), default="auto", show_default=True,
               help="Where both models run; an unavailable device is an error, never a fallback.")
-@click.option("--seq-len", type=click.IntRange(min=2), default=None, help="Tokens per accuracy sample [default: 512; on CPU 256].")
-@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Accuracy samples (of --seq-len tokens) [default: 8; on CPU 4].")
-@click.option("--prefill-len", type=click.IntRange(min=1), default=None,
+@click.option("--seq-len", type=int, default=None, help="Tokens per accuracy sample [default: 512; on CPU 256].")
+@click.option("--max-samples", type=int, default=None, help="Accuracy samples (of --seq-len tokens) [default: 8; on CPU 4].")
+@click.option("--prefill-len", type=int, default=None,
               help="Tokens of the one sequence (batch 1) timed for prefill; encoders too [default: 512; on CPU 128].")
-@click.option("--decode-tokens", type=click.IntRange(min=1), default=None, help="Tokens timed for decode (batch 1) [default: 32; on CPU 16].")
-@click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 2 on CPU].")
-@click.option("--rounds", type=click.IntRange(min=1), default=None,
+@click.option("--decode-tokens", type=int, default=None, help="Tokens timed for decode (batch 1) [default: 32; on CPU 16].")
+@click.option("--repeats", type=int, default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 2 on CPU].")
+@click.option("--rounds", type=int, default=None,
               help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear [default: 3; on CPU 2].")
-@click.option("--warmup", type=click.IntRange(min=0), default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
+@click.option("--warmup", type=int, default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
 @click.option("--full", is_flag=True,
               help="On CPU too, the full run: 8 samples of 512 tokens, prefill 512, decode 32, 3 rounds of 3 (about 5x the CPU "
                    "defaults' time); options given still win.")

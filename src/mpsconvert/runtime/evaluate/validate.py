@@ -51,6 +51,16 @@ class ValidateOptions:
     kernel_cache: object = None  # KernelPolicy cache file, or False
     full: bool = False  # on CPU too: the GPU's sample counts and lengths (the long run)
 
+    def __post_init__(self):
+        """Every count within untrusted.LIMITS (one line each, before anything loads): a length of
+        0 or -5 was a traceback deep in the run, 10^9 repeats a run that never ends."""
+        from ...untrusted import bounded
+
+        for key in ("seq_len", "max_samples", "prefill_len", "decode_tokens", "repeats", "rounds", "warmup"):
+            v = getattr(self, key)
+            if v is not None:
+                bounded(v, "--" + key.replace("_", "-"))
+
 
 # What validate measures when an option is not given. A GPU runs the full set in seconds. On CPU
 # it took ten minutes for SmolLM2-135M on a 2-core machine (BF16 matmul is emulated on most
@@ -72,16 +82,6 @@ def with_defaults(opts: ValidateOptions, gpu: bool) -> ValidateOptions:
     """`opts` with every unset option filled from DEFAULTS for the device."""
     fill = DEFAULTS[defaults_name(opts, gpu)]
     return replace(opts, **{k: v for k, v in fill.items() if getattr(opts, k) is None})
-
-    def __post_init__(self):
-        """Every count within untrusted.LIMITS (one line each, before anything loads): a length of
-        0 or -5 was a traceback deep in the run, 10^9 repeats a run that never ends."""
-        from ...untrusted import bounded
-
-        for key in ("seq_len", "max_samples", "prefill_len", "decode_tokens", "repeats", "rounds", "warmup"):
-            v = getattr(self, key)
-            if v is not None:
-                bounded(v, "--" + key.replace("_", "-"))
 
 
 def _is_causal(config) -> bool:
