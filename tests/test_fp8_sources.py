@@ -61,7 +61,8 @@ def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, 
     out = tmp_path / "artifact"
     res = mpsconvert.quantize(src, out)
     man = res.manifest
-    assert not res.warnings
+    vllm = [w for w in res.warnings if w.startswith("vLLM")]  # the tiny q/k/v rows are no multiple of a 128 block: vLLM would refuse it
+    assert [w for w in res.warnings if w not in vllm] == [] and bool(vllm) == (block == 128 and arch == "qwen3")
     assert (man.recipe["name"], man.recipe["weights"], man.recipe["block_size"]) == ("fp8-dynamic", "block", block)
     assert man.source["fp8"]["layout"] == "fine-grained-fp8"
     assert man.source["files"]["model.safetensors"] == hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()

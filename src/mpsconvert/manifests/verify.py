@@ -345,6 +345,7 @@ def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set |
 _LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|layer|h|blocks)\.\d+)\.")
 _EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|wte|word_embeddings)\.weight$")
 _MLP = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}  # the intermediate size's axis in a gated MLP's weights
+_MLP_WEIGHT = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def check_config_numbers(report: VerifyReport, config: dict, tensors: dict) -> None:
@@ -382,7 +383,8 @@ def check_config_numbers(report: VerifyReport, config: dict, tensors: dict) -> N
             want = [vocab if type(vocab) is int else shape[0], hidden if type(hidden) is int else shape[1]]
             if shape != want:
                 found.append(f"{name} is {shape} but the model built from config.json has {want}")
-        proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") and ".mlp." in name and ".experts." not in name else None
+        m = _MLP_WEIGHT.search(name)  # the dense MLP's own projections (not a shared expert's or an expert's: their sizes are others)
+        proj = m.group(1) if m else None
         if proj in _MLP and type(inner) is int and len(shape) == 2 and shape[_MLP[proj]] != inner:
             want = list(shape)
             want[_MLP[proj]] = inner
