@@ -319,7 +319,7 @@ def test_validate_comfyui_artifact(artifacts):
 
     # the command's table: the step's accuracy and latency rows (it read an LLM's keys and crashed)
     cli = CliRunner().invoke(main, ["validate", str(art.output), "--device", "cpu", "--prefill-len", "64", "--repeats", "1", "--rounds", "1",
-                                    "--warmup", "0", "--no-write", "--explain"])
+                                    "--warmup", "0", "--no-write", "--explain"], env={"COLUMNS": "80"})  # the width is read live: fixed here
     said = " ".join(cli.output.split())
     assert cli.exit_code == 0, cli.output
     assert "denoising" in said and "relative error" in said and "denoising step (64" in said and "|error|" in said  # cells wrap at 80 columns
