@@ -14,6 +14,22 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<e
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+def cli(*args, **kw):
+    """The `mpsconvert` command line in this process (click's runner); arguments made strings."""
+    from mpsconvert.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], **kw)
+
+
+def one_line_error(res, *says) -> None:
+    """Exit 2 with one `error:` line that says each of `says`, and no traceback."""
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert "Traceback" not in res.output and len(lines) == 1 and lines[0].startswith("error:"), res.output
+    for s in says:
+        assert s in res.output, res.output
+
+
 def one_error(res, *says) -> None:
     """Exit 2 with `error:` once in the output, which says each of `says`, and no traceback (other
     lines, a warning or a progress line, may come with it)."""

@@ -16,10 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert.cli import main
 from mpsconvert.errors import ArtifactError, MpsconvertError
 from mpsconvert.manifests.layout import MANIFEST_NAME
 from mpsconvert.manifests.records import Hub
@@ -28,19 +26,9 @@ from mpsconvert.untrusted import parse_json, read_json
 
 from . import models
 from .bounded import within
-from .helpers import CHAT_TEMPLATE, COREML_PACKAGE, run_generate
+from .helpers import CHAT_TEMPLATE, COREML_PACKAGE, cli, one_line_error, run_generate
 
 
-def cli(*args, **kw):
-    return CliRunner().invoke(main, [str(a) for a in args], **kw)
-
-
-def one_line_error(res, *says) -> None:
-    assert res.exit_code == 2, res.output
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert "Traceback" not in res.output and len(lines) == 1 and lines[0].startswith("error:"), res.output
-    for s in says:
-        assert s in res.output, res.output
 
 
 @pytest.fixture

@@ -14,29 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 import mpsconvert
 from mpsconvert import untrusted
-from mpsconvert.cli import main
 from mpsconvert.errors import ArtifactError, MpsconvertError, SourceError
 from mpsconvert.manifests.layout import MANIFEST_NAME
 
 from . import models
 from .bounded import within
-from .helpers import CHAT_TEMPLATE, one_error, run_generate
+from .helpers import CHAT_TEMPLATE, cli, one_error, one_line_error, run_generate
 
 
-def cli(*args, **kw):
-    return CliRunner().invoke(main, [str(a) for a in args], **kw)
-
-
-def one_line_error(res, *says) -> None:
-    assert res.exit_code == 2, res.output
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert "Traceback" not in res.output and len(lines) == 1 and lines[0].startswith("error:"), res.output
-    for s in says:
-        assert s in res.output, res.output
 
 
 def test_bounded_names_the_limit_and_refuses_what_is_not_a_number():

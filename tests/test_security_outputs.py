@@ -22,11 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import mpsconvert
 from mpsconvert import atomic
-from mpsconvert.cli import main
 from mpsconvert.errors import ArtifactError, MpsconvertError
 from mpsconvert.manifests import layout
 from mpsconvert.manifests.layout import MANIFEST_NAME
@@ -35,13 +33,10 @@ from mpsconvert.manifests.records import Hub
 from mpsconvert.manifests.transaction import transaction
 
 from . import models
-from .helpers import COREAI_ASSET, COREML_PACKAGE
+from .helpers import COREAI_ASSET, COREML_PACKAGE, cli
 
 CALIB = ("--num-samples", "1", "--seq-len", "16")
 
-
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def one_line_error(res, *says) -> None:

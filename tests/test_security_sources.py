@@ -16,30 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert.cli import main
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.layout import MANIFEST_NAME
 from mpsconvert.manifests.manifest import Manifest
 
 from . import models
 from .bounded import within
-from .helpers import one_error
+from .helpers import cli, one_error, one_line_error
 
 
-def cli(*args, **kw):
-    return CliRunner().invoke(main, [str(a) for a in args], **kw)
-
-
-def one_line_error(res, *says) -> None:
-    """Exit 2 with one `error:` line that says each of `says`, and no traceback."""
-    assert res.exit_code == 2, res.output
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert "Traceback" not in res.output and len(lines) == 1 and lines[0].startswith("error:"), res.output
-    for s in says:
-        assert s in res.output, res.output
 
 
 def _s(text: str) -> bytes:

@@ -13,23 +13,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import mpsconvert
 from mpsconvert import api
-from mpsconvert.cli import main, render
+from mpsconvert.cli import render
 from mpsconvert.errors import ArtifactError
 from mpsconvert.manifests.layout import MANIFEST_NAME
 from mpsconvert.manifests.manifest import Manifest
 
 from . import models
-from .helpers import CHAT_TEMPLATE, one_error
+from .helpers import CHAT_TEMPLATE, cli, one_error
 
 HOSTILE = "ok\x1b]0;pwned\x07\x1b[2J\r\u202eend\n\tnext"
 
-
-def cli(*args, **kw):
-    return CliRunner().invoke(main, [str(a) for a in args], **kw)
 
 
 def one_line_error(res, *says) -> None:

@@ -16,18 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import mpsconvert
 from mpsconvert import atomic
-from mpsconvert.cli import main
 from mpsconvert.manifests import hashing
 
 from . import models
+from .helpers import cli
 
-
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def one_line_error(res, *says) -> None:
