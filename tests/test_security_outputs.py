@@ -33,17 +33,10 @@ from mpsconvert.manifests.records import Hub
 from mpsconvert.manifests.transaction import transaction
 
 from . import models
-from .helpers import COREAI_ASSET, COREML_PACKAGE, cli
+from .helpers import COREAI_ASSET, COREML_PACKAGE, cli, one_error
 
 CALIB = ("--num-samples", "1", "--seq-len", "16")
 
-
-
-def one_line_error(res, *says) -> None:
-    assert res.exit_code == 2, res.output
-    assert "Traceback" not in res.output and res.output.count("error:") == 1, res.output
-    for s in says:
-        assert s in res.output, res.output
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +92,9 @@ def test_calibrate_o_never_overwrites_or_writes_inside_what_it_reads(box, tmp_pa
         outs["the source's own weights"] = (src / "model.safetensors", "not a file mpsconvert wrote")
         del outs["a new file inside the source"]
     for name, (out, says) in outs.items():
-        one_line_error(cli("calibrate", src if target == "the source" else art, "-o", out, *CALIB), says)
+        one_error(cli("calibrate", src if target == "the source" else art, "-o", out, *CALIB), says)
         with_force = cli("calibrate", src if target == "the source" else art, "-o", out, "--force", *CALIB)
-        one_line_error(with_force, says)
+        one_error(with_force, says)
         assert tree(tmp_path) == before, name
     assert mpsconvert.verify(art).ok
 
@@ -112,7 +105,7 @@ def test_calibrate_o_replaces_its_own_scales_file_only_with_force(box, tmp_path)
     assert cli("calibrate", src, "-o", out, *CALIB).exit_code == 0
     first = out.read_bytes()
     assert json.loads(first)["format"] == "mpsconvert-input-scales"
-    one_line_error(cli("calibrate", src, "-o", out, *CALIB), "already exists", "--force")
+    one_error(cli("calibrate", src, "-o", out, *CALIB), "already exists", "--force")
     assert out.read_bytes() == first
     res = cli("calibrate", src, "-o", out, "--force", "--num-samples", "1", "--seq-len", "24")
     assert res.exit_code == 0, res.output
@@ -132,7 +125,7 @@ def test_an_output_file_that_appears_during_the_work_is_not_overwritten(box, tmp
         return real(*a, **kw)
 
     monkeypatch.setattr(calib, "calibrate", slow)
-    one_line_error(cli("calibrate", src, "-o", out, *CALIB), "exists and is not a file mpsconvert wrote")
+    one_error(cli("calibrate", src, "-o", out, *CALIB), "exists and is not a file mpsconvert wrote")
     assert out.read_text() == "written by someone else meanwhile"
 
 
@@ -141,7 +134,7 @@ def test_quantize_o_never_writes_inside_an_artifact(box, tmp_path):
     before = tree(tmp_path)
     for out in (art / "fp8", art / "deeper" / "fp8"):
         for extra in ((), ("--force",)):
-            one_line_error(cli("quantize", src, "-o", out, *extra), "inside the mpsconvert artifact")
+            one_error(cli("quantize", src, "-o", out, *extra), "inside the mpsconvert artifact")
     with pytest.raises(MpsconvertError, match="inside the mpsconvert artifact"):
         mpsconvert.quantize(src, art / "fp8")
     assert tree(tmp_path) == before and mpsconvert.verify(art).ok
@@ -156,7 +149,7 @@ def test_force_refuses_to_delete_files_the_manifest_does_not_list_and_names_them
     (art / "eval" / "results.csv").write_text("1,2,3")
     before = tree(tmp_path)
     res = cli("quantize", src, "-o", art, "--force")
-    one_line_error(res, "2 files its manifest does not list", "eval/results.csv", "notes.txt", "--force-delete-unlisted")
+    one_error(res, "2 files its manifest does not list", "eval/results.csv", "notes.txt", "--force-delete-unlisted")
     with pytest.raises(MpsconvertError, match="does not list"):
         mpsconvert.quantize(src, art, force=True)
     assert tree(tmp_path) == before
@@ -173,7 +166,7 @@ def test_a_folder_with_a_copied_manifest_is_not_replaced_with_the_users_files(bo
     shutil.copy(art / "config.json", folder)
     (folder / "notes.txt").write_text("years of work")
     before = tree(tmp_path)
-    one_line_error(cli("quantize", src, "-o", folder, "--force"), "notes.txt", "does not list")
+    one_error(cli("quantize", src, "-o", folder, "--force"), "notes.txt", "does not list")
     assert tree(tmp_path) == before
 
 
@@ -261,7 +254,7 @@ def test_a_planted_symlink_under_a_reserved_name_is_an_error_for_readers_too(box
     planted.symlink_to(outside, target_is_directory=True)
     before = tree(tmp_path)
     for args in (("verify", art), ("inspect", art), ("generate", art, "hi", "--device", "cpu", "-m", "1")):
-        one_line_error(cli(*args), "symlink under a name mpsconvert reserves", "never followed")
+        one_error(cli(*args), "symlink under a name mpsconvert reserves", "never followed")
     with pytest.raises(MpsconvertError, match="never followed"):
         mpsconvert.load(art, device="cpu")
     assert tree(tmp_path) == before
@@ -303,10 +296,10 @@ def test_a_source_whose_tensors_the_model_defines_gets_no_such_note(tmp_path, ar
 def test_revision_with_a_local_source_is_refused_not_ignored(box, tmp_path):
     src, art = box
     before = tree(tmp_path)
-    one_line_error(cli("quantize", src, "--revision", "v2", "-o", tmp_path / "out"), "--revision v2 applies to a hub repo",
+    one_error(cli("quantize", src, "--revision", "v2", "-o", tmp_path / "out"), "--revision v2 applies to a hub repo",
                    "is a local folder")
-    one_line_error(cli("calibrate", src, "--revision", "v2", "-o", tmp_path / "s.json", *CALIB), "applies to a hub repo")
-    one_line_error(cli("calibrate", art, "--revision", "v2", *CALIB), "applies to a hub repo")
+    one_error(cli("calibrate", src, "--revision", "v2", "-o", tmp_path / "s.json", *CALIB), "applies to a hub repo")
+    one_error(cli("calibrate", art, "--revision", "v2", *CALIB), "applies to a hub repo")
     assert tree(tmp_path) == before
 
 
@@ -319,7 +312,7 @@ def test_a_planted_lock_symlink_is_an_error_and_creates_nothing_outside(chat_art
     lock = chat_art.parent / f"{atomic.LOCK_PREFIX}{chat_art.name}"
     lock.symlink_to(outside / "created-by-the-lock")  # dangling: O_CREAT through it would make a file outside
     res = cli("calibrate", chat_art, "--num-samples", "1", "--seq-len", "16")
-    one_line_error(res, "symlink under a name mpsconvert reserves", "never followed")
+    one_error(res, "symlink under a name mpsconvert reserves", "never followed")
     assert not (outside / "created-by-the-lock").exists() and lock.is_symlink()
     with pytest.raises(MpsconvertError, match="never followed"):
         with transaction(chat_art):
@@ -385,10 +378,10 @@ def test_force_replaces_only_a_folder_whose_manifest_parses_and_is_ours(chat_lla
     (out / "config.json").write_text("{}")
     (out / "thesis.tex").write_text("years of work")
     before = models.tree_hashes(tmp_path)
-    one_line_error(cli("quantize", chat_llama[0], "-o", out, "--force"), "not an mpsconvert artifact")
+    one_error(cli("quantize", chat_llama[0], "-o", out, "--force"), "not an mpsconvert artifact")
     (out / MANIFEST_NAME).write_text(json.dumps({"tool": "something else", "schema_version": 1}))
     before = models.tree_hashes(tmp_path)
-    one_line_error(cli("quantize", chat_llama[0], "-o", out, "--force"), "not an mpsconvert artifact")
+    one_error(cli("quantize", chat_llama[0], "-o", out, "--force"), "not an mpsconvert artifact")
     assert models.tree_hashes(tmp_path) == before
 
 
@@ -417,7 +410,7 @@ def test_export_coreai_force_refuses_a_user_folder_named_like_its_asset(chat_art
     user.mkdir()
     (user / "my-notes.txt").write_text("mine")
     res = cli("export-coreai", chat_art, "--force")
-    one_line_error(res, "not a package mpsconvert wrote")
+    one_error(res, "not a package mpsconvert wrote")
     assert (user / "my-notes.txt").read_text() == "mine"
 
 
@@ -443,9 +436,9 @@ def test_o_an_existing_file_or_a_new_folder_inside_the_source_is_refused(chat_ll
     f = tmp_path / "a-file"
     f.write_text("mine")
     before = models.tree_hashes(tmp_path)
-    one_line_error(cli("quantize", src, "-o", f), "is a file")
-    one_line_error(cli("quantize", src, "-o", src / "fp8"), "inside the source")
-    one_line_error(cli("quantize", src, "-o", src / "sub" / "fp8", "--force"), "inside the source")
+    one_error(cli("quantize", src, "-o", f), "is a file")
+    one_error(cli("quantize", src, "-o", src / "fp8"), "inside the source")
+    one_error(cli("quantize", src, "-o", src / "sub" / "fp8", "--force"), "inside the source")
     assert models.tree_hashes(tmp_path) == before and not (src / "fp8").exists() and not (src / "sub").exists()
 
 

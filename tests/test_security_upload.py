@@ -22,15 +22,8 @@ from mpsconvert import atomic
 from mpsconvert.manifests import hashing
 
 from . import models
-from .helpers import cli
+from .helpers import cli, one_error
 
-
-
-def one_line_error(res, *says) -> None:
-    assert res.exit_code == 2, res.output
-    assert "Traceback" not in res.output and res.output.count("error:") == 1, res.output
-    for s in says:
-        assert s in res.output, res.output
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +88,7 @@ def test_a_file_changed_after_verification_is_never_published_as_it_now_is(onlin
     assert b"private key" not in b"".join(b for c in online.commits for b in c["files"].values())
     if res.exit_code != 0:  # in place, read again as it is sent: refused before its last bytes went out
         assert attack == "rewritten in place" and sent_as == "a verified reader", res.output
-        one_line_error(res, f"{rel} does not match the sha256", "changed after it was verified")
+        one_error(res, f"{rel} does not match the sha256", "changed after it was verified")
         assert online.commits == []
     else:
         assert len(online.commits) == 1
@@ -118,7 +111,7 @@ def test_a_file_changed_before_the_upload_read_it_is_refused(online, art):
         res = cli("upload", art, "me/x")
     finally:
         publish.read_verified = saved
-    one_line_error(res, "tokenizer.json does not match the sha256", "nothing was uploaded")
+    one_error(res, "tokenizer.json does not match the sha256", "nothing was uploaded")
     assert online.commits == [] and set(folder_tree(art.parent)) == set(before)  # no card naming me/x, no staged copy left
     assert (art / "README.md").read_bytes() == before["art/README.md"]
 
@@ -187,7 +180,7 @@ def test_a_failed_upload_changes_nothing_local(online, art, monkeypatch, failure
 
         monkeypatch.setattr(hf.HfApi, "create_commit", refuse)
     before = folder_tree(art.parent)
-    one_line_error(cli(*args), *FAILURES[failure])
+    one_error(cli(*args), *FAILURES[failure])
     assert folder_tree(art.parent) == before  # README.md and mpsconvert.json do not name me/x; nothing staged is left
     assert "me/x" not in (art / "README.md").read_text() and "me/x" not in (art / "mpsconvert.json").read_text()
     assert mpsconvert.verify(art).ok and online.commits == []
