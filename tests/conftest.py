@@ -183,17 +183,13 @@ def chat_llama(tmp_path_factory):
     """A tiny Llama with a byte-level tokenizer that has a chat template (helpers.CHAT_TEMPLATE), and
     its artifact: (source, artifact), built once per module."""
     import torch
-    from transformers import AutoTokenizer
 
     import mpsconvert
 
     from .helpers import CHAT_TEMPLATE
 
     work = tmp_path_factory.mktemp("chat")
-    src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16)
-    tok = AutoTokenizer.from_pretrained(str(src))
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(src))
+    src = models.with_chat_template(models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16), CHAT_TEMPLATE)
     art = work / "art"
     mpsconvert.quantize(src, art)
     return src, art

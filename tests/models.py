@@ -127,6 +127,16 @@ def fp8_layers(model, decode: str = "scaled_mm_row"):
     return model
 
 
+def with_chat_template(src: Path, template: str) -> Path:
+    """`src`'s tokenizer given `template` as its chat template (saved in place); returns `src`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    tok.chat_template = template
+    tok.save_pretrained(str(src))
+    return src
+
+
 def tiny(arch: str, path: Path, *, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, fused: bool = False,
          max_shard_size: str | None = None, **model) -> Path:
     """The one builder of a tiny source checkpoint: `tiny_model(arch, **model)` saved to `path` in

@@ -22,12 +22,8 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{%
 @pytest.fixture(scope="module")
 def art(work, text_data):
     """A tiny Llama artifact whose tokenizer has a chat template."""
-    from transformers import AutoTokenizer
 
-    src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=False)
-    tok = AutoTokenizer.from_pretrained(str(src))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(src))
+    src = models.with_chat_template(models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=False), TEMPLATE)
     out = work / "art"
     mpsconvert.quantize(src, out)
     return out

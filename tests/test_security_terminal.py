@@ -142,12 +142,8 @@ def test_a_rust_panic_is_one_line(said, tmp_path):
 @pytest.fixture(scope="module")
 def art(work):
     """A tiny Llama artifact whose tokenizer has a chat template; 128 positions."""
-    from transformers import AutoTokenizer
 
-    src = models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, max_positions=128)
-    tok = AutoTokenizer.from_pretrained(str(src))
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(src))
+    src = models.with_chat_template(models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, max_positions=128), CHAT_TEMPLATE)
     out = work / "art"
     mpsconvert.quantize(src, out)
     return out
