@@ -206,8 +206,9 @@ class Engine:
         except Exception as e:  # Inductor failed with its non-default options: torch's defaults, and said so
             if not self.inductor_options:
                 raise
-            warnings.warn(f"the decode step failed to compile with Inductor's {self.inductor_options} ({type(e).__name__}: "
-                          f"{str(e)[:200]}); compiled with torch's defaults instead (a few more kernel launches per token)",
+            warnings.warn(f"the decode step failed to compile with Inductor's {self.inductor_options} "
+                          f"({type(e).__name__}: {str(e)[:200]}); compiled with torch's defaults instead (a few more "
+                          "kernel launches per token)",
                           stacklevel=2)  # fmt: skip
             self.inductor_options = {}
             self._compile(cap)
@@ -257,7 +258,7 @@ class Engine:
         self.tok.zero_()
         self.graph_check = {"position": at, "rms_diff": err, "rms_logits": scale}
         if not (err == err and scale == scale) or err > GRAPH_TOLERANCE * max(scale, 1e-6):
-            return f"its replay differs from the eager step at position {at}: RMS {err:.3g} against the logits' RMS {scale:.3g}"
+            return f"its replay differs from the eager step at position {at}: RMS {err:.3g} against the logits' RMS " f"{scale:.3g}"
         return None
 
     @property

@@ -295,7 +295,8 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         try:
             base_model = cls.from_pretrained(base_path, dtype=torch.bfloat16).to(dev).eval()
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # weights transformers cannot read: the baseline's problem
-            raise SourceError(f"transformers cannot load the baseline {base_path}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
+            raise SourceError(f"transformers cannot load the baseline {base_path}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
                               "pass --baseline <the model this artifact was made from>") from e
     progress("load bf16", 1, 1, "")
     models = {"bf16": base_model, "fp8": fp8_model}

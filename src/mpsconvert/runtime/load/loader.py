@@ -474,7 +474,8 @@ def check_built_model(path, report, trust_remote_code: bool = False) -> None:
 
     path = Path(path)
     if trust_remote_code and not (report.ok and report.hashes_checked):
-        report.warnings.append("the model was not built from config.json: with --trust-remote-code, code runs only from an artifact that verified")
+        report.warnings.append("the model was not built from config.json: with --trust-remote-code, code runs only "
+                               "from an artifact that verified")
         return
     try:
         qc = read_json(path / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config") or {}

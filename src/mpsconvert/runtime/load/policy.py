@@ -83,8 +83,8 @@ def cache_path() -> Path:
 def cache_key(device_name: str, sig: tuple, bucket: str, m: int) -> str:
     """The cache's key for a layer signature (N, K, weights, activations) in one bucket."""
     n, k, w, a = sig
-    return (f"{device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels {kernels_digest()}|{TIMING}|{n}x{k}|"
-            f"weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
+    return (f"{device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels "
+            f"{kernels_digest()}|{TIMING}|{n}x{k}|weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
 
 
 def _cache_file(cache: Path | None | bool) -> Path | None:
@@ -218,8 +218,9 @@ class KernelPolicy:
         if self.caps.lacks:  # why only dequantizing kernels were candidates (warned once, by devices.capabilities)
             d.note = self.caps.lacks
         elif layer.weights == "block" and not any(c.startswith("scaled_mm") or c.startswith("gemv") for c in cands):
-            d.note = (f"no block-scaled FP8 kernel on {self.device.type} (F.scaled_mm there takes tensor- and row-wise scales "
-                      "only): this layer dequantizes its weight per call, or keeps a BF16 copy where that measured faster")
+            d.note = (f"no block-scaled FP8 kernel on {self.device.type} (F.scaled_mm there takes tensor- and "
+                      "row-wise scales only): this layer dequantizes its weight per call, or keeps a BF16 copy "
+                      "where that measured faster")
         return d
 
     @staticmethod
@@ -244,7 +245,8 @@ class KernelPolicy:
         if all(b == "bf16" for b in best):
             for d in ds:
                 d.choice = "bf16"
-                d.note = _joined(d.note, "fallback: BF16 measured faster than every FP8 kernel in every bucket; this layer keeps a BF16 weight")
+                d.note = _joined(d.note, "fallback: BF16 measured faster than every FP8 kernel in every bucket; "
+                                         "this layer keeps a BF16 weight")
         else:
             for d, b in zip(ds, best):
                 d.choice = b if b != "bf16" else self._best(d.timings_us, exclude=("bf16",))

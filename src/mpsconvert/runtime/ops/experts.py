@@ -84,8 +84,8 @@ def scaled_grouped_mm_available(device: torch.device) -> bool:
             _PROBED[key] = True
         except (RuntimeError, NotImplementedError, TypeError) as e:
             _PROBED[key] = False
-            warnings.warn(f"torch._scaled_grouped_mm is present but failed on {device} ({str(e).splitlines()[0][:120]}): "
-                          "FP8 experts run the dequantized grouped_mm path", stacklevel=2)  # fmt: skip
+            warnings.warn(f"torch._scaled_grouped_mm is present but failed on {device} "
+                          f"({str(e).splitlines()[0][:120]}): FP8 experts run the dequantized grouped_mm path", stacklevel=2)  # fmt: skip
     return _PROBED[key]
 
 
@@ -452,7 +452,8 @@ def _scheme_from(model, qc=None):
     if isinstance(qc, dict) and qc.get("config_groups"):
         return scheme_from_config(qc)
     raise ArtifactError(
-        "cannot tell how the experts' activations are quantized: the model config has no compressed-tensors quantization_config",
+        "cannot tell how the experts' activations are quantized: the model config has no compressed-tensors "
+        "quantization_config",
         "pass activations='token' | 'tensor' | None to replace_moe_experts",
     )
 

@@ -71,7 +71,8 @@ def _mm(xq, sa, w, sb, out_dtype, functional: bool | None = None):
     form on CPU, where both exist)."""
     if functional if functional is not None else xq.device.type == "mps":
         if not hasattr(F, "scaled_mm"):
-            raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (torch >= 2.10 needed for FP8 matmul on MPS)")
+            raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (torch >= 2.10 "
+                               "needed for FP8 matmul on MPS)")
         kind = F.ScalingType.TensorWise if sa.ndim == 0 else F.ScalingType.RowWise
         return F.scaled_mm(xq, w.t(), sa, kind, sb, kind, output_dtype=out_dtype)
     # Fast accumulation, as torchao float8 inference uses: ~5-10% faster on Hopper at 2048 tokens;

@@ -58,7 +58,7 @@ class SharedInputs:
         from ..ops.fp8linear import FP8Linear
 
         if ctx.device.type == "cpu" and not any(isinstance(m, FP8Linear) and m.activations for m in model.modules()):
-            return "CPU, weights only: every layer holds a dense weight and no input is rounded, so there is nothing to share"
+            return "CPU, weights only: every layer holds a dense weight and no input is rounded, so there is " "nothing to share"
         return None
 
     def install(self, model, ctx):
@@ -218,7 +218,7 @@ class Generate:
 
     def match(self, model, ctx):
         if ctx.device.type != "cuda":
-            return f"mpsconvert's engine takes generate() on CUDA only (this model is on {ctx.device.type}): transformers' default runs"
+            return f"mpsconvert's engine takes generate() on CUDA only (this model is on {ctx.device.type}): " "transformers' default runs"
         return None if callable(getattr(model, "generate", None)) else "the model has no generate()"
 
     def install(self, model, ctx):

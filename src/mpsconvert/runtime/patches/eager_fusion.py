@@ -332,7 +332,7 @@ def _check_norm(norm: nn.Module, quant_scale) -> str | None:
     ulp = torch.finfo(y.dtype).eps * want.float().abs().clamp(min=torch.finfo(y.dtype).tiny)
     off = diff > 0
     if bool((diff > 2 * ulp).any()) or float(off.float().mean()) > NORM_MAX_ULP_FRACTION:
-        return f"differs from its own forward (max abs {float(diff.max()):.3g}, {int(off.sum())} of {diff.numel()} elements)"
+        return f"differs from its own forward (max abs {float(diff.max()):.3g}, {int(off.sum())} of {diff.numel()} " "elements)"
     q2, s2 = act_quant.torch_quantize(y, quant_scale)
     if not (torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))):
         return "its quantized output differs from act_quant.quantize of it"
