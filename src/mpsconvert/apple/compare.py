@@ -208,7 +208,8 @@ def decode_timing(decoder, prompt: np.ndarray, tokens: int, warmup: int, prefill
     last = generate_ids(decoder, ids, Sampling(max_tokens=warmup + tokens + 1), time_steps=True)
     prefills.append(last.prompt_seconds)
     if len(last.step_seconds) < warmup + tokens:
-        raise MpsconvertError(f"the decoder stopped after {last.generated_tokens} tokens ({last.stop}), the timing needs {warmup + tokens + 1}",
+        raise MpsconvertError(f"the decoder stopped after {last.generated_tokens} tokens ({last.stop}), the timing "
+                              f"needs {warmup + tokens + 1}",
                               "time fewer tokens, or re-export with a larger --max-len")
     pre, st = timing.stats(prefills), timing.stats(last.step_seconds[warmup:])
     return {"prefill_tokens": len(prompt), "prefill_ms": round(pre["median_ms"], 3), "prefill_p95_ms": round(pre["p95_ms"], 3),

@@ -143,12 +143,14 @@ def failed_checks(res: dict) -> str:
     if res.get("interface") and not res["interface"]["ok"]:
         bad.append("; ".join(res["interface"]["problems"]))
     if not res["weights"]["all_ok"]:
-        bad.append(f"weights read back differ ({sum(1 for r in res['weights']['tensors'].values() if not r.get('ok'))} tensors)")
+        bad.append("weights read back differ "
+                   f"({sum(1 for r in res['weights']['tensors'].values() if not r.get('ok'))} tensors)")
     ev = res.get("reference_eval") or res.get("runtime_eval")
     if ev and not ev["ok"]:
         if "prefill" in ev:
-            bad.append(f"prefill top-1 {ev['prefill']['top1_agreement']:.1%}, decode top-1 {ev['decode']['top1_agreement']:.1%}, "
-                       f"cosine min {min(ev['prefill']['cosine_min'], ev['decode']['cosine_min']):.4f}")
+            bad.append(f"prefill top-1 {ev['prefill']['top1_agreement']:.1%}, decode top-1 "
+                       f"{ev['decode']['top1_agreement']:.1%}, cosine min "
+                       f"{min(ev['prefill']['cosine_min'], ev['decode']['cosine_min']):.4f}")
         else:
             bad.append(f"cosine min {ev['cosine_min']:.4f}" + (f", top-1 {ev['top1_agreement']:.1%}" if "top1_agreement" in ev else ""))
     return "; ".join(bad) or "see the recorded check"
@@ -165,4 +167,4 @@ def states_text(states: list[dict]) -> str:
     """A stateful decoder's states in one line (the KV cache of every layer)."""
     if not states:
         return "none"
-    return f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each {feature_text(states[0]).split(' ', 1)[1]}"
+    return f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each " f"{feature_text(states[0]).split(' ', 1)[1]}"

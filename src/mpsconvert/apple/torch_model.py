@@ -44,7 +44,8 @@ def task_of(config) -> str:
     archs = ", ".join(config.architectures or [config.model_type])
     raise ExportError(
         f"architecture {archs} is not supported for Core ML or Core AI export",
-        "export works for causal LMs (*ForCausalLM: input_ids -> logits) and BERT-style encoders (input_ids, attention_mask -> embeddings)",
+        "export works for causal LMs (*ForCausalLM: input_ids -> logits) and BERT-style encoders (input_ids, "
+        "attention_mask -> embeddings)",
     )
 
 
@@ -79,7 +80,8 @@ def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict
                 raise MpsconvertError(f"FP8 tensor {k} has no {k}_scale", "the artifact is incomplete: re-run `mpsconvert quantize`")
             if block and t.ndim == 3:
                 raise ExportError(f"{k} holds fused MoE experts with block scales",
-                                  "Apple exports of block-scaled experts are not supported yet; quantize the source with --weights row")
+                                  "Apple exports of block-scaled experts are not supported yet; quantize the source "
+                                  "with --weights row")
             scale = fp8.tile_scale(scale, *t.shape, block) if block and t.ndim == 2 else scale.float()
             quant[k] = (t, scale)
             dense[k] = fp8.dequantize_tiles(t, scale, torch.float32)
@@ -116,7 +118,8 @@ def _fuse_experts(model, dense: dict, quant: dict) -> dict[str, tuple[torch.Tens
                     c, sc = quant.pop(sl.key)
                     if fp8.is_block_scale(sc, sl.stop - sl.start):
                         raise ExportError(f"MoE experts {ep.name} have block scales",
-                                          "Apple exports of block-scaled experts are not supported yet; quantize the source with --weights row")
+                                          "Apple exports of block-scaled experts are not supported yet; quantize "
+                                          "the source with --weights row")
                     codes[sl.expert, sl.start:sl.stop] = c
                     scale[sl.expert, sl.start:sl.stop] = sc.reshape(-1, 1).expand(sl.stop - sl.start, 1)
             dense[ep.name] = w

@@ -280,7 +280,8 @@ def coreai_latency(artifact: Path, record: dict, prefill_len: int = 64, decode_t
         except Exception as e:  # one compute unit failing is a result, reported in its row
             row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         rows.append(row)
-    torch_row = {"engine": f"PyTorch {torch.__version__} CPU, fp32 (dequantized weights, the runtime engine eager over a DynamicCache)",
+    torch_row = {"engine": f"PyTorch {torch.__version__} CPU, fp32 (dequantized weights, the runtime engine eager "
+                           "over a DynamicCache)",
                  **compare.decode_timing(compare.torch_decoder(tm), ids, decode_tokens, warmup, prefill_repeats)}
     rows.append(torch_row)
     for r in rows:

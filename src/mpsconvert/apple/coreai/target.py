@@ -106,14 +106,17 @@ class CoreAI(Target):
         rows.append(("interface", "as the decoder contract says" if chk["interface"]["ok"] else "; ".join(chk["interface"]["problems"]),
                      chk["interface"]["ok"]))
         v = rec.get("versions", {})
-        rows.append(("converted with", f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; compute {rec.get('compute')}; "
-                     f"needs {rec.get('minimum_os')}", None))
+        rows.append(("converted with", f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; "
+                                       f"compute {rec.get('compute')}; needs {rec.get('minimum_os')}", None))
         st = chk["storage"]["storage_types"]
         rows.append(("storage", ", ".join(f"{k} {n:,}" for k, n in sorted(st.items(), key=lambda kv: -kv[1]) if n > 1000) or str(st), None))
-        rows.append(("size", f"{human(chk['asset_bytes'])} asset vs {human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)", None))
+        rows.append(("size", f"{human(chk['asset_bytes'])} asset vs {human(chk['fp8_safetensors_bytes'])} FP8 "
+                             f"safetensors ({chk['size_ratio']:.3f}x)", None))
         w = chk["weights"]
-        rows.append(("weight check", f"{w['checked']} FP8 tensors read back from the program: codes bit-exact {w['codes_bit_exact']}, scales exact "
-                     f"{w['scales_exact']}; {w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for {w['fp8_values_in_artifact']:,} in the artifact"
+        rows.append(("weight check", f"{w['checked']} FP8 tensors read back from the program: codes bit-exact "
+                                     f"{w['codes_bit_exact']}, scales exact {w['scales_exact']}; "
+                                     f"{w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for "
+                                     f"{w['fp8_values_in_artifact']:,} in the artifact"
                      + ("" if w["all_ok"] else " MISMATCH"), w["all_ok"]))
         ev = chk.get("runtime_eval")
         if ev and "prefill" not in ev:

@@ -104,8 +104,8 @@ class CoreMLExport(AppleExport):
     package_weight_bytes: int | None = None
 
     def card_lines(self, name: str, causal: bool) -> list[str]:
-        return [f"Core ML: {md.code(self.package)} ({md.text(self.task)}, target {md.text(self.minimum_deployment_target)}, "
-                f"weights {md.text(self.weights)}); in Swift, "
+        return [f"Core ML: {md.code(self.package)} ({md.text(self.task)}, target "
+                f"{md.text(self.minimum_deployment_target)}, weights {md.text(self.weights)}); in Swift, "
                 "`MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
 
     def summary(self) -> str:

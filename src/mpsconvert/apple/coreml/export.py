@@ -321,7 +321,8 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
             missing = sorted(set(fp8_weights) - set(matched))
             if missing:
                 raise ExportError(
-                    f"{len(missing)} FP8 weight(s) are not a plain constant in the converted program (e.g. {missing[0]})",
+                    f"{len(missing)} FP8 weight(s) are not a plain constant in the converted program (e.g. "
+                    f"{missing[0]})",
                     "use --coreml-weights int8 or fp16 for this model",
                 )
             by_const: dict[str, list[str]] = {}
@@ -362,7 +363,8 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
                         bad = [c.op_type for c in consumers if c.op_type != "linear" or c.weight is not op.outputs[0]]
                         if transposed or bad:
                             raise ExportError(
-                                f"FP8 weight {names[0]} (per-row scale) feeds {', '.join(sorted(set(bad))) or 'a transposed matmul'}, not a linear",
+                                f"FP8 weight {names[0]} (per-row scale) feeds "
+                                f"{', '.join(sorted(set(bad))) or 'a transposed matmul'}, not a linear",
                                 "use --coreml-weights int8 or fp16 for this model",
                             )
                         k = lut_exponent(scale)

@@ -109,12 +109,12 @@ class CoreML(Target):
         if spec.get("states"):
             rows.append(("states", states_text(spec["states"]), None))
         rows.append(("ops", ", ".join(f"{k} {v}" for k, v in sorted(spec["ops"].items(), key=lambda kv: -kv[1]) if k != "const")[:160], None))
-        rows.append(("weights", f"{rec.get('weights')}: {human(chk['weight_bytes'])} in the package vs {human(chk['fp8_safetensors_bytes'])} "
-                     f"FP8 safetensors ({chk['size_ratio']:.3f}x)", None))
+        rows.append(("weights", f"{rec.get('weights')}: {human(chk['weight_bytes'])} in the package vs "
+                                f"{human(chk['fp8_safetensors_bytes'])} FP8 safetensors ({chk['size_ratio']:.3f}x)", None))
         line = f"{w['checked']} FP8 tensors read back from weight.bin: " + ("all ok" if w["all_ok"] else "MISMATCH")
         if w["codes_bit_exact"] is not None:
-            line += (f"; codes bit-exact: {w['codes_bit_exact']}; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} "
-                     f"of values, max {w['max_ulp_diff']} ulp")
+            line += (f"; codes bit-exact: {w['codes_bit_exact']}; equal to FP16 dequant: >= "
+                     f"{w['min_fraction_equal_fp16_dequant']:.1%} of values, max {w['max_ulp_diff']} ulp")
         elif w["min_fraction_equal_fp16_dequant"] is not None:
             line += f"; equal to FP16 dequant: >= {w['min_fraction_equal_fp16_dequant']:.1%} of values"
         rows.append(("weight check", line, w["all_ok"]))
@@ -125,5 +125,6 @@ class CoreML(Target):
                 line += f", top-1 agreement {ev['top1_agreement']:.1%} over {ev['positions']} positions"
             rows += [("reference eval", line + (" ok" if ev["ok"] else " FAILED"), ev["ok"]),
                      ("", f"{ev['inputs']}; vs {ev['reference']}", None),
-                     ("", f"{ev['evaluator']}; ops run by mpsconvert: {', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}", None)]
+                     ("", f"{ev['evaluator']}; ops run by mpsconvert: "
+                          f"{', '.join(ev['ops_by_implementation']['mpsconvert']) or 'none'}", None)]
         return rows, (ev if ev and "prefill" in ev else None), "reference evaluation, not the Core ML runtime"
