@@ -174,7 +174,8 @@ def write_into_artifact(t: Transaction, cal: Calibration) -> Manifest:
     tmp = t.rebuild()  # the new artifact: every file written here or carried over, verified
     for f in files:
         if f not in manifest.files or sha256_file(inside(artifact, f, what="weights")) != manifest.files[f]["sha256"]:
-            raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is not carried into a new manifest",
+            raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is "
+                                "not carried into a new manifest",
                                 "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
         header = read_header(artifact / f)
         entries = []

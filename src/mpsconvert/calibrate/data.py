@@ -150,7 +150,8 @@ def short_text(samples: Samples, num_samples: int, seq_len: int, source: dict) -
     measured enough for SmolLM2 (docs/calibration.md); calibrate's summary line says what it gave."""
     if source.get("kind") == "builtin" or not short(samples, num_samples, seq_len):
         return None
-    return (f"the calibration text gave {len(samples.input_ids)} windows of the {num_samples} asked for and {samples.tokens} tokens "
-            f"of the {num_samples * seq_len} ({source.get('documents')} documents in {source.get('id')}, windows of up to {seq_len} "
-            "tokens); scales from little text can miss activations that other text makes: give more (text like the model's use) "
-            "with --calib-data (a file, folder or dataset id), or ask for fewer --num-samples")
+    return (f"the calibration text gave {len(samples.input_ids)} windows of the {num_samples} asked for and "
+            f"{samples.tokens} tokens of the {num_samples * seq_len} ({source.get('documents')} documents in "
+            f"{source.get('id')}, windows of up to {seq_len} tokens); scales from little text can miss activations "
+            "that other text makes: give more (text like the model's use) with --calib-data (a file, folder or "
+            "dataset id), or ask for fewer --num-samples")

@@ -85,7 +85,8 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
         warnings.append(f"{len(fallbacks)} Linear(s) received no calibration input and got a fallback scale: " + ", ".join(sorted(fallbacks)))
     for name, rec in expert_record.items():
         if rec["never_routed"]:
-            warnings.append(f"{name}: experts {rec['never_routed']} were never routed to; they got the max scale of the layer's routed experts")
+            warnings.append(f"{name}: experts {rec['never_routed']} were never routed to; they got the max scale of "
+                            "the layer's routed experts")
     record = {
         "device": device.type,
         **make().describe(),
@@ -102,8 +103,9 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
         "scale": "clip / 448 (dequant multiplier), floor %g" % fp8.SCALE_FLOOR,
         "modules": modules,
         "fallbacks": fallbacks,
-        "fallback_rule": "an expert Linear that saw no token gets the max clip of its sibling experts (same projection, same layer); "
-        "any other Linear that saw no input gets the max clip over all observed Linears",
+        "fallback_rule": "an expert Linear that saw no token gets the max clip of its sibling experts (same "
+                         "projection, same layer); any other Linear that saw no input gets the max clip over all "
+                         "observed Linears",
         "experts": expert_record,
     }
     return Calibration(scales, expert_scales, record, warnings, seconds, peak, short=short)
@@ -245,7 +247,8 @@ def _convert_into(module, prefix: str, weights: Weights, device, dtype, model, m
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
     except ImportError as e:
-        raise QuantizationError(f"--sequential: {prefix} is not stored under the model's names and this transformers has no weight-conversion API", fix) from e
+        raise QuantizationError(f"--sequential: {prefix} is not stored under the model's names and this transformers "
+                                "has no weight-conversion API", fix) from e
     heads = tuple(v + "." for v in weights.variants(prefix))
     keys = [k for k in weights.where if k.startswith(heads)]
     state = {k: weights.files[weights.where[k]].get_slice(k) for k in keys}
@@ -254,7 +257,8 @@ def _convert_into(module, prefix: str, weights: Weights, device, dtype, model, m
     convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=config)
     left = [n for n, p in module.named_parameters() if p.device.type == "meta"]
     if left:
-        raise QuantizationError(f"--sequential: {len(left)} parameter(s) of {prefix} could not be loaded from the checkpoint (e.g. {left[0]})", fix)
+        raise QuantizationError(f"--sequential: {len(left)} parameter(s) of {prefix} could not be loaded from the "
+                                f"checkpoint (e.g. {left[0]})", fix)
 
 
 def _unload(module):
@@ -385,7 +389,7 @@ def _finalize(plan: Plan, obs: dict) -> tuple[dict[str, float], dict, dict]:
             sib = by_sibling.get(_expert_sibling_key(name) or "", [])
             src = max(sib, key=lambda m: clips[m]) if sib else overall
             clips[name] = clips[src]
-            fallbacks[name] = f"never received input; {'max over routed sibling experts' if sib else 'max over all observed Linears'} ({src})"
+            fallbacks[name] = "never received input; " f"{'max over routed sibling experts' if sib else 'max over all observed Linears'} " f"({src})"
             modules[name] = {"amax": None, "clip": clips[name], "values": 0}
     scales = {m: float(fp8.scales_from_amax(torch.tensor([c], dtype=torch.float32))[0]) for m, c in sorted(clips.items())}
     return scales, dict(sorted(modules.items())), dict(sorted(fallbacks.items()))
