@@ -86,8 +86,9 @@ def _run(fn, args, kwargs):
     except BaseException as e:  # a Rust panic (pyo3's PanicException) raised by what a file or the input made a library do
         if not is_panic(e):
             raise
-        render.error(f"a library's Rust code panicked on this input ({str(e).splitlines()[0][:160] if str(e) else 'no message'}); "
-                     "the input (a tokenizer file, the text) is what it could not handle")
+        render.error("a library's Rust code panicked on this input "
+                     f"({str(e).splitlines()[0][:160] if str(e) else 'no message'}); the input (a tokenizer file, "
+                     "the text) is what it could not handle")
         sys.exit(2)
     if api.stop_requested.is_set():  # the signal came after the output was complete (or its exception was lost)
         render.console.print("[bold red]interrupted[/] after the output was complete")

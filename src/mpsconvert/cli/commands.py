@@ -30,9 +30,10 @@ def calibration_options(fn):
         click.option("--seq-len", type=click.IntRange(min=16), default=512, show_default=True, help="Tokens per window."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of the (deterministic) document shuffle."),
         click.option("--observer", type=click.Choice(api.OBSERVERS), default="minmax", show_default=True,
-                     help="minmax: the true maximum |x| (best measured on SmolLM2 and MiniLM). percentile: the --percentile of |x| "
-                          "(clips the largest activations; LLMs rely on those outliers, so it hurts them badly). "
-                          "mse: the clip that minimises the FP8 error on the observed activations."),
+                     help="minmax: the true maximum |x| (best measured on SmolLM2 and MiniLM). percentile: the "
+                          "--percentile of |x| (clips the largest activations; LLMs rely on those outliers, so it "
+                          "hurts them badly). mse: the clip that minimises the FP8 error on the observed "
+                          "activations."),
         click.option("--percentile", type=float, default=api.DEFAULT_PERCENTILE, show_default=True, help="For --observer percentile."),
         click.option("--device", default="auto", show_default=True, metavar="auto|mps|cuda[:N]|cpu",
                      help="Where calibration runs (auto: mps, then cuda, then cpu; a missing device is an error)."),
@@ -80,11 +81,13 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
 @click.option("--revision", help="Branch, tag or commit of a hub repo [default: main].")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos.")
 @click.option("--ignore", multiple=True, metavar="PATTERN",
-              help="Keep matching Linear modules unquantized (glob, `re:` regex, or a name suffix such as mlp.down_proj). Repeatable.")
+              help="Keep matching Linear modules unquantized (glob, `re:` regex, or a name suffix such as "
+                   "mlp.down_proj). Repeatable.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
 @click.option("--experts-layout", type=click.Choice(api.EXPERTS_LAYOUTS), default="per-expert", show_default=True,
-              help="MoE checkpoints that store experts fused (3-D): per-expert writes one FP8 tensor per expert and projection "
-                   "(loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused (loads only in mpsconvert's runtime).")
+              help="MoE checkpoints that store experts fused (3-D): per-expert writes one FP8 tensor per expert and "
+                   "projection (loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused "
+                   "(loads only in mpsconvert's runtime).")
 @click.option("--force", is_flag=True,
               help="Replace an existing output folder (only once the new one is complete): an mpsconvert artifact only, and "
                    "one holding files its manifest does not list (your notes) is refused, naming them.")
@@ -95,11 +98,11 @@ def _calibration(calib_data, num_samples, seq_len, seed, observer, percentile, d
               help="For --scheme fp8: use the input scales from `mpsconvert calibrate -o FILE` instead of calibrating.")
 @calibration_options
 @click.option("--dtype", type=click.Choice(list(api.UNQUANTIZED_DTYPES)), default=None,
-              help="Dtype of the tensors that stay unquantized (embeddings, lm_head, norms) [default: the source's, bit for bit]. "
-                   "An FP32 source with --dtype bfloat16 halves them.")
+              help="Dtype of the tensors that stay unquantized (embeddings, lm_head, norms) [default: the source's, "
+                   "bit for bit]. An FP32 source with --dtype bfloat16 halves them.")
 @click.option("--max-shard-size", default="1GB", show_default=True, metavar="SIZE",
-              help="Largest weight file written (e.g. 500MB, 2GiB; save_pretrained's units). Loading with verification hashes the "
-                   "files in parallel, one thread each, so smaller shards load faster.")
+              help="Largest weight file written (e.g. 500MB, 2GiB; save_pretrained's units). Loading with "
+                   "verification hashes the files in parallel, one thread each, so smaller shards load faster.")
 @click.option("--upload-repo", metavar="REPO", help="Then upload the artifact to this Hugging Face repo (created if absent; see `upload`).")
 @click.option("--private", is_flag=True, help="With --upload-repo: create the repo private (an existing public repo is refused).")
 @click.option("--format", "fmt", type=click.Choice(api.DIFFUSION_FORMATS), default=None,
@@ -276,7 +279,8 @@ def inspect(artifact, as_json, show_tensors):
 @click.option("--decode-tokens", type=int, default=None, help="Tokens timed for decode (batch 1) [default: 32; on CPU 16].")
 @click.option("--repeats", type=int, default=None, help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 2 on CPU].")
 @click.option("--rounds", type=int, default=None,
-              help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear [default: 3; on CPU 2].")
+              help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear "
+                   "[default: 3; on CPU 2].")
 @click.option("--warmup", type=int, default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].")
 @click.option("--full", is_flag=True,
               help="On CPU too, the full run: 8 samples of 512 tokens, prefill 512, decode 32, 3 rounds of 3 (about 5x the CPU "
@@ -359,9 +363,10 @@ def _sampling(fn):
         click.option("--system", "system_prompt", metavar="TEXT", help="A system message first."),
         click.option("--json", "as_json", is_flag=True, help="Print the text and its stats as JSON on stdout (no streaming)."),
         click.option("--decode", "decode", type=click.Choice(["auto", "graph", "compile", "eager"]), default="auto", show_default=True,
-                     help="With --backend torch: how each token's step runs. auto: a CUDA graph on CUDA (compile, for now), eager "
-                          "elsewhere; graph: the eager step captured as a CUDA graph (seconds); compile: torch.compile (~30 s per "
-                          "process); eager: no graph. --json says which ran and what it cost."),
+                     help="With --backend torch: how each token's step runs. auto: a CUDA graph on CUDA (compile, "
+                          "for now), eager elsewhere; graph: the eager step captured as a CUDA graph (seconds); "
+                          "compile: torch.compile (~30 s per process); eager: no graph. --json says which ran and "
+                          "what it cost."),
         click.option("--no-compile", is_flag=True, help="With --backend torch on CUDA: the eager decode loop (--decode eager)."),
     ]
     for o in reversed(opts):

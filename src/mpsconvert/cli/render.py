@@ -186,7 +186,8 @@ def calibration(cal) -> None:
     if builtin and cal.short:
         builtin += " (all it gives at this --seq-len; --calib-data for more, or for text like the model's use)"
     note(f"calibrated on {r['device']} ({r['mode']}, observer {r['observer']}): {r['num_samples']} samples, "
-         f"{r['tokens']} tokens{builtin} in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} samples/s)")
+         f"{r['tokens']} tokens{builtin} in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} "
+         "samples/s)")
     for w in cal.warnings:
         warn(w)
 
@@ -220,7 +221,8 @@ def quantize_summary(res, as_json: bool) -> None:
         print_json(res.as_dict())
         return
     t = _facts(shown(res.output))
-    t.add_row("scheme", shown(f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: {manifest.recipe['activations'] or 'bf16'})"
+    t.add_row("scheme", shown(f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: "
+                              f"{manifest.recipe['activations'] or 'bf16'})"
               + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else "")))
     if (fmt := manifest.recipe.get("format")) and manifest.recipe.get("family"):  # a diffusion artifact: where it goes
         t.add_row("format", shown(f"{fmt} ({manifest.recipe['family_label']}): "
@@ -286,7 +288,8 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     if engine_line := api.engine_line(m):
         t.add_row("engines", shown(engine_line))
     v = m.versions
-    t.add_row("made with", shown(f"mpsconvert {v.get('mpsconvert')}, torch {v.get('torch')}, transformers {v.get('transformers')} on {m.device}"))
+    t.add_row("made with", shown(f"mpsconvert {v.get('mpsconvert')}, torch {v.get('torch')}, transformers "
+                                 f"{v.get('transformers')} on {m.device}"))
     for label, text in m.inspect_rows():  # the records later steps added (validation, exports, ...), typed
         t.add_row(shown(label), _marked(text, "FAILED" not in text))
     out.print(t)
@@ -370,7 +373,8 @@ def validation(res, explain: bool = False) -> None:
     out.print(t)
     st = r.get("settings") or {}
     if st.get("defaults") == "cpu":
-        lat_note = (f"; latency: prefill {st['prefill_len']} tokens, decode {st['decode_tokens']}, {st['rounds']} rounds of {st['repeats']}"
+        lat_note = (f"; latency: prefill {st['prefill_len']} tokens, decode {st['decode_tokens']}, {st['rounds']} "
+                    f"rounds of {st['repeats']}"
                     if st.get("latency") else "")
         out.print(f"note: CPU's quick defaults: {st['max_samples']} accuracy samples of {st['seq_len']} tokens{lat_note} "
                   "(--full: 8 of 512, prefill 512, decode 32, 3 rounds of 3)")
@@ -379,9 +383,10 @@ def validation(res, explain: bool = False) -> None:
     if held_note := (r.get("weights_held") or {}).get("note"):
         out.print(f"note: {held_note}")
     if (ar := a.get("activations_rounded")) and ar["rounded"] < ar["layers"]:
-        out.print(f"note: the accuracy pass ({ar['rows']} tokens a forward) ran {ar['layers'] - ar['rounded']} of {ar['layers']} FP8 "
-                  f"layers with BF16 activations ({', '.join(ar['bf16_activation_kernels'])}, as the kernel policy chose): weight-only "
-                  "arithmetic there, so these figures leave out part of the scheme's activation rounding (--explain lists the kernels)")
+        out.print(f"note: the accuracy pass ({ar['rows']} tokens a forward) ran {ar['layers'] - ar['rounded']} of "
+                  f"{ar['layers']} FP8 layers with BF16 activations ({', '.join(ar['bf16_activation_kernels'])}, as "
+                  "the kernel policy chose): weight-only arithmetic there, so these figures leave out part of the "
+                  "scheme's activation rounding (--explain lists the kernels)")
     if explain:
         kernels(r["kernels"])
     if r.get("recorded"):
@@ -434,8 +439,8 @@ def kernels(decisions: list) -> None:
         ok = sorted((v, k) for k, v in d["timings_us"].items() if not isinstance(v, str))
         bad = [f"{k} ({v})" for k, v in d["timings_us"].items() if isinstance(v, str)]
         measured = " | ".join(f"{k} {v:.1f}" for v, k in ok) + (f"; cannot run: {', '.join(bad)}" if bad else "")
-        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m'] or 'any'}: [bold]{d['choice']}[/] "
-                  f"\\[{d['source']}]" + (f"  {measured}" if measured else ""), highlight=False)
+        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m'] or 'any'}: "
+                  f"[bold]{d['choice']}[/] \\[{d['source']}]" + (f"  {measured}" if measured else ""), highlight=False)
         if d["note"]:
             notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
     for note_, where in notes.items():
@@ -463,7 +468,8 @@ def decoder_check(title: str, ev: dict) -> None:
               "same tokens as PyTorch" if g["agree"] else f"diverges at token {g['agreeing_prefix'] + 1}")
     out.print(t)
     result(f"  {ev['inputs']}; vs {ev['reference']}")
-    out.print(f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median {ev['decode_step_ms']['median']:.1f} ms", highlight=False)
+    out.print(f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median "
+              f"{ev['decode_step_ms']['median']:.1f} ms", highlight=False)
 
 
 def export_result(res, as_json: bool) -> None:
@@ -580,8 +586,8 @@ def generation(res, as_json: bool, turn: bool = False) -> None:
     stopped = " (stopped: end of sequence)" if s.stop == "eos" else " (stopped: the cache is full)" if s.stop == "cache_full" else ""
     if turn:
         compiled = f", decode setup {s.compile_seconds:.1f} s" if s.compile_seconds is not None else ""
-        console.print(f"[dim]\\[prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tokens/s, {s.generated_tokens} generated at {gen}"
-                      f"{compiled}{stopped}][/]", highlight=False)
+        console.print(f"[dim]\\[prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tokens/s, {s.generated_tokens} "
+                      f"generated at {gen}{compiled}{stopped}][/]", highlight=False)
         return
     note("=" * 10)
     note(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s")
@@ -593,7 +599,8 @@ def generation(res, as_json: bool, turn: bool = False) -> None:
         how = {"graph": "the eager step captured as a CUDA graph", "compile": "torch.compile's CUDA graph"}.get((d or {}).get("asked"),
                                                                                                               "the decode step set up")
         note(f"decode setup: {s.compile_seconds:.1f} s ({how}; not in the rates above; --decode eager: none)")
-    note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'}, {s.peak_memory_source}")
+    note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'}, "
+         f"{s.peak_memory_source}")
     note(f"backend: {s.backend} on {s.device}")
 
 
@@ -601,5 +608,5 @@ def uploaded(res, as_json: bool) -> None:
     if as_json:
         print_json(res.as_dict())
         return
-    result(f"uploaded {len(res.files)} files to {res.url} ({'private' if res.private else 'public'} repo, revision {res.revision}, "
-           f"commit {(res.commit or '?')[:12]}): {res.commit_message}")
+    result(f"uploaded {len(res.files)} files to {res.url} ({'private' if res.private else 'public'} repo, revision "
+           f"{res.revision}, commit {(res.commit or '?')[:12]}): {res.commit_message}")
