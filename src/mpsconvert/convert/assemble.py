@@ -147,5 +147,6 @@ def subnormal_warnings(tensors: dict) -> list[str]:
     for name, rec in tensors.items():
         amax, tiny = rec.get("amax"), _NORMAL_MIN.get(rec.get("source_dtype"))
         if isinstance(amax, (int, float)) and tiny and 0 < amax < tiny:
-            out.append(f"{name}: every value is subnormal in {rec['source_dtype']} (max |w| {amax:.3g}); is the checkpoint broken?")
+            out.append(f"{name}: every value is subnormal in {rec['source_dtype']} (max |w| {amax:.3g}); is the "
+                       "checkpoint broken?")
     return out

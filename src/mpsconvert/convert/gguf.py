@@ -232,7 +232,8 @@ def describe(path: Path) -> dict:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # an untrusted file: whatever the reader trips on is a bad input, said in one line
-        raise SourceError(f"{path} is not a GGUF file gguf can read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
+        raise SourceError(f"{path} is not a GGUF file gguf can read ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else ''})",
                           "check the file (a complete download?), or pass a model folder") from e
     types = Counter(t.tensor_type.name for t in reader.tensors)
     bits = {}
@@ -307,7 +308,8 @@ def _unpack(path: Path, folder: Path, dtype: str) -> str:
                                                                          device_map="cpu", output_loading_info=True, **kw)
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError, NotImplementedError, OSError, RuntimeError) as e:  # an architecture or type transformers cannot read
-        raise SourceError(f"transformers {transformers.__version__} cannot load {path.name}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
+        raise SourceError(f"transformers {transformers.__version__} cannot load {path.name}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
                           "use the model's safetensors repo or folder instead, or a transformers version that reads this GGUF") from e
     holes = sorted(info.get("missing_keys") or []) + sorted(k for k, *_ in info.get("mismatched_keys") or [])
     if holes:  # transformers filled them with its random init: a model that is not the file's

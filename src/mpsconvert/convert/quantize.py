@@ -379,7 +379,7 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                 for f in tmp.glob("*.safetensors"):
                     f.unlink()
                 shards = write(tensor_module, expert_tensors)
-                shards.plan_source = f"the model definition, read by {child.built_by} (the guess from the tensor names differed: shards written again)"
+                shards.plan_source = f"the model definition, read by {child.built_by} (the guess from the tensor " "names differed: shards written again)"
         return assemble(tmp, snap, plan, opts, shards, Path(out).absolute().name)
 
 
@@ -438,7 +438,8 @@ def _prepare(snap: Snapshot, opts: Options, headers: dict | None = None, plan: P
         missing += sorted({et.module for key, et in expert_tensors.items() if not _has_input_scales(opts, key, et)})
         if missing:
             raise QuantizationError(
-                f"scheme fp8 needs a calibrated input scale for every quantized Linear and expert; {len(missing)} have none (e.g. {missing[0]})",
+                f"scheme fp8 needs a calibrated input scale for every quantized Linear and expert; {len(missing)} "
+                f"have none (e.g. {missing[0]})",
                 "run calibration (`mpsconvert quantize --scheme fp8 --calib-data ...` or `mpsconvert calibrate`)",
             )
     return plan, headers, tensor_module, expert_tensors

@@ -49,7 +49,8 @@ def baseline_path(artifact: Path, manifest: Manifest, baseline: str | None) -> P
     src = manifest.source
     d = src.get("diffusion") or {}
     if d.get("layout") == "single-file" and baseline is None:
-        raise SourceError(f"{artifact} was converted from a single original-repo file, which diffusers cannot build without its config",
+        raise SourceError(f"{artifact} was converted from a single original-repo file, which diffusers cannot build "
+                          "without its config",
                           "pass --baseline with the diffusers folder or repo of the same model")
     cand = baseline or (src["id"] if src.get("kind") == "hub" else src.get("path"))
     if not cand:
