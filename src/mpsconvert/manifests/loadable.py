@@ -203,7 +203,8 @@ def generation_config(folder: Path, where: str | None = None, *, error: type[Mps
     try:
         return GenerationConfig.from_pretrained(str(folder))
     except Exception as e:
-        raise error(f"{where}/{GENERATION_CONFIG} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
+        raise error(f"{where}/{GENERATION_CONFIG} cannot be read ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:120] if str(e) else ''})",
                     "fix the file, or remove it") from None
 
 
@@ -215,7 +216,8 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     try:
         template = tok.get_chat_template()
     except Exception as e:  # a template name that is not there, a list of templates without "default"
-        raise ArtifactError(f"the chat template in {where} cannot be used ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
+        raise ArtifactError(f"the chat template in {where} cannot be used "
+                            f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
                             "fix the chat template, or pass --ignore-chat-template") from None
     text = templates.render(template, messages, where, add_generation_prompt=True, **tok.special_tokens_map)
     return encode(tok, text, add_special_tokens=False)
@@ -230,5 +232,6 @@ def encode(tok, text: str, **kw) -> list[int]:
     except BaseException as e:
         if not is_panic(e):
             raise
-        raise ArtifactError(f"the tokenizer failed on this text (its Rust code panicked: {str(e).splitlines()[0][:120] if str(e) else 'no message'})",
+        raise ArtifactError("the tokenizer failed on this text (its Rust code panicked: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else 'no message'})",
                             "a pre-tokenizer regex in tokenizer.json backtracks too much on it: fix tokenizer.json, or change the text") from None

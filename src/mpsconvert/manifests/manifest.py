@@ -142,7 +142,8 @@ class Manifest:
         fix = REBUILD_FIX
         if body.get("schema_version") != SCHEMA_VERSION:
             raise ArtifactError(
-                f"{path} has schema_version {str(body.get('schema_version'))[:40]!r}, this mpsconvert reads {SCHEMA_VERSION}",
+                f"{path} has schema_version {str(body.get('schema_version'))[:40]!r}, this mpsconvert reads "
+                f"{SCHEMA_VERSION}",
                 "upgrade mpsconvert or rebuild the artifact",
             )
         kw = dict(what=str(path), fix=fix)
@@ -198,8 +199,8 @@ def pinned_sha256(value: str) -> str:
     want = value.strip().lower() if isinstance(value, str) else value
     if not isinstance(want, str) or not _SHA256.match(want):
         shown = repr(value)[:80]
-        raise MpsconvertError(f"--manifest-sha256 {shown} is not a sha256 (64 hex digits; got {len(value) if isinstance(value, str) else type(value).__name__}"
-                              f"{' characters' if isinstance(value, str) else ''})",
+        raise MpsconvertError(f"--manifest-sha256 {shown} is not a sha256 (64 hex digits; got "
+                              f"{len(value) if isinstance(value, str) else type(value).__name__}{' characters' if isinstance(value, str) else ''})",
                               "copy the whole value `mpsconvert quantize` printed (`mpsconvert verify DIR --json` prints it too)")
     return want
 

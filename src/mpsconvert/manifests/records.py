@@ -203,7 +203,7 @@ class Validation(Record):
                        f"({num(a.get('perplexity_delta_pct'), '+.2f')}%), KL {num(a.get('mean_kl'), '.5f')}, "
                        f"top-1 {num(100 * top1 if num(top1) != '?' else None, '.2f')}%")
             elif r.kind == "diffusion-step":
-                acc = f"one denoising step: relative error {num(a.get('rel_error'), '.5f')}, cosine {num(a.get('cosine'), '.6f')}"
+                acc = f"one denoising step: relative error {num(a.get('rel_error'), '.5f')}, cosine " f"{num(a.get('cosine'), '.6f')}"
             else:
                 acc = f"embedding cosine mean {num(a.get('cosine_mean'), '.5f')}, min {num(a.get('cosine_min'), '.5f')}"
             verdicts = r.verdict or {}  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
@@ -400,8 +400,8 @@ class GGUFSource(Record):
         low = self.lowest
         return (f"the source weights were already below 8 bits: {self.file} is GGUF {self.file_type or low} "
                 f"({self.tensor_types[low]} tensors {low}, {self.bits_per_weight.get(low, '?')} bits per weight with "
-                "their scales); FP8 keeps that coarser grid and cannot restore what it lost, and validate compares against the "
-                "same GGUF, dequantized")
+                "their scales); FP8 keeps that coarser grid and cannot restore what it lost, and validate compares "
+                "against the same GGUF, dequantized")
 
 
 @dataclass(kw_only=True)

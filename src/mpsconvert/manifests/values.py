@@ -78,7 +78,8 @@ def check_values(headers: dict[str, Header], report, codes: bool = True, counted
                 v = floats(h.path, info)
                 bad = ~(np.isfinite(v) & (v > 0))
                 if bad.any():
-                    report.problems.append(f"{name} in {shard} has {int(bad.sum())} value(s) that are not finite positive scales (e.g. {v[bad][0]})")
+                    report.problems.append(f"{name} in {shard} has {int(bad.sum())} value(s) that are not finite "
+                                           f"positive scales (e.g. {v[bad][0]})")
             elif codes and info.dtype == "F8_E4M3" and info.nbytes:
                 if shard in counted:
                     n = counted[shard].get(name, 0)
@@ -100,7 +101,8 @@ def check_records(manifest, tensors: dict, report) -> None:
         if info is None:
             found.append(f"{MANIFEST_NAME} records {name}, which no shard holds")
         elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
-            found.append(f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records {rec.get('dtype')}{rec.get('shape')}")
+            found.append(f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records "
+                         f"{rec.get('dtype')}{rec.get('shape')}")
     report.problems += found[:MAX_SAID]
     if len(found) > MAX_SAID:
         report.problems.append(f"... and {len(found) - MAX_SAID} more tensor records of {MANIFEST_NAME} that the shards do not match")

@@ -147,7 +147,8 @@ def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> No
         if name.startswith(TMP_PREFIX):
             report.warnings.append(f"{rel} was left by an interrupted run (the next write into the artifact removes it)")
         elif name.endswith(".py"):
-            _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); it is never imported")
+            _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); "
+                             "it is never imported")
         else:
             report.warnings.append(f"{rel} is not listed in {MANIFEST_NAME} (not verified, not used)")
 
@@ -316,7 +317,8 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         if sc is None:
             _problem(report, f"{name} has no {mod}.weight_scale")
         elif sc.dtype not in FLOAT_SCALE_DTYPES or list(sc.shape) != want and not (want == [1] and math.prod(sc.shape) == 1):
-            _problem(report, f"{mod}.weight_scale is {sc.dtype}{list(sc.shape)}, the config's {scheme.weights} strategy needs a float {want}")
+            _problem(report, f"{mod}.weight_scale is {sc.dtype}{list(sc.shape)}, the config's {scheme.weights} "
+                             f"strategy needs a float {want}")
         if scheme.activations == "tensor":
             isc = tensors.get(mod + ".input_scale")
             if isc is None or math.prod(isc.shape) != 1 or isc.dtype not in FLOAT_SCALE_DTYPES:
@@ -374,8 +376,8 @@ def check_config_numbers(report: VerifyReport, config: dict, tensors: dict) -> N
             found.append(f"config.json's model has {what}, which no shard holds ({len(missing)} layer(s) missing): "
                          "config.json does not describe these weights")
         if extra := sorted(held - set(range(n))):
-            found.append(f"the shards hold {len(extra)} layer(s) the model built from config.json does not have ({prefix}.{extra[0]}, ...): "
-                         "config.json does not describe these weights")
+            found.append(f"the shards hold {len(extra)} layer(s) the model built from config.json does not have "
+                         f"({prefix}.{extra[0]}, ...): config.json does not describe these weights")
     vocab, hidden, inner = (text.get(k) for k in ("vocab_size", "hidden_size", "intermediate_size"))
     for name, info in sorted(tensors.items()):
         shape = list(info.shape)
@@ -411,7 +413,8 @@ def check_model_structure(report: VerifyReport, params: dict, modules: set) -> N
         if info is None:
             mod = name.rpartition(".")[0]
             if name.endswith(".weight") and mod in report.linears:
-                found.append(f"config.json's model has {name}, which no shard holds (config.json does not describe these weights)")
+                found.append(f"config.json's model has {name}, which no shard holds (config.json does not describe "
+                             "these weights)")
             continue
         if info.dtype != "F8_E4M3" and list(info.shape) != list(shape):
             found.append(f"{name} is {list(info.shape)} but the model built from config.json has {list(shape)}")
@@ -444,7 +447,8 @@ def check_before_use(path, trust_remote_code: bool = False, manifest: Manifest |
 def failed(path, problem: str) -> ArtifactError:
     """The one error of an artifact that failed verification (a load, a check before use)."""
     return ArtifactError(f"artifact {path} failed verification: {problem}",
-                         "re-download or re-create it (`mpsconvert quantize ... --force`); from Python, `mpsconvert.load(path, verify=False)` skips the check, only for files you trust")
+                         "re-download or re-create it (`mpsconvert quantize ... --force`); from Python, "
+                         "`mpsconvert.load(path, verify=False)` skips the check, only for files you trust")
 
 
 def raise_problems(path, report: VerifyReport) -> VerifyReport:
