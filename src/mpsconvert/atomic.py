@@ -163,7 +163,8 @@ def locked(target: Path, *, joinable: bool = False):
             with contextlib.suppress(OSError):  # no run can lock it here either: nothing is left behind
                 os.unlink(lock)
             raise MpsconvertError(
-                f"cannot lock {target.parent} to write {target.name} ({e.strerror or e}): its file system does not support file locks",
+                f"cannot lock {target.parent} to write {target.name} ({e.strerror or e}): its file system does not "
+                "support file locks",
                 "choose an -o on a local disk (APFS, ext4), or mount the share with locking enabled",
             ) from e
         # The lock file may have been unlinked by the previous holder between open and flock.

@@ -60,7 +60,8 @@ def load_config(path, trust_remote_code: bool = False):
             ) from e
         raise SourceError(f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model") from e
     except Exception as e:  # a config.json of the wrong shape (transformers' dataclass validation, TypeError, ...)
-        raise SourceError(f"transformers cannot read config.json: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+        raise SourceError(f"transformers cannot read config.json: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else ''}",
                           "fix config.json or re-create the model folder") from e
     check_counts(config)
     archs = getattr(config, "architectures", None)
@@ -113,7 +114,8 @@ def build(config, *, buffers: str = "meta", trust_remote_code: bool = False):
                 return cls(config)
         except Exception as e:  # an architecture transformers cannot build is a user-facing problem
             raise SourceError(
-                f"transformers could not build {cls.__name__} for this config: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                f"transformers could not build {cls.__name__} for this config: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}",
                 "upgrade transformers, or pass --trust-remote-code if the repo defines its own model",
             ) from e
 

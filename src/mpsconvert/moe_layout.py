@@ -218,7 +218,7 @@ def find_layout(model, stored: dict[str, tuple[int, ...]]) -> dict[str, ExpertPa
             for sl in split:
                 skey = _strip_or_add_prefix(sl.key, stored, prefix)
                 if skey is None or tuple(stored[skey]) != (sl.stop - sl.start, ep.shape[2]):
-                    ep.why = f"checkpoint has no 2-D tensor {sl.key} of shape [{sl.stop - sl.start}, {ep.shape[2]}]: kept as is"
+                    ep.why = f"checkpoint has no 2-D tensor {sl.key} of shape [{sl.stop - sl.start}, {ep.shape[2]}]: " "kept as is"
                     break
                 found.append(Slice(skey, sl.expert, sl.start, sl.stop))
             else:

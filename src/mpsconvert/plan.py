@@ -216,7 +216,8 @@ def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> 
             if p is None:
                 continue
             if tuple(p.shape) != tuple(info.shape):
-                raise SourceError(f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines has {list(p.shape)} there",
+                raise SourceError(f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines "
+                                  f"has {list(p.shape)} there",
                                   "the weights do not match config.json; re-download the model")
             if p.is_floating_point() and info.dtype not in floats:
                 raise SourceError(f"{name} in {f} is stored as {info.dtype}, but the model's parameter is a float",

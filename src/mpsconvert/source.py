@@ -358,8 +358,8 @@ def _inventory(snap: Snapshot) -> Snapshot:
             raise SourceError(
                 f"{snap.repo_id or p} has only pickle weights ({', '.join(pickles[:3])}); "
                 "mpsconvert never unpickles, since loading a pickle can run arbitrary code",
-                "convert them to safetensors first in a trusted environment (e.g. `save_pretrained(..., safe_serialization=True)`) "
-                "or use a repo that ships *.safetensors",
+                "convert them to safetensors first in a trusted environment (e.g. `save_pretrained(..., "
+                "safe_serialization=True)`) or use a repo that ships *.safetensors",
             )
         raise SourceError(f"{p} has no *.safetensors weights", "pass a folder or repo with safetensors weights")
     _check_weight_files(snap, p)

@@ -365,7 +365,8 @@ def bounded(value: Any, limit: str, *, what: str | None = None, error: type[Mpsc
         raise error(f"{what} is {printable(repr(value))[:60]}, not {'an integer' if integer else 'a number'}",
                     fix or f"give {'an integer' if integer else 'a number'} in {_span(lo, hi)}")
     if not integer and not math.isfinite(value) or not lo <= value <= hi:
-        raise error(f"{what} is {printable(repr(value))[:60]}, outside {_span(lo, hi)}{'' if what == limit else f' (the limit on {limit})'}",
+        raise error(f"{what} is {printable(repr(value))[:60]}, outside "
+                    f"{_span(lo, hi)}{'' if what == limit else f' (the limit on {limit})'}",
                     fix or f"give a value in {_span(lo, hi)}")
     return value
 
