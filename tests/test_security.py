@@ -365,7 +365,8 @@ def test_nan_codes_are_caught_by_verify_and_load(art, code, monkeypatch):
     for hashes in (True, False):  # counted in the read that hashes the files, or (structure only) on their own
         report = mpsconvert.verify(art, check_hashes=hashes)
         assert not report.ok and [p for p in report.problems if "NaN code" in p] == [
-            "model.layers.1.self_attn.q_proj.weight in model.safetensors holds 1 NaN code(s) (0x7F/0xFF), which no quantizer writes"]
+            "model.layers.1.self_attn.q_proj.weight in model.safetensors holds 1 NaN code(s) (0x7F/0xFF), which no "
+            "quantizer writes"]
     with pytest.raises(ArtifactError, match="NaN codes"):
         mpsconvert.load(art, device="cpu")
 

@@ -168,12 +168,14 @@ HOSTILE_TEMPLATES = {
     "sandbox escape through __class__": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
     "sandbox escape through cycler's globals": "{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}",
     "sandbox escape through lipsum's globals": "{{ lipsum.__globals__['os'].system('touch MARKER') }}",
-    "sandbox escape through the template context": "{{ self._TemplateReference__context.joiner.__init__.__globals__.os.system('touch MARKER') }}",
+    "sandbox escape through the template context": "{{ "
+                                                   "self._TemplateReference__context.joiner.__init__.__globals__.os.system('touch MARKER') }}",
     "raise_exception": "{{ raise_exception('this template refuses') }}",
     "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
     "200 MB of output": "{{ 'x' * 200000000 }}",
     "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-    "nested loops with output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+    "nested loops with output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% "
+                                "endfor %}",
     "not Jinja": "{% for %}",
     "undefined": "{{ messages.nope.nope }}",
 }

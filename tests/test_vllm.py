@@ -215,7 +215,7 @@ def test_schemes_vllm_cpu_refuses_fail_for_its_reason(vllm_mod, tiny, scheme):
         if torch.cpu._is_amx_tile_supported():
             pytest.skip("this CPU has AMX: vLLM's CPU block FP8 kernel may run here (engines.py says it needs AMX)")
     err = vllm_error(vllm_mod, art)
-    assert err, f"vLLM {vllm_mod.__version__} now loads the {scheme} artifact: update manifests/engines.py (and docs/engines.md)"
+    assert err, f"vLLM {vllm_mod.__version__} now loads the {scheme} artifact: update manifests/engines.py (and " "docs/engines.md)"
     print(f"{scheme}: {err[:300]}")
     assert said in err, err
     cpu = next(e for e in engines.engines(Manifest.read(art).recipe, Manifest.read(art).get(engines.VLLMBlock)) if e.name == "vLLM CPU")
