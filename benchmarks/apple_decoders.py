@@ -114,11 +114,13 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     for r in rows:
         p, d = r["prefill"], r["decode"]
-        print(f"{r['engine']:<8} size {r['size_ratio']:.4f}x FP8 safetensors, codes bit-exact {r['codes_bit_exact']}, "
-              f"prefill top-1 {p['top1_agreement']:.1%} ({p['positions']}), decode top-1 {d['top1_agreement']:.1%} ({d['positions']} steps), "
-              f"greedy {r['generation']['agreeing_prefix']}/{len(r['generation']['tokens'])}")
+        print(f"{r['engine']:<8} size {r['size_ratio']:.4f}x FP8 safetensors, codes bit-exact "
+              f"{r['codes_bit_exact']}, prefill top-1 {p['top1_agreement']:.1%} ({p['positions']}), decode top-1 "
+              f"{d['top1_agreement']:.1%} ({d['positions']} steps), greedy "
+              f"{r['generation']['agreeing_prefix']}/{len(r['generation']['tokens'])}")
     for row in rows[0]["latency"].get("rows", []):
-        print(f"  {row['engine']}: prefill {row.get('prefill_ms', float('nan')):.1f} ms, decode {row.get('decode_tokens_per_s', float('nan')):.2f} tokens/s "
+        print(f"  {row['engine']}: prefill {row.get('prefill_ms', float('nan')):.1f} ms, decode "
+              f"{row.get('decode_tokens_per_s', float('nan')):.2f} tokens/s "
               f"({row.get('decode_vs_pytorch_cpu', float('nan')):.3f}x PyTorch CPU)")
     if a.out:
         slim = [{k: v for k, v in r.items() if k != "states" or r["engine"] != "core ml"} for r in rows]

@@ -80,8 +80,8 @@ def main():
     for r in rows:
         sq = f"{r['worst_weight_sqnr_db']:.1f} dB" if r.get("worst_weight_sqnr_db") is not None else ""
         print(f"{r['variant']:44} {r['ppl']:8.3f} {r['delta_pct']:+7.2f}% {sq:>11} {r.get('weight_bytes', ''):>11}")
-    print(f"SmolLM2-135M (Q4_1 GGUF weights), first {len(wins)} x 512 tokens of wiki_eval, CPU, {torch.get_num_threads()} thread(s), "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(f"SmolLM2-135M (Q4_1 GGUF weights), first {len(wins)} x 512 tokens of wiki_eval, CPU, "
+          f"{torch.get_num_threads()} thread(s), {time.perf_counter() - t0:.0f} s")
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
 

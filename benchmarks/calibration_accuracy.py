@@ -162,10 +162,11 @@ def main():
                 and r["variant"].endswith("(row)") == bool(w)]
         if naive and ours:
             best = min(ours, key=lambda r: r["ppl"])
-            print(f"smollm2 static, weights per {'row' if w else 'tensor'}: best ours '{best['variant']}' {best['delta_pct']:+.2f}% vs naive minmax "
-                  f"{naive['delta_pct']:+.2f}% -> {naive['delta_pct'] - best['delta_pct']:+.2f} percentage points")
-    print(f"total {time.perf_counter() - t0:.0f} s on cpu, {torch.get_num_threads()} thread(s) (eval windows: first {args.windows}; "
-          f"calibration windows: naive 32, ours {args.num_samples})")
+            print(f"smollm2 static, weights per {'row' if w else 'tensor'}: best ours '{best['variant']}' "
+                  f"{best['delta_pct']:+.2f}% vs naive minmax {naive['delta_pct']:+.2f}% -> "
+                  f"{naive['delta_pct'] - best['delta_pct']:+.2f} percentage points")
+    print(f"total {time.perf_counter() - t0:.0f} s on cpu, {torch.get_num_threads()} thread(s) (eval windows: first "
+          f"{args.windows}; calibration windows: naive 32, ours {args.num_samples})")
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
 

@@ -210,7 +210,8 @@ def main():
                 r = run(name, src, out, contenders, baseline_src)
                 shutil.rmtree(out, ignore_errors=True)
                 runs[name].append(r)
-                print(f"  run {i + 1}  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   output {r['out_bytes'] / 1e9:.2f} GB", flush=True)
+                print(f"  run {i + 1}  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   "
+                      f"output {r['out_bytes'] / 1e9:.2f} GB", flush=True)
         results = {name: {"wall_s": statistics.median(r["wall_s"] for r in rs), "peak_rss_gib": max(r["peak_rss_gib"] for r in rs)}
                    for name, rs in runs.items()}
         print(f"\nmedian of {args.repeat} runs (peak RSS: the largest):")
@@ -227,8 +228,9 @@ def main():
             for name in ("mpsconvert-comfyui", "mpsconvert-diffusers"):
                 if name in results and "copy" in results:
                     r = results[name]
-                    print(f"{name} takes {r['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy, peak RSS "
-                          f"{r['peak_rss_gib']:.2f} GiB (largest tensor {biggest / (1 << 20):.0f} MiB, largest shard {largest / (1 << 30):.2f} GiB)")
+                    print(f"{name} takes {r['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy, "
+                          f"peak RSS {r['peak_rss_gib']:.2f} GiB (largest tensor {biggest / (1 << 20):.0f} MiB, "
+                          f"largest shard {largest / (1 << 30):.2f} GiB)")
         ours = results.get("mpsconvert")
         if ours:
             print()
@@ -239,7 +241,8 @@ def main():
             if "copy" in results:
                 print(f"mpsconvert takes {ours['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy")
                 if "mpsconvert-baseline" in results:
-                    print(f"the baseline ({baseline_src}) takes {results['mpsconvert-baseline']['wall_s'] / results['copy']['wall_s']:.2f}x")
+                    print(f"the baseline ({baseline_src}) takes "
+                          f"{results['mpsconvert-baseline']['wall_s'] / results['copy']['wall_s']:.2f}x")
             print(f"mpsconvert peak RSS = largest shard {ours['peak_rss_gib'] - largest / (1 << 30):+.2f} GiB")
     finally:
         if not args.keep:

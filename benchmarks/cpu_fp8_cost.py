@@ -108,9 +108,10 @@ def main() -> None:
     for r in rows[1:]:
         print(f"{r['variant']}: peak RSS {r['peak_rss_mb']} MB ({r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x bf16), "
               f"{grown(r)} MB over the interpreter ({grown(r) / max(1, grown(base)):.2f}x bf16's {grown(base)} MB), "
-              f"decode {r['generation_tokens_per_s']} tok/s ({r['generation_tokens_per_s'] / base['generation_tokens_per_s']:.2f}x bf16), "
-              f"prefill {r['prompt_tokens_per_s']} tok/s ({r['prompt_tokens_per_s'] / base['prompt_tokens_per_s']:.2f}x bf16), "
-              f"load {r['load_s']} s (bf16 {base['load_s']} s)")
+              f"decode {r['generation_tokens_per_s']} tok/s "
+              f"({r['generation_tokens_per_s'] / base['generation_tokens_per_s']:.2f}x bf16), prefill "
+              f"{r['prompt_tokens_per_s']} tok/s ({r['prompt_tokens_per_s'] / base['prompt_tokens_per_s']:.2f}x "
+              f"bf16), load {r['load_s']} s (bf16 {base['load_s']} s)")
 
 
 if __name__ == "__main__":

@@ -413,13 +413,15 @@ def main() -> None:
 
 def summary(name: str, r: dict) -> str:
     sm = r.get("same_model")
-    same = (f"; same model, rounds interleaved: engine {sm['engine_tps']:.2f} vs transformers generate() {sm['generate_tps']:.2f} tok/s "
-            f"= {sm['ratio']:.2f}x (per round {sm['round_ratios']}; CPU time {sm['cpu_time_ratio']:.2f}x), same tokens {sm['same_tokens']}") if sm else ""
+    same = (f"; same model, rounds interleaved: engine {sm['engine_tps']:.2f} vs transformers generate() "
+            f"{sm['generate_tps']:.2f} tok/s = {sm['ratio']:.2f}x (per round {sm['round_ratios']}; CPU time "
+            f"{sm['cpu_time_ratio']:.2f}x), same tokens {sm['same_tokens']}") if sm else ""
     ttft = ", ".join(f"{k} tok {v:.1f} ms" for k, v in r["ttft_ms"].items())
     comp = (f", compile {r['compile_s']:.1f} s" if r.get("compile_s") else "") + (f", first generate {r['first_generate_s']:.1f} s" if "first_generate_s" in r else "")
     host = f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), " if r.get("host_us_per_token") is not None else ""
-    return (f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth {r['bandwidth_fraction']:.3f}, TTFT {ttft}, "
-            f"load {r['load_cold_s']:.2f} s cold / {r['load_warm_s']:.2f} s warm{comp}, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
+    return (f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth "
+            f"{r['bandwidth_fraction']:.3f}, TTFT {ttft}, load {r['load_cold_s']:.2f} s cold / "
+            f"{r['load_warm_s']:.2f} s warm{comp}, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
             f"{host}{r['ops_per_token']:.0f} aten ops/token{same}" + (f"; model.generate() ran: {r['generate_path']}" if r.get("generate_path") else ""))
 
 

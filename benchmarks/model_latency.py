@@ -548,7 +548,8 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
             row["eager_prefill_cached"] = summary(samples(prefill_cached, args.repeats, 2))
             if device.type == "cuda":
                 row["eager_prefill_cached"]["gpu_queued_ms"] = round(statistics.median(queued_gpu_ms(prefill_cached) for _ in range(3)), 3)
-            log(f"{name}: eager prefill with a cache, as generate calls it, {row['eager_prefill_cached']['median_ms']} ms")
+            log(f"{name}: eager prefill with a cache, as generate calls it, "
+                f"{row['eager_prefill_cached']['median_ms']} ms")
     except Exception as e:
         row["eager_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -628,7 +629,8 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                     if "Recompilation" not in str(e):
                         raise
                     row["decode"] = row["decode_full_guards"] | {"compiled": True, "host_ms": full_host,
-                                                                 "guards": f"full: the warm stance recompiled ({str(e)[:120]})"}  # fmt: skip
+                                                                 "guards": "full: the warm stance recompiled "
+                                                                           f"({str(e)[:120]})"}  # fmt: skip
                 cfg = model.config
                 head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
                 kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
@@ -641,7 +643,8 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                     step_bytes = total - emb + kv
                 row["decode"]["bytes_per_step"] = int(step_bytes)
                 row["decode"]["bandwidth_fraction"] = round(step_bytes / (row["decode"]["median_ms"] / 1e3) / bw, 3) if bw == bw else None
-                log(f"{name}: decode {row['decode']['median_ms']} ms/token, {row['decode'].get('bandwidth_fraction')} of copy bandwidth")
+                log(f"{name}: decode {row['decode']['median_ms']} ms/token, "
+                    f"{row['decode'].get('bandwidth_fraction')} of copy bandwidth")
         except Exception as e:
             row["decode_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
@@ -867,9 +870,10 @@ def child(args, device, deadline: float, src: Path) -> None:
 def print_table(report):
     res, rat = report["results"], report.get("ratios_to_bf16", {})
     env = report["env"]
-    print(f"\n{env['arch']} x{env['layers']} layers, prefill {env['prefill']} tokens, {env['device']}, torch {env['torch']}, "
-          f"transformers {env['transformers']}; ratio = BF16 time / variant time (load: variant / BF16, -cold rows / bf16-cold)")  # fmt: skip
-    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'host ms':>7s} {'lag ms':>7s} {'queued':>7s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} {'peak GiB':>8s}"
+    print(f"\n{env['arch']} x{env['layers']} layers, prefill {env['prefill']} tokens, {env['device']}, torch "
+          f"{env['torch']}, transformers {env['transformers']}; ratio = BF16 time / variant time (load: variant / "
+          "BF16, -cold rows / bf16-cold)")  # fmt: skip
+    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'host ms':>7s} {'lag ms':>7s} " f"{'queued':>7s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} " f"{'peak GiB':>8s}"
     print(head)
     for name, r in res.items():
         if "error" in r:
@@ -886,11 +890,14 @@ def print_table(report):
         queued = ep.get("gpu_queued_ms", float("nan"))
         bw = (r.get("decode") or {}).get("bandwidth_fraction") or float("nan")
         peak = (r.get("peak_memory_bytes") or 0) / 2**30
-        print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} {q.get('load_vs_bf16_cold', q.get('load_vs_bf16', float('nan'))):6.2f} {cell('eager_prefill')} "
-              f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} {cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
+        print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} "
+              f"{q.get('load_vs_bf16_cold', q.get('load_vs_bf16', float('nan'))):6.2f} {cell('eager_prefill')} "
+              f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} "
+              f"{cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
               f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
-    print("eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate calls it;"
-          f" busy per call of {PROFILED_CALLS} profiled after the timed loop, and the wall of those calls under the profiler):")
+    print("eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate "
+          f"calls it; busy per call of {PROFILED_CALLS} profiled after the timed loop, and the wall of those calls "
+          "under the profiler):")
     for name, r in res.items():
         parts = []
         for key in ("eager_prefill", "eager_prefill_cached"):
@@ -899,8 +906,8 @@ def print_table(report):
             queued = (r.get(key) or {}).get("gpu_queued_ms")
             parts.append(f"{wall} ms / {busy} ms = {wall / busy:.3f}, profiled {pwall / busy:.3f} (queued {queued} ms)" if wall and busy and pwall else "-")
         print(f"  {name:10s} " + " | ".join(parts))
-    print("eager prefill, wall / the GPU's time from the first layer to the end in calls right after the timed loop (CUDA events,"
-          " no profiler), and how far the host was ahead of the GPU at the last layer:")
+    print("eager prefill, wall / the GPU's time from the first layer to the end in calls right after the timed loop "
+          "(CUDA events, no profiler), and how far the host was ahead of the GPU at the last layer:")
     for name, r in res.items():
         ep = r.get("eager_prefill") or {}
         wall, span, lag = ep.get("median_ms"), ep.get("gpu_from_first_layer_ms"), ep.get("gpu_lag_at_last_layer_ms")

@@ -176,7 +176,8 @@ def run_variant(name, build, xs, ref_out, results, policy_out):
         pol.apply(model)
         policy_out[name] = pol.explain()
         for d in pol.decisions:
-            log(f"   policy {name}: {d.shape[0]}x{d.shape[1]} {d.bucket:7s} M={d.m:<5d} -> {d.choice:16s} {d.timings_us}")
+            log(f"   policy {name}: {d.shape[0]}x{d.shape[1]} {d.bucket:7s} M={d.m:<5d} -> {d.choice:16s} "
+                f"{d.timings_us}")
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         for bucket, x in xs.items():
@@ -257,7 +258,8 @@ def main(argv=None):
     base = results.get("bf16", {})
     log(f"\nH200 linear stack, {args.layers} Llama-3-8B-shaped layers, prefill {args.prefill} tokens, decode batch 1, "
         f"torch.compile + CUDA graph; ratio = BF16 time / variant time (higher is faster)")
-    log(f"{'variant':15s} {'prefill us':>11s} {'x bf16':>7s} {'decode us':>10s} {'x bf16':>7s} {'weights MiB':>12s} {'x bf16':>7s}")
+    log(f"{'variant':15s} {'prefill us':>11s} {'x bf16':>7s} {'decode us':>10s} {'x bf16':>7s} {'weights MiB':>12s} "
+        f"{'x bf16':>7s}")
     for name, r in results.items():
         if "error" in r:
             log(f"{name:15s} ERROR {r['error'][:100]}")

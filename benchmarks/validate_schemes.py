@@ -99,12 +99,15 @@ def main(argv=None):
             continue
         results[name] = r
         a = r["accuracy"]
-        line = (f"{name:16s} ppl bf16 {a['perplexity_bf16']:.3f} fp8 {a['perplexity_fp8']:.3f} ({a['perplexity_delta_pct']:+.2f}%)  "
-                f"KL {a['mean_kl']:.5f}  top-1 {100 * a['top1_agreement']:.2f}%  weights {r['weight_bytes']['fp8'] / r['weight_bytes']['bf16']:.3f}x")
+        line = (f"{name:16s} ppl bf16 {a['perplexity_bf16']:.3f} fp8 {a['perplexity_fp8']:.3f} "
+                f"({a['perplexity_delta_pct']:+.2f}%)  KL {a['mean_kl']:.5f}  top-1 {100 * a['top1_agreement']:.2f}% "
+                f" weights {r['weight_bytes']['fp8'] / r['weight_bytes']['bf16']:.3f}x")
         if "speedup" in r:
             lb, lf = r["latency"]["bf16"], r["latency"]["fp8"]
-            line += (f"  prefill {lb['prefill']['median_ms']:.2f}->{lf['prefill']['median_ms']:.2f} ms ({r['speedup']['prefill']:.2f}x)"
-                     f"  decode {lb['decode']['tokens_per_s']:.0f}->{lf['decode']['tokens_per_s']:.0f} tok/s ({r['speedup']['decode']:.2f}x)")
+            line += (f"  prefill {lb['prefill']['median_ms']:.2f}->{lf['prefill']['median_ms']:.2f} ms "
+                     f"({r['speedup']['prefill']:.2f}x)  decode "
+                     f"{lb['decode']['tokens_per_s']:.0f}->{lf['decode']['tokens_per_s']:.0f} tok/s "
+                     f"({r['speedup']['decode']:.2f}x)")
         print(line + f"  [{r['device_name']}, {a['tokens']} tokens, {time.perf_counter() - t0:.0f}s]", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
