@@ -16,8 +16,8 @@ cost, and `generate --json` prints it as `decode`):
   position on the host would differ there); a capture or a check that fails warns, names the
   eager path that runs instead, and `decode_report["fallback"]` keeps why.
 - "compile" (the default on CUDA for now, `compile=True`, `generate --decode compile`):
-  `torch.compile(mode="reduce-overhead")` of the same step, as before issue 52: a few percent more tokens/s in return for its compile
-  (Inductor folds the norms into the GEMVs and merges small kernels; see INDUCTOR_OPTIONS).
+  `torch.compile(mode="reduce-overhead")` of the same step, as before issue 52: a few percent more tokens/s in return
+  for its compile (Inductor folds the norms into the GEMVs and merges small kernels; see INDUCTOR_OPTIONS).
 - "eager" (CPU, MPS, `compile=False`, `--no-compile`): the forward per token, over a DynamicCache.
 
 The static cache (`reserve`: rounded up to BUCKET positions) makes a step allocate nothing and
@@ -237,10 +237,10 @@ class Engine:
                       "`--decode compile` compiles it with torch.compile instead", stacklevel=3)
 
     def _check_graph(self, graph: CapturedStep, cap: int) -> str | None:
-        """Why the captured step cannot replace the eager one, or None: at a position the capture
-        did not see (the middle of the cache), after CHECK_HISTORY eager steps before it, the
-        replay's logits must equal the eager step's there (the RMS of the difference at most
-        GRAPH_TOLERANCE of the logits' RMS). Both write the same keys and values at that position; the cache is reset after."""
+        """Why the captured step cannot replace the eager one, or None: at a position the capture did not see (the
+        middle of the cache), after CHECK_HISTORY eager steps before it, the replay's logits must equal the eager step's
+        there (the RMS of the difference at most GRAPH_TOLERANCE of the logits' RMS). Both write the same keys and
+        values at that position; the cache is reset after."""
         if cap < CHECK_HISTORY + 2:
             return None  # no room for a history (a cache this small is never made: BUCKET)
         at = cap // 2
@@ -281,7 +281,8 @@ class Engine:
                 self._step(self.tok, self.pos_t)
         devices.synchronize(self.dev)
         ran = FUSION.counts if self.inductor_options.get("post_grad_custom_pre_pass") is FUSION else {"graphs": 0}
-        # what ops/graph_fusion.py folded into the decode GEMVs; None where no graph passed through it (Inductor's cache on disk)
+        # what ops/graph_fusion.py folded into the decode GEMVs; None where no graph passed through it (Inductor's cache
+        # on disk)
         self.graph_fusion = {k: v for k, v in ran.items() if k != "graphs"} if ran["graphs"] else None
 
     def _decode(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

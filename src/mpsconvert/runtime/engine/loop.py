@@ -40,8 +40,9 @@ class GenerationStats:
     tokens: list = field(default_factory=list)
     prompt_ids: list = field(default_factory=list)  # the prompt as token ids: replayable through model.generate()
     compile_seconds: float | None = None  # capturing the decode step (CUDA graph) before the timer started; None: nothing set up now
-    # which decode path ran and what setting it up cost in this generation (Engine.decode_report): {"path": "graph" | "compile" |
-    # "eager", "asked", "seconds", "fallback": why the asked path did not run, or None}; None for a decoder that has no paths
+    # which decode path ran and what setting it up cost in this generation (Engine.decode_report): {"path": "graph" |
+    # "compile" | "eager", "asked", "seconds", "fallback": why the asked path did not run, or None}; None for a decoder
+    # that has no paths
     decode: dict | None = None
     step_seconds: list = field(default_factory=list)  # each decode step, the device synchronised (only when asked: time_steps)
 

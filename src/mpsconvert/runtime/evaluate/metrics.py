@@ -35,7 +35,8 @@ def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-position negative log-likelihood of `labels` (already shifted), float64 on the CPU, masked positions dropped."""
+    """Per-position negative log-likelihood of `labels` (already shifted), float64 on the CPU, masked positions
+    dropped."""
     logp = F.log_softmax(cpu64(logits), dim=-1)
     nll = -logp.gather(-1, _cpu(labels).unsqueeze(-1)).squeeze(-1)
     return nll[_cpu(mask).bool()] if mask is not None else nll.reshape(-1)

@@ -7,19 +7,17 @@ Concatenation is exact for row-wise scales; per-tensor scales that differ are ex
 (still exact, but the layer then runs row-wise kernels). Static input scales must agree, since
 the layers share one input.
 
-In a transformers model the three projections are called one after another by the model's own
-code (`self.q_proj(h)`, `self.k_proj(h)`, `self.v_proj(h)`), which we do not change. So each
-member stays an FP8Linear whose weight is a view of the fused weight, and `SharedInput` runs the
-fused GEMM on the first member's call and hands the other members their slices when they are
-called with the very same tensor (same object, unmodified: `version`; the state lives in a plain `Stash`). What is shared at
-prefill is a switch, measured (PREFILL_SHARES). A member called with
-another input gets its own product, so the outputs are always the members' own; if the members
-of a group turn out not to share their input, the group stops fusing (`shared = False`).
-The same hand-over is traced by torch.compile (dynamo records the stash as a side effect and
-the graph holds one quantization and one GEMM per group; tests/test_runtime_fuse.py checks the
-generated code, and that neither a whole-model nor a per-layer compile recompiles). Leaving the
-members separate under compile is no substitute: Inductor does not merge three identical
-quantizations and GEMMs of one input (measured on its generated code: three `_scaled_mm`).
+In a transformers model the three projections are called one after another by the model's own code (`self.q_proj(h)`,
+`self.k_proj(h)`, `self.v_proj(h)`), which we do not change. So each member stays an FP8Linear whose weight is a view of
+the fused weight, and `SharedInput` runs the fused GEMM on the first member's call and hands the other members their
+slices when they are called with the very same tensor (same object, unmodified: `version`; the state lives in a plain
+`Stash`). What is shared at prefill is a switch, measured (PREFILL_SHARES). A member called with another input gets its
+own product, so the outputs are always the members' own; if the members of a group turn out not to share their input,
+the group stops fusing (`shared = False`). The same hand-over is traced by torch.compile (dynamo records the stash as a
+side effect and the graph holds one quantization and one GEMM per group; tests/test_runtime_fuse.py checks the generated
+code, and that neither a whole-model nor a per-layer compile recompiles). Leaving the members separate under compile is
+no substitute: Inductor does not merge three identical quantizations and GEMMs of one input (measured on its generated
+code: three `_scaled_mm`).
 """
 
 from __future__ import annotations

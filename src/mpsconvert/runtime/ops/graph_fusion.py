@@ -75,8 +75,8 @@ def _through_reshapes(n: fx.Node) -> fx.Node:
 
 
 def _rms_norm(y: fx.Node):
-    """(x, weight, eps) if `y` is transformers' RMSNorm of x as traced (weight * (x32 * rsqrt(mean(x32 ** 2, -1) + eps)).to(x.dtype),
-    x32 = x.to(float32)), else None."""
+    """(x, weight, eps) if `y` is transformers' RMSNorm of x as traced (weight * (x32 * rsqrt(mean(x32 ** 2, -1) +
+    eps)).to(x.dtype), x32 = x.to(float32)), else None."""
     if not _is(y, aten.mul.Tensor) or len(y.args) != 2:
         return None
     for w, c in (y.args, y.args[::-1]):

@@ -93,10 +93,10 @@ def scaled_mm_tensor(mod, x, quantized=None):
 
 
 def blockwise_weight_scale(ws: torch.Tensor) -> torch.Tensor:
-    """A weight's block scale [ceil(N/128), ceil(K/128)] in the layout `F.scaled_mm`'s
-    BlockWise128x128 takes for its second operand (w.T, [K, N]), as probed on an H200 with
-    torch 2.11 (a probe since removed: git show 9151766:benchmarks/probe_blockwise2.py): [round_up(ceil(K/128), 4), ceil(N/128)],
-    column-major (stride (1, rows)), the padding rows zero."""
+    """A weight's block scale [ceil(N/128), ceil(K/128)] in the layout `F.scaled_mm`'s BlockWise128x128 takes for its
+    second operand (w.T, [K, N]), as probed on an H200 with torch 2.11 (a probe since removed: git show
+    9151766:benchmarks/probe_blockwise2.py): [round_up(ceil(K/128), 4), ceil(N/128)], column-major (stride (1, rows)),
+    the padding rows zero."""
     rn, rk = ws.shape
     buf = torch.zeros(rn, -(-rk // 4) * 4, dtype=torch.float32, device=ws.device)
     buf[:, :rk] = ws

@@ -1,12 +1,11 @@
 """Activation quantization for FP8 x FP8 matmuls: one pass per row, in one kernel.
 
-Why a kernel of our own: quantizing an activation per token is amax -> divide -> clamp -> cast.
-As eager PyTorch ops that is four or five kernels and as many trips through memory; through a
-`torch.compile`d function it is one kernel, but every call then pays dynamo's guard checks on
-the host (about 0.4 ms per Linear in a loaded 8B model, which left the GPU idle two thirds of an
-eager prefill). One Triton program per row reads the row once, takes its amax, and writes the
-e4m3 codes and the row's dequant scale: one launch, one read, one write, a few microseconds of
-host time (runtime/ops/triton/launch.py). Inside a compiled model the same arithmetic runs as plain torch ops instead, so that
+Why a kernel of our own: quantizing an activation per token is amax -> divide -> clamp -> cast. As eager PyTorch ops
+that is four or five kernels and as many trips through memory; through a `torch.compile`d function it is one kernel, but
+every call then pays dynamo's guard checks on the host (about 0.4 ms per Linear in a loaded 8B model, which left the GPU
+idle two thirds of an eager prefill). One Triton program per row reads the row once, takes its amax, and writes the e4m3
+codes and the row's dequant scale: one launch, one read, one write, a few microseconds of host time
+(runtime/ops/triton/launch.py). Inside a compiled model the same arithmetic runs as plain torch ops instead, so that
 Inductor can fuse it into the op that produces the activation (RMSNorm, SiLU * up).
 
 The numbers are exactly those of `fp8.per_token_scale` + clamp + cast (`torch_quantize` below):

@@ -55,11 +55,11 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, PRE_ROUND: tl.constexpr,
         NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # GATED: w holds a gated MLP's [gate; up] rows (2N x K) and y[M, N] = silu(gate) * up, rounded as the module rounds it
-        # (PRE_ROUND: every rounding to the output dtype by hand, where the interpreter's casts truncate).
-        # NORM: x is an RMSNorm's input and nw its weight: the product is of nw * x, and the row's
-        # 1 / rms (its sum of squares taken in the same loop, which reads all of x anyway) multiplies
-        # each sum once at the end. RESIDUAL: y is added to r[M, N] (rounded as a dtype add rounds).
+        # GATED: w holds a gated MLP's [gate; up] rows (2N x K) and y[M, N] = silu(gate) * up, rounded as the module
+        # rounds it (PRE_ROUND: every rounding to the output dtype by hand, where the interpreter's casts truncate).
+        # NORM: x is an RMSNorm's input and nw its weight: the product is of nw * x, and the row's 1 / rms (its sum of
+        # squares taken in the same loop, which reads all of x anyway) multiplies each sum once at the end. RESIDUAL: y
+        # is added to r[M, N] (rounded as a dtype add rounds).
         pid_n = tl.program_id(0)
         m = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
