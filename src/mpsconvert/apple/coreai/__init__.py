@@ -89,7 +89,8 @@ class CoreAIExport(AppleExport):
 
 @dataclass(kw_only=True)
 class CoreAIRuntime(RuntimeResult):
-    """The manifest's `coreai_runtime` record: the asset's latency beside PyTorch (Linux CPU runtime, or per unit on macOS)."""
+    """The manifest's `coreai_runtime` record: the asset's latency beside PyTorch (Linux CPU runtime, or per unit on
+    macOS)."""
 
     KEY: ClassVar[str] = "coreai_runtime"
     NAME: ClassVar[str] = "Core AI"

@@ -301,13 +301,12 @@ def lut_exponent(scale: np.ndarray) -> int:
 def _fp8_lut_pass(fp8_weights: dict, record: dict):
     """A MIL graph pass: each matched weight const -> an 8-bit palette of the FP8 codes.
 
-    Per-tensor scale: `constexpr_lut_to_dense(codes, fp16(e4m3 x scale))`, the artifact's FP16
-    dequantized weight exactly; per-block scale: the same with one palette per block (the
-    LUT op's per-block palettes; a scale after the matmul cannot vary along K). Per-row scale: the LUT is shared (e4m3 x 2**-k, exact) and the row
-    scale (x 2**k, fp16) multiplies each consuming `linear`'s output, before its bias, as
-    coremltools' own `reorder_lut_per_channel_scale` does for the Neural Engine. The other iOS18
-    form, LUT -> `constexpr_blockwise_shift_scale`, is rewritten by coremltools for iOS18 targets
-    into a LUT repeated once per row (512 bytes per row: +33..90% for these shapes).
+    Per-tensor scale: `constexpr_lut_to_dense(codes, fp16(e4m3 x scale))`, the artifact's FP16 dequantized weight
+    exactly; per-block scale: the same with one palette per block (the LUT op's per-block palettes; a scale after the
+    matmul cannot vary along K). Per-row scale: the LUT is shared (e4m3 x 2**-k, exact) and the row scale (x 2**k, fp16)
+    multiplies each consuming `linear`'s output, before its bias, as coremltools' own `reorder_lut_per_channel_scale`
+    does for the Neural Engine. The other iOS18 form, LUT -> `constexpr_blockwise_shift_scale`, is rewritten by
+    coremltools for iOS18 targets into a LUT repeated once per row (512 bytes per row: +33..90% for these shapes).
     """
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass

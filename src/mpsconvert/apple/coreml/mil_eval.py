@@ -6,13 +6,12 @@ milproto loader) and its ops are run in order with coremltools' own Python op de
 MIL op class has a `value_inference` (constexpr ops: `materialized_val_inference`), normally used
 for constant folding. They are given concrete input values through a thin view of the op.
 
-Ops whose definition has no Python implementation are implemented here, in `_IMPLEMENTED`.
-`constexpr_lut_to_dense` with one shared LUT is a numpy take (coremltools' version repeats the
-LUT per element: gigabytes for a real model). `linear` and `matmul` are replaced too: numpy's float16 matmul accumulates slowly in a scalar
-loop; here fp16 inputs are multiplied in float32 and rounded once to fp16, as Core ML's GPU and
-Neural Engine accumulate. `select` is replaced because coremltools' definition fails when `cond`
-is a tensor and both branches are scalars, `scatter_along_axis` because coremltools' writes into
-its input array. Every other op runs coremltools' code, in the program's dtypes (fp16).
+Ops whose definition has no Python implementation are implemented here, in `_IMPLEMENTED`. `constexpr_lut_to_dense` with
+one shared LUT is a numpy take (coremltools' version repeats the LUT per element: gigabytes for a real model). `linear`
+and `matmul` are replaced too: numpy's float16 matmul accumulates slowly in a scalar loop; here fp16 inputs are
+multiplied in float32 and rounded once to fp16, as Core ML's GPU and Neural Engine accumulate. `select` is replaced
+because coremltools' definition fails when `cond` is a tensor and both branches are scalars, `scatter_along_axis`
+because coremltools' writes into its input array. Every other op runs coremltools' code, in the program's dtypes (fp16).
 
 Stateful programs (iOS18): the states are arrays the caller holds (`new_states`), read by
 `read_state` and written by `coreml_update_state` / `write_state` as Core ML's runtime does with
