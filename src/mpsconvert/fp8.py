@@ -116,19 +116,17 @@ def _scratch_buffers(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 class StreamQuantizer:
     """Quantizes one [N, K] weight fed as blocks of rows.
 
-    Conversion reads a tensor block by block (the reader's buffers), so no whole tensor, let
-    alone a float32 copy of one, is ever held. Blocks are given in order, or with their first
-    row (`start`) from several threads at once: each block writes only its own rows' scales,
-    and the error sums are kept per block and added in row order, so the result does not
-    depend on which thread ran what. Per-row scales are computed in the same pass as the cast.
-    A per-tensor scale needs the whole tensor's amax first: feed every block to `observe` (a
-    first pass, in order) before `quantize`. Per-block scales ([ceil(N/b), ceil(K/b)]) come from
-    the same pass too, which is why blocks of rows must then start on a multiple of `block`
-    rows (the writer's reads are aligned so; the last block may be short). A given `scale` (broadcast to [N, 1]) is used as
-    is, and values beyond +-448 are then clamped before the cast; with our own amax-derived
-    scales |w / scale| <= 448 already (rounding stays below e4m3's 464 overflow threshold).
-    The SQNR is exact up to 2**20 elements and measured on evenly spaced rows beyond that
-    (about 2**20 elements): decoding every code again would double the cost of a conversion.
+    Conversion reads a tensor block by block (the reader's buffers), so no whole tensor, let alone a float32 copy of
+    one, is ever held. Blocks are given in order, or with their first row (`start`) from several threads at once: each
+    block writes only its own rows' scales, and the error sums are kept per block and added in row order, so the result
+    does not depend on which thread ran what. Per-row scales are computed in the same pass as the cast. A per-tensor
+    scale needs the whole tensor's amax first: feed every block to `observe` (a first pass, in order) before `quantize`.
+    Per-block scales ([ceil(N/b), ceil(K/b)]) come from the same pass too, which is why blocks of rows must then start
+    on a multiple of `block` rows (the writer's reads are aligned so; the last block may be short). A given `scale`
+    (broadcast to [N, 1]) is used as is, and values beyond +-448 are then clamped before the cast; with our own
+    amax-derived scales |w / scale| <= 448 already (rounding stays below e4m3's 464 overflow threshold). The SQNR is
+    exact up to 2**20 elements and measured on evenly spaced rows beyond that (about 2**20 elements): decoding every
+    code again would double the cost of a conversion.
     """
 
     def __init__(self, n: int, k: int, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None,
