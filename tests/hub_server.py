@@ -9,9 +9,9 @@ huggingface_hub's `create_repo` and `upload_folder` use (legacy LFS path, no Xet
     POST /api/validate-yaml                                  the README's front matter (parsed, checked)
     GET  /api/models/{repo}                                  the repo's info: its visibility (`private`)
 
-Like a hub without Xet storage, it answers 404 to `GET /api/models/{repo}/xet-write-token/...`
-(huggingface_hub then needs HF_HUB_DISABLE_XET=1). It keeps what arrived (repos, commits with their files' bytes, the Authorization headers) for
-the test to check. Anything else gets a 404 and is recorded in `unknown`.
+Like a hub without Xet storage, it answers 404 to `GET /api/models/{repo}/xet-write-token/...` (huggingface_hub then
+needs HF_HUB_DISABLE_XET=1). It keeps what arrived (repos, commits with their files' bytes, the Authorization headers)
+for the test to check. Anything else gets a 404 and is recorded in `unknown`.
 """
 
 from __future__ import annotations

@@ -104,8 +104,8 @@ def test_load_asks_for_the_prefill_graphs_by_default_and_false_turns_them_off(ll
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_patches_install_on_every_architecture_and_keep_the_output(arch):
-    """On CPU only `positions` and `lm_head` apply (the latter where this torch needs it): installed on all six, nothing left, logits and
-    greedy tokens bit for bit the model's own (with and without a cache)."""
+    """On CPU only `positions` and `lm_head` apply (the latter where this torch needs it): installed on all six, nothing
+    left, logits and greedy tokens bit for bit the model's own (with and without a cache)."""
     model = _tiny(arch)
     ids = torch.randint(0, 128, (1, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -126,7 +126,8 @@ def test_candidates_follow_scheme_and_device(with_triton):
     assert kernels.candidates("mps", "token", "row", "decode") == ["scaled_mm_row", "dequant", "bf16"]  # no Triton on MPS
     assert kernels.candidates("cpu", "token", "row", "decode") == ["dense_qact"]
     assert kernels.candidates("cpu", None, "row", "prefill") == ["bf16"]
-    # block scales: the blockwise scaled_mm (group activations, 128-blocks), the GEMV at decode where it reads the block edge
+    # block scales: the blockwise scaled_mm (group activations, 128-blocks), the GEMV at decode where it reads the block
+    # edge
     assert kernels.candidates("cuda", "group", "block", "decode", 128) == ["scaled_mm_block", "gemv", "dequant", "bf16"]
     assert kernels.candidates("cuda", None, "block", "decode", 64) == ["gemv", "dequant", "bf16"]
     assert kernels.candidates("cuda", None, "block", "decode", 16) == ["dequant", "bf16"]  # a tile's rows would span two

@@ -194,7 +194,8 @@ def test_loaders_read_only_the_files_the_manifest_lists(chat_art):
 
     raw = AutoTokenizer.from_pretrained(str(chat_art))
     assert isinstance(raw.chat_template, dict) or "<evil>" in raw.get_vocab()
-    # generate says it too (a UserWarning of mpsconvert's: printed by the CLI, recorded here by pytest), and runs as before
+    # generate says it too (a UserWarning of mpsconvert's: printed by the CLI, recorded here by pytest), and runs as
+    # before
     with pytest.warns(UserWarning, match="added_tokens.json is not listed"):
         res = run_generate(chat_art)
     assert res.exit_code == 0, res.output
@@ -258,7 +259,8 @@ def test_the_pin_lasts_through_the_steps_after_the_conversion_and_says_what_it_c
     assert rep.ok and rep.pinned_sha256 == pin and rep.pin.startswith("the conversion")
     whole = mpsconvert.verify(art, manifest_sha256=res.manifest_sha256)
     assert whole.ok and whole.pin.startswith("the whole manifest")
-    # validate, an export's package with its record, upload's hub record: the manifest and the card change, the pin holds
+    # validate, an export's package with its record, upload's hub record: the manifest and the card change, the pin
+    # holds
     mpsconvert.validate(art, options=ValidateOptions(device="cpu", max_samples=1, seq_len=32, prefill_len=16, decode_tokens=2,
                                                      repeats=1, rounds=1, warmup=0, eval_data=str(text_data / "wiki_eval.jsonl"),
                                                      kernel_cache=False))

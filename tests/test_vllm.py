@@ -43,11 +43,11 @@ GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.g
 TINY_PROMPTS = ["The history of the city", "In the year"]
 SMOL_PROMPTS = ["What is the capital of France?"]  # one prompt, 8 tokens: SmolLM2 runs at ~1 tok/s on 2 shared cores
 TINY_TOKENS, SMOL_TOKENS = 16, 8
-# The KV cache in bytes (kv_cache_memory_bytes, --kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE is its legacy
-# whole-GiB form). Not gpu_memory_utilization: on CPU that is a fraction of the machine's RAM that must be free at
-# start, and the weights come out of it (a shared machine's free RAM varies; SmolLM2 got a negative KV budget).
-# An explicit size also skips the CPU worker's warm-up pass (cpu_worker.py `_should_warm_up_model`, with
-# enforce_eager). 64 MiB holds 256 tokens of SmolLM2 (30 layers x 3 KV heads x 64 x 2 x 2 bytes = 23 KiB a token) many times.
+# The KV cache in bytes (kv_cache_memory_bytes, --kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE is its legacy whole-GiB
+# form). Not gpu_memory_utilization: on CPU that is a fraction of the machine's RAM that must be free at start, and the
+# weights come out of it (a shared machine's free RAM varies; SmolLM2 got a negative KV budget). An explicit size also
+# skips the CPU worker's warm-up pass (cpu_worker.py `_should_warm_up_model`, with enforce_eager). 64 MiB holds 256
+# tokens of SmolLM2 (30 layers x 3 KV heads x 64 x 2 x 2 bytes = 23 KiB a token) many times.
 KV_BYTES = 64 * 2**20
 VLLM_ARGS = dict(dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0, kv_cache_memory_bytes=KV_BYTES)
 
