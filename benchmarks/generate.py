@@ -141,7 +141,8 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     longest = max([args.prompt, *args.ttft]) + args.tokens + 8
     if eng is not None:
         out["compile_s"] = eng.reserve(longest)
-        # how the step was compiled: Inductor's options, what the graph pass folded into the GEMVs, where the cache writes
+        # how the step was compiled: Inductor's options, what the graph pass folded into the GEMVs, where the cache
+        # writes
         out["engine"] = {"inductor_options": sorted(eng.inductor_options), "graph_fusion": eng.graph_fusion, "writes_at": eng.writes_at}
 
     cpu = []  # process CPU seconds of the last timed call(s): less swayed than wall time by other work on a shared machine
