@@ -4,20 +4,19 @@ prefill and a decode step, replayed as one CUDA graph on CUDA and eager elsewher
 Three decode paths (`decode_path` picks one; `Engine.decode_report` says which ran and what it
 cost, and `generate --json` prints it as `decode`):
 
-- "graph" (`compile="graph"`, `generate --decode graph`; to become the default on CUDA once it has
-  run on a GPU: CUDA_DEFAULT): the eager decode step (the model's forward over a preallocated
+- "graph" (`compile="graph"`, `generate --decode graph`; the default on CUDA once it has run on
+  a GPU: CUDA_DEFAULT): the eager decode step (the model's forward over a preallocated
   static cache, the FP8 Triton GEMVs and our attention as they run eagerly) captured once with
   `torch.cuda.graph` and replayed per token (`CapturedStep`). No Dynamo and no Inductor: the
-  capture costs a few eager steps (fractions of a second), where torch.compile cost ~30 s in
-  every new process on the H100 (issue 52: 34.0 s in a fresh one, 29.6 s in the next with
+  capture costs a few eager steps (fractions of a second), where torch.compile costs ~30 s in
+  every new process on an H100 (34.0 s in a fresh one, 29.6 s in the next with
   Inductor's on-disk caches warm, so persisting its artifacts could not make a one-shot command
   cheap: the tracing itself is what costs). The replay is checked against the eager step at
   positions the capture never saw, over a cache with a history (a graph that had frozen a
   position on the host would differ there); a capture or a check that fails warns, names the
   eager path that runs instead, and `decode_report["fallback"]` keeps why.
-- "compile" (the default on CUDA for now, `compile=True`, `generate --decode compile`):
-  `torch.compile(mode="reduce-overhead")` of the same step, as before issue 52: a few percent more tokens/s in return
-  for its compile (Inductor folds the norms into the GEMVs and merges small kernels; see INDUCTOR_OPTIONS).
+- "compile" (the default on CUDA, `compile=True`, `generate --decode compile`):
+  `torch.compile(mode="reduce-overhead")` of the same step: a few percent more tokens/s in return for its compile (Inductor folds the norms into the GEMVs and merges small kernels; see INDUCTOR_OPTIONS).
 - "eager" (CPU, MPS, `compile=False`, `--no-compile`): the forward per token, over a DynamicCache.
 
 The static cache (`reserve`: rounded up to BUCKET positions) makes a step allocate nothing and
@@ -58,8 +57,8 @@ BUCKET = 256  # cache lengths are multiples of this: a longer generation re-capt
 WARM_STEPS = 3  # calls of the compiled step before it replays a captured graph (compile, record, capture)
 # Inductor options the decode step is compiled with (those this torch has). combo_kernels: small
 # kernels that do not depend on each other run as one launch. A layer's rotary of q and k and its
-# writes of k and v into the static cache were four kernels of ~1.2 us each; on the H100 (Llama-3-8B
-# shape, 32 layers) the step went from 424 to 332 launches and 259.0 to 267.3 tok/s
+# writes of k and v into the static cache are four kernels of ~1.2 us each; on an H100 (Llama-3-8B
+# shape, 32 layers) they take the step from 424 to 332 launches and 259.0 to 267.3 tok/s
 # (benchmarks/results/generate_cuda_h100_llama32_combo.log). They are not Inductor's defaults: where
 # compiling with them fails, `reserve` warns and compiles with torch's defaults.
 # post_grad_custom_pre_pass: the RMSNorms and residual adds around the decode GEMVs folded into
@@ -80,9 +79,8 @@ def compiles_by_default(device: torch.device) -> bool:
 
 
 DECODE_PATHS = ("graph", "compile", "eager")
-# The path "auto" runs on CUDA. "compile" until the graph path has run on a GPU: it was written and
-# tested on CPU (its capture stood in for) while no GPU could be had (issue 52, 2026-12-07), and a
-# default must not rest on code no GPU has run. Once benchmarks/first_run.py shows the graph path
+# The path "auto" runs on CUDA: "compile" until the graph path has run on a GPU (it is tested only on
+# CPU, where its capture is stood in for), since a default must not rest on code no GPU has run. Once benchmarks/first_run.py shows the graph path
 # capturing, passing its check and decoding at >= 0.75 of copy bandwidth, this becomes "graph".
 CUDA_DEFAULT = "compile"
 

@@ -150,8 +150,9 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     error, never a fallback). verify: check every file's sha256 against the manifest (while the
     files are read, before the model is returned). kernel_cache / measure: passed to
     KernelPolicy (cache file or False; injected timer). share_inputs: fuse q/k/v and gate/up
-    into one GEMM each (on CPU where the scheme rounds activations: one rounding; fuse.py). decode_attention: on CUDA, a model that uses SDPA runs
-    decode steps through the split-KV kernel of runtime/patches/attention.py (prefill stays SDPA).
+    into one GEMM each (on CPU where the scheme rounds activations: one rounding; fuse.py).
+    decode_attention: on CUDA, a model that uses SDPA runs decode steps through the split-KV kernel
+    of runtime/patches/attention.py (prefill stays SDPA).
     eager_fusion: on CUDA, RMSNorms run as one kernel that also quantizes the input of the
     layers they feed, gated MLPs fuse SiLU * up with down_proj's quantization, attention
     modules rotate q and k in one kernel, and pre-norm decoder layers make each residual add in
@@ -172,7 +173,7 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     False keeps transformers' default. prefill_graphs: on CUDA, a batch-1 prefill of up to 1024
     tokens replays each decoder layer's direct calls as one CUDA graph per padded length, captured
     on that length's first prompt (runtime/patches/prefill_graphs.py; the 128-row ones at load);
-    False launches the direct calls one by one (a 512-token prefill took 2x as long on an H100:
+    False launches the direct calls one by one (a 512-token prefill takes 2x as long on an H100:
     docs/benchmarks.md).
     Every change to the model is a patch of runtime/patches, reported in
     `model.mpsconvert.patches`; what a patch left is warned once.

@@ -189,7 +189,7 @@ class Prewarm:
     thread's calls not yet begun. The interpreter's exit cancels every warm-up still running and
     waits for it to finish its current call (at most EXIT_WAIT_S): a daemon thread still inside
     CUDA or Triton code while the process tears down is the likely cause of the "terminate called
-    without an active exception" that followed a failed load's traceback (H100, 2026-12-05)."""
+    without an active exception" seen after a failed load's traceback on an H100."""
 
     def __init__(self, dev: torch.device, child: Callable[[], Child | None] | None = None):
         self.report: dict = {"warmed": [], "failed": []}

@@ -9,15 +9,15 @@ built (10-12 s into the load): the first load waited 5.7-8.9 s for them
 interpreter: it starts with the load, does the same work from what the artifact says of itself
 (config.json and the shards' headers: no model build, no transformers import) while the parent
 verifies the manifest and builds the model, and leaves its results in Triton's on-disk caches
-(compiled kernels, autotuner timings). The parent's warm-up then runs as before and finds them
-there. Measured on a fresh H100 host (docs/benchmarks.md, sixth session): the first layer
+(compiled kernels, autotuner timings). The parent's warm-up then runs and finds them there.
+Measured on a fresh H100 host (docs/benchmarks.md): the first layer
 shape's decode-kernel warm-up in the parent 10.4 s -> 0.15 s, the cold load 37.5 s -> 27.5-30.2 s.
 
 What is read here is read before the artifact is verified, so it is a hint: it only sizes
 scratch tensors (each at most the bytes its file holds) and picks which kernels to compile.
 The parent's thread starts the child with nothing left to import (every module this needs is
 imported with the loader): an import on that thread beside the main thread's import of
-transformers made transformers' lazy module fail ("no attribute 'AutoConfig'", first H100 run).
+transformers made transformers' lazy module fail ("no attribute 'AutoConfig'").
 Nothing the child does is used as a result; the parent still makes every call itself and checks
 what it installs. A hint that is wrong, a child that fails or is slow, only costs the time it
 would have saved (the parent then compiles what it needs itself); the report says which ran.

@@ -1,9 +1,9 @@
 """Read an artifact's shards once each: hash the bytes as they arrive and copy every tensor's
 bytes straight to its place on the device.
 
-Why by hand: a verified load used to hash every file (one pass over 9 GB for an 8B model), then
-read it again through safetensors, tensor by tensor, into pageable memory, cast it and copy it to
-the GPU synchronously: 11x BF16's `from_pretrained` on the H200. Here each shard is read on a
+Why by hand: hashing every file (one pass over 9 GB for an 8B model), then reading it again
+through safetensors, tensor by tensor, into pageable memory, casting it and copying it to the GPU
+synchronously takes 11x BF16's `from_pretrained` on an H200. Here each shard is read on a
 thread of its own, sequentially, in blocks, into a small ring of pinned buffers; each block goes
 into the file's sha256 (hashlib releases the GIL) and, where it holds tensor bytes that the
 model needs, is copied asynchronously (a CUDA stream per thread) into the destination tensor,

@@ -49,12 +49,11 @@ def hold(mod: nn.Module, name: str, t: torch.Tensor | None) -> None:
     """Keep `t` as mod's `name`: a frozen nn.Parameter (requires_grad=False), not a buffer.
 
     Why: torch.compile's warm-guard stance (`skip_guard_eval_unsafe`, what validate and the benchmarks time decode
-    under) still checks, on every call, the metadata of every tensor the graph reads that is not an nn.Parameter. Held
-    as buffers, the e4m3 weights and their scales of a Llama-3-8B were ~450 such checks per decode step: 1.4 ms of host
-    time on the H200 host where BF16's whole step took 0.46 ms (benchmarks/results/decode_host_h200_llama32.log). On CPU
-    this alone took `benchmarks/compiled_frame_cost.py` (a probe since removed: `git show
-    9151766:benchmarks/compiled_frame_cost.py`)'s 32-layer frame from ~690 to ~250 us per call (BF16: 108). Parameters
-    keep their address under CUDA graphs, as buffers did."""
+    under) still checks, on every call, the metadata of every tensor the graph reads that is not an nn.Parameter. As
+    buffers, the e4m3 weights and scales of a Llama-3-8B are ~450 such checks per decode step: 1.4 ms of host time on
+    an H200 host where BF16's whole step takes 0.46 ms (benchmarks/results/decode_host_h200_llama32.log); on CPU a
+    32-layer compiled frame costs ~690 us per call with buffers, ~250 with parameters (BF16: 108). Parameters keep
+    their address under CUDA graphs, as buffers do."""
     if name in mod._buffers:
         del mod._buffers[name]
         mod._non_persistent_buffers_set.discard(name)

@@ -94,9 +94,8 @@ def scaled_mm_tensor(mod, x, quantized=None):
 
 def blockwise_weight_scale(ws: torch.Tensor) -> torch.Tensor:
     """A weight's block scale [ceil(N/128), ceil(K/128)] in the layout `F.scaled_mm`'s BlockWise128x128 takes for its
-    second operand (w.T, [K, N]), as probed on an H200 with torch 2.11 (a probe since removed: git show
-    9151766:benchmarks/probe_blockwise2.py): [round_up(ceil(K/128), 4), ceil(N/128)], column-major (stride (1, rows)),
-    the padding rows zero."""
+    second operand (w.T, [K, N]), as probed on an H200 with torch 2.11: [round_up(ceil(K/128), 4), ceil(N/128)],
+    column-major (stride (1, rows)), the padding rows zero."""
     rn, rk = ws.shape
     buf = torch.zeros(rn, -(-rk // 4) * 4, dtype=torch.float32, device=ws.device)
     buf[:, :rk] = ws
@@ -127,9 +126,9 @@ def _block_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_bl
 @torch.library.custom_op("mpsconvert::scaled_mm_block", mutates_args=())
 def scaled_mm_block_op(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor,
                        out_dtype: torch.dtype) -> torch.Tensor:
-    """The blockwise FP8 GEMM as one opaque op for torch.compile, as the FP8 GEMV is. On the H200
-    (torch 2.11) each block-scaled layer broke the compiled decode step (block decode ran at 0.19x
-    of row decode, issue 31); torch 2.13 traces `F.scaled_mm` into `_scaled_mm_v2`, which dynamo
+    """The blockwise FP8 GEMM as one opaque op for torch.compile, as the FP8 GEMV is. On an H200
+    with torch 2.11 each block-scaled layer breaks the compiled decode step (block decode runs at
+    0.19x of row decode); torch 2.13 traces `F.scaled_mm` into `_scaled_mm_v2`, which dynamo
     may or may not keep in one graph per version and recipe. An op with a fake (shape-only)
     implementation is one node of the graph on every version."""
     return _block_mm(xq, xs, weight, scale_blocks_t, out_dtype)

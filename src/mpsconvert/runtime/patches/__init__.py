@@ -17,7 +17,7 @@ in one registry, applied in this order:
     generate        model.generate() at batch 1 through mpsconvert's engine (the loop `mpsconvert
                     generate` runs), or transformers' own with a static cache (CUDA)
 
-A patch that works around a limitation of torch itself (today `lm_head`) also has `not_needed`, a
+A patch that works around a limitation of torch itself (`lm_head`) also has `not_needed`, a
 probe of the installed torch: where torch no longer has the limitation the patch is left out and
 its report says so (`skipped`), so a fixed torch runs the model's own code.
 

@@ -1,9 +1,9 @@
 """The one shape every change to a loaded transformers model takes: a `Patch` (match, install,
 check, report) and its `Report`.
 
-Why one shape: each change (a fused forward, a kernel behind a transformers function, positions
-known on the host) used to have its own install function and its own report, and what a patch
-left alone sat silently in a field of `model.mpsconvert`. Here `load()` asks each patch in one
+Why one shape: every change (a fused forward, a kernel behind a transformers function, positions
+known on the host) is installed, checked and reported the same way, so nothing a patch left alone
+goes unsaid. `load()` asks each patch in one
 order whether it applies (`match`: device, options, Triton), lets it install (`install`: per
 module, each checked against the module's own computation first), asks whether what it
 installed is still in place once every later patch ran (`check`), and records one `Report` per

@@ -5,10 +5,9 @@ Why: before its first decoder layer, a transformers decoder called without `posi
 makes `arange(S)` on the device, hands it to `create_causal_mask`, which without an attention mask and a cache runs
 `find_packed_sequence_indices` on it (diff, compare, cumsum, then `.all()` on the host: a synchronisation that drains
 the GPU's queue), and to the rotary module, which computes cos and sin of every position afresh (a float32 matmul, a
-concatenation, cos, sin, two scalings, two casts). On the H200 that preamble took 1.16 ms of host time before the GPU
+concatenation, cos, sin, two scalings, two casts). On an H200 that preamble takes 1.16 ms of host time before the GPU
 received its first layer's work (Llama-3-8B shape, 2048 tokens; the packed check 0.39 ms of it, the rotary tables 0.33
-ms), during which the GPU idled; without both, 0.48 ms (`benchmarks/eager_timeline.py --floor` (a probe since removed:
-`git show 9151766:benchmarks/eager_timeline.py`), results/eager_floor_h200_llama32.log).
+ms), during which the GPU idles; without both, 0.48 ms (benchmarks/results/eager_floor_h200_llama32.log).
 
 What changes: the base model's installed forward passes, for a call without positions (and
 without a cache, or with a DynamicCache, whose length the host knows), a view of a position
