@@ -1,6 +1,6 @@
-"""Conversion: a source snapshot -> an FP8 artifact (quantize.py, then assemble.py), and the
-artifact -> Apple packages (coreml/, coreai/). This module imports nothing heavy, so the CLI can
-list the choices without loading torch."""
+"""Conversion: a source snapshot -> an FP8 artifact (quantize.py, then assemble.py; GGUF sources in
+gguf.py, diffusion transformers in diffusion/). Apple packages are made by the apple package. This
+module imports nothing heavy, so the CLI can list the choices without loading torch."""
 
 from ..errors import QuantizationError
 
