@@ -11,7 +11,7 @@ change to any listed one (a weight, the tokenizer, the recipe, a tensor record, 
 changes the digest. What the pin does not cover (the card, later records, export packages) is
 still checked against the manifest's hashes, as `verify` says.
 
-A manifest without a `pinned` record (written before this) has only the whole-file pin.
+A manifest without a `pinned` record has only the whole-file pin.
 """
 
 from __future__ import annotations
