@@ -70,7 +70,7 @@ def test_hub_source_gets_base_model(tmp_path, monkeypatch):
     m = Manifest.read(art)
     assert meta["base_model"] == "org/tiny" and meta["base_model_relation"] == "quantized"
     assert meta["mpsconvert"]["source"] == m.source["id"] == "org/tiny" and meta["mpsconvert"]["source_commit"] == "c" * 40
-    # the same layout anywhere else is a plain local folder (issue 33): no hub model, no commit is claimed
+    # the same layout anywhere else is a plain local folder: no hub model, no commit is claimed
     fake = tmp_path / "elsewhere" / "models--org--tiny" / "snapshots" / ("c" * 40)
     shutil.copytree(src, fake)
     meta, _ = front(mpsconvert.quantize(fake, tmp_path / "b").output)

@@ -121,7 +121,7 @@ def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_model
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     res = run("quantize", d, "-o", out, "--force")
     assert res.exit_code == 2 and (out / "precious.txt").read_text() == "keep me"
-    # --force replaces only an mpsconvert artifact: a folder of other files is refused (issue 14)
+    # --force replaces only an mpsconvert artifact: a folder of other files is refused
     res = run("quantize", tiny_models["llama"], "-o", out, "--force")
     assert res.exit_code == 2 and "not an mpsconvert artifact" in res.output and (out / "precious.txt").read_text() == "keep me"
     (out / "precious.txt").unlink()

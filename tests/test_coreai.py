@@ -27,7 +27,7 @@ def test_blockwise_scale_is_a_function_of_the_scale_shape():
     assert cw.blockwise_scale(torch.tensor([0.5]), (8, 4)).shape == (1, 1)
     assert cw.blockwise_scale(torch.tensor(0.5), (8, 4)).shape == (1, 1)
     assert cw.blockwise_scale(torch.ones(8, 1), (8, 4)).shape == (8, 1)
-    assert cw.blockwise_scale(torch.ones(2, 2), (256, 256)).shape == (2, 2)  # 128x128 blocks (issue 16)
+    assert cw.blockwise_scale(torch.ones(2, 2), (256, 256)).shape == (2, 2)  # 128x128 blocks
     assert cw.blockwise_scale(torch.ones(3, 8, 1), (3, 8, 4)).shape == (3, 8, 1)  # fused MoE experts
     for bad, shape in ((torch.ones(3, 1), (8, 4)), (torch.ones(8), (8, 4)), (torch.ones(3, 3), (256, 256))):
         with pytest.raises(ExportError, match="does not tile"):

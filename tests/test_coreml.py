@@ -290,7 +290,7 @@ def test_checks_catch_a_package_that_does_not_match_the_artifact(llama, work):
     assert res["reference_eval"]["cosine_min"] < 0.9999
 
 
-# --------------------------------------------------------------------------- the stateful decoder (default for causal LMs)
+# ------------------------------------------------------------------------ the stateful decoder (default for causal LMs)
 
 STATEFUL = {
     "llama-tied": partial(tiny, "llama", dtype=torch.bfloat16, tie=True),

@@ -1,4 +1,4 @@
-"""Diffusion transformers to FP8 (issue 32), checked through the loaders' own libraries.
+"""Diffusion transformers to FP8, checked through the loaders' own libraries.
 
 Tiny random Flux.1, Wan 2.x and Qwen-Image transformers built with diffusers (BF16), each
 converted both ways:

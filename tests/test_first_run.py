@@ -1,7 +1,7 @@
-"""What a new user hit on a first run (issue 30, item 7; and bad input on a Mac install): every
-command that writes takes its lock before any work, an existing output is refused before torch
-loads, the manifest sha256 is printed whole and a malformed pin is said as such, the card names
-the folder it is in, long runs are not silent in a log, inspect says what the run concluded."""
+"""What a new user meets on a first run (and bad input on a Mac install): every command that writes
+takes its lock before any work, an existing output is refused before torch loads, the manifest
+sha256 is printed whole and a malformed pin is said as such, the card names the folder it is in,
+long runs are not silent in a log, inspect says what the run concluded."""
 
 import json
 import os
@@ -128,8 +128,8 @@ def test_calibrate_validate_and_upload_into_a_locked_artifact_do_no_work(held_el
 
 @pytest.mark.extra("coreai")
 def test_an_apple_export_and_its_check_run_under_one_lock(held_elsewhere, copy, monkeypatch):
-    """The lock used to be taken by the export and again by its check: a second export started
-    in between worked for its whole length, then failed, and left the first one unchecked."""
+    """The export and its check hold one lock: with a lock each, a second export started in between
+    would work for its whole length, then fail, and leave the first one unchecked."""
     import mpsconvert.apple.coreai.check as check
     import mpsconvert.apple.coreai.export as export
 

@@ -46,7 +46,7 @@ def test_all_zero_rows_get_a_floor_scale_and_zero_codes():
     assert (fp8.fp8_to_float(q[2]) == 0).all()
     assert st.zero_rows == 1
     q, s, st = fp8.quantize(torch.zeros(8, 16), "tensor")
-    assert s.item() == pytest.approx(fp8.SCALE_FLOOR) and math.isnan(st.sqnr_db)  # no signal: undefined, not "exact" (issue 14)
+    assert s.item() == pytest.approx(fp8.SCALE_FLOOR) and math.isnan(st.sqnr_db)  # no signal: undefined, not "exact"
 
 
 def test_values_beyond_448_saturate_instead_of_nan():

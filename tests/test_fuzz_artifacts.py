@@ -1,5 +1,5 @@
-"""A hostile-artifact fuzz test (issue 14): seeded mutations of manifests, configs, indexes,
-safetensors headers and file trees, run through verify, load, calibrate and export-coreml.
+"""A hostile-artifact fuzz test: seeded mutations of manifests, configs, indexes, safetensors
+headers and file trees, run through verify, load, calibrate and export-coreml.
 
 Counted and asserted: tracebacks (anything but an MpsconvertError: 0), writes outside the
 artifact (0), tampered files accepted (a listed file changed, replaced by a link, or code
@@ -240,7 +240,7 @@ def test_hostile_artifacts(base, tmp_path):
     assert counts["tampered"] >= CASES // 4 and counts["refused"] > 0
 
 
-# --------------------------------------------------------------------------- issue 33: the round-3 classes
+# --------------------------------------------------------------------------- the hostile-input classes
 #
 # Each class below draws seeded hostile inputs and runs them through the code a user would: the
 # card and inspect, the template renderer, the tokenizer loaders, verify with a pin, upload against
@@ -266,7 +266,7 @@ REGEX_PARTS = ["(a+)+$", "(a|a)*b", "(?<=a{1,100000})b", "a{1000000}", "(", "[z-
 
 
 class Tally:
-    """Counts of the round-3 fuzz, and the failures behind any non-zero one."""
+    """Counts of the hostile-input fuzz, and the failures behind any non-zero one."""
 
     BAD = ("tracebacks", "silent_wrong", "escapes", "data_loss", "hangs")
 
@@ -584,7 +584,7 @@ def fp8_src(tmp_path_factory):
 
 
 def test_hostile_inputs_of_security_round_3(chat_art, fp8_src, online, tmp_path):
-    """Every class of issue 33, seeded; the totals printed for docs/security.md and asserted zero."""
+    """Every hostile-input class above, seeded; the totals printed for docs/security.md and asserted zero."""
     rng = random.Random(SEED)
     tally = Tally()
     per_class = {}

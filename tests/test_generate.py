@@ -192,7 +192,7 @@ def test_json_has_prompt_ids_and_replaying_them_through_model_generate_gives_the
     assert res.exit_code == 0, res.output
     body = json.loads(res.output.strip().splitlines()[-1])
     assert body["prompt_ids"] and len(body["prompt_ids"]) == body["prompt_tokens"] and body["compile_seconds"] is None
-    # which decode path ran and what it cost; where the load's time went (issue 52)
+    # which decode path ran and what it cost; where the load's time went
     assert body["decode"] == {"path": "eager", "asked": "eager", "seconds": None, "fallback": None}  # no check: nothing captured
     assert body["load_seconds"] and all(isinstance(v, (int, float)) for v in body["load_seconds"].values())
     model = mpsconvert.load(art, device="cpu")
@@ -442,7 +442,7 @@ def test_the_compiled_engine_decodes_a_sliding_window_model(window):
     assert got.tokens == want
 
 
-# --------------------------------------------------------------------------- the decode paths (issue 52)
+# --------------------------------------------------------------------------- the decode paths
 
 
 def test_the_decode_path_is_a_cuda_graph_on_cuda_and_eager_elsewhere():

@@ -71,8 +71,8 @@ def test_capabilities_are_probed_once_and_said_once(monkeypatch, fp8_ok, scaled_
 
 
 def test_a_policy_on_mps_without_scaled_mm_offers_no_fp8_matmul_and_warns_once(monkeypatch, tmp_path):
-    """The policy used to time `scaled_mm_row` on every layer shape and warn each time it failed;
-    now the probe's one warning is all, and only the kernels that run are candidates."""
+    """Without scaled_mm on MPS the policy does not time `scaled_mm_row` on each layer shape: the probe's one
+    warning is all, and only the kernels that run are candidates."""
     layers = [FP8Linear.from_tensors(*fp8.quantize(torch.randn(n, k), "row")[:2], activations="token") for n, k in
               ((64, 32), (48, 32), (32, 64), (96, 64))]  # fmt: skip
     model = torch.nn.Sequential(*layers)

@@ -1,5 +1,5 @@
-"""Issue 14: hostile artifacts and careless use. Each attack is reproduced and must now be
-refused, with nothing written outside, nothing lost, nothing laundered and no code run."""
+"""Hostile artifacts and careless use. Each attack is reproduced and must be refused, with nothing
+written outside, nothing lost, nothing laundered and no code run."""
 
 from __future__ import annotations
 
@@ -227,9 +227,9 @@ def test_a_leftover_old_output_never_blocks_force(base, tmp_path):
     out = tmp_path / "out"
     _q(base[0], out, force=False)
     old = tmp_path / f"{atomic.TMP_PREFIX}out-old"
-    old.write_text("left by an older version")  # a file, which used to block every later --force
+    old.write_text("left by an older version")  # a plain file under the parked name must not block --force
     _q(base[0], out)
-    # not ours (no marker naming `out` inside: issue 33), so never removed; a swap parks under a fresh name
+    # not ours (no marker naming `out` inside), so never removed; a swap parks under a fresh name
     assert old.read_text() == "left by an older version" and verify_artifact(out).ok
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(atomic.TMP_PREFIX) and p != old]
 

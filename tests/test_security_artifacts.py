@@ -1,9 +1,9 @@
-"""Reading an artifact (issue 53, classes 6, 8, 9): verify says ok only about what it checked. JSON
-keys once, no NaN; the manifest's shape required; config.json's structural numbers against the
-shards; configs that compute garbage refused; special files never read. One trust boundary (issue
-33): loaders read only the files the manifest lists, each the bytes that were hashed, and build
-the model from the config that was verified; a pin lasts through the steps after the conversion
-and breaks when anything it covers changes."""
+"""Reading an artifact: verify says ok only about what it checked. JSON keys once, no NaN; the
+manifest's shape required; config.json's structural numbers against the shards; configs that compute
+garbage refused; special files never read. One trust boundary: loaders read only the files the
+manifest lists, each the bytes that were hashed, and build the model from the config that was
+verified; a pin lasts through the steps after the conversion and breaks when anything it covers
+changes."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_a_device_or_fifo_is_never_read_as_a_file(tmp_path):
         sha256_file(tmp_path / "config.json")
 
 
-# --------------------------------------------------------------------------- one trust boundary: loaders read only what the manifest lists (issue 33)
+# -------------------------------------------------------- one trust boundary: loaders read only what the manifest lists
 
 
 def test_loaders_read_only_the_files_the_manifest_lists(chat_art):
@@ -246,7 +246,7 @@ def test_a_folder_without_a_manifest_is_read_as_it_is(chat_llama):
     assert loadable.tokenizer(chat_llama[0]).chat_template == CHAT_TEMPLATE
 
 
-# --------------------------------------------------------------------------- a pin that lasts (issue 33)
+# --------------------------------------------------------------------------- a pin that lasts
 
 
 def test_the_pin_lasts_through_the_steps_after_the_conversion_and_says_what_it_covers(chat_llama, tmp_path, text_data):

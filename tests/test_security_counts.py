@@ -1,9 +1,9 @@
-"""Numbers read from a file or the command line (issue 53, classes 6 and 8): one table bounds them
-all (`untrusted.LIMITS`, checked by `untrusted.bounded`), before any work scales with them; the
-error names the limit. 0, -5, 10^9, NaN and 2^70 are one line and exit 2, never a traceback or a
-run that does not end. What is parsed from an artifact or a source is parsed with bounds (issue
-33): layers, files and tensors counted; a chat template sandboxed and timed; tokenizer and
-generation files bounded in depth and checked for type; a card's front matter."""
+"""Numbers read from a file or the command line: one table bounds them all (`untrusted.LIMITS`,
+checked by `untrusted.bounded`), before any work scales with them; the error names the limit. 0, -5,
+10^9, NaN and 2^70 are one line and exit 2, never a traceback or a run that does not end. What is
+parsed from an artifact or a source is parsed with bounds: layers, files and tensors counted; a chat
+template sandboxed and timed; tokenizer and generation files bounded in depth and checked for type;
+a card's front matter."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_a_source_config_sizes_are_bounded_before_a_model_is_built(llama_art, wo
     assert time.monotonic() - t < 30 and not (tmp_path / "out").exists()
 
 
-# --------------------------------------------------------------------------- counts in a source, a manifest and a shard header (issue 33)
+# -------------------------------------------------------------------- counts in a source, a manifest and a shard header
 
 
 def test_counts_are_bounded_layers_files_tensors(chat_llama, tmp_path):
@@ -157,7 +157,7 @@ def test_counts_are_bounded_layers_files_tensors(chat_llama, tmp_path):
         safetensors_io.read_header(many)
 
 
-# --------------------------------------------------------------------------- bounded parsing: templates, tokenizer and generation files, a card's front matter (issue 33)
+# ------------------------------------ bounded parsing: templates, tokenizer and generation files, a card's front matter
 
 
 def _escape_marker() -> Path:

@@ -259,7 +259,7 @@ def test_a_planted_symlink_under_a_reserved_name_is_an_error_for_readers_too(box
     assert tree(tmp_path) == before
 
 
-# --------------------------------------------------------------------------- smaller items: what quantize says about its source
+# ------------------------------------------------------------------- smaller items: what quantize says about its source
 
 def _with_extra_tensor(src: Path) -> Path:
     from safetensors.torch import load_file, save_file
@@ -302,7 +302,7 @@ def test_revision_with_a_local_source_is_refused_not_ignored(box, tmp_path):
     assert tree(tmp_path) == before
 
 
-# --------------------------------------------------------------------------- the folder around an artifact (issue 33)
+# --------------------------------------------------------------------------- the folder around an artifact
 
 
 def test_a_planted_lock_symlink_is_an_error_and_creates_nothing_outside(chat_art, tmp_path):
@@ -441,7 +441,7 @@ def test_o_an_existing_file_or_a_new_folder_inside_the_source_is_refused(chat_ll
     assert models.tree_hashes(tmp_path) == before and not (src / "fp8").exists() and not (src / "sub").exists()
 
 
-# --------------------------------------------------------------------------- card + manifest in one swap: each writer killed where they could part (issue 33)
+# ------------------------------------------------ card + manifest in one swap: each writer killed where they could part
 
 
 # each command that changes an artifact, as a user runs it; what its change leaves in the card

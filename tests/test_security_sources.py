@@ -1,10 +1,9 @@
-"""What a source may say about itself (issue 53, classes 3, 8, 9): a GGUF's header and tensors, a
-source's config.json. Every parameter the model defines is read from the file or the source is
-refused; every count in a GGUF header is bounded before anything is built or looped over; a
-config that would build something no model is, or compute garbage, is refused in one line. What
-quantize is given is checked before anything is written (issue 33): an FP8 source's scales and
-NaN codes, a static source's input scales, a scales file, a --dtype a tensor overflows, --ignore
-regexes (compiled and matched within a time bound)."""
+"""What a source may say about itself: a GGUF's header and tensors, a source's config.json. Every
+parameter the model defines is read from the file or the source is refused; every count in a GGUF
+header is bounded before anything is built or looped over; a config that would build something no
+model is, or compute garbage, is refused in one line. What quantize is given is checked before
+anything is written: an FP8 source's scales and NaN codes, a static source's input scales, a scales
+file, a --dtype a tensor overflows, --ignore regexes (compiled and matched within a time bound)."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ def _gguf(n_tensors: int, kvs: bytes = b"", n_kv: int = 0, tensors: bytes = b"")
 _ARCH = _s("general.architecture") + struct.pack("<I", 8) + _s("llama")
 
 
-# --------------------------------------------------------------------------- 3. GGUF headers bounded before anything is built
+# --------------------------------------------------------------------- 3. GGUF headers bounded before anything is built
 
 
 @pytest.mark.extra("gguf")
@@ -167,7 +166,7 @@ def test_validate_baseline_that_is_another_model_or_needs_remote_code_is_one_lin
     one_line_error(cli("validate", llama_art, "--baseline", base, "--device", "cpu", "--no-write"), says)
 
 
-# --------------------------------------------------------------------------- sources checked before anything is written (issue 33)
+# --------------------------------------------------------------------------- sources checked before anything is written
 
 
 @pytest.fixture(scope="module")

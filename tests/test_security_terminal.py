@@ -1,9 +1,9 @@
-"""The terminal is an output too, and standard input an input (issue 53, classes 7 and 8, and the
-chat items): generated text on a terminal goes through the shown-text filter (piped or `--json`,
-it is data); stdin that is not UTF-8 or too long is one line, named as such; a tokenizer's Rust
-panic is one line; chat drops its oldest turns when the history outgrows the context. Names are
-text wherever they are shown (issue 33): a hostile folder name in the card, its YAML and its
-commands, a source id in a commit message, markup and escape sequences in verify and inspect."""
+"""The terminal is an output too, and standard input an input: generated text on a terminal goes
+through the shown-text filter (piped or `--json`, it is data); stdin that is not UTF-8 or too long
+is one line, named as such; a tokenizer's Rust panic is one line; chat drops its oldest turns when
+the history outgrows the context. Names are text wherever they are shown: a hostile folder name in
+the card, its YAML and its commands, a source id in a commit message, markup and escape sequences in
+verify and inspect."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_a_tokenizer_regex_that_panics_is_one_line(art, tmp_path):
 
 
 def test_chat_drops_the_oldest_turns_when_the_history_outgrows_the_context(art):
-    """chat exited (the prompt no longer fit the cache) after a few long turns; now the oldest go and it says so."""
+    """After a few long turns the prompt would outgrow the cache: the oldest turns go, and chat says so."""
     line = "The river runs through the old town and past the mill. "
     script = "".join(f"{line * 3} {i}\n" for i in range(6))
     res = cli("chat", art, "--max-tokens", "8", "--device", "cpu", "--json", input=script)
@@ -194,7 +194,7 @@ def test_a_chat_line_too_long_for_the_context_is_refused_before_tokenizing(art, 
     assert calls and max(calls) < 1000  # only "hello" was rendered
 
 
-# --------------------------------------------------------------------------- cards, commit messages and terminal output are text (issue 33)
+# ------------------------------------------------------------------ cards, commit messages and terminal output are text
 
 
 HOSTILE_NAME = "evil\n# Heading\n<img src=x onerror=alert(1)> $(touch PWNED) `tick` | pipe [link](javascript:x) \x1b[31mred"

@@ -64,7 +64,7 @@ def test_cache_snapshot_folder_passed_as_path_keeps_provenance(tiny_models, tmp_
     import huggingface_hub.constants as c
 
     snap_dir = make_hf_cache(tmp_path, "org/model", tiny_models["llama"])
-    # outside huggingface_hub's own cache the layout is only a folder name: no provenance (issue 33)
+    # outside huggingface_hub's own cache the layout is only a folder name: no provenance
     snap = source.resolve(str(snap_dir))
     assert snap.kind == "local" and snap.repo_id is None and snap.commit is None
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))  # inside it, the snapshot keeps its repo and commit

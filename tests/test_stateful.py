@@ -107,8 +107,8 @@ def test_fit_to_cache():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_the_checks_generate_and_time_through_the_runtimes_engine(arch):
-    """apple/compare.py's greedy reference is the runtime's engine over the fp32 model (issue 31:
-    one loop): its tokens are the whole-sequence greedy continuation; a stateful runner through
+    """apple/compare.py's greedy reference is the runtime's engine over the fp32 model (one
+    loop): its tokens are the whole-sequence greedy continuation; a stateful runner through
     the same loop (what a package's generation runs) gives them too; and the latency the checks
     report comes from that loop's timer, every asked-for step timed."""
     from types import SimpleNamespace
