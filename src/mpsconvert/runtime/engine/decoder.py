@@ -16,7 +16,9 @@ cost, and `generate --json` prints it as `decode`):
   position on the host would differ there); a capture or a check that fails warns, names the
   eager path that runs instead, and `decode_report["fallback"]` keeps why.
 - "compile" (the default on CUDA, `compile=True`, `generate --decode compile`):
-  `torch.compile(mode="reduce-overhead")` of the same step: a few percent more tokens/s in return for its compile (Inductor folds the norms into the GEMVs and merges small kernels; see INDUCTOR_OPTIONS).
+  `torch.compile(mode="reduce-overhead")` of the same step: a few percent more tokens/s in return
+  for its compile (Inductor folds the norms into the GEMVs and merges small kernels; see
+  INDUCTOR_OPTIONS).
 - "eager" (CPU, MPS, `compile=False`, `--no-compile`): the forward per token, over a DynamicCache.
 
 The static cache (`reserve`: rounded up to BUCKET positions) makes a step allocate nothing and
@@ -80,8 +82,9 @@ def compiles_by_default(device: torch.device) -> bool:
 
 DECODE_PATHS = ("graph", "compile", "eager")
 # The path "auto" runs on CUDA: "compile" until the graph path has run on a GPU (it is tested only on
-# CPU, where its capture is stood in for), since a default must not rest on code no GPU has run. Once benchmarks/first_run.py shows the graph path
-# capturing, passing its check and decoding at >= 0.75 of copy bandwidth, this becomes "graph".
+# CPU, where its capture is stood in for), since a default must not rest on code no GPU has run. Once
+# benchmarks/first_run.py shows the graph path capturing, passing its check and decoding at >= 0.75
+# of copy bandwidth, this becomes "graph".
 CUDA_DEFAULT = "compile"
 
 
