@@ -145,7 +145,8 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         # writes
         out["engine"] = {"inductor_options": sorted(eng.inductor_options), "graph_fusion": eng.graph_fusion, "writes_at": eng.writes_at}
 
-    cpu = []  # process CPU seconds of the last timed call(s): less swayed than wall time by other work on a shared machine
+    # process CPU seconds of the last timed call(s): less swayed than wall time by other work on a shared machine
+    cpu = []
 
     def hf_generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
         """transformers' generate() of 1 token, then of n: (seconds of the first, of the second, its tokens, None)"""

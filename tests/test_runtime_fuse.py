@@ -258,8 +258,9 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
         stream.read_shards(headers, dests, torch.device("cpu"))
     dests["t0.a"] = torch.empty(1000, 7)
     seen = []
+    # blocks cut through tensors
     digests = stream.read_shards(headers, dests, torch.device("cpu"), extra_files={"config.json": tmp_path / "config.json"},
-                                 block=1000, progress=lambda *a: seen.append(a))  # fmt: skip  # blocks cut through tensors
+                                 block=1000, progress=lambda *a: seen.append(a))  # fmt: skip
     for f in files:
         for k, v in f.items():
             if not k.endswith("skip"):

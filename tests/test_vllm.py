@@ -66,7 +66,8 @@ def _mpsconvert(*args, timeout=600) -> dict:
     return json.loads(r.stdout[r.stdout.index("{"):])
 
 
-_RUNS: dict = {}  # (what, model, prompts, n) -> result: the server tests reuse the LLM tests' runs (SmolLM2 on 2 cores is slow)
+# (what, model, prompts, n) -> result: the server tests reuse the LLM tests' runs (SmolLM2 on 2 cores is slow)
+_RUNS: dict = {}
 
 
 def ours(art: Path, prompts: list[str], n: int) -> list[dict]:

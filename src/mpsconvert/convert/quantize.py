@@ -507,7 +507,7 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
                         _quantize_expert(sh, name, info, expert_tensors[name], scheme, opts)
                     elif _copied_dtype(info, opts) != info.dtype:
                         _convert_copy(sh, name, info, opts.dtype_code, FiniteCheck(info.dtype, name, src_name))
-                    else:  # NaN/inf in a tensor copied as it is is refused as in a quantized one: counted as it is copied
+                    else:  # NaN/inf in a tensor copied as it is is refused, counted as it is copied
                         sh.then(writer.copy, name, header.path, info.start, info.nbytes, (FiniteCheck(info.dtype, name, src_name),))
                     sh.then(advance, info.nbytes, name)
                 sh.pump(0)

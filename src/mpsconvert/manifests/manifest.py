@@ -200,7 +200,8 @@ def pinned_sha256(value: str) -> str:
     if not isinstance(want, str) or not _SHA256.match(want):
         shown = repr(value)[:80]
         raise MpsconvertError(f"--manifest-sha256 {shown} is not a sha256 (64 hex digits; got "
-                              f"{len(value) if isinstance(value, str) else type(value).__name__}{' characters' if isinstance(value, str) else ''})",
+                              f"{len(value) if isinstance(value, str) else type(value).__name__}"
+                              f"{' characters' if isinstance(value, str) else ''})",
                               "copy the whole value `mpsconvert quantize` printed (`mpsconvert verify DIR --json` prints it too)")
     return want
 

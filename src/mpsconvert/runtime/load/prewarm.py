@@ -100,7 +100,7 @@ def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None
     x = torch.zeros(1, k, dtype=dtype, device=dev)
     triton_kernels = [c for c in kernels.candidates("cuda", activations, weights, "decode", block) if c.startswith("gemv")]  # CUDA's
     precompile = {"gemv": lambda gated=False: (gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block) if block else
-                                               gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=gated)),  # (here also the interpreter's, in tests)
+                                               gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=gated)),  # (also the interpreter's)
                   "gemv_w8a8": lambda gated=False: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True, gated=gated),
                   "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)}  # fmt: skip
     gated_kernels = [c for c in triton_kernels if kernels.FNS[c] in kernels.GATED] if gated and not block else []
