@@ -406,7 +406,7 @@ def check_model_structure(report: VerifyReport, params: dict, modules: set) -> N
     model never reads), or another vocab or hidden size are each a problem, not a later crash."""
     tensors = {name: info for h in report.headers.values() for name, info in h.tensors.items()}
     if not tensors or not any(f"{m}.weight" in tensors for m in report.linears):
-        # the checkpoint names its tensors otherwise than the model its modules (a conversion mapping): nothing to compare
+        # the checkpoint names its tensors otherwise than the model its modules (a conversion mapping): nothing to match
         return
     found = []
     for name, shape in params.items():
