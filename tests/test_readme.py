@@ -83,8 +83,17 @@ def test_every_benchmark_script_is_named_by_a_doc():
     assert scripts and all(s in corpus for s in scripts), [s for s in scripts if s not in corpus]
 
 
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub makes for a page: lower case, punctuation dropped, spaces as '-'."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 def test_relative_links_between_docs_resolve():
-    """Every relative link of a page under docs/ (decision records included) names a file that exists."""
+    """Every relative link of a page under docs/ (decision records included) names a file that exists,
+    and an anchor in it a heading of that file."""
     for page in sorted((ROOT / "docs").rglob("*.md")):
-        for target in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", page.read_text(encoding="utf-8")):
-            assert (page.parent / target).resolve().is_file(), f"{page.relative_to(ROOT)} links {target}"
+        for target, anchor in re.findall(r"\]\(([\w./-]+\.md)(?:#([\w-]*))?\)", page.read_text(encoding="utf-8")):
+            linked = (page.parent / target).resolve()
+            assert linked.is_file(), f"{page.relative_to(ROOT)} links {target}"
+            assert not anchor or anchor in _anchors(linked), f"{page.relative_to(ROOT)} links {target}#{anchor}"
