@@ -49,23 +49,51 @@ def _expand(token: str) -> list[str]:
     return [n for alt in m.group(1).split(",") for n in _expand(token[: m.start()] + alt + token[m.end():])]
 
 
+def _doc_pages() -> list[Path]:
+    """The README and every page under docs/ (docs/decisions/ included)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 def test_benchmark_results_kept_are_the_ones_the_docs_cite():
-    """benchmarks/results/ keeps what a claim rests on: every file there is cited (by its name, a
-    brace family or a glob, the .json or the .log of the same run) from the README, docs/ or a
-    benchmark, and every `results/<name>` cited exists."""
+    """benchmarks/results/ keeps what a claim rests on: every file there is cited as
+    `results/<name>` (its exact name, a brace family such as `a_{x,y}.{json,log}`, or a glob) by the
+    README or a page under docs/, not by a script or a docstring; and every `results/<name>` a page
+    cites exists."""
     import fnmatch
 
     results = ROOT / "benchmarks" / "results"
-    texts = [README, *(p.read_text(encoding="utf-8") for p in [*(ROOT / "docs").glob("*.md"), *(ROOT / "benchmarks").glob("*.py")])]
-    corpus = "\n".join(texts)
-    # `..._run3.json`: a name abbreviated after a full one nearby, matched by its end
-    refs = {re.sub(r"^\.\.\.", "*", n) for tok in re.findall(r"(?:\.\.\.)?[\w{},*-][\w.{},*-]*", corpus) if "_" in tok
-            for n in _expand(tok.rstrip(".,"))}
     kept = sorted(p.name for p in results.iterdir())
-    uncited = [f for f in kept if not any(fnmatch.fnmatch(f, r) or fnmatch.fnmatch(f.split(".")[0], s) for r in refs for s in [r.split(".")[0]])]
-    assert not uncited, f"kept but cited nowhere (cite or delete): {uncited}"
-    for tok in re.findall(r"results/([\w.{},*-]+)", corpus):
-        for name in _expand(tok.rstrip(".,")):
-            if name.endswith("_"):  # a template (`generate_<device>_<model>.json`)
-                continue
-            assert any(fnmatch.fnmatch(f, name) for f in kept), f"cited but missing: results/{name}"
+    cited: dict[str, set[str]] = {}
+    for page in _doc_pages():
+        for tok in re.findall(r"results/([\w.{},*-]+)", page.read_text(encoding="utf-8")):
+            for name in _expand(tok.rstrip(".,")):
+                if name.endswith("_"):  # a template (`generate_<device>_<model>.json`)
+                    continue
+                cited.setdefault(name, set()).add(page.relative_to(ROOT).as_posix())
+    uncited = [f for f in kept if not any(fnmatch.fnmatch(f, name) for name in cited)]
+    assert not uncited, f"kept but cited by no doc (cite it in docs/ or git rm it): {uncited}"
+    missing = {name: sorted(pages) for name, pages in cited.items() if not any(fnmatch.fnmatch(f, name) for f in kept)}
+    assert not missing, f"cited but missing from benchmarks/results/: {missing}"
+
+
+def test_every_benchmark_script_is_named_by_a_doc():
+    """A script in benchmarks/ backs a claim in the README or docs/ (or is the helper the others import)."""
+    corpus = "\n".join(p.read_text(encoding="utf-8") for p in _doc_pages())
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    assert scripts and all(s in corpus for s in scripts), [s for s in scripts if s not in corpus]
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub makes for a page: lower case, punctuation dropped, spaces as '-'."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_relative_links_between_docs_resolve():
+    """Every relative link of a page under docs/ (decision records included) names a file that exists,
+    and an anchor in it a heading of that file."""
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for target, anchor in re.findall(r"\]\(([\w./-]+\.md)(?:#([\w-]*))?\)", page.read_text(encoding="utf-8")):
+            linked = (page.parent / target).resolve()
+            assert linked.is_file(), f"{page.relative_to(ROOT)} links {target}"
+            assert not anchor or anchor in _anchors(linked), f"{page.relative_to(ROOT)} links {target}#{anchor}"
