@@ -29,7 +29,7 @@ def tokenizer(vocab_size: int = 2048):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from mpsconvert.texts import BUILTIN
+    from mpsconvert.infra.texts import BUILTIN
 
     texts = [json.loads(line)["text"] for line in BUILTIN.read_text(encoding="utf-8").splitlines() if line.strip()]
     tk = Tokenizer(models.BPE())
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
 
-    from mpsconvert import templates
+    from mpsconvert.model import templates
     from mpsconvert.manifests import loadable
 
     tok, texts = tokenizer()

@@ -101,7 +101,7 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     import torch
 
     import mpsconvert
-    from mpsconvert import devices
+    from mpsconvert.infra import devices
     from mpsconvert.runtime import engine
     from mpsconvert.runtime.load.loader import model_bytes
     from mpsconvert.runtime.patches import prefill_graphs

@@ -94,7 +94,7 @@ import torch  # noqa: E402
 T0 = time.perf_counter()
 from mpsconvert.runtime.ops.fuse import PREFILL_SHARES as DEFAULT_SHARES  # noqa: E402
 from mpsconvert.runtime.patches import prefill_graphs  # noqa: E402
-from mpsconvert.timing import warm_guards  # noqa: E402
+from mpsconvert.infra.timing import warm_guards  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _sources import build_checkpoint, config_for, copy_bandwidth, quantize  # noqa: E402
@@ -112,7 +112,7 @@ def sync():
 def kernel_checks(device) -> dict:
     """Our Triton kernels on this GPU against the reference arithmetic, before anything is timed:
     activation quantization bit for bit, the GEMVs against float64."""
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
     from mpsconvert.runtime.ops.triton import act_quant
     from mpsconvert.runtime.ops import kernels
     from mpsconvert.runtime.ops.fp8linear import FP8Linear
@@ -154,7 +154,7 @@ def moe_decode_check(device, g) -> dict:
     Mixtral-8x7B shape against float64 arithmetic with the same bf16 roundings, one token, top-2."""
     import torch.nn.functional as F
 
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
     from mpsconvert.runtime.ops.experts import FP8Experts
 
     E, H, I = 8, 4096, 14336
@@ -194,7 +194,7 @@ def attention_check(device, g) -> dict:
     def sdpa():
         return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
 
-    from mpsconvert.timing import per_call_us
+    from mpsconvert.infra.timing import per_call_us
 
     for label, fn in (("ours", lambda: attention.decode_attention(q, k, v, mask)), ("sdpa+repeat_kv", sdpa)):
         out[f"decode attention {label}: us per call (CUDA graph)"] = round(per_call_us(fn, device), 2)
@@ -204,7 +204,7 @@ def attention_check(device, g) -> dict:
 def host_cost(device) -> dict:
     """Host microseconds per eager call of the matmuls the layers launch (100 calls queued, one
     synchronisation): what bounds an eager prefill when the GPU work per call is short."""
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
     from mpsconvert.runtime.ops.triton import act_quant
 
     out = {}

@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.runtime.ops.triton import gemv as triton_gemv
 from mpsconvert.runtime.ops import triton as tritonlib
 from mpsconvert.runtime.ops.fp8linear import FP8Linear
 from mpsconvert.runtime.ops.fuse import FusedFP8
 from mpsconvert.runtime.load.policy import KernelPolicy
-from mpsconvert.timing import per_call_us
+from mpsconvert.infra.timing import per_call_us
 
 SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
           "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}

@@ -172,7 +172,7 @@ def fake_mps(monkeypatch, fp8: bool | None = None, scaled_mm: bool | None = None
              profile: str = "2.13", grouped_mm: bool | None = None):
     """Within the block, this process looks like a Mac with MPS and the torch of `profile` (the
     module docstring); a flag given overrides the profile's; yields the mode."""
-    from mpsconvert import devices
+    from mpsconvert.infra import devices
 
     flags = dict(PROFILES[profile])
     flags.update({k: v for k, v in (("fp8", fp8), ("scaled_mm", scaled_mm), ("grouped_mm", grouped_mm)) if v is not None})

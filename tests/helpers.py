@@ -50,7 +50,7 @@ def fp8_model(cls, cfg, act: str = "token"):
     """A tiny transformers model with every decoder Linear an FP8Linear on the row-wise scaled_mm
     kernels and sibling groups sharing their input: the eager path a CUDA load runs (for the
     tests that run it with Triton interpreted on CPU)."""
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
     from mpsconvert.runtime.ops import fuse
     from mpsconvert.runtime.ops.fp8linear import FP8Linear
 

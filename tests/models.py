@@ -114,7 +114,7 @@ def fp8_layers(model, decode: str = "scaled_mm_row"):
     scaled_mm_row, as the kernel policy would set them on CUDA (tests fake the device)."""
     from torch import nn
 
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
     from mpsconvert.runtime.ops.fp8linear import FP8Linear
 
     for name, lin in list(model.model.layers.named_modules()):
@@ -211,7 +211,7 @@ def tree_hashes(folder: Path) -> dict[str, str]:
 def tiny_artifact(work: Path, name: str, build, scheme=None) -> Path:
     """`build(work/src-<name>)` once, quantized once into work/art-<name> (default scheme: fp8-dynamic)."""
     import mpsconvert
-    from mpsconvert.manifests.schemes import Scheme
+    from mpsconvert.format.schemes import Scheme
 
     scheme = scheme or Scheme()
     src = work / f"src-{name}"

@@ -81,7 +81,7 @@ class Fake(Target):
 
     def check(self, folder, record, opts, progress):
         from mpsconvert.manifests.layout import weight_files
-        from mpsconvert.safetensors_io import read_header
+        from mpsconvert.infra.safetensors_io import read_header
 
         self.calls.append(("check", opts.strict))
         names = json.loads((Path(folder) / self.package / "tensors.json").read_text())

@@ -1,7 +1,8 @@
 """The layering the README and docs/architecture.md describe, checked on the source itself:
-dependencies go one way, cli -> api -> (convert, apple, calibrate, runtime) -> (manifests, source,
-publish) -> the bottom layer (apple's one crossing: the runtime's engine), the CLI uses only the
-API, the error types and its own rendering, and no module is part of an import cycle."""
+dependencies go one way, cli -> api -> workflows -> (convert, calibrate, runtime, apple) ->
+(manifests, source, publish) -> model -> format -> infra (apple's one crossing: the runtime's
+engine), the CLI uses only the API, the error types and its own rendering, and no module is part
+of an import cycle."""
 
 from __future__ import annotations
 
@@ -11,24 +12,32 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
-BOTTOM = {"errors", "extras", "progress", "timing", "scales", "fp8", "modeldef", "plan", "texts", "safetensors_io",
-          "atomic", "devices", "moe_layout", "untrusted", "units", "filesystem", "version", "templates", "child"}
+ROOT = {"errors", "version"}  # the package's root modules below everything (api and __main__ aside)
+INFRA = ROOT | {"infra"}
+FORMAT = INFRA | {"format"}
+MODEL = FORMAT | {"model"}
+STORAGE = MODEL | {"manifests"}  # source and publish read and write artifacts through manifests
 MIDDLE = {"convert", "apple", "calibrate", "runtime"}
+WORK = STORAGE | {"source", "publish"}
 # what each layer may import from the package (by the first component of the module path)
 ALLOWED = {
-    # units: the one size formatter; untrusted: the one rule for showing untrusted text (printable); both shared with the model card
-    "cli": {"api", "errors", "units", "untrusted", "cli"},
-    "api": BOTTOM | MIDDLE | {"manifests", "source", "publish", "api"},
-    **{m: BOTTOM | {"manifests", "source", m} for m in MIDDLE},
-    "manifests": BOTTOM | {"manifests"},
-    "source": BOTTOM | {"manifests"},
-    "publish": BOTTOM | {"manifests"},  # where an artifact goes (the hub), as source is where a model comes from
-    **{b: BOTTOM for b in BOTTOM},
+    "cli": ROOT | {"api", "cli"},
+    "api": WORK | MIDDLE | {"workflows", "api"},
+    "workflows": WORK | MIDDLE | {"workflows"},
+    **{m: WORK | {m} for m in MIDDLE},
+    "manifests": STORAGE,
+    "source": STORAGE | {"source"},
+    "publish": STORAGE | {"publish"},
+    "model": MODEL,
+    "format": FORMAT,
+    "infra": INFRA,
+    **{r: ROOT for r in ROOT},
     "__main__": {"cli"},  # `python -m mpsconvert`: the program, nothing else
 }
-# One crossing between middle packages, by module: the Apple checks' PyTorch reference, their
-# generation and latency run through the runtime's one generation engine (issue 31: one loop).
-CROSSINGS = {"apple": {"runtime.engine"}}
+# Crossings by module. The Apple checks' PyTorch reference, their generation and latency run
+# through the runtime's one generation engine (one loop for every decoder). The CLI shows sizes
+# and untrusted text by the same rules as the model card (one size formatter, one printable rule).
+CROSSINGS = {"apple": {"runtime.engine"}, "cli": {"infra.units", "infra.untrusted"}}
 
 
 def _imports(path: Path) -> set[str]:
@@ -75,7 +84,7 @@ def test_the_checker_sees_a_violation(tmp_path):
     """Negative control: the import parser resolves relative imports (else the test above is empty)."""
     assert "api" in _imports(PKG / "cli" / "commands.py")
     assert "manifests.layout" in _imports(PKG / "convert" / "quantize.py")
-    assert "errors" in _imports(PKG / "fp8.py")
+    assert "errors" in _imports(PKG / "format" / "fp8.py")
 
 
 def test_importing_the_api_loads_no_torch():

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mpsconvert
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.errors import ArtifactError, MpsconvertError
-from mpsconvert.manifests.ct_config import quantization_config, scheme_from_config
-from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.format.ct_config import quantization_config, scheme_from_config
+from mpsconvert.format.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.runtime.ops import kernels
-from mpsconvert.scales import scale_shape
+from mpsconvert.format.scales import scale_shape
 from .models import group_quantized_activations, tiny
 from .helpers import logits
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import mpsconvert
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.apple.torch_model import read_artifact_weights
 from mpsconvert.manifests.manifest import Manifest
-from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.format.schemes import Scheme
 from .models import tiny, tiny_artifact
 
 pytestmark = pytest.mark.extra("coreml")

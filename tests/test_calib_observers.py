@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpsconvert.calibrate import hooks, observers
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.errors import QuantizationError
 
 

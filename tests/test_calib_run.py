@@ -12,7 +12,7 @@ import mpsconvert
 from .models import TEXT_DATA, tiny
 from mpsconvert.calibrate.run import CalibOptions, calibrate
 from mpsconvert.cli import main
-from mpsconvert.plan import plan_for
+from mpsconvert.model.plan import plan_for
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -97,7 +97,7 @@ def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, build
 def test_unobserved_expert_linear_falls_back_to_its_siblings():
     from mpsconvert.calibrate import observers
     from mpsconvert.calibrate.run import _finalize
-    from mpsconvert.plan import Plan
+    from mpsconvert.model.plan import Plan
 
     plan = Plan("X", quantize={f"m.layers.0.mlp.experts.{e}.w1": (4, 4) for e in range(3)} | {"m.layers.0.attn.q": (4, 4), "m.unused": (4, 4)})
     obs = {}
@@ -147,7 +147,7 @@ def test_static_artifact_is_deterministic_loads_with_compressed_tensors_and_matc
 
     from transformers import AutoModelForCausalLM
 
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
 
     ids = torch.randint(0, 30000, (1, 40), generator=torch.Generator().manual_seed(1))
     ref = AutoModelForCausalLM.from_pretrained(str(llama)).eval()
@@ -186,7 +186,7 @@ def test_calibrate_into_an_artifact_and_via_a_scales_file(llama, tmp_path):
     assert after["recipe"]["name"] == "fp8" and after["recipe"]["weights"] == "row"
     assert after["recipe"]["calibration"]["weights"] == "the artifact's FP8 weights, dequantized"
     from mpsconvert.manifests.hashing import sha256_file
-    from mpsconvert.safetensors_io import read_header
+    from mpsconvert.infra.safetensors_io import read_header
 
     for f, rec in after["files"].items():
         assert sha256_file(dyn / f) == rec["sha256"]  # every hash updated

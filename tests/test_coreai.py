@@ -123,7 +123,7 @@ from mpsconvert.apple.coreai.run import Session  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.records import Validation  # noqa: E402
-from mpsconvert.manifests.schemes import Scheme  # noqa: E402
+from mpsconvert.format.schemes import Scheme  # noqa: E402
 from mpsconvert.manifests.transaction import transaction  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from mpsconvert.errors import ExportError  # noqa: E402
 from mpsconvert.errors import MpsconvertError  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
-from mpsconvert.manifests.schemes import Scheme  # noqa: E402
+from mpsconvert.format.schemes import Scheme  # noqa: E402
 
 from .models import resign, tiny, tiny_artifact, tree_hashes
 

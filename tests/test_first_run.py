@@ -86,7 +86,7 @@ def held_elsewhere():
 
 
 def test_quantize_into_a_locked_output_is_refused_before_resolving_a_hub_id(held_elsewhere, tmp_path, monkeypatch):
-    from mpsconvert import source
+    from mpsconvert.source import snapshot as source
 
     out = tmp_path / "out"
     held_elsewhere(out)
@@ -141,7 +141,7 @@ def test_an_apple_export_and_its_check_run_under_one_lock(held_elsewhere, copy, 
 
 
 def test_a_command_joins_its_own_lock_and_nobody_else_does(tmp_path):
-    from mpsconvert import atomic
+    from mpsconvert.infra import atomic
     from mpsconvert.errors import MpsconvertError
 
     out = tmp_path / "out"

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.errors import QuantizationError
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers

@@ -358,7 +358,7 @@ def _cards_and_names(rng, tally, chat_art, box):
                "escapes", f"markup reached the card: {html[:300]!r}")
         code = text.split("```python\n", 1)[1].split("\n```", 1)[0]
         calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_pretrained"]
-        from mpsconvert.untrusted import printable
+        from mpsconvert.infra.untrusted import printable
 
         _check(all(isinstance(c.args[0], ast.Constant) and c.args[0].value == printable(name) for c in calls) and calls, "silent_wrong",
                "the card's Python does not load the folder by its name")
@@ -372,7 +372,7 @@ def _cards_and_names(rng, tally, chat_art, box):
 
 
 def _templates(rng, tally, chat_art, box):
-    from mpsconvert import templates
+    from mpsconvert.model import templates
 
     marker = box / "escaped"
     t = "".join(rng.choice(TEMPLATE_PARTS) for _ in range(rng.randint(1, 3))).replace("MARKER", str(marker))
@@ -430,7 +430,7 @@ def _unlisted_in_pinned(rng, tally, chat_art, box):
 
 
 def _links_and_reserved_names(rng, tally, chat_art, box):
-    from mpsconvert import atomic
+    from mpsconvert.infra import atomic
     from mpsconvert.manifests.records import Hub
     from mpsconvert.manifests.transaction import transaction
 
@@ -476,7 +476,7 @@ def _kills(rng, tally, chat_art, box):
     import subprocess
     import sys
 
-    from mpsconvert import atomic
+    from mpsconvert.infra import atomic
     from mpsconvert.manifests.manifest import Manifest
     from mpsconvert.manifests.records import Hub
 
@@ -529,7 +529,7 @@ def _fp8_scales(rng, tally, fp8_src, box):
 
 
 def _regexes(rng, tally):
-    from mpsconvert import plan
+    from mpsconvert.model import plan
 
     p = "re:" + "".join(rng.choice(REGEX_PARTS) for _ in range(rng.randint(1, 3)))
     name = rng.choice(["model.layers.0.mlp.down_proj", "a" * 300, "a" * 40 + "!", "lm_head"])

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert import source
+from mpsconvert.source import snapshot as source
 from mpsconvert.convert import gguf
 from mpsconvert.cli import main
 from mpsconvert.errors import SourceError

@@ -33,7 +33,7 @@ def _compiled(fn, *args, fusion: bool = True):
 
 
 def _operands(seed=0):
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
 
     g = torch.Generator().manual_seed(seed)
     codes, s, _ = fp8.quantize(torch.randn(N, K, generator=g), "row")
@@ -50,7 +50,7 @@ def test_a_norm_and_a_residual_add_around_decode_gemvs_are_folded_in():
     norm and one add folded (the pass counts them), the result within the norm's roundings of the
     eager one; with the norm's output also returned, the norm stays (it is read twice) and only
     the add is folded: bit for bit what the same compile without the pass gives."""
-    from mpsconvert.fp8 import relative_error
+    from mpsconvert.format.fp8 import relative_error
     from mpsconvert.runtime.ops.triton import gemv
 
     x, nw, w1, s1, w2, s2 = _operands()

@@ -12,9 +12,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpsconvert import fp8, safetensors_io
+from mpsconvert.format import fp8
+
+from mpsconvert.infra import safetensors_io
 from mpsconvert.manifests.hashing import BackgroundHasher
-from mpsconvert.safetensors_io import BufferPool, OutputFile, ShardReader, ShardWriter, read_header
+from mpsconvert.infra.safetensors_io import BufferPool, OutputFile, ShardReader, ShardWriter, read_header
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 

@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert import atomic, filesystem, source
+from mpsconvert.infra import atomic, filesystem
+from mpsconvert.source import snapshot as source
 from mpsconvert.cli import main
 from mpsconvert.errors import MpsconvertError
 from mpsconvert.manifests import layout

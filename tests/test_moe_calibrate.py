@@ -9,9 +9,9 @@ import torch
 
 from mpsconvert.calibrate.experts import ExpertObserver
 from mpsconvert.convert.quantize import Options, quantize_snapshot
-from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.format.schemes import Scheme
 from mpsconvert.runtime.ops.experts import load_fp8_experts
-from mpsconvert.source import resolve
+from mpsconvert.source.snapshot import resolve
 from .models import tiny, tiny_moe_model
 
 NEVER = 3

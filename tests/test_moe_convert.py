@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import QuantizationError
-from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.format.schemes import Scheme
 from mpsconvert.runtime.ops.experts import FP8Experts, load_fp8_experts
-from mpsconvert.source import resolve
+from mpsconvert.source.snapshot import resolve
 from .models import MOE_ARCHS, tiny
 from .helpers import logits
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.errors import ArtifactError
 from mpsconvert.runtime.ops.experts import FP8Experts, Route, grouped_mm_available, reference_forward, replace_moe_experts
 

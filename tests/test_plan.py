@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mpsconvert.plan import matches, plan_for
+from mpsconvert.model.plan import matches, plan_for
 from mpsconvert.errors import SourceError
 
 

@@ -16,8 +16,8 @@ from mpsconvert import convert
 from mpsconvert.convert import guess, plan_child, quantize
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import SourceError
-from mpsconvert.manifests.schemes import Scheme
-from mpsconvert.source import resolve
+from mpsconvert.format.schemes import Scheme
+from mpsconvert.source.snapshot import resolve
 
 from . import models
 
@@ -96,7 +96,7 @@ def test_the_child_reports_the_plan_it_built(src):
     child = plan_child.PlanChild(src, [], ["model.safetensors"])
     plan = child.result()
     assert child.why_not is None and child.built_by == "a child process"
-    from mpsconvert.plan import plan_for
+    from mpsconvert.model.plan import plan_for
 
     here = plan_for(src, [])
     assert (plan.architecture, plan.quantize, plan.ignored, plan.skipped, plan.prefix) == \
@@ -108,8 +108,8 @@ def test_the_parent_never_imports_transformers_on_the_child_path(src, tmp_path):
 import sys, torch
 from mpsconvert.convert import quantize
 from mpsconvert.convert.quantize import Options, quantize_snapshot
-from mpsconvert.manifests.schemes import Scheme
-from mpsconvert.source import resolve
+from mpsconvert.format.schemes import Scheme
+from mpsconvert.source.snapshot import resolve
 from mpsconvert.convert import plan_child; plan_child.MIN_BYTES = 0; plan_child.MIN_CPUS = 1
 quantize_snapshot(resolve({str(src)!r}), __import__('pathlib').Path({str(tmp_path / 'out')!r}), Options(scheme=Scheme.make('fp8-dynamic', 'row')))
 print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))
@@ -157,7 +157,7 @@ runpy.run_module("mpsconvert.cli", run_name="__main__")
 
 
 def test_a_child_that_imports_another_mpsconvert_says_so_and_builds_nothing(src):
-    from mpsconvert import child
+    from mpsconvert.infra import child
 
     request = {"path": str(src), "ignore": [], "weight_files": ["model.safetensors"]}
     body = child.answer_for(plan_child._main, request | {"package": "/elsewhere"})
@@ -176,7 +176,7 @@ def test_a_child_plans_only_big_checkpoints_on_machines_with_cores_to_spare(monk
 def test_the_guess_is_the_real_plan_for_every_architecture_it_knows(arch, tmp_path):
     """A guess that differed would cost a second write of every shard: for each architecture in
     guess.RULES it names exactly the tensors, with their modules, that the model's own plan does."""
-    from mpsconvert.safetensors_io import read_header
+    from mpsconvert.infra.safetensors_io import read_header
 
     path = models.tiny(arch, tmp_path / arch, dtype=torch.bfloat16, tie=False)
     snap = resolve(str(path))

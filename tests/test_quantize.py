@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import mpsconvert
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.manifests.manifest import Manifest
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
@@ -128,7 +128,7 @@ def test_a_shard_is_awaited_one_shard_later_so_the_next_one_starts_meanwhile(tin
     quantized: its digest is asked for only after shard i+1's writer was opened."""
     import threading
 
-    from mpsconvert import safetensors_io
+    from mpsconvert.infra import safetensors_io
 
     events = []
     real_init, real_digest = safetensors_io.ShardWriter.__init__, safetensors_io.ShardWriter.digest

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mpsconvert.convert.quantize import Options, quantize_snapshot
-from mpsconvert.manifests.schemes import Scheme
-from mpsconvert.source import resolve
+from mpsconvert.format.schemes import Scheme
+from mpsconvert.source.snapshot import resolve
 
 
 def sentences(text_data, n=64):

@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from mpsconvert import atomic, safetensors_io, source
+from mpsconvert.infra import atomic, safetensors_io
+
+from mpsconvert.source import snapshot as source
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import ArtifactError, MpsconvertError, SourceError
 from mpsconvert.manifests.hashing import BackgroundHasher, sha256_file

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.runtime.ops.fp8linear import FP8Linear
 from mpsconvert.runtime.ops.fuse import SharedInput, share_inputs
 
@@ -80,7 +80,7 @@ def test_eager_gpu_path_of_fp8linear_interpreted():
     """The kernels a CUDA layer runs in eager mode (Triton quantization + _scaled_mm, Triton
     GEMVs), here on CPU tensors, against the direct computation."""
     import torch
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
     from mpsconvert.runtime.ops.fp8linear import FP8Linear
     g = torch.Generator().manual_seed(1)
     for gran, act, isc in (("row", "token", None), ("tensor", "tensor", 0.05), ("row", "tensor", 0.05)):
@@ -241,7 +241,7 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
     from safetensors.torch import save_file
 
     from mpsconvert.runtime.load import stream
-    from mpsconvert.safetensors_io import read_header
+    from mpsconvert.infra.safetensors_io import read_header
 
     g = torch.Generator().manual_seed(0)
     files = []
@@ -511,7 +511,7 @@ def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
     BF16's does (its inputs, the cache, the rotary table), nothing under an FP8 layer."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
     from mpsconvert.runtime.ops import fuse
     from mpsconvert.runtime.ops.fp8linear import FP8Linear
 

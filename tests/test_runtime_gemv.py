@@ -17,7 +17,7 @@ def _weight(n, k, seed=0):
 @pytest.mark.triton("interpret")
 @pytest.mark.parametrize("n,k,block", [(200, 300, 128), (96, 160, 32), (256, 256, 64)])
 def test_block_scaled_gemv_is_the_dequantized_product(n, k, block):
-    from mpsconvert import fp8
+    from mpsconvert.format import fp8
 
     codes, g = _weight(n, k)
     scale = torch.rand(-(-n // block), -(-k // block), generator=g) + 0.05  # every block its own scale
@@ -105,7 +105,7 @@ def test_the_norm_folded_into_the_gemv_is_the_gemv_of_the_norm(gated, per_row, b
     skips the norm output's two roundings to the activation dtype, so against the float64
     product it is at least as close as the plain GEMV of the module's norm output, and it stays
     within a few of those roundings of that GEMV; a wrong eps, weight or row fails."""
-    from mpsconvert.fp8 import relative_error
+    from mpsconvert.format.fp8 import relative_error
 
     n, k, eps = 40, 136, 1e-5
     codes, g = _weight(2 * n if gated else n, k, seed=3)

@@ -9,14 +9,14 @@ import pytest
 import torch
 import transformers
 
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import ArtifactError, DeviceError
-from mpsconvert.manifests.schemes import Scheme
+from mpsconvert.format.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.runtime.ops.fp8linear import FP8Linear
 from mpsconvert.runtime.load.loader import load
-from mpsconvert.source import resolve
+from mpsconvert.source.snapshot import resolve
 
 from . import models
 

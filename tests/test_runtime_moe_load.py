@@ -15,13 +15,13 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpsconvert import fp8
+from mpsconvert.format import fp8
 from mpsconvert.convert.quantize import Options, quantize_snapshot
-from mpsconvert.manifests.schemes import Scheme
-from mpsconvert.moe_layout import experts_modules
+from mpsconvert.format.schemes import Scheme
+from mpsconvert.model.moe_layout import experts_modules
 from mpsconvert.runtime.load.loader import load
 from mpsconvert.runtime.ops.experts import FP8Experts
-from mpsconvert.source import resolve
+from mpsconvert.source.snapshot import resolve
 
 from .models import TEXT_DATA, runtime_tokenizer, tiny
 

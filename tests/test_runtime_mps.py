@@ -16,7 +16,8 @@ import torch
 from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert import devices, fp8
+from mpsconvert.infra import devices
+from mpsconvert.format import fp8
 from mpsconvert.calibrate import observers
 from mpsconvert.runtime import engine as generate
 from mpsconvert.runtime.ops import kernels
@@ -239,7 +240,7 @@ def test_round_to_e4m3_is_the_cast_bit_for_bit():
 def arts(tmp_path_factory):
     """Weight-only artifacts of a tiny Llama and a tiny Mixtral (no activation rounding: the MPS
     dequantizing kernel and the CPU's dense one then compute the same numbers)."""
-    from mpsconvert.manifests.schemes import Scheme
+    from mpsconvert.format.schemes import Scheme
 
     work = tmp_path_factory.mktemp("mps")
     only = Scheme.make("fp8-weight-only")

@@ -1,5 +1,5 @@
 """runtime/patches: one protocol, one registry, one report shape, fallbacks warned once, and
-transformers' private names reached only through runtime/hf_compat.py. Every patch is installed
+transformers' private names reached only through model/hf_compat.py. Every patch is installed
 on tiny Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen2-MoE models and what each left is
 asserted: on CPU the patches that apply there (positions), and the CUDA patches through the
 Triton interpreter on a model whose context says CUDA (the device faked: the installs act on the
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from mpsconvert.runtime import patches
-from mpsconvert.runtime import hf_compat
+from mpsconvert.model import hf_compat
 
 from .models import MOE_ARCHS, tiny_model, tiny_moe_model
 
 pytestmark = pytest.mark.core
 
-RUNTIME = Path(__file__).resolve().parents[1] / "src" / "mpsconvert" / "runtime"
+SRC = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
 
 def _tiny(arch, seed=0):
@@ -51,9 +51,9 @@ def _private_uses(path: Path) -> list[str]:
 
 
 def test_only_hf_compat_touches_transformers_private_names():
-    home = RUNTIME / "hf_compat.py"
-    bad = {p.relative_to(RUNTIME).as_posix(): u for p in sorted(RUNTIME.rglob("*.py")) if p != home and (u := _private_uses(p))}
-    assert not bad, f"only runtime/hf_compat.py may touch transformers' private names: {bad}"
+    home = SRC / "model" / "hf_compat.py"
+    bad = {p.relative_to(SRC).as_posix(): u for p in sorted(SRC.rglob("*.py")) if p != home and (u := _private_uses(p))}
+    assert not bad, f"only model/hf_compat.py may touch transformers' private names: {bad}"
     assert _private_uses(home), "hf_compat.py touches no private name any more: update this test"
 
 
@@ -280,7 +280,7 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
 
     from transformers import DynamicCache
 
-    from mpsconvert.runtime.hf_compat import cache_kwarg
+    from mpsconvert.model.hf_compat import cache_kwarg
 
     from .models import fp8_layers
 

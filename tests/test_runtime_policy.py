@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from mpsconvert import fp8
-from mpsconvert.devices import Capabilities
+from mpsconvert.format import fp8
+from mpsconvert.infra.devices import Capabilities
 from mpsconvert.errors import DeviceError
 from mpsconvert.runtime.ops import kernels, triton as tritonlib
 from mpsconvert.runtime.ops.fp8linear import DECODE_MAX_M, PREFILL_BUCKETS, FP8Linear, bucket_index

@@ -55,7 +55,7 @@ def test_own_positions_give_the_models_own_outputs(arch):
         # a prefill and eager decode steps over a DynamicCache: positions after what it holds, tables read
         from transformers import DynamicCache
 
-        from mpsconvert.runtime.hf_compat import cache_kwarg
+        from mpsconvert.model.hf_compat import cache_kwarg
 
         mine, theirs = cache_kwarg(ours, DynamicCache(config=ours.config)), cache_kwarg(ref, DynamicCache(config=ref.config))
         steps = [ids[:, :9]] + [ids[:, i : i + 1] for i in range(9, 11)]
@@ -111,7 +111,7 @@ def test_a_model_that_fails_the_probe_keeps_its_own_forwards_and_no_tables(monke
 
 def test_generate_steps_take_the_models_own_positions():
     from mpsconvert.runtime.engine import Engine
-    from mpsconvert.runtime.hf_compat import takes_cache_position
+    from mpsconvert.model.hf_compat import takes_cache_position
 
     ref = _llama()
     ours = copy.deepcopy(ref)

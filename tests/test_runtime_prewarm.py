@@ -128,9 +128,9 @@ def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_fa
     once the model is built, waits for it before the kernel policy, and ends it when a load fails."""
     from mpsconvert.convert.quantize import Options, quantize_snapshot
     from mpsconvert.errors import ArtifactError
-    from mpsconvert.manifests.schemes import Scheme
+    from mpsconvert.format.schemes import Scheme
     from mpsconvert.runtime.load import loader
-    from mpsconvert.source import resolve
+    from mpsconvert.source.snapshot import resolve
 
     from . import models
 
@@ -212,8 +212,8 @@ def test_compile_configs_compiles_each_configuration_once_the_first_before_the_o
 def artifact(work):
     """A tiny Llama quantized with the defaults, and the same model loaded on CPU."""
     from mpsconvert.convert.quantize import Options, quantize_snapshot
-    from mpsconvert.manifests.schemes import Scheme
-    from mpsconvert.source import resolve
+    from mpsconvert.format.schemes import Scheme
+    from mpsconvert.source.snapshot import resolve
 
     from . import models
 
@@ -285,7 +285,7 @@ def test_the_child_runs_the_warm_up_in_its_own_process_and_answers(artifact):
 
     from transformers import AutoConfig
 
-    from mpsconvert.child import Child
+    from mpsconvert.infra.child import Child
     from mpsconvert.runtime.load import loader, prewarm_child
 
     req = prewarm_child.request(artifact, torch.bfloat16, torch.device("cuda", 0)) | {"device": "cpu"}
@@ -303,7 +303,7 @@ def test_the_child_runs_the_warm_up_in_its_own_process_and_answers(artifact):
 def test_a_child_that_fails_or_hangs_is_an_answer_not_an_exception(monkeypatch):
     import sys
 
-    from mpsconvert.child import Child
+    from mpsconvert.infra.child import Child
 
     monkeypatch.setattr(Child, "command", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"])
     assert Child("x", {}).answer() == {"error": "the child exited with 3: boom"}

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import mpsconvert
 from mpsconvert.cli import main
 from mpsconvert.manifests.manifest import Manifest
-from mpsconvert import timing
+from mpsconvert.infra import timing
 from mpsconvert.runtime.evaluate import metrics
 from mpsconvert.runtime.evaluate.validate import ValidateOptions
 

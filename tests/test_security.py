@@ -19,13 +19,14 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import mpsconvert
-from mpsconvert import atomic, source
+from mpsconvert.infra import atomic
+from mpsconvert.source import snapshot as source
 from mpsconvert.cli import main
 from mpsconvert.convert.quantize import Options, quantize_snapshot
 from mpsconvert.errors import ArtifactError, DataError, MpsconvertError, QuantizationError, SourceError
 from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
 from mpsconvert.manifests.verify import verify_artifact
-from mpsconvert.untrusted import MAX_JSON_DEPTH, bad_relpath, inside, parse_json
+from mpsconvert.infra.untrusted import MAX_JSON_DEPTH, bad_relpath, inside, parse_json
 
 from .models import resign, tiny, tiny_artifact, tree_hashes
 
@@ -240,7 +241,7 @@ def test_a_leftover_old_output_never_blocks_force(base, tmp_path):
 _PUBLISH = """
 import sys
 from pathlib import Path
-from mpsconvert import atomic
+from mpsconvert.infra import atomic
 from mpsconvert.manifests.records import Validation, ValidationRun
 from mpsconvert.manifests.transaction import transaction
 art = Path(sys.argv[1]).absolute()
@@ -458,14 +459,14 @@ def test_deep_json_is_one_clear_error_everywhere(art, tmp_path):
         mpsconvert.load(art, device="cpu")
     data = tmp_path / "calib.json"
     data.write_text(_deep())
-    from mpsconvert.texts import read_documents
+    from mpsconvert.infra.texts import read_documents
 
     with pytest.raises(DataError, match="deeper"):
         read_documents(data)
     st = tmp_path / "x.safetensors"
     raw = ('{"a": ' + _deep(200) + "}").encode()
     st.write_bytes(struct.pack("<Q", len(raw)) + raw)
-    from mpsconvert.safetensors_io import read_header
+    from mpsconvert.infra.safetensors_io import read_header
 
     with pytest.raises(ArtifactError, match="x.safetensors"):
         read_header(st)

@@ -22,7 +22,7 @@ from mpsconvert.errors import ArtifactError, MpsconvertError
 from mpsconvert.manifests.layout import MANIFEST_NAME
 from mpsconvert.manifests.records import Hub
 from mpsconvert.manifests.transaction import transaction
-from mpsconvert.untrusted import parse_json, read_json
+from mpsconvert.infra.untrusted import parse_json, read_json
 
 from . import models
 from .bounded import within
@@ -153,7 +153,7 @@ def test_a_device_or_fifo_is_never_read_as_a_file(tmp_path):
     """Every reader of ours opens without blocking and reads only a regular file: JSON, a
     safetensors header, a hash (a device never ends; a FIFO's open waits for a writer)."""
     from mpsconvert.manifests.hashing import sha256_file
-    from mpsconvert.safetensors_io import read_header
+    from mpsconvert.infra.safetensors_io import read_header
 
     (tmp_path / "config.json").symlink_to("/dev/zero")
     os.mkfifo(tmp_path / "model.safetensors")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import mpsconvert
-from mpsconvert import untrusted
+from mpsconvert.infra import untrusted
 from mpsconvert.errors import ArtifactError, MpsconvertError, SourceError
 from mpsconvert.manifests.layout import MANIFEST_NAME
 
@@ -103,7 +103,7 @@ def test_a_manifest_with_200000_bogus_tensor_records_is_a_few_lines(llama_art, t
 def test_a_diffusion_component_config_is_bounded_before_a_model_is_built(tmp_path, edit, says):
     """A component config (num_layers: 1000000) built a meta model of that size or died in the
     allocator; its numbers go through the same table as a language model's."""
-    from mpsconvert import source
+    from mpsconvert.source import snapshot as source
 
     comp = tmp_path / "transformer"
     comp.mkdir()
@@ -134,7 +134,7 @@ def test_a_source_config_sizes_are_bounded_before_a_model_is_built(llama_art, wo
 
 
 def test_counts_are_bounded_layers_files_tensors(chat_llama, tmp_path):
-    from mpsconvert import safetensors_io
+    from mpsconvert.infra import safetensors_io
 
     src = tmp_path / "src"
     shutil.copytree(chat_llama[0], src)
@@ -183,7 +183,7 @@ HOSTILE_TEMPLATES = {
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
 def test_a_hostile_chat_template_is_one_line_naming_its_file(chat_art, monkeypatch, name):
-    from mpsconvert import templates
+    from mpsconvert.model import templates
 
     monkeypatch.setattr(templates, "RENDER_SECONDS", 4.0)
     marker = _escape_marker()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import mpsconvert
-from mpsconvert import atomic
+from mpsconvert.infra import atomic
 from mpsconvert.errors import ArtifactError, MpsconvertError
 from mpsconvert.manifests import layout
 from mpsconvert.manifests.layout import MANIFEST_NAME

@@ -101,7 +101,7 @@ def test_generated_text_on_a_terminal_is_shown_not_acted_on(said, monkeypatch, t
 
 
 def test_the_filter_keeps_prose_and_escapes_controls():
-    from mpsconvert.untrusted import shown_text
+    from mpsconvert.infra.untrusted import shown_text
 
     assert shown_text("a\nb\tc é 漢字") == "a\nb\tc é 漢字"
     assert shown_text("\x1b[31mred\x9b\x00") == "\\x1b[31mred\\x9b\\x00"
@@ -216,7 +216,7 @@ def test_a_hostile_source_folder_name_is_text_in_the_card_and_its_commands(chat_
 
     import yaml
 
-    from mpsconvert.untrusted import printable
+    from mpsconvert.infra.untrusted import printable
 
     src = tmp_path / HOSTILE_NAME
     shutil.copytree(chat_llama[0], src)
@@ -240,7 +240,7 @@ def test_a_hostile_source_folder_name_is_text_in_the_card_and_its_commands(chat_
 
 
 def test_commit_messages_are_one_line_without_control_characters(chat_art):
-    from mpsconvert.publish import commit_message
+    from mpsconvert.publish.hub import commit_message
 
     m = Manifest.read(chat_art)
     m.source["id"] = "org/x\n\nSigned-off-by: someone else\x1b[2J\x00"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mpsconvert
-from mpsconvert import atomic
+from mpsconvert.infra import atomic
 from mpsconvert.manifests import hashing
 
 from . import models
@@ -103,7 +103,7 @@ def test_a_file_changed_before_the_upload_read_it_is_refused(online, art):
             _in_place(Path(folder) / rel, None)
         return real(folder, rel, want, fix)
 
-    import mpsconvert.publish as publish
+    import mpsconvert.publish.hub as publish
 
     before = folder_tree(art.parent)
     publish.read_verified, saved = late, publish.read_verified

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mpsconvert import source
+from mpsconvert.source import snapshot as source
 from mpsconvert.errors import SourceError
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers

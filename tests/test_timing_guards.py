@@ -3,7 +3,7 @@
 import torch
 from torch._dynamo import eval_frame
 
-from mpsconvert import timing
+from mpsconvert.infra import timing
 
 
 def test_warm_guards_skips_guards_only_inside_and_only_when_compiled():

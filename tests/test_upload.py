@@ -125,7 +125,7 @@ def test_a_hub_without_xet_storage_is_not_unreachable(art, online, monkeypatch):
 
 
 def test_a_404_from_the_hub_says_what_was_not_found(art, online, monkeypatch):
-    import mpsconvert.publish as publish
+    import mpsconvert.publish.hub as publish
 
     monkeypatch.setenv("HF_ENDPOINT", online.url + "/not-a-hub")  # a server, but no hub API under that path
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])

@@ -36,14 +36,14 @@ from .apple.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
 from .apple.coreml import ExportOptions, SeqLen
 from .apple.flow import ExportResult
 from .apple.target import Option, Target  # noqa: F401  (the CLI builds its Apple options from them)
-from .atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
+from .infra.atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES  # noqa: F401
 from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
 from .manifests.manifest import Manifest
-from .manifests.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
-from .progress import Progress
+from .format.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
+from .infra.progress import Progress
 
 if TYPE_CHECKING:  # heavy modules, for annotations only
     import torch
@@ -262,7 +262,7 @@ def quantize(
 
     apple = {**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})}
     if upload_repo is not None:  # a bad repo id or offline mode: said before the conversion, not after
-        from . import publish
+        from .publish import hub as publish
 
         publish.check_upload(upload_repo)
     copts = replace(calibration or calibration_options(), ignore=list(ignore), trust_remote_code=trust_remote_code)
@@ -375,7 +375,7 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from . import atomic
+    from .infra import atomic
     from .manifests.verify import verify_artifact
 
     artifact = Path(artifact)
@@ -395,7 +395,7 @@ def inspect(artifact: str | Path) -> Manifest:
         ArtifactError: no manifest, or one this version cannot read.
         MpsconvertError: a symlink planted under a name mpsconvert reserves beside it.
     """
-    from . import atomic
+    from .infra import atomic
 
     atomic.recover(Path(artifact))  # what a killed run left, as every command does first
     return Manifest.read(Path(artifact))
@@ -434,7 +434,7 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
         DeviceError: the device is not there, or ran out of memory.
         ArtifactError: the artifact fails verification.
     """
-    from . import atomic
+    from .infra import atomic
     from .convert.gguf import validation_baseline
     from .manifests import layout
     from .runtime.evaluate import validate as validation
@@ -866,7 +866,7 @@ def chat(
         MpsconvertError: Core ML off macOS, bad sampling settings.
         DeviceError: the device is not available.
     """
-    from .modeldef import load_config
+    from .model.definition import load_config
     from .runtime import engine as gen
 
     artifact = Path(artifact)
@@ -952,7 +952,7 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
         ArtifactError: not an artifact, it fails verification, or a file changed after it was
             verified (nothing is sent).
     """
-    from . import publish
+    from .publish import hub as publish
 
     up = publish.upload(Path(artifact), repo, private=private, token=token, revision=revision,
                         verify=(lambda a: verify(a, progress=progress)) if verify_first else None)

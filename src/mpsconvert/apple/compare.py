@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import timing
+from ..infra import timing
 from ..errors import MpsconvertError
 from .torch_model import TorchModel, reference_logits
 
@@ -73,7 +73,7 @@ def fit_to_cache(prompt_len: int, steps: int, generate: int, max_len: int) -> tu
 
 def builtin_prose() -> list[str]:
     """The English prose documents bundled with mpsconvert (also the default calibration text)."""
-    from ..texts import BUILTIN
+    from ..infra.texts import BUILTIN
 
     docs = [json.loads(line) for line in BUILTIN.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [d["text"] for d in docs if d.get("kind") == "prose"]

@@ -19,14 +19,14 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import atomic
+from ..infra import atomic
 from ..errors import ArtifactError, ExportError, MpsconvertError
-from ..extras import require
+from ..infra.extras import require
 from ..manifests import layout
 from ..manifests.manifest import Manifest
 from ..manifests.records import AppleExport, ExportCheck
 from ..manifests.transaction import transaction
-from ..progress import Progress, or_silent
+from ..infra.progress import Progress, or_silent
 from . import registry
 from .target import Target, check_numbers, package_in
 
@@ -178,7 +178,7 @@ def decoder(artifact: Path, backend: str, stack: contextlib.ExitStack) -> tuple[
     it), after the whole artifact (the package included) verified: a runtime never opens an
     unchecked package. Contexts to close at the end go onto `stack`."""
     from ..manifests.verify import check_before_use
-    from ..untrusted import inside
+    from ..infra.untrusted import inside
 
     target = registry.get(backend)
     target.runnable()  # first: before anyone is sent to export a package this machine cannot run

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 if TYPE_CHECKING:
     from ..manifests.manifest import Manifest
     from ..manifests.records import AppleExport, RuntimeResult
-    from ..progress import Progress
+    from ..infra.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Option:
 def check_numbers(opts, flags: tuple[Option, ...]) -> None:
     """Every integer setting of `opts` that one of `flags` declares, within untrusted.LIMITS for
     its flag (`--decode-steps 1000000000` is one line, not a run that never ends)."""
-    from ..untrusted import LIMITS, bounded
+    from ..infra.untrusted import LIMITS, bounded
 
     for o in flags:
         v = getattr(opts, o.name, None)
@@ -95,7 +95,7 @@ class Target:
 
     def runnable(self) -> None:
         """Raise (one line: why, and what to use instead) where this machine cannot run the package."""
-        from ..extras import require
+        from ..infra.extras import require
 
         require(self.module, self.extra, f"running the {self.name} {self.noun}")
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from .. import fp8
+from ..format import fp8
 from ..errors import ExportError, MpsconvertError
 from ..manifests import layout
-from ..untrusted import parse_json, read_json
+from ..infra.untrusted import parse_json, read_json
 
 
 def _is_causal_lm(config) -> bool:
@@ -56,7 +56,7 @@ def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict
     reads a scale the same way (`fp8.dequantize_tiles`) without the block size."""
     from safetensors import safe_open
 
-    from ..manifests.ct_config import scheme_from_config
+    from ..format.ct_config import scheme_from_config
 
     qc = read_json(artifact / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config")
     block = scheme_from_config(qc).block if qc else None
@@ -99,7 +99,7 @@ def _fuse_experts(model, dense: dict, quant: dict) -> dict[str, tuple[torch.Tens
     tensors replace the per-expert ones in `dense` (under the model's names); returns the FP8
     form of each fused parameter: name -> (codes [E, N, K], per-row scale [E, N, 1], source
     tensors). A layout transformers cannot map is an ExportError, never a silent dense copy."""
-    from .. import moe_layout
+    from ..model import moe_layout
 
     if not moe_layout.experts_modules(model):
         return {}
@@ -171,7 +171,7 @@ def _load_into(model, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     for key in [k for k in own if k not in mapped]:  # modules the checkpoint names differently (Mixtral's block_sparse_moe.gate)
         mod, _, leaf = key.rpartition(".")
         if mod:
-            from ..moe_layout import checkpoint_module_name
+            from ..model.moe_layout import checkpoint_module_name
 
             stored = checkpoint_module_name(model, mod)
             for cand in (f"{stored}.{leaf}", f"{prefix}.{stored}.{leaf}"):

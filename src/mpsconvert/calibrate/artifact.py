@@ -26,21 +26,21 @@ from pathlib import Path
 
 import torch
 
-from .. import atomic
-from .. import fp8
+from ..infra import atomic
+from ..format import fp8
 from ..errors import ArtifactError, MpsconvertError
-from ..manifests.ct_config import quantization_config, scheme_from_config
+from ..format.ct_config import quantization_config, scheme_from_config
 from ..manifests import hashing
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_artifact, read_weight_map, weight_files
 from ..manifests.manifest import Manifest
 from ..manifests.records import CalibrationRecord, ExpertCalibration
-from ..manifests.schemes import Scheme
+from ..format.schemes import Scheme
 from ..manifests.transaction import Transaction, transaction
-from ..progress import Progress
-from ..safetensors_io import ShardReader, ShardWriter, read_header
-from ..scales import scale_problem
-from ..untrusted import inside, read_json
+from ..infra.progress import Progress
+from ..infra.safetensors_io import ShardReader, ShardWriter, read_header
+from ..format.scales import scale_problem
+from ..infra.untrusted import inside, read_json
 from .options import CalibOptions
 from .run import Calibration, calibrate
 
@@ -230,7 +230,7 @@ def calibrate_target(target: str | Path, output: str | Path | None, options: Cal
     its scales written into it unless `output` names a scales file; a source needs `output`.
     Returns (the calibration, where it was written, the artifact's new manifest or None)."""
     from ..manifests.verify import check_before_use
-    from ..source import no_revision, resolve
+    from ..source.snapshot import no_revision, resolve
 
     path = Path(target).expanduser()
     atomic.recover(path)

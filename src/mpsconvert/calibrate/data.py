@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import DataError
 from ..manifests.hashing import sha256_file
-from ..texts import BUILTIN, READABLE, read_documents
+from ..infra.texts import BUILTIN, READABLE, read_documents
 
 DATASET_PATTERNS = ["*" + s for s in READABLE]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import fp8
+from ..format import fp8
 from ..errors import QuantizationError
-from ..moe_layout import experts_modules, unsupported_reason
+from ..model.moe_layout import experts_modules, unsupported_reason
 
 
 @dataclass

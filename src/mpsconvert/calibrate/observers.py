@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .. import fp8
+from ..format import fp8
 from ..errors import QuantizationError
 from .options import DEFAULT_PERCENTILE, OBSERVERS
 BINS_PER_OCTAVE = 64

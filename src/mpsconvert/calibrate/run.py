@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from .. import devices, filesystem, fp8, modeldef
-from ..plan import Plan, plan_for
+from ..infra import devices, filesystem
+from ..format import fp8
+from ..model import definition as modeldef
+from ..model.plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
-from ..progress import Progress, or_silent
+from ..infra.progress import Progress, or_silent
 from . import data, hooks, observers
 from .options import CalibOptions  # noqa: F401  (re-exported, where callers found it)
 
@@ -173,7 +175,7 @@ class Weights:
     def __init__(self, model_dir: Path, prefix: str):
         from safetensors import safe_open
 
-        from ..safetensors_io import read_header
+        from ..infra.safetensors_io import read_header
 
         self.prefix = prefix
         self.files = {}

@@ -22,7 +22,7 @@ import click
 
 from .. import api
 from ..errors import MpsconvertError
-from ..untrusted import is_panic
+from ..infra.untrusted import is_panic
 from . import render
 
 

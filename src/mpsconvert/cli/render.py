@@ -32,9 +32,9 @@ from rich.progress import (
 from rich.table import Table
 
 from .. import api
-from ..units import human, num, speed
+from ..infra.units import human, num, speed
 from ..errors import PromptError
-from ..untrusted import LIMITS, printable, shown_text
+from ..infra.untrusted import LIMITS, printable, shown_text
 
 console = Console(stderr=True)  # progress, status, warnings, errors
 out = Console()  # results

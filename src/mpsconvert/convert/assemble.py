@@ -14,16 +14,17 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import atomic, fp8
+from ..infra import atomic
+from ..format import fp8
 from ..manifests import card, engines
-from ..manifests.ct_config import quantization_config
+from ..format.ct_config import quantization_config
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME
 from ..manifests.manifest import Manifest
 from ..manifests.records import Experts
 from ..manifests.transaction import finish
-from ..source import Snapshot
-from ..plan import Plan
+from ..source.snapshot import Snapshot
+from ..model.plan import Plan
 
 
 @dataclass

@@ -27,13 +27,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .. import atomic
+from ..infra import atomic
 from ..errors import MpsconvertError, SourceError
-from ..extras import require
-from ..filesystem import cache_dir
-from ..progress import Progress, or_silent
-from ..source import Snapshot, resolve
-from ..untrusted import bounded, check_model_config, open_regular, printable
+from ..infra.extras import require
+from ..infra.filesystem import cache_dir
+from ..infra.progress import Progress, or_silent
+from ..source.snapshot import Snapshot, resolve
+from ..infra.untrusted import bounded, check_model_config, open_regular, printable
 
 # The dtype the GGUF is unpacked to when quantize gets no --dtype: what validate's baseline runs in.
 DEFAULT_DTYPE = "bfloat16"
@@ -353,7 +353,7 @@ def _listing(folder: Path) -> dict[str, dict]:
 def stale(folder: Path, digest: str) -> str | None:
     """Why the cached baseline in `folder` cannot be used for the GGUF of sha256 `digest` (absent,
     another GGUF, a file changed, added or missing), or None: every file is the one recorded."""
-    from ..untrusted import read_json
+    from ..infra.untrusted import read_json
 
     if not (folder / RECORD).is_file():
         return "not built yet"

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import atomic
-from .. import source as sources
+from ..infra import atomic
+from ..source import snapshot as sources
 from ..errors import MpsconvertError
 from ..manifests import layout
 from ..manifests.manifest import Manifest
 from ..manifests import engines
 from ..manifests.records import GGUFSource, VLLMBlock
-from ..manifests.schemes import Scheme
-from ..progress import Progress
+from ..format.schemes import Scheme
+from ..infra.progress import Progress
 
 # (the snapshot folder to calibrate on) -> (input scales, the calibration's record, what the
 # calibration returned for the caller to show, or None when the scales were read from a file)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..child import MIN_CPUS, Child, serve
+from ..infra.child import MIN_CPUS, Child, serve
 
 # From this size of checkpoint on, the plan is built by a child process while the shards are
 # written with a plan guessed from the tensor names: below it the writing is shorter than the
@@ -64,7 +64,7 @@ class PlanChild(Child):
     def result(self):
         """The child's Plan (without its meta model: the shape check already ran there), or None
         with `why_not` set when the child failed or its plan cannot stand in (fused experts)."""
-        from ..plan import Plan
+        from ..model.plan import Plan
 
         body = self.answer()
         if "error" in body:
@@ -85,8 +85,8 @@ class PlanChild(Child):
 def _main(request: dict) -> dict:
     """In the child: the plan and its shape check (an error is answered; the parent builds the plan
     again and raises it itself)."""
-    from ..plan import check_against_model, plan_for
-    from ..safetensors_io import read_header
+    from ..model.plan import check_against_model, plan_for
+    from ..infra.safetensors_io import read_header
 
     path = Path(request["path"])
     plan = plan_for(path, request["ignore"])

@@ -42,19 +42,19 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from .. import atomic
+from ..infra import atomic
 from ..errors import QuantizationError, SourceError
 from ..manifests import layout
 from ..manifests.layout import INDEX_NAME
 from ..manifests.manifest import Manifest
-from ..manifests.schemes import Scheme
-from ..moe_layout import ExpertParam, find_layout
-from ..safetensors_io import DTYPES, torch_dtype, BufferPool, Digest, FiniteCheck, ShardReader, ShardWriter, TensorInfo, read_header
-from ..scales import E4M3_MAX, scale_problem, scale_shape
-from ..source import Snapshot
-from .. import fp8
-from ..progress import Progress, or_silent
-from ..plan import Plan, check_against_model, matches, plan_for
+from ..format.schemes import Scheme
+from ..model.moe_layout import ExpertParam, find_layout
+from ..infra.safetensors_io import DTYPES, torch_dtype, BufferPool, Digest, FiniteCheck, ShardReader, ShardWriter, TensorInfo, read_header
+from ..format.scales import E4M3_MAX, scale_problem, scale_shape
+from ..source.snapshot import Snapshot
+from ..format import fp8
+from ..infra.progress import Progress, or_silent
+from ..model.plan import Plan, check_against_model, matches, plan_for
 from . import EXPERTS_LAYOUTS, FLOAT_CODES, UNQUANTIZED_DTYPES, guess, shard_size_bytes
 from .assemble import Shards, assemble
 from . import plan_child

@@ -23,10 +23,10 @@ import json
 import re
 from pathlib import Path
 
-from ..atomic import write_text
+from ..infra.atomic import write_text
 from ..errors import ArtifactError
-from ..units import human
-from ..untrusted import parse_yaml, read_json
+from ..infra.units import human
+from ..infra.untrusted import parse_yaml, read_json
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import filesystem
+from ..infra import filesystem
 from ..errors import ArtifactError, MpsconvertError
-from ..safetensors_io import read_header
-from ..untrusted import inside, parse_json, read_json
+from ..infra.safetensors_io import read_header
+from ..infra.untrusted import inside, parse_json, read_json
 from .layout import CONFIG_NAME
 from .values import check_records, check_values, floats
 

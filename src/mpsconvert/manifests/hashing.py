@@ -14,8 +14,8 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..errors import ArtifactError
-from ..filesystem import is_appledouble
-from ..untrusted import open_regular
+from ..infra.filesystem import is_appledouble
+from ..infra.untrusted import open_regular
 
 _BLOCK = 8 << 20
 # Big reads for the background hasher: each block it reads and hashes without the GIL, then

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import filesystem
-from ..atomic import TMP_PREFIX
+from ..infra import filesystem
+from ..infra.atomic import TMP_PREFIX
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import inside, read_json
+from ..infra.untrusted import inside, read_json
 
 MANIFEST_NAME = "mpsconvert.json"
 CONFIG_NAME = "config.json"

@@ -30,9 +30,10 @@ import contextlib
 import warnings
 from pathlib import Path
 
-from .. import atomic, templates
+from ..infra import atomic
+from ..model import templates
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import inside, is_panic, read_json
+from ..infra.untrusted import inside, is_panic, read_json
 from .hashing import copy_verified
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, weight_files
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..version import __version__
-from ..atomic import write_text
+from ..infra.atomic import write_text
 from ..errors import ArtifactError, MpsconvertError
-from ..untrusted import LIMITS, bad_relpath, bounded, parse_json, read_bytes, read_json
-from ..untrusted import field as json_field
-from ..untrusted import printable
+from ..infra.untrusted import LIMITS, bad_relpath, bounded, parse_json, read_bytes, read_json
+from ..infra.untrusted import field as json_field
+from ..infra.untrusted import printable
 from .hashing import sha256_file
 from .layout import MANIFEST_NAME
 from .pin import digest as pin_digest

@@ -12,8 +12,8 @@ import json
 import re
 import shlex
 
-from ..units import num  # noqa: F401  (a number from the manifest, or '?': the card's too)
-from ..untrusted import printable
+from ..infra.units import num  # noqa: F401  (a number from the manifest, or '?': the card's too)
+from ..infra.untrusted import printable
 
 # Markdown's active characters; `_` only where it could open or close emphasis (CommonMark never
 # reads an underscore between two letters or digits as emphasis: `Q4_1`, `down_proj` stay as written)

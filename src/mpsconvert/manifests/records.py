@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
 from ..errors import ArtifactError
-from ..units import human, num, speed
+from ..infra.units import human, num, speed
 
 R = TypeVar("R", bound="Record")
 _MORE = "more"

@@ -24,7 +24,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator, TypeVar
 
-from .. import atomic
+from ..infra import atomic
 from ..errors import ArtifactError
 from . import card, pin
 from .hashing import folder_files, sha256_file

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..safetensors_io import Header
-from ..untrusted import open_regular
+from ..infra.safetensors_io import Header
+from ..infra.untrusted import open_regular
 from .layout import MANIFEST_NAME
 
 _SCALE_NP = {"F32": np.float32, "F16": np.float16, "F64": np.float64}

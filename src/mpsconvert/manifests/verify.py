@@ -35,12 +35,12 @@ from pathlib import Path
 
 from ..errors import ArtifactError, MpsconvertError
 
-from ..safetensors_io import Header, read_header
-from .ct_config import scheme_from_config
+from ..infra.safetensors_io import Header, read_header
+from ..format.ct_config import scheme_from_config
 from . import layout
-from ..atomic import TMP_PREFIX
-from ..untrusted import check_model_config, inside, read_json
-from ..progress import Progress, or_silent
+from ..infra.atomic import TMP_PREFIX
+from ..infra.untrusted import check_model_config, inside, read_json
+from ..infra.progress import Progress, or_silent
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256, read_once
@@ -438,7 +438,7 @@ def check_before_use(path, trust_remote_code: bool = False, manifest: Manifest |
     used: every hash and structural check (check_artifact), then config.json read by
     transformers (code in the artifact is imported only now, after it matched its hash).
     `manifest`: the artifact's manifest, when the caller read it already."""
-    from .. import modeldef
+    from ..model import definition as modeldef
 
     report = check_artifact(path, check_hashes=True, manifest=manifest)
     modeldef.load_config(path, trust_remote_code)

@@ -25,7 +25,7 @@ import torch
 
 from ...errors import ExportError, MpsconvertError
 from ...manifests.manifest import Manifest, dist_versions
-from ...progress import Progress, or_silent
+from ...infra.progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
 from . import ASSET_NAME, MINIMUM_OS, CoreAIOptions

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ExportError
-from ...extras import require
+from ...infra.extras import require
 
 COMPUTE_UNITS = ("cpu", "gpu", "neural_engine")
 _DTYPES = {"Float32": np.float32, "Float16": np.float16, "Int32": np.int32, "Int64": np.int64, "Bool": np.bool_}

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ...errors import MpsconvertError
-from ...units import human
+from ...infra.units import human
 from ..target import Option, Target, feature_text, states_text
 from . import ASSET_NAME, COMPUTE_DTYPES, RUNTIME_LABEL, CheckOptions, CoreAIExport, CoreAIOptions, CoreAIRuntime
 
@@ -70,7 +70,7 @@ class CoreAI(Target):
 
     def measure(self, artifact, record, *, prefill_len=64, decode_tokens=16, warmup=2, prefill_repeats=3, units=None, progress=None):
         """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU (check.coreai_latency)."""
-        from ...extras import require
+        from ...infra.extras import require
 
         require(self.module, self.extra, "the Core AI latency check")
         from .check import coreai_latency
@@ -81,7 +81,7 @@ class CoreAI(Target):
     def latency(self, artifact, record, settings, progress):
         if not settings["latency"]:
             return {"status": "skipped", "reason": "latency not asked for (--no-latency)"}
-        from ...extras import require
+        from ...infra.extras import require
 
         try:
             require(self.module, self.extra, "the Core AI latency check")

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ...errors import ArtifactError
-from ... import fp8, timing
+from ...format import fp8
+from ...infra import timing
 from .. import compare, stateful
 from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
@@ -289,7 +290,7 @@ def _unit_failed(row: dict, e: Exception) -> None:
 
 
 def _mps_row(tm, fn) -> dict:
-    from ... import devices
+    from ...infra import devices
 
     if not devices.mps_available():
         return {"engine": "pytorch:mps fp16", "ok": None, "error": "MPS is not available to this torch build"}

@@ -28,12 +28,12 @@ import torch
 
 from ...errors import ExportError, MpsconvertError
 from ...manifests.manifest import Manifest
-from ... import fp8
-from ...progress import Progress, or_silent
+from ...format import fp8
+from ...infra.progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
 
-from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402,F401  (light: the CLI and API read them without this module)
+from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402, F401  (light: the CLI and API read them without this module)
 DEPLOYMENT_TARGET = "iOS18 / macOS15"
 # e4m3fn NaN codes (0x7f, 0xff) never occur in an artifact (values are clamped before the cast);
 # their LUT entries are 0 so that the palette holds only finite values.

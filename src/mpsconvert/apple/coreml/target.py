@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ...errors import MpsconvertError
-from ...units import human
+from ...infra.units import human
 from ..target import Option, Target, feature_text, states_text
 from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, CheckOptions, CoreMLExport, CoreMLRuntime, ExportOptions, SeqLen
 

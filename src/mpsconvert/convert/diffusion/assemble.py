@@ -15,13 +15,14 @@ import json
 import shutil
 from pathlib import Path
 
-from ... import atomic, fp8
+from ...infra import atomic
+from ...format import fp8
 from ...manifests import card
 from ...manifests.transaction import finish
 from ...manifests.hashing import sha256_file
 from ...manifests.layout import CONFIG_NAME, MANIFEST_NAME
 from ...manifests.manifest import Manifest
-from ...source import DIFFUSERS_WEIGHTS, Snapshot, check_inside
+from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot, check_inside
 from ..assemble import Shards, _record_file, summarize, write_index
 from . import COMFYUI_FORMATS
 from .write import COMFY_LAYER, DiffusionOptions, DiffusionPlan

@@ -233,7 +233,7 @@ class KeepRule:
 
     def match(self, *names: str) -> str | None:
         """The first pattern that names any of `names` (modules: original or diffusers)."""
-        from ...plan import matches
+        from ...model.plan import matches
 
         for n in names:
             p = matches(n, list(self.patterns))

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from ...errors import ArtifactError, SourceError
-from ...extras import require
+from ...infra.extras import require
 from ...manifests.manifest import Manifest
-from ...source import resolve
+from ...source.snapshot import resolve
 from .families import BY_NAME
 from .keymap import to_original
 from .write import LEGACY_MARKER
-from ...untrusted import field as json_field, parse_json, read_json
+from ...infra.untrusted import field as json_field, parse_json, read_json
 
 
 @dataclass

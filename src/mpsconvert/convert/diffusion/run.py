@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ... import atomic
+from ...infra import atomic
 from ...errors import MpsconvertError
 from ...manifests import layout
 from ...manifests.manifest import Manifest
-from ...progress import Progress, or_silent
-from ...source import Snapshot
+from ...infra.progress import Progress, or_silent
+from ...source.snapshot import Snapshot
 from . import COMFYUI_FORMATS, FORMATS
 
 if TYPE_CHECKING:  # torch and the writers load when a conversion runs, not when its output is named
@@ -60,7 +60,7 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
     """Write the FP8 artifact of a diffusion source to `out` (atomically); return its manifest."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ...safetensors_io import BufferPool
+    from ...infra.safetensors_io import BufferPool
     from ..quantize import BLOCK_BYTES, QUANT_THREADS, Options, _write_shards, converting
     from .assemble import assemble
     from .write import WEIGHT_ONLY_ROW, comfy_file_name, diffusers_shard_names, estimate_bytes, plan, write_comfyui

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from ... import fp8
+from ...format import fp8
 from ...errors import QuantizationError, SourceError
-from ...manifests.schemes import Scheme
-from ...safetensors_io import DTYPES, torch_dtype, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
-from ...source import DIFFUSERS_WEIGHTS, Snapshot
-from ...plan import Plan, check_against_model
+from ...format.schemes import Scheme
+from ...infra.safetensors_io import DTYPES, torch_dtype, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
+from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
+from ...model.plan import Plan, check_against_model
 from ..quantize import QUANT_THREADS, _quantize_matrix, _Shard, check_tensor_layout
 from .. import FLOAT_CODES
 from . import COMFYUI_FORMATS, FORMATS
@@ -90,7 +90,7 @@ def family_of(snap: Snapshot, headers: dict) -> Family:
 def meta_model(snap: Snapshot):
     """The diffusers transformer built from its config with weightless parameters (accelerate's
     init_empty_weights, as diffusers itself loads): its Linear modules are what may become FP8."""
-    from ...extras import require
+    from ...infra.extras import require
 
     diffusers = require("diffusers", "diffusion", "converting a diffusers model")
     from accelerate import init_empty_weights

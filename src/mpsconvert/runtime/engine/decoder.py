@@ -50,9 +50,9 @@ import warnings
 
 import torch
 
-from ... import devices, timing
+from ...infra import devices, timing
 from ...errors import MpsconvertError
-from ..hf_compat import accepts, cache_kwarg, rewind_cache, static_cache_compiles, write_at
+from ...model.hf_compat import accepts, cache_kwarg, rewind_cache, static_cache_compiles, write_at
 from ..ops.graph_fusion import FUSION
 
 BUCKET = 256  # cache lengths are multiples of this: a longer generation re-captures the graph only past a bucket

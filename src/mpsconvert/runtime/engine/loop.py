@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from ... import devices
+from ...infra import devices
 from ...errors import MpsconvertError
 from .sampling import Draws, Sampling, choose
 

@@ -27,7 +27,7 @@ class Sampling:
     top_k: int = 0  # 0: every token
 
     def __post_init__(self):
-        from ...untrusted import bounded
+        from ...infra.untrusted import bounded
 
         bounded(self.max_tokens, "--max-tokens", fix="pass --max-tokens 1 or more")
         bounded(self.temp, "--temp", integer=False, fix="pass --temp 0 for greedy decoding")

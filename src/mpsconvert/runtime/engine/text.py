@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...errors import MpsconvertError, PromptError
-from ...untrusted import LIMITS
+from ...infra.untrusted import LIMITS
 from ...manifests import loadable
 from .loop import Decoder, GenerationStats, generate_ids
 from .sampling import Sampling

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ... import devices, timing
+from ...infra import devices, timing
 from ...errors import DataError, MpsconvertError, SourceError
-from ...progress import Progress, or_silent
+from ...infra.progress import Progress, or_silent
 from . import metrics
 from ..engine import Engine, Sampling, generate_ids
 
@@ -54,7 +54,7 @@ class ValidateOptions:
     def __post_init__(self):
         """Every count within untrusted.LIMITS (one line each, before anything loads): a length of
         0 or -5 was a traceback deep in the run, 10^9 repeats a run that never ends."""
-        from ...untrusted import bounded
+        from ...infra.untrusted import bounded
 
         for key in ("seq_len", "max_samples", "prefill_len", "decode_tokens", "repeats", "rounds", "warmup"):
             v = getattr(self, key)
@@ -92,7 +92,7 @@ def resolve_baseline(artifact: Path, baseline: str | None) -> str:
     """--baseline, else the manifest's source: a hub id via source.resolve, or a recorded local path."""
     from ...manifests.layout import MANIFEST_NAME
     from ...manifests.manifest import Manifest
-    from ...source import resolve
+    from ...source.snapshot import resolve
 
     if baseline:
         return str(resolve(baseline).path)
@@ -119,9 +119,9 @@ def check_baseline(artifact: Path, base_path: str) -> None:
     Raises:
         SourceError: remote code, an unreadable config, or another model, in one line.
     """
-    from ... import modeldef
+    from ...model import definition as modeldef
     from ...manifests.layout import CONFIG_NAME
-    from ...untrusted import read_json
+    from ...infra.untrusted import read_json
 
     fix = "pass --baseline <the model this artifact was made from>"
     try:
@@ -137,7 +137,7 @@ def check_baseline(artifact: Path, base_path: str) -> None:
 
 def read_texts(path: str | None) -> tuple[list[str], str]:
     """The eval documents (texts.read_documents; None: the bundled set) and where they came from."""
-    from ...texts import BUILTIN, read_documents
+    from ...infra.texts import BUILTIN, read_documents
 
     p = Path(path) if path is not None else BUILTIN
     if not p.is_file():

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ... import devices, timing
-from ...fp8 import relative_error
+from ...infra import devices, timing
+from ...format.fp8 import relative_error
 from ...errors import MpsconvertError
-from ...progress import Progress, or_silent
+from ...infra.progress import Progress, or_silent
 from .validate import ValidateOptions, _peak, _record, with_defaults
 
 INPUT_NOTE = "random latents and text embeddings of the config's shapes, timestep 500/1000, seed {seed}"

@@ -42,14 +42,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ... import atomic, devices, modeldef
-from ...untrusted import read_json
-from ...fp8 import CODE_DTYPES, dequantize
+from ...infra import atomic, devices
+from ...model import definition as modeldef
+from ...infra.untrusted import read_json
+from ...format.fp8 import CODE_DTYPES, dequantize
 from ...errors import MpsconvertError, ArtifactError
 from ...manifests import layout, loadable
-from ...manifests.ct_config import scheme_from_config
+from ...format.ct_config import scheme_from_config
 from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
-from ...safetensors_io import torch_dtype
+from ...infra.safetensors_io import torch_dtype
 from . import prewarm, prewarm_child, stream
 from .. import patches
 from ..ops.fp8linear import FP8Linear
@@ -303,7 +304,7 @@ class _Plan:
     becomes of it once filled (a parameter, an FP8Linear part, rows of an FP8Experts)."""
 
     def __init__(self, model: nn.Module, report, dtype: torch.dtype, dev: torch.device):
-        from ...moe_layout import experts_modules, find_layout, saved_names
+        from ...model.moe_layout import experts_modules, find_layout, saved_names
         from ..ops.experts import scale_keys
 
         self.dtype, self.dev = dtype, dev
@@ -458,7 +459,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def _linear_layout(model, qc: dict) -> tuple[dict, set]:
     """The Linear shapes of the model built from config, and which of them the config ignores."""
-    from ...plan import matches
+    from ...model.plan import matches
 
     linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     return linears, {n for n in linears if matches(n, list(qc.get("ignore") or []))}

@@ -37,12 +37,12 @@ from typing import Callable
 
 import torch
 
-from ... import atomic, devices, timing
-from ...fp8 import relative_error
-from ...filesystem import cache_dir
+from ...infra import atomic, devices, timing
+from ...format.fp8 import relative_error
+from ...infra.filesystem import cache_dir
 from ...errors import MpsconvertError
-from ...progress import Progress, or_silent
-from ...untrusted import read_json
+from ...infra.progress import Progress, or_silent
+from ...infra.untrusted import read_json
 from ..ops import kernels, triton as tritonlib
 from ..ops.fp8linear import PREFILL_BUCKETS, FP8Linear
 

@@ -36,9 +36,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...child import Child
-from ...manifests.schemes import Activations
-from ...scales import Granularity, scale_shape
+from ...infra.child import Child
+from ...format.schemes import Activations
+from ...format.scales import Granularity, scale_shape
 from ..ops.fp8linear import PROBE_ROWS
 from ..ops.fuse import SIBLINGS
 
@@ -92,7 +92,7 @@ def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None
     from ..ops import kernels
     from ..ops.fp8linear import FP8Linear
     from ..ops.triton import experts, gemv
-    from ...fp8 import FP8_DTYPE
+    from ...format.fp8 import FP8_DTYPE
 
     scale = torch.ones(scale_shape("block", n, k, block), device=dev) if block else torch.ones(n if weights == "row" else 1, 1, device=dev)
     layer = FP8Linear.from_tensors(torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), scale, activations=activations, dtype=dtype,
@@ -138,7 +138,7 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
     from ..ops.triton import act_quant
     from ..ops.triton import rotary
     from ..ops import triton as tritonlib
-    from ...fp8 import FP8_DTYPE
+    from ...format.fp8 import FP8_DTYPE
 
     def step(name, fn):
         _step(report, name, fn, stop)

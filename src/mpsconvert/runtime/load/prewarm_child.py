@@ -33,12 +33,12 @@ from types import SimpleNamespace
 
 import torch
 
-from ...child import MIN_CPUS, Child, serve
+from ...infra.child import MIN_CPUS, Child, serve
 from ...errors import MpsconvertError
-from ...manifests.ct_config import scheme_from_config
-from ...manifests.schemes import Activations
-from ...safetensors_io import read_header
-from ...untrusted import inside, read_json
+from ...format.ct_config import scheme_from_config
+from ...format.schemes import Activations
+from ...infra.safetensors_io import read_header
+from ...infra.untrusted import inside, read_json
 from ..ops import triton as tritonlib
 from ..ops.fp8linear import signature
 from . import policy, prewarm

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ...safetensors_io import Header, _read_exact
+from ...infra.safetensors_io import Header, _read_exact
 
 BLOCK = 16 << 20  # bytes per read: large enough for the disk and hashlib, small enough to pin cheaply
 RING = 3  # pinned buffers per shard thread: one being read and hashed while earlier ones copy

@@ -38,13 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import devices, fp8
+from ...infra import devices
+from ...format import fp8
 from ...errors import ArtifactError
 from .triton import act_quant
 from . import triton as tritonlib
 from .fp8linear import hold
-from ...moe_layout import ExpertParam, find_layout
-from ...untrusted import read_json
+from ...model.moe_layout import ExpertParam, find_layout
+from ...infra.untrusted import read_json
 
 FP8 = fp8.FP8_DTYPE
 DECODE_PAIRS = 16  # token-expert pairs at or below which the GEMV kernel beats a grouped GEMM
@@ -442,7 +443,7 @@ def _activations_from(model, qc=None) -> str | None:
 
 
 def _scheme_from(model, qc=None):
-    from ...manifests.ct_config import scheme_from_config
+    from ...format.ct_config import scheme_from_config
 
     qc = qc if qc is not None else getattr(model.config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):

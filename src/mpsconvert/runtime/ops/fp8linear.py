@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...fp8 import CODE_DTYPES, FP8_DTYPE, dequantize, is_block_scale
-from ...scales import DEFAULT_BLOCK, scale_shape
+from ...format.fp8 import CODE_DTYPES, FP8_DTYPE, dequantize, is_block_scale
+from ...format.scales import DEFAULT_BLOCK, scale_shape
 from . import kernels
 
 # Activations with at most this many rows (tokens x batch) use the decode kernel.

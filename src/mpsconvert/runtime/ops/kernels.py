@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_to_float, per_group_scale
+from ...format.fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_to_float, per_group_scale
 from .triton import act_quant, experts as moe_triton, gemv as triton_gemv
 from . import triton as tritonlib
 

@@ -76,7 +76,7 @@ class Attention:
     name, phase, option = "attention", "modules", "decode_attention"
 
     def match(self, model, ctx):
-        from .. import hf_compat
+        from ...model import hf_compat
 
         why = _needs_cuda_triton(ctx)
         if why is None and hf_compat.attn_implementation(model.config) != "sdpa":
@@ -91,7 +91,7 @@ class Attention:
         return Report(self.name, installed=1, details={"implementation": attention.NAME})
 
     def check(self, model, ctx, report):
-        from .. import hf_compat
+        from ...model import hf_compat
         from . import attention
 
         now = hf_compat.attn_implementation(model.config)

@@ -23,7 +23,7 @@ the product with V (as flash attention does); tests compare with SDPA (TRITON_IN
 from __future__ import annotations
 from ..ops import triton as tritonlib
 from ..ops.triton.attention import decode_attention, takes
-from .. import hf_compat
+from ...model import hf_compat
 
 NAME = "mpsconvert_sdpa"  # contains "sdpa": transformers runs its SDPA checks for it
 

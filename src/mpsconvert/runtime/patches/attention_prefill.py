@@ -34,7 +34,7 @@ from torch.nn.modules import module as _module
 from transformers import DynamicCache
 
 from ..ops import kernels
-from .. import hf_compat
+from ...model import hf_compat
 from . import rotary
 from ..ops.fp8linear import FP8Linear
 from ..ops.fuse import SharedInput, group_name

@@ -58,7 +58,7 @@ from . import attention_prefill, forwards, rotary
 from ..ops import kernels, triton as tritonlib
 from ..ops.fp8linear import DECODE_MAX_M, PROBE_ROWS, FP8Linear
 from ..ops.fuse import SharedInput, Stash, group_name, version
-from ...fp8 import relative_error
+from ...format.fp8 import relative_error
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a pre-norm decoder layer's modules
 NORM_MAX_ULP_FRACTION = 1e-3  # elements of a checked norm allowed off by at most two ulps (summation order)

@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from .. import hf_compat
+from ...model import hf_compat
 from ..engine import Engine, Sampling, generate_ids
 
 _CALLER_CACHE = ("cache_implementation", "past_key_values", "cache")

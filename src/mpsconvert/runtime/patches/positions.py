@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .. import hf_compat
+from ...model import hf_compat
 from . import forwards
 from ..ops.fuse import version
 

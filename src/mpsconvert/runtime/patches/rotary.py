@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextvars
 import torch
 from torch import nn
-from .. import hf_compat
+from ...model import hf_compat
 from . import forwards
 from ..ops.triton.rotary import fits, rotary
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ....fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from ....format.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from .launch import launch, next_pow2
-from ..triton import INTERPRET, eager_on, tl, triton
+from . import INTERPRET, eager_on, tl, triton
 
 # Under TRITON_INTERPRET=1 (the tests) the interpreter's float32 -> e4m3 cast rounds wrongly where
 # rounding carries into the exponent (126.9 -> 64), so in that mode the kernel rounds to the e4m3

@@ -18,7 +18,7 @@ import torch
 
 from .gemv import autotune
 from .launch import TL_DTYPES
-from ..triton import INTERPRET, compile_configs, tl, triton
+from . import INTERPRET, compile_configs, tl, triton
 
 
 # BLOCK_N, BLOCK_K, SPLIT_K, warps. Split-K gives the down projection (N=4096, K=14336 at

@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from ..triton import INTERPRET, compile_configs, tl, triton
-from ....scales import scale_shape
+from . import INTERPRET, compile_configs, tl, triton
+from ....format.scales import scale_shape
 
 OP_NAME = "mpsconvert::fp8_gemv"
 # BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.

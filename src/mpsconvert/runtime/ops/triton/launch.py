@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton import INTERPRET, tl, triton
+from . import INTERPRET, tl, triton
 
 TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # torch dtype -> triton.language name
 _CACHE: dict = {}

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import devices
-from .errors import QuantizationError
+from ..infra import devices
+from ..errors import QuantizationError
 from .scales import DEFAULT_BLOCK, Granularity, blocks
 
 FP8_DTYPE = torch.float8_e4m3fn

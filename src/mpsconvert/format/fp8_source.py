@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SourceError
-from ..scales import Granularity
+from .scales import Granularity
 from .ct_config import scheme_from_config
 from .schemes import Scheme
 

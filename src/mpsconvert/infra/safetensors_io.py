@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 from .untrusted import open_regular, parse_json
 
 if TYPE_CHECKING:
@@ -619,7 +619,7 @@ class FiniteCheck:
 
     def done(self) -> None:
         if self.count:
-            from .errors import QuantizationError
+            from ..errors import QuantizationError
 
             what = "NaN code(s) (0x7F / 0xFF, which no quantizer writes)" if self._dt == "u1" else "NaN or inf value(s)"
             raise QuantizationError(f"tensor {self.name!r} in {self.where} contains {self.count} {what}", "fix the source checkpoint")

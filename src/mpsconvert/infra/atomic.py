@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from .errors import MpsconvertError
+from ..errors import MpsconvertError
 from .filesystem import same_or_inside
 
 TMP_PREFIX = ".mpsconvert-tmp-"

@@ -11,12 +11,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import filesystem
-from .errors import SourceError
-from .manifests.fp8_source import SourceFP8, source_fp8
-from .manifests.hashing import BackgroundHasher
-from .manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_INDEX, SINGLE_FILE, is_plain_shard_name
-from .untrusted import check_model_config, inside, one_line, read_json
+from ..infra import filesystem
+from ..errors import SourceError
+from ..format.fp8_source import SourceFP8, source_fp8
+from ..manifests.hashing import BackgroundHasher
+from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_INDEX, SINGLE_FILE, is_plain_shard_name
+from ..infra.untrusted import check_model_config, inside, one_line, read_json
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
 ALLOW_PATTERNS = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .errors import MissingExtraError
+from ..errors import MissingExtraError
 
 # extra -> what it enables (the README's table of extras says the same)
 EXTRAS = {

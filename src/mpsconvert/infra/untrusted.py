@@ -38,7 +38,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError, MpsconvertError
+from ..errors import ArtifactError, MpsconvertError
 
 MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 256 << 20  # a manifest of a 1000-shard MoE is a few MB; a config a few KB

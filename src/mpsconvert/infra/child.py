@@ -33,7 +33,7 @@ _BOOT = "import runpy, sys; sys.path.append(sys.argv.pop(1)); runpy.run_module(s
 
 def package_root() -> Path:
     """The folder holding this mpsconvert package (also when it is not installed)."""
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 class Child:

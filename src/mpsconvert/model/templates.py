@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 RENDER_SECONDS = 10.0
 MAX_CHARS = 16 << 20  # characters: a prompt beyond this fits no model's context (1M tokens is ~4M characters)

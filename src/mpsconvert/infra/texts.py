@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import DataError
+from ..errors import DataError
 from .extras import require
 from .untrusted import parse_json
 
-BUILTIN = Path(__file__).parent / "data" / "builtin.jsonl"
+BUILTIN = Path(__file__).parents[1] / "data" / "builtin.jsonl"
 READABLE = (".parquet", ".jsonl", ".json", ".txt")
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import regex
 import torch
 
-from .errors import MpsconvertError, SourceError
+from ..errors import MpsconvertError, SourceError
 
-from .modeldef import build_from
+from .definition import build_from
 from .moe_layout import checkpoint_module_name, experts_modules
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")

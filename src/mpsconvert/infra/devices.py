@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DeviceError
+from ..errors import DeviceError
 
 DEVICE_CHOICES = ("auto", "mps", "cuda", "cpu")
 # float8_e4m3fn tensors and F.scaled_mm on MPS arrived in torch 2.15 (pytorch PRs 194074, 196916).

@@ -20,11 +20,11 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from .version import __version__
-from .errors import MpsconvertError, UploadError
-from .manifests.hashing import read_verified
-from .manifests.manifest import MANIFEST_NAME, Manifest
-from .untrusted import one_line, parse_json, read_bytes
+from ..version import __version__
+from ..errors import MpsconvertError, UploadError
+from ..manifests.hashing import read_verified
+from ..manifests.manifest import MANIFEST_NAME, Manifest
+from ..infra.untrusted import one_line, parse_json, read_bytes
 
 _TRUE = {"1", "on", "yes", "true"}
 _REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -203,11 +203,11 @@ def upload(artifact: Path, repo: str, *, private: bool = False, token: str | Non
     rewritten to name the repo (the manifest's `hub` record) in the staged copy, the staged copy
     sent in one commit, and swapped in only once the commit succeeded. Returns what
     `upload_folder` returns."""
-    from . import atomic
-    from .errors import ArtifactError
-    from .manifests import layout
-    from .manifests.records import Hub
-    from .manifests.transaction import transaction
+    from ..infra import atomic
+    from ..errors import ArtifactError
+    from ..manifests import layout
+    from ..manifests.records import Hub
+    from ..manifests.transaction import transaction
 
     artifact = Path(artifact)
     check_repo_id(repo)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MpsconvertError
-from ..scales import DEFAULT_BLOCK, Granularity, StrEnum, scale_shape
+from .scales import DEFAULT_BLOCK, Granularity, StrEnum, scale_shape
 
 
 class Activations(StrEnum):

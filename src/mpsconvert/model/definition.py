@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
-from .errors import SourceError
-from .untrusted import check_model_config, read_json
+from ..errors import SourceError
+from ..infra.untrusted import check_model_config, read_json
 
 
 def model_class(config):
