@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ExportError
+from ..model import hf_compat
 
 INPUT_NAMES = ("input_ids", "position")
 OUTPUT_NAME = "logits"
@@ -152,11 +153,7 @@ class _StateLayer:
 @functools.lru_cache(maxsize=None)
 def _cache_class():
     """A transformers Cache whose layers are `_StateLayer`s (built lazily: transformers is heavy)."""
-    from transformers.cache_utils import Cache, CacheLayerMixin
-
-    layer_cls = type("StateLayer", (_StateLayer, CacheLayerMixin), {"__init__": _StateLayer.__init__})
-    layer_cls.__abstractmethods__ = frozenset()
-    return Cache, layer_cls
+    return hf_compat.cache_classes(_StateLayer, "StateLayer")
 
 
 class StatefulCausalLM(torch.nn.Module):

@@ -18,6 +18,7 @@ from ..format import fp8
 from ..errors import ExportError, MpsconvertError
 from ..manifests import layout
 from ..infra.untrusted import parse_json, read_json
+from ..model import hf_compat
 
 
 def _is_causal_lm(config) -> bool:
@@ -290,7 +291,7 @@ def build_torch_model(artifact: Path) -> TorchModel:
         if task == "causal-lm":
             # batched_mm experts: every token's experts gathered and multiplied at once, no
             # data-dependent loop (which torch.export cannot trace)
-            moe = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
+            moe = hf_compat.experts_kwargs("batched_mm") if _has_experts(config) else {}
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager", **moe)
         else:
             # The pooler (BERT's [CLS] dense+tanh) is not part of the embeddings output.

@@ -33,6 +33,7 @@ import torch
 
 from ..format import fp8
 from ..errors import QuantizationError
+from ..model import hf_compat
 from ..model.moe_layout import experts_modules, unsupported_reason
 
 
@@ -161,9 +162,4 @@ def _experts_args(args, kwargs):
 def _down_input(mod, e: int, x: torch.Tensor) -> torch.Tensor:
     """act(gate) * up of expert e for rows x: what its down projection reads."""
     h = torch.nn.functional.linear(x.to(mod.gate_up_proj.dtype), mod.gate_up_proj[e])
-    return mod._apply_gate(h) if hasattr(mod, "_apply_gate") else _gate(mod, h)
-
-
-def _gate(mod, h):
-    gate, up = h.chunk(2, dim=-1)
-    return mod.act_fn(gate) * up
+    return hf_compat.expert_gate(mod, h)

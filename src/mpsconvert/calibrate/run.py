@@ -24,6 +24,7 @@ import torch
 from ..infra import devices, filesystem
 from ..format import fp8
 from ..model import definition as modeldef
+from ..model import hf_compat
 from ..model.plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
 from ..infra.progress import Progress, or_silent
@@ -244,19 +245,13 @@ def _materialize(module, prefix: str, weights: Weights, device, dtype, model=Non
 
 def _convert_into(module, prefix: str, weights: Weights, device, dtype, model, model_dir) -> None:
     fix = "calibrate without --sequential (transformers converts this checkpoint when it loads the whole model)"
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-        from transformers.modeling_utils import LoadStateDictConfig
-    except ImportError as e:
+    if not hf_compat.has_weight_conversion():
         raise QuantizationError(f"--sequential: {prefix} is not stored under the model's names and this transformers "
-                                "has no weight-conversion API", fix) from e
+                                "has no weight-conversion API", fix)
     heads = tuple(v + "." for v in weights.variants(prefix))
     keys = [k for k in weights.where if k.startswith(heads)]
     state = {k: weights.files[weights.where[k]].get_slice(k) for k in keys}
-    config = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map={"": device}, dtype=dtype,
-                                 weight_mapping=get_model_conversion_mapping(model))
-    convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=config)
+    hf_compat.load_converted(model, state, model_dir, device, dtype)
     left = [n for n, p in module.named_parameters() if p.device.type == "meta"]
     if left:
         raise QuantizationError(f"--sequential: {len(left)} parameter(s) of {prefix} could not be loaded from the "

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import SourceError
 from ..infra.untrusted import check_model_config, read_json
+from . import hf_compat
 
 
 def model_class(config):
@@ -32,9 +33,7 @@ def model_class(config):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if hf_compat.has_causal_lm_class(getattr(config, "model_type", None)):
         return transformers.AutoModelForCausalLM
     return transformers.AutoModel
 

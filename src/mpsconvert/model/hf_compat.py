@@ -1,15 +1,21 @@
-"""Every private transformers name the runtime touches, and nothing else: the one place to fix
-when transformers renames one.
+"""Every private or internal transformers name mpsconvert touches, and nothing else: the one
+place to fix when transformers renames one.
 
-Why one module: the patches change a loaded transformers model (its attention function, its
-rotary function, its packed-sequence check, its positions), and some of what they change or read
-has no public name: `config._attn_implementation`, `_can_set_attn_implementation`, the modeling
-module's `apply_rotary_pos_emb`, `masking_utils.find_packed_sequence_indices`, transformers'
-`sdpa_attention_forward` and its SDPA mask function. Each is reached here, guarded: a name that
-is gone answers None (or False), and the patch that needed it says so in its report and leaves
-the model as transformers made it, never raising. tests/test_runtime_patches.py checks that no
-other runtime module names them (imports from transformers' submodules, `_`-names on its
-objects), and tests/test_runtime_patches.py runs on the oldest transformers pyproject allows.
+Why one module: the runtime patches change a loaded transformers model (its attention function,
+its rotary function, its packed-sequence check, its positions), and some of what they change or
+read has no public name: `config._attn_implementation`, `_can_set_attn_implementation`, the
+modeling module's `apply_rotary_pos_emb`, `masking_utils.find_packed_sequence_indices`,
+transformers' `sdpa_attention_forward` and its SDPA mask function. Each is reached here, guarded:
+a name that is gone answers None (or False), and the patch that needed it says so in its report
+and leaves the model as transformers made it, never raising.
+
+The rest of the package needs more of the same kind: which model types have a causal-LM class,
+how fused MoE experts gate, transformers' weight conversion between checkpoint and model names
+(in both directions), the base class of a cache layer, the function that renders chat templates.
+Each is one named function or constant here, its docstring saying what it relies on.
+tests/test_runtime_patches.py checks that no other module of src/mpsconvert names them (imports
+from transformers' submodules, the names in `PRIVATE`), and runs on the oldest transformers
+pyproject allows.
 
 It also reads the call conventions that moved between transformers versions (the cache's keyword,
 whether a forward takes `cache_position`), since those are the same kind of knowledge.
@@ -242,8 +248,146 @@ def default_generation_config():
     return gc
 
 
+# --------------------------------------------------------------------------- model classes
+
+
+def has_causal_lm_class(model_type) -> bool:
+    """Whether transformers' AutoModelForCausalLM knows `model_type` (its private name table
+    `models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def experts_kwargs(implementation: str) -> dict:
+    """The `from_config` / `from_pretrained` keyword that picks the forward of fused MoE experts
+    (transformers 5's experts interface, e.g. "batched_mm": every token's experts gathered and
+    multiplied at once, no data-dependent loop)."""
+    return {"experts_implementation": implementation}
+
+
+# --------------------------------------------------------------------------- MoE experts
+
+
+def expert_gate(mod, h):
+    """act(gate) * up of a fused experts module for its gate_up rows `h`, as the module computes
+    it: its own `_apply_gate` (transformers 5's experts interface, which a model may override),
+    else `act_fn` of the first half times the second (transformers without that interface)."""
+    if hasattr(mod, "_apply_gate"):
+        return mod._apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)
+    return mod.act_fn(gate) * up
+
+
+def _default_gate_impl():
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # older transformers: no experts interface, plain act(gate) * up
+        return None
+    return _default_apply_gate
+
+
+def has_default_gate(mod) -> bool:
+    """Whether a fused experts module gates as transformers' experts interface does by default
+    (`integrations.moe._default_apply_gate`: act(gate) * up over concatenated halves), not by a
+    `_apply_gate` of its own; on a transformers without that interface, whether it defines none."""
+    return getattr(type(mod), "_apply_gate", None) is _default_gate_impl()
+
+
+# --------------------------------------------------------------------------- weight conversion
+
+
+class _Unloaded:
+    """The model without its load history: a model loaded through a quantizer carries
+    conversions (e.g. compressed-tensors' DecompressExperts, in the private
+    `_weight_conversions`) that have no reverse; the architecture's own mapping is what names
+    the checkpoint's tensors."""
+
+    _weight_conversions = None
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def has_weight_conversion() -> bool:
+    """Whether this transformers converts weights between checkpoint and model names and
+    layouts (`core_model_loading`, transformers 5); older ones load checkpoints by the model's
+    own names."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def saved_form(model, tensors: dict) -> dict:
+    """`tensors` (model parameter names -> tensors) as `save_pretrained` would write them:
+    transformers' weight conversion mapping run in its save direction
+    (`core_model_loading.revert_weight_conversion`) on the architecture's own mapping. Fused
+    3-D experts come back split per expert and renamed to the checkpoint's legacy names; names
+    no mapping touches come back as they are.
+
+    Raises:
+        ImportError: this transformers has no weight conversion (see `has_weight_conversion`).
+        Whatever the conversion raises where no mapping applies to these tensors.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(_Unloaded(model), tensors)
+
+
+def load_converted(model, state: dict, model_dir, device, dtype) -> None:
+    """Load checkpoint tensors `state` (checkpoint names -> tensors or safetensors slices) into
+    `model` through transformers' load-time weight conversion, as `from_pretrained` would
+    (per-expert MoE weights fused into 3-D parameters, renamed modules): the model's
+    `conversion_mapping.get_model_conversion_mapping`, run by
+    `core_model_loading.convert_and_load_state_dict_in_model` with a
+    `modeling_utils.LoadStateDictConfig`.
+
+    Raises:
+        ImportError: this transformers has no such API (it is older than 5).
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    config = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map={"": device}, dtype=dtype,
+                                 weight_mapping=get_model_conversion_mapping(model))
+    convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=config)
+
+
+# --------------------------------------------------------------------------- cache classes
+
+
+def cache_classes(layer_base: type, name: str):
+    """(transformers' `Cache`, a cache layer class `name` made of `layer_base` and transformers'
+    `cache_utils.CacheLayerMixin`), for a cache whose layers are ours: `layer_base` implements
+    what a layer does; the mixin makes transformers accept it. The mixin's abstract methods
+    are declared answered (`__abstractmethods__` emptied), since `layer_base` defines what is
+    called of them."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    layer_cls = type(name, (layer_base, CacheLayerMixin), {"__init__": layer_base.__init__})
+    layer_cls.__abstractmethods__ = frozenset()
+    return Cache, layer_cls
+
+
+# --------------------------------------------------------------------------- chat templates
+
+# The module and function `apply_chat_template` renders a chat template with (private). The
+# render worker of model/templates.py imports them in a process of its own.
+CHAT_TEMPLATE_RENDERER = ("transformers.utils.chat_template_utils", "render_jinja_template")
+
+
 # --------------------------------------------------------------------------- names the scan knows
 
 PRIVATE = ("_attn_implementation", "_can_set_attn_implementation", ROTARY_FUNCTION, "find_packed_sequence_indices",
            "sdpa_attention_forward", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", "masking_utils",
-           "_prepare_generation_config", "_get_default_generation_params")
+           "_prepare_generation_config", "_get_default_generation_params", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+           "experts_implementation", "_apply_gate", "_default_apply_gate", "_weight_conversions",
+           "revert_weight_conversion", "get_model_conversion_mapping", "convert_and_load_state_dict_in_model",
+           "LoadStateDictConfig", "CacheLayerMixin", "__abstractmethods__", "chat_template_utils",
+           "render_jinja_template")

@@ -6,7 +6,7 @@ checkpoints) store one 2-D tensor per expert and projection, under the model's l
 (`block_sparse_moe.experts.3.w1.weight`, `mlp.experts.3.gate_proj.weight`, ...). Other
 checkpoints store the fused 3-D tensors themselves. Which checkpoint key feeds which rows of
 which expert is not guessed from names here: it is read from transformers' own weight
-conversion mapping, by running its save-direction (`revert_weight_conversion`) on label
+conversion mapping, by running its save direction (`hf_compat.saved_form`) on label
 tensors whose values are global row numbers. Convert (to quantize) and the runtime (to
 assemble FP8 experts) both use this one answer.
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from . import hf_compat
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -87,17 +89,9 @@ def unsupported_reason(mod) -> str | None:
         return "interleaved gate/up rows"
     if getattr(mod, "has_gate", True) is False:
         return "experts without a gate projection"
-    if getattr(type(mod), "_apply_gate", None) is not _default_gate_impl():
+    if not hf_compat.has_default_gate(mod):
         return f"a custom gating function ({type(mod).__name__}._apply_gate)"
     return None
-
-
-def _default_gate_impl():
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:  # older transformers: no experts interface, plain act(gate) * up
-        return None
-    return _default_apply_gate
 
 
 def save_slices(model, name: str, shape: tuple[int, int, int]) -> list[Slice] | None:
@@ -108,11 +102,9 @@ def save_slices(model, name: str, shape: tuple[int, int, int]) -> list[Slice] | 
     splits and renames them exactly as `save_pretrained` would, and each output's labels say
     which expert rows it holds.
     """
-    from transformers.core_model_loading import revert_weight_conversion
-
     E, N, _ = shape
     labels = {name: torch.arange(E * N, dtype=torch.float64).reshape(E, N, 1)}
-    out = revert_weight_conversion(_Unloaded(model), labels)
+    out = hf_compat.saved_form(model, labels)
     slices = []
     for key, lab in out.items():
         lab = lab.reshape(-1)
@@ -130,10 +122,8 @@ def save_slices(model, name: str, shape: tuple[int, int, int]) -> list[Slice] | 
 def checkpoint_module_name(model, module: str) -> str:
     """The name a module's `weight` is saved under (e.g. Mixtral's `mlp.gate` is stored as
     `block_sparse_moe.gate`), by the same reverse conversion."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     try:
-        out = revert_weight_conversion(_Unloaded(model), {f"{module}.weight": torch.zeros(1)})
+        out = hf_compat.saved_form(model, {f"{module}.weight": torch.zeros(1)})
     except (ValueError, KeyError, RuntimeError, AttributeError):  # no mapping applies: the names agree
         return module
     keys = [k for k in out if k.endswith(".weight")]
@@ -146,13 +136,11 @@ def saved_names(model, names: list[str]) -> dict[str, str]:
     run of the reverse conversion on labels (the value i marks names[i]). Names it keeps are
     left out; so is everything when this transformers has no conversion API or it cannot run on
     these parameters (then each module is asked on its own, by `checkpoint_module_name`)."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # older transformers: checkpoints carry the model's own names
+    if not hf_compat.has_weight_conversion():  # older transformers: checkpoints carry the model's own names
         return {}
     labels = {n: torch.tensor([float(i)]) for i, n in enumerate(names)}
     try:
-        out = revert_weight_conversion(_Unloaded(model), labels)
+        out = hf_compat.saved_form(model, labels)
     except (ValueError, KeyError, RuntimeError, AttributeError, IndexError):
         out = {}
         for mod in {n.rpartition(".")[0] for n in names}:
@@ -224,17 +212,3 @@ def find_layout(model, stored: dict[str, tuple[int, ...]]) -> dict[str, ExpertPa
             else:
                 ep.layout, ep.slices = "per-expert", found
     return result
-
-
-class _Unloaded:
-    """The model without its load history: a model loaded through a quantizer carries
-    conversions (e.g. compressed-tensors' DecompressExperts) that have no reverse; the
-    architecture's own mapping is what names the checkpoint's tensors."""
-
-    _weight_conversions = None
-
-    def __init__(self, model):
-        self._model = model
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)

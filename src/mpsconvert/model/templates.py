@@ -5,8 +5,8 @@ sandbox (`ImmutableSandboxedEnvironment`: no attribute escapes, no mutation), wh
 neither time nor size: nested loops hang `chat`, `{{ 'x' * 10**9 }}` fills memory, a macro that
 calls itself ends in RecursionError. A thread cannot stop Python code, so every render runs in a
 worker process (one per mpsconvert process, started at the first render or by `warm`, while the
-model loads): the same `render_jinja_template` that `apply_chat_template` calls, so the text is
-transformers' own, with
+model loads): the same function that `apply_chat_template` calls (hf_compat.CHAT_TEMPLATE_RENDERER),
+so the text is transformers' own, with
 
 - a time bound per render (`RENDER_SECONDS`): past it the worker is killed (a new one serves the
   next render);
@@ -37,12 +37,12 @@ MEMORY_BYTES = 2 << 30  # address space the worker may add once transformers is 
 START_SECONDS = 120.0  # importing transformers on a loaded 2-core machine
 
 _WORKER = r"""
-import json, os, resource, sys
+import importlib, json, os, resource, sys
 out = sys.stdout
 sys.stdout = sys.stderr  # nothing but answers on the pipe
 import jinja2
-from transformers.utils import chat_template_utils as ctu
 budget, extra = int(sys.argv[1]), int(sys.argv[2])
+render_jinja_template = getattr(importlib.import_module(sys.argv[3]), sys.argv[4])  # hf_compat.CHAT_TEMPLATE_RENDERER
 
 class Budget(Exception):
     pass
@@ -69,8 +69,8 @@ out.flush()
 for line in sys.stdin:
     req = json.loads(line)
     try:
-        rendered, _ = ctu.render_jinja_template(conversations=[req["messages"]], chat_template=req["template"],
-                                                add_generation_prompt=req["add_generation_prompt"], **req["kwargs"])
+        rendered, _ = render_jinja_template(conversations=[req["messages"]], chat_template=req["template"],
+                                            add_generation_prompt=req["add_generation_prompt"], **req["kwargs"])
         ans = {"text": rendered[0]}
     except Budget:
         ans = {"error": f"renders more than {budget} characters"}
@@ -90,9 +90,11 @@ class _Worker:
     """One worker process and the pipe to it; replaced after a timeout or a crash."""
 
     def __init__(self):
+        from . import hf_compat  # lazily: it loads torch, which the tokenizer that asks for a render has loaded
+
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONDONTWRITEBYTECODE": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(MAX_CHARS), str(MEMORY_BYTES)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        args = [sys.executable, "-c", _WORKER, str(MAX_CHARS), str(MEMORY_BYTES), *hf_compat.CHAT_TEMPLATE_RENDERER]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         self.buf = b""
         self.ready = False
 

@@ -29,6 +29,7 @@ import torch
 from ...errors import ExportError, MpsconvertError
 from ...manifests.manifest import Manifest
 from ...format import fp8
+from ...model import hf_compat
 from ...infra.progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
@@ -128,7 +129,7 @@ def _scaled_batched_mm(self, hidden_states, top_k_index, top_k_weights):
     ids = top_k_index.reshape(-1)
     x = hidden_states.repeat_interleave(k, dim=0)
     y = torch.bmm(self.gate_up_proj[ids], x.unsqueeze(-1)).squeeze(-1) * self.gate_up_proj_row_scale[ids]
-    y = self._apply_gate(y)
+    y = hf_compat.expert_gate(self, y)
     y = torch.bmm(self.down_proj[ids], y.unsqueeze(-1)).squeeze(-1) * self.down_proj_row_scale[ids]
     y = y * top_k_weights.reshape(-1).unsqueeze(-1)
     return y.view(tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
