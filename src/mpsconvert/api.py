@@ -811,10 +811,10 @@ def _decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitSt
     from .runtime import engine as gen
 
     if backend == "torch":
-        from .runtime.evaluate.validate import _is_causal
+        from .model.definition import is_causal_lm
 
         model = load(artifact, device=device, progress=progress)
-        if not _is_causal(model.config):
+        if not is_causal_lm(model.config):
             raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
                                 "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
         return gen.Engine(model, compile=compile), model.config

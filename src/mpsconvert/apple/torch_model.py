@@ -19,10 +19,7 @@ from ..errors import ExportError, MpsconvertError
 from ..manifests import layout
 from ..infra.untrusted import parse_json, read_json
 from ..model import hf_compat
-
-
-def _is_causal_lm(config) -> bool:
-    return any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+from ..model.definition import is_causal_lm
 
 
 # Encoder-only families whose AutoModel returns last_hidden_state from (input_ids, attention_mask).
@@ -38,15 +35,15 @@ def _is_encoder(config) -> bool:
 
 def task_of(config) -> str:
     """'causal-lm' (input_ids -> logits) or 'encoder' (input_ids, attention_mask -> embeddings)."""
-    if _is_causal_lm(config):
+    if is_causal_lm(config):
         return "causal-lm"
     if _is_encoder(config):
         return "encoder"
     archs = ", ".join(config.architectures or [config.model_type])
     raise ExportError(
         f"architecture {archs} is not supported for Core ML or Core AI export",
-        "export works for causal LMs (*ForCausalLM: input_ids -> logits) and BERT-style encoders (input_ids, "
-        "attention_mask -> embeddings)",
+        "export works for causal LMs (*ForCausalLM, *LMHeadModel: input_ids -> logits) and BERT-style encoders "
+        "(input_ids, attention_mask -> embeddings)",
     )
 
 

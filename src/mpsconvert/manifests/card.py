@@ -27,6 +27,7 @@ from ..infra.atomic import write_text
 from ..errors import ArtifactError
 from ..infra.units import human
 from ..infra.untrusted import parse_yaml, read_json
+from ..model.definition import is_causal_lm
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
@@ -228,13 +229,9 @@ def _x(row: dict, phase: str) -> str:
     return f"{_n(v)}x {_t(word)}" if word else f"{_n(v)}x"
 
 
-def _is_causal(config: dict) -> bool:
-    return any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in config.get("architectures") or [])
-
-
 def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) -> list[str]:
     ref = repo or name
-    causal = _is_causal(config)
+    causal = is_causal_lm(config)
     auto = "AutoModelForCausalLM" if causal else "AutoModel"
     lines = ["## How to load", "", "transformers (with `pip install compressed-tensors`):", "",
              *_block("python", [f"from transformers import {auto}, AutoTokenizer", "",

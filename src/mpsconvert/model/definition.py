@@ -8,7 +8,10 @@ memory and runs no random initialisation at any model size. Two forms:
 - `buffers="real"`: parameters on meta, buffers real, because rotary tables and position ids
   are computed in `__init__` and are not in checkpoints, so a loader must keep them.
 
-Only transformers' own architectures are built unless `trust_remote_code` is given.
+Only transformers' own architectures are built unless `trust_remote_code` is given. It also
+answers what kind of model a config describes (`is_causal_lm`), for every part that asks.
+
+Importing it loads neither torch nor transformers (the model card asks `is_causal_lm` without them).
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import torch
-
 from ..errors import SourceError
 from ..infra.untrusted import check_model_config, read_json
-from . import hf_compat
+
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # transformers' text-generation heads (GPT-2's is GPT2LMHeadModel)
+
+
+def is_causal_lm(config) -> bool:
+    """Whether the model generates text (input_ids -> next-token logits): one of its
+    `architectures` is a transformers causal-LM head (`*ForCausalLM`, or `*LMHeadModel` as GPT-2
+    names it). `config`: transformers' config object, or config.json as a dict. The one rule for
+    generate and chat, validate's metrics, the model card's loading code and the Apple export."""
+    archs = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
+    return any(str(a).endswith(CAUSAL_LM_SUFFIXES) for a in archs or [])
 
 
 def model_class(config):
@@ -28,6 +39,8 @@ def model_class(config):
     class where the model type has one (so an lm_head, which loaders build for generation, is
     planned and kept, never left expecting scales), else AutoModel."""
     import transformers
+
+    from . import hf_compat
 
     for arch in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, arch, None)
@@ -73,6 +86,8 @@ def load_config(path, trust_remote_code: bool = False):
 def _params_on_meta():
     """Parameters registered inside go to the meta device (keeping their Parameter type); buffers
     stay where they are made."""
+    import torch
+
     original = torch.nn.Module.register_parameter
 
     def register(module, name, param):
@@ -101,6 +116,8 @@ def build(config, *, buffers: str = "meta", trust_remote_code: bool = False):
     `buffers="real"` keeps buffers (rotary tables, position ids) real. Raises SourceError when
     transformers cannot build the architecture, or the config asks for more layers or experts
     than any model has (check_counts)."""
+    import torch
+
     check_counts(config)
     cls = model_class(config)
     placement = torch.device("meta") if buffers == "meta" else _params_on_meta()

@@ -25,6 +25,7 @@ import torch
 
 from ...infra import devices, timing
 from ...errors import DataError, MpsconvertError, SourceError
+from ...model import definition as modeldef
 from ...infra.progress import Progress, or_silent
 from . import metrics
 from ..engine import Engine, Sampling, generate_ids
@@ -84,10 +85,6 @@ def with_defaults(opts: ValidateOptions, gpu: bool) -> ValidateOptions:
     return replace(opts, **{k: v for k, v in fill.items() if getattr(opts, k) is None})
 
 
-def _is_causal(config) -> bool:
-    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (getattr(config, "architectures", None) or []))
-
-
 def resolve_baseline(artifact: Path, baseline: str | None) -> str:
     """--baseline, else the manifest's source: a hub id via source.resolve, or a recorded local path."""
     from ...manifests.layout import MANIFEST_NAME
@@ -119,7 +116,6 @@ def check_baseline(artifact: Path, base_path: str) -> None:
     Raises:
         SourceError: remote code, an unreadable config, or another model, in one line.
     """
-    from ...model import definition as modeldef
     from ...manifests.layout import CONFIG_NAME
     from ...infra.untrusted import read_json
 
@@ -287,7 +283,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     # load verifies every file first (the tokenizer's included), so the tokenizer is read after it
     fp8_model = load(artifact, device=opts.device, kernel_cache=opts.kernel_cache)
     tok = loadable.tokenizer(artifact)
-    causal = _is_causal(fp8_model.config)
+    causal = modeldef.is_causal_lm(fp8_model.config)
     cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     progress("load fp8", 1, 1, "")
     progress("load bf16", 0, 1, "")
