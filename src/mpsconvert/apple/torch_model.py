@@ -18,7 +18,7 @@ from ..format import fp8
 from ..errors import ExportError, MpsconvertError
 from ..manifests import layout
 from ..infra.untrusted import parse_json, read_json
-from ..model import hf_compat
+from ..model import hf_compat, reference
 from ..model.definition import is_causal_lm
 
 
@@ -289,11 +289,11 @@ def build_torch_model(artifact: Path) -> TorchModel:
             # batched_mm experts: every token's experts gathered and multiplied at once, no
             # data-dependent loop (which torch.export cannot trace)
             moe = hf_compat.experts_kwargs("batched_mm") if _has_experts(config) else {}
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager", **moe)
+            model = reference.build(config, task=task, dtype=torch.float32, attn_implementation="eager", **moe)
         else:
             # The pooler (BERT's [CLS] dense+tanh) is not part of the embeddings output.
             extra = {"add_pooling_layer": False} if config.model_type in ("bert", "roberta", "xlm-roberta", "camembert") else {}
-            model = transformers.AutoModel.from_config(config, dtype=torch.float32, attn_implementation="eager", **extra)
+            model = reference.build(config, task=task, dtype=torch.float32, attn_implementation="eager", **extra)
     experts = _fuse_experts(model, dense, quant)
     used = _load_into(model, dense)
     model.eval()

@@ -24,7 +24,7 @@ import torch
 from ..infra import devices, filesystem
 from ..format import fp8
 from ..model import definition as modeldef
-from ..model import hf_compat
+from ..model import hf_compat, reference
 from ..model.plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
 from ..infra.progress import Progress, or_silent
@@ -117,8 +117,8 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
 # --- whole model -----------------------------------------------------------------------------
 
 def _run_whole(model_dir, config, plan, samples, device, make, opts, progress):
-    model = modeldef.model_class(config).from_pretrained(str(model_dir), dtype=_model_dtype(config), trust_remote_code=opts.trust_remote_code)
-    model.to(device).eval()
+    model = reference.load(model_dir, dtype=_model_dtype(config), device=device, config=config,
+                           trust_remote_code=opts.trust_remote_code)
     run = _runner(model, plan)
     with hooks.observing(model, list(plan.quantize), make) as (obs, experts):
         for i, ids in enumerate(samples.input_ids):

@@ -25,7 +25,7 @@ import torch
 
 from ...infra import devices, timing
 from ...errors import DataError, MpsconvertError, SourceError
-from ...model import definition as modeldef
+from ...model import definition as modeldef, reference
 from ...infra.progress import Progress, or_silent
 from . import metrics
 from ..engine import Engine, Sampling, generate_ids
@@ -265,8 +265,6 @@ def activations_rounded(decisions: list[dict], rows: int) -> dict | None:
 
 
 def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
-    import transformers
-
     from ...manifests import loadable
     from ..load.loader import load, model_bytes
 
@@ -284,12 +282,12 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
     fp8_model = load(artifact, device=opts.device, kernel_cache=opts.kernel_cache)
     tok = loadable.tokenizer(artifact)
     causal = modeldef.is_causal_lm(fp8_model.config)
-    cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     progress("load fp8", 1, 1, "")
     progress("load bf16", 0, 1, "")
     with devices.oom_hint(dev, "loading the BF16 baseline"):
         try:
-            base_model = cls.from_pretrained(base_path, dtype=torch.bfloat16).to(dev).eval()
+            base_model = reference.load(base_path, dtype=torch.bfloat16, device=dev,
+                                        task="causal-lm" if causal else "encoder")
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # weights transformers cannot read: the baseline's problem
             raise SourceError(f"transformers cannot load the baseline {base_path}: "
                               f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
