@@ -245,7 +245,7 @@ def _materialize(module, prefix: str, weights: Weights, device, dtype, model=Non
 
 def _convert_into(module, prefix: str, weights: Weights, device, dtype, model, model_dir) -> None:
     fix = "calibrate without --sequential (transformers converts this checkpoint when it loads the whole model)"
-    if not hf_compat.has_weight_conversion():
+    if not hf_compat.can_load_converted():
         raise QuantizationError(f"--sequential: {prefix} is not stored under the model's names and this transformers "
                                 "has no weight-conversion API", fix)
     heads = tuple(v + "." for v in weights.variants(prefix))

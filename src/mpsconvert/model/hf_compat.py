@@ -339,6 +339,17 @@ def saved_form(model, tensors: dict) -> dict:
     return revert_weight_conversion(_Unloaded(model), tensors)
 
 
+def can_load_converted() -> bool:
+    """Whether this transformers has the API `load_converted` uses (transformers 5)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model  # noqa: F401
+        from transformers.modeling_utils import LoadStateDictConfig  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def load_converted(model, state: dict, model_dir, device, dtype) -> None:
     """Load checkpoint tensors `state` (checkpoint names -> tensors or safetensors slices) into
     `model` through transformers' load-time weight conversion, as `from_pretrained` would
@@ -348,7 +359,7 @@ def load_converted(model, state: dict, model_dir, device, dtype) -> None:
     `modeling_utils.LoadStateDictConfig`.
 
     Raises:
-        ImportError: this transformers has no such API (it is older than 5).
+        ImportError: this transformers has no such API (see `can_load_converted`).
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
