@@ -94,7 +94,8 @@ class _Worker:
 
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONDONTWRITEBYTECODE": "1"}
         args = [sys.executable, "-c", _WORKER, str(MAX_CHARS), str(MEMORY_BYTES), *hf_compat.CHAT_TEMPLATE_RENDERER]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=env)
         self.buf = b""
         self.ready = False
 
