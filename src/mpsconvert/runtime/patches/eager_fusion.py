@@ -287,17 +287,20 @@ def _links(model: nn.Module, norms: list[nn.Module], layers: list[nn.Module]):
 
     hooks += [m.register_forward_pre_hook(called, with_kwargs=True) for m in layers]
 
+    def producer(made: dict, args):
+        """The module whose output recorded in `made` is exactly this call's input, or None."""
+        hit = made.get(id(args[0])) if args else None
+        return hit[1] if hit is not None and hit[0] is args[0] else None
+
     def seen(group):
         def pre(mod, args):
-            hit = outputs.get(id(args[0])) if args else None
-            if hit is not None and hit[0] is args[0]:
-                links.setdefault(hit[1], group)
+            if (norm := producer(outputs, args)) is not None:
+                links.setdefault(norm, group)
         return pre
 
     def reads(norm, args):
-        hit = layer_out.get(id(args[0])) if args else None
-        if hit is not None and hit[0] is args[0]:
-            nexts.setdefault(hit[1], norm)
+        if (layer := producer(layer_out, args)) is not None:
+            nexts.setdefault(layer, norm)
 
     hooks += [first.register_forward_pre_hook(seen(g)) for g, first in firsts.items()]
     hooks += [n.register_forward_pre_hook(reads) for n in norms]
