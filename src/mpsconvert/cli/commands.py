@@ -384,8 +384,9 @@ def _decode_arg(decode: str, no_compile: bool):
 def _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile):
     """The loaded chat session that generate and chat drive, from their shared sampling options (`_sampling`)."""
     with render.progress_bars() as progress:
-        return api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
-                        seed=seed, system=system_prompt, progress=progress, compile=_decode_arg(decode, no_compile))
+        return api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                        top_k=top_k, seed=seed, system=system_prompt, progress=progress,
+                        compile=_decode_arg(decode, no_compile))
 
 
 @main.command()

@@ -333,9 +333,11 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
 
         def decoder(ml, row):
             acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
-            row.update({"prefill_top1": acc["prefill"]["top1_agreement"], "decode_top1": acc["decode"]["top1_agreement"],
+            row.update({"prefill_top1": acc["prefill"]["top1_agreement"],
+                        "decode_top1": acc["decode"]["top1_agreement"],
                         "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
-            row.update(compare.decode_timing(compare.runner(coreml_decoder(ml), "coreml"), ids[:prompt], steps, warmup=2))
+            run = compare.runner(coreml_decoder(ml), "coreml")
+            row.update(compare.decode_timing(run, ids[:prompt], steps, warmup=2))
 
         rows = _unit_rows(ct, pkg, compute_units, decoder)
         rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2)))

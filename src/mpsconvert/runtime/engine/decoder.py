@@ -206,8 +206,8 @@ class Engine:
                 if not self.inductor_options:
                     raise
                 warnings.warn(f"the decode step failed to compile with Inductor's {self.inductor_options} "
-                              f"({type(e).__name__}: {str(e)[:200]}); compiled with torch's defaults instead (a few more "
-                              "kernel launches per token)",
+                              f"({type(e).__name__}: {str(e)[:200]}); compiled with torch's defaults instead "
+                              "(a few more kernel launches per token)",
                               stacklevel=2)  # fmt: skip
                 self.inductor_options = {}
                 self._compile(cap)
