@@ -381,6 +381,14 @@ def _decode_arg(decode: str, no_compile: bool):
     return "eager" if no_compile else None if decode == "auto" else decode
 
 
+def _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile):
+    """The loaded chat session that generate and chat drive, from their shared sampling options (`_sampling`)."""
+    with render.progress_bars() as progress:
+        return api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                        top_k=top_k, seed=seed, system=system_prompt, progress=progress,
+                        compile=_decode_arg(decode, no_compile))
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("prompt")
@@ -397,10 +405,7 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, 
     """
     if prompt == "-":
         prompt = render.read_prompt()
-    with render.progress_bars() as progress:
-        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
-                     system=system_prompt, progress=progress,
-                     compile=_decode_arg(decode, no_compile))
+    c = _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile)
     with c:
         res = c.complete(prompt, None if as_json else render.stream, use_template=not ignore_chat_template)
     render.generation(res, as_json)
@@ -418,10 +423,7 @@ CHAT_HELP = "/exit (or /quit, end of input) ends, /reset forgets the history; a 
 def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, decode, no_compile):
     """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or `/quit`, or end
     of input) ends, `/reset` forgets, `/help` lists these."""
-    with render.progress_bars() as progress:
-        c = api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
-                     system=system_prompt, progress=progress,
-                     compile=_decode_arg(decode, no_compile))
+    c = _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile)
     with c:
         c.require_template()  # before the prompt, not at the first message
         render.note(f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history, /help")

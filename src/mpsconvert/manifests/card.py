@@ -147,6 +147,17 @@ def _where(src: dict) -> str:
     return _c(src.get("id")) + (f" at commit {_c(src['commit'])}" if src.get("commit") else "")
 
 
+def _size_rows(s: dict) -> list[str]:
+    """The "What was done" table's rows from the summary: the Linear weights quantized, their bytes
+    before and after, and the worst SQNR where it was measured."""
+    rows = [f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
+            f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} "
+            f"({_n(s.get('ratio'))}x) |"]
+    if s.get("worst_sqnr_db") is not None:
+        rows.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
+    return rows
+
+
 def _what_was_done(manifest: Manifest) -> list[str]:
     r, s, src = manifest.recipe, manifest.summary, manifest.source
     where = _where(src)
@@ -160,12 +171,8 @@ def _what_was_done(manifest: Manifest) -> list[str]:
         f"| scheme | {_c(name)}: {_t(_SCHEME_TEXT.get(name, name)) if isinstance(name, str) else '?'} |",
         f"| weight scales | {_t(_GRANULARITY_TEXT.get(weights, weights)) if isinstance(weights, str) else '?'}; "
         "`scale = amax / 448`, values clamped to +-448 |",
-        f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
-        f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} "
-        f"({_n(s.get('ratio'))}x) |",
+        *_size_rows(s),
     ]
-    if s.get("worst_sqnr_db") is not None:
-        lines.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
     g = manifest.get(GGUFSource)
     if g is not None:
         note = g.precision_note()
@@ -351,11 +358,7 @@ def diffusion_done(manifest: Manifest) -> list[str]:
              f"| format | {layout} |",
              f"| weight scales | {_t(_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights')))}; `scale = amax / "
              "448`, values clamped to +-448 |",
-             f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
-             f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} "
-             f"({_n(s.get('ratio'))}x) |"]
-    if s.get("worst_sqnr_db") is not None:
-        lines.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
+             *_size_rows(s)]
     patterns = hp.get("patterns") if isinstance(hp.get("patterns"), list) else []
     lines.append(f"| kept in high precision | {_t(hp.get('rule'))}: {', '.join(_c(x) for x in patterns)} "
                  f"({len(kept)} Linear layers); norms, biases, convolutions and other non-Linear tensors as in the source |")

@@ -151,6 +151,20 @@ class Record(Typed):
         return [(self.path(), compact(self.as_dict()))]
 
 
+class MappingRecord(Record):
+    """A record that is one mapping and nothing beside it: its one field holds the whole body,
+    checked against that field's annotation."""
+
+    @classmethod
+    def from_dict(cls, body, where, fix=None):
+        (f,) = dataclasses.fields(cls)
+        return cls(**{f.name: _value(body, typing.get_type_hints(cls)[f.name], where, fix or cls.FIX)})
+
+    def as_dict(self) -> dict:
+        (f,) = dataclasses.fields(self)
+        return _plain(getattr(self, f.name))
+
+
 def compact(value, limit: int = 100) -> str:
     """JSON of `value` in at most `limit` characters (inspect --json shows all of it)."""
     text = json.dumps(value)
@@ -178,20 +192,13 @@ class ValidationRun(Typed):
 
 
 @dataclass(kw_only=True)
-class Validation(Record):
+class Validation(MappingRecord):
     """Every `validate` run, keyed by "<device name> (<device>)": a run on another device adds a key."""
 
     KEY: ClassVar[str] = "validation"
     AFTER: ClassVar[bool] = True
     FIX: ClassVar[str] = "run `mpsconvert validate` again (it rewrites the record)"
     runs: dict[str, ValidationRun] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, body, where, fix=None):
-        return cls(runs=_value(body, dict[str, ValidationRun], where, fix or cls.FIX))
-
-    def as_dict(self) -> dict:
-        return _plain(self.runs)
 
     def inspect_rows(self) -> list[tuple[str, str]]:
         rows = []
@@ -313,19 +320,12 @@ class Experts(Record):
 
 
 @dataclass(kw_only=True)
-class ExpertCalibration(Record):
+class ExpertCalibration(MappingRecord):
     """Calibrated input scales of fused MoE experts: "<experts module>.<param>" -> one per expert."""
 
     KEY: ClassVar[str] = "calibration_experts"
     FIX: ClassVar[str] = "calibrate again (`mpsconvert calibrate`)"
     scales: dict[str, list[float]] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, body, where, fix=None):
-        return cls(scales=_value(body, dict[str, list[float]], where, fix or cls.FIX))
-
-    def as_dict(self) -> dict:
-        return dict(self.scales)
 
 
 @dataclass(kw_only=True)

@@ -254,16 +254,11 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
                               "drop --component")
         name, path, layout = None, root, "component"
     comp = Snapshot(path=path.resolve(), kind=snap.kind, repo_id=snap.repo_id, revision=snap.revision, commit=snap.commit)
-    comp.config = check_model_config(read_json(path / CONFIG_NAME, what=str(path / CONFIG_NAME), error=SourceError, fix="fix or re-download config.json"),
-                                     what=str(path / CONFIG_NAME), error=SourceError)
+    comp.config = _read_config(path / CONFIG_NAME)
     if "quantization_config" in comp.config:
         raise SourceError(f"{path} is already quantized ({str(comp.config['quantization_config'])[:60]})",
                           "convert the model's BF16 / FP16 release")
-    index = path / (DIFFUSERS_WEIGHTS + ".index.json")
-    if index.is_file():
-        comp.weight_map = _read_index(index)
-        comp.weight_files = sorted(set(comp.weight_map.values()))
-    else:
+    if not _weights_from_index(comp, path / (DIFFUSERS_WEIGHTS + ".index.json")):
         comp.weight_files = filesystem.files(path, ".safetensors")  # AppleDouble `._*` companions left out
     if not comp.weight_files:
         raise SourceError(f"{path} has no *.safetensors weights", "pass a diffusers model with safetensors weights")
@@ -336,16 +331,11 @@ def _inventory(snap: Snapshot) -> Snapshot:
             "pass the folder that holds config.json and *.safetensors",
         )
     check_inside(snap, CONFIG_NAME)
-    snap.config = check_model_config(read_json(cfg, what=str(cfg), error=SourceError, fix="fix or re-download config.json"),
-                                     what=str(cfg), error=SourceError)
+    snap.config = _read_config(cfg)
     if "quantization_config" in snap.config:
         snap.fp8 = source_fp8(snap.config["quantization_config"], str(snap.repo_id or p))  # FP8 kept as it is, others refused
 
-    index = p / INDEX_NAME
-    if index.is_file():
-        snap.weight_map = _read_index(index)
-        snap.weight_files = sorted(set(snap.weight_map.values()))
-    else:
+    if not _weights_from_index(snap, p / INDEX_NAME):
         st = sorted(f for f in files if f.endswith(".safetensors"))
         if SINGLE_FILE in st:
             st = [SINGLE_FILE]
@@ -389,6 +379,21 @@ def check_inside(snap: Snapshot, rel: str) -> Path:
     ~/.ssh): the one path rule (untrusted.inside), with the HF cache's blobs allowed."""
     inside(snap.path, rel, what=f"the model folder {snap.path}", error=SourceError, root=allowed_root(snap))
     return (snap.path / rel).resolve()
+
+
+def _read_config(cfg: Path) -> dict:
+    """A model folder's config.json, checked (check_model_config)."""
+    body = read_json(cfg, what=str(cfg), error=SourceError, fix="fix or re-download config.json")
+    return check_model_config(body, what=str(cfg), error=SourceError)
+
+
+def _weights_from_index(snap: Snapshot, index: Path) -> bool:
+    """Set the snapshot's weight map and files from its safetensors index; False where it has none."""
+    if not index.is_file():
+        return False
+    snap.weight_map = _read_index(index)
+    snap.weight_files = sorted(set(snap.weight_map.values()))
+    return True
 
 
 def _read_index(index: Path) -> dict[str, str]:

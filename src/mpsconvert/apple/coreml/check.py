@@ -297,6 +297,20 @@ def _mps_row(tm, fn) -> dict:
     return {"engine": "pytorch:mps fp16", **fn()}
 
 
+def _unit_rows(ct, pkg: Path, compute_units, measure) -> list[dict]:
+    """A row per compute unit: the package loaded with it, then `measure(model, row)` fills the
+    row; one unit failing is a result, reported in its row."""
+    rows = []
+    for cu in compute_units:
+        row = {"engine": f"coreml:{cu}"}
+        try:
+            measure(_load(ct, pkg, cu, row), row)
+        except Exception as e:
+            _unit_failed(row, e)
+        rows.append(row)
+    return rows
+
+
 def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=None,
                          prefill_len: int = 64, decode_tokens: int = 16, platform: str = sys.platform, ct=None) -> dict:
     """Load the package with Core ML, compare with PyTorch, and time it per compute unit beside
@@ -313,21 +327,19 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
     artifact = Path(artifact)
     pkg = _package(artifact)
     tm = build_torch_model(artifact)
-    rows = []
     if record.get("kv_cache"):
         prompt, steps = compare.fit_to_cache(prefill_len, decode_tokens, 2, record["max_len"])
         ids, what = compare.prompt_ids(artifact, tm, prompt + steps, texts)
-        for cu in compute_units:
-            row = {"engine": f"coreml:{cu}"}
-            try:
-                ml = _load(ct, pkg, cu, row)
-                acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
-                row.update({"prefill_top1": acc["prefill"]["top1_agreement"], "decode_top1": acc["decode"]["top1_agreement"],
-                            "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
-                row.update(compare.decode_timing(compare.runner(coreml_decoder(ml), "coreml"), ids[:prompt], steps, warmup=2))
-            except Exception as e:  # one compute unit failing is a result, reported in its row
-                _unit_failed(row, e)
-            rows.append(row)
+
+        def decoder(ml, row):
+            acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
+            row.update({"prefill_top1": acc["prefill"]["top1_agreement"],
+                        "decode_top1": acc["decode"]["top1_agreement"],
+                        "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
+            run = compare.runner(coreml_decoder(ml), "coreml")
+            row.update(compare.decode_timing(run, ids[:prompt], steps, warmup=2))
+
+        rows = _unit_rows(ct, pkg, compute_units, decoder)
         rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2)))
         base = next((r.get("decode_tokens_per_s") for r in rows if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")), None)
         for r in rows:
@@ -340,17 +352,14 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
     feeds = dict(zip(tm.input_names, x))
     with torch.no_grad():
         ref = tm.module(*(torch.from_numpy(a.astype(np.int64)) for a in x)).float().numpy()
-    for cu in compute_units:
-        row = {"engine": f"coreml:{cu}"}
-        try:
-            ml = _load(ct, pkg, cu, row)
-            got = np.asarray(ml.predict(feeds)[tm.output_name])
-            row.update(compare_outputs(tm.task, got, ref))
-            row["ok"] = row["cosine_min"] >= min_cosine
-            row["latency_ms"] = round(timing.median_ms(lambda: ml.predict(feeds), repeats=runs), 3)
-        except Exception as e:  # one compute unit failing is a result, reported in its row
-            _unit_failed(row, e)
-        rows.append(row)
+
+    def one_pass(ml, row):
+        got = np.asarray(ml.predict(feeds)[tm.output_name])
+        row.update(compare_outputs(tm.task, got, ref))
+        row["ok"] = row["cosine_min"] >= min_cosine
+        row["latency_ms"] = round(timing.median_ms(lambda: ml.predict(feeds), repeats=runs), 3)
+
+    rows = _unit_rows(ct, pkg, compute_units, one_pass)
 
     def mps():
         dev = torch.device("mps")

@@ -99,6 +99,17 @@ def _f32(v: _Val | None):
     return None if v is None else np.asarray(v.val, dtype=np.float32)
 
 
+def _plus(y, v: _Val | None):
+    """`y`, plus the optional operand `v` (a bias, a beta) where the op has one."""
+    return y if v is None else y + _f32(v)
+
+
+def _erf_f32(x):
+    from math import erf
+
+    return np.vectorize(erf, otypes=[np.float32])(x)
+
+
 def _out_dtype(op):
     from coremltools.converters.mil.mil import types
 
@@ -106,10 +117,7 @@ def _out_dtype(op):
 
 
 def _linear(op, view):
-    y = _f32(view.x) @ _f32(view.weight).T
-    if view.bias is not None:
-        y = y + _f32(view.bias)
-    return y.astype(_out_dtype(op))
+    return _plus(_f32(view.x) @ _f32(view.weight).T, view.bias).astype(_out_dtype(op))
 
 
 def _matmul(op, view):
@@ -134,16 +142,12 @@ def _gelu(op, view):
     elif mode == "SIGMOID_APPROXIMATION":
         y = x / (1 + np.exp(-1.702 * x))
     else:
-        from math import erf
-
-        y = 0.5 * x * (1 + np.vectorize(erf, otypes=[np.float32])(x / math.sqrt(2)))
+        y = 0.5 * x * (1 + _erf_f32(x / math.sqrt(2)))
     return y.astype(_out_dtype(op))
 
 
 def _erf(op, view):
-    from math import erf
-
-    return np.vectorize(erf, otypes=[np.float32])(_f32(view.x)).astype(_out_dtype(op))
+    return _erf_f32(_f32(view.x)).astype(_out_dtype(op))
 
 
 def _layer_norm(op, view):
@@ -155,9 +159,7 @@ def _layer_norm(op, view):
     y = (x - mean) / np.sqrt(var + eps)
     if view.gamma is not None:
         y = y * _f32(view.gamma)
-    if view.beta is not None:
-        y = y + _f32(view.beta)
-    return y.astype(_out_dtype(op))
+    return _plus(y, view.beta).astype(_out_dtype(op))
 
 
 def _gather_nd(op, view):

@@ -43,6 +43,21 @@ class Family:
     swaps: tuple[str, ...] = ()  # original keys whose two row halves are swapped (shift, scale) vs (scale, shift)
 
 
+_QKV = ("to_q", "to_k", "to_v")
+_ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")  # the context stream's q/k/v in the joint blocks
+
+
+def _fused(prefix: str, target: str, members: tuple[str, ...] = _QKV) -> Fusion:
+    """The Fusion of the Linears `members` right after `prefix` (a regex) into `target`."""
+    return Fusion(prefix + rf"(?P<m>{'|'.join(members)})$", target, members)
+
+
+def _embedder(prefix: str, first: str, second: str) -> tuple[tuple[str, str], ...]:
+    """The renames of a diffusers TimestepEmbedding (Linears `linear_1`, `linear_2` after `prefix`)
+    to the original repo's two module names."""
+    return (prefix + r"linear_1\.", first), (prefix + r"linear_2\.", second)
+
+
 _FLUX_BLOCK = r"^transformer_blocks\.(\d+)\."
 _SD3_BLOCK = r"^transformer_blocks\.(\d+)\."
 _ZIMAGE_BLOCK = r"^(layers|context_refiner|noise_refiner)\.(\d+)\."
@@ -54,12 +69,9 @@ FAMILIES: tuple[Family, ...] = (
         # BFL's embedders and final layer (Comfy-Org's and Kijai's fp8_scaled files keep these)
         keep=("img_in", "txt_in", "time_in.*", "vector_in.*", "guidance_in.*", "final_layer.*"),
         renames=(
-            (r"^time_text_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
-            (r"^time_text_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
-            (r"^time_text_embed\.text_embedder\.linear_1\.", "vector_in.in_layer."),
-            (r"^time_text_embed\.text_embedder\.linear_2\.", "vector_in.out_layer."),
-            (r"^time_text_embed\.guidance_embedder\.linear_1\.", "guidance_in.in_layer."),
-            (r"^time_text_embed\.guidance_embedder\.linear_2\.", "guidance_in.out_layer."),
+            *_embedder(r"^time_text_embed\.timestep_embedder\.", "time_in.in_layer.", "time_in.out_layer."),
+            *_embedder(r"^time_text_embed\.text_embedder\.", "vector_in.in_layer.", "vector_in.out_layer."),
+            *_embedder(r"^time_text_embed\.guidance_embedder\.", "guidance_in.in_layer.", "guidance_in.out_layer."),
             (r"^context_embedder\.", "txt_in."),
             (r"^x_embedder\.", "img_in."),
             (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
@@ -82,11 +94,9 @@ FAMILIES: tuple[Family, ...] = (
             (r"^single_transformer_blocks\.(\d+)\.proj_out\.", r"single_blocks.\1.linear2."),
         ),
         fusions=(
-            Fusion(_FLUX_BLOCK + r"attn\.(?P<m>to_q|to_k|to_v)$", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
-            Fusion(_FLUX_BLOCK + r"attn\.(?P<m>add_q_proj|add_k_proj|add_v_proj)$", r"double_blocks.\1.txt_attn.qkv",
-                   ("add_q_proj", "add_k_proj", "add_v_proj")),
-            Fusion(r"^single_transformer_blocks\.(\d+)\.(?:attn\.)?(?P<m>to_q|to_k|to_v|proj_mlp)$", r"single_blocks.\1.linear1",
-                   ("to_q", "to_k", "to_v", "proj_mlp")),
+            _fused(_FLUX_BLOCK + r"attn\.", r"double_blocks.\1.img_attn.qkv"),
+            _fused(_FLUX_BLOCK + r"attn\.", r"double_blocks.\1.txt_attn.qkv", _ADDED_QKV),
+            _fused(r"^single_transformer_blocks\.(\d+)\.(?:attn\.)?", r"single_blocks.\1.linear1", (*_QKV, "proj_mlp")),
         ),
         swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"),
     ),
@@ -96,10 +106,8 @@ FAMILIES: tuple[Family, ...] = (
         # Kijai's list: norm, bias, time_in, patch_embedding, img_emb, modulation, text_embedding; plus the head
         keep=("patch_embedding", "text_embedding.*", "time_embedding.*", "time_projection.*", "img_emb.*", "head.*", "*modulation*"),
         renames=(
-            (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
-            (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
-            (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
-            (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+            *_embedder(r"^condition_embedder\.time_embedder\.", "time_embedding.0.", "time_embedding.2."),
+            *_embedder(r"^condition_embedder\.text_embedder\.", "text_embedding.0.", "text_embedding.2."),
             (r"^condition_embedder\.time_proj\.", "time_projection.1."),
             (r"^condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),
             (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
@@ -133,10 +141,8 @@ FAMILIES: tuple[Family, ...] = (
         keep=("x_embedder.*", "context_embedder", "t_embedder.*", "y_embedder.*", "final_layer.*", "pos_embed"),
         renames=(
             (r"^context_embedder\.", "context_embedder."),
-            (r"^time_text_embed\.timestep_embedder\.linear_1\.", "t_embedder.mlp.0."),
-            (r"^time_text_embed\.timestep_embedder\.linear_2\.", "t_embedder.mlp.2."),
-            (r"^time_text_embed\.text_embedder\.linear_1\.", "y_embedder.mlp.0."),
-            (r"^time_text_embed\.text_embedder\.linear_2\.", "y_embedder.mlp.2."),
+            *_embedder(r"^time_text_embed\.timestep_embedder\.", "t_embedder.mlp.0.", "t_embedder.mlp.2."),
+            *_embedder(r"^time_text_embed\.text_embedder\.", "y_embedder.mlp.0.", "y_embedder.mlp.2."),
             (r"^pos_embed\.proj\.", "x_embedder.proj."),
             (r"^pos_embed\.pos_embed$", "pos_embed"),
             (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
@@ -158,10 +164,9 @@ FAMILIES: tuple[Family, ...] = (
             (_SD3_BLOCK + r"ff\.net\.2\.", r"joint_blocks.\1.x_block.mlp.fc2."),
         ),
         fusions=(
-            Fusion(_SD3_BLOCK + r"attn\.(?P<m>to_q|to_k|to_v)$", r"joint_blocks.\1.x_block.attn.qkv", ("to_q", "to_k", "to_v")),
-            Fusion(_SD3_BLOCK + r"attn\.(?P<m>add_q_proj|add_k_proj|add_v_proj)$", r"joint_blocks.\1.context_block.attn.qkv",
-                   ("add_q_proj", "add_k_proj", "add_v_proj")),
-            Fusion(_SD3_BLOCK + r"attn2\.(?P<m>to_q|to_k|to_v)$", r"joint_blocks.\1.x_block.attn2.qkv", ("to_q", "to_k", "to_v")),
+            _fused(_SD3_BLOCK + r"attn\.", r"joint_blocks.\1.x_block.attn.qkv"),
+            _fused(_SD3_BLOCK + r"attn\.", r"joint_blocks.\1.context_block.attn.qkv", _ADDED_QKV),
+            _fused(_SD3_BLOCK + r"attn2\.", r"joint_blocks.\1.x_block.attn2.qkv"),
         ),
         # the final norm, and the last block's context norm (AdaLayerNormContinuous in diffusers)
         swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias", "@last:context_block.adaLN_modulation.1"),
@@ -178,7 +183,7 @@ FAMILIES: tuple[Family, ...] = (
             (_ZIMAGE_BLOCK + r"attention\.to_out\.0\.", r"\1.\2.attention.out."),
         ),
         fusions=(
-            Fusion(_ZIMAGE_BLOCK + r"attention\.(?P<m>to_q|to_k|to_v)$", r"\1.\2.attention.qkv", ("to_q", "to_k", "to_v")),
+            _fused(_ZIMAGE_BLOCK + r"attention\.", r"\1.\2.attention.qkv"),
         ),
     ),
 )

@@ -199,20 +199,18 @@ class Engine:
         t = time.perf_counter()
         if self.path == "graph":
             self._capture(cap)
-            self.cache.reset()
-            self.setup_seconds = time.perf_counter() - t
-            return self.setup_seconds
-        try:
-            self._compile(cap)
-        except Exception as e:  # Inductor failed with its non-default options: torch's defaults, and said so
-            if not self.inductor_options:
-                raise
-            warnings.warn(f"the decode step failed to compile with Inductor's {self.inductor_options} "
-                          f"({type(e).__name__}: {str(e)[:200]}); compiled with torch's defaults instead (a few more "
-                          "kernel launches per token)",
-                          stacklevel=2)  # fmt: skip
-            self.inductor_options = {}
-            self._compile(cap)
+        else:
+            try:
+                self._compile(cap)
+            except Exception as e:  # Inductor failed with its non-default options: torch's defaults, and said so
+                if not self.inductor_options:
+                    raise
+                warnings.warn(f"the decode step failed to compile with Inductor's {self.inductor_options} "
+                              f"({type(e).__name__}: {str(e)[:200]}); compiled with torch's defaults instead "
+                              "(a few more kernel launches per token)",
+                              stacklevel=2)  # fmt: skip
+                self.inductor_options = {}
+                self._compile(cap)
         self.cache.reset()
         self.setup_seconds = time.perf_counter() - t
         return self.setup_seconds

@@ -102,6 +102,14 @@ class Stash:
         self.pre = None  # (x, x._version, (codes, scale)): x quantized by the op that made it
         self.hits = self.misses = 0
 
+    def take_pre(self, x: torch.Tensor):
+        """`pre` where it was made for exactly `x`, unmodified since, else None; taken once either way."""
+        pre = self.pre
+        if pre is None:
+            return None
+        self.pre = None
+        return pre if pre[0] is x and pre[1] == version(x) else None
+
 
 class SharedInput(nn.Module):
     """Members that read one input: one quantization and one GEMM (`inner`) for all of them."""
@@ -174,12 +182,8 @@ class SharedInput(nn.Module):
         """The (codes, scale) stashed for exactly this tensor, unmodified since, once; else None."""
         if torch.compiler.is_compiling():  # traced code never stashes (eager_fusion runs the module's own forward)
             return None
-        st = self.stash
-        pre = st.pre
-        if pre is None:
-            return None
-        st.pre = None
-        return pre[2] if pre[0] is x and pre[1] == version(x) else None
+        pre = self.stash.take_pre(x)
+        return pre[2] if pre is not None else None
 
     @staticmethod
     def _take(member: FP8Linear, kind: str, value, x: torch.Tensor, slot: int) -> torch.Tensor:

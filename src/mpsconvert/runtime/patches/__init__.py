@@ -43,6 +43,11 @@ def _installed(model: nn.Module, *fns) -> int:
     return sum(any(forwards.installed(m, f) for f in fns) for m in model.modules())
 
 
+def _lost(report: Report, n: int, what: str) -> list[str]:
+    """A check's problems: none where `n` modules still run what the install counted, else how many `what`."""
+    return [] if n == report.installed else [f"{report.installed - n} {what}"]
+
+
 def _needs_cuda_triton(ctx: Context) -> str | None:
     if ctx.device.type != "cuda":
         return f"runs on CUDA only (this model is on {ctx.device.type})"
@@ -118,7 +123,7 @@ class Routing:
         from . import routing
 
         n = _installed(model, routing._router_forward)
-        return [] if n == report.installed else [f"{report.installed - n} routers lost their installed forward"]
+        return _lost(report, n, "routers lost their installed forward")
 
 
 class EagerFusion:
@@ -138,7 +143,7 @@ class EagerFusion:
         from . import eager_fusion as f
 
         n = _installed(model, f._norm_forward, f._mlp_forward, f._layer_forward)
-        return [] if n == report.installed else [f"{report.installed - n} modules lost their fused forward"]
+        return _lost(report, n, "modules lost their fused forward")
 
 
 class PrefillGraphs:
@@ -162,7 +167,7 @@ class PrefillGraphs:
 
     def check(self, model, ctx, report):
         n = sum(getattr(m, "mpsconvert_graphs", None) is not None for m in model.modules())
-        return [] if n == report.installed else [f"{report.installed - n} layers lost their prefill graphs"]
+        return _lost(report, n, "layers lost their prefill graphs")
 
 
 class Positions:

@@ -89,12 +89,7 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _handed(norm: nn.Module, x: torch.Tensor):
     """What the layer before computed for this norm's call on exactly `x` (taken once): (x,
     version, the norm's output or None where only its codes were written, its codes or None)."""
-    hand = norm.mpsconvert_hand
-    pre = hand.pre
-    if pre is None:
-        return None
-    hand.pre = None
-    return pre if pre[0] is x and pre[1] == version(x) else None
+    return norm.mpsconvert_hand.take_pre(x)
 
 
 def _fused_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None, store_y: bool = True):
@@ -292,17 +287,20 @@ def _links(model: nn.Module, norms: list[nn.Module], layers: list[nn.Module]):
 
     hooks += [m.register_forward_pre_hook(called, with_kwargs=True) for m in layers]
 
+    def producer(made: dict, args):
+        """The module whose output recorded in `made` is exactly this call's input, or None."""
+        hit = made.get(id(args[0])) if args else None
+        return hit[1] if hit is not None and hit[0] is args[0] else None
+
     def seen(group):
         def pre(mod, args):
-            hit = outputs.get(id(args[0])) if args else None
-            if hit is not None and hit[0] is args[0]:
-                links.setdefault(hit[1], group)
+            if (norm := producer(outputs, args)) is not None:
+                links.setdefault(norm, group)
         return pre
 
     def reads(norm, args):
-        hit = layer_out.get(id(args[0])) if args else None
-        if hit is not None and hit[0] is args[0]:
-            nexts.setdefault(hit[1], norm)
+        if (layer := producer(layer_out, args)) is not None:
+            nexts.setdefault(layer, norm)
 
     hooks += [first.register_forward_pre_hook(seen(g)) for g, first in firsts.items()]
     hooks += [n.register_forward_pre_hook(reads) for n in norms]
@@ -466,6 +464,17 @@ def install(model: nn.Module) -> dict:
         report["left"].append(f"probe forward failed ({type(e).__name__}: {str(e)[:120]}); nothing fused")
         return report
     names = {m: n for n, m in model.named_modules()}
+
+    def kept(module: nn.Module, why: str | None, count: str) -> bool:
+        """Whether `module`'s installed forward passed its check (counted under `count`); else it is
+        taken out again and why is said."""
+        if why:
+            forwards.uninstall(module)
+            report["left"].append(f"{names[module]}: {why}")
+            return False
+        report[count] += 1
+        return True
+
     for norm in norms:
         object.__setattr__(norm, "mpsconvert_eps", _eps(norm))
         group = links.get(norm)
@@ -482,12 +491,8 @@ def install(model: nn.Module) -> dict:
         object.__setattr__(mlp, "mpsconvert_parts", parts)
         object.__setattr__(mlp, "mpsconvert_gated", False)  # the gated decode: on once checked (_check_gated)
         forwards.install(mlp, _mlp_forward)  # checked installed (its fallbacks call the class's own forward)
-        why = _check_mlp(mlp)
-        if why:
-            forwards.uninstall(mlp)
-            report["left"].append(f"{names[mlp]}: {why}")
+        if not kept(mlp, _check_mlp(mlp), "mlps"):
             continue
-        report["mlps"] += 1
         why = _check_gated(mlp)
         if why:
             report["left"].append(f"{names[mlp]}: {why}; its decode runs the module's forward")
@@ -513,10 +518,7 @@ def install(model: nn.Module) -> dict:
             why, direct = _check_layer(layer, calls[layer]), why
             if not why:  # the direct path was what differed
                 report["left"].append(f"{names[parts[1]]}: {direct}; its prefill runs the module's forward")
-        if why:
-            forwards.uninstall(layer)
-            report["left"].append(f"{names[layer]}: {why}")
+        if not kept(layer, why, "layers"):
             continue
-        report["layers"] += 1
         report["attention"] += layer.mpsconvert_attention is not None
     return report

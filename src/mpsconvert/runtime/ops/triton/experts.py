@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .gemv import autotune
+from .gemv import autotuned
 from .launch import TL_DTYPES
 from . import INTERPRET, compile_configs, tl, triton
 
@@ -61,14 +61,12 @@ if triton is not None:
         # y is a zeroed float32 buffer: the K splits add their partial sums
         tl.atomic_add(y_ptr + pid_s * stride_ym + offs_n, acc * s, mask=n_ok)
 
-    if INTERPRET:
-        _kernel = _expert_gemv_kernel
-    else:
-        _kernel = autotune(
-            [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w) for bn, bk, sk, w in _CONFIGS],
-            key=["N", "K"],
-            reset_to_zero=["y_ptr"],
-        )(_expert_gemv_kernel)
+    _kernel = autotuned(
+        _expert_gemv_kernel,
+        [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w) for bn, bk, sk, w in _CONFIGS],
+        key=["N", "K"],
+        reset_to_zero=["y_ptr"],
+    )
 
 
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,

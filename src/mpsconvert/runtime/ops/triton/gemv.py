@@ -44,6 +44,17 @@ def autotune(configs, key, **kw):
         return triton.autotune(configs=configs, key=key, **kw)
 
 
+def autotuned(kernel, configs, key, **kw):
+    """`kernel` autotuned over `configs` (`autotune`); under TRITON_INTERPRET=1 the kernel itself,
+    which the tests launch with fixed blocks."""
+    return kernel if INTERPRET else autotune(configs, key, **kw)(kernel)
+
+
+def _block_configs(table) -> list:
+    """triton.Configs of (BLOCK_N, BLOCK_K, warps, pipeline stages) rows."""
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in table]
+
+
 if triton is not None:
     from .act_quant import _round_to, _silu_mul  # the gated form's epilogue: silu(gate) * up, rounded as the module rounds it
 
@@ -112,11 +123,7 @@ if triton is not None:
             y = _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND) + tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + offs_n, _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty), mask=n_mask)
 
-    if INTERPRET:
-        _kernel = _fp8_gemv_kernel
-    else:
-        _kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _CONFIGS],
-                           key=["N", "K", "M", "GATED", "NORM", "RESIDUAL"])(_fp8_gemv_kernel)  # fmt: skip
+    _kernel = autotuned(_fp8_gemv_kernel, _block_configs(_CONFIGS), key=["N", "K", "M", "GATED", "NORM", "RESIDUAL"])
 
 
 # W8A8 decode: BLOCK_N, BLOCK_K, warps, pipeline stages (BLOCK_M is 16, the smallest tl.dot tile).
@@ -173,11 +180,7 @@ if triton is not None:
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
 
-    if INTERPRET:
-        _dot_kernel = _fp8_dot_kernel
-    else:
-        _dot_kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in _DOT_CONFIGS],
-                               key=["N", "K", "M", "GATED"])(_fp8_dot_kernel)  # fmt: skip
+    _dot_kernel = autotuned(_fp8_dot_kernel, _block_configs(_DOT_CONFIGS), key=["N", "K", "M", "GATED"])
 
 
 def _launch_dot(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
