@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from mpsconvert.infra import atomic, safetensors_io
 
 from mpsconvert.source import snapshot as source
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, MpsconvertError, SourceError
 from mpsconvert.manifests.hashing import BackgroundHasher, sha256_file
 from mpsconvert.manifests.manifest import MANIFEST_NAME

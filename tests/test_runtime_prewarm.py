@@ -126,7 +126,8 @@ class _Recorder:
 def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_failure(tmp_path, monkeypatch):
     """load() starts the thread before anything is read, hands it exactly the FP8 Linears' shapes
     once the model is built, waits for it before the kernel policy, and ends it when a load fails."""
-    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.convert.quantize import quantize_snapshot
+    from mpsconvert.convert.quantize_options import Options
     from mpsconvert.errors import ArtifactError
     from mpsconvert.format.schemes import Scheme
     from mpsconvert.runtime.load import loader
@@ -211,7 +212,8 @@ def test_compile_configs_compiles_each_configuration_once_the_first_before_the_o
 @pytest.fixture(scope="module")
 def artifact(work):
     """A tiny Llama quantized with the defaults, and the same model loaded on CPU."""
-    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.convert.quantize import quantize_snapshot
+    from mpsconvert.convert.quantize_options import Options
     from mpsconvert.format.schemes import Scheme
     from mpsconvert.source.snapshot import resolve
 

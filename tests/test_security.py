@@ -22,7 +22,8 @@ import mpsconvert
 from mpsconvert.infra import atomic
 from mpsconvert.source import snapshot as source
 from mpsconvert.cli import main
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, DataError, MpsconvertError, QuantizationError, SourceError
 from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
 from mpsconvert.manifests.verify import verify_artifact

@@ -142,7 +142,9 @@ def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts
 
 def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_code, experts_layout, force, delete_unlisted, scales,
                   dtype, shard_bytes, progress) -> Converted:
-    from .quantize import Options, check_fp8_source, quantize_snapshot
+    from .quantize import quantize_snapshot
+    from .quantize_options import Options
+    from .quantize_plan import check_fp8_source
 
     check_fp8_source(snap, sch)
     opts = Options(scheme=sch, ignore=list(ignore), force=force, delete_unlisted=delete_unlisted, trust_remote_code=trust_remote_code,
