@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import mpsconvert
 import torch
 from mpsconvert import api
-from mpsconvert.cli import main, render
+from mpsconvert.cli import main, progress_bars, render
 from mpsconvert.manifests.manifest import Manifest
 
 from . import models
@@ -274,7 +274,7 @@ def test_inspect_shows_the_runs_verdict_and_sorts_layers_by_number(tmp_path):
 def test_without_a_terminal_a_long_phase_prints_a_line_every_few_seconds():
     now = [0.0]
     lines = []
-    p = render.ProgressLines(every=10, clock=lambda: now[0], write=lines.append)
+    p = progress_bars.ProgressLines(every=10, clock=lambda: now[0], write=lines.append)
     p("quick", 0, 3, "")
     now[0] = 1
     p("quick", 3, 3, "")  # under 10 s: nothing (a short command's output is its result)
@@ -306,7 +306,7 @@ def test_without_a_terminal_a_long_phase_prints_a_line_every_few_seconds():
 
 def test_progress_lines_come_from_a_timer_when_stderr_is_a_log(capsys):
     assert not render.console.is_terminal
-    with render.progress_bars(every=0.05) as progress:
+    with progress_bars.progress_bars(every=0.05) as progress:
         progress("latency", 0, 3, "rounds")
         time.sleep(0.5)  # no update: the timer keeps the phase visible
     err = capsys.readouterr().err
