@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from mpsconvert.infra import atomic, safetensors_io
+from mpsconvert.infra import atomic, safetensors_io, safetensors_writer
 
 from mpsconvert.source import snapshot as source
 from mpsconvert.convert.quantize import quantize_snapshot
@@ -149,7 +149,7 @@ def test_a_second_run_into_the_same_output_fails_clearly(tiny_models, tmp_path):
 
 
 def test_disk_full_during_write_is_reported_and_leaves_nothing(tiny_models, tmp_path, monkeypatch):
-    real = safetensors_io.ShardWriter._write
+    real = safetensors_writer.ShardWriter._write
     written = {"n": 0}
 
     def full(self, data):
@@ -158,7 +158,7 @@ def test_disk_full_during_write_is_reported_and_leaves_nothing(tiny_models, tmp_
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, data)
 
-    monkeypatch.setattr(safetensors_io.ShardWriter, "_write", full)
+    monkeypatch.setattr(safetensors_writer.ShardWriter, "_write", full)
     with pytest.raises(MpsconvertError, match="is full"):
         quantize_snapshot(source.resolve(str(tiny_models["llama"])), tmp_path / "out", Options())
     assert sorted(os.listdir(tmp_path)) == []

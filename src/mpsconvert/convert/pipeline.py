@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..infra import atomic
+from ..infra import atomic, output_rule
 from ..source import snapshot as sources
 from ..errors import MpsconvertError
 from ..manifests import layout
@@ -87,7 +87,7 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
     with contextlib.ExitStack() as claimed:
         claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
-        atomic.check_replaceable(out, force=force, protect=(path,) if path is not None else (), delete_unlisted=delete_unlisted,
+        output_rule.check_replaceable(out, force=force, protect=(path,) if path is not None else (), delete_unlisted=delete_unlisted,
                                  **layout.OUTPUT_RULES)
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
@@ -105,7 +105,7 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
             if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
                 out = output_for(snap, snap.repo_id)
                 claimed.enter_context(atomic.claim(out))
-                atomic.check_replaceable(out, force=force, delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
+                output_rule.check_replaceable(out, force=force, delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
         if snap.diffusion is not None or format is not None:
             from .diffusion.run import quantize_source
 

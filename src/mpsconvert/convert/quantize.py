@@ -3,7 +3,7 @@
 Memory stays at a few 16 MiB blocks whatever the model: each tensor is read in blocks of rows
 into pooled buffers, quantized on `QUANT_THREADS` threads (or copied byte for byte by the
 writer's thread), and streamed into the matching output shard, which goes to disk through
-O_DIRECT where the filesystem allows (`safetensors_io`). The source files are hashed on their
+O_DIRECT where the filesystem allows (`safetensors_writer`). The source files are hashed on their
 own thread from the start of the run, while torch and transformers load. The artifact folder
 is built under a temporary name and renamed at the end. Where the time goes, and what each of
 these choices saved, is measured by benchmarks/convert.py (see docs/benchmarks.md).
@@ -29,7 +29,8 @@ import torch
 from ..infra import atomic
 from ..manifests import layout
 from ..manifests.manifest import Manifest
-from ..infra.safetensors_io import DTYPES, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
+from ..infra.safetensors_io import DTYPES, BufferPool, ShardReader, read_header
+from ..infra.safetensors_writer import FiniteCheck, ShardWriter
 from ..source.snapshot import Snapshot
 from ..infra.progress import Progress, or_silent
 from . import guess
@@ -37,7 +38,8 @@ from .assemble import Shards, assemble
 from . import plan_child
 from .quantize_options import Options
 from .quantize_plan import estimate_output_bytes, prepare, source_keys
-from .quantize_tensors import Shard, convert_copy, copied_dtype, expert_entries, linear_entries, quantize_expert, quantize_one
+from .quantize_tensors import (Shard, convert_copy, copied_dtype, expert_entries, linear_entries, quantize_expert,
+                               quantize_one)
 
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
 # flight bound the memory a conversion needs beyond the runtime itself, whatever the model.

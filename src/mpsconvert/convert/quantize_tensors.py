@@ -35,7 +35,8 @@ from ..errors import QuantizationError
 from ..format import fp8
 from ..format.scales import scale_problem
 from ..format.schemes import Scheme
-from ..infra.safetensors_io import DTYPES, Digest, FiniteCheck, ShardReader, ShardWriter, TensorInfo, torch_dtype
+from ..infra.safetensors_io import DTYPES, ShardReader, TensorInfo, torch_dtype
+from ..infra.safetensors_writer import Digest, FiniteCheck, ShardWriter
 from . import FLOAT_CODES
 from .quantize_options import ExpertTensor, Options, SourceTensor
 

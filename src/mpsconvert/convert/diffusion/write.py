@@ -29,7 +29,8 @@ import torch
 from ...format import fp8
 from ...errors import QuantizationError, SourceError
 from ...format.schemes import Scheme
-from ...infra.safetensors_io import DTYPES, torch_dtype, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
+from ...infra.safetensors_io import DTYPES, torch_dtype, BufferPool, ShardReader, read_header
+from ...infra.safetensors_writer import FiniteCheck, ShardWriter
 from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
 from ...model.plan import Plan, check_against_model
 from ..quantize import QUANT_THREADS
