@@ -240,13 +240,10 @@ def test_generate_with_core_ml_off_macos_says_so_before_anything_else(art, monke
 
 
 def test_inspect_shows_the_runs_verdict_and_sorts_layers_by_number(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from mpsconvert.manifests.transaction import transaction
 
-    src = tmp_path / "src"
-    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=11,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(src)
+    src = models.tiny("llama", tmp_path / "src", vocab=128, layers=11, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=1)
     out = mpsconvert.quantize(src, tmp_path / "a").output
     with transaction(out) as t:  # the card is rewritten with the record
         t.manifest.extra["validation"] = {"CPU (cpu)": {

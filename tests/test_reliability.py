@@ -199,12 +199,12 @@ def test_unwritable_output_location(tiny_models, tmp_path):
 @pytest.fixture(scope="module")
 def medium_model(tmp_path_factory):
     """~100 MB checkpoint: a conversion slow enough (about a second) to be killed midway."""
-    from transformers import LlamaConfig
+    from .models import tiny_config
 
     d = tmp_path_factory.mktemp("medium") / "m"
     d.mkdir()
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4)
+    cfg = tiny_config("llama", vocab=4096, layers=8, hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                      num_key_value_heads=4)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(d)
     g = torch.Generator().manual_seed(0)
