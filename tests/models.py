@@ -75,8 +75,8 @@ _ARCHS = {
 }
 
 
-def tiny_config(arch: str, *, vocab: int = 256, tie: bool = False, layers: int = 2, max_positions: int = 256, experts: int = 4,
-                top_k: int = 2, **config):
+def tiny_config(arch: str, *, vocab: int = 256, tie: bool = False, layers: int = 2, max_positions: int = 256,
+                experts: int = 4, top_k: int = 2, **config):
     """The config of the tiny `arch` model (a key of _ARCHS, or of MOE_ARCHS): hidden 64, `layers`
     layers, 4 heads (GQA with 2 KV heads where the architecture has them). `config`: any setting of
     the architecture's config, over these (hidden_size=512 for a bigger model, attention_bias=True)."""
@@ -290,7 +290,8 @@ def read_fine_grained_fp8(src: Path, block: int):
     import transformers
 
     config = transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=(block, block))
-    return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, quantization_config=config).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, quantization_config=config)
+    return model.eval()
 
 
 def group_quantized_activations(model, linears, b: int):

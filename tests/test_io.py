@@ -143,7 +143,8 @@ def test_output_file_writes_exact_bytes_on_every_path(tmp_path, monkeypatch, for
 
 @pytest.mark.parametrize("beside", [True, False])
 def test_shard_writer_takes_blocks_and_copies_and_finishes_in_the_background(tmp_path, monkeypatch, beside):
-    monkeypatch.setattr(safetensors_writer, "HASH_BESIDE_COPY", beside)  # the sha256 on a thread of its own, or in the writer's
+    # the sha256 on a thread of its own, or in the writer's
+    monkeypatch.setattr(safetensors_writer, "HASH_BESIDE_COPY", beside)
     torch.manual_seed(0)
     src = {"emb": torch.randn(1000, 33).bfloat16(), "norm": torch.ones(33), "w": torch.randn(64, 40)}
     save_file(src, tmp_path / "src.safetensors")

@@ -61,7 +61,8 @@ def is_scales_file(path: Path) -> bool:
 def check_scales_output(path: Path, *, force: bool, protect: tuple[Path, ...] = ()) -> None:
     """`calibrate -o FILE` may write FILE (output_rule.check_replaceable, the one output rule): said
     before any work, and again when the file is written."""
-    output_rule.check_replaceable(Path(path), file=True, force=force, is_ours=is_scales_file, protect=protect, is_artifact=is_artifact)
+    output_rule.check_replaceable(Path(path), file=True, force=force, is_ours=is_scales_file, protect=protect,
+                                  is_artifact=is_artifact)
 
 
 def save_scales(path: Path, cal: Calibration, *, force: bool = False, protect: tuple[Path, ...] = ()) -> None:

@@ -87,8 +87,8 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
     with contextlib.ExitStack() as claimed:
         claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
-        output_rule.check_replaceable(out, force=force, protect=(path,) if path is not None else (), delete_unlisted=delete_unlisted,
-                                 **layout.OUTPUT_RULES)
+        output_rule.check_replaceable(out, force=force, protect=(path,) if path is not None else (),
+                                      delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
         from . import shard_size_bytes
