@@ -32,7 +32,8 @@ from _sources import CACHE, smollm2 as smollm2_source  # noqa: E402  (one SmolLM
 
 
 def artifact() -> Path:
-    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.convert.quantize import quantize_snapshot
+    from mpsconvert.convert.quantize_options import Options
     from mpsconvert.source.snapshot import resolve
 
     art = CACHE / "smollm2-135m-fp8-dynamic-apple"

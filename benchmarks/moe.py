@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from mpsconvert import fp8  # noqa: E402
+from mpsconvert.format import fp8  # noqa: E402
 from mpsconvert.runtime.ops.experts import FP8Experts, quantize_rows  # noqa: E402
 
 

@@ -1,6 +1,7 @@
 """What the tests build: tiny random models of any architecture (`tiny(arch, path, ...)`, the one
-builder; `tiny_model` in memory), saved with transformers (no downloads), and the artifacts
-quantized from them (`tiny_artifact`), FP8 sources in other tools' layouts.
+builder; `tiny_model` in memory, `tiny_config` its config), saved with transformers (no
+downloads), and the artifacts quantized from them (`tiny_artifact`), FP8 sources in other tools'
+layouts. A test takes its models and their configs from here, never builds a config itself.
 
 Sizes are multiples of 16 (what FP8 GEMMs want) and small enough that a conversion takes well
 under a second. The vocabulary is the tokenizer's when the test runs text (`tokenizer=`), else 256.
@@ -74,30 +75,42 @@ _ARCHS = {
 }
 
 
-def tiny_model(arch: str, *, vocab: int = 256, seed: int = 0, tie: bool = False, layers: int = 2, max_positions: int = 256,
-               widen: float | None = None, experts: int = 4, top_k: int = 2, dtype: torch.dtype = torch.float32, **config):
-    """The tiny random model of `arch` (a key of _ARCHS, or of MOE_ARCHS), in memory, in `dtype`, eval.
-
-    `widen`: redraw every matrix from N(0, widen), in `dtype` (the default init, N(0, 0.02), hides
-    FP8 error in the logits). `config`: any other setting of the architecture's config."""
+def tiny_config(arch: str, *, vocab: int = 256, tie: bool = False, layers: int = 2, max_positions: int = 256,
+                experts: int = 4, top_k: int = 2, **config):
+    """The config of the tiny `arch` model (a key of _ARCHS, or of MOE_ARCHS): hidden 64, `layers`
+    layers, 4 heads (GQA with 2 KV heads where the architecture has them). `config`: any setting of
+    the architecture's config, over these (hidden_size=512 for a bigger model, attention_bias=True)."""
     import transformers
 
-    torch.manual_seed(seed)
     if arch in MOE_ARCHS:
         cfg = tiny_moe_config(arch, num_experts=experts, layers=layers, vocab=vocab)
         cfg.num_experts_per_tok, cfg.max_position_embeddings, cfg.tie_word_embeddings = top_k, max_positions, tie
         for k, v in config.items():
             setattr(cfg, k, v)
+        return cfg
+    config_cls, _, own = _ARCHS[arch]
+    if arch == "gpt2":
+        kw = dict(n_embd=64, n_layer=layers, n_head=4, n_positions=max_positions)
+    else:
+        kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  max_position_embeddings=max_positions, **({} if arch == "bert" else {"num_key_value_heads": 2}))
+    return getattr(transformers, config_cls)(**{"vocab_size": vocab, "tie_word_embeddings": tie, **kw, **own, **config})
+
+
+def tiny_model(arch: str, *, seed: int = 0, widen: float | None = None, dtype: torch.dtype = torch.float32, **config):
+    """The tiny random model of `arch` (a key of _ARCHS, or of MOE_ARCHS), in memory, in `dtype`, eval.
+
+    `widen`: redraw every matrix from N(0, widen), in `dtype` (the default init, N(0, 0.02), hides
+    FP8 error in the logits). `config`: `tiny_config`'s arguments (vocab, tie, layers, ...) and any
+    other setting of the architecture's config."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **config)
+    if arch in MOE_ARCHS:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     else:
-        config_cls, model_cls, own = _ARCHS[arch]
-        if arch == "gpt2":
-            kw = dict(n_embd=64, n_layer=layers, n_head=4, n_positions=max_positions)
-        else:
-            kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      max_position_embeddings=max_positions, **({} if arch == "bert" else {"num_key_value_heads": 2}))
-        cfg = getattr(transformers, config_cls)(vocab_size=vocab, tie_word_embeddings=tie, **kw, **own, **config)
-        model = getattr(transformers, model_cls)(cfg)
+        model = getattr(transformers, _ARCHS[arch][1])(cfg)
     model.config.architectures = [type(model).__name__]
     model = model.to(dtype)
     if widen is not None:
@@ -269,6 +282,16 @@ def to_fine_grained_fp8(src: Path, dst: Path, block: int = 128) -> Path:
         if f.name not in ("config.json", "model.safetensors"):
             shutil.copy(f, dst / f.name)
     return dst
+
+
+def read_fine_grained_fp8(src: Path, block: int):
+    """A FineGrainedFP8 source (`to_fine_grained_fp8`'s layout) as transformers itself reads it:
+    dequantized at load, float32, eval (CPU)."""
+    import transformers
+
+    config = transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=(block, block))
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, quantization_config=config)
+    return model.eval()
 
 
 def group_quantized_activations(model, linears, b: int):

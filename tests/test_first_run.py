@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import mpsconvert
 import torch
 from mpsconvert import api
-from mpsconvert.cli import main, render
+from mpsconvert.cli import main, progress_bars, render
 from mpsconvert.manifests.manifest import Manifest
 
 from . import models
@@ -240,13 +240,10 @@ def test_generate_with_core_ml_off_macos_says_so_before_anything_else(art, monke
 
 
 def test_inspect_shows_the_runs_verdict_and_sorts_layers_by_number(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from mpsconvert.manifests.transaction import transaction
 
-    src = tmp_path / "src"
-    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=11,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(src)
+    src = models.tiny("llama", tmp_path / "src", vocab=128, layers=11, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=1)
     out = mpsconvert.quantize(src, tmp_path / "a").output
     with transaction(out) as t:  # the card is rewritten with the record
         t.manifest.extra["validation"] = {"CPU (cpu)": {
@@ -274,7 +271,7 @@ def test_inspect_shows_the_runs_verdict_and_sorts_layers_by_number(tmp_path):
 def test_without_a_terminal_a_long_phase_prints_a_line_every_few_seconds():
     now = [0.0]
     lines = []
-    p = render.ProgressLines(every=10, clock=lambda: now[0], write=lines.append)
+    p = progress_bars.ProgressLines(every=10, clock=lambda: now[0], write=lines.append)
     p("quick", 0, 3, "")
     now[0] = 1
     p("quick", 3, 3, "")  # under 10 s: nothing (a short command's output is its result)
@@ -306,7 +303,7 @@ def test_without_a_terminal_a_long_phase_prints_a_line_every_few_seconds():
 
 def test_progress_lines_come_from_a_timer_when_stderr_is_a_log(capsys):
     assert not render.console.is_terminal
-    with render.progress_bars(every=0.05) as progress:
+    with progress_bars.progress_bars(every=0.05) as progress:
         progress("latency", 0, 3, "rounds")
         time.sleep(0.5)  # no update: the timer keeps the phase visible
     err = capsys.readouterr().err

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import mpsconvert
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.verify import verify_artifact
-from .models import group_quantized_activations, tiny, to_fine_grained_fp8
+from .models import group_quantized_activations, read_fine_grained_fp8, tiny, to_fine_grained_fp8
 from .helpers import logits
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
@@ -44,9 +44,7 @@ def _raw(folder, key: str) -> bytes:
 def _source_dequantized(src, block: int):
     """The source as transformers itself reads it: FineGrainedFP8 dequantized at load (CPU),
     then each Linear's and expert's input rounded per token and group as FP8_BLOCK says."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        src, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=(block, block))
-    ).eval()
+    model = read_fine_grained_fp8(src, block)
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         fp8_modules = {k[: -len(".weight")] for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"}
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n in fp8_modules}

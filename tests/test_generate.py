@@ -203,12 +203,7 @@ def test_json_has_prompt_ids_and_replaying_them_through_model_generate_gives_the
 
 
 def _tiny_causal(**kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, **kw)
-    return LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    return models.tiny_model("llama", max_positions=512, dtype=torch.bfloat16, **kw)
 
 
 def test_the_compiled_path_is_chosen_on_cuda_only():

@@ -14,9 +14,10 @@ from safetensors.torch import save_file
 
 from mpsconvert.format import fp8
 
-from mpsconvert.infra import safetensors_io
+from mpsconvert.infra import safetensors_io, safetensors_writer
 from mpsconvert.manifests.hashing import BackgroundHasher
-from mpsconvert.infra.safetensors_io import BufferPool, OutputFile, ShardReader, ShardWriter, read_header
+from mpsconvert.infra.safetensors_io import BufferPool, ShardReader, read_header
+from mpsconvert.infra.safetensors_writer import OutputFile, ShardWriter
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -112,7 +113,7 @@ def test_output_file_writes_exact_bytes_on_every_path(tmp_path, monkeypatch, for
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real_open(path, flags, *a)
 
-        monkeypatch.setattr(safetensors_io.os, "open", no_direct)
+        monkeypatch.setattr(safetensors_writer.os, "open", no_direct)
     if forced == "pwrite":  # accepts the flag, refuses the direct writes (some FUSE filesystems)
         real_pwrite = os.pwrite
         import fcntl
@@ -122,7 +123,7 @@ def test_output_file_writes_exact_bytes_on_every_path(tmp_path, monkeypatch, for
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real_pwrite(fd, buf, off)
 
-        monkeypatch.setattr(safetensors_io.os, "pwrite", refuse)
+        monkeypatch.setattr(safetensors_writer.os, "pwrite", refuse)
     f = OutputFile(tmp_path / "x.bin")
     for part in _chunks(data, sizes):
         f.write(part)
@@ -142,7 +143,8 @@ def test_output_file_writes_exact_bytes_on_every_path(tmp_path, monkeypatch, for
 
 @pytest.mark.parametrize("beside", [True, False])
 def test_shard_writer_takes_blocks_and_copies_and_finishes_in_the_background(tmp_path, monkeypatch, beside):
-    monkeypatch.setattr(safetensors_io, "HASH_BESIDE_COPY", beside)  # the sha256 on a thread of its own, or in the writer's
+    # the sha256 on a thread of its own, or in the writer's
+    monkeypatch.setattr(safetensors_writer, "HASH_BESIDE_COPY", beside)
     torch.manual_seed(0)
     src = {"emb": torch.randn(1000, 33).bfloat16(), "norm": torch.ones(33), "w": torch.randn(64, 40)}
     save_file(src, tmp_path / "src.safetensors")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mpsconvert.calibrate.experts import ExpertObserver
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.runtime.ops.experts import load_fp8_experts
 from mpsconvert.source.snapshot import resolve

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mpsconvert.format import fp8
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import QuantizationError
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.runtime.ops.experts import FP8Experts, load_fp8_experts

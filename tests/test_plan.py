@@ -8,6 +8,8 @@ import pytest
 from mpsconvert.model.plan import matches, plan_for
 from mpsconvert.errors import SourceError
 
+from . import models
+
 
 def test_llama_plan_from_meta_model(tiny_models):
     plan = plan_for(tiny_models["llama"])
@@ -31,11 +33,7 @@ def test_matches_is_not_a_substring_match():
 
 
 def test_moe_router_is_found_by_role(tmp_path):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    MixtralForCausalLM(cfg).save_pretrained(tmp_path / "mx")
+    models.tiny("mixtral", tmp_path / "mx", vocab=128, layers=1, intermediate_size=64)
     plan = plan_for(tmp_path / "mx")
     # transformers 5 makes the router its own module type (not nn.Linear): reported, never quantized
     routers = [m for m, why in {**plan.ignored, **plan.skipped}.items() if why.startswith("MoE router")]

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from mpsconvert import convert
-from mpsconvert.convert import guess, plan_child, quantize
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert import guess, plan_child, quantize, quantize_plan
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import SourceError
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.source.snapshot import resolve
@@ -107,7 +108,8 @@ def test_the_parent_never_imports_transformers_on_the_child_path(src, tmp_path):
     code = f"""
 import sys, torch
 from mpsconvert.convert import quantize
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.source.snapshot import resolve
 from mpsconvert.convert import plan_child; plan_child.MIN_BYTES = 0; plan_child.MIN_CPUS = 1
@@ -182,10 +184,10 @@ def test_the_guess_is_the_real_plan_for_every_architecture_it_knows(arch, tmp_pa
     snap = resolve(str(path))
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
     opts = Options(scheme=Scheme.make("fp8-dynamic", "row"))
-    _, _, tensor_module, expert_tensors = quantize._prepare(snap, opts, headers)
+    _, _, tensor_module, expert_tensors = quantize_plan.prepare(snap, opts, headers)
     assert guess.guess(snap.config, headers, []) == tensor_module and expert_tensors == {}
     ignored = sorted(tensor_module)[0][: -len(".weight")]
-    _, _, tensor_module, _ = quantize._prepare(snap, Options(scheme=opts.scheme, ignore=[ignored]), headers)
+    _, _, tensor_module, _ = quantize_plan.prepare(snap, Options(scheme=opts.scheme, ignore=[ignored]), headers)
     assert guess.guess(snap.config, headers, [ignored]) == tensor_module
 
 

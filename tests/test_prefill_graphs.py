@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.triton
 
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+SMALL = dict(vocab=128, intermediate_size=96)  # tiny_config's model with a narrower MLP and vocabulary
 
 
 @pytest.fixture(autouse=True)
@@ -24,11 +24,12 @@ def _small_lengths(monkeypatch):
 
 def _model():
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from .helpers import fp8_model
+    from .models import tiny_config
     from mpsconvert.runtime.patches import eager_fusion
 
-    model = fp8_model(LlamaForCausalLM, LlamaConfig(**SMALL, max_position_embeddings=512))
+    model = fp8_model(LlamaForCausalLM, tiny_config("llama", **SMALL, max_positions=512))
     with torch.no_grad():
         assert eager_fusion.install(model)["attention"] == 2
     return model

@@ -128,10 +128,10 @@ def test_a_shard_is_awaited_one_shard_later_so_the_next_one_starts_meanwhile(tin
     quantized: its digest is asked for only after shard i+1's writer was opened."""
     import threading
 
-    from mpsconvert.infra import safetensors_io
+    from mpsconvert.infra import safetensors_writer
 
     events = []
-    real_init, real_digest = safetensors_io.ShardWriter.__init__, safetensors_io.ShardWriter.digest
+    real_init, real_digest = safetensors_writer.ShardWriter.__init__, safetensors_writer.ShardWriter.digest
 
     def init(self, path, *a, **k):
         events.append(("open", path.name))
@@ -142,8 +142,8 @@ def test_a_shard_is_awaited_one_shard_later_so_the_next_one_starts_meanwhile(tin
             events.append(("digest", self.path.name))
         return real_digest.fget(self)
 
-    monkeypatch.setattr(safetensors_io.ShardWriter, "__init__", init)
-    monkeypatch.setattr(safetensors_io.ShardWriter, "digest", property(digest))
+    monkeypatch.setattr(safetensors_writer.ShardWriter, "__init__", init)
+    monkeypatch.setattr(safetensors_writer.ShardWriter, "digest", property(digest))
     man = convert(tiny_models["llama_sharded"], tmp_path / "o")
     shards = [n for kind, n in events if kind == "open"]
     assert len(shards) >= 3 and sorted(shards) == sorted(f for f in man.files if f.endswith(".safetensors"))

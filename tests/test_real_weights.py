@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.source.snapshot import resolve
 

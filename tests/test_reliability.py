@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from mpsconvert.infra import atomic, safetensors_io
+from mpsconvert.infra import atomic, safetensors_io, safetensors_writer
 
 from mpsconvert.source import snapshot as source
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, MpsconvertError, SourceError
 from mpsconvert.manifests.hashing import BackgroundHasher, sha256_file
 from mpsconvert.manifests.manifest import MANIFEST_NAME
@@ -148,7 +149,7 @@ def test_a_second_run_into_the_same_output_fails_clearly(tiny_models, tmp_path):
 
 
 def test_disk_full_during_write_is_reported_and_leaves_nothing(tiny_models, tmp_path, monkeypatch):
-    real = safetensors_io.ShardWriter._write
+    real = safetensors_writer.ShardWriter._write
     written = {"n": 0}
 
     def full(self, data):
@@ -157,7 +158,7 @@ def test_disk_full_during_write_is_reported_and_leaves_nothing(tiny_models, tmp_
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, data)
 
-    monkeypatch.setattr(safetensors_io.ShardWriter, "_write", full)
+    monkeypatch.setattr(safetensors_writer.ShardWriter, "_write", full)
     with pytest.raises(MpsconvertError, match="is full"):
         quantize_snapshot(source.resolve(str(tiny_models["llama"])), tmp_path / "out", Options())
     assert sorted(os.listdir(tmp_path)) == []
@@ -198,12 +199,12 @@ def test_unwritable_output_location(tiny_models, tmp_path):
 @pytest.fixture(scope="module")
 def medium_model(tmp_path_factory):
     """~100 MB checkpoint: a conversion slow enough (about a second) to be killed midway."""
-    from transformers import LlamaConfig
+    from .models import tiny_config
 
     d = tmp_path_factory.mktemp("medium") / "m"
     d.mkdir()
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4)
+    cfg = tiny_config("llama", vocab=4096, layers=8, hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                      num_key_value_heads=4)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(d)
     g = torch.Generator().manual_seed(0)

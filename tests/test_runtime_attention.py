@@ -47,13 +47,11 @@ def test_decode_kernel_matches_sdpa():
 @pytest.mark.triton("interpret")
 def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
     import copy, torch
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers import DynamicCache, StaticCache
     from mpsconvert.runtime.patches import attention as A
     from mpsconvert.runtime.ops.triton import attention as K
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, attn_implementation="sdpa")
-    ref = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    from .models import tiny_model
+    ref = tiny_model("llama", vocab=128, dtype=torch.bfloat16, attn_implementation="sdpa")
     ours = copy.deepcopy(ref)
     assert A.install(ours) == A.NAME and ours.config._attn_implementation == A.NAME
     assert ref.config._attn_implementation == "sdpa"
@@ -82,10 +80,10 @@ def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
 
 def test_not_installed_where_it_cannot_run(tmp_path):
     """On a CPU without the interpreter nothing is switched, and load says nothing of attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from .models import tiny_model
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = tiny_model("llama", vocab=64, layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       num_key_value_heads=1)
     if tritonlib.available():
         pytest.skip("this machine can run the kernel")
     assert attention.install(model) is None and model.config._attn_implementation == "sdpa"

@@ -13,12 +13,13 @@ pytestmark = pytest.mark.triton
 def test_direct_attention_gives_the_modules_own_logits_interpreted():
     import torch
     from .helpers import fp8_model
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import DynamicCache, LlamaForCausalLM, Qwen3ForCausalLM
     from mpsconvert.runtime.patches import attention_prefill, eager_fusion, forwards
+    from .models import tiny_config
 
-    SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    SMALL = dict(vocab=128, intermediate_size=96)  # tiny_config's model with a narrower MLP and vocabulary
 
-    model = fp8_model(LlamaForCausalLM, LlamaConfig(**SMALL, attention_bias=True))
+    model = fp8_model(LlamaForCausalLM, tiny_config("llama", **SMALL, attention_bias=True))
     with torch.no_grad():
         report = eager_fusion.install(model)
     assert report["layers"] == 2 and report["attention"] == 2 and report["left"] == [], report
@@ -101,7 +102,7 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
         assert direct_calls() == before and float((compiled.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
     # Qwen3's q/k norms: its attention keeps the module's forward, the rest of the layer is fused
-    qwen = fp8_model(Qwen3ForCausalLM, Qwen3Config(**SMALL, head_dim=16))
+    qwen = fp8_model(Qwen3ForCausalLM, tiny_config("qwen3", **SMALL))  # head_dim 16
     with torch.no_grad():
         report = eager_fusion.install(qwen)
     assert report["layers"] == 2 and report["attention"] == 0, report
@@ -109,8 +110,8 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
                               "its prefill runs the module's forward" for i in range(2)], report
 
     # Mixtral: the direct attention, the MoE block called as a module on the post-attention norm's output
-    from transformers import MixtralConfig, MixtralForCausalLM
-    moe = fp8_model(MixtralForCausalLM, MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2))
+    from transformers import MixtralForCausalLM
+    moe = fp8_model(MixtralForCausalLM, tiny_config("mixtral", **SMALL, experts=4, top_k=2))
     with torch.no_grad():
         report = eager_fusion.install(moe)
         assert report["layers"] == 2 and report["attention"] == 2 and report["left"] == [], report
@@ -128,7 +129,7 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
         def forward(self, *args, **kwargs):
             out, w = super().forward(*args, **kwargs)
             return out * 2, w
-    model = fp8_model(LlamaForCausalLM, LlamaConfig(**SMALL))
+    model = fp8_model(LlamaForCausalLM, tiny_config("llama", **SMALL))
     model.model.layers[1].self_attn.__class__ = Scaled
     with torch.no_grad():
         report = eager_fusion.install(model)

@@ -14,6 +14,8 @@ from mpsconvert.format import fp8
 from mpsconvert.runtime.ops.fp8linear import FP8Linear
 from mpsconvert.runtime.ops.fuse import SharedInput, share_inputs
 
+from .models import tiny_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -283,15 +285,13 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     from mpsconvert.runtime.ops import fuse
     from .helpers import fp8_model
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from mpsconvert.runtime.ops.triton import act_quant
     from mpsconvert.runtime.patches import eager_fusion, forwards
     from mpsconvert.runtime.ops import kernels
 
     def fp8_llama(act):
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=128)
-        return fp8_model(LlamaForCausalLM, cfg, act)
+        return fp8_model(LlamaForCausalLM, tiny_config("llama", vocab=128, intermediate_size=96), act)
 
     calls = {"quantize": 0, "rms_norm_quantize": 0, "add_rms_norm_quantize": 0, "silu_mul_quantize": 0}
     for fn in calls:
@@ -395,7 +395,7 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypat
     installed, calls under torch.compile and calls it does not take run the original; an
     attention module whose modeling function differs is left with the reason."""
     import sys, torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama as ml
     from mpsconvert.runtime.patches import forwards, rotary
     g = torch.Generator().manual_seed(0)
@@ -417,8 +417,7 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypat
     assert not rotary.fits(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), half, half)
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128)
+    cfg = tiny_config("llama", vocab=128, intermediate_size=96)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     other = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     ids = torch.randint(0, 128, (1, 9), generator=g)
@@ -509,7 +508,7 @@ def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
     (its "diff" guard set), which cost 1.4 ms per Llama-3-8B decode step on the H200 while they
     were buffers. The compiled decode frame of a shared-input FP8 Llama must check exactly what
     BF16's does (its inputs, the cache, the rotary table), nothing under an FP8 layer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers import LlamaForCausalLM, StaticCache
 
     from mpsconvert.format import fp8
     from mpsconvert.runtime.ops import fuse
@@ -521,8 +520,7 @@ def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
 
     def diff_sources(fp8_layers: bool) -> set[str]:
         torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=128)  # fmt: skip
+        cfg = tiny_config("llama", vocab=128, intermediate_size=96)
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
         if fp8_layers:
             for name, lin in list(model.model.layers.named_modules()):

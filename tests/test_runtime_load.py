@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from mpsconvert.format import fp8
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, DeviceError
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mpsconvert.format import fp8
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.model.moe_layout import experts_modules
 from mpsconvert.runtime.load.loader import load

@@ -14,16 +14,11 @@ import transformers.masking_utils as masking
 from mpsconvert.runtime.patches import forwards
 from mpsconvert.runtime.patches import positions as P
 
-from .models import tiny_moe_model
+from .models import tiny_model, tiny_moe_model
 
 
 def _llama(**kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, **kw)  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_model("llama", max_positions=64, **kw)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
@@ -94,9 +89,7 @@ def test_length_dependent_rotary_and_models_without_one_keep_their_own():
     assert not report["installed"] and "dynamic" in report["left"], report
     assert not forwards.installed(dynamic.base_model)
 
-    from transformers import BertConfig, BertModel
-
-    bert = BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    bert = tiny_model("bert", vocab=64, layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64)
     assert P.install(bert) == {"installed": False, "left": "no model-level rotary module"}
 
 

@@ -69,9 +69,9 @@ def test_a_cancelled_warm_up_ends_without_the_model_work(recorded):
 def test_a_cancelled_warm_up_makes_no_more_calls():
     """A load that failed after `begin` cancels its warm-up: the steps not yet begun are skipped (and
     listed), so a failed load stops using the GPU at the end of the current call."""
-    from transformers import LlamaConfig
+    from .models import tiny_config
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    cfg = tiny_config("llama", intermediate_size=96, rms_norm_eps=1e-5)
     linears = {"l.q_proj": (64, 64), "l.down_proj": (64, 96)}
     stop = threading.Event()
     stop.set()
@@ -126,7 +126,8 @@ class _Recorder:
 def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_failure(tmp_path, monkeypatch):
     """load() starts the thread before anything is read, hands it exactly the FP8 Linears' shapes
     once the model is built, waits for it before the kernel policy, and ends it when a load fails."""
-    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.convert.quantize import quantize_snapshot
+    from mpsconvert.convert.quantize_options import Options
     from mpsconvert.errors import ArtifactError
     from mpsconvert.format.schemes import Scheme
     from mpsconvert.runtime.load import loader
@@ -154,9 +155,9 @@ def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_fa
 @pytest.mark.triton("interpret")
 def test_every_warm_up_call_is_valid():
     import torch
-    from transformers import LlamaConfig
     from mpsconvert.runtime.load import prewarm
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    from .models import tiny_config
+    cfg = tiny_config("llama", intermediate_size=96, rms_norm_eps=1e-5)
     linears = {"l.q_proj": (64, 64), "l.k_proj": (32, 64), "l.v_proj": (32, 64), "l.o_proj": (64, 64),
                "l.gate_proj": (96, 64), "l.up_proj": (96, 64), "l.down_proj": (64, 96)}
     report = {"warmed": [], "failed": []}
@@ -211,7 +212,8 @@ def test_compile_configs_compiles_each_configuration_once_the_first_before_the_o
 @pytest.fixture(scope="module")
 def artifact(work):
     """A tiny Llama quantized with the defaults, and the same model loaded on CPU."""
-    from mpsconvert.convert.quantize import Options, quantize_snapshot
+    from mpsconvert.convert.quantize import quantize_snapshot
+    from mpsconvert.convert.quantize_options import Options
     from mpsconvert.format.schemes import Scheme
     from mpsconvert.source.snapshot import resolve
 

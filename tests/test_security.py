@@ -19,10 +19,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import mpsconvert
-from mpsconvert.infra import atomic
+from mpsconvert.infra import atomic, tempdirs
 from mpsconvert.source import snapshot as source
 from mpsconvert.cli import main
-from mpsconvert.convert.quantize import Options, quantize_snapshot
+from mpsconvert.convert.quantize import quantize_snapshot
+from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, DataError, MpsconvertError, QuantizationError, SourceError
 from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
 from mpsconvert.manifests.verify import verify_artifact
@@ -317,7 +318,7 @@ def test_stale_system_temp_folders_of_killed_runs_are_removed():
         d.mkdir(exist_ok=True)
         (d / "model.safetensors").write_bytes(b"x")
     try:
-        with atomic.private_tempdir("calib") as mine:
+        with tempdirs.private_tempdir("calib") as mine:
             assert mine.name.startswith(f"mpsconvert-calib-{os.getpid()}-")
             assert not dead.exists() and live.exists()
         assert not mine.exists()
@@ -561,7 +562,7 @@ def test_export_coreml_killed_between_its_steps_then_rerun(coreml_art, tmp_path)
     assert not [p for p in list(art.iterdir()) + list(tmp_path.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
     # the killed runs' own temp folders (coremltools' tmp*.mlpackage inside) were removed by the next run
     assert not [p for p in Path(tempfile.gettempdir()).glob("mpsconvert-coreml-*")
-                if p.name.split("-")[2].isdigit() and not atomic._alive(int(p.name.split("-")[2]))]
+                if p.name.split("-")[2].isdigit() and not tempdirs._alive(int(p.name.split("-")[2]))]
 
 
 def test_an_all_zero_weight_has_an_undefined_sqnr_not_an_exact_one(base, tmp_path):

@@ -1,6 +1,6 @@
 """Outputs: what each command may write, and what it leaves behind.
 
-One rule for every output path (atomic.check_replaceable): never at or inside the source, never
+One rule for every output path (output_rule.check_replaceable): never at or inside the source, never
 inside an artifact (only its transaction writes there), an existing file or folder replaced only
 with --force and only when mpsconvert made it, and never a user's file deleted without a word
 (files an artifact's manifest does not list are named and refused unless

@@ -10,22 +10,22 @@ import torch
 from mpsconvert.apple import compare, stateful
 from mpsconvert.errors import MpsconvertError
 
+from .models import tiny_config
+
 
 def _model(arch: str, **over):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
+    common = dict(vocab=128, max_positions=128)
     if arch == "llama":
-        cfg = transformers.LlamaConfig(**common)
+        cfg = tiny_config(arch, **common, intermediate_size=96)
     elif arch == "qwen2":
-        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        cfg = tiny_config(arch, **common, intermediate_size=96, tie=True)
     elif arch == "mistral":
-        cfg = transformers.MistralConfig(**common, sliding_window=over.pop("sliding_window", None))
-    elif arch == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**{**common, "intermediate_size": 96}, moe_intermediate_size=32, num_experts=4,
-                                          num_experts_per_tok=2, decoder_sparse_step=1, head_dim=16)
+        cfg = tiny_config(arch, **common, intermediate_size=96, sliding_window=over.pop("sliding_window", None))
+    elif arch == "qwen3_moe":  # MLP 96, experts 32 wide, 4 of them, 2 a token, head_dim 16
+        cfg = tiny_config(arch, **common)
     else:
         raise ValueError(arch)
     kw = {"experts_implementation": "batched_mm"} if arch.endswith("moe") else {}

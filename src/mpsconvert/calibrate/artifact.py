@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..infra import atomic
+from ..infra import atomic, output_rule, tempdirs
 from ..format import fp8
 from ..errors import ArtifactError, MpsconvertError
 from ..format.ct_config import quantization_config, scheme_from_config
@@ -38,7 +38,8 @@ from ..manifests.records import CalibrationRecord, ExpertCalibration
 from ..format.schemes import Scheme
 from ..manifests.transaction import Transaction, transaction
 from ..infra.progress import Progress
-from ..infra.safetensors_io import ShardReader, ShardWriter, read_header
+from ..infra.safetensors_io import ShardReader, read_header
+from ..infra.safetensors_writer import ShardWriter
 from ..format.scales import scale_problem
 from ..infra.untrusted import inside, read_json
 from .options import CalibOptions
@@ -58,9 +59,10 @@ def is_scales_file(path: Path) -> bool:
 
 
 def check_scales_output(path: Path, *, force: bool, protect: tuple[Path, ...] = ()) -> None:
-    """`calibrate -o FILE` may write FILE (atomic.check_replaceable, the one output rule): said
+    """`calibrate -o FILE` may write FILE (output_rule.check_replaceable, the one output rule): said
     before any work, and again when the file is written."""
-    atomic.check_replaceable(Path(path), file=True, force=force, is_ours=is_scales_file, protect=protect, is_artifact=is_artifact)
+    output_rule.check_replaceable(Path(path), file=True, force=force, is_ours=is_scales_file, protect=protect,
+                                  is_artifact=is_artifact)
 
 
 def save_scales(path: Path, cal: Calibration, *, force: bool = False, protect: tuple[Path, ...] = ()) -> None:
@@ -129,7 +131,7 @@ def dequantized_snapshot(artifact: Path, manifest: Manifest):
     dtypes = {name: rec.get("source_dtype", "BF16") for name, rec in manifest.tensors.items()}
     block = scheme_from_config(read_json(artifact / CONFIG_NAME, what=CONFIG_NAME).get("quantization_config") or {}).block
     st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    with atomic.private_tempdir("calib") as tmp:
+    with tempdirs.private_tempdir("calib") as tmp:
         for f in weight_files(artifact):
             tensors = {}
             with safe_open(str(inside(artifact, f, what="weights")), framework="pt") as sf:

@@ -1,7 +1,8 @@
 """The command line: a thin layer over `mpsconvert.api`.
 
 `app.py` holds the command group, error and signal handling and the program's exit; each command
-in `commands.py` parses its options, makes one API call and hands the result to `render.py`.
+in `commands.py` parses its options, makes one API call and hands the result to `reports.py`
+(tables and summaries; `render.py`: consoles and messages, `progress_bars.py`: progress).
 This package imports only the API, the error types and its own rendering.
 """
 

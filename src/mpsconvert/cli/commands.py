@@ -15,7 +15,8 @@ import click
 
 from .. import api
 from ..errors import PromptError
-from . import render
+from . import render, reports
+from .progress_bars import progress_bars
 from .app import friendly_errors, main
 
 
@@ -120,21 +121,21 @@ def quantize(source, output, scheme, weights, block_size, revision, token, ignor
     The artifact's README.md is a model card (front matter, what was done, how to load it, the
     source's own card below); `validate` adds its results to it."""
     exports = _exports({k: rest.pop(k) for k in list(rest) if k.startswith(_APPLE)})
-    with render.progress_bars() as progress:
+    with progress_bars() as progress:
         res = api.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=list(ignore),
                            trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
                            delete_unlisted=delete_unlisted, calibration=_calibration(**rest), scales_file=scales_file, exports=exports,
                            dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo, private=private, format=fmt,
                            component=component, progress=progress)
     if res.calibration is not None:
-        render.calibration(res.calibration)
+        reports.calibration(res.calibration)
     for w in res.warnings:
         render.warn(w)
-    render.quantize_summary(res, as_json)
+    reports.quantize_summary(res, as_json)
     for exported in res.apple.values():
-        render.export_result(exported, as_json)
+        reports.export_result(exported, as_json)
     if res.upload is not None:
-        render.uploaded(res.upload, as_json)
+        reports.uploaded(res.upload, as_json)
 
 
 # --------------------------------------------------------------------------- generated from the Apple targets
@@ -185,16 +186,16 @@ def _export_command(key: str, t) -> click.Command:
     @friendly_errors
     def run(artifact, force, check_only, no_check, as_json, **kw):
         checks = t.check_options(**{o.name: kw.pop(o.name) for o in t.check_flags})
-        with render.progress_bars() as progress, _showing_failed_checks(render.check_result, as_json):
+        with progress_bars() as progress, _showing_failed_checks(reports.check_result, as_json):
             if check_only:
                 res = api.check(artifact, key, options=checks, progress=progress)
             else:
                 res = api.export(artifact, key, options=t.make_options(force=force, **kw), check=False if no_check else checks,
                                  progress=progress)
         if check_only:
-            render.check_result(res, as_json)
+            reports.check_result(res, as_json)
         else:
-            render.export_result(res, as_json)
+            reports.export_result(res, as_json)
 
     params = [click.Argument(["artifact"], type=click.Path(path_type=Path)), *(_click_option(o) for o in t.export_flags),
               click.Option(["--force"], is_flag=True, help=f"Replace an existing {t.package}."),
@@ -241,13 +242,13 @@ def calibrate(target, output, force, revision, token, ignore, trust_remote_code,
     TARGET a source (hub id or folder): needs -o FILE; `quantize SRC --scheme fp8 --scales FILE` uses it.
     """
     opts = _calibration(**calib, ignore=list(ignore), trust_remote_code=trust_remote_code, token=token)
-    with render.progress_bars() as progress:
+    with progress_bars() as progress:
         res = api.calibrate(target, output, options=opts, revision=revision, token=token, force=force, progress=progress)
-    render.calibration(res.calibration)
+    reports.calibration(res.calibration)
     n = len(res.calibration.scales)
     if res.into_artifact:
         render.result(f"wrote {n} input scales into {res.written_to} (scheme fp8, static per-tensor activations)")
-        render.pin(res.written_to, res.pin_sha256, "a pin taken before calibration no longer holds: the weights changed")
+        reports.pin(res.written_to, res.pin_sha256, "a pin taken before calibration no longer holds: the weights changed")
     else:
         render.result(f"wrote {n} input scales to {res.written_to}")
 
@@ -263,7 +264,7 @@ def inspect(artifact, as_json, show_tensors):
     if as_json:
         render.out.print_json(m.to_json())
     else:
-        render.inspect_table(artifact, m, show_tensors)
+        reports.inspect_table(artifact, m, show_tensors)
 
 
 @main.command()
@@ -305,9 +306,9 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
         if as_json:
             render.print_json(res.as_dict())
         else:
-            render.validation(res, explain)
+            reports.validation(res, explain)
 
-    with render.progress_bars() as progress, _showing_failed_checks(show, as_json):
+    with progress_bars() as progress, _showing_failed_checks(show, as_json):
         res = api.validate(artifact, options=opts, progress=progress)
     show(res, as_json)
 
@@ -322,10 +323,10 @@ def validate(artifact, baseline, eval_data, device, seq_len, max_samples, prefil
 def verify(artifact, no_hashes, trust_remote_code, manifest_sha256, as_json):
     """Check every file of ARTIFACT against its manifest's sha256, and its internal consistency
     (every FP8 weight has its scale; shapes and dtypes as config.json says). Exit 1 on any problem."""
-    with render.progress_bars() as progress:
+    with progress_bars() as progress:
         report = api.verify(artifact, check_hashes=not no_hashes, trust_remote_code=trust_remote_code,
                             manifest_sha256=manifest_sha256, progress=progress)
-    render.verify_report(artifact, report, as_json)
+    reports.verify_report(artifact, report, as_json)
     if not report.ok:
         sys.exit(1)
 
@@ -383,7 +384,7 @@ def _decode_arg(decode: str, no_compile: bool):
 
 def _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile):
     """The loaded chat session that generate and chat drive, from their shared sampling options (`_sampling`)."""
-    with render.progress_bars() as progress:
+    with progress_bars() as progress:
         return api.chat(artifact, backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p,
                         top_k=top_k, seed=seed, system=system_prompt, progress=progress,
                         compile=_decode_arg(decode, no_compile))
@@ -408,7 +409,7 @@ def generate(artifact, prompt, backend, device, max_tokens, temp, top_p, top_k, 
     c = _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile)
     with c:
         res = c.complete(prompt, None if as_json else render.stream, use_template=not ignore_chat_template)
-    render.generation(res, as_json)
+    reports.generation(res, as_json)
 
 
 # chat's commands: a line of one word starting with "/" that is none of these is not sent to the model
@@ -453,7 +454,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system
                 continue
             if res.dropped:
                 render.warn(f"the history outgrew the model's context: the {res.dropped} oldest message(s) were dropped")
-            render.generation(res, as_json, turn=True)
+            reports.generation(res, as_json, turn=True)
 
 
 @main.command()
@@ -472,6 +473,6 @@ def upload(artifact, repo, private, token, revision, as_json):
     message names the scheme and the source commit. HF_ENDPOINT picks another hub; offline mode
     (HF_HUB_OFFLINE=1) is an error.
     """
-    with render.progress_bars() as progress:
+    with progress_bars() as progress:
         res = api.upload(artifact, repo, private=private, token=token, revision=revision, progress=progress)
-    render.uploaded(res, as_json)
+    reports.uploaded(res, as_json)

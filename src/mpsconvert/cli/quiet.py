@@ -12,7 +12,7 @@ instant; they read these settings when they load):
 - coremltools' log lines (`scikit-learn version ... is not supported`, `Torch version ... has
   not been tested`, `Failed to load _MLModelProxy`): its loggers at ERROR, as are those of
   torch's export machinery, huggingface_hub, accelerate and compressed-tensors.
-Our own progress bars (rich, cli/render.py) are not touched.
+Our own progress bars (rich, cli/progress_bars.py) are not touched.
 """
 
 from __future__ import annotations

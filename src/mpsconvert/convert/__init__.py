@@ -1,6 +1,9 @@
-"""Conversion: a source snapshot -> an FP8 artifact (quantize.py, then assemble.py; GGUF sources in
-gguf.py, diffusion transformers in diffusion/). Apple packages are made by the apple package. This
-module imports nothing heavy, so the CLI can list the choices without loading torch."""
+"""Conversion: a source snapshot -> an FP8 artifact. quantize.py streams the shards (which tensors
+are quantized how: quantize_plan.py; the per-tensor work: quantize_tensors.py; the options:
+quantize_options.py), assemble.py completes the artifact; GGUF sources go through gguf.py,
+diffusion transformers through diffusion/. This module holds the choices the CLI lists (experts
+layouts, unquantized dtypes, shard sizes) and imports nothing heavy, so that listing them loads
+no torch."""
 
 from ..errors import QuantizationError
 

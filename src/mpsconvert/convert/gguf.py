@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..infra import atomic
+from ..infra import atomic, tempdirs
 from ..errors import MpsconvertError, SourceError
 from ..infra.extras import require
 from ..infra.filesystem import cache_dir
@@ -281,7 +281,7 @@ def unpacked(path: Path, dtype: str | None = None) -> Iterator[Snapshot]:
     hasher = BackgroundHasher([path])  # the source file's sha256, while the GGUF is read and unpacked
     try:
         info = describe(path)
-        with atomic.private_tempdir("gguf") as tmp:
+        with tempdirs.private_tempdir("gguf") as tmp:
             folder = tmp / path.stem
             info["dtype"] = dtype or DEFAULT_DTYPE
             info["unpacked"] = _unpack(path, folder, info["dtype"])  # says how (the summary and card read `gguf`)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..infra import atomic
+from ..infra import atomic, output_rule
 from ..source import snapshot as sources
 from ..errors import MpsconvertError
 from ..manifests import layout
@@ -87,8 +87,8 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
     with contextlib.ExitStack() as claimed:
         claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
-        atomic.check_replaceable(out, force=force, protect=(path,) if path is not None else (), delete_unlisted=delete_unlisted,
-                                 **layout.OUTPUT_RULES)
+        output_rule.check_replaceable(out, force=force, protect=(path,) if path is not None else (),
+                                      delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
         from . import shard_size_bytes
@@ -105,7 +105,7 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
             if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
                 out = output_for(snap, snap.repo_id)
                 claimed.enter_context(atomic.claim(out))
-                atomic.check_replaceable(out, force=force, delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
+                output_rule.check_replaceable(out, force=force, delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
         if snap.diffusion is not None or format is not None:
             from .diffusion.run import quantize_source
 
@@ -142,7 +142,9 @@ def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts
 
 def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_code, experts_layout, force, delete_unlisted, scales,
                   dtype, shard_bytes, progress) -> Converted:
-    from .quantize import Options, check_fp8_source, quantize_snapshot
+    from .quantize import quantize_snapshot
+    from .quantize_options import Options
+    from .quantize_plan import check_fp8_source
 
     check_fp8_source(snap, sch)
     opts = Options(scheme=sch, ignore=list(ignore), force=force, delete_unlisted=delete_unlisted, trust_remote_code=trust_remote_code,

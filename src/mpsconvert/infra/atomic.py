@@ -9,7 +9,7 @@ Writers into an existing artifact (an Apple export, calibration written back, a 
 in the manifest) take the same lock (`writing`) and build the new state as a staged copy (hard
 links of the unchanged files, `staged_copy`), swapped in by the same two renames: a kill at any
 point leaves the old artifact or the new one, never a mix, and the next run (writer or reader,
-`recover`) puts things right. `--force` replaces only what `check_replaceable` allows.
+`recover`) puts things right. `--force` replaces only what `output_rule.check_replaceable` allows.
 `kill_point` is the fault-injection hook the kill tests use (inert unless MPSCONVERT_KILL_AT
 names the point).
 
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import MpsconvertError
-from .filesystem import same_or_inside
+from .output_rule import check_replaceable
 
 TMP_PREFIX = ".mpsconvert-tmp-"
 LOCK_PREFIX = ".mpsconvert-lock-"
@@ -337,75 +337,6 @@ def recover(target: Path) -> None:
             raise
 
 
-def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bool] | None = None,
-                      protect: tuple[Path, ...] = (), is_artifact: Callable[[Path], bool] | None = None,
-                      unlisted: Callable[[Path], list[str]] | None = None, delete_unlisted: bool = False,
-                      file: bool = False) -> None:
-    """May an output at `target` be written? The one rule for every output path of every command
-    (a folder: quantize's artifact, calibrate's rebuild; a `file`: calibrate's scales), checked
-    before any work and again under the output's lock just before the write. Refused in one line,
-    with nothing touched:
-
-    - `target` lies inside a folder `is_artifact` recognises (an mpsconvert artifact): only the
-      artifact's own transaction writes into one (manifests/transaction.py);
-    - `target` is, holds or lies inside a path in `protect` (the source, or the artifact a
-      command reads): an output never goes where its input is, and a new folder inside a source
-      would be carried by its next conversion;
-    - `target` exists and is a symlink, or not the kind asked for (a file for a folder output, a
-      folder or a fifo for a file output);
-    - `target` exists and `is_ours` does not recognise it (our manifest, parsed; our scales
-      file): `--force` replaces only what mpsconvert made;
-    - `target` exists and `force` is not given;
-    - with `force`, `unlisted(target)` names files the output's manifest does not list (a user's
-      notes in an artifact): they would be deleted, so they are listed and refused unless
-      `delete_unlisted`.
-    """
-    target = Path(target).absolute()
-    real_ = target.resolve()
-    what = "the output file" if file else "output"
-    if is_artifact is not None:
-        for folder in real_.parents:
-            if is_artifact(folder):
-                raise MpsconvertError(f"{what} {target} lies inside the mpsconvert artifact {folder}, which only mpsconvert's own steps "
-                                      "(export, validate, calibrate, upload) change", "choose an -o outside the artifact")
-    for p in protect:
-        src = Path(p).resolve()
-        same, holds = same_or_inside(src, real_)  # without case where the volume ignores it (APFS, exFAT)
-        if same or holds:
-            raise MpsconvertError(f"{what} {target} {'is' if same else 'holds'} the source model {src}",
-                                  "choose an -o outside the source folder")
-        if same_or_inside(real_, src)[1]:  # also a new folder there: the next conversion of that source would carry it
-            raise MpsconvertError(f"{what} {target} lies inside the source model {src}", "choose an -o outside the source folder")
-    if not os.path.lexists(target):
-        return
-    st = os.lstat(target)
-    if file:
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise MpsconvertError(f"{what} {target} is {kind}; mpsconvert never replaces it", "remove it yourself, or choose another -o")
-        if is_ours is not None and not is_ours(target):
-            raise MpsconvertError(f"{what} {target} exists and is not a file mpsconvert wrote; --force replaces only those",
-                                  "choose another -o, or remove it yourself")
-        if not force:
-            raise MpsconvertError(f"{what} {target} already exists", "pass --force to replace it, or choose another -o")
-        return
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"
-        raise MpsconvertError(f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
-                              "remove it yourself, or choose another -o")
-    if is_ours is not None and not is_ours(target):  # said first: --force would not replace it, so it is not the fix
-        raise MpsconvertError(f"output {target} exists and is not an mpsconvert artifact (no mpsconvert.json "
-                              "that parses and names mpsconvert); --force replaces only those",
-                              "choose another -o, or remove it yourself")
-    if not force:
-        raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
-    if unlisted is not None and not delete_unlisted and (theirs := unlisted(target)):
-        shown = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
-        raise MpsconvertError(f"output {target} holds {len(theirs)} file{'s' if len(theirs) > 1 else ''} its manifest does not list "
-                              f"({shown}); --force would delete them with the old artifact",
-                              "move them out of it, or add --force-delete-unlisted to delete them too")
-
-
 def write_file(target: Path, text: str, **rule) -> None:
     """Write a file output (calibrate's scales) whole: under its lock (a claim of the command
     joined), `check_replaceable(target, file=True, **rule)` once more (the file may have appeared
@@ -516,57 +447,6 @@ def staged_copy(target: Path, drop: tuple[str, ...] = ()):
         kill_point("staged")
         yield tmp
         kill_point("staged-written")
-
-
-_TMPDIR_PREFIX = "mpsconvert-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale_tempdirs(root: Path | None = None) -> list[Path]:
-    """Remove the system-temp folders (`mpsconvert-<kind>-<pid>-*`) of runs that were killed:
-    ours (same user) and whose process is gone. Returns what was removed."""
-    root = Path(root or tempfile.gettempdir())
-    gone = []
-    for p in root.glob(f"{_TMPDIR_PREFIX}*-*-*"):
-        parts = p.name.split("-")
-        if len(parts) < 4 or not parts[2].isdigit():
-            continue
-        try:
-            st = p.lstat()
-        except FileNotFoundError:
-            continue
-        if st.st_uid == os.getuid() and p.is_dir() and not p.is_symlink() and not _alive(int(parts[2])):
-            shutil.rmtree(p, ignore_errors=True)
-            gone.append(p)
-    return gone
-
-
-@contextlib.contextmanager
-def private_tempdir(kind: str, redirect: bool = False):
-    """A folder in the system temp dir named for this process (`mpsconvert-<kind>-<pid>-*`), so
-    that a later run can tell a killed run's leftovers from a live one's and remove them
-    (`clean_stale_tempdirs`, called here first). `redirect`: also make it `tempfile`'s default
-    for the block, so libraries' temporary files (coremltools' tmp*.mlpackage) land in it."""
-    clean_stale_tempdirs()
-    d = Path(tempfile.mkdtemp(prefix=f"{_TMPDIR_PREFIX}{kind}-{os.getpid()}-"))
-    before = tempfile.tempdir
-    if redirect:
-        tempfile.tempdir = str(d)
-    try:
-        yield d
-    finally:
-        if redirect:
-            tempfile.tempdir = before
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -123,7 +123,7 @@ def unlisted(folder: Path, listed: set[str] | None = None, limit: int | None = N
     return sorted(out)
 
 
-# What the one output rule (atomic.check_replaceable) needs to know about mpsconvert's own
+# What the one output rule (output_rule.check_replaceable) needs to know about mpsconvert's own
 # folders: which one `--force` may replace, which files in it are not the artifact's, and that
 # nothing but an artifact's own transaction writes inside one.
 OUTPUT_RULES = dict(is_ours=is_ours, is_artifact=is_artifact, unlisted=lambda folder: unlisted(folder, limit=1000))

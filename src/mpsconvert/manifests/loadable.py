@@ -30,7 +30,7 @@ import contextlib
 import warnings
 from pathlib import Path
 
-from ..infra import atomic
+from ..infra import atomic, tempdirs
 from ..model import templates
 from ..errors import ArtifactError, MpsconvertError
 from ..infra.untrusted import inside, is_panic, read_json
@@ -74,7 +74,7 @@ def verified(artifact: Path, manifest=None):
         yield artifact
         return
     manifest = manifest or Manifest.read(artifact)
-    with atomic.private_tempdir("load") as tmp:
+    with tempdirs.private_tempdir("load") as tmp:
         for rel in loader_files(artifact, manifest):
             copy_verified(inside(artifact, rel, what=f"{MANIFEST_NAME} files"), tmp / rel, manifest.files[rel], f"{artifact}/{rel}")
         for rel in unlisted(artifact, manifest):

@@ -24,7 +24,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator, TypeVar
 
-from ..infra import atomic
+from ..infra import atomic, tempdirs
 from ..errors import ArtifactError
 from . import card, pin
 from .hashing import folder_files, sha256_file
@@ -143,7 +143,7 @@ def transaction(artifact: Path, *, verify: bool = False, trust_remote_code: bool
     with contextlib.ExitStack() as stack:
         stack.enter_context(atomic.writing(artifact))
         if tempdir is not None:
-            stack.enter_context(atomic.private_tempdir(tempdir, redirect=True))
+            stack.enter_context(tempdirs.private_tempdir(tempdir, redirect=True))
         if not (artifact / MANIFEST_NAME).is_file():
             raise ArtifactError(f"{artifact} has no {MANIFEST_NAME}", "is this an mpsconvert artifact? run `mpsconvert quantize` first")
         manifest = Manifest.read(artifact)

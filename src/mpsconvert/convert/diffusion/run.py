@@ -61,7 +61,8 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
     from concurrent.futures import ThreadPoolExecutor
 
     from ...infra.safetensors_io import BufferPool
-    from ..quantize import BLOCK_BYTES, QUANT_THREADS, Options, _write_shards, converting
+    from ..quantize import BLOCK_BYTES, QUANT_THREADS, _write_shards, converting
+    from ..quantize_options import Options
     from .assemble import assemble
     from .write import WEIGHT_ONLY_ROW, comfy_file_name, diffusers_shard_names, estimate_bytes, plan, write_comfyui
 

@@ -1,7 +1,7 @@
 """The diffusion conversion: source -> plan (which tensors become FP8) -> streamed writes -> artifact.
 
-Both formats stream through the LLM pipeline's parts (convert/quantize.py): the pooled block
-reader, `fp8.StreamQuantizer` on the worker threads, the ordered `_Shard` queue and the
+Both formats stream through the LLM pipeline's parts (convert/quantize*.py): the pooled block
+reader, `fp8.StreamQuantizer` on the worker threads, the ordered `Shard` queue and the
 `ShardWriter` that hashes as it writes, so peak memory stays a few 16 MiB blocks whatever the
 model (Flux.1-dev's transformer is 23.8 GB in BF16; benchmarks/convert.py --flux measures it).
 
@@ -29,10 +29,13 @@ import torch
 from ...format import fp8
 from ...errors import QuantizationError, SourceError
 from ...format.schemes import Scheme
-from ...infra.safetensors_io import DTYPES, torch_dtype, BufferPool, FiniteCheck, ShardReader, ShardWriter, read_header
+from ...infra.safetensors_io import DTYPES, torch_dtype, BufferPool, ShardReader, read_header
+from ...infra.safetensors_writer import FiniteCheck, ShardWriter
 from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
 from ...model.plan import Plan, check_against_model
-from ..quantize import QUANT_THREADS, _quantize_matrix, _Shard, check_tensor_layout
+from ..quantize import QUANT_THREADS
+from ..quantize_plan import check_tensor_layout
+from ..quantize_tensors import Shard, quantize_matrix
 from .. import FLOAT_CODES
 from . import COMFYUI_FORMATS, FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
@@ -224,7 +227,7 @@ def write_comfyui(snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, path
     done = [0]
     try:
         with ShardWriter(path, entries, metadata=meta) as writer:
-            sh = _Shard(None, writer, workers, QUANT_THREADS + 1, out.tensors)
+            sh = Shard(None, writer, workers, QUANT_THREADS + 1, out.tensors)
             try:
                 if legacy:
                     sh.then(writer.write, LEGACY_MARKER, torch.zeros(2, dtype=fp8.FP8_DTYPE))
@@ -262,7 +265,7 @@ def write_comfyui(snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, path
     return out
 
 
-def _quantize_original(sh: _Shard, o: Original, info, spans: list, legacy: bool) -> None:
+def _quantize_original(sh: Shard, o: Original, info, spans: list, legacy: bool) -> None:
     """One original weight (maybe fused from several) -> e4m3 codes + a 0-d scale + its marker."""
     n, k = o.shape
     mod = o.name[: -len(".weight")]
@@ -284,13 +287,13 @@ def _quantize_original(sh: _Shard, o: Original, info, spans: list, legacy: bool)
             **stats.as_dict(),
         }
 
-    _quantize_matrix(sh, o.name, _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]), 0, n, k,
+    quantize_matrix(sh, o.name, _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]), 0, n, k,
                      WEIGHT_ONLY_TENSOR, o.name, done, spans=spans)
 
 
 @dataclass(frozen=True)
 class _Stacked:
-    """The TensorInfo a fused tensor would have (dtype, shape, bytes): what _quantize_matrix reads."""
+    """The TensorInfo a fused tensor would have (dtype, shape, bytes): what quantize_matrix reads."""
 
     dtype: str
     shape: tuple
