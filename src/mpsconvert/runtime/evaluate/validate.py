@@ -268,7 +268,10 @@ def activations_rounded(decisions: list[dict], rows: int) -> dict | None:
             "bf16_activation_kernels": sorted({d["choice"] for d in hits if d["choice"] not in ROUNDING})}
 
 
-def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
+def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, *, record: bool = True) -> dict:
+    """The artifact against its baseline (see the module's docstring); the run is recorded in the
+    manifest when `opts.write` and `record` (False: the caller records it, with other records, in
+    its own transaction: `put_run`)."""
     import transformers
 
     from ...manifests import loadable
@@ -364,7 +367,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         result["speedup"] = {ph: lb[ph]["median_ms"] / lf[ph]["median_ms"] for ph in phases}
         result["verdict"] = {ph: timing.verdict(lb[ph], lf[ph]) for ph in phases}
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if opts.write:
+    if opts.write and record:
         _record(artifact, result)
     return result
 
@@ -373,14 +376,20 @@ def _record(artifact: Path, result: dict) -> None:
     """Add the run to the manifest's `validation` record, keyed by device (one transaction: the
     card is re-rendered with it)."""
     from ...manifests.layout import MANIFEST_NAME
-    from ...manifests.records import Validation, ValidationRun
     from ...manifests.transaction import transaction
 
     if not (artifact / MANIFEST_NAME).is_file():
         result["recorded"] = None  # a checkpoint from another tool: nothing to write into
         return
     with transaction(artifact) as t:
-        rec = t.get(Validation) or Validation()
-        rec.runs[f"{result['device_name']} ({result['device']})"] = ValidationRun.from_dict(result, "this validation")
-        t.put(rec)
+        put_run(t, result)
     result["recorded"] = str(artifact / MANIFEST_NAME)
+
+
+def put_run(t, result: dict) -> None:
+    """Add the run `result` to the `validation` record of the open transaction `t`, keyed by device."""
+    from ...manifests.records import Validation, ValidationRun
+
+    rec = t.get(Validation) or Validation()
+    rec.runs[f"{result['device_name']} ({result['device']})"] = ValidationRun.from_dict(result, "this validation")
+    t.put(rec)
