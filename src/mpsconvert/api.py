@@ -22,13 +22,12 @@ per-target functions (`export_coreml`, `check_coreai`, ...) are aliases kept for
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .version import __version__  # noqa: F401  (re-exported for the CLI)
-from .apple import flow, registry
+from .apple import flow
 from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
 from .apple.coreai import CoreAIOptions
 from .apple.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
@@ -39,11 +38,16 @@ from .apple.target import Option, Target  # noqa: F401  (the CLI builds its Appl
 from .infra.atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES  # noqa: F401
-from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
 from .manifests.manifest import Manifest
 from .format.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
 from .infra.progress import Progress
+from .workflows import chat as chat_flow, publish as publish_flow, quantize as quantize_flow, validate as validate_flow
+from .workflows.apple import targets  # noqa: F401
+from .workflows.chat import Chat, GenerateResult, backends  # noqa: F401
+from .workflows.publish import UploadResult
+from .workflows.quantize import QuantizeResult
+from .workflows.validate import ValidationResult
 
 if TYPE_CHECKING:  # heavy modules, for annotations only
     import torch
@@ -64,44 +68,7 @@ __all__ = [
 CoreMLResult = CoreAIResult = ExportResult
 
 
-def targets() -> dict[str, Target]:
-    """The Apple export targets by key ("coreml", "coreai", and any registered since)."""
-    return dict(registry.TARGETS)
-
-
-class _ByTarget:
-    """Results that hold one entry per Apple target (`apple`), also readable as attributes named
-    by the target's key (`result.coreml`), whatever targets are registered."""
-
-    def __getattr__(self, name: str):
-        if name != "apple" and name in registry.TARGETS:
-            return self.apple.get(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-
 # --------------------------------------------------------------------------- results
-
-
-@dataclass
-class QuantizeResult(_ByTarget):
-    """A written artifact: where it is and its manifest (with the summary `quantize` prints)."""
-
-    output: Path
-    manifest: Manifest
-    calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
-    apple: dict[str, ExportResult] = field(default_factory=dict)  # target key -> the export asked for (also `result.<key>`)
-    manifest_sha256: str | None = None  # of the manifest file as written: pins everything, until the next step changes it
-    pin_sha256: str | None = None  # of the part the conversion sealed: the pin that lasts (`verify --manifest-sha256`)
-    upload: UploadResult | None = None  # when it was published to the hub too
-    warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
-
-    @property
-    def summary(self) -> dict:
-        return self.manifest.summary
-
-    def as_dict(self) -> dict:
-        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256, "pin_sha256": self.pin_sha256,
-                **({"warnings": self.warnings} if self.warnings else {})}
 
 
 @dataclass
@@ -113,40 +80,6 @@ class CalibrateResult:
     into_artifact: bool  # True: the artifact now has the static scheme; False: a scales file
     manifest: Manifest | None = None  # the artifact's new manifest, when written into one
     pin_sha256: str | None = None  # the artifact's new pin (the weights changed: a pin taken before no longer holds)
-
-
-@dataclass
-class ValidationResult(_ByTarget):
-    """What `validate` measured: accuracy and latency of the FP8 artifact against its BF16
-    baseline on one device, with the settings and kernel decisions; `as_dict()` is what is
-    recorded in the manifest's `validation` block, plus each Apple target's part (`apple`: by
-    target key, also `result.coreml`, `result.coreai`: its runtime beside PyTorch, or why it
-    did not run; None without a package)."""
-
-    kind: str  # "causal-lm" | "encoder" | "diffusion-step"
-    device: str
-    device_name: str
-    scheme: str
-    weights: str
-    accuracy: dict
-    weight_bytes: dict
-    settings: dict
-    baseline: str
-    eval_data: str
-    torch: str
-    measured_at: str
-    kernels: list = field(default_factory=list)
-    dequantized_at_load: list = field(default_factory=list)
-    weights_held: dict = field(default_factory=dict)  # e4m3 codes or dequantized on this device, and a note where no memory is saved
-    latency: dict | None = None
-    speedup: dict | None = None  # BF16 median / FP8 median per phase
-    verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"
-    recorded: str | None = None  # the manifest written, None when the checkpoint has none
-    apple: dict[str, dict | None] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        body = {k: v for k, v in asdict(self).items() if k != "apple" and (v is not None or k == "recorded")}
-        return body | {key: self.apple.get(key) for key in registry.TARGETS}
 
 
 # --------------------------------------------------------------------------- options
@@ -257,48 +190,13 @@ def quantize(
             offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
-    from .calibrate.scales import for_quantize
-    from .convert import pipeline
-
-    apple = {**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})}
-    if upload_repo is not None:  # a bad repo id or offline mode: said before the conversion, not after
-        from .publish import hub as publish
-
-        publish.check_upload(upload_repo)
-    copts = replace(calibration or calibration_options(), ignore=list(ignore), trust_remote_code=trust_remote_code)
-    copts = replace(copts, token=copts.token or token)
-    given = {"--calib-data": calibration is not None and calibration.data is not None, "--scales": scales_file is not None}
-    result = QuantizeResult(Path(), None)
-
-    def follow_ups(done: pipeline.Converted) -> None:  # under the conversion's lock: the exports asked for, then the upload
-        for key, opts in apple.items():
-            t = registry.get(key)
-            with _written_but(done.output, f"its {t.name} export", f"run `mpsconvert export-{key}` on it to retry", ExportError):
-                result.apple[key] = flow.export(done.output, key, replace(opts or t.options(), force=True), True, progress)
-        if upload_repo is not None:
-            with _written_but(done.output, "its upload", f"run `mpsconvert upload {done.output} {upload_repo}` to retry", UploadError):
-                result.upload = upload(done.output, upload_repo, private=private, token=token, progress=progress)
-
-    done = pipeline.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token,
+    return quantize_flow.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token,
                              ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
-                             delete_unlisted=delete_unlisted,
-                             calibration_given=given, scales=for_quantize(scales_file, copts, progress), dtype=dtype,
-                             max_shard_size=max_shard_size, format=format, component=component, exports=tuple(apple),
-                             before=lambda: flow.require_all(apple), then=follow_ups, progress=progress)
-    from .manifests.manifest import read_once
-
-    manifest, sha, pinned = read_once(done.output)  # as the follow-ups left it
-    return replace(result, output=done.output, manifest=manifest, calibration=done.calibration, manifest_sha256=sha, pin_sha256=pinned,
-                   warnings=done.warnings)
-
-
-@contextlib.contextmanager
-def _written_but(out: Path, what: str, retry: str, error: type[MpsconvertError]):
-    """A step after the artifact was written that failed: said as such (the artifact stands)."""
-    try:
-        yield
-    except MpsconvertError as e:
-        raise error(f"{out} was written, but {what} failed: {e.problem}", e.fix or retry) from e
+                             delete_unlisted=delete_unlisted, calibration=calibration, scales_file=scales_file,
+                             exports={**(exports or {}), **({"coreml": coreml} if coreml is not None else {}),
+                                      **({"coreai": coreai} if coreai is not None else {})},
+                             dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo, private=private, format=format,
+                             component=component, progress=progress)
 
 
 # --------------------------------------------------------------------------- calibrate
@@ -375,17 +273,8 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from .infra import atomic
-    from .manifests.verify import verify_artifact
-
-    artifact = Path(artifact)
-    atomic.recover(artifact)
-    report = verify_artifact(artifact, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
-    if report.needs_model:  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
-        from .runtime.load import loader
-
-        loader.check_built_model(artifact, report, trust_remote_code=trust_remote_code)
-    return report
+    return publish_flow.verify(artifact, check_hashes=check_hashes, trust_remote_code=trust_remote_code, manifest_sha256=manifest_sha256,
+                          progress=progress)
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -434,33 +323,7 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
         DeviceError: the device is not there, or ran out of memory.
         ArtifactError: the artifact fails verification.
     """
-    from .infra import atomic
-    from .convert.gguf import validation_baseline
-    from .manifests import layout
-    from .runtime.evaluate import validate as validation
-
-    opts = options or validate_options()
-    artifact = Path(artifact)
-    found = layout.is_artifact(artifact)
-    # The lock before any work: a second writer is refused now, not after a 48-minute run.
-    with atomic.claim(artifact) if opts.write and found else contextlib.nullcontext():
-        if found and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
-            from .convert.diffusion.load import load_pair
-            from .runtime.evaluate import validate_diffusion
-
-            return ValidationResult(**validate_diffusion.validate(artifact, opts, load_pair, progress))
-        with validation_baseline(artifact, opts.baseline, progress) as gguf:  # a GGUF source is compared with that GGUF
-            body = validation.validate(artifact, replace(opts, baseline=str(gguf.folder)) if gguf else opts, progress)
-            if gguf:
-                gguf(body)
-        result = ValidationResult(**body)
-        # The Apple parts run with the settings the PyTorch rows were measured with (their defaults
-        # resolved by the run); a failure in one is said beside the recorded validation, never instead of it.
-        result.apple, failure = flow.latency(artifact, result.settings, progress)
-    if failure is not None:
-        failure.result = result  # what was measured, for the caller to show
-        raise failure
-    return result
+    return validate_flow.validate(Path(artifact), options or validate_options(), progress)
 
 
 # --------------------------------------------------------------------------- Apple targets
@@ -734,96 +597,6 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
 # --------------------------------------------------------------------------- generate / chat
 
 
-@dataclass
-class GenerateResult:
-    """One generation: the text (without the prompt) and how it ran (`stats`: prompt and
-    generation tokens/s, peak memory, device, the token ids, why it stopped)."""
-
-    text: str
-    stats: Any  # runtime.engine.GenerationStats
-    load: dict | None = None  # the load's seconds by step (LoadInfo.seconds) where this generation's model was loaded by `load`
-    dropped: int = 0  # chat: the oldest messages dropped from the history so that it fits the model's context
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, **self.stats.as_dict(), **({"load_seconds": self.load} if self.load is not None else {}),
-                **({"dropped_messages": self.dropped} if self.dropped else {})}
-
-
-class Chat:
-    """An open model for a conversation (a context manager: closes the Apple runtime session).
-    `say(message, on_text)` -> GenerateResult, the history kept in `history`."""
-
-    def __init__(self, conversation, closer):
-        self._conv, self._closer = conversation, closer
-
-    @property
-    def history(self) -> list[dict]:
-        return self._conv.history
-
-    @property
-    def backend(self) -> str:
-        return self._conv.decoder.backend
-
-    @property
-    def device(self) -> str:
-        return self._conv.decoder.device
-
-    def require_template(self) -> None:
-        """Raises MpsconvertError where the tokenizer has no chat template (`say` would, at the first message)."""
-        self._conv.require_template()
-
-    def _load_seconds(self) -> dict | None:
-        info = getattr(getattr(self._conv.decoder, "model", None), "mpsconvert", None)
-        return dict(info.seconds) if info is not None and isinstance(getattr(info, "seconds", None), dict) else None
-
-    def say(self, message: str, on_text=None) -> GenerateResult:
-        text, stats = self._conv.say(message, on_text)
-        return GenerateResult(text, stats, self._load_seconds(), self._conv.dropped)
-
-    def complete(self, prompt: str, on_text=None, use_template: bool = True) -> GenerateResult:
-        """A prompt on its own (no history): what `generate` runs."""
-        text, stats = self._conv.complete(self._conv.encode(prompt, use_template), on_text)
-        return GenerateResult(text, stats, self._load_seconds())
-
-    def reset(self) -> None:
-        """Forget the conversation (a system message stays)."""
-        self._conv.history[:] = [m for m in self._conv.history if m["role"] == "system"]
-
-    def close(self) -> None:
-        self._closer.close()
-
-    def __enter__(self) -> "Chat":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def backends() -> tuple[str, ...]:
-    """What generate and chat run on: "torch" (runtime.load), or an Apple target's package."""
-    return ("torch", *registry.TARGETS)
-
-
-def _decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitStack, progress: Progress | None,
-             compile: bool | str | None = None):
-    """(the decoder of `backend`, the model's config or None): the PyTorch model on `device`, or
-    an Apple target's stateful package on its runtime (apple/flow.py's `decoder`)."""
-    from .runtime import engine as gen
-
-    if backend == "torch":
-        from .runtime.evaluate.validate import _is_causal
-
-        model = load(artifact, device=device, progress=progress)
-        if not _is_causal(model.config):
-            raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
-                                "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
-        return gen.Engine(model, compile=compile), model.config
-    if backend not in registry.TARGETS:
-        raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(backends())}")
-    new_conversation, max_len, runs_on = flow.decoder(artifact, backend, stack)
-    return gen.RunnerDecoder(new_conversation, max_len, backend, runs_on), None
-
-
 def chat(
     artifact: str | Path,
     *,
@@ -866,21 +639,8 @@ def chat(
         MpsconvertError: Core ML off macOS, bad sampling settings.
         DeviceError: the device is not available.
     """
-    from .model.definition import load_config
-    from .runtime import engine as gen
-
-    artifact = Path(artifact)
-    sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed)
-    stack = contextlib.ExitStack()
-    try:
-        decoder, config = _decoder(artifact, backend, device, stack, progress, compile)  # the backend's own checks, then the artifact verified
-        tok = gen.load_tokenizer(artifact)  # after: a verified copy of the listed files (manifests/loadable.verified)
-        config = config or load_config(artifact, False)
-        conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
-    except BaseException:
-        stack.close()
-        raise
-    return Chat(conv, stack)
+    return chat_flow.open_chat(Path(artifact), backend=backend, device=device, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
+                           seed=seed, system=system, progress=progress, compile=compile)
 
 
 def generate(artifact: str | Path, prompt: str, *, on_text=None, use_template: bool = True, **kw: Any) -> GenerateResult:
@@ -904,23 +664,6 @@ def generate(artifact: str | Path, prompt: str, *, on_text=None, use_template: b
 
 
 # --------------------------------------------------------------------------- upload
-
-
-@dataclass
-class UploadResult:
-    """What went to the hub: repo, its URL, the commit and its message, every file sent."""
-
-    repo: str
-    url: str
-    revision: str
-    commit: str | None
-    commit_message: str
-    private: bool  # the repo's visibility as the hub reports it after the upload
-    endpoint: str
-    files: list = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
@@ -952,8 +695,5 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
         ArtifactError: not an artifact, it fails verification, or a file changed after it was
             verified (nothing is sent).
     """
-    from .publish import hub as publish
-
-    up = publish.upload(Path(artifact), repo, private=private, token=token, revision=revision,
-                        verify=(lambda a: verify(a, progress=progress)) if verify_first else None)
-    return UploadResult(**up)
+    return publish_flow.upload(artifact, repo, private=private, token=token, revision=revision, verify_first=verify_first, progress=progress,
+                          check=verify)
