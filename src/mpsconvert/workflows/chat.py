@@ -107,9 +107,48 @@ def open_decoder(artifact: Path, backend: str, device: str, stack: contextlib.Ex
     return gen.RunnerDecoder(new_conversation, max_len, backend, runs_on), None
 
 
-def open_chat(artifact: Path, *, backend: str, device: str, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
-              system: str | None, progress: Progress | None, compile: bool | str | None) -> Chat:
-    """See api.chat."""
+def chat(
+    artifact: str | Path,
+    *,
+    backend: str = "torch",
+    device: str = "auto",
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    system: str | None = None,
+    progress: Progress | None = None,
+    compile: bool | str | None = None,
+) -> Chat:
+    """Open an artifact for text generation: `with chat(dir) as c: c.say("hi", print)`.
+
+    Args:
+        artifact: the artifact folder (a causal LM with its tokenizer).
+        backend: "torch" (runtime.load on `device`), "coreai" (model.aimodel on the Core AI
+            runtime; on Linux the CPU runtime bundled in coreai-core) or "coreml"
+            (model.mlpackage; macOS only).
+        device: for torch: "auto" (mps > cuda > cpu), "mps", "cuda[:N]" or "cpu".
+        max_tokens, temp, top_p, top_k, seed: sampling, as mlx-lm names it (temp 0: greedy; top_k 0:
+            every token; top-k before top-p, as transformers orders them).
+        system: a system message that starts the history.
+        progress: `progress(phase, done, total, detail)` while loading.
+        compile: torch backend: how the decode step runs (runtime/engine/decoder.py,
+            `decode_path`). None: on CUDA the eager step captured as a CUDA graph (seconds), eager
+            elsewhere; True or "compile": torch.compile's CUDA graph (~30 s per process, a few
+            percent faster per token); "graph"; False or "eager": the eager loop (`--no-compile`).
+            Set up before the first token is timed; `stats.decode` says which path ran and what
+            it cost (`stats.compile_seconds` too).
+
+    Returns:
+        Chat: `say(message, on_text)` and `complete(prompt, on_text)` -> GenerateResult.
+
+    Raises:
+        ArtifactError: not a causal LM, no tokenizer, or the asked-for export is absent.
+        MissingExtraError: the backend's extra is not installed.
+        MpsconvertError: Core ML off macOS, bad sampling settings.
+        DeviceError: the device is not available.
+    """
     from ..model.definition import load_config
     from ..runtime import engine as gen
 
@@ -127,3 +166,21 @@ def open_chat(artifact: Path, *, backend: str, device: str, max_tokens: int, tem
     return Chat(conv, stack)
 
 
+def generate(artifact: str | Path, prompt: str, *, on_text=None, use_template: bool = True, **kw: Any) -> GenerateResult:
+    """Generate text for one prompt, streaming it through `on_text(piece)` as tokens come.
+
+    Args:
+        artifact: the artifact folder.
+        prompt: the text; wrapped in the tokenizer's chat template when it has one and
+            `use_template` (as mlx_lm.generate does).
+        on_text: called with each new piece of text.
+        **kw: backend, device, max_tokens, temp, top_p, top_k, seed, system, progress (see `chat`).
+
+    Returns:
+        GenerateResult: the text and its stats (prompt / generation tokens/s, peak memory, device).
+
+    Raises:
+        As `chat`.
+    """
+    with chat(artifact, **kw) as c:
+        return c.complete(prompt, on_text, use_template)
