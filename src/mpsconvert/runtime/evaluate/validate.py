@@ -59,7 +59,7 @@ class ValidateOptions:
         for key in ("seq_len", "max_samples", "prefill_len", "decode_tokens", "repeats", "rounds", "warmup"):
             v = getattr(self, key)
             if v is not None:
-                bounded(v, "--" + key.replace("_", "-"))
+                bounded(v, key)
 
 
 # What validate measures when an option is not given. A GPU runs the full set in seconds. On CPU
@@ -97,14 +97,14 @@ def resolve_baseline(artifact: Path, baseline: str | None) -> str:
     if baseline:
         return str(resolve(baseline).path)
     if not (artifact / MANIFEST_NAME).is_file():
-        raise SourceError(f"{artifact} has no {MANIFEST_NAME}, so its BF16 source is unknown", "pass --baseline <hub id or folder>")
+        raise SourceError(f"{artifact} has no {MANIFEST_NAME}, so its BF16 source is unknown", "pass `baseline=<hub id or folder>`")
     src = Manifest.read(artifact).source
     if src.get("kind") == "hub":
         return str(resolve(src["id"], revision=src.get("commit") or src.get("revision")).path)
     for cand in (src.get("path"), src.get("id")):
         if cand and Path(cand).is_dir():
             return str(resolve(cand).path)
-    raise SourceError(f"the manifest names a local source ({src.get('id')!r}) that is not here", "pass --baseline <folder of the BF16 model>")
+    raise SourceError(f"the manifest names a local source ({src.get('id')!r}) that is not here", "pass `baseline=<folder of the BF16 model>`")
 
 
 # what must agree between an artifact and its baseline for a comparison to mean anything
@@ -123,7 +123,7 @@ def check_baseline(artifact: Path, base_path: str) -> None:
     from ...manifests.layout import CONFIG_NAME
     from ...infra.untrusted import read_json
 
-    fix = "pass --baseline <the model this artifact was made from>"
+    fix = "pass `baseline=<the model this artifact was made from>`"
     try:
         base = modeldef.load_config(base_path, trust_remote_code=False).to_dict()
     except SourceError as e:
@@ -300,7 +300,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # weights transformers cannot read: the baseline's problem
             raise SourceError(f"transformers cannot load the baseline {base_path}: "
                               f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
-                              "pass --baseline <the model this artifact was made from>") from e
+                              "pass `baseline=<the model this artifact was made from>`") from e
     progress("load bf16", 1, 1, "")
     models = {"bf16": base_model, "fp8": fp8_model}
     result = {
@@ -323,7 +323,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
         ids = eval_ids(tok, texts, opts.seq_len * opts.max_samples)
         n = min(opts.max_samples, len(ids) // opts.seq_len)
         if n == 0:
-            raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than --seq-len {opts.seq_len}", "use more text or a smaller --seq-len")
+            raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than `seq_len={opts.seq_len}`", "use more text or a smaller `seq_len`")
         chunks = torch.tensor(ids[: n * opts.seq_len]).reshape(n, opts.seq_len)
         scores = metrics.CausalLMScores()
         progress("accuracy", 0, n, f"samples of {opts.seq_len} tokens")
