@@ -112,8 +112,8 @@ class Run:
         if self.diffusion:
             from .diffusion.run import quantize_source
 
-            llm_only = {"--scheme": s["scheme"], "--weights": s["weights"], **s["calibration_given"], "--dtype": s["dtype"],
-                        "--experts-layout": s["experts_layout"] != "per-expert", **{f"--{k}": True for k in s["exports"]}}
+            llm_only = {"`scheme`": s["scheme"], "`weights`": s["weights"], **s["calibration_given"], "`dtype`": s["dtype"],
+                        "`experts_layout`": s["experts_layout"] != "per-expert", **{f"`{k}`": True for k in s["exports"]}}
             out, manifest = quantize_source(self.snap, self.out, s["format"], ignore=list(s["ignore"]), force=s["force"],
                                             max_shard_size=self.shard_bytes, llm_only=llm_only, progress=s["progress"],
                                             delete_unlisted=s["delete_unlisted"])
@@ -136,14 +136,14 @@ def claimed(source: str | Path, output: str | Path | None, *, scheme: str | None
             exports: tuple[str, ...] = (), delete_unlisted: bool = False, progress: Progress | None = None) -> Iterator[Run]:
     """Check the settings and claim the output of converting `source` (see api.quantize for every
     argument), before any work; the block runs under the claim. `calibration_given` says which of
-    calibration data and a scales file were given ({"--calib-data": bool, "--scales": bool}: only
+    calibration data and a scales file were given ({"`data`": bool, "`scales_file`": bool}: only
     the fp8 scheme takes them), `exports` the Apple targets asked for (a diffusion model refuses
     them)."""
     if block_size is not None and weights != "block":
-        raise MpsconvertError(f"--block-size {block_size} applies to block weights only", "add --weights block, or drop --block-size")
+        raise MpsconvertError(f"`block_size={block_size}` applies to block weights only", "add `weights=block`, or drop `block_size`")
     sch = Scheme.make(scheme or "fp8-dynamic", weights, block_size)
     if not sch.needs_calibration and any(calibration_given.values()):
-        raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {sch.name})", "add --scheme fp8, or drop them")
+        raise MpsconvertError(f"calibration data and scales only apply to `scheme=fp8` (got `scheme={sch.name}`)", "add `scheme=fp8`, or drop them")
     # Where the output goes, and whether it may, before any work: a local folder is read now (a
     # config and an index), a hub id only named.
     path = sources.local_path(str(source))

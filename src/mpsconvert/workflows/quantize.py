@@ -57,7 +57,7 @@ def quantize(source: str | Path, output: str | Path | None, *, calibration: Cali
         hub.check_upload(upload_repo)
     copts = replace(calibration or CalibOptions(), ignore=list(convert["ignore"]), trust_remote_code=convert["trust_remote_code"])
     copts = replace(copts, token=copts.token or token)
-    given = {"--calib-data": calibration is not None and calibration.data is not None, "--scales": scales_file is not None}
+    given = {"`data`": calibration is not None and calibration.data is not None, "`scales_file`": scales_file is not None}
     result = QuantizeResult(Path(), None)
     with pipeline.claimed(source, output, token=token, calibration_given=given, exports=tuple(exports), progress=progress,
                           **convert) as run:
