@@ -449,10 +449,10 @@ def validation_baseline(artifact: Path, baseline: str | None, progress: Progress
     path = Path(str(m.source.get("path")))
     want = (m.source.get("files") or {}).get(path.name)
     if not path.is_file():
-        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass --baseline <the GGUF's model folder or hub id>")
+        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass `baseline=<the GGUF's model folder or hub id>`")
     digest = sha256_file(path)
     if want and digest != want:
         raise SourceError(f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
-                          "pass --baseline <the source model>, or restore that file")
+                          "pass `baseline=<the source model>`, or restore that file")
     with _baseline(path, digest, progress) as folder:  # validate's baseline runs in bfloat16 whatever quantize unpacked to
         yield GGUFBaseline(folder, f"{path} ({g.unpacked or 'dequantized'})")
