@@ -225,11 +225,11 @@ def oom_hint(device: torch.device, what: str):
             raise
         if device.type == "mps":
             fix = (
-                "use the layer-by-layer mode (--sequential), fewer/shorter samples, or raise the cap with "
+                "use the layer-by-layer mode (`sequential`), fewer/shorter samples, or raise the cap with "
                 "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 (no limit; may make the system swap)"
             )
         elif device.type == "cuda":
-            fix = "use the layer-by-layer mode (--sequential), fewer/shorter samples, or a larger GPU"
+            fix = "use the layer-by-layer mode (`sequential`), fewer/shorter samples, or a larger GPU"
         else:
-            fix = "use the layer-by-layer mode (--sequential) or fewer/shorter samples"
+            fix = "use the layer-by-layer mode (`sequential`) or fewer/shorter samples"
         raise DeviceError(f"{device.type} ran out of memory during {what}", fix) from e
