@@ -8,13 +8,15 @@ import re
 
 from .. import api
 
-_OPTIONS = ("max_tokens", "temp", "top_p", "top_k", "seed", "seq_len", "max_samples", "prefill_len", "decode_tokens", "repeats",
-            "rounds", "warmup", "prompt_len", "samples", "decode_steps", "max_len", "baseline", "eval_data", "device", "block_size",
-            "weights", "scheme", "dtype", "experts_layout", "component", "revision", "token", "format", "trust_remote_code", "ignore",
-            "force", "private", "upload_repo", "num_samples", "sequential", "percentile", "manifest_sha256")
+_OPTIONS = ("max_tokens", "temp", "top_p", "top_k", "seed", "seq_len", "max_samples", "prefill_len", "decode_tokens",
+            "repeats", "rounds", "warmup", "prompt_len", "samples", "decode_steps", "max_len", "baseline", "eval_data",
+            "device", "block_size", "weights", "scheme", "dtype", "experts_layout", "component", "revision", "token",
+            "format", "trust_remote_code", "ignore", "force", "private", "upload_repo", "num_samples", "sequential",
+            "percentile", "manifest_sha256")
 FLAGS = {name: "--" + name.replace("_", "-") for name in _OPTIONS} | {
     "data": "--calib-data", "scales_file": "--scales", "delete_unlisted": "--force-delete-unlisted"}
-_SPELLED = {"use_template=False": "--ignore-chat-template", "compile=False": "--no-compile", "latency=False": "--no-latency"}
+_SPELLED = {"use_template=False": "--ignore-chat-template", "compile=False": "--no-compile",
+            "latency=False": "--no-latency"}
 _NAMED = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]+))?`")
 
 
@@ -25,7 +27,7 @@ def as_flags(text: str) -> str:
         name, value = m.group(1), m.group(2)
         if m.group(0)[1:-1] in _SPELLED:
             return _SPELLED[m.group(0)[1:-1]]
-        found = FLAGS.get(name) or (f"--{name}" if name in api.targets() else None)  # quantize's --coreml, --coreai
+        found = FLAGS.get(name) or (f"--{name}" if name in api.targets() else None)  # quantize's --coreml, ...
         if found is None:
             return m.group(0)
         return found if value is None else f"{found} {value}"

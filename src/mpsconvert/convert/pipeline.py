@@ -79,7 +79,8 @@ class Run:
             if self.output_for(self.snap, self.snap.repo_id) != self.out:
                 self.out = self.output_for(self.snap, self.snap.repo_id)
                 self.claimed.enter_context(atomic.claim(self.out))
-                atomic.check_replaceable(self.out, force=s["force"], delete_unlisted=s["delete_unlisted"], **layout.OUTPUT_RULES)
+                atomic.check_replaceable(self.out, force=s["force"], delete_unlisted=s["delete_unlisted"],
+                                         **layout.OUTPUT_RULES)
         self.diffusion = self.snap.diffusion is not None or s["format"] is not None
         if not self.diffusion and self.snap.fp8 is not None and s["scheme"] is None and s["weights"] is None:
             self.sch = self.snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
@@ -112,8 +113,9 @@ class Run:
         if self.diffusion:
             from .diffusion.run import quantize_source
 
-            llm_only = {"`scheme`": s["scheme"], "`weights`": s["weights"], **s["calibration_given"], "`dtype`": s["dtype"],
-                        "`experts_layout`": s["experts_layout"] != "per-expert", **{f"`{k}`": True for k in s["exports"]}}
+            llm_only = {"`scheme`": s["scheme"], "`weights`": s["weights"], **s["calibration_given"],
+                        "`dtype`": s["dtype"], "`experts_layout`": s["experts_layout"] != "per-expert",
+                        **{f"`{k}`": True for k in s["exports"]}}
             out, manifest = quantize_source(self.snap, self.out, s["format"], ignore=list(s["ignore"]), force=s["force"],
                                             max_shard_size=self.shard_bytes, llm_only=llm_only, progress=s["progress"],
                                             delete_unlisted=s["delete_unlisted"])

@@ -36,6 +36,7 @@ def calibrate(target: str | Path, output: str | Path | None, options: CalibOptio
     opts = options or CalibOptions()
     if opts.token is None and token is not None:
         opts = replace(opts, token=token)
-    cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, force=force, progress=progress)
+    cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, force=force,
+                                                 progress=progress)
     return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest,
                            pin_sha256=read_once(written_to)[2] if manifest is not None else None)

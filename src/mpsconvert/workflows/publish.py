@@ -47,8 +47,9 @@ class UploadResult:
         return asdict(self)
 
 
-def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
-           verify_first: bool = True, progress: Progress | None = None, check: Callable = verify) -> UploadResult:
+def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str | None = None,
+           revision: str | None = None, verify_first: bool = True, progress: Progress | None = None,
+           check: Callable = verify) -> UploadResult:
     """See api.upload; `check`: how the artifact is verified first (`verify`)."""
     from ..publish import hub
 

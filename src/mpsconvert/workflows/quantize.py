@@ -55,12 +55,13 @@ def quantize(source: str | Path, output: str | Path | None, *, calibration: Cali
         from ..publish import hub
 
         hub.check_upload(upload_repo)
-    copts = replace(calibration or CalibOptions(), ignore=list(convert["ignore"]), trust_remote_code=convert["trust_remote_code"])
-    copts = replace(copts, token=copts.token or token)
-    given = {"`data`": calibration is not None and calibration.data is not None, "`scales_file`": scales_file is not None}
+    copts = replace(calibration or CalibOptions(), ignore=list(convert["ignore"]), trust_remote_code=convert["trust_remote_code"],
+                    token=(calibration.token if calibration is not None else None) or token)
+    given = {"`data`": calibration is not None and calibration.data is not None,  # the settings only scheme fp8 takes
+             "`scales_file`": scales_file is not None}
     result = QuantizeResult(Path(), None)
-    with pipeline.claimed(source, output, token=token, calibration_given=given, exports=tuple(exports), progress=progress,
-                          **convert) as run:
+    with pipeline.claimed(source, output, token=token, calibration_given=given, exports=tuple(exports),
+                          progress=progress, **convert) as run:
         flow.require_all(exports)  # the extras the exports need, before any work
         run.resolve()
         run.prepare()
@@ -72,8 +73,9 @@ def quantize(source: str | Path, output: str | Path | None, *, calibration: Cali
         done = run.write(scales)
         result.apple = export_into(done.output, exports, progress)
         if upload_repo is not None:
-            with written_but(done.output, "its upload", f"run `mpsconvert upload {done.output} {upload_repo}` to retry", UploadError):
+            retry = f"run `mpsconvert upload {done.output} {upload_repo}` to retry"
+            with written_but(done.output, "its upload", retry, UploadError):
                 result.upload = upload(done.output, upload_repo, private=private, token=token, progress=progress)
     manifest, sha, pinned = read_once(done.output)  # as the exports and the upload left it
-    return replace(result, output=done.output, manifest=manifest, calibration=done.calibration, manifest_sha256=sha, pin_sha256=pinned,
-                   warnings=done.warnings)
+    return replace(result, output=done.output, manifest=manifest, calibration=done.calibration, manifest_sha256=sha,
+                   pin_sha256=pinned, warnings=done.warnings)

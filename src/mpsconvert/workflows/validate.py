@@ -85,7 +85,8 @@ def _torch(artifact: Path, opts, progress: Progress | None) -> dict:
     from ..runtime.evaluate import validate as validation
 
     with validation_baseline(artifact, opts.baseline, progress) as gguf:
-        body = validation.validate(artifact, replace(opts, baseline=str(gguf.folder)) if gguf else opts, progress, record=False)
+        measured = replace(opts, baseline=str(gguf.folder)) if gguf else opts
+        body = validation.validate(artifact, measured, progress, record=False)
     if gguf:
         body["baseline"] = gguf.label
     return body
