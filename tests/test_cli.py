@@ -173,7 +173,8 @@ def test_errors_name_api_options_and_the_cli_prints_their_flags():
         mpsconvert.quantize("unused", weights="row", block_size=64)
     assert str(e.value) == "`block_size=64` applies to block weights only; add `weights=block`, or drop `block_size`"
     assert as_flags(str(e.value)) == "--block-size 64 applies to block weights only; add --weights block, or drop --block-size"
-    assert as_flags("pass `use_template=False`, `data='x'`, `scales_file`, `coreml`; run `mpsconvert verify DIR`, `folder`") == (
-        "pass --ignore-chat-template, --calib-data 'x', --scales, --coreml; run `mpsconvert verify DIR`, `folder`")
+    assert as_flags("pass `use_template=False`, `data='x'`, `scales_file`, `exports=coreml`; run `mpsconvert verify DIR`, "
+                    "the `coreml` record") == (
+        "pass --ignore-chat-template, --calib-data 'x', --scales, --coreml; run `mpsconvert verify DIR`, the `coreml` record")
     res = CliRunner().invoke(main, ["quantize", "unused", "--weights", "row", "--block-size", "64"])
     assert res.exit_code == 2 and "--block-size 64 applies to block weights only" in res.output and "`" not in res.output

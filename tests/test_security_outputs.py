@@ -227,7 +227,7 @@ def test_a_killed_quantize_force_leaves_nothing_the_next_reader_does_not_remove(
 def test_a_live_writers_temporary_folder_is_left_alone(box):
     """Ours but not stale: another process holds the artifact's lock while its folder is there."""
     _, art = box
-    code = ("import sys, time; from pathlib import Path; from mpsconvert import atomic\nt = "
+    code = ("import sys, time; from pathlib import Path; from mpsconvert.infra import atomic\nt = "
             f"Path({str(art)!r})\nwith atomic.writing(t):\n    tmp = atomic._new_tmp(t); (tmp / "
             "'w.bin').write_bytes(b'in progress'); print(tmp, flush=True); time.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}

@@ -27,7 +27,9 @@ def as_flags(text: str) -> str:
         name, value = m.group(1), m.group(2)
         if m.group(0)[1:-1] in _SPELLED:
             return _SPELLED[m.group(0)[1:-1]]
-        found = FLAGS.get(name) or (f"--{name}" if name in api.targets() else None)  # quantize's --coreml, ...
+        if name == "exports" and value in api.targets():  # quantize's --coreml, --coreai, ...
+            return f"--{value}"
+        found = FLAGS.get(name)
         if found is None:
             return m.group(0)
         return found if value is None else f"{found} {value}"

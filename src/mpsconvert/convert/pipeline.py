@@ -115,7 +115,7 @@ class Run:
 
             llm_only = {"`scheme`": s["scheme"], "`weights`": s["weights"], **s["calibration_given"],
                         "`dtype`": s["dtype"], "`experts_layout`": s["experts_layout"] != "per-expert",
-                        **{f"`{k}`": True for k in s["exports"]}}
+                        **{f"`exports={k}`": True for k in s["exports"]}}
             out, manifest = quantize_source(self.snap, self.out, s["format"], ignore=list(s["ignore"]), force=s["force"],
                                             max_shard_size=self.shard_bytes, llm_only=llm_only, progress=s["progress"],
                                             delete_unlisted=s["delete_unlisted"])
