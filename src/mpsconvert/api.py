@@ -228,8 +228,8 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    return publish_flow.verify(artifact, check_hashes=check_hashes, trust_remote_code=trust_remote_code, manifest_sha256=manifest_sha256,
-                          progress=progress)
+    return publish_flow.verify(artifact, check_hashes=check_hashes, trust_remote_code=trust_remote_code,
+                               manifest_sha256=manifest_sha256, progress=progress)
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -394,5 +394,5 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
         ArtifactError: not an artifact, it fails verification, or a file changed after it was
             verified (nothing is sent).
     """
-    return publish_flow.upload(artifact, repo, private=private, token=token, revision=revision, verify_first=verify_first, progress=progress,
-                          check=verify)
+    return publish_flow.upload(artifact, repo, private=private, token=token, revision=revision, verify_first=verify_first,
+                               progress=progress, check=verify)
