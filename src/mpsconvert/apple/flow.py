@@ -188,7 +188,7 @@ def decoder(artifact: Path, backend: str, stack: contextlib.ExitStack) -> tuple[
     rec: AppleExport | None = m.get(target.record) if m is not None else None
     if rec is None:
         raise ArtifactError(f"{artifact} has no {target.name} {target.noun}",
-                            f"run `mpsconvert export-{target.key} {artifact}` first, or use --backend torch")
+                            f"run `mpsconvert export-{target.key} {artifact}` first, or use `backend=torch`")
     if not rec.stateful:
         raise ArtifactError(f"the {target.key} export in {artifact} is not a stateful decoder (task {rec.task})",
                             f"re-export it with `mpsconvert export-{target.key}` (the default is the stateful decoder)")
