@@ -15,7 +15,7 @@ import torch
 pytestmark = pytest.mark.extra("coreml")
 
 import mpsconvert  # noqa: E402
-from mpsconvert import fp8  # noqa: E402
+from mpsconvert.format import fp8  # noqa: E402
 from mpsconvert.apple.coreml import ExportOptions, mil_eval  # noqa: E402
 from mpsconvert.apple.coreml import ops as coreml_ops  # noqa: E402
 from mpsconvert.apple.coreml.check import check_package, coreml_runtime_check  # noqa: E402
