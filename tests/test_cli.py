@@ -161,3 +161,20 @@ def test_the_program_exits_with_its_codes_and_flushes_its_output(tmp_path, tiny_
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tensors_quantized"] > 0  # the summary was flushed before the exit
     assert (out / "mpsconvert.json").is_file()
+
+
+def test_errors_name_api_options_and_the_cli_prints_their_flags():
+    """The library names an option by its API name in backticks (what a Python caller passes);
+    the CLI prints the flag that sets it, and leaves other backticked text alone."""
+    import mpsconvert
+    from mpsconvert.cli.flags import as_flags
+
+    with pytest.raises(mpsconvert.MpsconvertError) as e:
+        mpsconvert.quantize("unused", weights="row", block_size=64)
+    assert str(e.value) == "`block_size=64` applies to block weights only; add `weights=block`, or drop `block_size`"
+    assert as_flags(str(e.value)) == "--block-size 64 applies to block weights only; add --weights block, or drop --block-size"
+    assert as_flags("pass `use_template=False`, `data='x'`, `scales_file`, `exports=coreml`; run `mpsconvert verify DIR`, "
+                    "the `coreml` record") == (
+        "pass --ignore-chat-template, --calib-data 'x', --scales, --coreml; run `mpsconvert verify DIR`, the `coreml` record")
+    res = CliRunner().invoke(main, ["quantize", "unused", "--weights", "row", "--block-size", "64"])
+    assert res.exit_code == 2 and "--block-size 64 applies to block weights only" in res.output and "`" not in res.output

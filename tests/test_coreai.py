@@ -306,7 +306,7 @@ def test_failed_export_leaves_the_artifact_as_it_was(exported, work, monkeypatch
     with pytest.raises(ExportError, match="frobnicate"):
         export_coreai(art, CoreAIOptions(max_len=64, force=True))
     assert tree_hashes(art) == before
-    with pytest.raises(MpsconvertError, match="--force"):  # an existing asset needs --force
+    with pytest.raises(MpsconvertError, match="`force`"):  # an existing asset needs force (--force)
         export_coreai(art, CoreAIOptions(max_len=64))
     with pytest.raises(MpsconvertError, match="max_position_embeddings"):
         export_coreai(art, CoreAIOptions(max_len=100000, force=True))

@@ -235,7 +235,7 @@ def test_unsupported_architecture_names_it_and_leaves_artifact(llama, work):
 def test_existing_package_needs_force(llama, work):
     art = _copy(llama, work, "llama-force")
     mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
-    with pytest.raises(MpsconvertError, match="--force"):
+    with pytest.raises(MpsconvertError, match="`force`"):  # the API's name (the CLI says --force)
         mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
     rec = mpsconvert.export_coreml(art, kv_cache=False, seq_len="12", force=True, check=False).record
     assert rec["seq_len"]["max"] == 12

@@ -345,7 +345,7 @@ def test_pipeline_without_transformer(tmp_path):
     (tmp_path / "p" / "model_index.json").write_text(json.dumps({"_class_name": "X", "vae": ["diffusers", "AutoencoderKL"]}))
     with pytest.raises(SourceError) as e:
         mpsconvert.quantize(tmp_path / "p", tmp_path / "o")
-    assert "no transformer" in str(e.value) and "vae" in str(e.value) and "--component" in str(e.value)
+    assert "no transformer" in str(e.value) and "vae" in str(e.value) and "`component=NAME`" in str(e.value)
 
 
 def test_single_file_of_no_family(tmp_path):
@@ -374,7 +374,7 @@ def test_single_file_to_comfyui_and_not_to_diffusers(artifacts, tmp_path):
 
 
 def test_llm_options_and_formats_do_not_mix(sources, tiny_models, tmp_path):
-    with pytest.raises(MpsconvertError, match="--scheme applies to language models"):
+    with pytest.raises(MpsconvertError, match="`scheme` applies to language models"):
         mpsconvert.quantize(sources["wan"], tmp_path / "a", scheme="fp8-dynamic")
     with pytest.raises(MpsconvertError, match="is for diffusion models"):
         mpsconvert.quantize(tiny_models["llama"], tmp_path / "b", format="comfyui")

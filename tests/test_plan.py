@@ -48,7 +48,7 @@ def test_remote_code_architecture_needs_explicit_trust(tmp_path, tiny_models):
     cfg.update(model_type="my_secret_arch", auto_map={"AutoConfig": "modeling_x.MyConfig"}, architectures=["MyModel"])
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "modeling_x.py").write_text("raise SystemExit('remote code ran')\n")
-    with pytest.raises(SourceError, match="--trust-remote-code"):
+    with pytest.raises(SourceError, match="`trust_remote_code`"):
         plan_for(d)
 
 

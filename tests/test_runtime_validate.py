@@ -130,6 +130,28 @@ def test_validate_causal_lm_against_direct_computation(arts, tmp_path):
     assert recorded["accuracy"] == r["accuracy"] and recorded["settings"]["seq_len"] == 64 and recorded["device"] == "cpu"
 
 
+def test_validate_records_everything_in_one_transaction(arts, monkeypatch):
+    """The run and every Apple part are written together: one manifest transaction per validate."""
+    import contextlib
+
+    import mpsconvert.manifests.transaction as transaction
+
+    opened, real = [], transaction.transaction
+
+    @contextlib.contextmanager
+    def counted(*a, **k):
+        opened.append(a[0])
+        with real(*a, **k) as t:
+            yield t
+
+    monkeypatch.setattr(transaction, "transaction", counted)
+    opts = ValidateOptions(baseline=str(arts / "llama"), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=32,
+                           max_samples=1, latency=False, kernel_cache=False)
+    r = mpsconvert.validate(arts / "llama-fp8", options=opts)
+    assert len(opened) == 1 and r.recorded == str(arts / "llama-fp8" / "mpsconvert.json")
+    assert Manifest.read(arts / "llama-fp8").extra["validation"]["CPU (cpu)"]["settings"]["seq_len"] == 32
+
+
 def test_verdict_only_beyond_the_measured_spread():
     def timed(*rounds):
         return timing.round_stats([[x / 1e3 for x in r] for r in rounds])

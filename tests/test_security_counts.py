@@ -28,15 +28,15 @@ from .helpers import CHAT_TEMPLATE, cli, one_error, one_line_error, run_generate
 
 
 def test_bounded_names_the_limit_and_refuses_what_is_not_a_number():
-    assert untrusted.bounded(5, "--seq-len") == 5
-    for bad, says in [(0, "--seq-len is 0, outside 2..131,072"), (10**9, "outside 2..131,072"), (True, "not an integer"),
+    assert untrusted.bounded(5, "seq_len") == 5
+    for bad, says in [(0, "`seq_len` is 0, outside 2..131,072"), (10**9, "outside 2..131,072"), (True, "not an integer"),
                       (1e3, "not an integer"), ("8", "not an integer")]:
         with pytest.raises(MpsconvertError, match=None) as e:
-            untrusted.bounded(bad, "--seq-len")
+            untrusted.bounded(bad, "seq_len")
         assert says in str(e.value), str(e.value)
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(MpsconvertError, match="outside 0..10,000"):
-            untrusted.bounded(bad, "--temp", integer=False)
+            untrusted.bounded(bad, "temp", integer=False)
     with pytest.raises(SourceError, match=r"config.json: n is 2000, outside 0..1,024 \(the limit on layers\)"):
         untrusted.bounded(2000, "layers", what="config.json: n", error=SourceError)
 

@@ -7,49 +7,44 @@
 
 Each function takes typed keyword arguments, returns a small dataclass, and raises an
 `MpsconvertError` subclass (errors.py) for anything the caller can fix; the CLI is a thin layer
-over these functions. This module is a facade: each function is its signature, its docstring
-and a call into the package that does the work (convert/pipeline.py, calibrate/artifact.py,
-runtime/, apple/flow.py, publish.py); where an operation spans two of those packages (quantize's
-exports, validate's Apple part), the few lines that join them are here, since the packages do
-not import each other. Importing this module is cheap (no torch): heavy imports happen inside the
-calls, so `mpsconvert --help` stays fast and a conversion starts hashing its source before
-torch loads.
-
-The Apple targets (Core ML, Core AI) come from a registry (apple/registry.py): `export(artifact,
-target)` and `check(artifact, target)` take any of them, `targets()` lists them, and the
-per-target functions (`export_coreml`, `check_coreai`, ...) are aliases kept for their callers.
+over these functions. This module is a facade: each function is its signature, its docstring and
+one call into a workflow (workflows/: what joins the packages, under one lock) or a package.
+Importing it is cheap (no torch): heavy imports happen inside the calls, so `mpsconvert --help`
+stays fast and a conversion starts hashing its source before torch loads. The Apple targets come
+from a registry (apple/registry.py): `export(artifact, target)` and `check(artifact, target)` take
+any of them, `targets()` lists them; the per-target functions (`export_coreml`, ...) stay for their callers.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .version import __version__  # noqa: F401  (re-exported for the CLI)
-from .apple import flow, registry
-from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
-from .apple.coreai import CoreAIOptions
-from .apple.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
-from .apple.coreml import WEIGHT_MODES as COREML_WEIGHT_MODES  # noqa: F401
-from .apple.coreml import ExportOptions, SeqLen
+from .apple import flow
+from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES, CoreAIOptions  # noqa: F401
+from .apple.coreml import FRONTENDS as COREML_FRONTENDS, WEIGHT_MODES as COREML_WEIGHT_MODES, ExportOptions, SeqLen  # noqa: F401
 from .apple.flow import ExportResult
 from .apple.target import Option, Target  # noqa: F401  (the CLI builds its Apple options from them)
 from .infra.atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES  # noqa: F401
-from .errors import ArtifactError, ExportError, MpsconvertError, UploadError
 from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
 from .manifests.manifest import Manifest
 from .format.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
 from .infra.progress import Progress
+from .workflows import calibrate as calibrate_flow, publish as publish_flow, quantize as quantize_flow, validate as validate_flow
+from .workflows.apple import check_coreai, check_coreml, coreai_latency, export_coreai, export_coreml, targets  # noqa: F401
+from .workflows.chat import Chat, GenerateResult, backends, chat, generate  # noqa: F401
+from .workflows.calibrate import CalibrateResult
+from .workflows.publish import UploadResult
+from .workflows.quantize import QuantizeResult
+from .workflows.validate import ValidationResult
 
 if TYPE_CHECKING:  # heavy modules, for annotations only
     import torch
 
     from .calibrate import CalibOptions
-    from .calibrate.run import Calibration
     from .manifests.verify import VerifyReport
     from .runtime.evaluate.validate import ValidateOptions
 
@@ -62,94 +57,6 @@ __all__ = [
 
 # The results of the Apple targets are one type; the names of the two first targets stay for their callers.
 CoreMLResult = CoreAIResult = ExportResult
-
-
-def targets() -> dict[str, Target]:
-    """The Apple export targets by key ("coreml", "coreai", and any registered since)."""
-    return dict(registry.TARGETS)
-
-
-class _ByTarget:
-    """Results that hold one entry per Apple target (`apple`), also readable as attributes named
-    by the target's key (`result.coreml`), whatever targets are registered."""
-
-    def __getattr__(self, name: str):
-        if name != "apple" and name in registry.TARGETS:
-            return self.apple.get(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass
-class QuantizeResult(_ByTarget):
-    """A written artifact: where it is and its manifest (with the summary `quantize` prints)."""
-
-    output: Path
-    manifest: Manifest
-    calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
-    apple: dict[str, ExportResult] = field(default_factory=dict)  # target key -> the export asked for (also `result.<key>`)
-    manifest_sha256: str | None = None  # of the manifest file as written: pins everything, until the next step changes it
-    pin_sha256: str | None = None  # of the part the conversion sealed: the pin that lasts (`verify --manifest-sha256`)
-    upload: UploadResult | None = None  # when it was published to the hub too
-    warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
-
-    @property
-    def summary(self) -> dict:
-        return self.manifest.summary
-
-    def as_dict(self) -> dict:
-        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256, "pin_sha256": self.pin_sha256,
-                **({"warnings": self.warnings} if self.warnings else {})}
-
-
-@dataclass
-class CalibrateResult:
-    """Static input scales: the calibration and where its scales were written."""
-
-    calibration: Calibration
-    written_to: Path
-    into_artifact: bool  # True: the artifact now has the static scheme; False: a scales file
-    manifest: Manifest | None = None  # the artifact's new manifest, when written into one
-    pin_sha256: str | None = None  # the artifact's new pin (the weights changed: a pin taken before no longer holds)
-
-
-@dataclass
-class ValidationResult(_ByTarget):
-    """What `validate` measured: accuracy and latency of the FP8 artifact against its BF16
-    baseline on one device, with the settings and kernel decisions; `as_dict()` is what is
-    recorded in the manifest's `validation` block, plus each Apple target's part (`apple`: by
-    target key, also `result.coreml`, `result.coreai`: its runtime beside PyTorch, or why it
-    did not run; None without a package)."""
-
-    kind: str  # "causal-lm" | "encoder" | "diffusion-step"
-    device: str
-    device_name: str
-    scheme: str
-    weights: str
-    accuracy: dict
-    weight_bytes: dict
-    settings: dict
-    baseline: str
-    eval_data: str
-    torch: str
-    measured_at: str
-    kernels: list = field(default_factory=list)
-    dequantized_at_load: list = field(default_factory=list)
-    weights_held: dict = field(default_factory=dict)  # e4m3 codes or dequantized on this device, and a note where no memory is saved
-    latency: dict | None = None
-    speedup: dict | None = None  # BF16 median / FP8 median per phase
-    verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"
-    recorded: str | None = None  # the manifest written, None when the checkpoint has none
-    apple: dict[str, dict | None] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        body = {k: v for k, v in asdict(self).items() if k != "apple" and (v is not None or k == "recorded")}
-        return body | {key: self.apple.get(key) for key in registry.TARGETS}
-
-
-# --------------------------------------------------------------------------- options
 
 
 def calibration_options(**kw: Any) -> CalibOptions:
@@ -166,9 +73,6 @@ def validate_options(**kw: Any) -> ValidateOptions:
     from .runtime.evaluate.validate import ValidateOptions
 
     return ValidateOptions(**kw)
-
-
-# --------------------------------------------------------------------------- quantize
 
 
 def quantize(
@@ -257,51 +161,12 @@ def quantize(
             offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
-    from .calibrate.scales import for_quantize
-    from .convert import pipeline
-
-    apple = {**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})}
-    if upload_repo is not None:  # a bad repo id or offline mode: said before the conversion, not after
-        from .publish import hub as publish
-
-        publish.check_upload(upload_repo)
-    copts = replace(calibration or calibration_options(), ignore=list(ignore), trust_remote_code=trust_remote_code)
-    copts = replace(copts, token=copts.token or token)
-    given = {"--calib-data": calibration is not None and calibration.data is not None, "--scales": scales_file is not None}
-    result = QuantizeResult(Path(), None)
-
-    def follow_ups(done: pipeline.Converted) -> None:  # under the conversion's lock: the exports asked for, then the upload
-        for key, opts in apple.items():
-            t = registry.get(key)
-            with _written_but(done.output, f"its {t.name} export", f"run `mpsconvert export-{key}` on it to retry", ExportError):
-                result.apple[key] = flow.export(done.output, key, replace(opts or t.options(), force=True), True, progress)
-        if upload_repo is not None:
-            with _written_but(done.output, "its upload", f"run `mpsconvert upload {done.output} {upload_repo}` to retry", UploadError):
-                result.upload = upload(done.output, upload_repo, private=private, token=token, progress=progress)
-
-    done = pipeline.quantize(source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token,
-                             ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force,
-                             delete_unlisted=delete_unlisted,
-                             calibration_given=given, scales=for_quantize(scales_file, copts, progress), dtype=dtype,
-                             max_shard_size=max_shard_size, format=format, component=component, exports=tuple(apple),
-                             before=lambda: flow.require_all(apple), then=follow_ups, progress=progress)
-    from .manifests.manifest import read_once
-
-    manifest, sha, pinned = read_once(done.output)  # as the follow-ups left it
-    return replace(result, output=done.output, manifest=manifest, calibration=done.calibration, manifest_sha256=sha, pin_sha256=pinned,
-                   warnings=done.warnings)
-
-
-@contextlib.contextmanager
-def _written_but(out: Path, what: str, retry: str, error: type[MpsconvertError]):
-    """A step after the artifact was written that failed: said as such (the artifact stands)."""
-    try:
-        yield
-    except MpsconvertError as e:
-        raise error(f"{out} was written, but {what} failed: {e.problem}", e.fix or retry) from e
-
-
-# --------------------------------------------------------------------------- calibrate
+    return quantize_flow.quantize(
+        source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=ignore,
+        trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force, delete_unlisted=delete_unlisted,
+        calibration=calibration, scales_file=scales_file, dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo,
+        private=private, format=format, component=component, progress=progress,
+        exports={**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})})
 
 
 def calibrate(
@@ -335,19 +200,7 @@ def calibrate(
         SourceError, DataError, QuantizationError, DeviceError, ArtifactError: as the inputs warrant.
         MpsconvertError: a source given without `output`.
     """
-    from .calibrate.artifact import calibrate_target
-
-    opts = options or calibration_options()
-    if opts.token is None and token is not None:
-        opts = replace(opts, token=token)
-    from .manifests.manifest import read_once
-
-    cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, force=force, progress=progress)
-    return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest,
-                           pin_sha256=read_once(written_to)[2] if manifest is not None else None)
-
-
-# --------------------------------------------------------------------------- check
+    return calibrate_flow.calibrate(target, output, options, revision=revision, token=token, force=force, progress=progress)
 
 
 def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code: bool = False,
@@ -375,17 +228,8 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    from .infra import atomic
-    from .manifests.verify import verify_artifact
-
-    artifact = Path(artifact)
-    atomic.recover(artifact)
-    report = verify_artifact(artifact, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
-    if report.needs_model:  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
-        from .runtime.load import loader
-
-        loader.check_built_model(artifact, report, trust_remote_code=trust_remote_code)
-    return report
+    return publish_flow.verify(artifact, check_hashes=check_hashes, trust_remote_code=trust_remote_code,
+                               manifest_sha256=manifest_sha256, progress=progress)
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -434,36 +278,7 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
         DeviceError: the device is not there, or ran out of memory.
         ArtifactError: the artifact fails verification.
     """
-    from .infra import atomic
-    from .convert.gguf import validation_baseline
-    from .manifests import layout
-    from .runtime.evaluate import validate as validation
-
-    opts = options or validate_options()
-    artifact = Path(artifact)
-    found = layout.is_artifact(artifact)
-    # The lock before any work: a second writer is refused now, not after a 48-minute run.
-    with atomic.claim(artifact) if opts.write and found else contextlib.nullcontext():
-        if found and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
-            from .convert.diffusion.load import load_pair
-            from .runtime.evaluate import validate_diffusion
-
-            return ValidationResult(**validate_diffusion.validate(artifact, opts, load_pair, progress))
-        with validation_baseline(artifact, opts.baseline, progress) as gguf:  # a GGUF source is compared with that GGUF
-            body = validation.validate(artifact, replace(opts, baseline=str(gguf.folder)) if gguf else opts, progress)
-            if gguf:
-                gguf(body)
-        result = ValidationResult(**body)
-        # The Apple parts run with the settings the PyTorch rows were measured with (their defaults
-        # resolved by the run); a failure in one is said beside the recorded validation, never instead of it.
-        result.apple, failure = flow.latency(artifact, result.settings, progress)
-    if failure is not None:
-        failure.result = result  # what was measured, for the caller to show
-        raise failure
-    return result
-
-
-# --------------------------------------------------------------------------- Apple targets
+    return validate_flow.validate(Path(artifact), options or validate_options(), progress)
 
 
 def export(artifact: str | Path, target: str, *, options: Any = None, check: Any = True, progress: Progress | None = None) -> ExportResult:
@@ -519,187 +334,6 @@ def check(artifact: str | Path, target: str, *, options: Any = None, verify: boo
     return flow.check(Path(artifact), target, options, verify=verify, progress=progress)
 
 
-def coreai_latency(artifact: str | Path, *, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
-                   prefill_repeats: int = 3, units: list[str] | None = None, write: bool = True) -> dict:
-    """Prefill time and decode tokens/s of the artifact's Core AI asset beside PyTorch on the CPU,
-    same prompt (real text), same number of tokens.
-
-    On Linux the rows are "Core AI runtime, Linux CPU" (the runtime bundled in coreai-core) and
-    PyTorch CPU; on macOS 27+ one row per compute unit (`units`: cpu, gpu, neural_engine) through
-    the OS runtime. Recorded in the manifest's `coreai_runtime` unless `write` is False.
-
-    Args:
-        artifact: the artifact folder (with model.aimodel).
-        prefill_len: prompt tokens (shortened to fit the asset's cache).
-        decode_tokens: single-token steps timed after the prompt (median and p95).
-        warmup: untimed steps (and one untimed prefill) first.
-        prefill_repeats: timed prefills, each in a fresh conversation (median and p95).
-        units: macOS compute units [default: all three].
-        write: record the result in the manifest.
-
-    Returns:
-        {"status": "ran", "inputs", "rows": [...]} or {"status": "skipped", "reason"}.
-
-    Raises:
-        MissingExtraError: coreai-core is not installed.
-        ArtifactError: there is no asset.
-    """
-    return flow.measure(Path(artifact), "coreai", write=write, prefill_len=prefill_len, decode_tokens=decode_tokens, warmup=warmup,
-                        prefill_repeats=prefill_repeats, units=units)
-
-
-def export_coreml(
-    artifact: str | Path,
-    *,
-    seq_len: str | int = "128",
-    weights: str = "fp8-lut",
-    frontend: str = "auto",
-    kv_cache: bool = True,
-    max_len: int | None = None,
-    force: bool = False,
-    check: bool = True,
-    samples: int = 3,
-    decode_steps: int = 16,
-    progress: Progress | None = None,
-) -> ExportResult:
-    """Export an FP8 artifact to a Core ML ML program (`<artifact>/model.mlpackage`), then check it.
-
-    Causal LMs: the stateful decoder (macOS 15 / iOS 18): `main(input_ids int32 [1, T], position
-    int32 [1]) -> logits [1, T, vocab]`, the KV cache in states `key_cache_i` / `value_cache_i`;
-    with `kv_cache=False` the stateless input_ids -> logits. Encoders: input_ids, attention_mask
-    -> embeddings. The package is built under a temporary name and renamed; a failed export
-    leaves the artifact as it was.
-
-    Args:
-        artifact: the artifact folder.
-        seq_len: encoders and stateless packages: a fixed length ("128") or a range ("1:512").
-        kv_cache: causal LMs as the stateful decoder (default) or stateless.
-        max_len: the stateful decoder's cache length [default: 2048, or the model's
-            max_position_embeddings when smaller].
-        decode_steps: stateful decoders: teacher-forced decode steps in the reference evaluation.
-        weights: "fp8-lut" (FP8 codes as an 8-bit palette, one byte per weight), "int8" or "fp16".
-        frontend: "auto" (torch.export, then torch.jit.trace), "torch.export" or "torch.jit.trace".
-        force: replace an existing package.
-        check: run the checks that work anywhere after the export (recorded in the manifest).
-        samples: text samples for the reference evaluation.
-        progress: `progress("coreml export", step, steps, message)`.
-
-    Returns:
-        CoreMLResult: the manifest's record of the package, and the check results.
-
-    Raises:
-        MissingExtraError: coremltools is not installed (`pip install 'mpsconvert[coreml]'`).
-        ExportError: the architecture or an op cannot be converted, or the package failed its checks.
-        MpsconvertError: the package exists (pass force), or the settings are invalid.
-    """
-    from .apple.coreml import CheckOptions
-
-    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend, kv_cache=kv_cache, max_len=max_len)
-    return export(artifact, "coreml", options=opts, check=check and CheckOptions(samples, decode_steps), progress=progress)
-
-
-def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None,
-                 verify: bool = True) -> ExportResult:
-    """Check the Core ML package already in an artifact (no Apple hardware needed): its spec,
-    every FP8 weight read back bit for bit, and a reference evaluation of the program (NOT the
-    Core ML runtime) against PyTorch; the result is recorded in the manifest.
-
-    Args:
-        artifact: the artifact folder holding `model.mlpackage`.
-        samples: text samples for the reference evaluation.
-        progress: `progress("coreml check", 0, None, message)`.
-        verify: check the artifact's hashes first (False: it was verified just now, by the export).
-
-    Returns:
-        CoreMLResult: the package's manifest record and the check results (`result.ok`).
-
-    Raises:
-        MissingExtraError: coremltools is not installed.
-        ArtifactError: there is no package, or it is not recorded in the manifest.
-        ExportError: the package failed its checks (recorded in the manifest first; the
-            exception's `result` holds the CoreMLResult).
-    """
-    from .apple.coreml import CheckOptions
-
-    return check(artifact, "coreml", options=CheckOptions(samples, decode_steps), verify=verify, progress=progress)
-
-
-def export_coreai(
-    artifact: str | Path,
-    *,
-    max_len: int | None = None,
-    compute: str = "fp32",
-    force: bool = False,
-    check: bool = True,
-    prompt_len: int = 64,
-    decode_steps: int = 32,
-    progress: Progress | None = None,
-) -> ExportResult:
-    """Export an FP8 artifact to a Core AI asset (`<artifact>/model.aimodel`), then check it.
-
-    Core AI (macOS / iOS 27+) stores the FP8 weights natively: f8E4M3FN constants (the
-    artifact's bytes) with their per-tensor / per-row scales. Causal LMs get the stateful decoder
-    that Core ML packages have too; encoders the embeddings interface. Other tensors keep the
-    artifact's dtype. The asset is written under a temporary name and renamed; a failed export
-    leaves the artifact as it was.
-
-    Args:
-        artifact: the artifact folder.
-        max_len: causal LMs: the KV cache length; encoders: the longest input [default: 2048,
-            or the model's max_position_embeddings when smaller].
-        compute: "fp32" (default) or "fp16" (see apple/coreai/__init__.py for why fp32).
-        force: replace an existing asset.
-        check: run the checks after the export (recorded in the manifest).
-        prompt_len: tokens of real text in the checked prefill.
-        decode_steps: teacher-forced decode steps checked through the states.
-        progress: `progress(phase, done, total, detail)` ("coreai export", "decode check").
-
-    Returns:
-        CoreAIResult: the manifest's record of the asset, and the check results.
-
-    Raises:
-        MissingExtraError: coreai-core / coreai-torch are not installed (`pip install 'mpsconvert[coreai]'`).
-        ExportError: the architecture, an op or a weight cannot be converted, or the asset failed its checks.
-        MpsconvertError: the asset exists (pass force), or the settings do not fit the model.
-    """
-    from .apple.coreai import CheckOptions
-
-    opts = CoreAIOptions(max_len=max_len, compute=compute, force=force)
-    return export(artifact, "coreai", options=opts, check=check and CheckOptions(prompt_len, decode_steps), progress=progress)
-
-
-def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: int = 32, generate: int = 4,
-                 progress: Progress | None = None, verify: bool = True) -> ExportResult:
-    """Check the Core AI asset already in an artifact: its interface, every f8E4M3FN weight read
-    back against the artifact, and the Core AI runtime bundled in coreai-core (on Linux: "Core AI
-    runtime, Linux CPU") against PyTorch on the same dequantized weights: prefill, teacher-forced
-    decode through the states, greedy generation. Recorded in the manifest (`coreai.check`).
-
-    Args:
-        artifact: the artifact folder.
-        prompt_len: tokens of real text in the prefill.
-        decode_steps: teacher-forced decode steps.
-        generate: greedy tokens compared with PyTorch's.
-        progress: `progress("decode check", done, total, detail)`.
-        verify: check the artifact's hashes first (False: it was verified just now, by the export).
-
-    Returns:
-        CoreAIResult with `check`.
-
-    Raises:
-        MissingExtraError: coreai-core is not installed.
-        ArtifactError: there is no asset, or it is not recorded in the manifest.
-        ExportError: the asset failed its checks (recorded first; the exception's `result` holds
-            the CoreAIResult).
-    """
-    from .apple.coreai import CheckOptions
-
-    return check(artifact, "coreai", options=CheckOptions(prompt_len, decode_steps, generate), verify=verify, progress=progress)
-
-
-# --------------------------------------------------------------------------- runtime
-
-
 def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = None, verify: bool = True, **kw: Any):
     """Load an FP8 artifact as a transformers model in eval mode, with FP8 layers on GPUs.
 
@@ -731,198 +365,6 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
     return loader.load(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)
 
 
-# --------------------------------------------------------------------------- generate / chat
-
-
-@dataclass
-class GenerateResult:
-    """One generation: the text (without the prompt) and how it ran (`stats`: prompt and
-    generation tokens/s, peak memory, device, the token ids, why it stopped)."""
-
-    text: str
-    stats: Any  # runtime.engine.GenerationStats
-    load: dict | None = None  # the load's seconds by step (LoadInfo.seconds) where this generation's model was loaded by `load`
-    dropped: int = 0  # chat: the oldest messages dropped from the history so that it fits the model's context
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, **self.stats.as_dict(), **({"load_seconds": self.load} if self.load is not None else {}),
-                **({"dropped_messages": self.dropped} if self.dropped else {})}
-
-
-class Chat:
-    """An open model for a conversation (a context manager: closes the Apple runtime session).
-    `say(message, on_text)` -> GenerateResult, the history kept in `history`."""
-
-    def __init__(self, conversation, closer):
-        self._conv, self._closer = conversation, closer
-
-    @property
-    def history(self) -> list[dict]:
-        return self._conv.history
-
-    @property
-    def backend(self) -> str:
-        return self._conv.decoder.backend
-
-    @property
-    def device(self) -> str:
-        return self._conv.decoder.device
-
-    def require_template(self) -> None:
-        """Raises MpsconvertError where the tokenizer has no chat template (`say` would, at the first message)."""
-        self._conv.require_template()
-
-    def _load_seconds(self) -> dict | None:
-        info = getattr(getattr(self._conv.decoder, "model", None), "mpsconvert", None)
-        return dict(info.seconds) if info is not None and isinstance(getattr(info, "seconds", None), dict) else None
-
-    def say(self, message: str, on_text=None) -> GenerateResult:
-        text, stats = self._conv.say(message, on_text)
-        return GenerateResult(text, stats, self._load_seconds(), self._conv.dropped)
-
-    def complete(self, prompt: str, on_text=None, use_template: bool = True) -> GenerateResult:
-        """A prompt on its own (no history): what `generate` runs."""
-        text, stats = self._conv.complete(self._conv.encode(prompt, use_template), on_text)
-        return GenerateResult(text, stats, self._load_seconds())
-
-    def reset(self) -> None:
-        """Forget the conversation (a system message stays)."""
-        self._conv.history[:] = [m for m in self._conv.history if m["role"] == "system"]
-
-    def close(self) -> None:
-        self._closer.close()
-
-    def __enter__(self) -> "Chat":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def backends() -> tuple[str, ...]:
-    """What generate and chat run on: "torch" (runtime.load), or an Apple target's package."""
-    return ("torch", *registry.TARGETS)
-
-
-def _decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitStack, progress: Progress | None,
-             compile: bool | str | None = None):
-    """(the decoder of `backend`, the model's config or None): the PyTorch model on `device`, or
-    an Apple target's stateful package on its runtime (apple/flow.py's `decoder`)."""
-    from .runtime import engine as gen
-
-    if backend == "torch":
-        from .model.definition import is_causal_lm
-
-        model = load(artifact, device=device, progress=progress)
-        if not is_causal_lm(model.config):
-            raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
-                                "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
-        return gen.Engine(model, compile=compile), model.config
-    if backend not in registry.TARGETS:
-        raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(backends())}")
-    new_conversation, max_len, runs_on = flow.decoder(artifact, backend, stack)
-    return gen.RunnerDecoder(new_conversation, max_len, backend, runs_on), None
-
-
-def chat(
-    artifact: str | Path,
-    *,
-    backend: str = "torch",
-    device: str = "auto",
-    max_tokens: int = 256,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    system: str | None = None,
-    progress: Progress | None = None,
-    compile: bool | str | None = None,
-) -> Chat:
-    """Open an artifact for text generation: `with chat(dir) as c: c.say("hi", print)`.
-
-    Args:
-        artifact: the artifact folder (a causal LM with its tokenizer).
-        backend: "torch" (runtime.load on `device`), "coreai" (model.aimodel on the Core AI
-            runtime; on Linux the CPU runtime bundled in coreai-core) or "coreml"
-            (model.mlpackage; macOS only).
-        device: for torch: "auto" (mps > cuda > cpu), "mps", "cuda[:N]" or "cpu".
-        max_tokens, temp, top_p, top_k, seed: sampling, as mlx-lm names it (temp 0: greedy; top_k 0:
-            every token; top-k before top-p, as transformers orders them).
-        system: a system message that starts the history.
-        progress: `progress(phase, done, total, detail)` while loading.
-        compile: torch backend: how the decode step runs (runtime/engine/decoder.py,
-            `decode_path`). None: on CUDA the eager step captured as a CUDA graph (seconds), eager
-            elsewhere; True or "compile": torch.compile's CUDA graph (~30 s per process, a few
-            percent faster per token); "graph"; False or "eager": the eager loop (`--no-compile`).
-            Set up before the first token is timed; `stats.decode` says which path ran and what
-            it cost (`stats.compile_seconds` too).
-
-    Returns:
-        Chat: `say(message, on_text)` and `complete(prompt, on_text)` -> GenerateResult.
-
-    Raises:
-        ArtifactError: not a causal LM, no tokenizer, or the asked-for export is absent.
-        MissingExtraError: the backend's extra is not installed.
-        MpsconvertError: Core ML off macOS, bad sampling settings.
-        DeviceError: the device is not available.
-    """
-    from .model.definition import load_config
-    from .runtime import engine as gen
-
-    artifact = Path(artifact)
-    sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed)
-    stack = contextlib.ExitStack()
-    try:
-        decoder, config = _decoder(artifact, backend, device, stack, progress, compile)  # the backend's own checks, then the artifact verified
-        tok = gen.load_tokenizer(artifact)  # after: a verified copy of the listed files (manifests/loadable.verified)
-        config = config or load_config(artifact, False)
-        conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
-    except BaseException:
-        stack.close()
-        raise
-    return Chat(conv, stack)
-
-
-def generate(artifact: str | Path, prompt: str, *, on_text=None, use_template: bool = True, **kw: Any) -> GenerateResult:
-    """Generate text for one prompt, streaming it through `on_text(piece)` as tokens come.
-
-    Args:
-        artifact: the artifact folder.
-        prompt: the text; wrapped in the tokenizer's chat template when it has one and
-            `use_template` (as mlx_lm.generate does).
-        on_text: called with each new piece of text.
-        **kw: backend, device, max_tokens, temp, top_p, top_k, seed, system, progress (see `chat`).
-
-    Returns:
-        GenerateResult: the text and its stats (prompt / generation tokens/s, peak memory, device).
-
-    Raises:
-        As `chat`.
-    """
-    with chat(artifact, **kw) as c:
-        return c.complete(prompt, on_text, use_template)
-
-
-# --------------------------------------------------------------------------- upload
-
-
-@dataclass
-class UploadResult:
-    """What went to the hub: repo, its URL, the commit and its message, every file sent."""
-
-    repo: str
-    url: str
-    revision: str
-    commit: str | None
-    commit_message: str
-    private: bool  # the repo's visibility as the hub reports it after the upload
-    endpoint: str
-    files: list = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
 def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
            verify_first: bool = True, progress: Progress | None = None) -> UploadResult:
     """Publish an artifact to a Hugging Face hub model repo (created if absent).
@@ -952,8 +394,5 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
         ArtifactError: not an artifact, it fails verification, or a file changed after it was
             verified (nothing is sent).
     """
-    from .publish import hub as publish
-
-    up = publish.upload(Path(artifact), repo, private=private, token=token, revision=revision,
-                        verify=(lambda a: verify(a, progress=progress)) if verify_first else None)
-    return UploadResult(**up)
+    return publish_flow.upload(artifact, repo, private=private, token=token, revision=revision, verify_first=verify_first,
+                               progress=progress, check=verify)

@@ -210,7 +210,7 @@ def decode_timing(decoder, prompt: np.ndarray, tokens: int, warmup: int, prefill
     if len(last.step_seconds) < warmup + tokens:
         raise MpsconvertError(f"the decoder stopped after {last.generated_tokens} tokens ({last.stop}), the timing "
                               f"needs {warmup + tokens + 1}",
-                              "time fewer tokens, or re-export with a larger --max-len")
+                              "time fewer tokens, or re-export with a larger `max_len`")
     pre, st = timing.stats(prefills), timing.stats(last.step_seconds[warmup:])
     return {"prefill_tokens": len(prompt), "prefill_ms": round(pre["median_ms"], 3), "prefill_p95_ms": round(pre["p95_ms"], 3),
             "prefill_runs": pre["n"], "decode_tokens": tokens, "decode_median_ms": round(st["median_ms"], 3),

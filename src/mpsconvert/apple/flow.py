@@ -6,7 +6,8 @@
   and the re-rendered card replace the artifact in one swap (manifests/transaction.py): the
   manifest is read once and written once, and a kill at any step leaves an artifact that verifies.
 - check: the package already in an artifact, checked and its check recorded (one transaction).
-- latency: validate's part, for every target whose package the artifact holds, recorded together.
+- latency: validate's part, for every target whose package the artifact holds (recorded by the
+  caller, with the validation, in one transaction: `runtime_records`).
 - decoder: a verified stateful package opened for generate / chat.
 
 A check that ran and failed is recorded first, then raised as an ExportError that carries the
@@ -127,9 +128,9 @@ def check(artifact: Path, target: str | Target, opts=None, *, verify: bool = Tru
 def latency(artifact: Path, settings: dict, progress: Progress | None = None) -> tuple[dict[str, dict | None], Exception | None]:
     """validate's Apple part: every target whose package the artifact holds, measured with the
     settings the PyTorch rows were measured with (`ValidationResult.settings`, defaults
-    resolved); the results that ran are recorded together (one transaction) when
-    `settings["write"]`. A failure of one target is its result ({"status": "failed", "reason"}),
-    never instead of the others'; the first is returned beside them, for the caller to raise once
+    resolved); nothing is recorded here (`runtime_records` gives what to record, for the caller's
+    transaction). A failure of one target is its result ({"status": "failed", "reason"}), never
+    instead of the others'; the first is returned beside them, for the caller to raise once
     everything is recorded. Returns ({target key: result, or None without a package}, failure)."""
     artifact = Path(artifact)
     progress = or_silent(progress)
@@ -150,12 +151,13 @@ def latency(artifact: Path, settings: dict, progress: Progress | None = None) ->
         except Exception as e:  # a bug: its traceback is kept, once the results are recorded and shown
             out[key] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
             failure = failure or e
-    ran = {k: r for k, r in out.items() if r is not None and r.get("status") == "ran"}
-    if ran and settings.get("write", True):
-        with transaction(artifact) as t:
-            for key, r in ran.items():
-                t.put(registry.TARGETS[key].runtime_record.read(r, f"the {key} runtime result"))
     return out, failure
+
+
+def runtime_records(results: dict[str, dict | None]) -> list:
+    """The manifest records of `latency`'s results that ran (one per target)."""
+    return [registry.TARGETS[key].runtime_record.read(r, f"the {key} runtime result")
+            for key, r in results.items() if r is not None and r.get("status") == "ran"]
 
 
 def measure(artifact: Path, target: str | Target, *, write: bool = True, **kw) -> dict:
@@ -186,7 +188,7 @@ def decoder(artifact: Path, backend: str, stack: contextlib.ExitStack) -> tuple[
     rec: AppleExport | None = m.get(target.record) if m is not None else None
     if rec is None:
         raise ArtifactError(f"{artifact} has no {target.name} {target.noun}",
-                            f"run `mpsconvert export-{target.key} {artifact}` first, or use --backend torch")
+                            f"run `mpsconvert export-{target.key} {artifact}` first, or use `backend=torch`")
     if not rec.stateful:
         raise ArtifactError(f"the {target.key} export in {artifact} is not a stateful decoder (task {rec.task})",
                             f"re-export it with `mpsconvert export-{target.key}` (the default is the stateful decoder)")

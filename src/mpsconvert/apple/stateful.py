@@ -51,9 +51,9 @@ def resolve_max_len(requested: int | None, config) -> int:
     if requested is None:
         return min(DEFAULT_MAX_LEN, max_pos) if max_pos else DEFAULT_MAX_LEN
     if requested < 2:
-        raise MpsconvertError(f"--max-len {requested} is too short", "use at least 2 (default 2048)")
+        raise MpsconvertError(f"`max_len={requested}` is too short", "use at least 2 (default 2048)")
     if max_pos and requested > max_pos:
-        raise MpsconvertError(f"--max-len {requested} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+        raise MpsconvertError(f"`max_len={requested}` exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
     return int(requested)
 
 
@@ -87,7 +87,7 @@ def _kv_shapes(model) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         if k is None or v is None or k.ndim != 4 or v.ndim != 4:
             raise ExportError(
                 f"{type(model).__name__} keeps a cache layer that is not keys and values ({type(layer).__name__})",
-                "stateful export supports attention KV caches only; use --no-kv-cache for Core ML",
+                "stateful export supports attention KV caches only; use `kv_cache=False` for Core ML",
             )
         out.append((tuple(k.shape), tuple(v.shape)))
     return out
@@ -99,7 +99,7 @@ def _layer_types(config) -> list[str] | None:
         return None
     bad = sorted(set(types) - set(MASK_TYPES))
     if bad:
-        raise ExportError(f"layers of type {', '.join(bad)} have no stateful export", "use --no-kv-cache for Core ML")
+        raise ExportError(f"layers of type {', '.join(bad)} have no stateful export", "use `kv_cache=False` for Core ML")
     return list(types)
 
 

@@ -46,13 +46,13 @@ class Option:
 
 def check_numbers(opts, flags: tuple[Option, ...]) -> None:
     """Every integer setting of `opts` that one of `flags` declares, within untrusted.LIMITS for
-    its flag (`--decode-steps 1000000000` is one line, not a run that never ends)."""
+    its API name (`--decode-steps 1000000000` is one line, not a run that never ends)."""
     from ..infra.untrusted import LIMITS, bounded
 
     for o in flags:
         v = getattr(opts, o.name, None)
-        if o.kind == "int" and v is not None and o.flag in LIMITS:
-            bounded(v, o.flag)
+        if o.kind == "int" and v is not None and o.name in LIMITS:
+            bounded(v, o.name)
 
 
 class Target:

@@ -66,10 +66,10 @@ def load(spec: str | None, revision: str | None = None, token: str | None = None
     if path.is_dir():
         files = _dataset_files(path)
         if not files:
-            raise DataError(f"{path} holds no .parquet/.jsonl/.json/.txt files", "point --calib-data at a file or a dataset folder")
+            raise DataError(f"{path} holds no .parquet/.jsonl/.json/.txt files", "point `data` at a file or a dataset folder")
         return _from_files("folder", str(path.resolve()), path, files)
     if not _REPO_ID.match(spec):
-        raise DataError(f"--calib-data {spec!r} is neither a file, a folder nor a dataset repo id", "give a .txt/.jsonl/.parquet file or an id like org/name")
+        raise DataError(f"`data={spec!r}` is neither a file, a folder nor a dataset repo id", "give a .txt/.jsonl/.parquet file or an id like org/name")
     return _from_dataset(spec, revision, token)
 
 
@@ -80,7 +80,7 @@ def _from_dataset(repo_id: str, revision: str | None, token: str | None) -> Corp
     try:
         root = Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, token=token, allow_patterns=DATASET_PATTERNS))
     except RepositoryNotFoundError as e:
-        raise DataError(f"dataset {repo_id!r} not found on the hub (or it is private)", "check the id, or pass --token") from e
+        raise DataError(f"dataset {repo_id!r} not found on the hub (or it is private)", "check the id, or pass `token`") from e
     except LocalEntryNotFoundError as e:
         raise DataError(
             f"dataset {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached",
@@ -114,7 +114,7 @@ def draw(corpus: Corpus, tokenizer, num_samples: int, seq_len: int, seed: int) -
     round-robin (window 0 of each, then window 1 of each, ...), so every drawn document is used
     before any document gives a second window, and a large corpus costs only N tokenizations."""
     if num_samples < 1 or seq_len < MIN_WINDOW_TOKENS:
-        raise DataError(f"--num-samples must be >= 1 and --seq-len >= {MIN_WINDOW_TOKENS}", "pass larger values")
+        raise DataError(f"`num_samples` must be >= 1 and `seq_len` >= {MIN_WINDOW_TOKENS}", "pass larger values")
     order = list(range(len(corpus.texts)))
     random.Random(seed).shuffle(order)
     docs = [(d, tokenizer(corpus.texts[d], add_special_tokens=True, verbose=False)["input_ids"]) for d in order[:num_samples]]

@@ -66,7 +66,7 @@ class Observer:
         if not math.isfinite(self.amax):
             raise QuantizationError(
                 f"the inputs of {name} reached {self.amax} during calibration (overflow in the model's dtype)",
-                f"check the calibration data, or pass --ignore {name} to keep it unquantized",
+                f"check the calibration data, or pass `ignore={name}` to keep it unquantized",
             )
 
     def describe(self) -> dict:
@@ -110,7 +110,7 @@ class Percentile(LogHistogram):
 
     def __init__(self, q: float = DEFAULT_PERCENTILE):
         if not 0 < q <= 100:
-            raise QuantizationError(f"percentile {q} is outside (0, 100]", "pass --percentile between 0 and 100, e.g. 99.99")
+            raise QuantizationError(f"percentile {q} is outside (0, 100]", "pass `percentile` between 0 and 100, e.g. 99.99")
         super().__init__()
         self.q = q
 

@@ -24,6 +24,7 @@ from .. import api
 from ..errors import MpsconvertError
 from ..infra.untrusted import is_panic
 from . import render
+from .flags import as_flags
 
 
 class Terminated(KeyboardInterrupt):
@@ -77,7 +78,7 @@ def _run(fn, args, kwargs):
     except MpsconvertError as e:
         if api.stop_requested.is_set():  # e.g. a config "unreadable" because the import of its class was cut short
             _interrupted(signal.SIGTERM in _caught)
-        render.error(str(e))
+        render.error(as_flags(str(e)))
         sys.exit(e.exit_code)
     except Exception:
         if api.stop_requested.is_set():  # an ImportError of a module whose import the signal cut short: no traceback

@@ -18,6 +18,7 @@ from ..errors import PromptError
 from . import render, reports
 from .progress_bars import progress_bars
 from .app import friendly_errors, main
+from .flags import as_flags
 
 
 def calibration_options(fn):
@@ -432,7 +433,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system
             try:
                 line = render.ask()
             except PromptError as e:  # a message that cannot be sent: said, and the chat goes on
-                render.error(str(e))
+                render.error(as_flags(str(e)))
                 continue
             command = line.strip() if line is not None else "/exit"
             if command in CHAT_COMMANDS["end"]:
@@ -450,7 +451,7 @@ def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system
             try:
                 res = c.say(line, None if as_json else render.stream)
             except PromptError as e:  # too long for the model even alone: said, and the chat goes on
-                render.error(str(e))
+                render.error(as_flags(str(e)))
                 continue
             if res.dropped:
                 render.warn(f"the history outgrew the model's context: the {res.dropped} oldest message(s) were dropped")

@@ -24,8 +24,9 @@ import re
 import struct
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from ..infra import atomic, tempdirs
 from ..errors import MpsconvertError, SourceError
@@ -415,14 +416,22 @@ def _baseline(path: Path, digest: str, progress: Progress | None):
         yield snap.path
 
 
+@dataclass(frozen=True)
+class GGUFBaseline:
+    """validate's baseline of an artifact made from a GGUF file: the BF16 folder to compare with,
+    and how the result names it (the GGUF file, not the folder)."""
+
+    folder: Path
+    label: str
+
+
 @contextlib.contextmanager
-def validation_baseline(artifact: Path, baseline: str | None, progress: Progress | None = None) -> Iterator[Callable[[dict], None] | None]:
+def validation_baseline(artifact: Path, baseline: str | None, progress: Progress | None = None) -> Iterator[GGUFBaseline | None]:
     """validate's baseline of an artifact quantized from a GGUF file: that file, dequantized to
     BF16 as quantize dequantizes it, built once and kept in the user's cache (`cached_baseline`;
     a temporary folder for the block where the cache cannot be written). Yields None when the source is
-    no GGUF or a `baseline` was given; else `name(result)`, which names the GGUF file (not the
-    temporary folder) as the baseline in validate's `result` and its recorded run; `name.folder`
-    is the folder to pass as validate's baseline.
+    no GGUF or a `baseline` was given; else a GGUFBaseline: `folder` to pass as validate's
+    baseline, `label` to name as the baseline in validate's result and its recorded run.
 
     Raises:
         SourceError: the GGUF is not where the manifest says, or is not the same file.
@@ -430,8 +439,7 @@ def validation_baseline(artifact: Path, baseline: str | None, progress: Progress
     from ..manifests.hashing import sha256_file
     from ..manifests.layout import is_artifact
     from ..manifests.manifest import Manifest
-    from ..manifests.records import GGUFSource, Validation
-    from ..manifests.transaction import transaction
+    from ..manifests.records import GGUFSource
 
     m = Manifest.read(artifact) if baseline is None and is_artifact(artifact) else None
     g = m.get(GGUFSource) if m is not None else None
@@ -441,21 +449,10 @@ def validation_baseline(artifact: Path, baseline: str | None, progress: Progress
     path = Path(str(m.source.get("path")))
     want = (m.source.get("files") or {}).get(path.name)
     if not path.is_file():
-        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass --baseline <the GGUF's model folder or hub id>")
+        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass `baseline=<the GGUF's model folder or hub id>`")
     digest = sha256_file(path)
     if want and digest != want:
         raise SourceError(f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
-                          "pass --baseline <the source model>, or restore that file")
-    label = f"{path} ({g.unpacked or 'dequantized'})"
+                          "pass `baseline=<the source model>`, or restore that file")
     with _baseline(path, digest, progress) as folder:  # validate's baseline runs in bfloat16 whatever quantize unpacked to
-
-        def name(result: dict) -> None:
-            result["baseline"] = label
-            if result.get("recorded"):
-                with transaction(artifact) as t:
-                    rec = t.get(Validation)
-                    rec.runs[f"{result['device_name']} ({result['device']})"].baseline = label
-                    t.put(rec)
-
-        name.folder = folder
-        yield name
+        yield GGUFBaseline(folder, f"{path} ({g.unpacked or 'dequantized'})")

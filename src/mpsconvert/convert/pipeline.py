@@ -1,12 +1,13 @@
 """`quantize`'s decisions and their order: which source (a folder, a hub id, a GGUF file, a
 diffusion model), which output and whether it may be written (said before any work: before
 torch, a download or a GGUF unpacked), the scheme an FP8 source keeps, calibration, the
-conversion (quantize.py, or diffusion/run.py), and what follows it under the same lock.
+conversion (quantize.py, or diffusion/run.py).
 
 The conversion package does not import the calibration or the Apple packages (they sit beside
-it): the caller passes calibration as `scales` and the follow-ups (Apple exports, an upload) as
-`then`, and they run inside this run's claim on the output, so no other run can write the
-artifact between its conversion and its exports.
+it): `claimed` holds the claim on the output and yields a `Run` whose steps the caller
+(workflows/quantize.py) calls in turn, putting its own steps between them (checking the Apple
+extras, calibrating on the resolved source) and after them (the exports, an upload), all under
+this one claim, so no other run can write the artifact between its conversion and its exports.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Iterator
 
 from ..infra import atomic, output_rule
 from ..source import snapshot as sources
@@ -26,9 +27,9 @@ from ..manifests.records import GGUFSource, VLLMBlock
 from ..format.schemes import Scheme
 from ..infra.progress import Progress
 
-# (the snapshot folder to calibrate on) -> (input scales, the calibration's record, what the
-# calibration returned for the caller to show, or None when the scales were read from a file)
-Scales = Callable[[Path], tuple[dict, dict, Any]]
+# (input scales, the calibration's record, what the calibration returned for the caller to show,
+# or None when the scales were read from a file)
+Scales = tuple[dict, dict, Any]
 
 
 @dataclass
@@ -47,23 +48,104 @@ def default_output(source_name: str, scheme: str) -> Path:
     return Path(f"{source_name.split('/')[-1]}-{scheme}")
 
 
-def quantize(source: str | Path, output: str | Path | None, *, scheme: str | None, weights: str | None, block_size: int | None,
-             revision: str | None, token: str | None, ignore, trust_remote_code: bool, experts_layout: str, force: bool,
-             calibration_given: dict[str, bool], scales: Scales | None, dtype: str | None, max_shard_size, format: str | None, component: str | None,
-             exports: tuple[str, ...] = (), before: Callable[[], None] | None = None, delete_unlisted: bool = False,
-             then: Callable[[Converted], None] | None = None, progress: Progress | None = None) -> Converted:
-    """Convert `source` (see api.quantize for every argument): `calibration_given` says which of
-    calibration data and a scales file were given ({"--calib-data": bool, "--scales": bool}: only
-    the fp8 scheme takes them), `scales` how to
-    get static input scales when the scheme needs them, `exports` the Apple targets asked for
-    (a diffusion model refuses them), `before()` runs once the output is claimed and before any
-    work (the caller's checks of what it needs), `then(converted)` after the conversion, under
-    the same lock."""
+@dataclass
+class Run:
+    """A conversion whose output is claimed: its steps, called in turn by the caller (`resolve`,
+    `prepare`, then `write` with the input scales when `needs_scales`)."""
+
+    source: str | Path
+    out: Path
+    snap: Any  # the resolved source (sources.Snapshot); None for a hub id or a GGUF file until `resolve`
+    gguf_file: Path | None
+    sch: Scheme
+    output_for: Any
+    settings: dict
+    claimed: contextlib.ExitStack
+    shard_bytes: int = 0
+    child: Any = None
+    diffusion: bool = False
+
+    def resolve(self) -> None:
+        """The source as files: a GGUF unpacked, a hub id downloaded (an FP8 or diffusion hub
+        source names its default output itself: that one is claimed and checked too)."""
+        s = self.settings
+        if self.gguf_file is not None:
+            from .gguf import unpacked
+
+            self.snap = self.claimed.enter_context(unpacked(self.gguf_file, s["dtype"]))
+        elif self.snap is None:
+            self.snap = sources.resolve(str(self.source), revision=s["revision"], token=s["token"], diffusion=True,
+                                        component=s["component"])
+            if self.output_for(self.snap, self.snap.repo_id) != self.out:
+                self.out = self.output_for(self.snap, self.snap.repo_id)
+                self.claimed.enter_context(atomic.claim(self.out))
+                output_rule.check_replaceable(self.out, force=s["force"], delete_unlisted=s["delete_unlisted"],
+                                         **layout.OUTPUT_RULES)
+        self.diffusion = self.snap.diffusion is not None or s["format"] is not None
+        if not self.diffusion and self.snap.fp8 is not None and s["scheme"] is None and s["weights"] is None:
+            self.sch = self.snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
+
+    def prepare(self) -> None:
+        """A language model: the source hashed and its plan started in a child process (before
+        torch is imported here), and an FP8 source checked against the scheme."""
+        if self.diffusion:
+            return
+        self.snap.start_hashing()  # overlaps the imports and planning below
+        from . import plan_child
+
+        s = self.settings
+        self.child = plan_child.start_early(self.snap, self.sch, list(s["ignore"]), s["trust_remote_code"])
+        if self.child is not None:
+            self.claimed.callback(self.child.kill)  # a run that failed before the writing
+        from .quantize_plan import check_fp8_source
+
+        check_fp8_source(self.snap, self.sch)
+
+    @property
+    def needs_scales(self) -> bool:
+        """The scheme needs static input scales and the source brings none (a static FP8 source does)."""
+        return (not self.diffusion and self.sch.needs_calibration
+                and not (self.snap.fp8 is not None and self.sch == self.snap.fp8.scheme))
+
+    def write(self, scales: Scales | None = None) -> Converted:
+        """The conversion itself: `scales` (see Scales) when `needs_scales`."""
+        s = self.settings
+        if self.diffusion:
+            from .diffusion.run import quantize_source
+
+            llm_only = {"`scheme`": s["scheme"], "`weights`": s["weights"], **s["calibration_given"],
+                        "`dtype`": s["dtype"], "`experts_layout`": s["experts_layout"] != "per-expert",
+                        **{f"`exports={k}`": True for k in s["exports"]}}
+            out, manifest = quantize_source(self.snap, self.out, s["format"], ignore=list(s["ignore"]), force=s["force"],
+                                            max_shard_size=self.shard_bytes, llm_only=llm_only, progress=s["progress"],
+                                            delete_unlisted=s["delete_unlisted"])
+            return Converted(out, manifest)
+        try:
+            return _convert_with(self.snap, self.out, self.sch, self.child, scales, shard_bytes=self.shard_bytes,
+                                 **{k: s[k] for k in _CONVERT})
+        finally:
+            if self.child is not None:
+                self.child.kill()
+
+
+_CONVERT = ("ignore", "trust_remote_code", "experts_layout", "force", "delete_unlisted", "dtype", "progress")
+
+
+@contextlib.contextmanager
+def claimed(source: str | Path, output: str | Path | None, *, scheme: str | None, weights: str | None, block_size: int | None,
+            revision: str | None, token: str | None, ignore, trust_remote_code: bool, experts_layout: str, force: bool,
+            calibration_given: dict[str, bool], dtype: str | None, max_shard_size, format: str | None, component: str | None,
+            exports: tuple[str, ...] = (), delete_unlisted: bool = False, progress: Progress | None = None) -> Iterator[Run]:
+    """Check the settings and claim the output of converting `source` (see api.quantize for every
+    argument), before any work; the block runs under the claim. `calibration_given` says which of
+    calibration data and a scales file were given ({"`data`": bool, "`scales_file`": bool}: only
+    the fp8 scheme takes them), `exports` the Apple targets asked for (a diffusion model refuses
+    them)."""
     if block_size is not None and weights != "block":
-        raise MpsconvertError(f"--block-size {block_size} applies to block weights only", "add --weights block, or drop --block-size")
+        raise MpsconvertError(f"`block_size={block_size}` applies to block weights only", "add `weights=block`, or drop `block_size`")
     sch = Scheme.make(scheme or "fp8-dynamic", weights, block_size)
     if not sch.needs_calibration and any(calibration_given.values()):
-        raise MpsconvertError(f"calibration data and scales only apply to --scheme fp8 (got --scheme {sch.name})", "add --scheme fp8, or drop them")
+        raise MpsconvertError(f"calibration data and scales only apply to `scheme=fp8` (got `scheme={sch.name}`)", "add `scheme=fp8`, or drop them")
     # Where the output goes, and whether it may, before any work: a local folder is read now (a
     # config and an index), a hub id only named.
     path = sources.local_path(str(source))
@@ -85,73 +167,34 @@ def quantize(source: str | Path, output: str | Path | None, *, scheme: str | Non
         return default_output(name, own.name)
 
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
-    with contextlib.ExitStack() as claimed:
-        claimed.enter_context(atomic.claim(out))  # every step below (exports, upload) runs under this one lock
-        output_rule.check_replaceable(out, force=force, protect=(path,) if path is not None else (),
-                                      delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
+    settings = dict(scheme=scheme, weights=weights, revision=revision, token=token, ignore=ignore, trust_remote_code=trust_remote_code,
+                    experts_layout=experts_layout, force=force, calibration_given=calibration_given, dtype=dtype, format=format,
+                    component=component, exports=exports, delete_unlisted=delete_unlisted, progress=progress)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(atomic.claim(out))  # every step of the block (exports, upload) runs under this one lock
+        output_rule.check_replaceable(out, force=force, protect=(path,) if path is not None else (), delete_unlisted=delete_unlisted,
+                                 **layout.OUTPUT_RULES)
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
         from . import shard_size_bytes
 
-        shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
-        if before is not None:
-            before()
-        if gguf_file is not None:
-            from .gguf import unpacked
-
-            snap = claimed.enter_context(unpacked(gguf_file, dtype))
-        elif snap is None:
-            snap = sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
-            if output_for(snap, snap.repo_id) != out:  # an FP8 or diffusion hub source names its default output itself
-                out = output_for(snap, snap.repo_id)
-                claimed.enter_context(atomic.claim(out))
-                output_rule.check_replaceable(out, force=force, delete_unlisted=delete_unlisted, **layout.OUTPUT_RULES)
-        if snap.diffusion is not None or format is not None:
-            from .diffusion.run import quantize_source
-
-            llm_only = {"--scheme": scheme, "--weights": weights, **calibration_given, "--dtype": dtype,
-                        "--experts-layout": experts_layout != "per-expert", **{f"--{k}": True for k in exports}}
-            out, manifest = quantize_source(snap, out, format, ignore=list(ignore), force=force, max_shard_size=shard_bytes,
-                                            llm_only=llm_only, progress=progress, delete_unlisted=delete_unlisted)
-            done = Converted(out, manifest)
-        else:
-            if snap.fp8 is not None and scheme is None and weights is None:
-                sch = snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
-            done = _convert(snap, out, sch, ignore=ignore, trust_remote_code=trust_remote_code, experts_layout=experts_layout,
-                            force=force, delete_unlisted=delete_unlisted, scales=scales, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
-        if then is not None:
-            then(done)
-        return done
+        run = Run(source, out, snap, gguf_file, sch, output_for, settings, stack)
+        run.shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
+        yield run
 
 
-def _convert(snap, out: Path, sch: Scheme, *, ignore, trust_remote_code, experts_layout, force, delete_unlisted, scales, dtype,
-             shard_bytes, progress) -> Converted:
-    """A language model's conversion once its source is resolved and its output claimed."""
-    snap.start_hashing()  # overlaps the imports and planning below
-    from . import plan_child
-
-    child = plan_child.start_early(snap, sch, list(ignore), trust_remote_code)  # before torch is imported here
-    try:
-        return _convert_with(snap, out, sch, child, ignore=ignore, trust_remote_code=trust_remote_code,
-                             experts_layout=experts_layout, force=force, delete_unlisted=delete_unlisted, scales=scales, dtype=dtype,
-                             shard_bytes=shard_bytes, progress=progress)
-    finally:
-        if child is not None:
-            child.kill()  # a run that failed before the writing
-
-
-def _convert_with(snap, out: Path, sch: Scheme, child, *, ignore, trust_remote_code, experts_layout, force, delete_unlisted, scales,
-                  dtype, shard_bytes, progress) -> Converted:
+def _convert_with(snap, out: Path, sch: Scheme, child, scales: Scales | None, *, ignore, trust_remote_code, experts_layout, force,
+                  delete_unlisted, dtype, shard_bytes, progress) -> Converted:
+    """A language model's conversion once its source is resolved, its output claimed and its
+    plan started (`child`)."""
     from .quantize import quantize_snapshot
     from .quantize_options import Options
-    from .quantize_plan import check_fp8_source
 
-    check_fp8_source(snap, sch)
     opts = Options(scheme=sch, ignore=list(ignore), force=force, delete_unlisted=delete_unlisted, trust_remote_code=trust_remote_code,
                    experts_layout=experts_layout, dtype=dtype, max_shard_size=shard_bytes)
     cal = None
     if sch.needs_calibration and not (snap.fp8 is not None and sch == snap.fp8.scheme):  # a static FP8 source brings its scales
-        opts.input_scales, opts.calibration, cal = scales(snap.path)
+        opts.input_scales, opts.calibration, cal = scales
         opts.device = opts.calibration.get("device", opts.device)
     manifest = quantize_snapshot(snap, out, opts, progress, child)
     done = Converted(out, manifest, cal, warnings=list(opts.notes))

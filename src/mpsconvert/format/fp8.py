@@ -92,7 +92,7 @@ def _check_finite(amax: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(amax).all()):
         raise QuantizationError(
             f"tensor {name!r} contains NaN or inf values",
-            "fix the source checkpoint, or pass --ignore with this module to keep it unquantized",
+            "fix the source checkpoint, or pass `ignore` with this module to keep it unquantized",
         )
 
 

@@ -53,7 +53,7 @@ class Scheme:
             ) from None
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 4096:
             raise MpsconvertError(f"block size {self.block_size!r} is not a whole number from 1 to 4096",
-                                  f"pass --block-size {DEFAULT_BLOCK} (the hub's FP8 releases) or a smaller square size")
+                                  f"pass `block_size={DEFAULT_BLOCK}` (the hub's FP8 releases) or a smaller square size")
 
     @classmethod
     def make(cls, name: str, weights: str | None = None, block_size: int | None = None) -> "Scheme":

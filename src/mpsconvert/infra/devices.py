@@ -50,16 +50,16 @@ def choose(name: str = "auto") -> torch.device:
     if name == "mps" and not mps_available():
         built = getattr(torch.backends, "mps", None) and torch.backends.mps.is_built()
         why = "this torch build has no MPS support" if not built else "no Apple GPU is visible"
-        raise DeviceError(f"--device mps was asked for but {why} (MPS needs an Apple Silicon Mac; {MPS_FP8}); "
+        raise DeviceError(f"`device=mps` was asked for but {why} (MPS needs an Apple Silicon Mac; {MPS_FP8}); "
                           f"available: {', '.join(available())}",
-                          "pass --device auto or one of those")
+                          "pass `device=auto` or one of those")
     if name.startswith("cuda") and not cuda_available():
         raise DeviceError(
-            f"--device {name} was asked for but CUDA is not available; available: {', '.join(available())}",
-            "install a CUDA build of torch, or pass --device auto",
+            f"`device={name}` was asked for but CUDA is not available; available: {', '.join(available())}",
+            "install a CUDA build of torch, or pass `device=auto`",
         )
     if name.startswith("cuda:") and int(name.split(":", 1)[1]) >= torch.cuda.device_count():
-        raise DeviceError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)", "pick an existing index")
+        raise DeviceError(f"`device={name}`: only {torch.cuda.device_count()} CUDA device(s)", "pick an existing index")
     return torch.device(name)
 
 
@@ -225,11 +225,11 @@ def oom_hint(device: torch.device, what: str):
             raise
         if device.type == "mps":
             fix = (
-                "use the layer-by-layer mode (--sequential), fewer/shorter samples, or raise the cap with "
+                "use the layer-by-layer mode (`sequential`), fewer/shorter samples, or raise the cap with "
                 "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 (no limit; may make the system swap)"
             )
         elif device.type == "cuda":
-            fix = "use the layer-by-layer mode (--sequential), fewer/shorter samples, or a larger GPU"
+            fix = "use the layer-by-layer mode (`sequential`), fewer/shorter samples, or a larger GPU"
         else:
-            fix = "use the layer-by-layer mode (--sequential) or fewer/shorter samples"
+            fix = "use the layer-by-layer mode (`sequential`) or fewer/shorter samples"
         raise DeviceError(f"{device.type} ran out of memory during {what}", fix) from e

@@ -332,22 +332,22 @@ LIMITS: dict[str, tuple[float, float]] = {
     # a manifest
     "manifest files": (0, 100_000),
     "manifest tensor records": (0, 1 << 20),
-    # the command line (and the API's options)
-    "--seq-len": (2, 1 << 17),  # a sample scores next-token predictions: two tokens at least
-    "--max-samples": (1, 1 << 16),
-    "--prefill-len": (1, 1 << 17),
-    "--decode-tokens": (1, 1 << 16),
-    "--repeats": (1, 10_000),
-    "--rounds": (1, 1_000),
-    "--warmup": (0, 10_000),
-    "--decode-steps": (1, 1 << 16),
-    "--prompt-len": (1, 1 << 17),
-    "--samples": (1, 10_000),
-    "--max-len": (1, 1 << 20),
-    "--max-tokens": (1, 1 << 20),
-    "--seed": (0, (1 << 64) - 1),
-    "--temp": (0, 1e4),
-    "--top-p": (0, 1),
+    # the API's options (named by their API names; the CLI says the flag)
+    "seq_len": (2, 1 << 17),  # a sample scores next-token predictions: two tokens at least
+    "max_samples": (1, 1 << 16),
+    "prefill_len": (1, 1 << 17),
+    "decode_tokens": (1, 1 << 16),
+    "repeats": (1, 10_000),
+    "rounds": (1, 1_000),
+    "warmup": (0, 10_000),
+    "decode_steps": (1, 1 << 16),
+    "prompt_len": (1, 1 << 17),
+    "samples": (1, 10_000),
+    "max_len": (1, 1 << 20),
+    "max_tokens": (1, 1 << 20),
+    "seed": (0, (1 << 64) - 1),
+    "temp": (0, 1e4),
+    "top_p": (0, 1),
     # text a person typed or piped (characters)
     "prompt characters": (0, 4 << 20),
 }
@@ -357,16 +357,17 @@ def bounded(value: Any, limit: str, *, what: str | None = None, error: type[Mpsc
             fix: str | None = None, integer: bool = True) -> Any:
     """`value` if it is a number (an int where `integer`; a finite number otherwise; never a
     bool) within `LIMITS[limit]`, else one `error` line naming the limit. `what`: where the
-    number was read ("config.json num_hidden_layers"; default the limit's own name)."""
+    number was read ("config.json num_hidden_layers"; default the limit's own name, an API
+    option's in backticks, which the CLI prints as its flag)."""
     lo, hi = LIMITS[limit]
-    what = what or limit
+    what = what or (f"`{limit}`" if limit.isidentifier() else limit)
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok_type:
         raise error(f"{what} is {printable(repr(value))[:60]}, not {'an integer' if integer else 'a number'}",
                     fix or f"give {'an integer' if integer else 'a number'} in {_span(lo, hi)}")
     if not integer and not math.isfinite(value) or not lo <= value <= hi:
         raise error(f"{what} is {printable(repr(value))[:60]}, outside "
-                    f"{_span(lo, hi)}{'' if what == limit else f' (the limit on {limit})'}",
+                    f"{_span(lo, hi)}{'' if what in (limit, f'`{limit}`') else f' (the limit on {limit})'}",
                     fix or f"give a value in {_span(lo, hi)}")
     return value
 

@@ -148,4 +148,4 @@ def check_package_slot(artifact: Path, name: str, files: dict, force: bool) -> N
                             f"({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), so it is "
                             "never replaced", "move it out of the artifact, then export again")
     if not force:
-        raise MpsconvertError(f"{p} already exists", "pass --force to replace it")
+        raise MpsconvertError(f"{p} already exists", "pass `force` to replace it")

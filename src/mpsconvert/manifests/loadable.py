@@ -219,7 +219,7 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     except Exception as e:  # a template name that is not there, a list of templates without "default"
         raise ArtifactError(f"the chat template in {where} cannot be used "
                             f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
-                            "fix the chat template, or pass --ignore-chat-template") from None
+                            "fix the chat template, or pass `use_template=False`") from None
     text = templates.render(template, messages, where, add_generation_prompt=True, **tok.special_tokens_map)
     return encode(tok, text, add_special_tokens=False)
 

@@ -199,7 +199,7 @@ def pinned_sha256(value: str) -> str:
     want = value.strip().lower() if isinstance(value, str) else value
     if not isinstance(want, str) or not _SHA256.match(want):
         shown = repr(value)[:80]
-        raise MpsconvertError(f"--manifest-sha256 {shown} is not a sha256 (64 hex digits; got "
+        raise MpsconvertError(f"`manifest_sha256={shown}` is not a sha256 (64 hex digits; got "
                               f"{len(value) if isinstance(value, str) else type(value).__name__}"
                               f"{' characters' if isinstance(value, str) else ''})",
                               "copy the whole value `mpsconvert quantize` printed (`mpsconvert verify DIR --json` prints it too)")

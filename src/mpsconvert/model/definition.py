@@ -68,7 +68,7 @@ def load_config(path, trust_remote_code: bool = False):
         if "trust_remote_code" in msg or "custom code" in msg:
             raise SourceError(
                 "this model's architecture is defined by code inside the repo",
-                "review that code, then pass --trust-remote-code to allow running it",
+                "review that code, then pass `trust_remote_code` to allow running it",
             ) from e
         raise SourceError(f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model") from e
     except Exception as e:  # a config.json of the wrong shape (transformers' dataclass validation, TypeError, ...)
@@ -132,7 +132,7 @@ def build(config, *, buffers: str = "meta", trust_remote_code: bool = False):
             raise SourceError(
                 f"transformers could not build {cls.__name__} for this config: {type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}",
-                "upgrade transformers, or pass --trust-remote-code if the repo defines its own model",
+                "upgrade transformers, or pass `trust_remote_code` if the repo defines its own model",
             ) from e
 
 

@@ -156,7 +156,7 @@ def render(template: str, messages: list[dict], where: str, *, add_generation_pr
     global _worker
     seconds = seconds or RENDER_SECONDS
     body = json.dumps({"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt, "kwargs": kwargs})
-    fix = "fix or remove the chat template (or pass --ignore-chat-template to `generate`)"
+    fix = "fix or remove the chat template (or pass `use_template=False` to `generate`)"
     with _lock:
         if _worker is None:
             _worker = _Worker()

@@ -114,8 +114,8 @@ def _send(api, ops: list, repo: str, msg: str, files: list[str], *, private: boo
         # is gets reported, and --private never sends an artifact into a public repo.
         is_private = bool(api.model_info(repo, expand=["private"]).private)
         if private and not is_private:
-            raise UploadError(f"{repo} already exists and is public, so --private does not apply to it; nothing was uploaded",
-                              "make the repo private on the hub first (its Settings), or upload without --private")
+            raise UploadError(f"{repo} already exists and is public, so `private` does not apply to it; nothing was uploaded",
+                              "make the repo private on the hub first (its Settings), or upload without `private`")
         info = api.create_commit(repo_id=repo, repo_type="model", revision=revision, commit_message=msg, operations=ops)
     except hf_errors.OfflineModeIsEnabled as e:
         raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on", "unset HF_HUB_OFFLINE to upload") from e
@@ -148,7 +148,7 @@ def http_failure(status: int | None, detail: str, url: str, endpoint: str, repo:
     where = f" ({url.removeprefix(endpoint)})" if url.startswith(endpoint) else ""
     if status in (401, 403):
         return UploadError(f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}",
-                           "pass a write token (--token or HF_TOKEN) that may write to that repo or organization")
+                           "pass a write token (`token` or HF_TOKEN) that may write to that repo or organization")
     if status == 404 and "xet" in url:
         return UploadError(f"the hub at {endpoint} does not serve Xet storage (404 for its write token{where}), which huggingface_hub "
                            "uploads through by default", "set HF_HUB_DISABLE_XET=1 to upload through the LFS path this hub speaks")
@@ -157,7 +157,7 @@ def http_failure(status: int | None, detail: str, url: str, endpoint: str, repo:
                            "check the repo name and your rights on it, and that HF_ENDPOINT is a Hugging Face hub")
     if status == 409:
         return UploadError(f"the hub at {endpoint} refused the upload to {repo}: a conflict (409: {detail}){where}",
-                           "check the repo name and --revision")
+                           "check the repo name and `revision`")
     return UploadError(f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}", "retry, or check the hub's status")
 
 
@@ -188,12 +188,12 @@ def check_repo_id(repo: str) -> str:
     return repo
 
 
-def check_upload(repo: str, what: str = "--upload-repo") -> None:
+def check_upload(repo: str, what: str = "`upload_repo`") -> None:
     """Said before any work: a repo id the hub would refuse, or offline mode (then nothing can go up)."""
     check_repo_id(repo)
     if offline():
         raise UploadError(f"{what} {repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                          "unset HF_HUB_OFFLINE, or drop --upload-repo and run `mpsconvert upload` later")
+                          "unset HF_HUB_OFFLINE, or drop `upload_repo` and run `mpsconvert upload` later")
 
 
 def upload(artifact: Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,

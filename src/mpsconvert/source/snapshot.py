@@ -196,8 +196,8 @@ def resolve(src: str, revision: str | None = None, token: str | None = None, *, 
     if diffusion and is_diffusers_folder(snap.path):
         return _inventory_diffusion(snap, component)
     if component is not None:
-        raise SourceError(f"--component {component} applies to a diffusers pipeline, and {src} has no {MODEL_INDEX}",
-                          "drop --component, or pass a diffusers pipeline folder or repo")
+        raise SourceError(f"`component={component}` applies to a diffusers pipeline, and {src} has no {MODEL_INDEX}",
+                          "drop `component`, or pass a diffusers pipeline folder or repo")
     return _inventory(snap)
 
 
@@ -205,9 +205,9 @@ def no_revision(path: Path, revision: str | None) -> None:
     """A local file or folder has no revisions to pick from: `--revision` with one is refused, not
     ignored (it would also be recorded as the source's revision in the manifest and the card)."""
     if revision is not None:
-        raise SourceError(f"--revision {one_line(revision, 80)} applies to a hub repo, and {path} is a local "
+        raise SourceError(f"`revision={one_line(revision, 80)}` applies to a hub repo, and {path} is a local "
                           f"{'folder' if Path(path).is_dir() else 'file'}",
-                          "drop --revision (check that revision out into the folder yourself), or pass the hub repo id")
+                          "drop `revision` (check that revision out into the folder yourself), or pass the hub repo id")
 
 
 def is_diffusers_folder(path: Path) -> bool:
@@ -242,7 +242,7 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
             have = ", ".join(sorted(comps)) or "none"
             what = f"no component {component!r}" if component else "no transformer"
             raise SourceError(f"the pipeline {snap.repo_id or root} has {what} (its components: {have})",
-                              "pass --component NAME of a diffusion transformer (Flux, Wan, Qwen-Image, SD3.5, Z-Image)")
+                              "pass `component=NAME` of a diffusion transformer (Flux, Wan, Qwen-Image, SD3.5, Z-Image)")
         check_inside(snap, name)
         path = root / name
         if not (path / CONFIG_NAME).is_file():
@@ -250,8 +250,8 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
         layout = "pipeline"
     else:
         if component is not None:
-            raise SourceError(f"--component {component} applies to a diffusers pipeline, and {root} is one component",
-                              "drop --component")
+            raise SourceError(f"`component={component}` applies to a diffusers pipeline, and {root} is one component",
+                              "drop `component`")
         name, path, layout = None, root, "component"
     comp = Snapshot(path=path.resolve(), kind=snap.kind, repo_id=snap.repo_id, revision=snap.revision, commit=snap.commit)
     comp.config = _read_config(path / CONFIG_NAME)
@@ -296,15 +296,15 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Snapshot
     except hf_errors.GatedRepoError as e:
         raise SourceError(
             f"{repo_id} is gated: your account has not been granted access",
-            "accept its terms on huggingface.co, then pass --token or set HF_TOKEN",
+            "accept its terms on huggingface.co, then pass `token` or set HF_TOKEN",
         ) from e
     except hf_errors.RepositoryNotFoundError as e:
         raise SourceError(
             f"{repo_id} was not found on the Hugging Face hub (or it is private)",
-            "check the id; for a private repo pass --token or set HF_TOKEN",
+            "check the id; for a private repo pass `token` or set HF_TOKEN",
         ) from e
     except hf_errors.RevisionNotFoundError as e:
-        raise SourceError(f"{repo_id} has no revision {rev!r}", "check --revision (a branch, tag or commit)") from e
+        raise SourceError(f"{repo_id} has no revision {rev!r}", "check `revision` (a branch, tag or commit)") from e
     except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"

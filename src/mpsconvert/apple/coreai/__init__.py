@@ -45,9 +45,9 @@ class CoreAIOptions:
 
     def __post_init__(self):
         if self.compute not in COMPUTE_DTYPES:
-            raise MpsconvertError(f"unknown --compute {self.compute!r}", f"use one of: {', '.join(COMPUTE_DTYPES)}")
+            raise MpsconvertError(f"unknown `compute={self.compute!r}`", f"use one of: {', '.join(COMPUTE_DTYPES)}")
         if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 2):
-            raise MpsconvertError(f"--max-len {self.max_len!r} is too short", "use at least 2 (default 2048)")
+            raise MpsconvertError(f"`max_len={self.max_len!r}` is too short", "use at least 2 (default 2048)")
 
 
 @dataclass

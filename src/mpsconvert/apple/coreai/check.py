@@ -196,7 +196,7 @@ def decoder_runner(session: Session):
             if position < 0 or position + ids.shape[1] > max_len:
                 # the runtime does not bounds-check a state write: past the cache it corrupts memory
                 raise MpsconvertError(f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
-                                      "re-export with a larger --max-len, or use fewer tokens")
+                                      "re-export with a larger `max_len`, or use fewer tokens")
             out = session.run({"input_ids": ids, "position": np.array([position], dtype=np.int32)}, state)
             return out[stateful.OUTPUT_NAME][0]
 

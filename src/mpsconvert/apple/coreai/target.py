@@ -23,7 +23,7 @@ class CoreAI(Target):
     runtime_record = CoreAIRuntime
     options = CoreAIOptions
     check_options = CheckOptions
-    check_fix = "re-export with --compute fp32 to compare, or report the model"
+    check_fix = "re-export with `compute=fp32` to compare, or report the model"
     export_flags = (
         Option("max_len", "--max-len", "Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input "
                "[default: 2048, or the model's max_position_embeddings if smaller].", kind="int", minimum=2, quantize="--max-len"),

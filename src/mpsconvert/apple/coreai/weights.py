@@ -41,7 +41,7 @@ def blockwise_scale(scale: torch.Tensor, weight_shape: tuple[int, ...]) -> torch
     if s.ndim != rank or any(w % d for w, d in zip(weight_shape, s.shape)):
         raise ExportError(
             f"a weight scale of shape {list(scale.shape)} does not tile the weight {list(weight_shape)}",
-            "Core AI needs per-tensor, per-row or whole-block scales; re-quantize with --weights row or tensor",
+            "Core AI needs per-tensor, per-row or whole-block scales; re-quantize with `weights=row` or tensor",
         )
     return s
 
@@ -60,7 +60,7 @@ def fp16_shift(scale: torch.Tensor) -> int:
     if hi * 448.0 * 2.0**k > _FP16_MAX_WEIGHT:
         raise ExportError(
             f"the weight scales span {lo:.3g}..{hi:.3g}, too wide for fp16",
-            "export with --compute fp32",
+            "export with `compute=fp32`",
         )
     return k
 
@@ -175,7 +175,7 @@ def swap_fp8_experts(model: torch.nn.Module, fp8_experts: dict, dtype: torch.dty
             s = blockwise_scale(scale.float(), tuple(codes.shape))
             shift = fp16_shift(s) if dtype == torch.float16 else 0
             if shift:
-                raise ExportError(f"MoE experts {mod_name}.{param} have scales below fp16's normal range", "export with --compute fp32")
+                raise ExportError(f"MoE experts {mod_name}.{param} have scales below fp16's normal range", "export with `compute=fp32`")
             del mod._parameters[param]
             mod.register_buffer(f"{param}_codes", codes.contiguous())
             mod.register_buffer(f"{param}_scale", s.to(dtype).contiguous())

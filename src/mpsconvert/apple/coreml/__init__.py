@@ -37,11 +37,11 @@ class SeqLen:
         s = str(text).strip()
         m = re.fullmatch(r"(\d+)(?::(\d+))?", s)
         if not m:
-            raise MpsconvertError(f"--seq-len {s!r} is not a length or a range", "use e.g. --seq-len 128 or --seq-len 1:512")
+            raise MpsconvertError(f"`seq_len={s!r}` is not a length or a range", "use e.g. `seq_len=128` or `seq_len=1:512`")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) else lo
         if lo < 1 or hi < lo:
-            raise MpsconvertError(f"--seq-len {s!r} is empty or starts below 1", "use 1 <= LO <= HI, e.g. --seq-len 1:512")
+            raise MpsconvertError(f"`seq_len={s!r}` is empty or starts below 1", "use 1 <= LO <= HI, e.g. `seq_len=1:512`")
         return cls(lo, hi)
 
     @property

@@ -484,7 +484,7 @@ def build(folder: Path, manifest: Manifest, opts: ExportOptions, progress: Progr
         target = stateful_target(tm, max_len)
     else:
         if max_pos and opts.seq_len.hi > max_pos:
-            raise MpsconvertError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+            raise MpsconvertError(f"`seq_len={opts.seq_len}` exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
         target = stateless_target(tm, opts.seq_len)
     status("converting to a Core ML ML program" + (" (stateful decoder)" if stateful_lm else ""))
     mlmodel, conv = convert(tm, target, opts.frontend)

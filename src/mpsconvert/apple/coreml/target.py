@@ -77,7 +77,7 @@ class CoreML(Target):
     def runnable(self) -> None:
         if sys.platform != "darwin":
             raise MpsconvertError("Core ML runs .mlpackage files only on macOS (coremltools cannot predict on this platform)",
-                                  "use --backend coreai (runs on Linux) or --backend torch here")
+                                  "use `backend=coreai` (runs on Linux) or `backend=torch` here")
         super().runnable()
 
     def open_decoder(self, package, record, close):

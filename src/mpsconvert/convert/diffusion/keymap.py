@@ -83,7 +83,7 @@ def to_original(family: Family, shapes: dict[str, tuple[int, ...]]) -> list[Orig
             name = _rename(family, key)
             if name in singles:
                 raise QuantizationError(f"{key} and {singles[name].pieces[0].key} both map to {name} in the {family.label} layout",
-                                        "this model does not fit the family's key map; convert with --format diffusers")
+                                        "this model does not fit the family's key map; convert with `format=diffusers`")
             n = shape[0] if shape else 0
             if name in swaps and shape and n % 2 == 0:
                 pieces = (Piece(key, n // 2, n), Piece(key, 0, n // 2))

@@ -51,15 +51,15 @@ def baseline_path(artifact: Path, manifest: Manifest, baseline: str | None) -> P
     if d.get("layout") == "single-file" and baseline is None:
         raise SourceError(f"{artifact} was converted from a single original-repo file, which diffusers cannot build "
                           "without its config",
-                          "pass --baseline with the diffusers folder or repo of the same model")
+                          "pass `baseline` with the diffusers folder or repo of the same model")
     cand = baseline or (src["id"] if src.get("kind") == "hub" else src.get("path"))
     if not cand:
-        raise SourceError(f"the manifest of {artifact} names no source", "pass --baseline <diffusers folder or repo>")
+        raise SourceError(f"the manifest of {artifact} names no source", "pass `baseline=<diffusers folder or repo>`")
     # a local pipeline is recorded by its component's folder; a hub one by the pipeline's id
     comp = d.get("component") if d.get("layout") == "pipeline" and not (Path(cand) / "config.json").is_file() else None
     snap = resolve(str(cand), revision=None if baseline else src.get("commit") or src.get("revision"), diffusion=True, component=comp)
     if snap.diffusion is None:
-        raise SourceError(f"the baseline {cand} is not a diffusers model", "pass --baseline <diffusers folder or repo>")
+        raise SourceError(f"the baseline {cand} is not a diffusers model", "pass `baseline=<diffusers folder or repo>`")
     return snap.path
 
 

@@ -35,16 +35,16 @@ def check_options(llm_only: dict) -> None:
     given = [k for k, v in llm_only.items() if v]
     if given:
         raise MpsconvertError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to language models, not to a diffusion model",
-                              "drop them: a diffusion transformer is converted weight-only (--format comfyui or diffusers)")
+                              "drop them: a diffusion transformer is converted weight-only (`format=comfyui` or diffusers)")
 
 
 def quantize_source(snap: Snapshot, output: str | Path | None, fmt: str | None, *, ignore: list[str], force: bool,
                     max_shard_size: int, llm_only: dict, progress: Progress | None, delete_unlisted: bool = False) -> tuple[Path, Manifest]:
     """Convert the diffusion transformer of `snap`; returns the output folder and its manifest."""
     if snap.diffusion is None:
-        raise MpsconvertError(f"--format {fmt} is for diffusion models, and {snap.repo_id or snap.path} is a transformers model "
+        raise MpsconvertError(f"`format={fmt}` is for diffusion models, and {snap.repo_id or snap.path} is a transformers model "
                               f"({', '.join(snap.config.get('architectures') or ['no architecture'])})",
-                              "drop --format: a language model becomes a compressed-tensors artifact")
+                              "drop `format`: a language model becomes a compressed-tensors artifact")
     from .write import DiffusionOptions
 
     check_options(llm_only)

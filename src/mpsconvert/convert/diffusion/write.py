@@ -117,8 +117,8 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
     single = snap.diffusion.layout == "single-file"
     if single:
         if opts.format == "diffusers":
-            raise QuantizationError(f"{snap.weight_files[0]} is an original-repo single file; --format diffusers needs the diffusers model",
-                                    "pass --format comfyui for this file, or the diffusers repo / folder for --format diffusers")
+            raise QuantizationError(f"{snap.weight_files[0]} is an original-repo single file; `format=diffusers` needs the diffusers model",
+                                    "pass `format=comfyui` for this file, or the diffusers repo / folder for `format=diffusers`")
         # no module types without the model: a 2-D float `.weight` is a Linear's (convolutions are 4-D / 5-D, norms 1-D)
         p.linears = {n[: -len(".weight")]: i.shape for n, i in infos.items()
                      if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT_CODES}
@@ -160,7 +160,7 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
                 p.quantize[key] = key[: -len(".weight")]
     if not p.quantize:
         raise QuantizationError(f"nothing to quantize in {snap.path}: no float Linear weight outside the high-precision list "
-                                f"({len(p.ignored)} kept: {p.keep.source})", "check the --ignore patterns")
+                                f"({len(p.ignored)} kept: {p.keep.source})", "check the `ignore` patterns")
     return p
 
 

@@ -124,7 +124,7 @@ class CapturedStep:
 
     def __init__(self, fn, dev: torch.device, warm: int = WARM_STEPS):
         if dev.type != "cuda":
-            raise MpsconvertError(f"a CUDA graph needs a CUDA device, not {dev}", "run the eager loop (--no-compile)")
+            raise MpsconvertError(f"a CUDA graph needs a CUDA device, not {dev}", "run the eager loop (`compile=False`)")
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):

@@ -135,7 +135,7 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
         raise MpsconvertError("the prompt is empty after tokenization", "pass some text")
     if decoder.max_len is not None and len(prompt) >= decoder.max_len:
         raise MpsconvertError(f"the prompt is {len(prompt)} tokens, the {decoder.backend} model holds {decoder.max_len}",
-                              "shorten the prompt, or re-export with a larger --max-len")
+                              "shorten the prompt, or re-export with a larger `max_len`")
     stop_ids = set(stop_ids)
     gen = Draws(sampling.seed)
     compile_s = decoder.reserve(len(prompt) + sampling.max_tokens)

@@ -60,7 +60,7 @@ class ValidateOptions:
         for key in ("seq_len", "max_samples", "prefill_len", "decode_tokens", "repeats", "rounds", "warmup"):
             v = getattr(self, key)
             if v is not None:
-                bounded(v, "--" + key.replace("_", "-"))
+                bounded(v, key)
 
 
 # What validate measures when an option is not given. A GPU runs the full set in seconds. On CPU
@@ -94,14 +94,14 @@ def resolve_baseline(artifact: Path, baseline: str | None) -> str:
     if baseline:
         return str(resolve(baseline).path)
     if not (artifact / MANIFEST_NAME).is_file():
-        raise SourceError(f"{artifact} has no {MANIFEST_NAME}, so its BF16 source is unknown", "pass --baseline <hub id or folder>")
+        raise SourceError(f"{artifact} has no {MANIFEST_NAME}, so its BF16 source is unknown", "pass `baseline=<hub id or folder>`")
     src = Manifest.read(artifact).source
     if src.get("kind") == "hub":
         return str(resolve(src["id"], revision=src.get("commit") or src.get("revision")).path)
     for cand in (src.get("path"), src.get("id")):
         if cand and Path(cand).is_dir():
             return str(resolve(cand).path)
-    raise SourceError(f"the manifest names a local source ({src.get('id')!r}) that is not here", "pass --baseline <folder of the BF16 model>")
+    raise SourceError(f"the manifest names a local source ({src.get('id')!r}) that is not here", "pass `baseline=<folder of the BF16 model>`")
 
 
 # what must agree between an artifact and its baseline for a comparison to mean anything
@@ -119,7 +119,7 @@ def check_baseline(artifact: Path, base_path: str) -> None:
     from ...manifests.layout import CONFIG_NAME
     from ...infra.untrusted import read_json
 
-    fix = "pass --baseline <the model this artifact was made from>"
+    fix = "pass `baseline=<the model this artifact was made from>`"
     try:
         base = modeldef.load_config(base_path, trust_remote_code=False).to_dict()
     except SourceError as e:
@@ -264,7 +264,11 @@ def activations_rounded(decisions: list[dict], rows: int) -> dict | None:
             "bf16_activation_kernels": sorted({d["choice"] for d in hits if d["choice"] not in ROUNDING})}
 
 
-def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) -> dict:
+def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, *, record: bool = True) -> dict:
+    """The artifact against its baseline (see the module's docstring); the run is recorded in the
+    manifest when `opts.write` and `record` (False: the caller records it, with other records, in
+    its own transaction: `put_run`)."""
+
     from ...manifests import loadable
     from ..load.loader import load, model_bytes
 
@@ -291,7 +295,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # weights transformers cannot read: the baseline's problem
             raise SourceError(f"transformers cannot load the baseline {base_path}: "
                               f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
-                              "pass --baseline <the model this artifact was made from>") from e
+                              "pass `baseline=<the model this artifact was made from>`") from e
     progress("load bf16", 1, 1, "")
     models = {"bf16": base_model, "fp8": fp8_model}
     result = {
@@ -314,7 +318,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         ids = eval_ids(tok, texts, opts.seq_len * opts.max_samples)
         n = min(opts.max_samples, len(ids) // opts.seq_len)
         if n == 0:
-            raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than --seq-len {opts.seq_len}", "use more text or a smaller --seq-len")
+            raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than `seq_len={opts.seq_len}`", "use more text or a smaller `seq_len`")
         chunks = torch.tensor(ids[: n * opts.seq_len]).reshape(n, opts.seq_len)
         scores = metrics.CausalLMScores()
         progress("accuracy", 0, n, f"samples of {opts.seq_len} tokens")
@@ -358,7 +362,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None) 
         result["speedup"] = {ph: lb[ph]["median_ms"] / lf[ph]["median_ms"] for ph in phases}
         result["verdict"] = {ph: timing.verdict(lb[ph], lf[ph]) for ph in phases}
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if opts.write:
+    if opts.write and record:
         _record(artifact, result)
     return result
 
@@ -367,14 +371,20 @@ def _record(artifact: Path, result: dict) -> None:
     """Add the run to the manifest's `validation` record, keyed by device (one transaction: the
     card is re-rendered with it)."""
     from ...manifests.layout import MANIFEST_NAME
-    from ...manifests.records import Validation, ValidationRun
     from ...manifests.transaction import transaction
 
     if not (artifact / MANIFEST_NAME).is_file():
         result["recorded"] = None  # a checkpoint from another tool: nothing to write into
         return
     with transaction(artifact) as t:
-        rec = t.get(Validation) or Validation()
-        rec.runs[f"{result['device_name']} ({result['device']})"] = ValidationRun.from_dict(result, "this validation")
-        t.put(rec)
+        put_run(t, result)
     result["recorded"] = str(artifact / MANIFEST_NAME)
+
+
+def put_run(t, result: dict) -> None:
+    """Add the run `result` to the `validation` record of the open transaction `t`, keyed by device."""
+    from ...manifests.records import Validation, ValidationRun
+
+    rec = t.get(Validation) or Validation()
+    rec.runs[f"{result['device_name']} ({result['device']})"] = ValidationRun.from_dict(result, "this validation")
+    t.put(rec)

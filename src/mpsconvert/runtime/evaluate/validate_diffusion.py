@@ -7,8 +7,8 @@ family, since each diffusers transformer takes its own arguments). Accuracy: rel
 (||fp8 - bf16|| / ||bf16||), cosine and max |difference| of the predicted noise / velocity.
 Latency: the step timed in rounds that alternate the two models (as runtime/evaluate/validate.py does
 for encoders), device synchronised around each call; a speed verdict only beyond the rounds'
-spread. The models come from convert/diffusion/load.py through `load_pair` (passed by the API:
-the runtime does not import the conversion package).
+spread. The models come from convert/diffusion/load.py's `load_pair`, loaded by the caller
+(workflows/validate.py: the runtime does not import the conversion package).
 """
 
 from __future__ import annotations
@@ -86,20 +86,14 @@ def _bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
-def validate(artifact: Path, opts: ValidateOptions, load_pair, progress: Progress | None = None, seed: int = 0) -> dict:
-    """One denoising step of the FP8 transformer vs BF16: accuracy and (unless --no-latency) latency."""
-    from ...manifests.manifest import Manifest
-
+def validate(artifact: Path, manifest, opts: ValidateOptions, pair, dev: torch.device, progress: Progress | None = None,
+             seed: int = 0, *, record: bool = True) -> dict:
+    """One denoising step of the FP8 transformer vs BF16 (`pair`: both loaded on `dev`, by
+    convert/diffusion/load.py's `load_pair`): accuracy and (unless --no-latency) latency; recorded
+    when `opts.write` and `record` (False: the caller records it, `validate.put_run`)."""
     progress = or_silent(progress)
-    dev = devices.choose(opts.device)
-    gpu = dev.type != "cpu"
-    opts = with_defaults(replace(opts, full=True), gpu)  # one step of each model: CPU's quick defaults would not shorten it
+    opts = with_defaults(replace(opts, full=True), dev.type != "cpu")  # one step of each model: CPU's quick defaults would not shorten it
     repeats, warmup = opts.repeats, opts.warmup
-    manifest = Manifest.read(artifact)
-    progress("load", 0, 2, "BF16 source and FP8 artifact")
-    with devices.oom_hint(dev, "loading the two transformers"):
-        pair = load_pair(artifact, manifest, dev, opts.baseline)
-    progress("load", 2, 2, "")
     tokens = min(opts.prefill_len, 4096)
     kw = step_inputs(pair.family, pair.config, seed=seed, image_tokens=tokens, device=dev)
     with torch.no_grad():
@@ -136,7 +130,7 @@ def validate(artifact: Path, opts: ValidateOptions, load_pair, progress: Progres
         result["speedup"] = {"step": lat["bf16"]["step"]["median_ms"] / lat["fp8"]["step"]["median_ms"]}
         result["verdict"] = {"step": timing.verdict(lat["bf16"]["step"], lat["fp8"]["step"])}
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if opts.write:
+    if opts.write and record:
         _record(artifact, result)
     else:
         result["recorded"] = None

@@ -240,7 +240,7 @@ class KernelPolicy:
             raise DeviceError(
                 f"no FP8 kernel runs a {layer.out_features}x{layer.in_features} layer on {self.device_name}: "
                 f"{[d.timings_us for d in ds]}",
-                "pass --device cpu, or report this with the message above",
+                "pass `device=cpu`, or report this with the message above",
             )
         if all(b == "bf16" for b in best):
             for d in ds:
