@@ -155,7 +155,7 @@ def moe_decode_check(device, g) -> dict:
     import torch.nn.functional as F
 
     from mpsconvert.format import fp8
-    from mpsconvert.runtime.ops.experts import FP8Experts
+    from mpsconvert.runtime.ops.fp8_experts import FP8Experts
 
     E, H, I = 8, 4096, 14336
     w13, s13, _ = fp8.quantize(torch.randn(E * 2 * I, H, device=device, generator=g) / H**0.5, "row")

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mpsconvert.format import fp8  # noqa: E402
-from mpsconvert.runtime.ops.experts import FP8Experts, quantize_rows  # noqa: E402
+from mpsconvert.runtime.ops.fp8_experts import FP8Experts, quantize_rows  # noqa: E402
 
 
 def build_stack(hidden, inter, experts, top_k, layers, device, seed=0):
@@ -155,7 +155,7 @@ def graph_time(fn, x, device, iters):
 def kernel_only(mod: FP8Experts, bf16_experts, S: int, device, iters: int) -> dict:
     """The grouped matmuls alone (gate_up and down, S rows split evenly over the experts):
     separates the kernels from routing, activation quantization and gathers."""
-    from mpsconvert.runtime.ops.experts import grouped_mm_fn
+    from mpsconvert.runtime.ops.fp8_experts import grouped_mm_fn
 
     E = mod.num_experts
     offs = torch.linspace(S // E, S, E, device=device).round().to(torch.int32)

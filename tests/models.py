@@ -325,7 +325,7 @@ def _group_scale(x: torch.Tensor, b: int) -> torch.Tensor:
 def _group_quantized_experts(mod, b: int):
     """A transformers 5 experts module's forward, each expert's inputs (hidden, then
     act(gate) * up) rounded through e4m3 per token and group of b: written out here, one
-    expert at a time, independent of runtime/ops/experts.py."""
+    expert at a time, independent of runtime/ops/fp8_experts.py."""
     def fq(x):
         return group_fake_quant_hook(b)(None, (x,))[0]
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import mpsconvert
 from mpsconvert.apple import registry
-from mpsconvert.apple.target import Option, Target
+from mpsconvert.apple.protocol import Option, Target
 from mpsconvert.cli import main
 from mpsconvert.manifests.manifest import Manifest
 from mpsconvert.manifests.records import AppleExport, RuntimeResult
@@ -167,7 +167,7 @@ def test_what_the_targets_share_names_none_of_them():
 
     root = Path(mpsconvert.__file__).parent
     word = re.compile(r"\b(coreml|coreai)\b")
-    for rel in ("apple/flow.py", "apple/target.py", "apple/registry.py", "cli/render.py", "cli/reports.py", "cli/commands.py",
+    for rel in ("apple/flow.py", "apple/protocol.py", "apple/registry.py", "cli/render.py", "cli/reports.py", "cli/commands.py",
                 "manifests/card.py", "manifests/transaction.py", "manifests/records.py"):
         tree = ast.parse((root / rel).read_text())
         docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))

@@ -42,7 +42,7 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
     rec = res.record
     encs = rec["encoded_tensors"]
     assert encs and all(e["encoding"] == "lut per block (e4m3 x block scale, fp16)" for e in encs.values())
-    from mpsconvert.apple.coreml.check import check_package
+    from mpsconvert.apple.coreml.coreml_check import check_package
 
     chk = check_package(art, Manifest.read(art).extra["coreml"], n_samples=2)
     w = chk["weights"]
@@ -61,7 +61,7 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
 @pytest.mark.parametrize("block", [16, 48])
 def test_core_ai_keeps_block_scales_native(work, block):
     from mpsconvert.apple.coreai import CoreAIOptions
-    from mpsconvert.apple.coreai.check import check_asset
+    from mpsconvert.apple.coreai.coreai_check import check_asset
 
     art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
     rec = mpsconvert.export(art, "coreai", options=CoreAIOptions(max_len=32, compute="fp32", force=True), check=False).record

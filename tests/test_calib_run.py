@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import mpsconvert
 from .models import TEXT_DATA, tiny
-from mpsconvert.calibrate.run import CalibOptions, calibrate
+from mpsconvert.calibrate.calibration import CalibOptions, calibrate
 from mpsconvert.cli import main
 from mpsconvert.model.plan import plan_for
 
@@ -96,7 +96,7 @@ def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, build
 
 def test_unobserved_expert_linear_falls_back_to_its_siblings():
     from mpsconvert.calibrate import observers
-    from mpsconvert.calibrate.run import _finalize
+    from mpsconvert.calibrate.calibration import _finalize
     from mpsconvert.model.plan import Plan
 
     plan = Plan("X", quantize={f"m.layers.0.mlp.experts.{e}.w1": (4, 4) for e in range(3)} | {"m.layers.0.attn.q": (4, 4), "m.unused": (4, 4)})

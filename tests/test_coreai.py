@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mpsconvert.apple.coreai import weights as cw
-from mpsconvert.apple.coreai.run import parse_signature, specialization
+from mpsconvert.apple.coreai.session import parse_signature, specialization
 from mpsconvert.errors import ExportError, MpsconvertError
 
 from .models import tiny, tiny_artifact, tree_hashes
@@ -118,8 +118,8 @@ def test_export_coreai_without_the_extra_is_one_line(tmp_path, monkeypatch):
 
 import mpsconvert  # noqa: E402
 from mpsconvert.apple.coreai import ASSET_NAME, CoreAIOptions  # noqa: E402
-from mpsconvert.apple.coreai.check import check_asset, coreai_latency, decoder_runner, read_fp8_constants  # noqa: E402
-from mpsconvert.apple.coreai.run import Session  # noqa: E402
+from mpsconvert.apple.coreai.coreai_check import check_asset, coreai_latency, decoder_runner, read_fp8_constants  # noqa: E402
+from mpsconvert.apple.coreai.session import Session  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.records import Validation  # noqa: E402
@@ -414,7 +414,7 @@ def test_validate_without_warmup_or_repeats_gives_the_core_ai_part_the_runs_own_
     to get None and crash after the whole PyTorch run; it now gets what the run resolved."""
     from click.testing import CliRunner
 
-    import mpsconvert.apple.coreai.check as check
+    import mpsconvert.apple.coreai.coreai_check as check
     from mpsconvert.cli import main
 
     art, _, _ = exported["llama"]
@@ -439,7 +439,7 @@ def test_a_failing_core_ai_part_keeps_the_validation_recorded_and_shown(exported
     from click.testing import CliRunner
 
     import mpsconvert
-    import mpsconvert.apple.coreai.check as check
+    import mpsconvert.apple.coreai.coreai_check as check
     from mpsconvert.cli import main
 
     art, _, _ = exported["llama"]

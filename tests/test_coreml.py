@@ -18,8 +18,8 @@ import mpsconvert  # noqa: E402
 from mpsconvert.format import fp8  # noqa: E402
 from mpsconvert.apple.coreml import ExportOptions, mil_eval  # noqa: E402
 from mpsconvert.apple.coreml import ops as coreml_ops  # noqa: E402
-from mpsconvert.apple.coreml.check import check_package, coreml_runtime_check  # noqa: E402
-from mpsconvert.apple.coreml.export import PACKAGE_NAME, SeqLen  # noqa: E402
+from mpsconvert.apple.coreml.coreml_check import check_package, coreml_runtime_check  # noqa: E402
+from mpsconvert.apple.coreml.coreml_export import PACKAGE_NAME, SeqLen  # noqa: E402
 from mpsconvert.apple.torch_model import read_artifact_weights  # noqa: E402
 from mpsconvert.errors import ExportError  # noqa: E402
 from mpsconvert.errors import MpsconvertError  # noqa: E402
@@ -336,7 +336,7 @@ def test_stateful_decoder_declares_states_keeps_fp8_and_agrees(stateful_packages
 def test_reference_decode_needs_the_states(stateful_packages):
     """Negative control: the same decode with fresh states at every call must fail the check."""
     from mpsconvert.apple import compare
-    from mpsconvert.apple.coreml.check import mil_decoder
+    from mpsconvert.apple.coreml.coreml_check import mil_decoder
     from mpsconvert.apple.torch_model import build_torch_model
 
     art, _, _ = stateful_packages["llama-tied"]

@@ -130,8 +130,8 @@ def test_calibrate_validate_and_upload_into_a_locked_artifact_do_no_work(held_el
 def test_an_apple_export_and_its_check_run_under_one_lock(held_elsewhere, copy, monkeypatch):
     """The export and its check hold one lock: with a lock each, a second export started in between
     would work for its whole length, then fail, and leave the first one unchecked."""
-    import mpsconvert.apple.coreai.check as check
-    import mpsconvert.apple.coreai.export as export
+    import mpsconvert.apple.coreai.coreai_check as check
+    import mpsconvert.apple.coreai.coreai_export as export
 
     held_elsewhere(copy)
     monkeypatch.setattr(export, "build", never("the Core AI export"))

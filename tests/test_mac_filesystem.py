@@ -68,7 +68,7 @@ def test_quantize_verify_and_calibrate_ignore_appledouble_files(apple_source, tm
     assert report.ok and report.warnings == [] and report.unlisted == [], report.as_dict()
     assert layout.weight_files(art) == ["model.safetensors"]
     # calibration reads every *.safetensors of the folder it calibrates
-    from mpsconvert.calibrate.run import Weights
+    from mpsconvert.calibrate.calibration import Weights
 
     assert sorted(Weights(apple_source, "model").files) == ["model.safetensors"]
     # a package's files as the manifest lists them

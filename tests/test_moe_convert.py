@@ -16,7 +16,7 @@ from mpsconvert.convert.quantize import quantize_snapshot
 from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import QuantizationError
 from mpsconvert.format.schemes import Scheme
-from mpsconvert.runtime.ops.experts import FP8Experts, load_fp8_experts
+from mpsconvert.runtime.ops.fp8_experts import FP8Experts, load_fp8_experts
 from mpsconvert.source.snapshot import resolve
 from .models import MOE_ARCHS, tiny
 from .helpers import logits

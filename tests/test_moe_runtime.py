@@ -8,7 +8,7 @@ import torch
 
 from mpsconvert.format import fp8
 from mpsconvert.errors import ArtifactError
-from mpsconvert.runtime.ops.experts import FP8Experts, Route, grouped_mm_available, reference_forward, replace_moe_experts
+from mpsconvert.runtime.ops.fp8_experts import FP8Experts, Route, grouped_mm_available, reference_forward, replace_moe_experts
 
 E, H, I = 8, 64, 48
 
@@ -98,7 +98,7 @@ def test_static_scale_clips_like_fp8():
 def test_triton_decode_gemv_interpreted():
     import torch
     from mpsconvert.runtime.ops.triton import experts as moe_triton
-    from mpsconvert.runtime.ops.experts import reference_forward
+    from mpsconvert.runtime.ops.fp8_experts import reference_forward
     E, N, K = 4, 48, 96
     g = torch.Generator().manual_seed(0)
     codes = (torch.randn(E, N, K, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)

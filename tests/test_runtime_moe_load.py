@@ -21,7 +21,7 @@ from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.model.moe_layout import experts_modules
 from mpsconvert.runtime.load.loader import load
-from mpsconvert.runtime.ops.experts import FP8Experts
+from mpsconvert.runtime.ops.fp8_experts import FP8Experts
 from mpsconvert.source.snapshot import resolve
 
 from .models import TEXT_DATA, runtime_tokenizer, tiny

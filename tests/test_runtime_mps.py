@@ -23,7 +23,7 @@ from mpsconvert.runtime import engine as generate
 from mpsconvert.runtime.ops import kernels
 from mpsconvert.runtime.evaluate import metrics
 from mpsconvert.runtime.ops.fp8linear import PREFILL_BUCKETS, FP8Linear
-from mpsconvert.runtime.ops.experts import FP8Experts, expert_bytes
+from mpsconvert.runtime.ops.fp8_experts import FP8Experts, expert_bytes
 from mpsconvert.runtime.load.policy import KernelPolicy
 
 from . import models

@@ -138,7 +138,7 @@ def test_rebuild_refuses_a_file_changed_after_verification(art):
     """Even past the first check (a file swapped while calibration ran), the rebuild re-checks
     every file it carries over against the old manifest before hashing it into the new one."""
     from mpsconvert.calibrate.artifact import write_into_artifact
-    from mpsconvert.calibrate.run import Calibration
+    from mpsconvert.calibrate.calibration import Calibration
     from mpsconvert.manifests.transaction import transaction
 
     m = Manifest.read(art)
@@ -515,7 +515,7 @@ def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     from mpsconvert.calibrate.artifact import save_scales
-    from mpsconvert.calibrate.run import Calibration
+    from mpsconvert.calibrate.calibration import Calibration
     from mpsconvert.manifests.records import Validation
     from mpsconvert.manifests.transaction import transaction
 

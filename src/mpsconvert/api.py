@@ -25,7 +25,7 @@ from .apple import flow
 from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES, CoreAIOptions  # noqa: F401
 from .apple.coreml import FRONTENDS as COREML_FRONTENDS, WEIGHT_MODES as COREML_WEIGHT_MODES, ExportOptions, SeqLen  # noqa: F401
 from .apple.flow import ExportResult
-from .apple.target import Option, Target  # noqa: F401  (the CLI builds its Apple options from them)
+from .apple.protocol import Option, Target  # noqa: F401  (the CLI builds its Apple options from them)
 from .infra.atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES  # noqa: F401

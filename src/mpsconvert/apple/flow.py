@@ -1,4 +1,4 @@
-"""What every Apple target goes through, whatever it is (apple/target.py's protocol).
+"""What every Apple target goes through, whatever it is (apple/protocol.py's protocol).
 
 - export: under the artifact's lock, the artifact verified (every hash) before any of it is
   used, the target builds its package into a staged copy of the artifact, the package is checked
@@ -29,7 +29,7 @@ from ..manifests.records import AppleExport, ExportCheck
 from ..manifests.transaction import transaction
 from ..infra.progress import Progress, or_silent
 from . import registry
-from .target import Target, check_numbers, package_in
+from .protocol import Target, check_numbers, package_in
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from ..errors import MpsconvertError
 from ..manifests import records
-from .coreai.target import CoreAI
-from .coreml.target import CoreML
-from .target import Target
+from .coreai.coreai_target import CoreAI
+from .coreml.coreml_target import CoreML
+from .protocol import Target
 
 TARGETS: dict[str, Target] = {}
 

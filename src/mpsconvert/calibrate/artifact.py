@@ -43,7 +43,7 @@ from ..infra.safetensors_writer import ShardWriter
 from ..format.scales import scale_problem
 from ..infra.untrusted import inside, read_json
 from .options import CalibOptions
-from .run import Calibration, calibrate
+from .calibration import Calibration, calibrate
 
 SCALES_FORMAT = "mpsconvert-input-scales"
 SCALES_VERSION = 1

@@ -1,7 +1,7 @@
 """The commands: each parses its options, makes one API call, and renders the result.
 
 The Apple targets' commands and options are made from their registry (`api.targets()`, each
-target's settings declared as data: apple/target.py's `Option`): `export-<key>` per target and
+target's settings declared as data: apple/protocol.py's `Option`): `export-<key>` per target and
 `quantize --<key>` with the target's options, by `generated()`, which the command group asks when
 it lists or runs commands."""
 
@@ -145,7 +145,7 @@ _APPLE = "apple__"  # the prefix of quantize's parameters that its Apple options
 
 
 def _click_option(o: api.Option, flag: str | None = None, name: str | None = None, help: str | None = None) -> click.Option:
-    """A click option from a target's declared setting (apple/target.py's Option)."""
+    """A click option from a target's declared setting (apple/protocol.py's Option)."""
     name = name or o.name
     if o.kind == "flag":
         return click.Option([flag or o.flag, name], is_flag=True, flag_value=not o.default if o.negate else True,
@@ -365,8 +365,8 @@ def _sampling(fn):
         click.option("--system", "system_prompt", metavar="TEXT", help="A system message first."),
         click.option("--json", "as_json", is_flag=True, help="Print the text and its stats as JSON on stdout (no streaming)."),
         click.option("--decode", "decode", type=click.Choice(["auto", "graph", "compile", "eager"]), default="auto", show_default=True,
-                     help="With --backend torch: how each token's step runs. auto: a CUDA graph on CUDA (compile, "
-                          "for now), eager elsewhere; graph: the eager step captured as a CUDA graph (seconds); "
+                     help="With --backend torch: how each token's step runs. auto: the graph on CUDA, eager "
+                          "elsewhere; graph: the eager step captured as a CUDA graph (seconds); "
                           "compile: torch.compile (~30 s per process); eager: no graph. --json says which ran and "
                           "what it cost."),
         click.option("--no-compile", is_flag=True, help="With --backend torch on CUDA: the eager decode loop (--decode eager)."),

@@ -111,7 +111,7 @@ class Run:
         """The conversion itself: `scales` (see Scales) when `needs_scales`."""
         s = self.settings
         if self.diffusion:
-            from .diffusion.run import quantize_source
+            from .diffusion.quantize_diffusion import quantize_source
 
             llm_only = {"`scheme`": s["scheme"], "`weights`": s["weights"], **s["calibration_given"],
                         "`dtype`": s["dtype"], "`experts_layout`": s["experts_layout"] != "per-expert",
@@ -160,7 +160,7 @@ def claimed(source: str | Path, output: str | Path | None, *, scheme: str | None
         if output is not None:
             return Path(output)
         if snap is not None and snap.diffusion is not None:
-            from .diffusion.run import default_format, default_output as diffusion_output
+            from .diffusion.quantize_diffusion import default_format, default_output as diffusion_output
 
             return diffusion_output(snap, format or default_format(snap))
         own = snap.fp8.scheme if snap is not None and snap.fp8 is not None and scheme is None and weights is None else sch

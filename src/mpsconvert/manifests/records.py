@@ -330,7 +330,7 @@ class ExpertCalibration(MappingRecord):
 
 @dataclass(kw_only=True)
 class CalibrationRecord(Record):
-    """How the static input scales were measured (calibrate/run.py's record), in the recipe."""
+    """How the static input scales were measured (calibrate/calibration.py's record), in the recipe."""
 
     KEY: ClassVar[str] = "calibration"
     SECTION: ClassVar[str | None] = "recipe"

@@ -438,10 +438,10 @@ def check_before_use(path, trust_remote_code: bool = False, manifest: Manifest |
     used: every hash and structural check (check_artifact), then config.json read by
     transformers (code in the artifact is imported only now, after it matched its hash).
     `manifest`: the artifact's manifest, when the caller read it already."""
-    from ..model import definition as modeldef
+    from ..model import definition
 
     report = check_artifact(path, check_hashes=True, manifest=manifest)
-    modeldef.load_config(path, trust_remote_code)
+    definition.load_config(path, trust_remote_code)
     return report
 
 

@@ -16,7 +16,7 @@ from ..apple import flow, registry
 from ..apple.coreai import CoreAIOptions
 from ..apple.coreml import ExportOptions, SeqLen
 from ..apple.flow import ExportResult
-from ..apple.target import Target
+from ..apple.protocol import Target
 from ..errors import ExportError, MpsconvertError
 from ..infra.progress import Progress
 

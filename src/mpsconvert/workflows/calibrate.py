@@ -12,7 +12,7 @@ from ..manifests.manifest import Manifest
 
 if TYPE_CHECKING:
     from ..calibrate import CalibOptions
-    from ..calibrate.run import Calibration
+    from ..calibrate.calibration import Calibration
 
 
 @dataclass

@@ -17,7 +17,7 @@ from .publish import UploadResult, upload
 
 if TYPE_CHECKING:
     from ..calibrate import CalibOptions
-    from ..calibrate.run import Calibration
+    from ..calibrate.calibration import Calibration
 
 
 @dataclass
@@ -67,7 +67,7 @@ def quantize(source: str | Path, output: str | Path | None, *, calibration: Cali
         run.prepare()
         scales = None
         if run.needs_scales:
-            from ..calibrate.scales import for_quantize
+            from ..calibrate.static_scales import for_quantize
 
             scales = for_quantize(scales_file, copts, run.snap.path, progress)
         done = run.write(scales)

@@ -3,7 +3,7 @@ stored natively as f8E4M3FN, a stateful decoder for causal LMs, checks on the Li
 
 `export.py` converts the artifact's PyTorch model, `weights.py` stores its FP8 Linears natively,
 `run.py` is a session over the Core AI runtime, `check.py` checks a saved asset and times it.
-This module holds the target (apple/target.py's protocol), its options and its manifest records
+This module holds the target (apple/protocol.py's protocol), its options and its manifest records
 and is light (no torch, no coreai): the CLI and the API read them without importing the exporter.
 """
 

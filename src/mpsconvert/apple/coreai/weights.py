@@ -103,7 +103,7 @@ def swap_fp8_linears(model: torch.nn.Module, fp8_weights: dict, dtype: torch.dty
         ExportError: an FP8 tensor is not the weight of an nn.Linear of the model (e.g. fused
             MoE experts, which transformers keeps as 3-D parameters).
     """
-    from .run import coreai_torch
+    from .session import coreai_torch
 
     coreai_torch()
     import coreai_torch._compression.custom_layers  # noqa: F401, F811  (registers the coreai:: custom ops)
@@ -156,7 +156,7 @@ def swap_fp8_experts(model: torch.nn.Module, fp8_experts: dict, dtype: torch.dty
     Returns:
         parameter name -> how it is stored.
     """
-    from .run import coreai_torch
+    from .session import coreai_torch
 
     coreai_torch()
     import coreai_torch._compression.custom_layers  # noqa: F401, F811  (registers the coreai:: custom ops)

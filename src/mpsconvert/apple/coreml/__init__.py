@@ -4,7 +4,7 @@
 stateful decoder of `apple/stateful.py`), keeping FP8 codes as an 8-bit palette; `ops.py` adds
 the torch converters coremltools lacks; `check.py` checks a saved package anywhere (spec, weights
 read back, reference evaluation) and with Core ML on macOS; `mil_eval.py` is the numpy reference
-evaluator. This module holds the target (apple/target.py's protocol), its options and its
+evaluator. This module holds the target (apple/protocol.py's protocol), its options and its
 manifest records, and imports nothing heavy, so the CLI and the API read them without loading
 coremltools or torch.
 """

@@ -4,8 +4,7 @@ prefill and a decode step, replayed as one CUDA graph on CUDA and eager elsewher
 Three decode paths (`decode_path` picks one; `Engine.decode_report` says which ran and what it
 cost, and `generate --json` prints it as `decode`):
 
-- "graph" (`compile="graph"`, `generate --decode graph`; the default on CUDA once it has run on
-  a GPU: CUDA_DEFAULT): the eager decode step (the model's forward over a preallocated
+- "graph" (the default on CUDA: CUDA_DEFAULT; `compile="graph"`, `generate --decode graph`): the eager decode step (the model's forward over a preallocated
   static cache, the FP8 Triton GEMVs and our attention as they run eagerly) captured once with
   `torch.cuda.graph` and replayed per token (`CapturedStep`). No Dynamo and no Inductor: the
   capture costs a few eager steps (fractions of a second), where torch.compile costs ~30 s in
@@ -15,9 +14,10 @@ cost, and `generate --json` prints it as `decode`):
   positions the capture never saw, over a cache with a history (a graph that had frozen a
   position on the host would differ there); a capture or a check that fails warns, names the
   eager path that runs instead, and `decode_report["fallback"]` keeps why.
-- "compile" (the default on CUDA, `compile=True`, `generate --decode compile`):
-  `torch.compile(mode="reduce-overhead")` of the same step: a few percent more tokens/s in return
-  for its compile (Inductor folds the norms into the GEMVs and merges small kernels; see
+- "compile" (`compile=True`, `generate --decode compile`):
+  `torch.compile(mode="reduce-overhead")` of the same step: 297 vs 262 tok/s on the H100 for 2048
+  tokens of the Llama-3-8B shape (0.75 vs 0.66 of copy bandwidth), in return for 34 s of compile in
+  every process, which 2048 tokens save back only past ~75,000 tokens in one generation (Inductor folds the norms into the GEMVs and merges small kernels; see
   INDUCTOR_OPTIONS).
 - "eager" (CPU, MPS, `compile=False`, `--no-compile`): the forward per token, over a DynamicCache.
 
@@ -81,11 +81,10 @@ def compiles_by_default(device: torch.device) -> bool:
 
 
 DECODE_PATHS = ("graph", "compile", "eager")
-# The path "auto" runs on CUDA: "compile" until the graph path has run on a GPU (it is tested only on
-# CPU, where its capture is stood in for), since a default must not rest on code no GPU has run. Once
-# benchmarks/first_run.py shows the graph path capturing, passing its check and decoding at >= 0.75
-# of copy bandwidth, this becomes "graph".
-CUDA_DEFAULT = "compile"
+# The path "auto" runs on CUDA. The graph path: a one-shot `generate -m 256` on the H100 (Llama-3-8B
+# shape) 26.3 s of process wall time against 45.1 s for the BF16 transformers script, where compile
+# costs 34 s before the first token (docs/decisions/2026-12-07-graph-is-the-cuda-decode-default.md).
+CUDA_DEFAULT = "graph"
 
 
 def decode_path(device: torch.device, compile: bool | str | None = None) -> str:

@@ -82,7 +82,7 @@ class Decoder(Protocol):
 class RunnerDecoder:
     """A stateful Apple decoder (Core AI asset or Core ML package) given as the
     `new_conversation() -> step(ids int32 [1, T], position) -> logits [T, V]` runner that
-    apple/coreai/check.py and apple/coreml/check.py build: one runner call is one conversation."""
+    apple/coreai/coreai_check.py and apple/coreml/coreml_check.py build: one runner call is one conversation."""
 
     def __init__(self, new_conversation, max_len: int, backend: str, device: str):
         self.new_conversation, self.max_len, self.backend, self.device = new_conversation, max_len, backend, device

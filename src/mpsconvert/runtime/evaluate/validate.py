@@ -25,7 +25,7 @@ import torch
 
 from ...infra import devices, timing
 from ...errors import DataError, MpsconvertError, SourceError
-from ...model import definition as modeldef, reference
+from ...model import definition, reference
 from ...infra.progress import Progress, or_silent
 from . import metrics
 from ..engine import Engine, Sampling, generate_ids
@@ -121,7 +121,7 @@ def check_baseline(artifact: Path, base_path: str) -> None:
 
     fix = "pass `baseline=<the model this artifact was made from>`"
     try:
-        base = modeldef.load_config(base_path, trust_remote_code=False).to_dict()
+        base = definition.load_config(base_path, trust_remote_code=False).to_dict()
     except SourceError as e:
         raise SourceError(f"the baseline {base_path}: {e.problem}", fix) from None
     mine = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
@@ -285,7 +285,7 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
     # load verifies every file first (the tokenizer's included), so the tokenizer is read after it
     fp8_model = load(artifact, device=opts.device, kernel_cache=opts.kernel_cache)
     tok = loadable.tokenizer(artifact)
-    causal = modeldef.is_causal_lm(fp8_model.config)
+    causal = definition.is_causal_lm(fp8_model.config)
     progress("load fp8", 1, 1, "")
     progress("load bf16", 0, 1, "")
     with devices.oom_hint(dev, "loading the BF16 baseline"):

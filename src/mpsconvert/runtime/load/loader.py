@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ...infra import atomic, devices
-from ...model import definition as modeldef
+from ...model import definition
 from ...infra.untrusted import read_json
 from ...format.fp8 import CODE_DTYPES, dequantize
 from ...errors import MpsconvertError, ArtifactError
@@ -232,7 +232,7 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
         if not qc:
             raise ArtifactError(f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint")
         scheme = scheme_from_config(qc)
-        config, model = modeldef.build_from(defs, buffers="real", trust_remote_code=trust_remote_code)
+        config, model = definition.build_from(defs, buffers="real", trust_remote_code=trust_remote_code)
     linears, ignored = _linear_layout(model, qc)
     report = verify_artifact(path, check_hashes=False, shapes=linears, ignored=ignored, check_codes=False, manifest=manifest,
                              config=config_body)
@@ -305,7 +305,7 @@ class _Plan:
 
     def __init__(self, model: nn.Module, report, dtype: torch.dtype, dev: torch.device):
         from ...model.moe_layout import experts_modules, find_layout, saved_names
-        from ..ops.experts import scale_keys
+        from ..ops.fp8_experts import scale_keys
 
         self.dtype, self.dev = dtype, dev
         self.code_dtype = devices.capabilities(dev).code_dtype  # float8_e4m3fn, or uint8 where the device has no float8
@@ -370,7 +370,7 @@ class _Plan:
         return torch.empty(info.shape, dtype=dtype, device=self.dev)
 
     def install(self, model: nn.Module, activations, info: LoadInfo, block: int | None = None) -> None:
-        from ..ops.experts import FP8Experts, _fp8_param
+        from ..ops.fp8_experts import FP8Experts, _fp8_param
 
         for target, key in self.params.items():
             t = self.dests[key]
@@ -421,7 +421,7 @@ def weights_held(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> dic
     """How the loaded FP8 weights are held: as e4m3 codes (1 byte per weight) or dequantized
     (2 bytes, as BF16), counted over Linears and MoE experts, and in words where the device
     saves no memory over BF16 (the user must not think otherwise)."""
-    from ..ops.experts import FP8Experts
+    from ..ops.fp8_experts import FP8Experts
 
     linears = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]  # a fused group's members are views of its layer
     experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
@@ -481,7 +481,7 @@ def check_built_model(path, report, trust_remote_code: bool = False) -> None:
         return
     try:
         qc = read_json(path / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config") or {}
-        _, model = modeldef.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
+        _, model = definition.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
         linears, ignored = _linear_layout(model, qc if isinstance(qc, dict) else {})
     except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact said which
         return

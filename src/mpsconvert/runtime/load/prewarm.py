@@ -91,7 +91,7 @@ def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None
     fusion's install check calls first."""
     from ..ops import kernels
     from ..ops.fp8linear import FP8Linear
-    from ..ops.triton import experts, gemv
+    from ..ops.triton import moe_gemv as experts, gemv
     from ...format.fp8 import FP8_DTYPE
 
     scale = torch.ones(scale_shape("block", n, k, block), device=dev) if block else torch.ones(n if weights == "row" else 1, 1, device=dev)
@@ -136,7 +136,7 @@ def _first_use(report: dict) -> None:
 def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict,
           decode: tuple | None = None, stop: threading.Event | None = None) -> None:
     from ..ops.triton import act_quant
-    from ..ops.triton import rotary
+    from ..ops.triton import rotary_kernel as rotary
     from ..ops import triton as tritonlib
     from ...format.fp8 import FP8_DTYPE
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ...format.fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_to_float, per_group_scale
-from .triton import act_quant, experts as moe_triton, gemv as triton_gemv
+from .triton import act_quant, moe_gemv as moe_triton, gemv as triton_gemv
 from . import triton as tritonlib
 
 KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "scaled_mm_block", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")

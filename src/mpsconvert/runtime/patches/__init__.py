@@ -21,7 +21,7 @@ A patch that works around a limitation of torch itself (`lm_head`) also has `not
 probe of the installed torch: where torch no longer has the limitation the patch is left out and
 its report says so (`skipped`), so a fixed torch runs the model's own code.
 
-Only runtime/hf_compat.py touches transformers' private names. Each patch installs per module,
+Only model/hf_compat.py touches transformers' private names. Each patch installs per module,
 only where a probe showed it computes what transformers computes; what it leaves is warned once
 (`base.PatchFallback`) and listed in its report, and an install that fails leaves the model with
 transformers' own code and a report that says so.

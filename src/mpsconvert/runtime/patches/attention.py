@@ -22,7 +22,7 @@ the product with V (as flash attention does); tests compare with SDPA (TRITON_IN
 
 from __future__ import annotations
 from ..ops import triton as tritonlib
-from ..ops.triton.attention import decode_attention, takes
+from ..ops.triton.attention_kernel import decode_attention, takes
 from ...model import hf_compat
 
 NAME = "mpsconvert_sdpa"  # contains "sdpa": transformers runs its SDPA checks for it

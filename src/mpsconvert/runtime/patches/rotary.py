@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from ...model import hf_compat
 from . import forwards
-from ..ops.triton.rotary import fits, rotary
+from ..ops.triton.rotary_kernel import fits, rotary
 
 NAME = hf_compat.ROTARY_FUNCTION
 PROBE_TOKENS = 9

@@ -31,7 +31,7 @@ from torch import nn
 from . import forwards
 from ..ops import triton as tritonlib
 from ..ops.triton.launch import TL_DTYPES
-from ..ops.triton.routing import MAX_EXPERTS, MAX_TOKENS, route_topk
+from ..ops.triton.routing_kernel import MAX_EXPERTS, MAX_TOKENS, route_topk
 
 
 

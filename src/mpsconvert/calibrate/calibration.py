@@ -23,7 +23,7 @@ import torch
 
 from ..infra import devices, filesystem
 from ..format import fp8
-from ..model import definition as modeldef
+from ..model import definition
 from ..model import hf_compat, reference
 from ..model.plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
@@ -295,7 +295,7 @@ def _load_outside(model, config, blocks_name: str, weights: Weights, device, dty
 
 def _run_sequential(model_dir, config, plan, samples, device, make, opts, progress):
     dtype = _model_dtype(config)
-    model = modeldef.build(config, buffers="real", trust_remote_code=opts.trust_remote_code).eval()
+    model = definition.build(config, buffers="real", trust_remote_code=opts.trust_remote_code).eval()
     weights = Weights(model_dir, getattr(model, "base_model_prefix", "") or "")
     blocks_name, blocks = _blocks(model)
     run = _runner(model, plan)

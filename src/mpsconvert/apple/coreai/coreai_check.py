@@ -28,9 +28,9 @@ from ...errors import MpsconvertError
 from .. import compare, stateful
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
 from . import RUNTIME_LABEL
-from .export import ASSET_NAME, TORCH_DTYPES, asset_bytes, storage_summary
-from ..target import package_in
-from .run import Session, coreai, quiet
+from .coreai_export import ASSET_NAME, TORCH_DTYPES, asset_bytes, storage_summary
+from ..protocol import package_in
+from .session import Session, coreai, quiet
 from .weights import blockwise_scale
 
 _NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None}

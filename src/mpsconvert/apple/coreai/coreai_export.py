@@ -29,7 +29,7 @@ from ...infra.progress import Progress, or_silent
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
 from . import ASSET_NAME, MINIMUM_OS, CoreAIOptions
-from .run import coreai_torch, quiet, signature
+from .session import coreai_torch, quiet, signature
 from .weights import swap_fp8_experts, swap_fp8_linears
 
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
@@ -149,7 +149,7 @@ def asset_bytes(asset_dir: Path) -> int:
 
 def storage_summary(asset_dir: Path) -> dict:
     """What the saved asset says it stores and computes: `AIModelAsset.summary()`."""
-    from .run import coreai
+    from .session import coreai
 
     coreai()
     from coreai.authoring import AIModelAsset
@@ -180,7 +180,7 @@ def build(folder: Path, manifest: Manifest, opts: CoreAIOptions, progress: Progr
     progress("coreai export", 1, 4, "torch.export and coreai-torch conversion")
     prog, names = convert(module, tm, opts)
     progress("coreai export", 2, 4, f"writing {ASSET_NAME}")
-    from .run import coreai
+    from .session import coreai
 
     coreai()
     from coreai.authoring import AIModelAsset

@@ -19,7 +19,7 @@ def for_quantize(scales_file: str | Path | None, options: CalibOptions, folder: 
 
         found, record = load_scales(Path(scales_file))
         return found, {**record, "scales_file": str(scales_file)}, None
-    from .run import calibrate
+    from .calibration import calibrate
 
     cal = calibrate(folder, options, progress)
     return cal.scales, cal.record, cal

@@ -1,4 +1,4 @@
-"""The Core AI target (apple/target.py's protocol): what apple/flow.py, the API, the CLI
+"""The Core AI target (apple/protocol.py's protocol): what apple/flow.py, the API, the CLI
 and validate call; each method imports the heavy modules (torch, coreai) it needs when called."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import MpsconvertError
 from ...infra.units import human
-from ..target import Option, Target, feature_text, states_text
+from ..protocol import Option, Target, feature_text, states_text
 from . import ASSET_NAME, COMPUTE_DTYPES, RUNTIME_LABEL, CheckOptions, CoreAIExport, CoreAIOptions, CoreAIRuntime
 
 
@@ -49,19 +49,19 @@ class CoreAI(Target):
     """
 
     def build(self, folder, manifest, opts, progress):
-        from .export import build
+        from .coreai_export import build
 
         return CoreAIExport.read(build(folder, manifest, opts, progress), "the Core AI export")
 
     def check(self, folder, record, opts, progress):
-        from .check import check_asset
+        from .coreai_check import check_asset
 
         return check_asset(folder, record.as_dict(), prompt_len=opts.prompt_len, steps=opts.decode_steps, generate=opts.generate,
                            progress=progress)
 
     def open_decoder(self, package, record, close):
-        from .check import decoder_runner
-        from .run import Session, quiet
+        from .coreai_check import decoder_runner
+        from .session import Session, quiet
 
         with quiet():
             session = Session(package)
@@ -73,7 +73,7 @@ class CoreAI(Target):
         from ...infra.extras import require
 
         require(self.module, self.extra, "the Core AI latency check")
-        from .check import coreai_latency
+        from .coreai_check import coreai_latency
 
         return coreai_latency(artifact, record.as_dict(), prefill_len=prefill_len, decode_tokens=decode_tokens, warmup=warmup, units=units,
                               prefill_repeats=prefill_repeats)

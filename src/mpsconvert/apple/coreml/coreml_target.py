@@ -1,4 +1,4 @@
-"""The Core ML target (apple/target.py's protocol): what apple/flow.py, the API, the CLI
+"""The Core ML target (apple/protocol.py's protocol): what apple/flow.py, the API, the CLI
 and validate call; each method imports the heavy modules (torch, coremltools) it needs when called."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import MpsconvertError
 from ...infra.units import human
-from ..target import Option, Target, feature_text, states_text
+from ..protocol import Option, Target, feature_text, states_text
 from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, CheckOptions, CoreMLExport, CoreMLRuntime, ExportOptions, SeqLen
 
 
@@ -64,12 +64,12 @@ class CoreML(Target):
         return ExportOptions(**kw)
 
     def build(self, folder, manifest, opts, progress):
-        from .export import build
+        from .coreml_export import build
 
         return CoreMLExport.read(build(folder, manifest, opts, progress), "the Core ML export")
 
     def check(self, folder, record, opts, progress):
-        from .check import check_package
+        from .coreml_check import check_package
 
         progress("coreml check", 0, None, "reference evaluation, not the Core ML runtime")
         return check_package(folder, record.as_dict(), n_samples=opts.samples, steps=opts.decode_steps, progress=progress)
@@ -83,12 +83,12 @@ class CoreML(Target):
     def open_decoder(self, package, record, close):
         import coremltools as ct
 
-        from .check import coreml_decoder
+        from .coreml_check import coreml_decoder
 
         return coreml_decoder(ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.ALL)), "Core ML (compute units: all)"
 
     def latency(self, artifact, record, settings, progress):
-        from .check import coreml_runtime_check
+        from .coreml_check import coreml_runtime_check
 
         return coreml_runtime_check(artifact, record.as_dict(), prefill_len=settings["prefill_len"], decode_tokens=settings["decode_tokens"])
 

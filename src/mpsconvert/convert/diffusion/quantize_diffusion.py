@@ -63,7 +63,7 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
     from ...infra.safetensors_io import BufferPool
     from ..quantize import BLOCK_BYTES, QUANT_THREADS, _write_shards, converting
     from ..quantize_options import Options
-    from .assemble import assemble
+    from .assemble_diffusion import assemble
     from .write import WEIGHT_ONLY_ROW, comfy_file_name, diffusers_shard_names, estimate_bytes, plan, write_comfyui
 
     with converting(snap):  # one torch thread per quantizing thread; the source hashed from the start

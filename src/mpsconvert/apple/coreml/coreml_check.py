@@ -27,8 +27,8 @@ from ...infra import timing
 from .. import compare, stateful
 from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
-from ..target import package_in
-from .export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
+from ..protocol import package_in
+from .coreml_export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
 
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
 _DTYPES = {65568: "fp32", 65552: "fp16", 131104: "int32", 131080: "int8"}

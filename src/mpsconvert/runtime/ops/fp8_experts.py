@@ -284,7 +284,7 @@ class FP8Experts(nn.Module):
         return _loop_mm(x, w, route)
 
     def _forward_gemv(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        from .triton import experts as moe_triton
+        from .triton import moe_gemv as moe_triton
 
         T, H = x.shape
         k = top_k_index.shape[-1]
