@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def _per_run_cache() -> Path:
     """A cache of this run only (removed at exit), so that a warm machine cannot hide a missing
     install step (accelerate for the GGUF, say). MPSCONVERT_BENCH_CACHE keeps one across runs on
@@ -30,8 +31,10 @@ def _per_run_cache() -> Path:
 
 CACHE = Path(os.environ["MPSCONVERT_BENCH_CACHE"]) if os.environ.get("MPSCONVERT_BENCH_CACHE") else _per_run_cache()
 # ../shared/data beside the checkout (also from a worktree nested inside one)
-DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),
-            Path(__file__).resolve().parents[2] / "shared" / "data")
+DATA = next(
+    (p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),
+    Path(__file__).resolve().parents[2] / "shared" / "data",
+)
 
 
 def _package_dir(name: str) -> Path:
@@ -70,7 +73,11 @@ def smollm2() -> Path:
 
 
 def eval_texts() -> list[str]:
-    return [json.loads(line)["text"] for line in (DATA / "wiki_eval.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [
+        json.loads(line)["text"]
+        for line in (DATA / "wiki_eval.jsonl").read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
 
 
 CALIB_FILE = DATA / "wiki_calib.jsonl"
@@ -85,21 +92,60 @@ def config_for(arch: str, layers: int):
 
     if arch == "llama":
         return transformers.LlamaConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-            head_dim=128, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-            tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, architectures=["LlamaForCausalLM"])  # fmt: skip
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=128000,
+            eos_token_id=128001,
+            architectures=["LlamaForCausalLM"],
+        )
     if arch == "mixtral":
         return transformers.MixtralConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-            head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6, num_local_experts=8,
-            num_experts_per_tok=2, router_jitter_noise=0.0, tie_word_embeddings=False, architectures=["MixtralForCausalLM"])  # fmt: skip
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.0,
+            tie_word_embeddings=False,
+            architectures=["MixtralForCausalLM"],
+        )
     if arch == "tiny":  # the script's own check on CPU
-        return transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=512, architectures=["LlamaForCausalLM"])  # fmt: skip
+        return transformers.LlamaConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            architectures=["LlamaForCausalLM"],
+        )
     if arch == "tiny-moe":
-        return transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-                                          num_key_value_heads=2, vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
-                                          architectures=["MixtralForCausalLM"])  # fmt: skip
+        return transformers.MixtralConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            architectures=["MixtralForCausalLM"],
+        )
     raise SystemExit(f"unknown --arch {arch}")
 
 
@@ -117,18 +163,40 @@ def build_checkpoint(cfg, folder: Path, device) -> dict:
     del model
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return {"seconds": round(time.perf_counter() - t, 1), "parameters": params,
-            "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}  # fmt: skip
+    return {
+        "seconds": round(time.perf_counter() - t, 1),
+        "parameters": params,
+        "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+    }
 
 
 def quantize(src: Path, out: Path, weights: str = "row") -> dict:
     t = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "mpsconvert.cli", "quantize", str(src), "-o", str(out), "--force", "--json",
-                        "--weights", weights], env=env, capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mpsconvert.cli",
+            "quantize",
+            str(src),
+            "-o",
+            str(out),
+            "--force",
+            "--json",
+            "--weights",
+            weights,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"mpsconvert quantize failed: {r.stderr[-2000:]}")
-    return {"seconds": round(time.perf_counter() - t, 1), "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    return {
+        "seconds": round(time.perf_counter() - t, 1),
+        "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+    }
 
 
 def copy_bandwidth(device) -> float:

@@ -62,16 +62,30 @@ def main(argv=None) -> None:
     def force(names):
         return lambda kernel, layer, m: 1.0 if kernel in names else 1000.0
 
-    res = {"bf16 cpu": logits(transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).eval(), "cpu"),
-           "bf16 cuda": logits(transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).to(gpu).eval(), gpu)}
+    res = {
+        "bf16 cpu": logits(transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).eval(), "cpu"),
+        "bf16 cuda": logits(
+            transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).to(gpu).eval(), gpu
+        ),
+    }
     variants = {
         "fp8 cpu (default load)": dict(device="cpu"),
         "fp8 cuda (default load)": dict(device=gpu),
-        "fp8 cuda, no patches": dict(device=gpu, eager_fusion=False, decode_attention=False, share_inputs=False, prefill_graphs=False,
-                                     compile=False),
-        "fp8 cuda, scaled_mm_row forced (the scheme's rounding)": dict(device=gpu, kernel_cache=False, measure=force({"scaled_mm_row", "gemv_w8a8"})),
-        "fp8 cuda, dequant forced (no activation rounding)": dict(device=gpu, kernel_cache=False, measure=force({"dequant", "gemv"})),
-    }  # fmt: skip
+        "fp8 cuda, no patches": dict(
+            device=gpu,
+            eager_fusion=False,
+            decode_attention=False,
+            share_inputs=False,
+            prefill_graphs=False,
+            compile=False,
+        ),
+        "fp8 cuda, scaled_mm_row forced (the scheme's rounding)": dict(
+            device=gpu, kernel_cache=False, measure=force({"scaled_mm_row", "gemv_w8a8"})
+        ),
+        "fp8 cuda, dequant forced (no activation rounding)": dict(
+            device=gpu, kernel_cache=False, measure=force({"dequant", "gemv"})
+        ),
+    }
     report = {}
     for name, kw in variants.items():
         t = time.time()

@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _sources import CACHE, smollm2 as smollm2_source  # noqa: E402  (one SmolLM2 checkpoint for every benchmark)
+from _sources import CACHE  # noqa: E402  (one SmolLM2 checkpoint for every benchmark)
+from _sources import smollm2 as smollm2_source
 
 
 def artifact() -> Path:
@@ -59,20 +60,43 @@ def coreai(art: Path, max_len: int | None, compute: str = "fp32", steps: int = 3
     from mpsconvert.apple.coreai import CheckOptions, CoreAIOptions
 
     t = time.perf_counter()
-    rec = mpsconvert.export(art, "coreai", options=CoreAIOptions(max_len=max_len, compute=compute, force=True), check=False).record
+    rec = mpsconvert.export(
+        art, "coreai", options=CoreAIOptions(max_len=max_len, compute=compute, force=True), check=False
+    ).record
     export_s = time.perf_counter() - t
     t = time.perf_counter()
-    res = _checked(lambda: mpsconvert.check(art, "coreai", options=CheckOptions(prompt_len=64, decode_steps=steps, generate=4), verify=False))
+    res = _checked(
+        lambda: mpsconvert.check(
+            art, "coreai", options=CheckOptions(prompt_len=64, decode_steps=steps, generate=4), verify=False
+        )
+    )
     check_s = time.perf_counter() - t
     lat = mpsconvert.coreai_latency(art, prefill_len=64, decode_tokens=latency_tokens, warmup=2)
     ev, w = res["runtime_eval"], res["weights"]
-    return {"engine": "core ai", "compute": rec["compute"], "max_len": rec["max_len"], "asset_bytes": res["asset_bytes"],
-            "fp8_safetensors_bytes": res["fp8_safetensors_bytes"], "size_ratio": res["size_ratio"],
-            "storage_types": res["storage"]["storage_types"], "fp8_tensors": w["checked"], "fp8_values": w["fp8_values_in_artifact"],
-            "codes_bit_exact": w["codes_bit_exact"], "scales_exact": w["scales_exact"], "interface_ok": res["interface"]["ok"],
-            "states": res["interface"]["states"], "prefill": ev["prefill"], "decode": {k: v for k, v in ev["decode"].items() if k != "per_step_top1"},
-            "generation": ev["generation"], "runtime": ev["runtime"], "inputs": ev["inputs"], "latency": lat,
-            "export_s": round(export_s, 1), "check_s": round(check_s, 1), "ok": res["ok"]}
+    return {
+        "engine": "core ai",
+        "compute": rec["compute"],
+        "max_len": rec["max_len"],
+        "asset_bytes": res["asset_bytes"],
+        "fp8_safetensors_bytes": res["fp8_safetensors_bytes"],
+        "size_ratio": res["size_ratio"],
+        "storage_types": res["storage"]["storage_types"],
+        "fp8_tensors": w["checked"],
+        "fp8_values": w["fp8_values_in_artifact"],
+        "codes_bit_exact": w["codes_bit_exact"],
+        "scales_exact": w["scales_exact"],
+        "interface_ok": res["interface"]["ok"],
+        "states": res["interface"]["states"],
+        "prefill": ev["prefill"],
+        "decode": {k: v for k, v in ev["decode"].items() if k != "per_step_top1"},
+        "generation": ev["generation"],
+        "runtime": ev["runtime"],
+        "inputs": ev["inputs"],
+        "latency": lat,
+        "export_s": round(export_s, 1),
+        "check_s": round(check_s, 1),
+        "ok": res["ok"],
+    }
 
 
 def coreml(art: Path, max_len: int | None, steps: int = 16) -> dict:
@@ -87,13 +111,27 @@ def coreml(art: Path, max_len: int | None, steps: int = 16) -> dict:
     check_s = time.perf_counter() - t
     ev, w = res["reference_eval"], res["weights"]
     states = res["spec"]["states"]
-    return {"engine": "core ml", "frontend": rec["frontend"], "max_len": rec["max_len"], "states": states,
-            "states_summary": f"{len(states)} x {states[0]['dtype']} {states[0]['shape']}" if states else None,
-            "package_weight_bytes": res["weight_bytes"], "size_ratio": res["size_ratio"], "fp8_tensors": w["checked"],
-            "weights_ok": w["all_ok"], "codes_bit_exact": w["codes_bit_exact"], "max_ulp_diff": w["max_ulp_diff"],
-            "prefill": ev["prefill"], "decode": {k: v for k, v in ev["decode"].items() if k != "per_step_top1"},
-            "generation": ev["generation"], "evaluator": ev["evaluator"], "inputs": ev["inputs"],
-            "export_s": round(export_s, 1), "check_s": round(check_s, 1), "ok": res["ok"]}
+    return {
+        "engine": "core ml",
+        "frontend": rec["frontend"],
+        "max_len": rec["max_len"],
+        "states": states,
+        "states_summary": f"{len(states)} x {states[0]['dtype']} {states[0]['shape']}" if states else None,
+        "package_weight_bytes": res["weight_bytes"],
+        "size_ratio": res["size_ratio"],
+        "fp8_tensors": w["checked"],
+        "weights_ok": w["all_ok"],
+        "codes_bit_exact": w["codes_bit_exact"],
+        "max_ulp_diff": w["max_ulp_diff"],
+        "prefill": ev["prefill"],
+        "decode": {k: v for k, v in ev["decode"].items() if k != "per_step_top1"},
+        "generation": ev["generation"],
+        "evaluator": ev["evaluator"],
+        "inputs": ev["inputs"],
+        "export_s": round(export_s, 1),
+        "check_s": round(check_s, 1),
+        "ok": res["ok"],
+    }
 
 
 def main(argv=None) -> int:
@@ -115,14 +153,18 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     for r in rows:
         p, d = r["prefill"], r["decode"]
-        print(f"{r['engine']:<8} size {r['size_ratio']:.4f}x FP8 safetensors, codes bit-exact "
-              f"{r['codes_bit_exact']}, prefill top-1 {p['top1_agreement']:.1%} ({p['positions']}), decode top-1 "
-              f"{d['top1_agreement']:.1%} ({d['positions']} steps), greedy "
-              f"{r['generation']['agreeing_prefix']}/{len(r['generation']['tokens'])}")
+        print(
+            f"{r['engine']:<8} size {r['size_ratio']:.4f}x FP8 safetensors, codes bit-exact "
+            f"{r['codes_bit_exact']}, prefill top-1 {p['top1_agreement']:.1%} ({p['positions']}), decode top-1 "
+            f"{d['top1_agreement']:.1%} ({d['positions']} steps), greedy "
+            f"{r['generation']['agreeing_prefix']}/{len(r['generation']['tokens'])}"
+        )
     for row in rows[0]["latency"].get("rows", []):
-        print(f"  {row['engine']}: prefill {row.get('prefill_ms', float('nan')):.1f} ms, decode "
-              f"{row.get('decode_tokens_per_s', float('nan')):.2f} tokens/s "
-              f"({row.get('decode_vs_pytorch_cpu', float('nan')):.3f}x PyTorch CPU)")
+        print(
+            f"  {row['engine']}: prefill {row.get('prefill_ms', float('nan')):.1f} ms, decode "
+            f"{row.get('decode_tokens_per_s', float('nan')):.2f} tokens/s "
+            f"({row.get('decode_vs_pytorch_cpu', float('nan')):.3f}x PyTorch CPU)"
+        )
     if a.out:
         slim = [{k: v for k, v in r.items() if k != "states" or r["engine"] != "core ml"} for r in rows]
         a.out.write_text(json.dumps(slim, indent=2) + "\n")

@@ -72,16 +72,24 @@ def main():
             out = Path(work) / label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
             man = mpsconvert.quantize(src, out, scheme=scheme, weights=weights, block_size=block).manifest
             ppl = perplexity(mpsconvert.load(out, device="cpu", dtype=torch.float32), wins)
-            rows.append({"variant": label, "ppl": ppl, "delta_pct": 100 * (ppl / base - 1),
-                         "worst_weight_sqnr_db": man.summary["worst_sqnr_db"],
-                         "weight_bytes": man.summary["weight_bytes_after"]})
+            rows.append(
+                {
+                    "variant": label,
+                    "ppl": ppl,
+                    "delta_pct": 100 * (ppl / base - 1),
+                    "worst_weight_sqnr_db": man.summary["worst_sqnr_db"],
+                    "weight_bytes": man.summary["weight_bytes_after"],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'variant':44} {'ppl':>8} {'delta':>8} {'worst SQNR':>11} {'bytes':>11}")
     for r in rows:
         sq = f"{r['worst_weight_sqnr_db']:.1f} dB" if r.get("worst_weight_sqnr_db") is not None else ""
         print(f"{r['variant']:44} {r['ppl']:8.3f} {r['delta_pct']:+7.2f}% {sq:>11} {r.get('weight_bytes', ''):>11}")
-    print(f"SmolLM2-135M (Q4_1 GGUF weights), first {len(wins)} x 512 tokens of wiki_eval, CPU, "
-          f"{torch.get_num_threads()} thread(s), {time.perf_counter() - t0:.0f} s")
+    print(
+        f"SmolLM2-135M (Q4_1 GGUF weights), first {len(wins)} x 512 tokens of wiki_eval, CPU, "
+        f"{torch.get_num_threads()} thread(s), {time.perf_counter() - t0:.0f} s"
+    )
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
 

@@ -43,11 +43,21 @@ def variants(num_samples: int, seq_len: int):
     return [
         ("fp8-weight-only (row)", "fp8-weight-only", "row", None),
         ("fp8-dynamic (row)", "fp8-dynamic", "row", None),
-        ("fp8 naive minmax, 32 docs", "fp8", "tensor", CalibOptions(data=calib, num_samples=32, seq_len=seq_len, observer="minmax", device="cpu")),
+        (
+            "fp8 naive minmax, 32 docs",
+            "fp8",
+            "tensor",
+            CalibOptions(data=calib, num_samples=32, seq_len=seq_len, observer="minmax", device="cpu"),
+        ),
         ("fp8 minmax", "fp8", "tensor", CalibOptions(observer="minmax", **ours)),
         ("fp8 percentile 99.99", "fp8", "tensor", CalibOptions(observer="percentile", **ours)),
         ("fp8 mse", "fp8", "tensor", CalibOptions(observer="mse", **ours)),
-        ("fp8 naive minmax, 32 docs (row)", "fp8", "row", CalibOptions(data=calib, num_samples=32, seq_len=seq_len, observer="minmax", device="cpu")),
+        (
+            "fp8 naive minmax, 32 docs (row)",
+            "fp8",
+            "row",
+            CalibOptions(data=calib, num_samples=32, seq_len=seq_len, observer="minmax", device="cpu"),
+        ),
         ("fp8 minmax (row)", "fp8", "row", CalibOptions(observer="minmax", **ours)),
         ("fp8 mse (row)", "fp8", "row", CalibOptions(observer="mse", **ours)),
     ]
@@ -77,7 +87,11 @@ def perplexity(path: Path | torch.nn.Module, wins) -> float:
     """Perplexity over the windows, of a model folder (transformers, BF16) or a loaded model."""
     from transformers import AutoModelForCausalLM
 
-    model = path if isinstance(path, torch.nn.Module) else AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = (
+        path
+        if isinstance(path, torch.nn.Module)
+        else AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    )
     nll = n = 0.0
     with torch.no_grad():
         for x in wins:
@@ -120,10 +134,20 @@ def run_model(name: str, src: Path, work: Path, windows: int, num_samples: int, 
         art, secs = build(src, work / name, label, scheme, weights, copts, cache)
         if name == "smollm2":
             ppl = perplexity(art, wins)
-            rows.append({"model": name, "variant": label, "ppl": ppl, "delta_pct": 100 * (ppl / base - 1), "build_s": secs})
+            rows.append(
+                {"model": name, "variant": label, "ppl": ppl, "delta_pct": 100 * (ppl / base - 1), "build_s": secs}
+            )
         else:
             cos = (embeddings(art, wins) * ref).sum(1)
-            rows.append({"model": name, "variant": label, "cos_mean": float(cos.mean()), "cos_min": float(cos.min()), "build_s": secs})
+            rows.append(
+                {
+                    "model": name,
+                    "variant": label,
+                    "cos_mean": float(cos.mean()),
+                    "cos_min": float(cos.min()),
+                    "build_s": secs,
+                }
+            )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -159,15 +183,25 @@ def main():
     by = {(r["model"], r["variant"]): r for r in rows}
     for w in ("", " (row)"):
         naive = by.get(("smollm2", f"fp8 naive minmax, 32 docs{w}"))
-        ours = [r for r in rows if r["model"] == "smollm2" and r["variant"].startswith("fp8 ") and "naive" not in r["variant"]
-                and r["variant"].endswith("(row)") == bool(w)]
+        ours = [
+            r
+            for r in rows
+            if r["model"] == "smollm2"
+            and r["variant"].startswith("fp8 ")
+            and "naive" not in r["variant"]
+            and r["variant"].endswith("(row)") == bool(w)
+        ]
         if naive and ours:
             best = min(ours, key=lambda r: r["ppl"])
-            print(f"smollm2 static, weights per {'row' if w else 'tensor'}: best ours '{best['variant']}' "
-                  f"{best['delta_pct']:+.2f}% vs naive minmax {naive['delta_pct']:+.2f}% -> "
-                  f"{naive['delta_pct'] - best['delta_pct']:+.2f} percentage points")
-    print(f"total {time.perf_counter() - t0:.0f} s on cpu, {torch.get_num_threads()} thread(s) (eval windows: first "
-          f"{args.windows}; calibration windows: naive 32, ours {args.num_samples})")
+            print(
+                f"smollm2 static, weights per {'row' if w else 'tensor'}: best ours '{best['variant']}' "
+                f"{best['delta_pct']:+.2f}% vs naive minmax {naive['delta_pct']:+.2f}% -> "
+                f"{naive['delta_pct'] - best['delta_pct']:+.2f} percentage points"
+            )
+    print(
+        f"total {time.perf_counter() - t0:.0f} s on cpu, {torch.get_num_threads()} thread(s) (eval windows: first "
+        f"{args.windows}; calibration windows: naive 32, ours {args.num_samples})"
+    )
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
 

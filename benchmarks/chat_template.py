@@ -18,10 +18,12 @@ import json
 import statistics
 import time
 
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
-          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def tokenizer(vocab_size: int = 2048):
@@ -35,8 +37,14 @@ def tokenizer(vocab_size: int = 2048):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>")
     tok.chat_template = CHATML
     return tok, texts
@@ -56,8 +64,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
 
-    from mpsconvert.model import templates
     from mpsconvert.manifests import loadable
+    from mpsconvert.model import templates
 
     tok, texts = tokenizer()
     t0 = time.perf_counter()
@@ -68,14 +76,27 @@ def main() -> None:
     for turns in (1, 8, 32):
         msgs = []
         for i in range(turns):
-            msgs += [{"role": "user", "content": texts[i % len(texts)][:400]}, {"role": "assistant", "content": texts[(i + 1) % len(texts)][:400]}]
+            msgs += [
+                {"role": "user", "content": texts[i % len(texts)][:400]},
+                {"role": "assistant", "content": texts[(i + 1) % len(texts)][:400]},
+            ]
         msgs.append({"role": "user", "content": "And then?"})
         want = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
         assert loadable.chat_ids(tok, msgs) == want, "the bounded render must give apply_chat_template's ids"
-        plain = median_ms(lambda: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True), args.repeats)
+        plain = median_ms(
+            lambda: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True), args.repeats
+        )
         bounded = median_ms(lambda: loadable.chat_ids(tok, msgs), args.repeats)
-        rows.append({"turns": turns, "tokens": len(want), "apply_chat_template_ms": round(plain, 3), "bounded_ms": round(bounded, 3),
-                     "extra_ms": round(bounded - plain, 3), "ratio": round(bounded / plain, 2)})
+        rows.append(
+            {
+                "turns": turns,
+                "tokens": len(want),
+                "apply_chat_template_ms": round(plain, 3),
+                "bounded_ms": round(bounded, 3),
+                "extra_ms": round(bounded - plain, 3),
+                "ratio": round(bounded / plain, 2),
+            }
+        )
     print(json.dumps({"worker_start_s": round(start, 3), "rows": rows}, indent=1))
     templates.close()
 

@@ -41,10 +41,20 @@ def build_checkpoint(root: Path, layers: int, shard_bytes: int = 1 << 30) -> Pat
 
     hidden, inter, vocab, kv = 2048, 8192, 128256, 512
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": vocab, "tie_word_embeddings": True,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "rope_theta": 500000.0,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": vocab,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+        "rope_theta": 500000.0,
     }
     src = root / "src"
     src.mkdir(parents=True)
@@ -58,10 +68,14 @@ def build_checkpoint(root: Path, layers: int, shard_bytes: int = 1 << 30) -> Pat
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors += [
-            (p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (hidden, hidden)), (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
             (p + "mlp.down_proj.weight", (hidden, inter)),
         ]
     shards, cur, size = [], {}, 0
@@ -83,7 +97,9 @@ def build_checkpoint(root: Path, layers: int, shard_bytes: int = 1 << 30) -> Pat
         total += (src / fname).stat().st_size
         weight_map.update({k: fname for k in shard})
         del data
-    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return src
 
 
@@ -114,23 +130,33 @@ def build_flux(root: Path, double: int, single: int, shard_bytes: int = 1 << 30)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        data = {k: (torch.ones(s, dtype=torch.bfloat16) if len(s) == 1 else (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16))
-                for k, s in shard}
+        data = {
+            k: (
+                torch.ones(s, dtype=torch.bfloat16)
+                if len(s) == 1
+                else (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
+            )
+            for k, s in shard
+        }
         save_file(data, src / fname, metadata={"format": "pt"})
         total += (src / fname).stat().st_size
         weight_map.update({k: fname for k, _ in shard})
         del data
-    (src / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                                   "weight_map": weight_map}))
+    (src / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return src
 
 
 # Each contender is a command line run in a fresh process: ours is the CLI a user runs.
 CONTENDERS = {
     # `cp -r` + sync: the same bytes read and written, and made durable as quantize makes its output
-    "copy": ["-c", "import os,shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2]); "
-                   "[os.fsync(fd) or os.close(fd) for fd in (os.open(p, os.O_RDONLY) for p in "
-                   "(os.path.join(d, f) for d, _, fs in os.walk(sys.argv[2]) for f in fs))]"],
+    "copy": [
+        "-c",
+        "import os,shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2]); "
+        "[os.fsync(fd) or os.close(fd) for fd in (os.open(p, os.O_RDONLY) for p in "
+        "(os.path.join(d, f) for d, _, fs in os.walk(sys.argv[2]) for f in fs))]",
+    ],
     "mpsconvert": ["-m", "mpsconvert.cli", "quantize", "{src}", "-o", "{out}"],
     "llm-compressor": [
         "-c",
@@ -150,7 +176,10 @@ def run(name: str, src: Path, out: Path, contenders: dict = CONTENDERS, baseline
     `mpsconvert-baseline` is the same CLI run from `baseline_src` (an older checkout's src/)."""
     env = None
     if name == "mpsconvert-baseline":
-        name, env = "mpsconvert", {**os.environ, "PYTHONPATH": os.pathsep.join([baseline_src, os.environ.get("PYTHONPATH", "")])}
+        name, env = (
+            "mpsconvert",
+            {**os.environ, "PYTHONPATH": os.pathsep.join([baseline_src, os.environ.get("PYTHONPATH", "")])},
+        )
     argv = [a.format(src=src, out=out) for a in contenders[name]]
     if "{src}" not in contenders[name]:
         argv += [str(src), str(out)]
@@ -170,12 +199,16 @@ def main():
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--layers", type=int, default=16, help="16 layers = 1.24B parameters (Llama-3.2-1B shapes)")
     ap.add_argument("--skip", nargs="*", default=[], choices=sorted(set(CONTENDERS) | set(FLUX_CONTENDERS)))
-    ap.add_argument("--flux", action="store_true", help="a Flux.1-shaped diffusers transformer instead of the Llama checkpoint")
+    ap.add_argument(
+        "--flux", action="store_true", help="a Flux.1-shaped diffusers transformer instead of the Llama checkpoint"
+    )
     ap.add_argument("--double", type=int, default=8, help="with --flux: double blocks")
     ap.add_argument("--single", type=int, default=16, help="with --flux: single blocks")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each contender, interleaved; the median is compared")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--baseline-src", help="an older checkout's src/ run as the contender mpsconvert-baseline (before/after)")
+    ap.add_argument(
+        "--baseline-src", help="an older checkout's src/ run as the contender mpsconvert-baseline (before/after)"
+    )
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="mpsconvert-bench-"))
@@ -188,13 +221,26 @@ def main():
         src = root / "src"
         if not (src / "config.json").exists():
             # Built in a child process so that its memory does not count in the contenders' peak RSS.
-            subprocess.run([sys.executable, __file__, "--build-only", "--workdir", str(root), "--layers", str(args.layers),
-                            *(["--flux", "--double", str(args.double), "--single", str(args.single)] if args.flux else [])], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--build-only",
+                    "--workdir",
+                    str(root),
+                    "--layers",
+                    str(args.layers),
+                    *(["--flux", "--double", str(args.double), "--single", str(args.single)] if args.flux else []),
+                ],
+                check=True,
+            )
         files = sorted(src.glob("*.safetensors"))
         src_bytes = sum(f.stat().st_size for f in files)
         largest = max(f.stat().st_size for f in files)
-        print(f"checkpoint: {len(files)} shards, {src_bytes / 1e9:.2f} GB, largest shard {largest / (1 << 30):.2f} GiB "
-              f"(built in {time.perf_counter() - t:.0f} s)")
+        print(
+            f"checkpoint: {len(files)} shards, {src_bytes / 1e9:.2f} GB, largest shard {largest / (1 << 30):.2f} GiB "
+            f"(built in {time.perf_counter() - t:.0f} s)"
+        )
         for f in files:  # warm the page cache so that all contenders read from memory
             with open(f, "rb") as fh:
                 while fh.read(64 << 20):
@@ -210,10 +256,18 @@ def main():
                 r = run(name, src, out, contenders, baseline_src)
                 shutil.rmtree(out, ignore_errors=True)
                 runs[name].append(r)
-                print(f"  run {i + 1}  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   "
-                      f"output {r['out_bytes'] / 1e9:.2f} GB", flush=True)
-        results = {name: {"wall_s": statistics.median(r["wall_s"] for r in rs), "peak_rss_gib": max(r["peak_rss_gib"] for r in rs)}
-                   for name, rs in runs.items()}
+                print(
+                    f"  run {i + 1}  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB   "
+                    f"output {r['out_bytes'] / 1e9:.2f} GB",
+                    flush=True,
+                )
+        results = {
+            name: {
+                "wall_s": statistics.median(r["wall_s"] for r in rs),
+                "peak_rss_gib": max(r["peak_rss_gib"] for r in rs),
+            }
+            for name, rs in runs.items()
+        }
         print(f"\nmedian of {args.repeat} runs (peak RSS: the largest):")
         for name, r in results.items():
             print(f"  {name:15s} {r['wall_s']:7.2f} s   peak RSS {r['peak_rss_gib']:5.2f} GiB")
@@ -223,26 +277,34 @@ def main():
             biggest = 0
             for f in files:
                 with safe_open(str(f), "pt") as fh:
-                    biggest = max([biggest, *(2 * __import__("math").prod(fh.get_slice(k).get_shape()) for k in fh.keys())])
+                    biggest = max(
+                        [biggest, *(2 * __import__("math").prod(fh.get_slice(k).get_shape()) for k in fh.keys())]
+                    )
             print()
             for name in ("mpsconvert-comfyui", "mpsconvert-diffusers"):
                 if name in results and "copy" in results:
                     r = results[name]
-                    print(f"{name} takes {r['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy, "
-                          f"peak RSS {r['peak_rss_gib']:.2f} GiB (largest tensor {biggest / (1 << 20):.0f} MiB, "
-                          f"largest shard {largest / (1 << 30):.2f} GiB)")
+                    print(
+                        f"{name} takes {r['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy, "
+                        f"peak RSS {r['peak_rss_gib']:.2f} GiB (largest tensor {biggest / (1 << 20):.0f} MiB, "
+                        f"largest shard {largest / (1 << 30):.2f} GiB)"
+                    )
         ours = results.get("mpsconvert")
         if ours:
             print()
             if "llm-compressor" in results:
                 lc = results["llm-compressor"]
-                print(f"mpsconvert is {lc['wall_s'] / ours['wall_s']:.2f}x faster than llm-compressor model_free_ptq, "
-                      f"peak RSS {ours['peak_rss_gib'] / lc['peak_rss_gib']:.2f}x of it")
+                print(
+                    f"mpsconvert is {lc['wall_s'] / ours['wall_s']:.2f}x faster than llm-compressor model_free_ptq, "
+                    f"peak RSS {ours['peak_rss_gib'] / lc['peak_rss_gib']:.2f}x of it"
+                )
             if "copy" in results:
                 print(f"mpsconvert takes {ours['wall_s'] / results['copy']['wall_s']:.2f}x the time of a plain copy")
                 if "mpsconvert-baseline" in results:
-                    print(f"the baseline ({baseline_src}) takes "
-                          f"{results['mpsconvert-baseline']['wall_s'] / results['copy']['wall_s']:.2f}x")
+                    print(
+                        f"the baseline ({baseline_src}) takes "
+                        f"{results['mpsconvert-baseline']['wall_s'] / results['copy']['wall_s']:.2f}x"
+                    )
             print(f"mpsconvert peak RSS = largest shard {ours['peak_rss_gib'] - largest / (1 << 30):+.2f} GiB")
     finally:
         if not args.keep:

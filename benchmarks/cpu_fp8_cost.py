@@ -52,17 +52,27 @@ def run_variant(variant: str, src: str, art: str, prompt: int, tokens: int) -> d
     else:
         if variant == "fp8-codes":  # the CPU rule takes the first candidate: make it the per-call dequantization
             real = kernels.candidates
-            kernels.candidates = lambda device_type, *a, **kw: ["dequant"] if device_type == "cpu" else real(device_type, *a, **kw)
+            kernels.candidates = lambda device_type, *a, **kw: (
+                ["dequant"] if device_type == "cpu" else real(device_type, *a, **kw)
+            )
         model = mpsconvert.load(art, device="cpu")
     load_s = time.perf_counter() - t0
     rss_loaded = _rss()
     ids = AutoTokenizer.from_pretrained(art)(_text())["input_ids"][:prompt]
     peak_loaded = _rss("VmHWM")
     st = gen.generate_ids(gen.Engine(model), ids, gen.Sampling(max_tokens=tokens), ())
-    out = {"variant": variant, "load_s": round(load_s, 2), "rss_before_mb": round(rss0 / 2**20), "rss_loaded_mb": round(rss_loaded / 2**20),
-           "peak_rss_load_mb": round(peak_loaded / 2**20), "rss_after_generate_mb": round(_rss() / 2**20),
-           "peak_rss_mb": round(_rss("VmHWM") / 2**20), "prompt_tokens_per_s": round(st.prompt_tps, 2),
-           "generation_tokens_per_s": round(st.generation_tps or 0.0, 3), "tokens": st.tokens}
+    out = {
+        "variant": variant,
+        "load_s": round(load_s, 2),
+        "rss_before_mb": round(rss0 / 2**20),
+        "rss_loaded_mb": round(rss_loaded / 2**20),
+        "peak_rss_load_mb": round(peak_loaded / 2**20),
+        "rss_after_generate_mb": round(_rss() / 2**20),
+        "peak_rss_mb": round(_rss("VmHWM") / 2**20),
+        "prompt_tokens_per_s": round(st.prompt_tps, 2),
+        "generation_tokens_per_s": round(st.generation_tps or 0.0, 3),
+        "tokens": st.tokens,
+    }
     if variant != "bf16":
         out["weights_held"] = model.mpsconvert.weights_held
         out["kernels"] = sorted({d["choice"] for d in model.mpsconvert.kernels})
@@ -95,23 +105,44 @@ def main() -> None:
     src = str(_sources.smollm2())
     art = str(Path(tempfile.mkdtemp()) / "smollm2-fp8")
     mpsconvert.quantize(src, art, scheme=args.scheme)
-    print(f"SmolLM2-135M-Instruct ({args.scheme} artifact) on CPU ({os.cpu_count()} cores), prompt {args.prompt} tokens, "
-          f"{args.tokens} generated, greedy; each variant in its own process")
+    print(
+        f"SmolLM2-135M-Instruct ({args.scheme} artifact) on CPU ({os.cpu_count()} cores), prompt {args.prompt} tokens, "
+        f"{args.tokens} generated, greedy; each variant in its own process"
+    )
     rows = []
     for variant in ("bf16", "fp8", "fp8-codes"):
-        r = subprocess.run([sys.executable, __file__, "--variant", variant, "--src", src, "--art", art, "--prompt", str(args.prompt),
-                            "--tokens", str(args.tokens)], capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--src",
+                src,
+                "--art",
+                art,
+                "--prompt",
+                str(args.prompt),
+                "--tokens",
+                str(args.tokens),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]))
     base = rows[0]
     grown = lambda r: r["peak_rss_mb"] - r["rss_before_mb"]  # noqa: E731 - the peak over the imported interpreter
     for r in rows[1:]:
-        print(f"{r['variant']}: peak RSS {r['peak_rss_mb']} MB ({r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x bf16), "
-              f"{grown(r)} MB over the interpreter ({grown(r) / max(1, grown(base)):.2f}x bf16's {grown(base)} MB), "
-              f"decode {r['generation_tokens_per_s']} tok/s "
-              f"({r['generation_tokens_per_s'] / base['generation_tokens_per_s']:.2f}x bf16), prefill "
-              f"{r['prompt_tokens_per_s']} tok/s ({r['prompt_tokens_per_s'] / base['prompt_tokens_per_s']:.2f}x "
-              f"bf16), load {r['load_s']} s (bf16 {base['load_s']} s)")
+        print(
+            f"{r['variant']}: peak RSS {r['peak_rss_mb']} MB ({r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x bf16), "
+            f"{grown(r)} MB over the interpreter ({grown(r) / max(1, grown(base)):.2f}x bf16's {grown(base)} MB), "
+            f"decode {r['generation_tokens_per_s']} tok/s "
+            f"({r['generation_tokens_per_s'] / base['generation_tokens_per_s']:.2f}x bf16), prefill "
+            f"{r['prompt_tokens_per_s']} tok/s ({r['prompt_tokens_per_s'] / base['prompt_tokens_per_s']:.2f}x "
+            f"bf16), load {r['load_s']} s (bf16 {base['load_s']} s)"
+        )
 
 
 if __name__ == "__main__":

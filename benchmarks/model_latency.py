@@ -83,8 +83,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # one cache folder for the whole run: the variants' processes inherit it (ours-warm reads what ours wrote)
 RUN_CACHE = Path(os.environ.get("MPSCONVERT_BENCH_RUN_CACHE") or tempfile.mkdtemp(prefix="mpsconvert-bench-cache-"))
 os.environ["MPSCONVERT_BENCH_RUN_CACHE"] = str(RUN_CACHE)
-for var, sub in (("MPSCONVERT_CACHE_DIR", "mpsconvert"), ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "hf"),
-                 ("TORCHINDUCTOR_CACHE_DIR", "inductor")):  # fmt: skip
+for var, sub in (
+    ("MPSCONVERT_CACHE_DIR", "mpsconvert"),
+    ("TRITON_CACHE_DIR", "triton"),
+    ("HF_HOME", "hf"),
+    ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+):
     os.environ[var] = str(RUN_CACHE / sub)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(ROOT / "src"))
@@ -92,9 +96,9 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 T0 = time.perf_counter()
+from mpsconvert.infra.timing import warm_guards  # noqa: E402
 from mpsconvert.runtime.ops.fuse import PREFILL_SHARES as DEFAULT_SHARES  # noqa: E402
 from mpsconvert.runtime.patches import prefill_graphs  # noqa: E402
-from mpsconvert.infra.timing import warm_guards  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _sources import build_checkpoint, config_for, copy_bandwidth, quantize  # noqa: E402
@@ -113,9 +117,9 @@ def kernel_checks(device) -> dict:
     """Our Triton kernels on this GPU against the reference arithmetic, before anything is timed:
     activation quantization bit for bit, the GEMVs against float64."""
     from mpsconvert.format import fp8
-    from mpsconvert.runtime.ops.triton import act_quant
     from mpsconvert.runtime.ops import kernels
     from mpsconvert.runtime.ops.fp8linear import FP8Linear
+    from mpsconvert.runtime.ops.triton import act_quant
 
     out = {}
     g = torch.Generator(device=device).manual_seed(0)
@@ -160,19 +164,25 @@ def moe_decode_check(device, g) -> dict:
     E, H, I = 8, 4096, 14336
     w13, s13, _ = fp8.quantize(torch.randn(E * 2 * I, H, device=device, generator=g) / H**0.5, "row")
     w2, s2, _ = fp8.quantize(torch.randn(E * H, I, device=device, generator=g) / I**0.5, "row")
-    mod = FP8Experts(w13.view(E, 2 * I, H), s13.view(E, -1), w2.view(E, H, I), s2.view(E, -1), F.silu, activations="token")
+    mod = FP8Experts(
+        w13.view(E, 2 * I, H), s13.view(E, -1), w2.view(E, H, I), s2.view(E, -1), F.silu, activations="token"
+    )
     x = torch.randn(1, H, device=device, generator=g).to(torch.bfloat16)
     idx, wts = torch.tensor([[5, 2]], device=device), torch.tensor([[0.7, 0.3]], device=device)
     with torch.no_grad():
         y = mod(x, idx, wts).double()
     ref = torch.zeros(1, H, dtype=torch.float64, device=device)
     for e, w in zip(idx[0].tolist(), wts[0].tolist()):
-        h = ((w13.view(E, 2 * I, H)[e].double() * s13.view(E, -1)[e, :, None].double()) @ x[0].double()).to(torch.bfloat16)
+        h = ((w13.view(E, 2 * I, H)[e].double() * s13.view(E, -1)[e, :, None].double()) @ x[0].double()).to(
+            torch.bfloat16
+        )
         a = (F.silu(h[:I]) * h[I:]).double()
         d = ((w2.view(E, H, I)[e].double() * s2.view(E, -1)[e, :, None].double()) @ a).to(torch.bfloat16)
         ref[0] += (d * torch.tensor(w, dtype=torch.bfloat16, device=device)).double()
-    return {"moe decode (fp8 experts, silu in the down GEMV): rel err": float((y - ref).norm() / ref.norm()),
-            "moe decode path": mod.decode_path}
+    return {
+        "moe decode (fp8 experts, silu in the down GEMV): rel err": float((y - ref).norm() / ref.norm()),
+        "moe decode path": mod.decode_path,
+    }
 
 
 def attention_check(device, g) -> dict:
@@ -187,9 +197,14 @@ def attention_check(device, g) -> dict:
     k, v = (torch.randn(1, 8, 2096, 128, device=device, generator=g).to(torch.bfloat16) for _ in range(2))
     mask = torch.zeros(1, 1, 1, 2096, dtype=torch.bool, device=device)
     mask[..., :2050] = True
-    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
-                                         attn_mask=mask).transpose(1, 2)  # fmt: skip
-    out = {"decode attention: max abs err vs SDPA (float32)": float((attention.decode_attention(q, k, v, mask).float() - ref).abs().max())}
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1), attn_mask=mask
+    ).transpose(1, 2)
+    out = {
+        "decode attention: max abs err vs SDPA (float32)": float(
+            (attention.decode_attention(q, k, v, mask).float() - ref).abs().max()
+        )
+    }
 
     def sdpa():
         return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
@@ -213,15 +228,24 @@ def host_cost(device) -> dict:
     qw, sw, _ = fp8.quantize(w, "row")
     xq, xs = act_quant.quantize(x)
     sb = sw.reshape(1, -1)
-    calls = {"F.linear bf16": lambda: torch.nn.functional.linear(x, w),
-             "_scaled_mm rowwise": lambda: torch._scaled_mm(xq, qw.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
-             "act_quant (Triton)": lambda: act_quant.quantize(x)}  # fmt: skip
+    calls = {
+        "F.linear bf16": lambda: torch.nn.functional.linear(x, w),
+        "_scaled_mm rowwise": lambda: torch._scaled_mm(
+            xq, qw.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True
+        ),
+        "act_quant (Triton)": lambda: act_quant.quantize(x),
+    }
     for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):  # the Llama-3-8B layer's other GEMMs, 2048 tokens
         xk = torch.randn(2048, k, device=device, dtype=torch.bfloat16)
         xkq, xks = act_quant.quantize(xk)
         wk, swk, _ = fp8.quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16), "row")
-        calls[f"_scaled_mm rowwise {n}x{k}"] = (lambda a, sa, b, sb_: lambda: torch._scaled_mm(
-            a, b.t(), scale_a=sa, scale_b=sb_, out_dtype=torch.bfloat16, use_fast_accum=True))(xkq, xks, wk, swk.reshape(1, -1))
+        calls[f"_scaled_mm rowwise {n}x{k}"] = (
+            lambda a, sa, b, sb_: (
+                lambda: torch._scaled_mm(
+                    a, b.t(), scale_a=sa, scale_b=sb_, out_dtype=torch.bfloat16, use_fast_accum=True
+                )
+            )
+        )(xkq, xks, wk, swk.reshape(1, -1))
     for name, fn in calls.items():
         for _ in range(5):
             fn()
@@ -298,8 +322,13 @@ def layer_marks(fn, layers) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    return {"host_return_ms": (t1 - t0) * 1e3, "wall_ms": (t2 - t0) * 1e3, "gpu_end_ms": e0.elapsed_time(e1),
-            "host_at_layers_ms": [(h - t0) * 1e3 for h, _ in marks], "gpu_at_layers_ms": [e0.elapsed_time(e) for _, e in marks]}  # fmt: skip
+    return {
+        "host_return_ms": (t1 - t0) * 1e3,
+        "wall_ms": (t2 - t0) * 1e3,
+        "gpu_end_ms": e0.elapsed_time(e1),
+        "host_at_layers_ms": [(h - t0) * 1e3 for h, _ in marks],
+        "gpu_at_layers_ms": [e0.elapsed_time(e) for _, e in marks],
+    }
 
 
 def timeline(fn, layers, repeats: int = 3) -> dict:
@@ -317,22 +346,42 @@ def timeline(fn, layers, repeats: int = 3) -> dict:
     for _ in range(repeats):
         m = layer_marks(fn, layers)
         first = m["gpu_at_layers_ms"][0]
-        rows.append((m["host_return_ms"], first, m["gpu_at_layers_ms"][-1] - m["host_at_layers_ms"][-1], m["gpu_end_ms"] - first))
+        rows.append(
+            (
+                m["host_return_ms"],
+                first,
+                m["gpu_at_layers_ms"][-1] - m["host_at_layers_ms"][-1],
+                m["gpu_end_ms"] - first,
+            )
+        )
     med = [statistics.median(r[i] for r in rows) for i in range(4)]
-    return {"host_ms": round(med[0], 3), "first_layer_gpu_ms": round(med[1], 3), "gpu_lag_at_last_layer_ms": round(med[2], 3),
-            "gpu_from_first_layer_ms": round(med[3], 3)}  # fmt: skip
+    return {
+        "host_ms": round(med[0], 3),
+        "first_layer_gpu_ms": round(med[1], 3),
+        "gpu_lag_at_last_layer_ms": round(med[2], 3),
+        "gpu_from_first_layer_ms": round(med[3], 3),
+    }
 
 
 def summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     med = statistics.median(xs)
-    return {"median_ms": round(med * 1e3, 3), "min_ms": round(xs[0] * 1e3, 3), "max_ms": round(xs[-1] * 1e3, 3),
-            "spread": round((xs[-1] - xs[0]) / med, 4), "n": len(xs)}  # fmt: skip
+    return {
+        "median_ms": round(med * 1e3, 3),
+        "min_ms": round(xs[0] * 1e3, 3),
+        "max_ms": round(xs[-1] * 1e3, 3),
+        "spread": round((xs[-1] - xs[0]) / med, 4),
+        "n": len(xs),
+    }
 
 
-CATEGORIES = (("gemm", ("gemm", "cutlass", "cublas", "sm90_", "nvjet", "scaled_mm", "gemv", "xmma", "wgmma")),
-              ("act quant (triton)", ("_quant_rows",)), ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
-              ("copies/casts", ("copy", "memcpy", "to_copy", "catarray")), ("other", ("",)))  # fmt: skip
+CATEGORIES = (
+    ("gemm", ("gemm", "cutlass", "cublas", "sm90_", "nvjet", "scaled_mm", "gemv", "xmma", "wgmma")),
+    ("act quant (triton)", ("_quant_rows",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("copies/casts", ("copy", "memcpy", "to_copy", "catarray")),
+    ("other", ("",)),
+)
 # (an elementwise kernel over strided tensors is `gpu_kernel_impl_nocast`: "other", not a cast)
 
 
@@ -341,7 +390,8 @@ def profile(fn, top: int = 14, queued: bool = False, calls: int = 1) -> dict:
     call of `calls` (each synchronised, as the wall time is measured). With `queued`, the calls
     are queued behind a GPU sleep (left out of the spans): the gaps are then the device's own,
     unless a call synchronises."""
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     fn()
     sync()
@@ -401,13 +451,23 @@ def profile(fn, top: int = 14, queued: bool = False, calls: int = 1) -> dict:
     for k in per_kernel.values():
         k[0], k[1] = k[0] // calls, k[1] / calls
     cats = {c: v / calls for c, v in cats.items()}
-    return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2), "kernels": launches, "calls": calls,
-            "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()}, "host_syncs": syncs, "memsets_by_op": memsets,
-            "top_kernels_ms": [[name, n, round(t / 1e3, 4)] for name, (n, t) in top],
-            "idle": {"before_first_kernel_us": round(spans[0][0] - cpu_start, 1) if spans and cpu_start is not None else None,
-                     "between_kernels_us": round(idle, 1), "in_gaps_over_20us": round(sum(g[0] for g in gaps if g[0] >= 20) / calls, 1),
-                     "gaps_over_20us": sum(g[0] >= 20 for g in gaps) // calls,
-                     "longest": [[round(g[0], 1), g[1], g[2], round(g[3] / 1e3, 2)] for g in sorted(gaps, reverse=True)[:8]]}}  # fmt: skip
+    return {
+        "wall_ms": round(wall * 1e3, 2),
+        "gpu_busy_ms": round(busy / 1e3, 2),
+        "kernels": launches,
+        "calls": calls,
+        "by_category_ms": {c: round(v / 1e3, 2) for c, v in cats.items()},
+        "host_syncs": syncs,
+        "memsets_by_op": memsets,
+        "top_kernels_ms": [[name, n, round(t / 1e3, 4)] for name, (n, t) in top],
+        "idle": {
+            "before_first_kernel_us": round(spans[0][0] - cpu_start, 1) if spans and cpu_start is not None else None,
+            "between_kernels_us": round(idle, 1),
+            "in_gaps_over_20us": round(sum(g[0] for g in gaps if g[0] >= 20) / calls, 1),
+            "gaps_over_20us": sum(g[0] >= 20 for g in gaps) // calls,
+            "longest": [[round(g[0], 1), g[1], g[2], round(g[3] / 1e3, 2)] for g in sorted(gaps, reverse=True)[:8]],
+        },
+    }
 
 
 def host_profile(fn, steps: int, top: int = 30, synced: bool = False) -> list:
@@ -427,8 +487,10 @@ def host_profile(fn, steps: int, top: int = 30, synced: bool = False) -> list:
     pr.disable()
     stats = pstats.Stats(pr).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [[f"{Path(f).name}:{line}:{func}", round(nc / steps, 1), round(tt * 1e3 / steps, 4), round(ct * 1e3 / steps, 4)]
-            for (f, line, func), (_cc, nc, tt, ct, _callers) in rows]  # fmt: skip
+    return [
+        [f"{Path(f).name}:{line}:{func}", round(nc / steps, 1), round(tt * 1e3 / steps, 4), round(ct * 1e3 / steps, 4)]
+        for (f, line, func), (_cc, nc, tt, ct, _callers) in rows
+    ]
 
 
 def gemv_configs() -> dict:
@@ -436,7 +498,10 @@ def gemv_configs() -> dict:
     from mpsconvert.runtime.ops.triton import gemv as triton_gemv
 
     out = {}
-    for label, kern in (("gemv", getattr(triton_gemv, "_kernel", None)), ("w8a8", getattr(triton_gemv, "_dot_kernel", None))):
+    for label, kern in (
+        ("gemv", getattr(triton_gemv, "_kernel", None)),
+        ("w8a8", getattr(triton_gemv, "_dot_kernel", None)),
+    ):
         for key, cfg in (getattr(kern, "cache", None) or {}).items():
             out[f"{label} {key[:3]}"] = str(cfg)
     return out
@@ -488,7 +553,9 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
         row["load_s"] = round(time.perf_counter() - t, 2)
     if not profiling and info is not None:
         row["load_breakdown_s"] = info.seconds
-        row["kernels"] = [f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels]
+        row["kernels"] = [
+            f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}: {d['choice']} {d['timings_us']}" for d in info.kernels
+        ]
         row["patches"] = info.patches
         row["experts"] = sorted({json.dumps(v, sort_keys=True) for v in info.experts.values()})
         row["prewarm"] = info.prewarm
@@ -497,13 +564,25 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
     if not profiling:
         row["weight_bytes"] = total
         row["attention"] = getattr(model.config, "_attn_implementation", None)
-        log(f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB", row.get("load_breakdown_s"), row.get("patches"))
-    if name.partition("@")[0].endswith(("-warm", "-cold")):  # a second load (caches warm) or one from disk: only the load matters
-        del model
+        log(
+            f"{name}: loaded in {row['load_s']} s, {total / 2**30:.2f} GiB",
+            row.get("load_breakdown_s"),
+            row.get("patches"),
+        )
+    if name.partition("@")[0].endswith(
+        ("-warm", "-cold")
+    ):  # a second load (caches warm) or one from disk: only the load matters
+        model = None  # freed (the closures below hold the name)
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
         return row
-    ids = torch.randint(0, model.config.vocab_size, (1, args.prefill), device=device, generator=torch.Generator(device=device).manual_seed(0))
+    ids = torch.randint(
+        0,
+        model.config.vocab_size,
+        (1, args.prefill),
+        device=device,
+        generator=torch.Generator(device=device).manual_seed(0),
+    )
 
     def prefill():
         with torch.no_grad():
@@ -511,7 +590,9 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
 
     def prefill_cached():  # as `generate` calls it: a fresh DynamicCache (no packed-sequence check, cache writes)
         with torch.no_grad():
-            return model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1).logits
+            return model(
+                ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1
+            ).logits
 
     try:
         if profiling:
@@ -533,7 +614,9 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
             t0 = time.perf_counter()
             prefill()
             sync()
-            first_ms = round((time.perf_counter() - t0) * 1e3, 3)  # ours: includes capturing this length's prefill graphs
+            first_ms = round(
+                (time.perf_counter() - t0) * 1e3, 3
+            )  # ours: includes capturing this length's prefill graphs
             layers = decoder_layers(model)
             row["eager_prefill"] = summary(samples(prefill, args.repeats, 2))
             row["eager_prefill"].update(timeline(prefill, layers), first_ms=first_ms)
@@ -542,14 +625,20 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                 row["eager_prefill"]["prefill_graphs"] = graphs.report()
                 log(f"{name}: prefill graphs", graphs.report())
             if device.type == "cuda":
-                row["eager_prefill"]["gpu_queued_ms"] = round(statistics.median(queued_gpu_ms(prefill) for _ in range(3)), 3)
+                row["eager_prefill"]["gpu_queued_ms"] = round(
+                    statistics.median(queued_gpu_ms(prefill) for _ in range(3)), 3
+                )
             LOGITS[name] = {"eager": prefill()[0, -1].float().cpu()}
             log(f"{name}: eager prefill {row['eager_prefill']['median_ms']} ms")
             row["eager_prefill_cached"] = summary(samples(prefill_cached, args.repeats, 2))
             if device.type == "cuda":
-                row["eager_prefill_cached"]["gpu_queued_ms"] = round(statistics.median(queued_gpu_ms(prefill_cached) for _ in range(3)), 3)
-            log(f"{name}: eager prefill with a cache, as generate calls it, "
-                f"{row['eager_prefill_cached']['median_ms']} ms")
+                row["eager_prefill_cached"]["gpu_queued_ms"] = round(
+                    statistics.median(queued_gpu_ms(prefill_cached) for _ in range(3)), 3
+                )
+            log(
+                f"{name}: eager prefill with a cache, as generate calls it, "
+                f"{row['eager_prefill_cached']['median_ms']} ms"
+            )
     except Exception as e:
         row["eager_prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -580,9 +669,17 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
             positions = itertools.count(args.prefill)
             cache = StaticCache(config=model.config, max_cache_len=cache_len)
             with torch.no_grad():
-                model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(args.prefill, device=device), logits_to_keep=1)
+                model(
+                    ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=torch.arange(args.prefill, device=device),
+                    logits_to_keep=1,
+                )
             step = torch.compile(model.forward, mode="reduce-overhead") if args.compile else model.forward
-            state = {"tok": ids[:, -1:].clone(memory_format=torch.contiguous_format)}  # strides (1, 1), as every later token has: no recompile
+            state = {
+                "tok": ids[:, -1:].clone(memory_format=torch.contiguous_format)
+            }  # strides (1, 1), as every later token has: no recompile
 
             def one_step():
                 position = torch.tensor([next(positions)], device=device)
@@ -623,28 +720,44 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
                 try:
                     with warm_guards(args.compile):  # validate's routine: the warm step's differentiating guards only
                         row["decode"] = summary(timed(args.decode))
-                        row["decode"] |= {"compiled": args.compile, "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager",
-                                          "host_ms": summary(host)["median_ms"]}  # fmt: skip
-                except RuntimeError as e:  # a model that recompiles in the warm stance (compressed-tensors' offload guard)
+                        row["decode"] |= {
+                            "compiled": args.compile,
+                            "guards": "warm (skip_guard_eval_unsafe)" if args.compile else "eager",
+                            "host_ms": summary(host)["median_ms"],
+                        }
+                except (
+                    RuntimeError
+                ) as e:  # a model that recompiles in the warm stance (compressed-tensors' offload guard)
                     if "Recompilation" not in str(e):
                         raise
-                    row["decode"] = row["decode_full_guards"] | {"compiled": True, "host_ms": full_host,
-                                                                 "guards": "full: the warm stance recompiled "
-                                                                           f"({str(e)[:120]})"}  # fmt: skip
+                    row["decode"] = row["decode_full_guards"] | {
+                        "compiled": True,
+                        "host_ms": full_host,
+                        "guards": f"full: the warm stance recompiled ({str(e)[:120]})",
+                    }
                 cfg = model.config
                 head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-                kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2  # the static cache, read whole
+                kv = (
+                    2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * 2
+                )  # the static cache, read whole
                 if getattr(cfg, "num_local_experts", None):  # MoE: a token reads top-k of the experts
                     frac = cfg.num_experts_per_tok / cfg.num_local_experts
-                    ex = sum(b.numel() * b.element_size() for n, b in list(model.named_parameters()) + list(model.named_buffers())
-                             if ".experts." in n and not n.endswith("_dense"))  # fmt: skip
+                    ex = sum(
+                        b.numel() * b.element_size()
+                        for n, b in list(model.named_parameters()) + list(model.named_buffers())
+                        if ".experts." in n and not n.endswith("_dense")
+                    )
                     step_bytes = total - emb - ex * (1 - frac) + kv
                 else:
                     step_bytes = total - emb + kv
                 row["decode"]["bytes_per_step"] = int(step_bytes)
-                row["decode"]["bandwidth_fraction"] = round(step_bytes / (row["decode"]["median_ms"] / 1e3) / bw, 3) if bw == bw else None
-                log(f"{name}: decode {row['decode']['median_ms']} ms/token, "
-                    f"{row['decode'].get('bandwidth_fraction')} of copy bandwidth")
+                row["decode"]["bandwidth_fraction"] = (
+                    round(step_bytes / (row["decode"]["median_ms"] / 1e3) / bw, 3) if bw == bw else None
+                )
+                log(
+                    f"{name}: decode {row['decode']['median_ms']} ms/token, "
+                    f"{row['decode'].get('bandwidth_fraction')} of copy bandwidth"
+                )
         except Exception as e:
             row["decode_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
@@ -653,7 +766,7 @@ def time_model(name: str, load_fn, args, device, deadline: float, bw: float, pro
         row["decode_skipped"] = "time budget"
     if not profiling:
         row["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    del model
+    model = None  # freed (the closures above hold the name)
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return row
@@ -673,7 +786,9 @@ def agreement() -> dict:
             row["rel_err_vs_bf16"] = round(float((d["eager"] - base).norm() / base.norm()), 4)
             row["same_argmax_as_bf16"] = bool(d["eager"].argmax() == base.argmax())
         ours = LOGITS.get("ours", {}).get("eager")
-        if name.startswith("ours-") and ours is not None and "eager" in d:  # e.g. ours-direct: the same kernels launched one by one
+        if (
+            name.startswith("ours-") and ours is not None and "eager" in d
+        ):  # e.g. ours-direct: the same kernels launched one by one
             row["rel_err_vs_ours"] = round(float((d["eager"] - ours).norm() / ours.norm()), 6)
         if "compiled" in d and "eager" in d:
             row["compiled_vs_eager_rel_err"] = round(float((d["compiled"] - d["eager"]).norm() / d["eager"].norm()), 4)
@@ -685,8 +800,11 @@ def loaders(name: str, src: Path, art: Path, device, args):
     import transformers
 
     if name in ("bf16", "bf16-cold", "bf16-attn"):
+
         def bf16():
-            model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=str(device)).eval()
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                src, dtype=torch.bfloat16, device_map=str(device)
+            ).eval()
             if name == "bf16-attn":  # the same decode attention as ours, to separate its share of the speed-up
                 from mpsconvert.runtime.patches import attention
 
@@ -696,18 +814,26 @@ def loaders(name: str, src: Path, art: Path, device, args):
         return bf16
     name = name.partition("@")[0]  # the artifact is chosen by the caller
     if name in ("ours", "ours-warm", "ours-cold", "ours-sharedquant", "ours-sdpa", "ours-unfused", "ours-direct"):
-        from mpsconvert.runtime.ops import fuse
         from mpsconvert.runtime import load
+        from mpsconvert.runtime.ops import fuse
 
-        fuse.PREFILL_SHARES = "quantization" if name == "ours-sharedquant" else DEFAULT_SHARES  # ours: the library's default
-        return lambda: load(art, device=str(device), decode_attention=name != "ours-sdpa", eager_fusion=name != "ours-unfused",
-                            prefill_graphs=name != "ours-direct")  # ours-unfused: the model's own norms and MLPs
+        fuse.PREFILL_SHARES = (
+            "quantization" if name == "ours-sharedquant" else DEFAULT_SHARES
+        )  # ours: the library's default
+        return lambda: load(
+            art,
+            device=str(device),
+            decode_attention=name != "ours-sdpa",
+            eager_fusion=name != "ours-unfused",
+            prefill_graphs=name != "ours-direct",
+        )  # ours-unfused: the model's own norms and MLPs
     if name in ("ct", "ct-opt"):
         from transformers import CompressedTensorsConfig
 
         qc = CompressedTensorsConfig(use_optimized_inference=name == "ct-opt")
-        return lambda: transformers.AutoModelForCausalLM.from_pretrained(art, dtype=torch.bfloat16, device_map=str(device),
-                                                                         quantization_config=qc).eval()  # fmt: skip
+        return lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            art, dtype=torch.bfloat16, device_map=str(device), quantization_config=qc
+        ).eval()
     raise SystemExit(f"unknown variant {name}")
 
 
@@ -736,17 +862,33 @@ def main(argv=None):
     ap.add_argument("--decode", type=int, default=32, help="decode steps timed")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--variants", default="bf16,ours,ours-warm,ct-opt,ct")
-    ap.add_argument("--weights", default="row", help="weight granularities to quantize and time, comma-separated (row, tensor, block)")
+    ap.add_argument(
+        "--weights",
+        default="row",
+        help="weight granularities to quantize and time, comma-separated (row, tensor, block)",
+    )
     ap.add_argument("--work", help="folder for the checkpoints (kept; reused when it holds them)")
     ap.add_argument("--json", help="write the results here (also after each variant)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which compiled phases are skipped")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-profile", dest="profile", action="store_false",
-                    help="no CUDA profiles (GPU busy time; otherwise a second pass after all timings)")
-    ap.add_argument("--host-profile", action="store_true", help="also cProfile two eager prefills and 8 warm decode steps (where the host time goes)")
-    ap.add_argument("--same-process", dest="isolate", action="store_false",
-                    help="time every variant in this process (default: a process per variant and per profile pass)")
+    ap.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="no CUDA profiles (GPU busy time; otherwise a second pass after all timings)",
+    )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="also cProfile two eager prefills and 8 warm decode steps (where the host time goes)",
+    )
+    ap.add_argument(
+        "--same-process",
+        dest="isolate",
+        action="store_false",
+        help="time every variant in this process (default: a process per variant and per profile pass)",
+    )
     for flag in ("--child", "--child-art", "--child-out", "--child-bw"):  # one variant in this process, for the parent
         ap.add_argument(flag, help=argparse.SUPPRESS)
     ap.add_argument("--child-profiling", action="store_true", help=argparse.SUPPRESS)
@@ -763,9 +905,17 @@ def main(argv=None):
     art = arts[grains[0]]
     import transformers
 
-    report = {"env": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                      "transformers": transformers.__version__, "arch": args.arch, "layers": layers, "prefill": args.prefill,
-                      "run_cache": str(RUN_CACHE)}}  # fmt: skip
+    report = {
+        "env": {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "arch": args.arch,
+            "layers": layers,
+            "prefill": args.prefill,
+            "run_cache": str(RUN_CACHE),
+        }
+    }
     try:
         import compressed_tensors
 
@@ -799,12 +949,23 @@ def main(argv=None):
     runs = []
     for name in args.variants.split(","):
         on_artifact = name.startswith(("ours", "ct"))
-        runs += [(name if i == 0 else f"{name}@{w}", arts[w]) for i, w in enumerate(grains)] if on_artifact else [(name, art)]
+        runs += (
+            [(name if i == 0 else f"{name}@{w}", arts[w]) for i, w in enumerate(grains)]
+            if on_artifact
+            else [(name, art)]
+        )
 
     def variant(name: str, variant_art: Path, profiling: bool = False) -> dict:
         if not args.isolate:
-            return time_model(name, loaders(name, src, variant_art, device, args), args, device, deadline,
-                              report["copy_bandwidth_Bps"], profiling=profiling)  # fmt: skip
+            return time_model(
+                name,
+                loaders(name, src, variant_art, device, args),
+                args,
+                device,
+                deadline,
+                report["copy_bandwidth_Bps"],
+                profiling=profiling,
+            )
         return in_child(name, variant_art, profiling, work, report["copy_bandwidth_Bps"], deadline, argv)
 
     for name, variant_art in runs:
@@ -841,9 +1002,23 @@ def in_child(name: str, art: Path, profiling: bool, work: Path, bw: float, deadl
     """`time_model` for one variant in a fresh process of this script (see the module docstring):
     its row, and its prefill logits into LOGITS for the agreement check."""
     out = Path(tempfile.mkdtemp(prefix="mpsconvert-bench-variant-")) / "row.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv), "--work", str(work),
-           "--budget", str(max(0.0, deadline - time.perf_counter())), "--child", name, "--child-art", str(art),
-           "--child-out", str(out), "--child-bw", repr(bw)] + (["--child-profiling"] if profiling else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *(sys.argv[1:] if argv is None else argv),
+        "--work",
+        str(work),
+        "--budget",
+        str(max(0.0, deadline - time.perf_counter())),
+        "--child",
+        name,
+        "--child-art",
+        str(art),
+        "--child-out",
+        str(out),
+        "--child-bw",
+        repr(bw),
+    ] + (["--child-profiling"] if profiling else [])
     r = subprocess.run(cmd)
     if r.returncode != 0 or not out.is_file():
         raise RuntimeError(f"the process timing {name} exited with status {r.returncode}")
@@ -859,8 +1034,15 @@ def child(args, device, deadline: float, src: Path) -> None:
     import transformers  # the model's modeling module imported before the clock starts, as the shared process had it
 
     getattr(transformers, transformers.AutoConfig.from_pretrained(src).architectures[0])
-    row = time_model(args.child, loaders(args.child, src, art, device, args), args, device, deadline, float(args.child_bw),
-                     profiling=args.child_profiling)  # fmt: skip
+    row = time_model(
+        args.child,
+        loaders(args.child, src, art, device, args),
+        args,
+        device,
+        deadline,
+        float(args.child_bw),
+        profiling=args.child_profiling,
+    )
     out = Path(args.child_out)
     if args.child in LOGITS:
         torch.save(LOGITS[args.child], out.with_suffix(".pt"))
@@ -870,10 +1052,16 @@ def child(args, device, deadline: float, src: Path) -> None:
 def print_table(report):
     res, rat = report["results"], report.get("ratios_to_bf16", {})
     env = report["env"]
-    print(f"\n{env['arch']} x{env['layers']} layers, prefill {env['prefill']} tokens, {env['device']}, torch "
-          f"{env['torch']}, transformers {env['transformers']}; ratio = BF16 time / variant time (load: variant / "
-          "BF16, -cold rows / bf16-cold)")  # fmt: skip
-    head = f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'host ms':>7s} {'lag ms':>7s} " f"{'queued':>7s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} " f"{'peak GiB':>8s}"
+    print(
+        f"\n{env['arch']} x{env['layers']} layers, prefill {env['prefill']} tokens, {env['device']}, torch "
+        f"{env['torch']}, transformers {env['transformers']}; ratio = BF16 time / variant time (load: variant / "
+        "BF16, -cold rows / bf16-cold)"
+    )
+    head = (
+        f"{'variant':10s} {'load s':>7s} {'xBF16':>6s} {'eager ms':>9s} {'x':>5s} {'host ms':>7s} {'lag ms':>7s} "
+        f"{'queued':>7s} {'busy ms':>8s} {'comp ms':>8s} {'x':>5s} {'dec ms':>7s} {'x':>5s} {'bw':>5s} "
+        f"{'peak GiB':>8s}"
+    )
     print(head)
     for name, r in res.items():
         if "error" in r:
@@ -890,24 +1078,34 @@ def print_table(report):
         queued = ep.get("gpu_queued_ms", float("nan"))
         bw = (r.get("decode") or {}).get("bandwidth_fraction") or float("nan")
         peak = (r.get("peak_memory_bytes") or 0) / 2**30
-        print(f"{name:10s} {r.get('load_s', float('nan')):7.2f} "
-              f"{q.get('load_vs_bf16_cold', q.get('load_vs_bf16', float('nan'))):6.2f} {cell('eager_prefill')} "
-              f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} "
-              f"{cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
-              f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}")  # fmt: skip
-    print("eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate "
-          f"calls it; busy per call of {PROFILED_CALLS} profiled after the timed loop, and the wall of those calls "
-          "under the profiler):")
+        print(
+            f"{name:10s} {r.get('load_s', float('nan')):7.2f} "
+            f"{q.get('load_vs_bf16_cold', q.get('load_vs_bf16', float('nan'))):6.2f} {cell('eager_prefill')} "
+            f"{q.get('eager_prefill', float('nan')):5.2f} {host:7.2f} {lag:7.2f} {queued:7.2f} {busy:8.2f} "
+            f"{cell('compiled_prefill', '{:8.2f}')} {q.get('compiled_prefill', float('nan')):5.2f} "
+            f"{cell('decode', '{:7.2f}')} {q.get('decode', float('nan')):5.2f} {bw:5.2f} {peak:8.2f}"
+        )
+    print(
+        "eager prefill, wall / GPU busy (without a cache, as timed above | with a fresh DynamicCache, as generate "
+        f"calls it; busy per call of {PROFILED_CALLS} profiled after the timed loop, and the wall of those calls "
+        "under the profiler):"
+    )
     for name, r in res.items():
         parts = []
         for key in ("eager_prefill", "eager_prefill_cached"):
             prof = r.get(f"{key}_profile") or {}
             wall, busy, pwall = (r.get(key) or {}).get("median_ms"), prof.get("gpu_busy_ms"), prof.get("wall_ms")
             queued = (r.get(key) or {}).get("gpu_queued_ms")
-            parts.append(f"{wall} ms / {busy} ms = {wall / busy:.3f}, profiled {pwall / busy:.3f} (queued {queued} ms)" if wall and busy and pwall else "-")
+            parts.append(
+                f"{wall} ms / {busy} ms = {wall / busy:.3f}, profiled {pwall / busy:.3f} (queued {queued} ms)"
+                if wall and busy and pwall
+                else "-"
+            )
         print(f"  {name:10s} " + " | ".join(parts))
-    print("eager prefill, wall / the GPU's time from the first layer to the end in calls right after the timed loop "
-          "(CUDA events, no profiler), and how far the host was ahead of the GPU at the last layer:")
+    print(
+        "eager prefill, wall / the GPU's time from the first layer to the end in calls right after the timed loop "
+        "(CUDA events, no profiler), and how far the host was ahead of the GPU at the last layer:"
+    )
     for name, r in res.items():
         ep = r.get("eager_prefill") or {}
         wall, span, lag = ep.get("median_ms"), ep.get("gpu_from_first_layer_ms"), ep.get("gpu_lag_at_last_layer_ms")

@@ -41,8 +41,13 @@ def build_stack(hidden, inter, experts, top_k, layers, device, seed=0):
     import transformers
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    cfg = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
-                                     num_experts_per_tok=top_k, router_jitter_noise=0.0)  # fmt: skip
+    cfg = transformers.MixtralConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        router_jitter_noise=0.0,
+    )
     cfg._experts_implementation = "eager"
     torch.manual_seed(seed)
     blocks = []
@@ -95,7 +100,9 @@ class FP8LoopExperts(torch.nn.Module):
 
 def _smm(x, codes, row_scale):
     if x.device.type != "cuda":  # CPU check run: same numerics, dequantized
-        return (fp8.fake_quantize(x, fp8.per_token_scale(x)).float() @ (codes.float() * row_scale[:, None]).T).to(x.dtype)
+        return (fp8.fake_quantize(x, fp8.per_token_scale(x)).float() @ (codes.float() * row_scale[:, None]).T).to(
+            x.dtype
+        )
     q, s = quantize_rows(x, None)
     return torch._scaled_mm(q, codes.T, scale_a=s[:, None], scale_b=row_scale[None, :], out_dtype=torch.bfloat16)
 
@@ -167,11 +174,21 @@ def kernel_only(mod: FP8Experts, bf16_experts, S: int, device, iters: int) -> di
             q, sa = quantize_rows(x, None)
             codes, sb = getattr(mod, f"{which}_codes"), getattr(mod, f"{which}_scale")
             t16 = timeit(lambda _: grouped_mm_fn()(x, w16.transpose(-2, -1), offs=offs), x, device, iters)
-            t8 = timeit(lambda _: torch._scaled_grouped_mm(q, codes.transpose(-2, -1), sa, sb, offs=offs,
-                                                           out_dtype=torch.bfloat16, use_fast_accum=True), x, device, iters)  # fmt: skip
+            t8 = timeit(
+                lambda _: torch._scaled_grouped_mm(
+                    q, codes.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
+                ),
+                x,
+                device,
+                iters,
+            )
             tq = timeit(lambda _: quantize_rows(x, None), x, device, iters)
-            out[which] = {"bf16_grouped_mm": round(t16, 1), "fp8_scaled_grouped_mm": round(t8, 1), "act_quant": round(tq, 1),
-                          "speedup": round(t16 / t8, 3)}  # fmt: skip
+            out[which] = {
+                "bf16_grouped_mm": round(t16, 1),
+                "fp8_scaled_grouped_mm": round(t8, 1),
+                "act_quant": round(tq, 1),
+                "speedup": round(t16 / t8, 3),
+            }
     return out
 
 
@@ -224,7 +241,9 @@ def main():
         "fp8_loop": (f8_variant(False, loop=True), False),
     }
     bytes_bf16 = sum(p.numel() * p.element_size() for b in blocks for p in b.experts.parameters())
-    bytes_fp8 = sum(b.numel() * b.element_size() for blk in f8 for n, b in blk.experts.named_buffers() if not n.endswith("_dense"))
+    bytes_fp8 = sum(
+        b.numel() * b.element_size() for blk in f8 for n, b in blk.experts.named_buffers() if not n.endswith("_dense")
+    )
     results = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -236,8 +255,10 @@ def main():
         "rel_error_vs_bf16": {},  # ||y - y_bf16_loop|| / ||y_bf16_loop||, first block's output
     }
     gen = torch.Generator(device=device).manual_seed(0)
-    inputs = {"prefill": torch.randn(1, T, H, device=device, generator=gen).to(torch.bfloat16),
-              "decode": torch.randn(1, 1, H, device=device, generator=gen).to(torch.bfloat16)}  # fmt: skip
+    inputs = {
+        "prefill": torch.randn(1, T, H, device=device, generator=gen).to(torch.bfloat16),
+        "decode": torch.randn(1, 1, H, device=device, generator=gen).to(torch.bfloat16),
+    }
     with torch.no_grad():
         for phase, x in inputs.items():
             ref = variants["bf16_loop"][0][0](x).float()  # first block's MoE output, same input for all
@@ -260,7 +281,13 @@ def main():
                         results["timings_us"][f"{phase}/{name}/graph"] = round(t, 1)
                     elif err != "cpu":
                         results["graph_errors"][f"{phase}/{name}"] = err
-                print(f"{phase:8s} {name:20s} " + "  ".join(f"{m}={results['timings_us'].get(f'{phase}/{name}/{m}', '-')}" for m in ("eager", "graph")), flush=True)
+                print(
+                    f"{phase:8s} {name:20s} "
+                    + "  ".join(
+                        f"{m}={results['timings_us'].get(f'{phase}/{name}/{m}', '-')}" for m in ("eager", "graph")
+                    ),
+                    flush=True,
+                )
     if device.type == "cuda":
         try:
             results["kernel_only_us"] = kernel_only(f8[0].experts, blocks[0].experts, T * k, device, args.iters)

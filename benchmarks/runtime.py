@@ -35,15 +35,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpsconvert.format import fp8
-from mpsconvert.runtime.ops.triton import gemv as triton_gemv
+from mpsconvert.infra.timing import per_call_us
+from mpsconvert.runtime.load.policy import KernelPolicy
 from mpsconvert.runtime.ops import triton as tritonlib
 from mpsconvert.runtime.ops.fp8linear import FP8Linear
 from mpsconvert.runtime.ops.fuse import FusedFP8
-from mpsconvert.runtime.load.policy import KernelPolicy
-from mpsconvert.infra.timing import per_call_us
+from mpsconvert.runtime.ops.triton import gemv as triton_gemv
 
-SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
-          "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}
+SHAPES = {
+    "q": (4096, 4096),
+    "k": (1024, 4096),
+    "v": (1024, 4096),
+    "o": (4096, 4096),
+    "gate": (14336, 4096),
+    "up": (14336, 4096),
+    "down": (4096, 14336),
+}
 DEV = torch.device("cuda")
 
 
@@ -86,8 +93,13 @@ class Stack(nn.Module):
 
 def master_weights(n_layers: int, seed: int = 0):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    return [{n: (torch.randn(s, generator=g, device=DEV, dtype=torch.float32) / math.sqrt(s[1])).to(torch.bfloat16)
-             for n, s in SHAPES.items()} for _ in range(n_layers)]
+    return [
+        {
+            n: (torch.randn(s, generator=g, device=DEV, dtype=torch.float32) / math.sqrt(s[1])).to(torch.bfloat16)
+            for n, s in SHAPES.items()
+        }
+        for _ in range(n_layers)
+    ]
 
 
 def linear(w):
@@ -113,8 +125,12 @@ def build_bf16(master, fused: bool):
             def forward(self, x):
                 return self.lin(x).split(self.s, dim=-1)
 
-        layers.append(Layer({"o": linear(ws["o"]), "down": linear(ws["down"])},
-                            {"qkv": Split(qkv, sizes["qkv"]), "gate_up": Split(gu, sizes["gate_up"])}))
+        layers.append(
+            Layer(
+                {"o": linear(ws["o"]), "down": linear(ws["down"])},
+                {"qkv": Split(qkv, sizes["qkv"]), "gate_up": Split(gu, sizes["gate_up"])},
+            )
+        )
     return Stack(layers).eval()
 
 
@@ -125,8 +141,10 @@ def calibrate_input_scales(master, x):
     with torch.no_grad():
         for layer in ref.layers:
             seen = {}
-            hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: seen.__setitem__(n, float(inp[0].abs().amax())))
-                     for n, m in layer.proj.items()]
+            hooks = [
+                m.register_forward_pre_hook(lambda mod, inp, n=n: seen.__setitem__(n, float(inp[0].abs().amax())))
+                for n, m in layer.proj.items()
+            ]
             x = layer(x)
             for h in hooks:
                 h.remove()
@@ -148,8 +166,10 @@ def build_fp8(master, granularity: str, activations: str, input_scales=None):
                 shared = max(float(mods[n].input_scale) for n in group)
                 for n in group:
                     mods[n].input_scale.fill_(shared)
-        fused = {"qkv": FusedFP8([mods.pop("q"), mods.pop("k"), mods.pop("v")]),
-                 "gate_up": FusedFP8([mods.pop("gate"), mods.pop("up")])}
+        fused = {
+            "qkv": FusedFP8([mods.pop("q"), mods.pop("k"), mods.pop("v")]),
+            "gate_up": FusedFP8([mods.pop("gate"), mods.pop("up")]),
+        }
         layers.append(Layer(mods, fused))
     return Stack(layers).eval()
 
@@ -158,7 +178,9 @@ def build_torchao(master, granularity: str):
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
 
     model = build_bf16(master, fused=False)
-    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "row" else PerTensor()))
+    quantize_(
+        model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "row" else PerTensor())
+    )
     return model
 
 
@@ -176,8 +198,10 @@ def run_variant(name, build, xs, ref_out, results, policy_out):
         pol.apply(model)
         policy_out[name] = pol.explain()
         for d in pol.decisions:
-            log(f"   policy {name}: {d.shape[0]}x{d.shape[1]} {d.bucket:7s} M={d.m:<5d} -> {d.choice:16s} "
-                f"{d.timings_us}")
+            log(
+                f"   policy {name}: {d.shape[0]}x{d.shape[1]} {d.bucket:7s} M={d.m:<5d} -> {d.choice:16s} "
+                f"{d.timings_us}"
+            )
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         for bucket, x in xs.items():
@@ -190,15 +214,20 @@ def run_variant(name, build, xs, ref_out, results, policy_out):
             row[bucket] = {"us": round(us, 2), "rel_err_vs_bf16_eager": round(err, 5), "compile_s": round(compile_s, 1)}
             log(f"   {name:15s} {bucket:7s} {us:10.1f} us   rel.err {err:.4f}   (compile {compile_s:.0f}s)")
     results[name] = row
-    del model, compiled
+    model = compiled = None  # freed (a closure above holds the name)
     torch._dynamo.reset()
 
 
 def check_gemv():
     """Correctness of the Triton FP8 GEMV against a float64 reference, several shapes and M."""
     out = []
-    for (n, k), m, gran, bias in [((4096, 4096), 1, "row", False), ((6144, 4096), 1, "tensor", True),
-                                  ((4096, 14336), 1, "row", False), ((1000, 4000), 3, "row", True), ((28672, 4096), 2, "row", False)]:
+    for (n, k), m, gran, bias in [
+        ((4096, 4096), 1, "row", False),
+        ((6144, 4096), 1, "tensor", True),
+        ((4096, 14336), 1, "row", False),
+        ((1000, 4000), 3, "row", True),
+        ((28672, 4096), 2, "row", False),
+    ]:
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / math.sqrt(k)
         q, s, _ = fp8.quantize(w, gran)
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -223,8 +252,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("benchmarks/runtime.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = True
-    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": tritonlib.version(), "layers": args.layers, "prefill_tokens": args.prefill}
+    info = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": tritonlib.version(),
+        "layers": args.layers,
+        "prefill_tokens": args.prefill,
+    }
     log("env:", info)
     report = {"info": info, "gemv_check": check_gemv()}
     if args.check:
@@ -232,8 +266,10 @@ def main(argv=None):
             open(args.json, "w").write(json.dumps(report, indent=1))
         return
     master = master_weights(args.layers)
-    xs = {"prefill": torch.randn(args.prefill, 4096, device=DEV, dtype=torch.bfloat16),
-          "decode": torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)}
+    xs = {
+        "prefill": torch.randn(args.prefill, 4096, device=DEV, dtype=torch.bfloat16),
+        "decode": torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16),
+    }
     with torch.no_grad():
         ref = build_bf16(master, fused=False)
         ref_out = {b: ref(x) for b, x in xs.items()}
@@ -256,10 +292,14 @@ def main(argv=None):
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {e}"}
     base = results.get("bf16", {})
-    log(f"\nH200 linear stack, {args.layers} Llama-3-8B-shaped layers, prefill {args.prefill} tokens, decode batch 1, "
-        f"torch.compile + CUDA graph; ratio = BF16 time / variant time (higher is faster)")
-    log(f"{'variant':15s} {'prefill us':>11s} {'x bf16':>7s} {'decode us':>10s} {'x bf16':>7s} {'weights MiB':>12s} "
-        f"{'x bf16':>7s}")
+    log(
+        f"\nH200 linear stack, {args.layers} Llama-3-8B-shaped layers, prefill {args.prefill} tokens, decode batch 1, "
+        f"torch.compile + CUDA graph; ratio = BF16 time / variant time (higher is faster)"
+    )
+    log(
+        f"{'variant':15s} {'prefill us':>11s} {'x bf16':>7s} {'decode us':>10s} {'x bf16':>7s} {'weights MiB':>12s} "
+        f"{'x bf16':>7s}"
+    )
     for name, r in results.items():
         if "error" in r:
             log(f"{name:15s} ERROR {r['error'][:100]}")

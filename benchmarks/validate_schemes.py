@@ -67,7 +67,9 @@ def main(argv=None):
     ap.add_argument("--work", type=Path, default=Path("/tmp/mpsconvert-validate"))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--schemes", default="fp8-dynamic,fp8-weight-only,fp8")
-    ap.add_argument("--latency", default="fp8-dynamic", help="schemes whose latency is also measured (comma list, or 'none')")
+    ap.add_argument(
+        "--latency", default="fp8-dynamic", help="schemes whose latency is also measured (comma list, or 'none')"
+    )
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--max-samples", type=int, default=8)
     ap.add_argument("--calib-samples", type=int, default=8)
@@ -78,17 +80,33 @@ def main(argv=None):
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    bf16 = smollm2_bf16(args.work / "smollm2-bf16") if args.smollm2 else random_bf16(args.random_from, args.work / "random-bf16")
+    bf16 = (
+        smollm2_bf16(args.work / "smollm2-bf16")
+        if args.smollm2
+        else random_bf16(args.random_from, args.work / "random-bf16")
+    )
     results = {}
     for name in args.schemes.split(","):
         t0 = time.perf_counter()
         out = args.work / f"{bf16.name}-{name}"
-        calibration = (mpsconvert.calibration_options(data=str(args.calib_data), num_samples=args.calib_samples, seq_len=args.seq_len,
-                                                      device=args.device) if name == "fp8" else None)  # fmt: skip
+        calibration = (
+            mpsconvert.calibration_options(
+                data=str(args.calib_data), num_samples=args.calib_samples, seq_len=args.seq_len, device=args.device
+            )
+            if name == "fp8"
+            else None
+        )
         mpsconvert.quantize(bf16, out, scheme=name, force=True, calibration=calibration)
-        vo = mpsconvert.validate_options(baseline=str(bf16), eval_data=str(args.eval_data), device=args.device, seq_len=args.seq_len,
-                             max_samples=args.max_samples, prefill_len=args.prefill_len, decode_tokens=args.decode_tokens,
-                             latency=name in args.latency.split(","))
+        vo = mpsconvert.validate_options(
+            baseline=str(bf16),
+            eval_data=str(args.eval_data),
+            device=args.device,
+            seq_len=args.seq_len,
+            max_samples=args.max_samples,
+            prefill_len=args.prefill_len,
+            decode_tokens=args.decode_tokens,
+            latency=name in args.latency.split(","),
+        )
         try:
             r = mpsconvert.validate(out, options=vo).as_dict()
         except Exception as e:  # keep the other schemes' numbers; this one's failure is printed in full
@@ -99,15 +117,19 @@ def main(argv=None):
             continue
         results[name] = r
         a = r["accuracy"]
-        line = (f"{name:16s} ppl bf16 {a['perplexity_bf16']:.3f} fp8 {a['perplexity_fp8']:.3f} "
-                f"({a['perplexity_delta_pct']:+.2f}%)  KL {a['mean_kl']:.5f}  top-1 {100 * a['top1_agreement']:.2f}% "
-                f" weights {r['weight_bytes']['fp8'] / r['weight_bytes']['bf16']:.3f}x")
+        line = (
+            f"{name:16s} ppl bf16 {a['perplexity_bf16']:.3f} fp8 {a['perplexity_fp8']:.3f} "
+            f"({a['perplexity_delta_pct']:+.2f}%)  KL {a['mean_kl']:.5f}  top-1 {100 * a['top1_agreement']:.2f}% "
+            f" weights {r['weight_bytes']['fp8'] / r['weight_bytes']['bf16']:.3f}x"
+        )
         if "speedup" in r:
             lb, lf = r["latency"]["bf16"], r["latency"]["fp8"]
-            line += (f"  prefill {lb['prefill']['median_ms']:.2f}->{lf['prefill']['median_ms']:.2f} ms "
-                     f"({r['speedup']['prefill']:.2f}x)  decode "
-                     f"{lb['decode']['tokens_per_s']:.0f}->{lf['decode']['tokens_per_s']:.0f} tok/s "
-                     f"({r['speedup']['decode']:.2f}x)")
+            line += (
+                f"  prefill {lb['prefill']['median_ms']:.2f}->{lf['prefill']['median_ms']:.2f} ms "
+                f"({r['speedup']['prefill']:.2f}x)  decode "
+                f"{lb['decode']['tokens_per_s']:.0f}->{lf['decode']['tokens_per_s']:.0f} tok/s "
+                f"({r['speedup']['decode']:.2f}x)"
+            )
         print(line + f"  [{r['device_name']}, {a['tokens']} tokens, {time.perf_counter() - t0:.0f}s]", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -32,7 +32,9 @@ def within(seconds: float, what: str = "the case"):
 
     def watchdog():
         if not done.wait(2 * seconds + 5):
-            sys.stderr.write(f"\n{what} is stuck past {2 * seconds + 5} s in code SIGALRM cannot interrupt; every thread's stack:\n")
+            sys.stderr.write(
+                f"\n{what} is stuck past {2 * seconds + 5} s in code SIGALRM cannot interrupt; every thread's stack:\n"
+            )
             faulthandler.dump_traceback(all_threads=True)
             os._exit(3)
 

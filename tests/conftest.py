@@ -54,15 +54,23 @@ def _gpu() -> bool:
 # `slow` and `core` skip nothing: they select (the floor lane runs `-m core`).
 REQUIRES = {
     # triton("interpret"): also run in a process of its own with TRITON_INTERPRET=1 (see pytest_pyfunc_call)
-    "triton": (lambda *_: importable("triton"),
-               "needs Triton (its kernels run on CPU through TRITON_INTERPRET=1); not installed (no macOS wheels)"),
-    "extra": (lambda *names: all(importable(m) for n in names for m in EXTRA_MODULES[n]),
-              "needs pip install 'mpsconvert[{args}]', not installed here"),
-    "needs": (lambda *modules: all(importable(m) for m in modules),
-              "needs {args} (a reference the test compares with, not a dependency of mpsconvert), not installed here"),
+    "triton": (
+        lambda *_: importable("triton"),
+        "needs Triton (its kernels run on CPU through TRITON_INTERPRET=1); not installed (no macOS wheels)",
+    ),
+    "extra": (
+        lambda *names: all(importable(m) for n in names for m in EXTRA_MODULES[n]),
+        "needs pip install 'mpsconvert[{args}]', not installed here",
+    ),
+    "needs": (
+        lambda *modules: all(importable(m) for m in modules),
+        "needs {args} (a reference the test compares with, not a dependency of mpsconvert), not installed here",
+    ),
     "gpu": (lambda *_: _gpu(), "needs a CUDA or MPS device"),
-    "network": (lambda *_: os.environ.get("MPSCONVERT_TEST_NETWORK") == "1",
-                "reaches the network: set MPSCONVERT_TEST_NETWORK=1 to run it"),
+    "network": (
+        lambda *_: os.environ.get("MPSCONVERT_TEST_NETWORK") == "1",
+        "reaches the network: set MPSCONVERT_TEST_NETWORK=1 to run it",
+    ),
 }
 
 
@@ -118,19 +126,36 @@ def pytest_pyfunc_call(pyfuncitem):
 def _interpreted_runs(rootdir: str, nodeids: tuple[str, ...]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        env = dict(os.environ, **{INTERPRET: "1"}, PYTHONPATH=os.pathsep.join([str(Path(rootdir) / "src"), rootdir, os.environ.get("PYTHONPATH", "")]))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *nodeids],
-                           cwd=rootdir, env=env, capture_output=True, text=True, timeout=1800)
+        env = dict(
+            os.environ,
+            **{INTERPRET: "1"},
+            PYTHONPATH=os.pathsep.join([str(Path(rootdir) / "src"), rootdir, os.environ.get("PYTHONPATH", "")]),
+        )
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *nodeids],
+            cwd=rootdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if not report.is_file():
-            return {n: ("failed", f"the process exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}") for n in nodeids}
+            return {
+                n: ("failed", f"the process exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}") for n in nodeids
+            }
         out = {}
         for case in ET.parse(report).getroot().iter("testcase"):
             path = case.get("classname", "").replace(".", "/") + ".py"
             nodeid = f"{path}::{case.get('name')}"
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
             skip = case.find("skipped")
-            out[nodeid] = (("failed", (bad.get("message", "") + "\n" + (bad.text or ""))[-4000:]) if bad is not None else
-                           ("skipped", skip.get("message", "")) if skip is not None else ("passed", ""))
+            out[nodeid] = (
+                ("failed", (bad.get("message", "") + "\n" + (bad.text or ""))[-4000:])
+                if bad is not None
+                else ("skipped", skip.get("message", ""))
+                if skip is not None
+                else ("passed", "")
+            )
         return out
 
 
@@ -189,7 +214,9 @@ def chat_llama(tmp_path_factory):
     from .helpers import CHAT_TEMPLATE
 
     work = tmp_path_factory.mktemp("chat")
-    src = models.with_chat_template(models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16), CHAT_TEMPLATE)
+    src = models.with_chat_template(
+        models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16), CHAT_TEMPLATE
+    )
     art = work / "art"
     mpsconvert.quantize(src, art)
     return src, art

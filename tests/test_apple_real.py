@@ -60,8 +60,14 @@ def test_smollm2_core_ml_stateful_keeps_fp8_lut_and_agrees(smollm2):
     bench, art = smollm2
     row = bench.coreml(art, max_len=512, steps=16)
     assert row["frontend"] == "torch.export" and row["max_len"] == 512
-    assert len(row["states"]) == 60 and all(s["dtype"] == "fp16" and s["shape"] == [1, 3, 512, 64] for s in row["states"])
+    assert len(row["states"]) == 60 and all(
+        s["dtype"] == "fp16" and s["shape"] == [1, 3, 512, 64] for s in row["states"]
+    )
     assert row["fp8_tensors"] == 210 and row["weights_ok"] and row["codes_bit_exact"] and row["max_ulp_diff"] <= 1
     assert row["size_ratio"] <= 1.1
-    assert row["prefill"]["top1_agreement"] >= 0.98 and row["decode"]["positions"] == 16 and row["decode"]["top1_agreement"] >= 0.95
+    assert (
+        row["prefill"]["top1_agreement"] >= 0.98
+        and row["decode"]["positions"] == 16
+        and row["decode"]["top1_agreement"] >= 0.95
+    )
     assert row["generation"]["agree"] and "not the Core ML runtime" in row["evaluator"]

@@ -47,7 +47,9 @@ class FakeExport(AppleExport):
         return [f"Fake ML: `{self.package}` with {self.lanes} lanes.", ""]
 
     def summary(self) -> str:
-        return f"{self.package}: {self.task}, {self.lanes} lanes, " + ("checks ok" if self.check and self.check.ok else "not checked")
+        return f"{self.package}: {self.task}, {self.lanes} lanes, " + (
+            "checks ok" if self.check and self.check.ok else "not checked"
+        )
 
 
 @dataclass(kw_only=True)
@@ -64,7 +66,17 @@ class Fake(Target):
     module, extra = "json", "coreml"
     record, runtime_record = FakeExport, FakeRuntime
     options, check_options = FakeOptions, FakeChecks
-    export_flags = (Option("lanes", "--lanes", "SIMD lanes of the fake runtime.", kind="int", default=4, minimum=1, quantize="--fake-lanes"),)
+    export_flags = (
+        Option(
+            "lanes",
+            "--lanes",
+            "SIMD lanes of the fake runtime.",
+            kind="int",
+            default=4,
+            minimum=1,
+            quantize="--fake-lanes",
+        ),
+    )
     check_flags = (Option("strict", "--strict", "Fail on any difference.", kind="flag", default=False),)
     quantize_help = "Also export a fake package."
     backend_help = "the fake runtime"
@@ -80,12 +92,17 @@ class Fake(Target):
         return FakeExport(package=self.package, task="causal-lm", lanes=opts.lanes, max_len=16)
 
     def check(self, folder, record, opts, progress):
-        from mpsconvert.manifests.layout import weight_files
         from mpsconvert.infra.safetensors_io import read_header
+        from mpsconvert.manifests.layout import weight_files
 
         self.calls.append(("check", opts.strict))
         names = json.loads((Path(folder) / self.package / "tensors.json").read_text())
-        fp8 = sorted(n for f in weight_files(folder) for n, i in read_header(Path(folder) / f).tensors.items() if i.dtype == "F8_E4M3")
+        fp8 = sorted(
+            n
+            for f in weight_files(folder)
+            for n, i in read_header(Path(folder) / f).tensors.items()
+            if i.dtype == "F8_E4M3"
+        )
         ok = names == fp8 and not opts.strict
         return {"ok": ok, "weights": {"all_ok": ok, "tensors": {n: {"ok": ok} for n in names}, "checked": len(names)}}
 
@@ -93,7 +110,11 @@ class Fake(Target):
         return {"status": "ran", "rows": [{"engine": "fake runtime", "latency_ms": 1.0}], "inputs": "none"}
 
     def rows(self, artifact, record, check):
-        return [("lanes", str(record["lanes"]), None), ("tensors", str(check["weights"]["checked"]), check["ok"])], None, ""
+        return (
+            [("lanes", str(record["lanes"]), None), ("tensors", str(check["weights"]["checked"]), check["ok"])],
+            None,
+            "",
+        )
 
     def written(self, record):
         return f"Fake ML: {record['package']} written ({record['lanes']} lanes)"
@@ -134,7 +155,9 @@ def test_export_check_record_card_and_inspect_of_a_new_target(fake, art_copy):
     assert fake.calls == [("build", 8), ("check", False)]
     m = Manifest.read(art_copy)
     rec = m.get(FakeExport)
-    assert rec.lanes == 8 and rec.check.ok and "weights" in rec.check.more and "tensors" not in rec.check.more["weights"]
+    assert (
+        rec.lanes == 8 and rec.check.ok and "weights" in rec.check.more and "tensors" not in rec.check.more["weights"]
+    )
     assert "model.fakepkg/tensors.json" in m.files and mpsconvert.verify(art_copy).ok
     card = (art_copy / "README.md").read_text()
     assert "Fake ML: `model.fakepkg` with 8 lanes." in card and "- fake" in card  # its paragraph and its tag
@@ -167,14 +190,40 @@ def test_what_the_targets_share_names_none_of_them():
 
     root = Path(mpsconvert.__file__).parent
     word = re.compile(r"\b(coreml|coreai)\b")
-    for rel in ("apple/flow.py", "apple/protocol.py", "apple/registry.py", "cli/render.py", "cli/reports.py", "cli/commands.py",
-                "manifests/card.py", "manifests/transaction.py", "manifests/records.py"):
+    for rel in (
+        "apple/flow.py",
+        "apple/protocol.py",
+        "apple/registry.py",
+        "cli/render.py",
+        "cli/reports.py",
+        "cli/commands.py",
+        "manifests/card.py",
+        "manifests/transaction.py",
+        "manifests/records.py",
+    ):
         tree = ast.parse((root / rel).read_text())
-        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
-                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
-        found = [n.lineno for n in ast.walk(tree) if id(n) not in docs and (
-            isinstance(n, ast.Constant) and isinstance(n.value, str) and word.search(n.value)
-            or isinstance(n, ast.Name) and word.fullmatch(n.id) or isinstance(n, ast.Attribute) and word.fullmatch(n.attr))]
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        found = [
+            n.lineno
+            for n in ast.walk(tree)
+            if id(n) not in docs
+            and (
+                isinstance(n, ast.Constant)
+                and isinstance(n.value, str)
+                and word.search(n.value)
+                or isinstance(n, ast.Name)
+                and word.fullmatch(n.id)
+                or isinstance(n, ast.Attribute)
+                and word.fullmatch(n.attr)
+            )
+        ]
         if rel == "apple/registry.py":  # its one line per target: the imports and the list
             found = [ln for ln in found if "import" not in (root / rel).read_text().splitlines()[ln - 1]]
         assert not found, f"{rel} names a target at lines {found}"

@@ -51,7 +51,9 @@ def _imports(path: Path) -> set[str]:
                 base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
                 mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
                 if not node.module:  # `from . import x`: a module, or a name of the package (`__version__`)
-                    out |= {".".join([*base, a.name]) if not a.name.startswith("__") else ".".join(base) for a in node.names}
+                    out |= {
+                        ".".join([*base, a.name]) if not a.name.startswith("__") else ".".join(base) for a in node.names
+                    }
                     continue
             elif node.module and node.module.startswith("mpsconvert"):
                 mod = node.module.removeprefix("mpsconvert").lstrip(".")
@@ -59,7 +61,9 @@ def _imports(path: Path) -> set[str]:
                 continue
             out.add(mod)
         elif isinstance(node, ast.Import):
-            out |= {a.name.removeprefix("mpsconvert").lstrip(".") for a in node.names if a.name.startswith("mpsconvert")}
+            out |= {
+                a.name.removeprefix("mpsconvert").lstrip(".") for a in node.names if a.name.startswith("mpsconvert")
+            }
     return out
 
 
@@ -76,7 +80,11 @@ def test_dependencies_go_one_way(path):
     layer = _layer(path)
     allowed = ALLOWED[layer]
     crossing = CROSSINGS.get(layer, set())
-    bad = sorted(m for m in _imports(path) if m.split(".")[0] not in allowed and not any(m == c or m.startswith(c + ".") for c in crossing))
+    bad = sorted(
+        m
+        for m in _imports(path)
+        if m.split(".")[0] not in allowed and not any(m == c or m.startswith(c + ".") for c in crossing)
+    )
     assert not bad, f"{path.relative_to(PKG)} ({layer}) imports {bad}; allowed: {sorted(allowed)}"
 
 
@@ -103,8 +111,21 @@ def test_the_public_api_is_documented():
 
     import mpsconvert
 
-    for name in ("quantize", "calibrate", "validate", "verify", "inspect", "export", "check", "export_coreml", "check_coreml",
-                 "export_coreai", "check_coreai", "coreai_latency", "load"):
+    for name in (
+        "quantize",
+        "calibrate",
+        "validate",
+        "verify",
+        "inspect",
+        "export",
+        "check",
+        "export_coreml",
+        "check_coreml",
+        "export_coreai",
+        "check_coreai",
+        "coreai_latency",
+        "load",
+    ):
         fn = getattr(mpsconvert, name)
         doc = pyinspect.getdoc(fn) or ""
         assert doc and ("Returns" in doc or name == "inspect"), name
@@ -121,7 +142,13 @@ def _triton_imports(path: Path) -> list[int]:
     still a second owner of the optional dependency)."""
     lines = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else []
+        )
         if any(n == "triton" or n.startswith("triton.") for n in names):
             lines.append(node.lineno)
     return sorted(lines)
@@ -138,7 +165,10 @@ def test_one_module_owns_the_triton_import():
 def test_the_triton_check_sees_an_import(tmp_path):
     """Negative control for the scan above."""
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    try:\n        import triton.language as tl\n    except ImportError:\n        pass\nfrom triton import jit\n")
+    f.write_text(
+        "def f():\n    try:\n        import triton.language as tl\n    except ImportError:\n        pass\n"
+        "from triton import jit\n"
+    )
     assert _triton_imports(f) == [3, 6]
 
 
@@ -151,7 +181,8 @@ def test_every_module_imports_in_this_environment():
 
     code = (
         "import importlib, pkgutil, mpsconvert\n"
-        "names = [m.name for m in pkgutil.walk_packages(mpsconvert.__path__, 'mpsconvert.') if not m.name.endswith('__main__')]\n"
+        "names = [m.name for m in pkgutil.walk_packages(mpsconvert.__path__, 'mpsconvert.')\n"
+        "         if not m.name.endswith('__main__')]\n"
         "bad = []\n"
         "for n in names:\n"
         "    try:\n"
@@ -164,7 +195,9 @@ def test_every_module_imports_in_this_environment():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     count, *bad = r.stdout.strip().splitlines()
-    assert int(count) == len([p for p in FILES if p.name != "__main__.py"]), "the walk missed modules"  # a subpackage's __init__ is its entry
+    assert int(count) == len([p for p in FILES if p.name != "__main__.py"]), (
+        "the walk missed modules"
+    )  # a subpackage's __init__ is its entry
     assert not bad, "\n".join(bad)
 
 
@@ -184,7 +217,11 @@ def _runtime_layer(dotted: str) -> int | None:
     return None
 
 
-RUNTIME_FILES = [p for p in FILES if p.relative_to(PKG).parts[0] == "runtime" and p.relative_to(PKG).as_posix() != "runtime/__init__.py"]
+RUNTIME_FILES = [
+    p
+    for p in FILES
+    if p.relative_to(PKG).parts[0] == "runtime" and p.relative_to(PKG).as_posix() != "runtime/__init__.py"
+]
 
 
 @pytest.mark.parametrize("path", RUNTIME_FILES, ids=lambda p: p.relative_to(PKG).as_posix())
@@ -201,6 +238,8 @@ def test_the_runtime_layer_check_sees_a_violation():
     assert _runtime_layer("runtime.ops.triton.gemv") == 1 and _runtime_layer("runtime.ops.kernels") == 2
     assert _runtime_layer("runtime.engine") == 3 and _runtime_layer("runtime.evaluate.validate") == 6
     assert "runtime.engine" in _imports(PKG / "runtime" / "evaluate" / "validate.py")  # what the test above compares
+
+
 def _module_of(dotted: str) -> str | None:
     """The package module a dotted import names: `manifests.layout.MANIFEST_NAME` -> `manifests.layout`
     (the longest prefix that is a module or a package), "" for the package root."""

@@ -11,15 +11,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mpsconvert
-from mpsconvert.format import fp8
 from mpsconvert.errors import ArtifactError, MpsconvertError
+from mpsconvert.format import fp8
 from mpsconvert.format.ct_config import quantization_config, scheme_from_config
+from mpsconvert.format.scales import scale_shape
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
 from mpsconvert.runtime.ops import kernels
-from mpsconvert.format.scales import scale_shape
-from .models import group_quantized_activations, tiny
+
 from .helpers import logits
+from .models import group_quantized_activations, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,6 +76,7 @@ def test_stream_quantizer_blocks_out_of_order_and_alignment():
 @pytest.mark.extra("ct")
 def test_fp8_block_config_both_ways_and_parses_with_compressed_tensors():
     import compressed_tensors as ct
+
     for name in ("fp8-dynamic", "fp8-weight-only", "fp8"):
         sch = Scheme.make(name, "block", 64)
         qc = quantization_config(sch, ["lm_head"])
@@ -134,7 +136,11 @@ IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 def test_block_artifacts_load_in_transformers_and_runtime_equal_our_reference(tiny_models, tmp_path, arch, scheme):
     from transformers import AutoModelForCausalLM
 
-    src = tiny("mixtral", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128) if arch == "mixtral" else tiny_models[arch]
+    src = (
+        tiny("mixtral", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128)
+        if arch == "mixtral"
+        else tiny_models[arch]
+    )
     out = tmp_path / "fp8"
     man = mpsconvert.quantize(src, out, scheme=scheme, weights="block", block_size=16).manifest
     assert man.recipe["weights"] == "block" and man.recipe["block_size"] == 16
@@ -144,7 +150,9 @@ def test_block_artifacts_load_in_transformers_and_runtime_equal_our_reference(ti
         n, k = rec["shape"]
         assert sd[name + "_scale"].shape == (-(-n // 16), -(-k // 16)) == tuple(rec["weight_scale_shape"])
         _, want_s = block_reference(fp8.dequantize(sd[name], sd[name + "_scale"], torch.float32, 16), 16)
-        assert torch.equal(sd[name + "_scale"], want_s)  # each block's largest code is +-448: its scale is its amax / 448
+        assert torch.equal(
+            sd[name + "_scale"], want_s
+        )  # each block's largest code is +-448: its scale is its amax / 448
     assert verify_artifact(out).ok
 
     ref, quantized = dequantized_reference(src, out, 16, dynamic=scheme == "fp8-dynamic")
@@ -165,8 +173,14 @@ def test_block_artifacts_load_in_transformers_and_runtime_equal_our_reference(ti
     if arch == "mixtral":
         for i in range(2):
             experts, dense = ours.model.layers[i].mlp.experts, ref.model.layers[i].mlp.experts
-            assert type(experts).__name__ == "FP8Experts" and experts.block == 16 and experts.path in ("grouped_mm", "loop")
-            assert torch.equal(experts.gate_up_dense, dense.gate_up_proj) and torch.equal(experts.down_dense, dense.down_proj)
+            assert (
+                type(experts).__name__ == "FP8Experts"
+                and experts.block == 16
+                and experts.path in ("grouped_mm", "loop")
+            )
+            assert torch.equal(experts.gate_up_dense, dense.gate_up_proj) and torch.equal(
+                experts.down_dense, dense.down_proj
+            )
 
 
 def test_partial_edge_blocks_run_in_the_runtime(tiny_models, tmp_path):
@@ -226,7 +240,11 @@ def test_static_activations_with_block_weights_calibrated_from_source_and_into_a
     out = tmp_path / "static"
     man = mpsconvert.quantize(src, out, scheme="fp8", weights="block", block_size=16, calibration=opts).manifest
     g = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
-    assert g["weights"]["strategy"] == "block" and g["input_activations"] == {**g["input_activations"], "strategy": "tensor", "dynamic": False}
+    assert g["weights"]["strategy"] == "block" and g["input_activations"] == {
+        **g["input_activations"],
+        "strategy": "tensor",
+        "dynamic": False,
+    }
     assert man.recipe["block_size"] == 16 and man.recipe["activations"] == "tensor"
     sd = load_file(out / "model.safetensors")
     ref, quantized = dequantized_reference(src, out, 16, dynamic=False)
@@ -235,7 +253,10 @@ def test_static_activations_with_block_weights_calibrated_from_source_and_into_a
         ref.get_submodule(name).register_forward_pre_hook(lambda m, a, s=s: (fp8.fake_quantize(a[0], s),))
     want = logits(ref, IDS)
     scale = want.abs().max()
-    for model in (AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), mpsconvert.load(out, device="cpu", dtype=torch.float32)):
+    for model in (
+        AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(),
+        mpsconvert.load(out, device="cpu", dtype=torch.float32),
+    ):
         got = logits(model, IDS)
         assert (got - want).abs().max() <= 1e-4 * scale, float((got - want).abs().max() / scale)
 
@@ -247,7 +268,10 @@ def test_static_activations_with_block_weights_calibrated_from_source_and_into_a
     g = json.loads((dyn / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     assert g["weights"]["block_structure"] == [16, 16] and g["input_activations"]["strategy"] == "tensor"
     for k, v in before.items():  # codes and block scales untouched; input scales added
-        assert torch.equal(v.view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else v, after[k].view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else after[k])
+        assert torch.equal(
+            v.view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else v,
+            after[k].view(torch.uint8) if v.dtype == fp8.FP8_DTYPE else after[k],
+        )
     assert sum(k.endswith(".input_scale") for k in after) == 14
     mpsconvert.load(dyn, device="cpu")
 
@@ -269,8 +293,11 @@ def test_llm_compressor_fp8_block_artifact_loads_and_equals_its_dequantization(t
     assert cfg["quantization_config"]["config_groups"]["FP8_BLOCK"]["weights"]["block_structure"] == [128, 128]
     cfg.pop("quantization_config")
     (deq / "config.json").write_text(json.dumps(cfg))
-    dense = {k: fp8.dequantize(v, sd[k + "_scale"], torch.float32, 128) if v.dtype == fp8.FP8_DTYPE else v
-             for k, v in sd.items() if not k.endswith("_scale")}
+    dense = {
+        k: fp8.dequantize(v, sd[k + "_scale"], torch.float32, 128) if v.dtype == fp8.FP8_DTYPE else v
+        for k, v in sd.items()
+        if not k.endswith("_scale")
+    }
     save_file(dense, str(deq / "model.safetensors"), metadata={"format": "pt"})
     ref = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
     linears = {k[: -len(".weight")] for k, v in sd.items() if v.dtype == fp8.FP8_DTYPE and "embed" not in k}
@@ -284,11 +311,15 @@ def test_llm_compressor_fp8_block_artifact_loads_and_equals_its_dequantization(t
     src = tmp_path / "src"
     shutil.copytree(fixture, src)
     res = mpsconvert.quantize(src, tmp_path / "repacked")
-    assert not [w for w in res.warnings if "vLLM" not in w] and res.manifest.recipe["weights"] == "block"  # (vLLM: its q_proj is 128+64+64)
+    assert (
+        not [w for w in res.warnings if "vLLM" not in w] and res.manifest.recipe["weights"] == "block"
+    )  # (vLLM: its q_proj is 128+64+64)
     out = load_file(tmp_path / "repacked" / "model.safetensors")
     for k, v in sd.items():
         if v.dtype == fp8.FP8_DTYPE:  # every code kept; embed_tokens (no Linear) with its scale as it was
-            assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) and torch.equal(out[k + "_scale"].float(), sd[k + "_scale"].float())
+            assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) and torch.equal(
+                out[k + "_scale"].float(), sd[k + "_scale"].float()
+            )
     got = logits(mpsconvert.load(tmp_path / "repacked", device="cpu", dtype=torch.float32), ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
@@ -317,7 +348,9 @@ def test_a_block_scaled_layer_compiles_into_one_graph():
     fake = kernels.scaled_mm_block_op._opoverload  # its fake gives the output's shape and dtype
     with torch._subclasses.FakeTensorMode():
         xq = torch.empty(16, 384, dtype=torch.float8_e4m3fn)
-        y = fake(xq, torch.empty(16, 3), torch.empty(256, 384, dtype=torch.float8_e4m3fn), torch.empty(4, 2), torch.bfloat16)
+        y = fake(
+            xq, torch.empty(16, 3), torch.empty(256, 384, dtype=torch.float8_e4m3fn), torch.empty(4, 2), torch.bfloat16
+        )
     assert y.shape == (16, 256) and y.dtype == torch.bfloat16
 
 
@@ -334,7 +367,9 @@ def test_block_weights_vllm_would_refuse_are_said_recorded_and_shown(tiny_models
 
     res = mpsconvert.quantize(tiny_models["llama"], tmp_path / "b128", weights="block")
     said = [w for w in res.warnings if "vLLM" in w]
-    assert len(said) == 1 and "model.layers.N.self_attn.qkv_proj = 64+32+32 rows" in said[0] and "--weights row" in said[0], res.warnings
+    assert (
+        len(said) == 1 and "model.layers.N.self_attn.qkv_proj = 64+32+32 rows" in said[0] and "--weights row" in said[0]
+    ), res.warnings
     m = Manifest.read(res.output)
     rec = m.get(engines.VLLMBlock)
     assert rec.block == 128 and rec.vllm == engines.VLLM and len(rec.refused) == 1  # qkv_proj; gate_up (128+128) fits
@@ -347,7 +382,10 @@ def test_block_weights_vllm_would_refuse_are_said_recorded_and_shown(tiny_models
     assert "engines" in shown and "not in vLLM GPU" in shown
 
     fits = mpsconvert.quantize(tiny_models["llama"], tmp_path / "b32", weights="block", block_size=32)
-    assert not [w for w in fits.warnings if "vLLM" in w] and Manifest.read(fits.output).get(engines.VLLMBlock).refused == []
+    assert (
+        not [w for w in fits.warnings if "vLLM" in w]
+        and Manifest.read(fits.output).get(engines.VLLMBlock).refused == []
+    )
     assert "vLLM GPU (from code)" in engines.line(Manifest.read(fits.output))
     row = mpsconvert.quantize(tiny_models["llama"], tmp_path / "row")
     m = Manifest.read(row.output)
@@ -361,15 +399,32 @@ def test_vllm_block_rule_on_the_sizes_of_real_models():
     from mpsconvert.manifests import engines
 
     def recs(**shapes):
-        return {f"model.layers.0.{k.replace('__', '.')}.weight": {"module": f"model.layers.0.{k.replace('__', '.')}", "shape": v}
-                for k, v in shapes.items()}
+        return {
+            f"model.layers.0.{k.replace('__', '.')}.weight": {
+                "module": f"model.layers.0.{k.replace('__', '.')}",
+                "shape": v,
+            }
+            for k, v in shapes.items()
+        }
 
-    smol = recs(self_attn__q_proj=[576, 576], self_attn__k_proj=[192, 576], self_attn__v_proj=[192, 576],
-                mlp__gate_proj=[1536, 576], mlp__up_proj=[1536, 576], mlp__down_proj=[576, 1536])
+    smol = recs(
+        self_attn__q_proj=[576, 576],
+        self_attn__k_proj=[192, 576],
+        self_attn__v_proj=[192, 576],
+        mlp__gate_proj=[1536, 576],
+        mlp__up_proj=[1536, 576],
+        mlp__down_proj=[576, 1536],
+    )
     assert engines.vllm_block_check(smol, 128).refused == [
-        "model.layers.N.self_attn.qkv_proj = 576+192+192 rows (q_proj/k_proj/v_proj): 576 is not a multiple of 128"]
-    llama8b = recs(self_attn__q_proj=[4096, 4096], self_attn__k_proj=[1024, 4096], self_attn__v_proj=[1000, 4096],
-                   mlp__gate_proj=[14336, 4096], mlp__up_proj=[14336, 4096])
+        "model.layers.N.self_attn.qkv_proj = 576+192+192 rows (q_proj/k_proj/v_proj): 576 is not a multiple of 128"
+    ]
+    llama8b = recs(
+        self_attn__q_proj=[4096, 4096],
+        self_attn__k_proj=[1024, 4096],
+        self_attn__v_proj=[1000, 4096],
+        mlp__gate_proj=[14336, 4096],
+        mlp__up_proj=[14336, 4096],
+    )
     assert engines.vllm_block_check(llama8b, 128).refused == []  # v_proj (the last part) may be ragged
     moe = recs(block_sparse_moe__experts__0__w1=[96, 64], block_sparse_moe__experts__0__w3=[96, 64])
     assert len(engines.vllm_block_check(moe, 128).refused) == 2
@@ -377,8 +432,14 @@ def test_vllm_block_rule_on_the_sizes_of_real_models():
     # q/k/v or gate/up already fused in the checkpoint (Phi-3): the split is in config.json, not seen: said unchecked
     phi3 = recs(self_attn__qkv_proj=[9216, 3072], mlp__gate_up_proj=[16384, 3072])
     rec = engines.vllm_block_check(phi3, 128)
-    assert rec.refused == [] and rec.more["unchecked"] == ["model.layers.N.mlp.gate_up_proj", "model.layers.N.self_attn.qkv_proj"]
+    assert rec.refused == [] and rec.more["unchecked"] == [
+        "model.layers.N.mlp.gate_up_proj",
+        "model.layers.N.self_attn.qkv_proj",
+    ]
     gpu = engines.engines({"name": "fp8-dynamic", "weights": "block"}, rec)[0]
     assert gpu.loads and "unchecked sizes: model.layers.N.mlp.gate_up_proj" in gpu.note
     assert not engines.engines({"name": "fp8", "weights": "block"})[0].loads  # static + block: vLLM asserts, any sizes
-    assert engines.warning(None, static=True) and engines.warning(engines.vllm_block_check(llama8b, 128), static=False) is None
+    assert (
+        engines.warning(None, static=True)
+        and engines.warning(engines.vllm_block_check(llama8b, 128), static=False) is None
+    )

@@ -5,15 +5,17 @@
 from __future__ import annotations
 
 from functools import partial
+
 import numpy as np
 import pytest
 import torch
 
 import mpsconvert
-from mpsconvert.format import fp8
 from mpsconvert.apple.torch_model import read_artifact_weights
-from mpsconvert.manifests.manifest import Manifest
+from mpsconvert.format import fp8
 from mpsconvert.format.schemes import Scheme
+from mpsconvert.manifests.manifest import Manifest
+
 from .models import tiny, tiny_artifact
 
 pytestmark = pytest.mark.extra("coreml")
@@ -21,7 +23,12 @@ pytestmark = pytest.mark.extra("coreml")
 
 @pytest.mark.parametrize("block", [16, 48])  # 48: partial edge blocks (64 and 128 are not multiples)
 def test_artifact_weights_come_as_exact_tiles(work, block):
-    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
+    art = tiny_artifact(
+        work,
+        f"llama-b{block}",
+        partial(tiny, "llama", dtype=torch.bfloat16, tie=True),
+        Scheme.make("fp8-dynamic", "block", block),
+    )
     dense, quant = read_artifact_weights(art)
     from safetensors.torch import load_file
 
@@ -37,7 +44,12 @@ def test_artifact_weights_come_as_exact_tiles(work, block):
 
 @pytest.mark.parametrize("block", [16, 48])
 def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
-    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
+    art = tiny_artifact(
+        work,
+        f"llama-b{block}",
+        partial(tiny, "llama", dtype=torch.bfloat16, tie=True),
+        Scheme.make("fp8-dynamic", "block", block),
+    )
     res = mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", force=True)
     rec = res.record
     encs = rec["encoded_tensors"]
@@ -46,15 +58,19 @@ def test_core_ml_block_palettes_are_the_fp16_dequantization(work, block):
 
     chk = check_package(art, Manifest.read(art).extra["coreml"], n_samples=2)
     w = chk["weights"]
-    assert w["all_ok"] and w["codes_bit_exact"] and w["min_fraction_equal_fp16_dequant"] == 1.0 and w["max_ulp_diff"] == 0
+    assert (
+        w["all_ok"] and w["codes_bit_exact"] and w["min_fraction_equal_fp16_dequant"] == 1.0 and w["max_ulp_diff"] == 0
+    )
     assert chk["reference_eval"]["cosine_min"] > 0.999
     # size: codes (1 byte per weight) + one fp16 palette per block, against the FP8 safetensors
     _, quant = read_artifact_weights(art)
     palettes = sum(int(np.prod(t.shape)) * 256 * 2 for _, t in quant.values())
     codes = sum(q.numel() for q, _ in quant.values())
     assert chk["weight_bytes"] >= codes + palettes
-    print(f"block {block}: package {chk['weight_bytes']} B, FP8 safetensors {chk['fp8_safetensors_bytes']} B, "
-          f"ratio {chk['size_ratio']}, palettes {palettes} B for {codes} codes")
+    print(
+        f"block {block}: package {chk['weight_bytes']} B, FP8 safetensors {chk['fp8_safetensors_bytes']} B, "
+        f"ratio {chk['size_ratio']}, palettes {palettes} B for {codes} codes"
+    )
 
 
 @pytest.mark.extra("coreai")
@@ -63,8 +79,15 @@ def test_core_ai_keeps_block_scales_native(work, block):
     from mpsconvert.apple.coreai import CoreAIOptions
     from mpsconvert.apple.coreai.coreai_check import check_asset
 
-    art = tiny_artifact(work, f"llama-b{block}", partial(tiny, "llama", dtype=torch.bfloat16, tie=True), Scheme.make("fp8-dynamic", "block", block))
-    rec = mpsconvert.export(art, "coreai", options=CoreAIOptions(max_len=32, compute="fp32", force=True), check=False).record
+    art = tiny_artifact(
+        work,
+        f"llama-b{block}",
+        partial(tiny, "llama", dtype=torch.bfloat16, tie=True),
+        Scheme.make("fp8-dynamic", "block", block),
+    )
+    rec = mpsconvert.export(
+        art, "coreai", options=CoreAIOptions(max_len=32, compute="fp32", force=True), check=False
+    ).record
     _, quant = read_artifact_weights(art)
     for name, e in rec["encoded_tensors"].items():
         assert e["scale_shape"] == list(quant[name][1].shape)  # the block scales (as exact tiles), not rows

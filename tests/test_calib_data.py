@@ -5,6 +5,7 @@ import json
 import pytest
 
 from mpsconvert.calibrate import data
+
 from .models import TEXT_DATA, minilm_dir
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
@@ -66,7 +67,9 @@ def test_text_that_falls_short_is_warned_with_what_to_do(tok, tmp_path):
 
 def test_text_and_jsonl_files(tmp_path, tok):
     txt = tmp_path / "notes.txt"
-    txt.write_text("first document, about rivers and lakes.\n\nsecond document about mountains.\n\n\n", encoding="utf-8")
+    txt.write_text(
+        "first document, about rivers and lakes.\n\nsecond document about mountains.\n\n\n", encoding="utf-8"
+    )
     c = data.load(str(txt))
     assert c.texts == ["first document, about rivers and lakes.", "second document about mountains."]
     assert c.source["kind"] == "file" and len(c.source["sha256"]) == 64
@@ -101,7 +104,11 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "content, match",
-    [('{"text": "ok"}\n{"body": "no text"}\n', "record 2"), ('{"text": "ok"}\nnot json\n', ":2 is not valid JSON"), ("\n\n", "no non-empty text")],
+    [
+        ('{"text": "ok"}\n{"body": "no text"}\n', "record 2"),
+        ('{"text": "ok"}\nnot json\n', ":2 is not valid JSON"),
+        ("\n\n", "no non-empty text"),
+    ],
 )
 def test_bad_jsonl_is_a_one_line_error(tmp_path, content, match):
     p = tmp_path / "bad.jsonl"
@@ -122,7 +129,10 @@ def _fake_dataset_cache(root, repo="acme/tiny-text", commit="0123456789abcdef012
     base = root / f"datasets--{repo.replace('/', '--')}"
     snap = base / "snapshots" / commit
     (snap / "data").mkdir(parents=True)
-    pq.write_table(pa.table({"text": [f"training document number {i}, with some words in it." * 3 for i in range(6)]}), snap / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(
+        pa.table({"text": [f"training document number {i}, with some words in it." * 3 for i in range(6)]}),
+        snap / "data" / "train-00000-of-00001.parquet",
+    )
     pq.write_table(pa.table({"text": ["held-out test document"]}), snap / "data" / "test-00000-of-00001.parquet")
     (base / "refs").mkdir()
     (base / "refs" / "main").write_text(commit)

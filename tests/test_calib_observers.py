@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mpsconvert.calibrate import hooks, observers
-from mpsconvert.format import fp8
 from mpsconvert.errors import QuantizationError
+from mpsconvert.format import fp8
 
 
 def test_minmax_is_the_true_running_max_not_an_ema():

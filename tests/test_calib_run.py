@@ -9,10 +9,11 @@ import torch
 from click.testing import CliRunner
 
 import mpsconvert
-from .models import TEXT_DATA, tiny
 from mpsconvert.calibrate.calibration import CalibOptions, calibrate
 from mpsconvert.cli import main
 from mpsconvert.model.plan import plan_for
+
+from .models import TEXT_DATA, tiny
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -41,7 +42,9 @@ def test_sequential_gives_the_same_scales_as_the_whole_model(request, which, obs
     assert seq.record["weights_loader"] == ["direct"]  # names match: no conversion path
     assert set(whole.scales) == set(plan_for(path).quantize)  # every quantized Linear has a scale
     assert seq.scales == whole.scales  # bit for bit: same inputs, same ops
-    assert {m: r["values"] for m, r in seq.record["modules"].items()} == {m: r["values"] for m, r in whole.record["modules"].items()}
+    assert {m: r["values"] for m, r in seq.record["modules"].items()} == {
+        m: r["values"] for m, r in whole.record["modules"].items()
+    }
     if which == "bert":
         assert "pooler.dense" in seq.scales  # observed in the replay pass after the blocks
 
@@ -68,7 +71,13 @@ def test_sequential_peak_is_about_one_block(llama, monkeypatch):
     assert peak[0] == 1 and len(cal.scales) == 14
 
 
-@pytest.mark.parametrize("builder", [partial(tiny, "mixtral", tokenizer="minilm", experts=16, top_k=1), partial(tiny, "qwen2_moe", tokenizer="minilm", experts=16, top_k=1)])
+@pytest.mark.parametrize(
+    "builder",
+    [
+        partial(tiny, "mixtral", tokenizer="minilm", experts=16, top_k=1),
+        partial(tiny, "qwen2_moe", tokenizer="minilm", experts=16, top_k=1),
+    ],
+)
 def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, builder, caplog):
     path = builder(tmp_path / "moe", experts=16)
     # One short sample, top-1 routing over 16 experts: most experts never see a token.
@@ -89,7 +98,9 @@ def test_moe_never_routed_experts_get_valid_scales_and_a_warning(tmp_path, build
     json.dumps(cal.record, allow_nan=False)  # no NaN anywhere in what the manifest records
     # transformers 5 stores experts per expert in the checkpoint and fuses them on load: the
     # sequential loader goes through transformers' conversion and still matches bit for bit.
-    seq = calibrate(path, CalibOptions(data=CALIB, num_samples=1, seq_len=16, device="cpu", observer="mse", sequential=True))
+    seq = calibrate(
+        path, CalibOptions(data=CALIB, num_samples=1, seq_len=16, device="cpu", observer="mse", sequential=True)
+    )
     assert seq.record["weights_loader"] == ["transformers-conversion"]
     assert seq.scales == cal.scales and seq.expert_scales == cal.expert_scales
 
@@ -99,9 +110,17 @@ def test_unobserved_expert_linear_falls_back_to_its_siblings():
     from mpsconvert.calibrate.calibration import _finalize
     from mpsconvert.model.plan import Plan
 
-    plan = Plan("X", quantize={f"m.layers.0.mlp.experts.{e}.w1": (4, 4) for e in range(3)} | {"m.layers.0.attn.q": (4, 4), "m.unused": (4, 4)})
+    plan = Plan(
+        "X",
+        quantize={f"m.layers.0.mlp.experts.{e}.w1": (4, 4) for e in range(3)}
+        | {"m.layers.0.attn.q": (4, 4), "m.unused": (4, 4)},
+    )
     obs = {}
-    for name, v in (("m.layers.0.mlp.experts.0.w1", 2.0), ("m.layers.0.mlp.experts.1.w1", 3.0), ("m.layers.0.attn.q", 5.0)):
+    for name, v in (
+        ("m.layers.0.mlp.experts.0.w1", 2.0),
+        ("m.layers.0.mlp.experts.1.w1", 3.0),
+        ("m.layers.0.attn.q", 5.0),
+    ):
         obs[name] = observers.Observer()
         obs[name].update(torch.tensor([v]))
     obs["m.unused"] = observers.Observer()  # hooked, never called
@@ -153,7 +172,9 @@ def test_static_artifact_is_deterministic_loads_with_compressed_tensors_and_matc
     ref = AutoModelForCausalLM.from_pretrained(str(llama)).eval()
     q = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a")).eval()
     lin = q.model.layers[0].self_attn.q_proj
-    assert float(lin.input_scale.detach()) == pytest.approx(m["tensors"]["model.layers.0.self_attn.q_proj.weight"]["input_scale"])
+    assert float(lin.input_scale.detach()) == pytest.approx(
+        m["tensors"]["model.layers.0.self_attn.q_proj.weight"]["input_scale"]
+    )
     with torch.no_grad():
         a, b = ref(ids).logits, q(ids).logits
         # Our own simulation of W8A8 static (FP8 weights, inputs round-tripped through e4m3 at the
@@ -185,8 +206,8 @@ def test_calibrate_into_an_artifact_and_via_a_scales_file(llama, tmp_path):
     after = json.loads((dyn / "mpsconvert.json").read_text())
     assert after["recipe"]["name"] == "fp8" and after["recipe"]["weights"] == "row"
     assert after["recipe"]["calibration"]["weights"] == "the artifact's FP8 weights, dequantized"
-    from mpsconvert.manifests.hashing import sha256_file
     from mpsconvert.infra.safetensors_io import read_header
+    from mpsconvert.manifests.hashing import sha256_file
 
     for f, rec in after["files"].items():
         assert sha256_file(dyn / f) == rec["sha256"]  # every hash updated
@@ -202,7 +223,9 @@ def test_calibrate_into_an_artifact_and_via_a_scales_file(llama, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mpsconvert-tmp")]
 
     scales = tmp_path / "scales.json"
-    mpsconvert.calibrate(llama, scales, options=mpsconvert.calibration_options(data=CALIB, num_samples=3, seq_len=32, sequential=True))
+    mpsconvert.calibrate(
+        llama, scales, options=mpsconvert.calibration_options(data=CALIB, num_samples=3, seq_len=32, sequential=True)
+    )
     body = json.loads(scales.read_text())
     mpsconvert.quantize(llama, tmp_path / "s", scheme="fp8", scales_file=scales)
     m = json.loads((tmp_path / "s" / "mpsconvert.json").read_text())
@@ -211,7 +234,9 @@ def test_calibrate_into_an_artifact_and_via_a_scales_file(llama, tmp_path):
 
 
 def test_builtin_default_and_cli_errors(bert, tmp_path):
-    r = _run(["quantize", str(bert), "--scheme", "fp8", "--num-samples", "2", "--seq-len", "32", "-o", str(tmp_path / "o")])
+    r = _run(
+        ["quantize", str(bert), "--scheme", "fp8", "--num-samples", "2", "--seq-len", "32", "-o", str(tmp_path / "o")]
+    )
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "o" / "mpsconvert.json").read_text())
     assert m["recipe"]["calibration"]["data"]["kind"] == "builtin"

@@ -89,7 +89,9 @@ def test_corrupt_safetensors(tmp_path, tiny_models, corrupt):
         raw = json.dumps(hdr).encode().ljust(n)
         data[8 : 8 + n] = raw[:n] if len(raw) >= n else raw
     f.write_bytes(bytes(data))
-    assert_clean_failure(run("quantize", d, "-o", tmp_path / "out"), tmp_path, "model.safetensors is not a valid safetensors file")
+    assert_clean_failure(
+        run("quantize", d, "-o", tmp_path / "out"), tmp_path, "model.safetensors is not a valid safetensors file"
+    )
 
 
 def test_nan_weights_name_the_tensor(tmp_path, tiny_models):
@@ -100,7 +102,9 @@ def test_nan_weights_name_the_tensor(tmp_path, tiny_models):
     sd = load_file(d / "model.safetensors")
     sd["model.layers.1.mlp.gate_proj.weight"][5, 7] = float("nan")
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
-    assert_clean_failure(run("quantize", d, "-o", tmp_path / "out"), tmp_path, "'model.layers.1.mlp.gate_proj.weight' contains NaN")
+    assert_clean_failure(
+        run("quantize", d, "-o", tmp_path / "out"), tmp_path, "'model.layers.1.mlp.gate_proj.weight' contains NaN"
+    )
 
 
 def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_models):
@@ -109,7 +113,9 @@ def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_model
     (out / "precious.txt").write_text("keep me")
     res = run("quantize", tiny_models["llama"], "-o", out)
     # not "pass --force": --force would refuse this folder too (it replaces only mpsconvert artifacts)
-    assert res.exit_code == 2 and "not an mpsconvert artifact" in res.output and "pass --force" not in res.output, res.output
+    assert res.exit_code == 2 and "not an mpsconvert artifact" in res.output and "pass --force" not in res.output, (
+        res.output
+    )
     assert (out / "precious.txt").read_text() == "keep me"
     # --force with a failing conversion must not destroy what was there
     d = tmp_path / "nan"
@@ -123,7 +129,11 @@ def test_existing_output_needs_force_and_is_kept_on_failure(tmp_path, tiny_model
     assert res.exit_code == 2 and (out / "precious.txt").read_text() == "keep me"
     # --force replaces only an mpsconvert artifact: a folder of other files is refused
     res = run("quantize", tiny_models["llama"], "-o", out, "--force")
-    assert res.exit_code == 2 and "not an mpsconvert artifact" in res.output and (out / "precious.txt").read_text() == "keep me"
+    assert (
+        res.exit_code == 2
+        and "not an mpsconvert artifact" in res.output
+        and (out / "precious.txt").read_text() == "keep me"
+    )
     (out / "precious.txt").unlink()
     out.rmdir()
     assert run("quantize", tiny_models["llama"], "-o", out).exit_code == 0
@@ -148,7 +158,9 @@ def test_the_program_exits_with_its_codes_and_flushes_its_output(tmp_path, tiny_
     import sys
 
     def prog(*args):
-        return subprocess.run([sys.executable, "-m", "mpsconvert.cli", *args], capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "mpsconvert.cli", *args], capture_output=True, text=True, timeout=300
+        )
 
     r = prog("--version")
     assert r.returncode == 0 and "mpsconvert" in r.stdout
@@ -172,9 +184,18 @@ def test_errors_name_api_options_and_the_cli_prints_their_flags():
     with pytest.raises(mpsconvert.MpsconvertError) as e:
         mpsconvert.quantize("unused", weights="row", block_size=64)
     assert str(e.value) == "`block_size=64` applies to block weights only; add `weights=block`, or drop `block_size`"
-    assert as_flags(str(e.value)) == "--block-size 64 applies to block weights only; add --weights block, or drop --block-size"
-    assert as_flags("pass `use_template=False`, `data='x'`, `scales_file`, `exports=coreml`; run `mpsconvert verify DIR`, "
-                    "the `coreml` record") == (
-        "pass --ignore-chat-template, --calib-data 'x', --scales, --coreml; run `mpsconvert verify DIR`, the `coreml` record")
+    assert (
+        as_flags(str(e.value))
+        == "--block-size 64 applies to block weights only; add --weights block, or drop --block-size"
+    )
+    assert as_flags(
+        "pass `use_template=False`, `data='x'`, `scales_file`, `exports=coreml`; run `mpsconvert verify DIR`, "
+        "the `coreml` record"
+    ) == (
+        "pass --ignore-chat-template, --calib-data 'x', --scales, --coreml; run `mpsconvert verify DIR`, "
+        "the `coreml` record"
+    )
     res = CliRunner().invoke(main, ["quantize", "unused", "--weights", "row", "--block-size", "64"])
-    assert res.exit_code == 2 and "--block-size 64 applies to block weights only" in res.output and "`" not in res.output
+    assert (
+        res.exit_code == 2 and "--block-size 64 applies to block weights only" in res.output and "`" not in res.output
+    )

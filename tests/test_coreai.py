@@ -4,10 +4,10 @@ macOS-only parts through fakes. Tiny random Llama, Qwen2 (tied), Mistral, Qwen3-
 
 from __future__ import annotations
 
-from functools import partial
 import json
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -120,10 +120,10 @@ import mpsconvert  # noqa: E402
 from mpsconvert.apple.coreai import ASSET_NAME, CoreAIOptions  # noqa: E402
 from mpsconvert.apple.coreai.coreai_check import check_asset, coreai_latency, decoder_runner, read_fp8_constants  # noqa: E402
 from mpsconvert.apple.coreai.session import Session  # noqa: E402
+from mpsconvert.format.schemes import Scheme  # noqa: E402
 from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
 from mpsconvert.manifests.manifest import Manifest  # noqa: E402
 from mpsconvert.manifests.records import Validation  # noqa: E402
-from mpsconvert.format.schemes import Scheme  # noqa: E402
 from mpsconvert.manifests.transaction import transaction  # noqa: E402
 
 
@@ -138,7 +138,9 @@ def export_coreai(art: Path, opts: CoreAIOptions) -> dict:
 
 
 BUILDERS = {
-    "llama": lambda p: tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=False),  # with a tokenizer: the checks run on real text
+    "llama": lambda p: tiny(
+        "llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=False
+    ),  # with a tokenizer: the checks run on real text
     "qwen2-tied": partial(tiny, "qwen2", tie=True),
     "mistral": partial(tiny, "mistral"),
     "qwen3-moe": lambda p: tiny("qwen3_moe", p, dtype=torch.bfloat16, widen=0.08, vocab=128),
@@ -162,7 +164,10 @@ def test_architectures_export_with_native_fp8_and_agree_through_the_states(expor
     art, rec, res = exported[name]
     assert rec["task"] == "causal-lm" and rec["compute"] == "fp32" and rec["max_len"] == 64
     iface = rec["interface"]
-    assert [(i["name"], i["dtype"], i["shape"]) for i in iface["inputs"]] == [("input_ids", "int32", [1, None]), ("position", "int32", [1])]
+    assert [(i["name"], i["dtype"], i["shape"]) for i in iface["inputs"]] == [
+        ("input_ids", "int32", [1, None]),
+        ("position", "int32", [1]),
+    ]
     assert iface["outputs"][0]["name"] == "logits" and iface["outputs"][0]["shape"][:2] == [1, None]
     states = [s["name"] for s in iface["states"]]
     assert states == [f"{k}_cache_{i}" for i in range(2) for k in ("key", "value")]
@@ -220,7 +225,11 @@ def test_fp8_bytes_in_the_asset_are_the_artifacts_codes_independently(exported):
     art, _, _ = exported["mistral"]
     with safe_open(str(art / "model.safetensors"), framework="pt") as f:
         codes = f.get_tensor("model.layers.1.mlp.down_proj.weight")
-    found = [c for c in read_fp8_constants(art / ASSET_NAME) if c["shape"] == list(codes.shape) and c["bytes"] == codes.view(torch.uint8).numpy().tobytes()]
+    found = [
+        c
+        for c in read_fp8_constants(art / ASSET_NAME)
+        if c["shape"] == list(codes.shape) and c["bytes"] == codes.view(torch.uint8).numpy().tobytes()
+    ]
     assert len(found) == 1
 
 
@@ -241,6 +250,7 @@ def test_states_carry_the_cache_between_calls(exported):
         def amnesiac():
             def step(x, pos):
                 return run()(x, pos)  # a new conversation (zeroed states) for every call
+
             return step
 
         bad = compare.check_decoder(amnesiac, tm, ids, 32, 16, 2)
@@ -252,7 +262,12 @@ def test_states_carry_the_cache_between_calls(exported):
 
 @pytest.mark.extra("coreai")
 def test_fp16_compute_and_per_tensor_scales(work):
-    art = tiny_artifact(work, "llama-tensor", lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=3), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(
+        work,
+        "llama-tensor",
+        lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=3),
+        Scheme.make("fp8-weight-only", "tensor"),
+    )
     rec = export_coreai(art, CoreAIOptions(max_len=32, compute="fp16"))
     assert all(e["scale_shape"] == [1, 1] and e["scale_dtype"] == "float16" for e in rec["encoded_tensors"].values())
     res = check_asset(art, _record(art), prompt_len=16, steps=8, generate=2)
@@ -378,7 +393,10 @@ def test_cli_quantize_coreai_and_check_only(work):
     r = CliRunner().invoke(main, ["export-coreai", str(out), "--check-only", "--json", "--decode-steps", "8"])
     assert r.exit_code == 0, r.output
     body = json.loads(r.output)
-    assert body["check"]["weights"]["codes_bit_exact"] is True and body["check"]["runtime_eval"]["decode"]["positions"] == 8
+    assert (
+        body["check"]["weights"]["codes_bit_exact"] is True
+        and body["check"]["runtime_eval"]["decode"]["positions"] == 8
+    )
     r = CliRunner().invoke(main, ["export-coreai", str(out)])
     assert r.exit_code == 2 and "--force" in r.output
 
@@ -387,23 +405,54 @@ def test_cli_quantize_coreai_and_check_only(work):
 def test_validate_runs_the_core_ai_latency_beside_pytorch(exported, work):
     """`validate` on an artifact with an asset: the Core AI rows come with the PyTorch ones, are
     recorded, and the CLI prints them (on macOS the Core ML part would run; here it says why not)."""
-    import mpsconvert
     from click.testing import CliRunner
 
+    import mpsconvert
     from mpsconvert.cli import main
 
     art, _, _ = exported["llama"]
-    opts = mpsconvert.validate_options(baseline=str(work / "src-llama"), device="cpu", seq_len=32, max_samples=1,
-                                       prefill_len=16, decode_tokens=4, repeats=2, warmup=1)
+    opts = mpsconvert.validate_options(
+        baseline=str(work / "src-llama"),
+        device="cpu",
+        seq_len=32,
+        max_samples=1,
+        prefill_len=16,
+        decode_tokens=4,
+        repeats=2,
+        warmup=1,
+    )
     res = mpsconvert.validate(art, options=opts)
     assert res.coreai["status"] == "ran" and res.coreml is None
     engines = [r["engine"] for r in res.coreai["rows"]]
-    assert engines[-1].startswith("PyTorch") and (engines[0] == "Core AI runtime, Linux CPU" or not sys.platform.startswith("linux"))
+    assert engines[-1].startswith("PyTorch") and (
+        engines[0] == "Core AI runtime, Linux CPU" or not sys.platform.startswith("linux")
+    )
     assert all(r["decode_tokens"] == 4 for r in res.coreai["rows"])
     assert Manifest.read(art).extra["coreai_runtime"]["rows"][0]["engine"] == engines[0]
-    r = CliRunner().invoke(main, ["validate", str(art), "--baseline", str(work / "src-llama"), "--device", "cpu", "--seq-len", "32",
-                                  "--max-samples", "1", "--prefill-len", "16", "--decode-tokens", "2", "--repeats", "1", "--warmup", "1",
-                                  "--no-write"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "validate",
+            str(art),
+            "--baseline",
+            str(work / "src-llama"),
+            "--device",
+            "cpu",
+            "--seq-len",
+            "32",
+            "--max-samples",
+            "1",
+            "--prefill-len",
+            "16",
+            "--decode-tokens",
+            "2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--no-write",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "Core AI asset: latency beside PyTorch" in r.output and "same prompt for every row" in r.output
 
@@ -425,9 +474,29 @@ def test_validate_without_warmup_or_repeats_gives_the_core_ai_part_the_runs_own_
         return real(*a, **k)
 
     monkeypatch.setattr(check, "coreai_latency", spy)
-    r = CliRunner().invoke(main, ["validate", str(art), "--baseline", str(work / "src-llama"), "--device", "cpu", "--seq-len", "32",
-                                  "--max-samples", "1", "--prefill-len", "16", "--decode-tokens", "2", "--rounds", "1", "--json"],
-                           catch_exceptions=False)
+    r = CliRunner().invoke(
+        main,
+        [
+            "validate",
+            str(art),
+            "--baseline",
+            str(work / "src-llama"),
+            "--device",
+            "cpu",
+            "--seq-len",
+            "32",
+            "--max-samples",
+            "1",
+            "--prefill-len",
+            "16",
+            "--decode-tokens",
+            "2",
+            "--rounds",
+            "1",
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["settings"]["warmup"] == 1 and res["settings"]["repeats"] == 2  # CPU defaults, resolved by the run
@@ -443,8 +512,28 @@ def test_a_failing_core_ai_part_keeps_the_validation_recorded_and_shown(exported
     from mpsconvert.cli import main
 
     art, _, _ = exported["llama"]
-    args = ["validate", str(art), "--baseline", str(work / "src-llama"), "--device", "cpu", "--seq-len", "32", "--max-samples", "1",
-            "--prefill-len", "16", "--decode-tokens", "2", "--rounds", "1", "--repeats", "1", "--warmup", "0"]
+    args = [
+        "validate",
+        str(art),
+        "--baseline",
+        str(work / "src-llama"),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--max-samples",
+        "1",
+        "--prefill-len",
+        "16",
+        "--decode-tokens",
+        "2",
+        "--rounds",
+        "1",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    ]
     with transaction(art) as t:
         t.drop(Validation)
 
@@ -455,9 +544,14 @@ def test_a_failing_core_ai_part_keeps_the_validation_recorded_and_shown(exported
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2, r.output
     assert "perplexity" in r.output and "recorded in" in r.output  # the PyTorch table came first
-    assert r.output.strip().splitlines()[-1].startswith("error: validation results for") and "Core AI part failed" in r.output
+    assert (
+        r.output.strip().splitlines()[-1].startswith("error: validation results for")
+        and "Core AI part failed" in r.output
+    )
     m = Manifest.read(art)
-    assert m.extra["validation"] and "Not validated yet" not in (art / "README.md").read_text()  # recorded, card refreshed
+    assert (
+        m.extra["validation"] and "Not validated yet" not in (art / "README.md").read_text()
+    )  # recorded, card refreshed
     assert mpsconvert.verify(art).ok
 
     def bug(*a, **k):
@@ -468,4 +562,6 @@ def test_a_failing_core_ai_part_keeps_the_validation_recorded_and_shown(exported
         t.drop(Validation)
     r = CliRunner().invoke(main, args)
     assert isinstance(r.exception, ZeroDivisionError)  # a bug keeps its traceback...
-    assert "perplexity" in r.output and Manifest.read(art).extra["validation"]  # ...after the results were recorded and shown
+    assert (
+        "perplexity" in r.output and Manifest.read(art).extra["validation"]
+    )  # ...after the results were recorded and shown

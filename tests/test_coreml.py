@@ -3,31 +3,33 @@ and failures that leave the artifact as it was. Tiny random Llama and BERT model
 
 from __future__ import annotations
 
-from functools import partial
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.extra("coreml")
-
-import mpsconvert  # noqa: E402
-from mpsconvert.format import fp8  # noqa: E402
-from mpsconvert.apple.coreml import ExportOptions, mil_eval  # noqa: E402
-from mpsconvert.apple.coreml import ops as coreml_ops  # noqa: E402
-from mpsconvert.apple.coreml.coreml_check import check_package, coreml_runtime_check  # noqa: E402
-from mpsconvert.apple.coreml.coreml_export import PACKAGE_NAME, SeqLen  # noqa: E402
-from mpsconvert.apple.torch_model import read_artifact_weights  # noqa: E402
-from mpsconvert.errors import ExportError  # noqa: E402
-from mpsconvert.errors import MpsconvertError  # noqa: E402
-from mpsconvert.manifests.hashing import sha256_file  # noqa: E402
-from mpsconvert.manifests.manifest import Manifest  # noqa: E402
-from mpsconvert.format.schemes import Scheme  # noqa: E402
+import mpsconvert
+from mpsconvert.apple.coreml import ExportOptions, mil_eval
+from mpsconvert.apple.coreml import ops as coreml_ops
+from mpsconvert.apple.coreml.coreml_check import check_package, coreml_runtime_check
+from mpsconvert.apple.coreml.coreml_export import PACKAGE_NAME, SeqLen
+from mpsconvert.apple.torch_model import read_artifact_weights
+from mpsconvert.errors import (
+    ExportError,
+    MpsconvertError,
+)
+from mpsconvert.format import fp8
+from mpsconvert.format.schemes import Scheme
+from mpsconvert.manifests.hashing import sha256_file
+from mpsconvert.manifests.manifest import Manifest
 
 from .models import resign, tiny, tiny_artifact, tree_hashes
+
+pytestmark = pytest.mark.extra("coreml")
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +88,14 @@ def test_registered_converters_convert_and_compute_right():
         else:
             src = torch.jit.trace(M(), (x,))
             kw = {"inputs": [ct.TensorType(name="x", shape=x.shape)]}
-        ml = ct.convert(src, minimum_deployment_target=ct.target.iOS18, convert_to="mlprogram",
-                        compute_precision=ct.precision.FLOAT32, skip_model_load=True, **kw)
+        ml = ct.convert(
+            src,
+            minimum_deployment_target=ct.target.iOS18,
+            convert_to="mlprogram",
+            compute_precision=ct.precision.FLOAT32,
+            skip_model_load=True,
+            **kw,
+        )
         prog = ml._mil_program
         name = list(prog.functions["main"].inputs)[0]
         outs, _ = mil_eval.evaluate(prog, {name: x.numpy()})
@@ -142,7 +150,12 @@ def test_fp8_lut_indices_are_the_fp8_bytes_independently(llama, work):
 
 @pytest.mark.slow  # 3.5 min on 2 cores
 def test_per_tensor_scale_is_folded_and_bit_exact(work):
-    art = tiny_artifact(work, "llama-tensor", lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=1), Scheme.make("fp8-weight-only", "tensor"))
+    art = tiny_artifact(
+        work,
+        "llama-tensor",
+        lambda p: tiny("llama", p, dtype=torch.bfloat16, tie=True, seed=1),
+        Scheme.make("fp8-weight-only", "tensor"),
+    )
     art = _copy(art, work, "llama-tensor-export")
     mpsconvert.export_coreml(art, kv_cache=False, seq_len="8", check=False)
     res = check_package(art, _record(art), n_samples=2)
@@ -266,7 +279,10 @@ def test_cli_quantize_coreml_and_check_only(work):
     r = CliRunner().invoke(main, ["export-coreml", str(out), "--check-only", "--json", "--decode-steps", "4"])
     assert r.exit_code == 0, r.output
     body = json.loads(r.output)
-    assert body["check"]["weights"]["codes_bit_exact"] is True and body["check"]["reference_eval"]["decode"]["positions"] == 4
+    assert (
+        body["check"]["weights"]["codes_bit_exact"] is True
+        and body["check"]["reference_eval"]["decode"]["positions"] == 4
+    )
     r = CliRunner().invoke(main, ["export-coreml", str(out)])
     assert r.exit_code == 2 and "--force" in r.output
 
@@ -327,7 +343,12 @@ def test_stateful_decoder_declares_states_keeps_fp8_and_agrees(stateful_packages
     assert (rec["fp8_expert_parameters"] > 0) == (name == "qwen3-moe")
     assert res["size_ratio"] <= 1.1
     ev = res["reference_eval"]
-    assert ev["ok"] and ev["prefill"]["top1_agreement"] >= 0.98 and ev["decode"]["top1_agreement"] >= 0.95 and ev["decode"]["positions"] == 8
+    assert (
+        ev["ok"]
+        and ev["prefill"]["top1_agreement"] >= 0.98
+        and ev["decode"]["top1_agreement"] >= 0.95
+        and ev["decode"]["positions"] == 8
+    )
     assert ev["generation"]["agree"]
     assert "not the Core ML runtime" in ev["evaluator"]
     assert {"read_state", "coreml_update_state", "scatter_along_axis"} <= set(ev["ops_by_implementation"]["mpsconvert"])
@@ -367,8 +388,13 @@ def test_mil_eval_states_persist_between_calls():
             return self.total * 2
 
     ep = torch.export.export(Acc(), (torch.zeros(1, 4),), strict=False).run_decompositions({})
-    ml = ct.convert(ep, minimum_deployment_target=ct.target.iOS18, convert_to="mlprogram", skip_model_load=True,
-                    compute_precision=ct.precision.FLOAT32)
+    ml = ct.convert(
+        ep,
+        minimum_deployment_target=ct.target.iOS18,
+        convert_to="mlprogram",
+        skip_model_load=True,
+        compute_precision=ct.precision.FLOAT32,
+    )
     prog = ml._mil_program
     states = mil_eval.new_states(prog)
     assert list(states) == ["total"] and states["total"].dtype == np.float16
@@ -418,7 +444,13 @@ def test_coreml_runtime_check_on_macos_through_states_with_a_fake(stateful_packa
     assert _FakeMLModel.loads == ["ALL", "CPU_AND_GPU"]
     for cu in ("coreml:all", "coreml:cpu_and_gpu"):
         r = rows[cu]
-        assert r["ok"] and r["prefill_top1"] >= 0.98 and r["decode_top1"] >= 0.95 and r["decode_tokens"] == 4 and r["decode_tokens_per_s"] > 0
+        assert (
+            r["ok"]
+            and r["prefill_top1"] >= 0.98
+            and r["decode_top1"] >= 0.95
+            and r["decode_tokens"] == 4
+            and r["decode_tokens_per_s"] > 0
+        )
     assert "Neural Engine refused" in rows["coreml:cpu_and_ne"]["error"] and res["ok"] is False
     assert "pytorch:mps fp16" in rows
 
@@ -446,6 +478,6 @@ def test_cli_no_kv_cache_keeps_the_stateless_form(stateful_packages, work):
     art = _copy(stateful_packages["qwen2-tied"][0], work, "sf-qwen2-stateless")
     r = CliRunner().invoke(main, ["export-coreml", str(art), "--force", "--no-kv-cache", "--seq-len", "8", "--json"])
     assert r.exit_code == 0, r.output
-    body = json.loads(r.output[r.output.index("{"):])
+    body = json.loads(r.output[r.output.index("{") :])
     assert body["export"]["kv_cache"] is False and not body["check"]["spec"]["states"]
     assert [f["name"] for f in body["check"]["spec"]["inputs"]] == ["input_ids"]

@@ -39,20 +39,48 @@ FORMATS = ("comfyui", "diffusers")
 
 
 def _flux():
-    return diffusers.FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
-                                            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                            guidance_embeds=True, axes_dims_rope=[8, 12, 12])
+    return diffusers.FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=[8, 12, 12],
+    )
 
 
 def _wan():
-    return diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-                                           text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-                                           qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    return diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
 
 
 def _qwen():
-    return diffusers.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                                                 num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+    return diffusers.QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
 
 
 BUILDERS = {"flux": _flux, "wan": _wan, "qwen-image": _qwen}
@@ -72,7 +100,11 @@ def sources(tmp_path_factory):
 @pytest.fixture(scope="module")
 def artifacts(sources, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
-    return {(fam, fmt): mpsconvert.quantize(sources[fam], root / f"{fam}-{fmt}", format=fmt) for fam in FAMILIES for fmt in FORMATS}
+    return {
+        (fam, fmt): mpsconvert.quantize(sources[fam], root / f"{fam}-{fmt}", format=fmt)
+        for fam in FAMILIES
+        for fmt in FORMATS
+    }
 
 
 def _bf16(src: Path):
@@ -115,8 +147,8 @@ def _diffusers_names(family: str, original: dict, config: dict, monkeypatch) -> 
 def _read_comfy(path: Path):
     """The file as ComfyUI's loader reads it (comfy/ops.py): codes + 0-d weight_scale become a
     comfy-kitchen QuantizedTensor; returns (dequantized BF16 tensors, the QuantizedTensors, header metadata)."""
-    from safetensors import safe_open
     from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout
+    from safetensors import safe_open
 
     with safe_open(str(path), "pt") as fh:
         meta = fh.metadata()
@@ -128,8 +160,11 @@ def _read_comfy(path: Path):
         assert conf["format"] == "float8_e4m3fn"
         w, s = sd.pop(mod + ".weight"), sd.pop(mod + ".weight_scale")
         assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.dim() == 0  # per tensor only
-        qts[mod] = QuantizedTensor(w, "TensorCoreFP8Layout", TensorCoreFP8Layout.Params(scale=s, orig_dtype=torch.bfloat16,
-                                                                                         orig_shape=tuple(w.shape)))
+        qts[mod] = QuantizedTensor(
+            w,
+            "TensorCoreFP8Layout",
+            TensorCoreFP8Layout.Params(scale=s, orig_dtype=torch.bfloat16, orig_shape=tuple(w.shape)),
+        )
         sd[mod + ".weight"] = qts[mod].dequantize()
     return sd, qts, meta
 
@@ -141,7 +176,9 @@ def _fp8_model(family, fmt, art, src, monkeypatch):
         return cls.from_pretrained(str(art.output), torch_dtype=torch.bfloat16).eval()
     sd, _, _ = _read_comfy(art.output / art.manifest.recipe["file"])
     model = _bf16(src)
-    missing, unexpected = model.load_state_dict(_diffusers_names(family, dict(sd), dict(model.config), monkeypatch), strict=False)
+    missing, unexpected = model.load_state_dict(
+        _diffusers_names(family, dict(sd), dict(model.config), monkeypatch), strict=False
+    )
     assert not missing and not unexpected, (missing, unexpected)
     return model
 
@@ -171,7 +208,11 @@ def test_excluded_layers_stay_in_their_source_dtype(family, sources, artifacts):
     with safe_open(str(comfy.output / comfy.manifest.recipe["file"]), "pt") as fh:
         dtypes = {k: fh.get_slice(k).get_dtype() for k in fh.keys()}
     fp8 = {k[: -len(".weight")] for k, d in dtypes.items() if d == "F8_E4M3"}
-    assert fp8 and all(dtypes[k] == "BF16" for k in dtypes if not k.endswith((".weight_scale", ".comfy_quant")) and k[: -len(".weight")] not in fp8)
+    assert fp8 and all(
+        dtypes[k] == "BF16"
+        for k in dtypes
+        if not k.endswith((".weight_scale", ".comfy_quant")) and k[: -len(".weight")] not in fp8
+    )
     with safe_open(str(dif.output / "diffusion_pytorch_model.safetensors"), "pt") as fh:
         stored = {k: fh.get_slice(k).get_dtype() for k in fh.keys()}
     model = type(_bf16(sources[family])).from_pretrained(str(dif.output), torch_dtype=torch.bfloat16)
@@ -208,20 +249,47 @@ def test_key_map_gives_back_every_diffusers_tensor_through_diffusers_converters(
     models = {
         "flux": (_flux(), sfu.convert_flux_transformer_checkpoint_to_diffusers),
         "wan": (_wan(), sfu.convert_wan_transformer_to_diffusers),
-        "sd3": (diffusers.SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                                num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=16,
-                                                pooled_projection_dim=16, out_channels=4, qk_norm="rms_norm", dual_attention_layers=(0,)),
-                sfu.convert_sd3_transformer_checkpoint_to_diffusers),
-        "z-image": (diffusers.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
-                                                      n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6],
-                                                      axes_lens=[64, 32, 32]),
-                    sfu.convert_z_image_transformer_checkpoint_to_diffusers),
+        "sd3": (
+            diffusers.SD3Transformer2DModel(
+                sample_size=32,
+                patch_size=2,
+                in_channels=4,
+                num_layers=2,
+                attention_head_dim=8,
+                num_attention_heads=2,
+                caption_projection_dim=16,
+                joint_attention_dim=16,
+                pooled_projection_dim=16,
+                out_channels=4,
+                qk_norm="rms_norm",
+                dual_attention_layers=(0,),
+            ),
+            sfu.convert_sd3_transformer_checkpoint_to_diffusers,
+        ),
+        "z-image": (
+            diffusers.ZImageTransformer2DModel(
+                all_patch_size=(2,),
+                all_f_patch_size=(1,),
+                in_channels=4,
+                dim=32,
+                n_layers=2,
+                n_refiner_layers=1,
+                n_heads=2,
+                n_kv_heads=2,
+                cap_feat_dim=16,
+                axes_dims=[4, 6, 6],
+                axes_lens=[64, 32, 32],
+            ),
+            sfu.convert_z_image_transformer_checkpoint_to_diffusers,
+        ),
     }
     monkeypatch.setattr(sfu, "torch", _Split(64))
     for fam, (model, convert) in models.items():
         sd = model.state_dict()
-        original = {o.name: torch.cat([sd[p.key][p.row0:p.row1] for p in o.pieces]) if o.shape else sd[o.pieces[0].key]
-                    for o in to_original(BY_NAME[fam], {k: tuple(v.shape) for k, v in sd.items()})}
+        original = {
+            o.name: torch.cat([sd[p.key][p.row0 : p.row1] for p in o.pieces]) if o.shape else sd[o.pieces[0].key]
+            for o in to_original(BY_NAME[fam], {k: tuple(v.shape) for k, v in sd.items()})
+        }
         back = convert(dict(original))
         assert set(back) == set(sd), fam
         assert all(torch.equal(back[k], sd[k]) for k in sd), fam
@@ -235,11 +303,14 @@ def test_trap_diffusers_single_file_loader_ignores_comfyui_scales(sources, artif
     art = artifacts[("wan", "comfyui")]
     path = str(art.output / art.manifest.recipe["file"])
     bf16 = _bf16(sources["wan"])
-    silent = diffusers.WanTransformer3DModel.from_single_file(path, config=str(sources["wan"]), torch_dtype=torch.bfloat16)
+    silent = diffusers.WanTransformer3DModel.from_single_file(
+        path, config=str(sources["wan"]), torch_dtype=torch.bfloat16
+    )
     kw = step_inputs("wan", dict(bf16.config), image_tokens=64, text_tokens=16)
     assert compare(_out(bf16, kw), _out(silent, kw))["rel_error"] > 0.5  # garbage, silently
-    bfl = diffusers.WanTransformer3DModel.from_single_file(path, config=str(sources["wan"]),
-                                                           quantization_config=diffusers.BFLQuantizationConfig())
+    bfl = diffusers.WanTransformer3DModel.from_single_file(
+        path, config=str(sources["wan"]), quantization_config=diffusers.BFLQuantizationConfig()
+    )
     with pytest.raises(IndexError):  # BFL's fp8r is per row: our 0-d per-tensor scales stop its first matmul
         _out(bfl, kw)
     card = (art.output / "README.md").read_text()
@@ -293,24 +364,47 @@ def test_pipeline_folder_keeps_the_rest_and_validates(sources, tmp_path):
     shutil.copytree(sources["wan"], pipe / "transformer")
     (pipe / "scheduler").mkdir()
     (pipe / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "UniPCMultistepScheduler"}')
-    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
-                                                       "scheduler": ["diffusers", "UniPCMultistepScheduler"]}))
+    (pipe / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "WanPipeline",
+                "transformer": ["diffusers", "WanTransformer3DModel"],
+                "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+            }
+        )
+    )
     art = mpsconvert.quantize(pipe, tmp_path / "out", format="diffusers")
-    assert (art.output / "scheduler" / "scheduler_config.json").read_text() == (pipe / "scheduler" / "scheduler_config.json").read_text()
-    assert "scheduler/scheduler_config.json" in art.manifest.files and "transformer/diffusion_pytorch_model.safetensors" in art.manifest.files
+    assert (art.output / "scheduler" / "scheduler_config.json").read_text() == (
+        pipe / "scheduler" / "scheduler_config.json"
+    ).read_text()
+    assert (
+        "scheduler/scheduler_config.json" in art.manifest.files
+        and "transformer/diffusion_pytorch_model.safetensors" in art.manifest.files
+    )
     assert mpsconvert.verify(art.output).ok
-    res = mpsconvert.validate(art.output, options=mpsconvert.validate_options(device="cpu", prefill_len=64, repeats=1, rounds=1, warmup=0))
-    assert res.kind == "diffusion-step" and res.accuracy["rel_error"] < TOLERANCE["rel_error"] and res.speedup["step"] > 0
+    res = mpsconvert.validate(
+        art.output, options=mpsconvert.validate_options(device="cpu", prefill_len=64, repeats=1, rounds=1, warmup=0)
+    )
+    assert (
+        res.kind == "diffusion-step" and res.accuracy["rel_error"] < TOLERANCE["rel_error"] and res.speedup["step"] > 0
+    )
     assert "diffusion-step" in json.dumps(mpsconvert.inspect(art.output).extra["validation"])
     assert "One denoising step" in (art.output / "README.md").read_text()
     comfy = mpsconvert.quantize(pipe, tmp_path / "comfy", format="comfyui")
-    assert sorted(p.name for p in comfy.output.iterdir()) == ["README.md", "comfy.safetensors", "config.json", "mpsconvert.json"]
+    assert sorted(p.name for p in comfy.output.iterdir()) == [
+        "README.md",
+        "comfy.safetensors",
+        "config.json",
+        "mpsconvert.json",
+    ]
 
 
 def test_validate_comfyui_artifact(artifacts):
     art = artifacts[("flux", "comfyui")]
-    res = mpsconvert.validate(art.output, options=mpsconvert.validate_options(device="cpu", prefill_len=64, repeats=1, rounds=1,
-                                                                               warmup=0, write=False))
+    res = mpsconvert.validate(
+        art.output,
+        options=mpsconvert.validate_options(device="cpu", prefill_len=64, repeats=1, rounds=1, warmup=0, write=False),
+    )
     assert res.accuracy["rel_error"] < TOLERANCE["rel_error"] and res.accuracy["cosine"] > TOLERANCE["cosine"]
     assert "comfy-kitchen" in json.dumps(res.kernels) and res.recorded is None
     from click.testing import CliRunner
@@ -318,11 +412,31 @@ def test_validate_comfyui_artifact(artifacts):
     from mpsconvert.cli import main
 
     # the command's table: the step's accuracy and latency rows (it read an LLM's keys and crashed)
-    cli = CliRunner().invoke(main, ["validate", str(art.output), "--device", "cpu", "--prefill-len", "64", "--repeats", "1", "--rounds", "1",
-                                    "--warmup", "0", "--no-write", "--explain"], env={"COLUMNS": "80"})  # the width is read live: fixed here
+    cli = CliRunner().invoke(
+        main,
+        [
+            "validate",
+            str(art.output),
+            "--device",
+            "cpu",
+            "--prefill-len",
+            "64",
+            "--repeats",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--no-write",
+            "--explain",
+        ],
+        env={"COLUMNS": "80"},
+    )  # the width is read live: fixed here
     said = " ".join(cli.output.split())
     assert cli.exit_code == 0, cli.output
-    assert "denoising" in said and "relative error" in said and "denoising step (64" in said and "|error|" in said  # cells wrap at 80 columns
+    assert (
+        "denoising" in said and "relative error" in said and "denoising step (64" in said and "|error|" in said
+    )  # cells wrap at 80 columns
     assert "how the FP8 layers ran" in said and "comfy-kitchen" in said and "kernel policy" not in said
 
 
@@ -332,8 +446,14 @@ def test_validate_comfyui_artifact(artifacts):
 def test_unknown_family(tmp_path):
     from diffusers import UNet2DModel
 
-    UNet2DModel(sample_size=8, block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4,
-                down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D")).save_pretrained(tmp_path / "unet")
+    UNet2DModel(
+        sample_size=8,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+    ).save_pretrained(tmp_path / "unet")
     with pytest.raises(SourceError) as e:
         mpsconvert.quantize(tmp_path / "unet", tmp_path / "o")
     assert "UNet2DModel" in str(e.value) and "Flux.1" in str(e.value) and "\n" not in str(e.value)
@@ -342,7 +462,9 @@ def test_unknown_family(tmp_path):
 
 def test_pipeline_without_transformer(tmp_path):
     (tmp_path / "p" / "vae").mkdir(parents=True)
-    (tmp_path / "p" / "model_index.json").write_text(json.dumps({"_class_name": "X", "vae": ["diffusers", "AutoencoderKL"]}))
+    (tmp_path / "p" / "model_index.json").write_text(
+        json.dumps({"_class_name": "X", "vae": ["diffusers", "AutoencoderKL"]})
+    )
     with pytest.raises(SourceError) as e:
         mpsconvert.quantize(tmp_path / "p", tmp_path / "o")
     assert "no transformer" in str(e.value) and "vae" in str(e.value) and "`component=NAME`" in str(e.value)
@@ -354,7 +476,11 @@ def test_single_file_of_no_family(tmp_path):
     save_file({"encoder.layer.0.weight": torch.zeros(4, 4)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(SourceError) as e:
         mpsconvert.quantize(tmp_path / "x.safetensors", tmp_path / "o")
-    assert "match no diffusion family" in str(e.value) and "encoder.layer.0.weight" in str(e.value) and "Wan 2.x" in str(e.value)
+    assert (
+        "match no diffusion family" in str(e.value)
+        and "encoder.layer.0.weight" in str(e.value)
+        and "Wan 2.x" in str(e.value)
+    )
 
 
 def test_single_file_to_comfyui_and_not_to_diffusers(artifacts, tmp_path):
@@ -364,7 +490,9 @@ def test_single_file_to_comfyui_and_not_to_diffusers(artifacts, tmp_path):
 
     art = artifacts[("flux", "comfyui")]
     sd, _, _ = _read_comfy(art.output / art.manifest.recipe["file"])
-    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in sd.items()}, str(tmp_path / "flux1.safetensors"))
+    save_file(
+        {f"model.diffusion_model.{k}": v.contiguous() for k, v in sd.items()}, str(tmp_path / "flux1.safetensors")
+    )
     out = mpsconvert.quantize(tmp_path / "flux1.safetensors", tmp_path / "one")
     assert out.manifest.recipe["format"] == "comfyui" and out.manifest.recipe["family"] == "flux"
     assert out.manifest.summary["tensors_quantized"] == art.manifest.summary["tensors_quantized"]
@@ -386,7 +514,9 @@ def test_cli_one_line_and_exit_2(tmp_path):
     from mpsconvert.cli import main
 
     (tmp_path / "p").mkdir()
-    (tmp_path / "p" / "model_index.json").write_text(json.dumps({"_class_name": "X", "vae": ["diffusers", "AutoencoderKL"]}))
+    (tmp_path / "p" / "model_index.json").write_text(
+        json.dumps({"_class_name": "X", "vae": ["diffusers", "AutoencoderKL"]})
+    )
     r = CliRunner().invoke(main, ["quantize", str(tmp_path / "p"), "--format", "comfyui"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "no transformer" in r.output
 
@@ -410,17 +540,42 @@ def test_sd35_and_z_image_convert_and_validate(fmt, tmp_path):
     (width 32) 2.7-3.1%, hence this test's wider bound."""
     torch.manual_seed(0)
     built = {
-        "sd3": diffusers.SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                               num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=16,
-                                               pooled_projection_dim=16, out_channels=4, qk_norm="rms_norm", dual_attention_layers=(0,)),
-        "z-image": diffusers.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
-                                                     n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6],
-                                                     axes_lens=[256, 64, 64]),
+        "sd3": diffusers.SD3Transformer2DModel(
+            sample_size=32,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            caption_projection_dim=16,
+            joint_attention_dim=16,
+            pooled_projection_dim=16,
+            out_channels=4,
+            qk_norm="rms_norm",
+            dual_attention_layers=(0,),
+        ),
+        "z-image": diffusers.ZImageTransformer2DModel(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=4,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=16,
+            axes_dims=[4, 6, 6],
+            axes_lens=[256, 64, 64],
+        ),
     }
     for fam, model in built.items():
         model.to(torch.bfloat16).save_pretrained(tmp_path / fam)
         art = mpsconvert.quantize(tmp_path / fam, tmp_path / f"{fam}-{fmt}", format=fmt)
         assert art.manifest.recipe["family"] == fam and mpsconvert.verify(art.output).ok
-        res = mpsconvert.validate(art.output, options=mpsconvert.validate_options(device="cpu", prefill_len=64, repeats=1, rounds=1,
-                                                                                   warmup=0, write=False))
+        res = mpsconvert.validate(
+            art.output,
+            options=mpsconvert.validate_options(
+                device="cpu", prefill_len=64, repeats=1, rounds=1, warmup=0, write=False
+            ),
+        )
         assert 1e-4 < res.accuracy["rel_error"] < 0.06 and res.accuracy["cosine"] > 0.998, (fam, res.accuracy)

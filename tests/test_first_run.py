@@ -12,10 +12,10 @@ import textwrap
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import mpsconvert
-import torch
 from mpsconvert import api
 from mpsconvert.cli import main, progress_bars, render
 from mpsconvert.manifests.manifest import Manifest
@@ -37,7 +37,9 @@ def one_line_error(res, *matches, code=2):
 
 @pytest.fixture(scope="module")
 def art(work):
-    return models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=True))
+    return models.tiny_artifact(
+        work, "llama", lambda p: models.tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=True)
+    )
 
 
 @pytest.fixture
@@ -98,21 +100,23 @@ def test_quantize_into_a_locked_output_is_refused_before_resolving_a_hub_id(held
 
 
 def test_quantize_of_a_folder_into_a_locked_output_does_no_work(held_elsewhere, tiny_models, tmp_path, monkeypatch):
-    from mpsconvert.calibrate import artifact as calibrate_artifact
     import mpsconvert.convert.quantize as q
+    from mpsconvert.calibrate import artifact as calibrate_artifact
 
     out = tmp_path / "out"
     held_elsewhere(out)
     monkeypatch.setattr(q, "quantize_snapshot", never("the conversion"))
     monkeypatch.setattr(calibrate_artifact, "calibrate", never("calibration"))
-    one_line_error(cli("quantize", tiny_models["llama"], "-o", out, "--scheme", "fp8"), "another mpsconvert run is writing")
+    one_line_error(
+        cli("quantize", tiny_models["llama"], "-o", out, "--scheme", "fp8"), "another mpsconvert run is writing"
+    )
     assert not out.exists()
 
 
 def test_calibrate_validate_and_upload_into_a_locked_artifact_do_no_work(held_elsewhere, copy, monkeypatch):
-    from mpsconvert.calibrate import artifact as calibrate_artifact
     import mpsconvert.manifests.verify as verify
     import mpsconvert.runtime.evaluate.validate as validate
+    from mpsconvert.calibrate import artifact as calibrate_artifact
 
     held_elsewhere(copy)
     before = models.tree_hashes(copy)
@@ -141,8 +145,8 @@ def test_an_apple_export_and_its_check_run_under_one_lock(held_elsewhere, copy, 
 
 
 def test_a_command_joins_its_own_lock_and_nobody_else_does(tmp_path):
-    from mpsconvert.infra import atomic
     from mpsconvert.errors import MpsconvertError
+    from mpsconvert.infra import atomic
 
     out = tmp_path / "out"
     with atomic.claim(out):
@@ -170,16 +174,23 @@ def test_an_existing_output_is_refused_before_torch_loads_or_the_hub_is_asked(ar
                 print(e)
         print("torch" in sys.modules, "transformers" in sys.modules, "huggingface_hub" in sys.modules)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == 3, r.stdout + r.stderr
     assert "already exists; pass --force" in lines[0]
     assert "is not an mpsconvert artifact" in lines[1] and "pass --force" not in lines[1]
     assert lines[2] == "False False False"
     # the command line too (it builds the calibration options first: they must not load torch)
-    code = ("import sys, atexit; atexit.register(lambda: print('torch' in sys.modules)); from mpsconvert.cli import main; "
-            f"main(['quantize', {str(art.parent / 'src-llama')!r}, '-o', {str(art)!r}])")
+    code = (
+        "import sys, atexit; atexit.register(lambda: print('torch' in sys.modules)); from mpsconvert.cli import main; "
+        f"main(['quantize', {str(art.parent / 'src-llama')!r}, '-o', {str(art)!r}])"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "already exists" in r.stderr and r.stdout.strip() == "False", r.stdout + r.stderr
 
@@ -194,7 +205,9 @@ def test_the_manifest_sha256_is_printed_whole(tiny_models, tmp_path, columns):
     from mpsconvert.manifests.manifest import manifest_sha256
 
     want = manifest_sha256(tmp_path / "out")
-    assert f"manifest sha256 {want} " in res.output  # on one line, all 64 digits (a table cut it with "…" at 80 columns)
+    assert (
+        f"manifest sha256 {want} " in res.output
+    )  # on one line, all 64 digits (a table cut it with "…" at 80 columns)
     res = cli("verify", tmp_path / "out", "--manifest-sha256", want, env={"COLUMNS": columns})
     assert res.exit_code == 0 and f"manifest sha256 {want}\n" in res.output
 
@@ -225,7 +238,9 @@ def test_the_card_names_the_folder_the_artifact_is_in(tiny_models, tmp_path):
     out.rename(moved)
     from mpsconvert.manifests.transaction import transaction
 
-    with transaction(moved):  # any later change (validate, an export) rewrites the card, naming the folder as it is then
+    with transaction(
+        moved
+    ):  # any later change (validate, an export) rewrites the card, naming the folder as it is then
         pass
     assert 'mpsconvert generate renamed "Hello"' in (moved / "README.md").read_text()
     assert mpsconvert.verify(moved).ok
@@ -242,17 +257,39 @@ def test_generate_with_core_ml_off_macos_says_so_before_anything_else(art, monke
 def test_inspect_shows_the_runs_verdict_and_sorts_layers_by_number(tmp_path):
     from mpsconvert.manifests.transaction import transaction
 
-    src = models.tiny("llama", tmp_path / "src", vocab=128, layers=11, hidden_size=32, intermediate_size=64,
-                      num_attention_heads=2, num_key_value_heads=1)
+    src = models.tiny(
+        "llama",
+        tmp_path / "src",
+        vocab=128,
+        layers=11,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     out = mpsconvert.quantize(src, tmp_path / "a").output
     with transaction(out) as t:  # the card is rewritten with the record
-        t.manifest.extra["validation"] = {"CPU (cpu)": {
-            "kind": "causal-lm", "device": "cpu", "scheme": "fp8-dynamic", "measured_at": "2026-01-01T00:00:00Z",
-            "accuracy": {"perplexity_bf16": 10.0, "perplexity_fp8": 10.1, "perplexity_delta_pct": 1.0, "mean_kl": 0.01,
-                         "top1_agreement": 0.95, "tokens": 64},
-            "speedup": {"prefill": 1.5, "decode": 0.38},
-            "verdict": {"prefill": {"ratio": 1.5, "spread": 0.05, "verdict": "faster"},
-                        "decode": {"ratio": 0.38, "spread": 2.1, "verdict": "no clear difference"}}}}
+        t.manifest.extra["validation"] = {
+            "CPU (cpu)": {
+                "kind": "causal-lm",
+                "device": "cpu",
+                "scheme": "fp8-dynamic",
+                "measured_at": "2026-01-01T00:00:00Z",
+                "accuracy": {
+                    "perplexity_bf16": 10.0,
+                    "perplexity_fp8": 10.1,
+                    "perplexity_delta_pct": 1.0,
+                    "mean_kl": 0.01,
+                    "top1_agreement": 0.95,
+                    "tokens": 64,
+                },
+                "speedup": {"prefill": 1.5, "decode": 0.38},
+                "verdict": {
+                    "prefill": {"ratio": 1.5, "spread": 0.05, "verdict": "faster"},
+                    "decode": {"ratio": 0.38, "spread": 2.1, "verdict": "no clear difference"},
+                },
+            }
+        }
     res = cli("inspect", out, env={"COLUMNS": "300"})
     assert res.exit_code == 0
     assert "decode no clear difference (0.38x" in res.output and "decode 0.38x" not in res.output
@@ -319,8 +356,11 @@ def test_an_interrupt_that_surfaces_as_another_error_is_one_line_and_exit_130(ar
     from mpsconvert.cli import app
     from mpsconvert.errors import SourceError
 
-    for surfaced in (ImportError("cannot import name 'LlamaConfig' from partially initialized module"),
-                     SourceError("transformers cannot read config.json: ModuleNotFoundError")):
+    for surfaced in (
+        ImportError("cannot import name 'LlamaConfig' from partially initialized module"),
+        SourceError("transformers cannot read config.json: ModuleNotFoundError"),
+    ):
+
         def interrupted_import(*a, surfaced=surfaced, **k):
             try:
                 app._on_signal(signal.SIGINT, None)
@@ -356,9 +396,13 @@ def test_an_interrupt_while_the_program_imports_is_one_line():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_one_line_and_writes_nothing(art, tiny_models, tmp_path):
     before = models.tree_hashes(art)
-    for args in (("generate", art, "hi", "--device", "cuda"), ("chat", art, "--device", "cuda"),
-                 ("validate", art, "--device", "cuda"), ("calibrate", art, "--device", "cuda"),
-                 ("quantize", tiny_models["llama"], "-o", tmp_path / "out", "--scheme", "fp8", "--device", "cuda")):
+    for args in (
+        ("generate", art, "hi", "--device", "cuda"),
+        ("chat", art, "--device", "cuda"),
+        ("validate", art, "--device", "cuda"),
+        ("calibrate", art, "--device", "cuda"),
+        ("quantize", tiny_models["llama"], "-o", tmp_path / "out", "--scheme", "fp8", "--device", "cuda"),
+    ):
         one_line_error(cli(*args), "CUDA is not available", "--device auto")
     assert models.tree_hashes(art) == before and not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mpsconvert")]

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from mpsconvert.format import fp8
 from mpsconvert.errors import QuantizationError
+from mpsconvert.format import fp8
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 

@@ -5,8 +5,8 @@ runtime.load, and equal to the source dequantized; other schemes re-quantize and
 from __future__ import annotations
 
 import hashlib
-import re
 import json
+import re
 import shutil
 
 import pytest
@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 import mpsconvert
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.verify import verify_artifact
-from .models import group_quantized_activations, read_fine_grained_fp8, tiny, to_fine_grained_fp8
+
 from .helpers import logits
+from .models import group_quantized_activations, read_fine_grained_fp8, tiny, to_fine_grained_fp8
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -27,7 +28,11 @@ IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
 def _source(tmp_path, arch: str, block: int):
-    bf16 = tiny("qwen3", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08) if arch == "qwen3" else tiny("qwen3_moe", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08, vocab=128)
+    bf16 = (
+        tiny("qwen3", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08)
+        if arch == "qwen3"
+        else tiny("qwen3_moe", tmp_path / "bf16", dtype=torch.bfloat16, widen=0.08, vocab=128)
+    )
     return to_fine_grained_fp8(bf16, tmp_path / "fp8-src", block)
 
 
@@ -59,14 +64,20 @@ def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, 
     out = tmp_path / "artifact"
     res = mpsconvert.quantize(src, out)
     man = res.manifest
-    vllm = [w for w in res.warnings if w.startswith("vLLM")]  # the tiny q/k/v rows are no multiple of a 128 block: vLLM would refuse it
+    vllm = [
+        w for w in res.warnings if w.startswith("vLLM")
+    ]  # the tiny q/k/v rows are no multiple of a 128 block: vLLM would refuse it
     assert [w for w in res.warnings if w not in vllm] == [] and bool(vllm) == (block == 128 and arch == "qwen3")
     assert (man.recipe["name"], man.recipe["weights"], man.recipe["block_size"]) == ("fp8-dynamic", "block", block)
     assert man.source["fp8"]["layout"] == "fine-grained-fp8"
-    assert man.source["files"]["model.safetensors"] == hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    assert (
+        man.source["files"]["model.safetensors"] == hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    )
     src_sd, out_sd = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     fp8_keys = [k for k, v in src_sd.items() if v.dtype == torch.float8_e4m3fn]
-    assert len(fp8_keys) == (14 if arch == "qwen3" else 2 * (4 + 4 * 3))  # q,k,v,o,gate,up,down / attention + 4 experts x 3
+    assert len(fp8_keys) == (
+        14 if arch == "qwen3" else 2 * (4 + 4 * 3)
+    )  # q,k,v,o,gate,up,down / attention + 4 experts x 3
     for k in fp8_keys:
         raw = _raw(src, k)
         assert _raw(out, k) == raw  # the e4m3 codes, byte for byte
@@ -76,7 +87,9 @@ def test_fine_grained_fp8_source_keeps_its_codes_and_loads_everywhere(tmp_path, 
         assert k + "_scale_inv" not in out_sd
     # what the source kept in BF16 (lm_head, the router) stays BF16 and is ignored by name
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "compressed-tensors" and qc["config_groups"]["group_0"]["weights"]["block_structure"] == [block, block]
+    assert qc["quant_method"] == "compressed-tensors" and qc["config_groups"]["group_0"]["weights"][
+        "block_structure"
+    ] == [block, block]
     assert out_sd["lm_head.weight"].dtype == torch.bfloat16 and "lm_head" in qc["ignore"]
     if arch == "qwen3_moe":
         assert out_sd["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
@@ -126,8 +139,10 @@ def test_a_compressed_tensors_fp8_source_is_repacked_as_it_is(tiny_models, tmp_p
     a, b = load_file(first / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
-                                                        b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k])
+        assert a[k].dtype == b[k].dtype and torch.equal(
+            a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+            b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k],
+        )
     qa = json.loads((first / "config.json").read_text())["quantization_config"]
     qb = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
     assert qa == qb
@@ -152,8 +167,12 @@ def test_sources_that_cannot_be_kept_are_refused_with_one_line(tmp_path):
         "static": (lambda qc: qc.update(activation_scheme="static"), None, "'static' activations"),
         "non-square": (lambda qc: qc.update(weight_block_size=[128, 64]), None, "non-square"),
         "e8m0": (lambda qc: qc.update(scale_fmt="ue8m0"), None, "scale_fmt"),
-        "pickle": (None, lambda d: ((d / "model.safetensors").rename(d / "pytorch_model.bin")), "pickle"),
-        "wrong-block": (lambda qc: qc.update(weight_block_size=[16, 16]), None, "weight_scale_inv is F32[2, 4], but the source's block scales of a [64, 128] weight are [4, 8]"),
+        "pickle": (None, lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"), "pickle"),
+        "wrong-block": (
+            lambda qc: qc.update(weight_block_size=[16, 16]),
+            None,
+            "weight_scale_inv is F32[2, 4], but the source's block scales of a [64, 128] weight are [4, 8]",
+        ),
     }
     for name, (cfg, files, message) in cases.items():
         with pytest.raises(SourceError, match=re.escape(message)):

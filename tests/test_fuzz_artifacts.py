@@ -10,7 +10,6 @@ reliability table in docs/security.md.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 import json
 import os
 import random
@@ -18,6 +17,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,9 +30,37 @@ from .models import resign, tiny, tiny_artifact, tree_hashes
 CASES = int(os.environ.get("MPSCONVERT_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("MPSCONVERT_FUZZ_SEED", "14"))
 
-HOSTILE_PATHS = ["../x", "/etc/passwd", "link/../../x", "link/payload", "a\\b", ".hidden", "a//b", "", "c:evil", "\x00",
-                 "model.safetensors/..", "a/./b", "x" * 2000]
-HOSTILE_VALUES = [None, 0, -1, 2**70, 1.5, "", "x", [], {}, [1, [2, [3]]], {"a": {"b": None}}, True, "../../x", "\u202e"]
+HOSTILE_PATHS = [
+    "../x",
+    "/etc/passwd",
+    "link/../../x",
+    "link/payload",
+    "a\\b",
+    ".hidden",
+    "a//b",
+    "",
+    "c:evil",
+    "\x00",
+    "model.safetensors/..",
+    "a/./b",
+    "x" * 2000,
+]
+HOSTILE_VALUES = [
+    None,
+    0,
+    -1,
+    2**70,
+    1.5,
+    "",
+    "x",
+    [],
+    {},
+    [1, [2, [3]]],
+    {"a": {"b": None}},
+    True,
+    "../../x",
+    "\u202e",
+]
 
 
 def _dumps(body) -> str:
@@ -88,8 +116,22 @@ def _listed(art: Path) -> list[str]:
 
 def mutate(rng: random.Random, art: Path, outside: Path) -> tuple[str, bool]:
     """Apply one mutation; returns (description, whether a listed file or the code was tampered with)."""
-    kind = rng.choice(["flip", "truncate", "delete", "code", "extra", "manifest", "manifest-path", "config", "index",
-                       "header", "link", "no-manifest"])
+    kind = rng.choice(
+        [
+            "flip",
+            "truncate",
+            "delete",
+            "code",
+            "extra",
+            "manifest",
+            "manifest-path",
+            "config",
+            "index",
+            "header",
+            "link",
+            "no-manifest",
+        ]
+    )
     files = [f for f in _listed(art) if f != "mpsconvert.json"]
     if kind == "flip":
         f = rng.choice(files)
@@ -100,7 +142,9 @@ def mutate(rng: random.Random, art: Path, outside: Path) -> tuple[str, bool]:
     if kind == "truncate":
         f = rng.choice(files)
         data = (art / f).read_bytes()
-        (art / f).write_bytes(data[: rng.randrange(len(data))] if rng.random() < 0.7 else data + b"\0" * rng.randint(1, 64))
+        (art / f).write_bytes(
+            data[: rng.randrange(len(data))] if rng.random() < 0.7 else data + b"\0" * rng.randint(1, 64)
+        )
         return f"resize {f}", True
     if kind == "delete":
         f = rng.choice(files)
@@ -172,7 +216,9 @@ def _mpsconvert_temp() -> set[str]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return tiny_artifact(tmp_path_factory.mktemp("fuzz"), "llama-sharded", partial(tiny, "llama", max_shard_size="100KB"))
+    return tiny_artifact(
+        tmp_path_factory.mktemp("fuzz"), "llama-sharded", partial(tiny, "llama", max_shard_size="100KB")
+    )
 
 
 @pytest.mark.extra("coreml")
@@ -180,7 +226,15 @@ def test_hostile_artifacts(base, tmp_path):
     import coremltools  # noqa: F401  (imported once, outside the timed cases)
 
     rng = random.Random(SEED)
-    counts = {"cases": 0, "tampered": 0, "ops": 0, "refused": 0, "tracebacks": 0, "writes_outside": 0, "tampered_accepted": 0}
+    counts = {
+        "cases": 0,
+        "tampered": 0,
+        "ops": 0,
+        "refused": 0,
+        "tracebacks": 0,
+        "writes_outside": 0,
+        "tampered_accepted": 0,
+    }
     failures = []
     temp_before = _mpsconvert_temp()
     t0 = time.monotonic()
@@ -227,8 +281,11 @@ def test_hostile_artifacts(base, tmp_path):
             if tampered and accepted:
                 counts["tampered_accepted"] += 1
                 failures.append(f"case {case} ({desc}) {op}: accepted a tampered artifact")
-            if tree_hashes(outside) != before_outside or (outside / "code-ran").exists() \
-                    or set(os.listdir(box)) - {"art", "outside"} - {".mpsconvert-lock-art"}:
+            if (
+                tree_hashes(outside) != before_outside
+                or (outside / "code-ran").exists()
+                or set(os.listdir(box)) - {"art", "outside"} - {".mpsconvert-lock-art"}
+            ):
                 counts["writes_outside"] += 1
                 failures.append(f"case {case} ({desc}) {op}: wrote outside the artifact: {sorted(os.listdir(box))}")
         shutil.rmtree(box, ignore_errors=True)
@@ -253,16 +310,66 @@ def test_hostile_artifacts(base, tmp_path):
 # changed or removed) and hangs.
 
 ROUND3_CASES = int(os.environ.get("MPSCONVERT_FUZZ3_CASES", "12"))  # per class (x4 for the cheap ones)
-NAME_PARTS = ["<script>alert(1)</script>", "`", "```", "|", "[x](javascript:alert(1))", "**b**", "# h", "\n", "\r\n---\n",
-              "\x1b]0;t\x07", "\x1b[2J", "$(touch X)", "'; rm -rf ~; '", '"', "\\", "\u202e", "{{ 7*7 }}", "![i](http://e/x.png)",
-              "<!-- -->", "a" * 300, "org/name", "../..", "\x00", "&amp;", "[bold red]x[/]"]
-TEMPLATE_PARTS = ["{% for m in messages %}{{ m['content'] }}{% endfor %}", "{{ 'x' * 300000000 }}", "{{ raise_exception('no') }}",
-                  "{% for i in range(10**6) %}{% for j in range(10**6) %}{% endfor %}{% endfor %}", "{{ ''.__class__.__mro__ }}",
-                  "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
-                  "{% if add_generation_prompt %}<|assistant|>{% endif %}", "{{ messages | tojson }}", "{%", "{{ x.y.z }}",
-                  "{{ (messages * 100000) | length }}", "{% set x = namespace(a=1) %}{{ x.a }}"]
-REGEX_PARTS = ["(a+)+$", "(a|a)*b", "(?<=a{1,100000})b", "a{1000000}", "(", "[z-a]", "(?P<n>a)(?P=n)*", r"\d+", "mlp", ".*", "(.*)*x",
-               "(?:(?:a*)*)*c", "lm_head", "a" * 2000, "(?i)MLP", r"\p{L}+"]
+NAME_PARTS = [
+    "<script>alert(1)</script>",
+    "`",
+    "```",
+    "|",
+    "[x](javascript:alert(1))",
+    "**b**",
+    "# h",
+    "\n",
+    "\r\n---\n",
+    "\x1b]0;t\x07",
+    "\x1b[2J",
+    "$(touch X)",
+    "'; rm -rf ~; '",
+    '"',
+    "\\",
+    "\u202e",
+    "{{ 7*7 }}",
+    "![i](http://e/x.png)",
+    "<!-- -->",
+    "a" * 300,
+    "org/name",
+    "../..",
+    "\x00",
+    "&amp;",
+    "[bold red]x[/]",
+]
+TEMPLATE_PARTS = [
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "{{ 'x' * 300000000 }}",
+    "{{ raise_exception('no') }}",
+    "{% for i in range(10**6) %}{% for j in range(10**6) %}{% endfor %}{% endfor %}",
+    "{{ ''.__class__.__mro__ }}",
+    "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{{ messages | tojson }}",
+    "{%",
+    "{{ x.y.z }}",
+    "{{ (messages * 100000) | length }}",
+    "{% set x = namespace(a=1) %}{{ x.a }}",
+]
+REGEX_PARTS = [
+    "(a+)+$",
+    "(a|a)*b",
+    "(?<=a{1,100000})b",
+    "a{1000000}",
+    "(",
+    "[z-a]",
+    "(?P<n>a)(?P=n)*",
+    r"\d+",
+    "mlp",
+    ".*",
+    "(.*)*x",
+    "(?:(?:a*)*)*c",
+    "lm_head",
+    "a" * 2000,
+    "(?i)MLP",
+    r"\p{L}+",
+]
 
 
 class Tally:
@@ -348,27 +455,57 @@ def _cards_and_names(rng, tally, chat_art, box):
         m.source["id"] = _hostile_name(rng)
         m.summary["worst_sqnr_tensor"] = _hostile_name(rng)
         m.recipe["ignored_modules"] = {_hostile_name(rng): _hostile_name(rng)}
-        text = card.render(m, json.loads((art / "config.json").read_text()), _hostile_name(rng) if rng.random() < 0.3 else None, None, name)
-        ours = text.split(card.SOURCE_MARKER)[0]  # below the marker: the source's own card, kept as its authors wrote it
+        text = card.render(
+            m,
+            json.loads((art / "config.json").read_text()),
+            _hostile_name(rng) if rng.random() < 0.3 else None,
+            None,
+            name,
+        )
+        ours = text.split(card.SOURCE_MARKER)[
+            0
+        ]  # below the marker: the source's own card, kept as its authors wrote it
         _check(not any(c in ours for c in "\x00\x07\x1b"), "escapes", "a control character reached the card")
         from markdown_it import MarkdownIt  # what a hub renders the card with, near enough (CommonMark, HTML allowed)
 
         html = MarkdownIt("commonmark").render(ours.split("---", 2)[2])
-        _check("<script" not in html and 'href="javascript' not in html and "<img" not in html and "<h1>" not in html.split("</h1>", 1)[1],
-               "escapes", f"markup reached the card: {html[:300]!r}")
+        _check(
+            "<script" not in html
+            and 'href="javascript' not in html
+            and "<img" not in html
+            and "<h1>" not in html.split("</h1>", 1)[1],
+            "escapes",
+            f"markup reached the card: {html[:300]!r}",
+        )
         code = text.split("```python\n", 1)[1].split("\n```", 1)[0]
-        calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_pretrained"]
+        calls = [
+            n
+            for n in ast.walk(ast.parse(code))
+            if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_pretrained"
+        ]
         from mpsconvert.infra.untrusted import printable
 
-        _check(all(isinstance(c.args[0], ast.Constant) and c.args[0].value == printable(name) for c in calls) and calls, "silent_wrong",
-               "the card's Python does not load the folder by its name")
+        _check(
+            all(isinstance(c.args[0], ast.Constant) and c.args[0].value == printable(name) for c in calls) and calls,
+            "silent_wrong",
+            "the card's Python does not load the folder by its name",
+        )
         line = next(ln for ln in text.splitlines() if ln.startswith("mpsconvert generate "))
-        _check(shlex.split(line)[2] == printable(name), "silent_wrong", f"the card's shell line names another folder: {line!r}")
+        _check(
+            shlex.split(line)[2] == printable(name),
+            "silent_wrong",
+            f"the card's shell line names another folder: {line!r}",
+        )
         (art / "mpsconvert.json").write_text(m.to_json())
         res = CliRunner().invoke(main, ["inspect", str(art), "--tensors"])
-        _check(res.exit_code in (0, 1, 2) and res.exception is None or isinstance(res.exception, SystemExit), "tracebacks",
-               f"inspect: {res.exception!r}")
-        _check("\x1b" not in res.output and "\x07" not in res.output, "escapes", "a control character reached the terminal")
+        _check(
+            res.exit_code in (0, 1, 2) and res.exception is None or isinstance(res.exception, SystemExit),
+            "tracebacks",
+            f"inspect: {res.exception!r}",
+        )
+        _check(
+            "\x1b" not in res.output and "\x07" not in res.output, "escapes", "a control character reached the terminal"
+        )
 
 
 def _templates(rng, tally, chat_art, box):
@@ -378,7 +515,9 @@ def _templates(rng, tally, chat_art, box):
     t = "".join(rng.choice(TEMPLATE_PARTS) for _ in range(rng.randint(1, 3))).replace("MARKER", str(marker))
     with tally.case(f"template {t[:80]!r}"):
         out = templates.render(t, [{"role": "user", "content": "hi"}], "fuzz/chat_template.jinja", seconds=3)
-        _check(isinstance(out, str) and len(out) < 64 << 20, "silent_wrong", "the render gave no text or too much of it")
+        _check(
+            isinstance(out, str) and len(out) < 64 << 20, "silent_wrong", "the render gave no text or too much of it"
+        )
     _check_no_escape(tally, marker, "template")
 
 
@@ -387,8 +526,14 @@ def _check_no_escape(tally, marker: Path, what: str) -> None:
         tally.bad("escapes", f"{what}: the marker file was created")
 
 
-TOKENIZER_FILES = ["tokenizer_config.json", "tokenizer.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.json"]
+TOKENIZER_FILES = [
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+]
 
 
 def _tokenizer_files(rng, tally, chat_art, box):
@@ -415,18 +560,36 @@ def _unlisted_in_pinned(rng, tally, chat_art, box):
     base = loadable.tokenizer(art)
     planted = []
     for _ in range(rng.randint(1, 3)):
-        rel = rng.choice(["added_tokens.json", "special_tokens_map.json", "chat_template.json", "additional_chat_templates/x.jinja",
-                          "tokenizer.model", "vocab.json", "merges.txt", "notes.txt", "modeling_x.py"])
+        rel = rng.choice(
+            [
+                "added_tokens.json",
+                "special_tokens_map.json",
+                "chat_template.json",
+                "additional_chat_templates/x.jinja",
+                "tokenizer.model",
+                "vocab.json",
+                "merges.txt",
+                "notes.txt",
+                "modeling_x.py",
+            ]
+        )
         (art / rel).parent.mkdir(exist_ok=True)
-        (art / rel).write_text(rng.choice(['{"<evil>": 5}', '{"eos_token": "<evil>"}', '{"chat_template": "EVIL"}', "EVIL", "x = 1"]))
+        (art / rel).write_text(
+            rng.choice(['{"<evil>": 5}', '{"eos_token": "<evil>"}', '{"chat_template": "EVIL"}', "EVIL", "x = 1"])
+        )
         planted.append(rel)
     with tally.case(f"unlisted {planted} in a pinned artifact"):
         rep = mpsconvert.verify(art, manifest_sha256=chat_art[2])
         code = any(r.endswith(".py") for r in planted)
         _check(rep.ok != code and set(planted) <= set(rep.unlisted), "silent_wrong", f"verify: {rep.problems}")
         tok = loadable.tokenizer(art)
-        _check(tok.get_vocab() == base.get_vocab() and tok.chat_template == base.chat_template and tok.eos_token == base.eos_token,
-               "escapes", "an unlisted file changed what the tokenizer reads")
+        _check(
+            tok.get_vocab() == base.get_vocab()
+            and tok.chat_template == base.chat_template
+            and tok.eos_token == base.eos_token,
+            "escapes",
+            "an unlisted file changed what the tokenizer reads",
+        )
 
 
 def _links_and_reserved_names(rng, tally, chat_art, box):
@@ -450,7 +613,9 @@ def _links_and_reserved_names(rng, tally, chat_art, box):
     else:
         mine.write_text("years")
     before = tree_hashes(outside)
-    user = tree_hashes(mine) if mine.is_dir() and not mine.is_symlink() else (mine.read_text() if mine.is_file() else None)
+    user = (
+        tree_hashes(mine) if mine.is_dir() and not mine.is_symlink() else (mine.read_text() if mine.is_file() else None)
+    )
     with tally.case(f"a writer beside a planted {what} ({mine.name})"):
         try:
             with transaction(art) as t:
@@ -458,7 +623,11 @@ def _links_and_reserved_names(rng, tally, chat_art, box):
             _check(mpsconvert.verify(art).ok, "data_loss", "the artifact does not verify after the writer")
         finally:
             _check(tree_hashes(outside) == before and not (outside / "new").exists(), "escapes", "written outside")
-            now = tree_hashes(mine) if mine.is_dir() and not mine.is_symlink() else (mine.read_text() if mine.is_file() else None)
+            now = (
+                tree_hashes(mine)
+                if mine.is_dir() and not mine.is_symlink()
+                else (mine.read_text() if mine.is_file() else None)
+            )
             _check(now == user, "data_loss", f"the user's {mine.name} changed")
 
 
@@ -482,17 +651,32 @@ def _kills(rng, tally, chat_art, box):
 
     art = _fresh(chat_art, box)
     before = tree_hashes(art)
-    point = rng.choice(["staged", "text-temp-written", "card-written", "staged-written", "between-renames", "after-renames"])
+    point = rng.choice(
+        ["staged", "text-temp-written", "card-written", "staged-written", "between-renames", "after-renames"]
+    )
     with tally.case(f"a writer killed at {point}", seconds=120):
-        r = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(art), "me/killed"], env={**os.environ, atomic.KILL_ENV: point},
-                           capture_output=True, timeout=100)
-        _check(r.returncode == -9, "silent_wrong", f"the kill point {point} was not reached: {r.stderr.decode()[-300:]}")
+        r = subprocess.run(
+            [sys.executable, "-c", _KILLED_WRITER, str(art), "me/killed"],
+            env={**os.environ, atomic.KILL_ENV: point},
+            capture_output=True,
+            timeout=100,
+        )
+        _check(
+            r.returncode == -9, "silent_wrong", f"the kill point {point} was not reached: {r.stderr.decode()[-300:]}"
+        )
         rep = mpsconvert.verify(art)
         _check(rep.ok, "data_loss", f"killed at {point}: {rep.problems}")
         hub = Manifest.read(art).get(Hub)
-        _check((hub is not None) == (point == "after-renames") and (hub is not None or tree_hashes(art) == before), "data_loss",
-               f"killed at {point}: neither the old artifact nor the new one")
-        _check(hub is None or "me/killed" in (art / "README.md").read_text(), "silent_wrong", "the card does not match the manifest")
+        _check(
+            (hub is not None) == (point == "after-renames") and (hub is not None or tree_hashes(art) == before),
+            "data_loss",
+            f"killed at {point}: neither the old artifact nor the new one",
+        )
+        _check(
+            hub is None or "me/killed" in (art / "README.md").read_text(),
+            "silent_wrong",
+            "the card does not match the manifest",
+        )
 
 
 def _fp8_scales(rng, tally, fp8_src, box):
@@ -504,7 +688,9 @@ def _fp8_scales(rng, tally, fp8_src, box):
     sd = load_file(str(src / "model.safetensors"))
     key = rng.choice([k for k in sd if k.endswith("_scale_inv")])
     s = sd[key]
-    shape = rng.choice([list(s.shape), list(s.shape)[::-1], [s.numel()], [1], [], list(s.shape) + [1], [s.shape[0] + 1, s.shape[1]]])
+    shape = rng.choice(
+        [list(s.shape), list(s.shape)[::-1], [s.numel()], [1], [], list(s.shape) + [1], [s.shape[0] + 1, s.shape[1]]]
+    )
     value = rng.choice(["same", 0.0, -1.0, float("inf"), float("nan"), 3e38, 1e-45])
     dtype = rng.choice([torch.float32, torch.float32, torch.bfloat16, torch.float16, torch.int32])
     try:
@@ -520,12 +706,25 @@ def _fp8_scales(rng, tally, fp8_src, box):
         got = load_file(str(out / "model.safetensors"))
         w = key[: -len("_scale_inv")]
         b = 32
-        want = sd[w].float() * sd[key].float().repeat_interleave(b, 0).repeat_interleave(b, 1)[: sd[w].shape[0], : sd[w].shape[1]]
-        have = got[w].float() * got[w + "_scale"].float().reshape(-1, 1) if got[w + "_scale"].numel() == sd[w].shape[0] else None
+        want = (
+            sd[w].float()
+            * sd[key].float().repeat_interleave(b, 0).repeat_interleave(b, 1)[: sd[w].shape[0], : sd[w].shape[1]]
+        )
+        have = (
+            got[w].float() * got[w + "_scale"].float().reshape(-1, 1)
+            if got[w + "_scale"].numel() == sd[w].shape[0]
+            else None
+        )
         if have is None:  # block scales kept as they are
             sc = got[w + "_scale"].float()
-            have = got[w].float() * sc.repeat_interleave(b, 0).repeat_interleave(b, 1)[: sd[w].shape[0], : sd[w].shape[1]]
-        _check(torch.allclose(have, want, rtol=0.07, atol=1e-6), "silent_wrong", "the weights quantize wrote are not the source's")
+            have = (
+                got[w].float() * sc.repeat_interleave(b, 0).repeat_interleave(b, 1)[: sd[w].shape[0], : sd[w].shape[1]]
+            )
+        _check(
+            torch.allclose(have, want, rtol=0.07, atol=1e-6),
+            "silent_wrong",
+            "the weights quantize wrote are not the source's",
+        )
 
 
 def _regexes(rng, tally):
@@ -569,8 +768,16 @@ def _uploads(rng, tally, chat_art, box, online):
             for c in sent:
                 listed = set(json.loads((art / "mpsconvert.json").read_text())["files"]) | {"mpsconvert.json"}
                 _check(set(c["files"]) == listed, "escapes", f"uploaded {sorted(set(c['files']) ^ listed)}")
-                _check(not any(b"secret" in v or b"private notes" in v for v in c["files"].values()), "escapes", "a secret was uploaded")
-                _check(all(c["files"][f] == (art / f).read_bytes() for f in c["files"]), "silent_wrong", "uploaded bytes differ")
+                _check(
+                    not any(b"secret" in v or b"private notes" in v for v in c["files"].values()),
+                    "escapes",
+                    "a secret was uploaded",
+                )
+                _check(
+                    all(c["files"][f] == (art / f).read_bytes() for f in c["files"]),
+                    "silent_wrong",
+                    "uploaded bytes differ",
+                )
 
 
 @pytest.fixture(scope="module")
@@ -588,15 +795,17 @@ def test_hostile_inputs_of_security_round_3(chat_art, fp8_src, online, tmp_path)
     rng = random.Random(SEED)
     tally = Tally()
     per_class = {}
-    classes = [("cards and names", 4, lambda box: _cards_and_names(rng, tally, chat_art, box)),
-               ("templates", 3, lambda box: _templates(rng, tally, chat_art, box)),
-               ("tokenizer files", 3, lambda box: _tokenizer_files(rng, tally, chat_art, box)),
-               ("unlisted files in pinned artifacts", 2, lambda box: _unlisted_in_pinned(rng, tally, chat_art, box)),
-               ("upload contents", 1, lambda box: _uploads(rng, tally, chat_art, box, online)),
-               ("planted links and reserved names", 2, lambda box: _links_and_reserved_names(rng, tally, chat_art, box)),
-               ("kills between card and manifest", 1, lambda box: _kills(rng, tally, chat_art, box)),
-               ("FP8 source scale shapes", 1, lambda box: _fp8_scales(rng, tally, fp8_src, box)),
-               ("regex patterns", 4, lambda box: _regexes(rng, tally))]
+    classes = [
+        ("cards and names", 4, lambda box: _cards_and_names(rng, tally, chat_art, box)),
+        ("templates", 3, lambda box: _templates(rng, tally, chat_art, box)),
+        ("tokenizer files", 3, lambda box: _tokenizer_files(rng, tally, chat_art, box)),
+        ("unlisted files in pinned artifacts", 2, lambda box: _unlisted_in_pinned(rng, tally, chat_art, box)),
+        ("upload contents", 1, lambda box: _uploads(rng, tally, chat_art, box, online)),
+        ("planted links and reserved names", 2, lambda box: _links_and_reserved_names(rng, tally, chat_art, box)),
+        ("kills between card and manifest", 1, lambda box: _kills(rng, tally, chat_art, box)),
+        ("FP8 source scale shapes", 1, lambda box: _fp8_scales(rng, tally, fp8_src, box)),
+        ("regex patterns", 4, lambda box: _regexes(rng, tally)),
+    ]
     t0 = time.monotonic()
     for name, weight, run in classes:
         before = tally.counts["cases"]

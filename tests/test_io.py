@@ -13,11 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mpsconvert.format import fp8
-
 from mpsconvert.infra import safetensors_io, safetensors_writer
-from mpsconvert.manifests.hashing import BackgroundHasher
 from mpsconvert.infra.safetensors_io import BufferPool, ShardReader, read_header
 from mpsconvert.infra.safetensors_writer import OutputFile, ShardWriter
+from mpsconvert.manifests.hashing import BackgroundHasher
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -149,7 +148,12 @@ def test_shard_writer_takes_blocks_and_copies_and_finishes_in_the_background(tmp
     src = {"emb": torch.randn(1000, 33).bfloat16(), "norm": torch.ones(33), "w": torch.randn(64, 40)}
     save_file(src, tmp_path / "src.safetensors")
     header = read_header(tmp_path / "src.safetensors")
-    entries = [("w", "F8_E4M3", (64, 40)), ("w_scale", "F32", (64, 1)), ("emb", "BF16", (1000, 33)), ("norm", "F32", (33,))]
+    entries = [
+        ("w", "F8_E4M3", (64, 40)),
+        ("w_scale", "F32", (64, 1)),
+        ("emb", "BF16", (1000, 33)),
+        ("norm", "F32", (33,)),
+    ]
     pool = BufferPool(count=2, nbytes=4096)
     with ShardReader(header, pool) as reader, ShardWriter(tmp_path / "out.safetensors", entries) as writer:
         info = header.tensors["w"]

@@ -38,8 +38,13 @@ def run(tmp_path, *args, env=None):
     """`python -m mpsconvert ARGS` in a fresh interpreter: (completed process, heavy modules it imported)."""
     seen = tmp_path / f"modules-{len(list(tmp_path.glob('modules-*')))}.json"
     path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
-    r = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)), str(seen), *map(str, args)], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    r = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)), str(seen), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    )
     return r, json.loads(seen.read_text()) if seen.is_file() else None
 
 
@@ -48,7 +53,9 @@ def art(work):
     return models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p, tokenizer="bpe"))
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["verify", "--help"], ["quantize", "--help"]], ids=" ".join)
+@pytest.mark.parametrize(
+    "args", [["--help"], ["--version"], ["verify", "--help"], ["quantize", "--help"]], ids=" ".join
+)
 def test_help_and_version_import_no_model_code(tmp_path, args):
     r, heavy = run(tmp_path, *args)
     assert r.returncode == 0, r.stderr
@@ -56,8 +63,11 @@ def test_help_and_version_import_no_model_code(tmp_path, args):
     assert ("mpsconvert, version" in r.stdout) if args == ["--version"] else ("Usage:" in r.stdout)
 
 
-@pytest.mark.parametrize("args", [["verify", "--no-hashes"], ["verify"], ["verify", "--json"], ["inspect"], ["inspect", "--json"]],
-                         ids=" ".join)
+@pytest.mark.parametrize(
+    "args",
+    [["verify", "--no-hashes"], ["verify"], ["verify", "--json"], ["inspect"], ["inspect", "--json"]],
+    ids=" ".join,
+)
 def test_inspect_and_verify_of_an_artifact_import_no_model_code(art, tmp_path, args):
     r, heavy = run(tmp_path, *args, art)
     assert r.returncode == 0, r.stderr

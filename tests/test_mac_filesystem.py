@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert.infra import filesystem, output_rule
-from mpsconvert.source import snapshot as source
 from mpsconvert.cli import main
 from mpsconvert.errors import MpsconvertError
+from mpsconvert.infra import filesystem, output_rule
 from mpsconvert.manifests import layout
 from mpsconvert.manifests.hashing import folder_files
+from mpsconvert.source import snapshot as source
 
 from . import models
 
@@ -104,8 +104,9 @@ def test_output_that_is_the_source_on_a_case_insensitive_volume_is_refused(tiny_
     inside = tmp_path / "Models" / "Llama" / "fp8"
     mpsconvert.quantize(tiny_models["llama"], inside)
     with pytest.raises(MpsconvertError, match="inside the source"):
-        output_rule.check_replaceable(inside, force=True, is_ours=layout.is_artifact,
-                                      protect=(tmp_path / "MODELS" / "LLAMA",))
+        output_rule.check_replaceable(
+            inside, force=True, is_ours=layout.is_artifact, protect=(tmp_path / "MODELS" / "LLAMA",)
+        )
     # on a case-sensitive volume the other spelling is another folder, and the conversion goes there
     monkeypatch.setattr(filesystem, "case_insensitive", lambda path: False)
     assert cli("quantize", src, "-o", tmp_path / "models" / "llama").exit_code == 0

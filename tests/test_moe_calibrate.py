@@ -13,6 +13,7 @@ from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.runtime.ops.fp8_experts import load_fp8_experts
 from mpsconvert.source.snapshot import resolve
+
 from .models import tiny, tiny_moe_model
 
 NEVER = 3
@@ -80,7 +81,12 @@ def test_static_artifact_from_expert_calibration(tmp_path):
     _never_route(model)
     amax = {}
     lin = [
-        (n, m.register_forward_pre_hook(lambda m, a, n=n: amax.__setitem__(n, max(amax.get(n, 0.0), float(a[0].abs().max())))))
+        (
+            n,
+            m.register_forward_pre_hook(
+                lambda m, a, n=n: amax.__setitem__(n, max(amax.get(n, 0.0), float(a[0].abs().max())))
+            ),
+        )
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and n.endswith("_proj")
     ]
@@ -94,7 +100,9 @@ def test_static_artifact_from_expert_calibration(tmp_path):
         sc = obs.scales()
     scales = {n: a / 448 for n, a in amax.items()} | sc.input_scales
     man = quantize_snapshot(
-        resolve(str(src)), tmp_path / "fp8", Options(scheme=Scheme.make("fp8"), input_scales=scales, calibration=sc.as_dict())
+        resolve(str(src)),
+        tmp_path / "fp8",
+        Options(scheme=Scheme.make("fp8"), input_scales=scales, calibration=sc.as_dict()),
     )
     assert man.recipe["calibration"]["never_routed"] == {"model.layers.0.mlp.experts": [NEVER]}
     rec = man.tensors[f"model.layers.0.mlp.experts.{NEVER}.down_proj.weight"]

@@ -11,15 +11,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpsconvert.format import fp8
 from mpsconvert.convert.quantize import quantize_snapshot
 from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import QuantizationError
+from mpsconvert.format import fp8
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.runtime.ops.fp8_experts import FP8Experts, load_fp8_experts
 from mpsconvert.source.snapshot import resolve
-from .models import MOE_ARCHS, tiny
+
 from .helpers import logits
+from .models import MOE_ARCHS, tiny
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -40,7 +41,11 @@ def _dequantized_checkpoint(src, artifact, out):
         q = art[k]
         if q.dtype == fp8.FP8_DTYPE:
             s = art[k + "_scale"]
-            sd[k] = (fp8.fp8_to_float(q) * s.float().reshape(*s.shape[:-1], 1) if q.ndim == 3 else fp8.dequantize(q, s, torch.float32)).to(v.dtype)
+            sd[k] = (
+                fp8.fp8_to_float(q) * s.float().reshape(*s.shape[:-1], 1)
+                if q.ndim == 3
+                else fp8.dequantize(q, s, torch.float32)
+            ).to(v.dtype)
         else:
             sd[k] = v
     out.mkdir()
@@ -88,7 +93,9 @@ def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
     ct_model = _load(tmp_path / "fp8")  # transformers + compressed-tensors: dequantizes the experts at load
     for i in range(2):  # ... to exactly our fp8 * scale
         for p in ("gate_up_proj", "down_proj"):
-            assert torch.equal(getattr(ct_model.model.layers[i].mlp.experts, p), getattr(ref_model.model.layers[i].mlp.experts, p))
+            assert torch.equal(
+                getattr(ct_model.model.layers[i].mlp.experts, p), getattr(ref_model.model.layers[i].mlp.experts, p)
+            )
     ct = logits(ct_model, IDS)  # CT also fake-quantizes the Linears' activations per token
     scale = bf16.abs().max()
     print(arch, float((ct - ref).abs().max() / scale), float((ref - bf16).abs().max() / scale))
@@ -115,7 +122,9 @@ def test_per_expert_checkpoint_converts_and_loads_everywhere(tmp_path, arch):
 @pytest.mark.parametrize("layout", ["per-expert", "checkpoint"])
 def test_fused_checkpoint(tmp_path, layout):
     src = tiny("qwen3_moe", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128, fused=True)
-    man = quantize_snapshot(resolve(str(src)), tmp_path / "fp8", Options(scheme=Scheme.make("fp8-dynamic", "tensor"), experts_layout=layout))
+    man = quantize_snapshot(
+        resolve(str(src)), tmp_path / "fp8", Options(scheme=Scheme.make("fp8-dynamic", "tensor"), experts_layout=layout)
+    )
     art = _tensors(tmp_path / "fp8")
     key = "model.layers.0.mlp.experts.gate_up_proj"
     if layout == "checkpoint":
@@ -145,7 +154,10 @@ def test_per_expert_fused_equivalence(tmp_path):
     fused = tb["model.layers.1.mlp.experts.gate_up_proj"]
     w3 = ta["model.layers.1.block_sparse_moe.experts.2.w3.weight"]  # expert 2, up half (rows I..2I)
     assert torch.equal(fused[2, 96:].view(torch.uint8), w3.view(torch.uint8))
-    assert torch.equal(tb["model.layers.1.mlp.experts.gate_up_proj_scale"][2, 96:], ta["model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"])
+    assert torch.equal(
+        tb["model.layers.1.mlp.experts.gate_up_proj_scale"][2, 96:],
+        ta["model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"],
+    )
 
 
 def test_static_scheme_needs_expert_scales(tmp_path):
@@ -157,7 +169,9 @@ def test_static_scheme_needs_expert_scales(tmp_path):
     scales = dict(linears)
     scales["model.layers.0.mlp.experts.gate_up_proj"] = [0.01, 0.02, 0.03, 0.04]
     scales["model.layers.0.mlp.experts.down_proj"] = [0.001, 0.002, 0.003, 0.004]
-    man = quantize_snapshot(resolve(str(src)), tmp_path / "fp8", Options(scheme=Scheme.make("fp8"), input_scales=scales))
+    man = quantize_snapshot(
+        resolve(str(src)), tmp_path / "fp8", Options(scheme=Scheme.make("fp8"), input_scales=scales)
+    )
     art = _tensors(tmp_path / "fp8")
     assert float(art["model.layers.0.mlp.experts.2.up_proj.input_scale"]) == pytest.approx(0.03)
     assert float(art["model.layers.0.mlp.experts.3.down_proj.input_scale"]) == pytest.approx(0.004)
@@ -176,7 +190,9 @@ def test_cli_experts_layout(tmp_path):
     from mpsconvert.cli import main
 
     src = tiny("mixtral", tmp_path / "src", dtype=torch.bfloat16, widen=0.08, vocab=128, fused=True, layers=1)
-    r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "out"), "--experts-layout", "checkpoint", "--json"])
+    r = CliRunner().invoke(
+        main, ["quantize", str(src), "-o", str(tmp_path / "out"), "--experts-layout", "checkpoint", "--json"]
+    )
     assert r.exit_code == 0, r.output
     summary = json.loads(r.output[r.output.index("{") :])
     assert summary["expert_tensors_quantized"] == 2  # gate_up_proj and down_proj, fused

@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpsconvert.format import fp8
 from mpsconvert.errors import ArtifactError
-from mpsconvert.runtime.ops.fp8_experts import FP8Experts, Route, grouped_mm_available, reference_forward, replace_moe_experts
+from mpsconvert.format import fp8
+from mpsconvert.runtime.ops.fp8_experts import (
+    FP8Experts,
+    Route,
+    grouped_mm_available,
+    reference_forward,
+    replace_moe_experts,
+)
 
 E, H, I = 8, 64, 48
 
@@ -19,9 +25,22 @@ def _experts(activations="token", granularity="row", seed=0, path=None, decode_p
     w2 = torch.randn(E, H, I, generator=g) * 0.1
     q13, s13 = zip(*[fp8.quantize(w13[e], granularity)[:2] for e in range(E)])
     q2, s2 = zip(*[fp8.quantize(w2[e], granularity)[:2] for e in range(E)])
-    ins = (torch.rand(E, generator=g) * 0.01 + 0.005, torch.rand(E, generator=g) * 0.001 + 0.0005) if activations == "tensor" else (None, None)
-    return FP8Experts(torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2), torch.nn.functional.silu,
-                      activations, *ins, path=path, decode_path=decode_path)  # fmt: skip
+    ins = (
+        (torch.rand(E, generator=g) * 0.01 + 0.005, torch.rand(E, generator=g) * 0.001 + 0.0005)
+        if activations == "tensor"
+        else (None, None)
+    )
+    return FP8Experts(
+        torch.stack(q13),
+        torch.stack(s13),
+        torch.stack(q2),
+        torch.stack(s2),
+        torch.nn.functional.silu,
+        activations,
+        *ins,
+        path=path,
+        decode_path=decode_path,
+    )
 
 
 def _routing(T, k=2, skip=(), seed=0):
@@ -97,14 +116,17 @@ def test_static_scale_clips_like_fp8():
 @pytest.mark.triton("interpret")
 def test_triton_decode_gemv_interpreted():
     import torch
-    from mpsconvert.runtime.ops.triton import experts as moe_triton
+
     from mpsconvert.runtime.ops.fp8_experts import reference_forward
+    from mpsconvert.runtime.ops.triton import experts as moe_triton
+
     E, N, K = 4, 48, 96
     g = torch.Generator().manual_seed(0)
     codes = (torch.randn(E, N, K, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.rand(E, N, generator=g) + 0.1
     x = torch.randn(2, K, generator=g).to(torch.bfloat16)
-    tok = torch.tensor([0, 1, 1], dtype=torch.int32); ids = torch.tensor([3, 0, 2], dtype=torch.int32)
+    tok = torch.tensor([0, 1, 1], dtype=torch.int32)
+    ids = torch.tensor([3, 0, 2], dtype=torch.int32)
     y = moe_triton.expert_gemv(x, tok, ids, codes, scale).float()
     ref = torch.stack([(codes[ids[p]].float() * scale[ids[p], :, None]) @ x[tok[p]].float() for p in range(3)])
     assert (y - ref).abs().max() <= 0.01 * ref.abs().max(), (y - ref).abs().max()
@@ -113,23 +135,33 @@ def test_triton_decode_gemv_interpreted():
     codes2 = (torch.randn(E, K, N // 2, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     scale2 = torch.rand(E, K, generator=g) + 0.1
     h = moe_triton.expert_gemv(x, tok, ids, codes, scale, out_dtype=torch.float32)
-    assert h.dtype == torch.float32 and torch.equal(h.to(torch.bfloat16), moe_triton.expert_gemv(x, tok, ids, codes, scale))
+    assert h.dtype == torch.float32 and torch.equal(
+        h.to(torch.bfloat16), moe_triton.expert_gemv(x, tok, ids, codes, scale)
+    )
     gate, up = h.to(torch.bfloat16).chunk(2, dim=-1)
     pair = torch.arange(3, dtype=torch.int32)
     want = moe_triton.expert_gemv(torch.nn.functional.silu(gate) * up, pair, ids, codes2, scale2)
     got = moe_triton.expert_gemv(h, pair, ids, codes2, scale2, silu_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape == (3, K)
-    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max(), (got.float() - want.float()).abs().max()
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max(), (
+        (got.float() - want.float()).abs().max()
+    )
     assert (got != want).float().mean() < 0.05, (got != want).float().mean()
-    mod = _experts(None, decode_path="triton_gemv")  # weight-only: the GEMV reads BF16 activations, as the decode path does
-    assert mod.gate_up_codes is not None and mod.gate_up_dense is not None  # the GEMV reads the codes, the grouped path the dense copy
+    mod = _experts(
+        None, decode_path="triton_gemv"
+    )  # weight-only: the GEMV reads BF16 activations, as the decode path does
+    assert (
+        mod.gate_up_codes is not None and mod.gate_up_dense is not None
+    )  # the GEMV reads the codes, the grouped path the dense copy
     xx, idx, w = _routing(2)
     with torch.no_grad():
-        a = mod(xx, idx, w).float(); b = reference_forward(mod, xx, idx, w).float()
+        a = mod(xx, idx, w).float()
+        b = reference_forward(mod, xx, idx, w).float()
     assert (a - b).abs().max() <= 0.02 * b.abs().max(), (a - b).abs().max()
     mod.act_fn = torch.nn.functional.gelu  # not SiLU: the product is made between the two GEMVs
     with torch.no_grad():
-        a = mod(xx, idx, w).float(); b = reference_forward(mod, xx, idx, w).float()
+        a = mod(xx, idx, w).float()
+        b = reference_forward(mod, xx, idx, w).float()
     assert (a - b).abs().max() <= 0.02 * b.abs().max(), (a - b).abs().max()
 
 
@@ -137,8 +169,10 @@ def test_replace_refuses_experts_without_scales(tmp_path):
     from .models import tiny_moe_model
 
     model = tiny_moe_model("qwen3_moe", layers=1)
-    tensors = {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64, dtype=fp8.FP8_DTYPE),
-               "model.layers.0.mlp.experts.down_proj": torch.zeros(4, 64, 32, dtype=fp8.FP8_DTYPE)}  # fmt: skip
+    tensors = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64, dtype=fp8.FP8_DTYPE),
+        "model.layers.0.mlp.experts.down_proj": torch.zeros(4, 64, 32, dtype=fp8.FP8_DTYPE),
+    }
     with pytest.raises(ArtifactError, match="gate_up_proj_scale"):
         replace_moe_experts(model, tensors, "cpu", activations="token")
     with pytest.raises(ArtifactError, match="quantization_config"):

@@ -21,10 +21,19 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["
 
 
 def _env(system: str, machine: str, release: str, python: str = "3.11") -> dict:
-    return {"python_version": python, "python_full_version": f"{python}.0", "platform_system": system,
-            "platform_machine": machine, "platform_release": release, "sys_platform": "darwin" if system == "Darwin" else system.lower(),
-            "os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython",
-            "platform_version": "", "extra": ""}
+    return {
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "platform_system": system,
+        "platform_machine": machine,
+        "platform_release": release,
+        "sys_platform": "darwin" if system == "Darwin" else system.lower(),
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "platform_version": "",
+        "extra": "",
+    }
 
 
 MACOS_14, MACOS_15, MACOS_26 = (_env("Darwin", "arm64", r) for r in ("23.6.0", "24.6.0", "25.1.0"))

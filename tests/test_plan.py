@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from mpsconvert.model.plan import matches, plan_for
 from mpsconvert.errors import SourceError
+from mpsconvert.model.plan import matches, plan_for
 
 from . import models
 
@@ -19,12 +19,18 @@ def test_llama_plan_from_meta_model(tiny_models):
 
 
 def test_ignore_patterns_glob_regex_and_suffix(tiny_models):
-    plan = plan_for(tiny_models["llama"], ignore=["*.layers.0.*", "re:layers\\.1\\.self_attn\\.(q|k)_proj$", "mlp.up_proj"])
+    plan = plan_for(
+        tiny_models["llama"], ignore=["*.layers.0.*", "re:layers\\.1\\.self_attn\\.(q|k)_proj$", "mlp.up_proj"]
+    )
     assert "model.layers.0.self_attn.v_proj" in plan.ignored
     assert plan.ignored["model.layers.1.self_attn.q_proj"].startswith("--ignore re:")
     assert "model.layers.1.mlp.up_proj" in plan.ignored and "model.layers.1.mlp.gate_proj" in plan.quantize
-    assert sorted(plan.quantize) == ["model.layers.1.mlp.down_proj", "model.layers.1.mlp.gate_proj",
-                                     "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.v_proj"]
+    assert sorted(plan.quantize) == [
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.self_attn.o_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
 
 
 def test_matches_is_not_a_substring_match():

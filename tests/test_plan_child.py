@@ -52,7 +52,10 @@ def child_path(monkeypatch):
 @pytest.mark.slow  # 2 min on 2 cores
 def test_the_guess_agrees_with_the_child_and_the_bytes_are_the_in_process_ones(src, reference, tmp_path, child_path):
     manifest, shards = _convert(src, tmp_path / "out")
-    assert manifest["created"]["plan"] == "guessed from the tensor names while a child process read the model definition; the two agreed"
+    assert (
+        manifest["created"]["plan"]
+        == "guessed from the tensor names while a child process read the model definition; the two agreed"
+    )
     assert shards == reference[1]
     assert manifest["tensors"] == reference[0]["tensors"]
 
@@ -67,13 +70,17 @@ def test_a_wrong_guess_is_caught_and_the_shards_written_again(src, reference, tm
 
     monkeypatch.setattr(guess, "guess", short)
     manifest, shards = _convert(src, tmp_path / "out")
-    assert manifest["created"]["plan"].startswith("the model definition, read by a child process (the guess from the tensor names differed")
+    assert manifest["created"]["plan"].startswith(
+        "the model definition, read by a child process (the guess from the tensor names differed"
+    )
     assert shards == reference[1]
     assert manifest["tensors"] == reference[0]["tensors"]
 
 
 def test_a_failed_child_leaves_the_plan_to_this_process_and_says_so(src, reference, tmp_path, child_path, monkeypatch):
-    monkeypatch.setattr(plan_child.PlanChild, "command", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"])
+    monkeypatch.setattr(
+        plan_child.PlanChild, "command", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"]
+    )
     manifest, shards = _convert(src, tmp_path / "out")
     assert "while this process (the child exited with 3: boom) read the model definition" in manifest["created"]["plan"]
     assert shards == reference[1]
@@ -100,8 +107,13 @@ def test_the_child_reports_the_plan_it_built(src):
     from mpsconvert.model.plan import plan_for
 
     here = plan_for(src, [])
-    assert (plan.architecture, plan.quantize, plan.ignored, plan.skipped, plan.prefix) == \
-        (here.architecture, here.quantize, here.ignored, here.skipped, here.prefix)
+    assert (plan.architecture, plan.quantize, plan.ignored, plan.skipped, plan.prefix) == (
+        here.architecture,
+        here.quantize,
+        here.ignored,
+        here.skipped,
+        here.prefix,
+    )
 
 
 def test_the_parent_never_imports_transformers_on_the_child_path(src, tmp_path):
@@ -113,14 +125,17 @@ from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.source.snapshot import resolve
 from mpsconvert.convert import plan_child; plan_child.MIN_BYTES = 0; plan_child.MIN_CPUS = 1
-quantize_snapshot(resolve({str(src)!r}), __import__('pathlib').Path({str(tmp_path / 'out')!r}), Options(scheme=Scheme.make('fp8-dynamic', 'row')))
+out = __import__('pathlib').Path({str(tmp_path / "out")!r})
+quantize_snapshot(resolve({str(src)!r}), out, Options(scheme=Scheme.make('fp8-dynamic', 'row')))
 print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize("size", ["1GB", "500MB", "2GiB", "3MiB", "7KiB", "10KB", "8Gb", "16mb", "100kB", "5gib", 123456])
+@pytest.mark.parametrize(
+    "size", ["1GB", "500MB", "2GiB", "3MiB", "7KiB", "10KB", "8Gb", "16mb", "100kB", "5gib", 123456]
+)
 def test_shard_sizes_read_as_transformers_reads_them(size):
     from transformers.utils.hub import convert_file_size_to_int
 
@@ -148,14 +163,16 @@ def spy(self, *a, **kw):
     print("torch imported when the child started:", "torch" in sys.modules, file=sys.stderr)
     init(self, *a, **kw)
 plan_child.PlanChild.__init__ = spy
-sys.argv = ["mpsconvert", "quantize", {str(src)!r}, "-o", {str(tmp_path / 'out')!r}]
+sys.argv = ["mpsconvert", "quantize", {str(src)!r}, "-o", {str(tmp_path / "out")!r}]
 runpy.run_module("mpsconvert.cli", run_name="__main__")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("torch imported when the child started: False") == 1
     manifest = json.loads((tmp_path / "out" / "mpsconvert.json").read_text())
-    assert manifest["created"]["plan"].startswith("guessed from the tensor names while a child process read the model definition")
+    assert manifest["created"]["plan"].startswith(
+        "guessed from the tensor names while a child process read the model definition"
+    )
 
 
 def test_a_child_that_imports_another_mpsconvert_says_so_and_builds_nothing(src):
@@ -164,7 +181,10 @@ def test_a_child_that_imports_another_mpsconvert_says_so_and_builds_nothing(src)
     request = {"path": str(src), "ignore": [], "weight_files": ["model.safetensors"]}
     body = child.answer_for(plan_child._main, request | {"package": "/elsewhere"})
     assert body == {"error": f"the child imported the mpsconvert in {child.package_root()}, not the one in /elsewhere"}
-    assert child.answer_for(plan_child._main, request | {"package": str(child.package_root())})["architecture"] == "LlamaForCausalLM"
+    assert (
+        child.answer_for(plan_child._main, request | {"package": str(child.package_root())})["architecture"]
+        == "LlamaForCausalLM"
+    )
 
 
 def test_a_child_plans_only_big_checkpoints_on_machines_with_cores_to_spare(monkeypatch):

@@ -25,9 +25,11 @@ def _small_lengths(monkeypatch):
 def _model():
     import torch
     from transformers import LlamaForCausalLM
+
+    from mpsconvert.runtime.patches import eager_fusion
+
     from .helpers import fp8_model
     from .models import tiny_config
-    from mpsconvert.runtime.patches import eager_fusion
 
     model = fp8_model(LlamaForCausalLM, tiny_config("llama", **SMALL, max_positions=512))
     with torch.no_grad():
@@ -45,6 +47,7 @@ def _off(model):
     def back():
         for m in layers:
             object.__setattr__(m, "mpsconvert_graphs", graphs)
+
     return back
 
 
@@ -52,13 +55,16 @@ def _off(model):
 def test_prefill_graphs_give_the_direct_paths_logits_and_cache_interpreted():
     import torch
     from transformers import DynamicCache
+
     from mpsconvert.runtime.patches import prefill_graphs
 
     model = _model()
     report = prefill_graphs.install(model, capture=False)
     assert report["installed"] == 2 and report["off"] is None and report["mode"] == "eager (no capture)", report
     graphs = model.model.layers[0].mpsconvert_graphs
-    assert prefill_graphs.of(model) is graphs is model.model.layers[1].mpsconvert_graphs  # one object, found from the model
+    assert (
+        prefill_graphs.of(model) is graphs is model.model.layers[1].mpsconvert_graphs
+    )  # one object, found from the model
     assert list(graphs.graphs) == [prefill_graphs.PAD]  # the install check recorded the PAD-token length
     g = torch.Generator().manual_seed(1)
 
@@ -94,15 +100,20 @@ def test_prefill_graphs_give_the_direct_paths_logits_and_cache_interpreted():
             want = prefill(torch.cat([emb, emb.new_zeros(1, size - n, emb.shape[-1])], dim=1))
             back()
             assert got[0].shape[1] == n and got[1].shape[2] == n
-            assert torch.equal(got[0], want[0][:, :n]) and all(torch.equal(a, b[:, :, :n]) for a, b in zip(got[1:], want[1:])), n
+            assert torch.equal(got[0], want[0][:, :n]) and all(
+                torch.equal(a, b[:, :, :n]) for a, b in zip(got[1:], want[1:])
+            ), n
         assert sorted(graphs.graphs) == [prefill_graphs.PAD, 2 * prefill_graphs.PAD]
 
         # each layer's output, as a caller keeps it (hidden states), is its own
         emb = model.model.embed_tokens(torch.randint(0, 128, (1, 21), generator=g))
         got = model(inputs_embeds=emb, use_cache=False, output_hidden_states=True).hidden_states
         back = _off(model)
-        want = model(inputs_embeds=torch.cat([emb, emb.new_zeros(1, 11, emb.shape[-1])], dim=1), use_cache=False,
-                     output_hidden_states=True).hidden_states
+        want = model(
+            inputs_embeds=torch.cat([emb, emb.new_zeros(1, 11, emb.shape[-1])], dim=1),
+            use_cache=False,
+            output_hidden_states=True,
+        ).hidden_states
         back()
         assert len(got) == 3 and all(torch.equal(a, b[:, :21]) for a, b in zip(got, want))
 
@@ -116,6 +127,7 @@ def test_prefill_graphs_give_the_direct_paths_logits_and_cache_interpreted():
 @pytest.mark.triton("interpret")
 def test_a_failed_capture_turns_the_graphs_off_with_a_warning_interpreted(monkeypatch):
     import torch
+
     from mpsconvert.runtime.patches import PatchFallback, prefill_graphs
 
     model = _model()
@@ -125,6 +137,7 @@ def test_a_failed_capture_turns_the_graphs_off_with_a_warning_interpreted(monkey
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         before = graphs.replays
+
         def broken(size):
             raise RuntimeError("operation not permitted when stream is capturing")
 

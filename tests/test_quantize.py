@@ -40,14 +40,18 @@ def reference_model(cls, src, out, dynamic: bool):
             if key in quantized:
                 mod.weight.copy_(fp8.dequantize(sd[key + ".weight"], sd[key + ".weight_scale"], mod.weight.dtype))
                 if dynamic:
-                    mod.register_forward_pre_hook(lambda m, a: (fp8.fake_quantize(a[0], fp8.per_token_scale(a[0].float())),))
+                    mod.register_forward_pre_hook(
+                        lambda m, a: (fp8.fake_quantize(a[0], fp8.per_token_scale(a[0].float())),)
+                    )
     return ref, quantized
 
 
 @pytest.mark.extra("ct")
 @pytest.mark.parametrize("arch", CAUSAL)
 @pytest.mark.parametrize("scheme,weights", [("fp8-dynamic", "row"), ("fp8-weight-only", "tensor")])
-def test_causal_lm_loads_with_transformers_and_matches_dequantized_reference(tiny_models, tmp_path, arch, scheme, weights):
+def test_causal_lm_loads_with_transformers_and_matches_dequantized_reference(
+    tiny_models, tmp_path, arch, scheme, weights
+):
     from transformers import AutoModelForCausalLM
 
     src = tiny_models[arch]
@@ -165,7 +169,6 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
     shards = sorted(p.name for p in split.glob("*.safetensors"))
     assert len(shards) > 2 and [p.name for p in one.glob("*.safetensors")] == ["model.safetensors"]
     assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    header_bytes = 8 + 4096  # a safetensors header of a few tensors is well under this
     for name in shards:
         with safe_open(split / name, "pt") as f:
             payload = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
@@ -175,7 +178,10 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
     index = json.loads((split / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(shards)
     assert artifact_tensors(split).keys() == artifact_tensors(one).keys()
-    assert all(torch.equal(a.view(torch.uint8), artifact_tensors(one)[k].view(torch.uint8)) for k, a in artifact_tensors(split).items())
+    assert all(
+        torch.equal(a.view(torch.uint8), artifact_tensors(one)[k].view(torch.uint8))
+        for k, a in artifact_tensors(split).items()
+    )
     a, b = rt.load(one, device="cpu"), rt.load(split, device="cpu")
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -191,7 +197,9 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
 
     def hashing(path, *a, **kw):
         name = threading.current_thread().name
-        if name.startswith("mpsconvert-verify") and name not in names:  # the files' hashes (the manifest's own is hashed first)
+        if (
+            name.startswith("mpsconvert-verify") and name not in names
+        ):  # the files' hashes (the manifest's own is hashed first)
             names.add(name)
             if len(names) <= 2 and (os.cpu_count() or 1) >= 2:
                 barrier.wait()  # two files are hashed at the same time, or this times out
@@ -217,6 +225,7 @@ def test_max_shard_size_splits_output_and_every_split_loads(tiny_models, tmp_pat
 @pytest.mark.extra("ct")
 def test_ct_config_parses_with_compressed_tensors(tiny_models, tmp_path):
     import compressed_tensors.quantization as ct
+
     for scheme in ("fp8-dynamic", "fp8-weight-only"):
         out = tmp_path / scheme
         convert(tiny_models["llama"], out, scheme)

@@ -13,8 +13,10 @@ import torch
 from . import models
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-NOISE = re.compile(r"Loading weights|it/s\]|Warning|warn\(|Failed to load _ML|has not been tested|is not supported|"
-                   r"past_key_values|deprecated|\d+%\|")
+NOISE = re.compile(
+    r"Loading weights|it/s\]|Warning|warn\(|Failed to load _ML|has not been tested|is not supported|"
+    r"past_key_values|deprecated|\d+%\|"
+)
 
 
 def prog(*args, cwd):
@@ -23,8 +25,14 @@ def prog(*args, cwd):
     # not what an earlier in-process CLI call of this test session set (quiet.ENV): a user's environment
     env = {k: v for k, v in os.environ.items() if k not in quiet.ENV}
     env |= {"PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "COLUMNS": "300"}
-    r = subprocess.run([sys.executable, "-c", "from mpsconvert.cli import entry; entry()", *map(str, args)], cwd=cwd, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", "from mpsconvert.cli import entry; entry()", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout + r.stderr
 
@@ -38,7 +46,16 @@ def src(work):
     return models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, tie=True)
 
 
-CALIB = ["--scheme", "fp8", "--num-samples", "2", "--seq-len", "32", "--calib-data", str(models.TEXT_DATA / "wiki_calib.jsonl")]
+CALIB = [
+    "--scheme",
+    "fp8",
+    "--num-samples",
+    "2",
+    "--seq-len",
+    "32",
+    "--calib-data",
+    str(models.TEXT_DATA / "wiki_calib.jsonl"),
+]
 
 
 def test_quantize_prints_no_third_party_lines(work, src):
@@ -51,9 +68,30 @@ def test_quantize_prints_no_third_party_lines(work, src):
 def test_validate_prints_no_third_party_lines(work, src):
     if not (work / "fp8").exists():
         prog("quantize", "src", "-o", "fp8", *CALIB, cwd=work)
-    out = prog("validate", "fp8", "--device", "cpu", "--max-samples", "1", "--seq-len", "64", "--prefill-len", "16",
-               "--decode-tokens", "2", "--repeats", "1", "--rounds", "1", "--warmup", "0", "--no-write",
-               "--eval-data", models.TEXT_DATA / "wiki_eval.jsonl", cwd=work)
+    out = prog(
+        "validate",
+        "fp8",
+        "--device",
+        "cpu",
+        "--max-samples",
+        "1",
+        "--seq-len",
+        "64",
+        "--prefill-len",
+        "16",
+        "--decode-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--no-write",
+        "--eval-data",
+        models.TEXT_DATA / "wiki_eval.jsonl",
+        cwd=work,
+    )
     assert noise(out) == [] and "perplexity" in out
 
 

@@ -23,7 +23,9 @@ def test_ci_runs_exactly_the_readmes_test_command():
     convert, test = bash_blocks(README)[:2]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert test.strip() in ci  # the same lines, continuation backslashes included
-    assert joined(test).endswith('python -m pytest -q -n auto -m "not slow"') and "pip install -e '.[test]'" in joined(test)
+    assert joined(test).endswith('python -m pytest -q -n auto -m "not slow"') and "pip install -e '.[test]'" in joined(
+        test
+    )
     assert "-m slow" in ci  # what the README's command leaves out still runs in CI
     assert "-o ~/mpsconvert-out/" in joined(convert)  # output outside the checkout
     assert all(len(line) <= 120 for line in convert.splitlines() + test.splitlines())
@@ -46,7 +48,7 @@ def _expand(token: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", token)
     if not m:
         return [token]
-    return [n for alt in m.group(1).split(",") for n in _expand(token[: m.start()] + alt + token[m.end():])]
+    return [n for alt in m.group(1).split(",") for n in _expand(token[: m.start()] + alt + token[m.end() :])]
 
 
 def _doc_pages() -> list[Path]:

@@ -43,6 +43,8 @@ def test_minilm_fp8_embeddings_stay_close_to_fp32(minilm_dir, text_data, tmp_pat
     ref = embed(AutoModel.from_pretrained(minilm_dir).eval(), tok, texts)
     got = embed(AutoModel.from_pretrained(out).eval(), tok, texts)
     cos = (ref * got).sum(-1)
-    print(f"\nMiniLM {scheme}: cosine to FP32 over {len(texts)} wiki sentences: mean {cos.mean():.5f}, min "
-          f"{cos.min():.5f}")
+    print(
+        f"\nMiniLM {scheme}: cosine to FP32 over {len(texts)} wiki sentences: mean {cos.mean():.5f}, min "
+        f"{cos.min():.5f}"
+    )
     assert cos.mean() > 0.995 and cos.min() > 0.98

@@ -32,8 +32,16 @@ def _edit(art, change) -> None:
 
 
 def test_a_record_round_trips_with_the_keys_it_does_not_type():
-    body = {"package": "model.mlpackage", "task": "causal-lm", "kv_cache": True, "max_len": 64, "weights": "fp8-lut",
-            "encoded_tensors": {"a": {"lut": "x"}}, "check": {"ok": True, "spec": {"ops": {}}}, "future_field": [1, 2]}
+    body = {
+        "package": "model.mlpackage",
+        "task": "causal-lm",
+        "kv_cache": True,
+        "max_len": 64,
+        "weights": "fp8-lut",
+        "encoded_tensors": {"a": {"lut": "x"}},
+        "check": {"ok": True, "spec": {"ops": {}}},
+        "future_field": [1, 2],
+    }
     rec = CoreMLExport.read(body, "test")
     assert rec.kv_cache and rec.max_len == 64 and rec.check.ok and rec.check.more == {"spec": {"ops": {}}}
     assert rec.stateful and rec.package_name == "model.mlpackage"
@@ -41,13 +49,19 @@ def test_a_record_round_trips_with_the_keys_it_does_not_type():
     assert {k: v for k, v in out.items() if k in body} == body and out["future_field"] == [1, 2]
 
 
-@pytest.mark.parametrize("bad, says", [
-    ({"package": 3, "task": "causal-lm"}, "`coreml` record.package is int 3, not a string"),
-    ({"task": "causal-lm"}, "`coreml` record has no 'package'"),
-    ({"package": "model.mlpackage", "task": "causal-lm", "check": {"spec": {}}}, "`coreml` record.check has no 'ok'"),
-    ({"package": "model.mlpackage", "task": "causal-lm", "max_len": "64"}, "record.max_len is str '64', not"),
-    ([1, 2], "`coreml` record is list, not an object"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"package": 3, "task": "causal-lm"}, "`coreml` record.package is int 3, not a string"),
+        ({"task": "causal-lm"}, "`coreml` record has no 'package'"),
+        (
+            {"package": "model.mlpackage", "task": "causal-lm", "check": {"spec": {}}},
+            "`coreml` record.check has no 'ok'",
+        ),
+        ({"package": "model.mlpackage", "task": "causal-lm", "max_len": "64"}, "record.max_len is str '64', not"),
+        ([1, 2], "`coreml` record is list, not an object"),
+    ],
+)
 def test_a_malformed_record_is_one_error_naming_it(art_copy, bad, says):
     _edit(art_copy, lambda body: body.update(coreml=bad))
     with pytest.raises(ArtifactError) as e:
@@ -58,14 +72,25 @@ def test_a_malformed_record_is_one_error_naming_it(art_copy, bad, says):
 
 
 def test_a_malformed_validation_run_names_its_key(art_copy):
-    _edit(art_copy, lambda body: body.update(validation={"CPU (cpu)": {"kind": "causal-lm", "device": "cpu", "accuracy": [0.5]}}))
+    _edit(
+        art_copy,
+        lambda body: body.update(validation={"CPU (cpu)": {"kind": "causal-lm", "device": "cpu", "accuracy": [0.5]}}),
+    )
     with pytest.raises(ArtifactError, match=r"`validation` record\['CPU \(cpu\)'\]\.accuracy is list"):
         Manifest.read(art_copy).get(Validation)
 
 
 def test_source_and_recipe_records_are_typed_too(art_copy):
-    gguf = {"file": "m.gguf", "file_type": "Q4_1", "tensor_types": {"Q4_1": 10, "F32": 2}, "bits_per_weight": {"Q4_1": 5.0, "F32": 32},
-            "below_8_bits": True, "lowest": "Q4_1", "dtype": "bfloat16", "unpacked": "dequantized"}
+    gguf = {
+        "file": "m.gguf",
+        "file_type": "Q4_1",
+        "tensor_types": {"Q4_1": 10, "F32": 2},
+        "bits_per_weight": {"Q4_1": 5.0, "F32": 32},
+        "below_8_bits": True,
+        "lowest": "Q4_1",
+        "dtype": "bfloat16",
+        "unpacked": "dequantized",
+    }
     _edit(art_copy, lambda body: body["source"].update(gguf=gguf))
     g = Manifest.read(art_copy).get(GGUFSource)
     assert g.tensor_types["Q4_1"] == 10 and "below 8 bits" in g.precision_note()
@@ -77,8 +102,14 @@ def test_source_and_recipe_records_are_typed_too(art_copy):
 def test_put_writes_through_the_transaction_and_the_card_follows(art_copy):
     with transaction(art_copy) as t:
         t.put(Hub(repo="me/llama-fp8"))
-        acc = {"tokens": 32, "perplexity_bf16": 9.0, "perplexity_fp8": 9.1, "perplexity_delta_pct": 1.1, "mean_kl": 0.01,
-               "top1_agreement": 0.97}
+        acc = {
+            "tokens": 32,
+            "perplexity_bf16": 9.0,
+            "perplexity_fp8": 9.1,
+            "perplexity_delta_pct": 1.1,
+            "mean_kl": 0.01,
+            "top1_agreement": 0.97,
+        }
         t.put(Validation(runs={"CPU (cpu)": ValidationRun(kind="causal-lm", device="cpu", accuracy=acc)}))
     m = Manifest.read(art_copy)
     assert m.get(Hub).repo == "me/llama-fp8" and m.get(Validation).runs["CPU (cpu)"].accuracy["top1_agreement"] == 0.97

@@ -18,14 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from mpsconvert.infra import atomic, safetensors_io, safetensors_writer
-
-from mpsconvert.source import snapshot as source
 from mpsconvert.convert.quantize import quantize_snapshot
 from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, MpsconvertError, SourceError
+from mpsconvert.infra import atomic, safetensors_io, safetensors_writer
 from mpsconvert.manifests.hashing import BackgroundHasher, sha256_file
 from mpsconvert.manifests.manifest import MANIFEST_NAME
+from mpsconvert.source import snapshot as source
 
 FUZZ_EXAMPLES = 400
 
@@ -49,7 +48,9 @@ entry = st.fixed_dictionaries(
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     tensors=st.dictionaries(st.text(min_size=0, max_size=8), entry, max_size=4),
-    meta=st.one_of(st.none(), st.dictionaries(st.text(max_size=3), st.one_of(st.text(max_size=3), st.integers())), st.integers()),
+    meta=st.one_of(
+        st.none(), st.dictionaries(st.text(max_size=3), st.one_of(st.text(max_size=3), st.integers())), st.integers()
+    ),
     data=st.binary(max_size=300),
     hlen_delta=st.sampled_from([0, 0, 0, 1, -1, 10**6, 2**63]),
 )
@@ -70,17 +71,39 @@ def test_fuzzed_safetensors_headers_give_valid_files_or_our_error(tmp_path, tens
     with safetensors_io.ShardReader(h) as r, safe_open(p, "pt") as f:
         for name, info in h.tensors.items():
             t = safetensors_io.as_tensor(r.read(info), info)
-            assert torch.equal(t.view(torch.uint8) if t.numel() else t, f.get_tensor(name).view(torch.uint8) if t.numel() else t)
+            assert torch.equal(
+                t.view(torch.uint8) if t.numel() else t, f.get_tensor(name).view(torch.uint8) if t.numel() else t
+            )
     assert BackgroundHasher([p]).sha256(p) == hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 @settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.one_of(
-    st.binary(max_size=200),
-    st.builds(lambda wm: json.dumps({"weight_map": wm}).encode(),
-              st.dictionaries(st.text(max_size=6), st.one_of(st.text(max_size=12), st.integers(), st.none(),
-                                                             st.sampled_from(["../a.safetensors", "/abs.safetensors", "a/b.safetensors", "ok.safetensors", ".hidden.safetensors"])), max_size=4)),
-))
+@given(
+    body=st.one_of(
+        st.binary(max_size=200),
+        st.builds(
+            lambda wm: json.dumps({"weight_map": wm}).encode(),
+            st.dictionaries(
+                st.text(max_size=6),
+                st.one_of(
+                    st.text(max_size=12),
+                    st.integers(),
+                    st.none(),
+                    st.sampled_from(
+                        [
+                            "../a.safetensors",
+                            "/abs.safetensors",
+                            "a/b.safetensors",
+                            "ok.safetensors",
+                            ".hidden.safetensors",
+                        ]
+                    ),
+                ),
+                max_size=4,
+            ),
+        ),
+    )
+)
 def test_fuzzed_index_files_give_a_map_of_plain_names_or_our_error(tmp_path, body):
     p = tmp_path / "model.safetensors.index.json"
     p.write_bytes(body)
@@ -203,8 +226,15 @@ def medium_model(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("medium") / "m"
     d.mkdir()
-    cfg = tiny_config("llama", vocab=4096, layers=8, hidden_size=512, intermediate_size=2048, num_attention_heads=8,
-                      num_key_value_heads=4)
+    cfg = tiny_config(
+        "llama",
+        vocab=4096,
+        layers=8,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(d)
     g = torch.Generator().manual_seed(0)
@@ -212,9 +242,15 @@ def medium_model(tmp_path_factory):
         sd = {}
         for i in range(shard * 4, shard * 4 + 4):
             p = f"model.layers.{i}."
-            for n, s in [("self_attn.q_proj", (512, 512)), ("self_attn.k_proj", (256, 512)), ("self_attn.v_proj", (256, 512)),
-                         ("self_attn.o_proj", (512, 512)), ("mlp.gate_proj", (2048, 512)), ("mlp.up_proj", (2048, 512)),
-                         ("mlp.down_proj", (512, 2048))]:
+            for n, s in [
+                ("self_attn.q_proj", (512, 512)),
+                ("self_attn.k_proj", (256, 512)),
+                ("self_attn.v_proj", (256, 512)),
+                ("self_attn.o_proj", (512, 512)),
+                ("mlp.gate_proj", (2048, 512)),
+                ("mlp.up_proj", (2048, 512)),
+                ("mlp.down_proj", (512, 2048)),
+            ]:
                 sd[p + n + ".weight"] = torch.randn(*s, generator=g)
             sd[p + "input_layernorm.weight"] = torch.ones(512)
             sd[p + "post_attention_layernorm.weight"] = torch.ones(512)
@@ -251,8 +287,11 @@ KILL_POINTS = {
 
 
 def _quantize_proc(src, out, *extra):
-    return subprocess.Popen([sys.executable, "-m", "mpsconvert.cli", "quantize", str(src), "-o", str(out), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mpsconvert.cli", "quantize", str(src), "-o", str(out), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _assert_complete_or_absent(out: Path):
@@ -264,7 +303,11 @@ def _assert_complete_or_absent(out: Path):
 
 @pytest.mark.parametrize(
     "sig,points",
-    [(signal.SIGKILL, list(KILL_POINTS)), (signal.SIGTERM, ["first-shard-open", "config-written"]), (signal.SIGINT, ["second-shard-open"])],
+    [
+        (signal.SIGKILL, list(KILL_POINTS)),
+        (signal.SIGTERM, ["first-shard-open", "config-written"]),
+        (signal.SIGINT, ["second-shard-open"]),
+    ],
 )
 @pytest.mark.slow  # a real process killed at several points: 4 min on 2 cores
 def test_killing_a_real_conversion_at_several_points_then_rerunning(medium_model, tmp_path, sig, points):

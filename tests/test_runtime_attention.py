@@ -7,23 +7,35 @@ from __future__ import annotations
 
 import pytest
 
-from mpsconvert.runtime.patches import attention
 from mpsconvert.runtime.ops import triton as tritonlib
+from mpsconvert.runtime.patches import attention
 
 
 @pytest.mark.triton("interpret")
 def test_decode_kernel_matches_sdpa():
-    import torch, torch.nn.functional as F
+    import torch
+    import torch.nn.functional as F
+
     from mpsconvert.runtime.ops.triton import attention as A
+
     g = torch.Generator().manual_seed(0)
+
     def ref(q, k, v, mask):
         rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1),
-                                              attn_mask=mask).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1), attn_mask=mask
+        ).transpose(1, 2)
+
     # (batch, q heads, kv heads, queries, cached positions, valid positions, head dim)
-    for B, Hq, Hkv, Lq, Lk, valid, hd in [(1, 8, 2, 1, 37, 30, 64), (2, 4, 4, 2, 130, 125, 32), (1, 6, 2, 3, 200, 70, 80),
-                                          (1, 4, 1, 4, 300, 300, 16)]:
-        q = torch.randn(B, Lq, Hq, hd, generator=g).to(torch.bfloat16).transpose(1, 2)  # strided, as the model passes it
+    for B, Hq, Hkv, Lq, Lk, valid, hd in [
+        (1, 8, 2, 1, 37, 30, 64),
+        (2, 4, 4, 2, 130, 125, 32),
+        (1, 6, 2, 3, 200, 70, 80),
+        (1, 4, 1, 4, 300, 300, 16),
+    ]:
+        q = (
+            torch.randn(B, Lq, Hq, hd, generator=g).to(torch.bfloat16).transpose(1, 2)
+        )  # strided, as the model passes it
         k = torch.randn(B, Hkv, Lk, hd, generator=g).to(torch.bfloat16)
         v = torch.randn(B, Hkv, Lk, hd, generator=g).to(torch.bfloat16)
         causal = torch.zeros(B, 1, Lq, Lk, dtype=torch.bool)
@@ -46,11 +58,16 @@ def test_decode_kernel_matches_sdpa():
 
 @pytest.mark.triton("interpret")
 def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
-    import copy, torch
+    import copy
+
+    import torch
     from transformers import DynamicCache, StaticCache
-    from mpsconvert.runtime.patches import attention as A
+
     from mpsconvert.runtime.ops.triton import attention as K
+    from mpsconvert.runtime.patches import attention as A
+
     from .models import tiny_model
+
     ref = tiny_model("llama", vocab=128, dtype=torch.bfloat16, attn_implementation="sdpa")
     ours = copy.deepcopy(ref)
     assert A.install(ours) == A.NAME and ours.config._attn_implementation == A.NAME
@@ -82,8 +99,9 @@ def test_not_installed_where_it_cannot_run(tmp_path):
     """On a CPU without the interpreter nothing is switched, and load says nothing of attention."""
     from .models import tiny_model
 
-    model = tiny_model("llama", vocab=64, layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                       num_key_value_heads=1)
+    model = tiny_model(
+        "llama", vocab=64, layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1
+    )
     if tritonlib.available():
         pytest.skip("this machine can run the kernel")
     assert attention.install(model) is None and model.config._attn_implementation == "sdpa"

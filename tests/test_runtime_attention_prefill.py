@@ -9,12 +9,15 @@ import pytest
 
 pytestmark = pytest.mark.triton
 
+
 @pytest.mark.triton("interpret")
 def test_direct_attention_gives_the_modules_own_logits_interpreted():
     import torch
-    from .helpers import fp8_model
     from transformers import DynamicCache, LlamaForCausalLM, Qwen3ForCausalLM
-    from mpsconvert.runtime.patches import attention_prefill, eager_fusion, forwards
+
+    from mpsconvert.runtime.patches import eager_fusion, forwards
+
+    from .helpers import fp8_model
     from .models import tiny_config
 
     SMALL = dict(vocab=128, intermediate_size=96)  # tiny_config's model with a narrower MLP and vocabulary
@@ -30,8 +33,8 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
         return [p.calls for p in plans]
 
     def both(fn):
-        '''fn() with the installed layers, then with the layers' own forwards (the reference), and
-        how many layers took the direct path in the first.'''
+        """fn() with the installed layers, then with the layers' own forwards (the reference), and
+        how many layers took the direct path in the first."""
         before = direct_calls()
         got = fn()
         taken = [a - b for a, b in zip(direct_calls(), before)]
@@ -62,6 +65,7 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
             for _ in range(3):
                 out.append(model(out[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
             return out + [cache.layers[i].keys for i in range(2)] + [cache.layers[i].values for i in range(2)]
+
         got, want, taken = both(generated)
         assert taken == [1, 1], taken  # the prefill only
         assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -75,6 +79,7 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
             cache = DynamicCache(config=model.config)
             first = model(ids[:, :5], past_key_values=cache, use_cache=True).logits
             return first, model(ids[:, 5:], past_key_values=cache, use_cache=True).logits
+
         got, want, taken = both(chunked)
         assert taken == [1, 1] and all(torch.equal(a, b) for a, b in zip(got, want))  # the first chunk only
 
@@ -106,11 +111,15 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
     with torch.no_grad():
         report = eager_fusion.install(qwen)
     assert report["layers"] == 2 and report["attention"] == 0, report
-    assert report["left"] == [f"model.layers.{i}.self_attn: it has modules the direct path does not run (k_norm, q_norm); "
-                              "its prefill runs the module's forward" for i in range(2)], report
+    assert report["left"] == [
+        f"model.layers.{i}.self_attn: it has modules the direct path does not run (k_norm, q_norm); "
+        "its prefill runs the module's forward"
+        for i in range(2)
+    ], report
 
     # Mixtral: the direct attention, the MoE block called as a module on the post-attention norm's output
     from transformers import MixtralForCausalLM
+
     moe = fp8_model(MixtralForCausalLM, tiny_config("mixtral", **SMALL, experts=4, top_k=2))
     with torch.no_grad():
         report = eager_fusion.install(moe)
@@ -129,11 +138,14 @@ def test_direct_attention_gives_the_modules_own_logits_interpreted():
         def forward(self, *args, **kwargs):
             out, w = super().forward(*args, **kwargs)
             return out * 2, w
+
     model = fp8_model(LlamaForCausalLM, tiny_config("llama", **SMALL))
     model.model.layers[1].self_attn.__class__ = Scaled
     with torch.no_grad():
         report = eager_fusion.install(model)
     assert report["layers"] == 2 and report["attention"] == 1, report
-    assert report["left"] == ["model.layers.1.self_attn: the fused residual adds differ from its own forward; its prefill runs "
-                              "the module's forward"], report
+    assert report["left"] == [
+        "model.layers.1.self_attn: the fused residual adds differ from its own forward; its prefill runs "
+        "the module's forward"
+    ], report
     assert model.model.layers[1].mpsconvert_attention is None and forwards.installed(model.model.layers[1])

@@ -23,11 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.triton("interpret")
 def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     import torch
+
     from mpsconvert.runtime.ops.triton import act_quant as aq
+
     g = torch.Generator().manual_seed(0)
+
     def same(a, b):
         assert torch.equal(a[1], b[1]), (a[1] - b[1]).abs().max()
         assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)), (a[0].float() - b[0].float()).abs().max()
+
     for k in (64, 100, 4096):
         x = (torch.randn(5, k, generator=g) * 3).to(torch.bfloat16)
         x[1] = 0  # an all-zero row gets the floor scale
@@ -41,7 +45,10 @@ def test_triton_activation_quantization_is_exactly_the_torch_arithmetic():
     x = (torch.randn(3, 300, generator=g) * 3).to(torch.bfloat16)
     same(aq.quantize(x), aq.torch_quantize(x))
     h = torch.randn(3, 600, generator=g).to(torch.bfloat16)
-    same(aq.silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)), aq.torch_silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)))
+    same(
+        aq.silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)),
+        aq.torch_silu_mul_quantize(h, rows_scale=torch.full((3,), 0.003)),
+    )
 
 
 @pytest.mark.triton("interpret")
@@ -50,7 +57,9 @@ def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted()
     norm, codes and scales are those of rms_norm_quantize on that sum (rows with a stride too);
     with store_y=False the same codes, and no output."""
     import torch
+
     from mpsconvert.runtime.ops.triton import act_quant as aq
+
     g = torch.Generator().manual_seed(0)
     for dt in (torch.bfloat16, torch.float16):
         for k in (64, 100):
@@ -74,7 +83,10 @@ def test_residual_add_fused_into_the_norm_is_the_add_then_the_norm_interpreted()
                 else:  # nothing but the output to write: it is written
                     assert torch.equal(y3, y) and torch.equal(y4, y)
                 ref = aq.torch_rms_norm(r + x, w, 1e-6)
-                assert float((y.float() - ref.float()).abs().max()) <= 2 * float(ref.float().abs().max()) * torch.finfo(dt).eps
+                assert (
+                    float((y.float() - ref.float()).abs().max())
+                    <= 2 * float(ref.float().abs().max()) * torch.finfo(dt).eps
+                )
 
 
 @pytest.mark.triton("interpret")
@@ -82,14 +94,21 @@ def test_eager_gpu_path_of_fp8linear_interpreted():
     """The kernels a CUDA layer runs in eager mode (Triton quantization + _scaled_mm, Triton
     GEMVs), here on CPU tensors, against the direct computation."""
     import torch
+
     from mpsconvert.format import fp8
     from mpsconvert.runtime.ops.fp8linear import FP8Linear
+
     g = torch.Generator().manual_seed(1)
     for gran, act, isc in (("row", "token", None), ("tensor", "tensor", 0.05), ("row", "tensor", 0.05)):
         w = torch.randn(48, 64, generator=g)
         q, s, _ = fp8.quantize(w, gran)
-        lay = FP8Linear.from_tensors(q, s, activations=act, input_scale=torch.tensor([isc]) if isc else None,
-                                     bias=torch.randn(48, generator=g).to(torch.bfloat16))
+        lay = FP8Linear.from_tensors(
+            q,
+            s,
+            activations=act,
+            input_scale=torch.tensor([isc]) if isc else None,
+            bias=torch.randn(48, generator=g).to(torch.bfloat16),
+        )
         x = (torch.randn(2, 7, 64, generator=g) * 0.2).to(torch.bfloat16)
         wd = fp8.dequantize(lay.weight, lay.weight_scale, torch.float32)
         xf = x.float()
@@ -98,7 +117,11 @@ def test_eager_gpu_path_of_fp8linear_interpreted():
         mm = "scaled_mm_tensor" if (gran, act) == ("tensor", "tensor") else "scaled_mm_row"
         lay.set_kernels("gemv", mm)
         got = lay(x).float()
-        assert got.shape == (2, 7, 48) and torch.allclose(got, want, rtol=2e-2, atol=2e-2), (gran, act, (got - want).abs().max())
+        assert got.shape == (2, 7, 48) and torch.allclose(got, want, rtol=2e-2, atol=2e-2), (
+            gran,
+            act,
+            (got - want).abs().max(),
+        )
         x1 = x[:, :1]
         for dec in ("gemv", "gemv_splitk"):  # decode: BF16 activations against the FP8 weight
             lay.set_kernels(dec, mm)
@@ -107,7 +130,11 @@ def test_eager_gpu_path_of_fp8linear_interpreted():
             assert torch.allclose(got, want1, rtol=1e-2, atol=1e-2), (dec, (got - want1).abs().max())
         lay.set_kernels("gemv_w8a8", mm)  # decode on the tensor cores: the scheme's own rounding of x
         got = lay(x1).float()
-        want8 = fp8.fake_quantize(x1.float(), fp8.per_token_scale(x1.float()) if act == "token" else torch.tensor(isc)) @ wd.T + lay.bias.float()
+        want8 = (
+            fp8.fake_quantize(x1.float(), fp8.per_token_scale(x1.float()) if act == "token" else torch.tensor(isc))
+            @ wd.T
+            + lay.bias.float()
+        )
         assert torch.allclose(got, want8, rtol=1e-2, atol=2e-2), ("gemv_w8a8", (got - want8).abs().max())
 
 
@@ -152,13 +179,17 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     ref = model(x)
     weights = sum(m.weight.untyped_storage().nbytes() for m in model.modules() if isinstance(m, FP8Linear))
     groups = _shared(model)
-    assert len(groups) == 3 and all(isinstance(g, SharedInput) and g.names == ["q_proj", "k_proj", "v_proj"] for g in groups)
+    assert len(groups) == 3 and all(
+        isinstance(g, SharedInput) and g.names == ["q_proj", "k_proj", "v_proj"] for g in groups
+    )
     a = model.layers[0]
     assert a.q_proj.weight.data_ptr() == a.fused_q_proj_k_proj_v_proj.inner.weight.data_ptr()  # members are views
     storages = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, FP8Linear)}
-    assert len(storages) == 3 and sum(g.inner.weight.untyped_storage().nbytes() for g in groups) == weights  # no copy kept
-    from mpsconvert.runtime.ops.triton import act_quant
+    assert (
+        len(storages) == 3 and sum(g.inner.weight.untyped_storage().nbytes() for g in groups) == weights
+    )  # no copy kept
     from mpsconvert.runtime.ops import fuse, kernels
+    from mpsconvert.runtime.ops.triton import act_quant
 
     quantized, gemms = [], []
     real_quantize, real_mm = act_quant.quantize, kernels._mm
@@ -166,7 +197,9 @@ def test_shared_input_is_one_gemm_and_the_same_outputs():
     kernels._mm = lambda xq, *a, **k: (gemms.append(xq.shape), real_mm(xq, *a, **k))[1]
     try:
         out = model(x)  # prefill (8 rows), the default: one quantization and one fused GEMM per group
-        assert torch.equal(out, ref) and len(quantized) == 3 and len(gemms) == 3 and all(g.stash.hits == 2 for g in groups)
+        assert (
+            torch.equal(out, ref) and len(quantized) == 3 and len(gemms) == 3 and all(g.stash.hits == 2 for g in groups)
+        )
         quantized.clear(), gemms.clear()
         fuse.PREFILL_SHARES = "quantization"  # one quantization per group, each member its own GEMM
         assert torch.equal(model(x), ref) and len(quantized) == 3 and len(gemms) == 9
@@ -242,14 +275,18 @@ def test_inductor_runs_one_gemm_per_group():
 def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
     from safetensors.torch import save_file
 
-    from mpsconvert.runtime.load import stream
     from mpsconvert.infra.safetensors_io import read_header
+    from mpsconvert.runtime.load import stream
 
     g = torch.Generator().manual_seed(0)
     files = []
     for i in range(3):
-        tensors = {f"t{i}.a": torch.randn(1000, 7, generator=g), f"t{i}.b": torch.randn(33, generator=g).to(torch.bfloat16),
-                   f"t{i}.c": (torch.randn(50, 64, generator=g) * 10).to(fp8.FP8_DTYPE), f"t{i}.skip": torch.randn(5)}
+        tensors = {
+            f"t{i}.a": torch.randn(1000, 7, generator=g),
+            f"t{i}.b": torch.randn(33, generator=g).to(torch.bfloat16),
+            f"t{i}.c": (torch.randn(50, 64, generator=g) * 10).to(fp8.FP8_DTYPE),
+            f"t{i}.skip": torch.randn(5),
+        }
         save_file(tensors, str(tmp_path / f"s{i}.safetensors"))
         files.append(tensors)
     (tmp_path / "config.json").write_text("{}")
@@ -261,8 +298,14 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
     dests["t0.a"] = torch.empty(1000, 7)
     seen = []
     # blocks cut through tensors
-    digests = stream.read_shards(headers, dests, torch.device("cpu"), extra_files={"config.json": tmp_path / "config.json"},
-                                 block=1000, progress=lambda *a: seen.append(a))  # fmt: skip
+    digests = stream.read_shards(
+        headers,
+        dests,
+        torch.device("cpu"),
+        extra_files={"config.json": tmp_path / "config.json"},
+        block=1000,
+        progress=lambda *a: seen.append(a),
+    )
     for f in files:
         for k, v in f.items():
             if not k.endswith("skip"):
@@ -271,7 +314,9 @@ def test_stream_reads_each_shard_once_hashing_what_it_copies(tmp_path):
         assert digests[f"s{i}.safetensors"] == hashlib.sha256((tmp_path / f"s{i}.safetensors").read_bytes()).hexdigest()
     assert digests["config.json"] == hashlib.sha256(b"{}").hexdigest()
     assert seen[-1][0] == "load" and max(s[1] for s in seen) == sum(h.file_size for h in headers)
-    assert stream.read_shards(headers, {}, torch.device("cpu"), hash_files=False) == {f"s{i}.safetensors": None for i in range(3)}
+    assert stream.read_shards(headers, {}, torch.device("cpu"), hash_files=False) == {
+        f"s{i}.safetensors": None for i in range(3)
+    }
 
 
 @pytest.mark.triton("interpret")
@@ -282,13 +327,13 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     kernel; the logits are those of the model's own forwards, and under torch.compile the
     modules' own forwards run. A norm whose arithmetic differs is left as it was, with the reason."""
     import torch
-    from mpsconvert.runtime.ops import fuse
-    from .helpers import fp8_model
-
     from transformers import LlamaForCausalLM
+
+    from mpsconvert.runtime.ops import fuse
     from mpsconvert.runtime.ops.triton import act_quant
     from mpsconvert.runtime.patches import eager_fusion, forwards
-    from mpsconvert.runtime.ops import kernels
+
+    from .helpers import fp8_model
 
     def fp8_llama(act):
         return fp8_model(LlamaForCausalLM, tiny_config("llama", vocab=128, intermediate_size=96), act)
@@ -296,15 +341,28 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     calls = {"quantize": 0, "rms_norm_quantize": 0, "add_rms_norm_quantize": 0, "silu_mul_quantize": 0}
     for fn in calls:
         real = getattr(act_quant, fn)
-        setattr(act_quant, fn, (lambda fn, real: lambda *a, **k: (calls.__setitem__(fn, calls[fn] + 1), real(*a, **k))[1])(fn, real))
+        setattr(
+            act_quant,
+            fn,
+            (lambda fn, real: lambda *a, **k: (calls.__setitem__(fn, calls[fn] + 1), real(*a, **k))[1])(fn, real),
+        )
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
     for act in ("token", "tensor"):
         model = fp8_llama(act)
         with torch.no_grad():
             ref, ref1 = model(ids).logits, model(ids[:, :1]).logits
             report = eager_fusion.install(model)
-            assert report == {"norms": 5, "norms_quantizing": 4, "mlps": 2, "mlps_gated_decode": 0, "layers": 2, "attention": 2, "rotary": 2, "left": [],
-                              "launch": "kernel[grid] (the Triton interpreter)"}, report
+            assert report == {
+                "norms": 5,
+                "norms_quantizing": 4,
+                "mlps": 2,
+                "mlps_gated_decode": 0,
+                "layers": 2,
+                "attention": 2,
+                "rotary": 2,
+                "left": [],
+                "launch": "kernel[grid] (the Triton interpreter)",
+            }, report
             layer = model.model.layers[0]
             assert layer.input_layernorm.mpsconvert_feeds is layer.self_attn.fused_q_proj_k_proj_v_proj
             assert layer.post_attention_layernorm.mpsconvert_feeds is layer.mlp.fused_gate_proj_up_proj
@@ -318,19 +376,31 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
             for m in model.model.layers:  # the layers' own forwards (with the fused norms, MLPs, rotary)
                 forwards.uninstall(m)
             want = model(ids).logits
-            assert calls == {"quantize": 2, "rms_norm_quantize": 5, "add_rms_norm_quantize": 0, "silu_mul_quantize": 2}, calls  # o_proj alone quantizes
+            assert calls == {
+                "quantize": 2,
+                "rms_norm_quantize": 5,
+                "add_rms_norm_quantize": 0,
+                "silu_mul_quantize": 2,
+            }, calls  # o_proj alone quantizes
             for m in model.model.layers:
                 forwards.install(m, eager_fusion._layer_forward)
             for k in calls:
                 calls[k] = 0
             out = model(ids).logits  # prefill: 9 rows
             # the first norm on the embeddings; the other four each with the residual add before it
-            assert calls == {"quantize": 2, "rms_norm_quantize": 1, "add_rms_norm_quantize": 4, "silu_mul_quantize": 2}, calls
+            assert calls == {
+                "quantize": 2,
+                "rms_norm_quantize": 1,
+                "add_rms_norm_quantize": 4,
+                "silu_mul_quantize": 2,
+            }, calls
             assert torch.equal(out, want)  # the fused adds change no bit
             err = float((out.float() - ref.float()).norm() / ref.float().norm())
             assert err < 1e-2, (act, err)
             groups = [m for m in model.modules() if isinstance(m, fuse.SharedInput)]
-            assert len(groups) == 4 and all(g.stash.pre is None and g.stash.cur is None for g in groups)  # every hand-over taken
+            assert len(groups) == 4 and all(
+                g.stash.pre is None and g.stash.cur is None for g in groups
+            )  # every hand-over taken
             norms = [m for m in model.modules() if forwards.installed(m, eager_fusion._norm_forward)]
             assert all(n.mpsconvert_hand.pre is None for n in norms)
             seen = []  # a hook that replaces a layer's output: the next norm computes on what it gets
@@ -349,7 +419,9 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
             for k in calls:
                 calls[k] = 0
             compiled = torch.compile(model, backend="eager")(ids).logits
-            assert calls["rms_norm_quantize"] == 0 and calls["silu_mul_quantize"] == 0, calls  # the modules' own forwards
+            assert calls["rms_norm_quantize"] == 0 and calls["silu_mul_quantize"] == 0, (
+                calls
+            )  # the modules' own forwards
             assert float((compiled.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
     norms = [m for m in model.modules() if forwards.installed(m, eager_fusion._norm_forward)]
@@ -366,23 +438,33 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
     class OffsetRMSNorm(type(model.model.norm)):  # Gemma's arithmetic: (1 + weight)
         def forward(self, x):
             h = x.float()
-            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1.0 + self.weight.float())).to(x.dtype)
+            return (
+                h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1.0 + self.weight.float())
+            ).to(x.dtype)
+
     model = fp8_llama("token")
     model.model.norm.__class__ = OffsetRMSNorm
     report = eager_fusion.install(model)
-    assert report["norms"] == 4 and len(report["left"]) == 1 and report["left"][0].startswith("model.norm: differs"), report
+    assert report["norms"] == 4 and len(report["left"]) == 1 and report["left"][0].startswith("model.norm: differs"), (
+        report
+    )
     assert not forwards.installed(model.model.norm) and forwards.installed(model.model.layers[0].input_layernorm)
-    assert report["layers"] == 2 and model.model.layers[1].mpsconvert_layer[4] is None  # its output goes to a norm of its own
+    assert (
+        report["layers"] == 2 and model.model.layers[1].mpsconvert_layer[4] is None
+    )  # its output goes to a norm of its own
 
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     class Doubled(LlamaDecoderLayer):  # another forward over the same four modules
         def forward(self, hidden_states, **kwargs):
             return 2 * super().forward(hidden_states, **kwargs)
+
     model = fp8_llama("token")
     model.model.layers[1].__class__ = Doubled
     report = eager_fusion.install(model)
-    assert report["layers"] == 1 and report["left"] == ["model.layers.1: the fused residual adds differ from its own forward"], report
+    assert report["layers"] == 1 and report["left"] == [
+        "model.layers.1: the fused residual adds differ from its own forward"
+    ], report
     assert not forwards.installed(model.model.layers[1])
 
 
@@ -394,10 +476,14 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypat
     attention modules run it (logits identical), while a model of the same class that was not
     installed, calls under torch.compile and calls it does not take run the original; an
     attention module whose modeling function differs is left with the reason."""
-    import sys, torch
+    import sys
+
+    import torch
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama as ml
+
     from mpsconvert.runtime.patches import forwards, rotary
+
     g = torch.Generator().manual_seed(0)
     # the interpreted tests share one process: an earlier one may have installed the dispatch
     # (with its own counts) in transformers' module; this test starts from the plain function
@@ -412,7 +498,11 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypat
             cos, sin = ang.cos().to(dt), ang.sin().to(dt)
             assert rotary.fits(q, k, cos, sin)
             for want, got in zip(original(q, k, cos, sin), rotary.rotary(q, k, cos, sin)):
-                assert torch.equal(want, got) and want.stride() == got.stride(), (dt, d, (want.float() - got.float()).abs().max())
+                assert torch.equal(want, got) and want.stride() == got.stride(), (
+                    dt,
+                    d,
+                    (want.float() - got.float()).abs().max(),
+                )
     half = torch.zeros(1, 3, 8)  # partial rotary (cos narrower than the heads): not taken
     assert not rotary.fits(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), half, half)
 
@@ -431,7 +521,9 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypat
         assert torch.equal(other(ids).logits, ref_other) and fn.fused == 2  # not installed: the original ran
         torch.compile(model, backend="eager")(ids)
         assert fn.fused == 2  # traced code runs the original
-        assert rotary.install(model, torch.bfloat16, "cpu")["attention"] == 2 and ml.apply_rotary_pos_emb is fn  # once per module
+        assert (
+            rotary.install(model, torch.bfloat16, "cpu")["attention"] == 2 and ml.apply_rotary_pos_emb is fn
+        )  # once per module
     model(ids).logits.sum().backward()  # a gradient: the original, which has a backward
     assert fn.fused == 2
 
@@ -441,16 +533,23 @@ def test_fused_rotary_is_the_modeling_function_bit_for_bit_interpreted(monkeypat
 
     odd = types.ModuleType("odd_modeling")
     odd.Base = ml.LlamaAttention
-    exec("def apply_rotary_pos_emb(q, k, cos, sin):\n    return q * cos, k * sin\n\n"
-         "class OddAttention(Base):\n    def forward(self, *a, **k):\n        apply_rotary_pos_emb  # noqa\n"
-         "        return super().forward(*a, **k)\n", odd.__dict__)
+    exec(
+        "def apply_rotary_pos_emb(q, k, cos, sin):\n    return q * cos, k * sin\n\n"
+        "class OddAttention(Base):\n    def forward(self, *a, **k):\n        apply_rotary_pos_emb  # noqa\n"
+        "        return super().forward(*a, **k)\n",
+        odd.__dict__,
+    )
     monkeypatch.setitem(sys.modules, "odd_modeling", odd)
     OddAttention = odd.OddAttention
     fresh = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     fresh.model.layers[1].self_attn.__class__ = OddAttention
     report = rotary.install(fresh, torch.bfloat16, "cpu")
-    assert report["attention"] == 1 and report["left"] == ["model.layers.1.self_attn: its apply_rotary_pos_emb differs from the fused kernel"], report
-    assert not forwards.installed(fresh.model.layers[1].self_attn) and forwards.installed(fresh.model.layers[0].self_attn)
+    assert report["attention"] == 1 and report["left"] == [
+        "model.layers.1.self_attn: its apply_rotary_pos_emb differs from the fused kernel"
+    ], report
+    assert not forwards.installed(fresh.model.layers[1].self_attn) and forwards.installed(
+        fresh.model.layers[0].self_attn
+    )
     assert type(fresh.model.layers[0].self_attn).__name__ == "LlamaAttention"  # the class keeps its name and module
 
 
@@ -484,11 +583,13 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specializati
     tlm.launch(k, (4,), (x, y, 16, 0.5, True), num_warps=4)
     tlm.launch(k, (8, 2), (x, y, 16, 0.5, True), num_warps=4)  # same key, another grid
     assert len(launches) == 1 and runs == [(8, 2, 1, "streamNone", "fn", "meta", None, None, None, x, y, 16, 0.5, True)]
-    for args, opts in (((base[1:17], y, 16, 0.5, True), {"num_warps": 4}),  # x no longer 16-byte aligned
-                       ((x, y, 17, 0.5, True), {"num_warps": 4}),  # another scalar value
-                       ((x, y, 16, 0.5, 1), {"num_warps": 4}),  # an int where a bool was
-                       ((x.half(), y, 16, 0.5, True), {"num_warps": 4}),  # another dtype
-                       ((x, y, 16, 0.5, True), {"num_warps": 8})):  # another launch option
+    for args, opts in (
+        ((base[1:17], y, 16, 0.5, True), {"num_warps": 4}),  # x no longer 16-byte aligned
+        ((x, y, 17, 0.5, True), {"num_warps": 4}),  # another scalar value
+        ((x, y, 16, 0.5, 1), {"num_warps": 4}),  # an int where a bool was
+        ((x.half(), y, 16, 0.5, True), {"num_warps": 4}),  # another dtype
+        ((x, y, 16, 0.5, True), {"num_warps": 8}),
+    ):  # another launch option
         tlm.launch(k, (4,), args, **opts)
     assert len(launches) == 6 and len(runs) == 1
     monkeypatch.setattr(tlm, "_hooks_set", lambda: True)
@@ -499,7 +600,9 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specializati
     tlm.launch(k, (4,), (x, y, 16, 0.5, True), num_warps=4)
     assert len(launches) == 8 and len(runs) == 1
     monkeypatch.setattr(tlm, "_MODE", [])
-    assert tlm.mode().startswith("kernel[grid] (") and tlm.mode() != "direct"  # here: no CUDA device (or the interpreter)
+    assert (
+        tlm.mode().startswith("kernel[grid] (") and tlm.mode() != "direct"
+    )  # here: no CUDA device (or the interpreter)
 
 
 def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
@@ -534,13 +637,27 @@ def test_compiled_frame_checks_no_fp8_tensor_in_the_warm_guard_stance():
                 g.inner.set_kernels("dense_qact", "dense_qact")
             fp8_mods = [m for m in model.modules() if isinstance(m, FP8Linear)]
             assert all(not m._buffers for m in fp8_mods)
-            assert all(isinstance(t, nn.Parameter) and not t.requires_grad for m in fp8_mods for t in m._parameters.values() if t is not None)
+            assert all(
+                isinstance(t, nn.Parameter) and not t.requires_grad
+                for m in fp8_mods
+                for t in m._parameters.values()
+                if t is not None
+            )
         cache = StaticCache(config=model.config, max_cache_len=32)
         with torch.no_grad():
-            model(torch.zeros(1, 8, dtype=torch.long), past_key_values=cache, use_cache=True, cache_position=torch.arange(8))
+            model(
+                torch.zeros(1, 8, dtype=torch.long),
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.arange(8),
+            )
             torch._dynamo.reset()
-            torch.compile(model.forward, backend="eager")(torch.zeros(1, 1, dtype=torch.long), past_key_values=cache,
-                                                          use_cache=True, cache_position=torch.tensor([8]))  # fmt: skip
+            torch.compile(model.forward, backend="eager")(
+                torch.zeros(1, 1, dtype=torch.long),
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.tensor([8]),
+            )
         found = set()
         fn = type(model).forward
         while fn is not None:
@@ -572,7 +689,10 @@ def test_on_cpu_siblings_share_one_rounding_and_one_dense_weight(llama_art):
         parent = next(p for p in shared.modules() if any(c is g for c in p.children()))
         for n in g.names:
             m = parent._modules[n]
-            assert m.weight is None and m.dense_weight.untyped_storage().data_ptr() == g.inner.dense_weight.untyped_storage().data_ptr()
+            assert (
+                m.weight is None
+                and m.dense_weight.untyped_storage().data_ptr() == g.inner.dense_weight.untyped_storage().data_ptr()
+            )
     assert model_bytes(shared) == model_bytes(apart)  # the fused dense weights replace the members', no copy kept
 
     from .test_runtime_patches import _aten_ops
@@ -581,10 +701,15 @@ def test_on_cpu_siblings_share_one_rounding_and_one_dense_weight(llama_art):
     with torch.no_grad():
         want = apart(ids).logits
         got = shared(ids).logits
-        rounds = {name: sum(op == "amax" for op, _ in _aten_ops(lambda: mod(ids))) for name, mod in (("shared", shared), ("apart", apart))}
+        rounds = {
+            name: sum(op == "amax" for op, _ in _aten_ops(lambda: mod(ids)))
+            for name, mod in (("shared", shared), ("apart", apart))
+        }
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got - want).abs().max()
     assert rounds == {"shared": 4 * layers, "apart": 7 * layers}  # per-token amax: one per rounded input
     with torch.inference_mode():
         assert torch.equal(shared(ids).logits, got)
     assert all(g.shared and g.stash.hits > 0 for g in groups)
-    assert torch.equal(shared.generate(ids, max_new_tokens=6, do_sample=False), apart.generate(ids, max_new_tokens=6, do_sample=False))
+    assert torch.equal(
+        shared.generate(ids, max_new_tokens=6, do_sample=False), apart.generate(ids, max_new_tokens=6, do_sample=False)
+    )

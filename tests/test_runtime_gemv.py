@@ -32,7 +32,9 @@ def test_block_scaled_gemv_is_the_dequantized_product(n, k, block):
     ref0 = x.float() @ fp8.dequantize(codes, scale, torch.float32, block).T + bias.float()
     y0 = triton_gemv.gemv(x, codes, scale, bias, block).float()
     assert (y0 - ref0).abs().max() <= 1e-2 * ref0.abs().max()
-    assert (y0[:, :block] - y[:, :block]).abs().max() > 1e-2 * ref.abs().max() and torch.equal(y0[:, block:], y[:, block:])
+    assert (y0[:, :block] - y[:, :block]).abs().max() > 1e-2 * ref.abs().max() and torch.equal(
+        y0[:, block:], y[:, block:]
+    )
 
 
 @pytest.mark.triton("interpret")
@@ -86,7 +88,9 @@ def test_gated_decode_is_silu_gate_times_up_of_the_plain_product(dot, per_row, b
     with pytest.raises(ValueError, match="equal counts"):
         triton_gemv.gemv(x, codes[:-1], scale[:-1] if per_row else scale, None, gated=True)
     with pytest.raises(ValueError, match="not block scales"):
-        triton_gemv._args(x, codes, torch.ones(1, 2), None, torch.empty(3, n, dtype=torch.bfloat16), block=128, gated=True)
+        triton_gemv._args(
+            x, codes, torch.ones(1, 2), None, torch.empty(3, n, dtype=torch.bfloat16), block=128, gated=True
+        )
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,14 +9,14 @@ import pytest
 import torch
 import transformers
 
-from mpsconvert.format import fp8
 from mpsconvert.convert.quantize import quantize_snapshot
 from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, DeviceError
+from mpsconvert.format import fp8
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.manifests.verify import verify_artifact
-from mpsconvert.runtime.ops.fp8linear import FP8Linear
 from mpsconvert.runtime.load.loader import load
+from mpsconvert.runtime.ops.fp8linear import FP8Linear
 from mpsconvert.source.snapshot import resolve
 
 from . import models
@@ -34,9 +34,19 @@ def tiny(tmp_path_factory):
     for name, weights in (("fp8-dynamic", "row"), ("fp8-weight-only", "row"), ("fp8", "tensor")):
         opts = Options(scheme=Scheme.make(name, weights), force=True)
         if name == "fp8":
-            opts.input_scales = {f"model.layers.{i}.{m}": 0.02 for i in range(2) for m in
-                                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+            opts.input_scales = {
+                f"model.layers.{i}.{m}": 0.02
+                for i in range(2)
+                for m in (
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.o_proj",
+                    "mlp.gate_proj",
+                    "mlp.up_proj",
+                    "mlp.down_proj",
+                )
+            }
         arts[name] = root / name
         quantize_snapshot(resolve(str(src)), arts[name], opts)
     return src, arts
@@ -58,12 +68,16 @@ def _expected(layer_src: torch.Tensor, x: torch.Tensor, granularity: str, act: s
     return xf @ w.T
 
 
-@pytest.mark.parametrize("scheme,gran,act", [("fp8-dynamic", "row", "token"), ("fp8-weight-only", "row", None), ("fp8", "tensor", "tensor")])
+@pytest.mark.parametrize(
+    "scheme,gran,act", [("fp8-dynamic", "row", "token"), ("fp8-weight-only", "row", None), ("fp8", "tensor", "tensor")]
+)
 def test_load_our_artifact_layers_compute_the_scheme(tiny, scheme, gran, act):
     src, arts = tiny
     model = load(arts[scheme], device="cpu")
     ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear) and not n.endswith(".inner")}  # the checkpoint's layers, not a group's fused one
+    layers = {
+        n: m for n, m in model.named_modules() if isinstance(m, FP8Linear) and not n.endswith(".inner")
+    }  # the checkpoint's layers, not a group's fused one
     assert len(layers) == 14 and model.mpsconvert.fp8_layers == 14
     assert isinstance(model.lm_head, torch.nn.Linear) and not isinstance(model.lm_head, FP8Linear)
     assert model.mpsconvert.verify["hashes_checked"] and model.mpsconvert.scheme == scheme
@@ -90,7 +104,9 @@ def test_load_sharded_artifact(tmp_path):
     quantize_snapshot(resolve(str(tmp_path / "sharded")), tmp_path / "art", Options())
     model = load(tmp_path / "art", device="cpu")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, loaded once
-    assert model.model.rotary_emb.inv_freq.device.type == "cpu" and torch.isfinite(model.model.rotary_emb.inv_freq).all()
+    assert (
+        model.model.rotary_emb.inv_freq.device.type == "cpu" and torch.isfinite(model.model.rotary_emb.inv_freq).all()
+    )
     with torch.no_grad():
         a, b = model(_ids(m.config.vocab_size)).logits.float(), m(_ids(m.config.vocab_size)).logits.float()
     assert ((a - b).norm() / b.norm()) < 0.1

@@ -15,9 +15,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpsconvert.format import fp8
 from mpsconvert.convert.quantize import quantize_snapshot
 from mpsconvert.convert.quantize_options import Options
+from mpsconvert.format import fp8
 from mpsconvert.format.schemes import Scheme
 from mpsconvert.model.moe_layout import experts_modules
 from mpsconvert.runtime.load.loader import load
@@ -45,7 +45,9 @@ def arts(tmp_path_factory):
             a = root / f"{arch}-{scheme}-per-expert"
             quantize_snapshot(resolve(str(per_expert_src)), a, Options(scheme=Scheme.make(scheme)))
             b = root / f"{arch}-{scheme}-fused"
-            quantize_snapshot(resolve(str(fused_src)), b, Options(scheme=Scheme.make(scheme), experts_layout="checkpoint"))
+            quantize_snapshot(
+                resolve(str(fused_src)), b, Options(scheme=Scheme.make(scheme), experts_layout="checkpoint")
+            )
             out[(arch, scheme, "per-expert")], out[(arch, scheme, "fused")] = (per_expert_src, a), (fused_src, b)
     return out
 
@@ -77,11 +79,17 @@ def _fq(x):
 
 
 def _reference(art: Path, tmp: Path, dynamic: bool):
-    model = transformers.AutoModelForCausalLM.from_pretrained(_dequantized_checkpoint(art, tmp), dtype=torch.bfloat16).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        _dequantized_checkpoint(art, tmp), dtype=torch.bfloat16
+    ).eval()
     model.config._experts_implementation = "eager"
     if dynamic:  # every quantized Linear rounds its input per token; the experts do it in their own loop below
-        quantized = {k[: -len(".weight_scale")] for f in art.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()
-                     if k.endswith(".weight_scale")}  # fmt: skip
+        quantized = {
+            k[: -len(".weight_scale")]
+            for f in art.glob("*.safetensors")
+            for k in safe_open(str(f), "pt").keys()
+            if k.endswith(".weight_scale")
+        }
         for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear) and (name in quantized or f"model.{name}" in quantized):
                 mod.register_forward_pre_hook(lambda m, args: (_fq(args[0]),))
@@ -125,8 +133,10 @@ def test_load_moe_equals_dequantized_reference(arts, tmp_path, arch, scheme, lay
     assert rel < (0.05 if scheme == "fp8-dynamic" else 0.02), rel
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
     seen = {}
-    hooks = [mod.register_forward_hook(lambda mod, args, out, n=n: seen.__setitem__(n, (args, out)))
-             for n, mod in experts_modules(ref).items()]  # fmt: skip
+    hooks = [
+        mod.register_forward_hook(lambda mod, args, out, n=n: seen.__setitem__(n, (args, out)))
+        for n, mod in experts_modules(ref).items()
+    ]
     with torch.no_grad():
         ref(ids)
         for n, (args, out) in seen.items():
@@ -145,8 +155,20 @@ def test_validate_moe_artifact(arts, tmp_path, layout):
     from mpsconvert.runtime.evaluate.validate import ValidateOptions, validate
 
     src, art = arts[("mixtral", "fp8-dynamic", layout)]
-    opts = ValidateOptions(baseline=str(src), eval_data=str(TEXT_DATA / "wiki_eval.jsonl"), device="cpu", seq_len=32,
-                           max_samples=2, prefill_len=16, decode_tokens=2, repeats=2, rounds=1, warmup=1, write=False, kernel_cache=False)
+    opts = ValidateOptions(
+        baseline=str(src),
+        eval_data=str(TEXT_DATA / "wiki_eval.jsonl"),
+        device="cpu",
+        seq_len=32,
+        max_samples=2,
+        prefill_len=16,
+        decode_tokens=2,
+        repeats=2,
+        rounds=1,
+        warmup=1,
+        write=False,
+        kernel_cache=False,
+    )
     r = validate(art, opts)
     assert r["kind"] == "causal-lm" and r["accuracy"]["tokens"] == 2 * 31
     assert 0 < r["accuracy"]["mean_kl"] < 0.1 and r["accuracy"]["top1_agreement"] > 0.8

@@ -8,7 +8,6 @@ no float8, MoE experts in one copy, the chip in the device name, and `--device m
 
 from __future__ import annotations
 
-import subprocess
 import warnings
 
 import pytest
@@ -16,15 +15,15 @@ import torch
 from click.testing import CliRunner
 
 import mpsconvert
-from mpsconvert.infra import devices
-from mpsconvert.format import fp8
 from mpsconvert.calibrate import observers
+from mpsconvert.format import fp8
+from mpsconvert.infra import devices
 from mpsconvert.runtime import engine as generate
-from mpsconvert.runtime.ops import kernels
 from mpsconvert.runtime.evaluate import metrics
-from mpsconvert.runtime.ops.fp8linear import PREFILL_BUCKETS, FP8Linear
-from mpsconvert.runtime.ops.fp8_experts import FP8Experts, expert_bytes
 from mpsconvert.runtime.load.policy import KernelPolicy
+from mpsconvert.runtime.ops import kernels
+from mpsconvert.runtime.ops.fp8_experts import FP8Experts, expert_bytes
+from mpsconvert.runtime.ops.fp8linear import PREFILL_BUCKETS, FP8Linear
 
 from . import models
 from .fake_mps import CHIP, OnMPS, fake_mps, to_mps
@@ -46,16 +45,23 @@ def test_the_fake_device_refuses_what_mps_refuses(monkeypatch):
     with fake_mps(monkeypatch, fp8=True) as mode:
         a = torch.ones(16, 16, device="mps").to(torch.float8_e4m3fn)
         with pytest.raises(NotImplementedError, match="scaled_mm"):
-            torch._scaled_mm(a, a.t(), torch.ones((), device="mps"), torch.ones((), device="mps"), out_dtype=torch.bfloat16)
+            torch._scaled_mm(
+                a, a.t(), torch.ones((), device="mps"), torch.ones((), device="mps"), out_dtype=torch.bfloat16
+            )
         assert len(mode.refused) == 1
 
 
 # -- the device: what it has, said once, and its name ------------------------------------------------
 
 
-@pytest.mark.parametrize("fp8_ok,scaled_mm,code_dtype,lacks", [(False, False, torch.uint8, "no float8_e4m3fn tensors on MPS"),
-                                                               (True, False, torch.float8_e4m3fn, "no FP8 matmul on MPS"),
-                                                               (True, True, torch.float8_e4m3fn, None)])
+@pytest.mark.parametrize(
+    "fp8_ok,scaled_mm,code_dtype,lacks",
+    [
+        (False, False, torch.uint8, "no float8_e4m3fn tensors on MPS"),
+        (True, False, torch.float8_e4m3fn, "no FP8 matmul on MPS"),
+        (True, True, torch.float8_e4m3fn, None),
+    ],
+)
 def test_capabilities_are_probed_once_and_said_once(monkeypatch, fp8_ok, scaled_mm, code_dtype, lacks):
     with fake_mps(monkeypatch, fp8=fp8_ok, scaled_mm=scaled_mm) as mode:
         with warnings.catch_warnings(record=True) as caught:
@@ -74,8 +80,10 @@ def test_capabilities_are_probed_once_and_said_once(monkeypatch, fp8_ok, scaled_
 def test_a_policy_on_mps_without_scaled_mm_offers_no_fp8_matmul_and_warns_once(monkeypatch, tmp_path):
     """Without scaled_mm on MPS the policy does not time `scaled_mm_row` on each layer shape: the probe's one
     warning is all, and only the kernels that run are candidates."""
-    layers = [FP8Linear.from_tensors(*fp8.quantize(torch.randn(n, k), "row")[:2], activations="token") for n, k in
-              ((64, 32), (48, 32), (32, 64), (96, 64))]  # fmt: skip
+    layers = [
+        FP8Linear.from_tensors(*fp8.quantize(torch.randn(n, k), "row")[:2], activations="token")
+        for n, k in ((64, 32), (48, 32), (32, 64), (96, 64))
+    ]
     model = torch.nn.Sequential(*layers)
     timed = []
 
@@ -106,7 +114,11 @@ def test_the_mps_device_is_named_for_the_macs_chip(monkeypatch):
     monkeypatch.setattr(devices.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or _Run(0, "Apple M4 Pro\n"))
     assert devices.mac_chip() == "Apple M4 Pro" and devices.mps_name() == "Apple M4 Pro (MPS)"
     assert calls == [["sysctl", "-n", "machdep.cpu.brand_string"]] * 2
-    for broken in (lambda cmd, **kw: _Run(1, ""), lambda cmd, **kw: _Run(0, "\x1b[31m"), lambda cmd, **kw: (_ for _ in ()).throw(OSError("no sysctl"))):
+    for broken in (
+        lambda cmd, **kw: _Run(1, ""),
+        lambda cmd, **kw: _Run(0, "\x1b[31m"),
+        lambda cmd, **kw: (_ for _ in ()).throw(OSError("no sysctl")),
+    ):
         monkeypatch.setattr(devices.subprocess, "run", broken)
         with pytest.warns(UserWarning, match="chip could not be read"):
             assert devices.mps_name() == devices.MPS_NAME == "Apple GPU (MPS)"
@@ -115,8 +127,14 @@ def test_the_mps_device_is_named_for_the_macs_chip(monkeypatch):
     assert devices.mac_chip() is None
 
 
-@pytest.mark.parametrize("command", [["validate", "ART", "--device", "mps"], ["generate", "ART", "hi", "--device", "mps"],
-                                     ["chat", "ART", "--device", "mps"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["validate", "ART", "--device", "mps"],
+        ["generate", "ART", "hi", "--device", "mps"],
+        ["chat", "ART", "--device", "mps"],
+    ],
+)
 def test_device_mps_without_mps_is_one_line_exit_2(text_art, command):
     if devices.mps_available():
         pytest.skip("this machine has MPS")
@@ -125,7 +143,9 @@ def test_device_mps_without_mps_is_one_line_exit_2(text_art, command):
     res = CliRunner().invoke(main, [str(text_art) if c == "ART" else c for c in command], input="")
     assert res.exit_code == 2, res.output
     lines = [l for l in res.output.splitlines() if l.strip()]
-    assert len(lines) == 1 and "--device mps" in lines[0] and "torch >= 2.15" in lines[0] and "Traceback" not in res.output
+    assert (
+        len(lines) == 1 and "--device mps" in lines[0] and "torch >= 2.15" in lines[0] and "Traceback" not in res.output
+    )
 
 
 # -- no float64 on the device -------------------------------------------------------------------------
@@ -203,7 +223,9 @@ def test_sampling_on_mps_draws_with_a_generator_on_the_device(monkeypatch, top_p
     with fake_mps(monkeypatch) as mode:
         got = generate.generate_ids(_Decoder("mps"), [1, 2], sampling).tokens
         again = generate.generate_ids(_Decoder("mps"), [1, 2], sampling).tokens
-        other = generate.generate_ids(_Decoder("mps"), [1, 2], generate.Sampling(max_tokens=12, temp=1.3, top_p=top_p, seed=8)).tokens
+        other = generate.generate_ids(
+            _Decoder("mps"), [1, 2], generate.Sampling(max_tokens=12, temp=1.3, top_p=top_p, seed=8)
+        ).tokens
     assert got == again == want and other != got and len(mode.generators) == 3 and not mode.refused
 
 
@@ -214,14 +236,18 @@ def test_codes_as_bytes_decode_and_round_exactly(monkeypatch):
     every = torch.arange(256, dtype=torch.uint8)
     every = every[(every & 0x7F) != 0x7F]  # no NaN codes
     want = every.view(torch.float8_e4m3fn).float()
-    assert torch.equal(fp8.fp8_to_float(every), want) and torch.equal(fp8.fp8_to_float(every.view(torch.float8_e4m3fn)), want)
+    assert torch.equal(fp8.fp8_to_float(every), want) and torch.equal(
+        fp8.fp8_to_float(every.view(torch.float8_e4m3fn)), want
+    )
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 7
     scale = fp8.per_token_scale(x)
     with fake_mps(monkeypatch) as mode:
         assert torch.equal(fp8.fp8_to_float(to_mps(every)).cpu(), want)  # bytes on the device: no float8 op
         got = fp8.fake_quantize(to_mps(x), to_mps(scale)).cpu()
         assert fp8.codes_to(every.view(torch.float8_e4m3fn), "mps").dtype == torch.uint8
-    assert torch.equal(got, fp8.fake_quantize(x, scale)) and mode.refused == [mode.refused[0]]  # only the probe's float8 was refused
+    assert torch.equal(got, fp8.fake_quantize(x, scale)) and mode.refused == [
+        mode.refused[0]
+    ]  # only the probe's float8 was refused
 
 
 def test_round_to_e4m3_is_the_cast_bit_for_bit():
@@ -230,8 +256,19 @@ def test_round_to_e4m3_is_the_cast_bit_for_bit():
     mids = (grid[1:] + grid[:-1]) / 2  # ties: to even
     step = lambda t, d: torch.nextafter(t, torch.full_like(t, d))  # noqa: E731 - one float32 step either side
     g = torch.Generator().manual_seed(4)
-    v = torch.cat([grid, mids, step(mids, 1e9), step(mids, -1e9), step(grid, 1e9), step(grid, -1e9), torch.randn(1 << 18, generator=g) * 60,
-                   (torch.rand(1 << 18, generator=g) - 0.5) * 0.04, torch.tensor([0.0, -0.0, 448.0, -448.0])]).clamp(-448, 448)
+    v = torch.cat(
+        [
+            grid,
+            mids,
+            step(mids, 1e9),
+            step(mids, -1e9),
+            step(grid, 1e9),
+            step(grid, -1e9),
+            torch.randn(1 << 18, generator=g) * 60,
+            (torch.rand(1 << 18, generator=g) - 0.5) * 0.04,
+            torch.tensor([0.0, -0.0, 448.0, -448.0]),
+        ]
+    ).clamp(-448, 448)
     want = v.to(torch.float8_e4m3fn).float()
     assert torch.equal(fp8.round_to_e4m3(v).view(torch.int32), want.view(torch.int32))  # signs of zero included
 
@@ -244,14 +281,22 @@ def arts(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("mps")
     only = Scheme.make("fp8-weight-only")
-    return {"llama": models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p, dtype=torch.bfloat16), only),
-            "mixtral": models.tiny_artifact(work, "mixtral", lambda p: models.tiny("mixtral", p, dtype=torch.bfloat16, widen=0.08, vocab=128), only)}
+    return {
+        "llama": models.tiny_artifact(work, "llama", lambda p: models.tiny("llama", p, dtype=torch.bfloat16), only),
+        "mixtral": models.tiny_artifact(
+            work, "mixtral", lambda p: models.tiny("mixtral", p, dtype=torch.bfloat16, widen=0.08, vocab=128), only
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
 def text_art(tmp_path_factory, text_data):
     """A tiny Llama artifact with a tokenizer (generate, chat, validate)."""
-    return models.tiny_artifact(tmp_path_factory.mktemp("mps-text"), "llama", lambda p: models.tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=False))
+    return models.tiny_artifact(
+        tmp_path_factory.mktemp("mps-text"),
+        "llama",
+        lambda p: models.tiny("llama", p, tokenizer="bpe", dtype=torch.bfloat16, tie=False),
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
@@ -267,7 +312,9 @@ def test_load_on_mps_with_torch_2_15_holds_float8_and_computes_what_cpu_computes
     paths = {}
     for profile in ("2.15", "2.13"):
         with fake_mps(monkeypatch, profile=profile) as mode:
-            model = mpsconvert.load(arts[arch], device="mps", kernel_cache=False, measure=lambda k, l, m: {"dequant": 1.0, "bf16": 2.0}[k])
+            model = mpsconvert.load(
+                arts[arch], device="mps", kernel_cache=False, measure=lambda k, l, m: {"dequant": 1.0, "bf16": 2.0}[k]
+            )
             with torch.no_grad():
                 got = model(to_mps(ids)).logits.cpu()
         paths[profile] = {e.path for e in model.modules() if isinstance(e, FP8Experts)}
@@ -277,8 +324,12 @@ def test_load_on_mps_with_torch_2_15_holds_float8_and_computes_what_cpu_computes
             assert mode.refused == [] and info.weights_held["code_dtype"] == "float8_e4m3fn"
             layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]
             assert layers and all(m.weight.dtype == torch.float8_e4m3fn and isinstance(m.weight, OnMPS) for m in layers)
-            assert {d["choice"] for d in info.kernels} == {"dequant"} and not any("torch >= 2.15" in d["note"] for d in info.kernels)
-    assert paths == ({"2.15": {"grouped_mm"}, "2.13": {"loop"}} if arch == "mixtral" else {"2.15": set(), "2.13": set()})
+            assert {d["choice"] for d in info.kernels} == {"dequant"} and not any(
+                "torch >= 2.15" in d["note"] for d in info.kernels
+            )
+    assert paths == (
+        {"2.15": {"grouped_mm"}, "2.13": {"loop"}} if arch == "mixtral" else {"2.15": set(), "2.13": set()}
+    )
 
 
 def test_the_2_15_profile_offers_fp8_matmul_but_no_block_scaling(monkeypatch):
@@ -291,10 +342,20 @@ def test_the_2_15_profile_offers_fp8_matmul_but_no_block_scaling(monkeypatch):
         assert (caps.fp8_tensors, caps.scaled_mm, caps.lacks) == (True, True, "") and not caught and not mode.refused
         a = torch.ones(16, 16, device="mps").to(torch.float8_e4m3fn)
         one = torch.ones((), device="mps")
-        y = F.scaled_mm(a, a.t(), one, F.ScalingType.TensorWise, one, F.ScalingType.TensorWise, output_dtype=torch.bfloat16)
+        y = F.scaled_mm(
+            a, a.t(), one, F.ScalingType.TensorWise, one, F.ScalingType.TensorWise, output_dtype=torch.bfloat16
+        )
         assert isinstance(y, OnMPS) and bool((y.float() == 16).all())
         with pytest.raises(NotImplementedError, match="TensorWise and RowWise"):
-            F.scaled_mm(a, a.t(), one, F.ScalingType.BlockWise1x128, one, F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+            F.scaled_mm(
+                a,
+                a.t(),
+                one,
+                F.ScalingType.BlockWise1x128,
+                one,
+                F.ScalingType.BlockWise128x128,
+                output_dtype=torch.bfloat16,
+            )
 
 
 def test_a_policy_on_2_15_mps_measures_scaled_mm_against_bf16_per_bucket(monkeypatch):
@@ -308,11 +369,15 @@ def test_a_policy_on_2_15_mps_measures_scaled_mm_against_bf16_per_bucket(monkeyp
         return {"scaled_mm_row": 1.0 if m == 1 else 9.0, "dequant": 3.0, "bf16": 2.0 if m == 1 else 4.0}[kernel]
 
     with fake_mps(monkeypatch, profile="2.15"):
-        decisions = KernelPolicy(torch.device("mps"), measure=measure, cache=False).apply(torch.nn.Sequential(layer, block))
+        decisions = KernelPolicy(torch.device("mps"), measure=measure, cache=False).apply(
+            torch.nn.Sequential(layer, block)
+        )
     row = [d for d in decisions if d.weights == "row"]
     assert row[0].bucket == "decode" and row[0].m == 1 and row[0].choice == "scaled_mm_row"
     assert {d.choice for d in row[1:]} == {"dequant"} and set(row[0].timings_us) == {"scaled_mm_row", "dequant", "bf16"}
-    blocks = [d for d in decisions if d.weights == "block128"]  # no block-wise scaled_mm on MPS: which path runs is said
+    blocks = [
+        d for d in decisions if d.weights == "block128"
+    ]  # no block-wise scaled_mm on MPS: which path runs is said
     assert blocks and all(set(d.timings_us) == {"dequant", "bf16"} for d in blocks)
     assert all("no block-scaled FP8 kernel on mps" in d.note for d in blocks)
 
@@ -336,19 +401,29 @@ def test_load_on_mps_without_float8_holds_bytes_and_computes_what_cpu_computes(m
     with torch.no_grad():
         want = cpu(ids).logits
     with fake_mps(monkeypatch) as mode:
-        model = mpsconvert.load(arts[arch], device="mps", kernel_cache=False, measure=lambda k, l, m: {"dequant": 1.0, "bf16": 2.0}[k])
+        model = mpsconvert.load(
+            arts[arch], device="mps", kernel_cache=False, measure=lambda k, l, m: {"dequant": 1.0, "bf16": 2.0}[k]
+        )
         info = model.mpsconvert
         with torch.no_grad():
             got = model(to_mps(ids)).logits.cpu()
-    probes = [r for r in mode.refused if "grouped_mm" not in r]  # 2.13 has no MPS grouped matmul: its probe is refused too
+    probes = [
+        r for r in mode.refused if "grouped_mm" not in r
+    ]  # 2.13 has no MPS grouped matmul: its probe is refused too
     assert probes == [mode.refused[0]] and "Float8" in mode.refused[0]  # the probe's float8, and nothing after it
     assert info.device == "mps" and info.weights_held["code_dtype"] == "uint8"
     layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]
-    assert layers and all(m.weight.dtype == torch.uint8 and isinstance(m.weight, OnMPS) and m.dense_weight is None for m in layers)
-    assert {d["choice"] for d in info.kernels} == {"dequant"} and all("torch >= 2.15" in d["note"] for d in info.kernels)
+    assert layers and all(
+        m.weight.dtype == torch.uint8 and isinstance(m.weight, OnMPS) and m.dense_weight is None for m in layers
+    )
+    assert {d["choice"] for d in info.kernels} == {"dequant"} and all(
+        "torch >= 2.15" in d["note"] for d in info.kernels
+    )
     experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
     if arch == "mixtral":  # one copy: the dense weights, not codes beside them
-        assert experts and all(e.gate_up_codes is None and e.down_codes is None and e.gate_up_dense is not None for e in experts)
+        assert experts and all(
+            e.gate_up_codes is None and e.down_codes is None and e.gate_up_dense is not None for e in experts
+        )
         assert all(r["weights"] == "bfloat16 (dequantized at load)" for r in info.experts.values())
         assert all(expert_bytes(e) < 1.1 * 2 * (e.gate_up_dense.numel() + e.down_dense.numel()) for e in experts)
     assert torch.equal(got, want)
@@ -363,8 +438,12 @@ def test_generate_and_validate_on_mps(monkeypatch, tmp_path, text_art, profile):
     monkeypatch.setenv("MPSCONVERT_CACHE_DIR", str(tmp_path / "cache"))
     with fake_mps(monkeypatch, profile=profile) as mode:
         res = mpsconvert.generate(art, "The river", device="mps", temp=1.0, seed=3, max_tokens=6, use_template=False)
-        val = mpsconvert.validate(art, options=mpsconvert.validate_options(device="mps", seq_len=32, max_samples=2, prefill_len=16,
-                                                                          decode_tokens=3, repeats=1, warmup=1, rounds=1))
+        val = mpsconvert.validate(
+            art,
+            options=mpsconvert.validate_options(
+                device="mps", seq_len=32, max_samples=2, prefill_len=16, decode_tokens=3, repeats=1, warmup=1, rounds=1
+            ),
+        )
     assert res.stats.device == "mps" and len(res.stats.tokens) == 6 and len(mode.refused) == (profile == "2.13")
     assert val.device_name == f"{CHIP} (MPS)" and val.accuracy["tokens"] == 62 and 0 <= val.accuracy["mean_kl"] < 0.1
     import json
@@ -378,7 +457,12 @@ def test_generate_and_validate_on_mps(monkeypatch, tmp_path, text_art, profile):
 def test_cpu_load_says_the_weights_are_dequantized(arts):
     info = mpsconvert.load(arts["mixtral"], device="cpu").mpsconvert
     held = info.weights_held
-    assert held["e4m3"] == 0 and held["dequantized"] > 0 and "no faster" in held["note"] and "as much memory" in held["note"]
+    assert (
+        held["e4m3"] == 0
+        and held["dequantized"] > 0
+        and "no faster" in held["note"]
+        and "as much memory" in held["note"]
+    )
     assert all(r["weights"] == "bfloat16 (dequantized at load)" for r in info.experts.values())
 
 
@@ -393,6 +477,11 @@ def test_every_mps_branch_in_src_ran_under_a_profile(request):
     if request.config.option.keyword or any("::" in a for a in request.config.args):
         pytest.skip("needs the whole module: the branches are recorded by the tests above")
     assert BRANCHES, "no MPS branch found in src/: the scan is broken"
-    missed = sorted(f"{f.split('mpsconvert/', 1)[1]}:{line}" for f, lines in BRANCHES.items() for line in lines if not HIT.get((f, line)))
+    missed = sorted(
+        f"{f.split('mpsconvert/', 1)[1]}:{line}"
+        for f, lines in BRANCHES.items()
+        for line in lines
+        if not HIT.get((f, line))
+    )
     assert not missed, f"MPS branches no test ran under a fake-MPS profile: {missed}"
     assert set().union(*HIT.values()) == {"2.13", "2.15"}

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpsconvert.runtime import patches
 from mpsconvert.model import hf_compat
+from mpsconvert.runtime import patches
 
 from .models import MOE_ARCHS, tiny_model, tiny_moe_model
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.core
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mpsconvert"
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+
 
 def _tiny(arch, seed=0):
     """The tiny BF16 model of `arch` (tests/models.py's builder), without grad."""
@@ -60,15 +61,25 @@ def test_only_hf_compat_touches_transformers_private_names():
 def test_the_private_name_scan_sees_a_use(tmp_path):
     """Negative control for the scan above."""
     f = tmp_path / "m.py"
-    f.write_text("import transformers.masking_utils as m\nfrom transformers.integrations import x\n"
-                 "def f(model):\n    '''_attn_implementation in a docstring is fine'''\n"
-                 "    return model.config._attn_implementation, getattr(model, '_can_set_attn_implementation')\n")
+    f.write_text(
+        "import transformers.masking_utils as m\nfrom transformers.integrations import x\n"
+        "def f(model):\n    '''_attn_implementation in a docstring is fine'''\n"
+        "    return model.config._attn_implementation, getattr(model, '_can_set_attn_implementation')\n"
+    )
     assert [u.split(":")[0] for u in _private_uses(f)] == ["1", "2", "5", "5"]
 
 
 def test_registry_order_and_one_report_shape():
-    assert [p.name for p in patches.REGISTRY] == ["shared_inputs", "attention", "routing", "eager_fusion", "prefill_graphs", "positions",
-                                                  "lm_head", "generate"]
+    assert [p.name for p in patches.REGISTRY] == [
+        "shared_inputs",
+        "attention",
+        "routing",
+        "eager_fusion",
+        "prefill_graphs",
+        "positions",
+        "lm_head",
+        "generate",
+    ]
     assert [p.phase for p in patches.REGISTRY] == ["modules"] * 3 + ["forwards"] * 5
     model = _tiny("llama")
     ctx = patches.Context(torch.device("cpu"), torch.bfloat16)
@@ -82,7 +93,9 @@ def test_registry_order_and_one_report_shape():
     assert reports["generate"].skipped.startswith("mpsconvert's engine takes generate() on CUDA only")
     assert reports["routing"].skipped.startswith("no softmax top-k router")
     assert reports["positions"].applied and reports["positions"].left == []
-    off = patches.apply(_tiny("llama"), patches.Context(torch.device("cpu"), torch.bfloat16, {"eager_fusion": False}), "forwards")
+    off = patches.apply(
+        _tiny("llama"), patches.Context(torch.device("cpu"), torch.bfloat16, {"eager_fusion": False}), "forwards"
+    )
     assert off["positions"].skipped == off["lm_head"].skipped == "turned off (eager_fusion=False)"
     assert off["prefill_graphs"].skipped == "eager_fusion is off: no direct prefill calls to record"
 
@@ -119,7 +132,9 @@ def test_cpu_patches_install_on_every_architecture_and_keep_the_output(arch):
     installed = {n: r.installed for n, r in reports.items() if r.applied}
     from mpsconvert.runtime.patches import lm_head
 
-    head = {"lm_head": 1} if lm_head.copies_weight(torch.device("cpu"), model.dtype) else {}  # only where this torch copies
+    head = (
+        {"lm_head": 1} if lm_head.copies_weight(torch.device("cpu"), model.dtype) else {}
+    )  # only where this torch copies
     assert installed == {"positions": 1} | head, {n: r.as_dict() for n, r in reports.items()}
     assert all(not r.left for r in reports.values())
     assert not [w for w in caught if issubclass(w.category, patches.PatchFallback)]
@@ -182,7 +197,9 @@ def test_the_output_head_patch_is_installed_only_where_torch_needs_it(monkeypatc
         report = patches.apply(model, ctx, "forwards")["lm_head"]
         assert lm_head.installed(model) is needed and report.applied is needed, report.as_dict()
         if not needed:
-            assert report.skipped.startswith(f"torch {torch.__version__} computes the kept tokens' logits as one matrix product")
+            assert report.skipped.startswith(
+                f"torch {torch.__version__} computes the kept tokens' logits as one matrix product"
+            )
         for rows in (ids[:1], ids):
             kept = model(rows, logits_to_keep=1).logits
             assert kept.shape == (rows.shape[0], 1, full.shape[-1])
@@ -232,15 +249,23 @@ def test_a_failing_install_never_raises_and_is_warned_once():
         warnings.simplefilter("always")
         for _ in range(2):
             r = patches.apply(model, ctx, "forwards", registry=(Broken(),))["broken"]
-    assert not r.applied and r.skipped.startswith("install failed (KeyError") and r.left == ["the model: install failed (KeyError)"]
+    assert (
+        not r.applied
+        and r.skipped.startswith("install failed (KeyError")
+        and r.left == ["the model: install failed (KeyError)"]
+    )
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, patches.PatchFallback)]
-    assert fallbacks == ["mpsconvert patch 'broken' left the model with transformers' own code: install failed (KeyError)"]
+    assert fallbacks == [
+        "mpsconvert patch 'broken' left the model with transformers' own code: install failed (KeyError)"
+    ]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
 
 
 def test_left_modules_are_grouped_by_reason_in_one_warning():
-    r = patches.Report("demo", installed=1, left=[f"model.layers.{i}.mlp: not a gated MLP" for i in range(5)] + ["model.norm: other"])
+    r = patches.Report(
+        "demo", installed=1, left=[f"model.layers.{i}.mlp: not a gated MLP" for i in range(5)] + ["model.norm: other"]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         patches.warn_left(r)
@@ -248,13 +273,16 @@ def test_left_modules_are_grouped_by_reason_in_one_warning():
     assert [str(w.message) for w in caught] == [
         "mpsconvert patch 'demo' left model.layers.0.mlp, model.layers.1.mlp, model.layers.2.mlp and 2 more with "
         "transformers' own code: not a gated MLP",
-        "mpsconvert patch 'demo' left model.norm with transformers' own code: other"]
+        "mpsconvert patch 'demo' left model.norm with transformers' own code: other",
+    ]
 
 
 def test_decode_attention_accepts_only_arguments_it_may_ignore():
     from mpsconvert.runtime.patches import attention
 
-    assert attention.accepts({"position_ids": torch.arange(3), "sliding_window": 4096, "softcap": None, "output_attentions": False})
+    assert attention.accepts(
+        {"position_ids": torch.arange(3), "sliding_window": 4096, "softcap": None, "output_attentions": False}
+    )
     assert not attention.accepts({"softcap": 30.0})
     assert not attention.accepts({"a_future_argument": torch.zeros(1)})  # unknown: SDPA runs it
 
@@ -267,7 +295,9 @@ def test_hf_compat_answers_without_raising_where_a_name_is_gone(monkeypatch):
     model = _tiny("llama")
     reports = patches.apply(model, patches.Context(torch.device("cpu"), torch.bfloat16), "forwards")
     assert not reports["positions"].applied
-    assert reports["positions"].left == ["the model: transformers has no packed-sequence check by that name (hf_compat)"]
+    assert reports["positions"].left == [
+        "the model: transformers has no packed-sequence check by that name (hf_compat)"
+    ]
 
 
 @pytest.mark.slow  # every architecture through the Triton interpreter: 19 min of the suite on 2 cores
@@ -296,13 +326,23 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
             for g in model.modules():  # gate/up decode by the GEMVs that have a gated form (W8A8 or BF16 activations)
                 if type(g).__name__ == "SharedInput":
                     gated = g.names == ["gate_proj", "up_proj"]
-                    g.inner.set_kernels(("gemv_w8a8" if arch in ("llama", "qwen2") else "gemv") if gated else "scaled_mm_row", "scaled_mm_row")
+                    g.inner.set_kernels(
+                        ("gemv_w8a8" if arch in ("llama", "qwen2") else "gemv") if gated else "scaled_mm_row",
+                        "scaled_mm_row",
+                    )
             reports |= patches.apply(model, ctx, "forwards")
             patches.check(model, ctx, reports)
-        seen[arch] = {n: (r.installed, sorted({e.partition(": ")[2] for e in r.left}), r.skipped) for n, r in reports.items()}
+        seen[arch] = {
+            n: (r.installed, sorted({e.partition(": ")[2] for e in r.left}), r.skipped) for n, r in reports.items()
+        }
         dense_mlps = sum(type(m).__name__.endswith("MLP") and hasattr(m, "gate_proj") for m in model.modules())
-        assert reports["eager_fusion"].details["mlps_gated_decode"] == dense_mlps, (arch, reports["eager_fusion"].details)
-        ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))  # longer than the routing kernel takes: a prefill all exact
+        assert reports["eager_fusion"].details["mlps_gated_decode"] == dense_mlps, (
+            arch,
+            reports["eager_fusion"].details,
+        )
+        ids = torch.randint(
+            0, 128, (1, 20), generator=torch.Generator().manual_seed(1)
+        )  # longer than the routing kernel takes: a prefill all exact
         with torch.no_grad():
             assert torch.equal(model(ids).logits, ref(ids).logits), arch
             caches = [DynamicCache(config=m.config) for m in (model, ref)]
@@ -314,11 +354,17 @@ def test_cuda_patches_install_on_every_architecture_interpreted():
                 assert err < 0.05, (arch, t, err)  # decode kernels (attention, routing) round in other orders
     for arch, r in seen.items():
         moe = arch in MOE_ARCHS
-        assert r["shared_inputs"][0] == (2 if arch == "mixtral" else 4), (arch, r)  # q/k/v per layer, gate/up of dense (and shared-expert) MLPs
+        assert r["shared_inputs"][0] == (2 if arch == "mixtral" else 4), (
+            arch,
+            r,
+        )  # q/k/v per layer, gate/up of dense (and shared-expert) MLPs
         assert r["attention"][:2] == (1, []), (arch, r)
         assert r["routing"][0] == (2 if moe else 0) and r["routing"][1] == [], (arch, r)
         assert r["positions"][:2] == (1, []), (arch, r)
-        assert r["prefill_graphs"][2] == "the model's weights are not on a CUDA device (CUDA graphs)", (arch, r)  # tests/test_prefill_graphs.py
+        assert r["prefill_graphs"][2] == "the model's weights are not on a CUDA device (CUDA graphs)", (
+            arch,
+            r,
+        )  # tests/test_prefill_graphs.py
         fused, left, _ = r["eager_fusion"]
         assert fused > 0, (arch, r)
         if arch == "qwen3":  # q/k norms inside its attention: its prefill keeps the attention module's forward

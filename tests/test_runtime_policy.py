@@ -7,13 +7,14 @@ import json
 import pytest
 import torch
 
+from mpsconvert.errors import DeviceError
 from mpsconvert.format import fp8
 from mpsconvert.infra.devices import Capabilities
-from mpsconvert.errors import DeviceError
-from mpsconvert.runtime.ops import kernels, triton as tritonlib
+from mpsconvert.runtime.load.policy import KernelPolicy
+from mpsconvert.runtime.ops import kernels
+from mpsconvert.runtime.ops import triton as tritonlib
 from mpsconvert.runtime.ops.fp8linear import DECODE_MAX_M, PREFILL_BUCKETS, FP8Linear, bucket_index
 from mpsconvert.runtime.ops.fuse import FusedFP8
-from mpsconvert.runtime.load.policy import KernelPolicy
 
 CUDA = torch.device("cuda")  # never touched: measurements are injected, capabilities given
 FAKE_GPU = Capabilities("cuda", True, True, "FakeGPU")
@@ -58,26 +59,63 @@ def policy(measure, tmp_path, **kw):
 
 
 def test_fastest_kernel_per_bucket(tmp_path, with_triton):
-    m = fake({(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "gemv_splitk"): 22.0, (1, "gemv_w8a8"): 23.0, (1, "bf16"): 34.0,
-              (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0})
+    m = fake(
+        {
+            (1, "scaled_mm_row"): 41.0,
+            (1, "gemv"): 19.0,
+            (1, "gemv_splitk"): 22.0,
+            (1, "gemv_w8a8"): 23.0,
+            (1, "bf16"): 34.0,
+            (2048, "scaled_mm_row"): 240.0,
+            (2048, "dequant"): 740.0,
+            (2048, "bf16"): 300.0,
+        }
+    )
     model = Model(layer(), layer(seed=1))
     decisions = policy(m, tmp_path).apply(model)
     assert [(d.bucket, d.m, d.choice, d.layers) for d in decisions] == [("decode", 1, "gemv", 2)] + [
-        ("prefill", m, "scaled_mm_row", 2) for m in PREFILL_BUCKETS]
+        ("prefill", m, "scaled_mm_row", 2) for m in PREFILL_BUCKETS
+    ]
     assert all(l.kernels == {"decode": "gemv", "prefill": "scaled_mm_row"} for l in model.layers)
     assert all(l.weight.dtype == torch.float8_e4m3fn and l.dense_weight is None for l in model.layers)  # FP8 kept
-    assert {c[0] for c in m.calls if c[2] == 1} == {"scaled_mm_row", "gemv", "gemv_splitk", "gemv_w8a8", "bf16"}  # one signature measured once
+    assert {c[0] for c in m.calls if c[2] == 1} == {
+        "scaled_mm_row",
+        "gemv",
+        "gemv_splitk",
+        "gemv_w8a8",
+        "bf16",
+    }  # one signature measured once
 
 
 def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, with_triton):
-    both = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 40.0, (1, "gemv_splitk"): 45.0, (1, "gemv_w8a8"): 46.0, (1, "bf16"): 30.0,
-                 (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
+    both = fake(
+        {
+            (1, "scaled_mm_row"): 50.0,
+            (1, "gemv"): 40.0,
+            (1, "gemv_splitk"): 45.0,
+            (1, "gemv_w8a8"): 46.0,
+            (1, "bf16"): 30.0,
+            (2048, "scaled_mm_row"): 400.0,
+            (2048, "dequant"): 900.0,
+            (2048, "bf16"): 300.0,
+        }
+    )
     lay = layer()
     dec, pre, *_ = policy(both, tmp_path).apply(Model(lay))
     assert dec.choice == pre.choice == "bf16" and "fallback" in dec.note
     assert lay.weight is None and lay.dense_weight.dtype == torch.bfloat16  # the FP8 copy is not kept beside it
-    one = fake({(1, "scaled_mm_row"): 50.0, (1, "gemv"): 20.0, (1, "gemv_splitk"): 21.0, (1, "gemv_w8a8"): 22.0, (1, "bf16"): 30.0,
-                (2048, "scaled_mm_row"): 400.0, (2048, "dequant"): 900.0, (2048, "bf16"): 300.0})
+    one = fake(
+        {
+            (1, "scaled_mm_row"): 50.0,
+            (1, "gemv"): 20.0,
+            (1, "gemv_splitk"): 21.0,
+            (1, "gemv_w8a8"): 22.0,
+            (1, "bf16"): 30.0,
+            (2048, "scaled_mm_row"): 400.0,
+            (2048, "dequant"): 900.0,
+            (2048, "bf16"): 300.0,
+        }
+    )
     lay = layer()
     dec, pre, *_ = policy(one, tmp_path / "b").apply(Model(lay))
     assert (dec.choice, pre.choice) == ("gemv", "scaled_mm_row") and "FP8 kept" in pre.note
@@ -86,7 +124,16 @@ def test_bf16_fallback_only_when_faster_in_both_buckets_and_recorded(tmp_path, w
 
 @pytest.mark.filterwarnings("ignore:mpsconvert kernel")
 def test_kernel_that_cannot_run_is_recorded_and_skipped(tmp_path, with_triton):
-    m = fake({(1, "bf16"): 30.0, (1, "gemv"): 25.0, (1, "gemv_splitk"): 26.0, (1, "gemv_w8a8"): 27.0, (2048, "dequant"): 500.0, (2048, "bf16"): 300.0})
+    m = fake(
+        {
+            (1, "bf16"): 30.0,
+            (1, "gemv"): 25.0,
+            (1, "gemv_splitk"): 26.0,
+            (1, "gemv_w8a8"): 27.0,
+            (2048, "dequant"): 500.0,
+            (2048, "bf16"): 300.0,
+        }
+    )
     with pytest.warns(UserWarning, match="scaled_mm_row cannot run a 64x32 layer on FakeGPU"):
         dec, pre, *_ = policy(m, tmp_path).apply(Model(layer()))
     assert dec.timings_us["scaled_mm_row"].startswith("error: RuntimeError: scaled_mm_row unsupported")
@@ -101,7 +148,9 @@ def test_a_triton_kernel_that_computes_something_else_is_never_timed(monkeypatch
     close one (the W8A8 GEMV's rounding of the activations) is timed."""
     lay = layer(64, 32)
     pol = KernelPolicy(torch.device("cpu"), cache=False, capabilities=FAKE_GPU)
-    monkeypatch.setitem(kernels.FNS, "gemv_splitk", lambda mod, x: torch.zeros(x.shape[0], mod.out_features, dtype=x.dtype))
+    monkeypatch.setitem(
+        kernels.FNS, "gemv_splitk", lambda mod, x: torch.zeros(x.shape[0], mod.out_features, dtype=x.dtype)
+    )
     with pytest.raises(RuntimeError, match="gemv_splitk disagrees with the dequantized product"):
         pol._measure("gemv_splitk", lay, 1)
     monkeypatch.setitem(kernels.FNS, "gemv_splitk", lambda mod, x: kernels.dequant(mod, x) * 1.03)
@@ -109,35 +158,64 @@ def test_a_triton_kernel_that_computes_something_else_is_never_timed(monkeypatch
     monkeypatch.setitem(kernels.FNS, "gemv_splitk", lambda mod, x: kernels.dequant(mod, x) * float("nan"))
     with pytest.raises(RuntimeError, match="relative error nan"):
         pol._measure("gemv_splitk", lay, 1)
-    static = layer(64, 32, gran="tensor", act="tensor", input_scale=1e-3)  # random inputs clip at 448 * 1e-3: the scheme's rounding
+    static = layer(
+        64, 32, gran="tensor", act="tensor", input_scale=1e-3
+    )  # random inputs clip at 448 * 1e-3: the scheme's rounding
     monkeypatch.setitem(kernels.FNS, "gemv_w8a8", lambda mod, x: kernels.dequant(mod, kernels.scheme_rounded(mod, x)))
     assert pol._measure("gemv_w8a8", static, 1) > 0  # checked against the clipped product, as the kernel computes it
     from mpsconvert.runtime.load.policy import CHECK_BOUND
 
     x = torch.randn(1, 32, generator=torch.Generator().manual_seed(2))
     clipped, plain = kernels.dequant(static, kernels.scheme_rounded(static, x)), kernels.dequant(static, x)
-    assert float((clipped - plain).norm() / plain.norm()) > CHECK_BOUND  # against the unrounded product it would have failed
+    assert (
+        float((clipped - plain).norm() / plain.norm()) > CHECK_BOUND
+    )  # against the unrounded product it would have failed
 
 
 def test_candidates_follow_scheme_and_device(with_triton):
     assert kernels.candidates("cuda", "tensor", "tensor", "prefill") == ["scaled_mm_tensor", "dequant", "bf16"]
-    assert kernels.candidates("cuda", "tensor", "row", "decode") == ["scaled_mm_row", "gemv", "gemv_splitk", "gemv_w8a8", "bf16"]
-    assert kernels.candidates("cuda", None, "row", "decode") == ["gemv", "gemv_splitk", "bf16"]  # weight-only never quantizes x
-    assert kernels.candidates("mps", "token", "row", "decode") == ["scaled_mm_row", "dequant", "bf16"]  # no Triton on MPS
+    assert kernels.candidates("cuda", "tensor", "row", "decode") == [
+        "scaled_mm_row",
+        "gemv",
+        "gemv_splitk",
+        "gemv_w8a8",
+        "bf16",
+    ]
+    assert kernels.candidates("cuda", None, "row", "decode") == [
+        "gemv",
+        "gemv_splitk",
+        "bf16",
+    ]  # weight-only never quantizes x
+    assert kernels.candidates("mps", "token", "row", "decode") == [
+        "scaled_mm_row",
+        "dequant",
+        "bf16",
+    ]  # no Triton on MPS
     assert kernels.candidates("cpu", "token", "row", "decode") == ["dense_qact"]
     assert kernels.candidates("cpu", None, "row", "prefill") == ["bf16"]
     # block scales: the blockwise scaled_mm (group activations, 128-blocks), the GEMV at decode where it reads the block
     # edge
     assert kernels.candidates("cuda", "group", "block", "decode", 128) == ["scaled_mm_block", "gemv", "dequant", "bf16"]
     assert kernels.candidates("cuda", None, "block", "decode", 64) == ["gemv", "dequant", "bf16"]
-    assert kernels.candidates("cuda", None, "block", "decode", 16) == ["dequant", "bf16"]  # a tile's rows would span two
+    assert kernels.candidates("cuda", None, "block", "decode", 16) == [
+        "dequant",
+        "bf16",
+    ]  # a tile's rows would span two
     assert kernels.candidates("cuda", "group", "block", "prefill", 128) == ["scaled_mm_block", "dequant", "bf16"]
     assert kernels.candidates("mps", None, "block", "decode", 128) == ["dequant", "bf16"]
 
 
 def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_triton, monkeypatch):
-    table = {(1, "scaled_mm_row"): 41.0, (1, "gemv"): 19.0, (1, "gemv_splitk"): 22.0, (1, "gemv_w8a8"): 23.0, (1, "bf16"): 34.0,
-             (2048, "scaled_mm_row"): 240.0, (2048, "dequant"): 740.0, (2048, "bf16"): 300.0}
+    table = {
+        (1, "scaled_mm_row"): 41.0,
+        (1, "gemv"): 19.0,
+        (1, "gemv_splitk"): 22.0,
+        (1, "gemv_w8a8"): 23.0,
+        (1, "bf16"): 34.0,
+        (2048, "scaled_mm_row"): 240.0,
+        (2048, "dequant"): 740.0,
+        (2048, "bf16"): 300.0,
+    }
     first = fake(table)
     policy(first, tmp_path).apply(Model(layer()))
     body = json.loads((tmp_path / "k.json").read_text())
@@ -150,12 +228,16 @@ def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_t
 
     assert f"|kernels {policy_mod.kernels_digest()}|" in key and len(policy_mod.kernels_digest()) == 12
     with monkeypatch.context() as mp:
-        mp.setattr(policy_mod, "kernels_digest", lambda: "0123456789ab")  # other kernels (another mpsconvert): measured again
+        mp.setattr(
+            policy_mod, "kernels_digest", lambda: "0123456789ab"
+        )  # other kernels (another mpsconvert): measured again
         changed = fake(table)
         policy(changed, tmp_path).apply(Model(layer()))
         assert changed.calls
     other = fake(table | {(1, "scaled_mm_tensor"): 1.0, (2048, "scaled_mm_tensor"): 1.0})
-    policy(other, tmp_path).apply(Model(layer(gran="tensor", act="tensor", input_scale=0.05)))  # another scheme: measured
+    policy(other, tmp_path).apply(
+        Model(layer(gran="tensor", act="tensor", input_scale=0.05))
+    )  # another scheme: measured
     assert other.calls
     (tmp_path / "k.json").write_text("{not json")  # a broken cache is re-measured, never trusted
     fresh = fake(table)
@@ -166,7 +248,9 @@ def test_decisions_are_cached_per_device_torch_shape_and_scheme(tmp_path, with_t
 def test_cpu_is_decided_by_rule_without_measuring(tmp_path):
     m = fake({})
     lay = layer()
-    dec, pre = KernelPolicy(torch.device("cpu"), measure=m, cache=False).apply(Model(lay))  # one prefill rule for every length
+    dec, pre = KernelPolicy(torch.device("cpu"), measure=m, cache=False).apply(
+        Model(lay)
+    )  # one prefill rule for every length
     assert m.calls == [] and dec.source == "rule" and pre.choice == "dense_qact"
     assert lay.weight is None and lay.dense_weight is not None
 
@@ -184,7 +268,9 @@ def test_kernels_compute_the_same_thing(gran, act, iscale):
     elif act == "tensor":
         xf = fp8.fake_quantize(xf, torch.tensor(iscale))
     want = xf @ w.T
-    names = ["dense_qact" if act else "bf16"] + ([{"row": "scaled_mm_row", "tensor": "scaled_mm_tensor"}[gran]] if act else [])
+    names = ["dense_qact" if act else "bf16"] + (
+        [{"row": "scaled_mm_row", "tensor": "scaled_mm_tensor"}[gran]] if act else []
+    )
     for name in names:
         probe = layer(48, 32, gran, act, input_scale=iscale)
         probe.set_kernels(name, name)
@@ -205,7 +291,10 @@ def test_fused_projection_matches_separate_layers():
         lay.set_kernels("scaled_mm_row", "scaled_mm_row")
     for a, b in zip(fused(x), (q(x), k(x), v(x))):
         assert torch.equal(a, b)
-    t1, t2 = layer(16, 32, "tensor", "tensor", seed=4, input_scale=0.1), layer(16, 32, "tensor", "tensor", seed=5, input_scale=0.2)
+    t1, t2 = (
+        layer(16, 32, "tensor", "tensor", seed=4, input_scale=0.1),
+        layer(16, 32, "tensor", "tensor", seed=5, input_scale=0.2),
+    )
     with pytest.raises(ValueError, match="static input scales differ"):
         FusedFP8([t1, t2])
 
@@ -225,8 +314,18 @@ def test_mps_call_form_matches_cuda_call_form(gran, act, iscale, rowwise):
 def test_unwritable_cache_warns_and_still_decides(tmp_path, with_triton):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    m = fake({(1, "gemv"): 1.0, (1, "gemv_splitk"): 1.5, (1, "gemv_w8a8"): 1.6, (1, "bf16"): 2.0, (1, "scaled_mm_row"): 3.0, (2048, "scaled_mm_row"): 1.0,
-              (2048, "dequant"): 3.0, (2048, "bf16"): 2.0})
+    m = fake(
+        {
+            (1, "gemv"): 1.0,
+            (1, "gemv_splitk"): 1.5,
+            (1, "gemv_w8a8"): 1.6,
+            (1, "bf16"): 2.0,
+            (1, "scaled_mm_row"): 3.0,
+            (2048, "scaled_mm_row"): 1.0,
+            (2048, "dequant"): 3.0,
+            (2048, "bf16"): 2.0,
+        }
+    )
     pol = KernelPolicy(CUDA, measure=m, cache=blocker / "sub" / "k.json", capabilities=FAKE_GPU)
     with pytest.warns(UserWarning, match="kernel cache .* not written"):
         dec, pre, *_ = pol.apply(Model(layer()))
@@ -238,13 +337,30 @@ def test_buckets_cover_every_length_and_each_runs_its_own_kernel(tmp_path, with_
     one prefill bucket (the smallest bound at or above it; the last beyond), each bucket is
     measured at its bound, and a layer runs the kernel chosen for the bucket of its call."""
     assert [bucket_index(r) for r in (DECODE_MAX_M + 1, 16, 17, 128, 129, 512, 513, 2048, 2049, 8192, 100_000)] == [
-        0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4]
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        4,
+        4,
+    ]
     for rows in range(DECODE_MAX_M + 1, 9000, 7):
         i = bucket_index(rows)
         assert rows <= PREFILL_BUCKETS[i] or i == len(PREFILL_BUCKETS) - 1
         assert i == 0 or rows > PREFILL_BUCKETS[i - 1]
     # dequant wins the short prompts, scaled_mm_row the long ones (as on the H200: launch-bound vs GEMM-bound)
-    table = {(1, "gemv"): 10.0, (1, "gemv_splitk"): 11.0, (1, "gemv_w8a8"): 12.0, (1, "scaled_mm_row"): 20.0, (1, "bf16"): 30.0}
+    table = {
+        (1, "gemv"): 10.0,
+        (1, "gemv_splitk"): 11.0,
+        (1, "gemv_w8a8"): 12.0,
+        (1, "scaled_mm_row"): 20.0,
+        (1, "bf16"): 30.0,
+    }
     for m in PREFILL_BUCKETS:
         table |= {(m, "scaled_mm_row"): 5.0 * m / 128 + 9, (m, "dequant"): 10.0 * m / 128 + 5, (m, "bf16"): 100.0 * m}
     meas = fake(table)
@@ -255,7 +371,11 @@ def test_buckets_cover_every_length_and_each_runs_its_own_kernel(tmp_path, with_
     assert {d.m: d.choice for d in decisions if d.bucket == "prefill"} == want and lay.kernels["prefill"] == want
     ran = []
     for name in ("dequant", "scaled_mm_row", "gemv"):
-        monkeypatch.setitem(kernels.FNS, name, (lambda n: lambda mod, x, *a: ran.append(n) or torch.zeros(x.shape[0], mod.out_features))(name))
+        monkeypatch.setitem(
+            kernels.FNS,
+            name,
+            (lambda n: lambda mod, x, *a: ran.append(n) or torch.zeros(x.shape[0], mod.out_features))(name),
+        )
     lay.set_kernels("gemv", want)  # re-install: the layer took the functions when it was set
     for rows in (1, 5, 16, 17, 600, 10000):
         lay(torch.zeros(rows, 32, dtype=torch.bfloat16))
@@ -272,9 +392,13 @@ def test_a_kernel_is_timed_over_weights_that_outgrow_the_cache(monkeypatch):
     caps = Capabilities("cpu", True, False, "FakeDevice", cache_bytes=code_bytes)  # two layers' codes outgrow it twice
     pol = KernelPolicy(torch.device("cpu"), cache=False, capabilities=caps)
     called, dense = [], []
-    monkeypatch.setitem(kernels.FNS, "dequant", lambda mod, x: called.append(mod) or torch.zeros(x.shape[0], mod.out_features))
+    monkeypatch.setitem(
+        kernels.FNS, "dequant", lambda mod, x: called.append(mod) or torch.zeros(x.shape[0], mod.out_features)
+    )
     real_linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: dense.append(w.data_ptr()) or real_linear(x, w, b))
+    monkeypatch.setattr(
+        torch.nn.functional, "linear", lambda x, w, b=None: dense.append(w.data_ptr()) or real_linear(x, w, b)
+    )
 
     pol._peers = {layers[0].signature: layers}  # as `apply` sets them while it decides
     assert pol.streamed(layers[0], code_bytes) == 2 and pol.streamed(layers[0], 2 * code_bytes) == 1

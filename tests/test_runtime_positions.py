@@ -41,7 +41,9 @@ def test_own_positions_give_the_models_own_outputs(arch):
         # answered here (batch 2: transformers expands the positions, a view of the buffer still), tables read
         assert masking.find_packed_sequence_indices.skipped == skipped + 1
         assert outs[-1][0].data_ptr() == rot.mpsconvert_tables[0].data_ptr()
-        assert torch.equal(ours(ids).logits, ref(ids).logits)  # a cache made inside (use_cache): own positions, no check
+        assert torch.equal(
+            ours(ids).logits, ref(ids).logits
+        )  # a cache made inside (use_cache): own positions, no check
         assert outs[-1][0].data_ptr() == rot.mpsconvert_tables[0].data_ptr()
         # positions given by the caller: the model's own code throughout, the original check
         assert torch.equal(ours(ids, position_ids=pos, use_cache=False).logits, want)
@@ -52,7 +54,10 @@ def test_own_positions_give_the_models_own_outputs(arch):
 
         from mpsconvert.model.hf_compat import cache_kwarg
 
-        mine, theirs = cache_kwarg(ours, DynamicCache(config=ours.config)), cache_kwarg(ref, DynamicCache(config=ref.config))
+        mine, theirs = (
+            cache_kwarg(ours, DynamicCache(config=ours.config)),
+            cache_kwarg(ref, DynamicCache(config=ref.config)),
+        )
         steps = [ids[:, :9]] + [ids[:, i : i + 1] for i in range(9, 11)]
         for i, part in enumerate(steps):
             got, want_step = ours(part, **mine).logits, ref(part, **theirs).logits
@@ -103,8 +108,8 @@ def test_a_model_that_fails_the_probe_keeps_its_own_forwards_and_no_tables(monke
 
 
 def test_generate_steps_take_the_models_own_positions():
-    from mpsconvert.runtime.engine import Engine
     from mpsconvert.model.hf_compat import takes_cache_position
+    from mpsconvert.runtime.engine import Engine
 
     ref = _llama()
     ours = copy.deepcopy(ref)

@@ -18,7 +18,12 @@ def test_shapes_are_the_fused_gemms():
     linears = {}
     for i in range(2):
         p = f"model.layers.{i}.self_attn"
-        linears |= {f"{p}.q_proj": (4096, 4096), f"{p}.k_proj": (1024, 4096), f"{p}.v_proj": (1024, 4096), f"{p}.o_proj": (4096, 4096)}
+        linears |= {
+            f"{p}.q_proj": (4096, 4096),
+            f"{p}.k_proj": (1024, 4096),
+            f"{p}.v_proj": (1024, 4096),
+            f"{p}.o_proj": (4096, 4096),
+        }
         m = f"model.layers.{i}.mlp"
         linears |= {f"{m}.gate_proj": (14336, 4096), f"{m}.up_proj": (14336, 4096), f"{m}.down_proj": (4096, 14336)}
     gemms, gated = prewarm._shapes(linears)
@@ -50,8 +55,20 @@ def test_first_use_runs_before_the_model_is_known_and_the_rest_after_begin(recor
     warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True, decode=("row", "token", None))
     report = warm.join()
     assert recorded[0] == "first use"
-    assert recorded[1] == ("work", ("cfg", {"l": (8, 4)}, torch.bfloat16, torch.device("cpu"), 9, True, report, ("row", "token", None),
-                                    warm._stop))
+    assert recorded[1] == (
+        "work",
+        (
+            "cfg",
+            {"l": (8, 4)},
+            torch.bfloat16,
+            torch.device("cpu"),
+            9,
+            True,
+            report,
+            ("row", "token", None),
+            warm._stop,
+        ),
+    )
     assert report["waited_s"] >= 0 and report["seconds"] >= 0
     warm.cancel()  # after begin: nothing changes
     with pytest.raises(RuntimeError, match="twice"):
@@ -141,11 +158,17 @@ def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_fa
         loader.load(tmp_path / "nothing", device="cpu")
     assert started[-1].cancelled and started[-1].begun is None
     src = models.tiny("llama", tmp_path / "bf16", dtype=torch.bfloat16, tie=False)
-    quantize_snapshot(resolve(str(src)), tmp_path / "art", Options(scheme=Scheme.make("fp8-dynamic", "row"), force=True))
+    quantize_snapshot(
+        resolve(str(src)), tmp_path / "art", Options(scheme=Scheme.make("fp8-dynamic", "row"), force=True)
+    )
     model = loader.load(tmp_path / "art", device="cpu")
     warm = started[-1]
     linears, rowwise, decode = warm.begun
-    assert linears == {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, loader.FP8Linear) and not n.endswith(".inner")}
+    assert linears == {
+        n: (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if isinstance(m, loader.FP8Linear) and not n.endswith(".inner")
+    }
     assert rowwise and decode == ("row", "token", None) and warm.joined
     assert "prewarm_wait" in model.mpsconvert.seconds
     loader.load(tmp_path / "art", device="cpu", eager_fusion=False)
@@ -155,22 +178,46 @@ def test_load_starts_the_warm_up_first_gives_it_the_fp8_shapes_and_ends_it_on_fa
 @pytest.mark.triton("interpret")
 def test_every_warm_up_call_is_valid():
     import torch
+
     from mpsconvert.runtime.load import prewarm
+
     from .models import tiny_config
+
     cfg = tiny_config("llama", intermediate_size=96, rms_norm_eps=1e-5)
-    linears = {"l.q_proj": (64, 64), "l.k_proj": (32, 64), "l.v_proj": (32, 64), "l.o_proj": (64, 64),
-               "l.gate_proj": (96, 64), "l.up_proj": (96, 64), "l.down_proj": (64, 96)}
+    linears = {
+        "l.q_proj": (64, 64),
+        "l.k_proj": (32, 64),
+        "l.v_proj": (32, 64),
+        "l.o_proj": (64, 64),
+        "l.gate_proj": (96, 64),
+        "l.up_proj": (96, 64),
+        "l.down_proj": (64, 96),
+    }
     report = {"warmed": [], "failed": []}
     prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("row", "token", None))
     assert report["failed"] == [], report["failed"]
     names = [w.rpartition(" ")[0] for w in report["warmed"]]
-    assert names == ["decode kernels 64x64", "decode kernels 64x96", "decode kernels 128x64", "decode kernels 192x64",
-                     "quantize 64", "quantize 96", "silu_mul_quantize 192", "rms_norm", "rotary", "sdpa"], names
+    assert names == [
+        "decode kernels 64x64",
+        "decode kernels 64x96",
+        "decode kernels 128x64",
+        "decode kernels 192x64",
+        "quantize 64",
+        "quantize 96",
+        "silu_mul_quantize 192",
+        "rms_norm",
+        "rotary",
+        "sdpa",
+    ], names
     report = {"warmed": [], "failed": []}  # block-scaled weights: the GEMV's block variant
     prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("block", None, 32))
     assert report["failed"] == [], report["failed"]
-    assert [w.rpartition(" ")[0] for w in report["warmed"]][:4] == ["decode kernels 64x64", "decode kernels 64x96",
-                                                                      "decode kernels 128x64", "decode kernels 192x64"]
+    assert [w.rpartition(" ")[0] for w in report["warmed"]][:4] == [
+        "decode kernels 64x64",
+        "decode kernels 64x96",
+        "decode kernels 128x64",
+        "decode kernels 192x64",
+    ]
 
 
 def test_compile_configs_compiles_each_configuration_once_the_first_before_the_others():
@@ -221,8 +268,11 @@ def artifact(work):
 
     src = models.tiny("llama", work / "bf16", dtype=torch.bfloat16, tie=False)
     art = work / "art"
-    quantize_snapshot(resolve(str(src)), art, Options(scheme=Scheme.make("fp8-dynamic", "row"), ignore=["model.layers.1.mlp.down_proj"],
-                                                      force=True))
+    quantize_snapshot(
+        resolve(str(src)),
+        art,
+        Options(scheme=Scheme.make("fp8-dynamic", "row"), ignore=["model.layers.1.mlp.down_proj"], force=True),
+    )
     return art
 
 
@@ -241,8 +291,13 @@ def test_the_childs_request_is_what_the_load_hands_its_own_warm_up(artifact, mon
     assert "model.layers.1.mlp.down_proj" not in req["linears"] and len(linears) == 13
     assert (req["rowwise"], tuple(req["decode"])) == (rowwise, decode)
     cfg = model.config
-    assert req["config"] == {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-                             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps}
+    assert req["config"] == {
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+    }
     assert (req["device"], req["dtype"]) == (0, "bfloat16")
 
 
@@ -276,7 +331,9 @@ def test_no_child_where_it_would_not_pay(artifact, monkeypatch):
 
     assert prewarm_child.start(torch.device("cpu"), artifact, torch.bfloat16) is None  # not CUDA
     monkeypatch.setattr(prewarm_child.os, "cpu_count", lambda: 2)
-    assert prewarm_child.start(torch.device("cuda", 0), artifact, torch.bfloat16) is None  # too few cores (or no Triton, no GPU here)
+    assert (
+        prewarm_child.start(torch.device("cuda", 0), artifact, torch.bfloat16) is None
+    )  # too few cores (or no Triton, no GPU here)
 
 
 def test_the_child_runs_the_warm_up_in_its_own_process_and_answers(artifact):
@@ -294,10 +351,18 @@ def test_the_child_runs_the_warm_up_in_its_own_process_and_answers(artifact):
     answer = Child(prewarm_child.__name__, req).answer(timeout=300)
     assert "error" not in answer, answer
     model = loader.load(artifact, device="cpu", eager_fusion=False)
-    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, loader.FP8Linear) and not n.endswith(".inner")}
+    linears = {
+        n: (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if isinstance(m, loader.FP8Linear) and not n.endswith(".inner")
+    }
     here = {"warmed": [], "failed": []}
-    rows, rowwise, decode = prewarm.job_of(loader.scheme_from_config(json.loads((artifact / "config.json").read_text())["quantization_config"]))
-    prewarm._work(AutoConfig.from_pretrained(artifact), linears, torch.bfloat16, torch.device("cpu"), rows, rowwise, here, decode)
+    rows, rowwise, decode = prewarm.job_of(
+        loader.scheme_from_config(json.loads((artifact / "config.json").read_text())["quantization_config"])
+    )
+    prewarm._work(
+        AutoConfig.from_pretrained(artifact), linears, torch.bfloat16, torch.device("cpu"), rows, rowwise, here, decode
+    )
     names = [w.rpartition(" ")[0] for w in answer["warmed"]]
     assert "sdpa" in names and names == [w.rpartition(" ")[0] for w in here["warmed"]] and answer["seconds"] > 0
 
@@ -307,7 +372,9 @@ def test_a_child_that_fails_or_hangs_is_an_answer_not_an_exception(monkeypatch):
 
     from mpsconvert.infra.child import Child
 
-    monkeypatch.setattr(Child, "command", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"])
+    monkeypatch.setattr(
+        Child, "command", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"]
+    )
     assert Child("x", {}).answer() == {"error": "the child exited with 3: boom"}
     monkeypatch.setattr(Child, "command", [sys.executable, "-c", "import time; time.sleep(60)"])
     hung = Child("x", {})
@@ -339,7 +406,11 @@ def test_the_warm_up_waits_for_its_child_then_does_its_own_work(recorded):
     report = warm.join()
     assert order == ["child"] and recorded[0] == "first use" and recorded[1][0] == "work"
     assert child.asked == prewarm.CHILD_WAIT_S and child.killed
-    assert report["child"]["started"] and report["child"]["seconds"] == 2.5 and report["child"]["warmed"] == ["decode kernels 8x4 1.0s"]
+    assert (
+        report["child"]["started"]
+        and report["child"]["seconds"] == 2.5
+        and report["child"]["warmed"] == ["decode kernels 8x4 1.0s"]
+    )
     failed = _FakeChild({"error": "the child exited with 1: CUDA out of memory"})
     warm = prewarm.Prewarm(torch.device("cpu"), child=lambda: failed)
     warm.begin("cfg", {"l": (8, 4)}, torch.bfloat16, 9, True)
@@ -400,7 +471,9 @@ def test_no_child_for_kernels_this_machine_measured_before(artifact, tmp_path, m
     assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) == "child"  # one shape not measured
     cache.write_text(json.dumps({key: {"timings_us": {}} for key in keys}))
     assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) is None
-    assert prewarm_child.start(dev, artifact, torch.bfloat16, False) is None  # no cache: a warm machine cannot be told apart
+    assert (
+        prewarm_child.start(dev, artifact, torch.bfloat16, False) is None
+    )  # no cache: a warm machine cannot be told apart
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "GPU Y")
     assert prewarm_child.start(dev, artifact, torch.bfloat16, cache) == "child"  # another device's measurements
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 30, 1 << 40))

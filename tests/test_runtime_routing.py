@@ -12,16 +12,25 @@ pytestmark = pytest.mark.triton
 
 @pytest.mark.triton("interpret")
 def test_routers_match_their_own_forward_and_models_decode_alike():
-    import copy, torch
+    import copy
+
+    import torch
     from transformers import DynamicCache
-    from mpsconvert.runtime.patches import forwards, routing as R
+
     from mpsconvert.runtime.ops.triton import routing as K
+    from mpsconvert.runtime.patches import forwards
+    from mpsconvert.runtime.patches import routing as R
     from tests.models import tiny_moe_model
+
     g = torch.Generator().manual_seed(0)
     calls = []
     launch = K._launch
     K._launch = lambda *a: calls.append(a[0].shape[0]) or launch(*a)
-    for arch, kw, want in [("mixtral", {}, (True, torch.float32)), ("qwen2_moe", {}, None), ("qwen3_moe", {"num_experts": 12}, None)]:
+    for arch, kw, want in [
+        ("mixtral", {}, (True, torch.float32)),
+        ("qwen2_moe", {}, None),
+        ("qwen3_moe", {"num_experts": 12}, None),
+    ]:
         ref = tiny_moe_model(arch, **kw)
         ours = copy.deepcopy(ref)
         routers = [m for m in ours.modules() if type(m).__name__.endswith("TopKRouter")]
@@ -46,7 +55,9 @@ def test_routers_match_their_own_forward_and_models_decode_alike():
                 assert torch.allclose(got[1].sum(-1), torch.ones(3))
             big = torch.randn(R.MAX_TOKENS + 1, m.weight.shape[1]).to(torch.bfloat16)
             n = len(calls)
-            assert all(torch.equal(a, b) for a, b in zip(m(big), forwards.own_forward(m)(m, big)))  # prefill: its own forward
+            assert all(
+                torch.equal(a, b) for a, b in zip(m(big), forwards.own_forward(m)(m, big))
+            )  # prefill: its own forward
             assert len(calls) == n
         if arch == "mixtral":  # under torch.compile: the custom op, opaque to dynamo, with its fake
             x = torch.randn(2, routers[0].weight.shape[1], generator=g).to(torch.bfloat16)
@@ -65,26 +76,33 @@ def test_routers_match_their_own_forward_and_models_decode_alike():
             caches = [DynamicCache(config=m.config) for m in (ref, ours)]
             outs = [m(ids, past_key_values=c, use_cache=True).logits for m, c in zip((ref, ours), caches)]
             for i in range(ids.shape[1], toks.shape[1] - 1):
-                outs = [m(toks[:, i:i + 1], past_key_values=c, use_cache=True).logits for m, c in zip((ref, ours), caches)]
+                outs = [
+                    m(toks[:, i : i + 1], past_key_values=c, use_cache=True).logits for m, c in zip((ref, ours), caches)
+                ]
                 err = (outs[0] - outs[1]).abs().max() / outs[0].abs().max()
                 assert err < 1e-4, (arch, i, err)
-        assert len(calls) - n == 5 * len(routers), (len(calls) - n)  # the five decode steps, not the prefill
+        assert len(calls) - n == 5 * len(routers), len(calls) - n  # the five decode steps, not the prefill
 
 
 @pytest.mark.triton("interpret")
 def test_router_of_other_arithmetic_keeps_its_own_forward():
     import torch
     from torch import nn
-    from mpsconvert.runtime.patches import forwards, routing as R
+
+    from mpsconvert.runtime.patches import forwards
+    from mpsconvert.runtime.patches import routing as R
+
     class SigmoidRouter(nn.Module):  # sigmoid scores, as DeepSeek's: not a softmax top-k
         def __init__(self):
             super().__init__()
             self.top_k = 2
             self.weight = nn.Parameter(torch.randn(8, 32).to(torch.bfloat16))
+
         def forward(self, x):
             logits = nn.functional.linear(x, self.weight)
             v, i = torch.topk(logits.float().sigmoid(), self.top_k, dim=-1)
             return logits, v, i
+
     m = nn.Sequential(SigmoidRouter())
     report = R.install(m)
     assert report["routers"] == 0 and "0: its weights differ" in report["left"], report

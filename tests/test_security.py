@@ -3,7 +3,6 @@ written outside, nothing lost, nothing laundered and no code run."""
 
 from __future__ import annotations
 
-from functools import partial
 import json
 import os
 import shutil
@@ -11,6 +10,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,15 +19,15 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import mpsconvert
-from mpsconvert.infra import atomic, tempdirs
-from mpsconvert.source import snapshot as source
 from mpsconvert.cli import main
 from mpsconvert.convert.quantize import quantize_snapshot
 from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import ArtifactError, DataError, MpsconvertError, QuantizationError, SourceError
+from mpsconvert.infra import atomic, tempdirs
+from mpsconvert.infra.untrusted import MAX_JSON_DEPTH, bad_relpath, inside, parse_json
 from mpsconvert.manifests.manifest import MANIFEST_NAME, Manifest
 from mpsconvert.manifests.verify import verify_artifact
-from mpsconvert.infra.untrusted import MAX_JSON_DEPTH, bad_relpath, inside, parse_json
+from mpsconvert.source import snapshot as source
 
 from .models import resign, tiny, tiny_artifact, tree_hashes
 
@@ -76,10 +76,21 @@ def _patch_tensor(art: Path, name: str, values: bytes, at: int = 0) -> None:
 # --------------------------------------------------------------------------- 1. one rule for paths
 
 
-@pytest.mark.parametrize("rel,why", [
-    ("/etc/passwd", "absolute"), ("a/../../x", "'..'"), ("./a", "'.'"), ("a//b", "empty"), (".ssh/id", "hidden"),
-    ("a\\b", "backslash"), ("c:x", "colon"), ("a\x00b", "control"), ("", "non-empty"), (5, "non-empty"),
-])
+@pytest.mark.parametrize(
+    "rel,why",
+    [
+        ("/etc/passwd", "absolute"),
+        ("a/../../x", "'..'"),
+        ("./a", "'.'"),
+        ("a//b", "empty"),
+        (".ssh/id", "hidden"),
+        ("a\\b", "backslash"),
+        ("c:x", "colon"),
+        ("a\x00b", "control"),
+        ("", "non-empty"),
+        (5, "non-empty"),
+    ],
+)
 def test_the_path_rule_refuses_odd_names(rel, why, tmp_path):
     assert why in bad_relpath(rel)
     with pytest.raises(ArtifactError, match="only plain relative paths"):
@@ -155,7 +166,9 @@ def _evil_code(art: Path, marker: Path, listed: bool) -> None:
     cfg = json.loads((art / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "evil.EvilConfig"}
     (art / "config.json").write_text(json.dumps(cfg))
-    (art / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig as EvilConfig\n")
+    (art / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig as EvilConfig\n"
+    )
     resign(art, "config.json")  # the attacker rewrote the manifest's config entry too
     if listed:  # listed, then changed
         resign(art, "evil.py")
@@ -248,7 +261,8 @@ from mpsconvert.manifests.transaction import transaction
 art = Path(sys.argv[1]).absolute()
 if sys.argv[2] == "record":  # what validate's, the checks' and upload's records do: a record and the card
     with transaction(art) as t:
-        acc = {"tokens": 64, "perplexity_bf16": 10.0, "perplexity_fp8": 10.1, "perplexity_delta_pct": 1.0, "mean_kl": 0.01, "top1_agreement": 0.9}
+        acc = {"tokens": 64, "perplexity_bf16": 10.0, "perplexity_fp8": 10.1, "perplexity_delta_pct": 1.0,
+               "mean_kl": 0.01, "top1_agreement": 0.9}
         t.put(Validation(runs={"CPU (cpu)": ValidationRun(kind="causal-lm", device="cpu", accuracy=acc)}))
 else:  # what the Apple exports do: a package, its files' hashes, its record and the card
     with transaction(art, drop=("model.mlpackage",)) as t:
@@ -261,7 +275,15 @@ else:  # what the Apple exports do: a package, its files' hashes, its record and
 
 # every step of a transaction, in order: the staged copy, the package, the card's and the
 # manifest's temporary files, the card written (the manifest not yet), both written, the swap
-PUBLISH_POINTS = ["staged", "package-written", "text-temp-written", "card-written", "staged-written", "between-renames", "after-renames"]
+PUBLISH_POINTS = [
+    "staged",
+    "package-written",
+    "text-temp-written",
+    "card-written",
+    "staged-written",
+    "between-renames",
+    "after-renames",
+]
 
 
 def _run_killed(point, *args):
@@ -292,7 +314,9 @@ def test_records_packages_and_the_card_appear_together_whatever_the_kill_point(a
         assert mode == "package" or "| CPU (cpu) |" in (work / "README.md").read_text()
     else:
         assert tree_hashes(work) == before
-    r = subprocess.run([sys.executable, "-c", _PUBLISH, str(work), mode], capture_output=True, timeout=120)  # the rerun completes, cleans up
+    r = subprocess.run(
+        [sys.executable, "-c", _PUBLISH, str(work), mode], capture_output=True, timeout=120
+    )  # the rerun completes, cleans up
     assert r.returncode == 0, r.stderr.decode()[-800:]
     assert mpsconvert.verify(work).ok
     assert not [p for p in list(work.iterdir()) + list(work.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
@@ -368,7 +392,8 @@ def test_nan_codes_are_caught_by_verify_and_load(art, code, monkeypatch):
         report = mpsconvert.verify(art, check_hashes=hashes)
         assert not report.ok and [p for p in report.problems if "NaN code" in p] == [
             "model.layers.1.self_attn.q_proj.weight in model.safetensors holds 1 NaN code(s) (0x7F/0xFF), which no "
-            "quantizer writes"]
+            "quantizer writes"
+        ]
     with pytest.raises(ArtifactError, match="NaN codes"):
         mpsconvert.load(art, device="cpu")
 
@@ -412,10 +437,16 @@ def _edit_source(base, tmp_path, fn) -> Path:
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])  # copied as it is (the writer's copy), or cast (block by block)
 @pytest.mark.parametrize("tensor", ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"])
 def test_nan_in_a_copied_tensor_is_refused(base, tmp_path, tensor, dtype):
-    d = _edit_source(base, tmp_path, lambda sd: sd[tensor].view(-1).__setitem__(3 if tensor != "model.norm.weight" else -1, float("inf")))
+    d = _edit_source(
+        base,
+        tmp_path,
+        lambda sd: sd[tensor].view(-1).__setitem__(3 if tensor != "model.norm.weight" else -1, float("inf")),
+    )
     with pytest.raises(QuantizationError, match=f"tensor '{tensor}' in model.safetensors contains 1 NaN or inf"):
         quantize_snapshot(source.resolve(str(d)), tmp_path / "out", Options(dtype=dtype))
-    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
+    assert not (tmp_path / "out").exists() and not [
+        p for p in tmp_path.iterdir() if p.name.startswith(atomic.TMP_PREFIX)
+    ]
 
 
 @pytest.mark.parametrize("how", ["shape", "rank", "dtype"])
@@ -473,16 +504,19 @@ def test_deep_json_is_one_clear_error_everywhere(art, tmp_path):
         read_header(st)
 
 
-@pytest.mark.parametrize("where,edit", [
-    ("config.json", lambda b: b.update(quantization_config=[1])),
-    ("config.json", lambda b: b["quantization_config"].update(config_groups=7)),
-    ("config.json", lambda b: b["quantization_config"].update(ignore={"a": 1})),
-    (MANIFEST_NAME, lambda b: b.update(files=[1, 2])),
-    (MANIFEST_NAME, lambda b: b.update(source="x")),
-    (MANIFEST_NAME, lambda b: b["files"].update({"config.json": {"sha256": 5, "size": "big"}})),
-    (MANIFEST_NAME, lambda b: b.update(tensors={"a": 3})),
-    (MANIFEST_NAME, lambda b: b.pop("recipe")),
-])
+@pytest.mark.parametrize(
+    "where,edit",
+    [
+        ("config.json", lambda b: b.update(quantization_config=[1])),
+        ("config.json", lambda b: b["quantization_config"].update(config_groups=7)),
+        ("config.json", lambda b: b["quantization_config"].update(ignore={"a": 1})),
+        (MANIFEST_NAME, lambda b: b.update(files=[1, 2])),
+        (MANIFEST_NAME, lambda b: b.update(source="x")),
+        (MANIFEST_NAME, lambda b: b["files"].update({"config.json": {"sha256": 5, "size": "big"}})),
+        (MANIFEST_NAME, lambda b: b.update(tensors={"a": 3})),
+        (MANIFEST_NAME, lambda b: b.pop("recipe")),
+    ],
+)
 def test_wrong_json_types_are_one_clear_error(art, where, edit):
     body = json.loads((art / where).read_text())
     edit(body)
@@ -492,7 +526,12 @@ def test_wrong_json_types_are_one_clear_error(art, where, edit):
     with pytest.raises(ArtifactError):
         mpsconvert.load(art, device="cpu")
     res = cli("calibrate", art, "--num-samples", "2")
-    assert res.exit_code == 2 and "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    assert (
+        res.exit_code == 2
+        and "Traceback" not in res.output
+        and res.exception is None
+        or isinstance(res.exception, SystemExit)
+    )
 
 
 def test_a_missing_shard_is_a_clear_error_for_calibrate(base, tmp_path):
@@ -503,7 +542,12 @@ def test_a_missing_shard_is_a_clear_error_for_calibrate(base, tmp_path):
     mpsconvert.quantize(src, art)
     next(art.glob("model-00002-*.safetensors")).unlink()
     res = cli("calibrate", art, "--num-samples", "2")
-    assert res.exit_code == 2 and "missing" in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    assert (
+        res.exit_code == 2
+        and "missing" in res.output
+        and res.exception is None
+        or isinstance(res.exception, SystemExit)
+    )
 
 
 def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, monkeypatch):
@@ -537,7 +581,9 @@ def test_disk_full_in_every_manifest_or_scales_write_is_one_line(art, tmp_path, 
 def coreml_art(tmp_path_factory):
     from .models import tiny, tiny_artifact
 
-    return tiny_artifact(tmp_path_factory.mktemp("sec-coreml"), "llama", partial(tiny, "llama", dtype=torch.bfloat16, tie=True))
+    return tiny_artifact(
+        tmp_path_factory.mktemp("sec-coreml"), "llama", partial(tiny, "llama", dtype=torch.bfloat16, tie=True)
+    )
 
 
 @pytest.mark.slow  # a real process killed at every step: CI runs it in the slow lane
@@ -547,11 +593,23 @@ def test_export_coreml_killed_between_its_steps_then_rerun(coreml_art, tmp_path)
     its --force swap: the artifact always verifies and loads; the rerun completes and cleans up."""
     art = tmp_path / "art"
     shutil.copytree(coreml_art, art)
-    cmd = [sys.executable, "-m", "mpsconvert.cli", "export-coreml", str(art), "--no-kv-cache", "--seq-len", "8", "--no-check"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpsconvert.cli",
+        "export-coreml",
+        str(art),
+        "--no-kv-cache",
+        "--seq-len",
+        "8",
+        "--no-check",
+    ]
     assert subprocess.run(cmd, capture_output=True, timeout=600).returncode == 0
     first = tree_hashes(art)
     for point in ("package-written", "between-renames"):
-        r = subprocess.run([*cmd, "--force"], env={**os.environ, atomic.KILL_ENV: point}, capture_output=True, timeout=600)
+        r = subprocess.run(
+            [*cmd, "--force"], env={**os.environ, atomic.KILL_ENV: point}, capture_output=True, timeout=600
+        )
         assert r.returncode == -9, r.stderr.decode()[-1500:]
         assert mpsconvert.verify(art).ok  # recovered by the reader if the kill fell between the renames
         assert tree_hashes(art) == first
@@ -561,8 +619,11 @@ def test_export_coreml_killed_between_its_steps_then_rerun(coreml_art, tmp_path)
     assert tree_hashes(art) == first  # byte-identical to the first export (reproducible)
     assert not [p for p in list(art.iterdir()) + list(tmp_path.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
     # the killed runs' own temp folders (coremltools' tmp*.mlpackage inside) were removed by the next run
-    assert not [p for p in Path(tempfile.gettempdir()).glob("mpsconvert-coreml-*")
-                if p.name.split("-")[2].isdigit() and not tempdirs._alive(int(p.name.split("-")[2]))]
+    assert not [
+        p
+        for p in Path(tempfile.gettempdir()).glob("mpsconvert-coreml-*")
+        if p.name.split("-")[2].isdigit() and not tempdirs._alive(int(p.name.split("-")[2]))
+    ]
 
 
 def test_an_all_zero_weight_has_an_undefined_sqnr_not_an_exact_one(base, tmp_path):

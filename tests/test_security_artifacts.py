@@ -19,16 +19,14 @@ import pytest
 
 import mpsconvert
 from mpsconvert.errors import ArtifactError, MpsconvertError
+from mpsconvert.infra.untrusted import parse_json, read_json
 from mpsconvert.manifests.layout import MANIFEST_NAME
 from mpsconvert.manifests.records import Hub
 from mpsconvert.manifests.transaction import transaction
-from mpsconvert.infra.untrusted import parse_json, read_json
 
 from . import models
 from .bounded import within
 from .helpers import CHAT_TEMPLATE, COREML_PACKAGE, cli, one_line_error, run_generate
-
-
 
 
 @pytest.fixture
@@ -59,16 +57,29 @@ def _edit_manifest(art, edit=None, text=None) -> None:
 # --------------------------------------------------------------------------- 9. the manifest's shape
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda m: m.update(files={}), "lists no files"),
-    (lambda m: m.update(tensors=None), "'tensors' is NoneType"),
-    (lambda m: m.pop("tensors"), "has no 'tensors'"),
-    (lambda m: m.update(files=None), "'files' is NoneType"),
-    (lambda m: m.update(pinned=None), "the `pinned` record is NoneType, not an object"),
-    (lambda m: m.update(tool="mpsconvert\u200b"), 'not "mpsconvert"'),
-    (lambda m: m.pop("tool"), 'not "mpsconvert"'),
-    (lambda m: m["tensors"].update({"x": {"dtype": "F8_E4M3", "shape": ["a"]}}), "shape of non-negative integers"),
-], ids=["files-empty", "tensors-null", "tensors-absent", "files-null", "pinned-null", "tool-lookalike", "tool-absent", "shape-text"])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda m: m.update(files={}), "lists no files"),
+        (lambda m: m.update(tensors=None), "'tensors' is NoneType"),
+        (lambda m: m.pop("tensors"), "has no 'tensors'"),
+        (lambda m: m.update(files=None), "'files' is NoneType"),
+        (lambda m: m.update(pinned=None), "the `pinned` record is NoneType, not an object"),
+        (lambda m: m.update(tool="mpsconvert\u200b"), 'not "mpsconvert"'),
+        (lambda m: m.pop("tool"), 'not "mpsconvert"'),
+        (lambda m: m["tensors"].update({"x": {"dtype": "F8_E4M3", "shape": ["a"]}}), "shape of non-negative integers"),
+    ],
+    ids=[
+        "files-empty",
+        "tensors-null",
+        "tensors-absent",
+        "files-null",
+        "pinned-null",
+        "tool-lookalike",
+        "tool-absent",
+        "shape-text",
+    ],
+)
 def test_a_manifest_of_the_wrong_shape_does_not_verify(art, edit, says):
     _edit_manifest(art, edit)
     _failed(art, says)
@@ -79,7 +90,9 @@ def test_a_key_twice_in_any_json_is_refused(art):
     """verify read the first "files", transformers' readers the last: two readers, two artifacts."""
     _edit_manifest(art, text=lambda t: t.replace('"files": {', '"files": {}, "files": {', 1))
     _failed(art, "has the key 'files' twice")
-    with pytest.raises(ArtifactError, match="has the key 'b' twice"):  # at any depth: every JSON reader goes through parse_json
+    with pytest.raises(
+        ArtifactError, match="has the key 'b' twice"
+    ):  # at any depth: every JSON reader goes through parse_json
         parse_json('{"a": [{"b": 1, "b": 2}]}', what="x")
 
 
@@ -99,12 +112,19 @@ def test_a_manifest_holding_nan_is_one_line(art):
 # --------------------------------------------------------------------------- 9. config.json against the shards
 
 
-@pytest.mark.parametrize("key, value, says", [
-    ("num_hidden_layers", 3, "config.json's model has model.layers.2."),
-    ("num_hidden_layers", 1, "layer(s) the model built from config.json does not have (model.layers.1"),
-    ("vocab_size", 512, "model.embed_tokens.weight is [256, 64] but the model built from config.json has [512, 64]"),
-    ("intermediate_size", 256, "but the model built from config.json has 256x64"),
-])
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("num_hidden_layers", 3, "config.json's model has model.layers.2."),
+        ("num_hidden_layers", 1, "layer(s) the model built from config.json does not have (model.layers.1"),
+        (
+            "vocab_size",
+            512,
+            "model.embed_tokens.weight is [256, 64] but the model built from config.json has [512, 64]",
+        ),
+        ("intermediate_size", 256, "but the model built from config.json has 256x64"),
+    ],
+)
 def test_config_structural_numbers_are_checked_against_the_shards(art, key, value, says):
     """num_hidden_layers raised in config.json (re-hashed, so only this check stands in the way)
     verified, and `generate` then failed. The manifest vouches for the re-hashed config.json, so
@@ -116,12 +136,15 @@ def test_config_structural_numbers_are_checked_against_the_shards(art, key, valu
     _failed(art, says)
 
 
-@pytest.mark.parametrize("edit, says", [
-    ({"rms_norm_eps": 1e400}, "rms_norm_eps is inf"),
-    ({"max_position_embeddings": 0}, "max_position_embeddings is 0"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": -5}}, "factor is -5"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, "holds NaN"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        ({"rms_norm_eps": 1e400}, "rms_norm_eps is inf"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings is 0"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": -5}}, "factor is -5"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, "holds NaN"),
+    ],
+)
 def test_a_config_that_computes_garbage_does_not_verify_or_load(art, edit, says):
     cfg = json.loads((art / "config.json").read_text())
     cfg.update(edit)
@@ -139,8 +162,13 @@ def test_a_config_that_computes_garbage_does_not_verify_or_load(art, edit, says)
 def test_a_fifo_at_config_json_does_not_block_verify(art):
     (art / "config.json").unlink()
     os.mkfifo(art / "config.json")
-    r = subprocess.run([sys.executable, "-m", "mpsconvert.cli", "verify", str(art)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = subprocess.run(
+        [sys.executable, "-m", "mpsconvert.cli", "verify", str(art)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "config.json" in r.stdout + r.stderr
     with pytest.raises(ArtifactError, match="is a FIFO, not a regular file"):
@@ -152,8 +180,8 @@ def test_a_fifo_at_config_json_does_not_block_verify(art):
 def test_a_device_or_fifo_is_never_read_as_a_file(tmp_path):
     """Every reader of ours opens without blocking and reads only a regular file: JSON, a
     safetensors header, a hash (a device never ends; a FIFO's open waits for a writer)."""
-    from mpsconvert.manifests.hashing import sha256_file
     from mpsconvert.infra.safetensors_io import read_header
+    from mpsconvert.manifests.hashing import sha256_file
 
     (tmp_path / "config.json").symlink_to("/dev/zero")
     os.mkfifo(tmp_path / "model.safetensors")
@@ -208,7 +236,9 @@ def test_an_unlisted_generation_config_is_ignored_and_said(chat_art):
         (t.folder / "generation_config.json").unlink()
         del t.manifest.files["generation_config.json"]
     assert loadable.generation_config(chat_art) is None
-    (chat_art / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(512))}))  # every token ends the text
+    (chat_art / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": list(range(512))})
+    )  # every token ends the text
     with pytest.warns(UserWarning, match="generation_config.json is not listed"):
         assert loadable.generation_config(chat_art) is None
 
@@ -225,7 +255,9 @@ def test_a_listed_file_is_read_once_and_must_match_its_hash(chat_art, attack):
         p.write_text(p.read_text() + " ")
         says = "does not match the sha256"
     elif attack == "a symlink to a copy":
-        shutil.copyfile(p, chat_art / "copy.json")  # the same bytes, inside the artifact: a link is still not the listed file
+        shutil.copyfile(
+            p, chat_art / "copy.json"
+        )  # the same bytes, inside the artifact: a link is still not the listed file
         p.unlink()
         p.symlink_to("copy.json")
         says = "a symlink"
@@ -261,9 +293,21 @@ def test_the_pin_lasts_through_the_steps_after_the_conversion_and_says_what_it_c
     assert whole.ok and whole.pin.startswith("the whole manifest")
     # validate, an export's package with its record, upload's hub record: the manifest and the card change, the pin
     # holds
-    mpsconvert.validate(art, options=ValidateOptions(device="cpu", max_samples=1, seq_len=32, prefill_len=16, decode_tokens=2,
-                                                     repeats=1, rounds=1, warmup=0, eval_data=str(text_data / "wiki_eval.jsonl"),
-                                                     kernel_cache=False))
+    mpsconvert.validate(
+        art,
+        options=ValidateOptions(
+            device="cpu",
+            max_samples=1,
+            seq_len=32,
+            prefill_len=16,
+            decode_tokens=2,
+            repeats=1,
+            rounds=1,
+            warmup=0,
+            eval_data=str(text_data / "wiki_eval.jsonl"),
+            kernel_cache=False,
+        ),
+    )
     with transaction(art, drop=(COREML_PACKAGE,)) as t:
         (t.folder / COREML_PACKAGE).mkdir()
         (t.folder / COREML_PACKAGE / "weights.bin").write_bytes(b"x" * 64)
@@ -272,7 +316,12 @@ def test_the_pin_lasts_through_the_steps_after_the_conversion_and_says_what_it_c
     assert not mpsconvert.verify(art, manifest_sha256=res.manifest_sha256).ok  # the whole-file pin did not last
     rep = mpsconvert.verify(art, manifest_sha256=pin)
     assert rep.ok, rep.problems
-    assert "validation" in rep.pin and "hub" in rep.pin and f"{COREML_PACKAGE}/weights.bin" in rep.pin and "not the card" in rep.pin
+    assert (
+        "validation" in rep.pin
+        and "hub" in rep.pin
+        and f"{COREML_PACKAGE}/weights.bin" in rep.pin
+        and "not the card" in rep.pin
+    )
     out = cli("verify", art, "--manifest-sha256", pin)
     assert out.exit_code == 0 and "the pin covers the conversion" in out.output, out.output
 
@@ -280,8 +329,18 @@ def test_the_pin_lasts_through_the_steps_after_the_conversion_and_says_what_it_c
 def test_calibrate_into_an_artifact_prints_the_new_pin(chat_art):
     """Calibration rewrites the weights, so a pin taken before breaks: the CLI prints the new one."""
     old = mpsconvert.verify(chat_art).pinned_sha256
-    out = cli("calibrate", chat_art, "--num-samples", "2", "--seq-len", "32", "--device", "cpu",
-              "--calib-data", str(models.TEXT_DATA / "wiki_calib.jsonl"))
+    out = cli(
+        "calibrate",
+        chat_art,
+        "--num-samples",
+        "2",
+        "--seq-len",
+        "32",
+        "--device",
+        "cpu",
+        "--calib-data",
+        str(models.TEXT_DATA / "wiki_calib.jsonl"),
+    )
     assert out.exit_code == 0, out.output
     new = re.search(r"pin sha256 ([0-9a-f]{64})", out.output).group(1)
     assert new != old and "no longer holds" in out.output
@@ -356,8 +415,18 @@ def _tamper_manifest(art, edit):
     (art / MANIFEST_NAME).write_text(json.dumps(m, indent=2))
 
 
-@pytest.mark.parametrize("attack", ["a weight and its hash", "the tokenizer and its hash", "a tensor record", "the recipe",
-                                    "a file dropped from the sealed list", "the sealed list removed", "a conversion version"])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "a weight and its hash",
+        "the tokenizer and its hash",
+        "a tensor record",
+        "the recipe",
+        "a file dropped from the sealed list",
+        "the sealed list removed",
+        "a conversion version",
+    ],
+)
 def test_the_pin_breaks_when_what_it_covers_changes(chat_art, attack):
     pin = mpsconvert.verify(chat_art).pinned_sha256
     if attack == "a weight and its hash":

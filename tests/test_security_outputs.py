@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import mpsconvert
-from mpsconvert.infra import atomic
 from mpsconvert.errors import ArtifactError, MpsconvertError
+from mpsconvert.infra import atomic
 from mpsconvert.manifests import layout
 from mpsconvert.manifests.layout import MANIFEST_NAME
 from mpsconvert.manifests.manifest import Manifest
@@ -36,7 +36,6 @@ from . import models
 from .helpers import COREAI_ASSET, COREML_PACKAGE, cli, one_error
 
 CALIB = ("--num-samples", "1", "--seq-len", "16")
-
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +58,14 @@ def tree(root: Path) -> dict:
     """Every entry under `root`: a file's bytes, a link's target, None for a folder."""
     out = {}
     for p in sorted(root.rglob("*")):
-        out[p.relative_to(root).as_posix()] = (f"-> {os.readlink(p)}" if p.is_symlink() else p.read_bytes() if p.is_file() else None)
+        out[p.relative_to(root).as_posix()] = (
+            f"-> {os.readlink(p)}" if p.is_symlink() else p.read_bytes() if p.is_file() else None
+        )
     return out
 
 
 # --------------------------------------------------------------------------- 4. outputs that overwrite
+
 
 def _targets(src: Path, art: Path, tmp: Path) -> dict:
     (tmp / "mine.json").write_text('{"mine": true}')
@@ -88,7 +90,9 @@ def test_calibrate_o_never_overwrites_or_writes_inside_what_it_reads(box, tmp_pa
     (art / "sub").mkdir()
     outs = _targets(src, art, tmp_path)
     before = tree(tmp_path)
-    if target == "the artifact":  # the source is no input here: its weights are a file mpsconvert did not write, a new file there is fine
+    if (
+        target == "the artifact"
+    ):  # the source is no input here: its weights are a file mpsconvert did not write, a new file there is fine
         outs["the source's own weights"] = (src / "model.safetensors", "not a file mpsconvert wrote")
         del outs["a new file inside the source"]
     for name, (out, says) in outs.items():
@@ -142,6 +146,7 @@ def test_quantize_o_never_writes_inside_an_artifact(box, tmp_path):
 
 # --------------------------------------------------------------------------- 5. --force and the user's files
 
+
 def test_force_refuses_to_delete_files_the_manifest_does_not_list_and_names_them(box, tmp_path):
     src, art = box
     (art / "notes.txt").write_text("my notes")
@@ -193,11 +198,17 @@ def test_calibrate_into_an_artifact_keeps_the_users_files(box):
 
 # --------------------------------------------------------------------------- 10. leftovers and planted links
 
+
 def _run(*args, kill: str | None = None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     if kill:
         env[atomic.KILL_ENV] = kill
-    return subprocess.run([sys.executable, "-m", "mpsconvert.cli", *map(str, args)], env=env, capture_output=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mpsconvert.cli", *map(str, args)], env=env, capture_output=True, timeout=300
+    )
 
 
 def _reserved(art: Path) -> list[Path]:
@@ -218,7 +229,9 @@ def test_a_killed_quantize_force_leaves_nothing_the_next_reader_does_not_remove(
     r = _run("quantize", src, "-o", art, "--force", kill=point)
     assert r.returncode == -9, r.stderr.decode()[-1500:]
     left = _reserved(art)
-    assert left and sum(f.stat().st_size for p in left for f in p.rglob("*") if f.is_file()) > 10_000  # full-size leftovers
+    assert (
+        left and sum(f.stat().st_size for p in left for f in p.rglob("*") if f.is_file()) > 10_000
+    )  # full-size leftovers
     READERS[reader](art)
     assert _reserved(art) == [] and not [p for p in art.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
     assert mpsconvert.verify(art).ok
@@ -227,10 +240,15 @@ def test_a_killed_quantize_force_leaves_nothing_the_next_reader_does_not_remove(
 def test_a_live_writers_temporary_folder_is_left_alone(box):
     """Ours but not stale: another process holds the artifact's lock while its folder is there."""
     _, art = box
-    code = ("import sys, time; from pathlib import Path; from mpsconvert.infra import atomic\nt = "
-            f"Path({str(art)!r})\nwith atomic.writing(t):\n    tmp = atomic._new_tmp(t); (tmp / "
-            "'w.bin').write_bytes(b'in progress'); print(tmp, flush=True); time.sleep(60)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    code = (
+        "import sys, time; from pathlib import Path; from mpsconvert.infra import atomic\nt = "
+        f"Path({str(art)!r})\nwith atomic.writing(t):\n    tmp = atomic._new_tmp(t); (tmp / "
+        "'w.bin').write_bytes(b'in progress'); print(tmp, flush=True); time.sleep(60)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     writer = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
         tmp = Path(writer.stdout.readline().strip())
@@ -249,7 +267,9 @@ def test_a_planted_symlink_under_a_reserved_name_is_an_error_for_readers_too(box
     _, art = box
     outside = tmp_path / "outside"
     outside.mkdir()
-    planted = art.parent / (f"{atomic.LOCK_PREFIX}{art.name}" if name == "lock" else f"{atomic.TMP_PREFIX}{art.name}-old-0123")
+    planted = art.parent / (
+        f"{atomic.LOCK_PREFIX}{art.name}" if name == "lock" else f"{atomic.TMP_PREFIX}{art.name}-old-0123"
+    )
     planted.symlink_to(outside, target_is_directory=True)
     before = tree(tmp_path)
     for args in (("verify", art), ("inspect", art), ("generate", art, "hi", "--device", "cpu", "-m", "1")):
@@ -260,6 +280,7 @@ def test_a_planted_symlink_under_a_reserved_name_is_an_error_for_readers_too(box
 
 
 # ------------------------------------------------------------------- smaller items: what quantize says about its source
+
 
 def _with_extra_tensor(src: Path) -> Path:
     from safetensors.torch import load_file, save_file
@@ -285,7 +306,9 @@ def test_a_tensor_the_model_does_not_define_is_said_not_copied_silently(box, tmp
     assert any("model.backdoor.weight" in w for w in out.warnings)
 
 
-@pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3_moe", {}), ("bert", {}), ("gpt2", {})])
+@pytest.mark.parametrize(
+    "arch,kw", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3_moe", {}), ("bert", {}), ("gpt2", {})]
+)
 def test_a_source_whose_tensors_the_model_defines_gets_no_such_note(tmp_path, arch, kw):
     src = models.tiny(arch, tmp_path / "src", **kw)
     res = mpsconvert.quantize(src, tmp_path / "out")
@@ -295,8 +318,11 @@ def test_a_source_whose_tensors_the_model_defines_gets_no_such_note(tmp_path, ar
 def test_revision_with_a_local_source_is_refused_not_ignored(box, tmp_path):
     src, art = box
     before = tree(tmp_path)
-    one_error(cli("quantize", src, "--revision", "v2", "-o", tmp_path / "out"), "--revision v2 applies to a hub repo",
-                   "is a local folder")
+    one_error(
+        cli("quantize", src, "--revision", "v2", "-o", tmp_path / "out"),
+        "--revision v2 applies to a hub repo",
+        "is a local folder",
+    )
     one_error(cli("calibrate", src, "--revision", "v2", "-o", tmp_path / "s.json", *CALIB), "applies to a hub repo")
     one_error(cli("calibrate", art, "--revision", "v2", *CALIB), "applies to a hub repo")
     assert tree(tmp_path) == before
@@ -426,7 +452,9 @@ def test_a_symlinked_artifact_is_written_through_its_target(chat_art, tmp_path):
     m = Manifest.read(chat_art)
     assert m.get(Hub).repo == "me/through-the-link" and (chat_art / COREML_PACKAGE / "weights.bin").is_file()
     assert mpsconvert.verify(link).ok and mpsconvert.verify(chat_art).ok
-    assert not [p for p in list(tmp_path.iterdir()) + list(chat_art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
+    assert not [
+        p for p in list(tmp_path.iterdir()) + list(chat_art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)
+    ]
 
 
 def test_o_an_existing_file_or_a_new_folder_inside_the_source_is_refused(chat_llama, tmp_path):
@@ -446,10 +474,36 @@ def test_o_an_existing_file_or_a_new_folder_inside_the_source_is_refused(chat_ll
 
 # each command that changes an artifact, as a user runs it; what its change leaves in the card
 COMMANDS = {
-    "validate": (["validate", "{art}", "--device", "cpu", "--max-samples", "1", "--seq-len", "32", "--prefill-len", "16",
-                  "--decode-tokens", "2", "--repeats", "1", "--rounds", "1", "--warmup", "0", "--eval-data", "{text}"], "| CPU"),
+    "validate": (
+        [
+            "validate",
+            "{art}",
+            "--device",
+            "cpu",
+            "--max-samples",
+            "1",
+            "--seq-len",
+            "32",
+            "--prefill-len",
+            "16",
+            "--decode-tokens",
+            "2",
+            "--repeats",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--eval-data",
+            "{text}",
+        ],
+        "| CPU",
+    ),
     "calibrate": (["calibrate", "{art}", "--num-samples", "2", "--seq-len", "16"], "| calibration | 2 x 16 tokens"),
-    "export-coreml": (["export-coreml", "{art}", "--no-kv-cache", "--seq-len", "8", "--no-check"], "Core ML: `model.mlpackage`"),
+    "export-coreml": (
+        ["export-coreml", "{art}", "--no-kv-cache", "--seq-len", "8", "--no-check"],
+        "Core ML: `model.mlpackage`",
+    ),
     "export-coreai": (["export-coreai", "{art}", "--max-len", "16", "--no-check"], "Core AI: `model.aimodel`"),
 }
 # the transaction's steps where the card and the manifest could part: the card written (the
@@ -463,16 +517,23 @@ def _command(name, art, text_data):
     import sys
 
     args = [a.format(art=art, text=text_data / "wiki_eval.jsonl") for a in COMMANDS[name][0]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     return [sys.executable, "-m", "mpsconvert.cli", *args], env
 
 
 # upload commits to the hub before its local swap, so a kill between them leaves a commit and the old
 # artifact: tests/test_security_upload.py kills it at its own points
 @pytest.mark.slow  # a real process killed at every step: CI runs it in the slow lane
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extra(n.split("-")[1])] if n.startswith("export") else [])
-                                  for n in COMMANDS])
-def test_each_command_killed_where_card_and_manifest_could_part_leaves_them_together(chat_art, text_data, request, name):
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[pytest.mark.extra(n.split("-")[1])] if n.startswith("export") else []) for n in COMMANDS],
+)
+def test_each_command_killed_where_card_and_manifest_could_part_leaves_them_together(
+    chat_art, text_data, request, name
+):
     """The real command, SIGKILLed at each step of its transaction where the card and the
     manifest could part: the artifact verifies (the card has the sha256 the manifest records) and
     is the one before the command, whole; the rerun completes, the card says what it recorded,
@@ -490,4 +551,6 @@ def test_each_command_killed_where_card_and_manifest_could_part_leaves_them_toge
     r = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
     assert r.returncode == 0, r.stderr.decode()[-1500:]
     assert mpsconvert.verify(chat_art).ok and COMMANDS[name][1] in (chat_art / "README.md").read_text()
-    assert not [p for p in list(chat_art.iterdir()) + list(chat_art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)]
+    assert not [
+        p for p in list(chat_art.iterdir()) + list(chat_art.parent.iterdir()) if p.name.startswith(atomic.TMP_PREFIX)
+    ]

@@ -26,8 +26,6 @@ from .bounded import within
 from .helpers import cli, one_error, one_line_error
 
 
-
-
 def _s(text: str) -> bytes:
     b = text.encode()
     return struct.pack("<Q", len(b)) + b
@@ -45,19 +43,35 @@ _ARCH = _s("general.architecture") + struct.pack("<I", 8) + _s("llama")
 
 
 @pytest.mark.extra("gguf")
-@pytest.mark.parametrize("body, says", [
-    # a 56-byte GGUF with no tensors: transformers built its default Llama (32 x 4096) from it
-    (_gguf(0, _ARCH, 1), "tensor count is 0"),
-    # an array declaring 2^40 elements: gguf's reader looped over them
-    (_gguf(1, _s("x") + struct.pack("<IIQ", 9, 0, 1 << 40), 1), "outside 0..16,777,216"),
-    # a length that fits the limit but not the file
-    (_gguf(1, _s("x") + struct.pack("<IIQ", 9, 8, 1 << 20) + b"\0" * 64, 1), "cannot fit"),
-    (_gguf(1 << 60, _ARCH, 1), "tensor count is 1152921504606846976"),
-    (_gguf(1, _ARCH, 1 << 40), "metadata key count"),
-    (_gguf(1, _ARCH, 1, _s("t") + struct.pack("<I", 9) + b"\0" * 80), "dimensions of t is 9"),
-    (_gguf(1, _ARCH, 1, _s("t") + struct.pack("<I", 2) + struct.pack("<QQ", 1 << 32, 1 << 32) + b"\0" * 12), "elements of t"),
-    (_gguf(1, _s("k") + struct.pack("<IQ", 8, 1 << 50), 1), "a string of k is 1125899906842624"),
-], ids=["no-tensors", "array-2^40", "array-past-the-end", "tensors-2^60", "keys-2^40", "dims-9", "elements-2^64", "string-2^50"])
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        # a 56-byte GGUF with no tensors: transformers built its default Llama (32 x 4096) from it
+        (_gguf(0, _ARCH, 1), "tensor count is 0"),
+        # an array declaring 2^40 elements: gguf's reader looped over them
+        (_gguf(1, _s("x") + struct.pack("<IIQ", 9, 0, 1 << 40), 1), "outside 0..16,777,216"),
+        # a length that fits the limit but not the file
+        (_gguf(1, _s("x") + struct.pack("<IIQ", 9, 8, 1 << 20) + b"\0" * 64, 1), "cannot fit"),
+        (_gguf(1 << 60, _ARCH, 1), "tensor count is 1152921504606846976"),
+        (_gguf(1, _ARCH, 1 << 40), "metadata key count"),
+        (_gguf(1, _ARCH, 1, _s("t") + struct.pack("<I", 9) + b"\0" * 80), "dimensions of t is 9"),
+        (
+            _gguf(1, _ARCH, 1, _s("t") + struct.pack("<I", 2) + struct.pack("<QQ", 1 << 32, 1 << 32) + b"\0" * 12),
+            "elements of t",
+        ),
+        (_gguf(1, _s("k") + struct.pack("<IQ", 8, 1 << 50), 1), "a string of k is 1125899906842624"),
+    ],
+    ids=[
+        "no-tensors",
+        "array-2^40",
+        "array-past-the-end",
+        "tensors-2^60",
+        "keys-2^40",
+        "dims-9",
+        "elements-2^64",
+        "string-2^50",
+    ],
+)
 def test_a_gguf_header_is_bounded_before_anything_is_built(tmp_path, body, says):
     f = tmp_path / "m.gguf"
     f.write_bytes(body)
@@ -75,11 +89,13 @@ def test_a_gguf_whose_metadata_does_not_describe_its_tensors_is_refused(tmp_path
 
     assert models.SMOLLM2_GGUF is not None
     assert check_header(models.SMOLLM2_GGUF).fields["llama.block_count"] == 30
-    cases = [({"llama.block_count": 31}, "says 31 blocks but holds tensors of no block 30"),
-             ({"llama.block_count": 29}, "holds tensors of block 29"),
-             ({"llama.block_count": 1 << 30}, "outside 0..1,024"),
-             ({"llama.embedding_length": 1000000}, "outside 1..65,536"),
-             ({"llama.embedding_length": 512}, "token_embd.weight is 576 wide")]
+    cases = [
+        ({"llama.block_count": 31}, "says 31 blocks but holds tensors of no block 30"),
+        ({"llama.block_count": 29}, "holds tensors of block 29"),
+        ({"llama.block_count": 1 << 30}, "outside 0..1,024"),
+        ({"llama.embedding_length": 1000000}, "outside 1..65,536"),
+        ({"llama.embedding_length": 512}, "token_embd.weight is 576 wide"),
+    ]
     for fields, says in cases:
         f = models.gguf_variant(tmp_path / "v.gguf", fields=fields)
         with pytest.raises(SourceError, match=None) as e:
@@ -95,7 +111,9 @@ def test_a_gguf_with_a_hole_is_refused_not_filled_with_random_weights(tmp_path):
     the artifact verified. Every parameter the model defines is read from the file or refused."""
     f = models.gguf_variant(tmp_path / "hole.gguf", drop=("blk.3.attn_v.weight",))
     res = cli("quantize", f, "-o", tmp_path / "out")
-    errors = [ln for ln in res.output.splitlines() if "error:" in ln]  # transformers' own bar ("Converting ... GGUF tensors") aside
+    errors = [
+        ln for ln in res.output.splitlines() if "error:" in ln
+    ]  # transformers' own bar ("Converting ... GGUF tensors") aside
     assert res.exit_code == 2 and "Traceback" not in res.output and len(errors) == 1, res.output[-2000:]
     for says in ("hole.gguf does not hold 1 tensor(s)", "model.layers.3.self_attn.v_proj.weight", "random weights"):
         assert says in errors[0], errors[0]
@@ -110,19 +128,22 @@ def src(work):
     return models.tiny("llama", work / "src", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("edit, says", [
-    ({"model_type": ["llama"]}, "model_type is ['llama'], not a string"),
-    ({"rms_norm_eps": float("nan")}, "not a number JSON allows"),
-    ({"rms_norm_eps": 1e400}, "rms_norm_eps is inf"),
-    ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06"),
-    ({"max_position_embeddings": 0}, "max_position_embeddings is 0, outside 1..16,777,216"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": -5}}, "factor is -5"),
-    ({"rope_theta": 0}, "rope_theta is 0"),
-    ({"hidden_size": 10**9}, "hidden_size is 1000000000, outside"),
-    ({"vocab_size": 1 << 40}, "vocab_size is 1099511627776, outside"),
-    ({"num_attention_heads": 1e9}, "num_attention_heads is 1000000000.0, not an integer"),
-    ({"text_config": {"num_hidden_layers": 10**7}}, "text_config: num_hidden_layers is 10000000"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        ({"model_type": ["llama"]}, "model_type is ['llama'], not a string"),
+        ({"rms_norm_eps": float("nan")}, "not a number JSON allows"),
+        ({"rms_norm_eps": 1e400}, "rms_norm_eps is inf"),
+        ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings is 0, outside 1..16,777,216"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": -5}}, "factor is -5"),
+        ({"rope_theta": 0}, "rope_theta is 0"),
+        ({"hidden_size": 10**9}, "hidden_size is 1000000000, outside"),
+        ({"vocab_size": 1 << 40}, "vocab_size is 1099511627776, outside"),
+        ({"num_attention_heads": 1e9}, "num_attention_heads is 1000000000.0, not an integer"),
+        ({"text_config": {"num_hidden_layers": 10**7}}, "text_config: num_hidden_layers is 10000000"),
+    ],
+)
 def test_a_source_config_that_builds_or_computes_garbage_is_one_line(src, tmp_path, edit, says):
     s = tmp_path / "s"
     shutil.copytree(src, s)
@@ -141,7 +162,9 @@ def test_a_source_config_with_a_key_twice_is_refused(src, tmp_path):
     s = tmp_path / "s"
     shutil.copytree(src, s)
     text = (s / "config.json").read_text()
-    (s / "config.json").write_text(text.replace('"num_hidden_layers"', '"num_hidden_layers": 1, "num_hidden_layers"', 1))
+    (s / "config.json").write_text(
+        text.replace('"num_hidden_layers"', '"num_hidden_layers": 1, "num_hidden_layers"', 1)
+    )
     one_line_error(cli("quantize", s, "-o", tmp_path / "out"), "has the key 'num_hidden_layers' twice")
 
 
@@ -206,17 +229,24 @@ def _nan_code(sd, code=0x7F):
 def _set(key, fn):
     def edit(sd):
         sd[key] = fn(sd[key])
+
     return edit
 
 
 FP8_SOURCE_ATTACKS = {
-    "scale 3e38 (finite, but 448 x it is inf)": (_set(GATE + "_scale_inv", lambda s: s.fill_(3e38)), "dequantize past float32"),
+    "scale 3e38 (finite, but 448 x it is inf)": (
+        _set(GATE + "_scale_inv", lambda s: s.fill_(3e38)),
+        "dequantize past float32",
+    ),
     "scale transposed [2, 4] for [4, 2]": (_set(GATE + "_scale_inv", lambda s: s.t().contiguous()), "are [4, 2]"),
     "scale flat [8]": (_set(GATE + "_scale_inv", lambda s: s.reshape(-1).contiguous()), "are [4, 2]"),
     "scale negative": (_set(GATE + "_scale_inv", lambda s: -s), "not finite positive"),
     "NaN code 0x7F": (_nan_code, "NaN code"),
     "NaN code 0xFF": (lambda sd: _nan_code(sd, 0xFF), "NaN code"),
-    "3-D FP8 tensor": (lambda sd: sd.__setitem__("model.extra.weight", sd[GATE].reshape(2, 64, 64).clone()), "2-D FP8 weights"),
+    "3-D FP8 tensor": (
+        lambda sd: sd.__setitem__("model.extra.weight", sd[GATE].reshape(2, 64, 64).clone()),
+        "2-D FP8 weights",
+    ),
 }
 
 
@@ -233,7 +263,9 @@ def test_a_negative_static_input_scale_of_an_fp8_source_is_refused(chat_llama, t
     from safetensors.torch import load_file
 
     static = tmp_path / "static"
-    mpsconvert.quantize(chat_llama[0], static, scheme="fp8", calibration=mpsconvert.calibration_options(num_samples=1, seq_len=16))
+    mpsconvert.quantize(
+        chat_llama[0], static, scheme="fp8", calibration=mpsconvert.calibration_options(num_samples=1, seq_len=16)
+    )
     key = next(k for k in load_file(str(static / "model.safetensors")) if k.endswith("input_scale"))
     src = _edited(static, tmp_path / "src", _set(key, lambda s: -s))
     (src / MANIFEST_NAME).unlink()
@@ -247,10 +279,17 @@ def test_a_scales_file_with_values_float32_cannot_hold_is_refused(chat_llama, tm
 
     mods = {r["module"] for r in Manifest.read(chat_llama[1]).tensors.values()}
     scales = tmp_path / "scales.json"
-    body = {"format": SCALES_FORMAT, "version": SCALES_VERSION, "input_scales": {m: 0.01 for m in mods}, "calibration": {}}
+    body = {
+        "format": SCALES_FORMAT,
+        "version": SCALES_VERSION,
+        "input_scales": {m: 0.01 for m in mods},
+        "calibration": {},
+    }
     body["input_scales"][sorted(mods)[0]] = value
     scales.write_text(json.dumps(body))
-    one_error(cli("quantize", chat_llama[0], "-o", tmp_path / "out", "--scheme", "fp8", "--scales", scales), "input scale")
+    one_error(
+        cli("quantize", chat_llama[0], "-o", tmp_path / "out", "--scheme", "fp8", "--scales", scales), "input scale"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -268,8 +307,15 @@ def test_dtype_float16_that_overflows_a_tensor_is_an_error_naming_it(chat_llama,
     assert cli("quantize", src, "-o", tmp_path / "out", "--dtype", "bfloat16").exit_code == 0
 
 
-@pytest.mark.parametrize("pattern,says", [("re:[", "not a valid regular expression"), ("re:(a|aa)+$", None),
-                                          ("re:(.*){1,32000}[bc]", "catastrophic backtracking"), ("re:" + "x" * 2000, "characters long")])
+@pytest.mark.parametrize(
+    "pattern,says",
+    [
+        ("re:[", "not a valid regular expression"),
+        ("re:(a|aa)+$", None),
+        ("re:(.*){1,32000}[bc]", "catastrophic backtracking"),
+        ("re:" + "x" * 2000, "characters long"),
+    ],
+)
 def test_ignore_patterns_are_compiled_and_matched_with_a_time_bound(chat_llama, tmp_path, pattern, says):
     with within(60, f"quantize --ignore {pattern[:20]}"):
         res = cli("quantize", chat_llama[0], "-o", tmp_path / "out", "--ignore", pattern)

@@ -27,7 +27,6 @@ from .helpers import CHAT_TEMPLATE, cli, one_error
 HOSTILE = "ok\x1b]0;pwned\x07\x1b[2J\r\u202eend\n\tnext"
 
 
-
 def one_line_error(res, *says) -> None:
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
@@ -51,10 +50,20 @@ class _Said:
             raise self.fails
         for i in range(0, len(self.reply), 3):  # an escape sequence split across pieces too
             if on_text:
-                on_text(self.reply[i:i + 3])
-        stats = SimpleNamespace(prompt_tokens=1, prompt_tps=1.0, generation_tps=1.0, generated_tokens=1, stop="eos", compile_seconds=None,
-                                peak_memory_bytes=None, peak_memory_source="n/a", backend="torch", device="cpu",
-                                as_dict=lambda: {"generated_tokens": 1})
+                on_text(self.reply[i : i + 3])
+        stats = SimpleNamespace(
+            prompt_tokens=1,
+            prompt_tps=1.0,
+            generation_tps=1.0,
+            generated_tokens=1,
+            stop="eos",
+            compile_seconds=None,
+            peak_memory_bytes=None,
+            peak_memory_source="n/a",
+            backend="torch",
+            device="cpu",
+            as_dict=lambda: {"generated_tokens": 1},
+        )
         return api.GenerateResult(self.reply, stats)
 
     def complete(self, prompt, on_text=None, use_template=True):
@@ -80,6 +89,7 @@ class _Said:
 def said(monkeypatch):
     def use(**kw):
         monkeypatch.setattr(api, "chat", lambda *a, **k: _Said(**kw))
+
     return use
 
 
@@ -92,7 +102,9 @@ def test_generated_text_on_a_terminal_is_shown_not_acted_on(said, monkeypatch, t
     monkeypatch.setattr(render, "_is_terminal", lambda stream: True)
     res = cli(*args, input="hi\n/exit\n")
     assert res.exit_code == 0, res.output
-    assert "\x1b" not in res.stdout and "\x07" not in res.stdout and "\u202e" not in res.stdout and "\r" not in res.stdout
+    assert (
+        "\x1b" not in res.stdout and "\x07" not in res.stdout and "\u202e" not in res.stdout and "\r" not in res.stdout
+    )
     assert "ok\\x1b]0;pwned\\x07\\x1b[2J\\x0d\\u202eend\n\tnext" in res.stdout  # shown, line breaks and tabs kept
     monkeypatch.setattr(render, "_is_terminal", lambda stream: False)  # piped: the text is data, as the model made it
     assert HOSTILE in cli(*args, input="hi\n/exit\n").stdout
@@ -114,18 +126,24 @@ def test_stdin_that_is_not_utf8_is_one_line(said, tmp_path, command):
     if command == "generate":
         one_line_error(res, "standard input is not UTF-8 text")
     else:  # chat says it and goes on; end of input ends it
-        assert res.exit_code == 0 and "the message is not UTF-8 text" in res.output and "Traceback" not in res.output, res.output
+        assert res.exit_code == 0 and "the message is not UTF-8 text" in res.output and "Traceback" not in res.output, (
+            res.output
+        )
 
 
 def test_a_huge_stdin_prompt_is_named_not_blamed_on_the_template(said, tmp_path):
     said()
-    one_line_error(cli("generate", tmp_path, "-", input="x" * (20 << 20)), "standard input holds more than 4,194,304 characters")
+    one_line_error(
+        cli("generate", tmp_path, "-", input="x" * (20 << 20)), "standard input holds more than 4,194,304 characters"
+    )
 
 
 def test_a_huge_chat_line_is_refused_and_the_chat_goes_on(said, tmp_path):
     said(reply="fine")
     res = cli("chat", tmp_path, input="x" * (5 << 20) + "\nhello\n")
-    assert res.exit_code == 0 and "the message is 5,242,880 characters, more than 4,194,304" in res.output, res.output[-2000:]
+    assert res.exit_code == 0 and "the message is 5,242,880 characters, more than 4,194,304" in res.output, res.output[
+        -2000:
+    ]
     assert "fine" in res.stdout
 
 
@@ -143,7 +161,9 @@ def test_a_rust_panic_is_one_line(said, tmp_path):
 def art(work):
     """A tiny Llama artifact whose tokenizer has a chat template; 128 positions."""
 
-    src = models.with_chat_template(models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, max_positions=128), CHAT_TEMPLATE)
+    src = models.with_chat_template(
+        models.tiny("llama", work / "src", tokenizer="bpe", dtype=torch.bfloat16, max_positions=128), CHAT_TEMPLATE
+    )
     out = work / "art"
     mpsconvert.quantize(src, out)
     return out
@@ -159,8 +179,11 @@ def test_a_tokenizer_regex_that_panics_is_one_line(art, tmp_path):
     tj["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False}
     (a / "tokenizer.json").write_text(json.dumps(tj))
     models.resign(a, "tokenizer.json")
-    one_line_error(cli("generate", a, "a" * 40 + "!", "--device", "cpu", "--ignore-chat-template", "--max-tokens", "2"),
-                   "the tokenizer failed on this text", "retry-limit-in-match")
+    one_line_error(
+        cli("generate", a, "a" * 40 + "!", "--device", "cpu", "--ignore-chat-template", "--max-tokens", "2"),
+        "the tokenizer failed on this text",
+        "retry-limit-in-match",
+    )
     from mpsconvert.manifests import loadable
 
     tok = loadable.tokenizer(a)
@@ -188,16 +211,22 @@ def test_a_chat_line_too_long_for_the_context_is_refused_before_tokenizing(art, 
 
     calls = []
     real = loadable.chat_ids
-    monkeypatch.setattr(loadable, "chat_ids", lambda tok, msgs: calls.append(sum(len(m["content"]) for m in msgs)) or real(tok, msgs))
+    monkeypatch.setattr(
+        loadable, "chat_ids", lambda tok, msgs: calls.append(sum(len(m["content"]) for m in msgs)) or real(tok, msgs)
+    )
     res = cli("chat", art, "--max-tokens", "4", "--device", "cpu", input="y" * 200_000 + "\nhello\n")
-    assert res.exit_code == 0 and "and the torch model holds 128 tokens, of at most" in " ".join(res.output.split()), res.output[-2000:]
+    assert res.exit_code == 0 and "and the torch model holds 128 tokens, of at most" in " ".join(res.output.split()), (
+        res.output[-2000:]
+    )
     assert calls and max(calls) < 1000  # only "hello" was rendered
 
 
 # ------------------------------------------------------------------ cards, commit messages and terminal output are text
 
 
-HOSTILE_NAME = "evil\n# Heading\n<img src=x onerror=alert(1)> $(touch PWNED) `tick` | pipe [link](javascript:x) \x1b[31mred"
+HOSTILE_NAME = (
+    "evil\n# Heading\n<img src=x onerror=alert(1)> $(touch PWNED) `tick` | pipe [link](javascript:x) \x1b[31mred"
+)
 
 
 def _markdown_tokens(text: str):
@@ -233,8 +262,13 @@ def test_a_hostile_source_folder_name_is_text_in_the_card_and_its_commands(chat_
     headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
     assert not any("Heading" in h for h in headings if not h.startswith(("FP8", "evil"))), headings
     assert "\x1b" not in text and "PWNED" in text  # shown, escaped, never run
-    runs = [shlex.split(line) for t in tokens if t.type == "fence" for line in t.content.splitlines()
-            if line.startswith("mpsconvert ")]
+    runs = [
+        shlex.split(line)
+        for t in tokens
+        if t.type == "fence"
+        for line in t.content.splitlines()
+        if line.startswith("mpsconvert ")
+    ]
     assert runs and all(argv[2] == printable(art.name) for argv in runs), runs  # one argument, quoted
     assert mpsconvert.verify(art).ok
 
@@ -259,12 +293,20 @@ def test_markup_and_escape_sequences_in_names_are_printed_literally(chat_art, mo
     m["summary"]["ratio"] = "not a number"
     m["recipe"]["calibration"] = {"data": {"id": evil}, "observer": [1, 2]}
     # a record of the right types whose untyped figures are not numbers: shown as '?'
-    m["validation"] = {evil: {"kind": "causal-lm", "device": evil, "accuracy": {"mean_kl": "x", "perplexity_bf16": [1]},
-                              "verdict": {"decode": 5}}}
+    m["validation"] = {
+        evil: {
+            "kind": "causal-lm",
+            "device": evil,
+            "accuracy": {"mean_kl": "x", "perplexity_bf16": [1]},
+            "verdict": {"decode": 5},
+        }
+    }
     (chat_art / MANIFEST_NAME).write_text(json.dumps(m))
     for cmd in (("verify", chat_art), ("inspect", chat_art, "--tensors")):
         res = cli(*cmd)
-        assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit), res.output
+        assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit), (
+            res.output
+        )
         assert "\x1b" not in res.output and "\x07" not in res.output, repr(res.output[:400])
     res = cli("inspect", chat_art, "--tensors")
     assert res.exit_code == 0 and "[bold red]boom[/]" in res.output and "\\x1b]0;pwned\\x07" in res.output, res.output

@@ -25,7 +25,6 @@ from . import models
 from .helpers import cli, one_error
 
 
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     work = tmp_path_factory.mktemp("sec-upload")
@@ -40,8 +39,12 @@ def art(base, tmp_path):
 
 def folder_tree(folder: Path) -> dict:
     """Every entry under `folder` (the artifact and whatever a run left beside it) with its bytes."""
-    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() and not p.is_symlink() else str(os.readlink(p)) if p.is_symlink() else None)
-            for p in sorted(folder.rglob("*"))}
+    return {
+        p.relative_to(folder).as_posix(): (
+            p.read_bytes() if p.is_file() and not p.is_symlink() else str(os.readlink(p)) if p.is_symlink() else None
+        )
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def _staged(art: Path) -> list[Path]:
@@ -56,7 +59,10 @@ def _in_place(p: Path, outside: Path) -> None:
 ATTACKS = {
     # each changes `rel` in the artifact and in the staged copy the upload is sent from
     "rewritten in place": _in_place,
-    "renamed over": lambda p, outside: (p.with_name(p.name + ".new").write_bytes(outside.read_bytes()), os.replace(p.with_name(p.name + ".new"), p)),
+    "renamed over": lambda p, outside: (
+        p.with_name(p.name + ".new").write_bytes(outside.read_bytes()),
+        os.replace(p.with_name(p.name + ".new"), p),
+    ),
     "a link to a file outside": lambda p, outside: (p.unlink(), p.symlink_to(outside)),
 }
 
@@ -64,7 +70,9 @@ ATTACKS = {
 @pytest.mark.parametrize("sent_as", ["bytes", "a verified reader"])
 @pytest.mark.parametrize("rel", ["model.safetensors", "tokenizer.json"])
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
-def test_a_file_changed_after_verification_is_never_published_as_it_now_is(online, art, tmp_path, monkeypatch, attack, rel, sent_as):
+def test_a_file_changed_after_verification_is_never_published_as_it_now_is(
+    online, art, tmp_path, monkeypatch, attack, rel, sent_as
+):
     import huggingface_hub as hf
 
     if sent_as == "a verified reader":  # weights-sized files: an open descriptor, hashed again as it is sent
@@ -112,7 +120,9 @@ def test_a_file_changed_before_the_upload_read_it_is_refused(online, art):
     finally:
         publish.read_verified = saved
     one_error(res, "tokenizer.json does not match the sha256", "nothing was uploaded")
-    assert online.commits == [] and set(folder_tree(art.parent)) == set(before)  # no card naming me/x, no staged copy left
+    assert online.commits == [] and set(folder_tree(art.parent)) == set(
+        before
+    )  # no card naming me/x, no staged copy left
     assert (art / "README.md").read_bytes() == before["art/README.md"]
 
 
@@ -125,7 +135,9 @@ def test_the_reader_refuses_a_pass_that_differs_before_returning_its_end(tmp_pat
     f = tmp_path / "w.bin"
     f.write_bytes(bytes(range(256)) * 64)
     want = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "size": f.stat().st_size}
-    r = hashing.VerifiedReader(hashing.open_unlinked(Path("w.bin"), "w.bin", "fix", folder=tmp_path), want, "w.bin", "fix")
+    r = hashing.VerifiedReader(
+        hashing.open_unlinked(Path("w.bin"), "w.bin", "fix", folder=tmp_path), want, "w.bin", "fix"
+    )
     assert r.read() == f.read_bytes() and (r.seek(0), r.read(100), r.read())[2] == f.read_bytes()[100:]
     r.seek(0)
     with f.open("r+b") as w:
@@ -136,7 +148,9 @@ def test_the_reader_refuses_a_pass_that_differs_before_returning_its_end(tmp_pat
         r.read(100000)
     bad = dict(want, sha256="0" * 64)
     with pytest.raises(mpsconvert.errors.ArtifactError):
-        hashing.VerifiedReader(hashing.open_unlinked(Path("w.bin"), "w.bin", "fix", folder=tmp_path), bad, "w.bin", "fix")
+        hashing.VerifiedReader(
+            hashing.open_unlinked(Path("w.bin"), "w.bin", "fix", folder=tmp_path), bad, "w.bin", "fix"
+        )
     (tmp_path / "d").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "d", target_is_directory=True)
     (tmp_path / "d" / "x").write_bytes(b"x")
@@ -201,9 +215,15 @@ def test_a_killed_upload_leaves_the_old_artifact_or_the_new_one_and_the_rerun_co
     """Killed before the commit: nothing sent, the artifact as it was. Killed after it (between
     the swap's renames): the hub has the commit, the artifact is the old one whole (a reader puts
     it back), and the rerun sends it again."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-           "HF_ENDPOINT": online.url, "HF_TOKEN": "hf_local_test_token", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
-           "NO_PROXY": "127.0.0.1,localhost"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(mpsconvert.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "HF_ENDPOINT": online.url,
+        "HF_TOKEN": "hf_local_test_token",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_XET": "1",
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
     cmd = [sys.executable, "-m", "mpsconvert.cli", "upload", str(art), "me/x"]
     before = models.tree_hashes(art)
     r = subprocess.run(cmd, env={**env, atomic.KILL_ENV: point}, capture_output=True, timeout=300)
@@ -212,5 +232,8 @@ def test_a_killed_upload_leaves_the_old_artifact_or_the_new_one_and_the_rerun_co
     assert len(online.commits) == int(committed)
     r = subprocess.run(cmd, env=env, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr.decode()[-1500:]
-    assert online.commits[-1]["files"]["README.md"] == (art / "README.md").read_bytes() and '"me/x"' in (art / "README.md").read_text()
+    assert (
+        online.commits[-1]["files"]["README.md"] == (art / "README.md").read_bytes()
+        and '"me/x"' in (art / "README.md").read_text()
+    )
     assert mpsconvert.verify(art).ok and not _staged(art)

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from mpsconvert.source import snapshot as source
 from mpsconvert.errors import SourceError
+from mpsconvert.source import snapshot as source
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -122,7 +122,9 @@ def test_token_and_revision_and_patterns_reach_huggingface_hub(monkeypatch, tiny
     monkeypatch.setenv("HF_TOKEN", "hf_env")
     snap = source.resolve("org/model", revision="v1")
     assert seen["token"] == "hf_env" and seen["revision"] == "v1" and snap.commit == "c" * 40
-    assert "*.safetensors" in seen["allow_patterns"] and not any(p.endswith((".bin", ".pt")) for p in seen["allow_patterns"])
+    assert "*.safetensors" in seen["allow_patterns"] and not any(
+        p.endswith((".bin", ".pt")) for p in seen["allow_patterns"]
+    )
     source.resolve("org/model", token="hf_flag")
     assert seen["token"] == "hf_flag"
 
@@ -143,7 +145,9 @@ def test_pickle_only_checkpoint_is_refused_without_unpickling(tmp_path, tiny_mod
     d.mkdir()
     shutil.copy(tiny_models["llama"] / "config.json", d)
     # A pickle that would run code if anything loaded it.
-    (d / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n(S'touch " + str(tmp_path / "pwned").encode() + b"'\ntR.")
+    (d / "pytorch_model.bin").write_bytes(
+        b"\x80\x04cos\nsystem\n(S'touch " + str(tmp_path / "pwned").encode() + b"'\ntR."
+    )
     with pytest.raises(SourceError, match="only pickle weights.*never unpickles"):
         source.resolve(str(d))
     assert not (tmp_path / "pwned").exists()

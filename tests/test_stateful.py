@@ -46,7 +46,7 @@ def test_prefill_then_decode_equals_the_whole_sequence(arch, window):
     with torch.no_grad():
         got = [w(ids[:, :12].int(), torch.tensor([0], dtype=torch.int32))[0]]
         for p in range(12, 20):
-            got.append(w(ids[:, p:p + 1].int(), torch.tensor([p], dtype=torch.int32))[0])
+            got.append(w(ids[:, p : p + 1].int(), torch.tensor([p], dtype=torch.int32))[0])
     got = torch.cat(got)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # a second conversation starts from zeroed caches and gives the same again
@@ -68,7 +68,11 @@ def test_states_are_named_and_shaped_as_documented():
     model = _model("qwen3_moe")
     w = stateful.StatefulCausalLM(model, max_len=40)
     specs = w.states()
-    assert [s.name for s in specs] == ["key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"] == stateful.state_names(2)
+    assert (
+        [s.name for s in specs]
+        == ["key_cache_0", "value_cache_0", "key_cache_1", "value_cache_1"]
+        == stateful.state_names(2)
+    )
     assert all(s.shape == (1, 2, 40, 16) for s in specs)
     # the cache is written at position + arange(T) and nowhere else
     with torch.no_grad():
@@ -120,7 +124,7 @@ def test_the_checks_generate_and_time_through_the_runtimes_engine(arch):
     seq = [int(t) for t in prompt]
     for _ in range(8):
         seq.append(int(_full(model, torch.tensor([seq]))[-1].argmax()))
-    assert got == seq[len(prompt):]
+    assert got == seq[len(prompt) :]
 
     w = stateful.StatefulCausalLM(model, max_len=32).eval()
 

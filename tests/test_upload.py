@@ -6,10 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import mpsconvert
-import torch
 from mpsconvert.cli import main
 
 from . import models
@@ -52,12 +52,16 @@ def test_upload_sends_every_file_in_one_commit(online, art):
     assert "model.safetensors" in local and "mpsconvert.json" in local and "README.md" in local
     assert 'from_pretrained("me/llama-fp8"' in local["README.md"].decode()
     assert mpsconvert.verify(art).ok  # the rewritten card is in the manifest with its new sha256
-    assert mpsconvert.inspect(art).extra["hub"] == {"repo": "me/llama-fp8"}  # later card rewrites keep loading from the repo
+    assert mpsconvert.inspect(art).extra["hub"] == {
+        "repo": "me/llama-fp8"
+    }  # later card rewrites keep loading from the repo
 
 
 def test_quantize_upload_repo_and_existing_repo(online, src, tmp_path):
     online.repos["me/again"] = {"name": "again"}  # already there: create_repo(exist_ok) carries on
-    res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/again"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main, ["quantize", str(src), "-o", str(tmp_path / "a"), "--upload-repo", "me/again"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     (commit,) = online.commits
     assert commit["repo"] == "me/again" and set(commit["files"]) == set(artifact_files(tmp_path / "a"))
@@ -92,7 +96,9 @@ def test_an_unreachable_hub_is_one_line(art, monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
-    assert res.exit_code == 2 and "cannot reach http://127.0.0.1:9" in res.output and res.output.count("\n") == 1, res.output
+    assert res.exit_code == 2 and "cannot reach http://127.0.0.1:9" in res.output and res.output.count("\n") == 1, (
+        res.output
+    )
 
 
 def test_an_existing_repo_keeps_its_visibility_and_is_reported_as_it_is(art, online):
@@ -107,7 +113,9 @@ def test_an_existing_repo_keeps_its_visibility_and_is_reported_as_it_is(art, onl
     res = CliRunner().invoke(main, ["upload", str(art), "me/public", "--json"], catch_exceptions=False)
     assert res.exit_code == 0 and json.loads(res.stdout)["private"] is False
     online.repos["me/secret"] = {"name": "secret", "visibility": "private"}
-    res = CliRunner().invoke(main, ["upload", str(art), "me/secret"], catch_exceptions=False)  # no --private: it stays private
+    res = CliRunner().invoke(
+        main, ["upload", str(art), "me/secret"], catch_exceptions=False
+    )  # no --private: it stays private
     assert res.exit_code == 0 and "(private repo," in res.output, res.output
     assert [c["repo"] for c in online.commits] == ["me/public", "me/secret"]
 
@@ -130,5 +138,7 @@ def test_a_404_from_the_hub_says_what_was_not_found(art, online, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", online.url + "/not-a-hub")  # a server, but no hub API under that path
     res = CliRunner().invoke(main, ["upload", str(art), "me/x"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
-    assert "answered 404 Not Found (/api/repos/create)" in res.output and "HF_ENDPOINT is a Hugging Face hub" in res.output
+    assert (
+        "answered 404 Not Found (/api/repos/create)" in res.output and "HF_ENDPOINT is a Hugging Face hub" in res.output
+    )
     assert publish.http_failure(403, "Forbidden", "", "http://h", "me/x").fix.startswith("pass a write token")

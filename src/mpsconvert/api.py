@@ -20,23 +20,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .version import __version__  # noqa: F401  (re-exported for the CLI)
 from .apple import flow
-from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES, CoreAIOptions  # noqa: F401
-from .apple.coreml import FRONTENDS as COREML_FRONTENDS, WEIGHT_MODES as COREML_WEIGHT_MODES, ExportOptions, SeqLen  # noqa: F401
+from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
+from .apple.coreai import CoreAIOptions
+from .apple.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
+from .apple.coreml import ExportOptions, SeqLen
 from .apple.flow import ExportResult
 from .apple.protocol import Option, Target  # noqa: F401  (the CLI builds its Apple options from them)
-from .infra.atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
 from .convert import EXPERTS_LAYOUTS, UNQUANTIZED_DTYPES  # noqa: F401
+from .format.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
+from .infra.atomic import stop_requested  # noqa: F401  (the CLI's signal handlers set it)
+from .infra.progress import Progress
 from .manifests.layout import DIFFUSION_FORMATS  # noqa: F401  (quantize --format of a diffusion model)
 from .manifests.manifest import Manifest
-from .format.schemes import SCHEMES, WEIGHT_GRANULARITIES, Scheme  # noqa: F401
-from .infra.progress import Progress
-from .workflows import calibrate as calibrate_flow, publish as publish_flow, quantize as quantize_flow, validate as validate_flow
+from .version import __version__  # noqa: F401  (re-exported for the CLI)
+from .workflows import calibrate as calibrate_flow
+from .workflows import publish as publish_flow
+from .workflows import quantize as quantize_flow
+from .workflows import validate as validate_flow
 from .workflows.apple import check_coreai, check_coreml, coreai_latency, export_coreai, export_coreml, targets  # noqa: F401
-from .workflows.chat import Chat, GenerateResult, backends, chat, generate  # noqa: F401
 from .workflows.calibrate import CalibrateResult
+from .workflows.chat import Chat, GenerateResult, backends, chat, generate  # noqa: F401
 from .workflows.publish import UploadResult
 from .workflows.quantize import QuantizeResult
 from .workflows.validate import ValidationResult
@@ -49,10 +54,37 @@ if TYPE_CHECKING:  # heavy modules, for annotations only
     from .runtime.evaluate.validate import ValidateOptions
 
 __all__ = [
-    "quantize", "calibrate", "validate", "verify", "inspect", "export", "check", "targets", "export_coreml", "check_coreml",
-    "export_coreai", "check_coreai", "coreai_latency", "load", "generate", "chat", "upload",
-    "QuantizeResult", "CalibrateResult", "GenerateResult", "Chat", "UploadResult", "ValidationResult", "ExportResult", "CoreMLResult",
-    "CoreAIResult", "ExportOptions", "SeqLen", "CoreAIOptions", "calibration_options", "validate_options",
+    "quantize",
+    "calibrate",
+    "validate",
+    "verify",
+    "inspect",
+    "export",
+    "check",
+    "targets",
+    "export_coreml",
+    "check_coreml",
+    "export_coreai",
+    "check_coreai",
+    "coreai_latency",
+    "load",
+    "generate",
+    "chat",
+    "upload",
+    "QuantizeResult",
+    "CalibrateResult",
+    "GenerateResult",
+    "Chat",
+    "UploadResult",
+    "ValidationResult",
+    "ExportResult",
+    "CoreMLResult",
+    "CoreAIResult",
+    "ExportOptions",
+    "SeqLen",
+    "CoreAIOptions",
+    "calibration_options",
+    "validate_options",
 ]
 
 # The results of the Apple targets are one type; the names of the two first targets stay for their callers.
@@ -69,7 +101,8 @@ def calibration_options(**kw: Any) -> CalibOptions:
 
 def validate_options(**kw: Any) -> ValidateOptions:
     """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
-    decode_tokens, repeats, rounds, warmup, full, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
+    decode_tokens, repeats, rounds, warmup, full, latency, compile, write):
+    `runtime.evaluate.validate.ValidateOptions`."""
     from .runtime.evaluate.validate import ValidateOptions
 
     return ValidateOptions(**kw)
@@ -162,11 +195,33 @@ def quantize(
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
     return quantize_flow.quantize(
-        source, output, scheme=scheme, weights=weights, block_size=block_size, revision=revision, token=token, ignore=ignore,
-        trust_remote_code=trust_remote_code, experts_layout=experts_layout, force=force, delete_unlisted=delete_unlisted,
-        calibration=calibration, scales_file=scales_file, dtype=dtype, max_shard_size=max_shard_size, upload_repo=upload_repo,
-        private=private, format=format, component=component, progress=progress,
-        exports={**(exports or {}), **({"coreml": coreml} if coreml is not None else {}), **({"coreai": coreai} if coreai is not None else {})})
+        source,
+        output,
+        scheme=scheme,
+        weights=weights,
+        block_size=block_size,
+        revision=revision,
+        token=token,
+        ignore=ignore,
+        trust_remote_code=trust_remote_code,
+        experts_layout=experts_layout,
+        force=force,
+        delete_unlisted=delete_unlisted,
+        calibration=calibration,
+        scales_file=scales_file,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        upload_repo=upload_repo,
+        private=private,
+        format=format,
+        component=component,
+        progress=progress,
+        exports={
+            **(exports or {}),
+            **({"coreml": coreml} if coreml is not None else {}),
+            **({"coreai": coreai} if coreai is not None else {}),
+        },
+    )
 
 
 def calibrate(
@@ -200,11 +255,19 @@ def calibrate(
         SourceError, DataError, QuantizationError, DeviceError, ArtifactError: as the inputs warrant.
         MpsconvertError: a source given without `output`.
     """
-    return calibrate_flow.calibrate(target, output, options, revision=revision, token=token, force=force, progress=progress)
+    return calibrate_flow.calibrate(
+        target, output, options, revision=revision, token=token, force=force, progress=progress
+    )
 
 
-def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code: bool = False,
-           manifest_sha256: str | None = None, progress: Progress | None = None) -> VerifyReport:
+def verify(
+    artifact: str | Path,
+    *,
+    check_hashes: bool = True,
+    trust_remote_code: bool = False,
+    manifest_sha256: str | None = None,
+    progress: Progress | None = None,
+) -> VerifyReport:
     """Check an artifact: every file's sha256 against the manifest, and its consistency (every
     FP8 weight has its scale, shapes and dtypes as config.json's model says).
 
@@ -228,8 +291,13 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    return publish_flow.verify(artifact, check_hashes=check_hashes, trust_remote_code=trust_remote_code,
-                               manifest_sha256=manifest_sha256, progress=progress)
+    return publish_flow.verify(
+        artifact,
+        check_hashes=check_hashes,
+        trust_remote_code=trust_remote_code,
+        manifest_sha256=manifest_sha256,
+        progress=progress,
+    )
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -254,7 +322,9 @@ def engine_line(manifest: Manifest) -> str | None:
     return engines.line(manifest)
 
 
-def validate(artifact: str | Path, *, options: ValidateOptions | None = None, progress: Progress | None = None) -> ValidationResult:
+def validate(
+    artifact: str | Path, *, options: ValidateOptions | None = None, progress: Progress | None = None
+) -> ValidationResult:
     """Accuracy and latency of an FP8 artifact against its BF16 baseline, on one device.
 
     Causal LMs: perplexity of both, mean KL and top-1 agreement; encoders: embedding cosine.
@@ -281,7 +351,9 @@ def validate(artifact: str | Path, *, options: ValidateOptions | None = None, pr
     return validate_flow.validate(Path(artifact), options or validate_options(), progress)
 
 
-def export(artifact: str | Path, target: str, *, options: Any = None, check: Any = True, progress: Progress | None = None) -> ExportResult:
+def export(
+    artifact: str | Path, target: str, *, options: Any = None, check: Any = True, progress: Progress | None = None
+) -> ExportResult:
     """Export an FP8 artifact to an Apple target's package inside it (Core ML: `model.mlpackage`,
     Core AI: `model.aimodel`; `targets()` lists them), then check it.
 
@@ -311,7 +383,9 @@ def export(artifact: str | Path, target: str, *, options: Any = None, check: Any
     return flow.export(Path(artifact), target, options, check, progress)
 
 
-def check(artifact: str | Path, target: str, *, options: Any = None, verify: bool = True, progress: Progress | None = None) -> ExportResult:
+def check(
+    artifact: str | Path, target: str, *, options: Any = None, verify: bool = True, progress: Progress | None = None
+) -> ExportResult:
     """Check the package of an Apple target already in an artifact (no Apple hardware needed) and
     record the check in the manifest.
 
@@ -365,8 +439,16 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
     return loader.load(Path(path), device=device, dtype=dtype or torch.bfloat16, verify=verify, **kw)
 
 
-def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
-           verify_first: bool = True, progress: Progress | None = None) -> UploadResult:
+def upload(
+    artifact: str | Path,
+    repo: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    verify_first: bool = True,
+    progress: Progress | None = None,
+) -> UploadResult:
     """Publish an artifact to a Hugging Face hub model repo (created if absent).
 
     The artifact is verified first (every sha256 against the manifest); its model card,
@@ -394,5 +476,13 @@ def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str
         ArtifactError: not an artifact, it fails verification, or a file changed after it was
             verified (nothing is sent).
     """
-    return publish_flow.upload(artifact, repo, private=private, token=token, revision=revision, verify_first=verify_first,
-                               progress=progress, check=verify)
+    return publish_flow.upload(
+        artifact,
+        repo,
+        private=private,
+        token=token,
+        revision=revision,
+        verify_first=verify_first,
+        progress=progress,
+        check=verify,
+    )

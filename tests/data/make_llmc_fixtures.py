@@ -32,9 +32,16 @@ def main():
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     shutil.rmtree(HERE, ignore_errors=True)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(HERE / "bf16")
     model_free_ptq(str(HERE / "bf16"), str(HERE / "model_free"), scheme="FP8_DYNAMIC", ignore=["lm_head"])
@@ -45,15 +52,22 @@ def main():
 
 
 def block():
-    from llmcompressor import model_free_ptq
-
     import tempfile
+
+    from llmcompressor import model_free_ptq
 
     shutil.rmtree(HERE / "fp8_block", ignore_errors=True)
     src = Path(tempfile.mkdtemp()) / "block_bf16"
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
     model_free_ptq(str(src), str(HERE / "fp8_block"), scheme="FP8_BLOCK", ignore=["lm_head"])

@@ -36,8 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..infra import timing
 from ..errors import MpsconvertError
+from ..infra import timing
 from .torch_model import TorchModel, reference_logits
 
 PROMPT_LEN = 64
@@ -97,9 +97,13 @@ def prompt_ids(artifact: Path, tm: TorchModel, length: int, texts: list[str] | N
         if len(ids) >= length:
             break
     if len(ids) < length:
-        raise MpsconvertError(f"the text gives {len(ids)} tokens, the check needs {length}", "give a longer text, or fewer steps")
+        raise MpsconvertError(
+            f"the text gives {len(ids)} tokens, the check needs {length}", "give a longer text, or fewer steps"
+        )
     what = "bundled English prose" if not texts else "the given text"
-    return np.asarray(ids[:length], dtype=np.int32), f"{length} tokens of real text ({what}, {used} document(s)) through the artifact's tokenizer"
+    return np.asarray(
+        ids[:length], dtype=np.int32
+    ), f"{length} tokens of real text ({what}, {used} document(s)) through the artifact's tokenizer"
 
 
 def _rows(got: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -110,8 +114,12 @@ def _rows(got: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _summary(cos: np.ndarray, top1: np.ndarray) -> dict:
-    return {"positions": int(top1.size), "top1_agreement": float(top1.mean()), "cosine_min": float(cos.min()),
-            "cosine_mean": float(cos.mean())}
+    return {
+        "positions": int(top1.size),
+        "top1_agreement": float(top1.mean()),
+        "cosine_min": float(cos.min()),
+        "cosine_mean": float(cos.mean()),
+    }
 
 
 def runner(new_conversation: Callable[[], Step], backend: str = "package", device: str = "cpu"):
@@ -135,8 +143,15 @@ def greedy_reference(tm: TorchModel, prompt: np.ndarray, n: int) -> list[int]:
     return greedy(torch_decoder(tm), prompt, n)
 
 
-def check_decoder(new_conversation: Callable[[], Step], tm: TorchModel, ids: np.ndarray, prompt_len: int = PROMPT_LEN,
-                  steps: int = DECODE_STEPS, generate: int = GENERATE, progress=None) -> dict:
+def check_decoder(
+    new_conversation: Callable[[], Step],
+    tm: TorchModel,
+    ids: np.ndarray,
+    prompt_len: int = PROMPT_LEN,
+    steps: int = DECODE_STEPS,
+    generate: int = GENERATE,
+    progress=None,
+) -> dict:
     """Prefill + teacher-forced decode + greedy generation of a runner against PyTorch.
 
     Args:
@@ -162,7 +177,7 @@ def check_decoder(new_conversation: Callable[[], Step], tm: TorchModel, ids: np.
     for i in range(steps):
         p = prompt_len + i
         t0 = time.perf_counter()
-        out = step(ids[None, p: p + 1], p)
+        out = step(ids[None, p : p + 1], p)
         times.append(time.perf_counter() - t0)
         rows.append(out[-1])
         report("decode check", i + 1, steps + generate, f"teacher-forced step {i + 1}/{steps}")
@@ -180,14 +195,22 @@ def check_decoder(new_conversation: Callable[[], Step], tm: TorchModel, ids: np.
     prefill = _summary(cos_p, top_p)
     decode = _summary(cos_d, top_d) | {"per_step_top1": [bool(x) for x in top_d]}
     generation = {"tokens": tokens, "reference_tokens": want, "agree": tokens == want, "agreeing_prefix": same}
-    ok = (prefill["top1_agreement"] >= MIN_PREFILL_TOP1 and decode["top1_agreement"] >= MIN_DECODE_TOP1
-          and min(prefill["cosine_min"], decode["cosine_min"]) >= MIN_COSINE)
+    ok = (
+        prefill["top1_agreement"] >= MIN_PREFILL_TOP1
+        and decode["top1_agreement"] >= MIN_DECODE_TOP1
+        and min(prefill["cosine_min"], decode["cosine_min"]) >= MIN_COSINE
+    )
     lat = timing.stats(times)
-    return {"prompt_len": prompt_len, "steps": steps, "prefill": prefill | {"seconds": round(prefill_s, 4)}, "decode": decode,
-            "generation": generation,
-            "decode_step_ms": {"median": round(lat["median_ms"], 3), "p95": round(lat["p95_ms"], 3), "n": lat["n"]},
-            "thresholds": {"prefill_top1": MIN_PREFILL_TOP1, "decode_top1": MIN_DECODE_TOP1, "cosine": MIN_COSINE},
-            "ok": bool(ok)}
+    return {
+        "prompt_len": prompt_len,
+        "steps": steps,
+        "prefill": prefill | {"seconds": round(prefill_s, 4)},
+        "decode": decode,
+        "generation": generation,
+        "decode_step_ms": {"median": round(lat["median_ms"], 3), "p95": round(lat["p95_ms"], 3), "n": lat["n"]},
+        "thresholds": {"prefill_top1": MIN_PREFILL_TOP1, "decode_top1": MIN_DECODE_TOP1, "cosine": MIN_COSINE},
+        "ok": bool(ok),
+    }
 
 
 # --------------------------------------------------------------------------- latency
@@ -204,17 +227,28 @@ def decode_timing(decoder, prompt: np.ndarray, tokens: int, warmup: int, prefill
     ids = [int(t) for t in prompt]
     if warmup:
         generate_ids(decoder, ids, Sampling(max_tokens=1))
-    prefills = [generate_ids(decoder, ids, Sampling(max_tokens=1)).prompt_seconds for _ in range(max(1, prefill_repeats) - 1)]
+    prefills = [
+        generate_ids(decoder, ids, Sampling(max_tokens=1)).prompt_seconds for _ in range(max(1, prefill_repeats) - 1)
+    ]
     last = generate_ids(decoder, ids, Sampling(max_tokens=warmup + tokens + 1), time_steps=True)
     prefills.append(last.prompt_seconds)
     if len(last.step_seconds) < warmup + tokens:
-        raise MpsconvertError(f"the decoder stopped after {last.generated_tokens} tokens ({last.stop}), the timing "
-                              f"needs {warmup + tokens + 1}",
-                              "time fewer tokens, or re-export with a larger `max_len`")
+        raise MpsconvertError(
+            f"the decoder stopped after {last.generated_tokens} tokens ({last.stop}), the timing "
+            f"needs {warmup + tokens + 1}",
+            "time fewer tokens, or re-export with a larger `max_len`",
+        )
     pre, st = timing.stats(prefills), timing.stats(last.step_seconds[warmup:])
-    return {"prefill_tokens": len(prompt), "prefill_ms": round(pre["median_ms"], 3), "prefill_p95_ms": round(pre["p95_ms"], 3),
-            "prefill_runs": pre["n"], "decode_tokens": tokens, "decode_median_ms": round(st["median_ms"], 3),
-            "decode_p95_ms": round(st["p95_ms"], 3), "decode_tokens_per_s": round(1e3 / st["median_ms"], 3)}
+    return {
+        "prefill_tokens": len(prompt),
+        "prefill_ms": round(pre["median_ms"], 3),
+        "prefill_p95_ms": round(pre["p95_ms"], 3),
+        "prefill_runs": pre["n"],
+        "decode_tokens": tokens,
+        "decode_median_ms": round(st["median_ms"], 3),
+        "decode_p95_ms": round(st["p95_ms"], 3),
+        "decode_tokens_per_s": round(1e3 / st["median_ms"], 3),
+    }
 
 
 def torch_decoder(tm: TorchModel, device: str = "cpu", dtype=None):
@@ -233,7 +267,9 @@ def torch_decoder(tm: TorchModel, device: str = "cpu", dtype=None):
 # --------------------------------------------------------------------------- one-pass outputs
 
 
-def sample_inputs(artifact: Path, tm, seq: dict, texts=DEFAULT_TEXTS, n: int = 3) -> tuple[list[tuple[np.ndarray, ...]], str]:
+def sample_inputs(
+    artifact: Path, tm, seq: dict, texts=DEFAULT_TEXTS, n: int = 3
+) -> tuple[list[tuple[np.ndarray, ...]], str]:
     """Inputs shaped for the package, and what they are. Real text through the artifact's
     tokenizer: fixed length -> cut or padded (padding masked for encoders; LM text repeated to
     fill); a range -> natural lengths clipped to it. An artifact without a tokenizer (tiny test
@@ -265,9 +301,13 @@ def sample_inputs(artifact: Path, tm, seq: dict, texts=DEFAULT_TEXTS, n: int = 3
                 ids.append(pad)
                 mask.append(0)
             if tok is None and len(ids) > 2 and i % 2 == 1:  # exercise masking: pad the tail
-                mask[-(len(ids) // 3):] = [0] * (len(ids) // 3)
+                mask[-(len(ids) // 3) :] = [0] * (len(ids) // 3)
             out.append((np.array([ids], dtype=np.int32), np.array([mask], dtype=np.int32)))
-    what = f"{n} real text sample(s) through the artifact's tokenizer" if tok is not None else f"{n} seeded random token id sample(s) (the artifact has no tokenizer)"
+    what = (
+        f"{n} real text sample(s) through the artifact's tokenizer"
+        if tok is not None
+        else f"{n} seeded random token id sample(s) (the artifact has no tokenizer)"
+    )
     return out, what
 
 
@@ -275,8 +315,12 @@ def compare_outputs(task: str, got: np.ndarray, ref: np.ndarray) -> dict:
     got = got.astype(np.float64).reshape(-1, got.shape[-1])
     ref = ref.astype(np.float64).reshape(-1, ref.shape[-1])
     cos = (got * ref).sum(-1) / np.maximum(np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1), 1e-30)
-    out = {"cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "max_abs_diff": float(np.abs(got - ref).max()),
-           "ref_max_abs": float(np.abs(ref).max())}
+    out = {
+        "cosine_min": float(cos.min()),
+        "cosine_mean": float(cos.mean()),
+        "max_abs_diff": float(np.abs(got - ref).max()),
+        "ref_max_abs": float(np.abs(ref).max()),
+    }
     if task == "causal-lm":
         out["top1_agreement"] = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
         out["positions"] = int(got.shape[0])
@@ -284,8 +328,12 @@ def compare_outputs(task: str, got: np.ndarray, ref: np.ndarray) -> dict:
 
 
 def merge_parts(task: str, parts: list[dict]) -> dict:
-    out = {"cosine_min": min(p["cosine_min"] for p in parts), "cosine_mean": float(np.mean([p["cosine_mean"] for p in parts])),
-           "max_abs_diff": max(p["max_abs_diff"] for p in parts), "samples": len(parts)}
+    out = {
+        "cosine_min": min(p["cosine_min"] for p in parts),
+        "cosine_mean": float(np.mean([p["cosine_mean"] for p in parts])),
+        "max_abs_diff": max(p["max_abs_diff"] for p in parts),
+        "samples": len(parts),
+    }
     if task == "causal-lm":
         n = sum(p["positions"] for p in parts)
         out["top1_agreement"] = sum(p["top1_agreement"] * p["positions"] for p in parts) / n

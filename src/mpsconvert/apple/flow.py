@@ -20,14 +20,14 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..infra import atomic
 from ..errors import ArtifactError, ExportError, MpsconvertError
+from ..infra import atomic
 from ..infra.extras import require
+from ..infra.progress import Progress, or_silent
 from ..manifests import layout
 from ..manifests.manifest import Manifest
 from ..manifests.records import AppleExport, ExportCheck
 from ..manifests.transaction import transaction
-from ..infra.progress import Progress, or_silent
 from . import registry
 from .protocol import Target, check_numbers, package_in
 
@@ -67,7 +67,9 @@ def _result(artifact: Path, target: Target, rec: AppleExport, check: dict | None
     carrying the result for the caller to show."""
     result = ExportResult(artifact, artifact / target.package, rec.as_dict(), check, target.key)
     if not result.ok:
-        err = ExportError(f"the {target.name} {target.noun} in {artifact} failed its checks: {target.failed(check)}", target.check_fix)
+        err = ExportError(
+            f"the {target.name} {target.noun} in {artifact} failed its checks: {target.failed(check)}", target.check_fix
+        )
         err.result = result
         raise err
     return result
@@ -80,7 +82,9 @@ def require_all(keys) -> None:
         require(target.module, target.extra, f"{target.name} export (--{target.key})")
 
 
-def export(artifact: Path, target: str | Target, opts=None, check=None, progress: Progress | None = None) -> ExportResult:
+def export(
+    artifact: Path, target: str | Target, opts=None, check=None, progress: Progress | None = None
+) -> ExportResult:
     """Export `artifact` to `target`'s package inside it, then (unless `check` is False) check it;
     `opts`: the target's options [default: its defaults]; `check`: its check options, True for
     the defaults, or False. See the module's docstring for how; raises ExportError when the
@@ -95,7 +99,9 @@ def export(artifact: Path, target: str | Target, opts=None, check=None, progress
     progress = or_silent(progress)
     artifact = Path(artifact)
     with transaction(artifact, verify=True, drop=(target.package,), tempdir=target.key) as t:
-        layout.check_package_slot(t.artifact, target.package, t.manifest.files, opts.force)  # someone else's folder: never replaced
+        layout.check_package_slot(
+            t.artifact, target.package, t.manifest.files, opts.force
+        )  # someone else's folder: never replaced
         rec = target.build(t.folder, t.manifest, opts, progress)
         t.add_files(target.package)
         atomic.kill_point("package-written")
@@ -106,7 +112,9 @@ def export(artifact: Path, target: str | Target, opts=None, check=None, progress
     return _result(artifact, target, rec, res)
 
 
-def check(artifact: Path, target: str | Target, opts=None, *, verify: bool = True, progress: Progress | None = None) -> ExportResult:
+def check(
+    artifact: Path, target: str | Target, opts=None, *, verify: bool = True, progress: Progress | None = None
+) -> ExportResult:
     """Check the package of `target` already in `artifact` and record the check (one
     transaction); `verify`: check the artifact's hashes first. Raises ExportError when it fails."""
     target = registry.get(target)
@@ -118,14 +126,19 @@ def check(artifact: Path, target: str | Target, opts=None, *, verify: bool = Tru
         package_in(t.artifact, target.package, target.key)
         rec = t.get(target.record)
         if rec is None:
-            raise ArtifactError(f"{artifact / target.package} is not recorded in the manifest", f"re-run `mpsconvert export-{target.key} --force`")
+            raise ArtifactError(
+                f"{artifact / target.package} is not recorded in the manifest",
+                f"re-run `mpsconvert export-{target.key} --force`",
+            )
         res = target.check(t.artifact, rec, opts, or_silent(progress))
         rec.check = _slim(res)
         t.put(rec)
     return _result(artifact, target, rec, res)
 
 
-def latency(artifact: Path, settings: dict, progress: Progress | None = None) -> tuple[dict[str, dict | None], Exception | None]:
+def latency(
+    artifact: Path, settings: dict, progress: Progress | None = None
+) -> tuple[dict[str, dict | None], Exception | None]:
     """validate's Apple part: every target whose package the artifact holds, measured with the
     settings the PyTorch rows were measured with (`ValidationResult.settings`, defaults
     resolved); nothing is recorded here (`runtime_records` gives what to record, for the caller's
@@ -146,8 +159,10 @@ def latency(artifact: Path, settings: dict, progress: Progress | None = None) ->
             out[key] = target.latency(artifact, rec, settings, progress)
         except MpsconvertError as e:
             out[key] = {"status": "failed", "reason": str(e)}
-            failure = failure or ExportError(f"validation results for {artifact} are recorded, but its {target.name} part failed: {e.problem}",
-                                             e.fix or f"run `mpsconvert validate {artifact}` again once that is fixed")
+            failure = failure or ExportError(
+                f"validation results for {artifact} are recorded, but its {target.name} part failed: {e.problem}",
+                e.fix or f"run `mpsconvert validate {artifact}` again once that is fixed",
+            )
         except Exception as e:  # a bug: its traceback is kept, once the results are recorded and shown
             out[key] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
             failure = failure or e
@@ -156,8 +171,11 @@ def latency(artifact: Path, settings: dict, progress: Progress | None = None) ->
 
 def runtime_records(results: dict[str, dict | None]) -> list:
     """The manifest records of `latency`'s results that ran (one per target)."""
-    return [registry.TARGETS[key].runtime_record.read(r, f"the {key} runtime result")
-            for key, r in results.items() if r is not None and r.get("status") == "ran"]
+    return [
+        registry.TARGETS[key].runtime_record.read(r, f"the {key} runtime result")
+        for key, r in results.items()
+        if r is not None and r.get("status") == "ran"
+    ]
 
 
 def measure(artifact: Path, target: str | Target, *, write: bool = True, **kw) -> dict:
@@ -179,19 +197,23 @@ def decoder(artifact: Path, backend: str, stack: contextlib.ExitStack) -> tuple[
     """The stateful package of target `backend` as (new_conversation, its cache length, what runs
     it), after the whole artifact (the package included) verified: a runtime never opens an
     unchecked package. Contexts to close at the end go onto `stack`."""
-    from ..manifests.verify import check_before_use
     from ..infra.untrusted import inside
+    from ..manifests.verify import check_before_use
 
     target = registry.get(backend)
     target.runnable()  # first: before anyone is sent to export a package this machine cannot run
     m = Manifest.read(artifact) if layout.is_artifact(artifact) else None
     rec: AppleExport | None = m.get(target.record) if m is not None else None
     if rec is None:
-        raise ArtifactError(f"{artifact} has no {target.name} {target.noun}",
-                            f"run `mpsconvert export-{target.key} {artifact}` first, or use `backend=torch`")
+        raise ArtifactError(
+            f"{artifact} has no {target.name} {target.noun}",
+            f"run `mpsconvert export-{target.key} {artifact}` first, or use `backend=torch`",
+        )
     if not rec.stateful:
-        raise ArtifactError(f"the {target.key} export in {artifact} is not a stateful decoder (task {rec.task})",
-                            f"re-export it with `mpsconvert export-{target.key}` (the default is the stateful decoder)")
+        raise ArtifactError(
+            f"the {target.key} export in {artifact} is not a stateful decoder (task {rec.task})",
+            f"re-export it with `mpsconvert export-{target.key}` (the default is the stateful decoder)",
+        )
     check_before_use(artifact, manifest=m)
     package = inside(artifact, rec.package_name, what=f"the {target.key} export")
     new_conversation, runs_on = target.open_decoder(package, rec, stack.enter_context)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:
+    from ..infra.progress import Progress
     from ..manifests.manifest import Manifest
     from ..manifests.records import AppleExport, RuntimeResult
-    from ..infra.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,13 @@ class Target:
 
     def measure(self, artifact: Path, record: AppleExport, **settings) -> dict:
         """The package's latency beside PyTorch with explicit settings (the API's `<key>_latency`)."""
-        raise NotImplementedError(f"the {self.name} target has no latency measurement of its own; `validate` runs its part")
+        raise NotImplementedError(
+            f"the {self.name} target has no latency measurement of its own; `validate` runs its part"
+        )
 
-    def rows(self, artifact: Path, record: dict, check: dict) -> tuple[list[tuple[str, str, bool | None]], dict | None, str]:
+    def rows(
+        self, artifact: Path, record: dict, check: dict
+    ) -> tuple[list[tuple[str, str, bool | None]], dict | None, str]:
         """What the CLI shows of a check: (label, text, ok) rows (ok False: shown as a failure),
         the decoder check to show as its own table (or None) and that table's title."""
         raise NotImplementedError
@@ -143,16 +147,23 @@ def failed_checks(res: dict) -> str:
     if res.get("interface") and not res["interface"]["ok"]:
         bad.append("; ".join(res["interface"]["problems"]))
     if not res["weights"]["all_ok"]:
-        bad.append("weights read back differ "
-                   f"({sum(1 for r in res['weights']['tensors'].values() if not r.get('ok'))} tensors)")
+        bad.append(
+            "weights read back differ "
+            f"({sum(1 for r in res['weights']['tensors'].values() if not r.get('ok'))} tensors)"
+        )
     ev = res.get("reference_eval") or res.get("runtime_eval")
     if ev and not ev["ok"]:
         if "prefill" in ev:
-            bad.append(f"prefill top-1 {ev['prefill']['top1_agreement']:.1%}, decode top-1 "
-                       f"{ev['decode']['top1_agreement']:.1%}, cosine min "
-                       f"{min(ev['prefill']['cosine_min'], ev['decode']['cosine_min']):.4f}")
+            bad.append(
+                f"prefill top-1 {ev['prefill']['top1_agreement']:.1%}, decode top-1 "
+                f"{ev['decode']['top1_agreement']:.1%}, cosine min "
+                f"{min(ev['prefill']['cosine_min'], ev['decode']['cosine_min']):.4f}"
+            )
         else:
-            bad.append(f"cosine min {ev['cosine_min']:.4f}" + (f", top-1 {ev['top1_agreement']:.1%}" if "top1_agreement" in ev else ""))
+            bad.append(
+                f"cosine min {ev['cosine_min']:.4f}"
+                + (f", top-1 {ev['top1_agreement']:.1%}" if "top1_agreement" in ev else "")
+            )
     return "; ".join(bad) or "see the recorded check"
 
 
@@ -167,4 +178,7 @@ def states_text(states: list[dict]) -> str:
     """A stateful decoder's states in one line (the KV cache of every layer)."""
     if not states:
         return "none"
-    return f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each " f"{feature_text(states[0]).split(' ', 1)[1]}"
+    return (
+        f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each "
+        f"{feature_text(states[0]).split(' ', 1)[1]}"
+    )

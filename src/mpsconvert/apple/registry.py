@@ -17,8 +17,10 @@ TARGETS: dict[str, Target] = {}
 def register(target: Target) -> Target:
     """Add a target (its records become known to the card and inspect); returns it."""
     if target.key in TARGETS and type(TARGETS[target.key]) is not type(target):
-        raise MpsconvertError(f"an export target {target.key!r} is registered already ({TARGETS[target.key]!r})",
-                              "give the new target another key")
+        raise MpsconvertError(
+            f"an export target {target.key!r} is registered already ({TARGETS[target.key]!r})",
+            "give the new target another key",
+        )
     TARGETS[target.key] = target
     records.register(target.record)
     records.register(target.runtime_record)

@@ -53,7 +53,9 @@ def resolve_max_len(requested: int | None, config) -> int:
     if requested < 2:
         raise MpsconvertError(f"`max_len={requested}` is too short", "use at least 2 (default 2048)")
     if max_pos and requested > max_pos:
-        raise MpsconvertError(f"`max_len={requested}` exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+        raise MpsconvertError(
+            f"`max_len={requested}` exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}"
+        )
     return int(requested)
 
 
@@ -99,7 +101,9 @@ def _layer_types(config) -> list[str] | None:
         return None
     bad = sorted(set(types) - set(MASK_TYPES))
     if bad:
-        raise ExportError(f"layers of type {', '.join(bad)} have no stateful export", "use `kv_cache=False` for Core ML")
+        raise ExportError(
+            f"layers of type {', '.join(bad)} have no stateful export", "use `kv_cache=False` for Core ML"
+        )
     return list(types)
 
 
@@ -172,19 +176,29 @@ class StatefulCausalLM(torch.nn.Module):
         self.max_len = int(max_len)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.layer_types = _layer_types(config)
-        self.sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) is not False else None
+        self.sliding_window = (
+            getattr(config, "sliding_window", None)
+            if getattr(config, "use_sliding_window", True) is not False
+            else None
+        )
         dtype = cache_dtype or next(model.parameters()).dtype
         self.shapes = _kv_shapes(model)
         for i, (ks, vs) in enumerate(self.shapes):
-            self.register_buffer(f"key_cache_{i}", torch.zeros(ks[0], ks[1], self.max_len, ks[3], dtype=dtype), persistent=False)
-            self.register_buffer(f"value_cache_{i}", torch.zeros(vs[0], vs[1], self.max_len, vs[3], dtype=dtype), persistent=False)
+            self.register_buffer(
+                f"key_cache_{i}", torch.zeros(ks[0], ks[1], self.max_len, ks[3], dtype=dtype), persistent=False
+            )
+            self.register_buffer(
+                f"value_cache_{i}", torch.zeros(vs[0], vs[1], self.max_len, vs[3], dtype=dtype), persistent=False
+            )
 
     @property
     def num_layers(self) -> int:
         return len(self.shapes)
 
     def states(self) -> list[StateSpec]:
-        return [StateSpec(n, tuple(getattr(self, n).shape), getattr(self, n).dtype) for n in state_names(self.num_layers)]
+        return [
+            StateSpec(n, tuple(getattr(self, n).shape), getattr(self, n).dtype) for n in state_names(self.num_layers)
+        ]
 
     def reset(self) -> None:
         """Zero every cache (a new conversation), as an app does with fresh states."""
@@ -204,15 +218,22 @@ class StatefulCausalLM(torch.nn.Module):
         positions = position.to(torch.long).reshape(1) + torch.arange(t, device=input_ids.device)
         dtype = self.model.get_input_embeddings().weight.dtype
         if self.layer_types is not None:
-            mask = {kind: self._mask(positions, self.sliding_window if kind == "sliding_attention" else None, dtype)
-                    for kind in sorted(set(self.layer_types))}
+            mask = {
+                kind: self._mask(positions, self.sliding_window if kind == "sliding_attention" else None, dtype)
+                for kind in sorted(set(self.layer_types))
+            }
         else:
             mask = self._mask(positions, self.sliding_window, dtype)
         # Built per call: the layers hold the buffers themselves, which .to() would replace.
         Cache, layer_cls = _cache_class()
         cache = Cache(layers=[layer_cls(self, i, positions) for i in range(self.num_layers)])
-        out = self.model(input_ids=input_ids.to(torch.long), position_ids=positions[None], attention_mask=mask,
-                         cache=cache, use_cache=True)
+        out = self.model(
+            input_ids=input_ids.to(torch.long),
+            position_ids=positions[None],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+        )
         return out.logits
 
 
@@ -225,6 +246,8 @@ def export_program(wrapper: StatefulCausalLM, example_len: int = 8, decompositio
     seq = torch.export.Dim("seq_len", min=1, max=wrapper.max_len)
     wrapper.reset()
     with torch.no_grad():
-        ep = torch.export.export(wrapper, (ids, pos), dynamic_shapes={"input_ids": {1: seq}, "position": None}, strict=False)
+        ep = torch.export.export(
+            wrapper, (ids, pos), dynamic_shapes={"input_ids": {1: seq}, "position": None}, strict=False
+        )
     wrapper.reset()
     return ep.run_decompositions(decompositions if decompositions is not None else {})

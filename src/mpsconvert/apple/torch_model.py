@@ -14,16 +14,27 @@ from pathlib import Path
 
 import torch
 
-from ..format import fp8
 from ..errors import ExportError, MpsconvertError
-from ..manifests import layout
+from ..format import fp8
 from ..infra.untrusted import parse_json, read_json
+from ..manifests import layout
 from ..model import hf_compat, reference
 from ..model.definition import is_causal_lm
 
-
 # Encoder-only families whose AutoModel returns last_hidden_state from (input_ids, attention_mask).
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "electra", "albert", "deberta", "deberta-v2", "modernbert")
+ENCODER_TYPES = (
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "camembert",
+    "distilbert",
+    "mpnet",
+    "electra",
+    "albert",
+    "deberta",
+    "deberta-v2",
+    "modernbert",
+)
 
 
 def _is_encoder(config) -> bool:
@@ -47,7 +58,9 @@ def task_of(config) -> str:
     )
 
 
-def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def read_artifact_weights(
+    artifact: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """All tensors of the artifact as the model uses them (FP8 weights dequantized in fp32),
     plus the FP8 weights themselves: name -> (codes float8_e4m3fn, scale fp32). Block scales
     come as tiles that divide the weight exactly (`fp8.tile_scale`), so that every consumer
@@ -75,11 +88,15 @@ def read_artifact_weights(artifact: Path) -> tuple[dict[str, torch.Tensor], dict
         if t.dtype == fp8.FP8_DTYPE:
             scale = raw.get(k + "_scale")
             if scale is None:
-                raise MpsconvertError(f"FP8 tensor {k} has no {k}_scale", "the artifact is incomplete: re-run `mpsconvert quantize`")
+                raise MpsconvertError(
+                    f"FP8 tensor {k} has no {k}_scale", "the artifact is incomplete: re-run `mpsconvert quantize`"
+                )
             if block and t.ndim == 3:
-                raise ExportError(f"{k} holds fused MoE experts with block scales",
-                                  "Apple exports of block-scaled experts are not supported yet; quantize the source "
-                                  "with --weights row")
+                raise ExportError(
+                    f"{k} holds fused MoE experts with block scales",
+                    "Apple exports of block-scaled experts are not supported yet; quantize the source "
+                    "with --weights row",
+                )
             scale = fp8.tile_scale(scale, *t.shape, block) if block and t.ndim == 2 else scale.float()
             quant[k] = (t, scale)
             dense[k] = fp8.dequantize_tiles(t, scale, torch.float32)
@@ -111,15 +128,17 @@ def _fuse_experts(model, dense: dict, quant: dict) -> dict[str, tuple[torch.Tens
             scale = torch.empty(e, n, 1)
             is_fp8 = all(sl.key in quant for sl in ep.slices)
             for sl in ep.slices:
-                w[sl.expert, sl.start:sl.stop] = dense.pop(sl.key)
+                w[sl.expert, sl.start : sl.stop] = dense.pop(sl.key)
                 if is_fp8:
                     c, sc = quant.pop(sl.key)
                     if fp8.is_block_scale(sc, sl.stop - sl.start):
-                        raise ExportError(f"MoE experts {ep.name} have block scales",
-                                          "Apple exports of block-scaled experts are not supported yet; quantize "
-                                          "the source with --weights row")
-                    codes[sl.expert, sl.start:sl.stop] = c
-                    scale[sl.expert, sl.start:sl.stop] = sc.reshape(-1, 1).expand(sl.stop - sl.start, 1)
+                        raise ExportError(
+                            f"MoE experts {ep.name} have block scales",
+                            "Apple exports of block-scaled experts are not supported yet; quantize "
+                            "the source with --weights row",
+                        )
+                    codes[sl.expert, sl.start : sl.stop] = c
+                    scale[sl.expert, sl.start : sl.stop] = sc.reshape(-1, 1).expand(sl.stop - sl.start, 1)
             dense[ep.name] = w
             if is_fp8:
                 out[ep.name] = (codes, scale, [sl.key for sl in ep.slices])
@@ -129,7 +148,9 @@ def _fuse_experts(model, dense: dict, quant: dict) -> dict[str, tuple[torch.Tens
                 out[ep.name] = (c, sc.reshape(e, -1, 1).expand(e, n, 1).contiguous(), [ep.key])
             dense[ep.name] = dense.pop(ep.key)
         else:
-            raise ExportError(f"MoE experts {ep.name}: {ep.why}", "this MoE layout cannot be exported yet; report the model")
+            raise ExportError(
+                f"MoE experts {ep.name}: {ep.why}", "this MoE layout cannot be exported yet; report the model"
+            )
     return out
 
 
@@ -166,7 +187,9 @@ def _load_into(model, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
                 mapped[cand] = v
                 used[k] = cand
                 break
-    for key in [k for k in own if k not in mapped]:  # modules the checkpoint names differently (Mixtral's block_sparse_moe.gate)
+    for key in [
+        k for k in own if k not in mapped
+    ]:  # modules the checkpoint names differently (Mixtral's block_sparse_moe.gate)
         mod, _, leaf = key.rpartition(".")
         if mod:
             from ..model.moe_layout import checkpoint_module_name
@@ -277,7 +300,9 @@ def build_torch_model(artifact: Path) -> TorchModel:
     cfg_dict.pop("quantization_config", None)  # the weights are given dense: no compressed-tensors loader
     model_type = cfg_dict.get("model_type")
     try:
-        config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg_dict.items() if k != "model_type"})
+        config = transformers.AutoConfig.for_model(
+            model_type, **{k: v for k, v in cfg_dict.items() if k != "model_type"}
+        )
     except (ValueError, KeyError) as e:
         raise ExportError(f"transformers does not know model_type {model_type!r}", "upgrade transformers") from e
     task = task_of(config)
@@ -292,7 +317,11 @@ def build_torch_model(artifact: Path) -> TorchModel:
             model = reference.build(config, task=task, dtype=torch.float32, attn_implementation="eager", **moe)
         else:
             # The pooler (BERT's [CLS] dense+tanh) is not part of the embeddings output.
-            extra = {"add_pooling_layer": False} if config.model_type in ("bert", "roberta", "xlm-roberta", "camembert") else {}
+            extra = (
+                {"add_pooling_layer": False}
+                if config.model_type in ("bert", "roberta", "xlm-roberta", "camembert")
+                else {}
+            )
             model = reference.build(config, task=task, dtype=torch.float32, attn_implementation="eager", **extra)
     experts = _fuse_experts(model, dense, quant)
     used = _load_into(model, dense)
@@ -300,7 +329,10 @@ def build_torch_model(artifact: Path) -> TorchModel:
     normalize = task == "encoder" and _uses_normalize(artifact)
     wrapper = StatelessCausalLM(model) if task == "causal-lm" else EncoderEmbeddings(model, normalize)
     return TorchModel(
-        task=task, module=wrapper.eval(), config=config, normalize=normalize,
+        task=task,
+        module=wrapper.eval(),
+        config=config,
+        normalize=normalize,
         fp8_weights={k: v for k, v in quant.items() if k in used},
         unused=sorted(k for k in quant if k not in used),
         stored_dtypes={m: dtypes[k] for k, m in used.items() if k in dtypes},

@@ -26,24 +26,24 @@ from pathlib import Path
 
 import torch
 
-from ..infra import atomic, output_rule, tempdirs
-from ..format import fp8
 from ..errors import ArtifactError, MpsconvertError
+from ..format import fp8
 from ..format.ct_config import quantization_config, scheme_from_config
+from ..format.scales import scale_problem
+from ..format.schemes import Scheme
+from ..infra import atomic, output_rule, tempdirs
+from ..infra.progress import Progress
+from ..infra.safetensors_io import ShardReader, read_header
+from ..infra.safetensors_writer import ShardWriter
+from ..infra.untrusted import inside, read_json
 from ..manifests import hashing
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, is_artifact, read_weight_map, weight_files
 from ..manifests.manifest import Manifest
 from ..manifests.records import CalibrationRecord, ExpertCalibration
-from ..format.schemes import Scheme
 from ..manifests.transaction import Transaction, transaction
-from ..infra.progress import Progress
-from ..infra.safetensors_io import ShardReader, read_header
-from ..infra.safetensors_writer import ShardWriter
-from ..format.scales import scale_problem
-from ..infra.untrusted import inside, read_json
-from .options import CalibOptions
 from .calibration import Calibration, calibrate
+from .options import CalibOptions
 
 SCALES_FORMAT = "mpsconvert-input-scales"
 SCALES_VERSION = 1
@@ -61,8 +61,9 @@ def is_scales_file(path: Path) -> bool:
 def check_scales_output(path: Path, *, force: bool, protect: tuple[Path, ...] = ()) -> None:
     """`calibrate -o FILE` may write FILE (output_rule.check_replaceable, the one output rule): said
     before any work, and again when the file is written."""
-    output_rule.check_replaceable(Path(path), file=True, force=force, is_ours=is_scales_file, protect=protect,
-                                  is_artifact=is_artifact)
+    output_rule.check_replaceable(
+        Path(path), file=True, force=force, is_ours=is_scales_file, protect=protect, is_artifact=is_artifact
+    )
 
 
 def save_scales(path: Path, cal: Calibration, *, force: bool = False, protect: tuple[Path, ...] = ()) -> None:
@@ -75,8 +76,14 @@ def save_scales(path: Path, cal: Calibration, *, force: bool = False, protect: t
         "expert_input_scales": cal.expert_scales,
         "calibration": cal.record,
     }
-    atomic.write_file(path, json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n", force=force, is_ours=is_scales_file,
-                      protect=protect, is_artifact=is_artifact)
+    atomic.write_file(
+        path,
+        json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n",
+        force=force,
+        is_ours=is_scales_file,
+        protect=protect,
+        is_artifact=is_artifact,
+    )
 
 
 def load_scales(path: Path) -> tuple[dict[str, float], dict]:
@@ -84,14 +91,23 @@ def load_scales(path: Path) -> tuple[dict[str, float], dict]:
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"scales file {path} does not exist", "run `mpsconvert calibrate SRC -o scales.json` first")
-    body = read_json(path, fix="re-run `mpsconvert calibrate ... -o` to rebuild it", nonfinite=True)  # each scale is checked, by name
+    body = read_json(
+        path, fix="re-run `mpsconvert calibrate ... -o` to rebuild it", nonfinite=True
+    )  # each scale is checked, by name
     if body.get("format") != SCALES_FORMAT or body.get("version") != SCALES_VERSION:
-        raise ArtifactError(f"{path} is not an mpsconvert scales file (version {SCALES_VERSION})", "write one with `mpsconvert calibrate SRC -o FILE`")
+        raise ArtifactError(
+            f"{path} is not an mpsconvert scales file (version {SCALES_VERSION})",
+            "write one with `mpsconvert calibrate SRC -o FILE`",
+        )
     scales = body.get("input_scales")
     if not isinstance(scales, dict):
-        raise ArtifactError(f"{path}: input_scales must map module names to finite positive numbers", "re-run calibration")
+        raise ArtifactError(
+            f"{path}: input_scales must map module names to finite positive numbers", "re-run calibration"
+        )
     for module, v in scales.items():
-        if (why := scale_problem(v)) is not None:  # as float32, as the artifact stores it: 1e308 and 5e-324 are not scales
+        if (
+            why := scale_problem(v)
+        ) is not None:  # as float32, as the artifact stores it: 1e308 and 5e-324 are not scales
             raise ArtifactError(f"{path}: the input scale of {module[:80]!r} {why}", "re-run calibration")
     record = body.get("calibration") or {}
     if not isinstance(record, dict):
@@ -116,8 +132,14 @@ def carried_files(artifact: Path, manifest: Manifest, packages: bool = True) -> 
 
 def copy_verified(src: Path, dst: Path, rec: dict, rel: str) -> dict:
     """Copy a listed file, checking the bytes copied against the sha256 the manifest records."""
-    return hashing.copy_verified(src, dst, rec, rel, "it is not carried into a new manifest: restore the artifact "
-                                 "(`mpsconvert quantize ... --force`), then calibrate")
+    return hashing.copy_verified(
+        src,
+        dst,
+        rec,
+        rel,
+        "it is not carried into a new manifest: restore the artifact "
+        "(`mpsconvert quantize ... --force`), then calibrate",
+    )
 
 
 @contextlib.contextmanager
@@ -129,7 +151,9 @@ def dequantized_snapshot(artifact: Path, manifest: Manifest):
 
     artifact = Path(artifact)
     dtypes = {name: rec.get("source_dtype", "BF16") for name, rec in manifest.tensors.items()}
-    block = scheme_from_config(read_json(artifact / CONFIG_NAME, what=CONFIG_NAME).get("quantization_config") or {}).block
+    block = scheme_from_config(
+        read_json(artifact / CONFIG_NAME, what=CONFIG_NAME).get("quantization_config") or {}
+    ).block
     st_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     with tempdirs.private_tempdir("calib") as tmp:
         for f in weight_files(artifact):
@@ -141,12 +165,16 @@ def dequantized_snapshot(artifact: Path, manifest: Manifest):
                         continue
                     t = sf.get_tensor(k)
                     if t.dtype == fp8.FP8_DTYPE and k + "_scale" in keys:
-                        t = fp8.dequantize(t, sf.get_tensor(k + "_scale"), st_dtype.get(dtypes.get(k, "BF16"), torch.bfloat16), block)
+                        t = fp8.dequantize(
+                            t, sf.get_tensor(k + "_scale"), st_dtype.get(dtypes.get(k, "BF16"), torch.bfloat16), block
+                        )
                     tensors[k] = t
             save_file(tensors, str(tmp / f), metadata={"format": "pt"})
         if (artifact / INDEX_NAME).is_file():
             body = read_json(artifact / INDEX_NAME, what=INDEX_NAME)
-            body["weight_map"] = {k: v for k, v in read_weight_map(artifact).items() if not k.endswith(("weight_scale", "input_scale"))}
+            body["weight_map"] = {
+                k: v for k, v in read_weight_map(artifact).items() if not k.endswith(("weight_scale", "input_scale"))
+            }
             (tmp / INDEX_NAME).write_text(json.dumps(body), encoding="utf-8")
         config = read_json(artifact / CONFIG_NAME, what=CONFIG_NAME)
         config.pop("quantization_config", None)
@@ -176,9 +204,11 @@ def write_into_artifact(t: Transaction, cal: Calibration) -> Manifest:
     tmp = t.rebuild()  # the new artifact: every file written here or carried over, verified
     for f in files:
         if f not in manifest.files or sha256_file(inside(artifact, f, what="weights")) != manifest.files[f]["sha256"]:
-            raise ArtifactError(f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is "
-                                "not carried into a new manifest",
-                                "restore the artifact (`mpsconvert quantize ... --force`), then calibrate")
+            raise ArtifactError(
+                f"{f} does not match the sha256 in {MANIFEST_NAME} (modified or corrupted); it is "
+                "not carried into a new manifest",
+                "restore the artifact (`mpsconvert quantize ... --force`), then calibrate",
+            )
         header = read_header(artifact / f)
         entries = []
         for name, info in header.tensors.items():
@@ -187,7 +217,10 @@ def write_into_artifact(t: Transaction, cal: Calibration) -> Manifest:
             entries.append((name, info.dtype, info.shape))
             if name.endswith(".weight_scale") and name[: -len("_scale")] in weight_of:
                 entries.append((name[: -len("weight_scale")] + "input_scale", "F32", (1,)))
-        with ShardReader(header) as reader, ShardWriter(tmp / f, entries, metadata=header.metadata or {"format": "pt"}) as writer:
+        with (
+            ShardReader(header) as reader,
+            ShardWriter(tmp / f, entries, metadata=header.metadata or {"format": "pt"}) as writer,
+        ):
             for name, info in header.tensors.items():
                 buf = reader.read(info)
                 if name.endswith("input_scale") and name[: -len("input_scale")] + "weight" in weight_of:
@@ -209,7 +242,9 @@ def write_into_artifact(t: Transaction, cal: Calibration) -> Manifest:
             body["metadata"] = {}
         body["metadata"]["total_size"] = sum(manifest.files[f]["size"] for f in files)
         atomic.write_text(tmp / INDEX_NAME, json.dumps(body, indent=2) + "\n")
-    config["quantization_config"] = quantization_config(scheme, qc.get("ignore", []), qc.get("config_groups", {}).get("group_0", {}).get("targets"))
+    config["quantization_config"] = quantization_config(
+        scheme, qc.get("ignore", []), qc.get("config_groups", {}).get("group_0", {}).get("targets")
+    )
     atomic.write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     kept = carried_files(artifact, manifest)
     for rel in kept:
@@ -226,8 +261,15 @@ def write_into_artifact(t: Transaction, cal: Calibration) -> Manifest:
     return manifest
 
 
-def calibrate_target(target: str | Path, output: str | Path | None, options: CalibOptions, *, revision: str | None = None,
-                     force: bool = False, progress: Progress | None = None) -> tuple[Calibration, Path, Manifest | None]:
+def calibrate_target(
+    target: str | Path,
+    output: str | Path | None,
+    options: CalibOptions,
+    *,
+    revision: str | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Calibration, Path, Manifest | None]:
     """The `calibrate` command: an artifact (calibrated as it will run, from its FP8 weights) gets
     its scales written into it unless `output` names a scales file; a source needs `output`.
     Returns (the calibration, where it was written, the artifact's new manifest or None)."""
@@ -244,13 +286,20 @@ def calibrate_target(target: str | Path, output: str | Path | None, options: Cal
     if is_artifact(path):
         # Written into: one transaction from before any work to the card (verified first, every
         # hash, before any of its config, code or weights is used). Into a file: verified, read.
-        with transaction(path, verify=True, trust_remote_code=options.trust_remote_code) if output is None else contextlib.nullcontext() as t:
+        with (
+            transaction(path, verify=True, trust_remote_code=options.trust_remote_code)
+            if output is None
+            else contextlib.nullcontext() as t
+        ):
             manifest = t.manifest if t is not None else Manifest.read(path)
             if t is None:
                 check_before_use(path, options.trust_remote_code, manifest=manifest)
             ignore = manifest.recipe.get("ignore_patterns")
             if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
-                raise ArtifactError(f"{path}/{MANIFEST_NAME}: recipe.ignore_patterns is not a list of patterns", "re-create the artifact")
+                raise ArtifactError(
+                    f"{path}/{MANIFEST_NAME}: recipe.ignore_patterns is not a list of patterns",
+                    "re-create the artifact",
+                )
             with dequantized_snapshot(path, manifest) as snap_dir:
                 cal = calibrate(snap_dir, replace(options, ignore=list(ignore or options.ignore)), progress)
             cal.record["weights"] = "the artifact's FP8 weights, dequantized"
@@ -260,7 +309,10 @@ def calibrate_target(target: str | Path, output: str | Path | None, options: Cal
             manifest = write_into_artifact(t, cal)
         return cal, path, manifest
     if output is None:
-        raise MpsconvertError(f"{target} is a source model, not an mpsconvert artifact", "pass -o scales.json, or point at an artifact folder")
+        raise MpsconvertError(
+            f"{target} is a source model, not an mpsconvert artifact",
+            "pass -o scales.json, or point at an artifact folder",
+        )
     snap = resolve(str(target), revision=revision, token=options.token)
     check_scales_output(output, force=force, protect=(snap.path,))  # a hub source: its snapshot, now known
     cal = calibrate(snap.path, options, progress)

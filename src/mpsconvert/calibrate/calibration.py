@@ -21,13 +21,12 @@ from pathlib import Path
 
 import torch
 
-from ..infra import devices, filesystem
-from ..format import fp8
-from ..model import definition
-from ..model import hf_compat, reference
-from ..model.plan import Plan, plan_for
 from ..errors import QuantizationError, SourceError
+from ..format import fp8
+from ..infra import devices, filesystem
 from ..infra.progress import Progress, or_silent
+from ..model import definition, hf_compat, reference
+from ..model.plan import Plan, plan_for
 from . import data, hooks, observers
 from .options import CalibOptions  # noqa: F401  (re-exported, where callers found it)
 
@@ -50,7 +49,9 @@ def _model_dtype(config) -> torch.dtype:
     return dt if isinstance(dt, torch.dtype) else torch.float32
 
 
-def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = None, plan: Plan | None = None) -> Calibration:
+def calibrate(
+    model_dir: Path, opts: CalibOptions, progress: Progress | None = None, plan: Plan | None = None
+) -> Calibration:
     """Calibrate the model in `model_dir` (a safetensors snapshot) and return its input scales."""
     import transformers
 
@@ -60,12 +61,16 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
     device = devices.choose(opts.device)
     from ..manifests import loadable
 
-    tokenizer = loadable.tokenizer(model_dir, error=SourceError, trust_remote_code=opts.trust_remote_code)  # bounded, one line on failure
+    tokenizer = loadable.tokenizer(
+        model_dir, error=SourceError, trust_remote_code=opts.trust_remote_code
+    )  # bounded, one line on failure
     corpus = data.load(opts.data, revision=opts.data_revision, token=opts.token)
     config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=opts.trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and opts.seq_len > limit:
-        raise QuantizationError(f"--seq-len {opts.seq_len} is longer than this model's {limit} positions", f"pass --seq-len {limit} or less")
+        raise QuantizationError(
+            f"--seq-len {opts.seq_len} is longer than this model's {limit} positions", f"pass --seq-len {limit} or less"
+        )
     samples = data.draw(corpus, tokenizer, opts.num_samples, opts.seq_len, opts.seed)
     short = data.short(samples, opts.num_samples, opts.seq_len)
     warnings: list[str] = []
@@ -85,11 +90,16 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
     scales, modules, fallbacks = _finalize(plan, obs)
     expert_scales, expert_record = _finalize_experts(experts)
     if fallbacks:
-        warnings.append(f"{len(fallbacks)} Linear(s) received no calibration input and got a fallback scale: " + ", ".join(sorted(fallbacks)))
+        warnings.append(
+            f"{len(fallbacks)} Linear(s) received no calibration input and got a fallback scale: "
+            + ", ".join(sorted(fallbacks))
+        )
     for name, rec in expert_record.items():
         if rec["never_routed"]:
-            warnings.append(f"{name}: experts {rec['never_routed']} were never routed to; they got the max scale of "
-                            "the layer's routed experts")
+            warnings.append(
+                f"{name}: experts {rec['never_routed']} were never routed to; they got the max scale of "
+                "the layer's routed experts"
+            )
     record = {
         "device": device.type,
         **make().describe(),
@@ -107,8 +117,8 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
         "modules": modules,
         "fallbacks": fallbacks,
         "fallback_rule": "an expert Linear that saw no token gets the max clip of its sibling experts (same "
-                         "projection, same layer); any other Linear that saw no input gets the max clip over all "
-                         "observed Linears",
+        "projection, same layer); any other Linear that saw no input gets the max clip over all "
+        "observed Linears",
         "experts": expert_record,
     }
     return Calibration(scales, expert_scales, record, warnings, seconds, peak, short=short)
@@ -116,9 +126,11 @@ def calibrate(model_dir: Path, opts: CalibOptions, progress: Progress | None = N
 
 # --- whole model -----------------------------------------------------------------------------
 
+
 def _run_whole(model_dir, config, plan, samples, device, make, opts, progress):
-    model = reference.load(model_dir, dtype=_model_dtype(config), device=device, config=config,
-                           trust_remote_code=opts.trust_remote_code)
+    model = reference.load(
+        model_dir, dtype=_model_dtype(config), device=device, config=config, trust_remote_code=opts.trust_remote_code
+    )
     run = _runner(model, plan)
     with hooks.observing(model, list(plan.quantize), make) as (obs, experts):
         for i, ids in enumerate(samples.input_ids):
@@ -134,7 +146,11 @@ def _runner(model, plan: Plan):
     ignored output head (lm_head: vocab x hidden, ~20% of a small LM's compute) is never run."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = getattr(model, prefix, None) if prefix else None
-    if isinstance(base, torch.nn.Module) and base is not model and all(m.startswith(prefix + ".") for m in plan.quantize):
+    if (
+        isinstance(base, torch.nn.Module)
+        and base is not model
+        and all(m.startswith(prefix + ".") for m in plan.quantize)
+    ):
         return base
     return model
 
@@ -146,6 +162,7 @@ def _forward(model, ids: list[int], device):
 
 
 # --- sequential ------------------------------------------------------------------------------
+
 
 class _Stop(Exception):
     """Raised by the block-0 catcher once it has the block's inputs."""
@@ -214,7 +231,9 @@ def _blocks(model) -> tuple[str, torch.nn.ModuleList]:
             if best is None or n > best[2]:
                 best = (name, mod, n)
     if best is None:
-        raise QuantizationError(f"{type(model).__name__} has no list of blocks to run one at a time", "calibrate without --sequential")
+        raise QuantizationError(
+            f"{type(model).__name__} has no list of blocks to run one at a time", "calibrate without --sequential"
+        )
     return best[0], best[1]
 
 
@@ -246,16 +265,22 @@ def _materialize(module, prefix: str, weights: Weights, device, dtype, model=Non
 def _convert_into(module, prefix: str, weights: Weights, device, dtype, model, model_dir) -> None:
     fix = "calibrate without --sequential (transformers converts this checkpoint when it loads the whole model)"
     if not hf_compat.can_load_converted():
-        raise QuantizationError(f"--sequential: {prefix} is not stored under the model's names and this transformers "
-                                "has no weight-conversion API", fix)
+        raise QuantizationError(
+            f"--sequential: {prefix} is not stored under the model's names and this transformers "
+            "has no weight-conversion API",
+            fix,
+        )
     heads = tuple(v + "." for v in weights.variants(prefix))
     keys = [k for k in weights.where if k.startswith(heads)]
     state = {k: weights.files[weights.where[k]].get_slice(k) for k in keys}
     hf_compat.load_converted(model, state, model_dir, device, dtype)
     left = [n for n, p in module.named_parameters() if p.device.type == "meta"]
     if left:
-        raise QuantizationError(f"--sequential: {len(left)} parameter(s) of {prefix} could not be loaded from the "
-                                f"checkpoint (e.g. {left[0]})", fix)
+        raise QuantizationError(
+            f"--sequential: {len(left)} parameter(s) of {prefix} could not be loaded from the "
+            f"checkpoint (e.g. {left[0]})",
+            fix,
+        )
 
 
 def _unload(module):
@@ -270,7 +295,11 @@ def _load_outside(model, config, blocks_name: str, weights: Weights, device, dty
     emb_name = names.get(id(in_emb.weight)) if in_emb is not None else None
     tie = bool(getattr(config, "tie_word_embeddings", False)) and emb_name is not None
     for name, mod in model.named_modules():
-        if name == blocks_name or name.startswith(blocks_name + ".") or (under and not (name + ".").startswith(under + ".")):
+        if (
+            name == blocks_name
+            or name.startswith(blocks_name + ".")
+            or (under and not (name + ".").startswith(under + "."))
+        ):
             continue
         for bname, b in mod._buffers.items():
             if b is not None:
@@ -299,7 +328,9 @@ def _run_sequential(model_dir, config, plan, samples, device, make, opts, progre
     weights = Weights(model_dir, getattr(model, "base_model_prefix", "") or "")
     blocks_name, blocks = _blocks(model)
     run = _runner(model, plan)
-    _load_outside(model, config, blocks_name, weights, device, dtype, under="" if run is model else model.base_model_prefix)
+    _load_outside(
+        model, config, blocks_name, weights, device, dtype, under="" if run is model else model.base_model_prefix
+    )
     n = len(samples.input_ids)
     total_steps = n * (len(blocks) + 1)
     loaders: set[str] = set()
@@ -343,13 +374,14 @@ def _run_sequential(model_dir, config, plan, samples, device, make, opts, progre
             finally:
                 for j, blk in enumerate(originals):
                     blocks[j] = blk
-        del inputs, outputs
+        inputs = outputs = None  # the activations freed (a closure above holds the name)
     del model
     devices.empty_cache(device)
     return obs, experts, {"weights_loader": sorted(loaders)}
 
 
 # --- from observers to scales ----------------------------------------------------------------
+
 
 def _expert_sibling_key(name: str) -> str | None:
     """`...experts.7.w1` -> `...experts.*.w1` (the same projection of the other experts)."""
@@ -375,7 +407,10 @@ def _finalize(plan: Plan, obs: dict) -> tuple[dict[str, float], dict, dict]:
     fallbacks = {}
     if unseen:
         if not clips:
-            raise QuantizationError("no targeted Linear received any input during calibration", "check that the model runs on the calibration data")
+            raise QuantizationError(
+                "no targeted Linear received any input during calibration",
+                "check that the model runs on the calibration data",
+            )
         by_sibling: dict[str, list[str]] = {}
         for name in clips:
             key = _expert_sibling_key(name)
@@ -386,9 +421,15 @@ def _finalize(plan: Plan, obs: dict) -> tuple[dict[str, float], dict, dict]:
             sib = by_sibling.get(_expert_sibling_key(name) or "", [])
             src = max(sib, key=lambda m: clips[m]) if sib else overall
             clips[name] = clips[src]
-            fallbacks[name] = "never received input; " f"{'max over routed sibling experts' if sib else 'max over all observed Linears'} " f"({src})"
+            fallbacks[name] = (
+                "never received input; "
+                f"{'max over routed sibling experts' if sib else 'max over all observed Linears'} "
+                f"({src})"
+            )
             modules[name] = {"amax": None, "clip": clips[name], "values": 0}
-    scales = {m: float(fp8.scales_from_amax(torch.tensor([c], dtype=torch.float32))[0]) for m, c in sorted(clips.items())}
+    scales = {
+        m: float(fp8.scales_from_amax(torch.tensor([c], dtype=torch.float32))[0]) for m, c in sorted(clips.items())
+    }
     return scales, dict(sorted(modules.items())), dict(sorted(fallbacks.items()))
 
 
@@ -411,6 +452,9 @@ def _finalize_experts(experts: dict) -> tuple[dict, dict]:
                 continue  # the layer saw no tokens at all: nothing to derive a scale from
             vals = [clips.get(e, fill) for e in range(eo.num_experts)]
             scales[name][proj] = [float(fp8.scales_from_amax(torch.tensor([v], dtype=torch.float32))[0]) for v in vals]
-        record[name] = {"tokens_per_expert": list(eo.tokens), "never_routed": never, "projections": sorted(scales[name])}
+        record[name] = {
+            "tokens_per_expert": list(eo.tokens),
+            "never_routed": never,
+            "projections": sorted(scales[name]),
+        }
     return scales, record
-

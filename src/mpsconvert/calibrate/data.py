@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from ..manifests.hashing import sha256_file
 from ..infra.texts import BUILTIN, READABLE, read_documents
+from ..manifests.hashing import sha256_file
 
 DATASET_PATTERNS = ["*" + s for s in READABLE]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -49,7 +49,9 @@ def _combined_sha256(files: dict[str, str]) -> str:
 
 
 def _dataset_files(root: Path) -> list[Path]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in READABLE and not p.name.startswith("."))
+    files = sorted(
+        p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in READABLE and not p.name.startswith(".")
+    )
     files = [p for p in files if p.name.lower() not in ("dataset_infos.json", "dataset_info.json", "state.json")]
     # A dataset with splits: calibrate on the training split only, never on its test data.
     train = [p for p in files if "train" in p.relative_to(root).as_posix().lower()]
@@ -66,10 +68,15 @@ def load(spec: str | None, revision: str | None = None, token: str | None = None
     if path.is_dir():
         files = _dataset_files(path)
         if not files:
-            raise DataError(f"{path} holds no .parquet/.jsonl/.json/.txt files", "point `data` at a file or a dataset folder")
+            raise DataError(
+                f"{path} holds no .parquet/.jsonl/.json/.txt files", "point `data` at a file or a dataset folder"
+            )
         return _from_files("folder", str(path.resolve()), path, files)
     if not _REPO_ID.match(spec):
-        raise DataError(f"`data={spec!r}` is neither a file, a folder nor a dataset repo id", "give a .txt/.jsonl/.parquet file or an id like org/name")
+        raise DataError(
+            f"`data={spec!r}` is neither a file, a folder nor a dataset repo id",
+            "give a .txt/.jsonl/.parquet file or an id like org/name",
+        )
     return _from_dataset(spec, revision, token)
 
 
@@ -78,19 +85,29 @@ def _from_dataset(repo_id: str, revision: str | None, token: str | None) -> Corp
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        root = Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, token=token, allow_patterns=DATASET_PATTERNS))
+        root = Path(
+            snapshot_download(
+                repo_id, repo_type="dataset", revision=revision, token=token, allow_patterns=DATASET_PATTERNS
+            )
+        )
     except RepositoryNotFoundError as e:
-        raise DataError(f"dataset {repo_id!r} not found on the hub (or it is private)", "check the id, or pass `token`") from e
+        raise DataError(
+            f"dataset {repo_id!r} not found on the hub (or it is private)", "check the id, or pass `token`"
+        ) from e
     except LocalEntryNotFoundError as e:
         raise DataError(
             f"dataset {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached",
             "connect to the internet, unset HF_HUB_OFFLINE, or give a local file",
         ) from e
     except HfHubHTTPError as e:
-        raise DataError(f"downloading dataset {repo_id!r} failed: {str(e).splitlines()[0]}", "check the id and your network") from e
+        raise DataError(
+            f"downloading dataset {repo_id!r} failed: {str(e).splitlines()[0]}", "check the id and your network"
+        ) from e
     files = _dataset_files(root)
     if not files:
-        raise DataError(f"dataset {repo_id!r} has no parquet/jsonl/json/txt files", "choose a dataset with a 'text' column")
+        raise DataError(
+            f"dataset {repo_id!r} has no parquet/jsonl/json/txt files", "choose a dataset with a 'text' column"
+        )
     corpus = _from_files("dataset", repo_id, root, files)
     corpus.source["commit"] = root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None
     corpus.source["revision"] = revision
@@ -117,7 +134,10 @@ def draw(corpus: Corpus, tokenizer, num_samples: int, seq_len: int, seed: int) -
         raise DataError(f"`num_samples` must be >= 1 and `seq_len` >= {MIN_WINDOW_TOKENS}", "pass larger values")
     order = list(range(len(corpus.texts)))
     random.Random(seed).shuffle(order)
-    docs = [(d, tokenizer(corpus.texts[d], add_special_tokens=True, verbose=False)["input_ids"]) for d in order[:num_samples]]
+    docs = [
+        (d, tokenizer(corpus.texts[d], add_special_tokens=True, verbose=False)["input_ids"])
+        for d in order[:num_samples]
+    ]
     samples = Samples(input_ids=[])
     w = 0
     while docs:
@@ -133,7 +153,10 @@ def draw(corpus: Corpus, tokenizer, num_samples: int, seq_len: int, seed: int) -
                 return samples
         docs, w = kept, w + 1
     if not samples.input_ids:
-        raise DataError("no calibration document is long enough to tokenize into a window", f"give documents of at least {MIN_WINDOW_TOKENS} tokens")
+        raise DataError(
+            "no calibration document is long enough to tokenize into a window",
+            f"give documents of at least {MIN_WINDOW_TOKENS} tokens",
+        )
     return samples
 
 
@@ -150,8 +173,10 @@ def short_text(samples: Samples, num_samples: int, seq_len: int, source: dict) -
     measured enough for SmolLM2 (docs/calibration.md); calibrate's summary line says what it gave."""
     if source.get("kind") == "builtin" or not short(samples, num_samples, seq_len):
         return None
-    return (f"the calibration text gave {len(samples.input_ids)} windows of the {num_samples} asked for and "
-            f"{samples.tokens} tokens of the {num_samples * seq_len} ({source.get('documents')} documents in "
-            f"{source.get('id')}, windows of up to {seq_len} tokens); scales from little text can miss activations "
-            "that other text makes: give more (text like the model's use) with --calib-data (a file, folder or "
-            "dataset id), or ask for fewer --num-samples")
+    return (
+        f"the calibration text gave {len(samples.input_ids)} windows of the {num_samples} asked for and "
+        f"{samples.tokens} tokens of the {num_samples * seq_len} ({source.get('documents')} documents in "
+        f"{source.get('id')}, windows of up to {seq_len} tokens); scales from little text can miss activations "
+        "that other text makes: give more (text like the model's use) with --calib-data (a file, folder or "
+        "dataset id), or ask for fewer --num-samples"
+    )

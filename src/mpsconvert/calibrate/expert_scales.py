@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format import fp8
 from ..errors import QuantizationError
+from ..format import fp8
 from ..model import hf_compat
 from ..model.moe_layout import experts_modules, unsupported_reason
 
@@ -106,7 +106,9 @@ class ExpertObserver:
         st = self.stats.get(name)
         if st is None:
             z = torch.zeros(E, dtype=torch.float32, device=hidden.device)
-            st = self.stats[name] = _Stats(E, z.clone(), z.clone(), torch.zeros(E, dtype=torch.int64, device=hidden.device), z.new_zeros(()))
+            st = self.stats[name] = _Stats(
+                E, z.clone(), z.clone(), torch.zeros(E, dtype=torch.int64, device=hidden.device), z.new_zeros(())
+            )
         tok_amax = hidden.abs().amax(dim=-1).float()  # [T]
         st.layer_amax = torch.maximum(st.layer_amax, tok_amax.max())
         for j in range(top_k_index.shape[-1]):

@@ -15,9 +15,10 @@ import math
 
 import torch
 
-from ..format import fp8
 from ..errors import QuantizationError
+from ..format import fp8
 from .options import DEFAULT_PERCENTILE, OBSERVERS
+
 BINS_PER_OCTAVE = 64
 LOG2_LO, LOG2_HI = -32, 32
 NBINS = (LOG2_HI - LOG2_LO) * BINS_PER_OCTAVE  # + 1 zero bin in front
@@ -110,7 +111,9 @@ class Percentile(LogHistogram):
 
     def __init__(self, q: float = DEFAULT_PERCENTILE):
         if not 0 < q <= 100:
-            raise QuantizationError(f"percentile {q} is outside (0, 100]", "pass `percentile` between 0 and 100, e.g. 99.99")
+            raise QuantizationError(
+                f"percentile {q} is outside (0, 100]", "pass `percentile` between 0 and 100, e.g. 99.99"
+            )
         super().__init__()
         self.q = q
 

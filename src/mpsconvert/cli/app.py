@@ -84,12 +84,16 @@ def _run(fn, args, kwargs):
         if api.stop_requested.is_set():  # an ImportError of a module whose import the signal cut short: no traceback
             _interrupted(signal.SIGTERM in _caught)
         raise
-    except BaseException as e:  # a Rust panic (pyo3's PanicException) raised by what a file or the input made a library do
+    except (
+        BaseException
+    ) as e:  # a Rust panic (pyo3's PanicException) raised by what a file or the input made a library do
         if not is_panic(e):
             raise
-        render.error("a library's Rust code panicked on this input "
-                     f"({str(e).splitlines()[0][:160] if str(e) else 'no message'}); the input (a tokenizer file, "
-                     "the text) is what it could not handle")
+        render.error(
+            "a library's Rust code panicked on this input "
+            f"({str(e).splitlines()[0][:160] if str(e) else 'no message'}); the input (a tokenizer file, "
+            "the text) is what it could not handle"
+        )
         sys.exit(2)
     if api.stop_requested.is_set():  # the signal came after the output was complete (or its exception was lost)
         render.console.print("[bold red]interrupted[/] after the output was complete")
@@ -113,7 +117,12 @@ class Commands(click.Group):
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(api.__version__, prog_name="mpsconvert")
-@click.option("-v", "--verbose", is_flag=True, help="Also show third-party progress bars, warnings and log lines (transformers, coremltools, ...).")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Also show third-party progress bars, warnings and log lines (transformers, coremltools, ...).",
+)
 def main(verbose):
     """Convert Hugging Face models to FP8 (float8_e4m3fn) for Apple Silicon, Core ML and Core AI, and check them.
 
@@ -143,7 +152,10 @@ def entry() -> None:
         code = 0
     except SystemExit as e:
         code = e.code
-    if _caught and code not in (130, 143):  # stopped outside a command (while click parsed): click printed nothing useful
+    if _caught and code not in (
+        130,
+        143,
+    ):  # stopped outside a command (while click parsed): click printed nothing useful
         code = 143 if signal.SIGTERM in _caught else 130
     if not isinstance(code, int):
         if code is not None:

@@ -8,15 +8,58 @@ import re
 
 from .. import api
 
-_OPTIONS = ("max_tokens", "temp", "top_p", "top_k", "seed", "seq_len", "max_samples", "prefill_len", "decode_tokens",
-            "repeats", "rounds", "warmup", "prompt_len", "samples", "decode_steps", "max_len", "baseline", "eval_data",
-            "device", "block_size", "weights", "scheme", "dtype", "experts_layout", "component", "revision", "token",
-            "format", "trust_remote_code", "ignore", "force", "private", "upload_repo", "num_samples", "sequential",
-            "percentile", "manifest_sha256", "compute", "backend")
+_OPTIONS = (
+    "max_tokens",
+    "temp",
+    "top_p",
+    "top_k",
+    "seed",
+    "seq_len",
+    "max_samples",
+    "prefill_len",
+    "decode_tokens",
+    "repeats",
+    "rounds",
+    "warmup",
+    "prompt_len",
+    "samples",
+    "decode_steps",
+    "max_len",
+    "baseline",
+    "eval_data",
+    "device",
+    "block_size",
+    "weights",
+    "scheme",
+    "dtype",
+    "experts_layout",
+    "component",
+    "revision",
+    "token",
+    "format",
+    "trust_remote_code",
+    "ignore",
+    "force",
+    "private",
+    "upload_repo",
+    "num_samples",
+    "sequential",
+    "percentile",
+    "manifest_sha256",
+    "compute",
+    "backend",
+)
 FLAGS = {name: "--" + name.replace("_", "-") for name in _OPTIONS} | {
-    "data": "--calib-data", "scales_file": "--scales", "delete_unlisted": "--force-delete-unlisted"}
-_SPELLED = {"use_template=False": "--ignore-chat-template", "compile=False": "--no-compile",
-            "latency=False": "--no-latency", "kv_cache=False": "--no-kv-cache"}
+    "data": "--calib-data",
+    "scales_file": "--scales",
+    "delete_unlisted": "--force-delete-unlisted",
+}
+_SPELLED = {
+    "use_template=False": "--ignore-chat-template",
+    "compile=False": "--no-compile",
+    "latency=False": "--no-latency",
+    "kv_cache=False": "--no-kv-cache",
+}
 _NAMED = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]+))?`")
 
 

@@ -62,7 +62,9 @@ class ProgressLines:
                 self.state[phase][:3] = [done, total, detail]
             self.current = phase
             if total and done >= total:
-                if self.state[phase][5] and self.state[phase][4] != float("inf"):  # it said it was running: say it ended
+                if self.state[phase][5] and self.state[phase][4] != float(
+                    "inf"
+                ):  # it said it was running: say it ended
                     self._line(phase, now, finished=True)
                 self.state[phase][4] = float("inf")  # complete: no more lines for it
             else:
@@ -111,10 +113,19 @@ def progress_bars(every: float = LINE_EVERY):
         def bar(is_bytes: bool) -> Progress:
             if is_bytes not in bars:
                 cols = (DownloadColumn(), TransferSpeedColumn()) if is_bytes else (MofNCompleteColumn(),)
-                bars[is_bytes] = stack.enter_context(Progress(
-                    TextColumn("[bold]{task.fields[phase]}[/]"), BarColumn(), *cols, TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"), console=console,
-                    speed_estimate_period=30.0 if is_bytes else 3600.0))  # a phase of few slow steps: its ETA from all of them
+                bars[is_bytes] = stack.enter_context(
+                    Progress(
+                        TextColumn("[bold]{task.fields[phase]}[/]"),
+                        BarColumn(),
+                        *cols,
+                        TimeElapsedColumn(),
+                        TextColumn("eta"),
+                        TimeRemainingColumn(),
+                        TextColumn("{task.description}"),
+                        console=console,
+                        speed_estimate_period=30.0 if is_bytes else 3600.0,
+                    )
+                )  # a phase of few slow steps: its ETA from all of them
             return bars[is_bytes]
 
         def update(phase: str, done: int, total: int | None, detail: str = "") -> None:

@@ -21,10 +21,27 @@ import logging
 import os
 import warnings
 
-LOGGERS = ("coremltools", "transformers", "huggingface_hub", "accelerate", "compressed_tensors", "torch._export",
-           "torch.export", "torch._dynamo", "coreai", "coreai_torch", "urllib3", "httpx")
-ENV = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
+LOGGERS = (
+    "coremltools",
+    "transformers",
+    "huggingface_hub",
+    "accelerate",
+    "compressed_tensors",
+    "torch._export",
+    "torch.export",
+    "torch._dynamo",
+    "coreai",
+    "coreai_torch",
+    "urllib3",
+    "httpx",
+)
+ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",
+}
 
 
 class _Level(logging.Filter):

@@ -80,8 +80,10 @@ def read_prompt() -> str:
     raw = _binary(sys.stdin).read(4 * limit + 1)
     text = _decoded(raw, "standard input")
     if len(raw) > 4 * limit or len(text) > limit:
-        raise PromptError(f"standard input holds more than {limit:,} characters (the limit on prompt characters)",
-                          "pass a shorter prompt")
+        raise PromptError(
+            f"standard input holds more than {limit:,} characters (the limit on prompt characters)",
+            "pass a shorter prompt",
+        )
     return text
 
 
@@ -98,13 +100,20 @@ def ask() -> str | None:
     if raw == b"" or raw == "":
         return None
     if len(raw) > 4 * limit and not raw.endswith(b"\n"):
-        while (more := src.readline(1 << 20)) and not more.endswith(b"\n"):  # the rest of the line is dropped unread into memory
+        while (more := src.readline(1 << 20)) and not more.endswith(
+            b"\n"
+        ):  # the rest of the line is dropped unread into memory
             pass
-        raise PromptError(f"the message is longer than {limit:,} characters (the limit on prompt characters)", "send a shorter message")
+        raise PromptError(
+            f"the message is longer than {limit:,} characters (the limit on prompt characters)",
+            "send a shorter message",
+        )
     text = _decoded(raw, "the message").removesuffix("\n")
     if len(text) > limit:
-        raise PromptError(f"the message is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
-                          "send a shorter message")
+        raise PromptError(
+            f"the message is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
+            "send a shorter message",
+        )
     return text
 
 

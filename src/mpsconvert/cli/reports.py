@@ -29,9 +29,11 @@ def calibration(cal) -> None:
     builtin = " of the built-in text" if data.get("kind") == "builtin" else ""
     if builtin and cal.short:
         builtin += " (all it gives at this --seq-len; --calib-data for more, or for text like the model's use)"
-    note(f"calibrated on {r['device']} ({r['mode']}, observer {r['observer']}): {r['num_samples']} samples, "
-         f"{r['tokens']} tokens{builtin} in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} "
-         "samples/s)")
+    note(
+        f"calibrated on {r['device']} ({r['mode']}, observer {r['observer']}): {r['num_samples']} samples, "
+        f"{r['tokens']} tokens{builtin} in {cal.seconds:.1f} s ({r['num_samples'] / max(cal.seconds, 1e-9):.2f} "
+        "samples/s)"
+    )
     for w in cal.warnings:
         warn(w)
 
@@ -39,9 +41,12 @@ def calibration(cal) -> None:
 def pin(artifact, sha256: str | None, why: str = "") -> None:
     """The artifact's pin, whole whatever the width or a pipe (it is copied), and how to use it."""
     if sha256:
-        out.print(f"pin sha256 {sha256}  (pin it: mpsconvert verify {shown(artifact)} --manifest-sha256 <it>; covers the "
-                  f"conversion and lasts through validate, the exports and upload{'; ' + why if why else ''})",
-                  soft_wrap=True, highlight=False)
+        out.print(
+            f"pin sha256 {sha256}  (pin it: mpsconvert verify {shown(artifact)} --manifest-sha256 <it>; covers the "
+            f"conversion and lasts through validate, the exports and upload{'; ' + why if why else ''})",
+            soft_wrap=True,
+            highlight=False,
+        )
 
 
 def _grain(recipe: dict) -> str:
@@ -65,20 +70,45 @@ def quantize_summary(res, as_json: bool) -> None:
         print_json(res.as_dict())
         return
     t = _facts(shown(res.output))
-    t.add_row("scheme", shown(f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: "
-                              f"{manifest.recipe['activations'] or 'bf16'})"
-              + (f"; unquantized tensors {manifest.recipe['unquantized_dtype']}" if manifest.recipe.get("unquantized_dtype") else "")))
+    t.add_row(
+        "scheme",
+        shown(
+            f"{manifest.recipe['name']} (weights per {_grain(manifest.recipe)}, activations: "
+            f"{manifest.recipe['activations'] or 'bf16'})"
+            + (
+                f"; unquantized tensors {manifest.recipe['unquantized_dtype']}"
+                if manifest.recipe.get("unquantized_dtype")
+                else ""
+            )
+        ),
+    )
     if (fmt := manifest.recipe.get("format")) and manifest.recipe.get("family"):  # a diffusion artifact: where it goes
-        t.add_row("format", shown(f"{fmt} ({manifest.recipe['family_label']}): "
-                  + (f"{manifest.recipe['file']} -> ComfyUI/models/diffusion_models/, Load Diffusion Model" if fmt != "diffusers"
-                     else "diffusers from_pretrained with the SDNQ backend (pip install sdnq)")))
-    if (src := manifest.source.get("fp8")) and all(r.get("codes", "").startswith("copied") for r in manifest.tensors.values()):
+        t.add_row(
+            "format",
+            shown(
+                f"{fmt} ({manifest.recipe['family_label']}): "
+                + (
+                    f"{manifest.recipe['file']} -> ComfyUI/models/diffusion_models/, Load Diffusion Model"
+                    if fmt != "diffusers"
+                    else "diffusers from_pretrained with the SDNQ backend (pip install sdnq)"
+                )
+            ),
+        )
+    if (src := manifest.source.get("fp8")) and all(
+        r.get("codes", "").startswith("copied") for r in manifest.tensors.values()
+    ):
         t.add_row("FP8 source", f"{src['layout']}: e4m3 codes kept byte for byte, scales renamed")
     t.add_row("weights", f"{human(s['weight_bytes_before'])} -> {human(s['weight_bytes_after'])} ({s['ratio']:.2f}x)")
     n_exp = s.get("expert_tensors_quantized", 0)
-    t.add_row("quantized", f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""))
+    t.add_row(
+        "quantized",
+        f"{s['tensors_quantized'] - n_exp} Linear weights" + (f", {n_exp} MoE expert tensors" if n_exp else ""),
+    )
     kept = list(manifest.recipe["ignored_modules"])
-    t.add_row("kept (Linear)", shown(f"{len(kept)}: " + ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else "")) if kept else "none")
+    t.add_row(
+        "kept (Linear)",
+        shown(f"{len(kept)}: " + ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else "")) if kept else "none",
+    )
     if s["modules_skipped"]:
         kinds = sorted({r.split(":")[0] for r in manifest.skipped.values()})
         t.add_row("skipped", shown(f"{s['modules_skipped']} non-Linear modules ({'; '.join(kinds)})"))
@@ -86,7 +116,9 @@ def quantize_summary(res, as_json: bool) -> None:
         t.add_row("worst SQNR", f"{s['worst_sqnr_db']:.1f} dB at {shown(s['worst_sqnr_tensor'])}")
     out.print(t)
     if res.manifest_sha256:  # whole, whatever the width or a pipe: it is copied to pin the artifact
-        out.print(f"manifest sha256 {res.manifest_sha256}  (the whole manifest as it is now)", soft_wrap=True, highlight=False)
+        out.print(
+            f"manifest sha256 {res.manifest_sha256}  (the whole manifest as it is now)", soft_wrap=True, highlight=False
+        )
     pin(res.output, getattr(res, "pin_sha256", None))
     for w in s.get("warnings") or []:
         warn(w)
@@ -103,8 +135,14 @@ def source_line(src: dict) -> str:
     where = src.get("path") or src.get("id")
     gguf = src.get("gguf")
     if isinstance(gguf, dict):  # one file, not a folder
-        return f"{where} (GGUF file" + (f", {gguf['file_type']}" if isinstance(gguf.get("file_type"), str) else "") + ")"
-    return f"{where} (local folder" + (f", {src['id']}@{str(src['commit'])[:12]}" if src.get("commit") and src.get("id") != where else "") + ")"
+        return (
+            f"{where} (GGUF file" + (f", {gguf['file_type']}" if isinstance(gguf.get("file_type"), str) else "") + ")"
+        )
+    return (
+        f"{where} (local folder"
+        + (f", {src['id']}@{str(src['commit'])[:12]}" if src.get("commit") and src.get("id") != where else "")
+        + ")"
+    )
 
 
 def inspect_table(artifact, m, show_tensors: bool) -> None:
@@ -113,27 +151,48 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
     t = _facts(shown(artifact))
     r, s = m.recipe, m.summary
     t.add_row("source", shown(source_line(m.source)))
-    t.add_row("scheme", shown(f"{r.get('name')}: weights per {_grain(r)}, activations {r.get('activations') or 'bf16'}"
-                              + (f"; unquantized tensors {r['unquantized_dtype']}" if r.get("unquantized_dtype") else "")))
+    t.add_row(
+        "scheme",
+        shown(
+            f"{r.get('name')}: weights per {_grain(r)}, activations {r.get('activations') or 'bf16'}"
+            + (f"; unquantized tensors {r['unquantized_dtype']}" if r.get("unquantized_dtype") else "")
+        ),
+    )
     if cal := _d(r.get("calibration")):
         data = _d(cal.get("data"))
-        t.add_row("calibration", shown(f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x "
-                                       f"{cal.get('seq_len')} tokens of {data.get('id')} (sha256 {str(data.get('sha256'))[:12]}), "
-                                       f"{len(_d(cal.get('fallbacks')))} fallback(s)"))
+        t.add_row(
+            "calibration",
+            shown(
+                f"{cal.get('observer')} on {cal.get('device')} ({cal.get('mode')}), {cal.get('num_samples')} x "
+                f"{cal.get('seq_len')} tokens of {data.get('id')} (sha256 {str(data.get('sha256'))[:12]}), "
+                f"{len(_d(cal.get('fallbacks')))} fallback(s)"
+            ),
+        )
     t.add_row("architecture", shown(s.get("architecture")))
     before, after = s.get("weight_bytes_before"), s.get("weight_bytes_after")
-    t.add_row("weights", f"{human(before) if isinstance(before, int) else '?'} -> {human(after) if isinstance(after, int) else '?'} "
-                         f"({num(s.get('ratio'), '.2f')}x)")
-    t.add_row("tensors", f"{num(s.get('tensors_quantized'))} quantized, {num(s.get('linear_ignored'))} Linear kept, "
-                         f"{num(s.get('modules_skipped'))} other modules skipped")
+    t.add_row(
+        "weights",
+        f"{human(before) if isinstance(before, int) else '?'} -> {human(after) if isinstance(after, int) else '?'} "
+        f"({num(s.get('ratio'), '.2f')}x)",
+    )
+    t.add_row(
+        "tensors",
+        f"{num(s.get('tensors_quantized'))} quantized, {num(s.get('linear_ignored'))} Linear kept, "
+        f"{num(s.get('modules_skipped'))} other modules skipped",
+    )
     if s.get("worst_sqnr_db") is not None:
         t.add_row("worst SQNR", f"{num(s['worst_sqnr_db'], '.1f')} dB at {shown(s.get('worst_sqnr_tensor'))}")
     t.add_row("files", f"{len(m.files)} ({human(sum(f['size'] for f in m.files.values()))})")
     if engine_line := api.engine_line(m):
         t.add_row("engines", shown(engine_line))
     v = m.versions
-    t.add_row("made with", shown(f"mpsconvert {v.get('mpsconvert')}, torch {v.get('torch')}, transformers "
-                                 f"{v.get('transformers')} on {m.device}"))
+    t.add_row(
+        "made with",
+        shown(
+            f"mpsconvert {v.get('mpsconvert')}, torch {v.get('torch')}, transformers "
+            f"{v.get('transformers')} on {m.device}"
+        ),
+    )
     for label, text in m.inspect_rows():  # the records later steps added (validation, exports, ...), typed
         t.add_row(shown(label), _marked(text, "FAILED" not in text))
     out.print(t)
@@ -141,10 +200,18 @@ def inspect_table(artifact, m, show_tensors: bool) -> None:
         tt = Table("tensor", "shape", "scale", "SQNR dB")
         for name, rec in sorted(m.tensors.items(), key=lambda kv: natural_key(kv[0])):
             shape = "x".join(map(str, rec.get("shape"))) if isinstance(rec.get("shape"), list) else "?"
-            scale = "x".join(map(str, rec.get("weight_scale_shape"))) if isinstance(rec.get("weight_scale_shape"), list) else "?"
+            scale = (
+                "x".join(map(str, rec.get("weight_scale_shape")))
+                if isinstance(rec.get("weight_scale_shape"), list)
+                else "?"
+            )
             sq = rec.get("sqnr_db")
-            tt.add_row(shown(name), shown(shape), shown(scale),
-                       num(sq, ".1f") if sq is not None else "undefined (no signal)" if rec.get("sqnr_undefined") else "exact")
+            tt.add_row(
+                shown(name),
+                shown(shape),
+                shown(scale),
+                num(sq, ".1f") if sq is not None else "undefined (no signal)" if rec.get("sqnr_undefined") else "exact",
+            )
         out.print(tt)
 
 
@@ -158,9 +225,12 @@ def verify_report(artifact, report, as_json: bool) -> None:
         print_json(report.as_dict())
         return
     bad = {f: v for f, v in report.files.items() if v != "ok"}
-    result(f"{artifact}: {len(report.files)} files hashed, {len(bad)} wrong; {len(report.quantized)} FP8 modules "
-           f"({report.scheme}, weights per {report.weights})" if report.hashes_checked
-           else f"{artifact}: hashes not checked; {len(report.quantized)} FP8 modules")
+    result(
+        f"{artifact}: {len(report.files)} files hashed, {len(bad)} wrong; {len(report.quantized)} FP8 modules "
+        f"({report.scheme}, weights per {report.weights})"
+        if report.hashes_checked
+        else f"{artifact}: hashes not checked; {len(report.quantized)} FP8 modules"
+    )
     for p in report.problems:
         out.print(f"  [red]problem:[/] {shown(p)}", highlight=False)
     for w in report.warnings:
@@ -168,7 +238,9 @@ def verify_report(artifact, report, as_json: bool) -> None:
     if report.manifest_sha256:
         out.print(f"  manifest sha256 {report.manifest_sha256}", highlight=False, soft_wrap=True)
     if report.pinned_sha256:
-        out.print(f"  pin sha256 {report.pinned_sha256} (the part the conversion sealed)", highlight=False, soft_wrap=True)
+        out.print(
+            f"  pin sha256 {report.pinned_sha256} (the part the conversion sealed)", highlight=False, soft_wrap=True
+        )
     if report.pin:
         out.print(f"  the pin covers {shown(report.pin)}", highlight=False, soft_wrap=True)
     out.print("[bold green]ok[/]" if report.ok else f"[bold red]{len(report.problems)} problem(s)[/]")
@@ -186,51 +258,86 @@ def validation(res, explain: bool = False) -> None:
     t.add_column("FP8", justify="right")
     t.add_column("FP8 vs BF16", justify="right")
     if r["kind"] == "causal-lm":
-        t.add_row(f"perplexity ({a['tokens']} tokens)", f"{a['perplexity_bf16']:.3f}", f"{a['perplexity_fp8']:.3f}",
-                  f"{a['perplexity_delta']:+.3f} ({a['perplexity_delta_pct']:+.2f}%)")
+        t.add_row(
+            f"perplexity ({a['tokens']} tokens)",
+            f"{a['perplexity_bf16']:.3f}",
+            f"{a['perplexity_fp8']:.3f}",
+            f"{a['perplexity_delta']:+.3f} ({a['perplexity_delta_pct']:+.2f}%)",
+        )
         t.add_row("mean KL(bf16 || fp8)", "", "", f"{a['mean_kl']:.5f} nats")
         t.add_row("top-1 agreement", "", "", f"{100 * a['top1_agreement']:.2f}%")
     elif r["kind"] == "diffusion-step":
-        t.add_row(f"one denoising step ({a['elements']} outputs)", "", "", f"relative error {a['rel_error']:.5f}, cosine {a['cosine']:.6f}")
+        t.add_row(
+            f"one denoising step ({a['elements']} outputs)",
+            "",
+            "",
+            f"relative error {a['rel_error']:.5f}, cosine {a['cosine']:.6f}",
+        )
         t.add_row("max |error| (mean |BF16 output|)", "", "", f"{a['max_abs_error']:.5f} ({a['ref_abs_mean']:.5f})")
     else:
-        t.add_row(f"embedding cosine ({a['sentences']} sentences)", "", "", f"mean {a['cosine_mean']:.5f}, min {a['cosine_min']:.5f}")
+        t.add_row(
+            f"embedding cosine ({a['sentences']} sentences)",
+            "",
+            "",
+            f"mean {a['cosine_mean']:.5f}, min {a['cosine_min']:.5f}",
+        )
     wb = r["weight_bytes"]
     t.add_row("weights in memory", human(wb["bf16"]), human(wb["fp8"]), f"{wb['fp8'] / wb['bf16']:.3f}x")
     lat = r.get("latency")
     if lat:
         b, f = lat["bf16"], lat["fp8"]
         if "step" in b:  # a diffusion transformer: one denoising step
-            t.add_row(f"denoising step ({r['settings']['image_tokens']} image tokens), median (p95) ms",
-                      f"{b['step']['median_ms']:.2f} ({b['step']['p95_ms']:.2f})", f"{f['step']['median_ms']:.2f} ({f['step']['p95_ms']:.2f})",
-                      speed(r['verdict']['step']))
+            t.add_row(
+                f"denoising step ({r['settings']['image_tokens']} image tokens), median (p95) ms",
+                f"{b['step']['median_ms']:.2f} ({b['step']['p95_ms']:.2f})",
+                f"{f['step']['median_ms']:.2f} ({f['step']['p95_ms']:.2f})",
+                speed(r["verdict"]["step"]),
+            )
         else:
-            t.add_row(f"prefill {b['prefill']['tokens']} tok, median (p95) ms", f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
-                      f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})", speed(r['verdict']['prefill']))
+            t.add_row(
+                f"prefill {b['prefill']['tokens']} tok, median (p95) ms",
+                f"{b['prefill']['median_ms']:.2f} ({b['prefill']['p95_ms']:.2f})",
+                f"{f['prefill']['median_ms']:.2f} ({f['prefill']['p95_ms']:.2f})",
+                speed(r["verdict"]["prefill"]),
+            )
         if "decode" in b:
-            t.add_row(f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
-                      f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})", f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
-                      speed(r['verdict']['decode']))
+            t.add_row(
+                f"decode tokens/s (median; p95 ms/token){' compiled' if r['settings']['compile'] else ''}",
+                f"{b['decode']['tokens_per_s']:.1f} ({b['decode']['p95_ms']:.2f})",
+                f"{f['decode']['tokens_per_s']:.1f} ({f['decode']['p95_ms']:.2f})",
+                speed(r["verdict"]["decode"]),
+            )
         if b.get("peak_memory_bytes") is not None:
-            t.add_row("peak device memory", human(b["peak_memory_bytes"]), human(f["peak_memory_bytes"]),
-                      f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x")
+            t.add_row(
+                "peak device memory",
+                human(b["peak_memory_bytes"]),
+                human(f["peak_memory_bytes"]),
+                f"{f['peak_memory_bytes'] / b['peak_memory_bytes']:.3f}x",
+            )
     out.print(t)
     st = r.get("settings") or {}
     if st.get("defaults") == "cpu":
-        lat_note = (f"; latency: prefill {st['prefill_len']} tokens, decode {st['decode_tokens']}, {st['rounds']} "
-                    f"rounds of {st['repeats']}"
-                    if st.get("latency") else "")
-        out.print(f"note: CPU's quick defaults: {st['max_samples']} accuracy samples of {st['seq_len']} tokens{lat_note} "
-                  "(--full: 8 of 512, prefill 512, decode 32, 3 rounds of 3)")
+        lat_note = (
+            f"; latency: prefill {st['prefill_len']} tokens, decode {st['decode_tokens']}, {st['rounds']} "
+            f"rounds of {st['repeats']}"
+            if st.get("latency")
+            else ""
+        )
+        out.print(
+            f"note: CPU's quick defaults: {st['max_samples']} accuracy samples of {st['seq_len']} tokens{lat_note} "
+            "(--full: 8 of 512, prefill 512, decode 32, 3 rounds of 3)"
+        )
     for d in r.get("dequantized_at_load") or []:
         out.print(f"note: {d}")
     if held_note := (r.get("weights_held") or {}).get("note"):
         out.print(f"note: {held_note}")
     if (ar := a.get("activations_rounded")) and ar["rounded"] < ar["layers"]:
-        out.print(f"note: the accuracy pass ({ar['rows']} tokens a forward) ran {ar['layers'] - ar['rounded']} of "
-                  f"{ar['layers']} FP8 layers with BF16 activations ({', '.join(ar['bf16_activation_kernels'])}, as "
-                  "the kernel policy chose): weight-only arithmetic there, so these figures leave out part of the "
-                  "scheme's activation rounding (--explain lists the kernels)")
+        out.print(
+            f"note: the accuracy pass ({ar['rows']} tokens a forward) ran {ar['layers'] - ar['rounded']} of "
+            f"{ar['layers']} FP8 layers with BF16 activations ({', '.join(ar['bf16_activation_kernels'])}, as "
+            "the kernel policy chose): weight-only arithmetic there, so these figures leave out part of the "
+            "scheme's activation rounding (--explain lists the kernels)"
+        )
     if explain:
         kernels(r["kernels"])
     if r.get("recorded"):
@@ -258,13 +365,31 @@ def apple_runtimes(r: dict) -> None:
             if "error" in row:
                 t.add_row(row["engine"], "", "", "", "", f"[red]{shown(row['error'])}[/]")
                 continue
-            ratio = row.get("decode_vs_pytorch_cpu", row.get("decode_vs_pytorch_mps", row.get("speedup_vs_pytorch_mps")))
-            acc = (f"prefill top-1 {row['prefill_top1']:.1%}, decode top-1 {row['decode_top1']:.1%}" if "prefill_top1" in row
-                   else f"cosine {row['cosine_min']:.5f}" if "cosine_min" in row else "")
-            dec = (f"{row['decode_median_ms']:.2f} ({row['decode_p95_ms']:.2f})" if "decode_median_ms" in row
-                   else f"{row['latency_ms']:.2f}" if "latency_ms" in row else "")
-            t.add_row(row["engine"], f"{row['prefill_ms']:.1f}" if "prefill_ms" in row else "", dec,
-                      f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "", f"{ratio:.3f}x" if ratio else "", acc)
+            ratio = row.get(
+                "decode_vs_pytorch_cpu", row.get("decode_vs_pytorch_mps", row.get("speedup_vs_pytorch_mps"))
+            )
+            acc = (
+                f"prefill top-1 {row['prefill_top1']:.1%}, decode top-1 {row['decode_top1']:.1%}"
+                if "prefill_top1" in row
+                else f"cosine {row['cosine_min']:.5f}"
+                if "cosine_min" in row
+                else ""
+            )
+            dec = (
+                f"{row['decode_median_ms']:.2f} ({row['decode_p95_ms']:.2f})"
+                if "decode_median_ms" in row
+                else f"{row['latency_ms']:.2f}"
+                if "latency_ms" in row
+                else ""
+            )
+            t.add_row(
+                row["engine"],
+                f"{row['prefill_ms']:.1f}" if "prefill_ms" in row else "",
+                dec,
+                f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "",
+                f"{ratio:.3f}x" if ratio else "",
+                acc,
+            )
         out.print(t)
         result(f"  same prompt for every row: {rt.get('inputs', '')}")
 
@@ -283,8 +408,11 @@ def kernels(decisions: list) -> None:
         ok = sorted((v, k) for k, v in d["timings_us"].items() if not isinstance(v, str))
         bad = [f"{k} ({v})" for k, v in d["timings_us"].items() if isinstance(v, str)]
         measured = " | ".join(f"{k} {v:.1f}" for v, k in ok) + (f"; cannot run: {', '.join(bad)}" if bad else "")
-        out.print(f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m'] or 'any'}: "
-                  f"[bold]{d['choice']}[/] \\[{d['source']}]" + (f"  {measured}" if measured else ""), highlight=False)
+        out.print(
+            f"  {d['shape'][0]}x{d['shape'][1]} ({d['layers']} layers) {d['bucket']} M={d['m'] or 'any'}: "
+            f"[bold]{d['choice']}[/] \\[{d['source']}]" + (f"  {measured}" if measured else ""),
+            highlight=False,
+        )
         if d["note"]:
             notes.setdefault(d["note"], []).append(f"{d['shape'][0]}x{d['shape'][1]} {d['bucket']}")
     for note_, where in notes.items():
@@ -304,16 +432,34 @@ def decoder_check(title: str, ev: dict) -> None:
     def mark(ok: bool, need: float) -> str:
         return ("ok" if ok else "[red]FAILED[/]") + f" (>= {need:.0%})"
 
-    t.add_row(f"prefill, {ev['prompt_len']} tokens", str(p["positions"]), f"{p['top1_agreement']:.1%}", f"{p['cosine_min']:.6f}",
-              mark(p["top1_agreement"] >= th["prefill_top1"] and p["cosine_min"] >= th["cosine"], th["prefill_top1"]))
-    t.add_row(f"teacher-forced decode, {ev['steps']} steps", str(d["positions"]), f"{d['top1_agreement']:.1%}", f"{d['cosine_min']:.6f}",
-              mark(d["top1_agreement"] >= th["decode_top1"] and d["cosine_min"] >= th["cosine"], th["decode_top1"]))
-    t.add_row(f"greedy generation, {len(g['tokens'])} tokens", str(len(g["tokens"])), f"{g['agreeing_prefix']}/{len(g['tokens'])} same", "",
-              "same tokens as PyTorch" if g["agree"] else f"diverges at token {g['agreeing_prefix'] + 1}")
+    t.add_row(
+        f"prefill, {ev['prompt_len']} tokens",
+        str(p["positions"]),
+        f"{p['top1_agreement']:.1%}",
+        f"{p['cosine_min']:.6f}",
+        mark(p["top1_agreement"] >= th["prefill_top1"] and p["cosine_min"] >= th["cosine"], th["prefill_top1"]),
+    )
+    t.add_row(
+        f"teacher-forced decode, {ev['steps']} steps",
+        str(d["positions"]),
+        f"{d['top1_agreement']:.1%}",
+        f"{d['cosine_min']:.6f}",
+        mark(d["top1_agreement"] >= th["decode_top1"] and d["cosine_min"] >= th["cosine"], th["decode_top1"]),
+    )
+    t.add_row(
+        f"greedy generation, {len(g['tokens'])} tokens",
+        str(len(g["tokens"])),
+        f"{g['agreeing_prefix']}/{len(g['tokens'])} same",
+        "",
+        "same tokens as PyTorch" if g["agree"] else f"diverges at token {g['agreeing_prefix'] + 1}",
+    )
     out.print(t)
     result(f"  {ev['inputs']}; vs {ev['reference']}")
-    out.print(f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median "
-              f"{ev['decode_step_ms']['median']:.1f} ms", highlight=False)
+    out.print(
+        f"  [bold]{ev.get('evaluator') or ev.get('runtime')}[/]; decode step median "
+        f"{ev['decode_step_ms']['median']:.1f} ms",
+        highlight=False,
+    )
 
 
 def export_result(res, as_json: bool) -> None:
@@ -358,11 +504,20 @@ def generation(res, as_json: bool, turn: bool = False) -> None:
     s = res.stats
     out.print("")
     gen = f"{s.generation_tps:.1f} tokens/s" if s.generation_tps is not None else "n/a (one token)"
-    stopped = " (stopped: end of sequence)" if s.stop == "eos" else " (stopped: the cache is full)" if s.stop == "cache_full" else ""
+    stopped = (
+        " (stopped: end of sequence)"
+        if s.stop == "eos"
+        else " (stopped: the cache is full)"
+        if s.stop == "cache_full"
+        else ""
+    )
     if turn:
         compiled = f", decode setup {s.compile_seconds:.1f} s" if s.compile_seconds is not None else ""
-        console.print(f"[dim]\\[prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tokens/s, {s.generated_tokens} "
-                      f"generated at {gen}{compiled}{stopped}][/]", highlight=False)
+        console.print(
+            f"[dim]\\[prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tokens/s, {s.generated_tokens} "
+            f"generated at {gen}{compiled}{stopped}][/]",
+            highlight=False,
+        )
         return
     note("=" * 10)
     note(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s")
@@ -371,11 +526,14 @@ def generation(res, as_json: bool, turn: bool = False) -> None:
     if d and d.get("fallback"):
         note(f"decode: {d['path']} (asked: {d['asked']}; {d['fallback']})")
     if s.compile_seconds is not None:
-        how = {"graph": "the eager step captured as a CUDA graph", "compile": "torch.compile's CUDA graph"}.get((d or {}).get("asked"),
-                                                                                                              "the decode step set up")
+        how = {"graph": "the eager step captured as a CUDA graph", "compile": "torch.compile's CUDA graph"}.get(
+            (d or {}).get("asked"), "the decode step set up"
+        )
         note(f"decode setup: {s.compile_seconds:.1f} s ({how}; not in the rates above; --decode eager: none)")
-    note(f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'}, "
-         f"{s.peak_memory_source}")
+    note(
+        f"peak memory: {human(s.peak_memory_bytes) if s.peak_memory_bytes is not None else 'n/a'}, "
+        f"{s.peak_memory_source}"
+    )
     note(f"backend: {s.backend} on {s.device}")
 
 
@@ -383,5 +541,7 @@ def uploaded(res, as_json: bool) -> None:
     if as_json:
         print_json(res.as_dict())
         return
-    result(f"uploaded {len(res.files)} files to {res.url} ({'private' if res.private else 'public'} repo, revision "
-           f"{res.revision}, commit {(res.commit or '?')[:12]}): {res.commit_message}")
+    result(
+        f"uploaded {len(res.files)} files to {res.url} ({'private' if res.private else 'public'} repo, revision "
+        f"{res.revision}, commit {(res.commit or '?')[:12]}): {res.commit_message}"
+    )

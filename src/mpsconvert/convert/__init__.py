@@ -21,7 +21,7 @@ _SIZE_UNITS = (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("
 
 
 def shard_size_bytes(size: int | str) -> int:
-    """"1GB" / "500MB" / "2GiB" / bytes -> bytes, as transformers' `save_pretrained(max_shard_size=)`
+    """ "1GB" / "500MB" / "2GiB" / bytes -> bytes, as transformers' `save_pretrained(max_shard_size=)`
     reads it (`convert_file_size_to_int`: a lower-case final "b" means bits; the same table is
     checked against it in tests/test_plan_child.py). Written here because importing transformers
     for it costs 3 s on the H100 host, which a conversion whose plan is built by a child process

@@ -14,17 +14,17 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..infra import atomic
 from ..format import fp8
-from ..manifests import card, engines
 from ..format.ct_config import quantization_config
+from ..infra import atomic
+from ..manifests import card, engines
 from ..manifests.hashing import sha256_file
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME
 from ..manifests.manifest import Manifest
 from ..manifests.records import Experts
 from ..manifests.transaction import finish
-from ..source.snapshot import Snapshot
 from ..model.plan import Plan
+from ..source.snapshot import Snapshot
 
 
 @dataclass
@@ -50,8 +50,10 @@ def write_index(shards: Shards, tmp: Path, rel: str, files: dict) -> None:
     """The weights' index (`rel` inside `tmp`: total size, tensor -> file) when they are in more
     than one file, recorded in `files`."""
     if len(shards.files) > 1:
-        index = {"metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
-                 "weight_map": dict(sorted(shards.weight_map.items()))}
+        index = {
+            "metadata": {"total_size": sum(f["size"] for f in shards.files.values())},
+            "weight_map": dict(sorted(shards.weight_map.items())),
+        }
         atomic.write_text(tmp / rel, json.dumps(index, indent=2) + "\n")
         _record_file(files, tmp, rel)
 
@@ -100,9 +102,14 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: 
     if scheme.block:  # which merged layers vLLM would refuse: the card and inspect say it (manifests/engines.py)
         manifest.put(engines.vllm_block_check(manifest.tensors, scheme.block))
     if plan.expert_layout:
-        manifest.put(Experts(experts_layout=opts.experts_layout, experts={n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
-                             scales="per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
-                             "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]"))
+        manifest.put(
+            Experts(
+                experts_layout=opts.experts_layout,
+                experts={n: ep.as_dict() for n, ep in sorted(plan.expert_layout.items())},
+                scales="per-expert tensors: like Linear (<m>.weight_scale [N,1]|[1], <m>.input_scale [1]); "
+                "fused: <p>_scale [E,N,1]|[E,1,1], <p>_input_scale [E]",
+            )
+        )
     # How the shards reached the disk (O_DIRECT or the page cache, and why): it depends on the
     # filesystem, not on the inputs, so it lives in the block that differs between runs.
     manifest.created["shard_writes"] = ", ".join(sorted(shards.write_modes))
@@ -110,8 +117,13 @@ def assemble(tmp: Path, snap: Snapshot, plan: Plan, opts, shards: Shards, name: 
         manifest.created["plan"] = shards.plan_source
     manifest.summary = summarize(manifest, plan, shards.bytes_in, shards.bytes_out)
     src_card = snap.path / card.CARD_NAME
-    finish(tmp, manifest, name, src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None,
-           seal=True)
+    finish(
+        tmp,
+        manifest,
+        name,
+        src_card.read_text(encoding="utf-8", errors="replace") if src_card.is_file() else None,
+        seal=True,
+    )
     return manifest
 
 
@@ -148,6 +160,8 @@ def subnormal_warnings(tensors: dict) -> list[str]:
     for name, rec in tensors.items():
         amax, tiny = rec.get("amax"), _NORMAL_MIN.get(rec.get("source_dtype"))
         if isinstance(amax, (int, float)) and tiny and 0 < amax < tiny:
-            out.append(f"{name}: every value is subnormal in {rec['source_dtype']} (max |w| {amax:.3g}); is the "
-                       "checkpoint broken?")
+            out.append(
+                f"{name}: every value is subnormal in {rec['source_dtype']} (max |w| {amax:.3g}); is the "
+                "checkpoint broken?"
+            )
     return out

@@ -18,23 +18,23 @@ Needs the `gguf` extra (gguf; and accelerate, which transformers >= 5.24 needs t
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import re
 import struct
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..infra import atomic, tempdirs
 from ..errors import MpsconvertError, SourceError
+from ..infra import atomic, tempdirs
 from ..infra.extras import require
 from ..infra.filesystem import cache_dir
 from ..infra.progress import Progress, or_silent
-from ..source.snapshot import Snapshot, resolve
 from ..infra.untrusted import bounded, check_model_config, open_regular, printable
+from ..source.snapshot import Snapshot, resolve
 
 # The dtype the GGUF is unpacked to when quantize gets no --dtype: what validate's baseline runs in.
 DEFAULT_DTYPE = "bfloat16"
@@ -86,7 +86,9 @@ def read_header(path: Path) -> _Header:
     fd = open_regular(path, what=str(path), error=SourceError, fix=_BAD_GGUF)
     with os.fdopen(fd, "rb") as f:
         if os.fstat(f.fileno()).st_size < 24:
-            raise SourceError(f"{name} is not a GGUF file mpsconvert reads: {os.fstat(f.fileno()).st_size} bytes long", _BAD_GGUF)
+            raise SourceError(
+                f"{name} is not a GGUF file mpsconvert reads: {os.fstat(f.fileno()).st_size} bytes long", _BAD_GGUF
+            )
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:  # only the header's pages are read
             return _walk(name, buf)
 
@@ -101,7 +103,7 @@ def _walk(name: str, buf) -> _Header:
         nonlocal pos
         if n < 0 or pos + n > len(buf):
             raise bad(f"its header runs past the end of the file (at byte {pos}, {n} more)")
-        out = buf[pos:pos + n]
+        out = buf[pos : pos + n]
         pos += n
         return out
 
@@ -152,13 +154,24 @@ def _walk(name: str, buf) -> _Header:
     for _ in range(n_tensors):
         tname = string("a tensor name")
         dims = unpack("<I")
-        bounded(dims, "GGUF dimensions", what=f"{name}: the dimensions of {printable(tname)[:80]}", error=SourceError, fix=_BAD_GGUF)
+        bounded(
+            dims,
+            "GGUF dimensions",
+            what=f"{name}: the dimensions of {printable(tname)[:80]}",
+            error=SourceError,
+            fix=_BAD_GGUF,
+        )
         shape = tuple(unpack("<Q") for _ in range(dims))
         elements = 1
         for d in shape:
             elements *= d
-        bounded(elements, "GGUF tensor elements", what=f"{name}: the elements of {printable(tname)[:80]} {list(shape)}",
-                error=SourceError, fix=_BAD_GGUF)
+        bounded(
+            elements,
+            "GGUF tensor elements",
+            what=f"{name}: the elements of {printable(tname)[:80]} {list(shape)}",
+            error=SourceError,
+            fix=_BAD_GGUF,
+        )
         unpack("<I")
         unpack("<Q")
         head.tensors[tname] = shape
@@ -170,9 +183,18 @@ class _Length(int):
 
 
 # GGUF metadata (`<arch>.<key>`) -> the limit it falls under: what transformers builds the model's config from
-_SIZES = {"block_count": "layers", "embedding_length": "hidden size", "feed_forward_length": "intermediate size",
-          "attention.head_count": "attention heads", "attention.head_count_kv": "attention heads", "context_length": "positions",
-          "vocab_size": "vocabulary", "expert_count": "experts", "attention.key_length": "head dim", "attention.value_length": "head dim"}
+_SIZES = {
+    "block_count": "layers",
+    "embedding_length": "hidden size",
+    "feed_forward_length": "intermediate size",
+    "attention.head_count": "attention heads",
+    "attention.head_count_kv": "attention heads",
+    "context_length": "positions",
+    "vocab_size": "vocabulary",
+    "expert_count": "experts",
+    "attention.key_length": "head dim",
+    "attention.value_length": "head dim",
+}
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -194,28 +216,46 @@ def check_header(path: Path) -> _Header:
     for key, limit in _SIZES.items():
         v = head.fields.get(f"{arch}.{key}")
         if v is not None:
-            bounded(int(v) if isinstance(v, int) and not isinstance(v, bool) else v, limit, what=f"{name}: {arch}.{key}",
-                    error=SourceError, fix=_BAD_GGUF)
+            bounded(
+                int(v) if isinstance(v, int) and not isinstance(v, bool) else v,
+                limit,
+                what=f"{name}: {arch}.{key}",
+                error=SourceError,
+                fix=_BAD_GGUF,
+            )
     tokens = head.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        bounded(int(tokens), "vocabulary", what=f"{name}: tokenizer.ggml.tokens' length", error=SourceError, fix=_BAD_GGUF)
+        bounded(
+            int(tokens), "vocabulary", what=f"{name}: tokenizer.ggml.tokens' length", error=SourceError, fix=_BAD_GGUF
+        )
     for key in ("block_count", "embedding_length"):
         if not isinstance(head.fields.get(f"{arch}.{key}"), int):
-            raise SourceError(f"{name} does not say its {arch}.{key}; without it transformers would build a default-size model",
-                              _BAD_GGUF)
+            raise SourceError(
+                f"{name} does not say its {arch}.{key}; without it transformers would build a default-size model",
+                _BAD_GGUF,
+            )
     layers = int(head.fields[f"{arch}.block_count"])
     blocks = {int(m.group(1)) for t in head.tensors if (m := _BLOCK.match(t))}
     if blocks != set(range(layers)):
         missing = sorted(set(range(layers)) - blocks)
-        raise SourceError(f"{name} says {layers} blocks but holds tensors of "
-                          + (f"no block {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") if missing
-                             else f"block {max(blocks - set(range(layers)))}"), _BAD_GGUF)
+        raise SourceError(
+            f"{name} says {layers} blocks but holds tensors of "
+            + (
+                f"no block {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                if missing
+                else f"block {max(blocks - set(range(layers)))}"
+            ),
+            _BAD_GGUF,
+        )
     emb = head.tensors.get("token_embd.weight")
     if emb is None:
         raise SourceError(f"{name} holds no token_embd.weight (the token embedding)", _BAD_GGUF)
     if emb[0] != head.fields[f"{arch}.embedding_length"]:
-        raise SourceError(f"{name}: token_embd.weight is {emb[0]} wide but {arch}.embedding_length says "
-                          f"{head.fields[f'{arch}.embedding_length']}", _BAD_GGUF)
+        raise SourceError(
+            f"{name}: token_embd.weight is {emb[0]} wide but {arch}.embedding_length says "
+            f"{head.fields[f'{arch}.embedding_length']}",
+            _BAD_GGUF,
+        )
     return head
 
 
@@ -233,9 +273,11 @@ def describe(path: Path) -> dict:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # an untrusted file: whatever the reader trips on is a bad input, said in one line
-        raise SourceError(f"{path} is not a GGUF file gguf can read ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:120] if str(e) else ''})",
-                          "check the file (a complete download?), or pass a model folder") from e
+        raise SourceError(
+            f"{path} is not a GGUF file gguf can read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120] if str(e) else ''})",
+            "check the file (a complete download?), or pass a model folder",
+        ) from e
     types = Counter(t.tensor_type.name for t in reader.tensors)
     bits = {}
     for t in {t.tensor_type for t in reader.tensors}:
@@ -305,17 +347,29 @@ def _unpack(path: Path, folder: Path, dtype: str) -> str:
     try:
         config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         check_model_config(config.to_dict(), what=f"the config of {path.name}", error=SourceError, fix=_BAD_GGUF)
-        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype,
-                                                                         device_map="cpu", output_loading_info=True, **kw)
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch_dtype, device_map="cpu", output_loading_info=True, **kw
+        )
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (ValueError, KeyError, NotImplementedError, OSError, RuntimeError) as e:  # an architecture or type transformers cannot read
-        raise SourceError(f"transformers {transformers.__version__} cannot load {path.name}: "
-                          f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
-                          "use the model's safetensors repo or folder instead, or a transformers version that reads this GGUF") from e
+    except (
+        ValueError,
+        KeyError,
+        NotImplementedError,
+        OSError,
+        RuntimeError,
+    ) as e:  # an architecture or type transformers cannot read
+        raise SourceError(
+            f"transformers {transformers.__version__} cannot load {path.name}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
+            "use the model's safetensors repo or folder instead, or a transformers version that reads this GGUF",
+        ) from e
     holes = sorted(info.get("missing_keys") or []) + sorted(k for k, *_ in info.get("mismatched_keys") or [])
     if holes:  # transformers filled them with its random init: a model that is not the file's
-        raise SourceError(f"{path.name} does not hold {len(holes)} tensor(s) of {type(loaded).__name__} (e.g. {holes[0]}), "
-                          "which would be random weights", _BAD_GGUF)
+        raise SourceError(
+            f"{path.name} does not hold {len(holes)} tensor(s) of {type(loaded).__name__} (e.g. {holes[0]}), "
+            "which would be random weights",
+            _BAD_GGUF,
+        )
     config = loaded.config
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # dequantized on load: a plain model now
@@ -347,8 +401,11 @@ def _listing(folder: Path) -> dict[str, dict]:
     """Every file of a baseline folder (the record and atomic's marker left out): name -> sha256, size."""
     from ..manifests.hashing import sha256_file
 
-    return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(folder.iterdir())
-            if p.name != RECORD and not p.name.startswith(atomic.TMP_PREFIX)}
+    return {
+        p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+        for p in sorted(folder.iterdir())
+        if p.name != RECORD and not p.name.startswith(atomic.TMP_PREFIX)
+    }
 
 
 def stale(folder: Path, digest: str) -> str | None:
@@ -393,7 +450,13 @@ def cached_baseline(path: Path, digest: str, progress: Progress | None = None) -
         raise atomic.os_error(e, target.parent) from e
     with atomic.output_dir(target, force=True, is_ours=lambda p: (p / RECORD).is_file()) as tmp:
         how = _unpack(path, tmp, DEFAULT_DTYPE)
-        record = {"gguf": path.name, "gguf_sha256": digest, "dtype": DEFAULT_DTYPE, "unpacked": how, "files": _listing(tmp)}
+        record = {
+            "gguf": path.name,
+            "gguf_sha256": digest,
+            "dtype": DEFAULT_DTYPE,
+            "unpacked": how,
+            "files": _listing(tmp),
+        }
         atomic.write_text(tmp / RECORD, json.dumps(record, indent=2))
     progress("bf16 baseline", 1, 1, f"built ({target})")
     return target
@@ -426,7 +489,9 @@ class GGUFBaseline:
 
 
 @contextlib.contextmanager
-def validation_baseline(artifact: Path, baseline: str | None, progress: Progress | None = None) -> Iterator[GGUFBaseline | None]:
+def validation_baseline(
+    artifact: Path, baseline: str | None, progress: Progress | None = None
+) -> Iterator[GGUFBaseline | None]:
     """validate's baseline of an artifact quantized from a GGUF file: that file, dequantized to
     BF16 as quantize dequantizes it, built once and kept in the user's cache (`cached_baseline`;
     a temporary folder for the block where the cache cannot be written). Yields None when the source is
@@ -449,10 +514,17 @@ def validation_baseline(artifact: Path, baseline: str | None, progress: Progress
     path = Path(str(m.source.get("path")))
     want = (m.source.get("files") or {}).get(path.name)
     if not path.is_file():
-        raise SourceError(f"the GGUF this artifact was made from ({path}) is not here", "pass `baseline=<the GGUF's model folder or hub id>`")
+        raise SourceError(
+            f"the GGUF this artifact was made from ({path}) is not here",
+            "pass `baseline=<the GGUF's model folder or hub id>`",
+        )
     digest = sha256_file(path)
     if want and digest != want:
-        raise SourceError(f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
-                          "pass `baseline=<the source model>`, or restore that file")
-    with _baseline(path, digest, progress) as folder:  # validate's baseline runs in bfloat16 whatever quantize unpacked to
+        raise SourceError(
+            f"{path} is not the GGUF this artifact was made from (its sha256 differs from the manifest's)",
+            "pass `baseline=<the source model>`, or restore that file",
+        )
+    with _baseline(
+        path, digest, progress
+    ) as folder:  # validate's baseline runs in bfloat16 whatever quantize unpacked to
         yield GGUFBaseline(folder, f"{path} ({g.unpacked or 'dequantized'})")

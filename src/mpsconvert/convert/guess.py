@@ -23,7 +23,9 @@ RULES = {"llama": _LINEARS, "mistral": _LINEARS, "qwen2": _LINEARS, "qwen3": _LI
 def guess(config: dict, headers: dict, ignore: list[str]) -> dict[str, str] | None:
     """tensor name -> module for the weights the plan will quantize, or None where this
     architecture has no rule (then the conversion waits for the real plan)."""
-    from ..model.plan import matches  # imports torch: not at the top, which plan_child.start_early reads before torch is imported
+    from ..model.plan import (
+        matches,  # imports torch: not at the top, which plan_child.start_early reads before torch is imported
+    )
 
     rule = RULES.get(config.get("model_type"))
     if rule is None:

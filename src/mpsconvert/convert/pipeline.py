@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..infra import atomic, output_rule
-from ..source import snapshot as sources
 from ..errors import MpsconvertError
-from ..manifests import layout
-from ..manifests.manifest import Manifest
-from ..manifests import engines
-from ..manifests.records import GGUFSource, VLLMBlock
 from ..format.schemes import Scheme
+from ..infra import atomic, output_rule
 from ..infra.progress import Progress
+from ..manifests import engines, layout
+from ..manifests.manifest import Manifest
+from ..manifests.records import GGUFSource, VLLMBlock
+from ..source import snapshot as sources
 
 # (input scales, the calibration's record, what the calibration returned for the caller to show,
 # or None when the scales were read from a file)
@@ -74,13 +73,15 @@ class Run:
 
             self.snap = self.claimed.enter_context(unpacked(self.gguf_file, s["dtype"]))
         elif self.snap is None:
-            self.snap = sources.resolve(str(self.source), revision=s["revision"], token=s["token"], diffusion=True,
-                                        component=s["component"])
+            self.snap = sources.resolve(
+                str(self.source), revision=s["revision"], token=s["token"], diffusion=True, component=s["component"]
+            )
             if self.output_for(self.snap, self.snap.repo_id) != self.out:
                 self.out = self.output_for(self.snap, self.snap.repo_id)
                 self.claimed.enter_context(atomic.claim(self.out))
-                output_rule.check_replaceable(self.out, force=s["force"], delete_unlisted=s["delete_unlisted"],
-                                         **layout.OUTPUT_RULES)
+                output_rule.check_replaceable(
+                    self.out, force=s["force"], delete_unlisted=s["delete_unlisted"], **layout.OUTPUT_RULES
+                )
         self.diffusion = self.snap.diffusion is not None or s["format"] is not None
         if not self.diffusion and self.snap.fp8 is not None and s["scheme"] is None and s["weights"] is None:
             self.sch = self.snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
@@ -104,8 +105,11 @@ class Run:
     @property
     def needs_scales(self) -> bool:
         """The scheme needs static input scales and the source brings none (a static FP8 source does)."""
-        return (not self.diffusion and self.sch.needs_calibration
-                and not (self.snap.fp8 is not None and self.sch == self.snap.fp8.scheme))
+        return (
+            not self.diffusion
+            and self.sch.needs_calibration
+            and not (self.snap.fp8 is not None and self.sch == self.snap.fp8.scheme)
+        )
 
     def write(self, scales: Scales | None = None) -> Converted:
         """The conversion itself: `scales` (see Scales) when `needs_scales`."""
@@ -113,16 +117,36 @@ class Run:
         if self.diffusion:
             from .diffusion.quantize_diffusion import quantize_source
 
-            llm_only = {"`scheme`": s["scheme"], "`weights`": s["weights"], **s["calibration_given"],
-                        "`dtype`": s["dtype"], "`experts_layout`": s["experts_layout"] != "per-expert",
-                        **{f"`exports={k}`": True for k in s["exports"]}}
-            out, manifest = quantize_source(self.snap, self.out, s["format"], ignore=list(s["ignore"]), force=s["force"],
-                                            max_shard_size=self.shard_bytes, llm_only=llm_only, progress=s["progress"],
-                                            delete_unlisted=s["delete_unlisted"])
+            llm_only = {
+                "`scheme`": s["scheme"],
+                "`weights`": s["weights"],
+                **s["calibration_given"],
+                "`dtype`": s["dtype"],
+                "`experts_layout`": s["experts_layout"] != "per-expert",
+                **{f"`exports={k}`": True for k in s["exports"]},
+            }
+            out, manifest = quantize_source(
+                self.snap,
+                self.out,
+                s["format"],
+                ignore=list(s["ignore"]),
+                force=s["force"],
+                max_shard_size=self.shard_bytes,
+                llm_only=llm_only,
+                progress=s["progress"],
+                delete_unlisted=s["delete_unlisted"],
+            )
             return Converted(out, manifest)
         try:
-            return _convert_with(self.snap, self.out, self.sch, self.child, scales, shard_bytes=self.shard_bytes,
-                                 **{k: s[k] for k in _CONVERT})
+            return _convert_with(
+                self.snap,
+                self.out,
+                self.sch,
+                self.child,
+                scales,
+                shard_bytes=self.shard_bytes,
+                **{k: s[k] for k in _CONVERT},
+            )
         finally:
             if self.child is not None:
                 self.child.kill()
@@ -132,48 +156,96 @@ _CONVERT = ("ignore", "trust_remote_code", "experts_layout", "force", "delete_un
 
 
 @contextlib.contextmanager
-def claimed(source: str | Path, output: str | Path | None, *, scheme: str | None, weights: str | None, block_size: int | None,
-            revision: str | None, token: str | None, ignore, trust_remote_code: bool, experts_layout: str, force: bool,
-            calibration_given: dict[str, bool], dtype: str | None, max_shard_size, format: str | None, component: str | None,
-            exports: tuple[str, ...] = (), delete_unlisted: bool = False, progress: Progress | None = None) -> Iterator[Run]:
+def claimed(
+    source: str | Path,
+    output: str | Path | None,
+    *,
+    scheme: str | None,
+    weights: str | None,
+    block_size: int | None,
+    revision: str | None,
+    token: str | None,
+    ignore,
+    trust_remote_code: bool,
+    experts_layout: str,
+    force: bool,
+    calibration_given: dict[str, bool],
+    dtype: str | None,
+    max_shard_size,
+    format: str | None,
+    component: str | None,
+    exports: tuple[str, ...] = (),
+    delete_unlisted: bool = False,
+    progress: Progress | None = None,
+) -> Iterator[Run]:
     """Check the settings and claim the output of converting `source` (see api.quantize for every
     argument), before any work; the block runs under the claim. `calibration_given` says which of
     calibration data and a scales file were given ({"`data`": bool, "`scales_file`": bool}: only
     the fp8 scheme takes them), `exports` the Apple targets asked for (a diffusion model refuses
     them)."""
     if block_size is not None and weights != "block":
-        raise MpsconvertError(f"`block_size={block_size}` applies to block weights only", "add `weights=block`, or drop `block_size`")
+        raise MpsconvertError(
+            f"`block_size={block_size}` applies to block weights only", "add `weights=block`, or drop `block_size`"
+        )
     sch = Scheme.make(scheme or "fp8-dynamic", weights, block_size)
     if not sch.needs_calibration and any(calibration_given.values()):
-        raise MpsconvertError(f"calibration data and scales only apply to `scheme=fp8` (got `scheme={sch.name}`)", "add `scheme=fp8`, or drop them")
+        raise MpsconvertError(
+            f"calibration data and scales only apply to `scheme=fp8` (got `scheme={sch.name}`)",
+            "add `scheme=fp8`, or drop them",
+        )
     # Where the output goes, and whether it may, before any work: a local folder is read now (a
     # config and an index), a hub id only named.
     path = sources.local_path(str(source))
     if path is not None:
         sources.no_revision(path, revision)  # a GGUF file too: refused before the output is even named
     gguf_file = path if sources.is_gguf(path) else None
-    snap = (sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
-            if path is not None and gguf_file is None else None)
+    snap = (
+        sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
+        if path is not None and gguf_file is None
+        else None
+    )
 
     def output_for(snap, name: str) -> Path:
         """The output folder: -o, or the default name for this source (a diffusion model's own)."""
         if output is not None:
             return Path(output)
         if snap is not None and snap.diffusion is not None:
-            from .diffusion.quantize_diffusion import default_format, default_output as diffusion_output
+            from .diffusion.quantize_diffusion import default_format
+            from .diffusion.quantize_diffusion import default_output as diffusion_output
 
             return diffusion_output(snap, format or default_format(snap))
-        own = snap.fp8.scheme if snap is not None and snap.fp8 is not None and scheme is None and weights is None else sch
+        own = (
+            snap.fp8.scheme if snap is not None and snap.fp8 is not None and scheme is None and weights is None else sch
+        )
         return default_output(name, own.name)
 
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
-    settings = dict(scheme=scheme, weights=weights, revision=revision, token=token, ignore=ignore, trust_remote_code=trust_remote_code,
-                    experts_layout=experts_layout, force=force, calibration_given=calibration_given, dtype=dtype, format=format,
-                    component=component, exports=exports, delete_unlisted=delete_unlisted, progress=progress)
+    settings = dict(
+        scheme=scheme,
+        weights=weights,
+        revision=revision,
+        token=token,
+        ignore=ignore,
+        trust_remote_code=trust_remote_code,
+        experts_layout=experts_layout,
+        force=force,
+        calibration_given=calibration_given,
+        dtype=dtype,
+        format=format,
+        component=component,
+        exports=exports,
+        delete_unlisted=delete_unlisted,
+        progress=progress,
+    )
     with contextlib.ExitStack() as stack:
         stack.enter_context(atomic.claim(out))  # every step of the block (exports, upload) runs under this one lock
-        output_rule.check_replaceable(out, force=force, protect=(path,) if path is not None else (), delete_unlisted=delete_unlisted,
-                                 **layout.OUTPUT_RULES)
+        output_rule.check_replaceable(
+            out,
+            force=force,
+            protect=(path,) if path is not None else (),
+            delete_unlisted=delete_unlisted,
+            **layout.OUTPUT_RULES,
+        )
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
         from . import shard_size_bytes
@@ -183,17 +255,41 @@ def claimed(source: str | Path, output: str | Path | None, *, scheme: str | None
         yield run
 
 
-def _convert_with(snap, out: Path, sch: Scheme, child, scales: Scales | None, *, ignore, trust_remote_code, experts_layout, force,
-                  delete_unlisted, dtype, shard_bytes, progress) -> Converted:
+def _convert_with(
+    snap,
+    out: Path,
+    sch: Scheme,
+    child,
+    scales: Scales | None,
+    *,
+    ignore,
+    trust_remote_code,
+    experts_layout,
+    force,
+    delete_unlisted,
+    dtype,
+    shard_bytes,
+    progress,
+) -> Converted:
     """A language model's conversion once its source is resolved, its output claimed and its
     plan started (`child`)."""
     from .quantize import quantize_snapshot
     from .quantize_options import Options
 
-    opts = Options(scheme=sch, ignore=list(ignore), force=force, delete_unlisted=delete_unlisted, trust_remote_code=trust_remote_code,
-                   experts_layout=experts_layout, dtype=dtype, max_shard_size=shard_bytes)
+    opts = Options(
+        scheme=sch,
+        ignore=list(ignore),
+        force=force,
+        delete_unlisted=delete_unlisted,
+        trust_remote_code=trust_remote_code,
+        experts_layout=experts_layout,
+        dtype=dtype,
+        max_shard_size=shard_bytes,
+    )
     cal = None
-    if sch.needs_calibration and not (snap.fp8 is not None and sch == snap.fp8.scheme):  # a static FP8 source brings its scales
+    if sch.needs_calibration and not (
+        snap.fp8 is not None and sch == snap.fp8.scheme
+    ):  # a static FP8 source brings its scales
         opts.input_scales, opts.calibration, cal = scales
         opts.device = opts.calibration.get("device", opts.device)
     manifest = quantize_snapshot(snap, out, opts, progress, child)
@@ -205,9 +301,14 @@ def _convert_with(snap, out: Path, sch: Scheme, child, scales: Scales | None, *,
         done.warnings.append(w)  # the mpsconvert runtime still runs it; vLLM users hear it now, not at `vllm serve`
     if snap.fp8 is not None and sch != snap.fp8.scheme:
         sqnrs = sorted(r["sqnr_db"] for r in manifest.tensors.values() if r.get("sqnr_db") is not None)
-        measured = (f"round-trip SQNR against the source: worst {sqnrs[0]:.1f} dB, median {sqnrs[len(sqnrs) // 2]:.1f} dB"
-                    if sqnrs else "round-trip SQNR: exact")
-        done.warnings.append(f"the source is already FP8 ({snap.fp8.layout}, {snap.fp8.scheme.weights} scales); {sch.name} with "
-                             f"{sch.weights} scales dequantized and re-quantized it, which rounds twice ({measured}); "
-                             "drop --scheme/--weights to keep its codes as they are")
+        measured = (
+            f"round-trip SQNR against the source: worst {sqnrs[0]:.1f} dB, median {sqnrs[len(sqnrs) // 2]:.1f} dB"
+            if sqnrs
+            else "round-trip SQNR: exact"
+        )
+        done.warnings.append(
+            f"the source is already FP8 ({snap.fp8.layout}, {snap.fp8.scheme.weights} scales); {sch.name} with "
+            f"{sch.weights} scales dequantized and re-quantized it, which rounds twice ({measured}); "
+            "drop --scheme/--weights to keep its codes as they are"
+        )
     return done

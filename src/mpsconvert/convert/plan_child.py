@@ -45,7 +45,9 @@ def wanted(snap, scheme, trust_remote_code: bool) -> bool:
 
     if snap.fp8 is not None or snap.diffusion is not None or scheme.needs_calibration or trust_remote_code:
         return False
-    return snap.config.get("model_type") in RULES and worth_it(sum((snap.path / f).stat().st_size for f in snap.weight_files))
+    return snap.config.get("model_type") in RULES and worth_it(
+        sum((snap.path / f).stat().st_size for f in snap.weight_files)
+    )
 
 
 def worth_it(nbytes: int) -> bool:
@@ -57,8 +59,7 @@ class PlanChild(Child):
     """This module run in a child process for the model folder `path` (its weight files `weight_files`)."""
 
     def __init__(self, path: Path, ignore: list[str], weight_files: list[str]):
-        super().__init__(__name__,
-                         {"path": str(path), "ignore": list(ignore), "weight_files": list(weight_files)})
+        super().__init__(__name__, {"path": str(path), "ignore": list(ignore), "weight_files": list(weight_files)})
         self.why_not: str | None = None
 
     def result(self):
@@ -73,8 +74,14 @@ class PlanChild(Child):
         if body["experts"]:
             self.why_not = "the model has fused experts, whose layout needs the model itself"
             return None
-        return Plan(architecture=body["architecture"], quantize={k: tuple(v) for k, v in body["quantize"].items()},
-                    ignored=body["ignored"], skipped=body["skipped"], prefix=body["prefix"], unknown=body.get("unknown", []))
+        return Plan(
+            architecture=body["architecture"],
+            quantize={k: tuple(v) for k, v in body["quantize"].items()},
+            ignored=body["ignored"],
+            skipped=body["skipped"],
+            prefix=body["prefix"],
+            unknown=body.get("unknown", []),
+        )
 
     @property
     def built_by(self) -> str:
@@ -85,14 +92,21 @@ class PlanChild(Child):
 def _main(request: dict) -> dict:
     """In the child: the plan and its shape check (an error is answered; the parent builds the plan
     again and raises it itself)."""
-    from ..model.plan import check_against_model, plan_for
     from ..infra.safetensors_io import read_header
+    from ..model.plan import check_against_model, plan_for
 
     path = Path(request["path"])
     plan = plan_for(path, request["ignore"])
     check_against_model(plan, {f: read_header(path / f) for f in request["weight_files"]})
-    return {"architecture": plan.architecture, "quantize": plan.quantize, "ignored": plan.ignored, "skipped": plan.skipped,
-            "prefix": plan.prefix, "experts": plan.experts, "unknown": plan.unknown}
+    return {
+        "architecture": plan.architecture,
+        "quantize": plan.quantize,
+        "ignored": plan.ignored,
+        "skipped": plan.skipped,
+        "prefix": plan.prefix,
+        "experts": plan.experts,
+        "unknown": plan.unknown,
+    }
 
 
 if __name__ == "__main__":

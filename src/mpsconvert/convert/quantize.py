@@ -27,19 +27,25 @@ from typing import Callable
 import torch
 
 from ..infra import atomic
-from ..manifests import layout
-from ..manifests.manifest import Manifest
+from ..infra.progress import Progress, or_silent
 from ..infra.safetensors_io import DTYPES, BufferPool, ShardReader, read_header
 from ..infra.safetensors_writer import FiniteCheck, ShardWriter
+from ..manifests import layout
+from ..manifests.manifest import Manifest
 from ..source.snapshot import Snapshot
-from ..infra.progress import Progress, or_silent
-from . import guess
+from . import guess, plan_child
 from .assemble import Shards, assemble
-from . import plan_child
 from .quantize_options import Options
 from .quantize_plan import estimate_output_bytes, prepare, source_keys
-from .quantize_tensors import (Shard, convert_copy, copied_dtype, expert_entries, linear_entries, quantize_expert,
-                               quantize_one)
+from .quantize_tensors import (
+    Shard,
+    convert_copy,
+    copied_dtype,
+    expert_entries,
+    linear_entries,
+    quantize_expert,
+    quantize_one,
+)
 
 # Tensors are read, quantized and written in blocks of this size (whole rows): a few of them in
 # flight bound the memory a conversion needs beyond the runtime itself, whatever the model.
@@ -68,8 +74,13 @@ def converting(snap: Snapshot):
         torch.set_num_threads(threads)
 
 
-def quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None = None,
-                      child: plan_child.PlanChild | None = None) -> Manifest:
+def quantize_snapshot(
+    snap: Snapshot,
+    out: Path,
+    opts: Options,
+    progress: Progress | None = None,
+    child: plan_child.PlanChild | None = None,
+) -> Manifest:
     """Write the FP8 artifact of `snap` to `out` (atomically) and return its manifest. `child`:
     the plan's child process where the caller started it early (plan_child.start_early)."""
     children = [child] if child is not None else []  # and the one _quantize_snapshot starts, if it does
@@ -87,7 +98,11 @@ class _GuessDiffers(Exception):
 
 def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progress | None, children: list) -> Manifest:
     headers = {f: read_header(snap.path / f) for f in snap.weight_files}
-    guessed = guess.guess(snap.config, headers, opts.ignore) if plan_child.wanted(snap, opts.scheme, opts.trust_remote_code) else None
+    guessed = (
+        guess.guess(snap.config, headers, opts.ignore)
+        if plan_child.wanted(snap, opts.scheme, opts.trust_remote_code)
+        else None
+    )
     if guessed is None:
         plan, headers, tensor_module, expert_tensors = prepare(snap, opts, headers)
     else:  # the plan is built by a child process (it imports transformers: seconds) while the shards are written
@@ -97,16 +112,33 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
         prepared = _in_background(lambda: prepare(snap, opts, headers, plan=child.result()))
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
-        atomic.output_dir(out, force=opts.force, min_free=estimate_output_bytes(headers, guessed or tensor_module, opts.scheme),
-                          protect=(snap.path,), delete_unlisted=opts.delete_unlisted, **layout.OUTPUT_RULES) as tmp,
+        atomic.output_dir(
+            out,
+            force=opts.force,
+            min_free=estimate_output_bytes(headers, guessed or tensor_module, opts.scheme),
+            protect=(snap.path,),
+            delete_unlisted=opts.delete_unlisted,
+            **layout.OUTPUT_RULES,
+        ) as tmp,
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
-        write = functools.partial(_write_shards, snap, headers, opts=opts, tmp=tmp, pool=pool, workers=workers, syncs=syncs,
-                                  progress=or_silent(progress), consumed=source_keys(snap, opts) if snap.fp8 else set())
+        write = functools.partial(
+            _write_shards,
+            snap,
+            headers,
+            opts=opts,
+            tmp=tmp,
+            pool=pool,
+            workers=workers,
+            syncs=syncs,
+            progress=or_silent(progress),
+            consumed=source_keys(snap, opts) if snap.fp8 else set(),
+        )
         if guessed is None:
             shards = write(tensor_module, expert_tensors)
         else:
+
             def differs() -> None:  # between shards: a plan built by now that disagrees stops the writing
                 if prepared.done() and prepared.result()[2:] != (guessed, {}):
                     raise _GuessDiffers
@@ -115,13 +147,18 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                 shards = write(guessed, {}, between=differs)
                 plan, headers, tensor_module, expert_tensors = prepared.result()
                 differs()
-                shards.plan_source = f"guessed from the tensor names while {child.built_by} read the model definition; the two agreed"
+                shards.plan_source = (
+                    f"guessed from the tensor names while {child.built_by} read the model definition; the two agreed"
+                )
             except _GuessDiffers:
                 plan, headers, tensor_module, expert_tensors = prepared.result()
                 for f in tmp.glob("*.safetensors"):
                     f.unlink()
                 shards = write(tensor_module, expert_tensors)
-                shards.plan_source = f"the model definition, read by {child.built_by} (the guess from the tensor " "names differed: shards written again)"
+                shards.plan_source = (
+                    f"the model definition, read by {child.built_by} (the guess from the tensor "
+                    "names differed: shards written again)"
+                )
         return assemble(tmp, snap, plan, opts, shards, Path(out).absolute().name)
 
 
@@ -139,9 +176,21 @@ def _in_background(fn) -> Future:
     return fut
 
 
-def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_tensors: dict, opts: Options, tmp: Path,
-                  pool: BufferPool, workers: ThreadPoolExecutor, syncs, progress, consumed: set = frozenset(),
-                  shard_names: Callable[[int], list[str]] = layout.shard_names, between: Callable[[], None] = lambda: None) -> Shards:
+def _write_shards(
+    snap: Snapshot,
+    headers: dict,
+    tensor_module: dict,
+    expert_tensors: dict,
+    opts: Options,
+    tmp: Path,
+    pool: BufferPool,
+    workers: ThreadPoolExecutor,
+    syncs,
+    progress,
+    consumed: set = frozenset(),
+    shard_names: Callable[[int], list[str]] = layout.shard_names,
+    between: Callable[[], None] = lambda: None,
+) -> Shards:
     """Stream every source shard into its output shards (more than one where its output would
     exceed `opts.max_shard_size`, named by `shard_names`): quantized tensors first, then the ones
     copied as they are (the writer thread copies those, an embedding is half a GB, while this
@@ -190,7 +239,10 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
         while len(behind) > 1:  # one shard's writer may finish (its embedding copy) while the next one starts
             finished(*behind.popleft())
         header = headers[src_name]
-        with ShardReader(header, pool) as reader, ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer:
+        with (
+            ShardReader(header, pool) as reader,
+            ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer,
+        ):
             sh = Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
             try:
                 for name in work:
@@ -202,7 +254,14 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
                     elif copied_dtype(info, opts) != info.dtype:
                         convert_copy(sh, name, info, opts.dtype_code, FiniteCheck(info.dtype, name, src_name))
                     else:  # NaN/inf in a tensor copied as it is is refused, counted as it is copied
-                        sh.then(writer.copy, name, header.path, info.start, info.nbytes, (FiniteCheck(info.dtype, name, src_name),))
+                        sh.then(
+                            writer.copy,
+                            name,
+                            header.path,
+                            info.start,
+                            info.nbytes,
+                            (FiniteCheck(info.dtype, name, src_name),),
+                        )
                     sh.then(advance, info.nbytes, name)
                 sh.pump(0)
             except BaseException:
@@ -216,4 +275,3 @@ def _write_shards(snap: Snapshot, headers: dict, tensor_module: dict, expert_ten
     while behind:
         finished(*behind.popleft())
     return out
-

@@ -44,17 +44,24 @@ class Options:
     fp8_tensors: dict = field(default_factory=dict)
     source_scheme: Scheme | None = None  # the scheme an FP8 source's codes and scales are in
     repack: bool = False  # an FP8 source whose codes are kept (the scheme asked for is its own)
-    notes: list[str] = field(default_factory=list)  # what the conversion says about the source (tensors the model does not define)
+    notes: list[str] = field(
+        default_factory=list
+    )  # what the conversion says about the source (tensors the model does not define)
     # The leaf name of a weight's scale: compressed-tensors' `<m>.weight_scale`, or another
     # loader's (diffusers' SDNQ backend reads `<m>.scale`).
     scale_leaf: str = "weight_scale"
 
     def __post_init__(self):
         if self.experts_layout not in EXPERTS_LAYOUTS:
-            raise QuantizationError(f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}")
+            raise QuantizationError(
+                f"unknown experts layout {self.experts_layout!r}", f"use one of: {', '.join(EXPERTS_LAYOUTS)}"
+            )
         self.max_shard_size = shard_size_bytes(self.max_shard_size)
         if self.dtype is not None and self.dtype not in UNQUANTIZED_DTYPES:
-            raise QuantizationError(f"unknown dtype {self.dtype!r} for the unquantized tensors", f"use one of: {', '.join(UNQUANTIZED_DTYPES)}")
+            raise QuantizationError(
+                f"unknown dtype {self.dtype!r} for the unquantized tensors",
+                f"use one of: {', '.join(UNQUANTIZED_DTYPES)}",
+            )
 
     @property
     def dtype_code(self) -> str | None:
@@ -99,4 +106,3 @@ class ExpertTensor:
     @property
     def module(self) -> str:
         return self.param.name
-

@@ -57,8 +57,10 @@ def convert_copy(sh: "Shard", name: str, info: TensorInfo, code: str, check: Fin
             out = src.to(target)  # a new tensor: the pooled buffer goes back at once
             if not check.count and not bool(torch.isfinite(out).all()):  # a finite source: the cast overflowed
                 big = float(src.float().abs().max())
-                raise QuantizationError(f"tensor {name!r} holds values up to {big:.4g}, which --dtype {target} turns into inf",
-                                        "use --dtype bfloat16 (float32's range), or leave --dtype out to copy it as it is")
+                raise QuantizationError(
+                    f"tensor {name!r} holds values up to {big:.4g}, which --dtype {target} turns into inf",
+                    "use --dtype bfloat16 (float32's range), or leave --dtype out to copy it as it is",
+                )
         finally:
             release()
         sh.then(sh.writer.write, name, out)
@@ -106,7 +108,13 @@ class Shard:
 
 
 def quantize_one(
-    sh: Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, opts: Options, input_scale: float | None = None,
+    sh: Shard,
+    name: str,
+    info: TensorInfo,
+    module: str,
+    scheme: Scheme,
+    opts: Options,
+    input_scale: float | None = None,
     **extra,
 ) -> None:
     n, k = info.shape
@@ -116,14 +124,19 @@ def quantize_one(
         return
     if src is not None:  # another scheme than the source's: dequantize its rows, quantize again
         decode = functools.partial(src.decode, source=opts.source_scheme)
-        extra = {**extra, "requantized_from": f"FP8 source ({opts.source_scheme.weights} scales); sqnr_db is the round trip's"}
+        extra = {
+            **extra,
+            "requantized_from": f"FP8 source ({opts.source_scheme.weights} scales); sqnr_db is the round trip's",
+        }
         input_scale = None
         _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, decode=decode, **extra)
         return
     _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, **extra)
 
 
-def _repack_one(sh: Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, src: SourceTensor, **extra) -> None:
+def _repack_one(
+    sh: Shard, name: str, info: TensorInfo, module: str, scheme: Scheme, src: SourceTensor, **extra
+) -> None:
     """An FP8 source weight kept as it is: its codes copied byte for byte (their sha256, for the
     manifest, taken in the same read: the writer fills it in once the copy is through, before the
     shard's digest), its scale written as `<m>.weight_scale` (float32, compressed-tensors' shape)."""
@@ -144,16 +157,35 @@ def _repack_one(sh: Shard, name: str, info: TensorInfo, module: str, scheme: Sch
         **({"input_scale": float(src.input_scale.reshape(()))} if scheme.needs_calibration else {}),
         **extra,
     }
-    sh.then(sh.writer.copy, name, sh.reader.header.path, info.start, info.nbytes, (Digest(lambda d: rec.__setitem__("codes_sha256", d)),
-                                                                                    FiniteCheck(info.dtype, name, sh.reader.header.path.name)))
+    sh.then(
+        sh.writer.copy,
+        name,
+        sh.reader.header.path,
+        info.start,
+        info.nbytes,
+        (
+            Digest(lambda d: rec.__setitem__("codes_sha256", d)),
+            FiniteCheck(info.dtype, name, sh.reader.header.path.name),
+        ),
+    )
     sh.then(sh.writer.write, name + "_scale", scale)
     if scheme.needs_calibration:
         sh.then(sh.writer.write, name[: -len("weight")] + "input_scale", src.input_scale.reshape(1).contiguous())
 
 
-def quantize_matrix(sh: Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, scheme: Scheme, name: str,
-                     done: Callable[[torch.Tensor, fp8.QuantStats], None], decode: Callable | None = None,
-                     spans: list | None = None) -> None:
+def quantize_matrix(
+    sh: Shard,
+    out_name: str,
+    info: TensorInfo,
+    first_row: int,
+    n: int,
+    k: int,
+    scheme: Scheme,
+    name: str,
+    done: Callable[[torch.Tensor, fp8.QuantStats], None],
+    decode: Callable | None = None,
+    spans: list | None = None,
+) -> None:
     """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
     to `out_name`, block by block (pooled buffers, so memory stays at a few blocks; for block
     scales each read is whole blocks of rows); then `done(scale, stats)`, in order. `spans`
@@ -206,13 +238,25 @@ def quantize_matrix(sh: Shard, out_name: str, info: TensorInfo, first_row: int, 
 
 
 def _quantize_rows(
-    sh: Shard, out_name: str, info: TensorInfo, first_row: int, n: int, k: int, module: str,
-    scheme: Scheme, opts: Options, input_scale: float | None, decode: Callable | None = None, **extra,
+    sh: Shard,
+    out_name: str,
+    info: TensorInfo,
+    first_row: int,
+    n: int,
+    k: int,
+    module: str,
+    scheme: Scheme,
+    opts: Options,
+    input_scale: float | None,
+    decode: Callable | None = None,
+    **extra,
 ) -> None:
     """One 2-D weight (or rows of a fused one) -> `<m>.weight` codes, `<m>.weight_scale`
     (+ `<m>.input_scale`), and its record (with `extra` fields) in `sh.records`."""
     if scheme.needs_calibration:  # checked before any work is queued
-        input_scale = _check_input_scale(input_scale if input_scale is not None else float(opts.input_scales[module]), module)
+        input_scale = _check_input_scale(
+            input_scale if input_scale is not None else float(opts.input_scales[module]), module
+        )
 
     def done(scale: torch.Tensor, stats: fp8.QuantStats) -> None:
         sh.writer.write(scale_name(out_name, opts.scale_leaf), scale.contiguous())
@@ -226,7 +270,9 @@ def _quantize_rows(
             **extra,
         }
         if scheme.needs_calibration:
-            sh.writer.write(out_name[: -len("weight")] + "input_scale", torch.tensor([input_scale], dtype=torch.float32))
+            sh.writer.write(
+                out_name[: -len("weight")] + "input_scale", torch.tensor([input_scale], dtype=torch.float32)
+            )
             record["input_scale"] = input_scale
         sh.records[out_name] = record
 
@@ -262,16 +308,39 @@ def linear_entries(name: str, shape: tuple, scheme: Scheme, scale_leaf: str = "w
 def quantize_expert(sh: Shard, name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme, opts: Options) -> None:
     if et.expert is not None:
         module = name[: -len(".weight")]
-        quantize_one(sh, name, info, module, scheme, opts, input_scale=opts.expert_input_scale(et.param, et.expert, module),
-                      experts_module=et.param.module, param=et.param.param, expert=et.expert)
+        quantize_one(
+            sh,
+            name,
+            info,
+            module,
+            scheme,
+            opts,
+            input_scale=opts.expert_input_scale(et.param, et.expert, module),
+            experts_module=et.param.module,
+            param=et.param.param,
+            expert=et.expert,
+        )
         return
     E, N, K = info.shape
     if et.split:  # write the fused tensor as per-expert Linear weights
         for sl in et.split:
             module = sl.key[: -len(".weight")]
-            _quantize_rows(sh, sl.key, info, sl.expert * N + sl.start, sl.stop - sl.start, K, module, scheme, opts,
-                           opts.expert_input_scale(et.param, sl.expert, module),
-                           experts_module=et.param.module, param=et.param.param, expert=sl.expert, split_from=name)
+            _quantize_rows(
+                sh,
+                sl.key,
+                info,
+                sl.expert * N + sl.start,
+                sl.stop - sl.start,
+                K,
+                module,
+                scheme,
+                opts,
+                opts.expert_input_scale(et.param, sl.expert, module),
+                experts_module=et.param.module,
+                param=et.param.param,
+                expert=sl.expert,
+                split_from=name,
+            )
         return
     vals = [opts.expert_input_scale(et.param, e) for e in range(E)] if scheme.needs_calibration else []
     for e, v in enumerate(vals):
@@ -300,7 +369,9 @@ def quantize_expert(sh: Shard, name: str, info: TensorInfo, et: ExpertTensor, sc
             "scale_min": min(s.scale_min for s in per_expert),
             "scale_max": max(s.scale_max for s in per_expert),
             # the worst expert stands for the tensor, each expert's own figure is listed
-            "sqnr_db": None if not any(math.isfinite(x) for x in sqnrs) else round(min(x for x in sqnrs if math.isfinite(x)), 4),
+            "sqnr_db": None
+            if not any(math.isfinite(x) for x in sqnrs)
+            else round(min(x for x in sqnrs if math.isfinite(x)), 4),
             "experts_sqnr_db": [None if not math.isfinite(x) else round(x, 4) for x in sqnrs],
             "zero_rows": sum(s.zero_rows for s in per_expert),
         }

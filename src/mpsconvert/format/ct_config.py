@@ -79,9 +79,13 @@ def scheme_from_config(qc: dict) -> Scheme:
     w = group.get("weights") or {}
     a = group.get("input_activations")
     if not isinstance(w, dict) or not isinstance(a, (dict, type(None))):
-        raise ArtifactError("quantization_config's weights / input_activations are not objects", "re-create the artifact")
+        raise ArtifactError(
+            "quantization_config's weights / input_activations are not objects", "re-create the artifact"
+        )
     if not isinstance(w.get("strategy"), (str, type(None))):
-        raise ArtifactError(f"quantization_config's weight strategy is a {type(w.get('strategy')).__name__}", "re-create the artifact")
+        raise ArtifactError(
+            f"quantization_config's weight strategy is a {type(w.get('strategy')).__name__}", "re-create the artifact"
+        )
     if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in _GRANULARITY:
         raise ArtifactError(
             f"weights are {w.get('type')}/{w.get('num_bits')} bits/{w.get('strategy')}",
@@ -107,8 +111,16 @@ def scheme_from_config(qc: dict) -> Scheme:
 def _block_size(w: dict) -> int:
     """The edge of square weight blocks (`block_structure: [b, b]`), checked."""
     bs = w.get("block_structure")
-    if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
-        raise ArtifactError(f"block weights have block_structure {bs!r}", "expected two positive whole numbers, e.g. [128, 128]")
+    if not (
+        isinstance(bs, list)
+        and len(bs) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)
+    ):
+        raise ArtifactError(
+            f"block weights have block_structure {bs!r}", "expected two positive whole numbers, e.g. [128, 128]"
+        )
     if bs[0] != bs[1]:
-        raise ArtifactError(f"block weights have non-square blocks {bs}", "only square blocks (e.g. [128, 128]) are supported")
+        raise ArtifactError(
+            f"block weights have non-square blocks {bs}", "only square blocks (e.g. [128, 128]) are supported"
+        )
     return bs[0]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..infra import devices
 from ..errors import QuantizationError
+from ..infra import devices
 from .scales import DEFAULT_BLOCK, Granularity, blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -28,7 +28,6 @@ FP8_MAX = 448.0
 SCALE_FLOOR = 1e-12
 _SQNR_ELEMS = 1 << 20  # tensors up to this size get an exact SQNR, larger ones a row sample of it
 _CHUNK_ELEMS = 1 << 20  # 4 MiB of float32 per work buffer: L3-resident, and few Python calls per block
-
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,9 @@ def codes_to(codes: torch.Tensor, device) -> torch.Tensor:
     want = devices.capabilities(device).code_dtype
     if codes.dtype == want:
         return codes.to(device)
-    return codes.view(want).to(device) if want == torch.uint8 else codes.to(device).view(want)  # reinterpreted where float8 exists
+    return (
+        codes.view(want).to(device) if want == torch.uint8 else codes.to(device).view(want)
+    )  # reinterpreted where float8 exists
 
 
 def _check_finite(amax: torch.Tensor, name: str) -> None:
@@ -129,8 +130,15 @@ class StreamQuantizer:
     code again would double the cost of a conversion.
     """
 
-    def __init__(self, n: int, k: int, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None,
-                 block: int = DEFAULT_BLOCK):
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        granularity: str = "row",
+        name: str = "tensor",
+        scale: torch.Tensor | None = None,
+        block: int = DEFAULT_BLOCK,
+    ):
         self.n, self.k, self.name = n, k, name
         self.granularity = Granularity(granularity)
         self.block = block if self.granularity is Granularity.BLOCK else None
@@ -253,7 +261,7 @@ class StreamQuantizer:
         if self.block:
             idx = torch.arange(first, first + count * stride, stride)[:count] // self.block
             return self._scale[idx].repeat_interleave(self.block, dim=1)[:, : self.k]
-        return self._scale[first :: stride][:count]
+        return self._scale[first::stride][:count]
 
     def _sample_error(self, block: torch.Tensor, codes: torch.Tensor, start: int) -> tuple[float, float, int]:
         first = -start % self._stride
@@ -297,7 +305,10 @@ class StreamQuantizer:
 
 
 def quantize(
-    w: torch.Tensor, granularity: str = "row", name: str = "tensor", scale: torch.Tensor | None = None,
+    w: torch.Tensor,
+    granularity: str = "row",
+    name: str = "tensor",
+    scale: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, QuantStats]:
     """Quantize a 2-D float weight [N, K] to e4m3 codes plus its dequant scale, with error stats.
@@ -319,7 +330,6 @@ def quantize(
     return q.to(device), s.to(device), stats
 
 
-
 def is_block_scale(scale: torch.Tensor, n: int) -> bool:
     """Whether a weight scale of an [N, K] weight is per block (not [1], [N], [N, 1])."""
     return scale.numel() != 1 and not (scale.numel() == n and (scale.ndim == 1 or scale.shape[-1] == 1))
@@ -333,7 +343,9 @@ def expand_block_scale(scale: torch.Tensor, n: int, k: int, block: int) -> torch
     return s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: int | None = None) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: int | None = None
+) -> torch.Tensor:
     """fp8 codes [N, K] times scale ([1], [N, 1], or [ceil(N/b), ceil(K/b)] with `block` b) ->
     dense weight in `dtype`. A block scale without its block edge is refused: the edge cannot
     be told from the shapes when a block is partial.
@@ -420,7 +432,9 @@ def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     multiples of 2**-9: `round(v * 512) / 512` (exact scalings; torch.round is half to even).
     """
     b = v.view(torch.int32)
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).view(torch.float32)  # -0x100000 == 0xFFF00000: sign, exponent, 3 bits
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).view(
+        torch.float32
+    )  # -0x100000 == 0xFFF00000: sign, exponent, 3 bits
     return torch.where(v.abs() < 2.0**-6, torch.round(v * 512.0) / 512.0, normal)
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SourceError
-from .scales import Granularity
 from .ct_config import scheme_from_config
+from .scales import Granularity
 from .schemes import Scheme
 
 FINE_GRAINED = "fine-grained-fp8"
@@ -41,7 +41,12 @@ class SourceFP8:
         return weight_key[: -len("weight")] + "input_scale"
 
     def as_dict(self) -> dict:
-        return {"layout": self.layout, "scheme": self.scheme.as_dict(), "scale": self.scale_suffix, "quantization_config": self.config}
+        return {
+            "layout": self.layout,
+            "scheme": self.scheme.as_dict(),
+            "scale": self.scale_suffix,
+            "quantization_config": self.config,
+        }
 
 
 def _refuse(problem: str) -> SourceError:
@@ -58,35 +63,51 @@ def source_fp8(qc, where: str) -> SourceFP8:
         return _fine_grained(qc, where)
     if method == "compressed-tensors":
         if qc.get("format") != "float-quantized":
-            raise _refuse(f"{where} is already quantized (compressed-tensors {qc.get('format')!r}): only float-quantized FP8 "
-                          "sources can be used as they are")
+            raise _refuse(
+                f"{where} is already quantized (compressed-tensors {qc.get('format')!r}): only float-quantized FP8 "
+                "sources can be used as they are"
+            )
         try:
             scheme = scheme_from_config(qc)
         except Exception as e:  # ArtifactError: which field and why
-            raise _refuse(f"{where} is already quantized (compressed-tensors), not in an FP8 layout mpsconvert reads "
-                          f"({getattr(e, 'problem', e)})") from None
+            raise _refuse(
+                f"{where} is already quantized (compressed-tensors), not in an FP8 layout mpsconvert reads "
+                f"({getattr(e, 'problem', e)})"
+            ) from None
         return SourceFP8(COMPRESSED_TENSORS, scheme, "weight_scale", list(qc.get("ignore") or []), qc)
-    raise _refuse(f"{where} is already quantized ({method or '?'}); only FP8 sources (FineGrainedFP8, compressed-tensors "
-                  "float-quantized) can be used as they are")
+    raise _refuse(
+        f"{where} is already quantized ({method or '?'}); only FP8 sources (FineGrainedFP8, compressed-tensors "
+        "float-quantized) can be used as they are"
+    )
 
 
 def _fine_grained(qc: dict, where: str) -> SourceFP8:
     if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":
-        raise _refuse(f"{where} is FineGrainedFP8 with {qc.get('activation_scheme')!r} activations: only dynamic "
-                      "ones are supported")
+        raise _refuse(
+            f"{where} is FineGrainedFP8 with {qc.get('activation_scheme')!r} activations: only dynamic "
+            "ones are supported"
+        )
     if qc.get("scale_fmt", "float") != "float" or qc.get("expert_dtype", "fp8") != "fp8":
-        raise _refuse(f"{where} is FineGrainedFP8 with scale_fmt {qc.get('scale_fmt')!r} / expert_dtype "
-                      f"{qc.get('expert_dtype')!r}: only float scales and FP8 experts are supported")
+        raise _refuse(
+            f"{where} is FineGrainedFP8 with scale_fmt {qc.get('scale_fmt')!r} / expert_dtype "
+            f"{qc.get('expert_dtype')!r}: only float scales and FP8 experts are supported"
+        )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise _refuse(f"{where} stores FP8 as {qc.get('fmt')!r}: only e4m3 is supported")
     bs = qc.get("weight_block_size")
     if bs is None:
         scheme = Scheme(name="fp8-dynamic", weights=Granularity.TENSOR)
     else:
-        if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
+        if not (
+            isinstance(bs, list)
+            and len(bs) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)
+        ):
             raise _refuse(f"{where} has weight_block_size {bs!r}: expected two positive whole numbers")
         if bs[0] != bs[1]:
-            raise _refuse(f"{where} has non-square weight blocks {bs}: only square blocks (e.g. [128, 128]) are supported")
+            raise _refuse(
+                f"{where} has non-square weight blocks {bs}: only square blocks (e.g. [128, 128]) are supported"
+            )
         scheme = Scheme(name="fp8-dynamic", weights=Granularity.BLOCK, block_size=bs[0])
     ignore = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
     return SourceFP8(FINE_GRAINED, scheme, "weight_scale_inv", ignore, qc)

@@ -51,16 +51,26 @@ class Scheme:
             raise MpsconvertError(
                 f"unknown weight granularity {self.weights!r}", f"use one of: {', '.join(WEIGHT_GRANULARITIES)}"
             ) from None
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 4096:
-            raise MpsconvertError(f"block size {self.block_size!r} is not a whole number from 1 to 4096",
-                                  f"pass `block_size={DEFAULT_BLOCK}` (the hub's FP8 releases) or a smaller square size")
+        if (
+            not isinstance(self.block_size, int)
+            or isinstance(self.block_size, bool)
+            or not 1 <= self.block_size <= 4096
+        ):
+            raise MpsconvertError(
+                f"block size {self.block_size!r} is not a whole number from 1 to 4096",
+                f"pass `block_size={DEFAULT_BLOCK}` (the hub's FP8 releases) or a smaller square size",
+            )
 
     @classmethod
     def make(cls, name: str, weights: str | None = None, block_size: int | None = None) -> "Scheme":
         """The scheme `name` with `weights` granularity, or the scheme's default one."""
         if name not in SCHEMES:
             raise _unknown_scheme(name)
-        return cls(name=name, weights=weights or DEFAULT_WEIGHTS[name], block_size=DEFAULT_BLOCK if block_size is None else block_size)
+        return cls(
+            name=name,
+            weights=weights or DEFAULT_WEIGHTS[name],
+            block_size=DEFAULT_BLOCK if block_size is None else block_size,
+        )
 
     @property
     def block(self) -> int | None:
@@ -89,7 +99,11 @@ class Scheme:
         return (e, *s) if len(s) == 2 else (e, 1, 1)
 
     def as_dict(self) -> dict:
-        d = {"name": self.name, "weights": self.weights.value, "activations": self.activations.value if self.activations else None}
+        d = {
+            "name": self.name,
+            "weights": self.weights.value,
+            "activations": self.activations.value if self.activations else None,
+        }
         if self.block:
             d["block_size"] = self.block
         return d

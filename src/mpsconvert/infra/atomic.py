@@ -53,7 +53,9 @@ MARKER = f"{TMP_PREFIX}owner"
 # step checks this too: an output is never published after the user asked to stop.
 stop_requested = threading.Event()
 KILL_ENV = "MPSCONVERT_KILL_AT"
-_held: dict[Path, tuple[int, bool]] = {}  # target -> (thread, joinable) of the lock this process holds (staged_copy and held=True require it)
+_held: dict[
+    Path, tuple[int, bool]
+] = {}  # target -> (thread, joinable) of the lock this process holds (staged_copy and held=True require it)
 
 
 def kill_point(name: str) -> None:
@@ -125,14 +127,18 @@ class BackgroundSync:
 def os_error(e: OSError, where: Path) -> MpsconvertError:
     """A clear message for the OS errors a user can act on."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return MpsconvertError(f"the disk holding {where} is full (partial output removed)", "free some space or choose another -o")
+        return MpsconvertError(
+            f"the disk holding {where} is full (partial output removed)", "free some space or choose another -o"
+        )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return MpsconvertError(f"cannot write to {where}: {e.strerror}", "choose a writable -o")
     return MpsconvertError(f"writing {where} failed: {e.strerror or e}", "check the output location and retry")
 
 
 def _busy(target: Path) -> MpsconvertError:
-    return MpsconvertError(f"another mpsconvert run is writing {target} right now", "wait for it to finish, or choose another -o")
+    return MpsconvertError(
+        f"another mpsconvert run is writing {target} right now", "wait for it to finish, or choose another -o"
+    )
 
 
 @contextlib.contextmanager
@@ -193,8 +199,10 @@ def real(target: Path) -> Path:
 
 
 def _planted(p: Path) -> MpsconvertError:
-    return MpsconvertError(f"{p} is a symlink under a name mpsconvert reserves beside its outputs; it is never followed",
-                           "remove that link (nothing made it but someone else)")
+    return MpsconvertError(
+        f"{p} is a symlink under a name mpsconvert reserves beside its outputs; it is never followed",
+        "remove that link (nothing made it but someone else)",
+    )
 
 
 def _open_lock(lock: Path) -> int:
@@ -293,7 +301,9 @@ def claim(target: Path):
     the writers the command calls in this thread (an export, its check, the manifest and card
     updates) run under this one lock."""
     target = real(target)
-    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # the lock file goes beside the target
+    made = [
+        p for p in (target.parent, *target.parent.parents) if not p.exists()
+    ]  # the lock file goes beside the target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -325,8 +335,9 @@ def recover(target: Path) -> None:
     if os.path.islink(lock):
         raise _planted(lock)
     mine = [p for p in leftovers(target) if _ours(p, target)]  # leftovers: a planted link is an error
-    inside = (stat.S_ISDIR(os.lstat(target).st_mode) if os.path.lexists(target) else False) and \
-        next(iter(target.glob(glob.escape(TMP_PREFIX) + "*")), None) is not None
+    inside = (stat.S_ISDIR(os.lstat(target).st_mode) if os.path.lexists(target) else False) and next(
+        iter(target.glob(glob.escape(TMP_PREFIX) + "*")), None
+    ) is not None
     if not (mine or inside) or target in _held:  # nothing left, or this process is writing it (a step of its command)
         return
     try:
@@ -343,7 +354,9 @@ def write_file(target: Path, text: str, **rule) -> None:
     while the command worked), then `write_text`."""
     target = Path(target).absolute()
     if not target.parent.is_dir():
-        raise MpsconvertError(f"cannot write {target}: folder {target.parent} does not exist", "create it, or choose another -o")
+        raise MpsconvertError(
+            f"cannot write {target}: folder {target.parent} does not exist", "create it, or choose another -o"
+        )
     with locked(target):
         check_replaceable(target, file=True, **rule)
         write_text(target, text)
@@ -358,8 +371,10 @@ def carry(src: Path, dst: Path, rels: list[str]) -> None:
         if os.path.lexists(d):
             continue
         if not stat.S_ISREG(os.lstat(s).st_mode):
-            raise MpsconvertError(f"{s} is {'a symlink' if s.is_symlink() else 'not a regular file'} inside the artifact",
-                                  "move it out of the artifact, then run the command again")
+            raise MpsconvertError(
+                f"{s} is {'a symlink' if s.is_symlink() else 'not a regular file'} inside the artifact",
+                "move it out of the artifact, then run the command again",
+            )
         d.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(s, d)
@@ -450,9 +465,18 @@ def staged_copy(target: Path, drop: tuple[str, ...] = ()):
 
 
 @contextlib.contextmanager
-def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours: Callable[[Path], bool] | None = None,
-               protect: tuple[Path, ...] = (), held: bool = False, is_artifact: Callable[[Path], bool] | None = None,
-               unlisted: Callable[[Path], list[str]] | None = None, delete_unlisted: bool = False):
+def output_dir(
+    target: Path,
+    force: bool = False,
+    min_free: int = 0,
+    *,
+    is_ours: Callable[[Path], bool] | None = None,
+    protect: tuple[Path, ...] = (),
+    held: bool = False,
+    is_artifact: Callable[[Path], bool] | None = None,
+    unlisted: Callable[[Path], list[str]] | None = None,
+    delete_unlisted: bool = False,
+):
     """Yield a fresh temporary folder beside `target`; on success it becomes `target`.
 
     On any error (or Ctrl-C / SIGTERM) the temporary folder is removed and `target` is
@@ -473,8 +497,15 @@ def output_dir(target: Path, force: bool = False, min_free: int = 0, *, is_ours:
     if held and target not in _held:
         raise RuntimeError("output_dir(held=True) needs the target's lock (atomic.writing)")
     with contextlib.nullcontext() if held else writing(target):
-        check_replaceable(target, force=force, is_ours=is_ours, protect=protect, is_artifact=is_artifact, unlisted=unlisted,
-                          delete_unlisted=delete_unlisted)
+        check_replaceable(
+            target,
+            force=force,
+            is_ours=is_ours,
+            protect=protect,
+            is_artifact=is_artifact,
+            unlisted=unlisted,
+            delete_unlisted=delete_unlisted,
+        )
         free = shutil.disk_usage(parent).free
         if min_free and free < min_free:
             raise MpsconvertError(

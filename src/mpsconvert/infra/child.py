@@ -44,8 +44,13 @@ class Child:
 
     def __init__(self, module: str, request: dict):
         root = str(package_root())
-        self._proc = subprocess.Popen([*self.command, root, module, json.dumps({**request, "package": root})],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self._proc = subprocess.Popen(
+            [*self.command, root, module, json.dumps({**request, "package": root})],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
 
     def answer(self, timeout: float | None = None) -> dict:
         """The child's answer once it exits, or `{"error": why}`: it failed, printed none, or gave
@@ -57,7 +62,7 @@ class Child:
             return {"error": f"no answer within {timeout:g} s"}
         finally:
             self.kill()
-        lines = [line[len(MARK):] for line in out.splitlines() if line.startswith(MARK)]
+        lines = [line[len(MARK) :] for line in out.splitlines() if line.startswith(MARK)]
         if self._proc.returncode != 0 or not lines:
             last = (err.strip().splitlines() or ["no output"])[-1]
             return {"error": f"the child exited with {self._proc.returncode}: {last[:200]}"}
@@ -75,7 +80,9 @@ class Child:
 def answer_for(main: Callable[[dict], dict], request: dict) -> dict:
     """In the child: `main(request)`, once the child is known to run the parent's mpsconvert."""
     if str(package_root()) != request.get("package"):  # another mpsconvert came first on the child's path
-        return {"error": f"the child imported the mpsconvert in {package_root()}, not the one in {request.get('package')}"}
+        return {
+            "error": f"the child imported the mpsconvert in {package_root()}, not the one in {request.get('package')}"
+        }
     try:
         return main(request)
     except Exception as e:  # the parent does the work itself, and raises a real error there

@@ -50,9 +50,11 @@ def choose(name: str = "auto") -> torch.device:
     if name == "mps" and not mps_available():
         built = getattr(torch.backends, "mps", None) and torch.backends.mps.is_built()
         why = "this torch build has no MPS support" if not built else "no Apple GPU is visible"
-        raise DeviceError(f"`device=mps` was asked for but {why} (MPS needs an Apple Silicon Mac; {MPS_FP8}); "
-                          f"available: {', '.join(available())}",
-                          "pass `device=auto` or one of those")
+        raise DeviceError(
+            f"`device=mps` was asked for but {why} (MPS needs an Apple Silicon Mac; {MPS_FP8}); "
+            f"available: {', '.join(available())}",
+            "pass `device=auto` or one of those",
+        )
     if name.startswith("cuda") and not cuda_available():
         raise DeviceError(
             f"`device={name}` was asked for but CUDA is not available; available: {', '.join(available())}",
@@ -157,8 +159,11 @@ def mps_name() -> str:
     chip = mac_chip()
     if chip:
         return f"{chip} (MPS)"
-    warnings.warn(f"the Mac's chip could not be read (sysctl -n machdep.cpu.brand_string): the device is named {MPS_NAME!r}, "
-                  "so kernel decisions and validation records cannot tell one Mac from another", stacklevel=3)
+    warnings.warn(
+        f"the Mac's chip could not be read (sysctl -n machdep.cpu.brand_string): the device is named {MPS_NAME!r}, "
+        "so kernel decisions and validation records cannot tell one Mac from another",
+        stacklevel=3,
+    )
     return MPS_NAME
 
 
@@ -176,18 +181,32 @@ def _probe_mps() -> tuple[bool, bool, str]:
         if not bool((x.float() == 0.5).all()):
             raise RuntimeError("a float8 round trip changed the values")
     except Exception as e:  # any failure means: no float8 on this device
-        return False, False, (f"{here} has no float8_e4m3fn tensors on MPS ({_first_line(e)}): e4m3 codes are held as bytes and "
-                              f"decoded bit by bit, and FP8 layers dequantize their weights; {MPS_FP8}")
+        return (
+            False,
+            False,
+            (
+                f"{here} has no float8_e4m3fn tensors on MPS ({_first_line(e)}): e4m3 codes are held as bytes and "
+                f"decoded bit by bit, and FP8 layers dequantize their weights; {MPS_FP8}"
+            ),
+        )
     try:
         one = torch.ones((), device="mps")
-        for kind, sa, sb in ((F.ScalingType.TensorWise, one, one),
-                             (F.ScalingType.RowWise, torch.ones(16, 1, device="mps"), torch.ones(1, 16, device="mps"))):
+        for kind, sa, sb in (
+            (F.ScalingType.TensorWise, one, one),
+            (F.ScalingType.RowWise, torch.ones(16, 1, device="mps"), torch.ones(1, 16, device="mps")),
+        ):
             y = F.scaled_mm(x, x.t(), sa, kind, sb, kind, output_dtype=torch.bfloat16)
             if not bool((y.float() == 4.0).all()):
                 raise RuntimeError(f"{kind} scaled_mm gave wrong values")
     except Exception as e:  # absent (AttributeError), not registered for MPS (NotImplementedError), ...
-        return True, False, (f"{here} has no FP8 matmul on MPS (F.scaled_mm: {_first_line(e)}): FP8 layers dequantize their "
-                             f"weights instead; {MPS_FP8}")
+        return (
+            True,
+            False,
+            (
+                f"{here} has no FP8 matmul on MPS (F.scaled_mm: {_first_line(e)}): FP8 layers dequantize their "
+                f"weights instead; {MPS_FP8}"
+            ),
+        )
     return True, True, ""
 
 
@@ -197,8 +216,13 @@ def capabilities(device: torch.device) -> Capabilities:
     if key not in _CAPS:
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
-            caps = Capabilities("cuda", True, (major, minor) >= (8, 9), torch.cuda.get_device_name(device),
-                                cache_bytes=int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0))
+            caps = Capabilities(
+                "cuda",
+                True,
+                (major, minor) >= (8, 9),
+                torch.cuda.get_device_name(device),
+                cache_bytes=int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0),
+            )
         elif device.type == "mps":
             fp8, mm, lacks = _probe_mps()
             caps = Capabilities("mps", fp8, mm, mps_name(), lacks, cache_bytes=MPS_CACHE_BYTES)
@@ -212,7 +236,11 @@ def capabilities(device: torch.device) -> Capabilities:
 
 def is_oom(err: BaseException) -> bool:
     msg = str(err)
-    return isinstance(err, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in msg.lower() or "MPS backend out of memory" in msg
+    return (
+        isinstance(err, getattr(torch, "OutOfMemoryError", ()))
+        or "out of memory" in msg.lower()
+        or "MPS backend out of memory" in msg
+    )
 
 
 @contextlib.contextmanager

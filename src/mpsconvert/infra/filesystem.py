@@ -42,7 +42,9 @@ def files(folder: Path, suffix: str = "") -> list[str]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if p.name.endswith(suffix) and not is_appledouble(p.name) and not p.is_dir())
+    return sorted(
+        p.name for p in folder.iterdir() if p.name.endswith(suffix) and not is_appledouble(p.name) and not p.is_dir()
+    )
 
 
 def case_insensitive(path: Path) -> bool:

@@ -13,10 +13,17 @@ from ..errors import MpsconvertError
 from .filesystem import same_or_inside
 
 
-def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bool] | None = None,
-                      protect: tuple[Path, ...] = (), is_artifact: Callable[[Path], bool] | None = None,
-                      unlisted: Callable[[Path], list[str]] | None = None, delete_unlisted: bool = False,
-                      file: bool = False) -> None:
+def check_replaceable(
+    target: Path,
+    *,
+    force: bool,
+    is_ours: Callable[[Path], bool] | None = None,
+    protect: tuple[Path, ...] = (),
+    is_artifact: Callable[[Path], bool] | None = None,
+    unlisted: Callable[[Path], list[str]] | None = None,
+    delete_unlisted: bool = False,
+    file: bool = False,
+) -> None:
     """May an output at `target` be written? The one rule for every output path of every command
     (a folder: quantize's artifact, calibrate's rebuild; a `file`: calibrate's scales), checked
     before any work and again under the output's lock just before the write. Refused in one line,
@@ -42,41 +49,64 @@ def check_replaceable(target: Path, *, force: bool, is_ours: Callable[[Path], bo
     if is_artifact is not None:
         for folder in real_.parents:
             if is_artifact(folder):
-                raise MpsconvertError(f"{what} {target} lies inside the mpsconvert artifact {folder}, which only mpsconvert's own steps "
-                                      "(export, validate, calibrate, upload) change", "choose an -o outside the artifact")
+                raise MpsconvertError(
+                    f"{what} {target} lies inside the mpsconvert artifact {folder}, which only mpsconvert's own steps "
+                    "(export, validate, calibrate, upload) change",
+                    "choose an -o outside the artifact",
+                )
     for p in protect:
         src = Path(p).resolve()
         same, holds = same_or_inside(src, real_)  # without case where the volume ignores it (APFS, exFAT)
         if same or holds:
-            raise MpsconvertError(f"{what} {target} {'is' if same else 'holds'} the source model {src}",
-                                  "choose an -o outside the source folder")
+            raise MpsconvertError(
+                f"{what} {target} {'is' if same else 'holds'} the source model {src}",
+                "choose an -o outside the source folder",
+            )
         if same_or_inside(real_, src)[1]:  # also a new folder there: the next conversion of that source would carry it
-            raise MpsconvertError(f"{what} {target} lies inside the source model {src}", "choose an -o outside the source folder")
+            raise MpsconvertError(
+                f"{what} {target} lies inside the source model {src}", "choose an -o outside the source folder"
+            )
     if not os.path.lexists(target):
         return
     st = os.lstat(target)
     if file:
         if not stat.S_ISREG(st.st_mode):
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise MpsconvertError(f"{what} {target} is {kind}; mpsconvert never replaces it", "remove it yourself, or choose another -o")
+            kind = (
+                "a symlink"
+                if stat.S_ISLNK(st.st_mode)
+                else "a folder"
+                if stat.S_ISDIR(st.st_mode)
+                else "not a regular file"
+            )
+            raise MpsconvertError(
+                f"{what} {target} is {kind}; mpsconvert never replaces it", "remove it yourself, or choose another -o"
+            )
         if is_ours is not None and not is_ours(target):
-            raise MpsconvertError(f"{what} {target} exists and is not a file mpsconvert wrote; --force replaces only those",
-                                  "choose another -o, or remove it yourself")
+            raise MpsconvertError(
+                f"{what} {target} exists and is not a file mpsconvert wrote; --force replaces only those",
+                "choose another -o, or remove it yourself",
+            )
         if not force:
             raise MpsconvertError(f"{what} {target} already exists", "pass --force to replace it, or choose another -o")
         return
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"
-        raise MpsconvertError(f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
-                              "remove it yourself, or choose another -o")
+        raise MpsconvertError(
+            f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
+            "remove it yourself, or choose another -o",
+        )
     if is_ours is not None and not is_ours(target):  # said first: --force would not replace it, so it is not the fix
-        raise MpsconvertError(f"output {target} exists and is not an mpsconvert artifact (no mpsconvert.json "
-                              "that parses and names mpsconvert); --force replaces only those",
-                              "choose another -o, or remove it yourself")
+        raise MpsconvertError(
+            f"output {target} exists and is not an mpsconvert artifact (no mpsconvert.json "
+            "that parses and names mpsconvert); --force replaces only those",
+            "choose another -o, or remove it yourself",
+        )
     if not force:
         raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
     if unlisted is not None and not delete_unlisted and (theirs := unlisted(target)):
         shown = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
-        raise MpsconvertError(f"output {target} holds {len(theirs)} file{'s' if len(theirs) > 1 else ''} its manifest does not list "
-                              f"({shown}); --force would delete them with the old artifact",
-                              "move them out of it, or add --force-delete-unlisted to delete them too")
+        raise MpsconvertError(
+            f"output {target} holds {len(theirs)} file{'s' if len(theirs) > 1 else ''} its manifest does not list "
+            f"({shown}); --force would delete them with the old artifact",
+            "move them out of it, or add --force-delete-unlisted to delete them too",
+        )

@@ -94,7 +94,9 @@ def read_header(path: Path) -> Header:
         return ArtifactError(f"{path.name} is not a valid safetensors file: {why}", "re-download or regenerate it")
 
     try:
-        fd = open_regular(path, what=path.name, fix="re-download or regenerate it", raw_oserror=True)  # a FIFO or device: refused
+        fd = open_regular(
+            path, what=path.name, fix="re-download or regenerate it", raw_oserror=True
+        )  # a FIFO or device: refused
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
@@ -106,7 +108,12 @@ def read_header(path: Path) -> Header:
             raw = f.read(n)
     except OSError as e:
         raise ArtifactError(f"cannot read {path}: {e.strerror}", "check the file's permissions") from e
-    body = parse_json(raw, what=f"{path.name} is not a valid safetensors file: its header", expect=dict, fix="re-download or regenerate it")
+    body = parse_json(
+        raw,
+        what=f"{path.name} is not a valid safetensors file: its header",
+        expect=dict,
+        fix="re-download or regenerate it",
+    )
     if len(body) > MAX_TENSORS:
         raise bad(f"its header lists {len(body)} tensors, more than the {MAX_TENSORS} any model file has")
     meta = body.pop("__metadata__", None)
@@ -122,7 +129,9 @@ def read_header(path: Path) -> Header:
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
         if (
             not isinstance(offs, list)
@@ -200,7 +209,10 @@ def _read_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
     while done < view.nbytes:
         n = _pread_into(fd, view[done:], offset + done)
         if n == 0:
-            raise ArtifactError(f"{Path(path).name} became shorter while it was being read", "do not modify the source during a conversion")
+            raise ArtifactError(
+                f"{Path(path).name} became shorter while it was being read",
+                "do not modify the source during a conversion",
+            )
         done += n
 
 

@@ -206,7 +206,9 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.size = 8 + len(raw) + off
         self._hash = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-sha256-out") if HASH_BESIDE_COPY else None
+        self._hasher = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-sha256-out") if HASH_BESIDE_COPY else None
+        )
         self._f = OutputFile(self.path)
         self._bg = _Background(depth=3)
         self._next = 0
@@ -340,8 +342,13 @@ class ShardWriter:
 
 # exponent bits of each float dtype: all ones means inf or NaN
 # bits whose all-ones pattern is a NaN or inf; e4m3fn has no infinity and two NaN codes, 0x7F and 0xFF
-_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F64": ("<u8", 0x7FF0000000000000),
-             "F8_E4M3": ("u1", 0x7F)}
+_EXPONENT = {
+    "F32": ("<u4", 0x7F800000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+    "F64": ("<u8", 0x7FF0000000000000),
+    "F8_E4M3": ("u1", 0x7F),
+}
 
 
 class FiniteCheck:
@@ -375,7 +382,9 @@ class FiniteCheck:
             from ..errors import QuantizationError
 
             what = "NaN code(s) (0x7F / 0xFF, which no quantizer writes)" if self._dt == "u1" else "NaN or inf value(s)"
-            raise QuantizationError(f"tensor {self.name!r} in {self.where} contains {self.count} {what}", "fix the source checkpoint")
+            raise QuantizationError(
+                f"tensor {self.name!r} in {self.where} contains {self.count} {what}", "fix the source checkpoint"
+            )
 
 
 class Digest:

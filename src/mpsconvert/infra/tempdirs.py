@@ -10,7 +10,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-
 _TMPDIR_PREFIX = "mpsconvert-"
 
 

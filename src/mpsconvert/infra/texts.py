@@ -24,7 +24,10 @@ def _texts_from_records(records, where: str) -> list[str]:
     out = []
     for i, rec in enumerate(records):
         if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise DataError(f"{where}: record {i + 1} has no string field 'text'", "give one JSON object per line with a 'text' field")
+            raise DataError(
+                f"{where}: record {i + 1} has no string field 'text'",
+                "give one JSON object per line with a 'text' field",
+            )
         out.append(rec["text"])
     return out
 
@@ -43,22 +46,36 @@ def read_documents(path: Path) -> list[str]:
 
             table = pq.read_table(path)
             if "text" not in table.column_names:
-                raise DataError(f"{path}: parquet file has no 'text' column (columns: {', '.join(table.column_names)})", "use a dataset with a 'text' column")
+                raise DataError(
+                    f"{path}: parquet file has no 'text' column (columns: {', '.join(table.column_names)})",
+                    "use a dataset with a 'text' column",
+                )
             return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
         raw = path.read_text(encoding="utf-8")
         if suffix == ".jsonl":
             records = []
             for n, line in enumerate(raw.splitlines(), 1):
                 if line.strip():
-                    records.append(parse_json(line, what=f"{path}:{n}", error=DataError, expect=None,
-                                              fix="give one JSON object per line with a 'text' field"))
+                    records.append(
+                        parse_json(
+                            line,
+                            what=f"{path}:{n}",
+                            error=DataError,
+                            expect=None,
+                            fix="give one JSON object per line with a 'text' field",
+                        )
+                    )
             return _texts_from_records(records, str(path))
         if suffix == ".json":
-            body = parse_json(raw, what=str(path), error=DataError, expect=None, fix="give a list of objects with a 'text' field")
+            body = parse_json(
+                raw, what=str(path), error=DataError, expect=None, fix="give a list of objects with a 'text' field"
+            )
             if isinstance(body, dict) and isinstance(body.get("text"), list):
                 return [t for t in body["text"] if isinstance(t, str)]
             if not isinstance(body, list):
-                raise DataError(f"{path}: JSON is not a list of records", "give a list of objects with a 'text' field, or JSONL")
+                raise DataError(
+                    f"{path}: JSON is not a list of records", "give a list of objects with a 'text' field, or JSONL"
+                )
             return _texts_from_records(body, str(path))
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text", "convert it to UTF-8") from e

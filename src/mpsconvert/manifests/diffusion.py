@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..infra import filesystem
 from ..errors import ArtifactError, MpsconvertError
+from ..infra import filesystem
 from ..infra.safetensors_io import read_header
 from ..infra.untrusted import inside, parse_json, read_json
 from .layout import CONFIG_NAME
@@ -49,7 +49,9 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True, c
     else:
         wdir = r.get("weights_dir") or "."
         base = inside(folder, wdir, what="the manifest's recipe") if wdir != "." else folder
-        names = [f"{wdir}/{n}" if wdir != "." else n for n in filesystem.files(base, ".safetensors")]  # no AppleDouble `._*`
+        names = [
+            f"{wdir}/{n}" if wdir != "." else n for n in filesystem.files(base, ".safetensors")
+        ]  # no AppleDouble `._*`
         cfg = base / CONFIG_NAME
         try:
             qc = read_json(cfg, what=str(cfg)).get("quantization_config") or {}
@@ -68,13 +70,19 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True, c
             _problem(report, f"{mod}.weight is F8_E4M3 {list(info.shape)}, expected 2-D [out, in]")
             continue
         report.quantized[mod] = list(info.shape)
-        leaf, want = {"comfyui": ("weight_scale", []), "comfyui-legacy": ("scale_weight", []),
-                      "diffusers": ("scale", [info.shape[0], 1])}[fmt]
+        leaf, want = {
+            "comfyui": ("weight_scale", []),
+            "comfyui-legacy": ("scale_weight", []),
+            "diffusers": ("scale", [info.shape[0], 1]),
+        }[fmt]
         sc = tensors.get(f"{mod}.{leaf}")
         if sc is None or sc.dtype != "F32" or list(sc.shape) != want:
             got = "none" if sc is None else f"{sc.dtype}{list(sc.shape)}"
-            _problem(report, f"{mod}.weight needs a float32 {want or '0-d'} {leaf} "
-                             f"({'per tensor: ComfyUI' if fmt != 'diffusers' else 'per row: SDNQ'}), has {got}")
+            _problem(
+                report,
+                f"{mod}.weight needs a float32 {want or '0-d'} {leaf} "
+                f"({'per tensor: ComfyUI' if fmt != 'diffusers' else 'per row: SDNQ'}), has {got}",
+            )
             continue
         h = next(h for h in headers.values() if f"{mod}.{leaf}" in h.tensors)
         v = floats(h.path, sc)
@@ -85,9 +93,15 @@ def verify_diffusion(folder: Path, manifest, report, check_codes: bool = True, c
     elif fmt == "comfyui-legacy" and "scaled_fp8" not in tensors:
         _problem(report, "the legacy ComfyUI layout needs its scaled_fp8 marker")
     elif fmt == "diffusers":
-        kept = {k[: -len(".weight")] for k in qc.get("modules_to_not_convert") or [] if isinstance(k, str) and k.endswith(".weight")}
+        kept = {
+            k[: -len(".weight")]
+            for k in qc.get("modules_to_not_convert") or []
+            if isinstance(k, str) and k.endswith(".weight")
+        }
         for mod in sorted(set(fp8) & kept):
-            _problem(report, f"{mod} is FP8 but the SDNQ config keeps it unconverted (its codes would be read as weights)")
+            _problem(
+                report, f"{mod} is FP8 but the SDNQ config keeps it unconverted (its codes would be read as weights)"
+            )
     if not fp8 and headers:
         _problem(report, "no F8_E4M3 weights found: this is not an FP8 checkpoint")
     check_values(headers, report, codes=check_codes, counted=counted)
@@ -99,7 +113,10 @@ def _check_comfy_markers(headers: dict, tensors: dict, fp8: dict, report) -> Non
     for mod in fp8:
         q = tensors.get(f"{mod}.comfy_quant")
         if q is None or q.dtype != "U8":
-            _problem(report, f"{mod} is FP8 but has no uint8 {mod}.comfy_quant marker (ComfyUI would load its codes as weights)")
+            _problem(
+                report,
+                f"{mod} is FP8 but has no uint8 {mod}.comfy_quant marker (ComfyUI would load its codes as weights)",
+            )
             continue
         h = next(h for h in headers.values() if f"{mod}.comfy_quant" in h.tensors)
         with open(h.path, "rb") as f:
@@ -122,4 +139,7 @@ def _check_comfy_markers(headers: dict, tensors: dict, fp8: dict, report) -> Non
             _problem(report, f"{name} has no _quantization_metadata header with a layer list")
         elif set(layers) != set(fp8):
             diff = sorted(set(layers) ^ set(fp8))
-            _problem(report, f"{name}: _quantization_metadata and the FP8 weights disagree on {len(diff)} layer(s), e.g. {diff[0]}")
+            _problem(
+                report,
+                f"{name}: _quantization_metadata and the FP8 weights disagree on {len(diff)} layer(s), e.g. {diff[0]}",
+            )

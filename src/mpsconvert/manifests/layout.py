@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import ArtifactError, MpsconvertError
 from ..infra import filesystem
 from ..infra.atomic import TMP_PREFIX
-from ..errors import ArtifactError, MpsconvertError
 from ..infra.untrusted import inside, read_json
 
 MANIFEST_NAME = "mpsconvert.json"
@@ -36,8 +36,14 @@ def shard_names(n: int) -> list[str]:
 def is_plain_shard_name(name) -> bool:
     """A `.safetensors` file name with no folder part, no `..` and no leading dot: the only kind
     of name an index may point to (anything else could reach outside the folder)."""
-    return (isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
-            and not name.startswith(".") and name not in (".", ".."))
+    return (
+        isinstance(name, str)
+        and name.endswith(".safetensors")
+        and "/" not in name
+        and "\\" not in name
+        and not name.startswith(".")
+        and name not in (".", "..")
+    )
 
 
 def read_weight_map(folder: Path) -> dict[str, str] | None:
@@ -56,8 +62,10 @@ def read_weight_map(folder: Path) -> dict[str, str] | None:
         raise ArtifactError(f"{INDEX_NAME} has no weight_map", "re-create the artifact")
     bad = next((f for f in wm.values() if not is_plain_shard_name(f)), None)
     if bad is not None:
-        raise ArtifactError(f"{INDEX_NAME} names {bad!r}, which is not a plain .safetensors file name in the folder",
-                            "the index is corrupt or was tampered with; re-create the artifact")
+        raise ArtifactError(
+            f"{INDEX_NAME} names {bad!r}, which is not a plain .safetensors file name in the folder",
+            "the index is corrupt or was tampered with; re-create the artifact",
+        )
     for f in set(wm.values()):
         inside(folder, f, what=INDEX_NAME)  # a shard that is a symlink out of the folder
     return wm
@@ -98,7 +106,9 @@ def is_ours(folder: Path) -> bool:
     return body.get("tool") == "mpsconvert" and type(body.get("schema_version")) is int
 
 
-def unlisted(folder: Path, listed: set[str] | None = None, limit: int | None = None, temporary: bool = False) -> list[str]:
+def unlisted(
+    folder: Path, listed: set[str] | None = None, limit: int | None = None, temporary: bool = False
+) -> list[str]:
     """Files (and links) in `folder` that its manifest does not list (`listed`: the names it
     lists, else read from the folder's manifest; an unreadable one lists nothing), sorted; macOS's
     AppleDouble companions left out, and a killed run's temporary files unless `temporary`.
@@ -116,7 +126,11 @@ def unlisted(folder: Path, listed: set[str] | None = None, limit: int | None = N
         here = Path(dirpath).relative_to(folder)
         for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
             rel = (here / name).as_posix()
-            if rel not in listed and not filesystem.is_appledouble(name) and (temporary or not (here == Path(".") and name.startswith(TMP_PREFIX))):
+            if (
+                rel not in listed
+                and not filesystem.is_appledouble(name)
+                and (temporary or not (here == Path(".") and name.startswith(TMP_PREFIX)))
+            ):
                 out.append(rel)
                 if limit is not None and len(out) >= limit:
                     return sorted(out)
@@ -144,8 +158,11 @@ def check_package_slot(artifact: Path, name: str, files: dict, force: bool) -> N
     if not os.path.lexists(p):
         return
     if p.is_symlink() or not any(k.startswith(name + "/") for k in files):
-        raise ArtifactError(f"{p} is not a package mpsconvert wrote "
-                            f"({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), so it is "
-                            "never replaced", "move it out of the artifact, then export again")
+        raise ArtifactError(
+            f"{p} is not a package mpsconvert wrote "
+            f"({'a symlink' if p.is_symlink() else 'the manifest lists nothing in it'}), so it is "
+            "never replaced",
+            "move it out of the artifact, then export again",
+        )
     if not force:
         raise MpsconvertError(f"{p} already exists", "pass `force` to replace it")

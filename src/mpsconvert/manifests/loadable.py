@@ -30,10 +30,10 @@ import contextlib
 import warnings
 from pathlib import Path
 
-from ..infra import atomic, tempdirs
-from ..model import templates
 from ..errors import ArtifactError, MpsconvertError
+from ..infra import atomic, tempdirs
 from ..infra.untrusted import inside, is_panic, read_json
+from ..model import templates
 from .hashing import copy_verified
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, weight_files
 
@@ -52,7 +52,11 @@ def loader_files(artifact: Path, manifest) -> list[str]:
     index, the manifest and the card. Packages (folders: the Apple exports) are for their own
     runtimes, which verify them."""
     skip = set(weight_files(artifact)) | _OWN_JSON | {"README.md"}
-    return [rel for rel in sorted(manifest.files) if rel not in skip and not rel.endswith(".safetensors") and _for_loaders(rel)]
+    return [
+        rel
+        for rel in sorted(manifest.files)
+        if rel not in skip and not rel.endswith(".safetensors") and _for_loaders(rel)
+    ]
 
 
 def _for_loaders(rel: str) -> bool:
@@ -76,10 +80,19 @@ def verified(artifact: Path, manifest=None):
     manifest = manifest or Manifest.read(artifact)
     with tempdirs.private_tempdir("load") as tmp:
         for rel in loader_files(artifact, manifest):
-            copy_verified(inside(artifact, rel, what=f"{MANIFEST_NAME} files"), tmp / rel, manifest.files[rel], f"{artifact}/{rel}")
+            copy_verified(
+                inside(artifact, rel, what=f"{MANIFEST_NAME} files"),
+                tmp / rel,
+                manifest.files[rel],
+                f"{artifact}/{rel}",
+            )
         for rel in unlisted(artifact, manifest):
-            if _for_loaders(rel) and not rel.rsplit("/", 1)[-1].startswith(atomic.TMP_PREFIX):  # one a loader would have read: said
-                warnings.warn(f"{artifact}/{rel} is not listed in {MANIFEST_NAME}: ignored (not verified, never read by a loader)")
+            if _for_loaders(rel) and not rel.rsplit("/", 1)[-1].startswith(
+                atomic.TMP_PREFIX
+            ):  # one a loader would have read: said
+                warnings.warn(
+                    f"{artifact}/{rel} is not listed in {MANIFEST_NAME}: ignored (not verified, never read by a loader)"
+                )
         yield tmp
 
 
@@ -92,8 +105,11 @@ def check_json(folder: Path, where: str, error: type[MpsconvertError] = Artifact
 
 
 def _ids_ok(v) -> bool:
-    return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) or (
-        isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+    return (
+        v is None
+        or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+        or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+    )
 
 
 def _check_fields(folder: Path, where: str, error: type[MpsconvertError]) -> None:
@@ -107,7 +123,8 @@ def _check_fields(folder: Path, where: str, error: type[MpsconvertError]) -> Non
     tc = body(TOKENIZER_CONFIG)
     bad = None
     if not isinstance(tc.get("added_tokens_decoder", {}), dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("content"), str) for v in tc.get("added_tokens_decoder", {}).values()):
+        isinstance(v, dict) and isinstance(v.get("content"), str) for v in tc.get("added_tokens_decoder", {}).values()
+    ):
         bad = "added_tokens_decoder is not a map of token ids to {content: ...} records"
     elif not all(isinstance(k, str) and k.isdigit() for k in tc.get("added_tokens_decoder", {})):
         bad = "added_tokens_decoder has a key that is not a token id"
@@ -130,7 +147,9 @@ def _check_fields(folder: Path, where: str, error: type[MpsconvertError]) -> Non
     gc = body(GENERATION_CONFIG)
     for k in ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id"):
         if not _ids_ok(gc.get(k)):
-            raise error(f"{where}/{GENERATION_CONFIG}: {k} is {str(gc.get(k))[:40]!r}, not a token id or a list of them", fix)
+            raise error(
+                f"{where}/{GENERATION_CONFIG}: {k} is {str(gc.get(k))[:40]!r}, not a token id or a list of them", fix
+            )
 
 
 def vocab_size(folder: Path, where: str, error: type[MpsconvertError] = ArtifactError) -> int | None:
@@ -145,8 +164,14 @@ def vocab_size(folder: Path, where: str, error: type[MpsconvertError] = Artifact
     return None
 
 
-def tokenizer(folder: Path, where: str | None = None, *, error: type[MpsconvertError] = ArtifactError, trust_remote_code: bool = False,
-              check_vocab: bool = True):
+def tokenizer(
+    folder: Path,
+    where: str | None = None,
+    *,
+    error: type[MpsconvertError] = ArtifactError,
+    trust_remote_code: bool = False,
+    check_vocab: bool = True,
+):
     """The tokenizer in `folder` (AutoTokenizer): of an artifact, read from its verified files
     only (`verified`); its files read through the bounded readers first; any failure is one
     `error` line naming the files. `where`: the folder as the user knows it (the artifact, when
@@ -154,7 +179,9 @@ def tokenizer(folder: Path, where: str | None = None, *, error: type[MpsconvertE
     folder = Path(folder)
     if where is None and (folder / MANIFEST_NAME).is_file():  # an artifact: its verified files only
         with verified(folder) as view:
-            return tokenizer(view, str(folder), error=error, trust_remote_code=trust_remote_code, check_vocab=check_vocab)
+            return tokenizer(
+                view, str(folder), error=error, trust_remote_code=trust_remote_code, check_vocab=check_vocab
+            )
     from transformers import AutoTokenizer
 
     where = where or str(folder)
@@ -164,23 +191,39 @@ def tokenizer(folder: Path, where: str | None = None, *, error: type[MpsconvertE
         tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except MpsconvertError:
         raise
-    except BaseException as e:  # a tokenizer file of the wrong shape: transformers' TypeError, ValueError, KeyError, a Rust panic ...
+    except (
+        BaseException
+    ) as e:  # a tokenizer file of the wrong shape: transformers' TypeError, ValueError, KeyError, a Rust panic ...
         if not isinstance(e, Exception) and not is_panic(e):  # Ctrl-C, SystemExit
             raise
-        files = ", ".join(sorted(p.name for p in folder.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "added_tokens",
-                                                                                           "vocab", "merges", "chat_template"))))
-        raise error(f"{where} has no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}; "
-                    f"read from {files or 'no tokenizer files'})",
-                    "quantize a source that ships its tokenizer files, or copy them into the artifact") from None
+        files = ", ".join(
+            sorted(
+                p.name
+                for p in folder.iterdir()
+                if p.name.startswith(
+                    ("tokenizer", "special_tokens", "added_tokens", "vocab", "merges", "chat_template")
+                )
+            )
+        )
+        raise error(
+            f"{where} has no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}; "
+            f"read from {files or 'no tokenizer files'})",
+            "quantize a source that ships its tokenizer files, or copy them into the artifact",
+        ) from None
     n = vocab_size(folder, where, error) if check_vocab else None
     if n is not None:
         vocab = tok.get_vocab()
         top = max(vocab.values(), default=-1)
         if top >= n:
             token = next(t for t, i in vocab.items() if i == top)
-            raise error(f"{where}: the tokenizer has token {token[:40]!r} with id {top}, past the model's vocabulary of {n} "
-                        f"({CONFIG_NAME} vocab_size): the model has no embedding for it", "fix the tokenizer files (added tokens)")
-    tok._mpsconvert_template_file = f"{where}/{next((f for f in TEMPLATE_FILES if (folder / f).is_file()), TOKENIZER_CONFIG)}"
+            raise error(
+                f"{where}: the tokenizer has token {token[:40]!r} with id {top}, past the model's vocabulary of {n} "
+                f"({CONFIG_NAME} vocab_size): the model has no embedding for it",
+                "fix the tokenizer files (added tokens)",
+            )
+    tok._mpsconvert_template_file = (
+        f"{where}/{next((f for f in TEMPLATE_FILES if (folder / f).is_file()), TOKENIZER_CONFIG)}"
+    )
     if getattr(tok, "chat_template", None):
         templates.warm()  # the renderer's start overlaps the model's load
     return tok
@@ -204,9 +247,11 @@ def generation_config(folder: Path, where: str | None = None, *, error: type[Mps
     try:
         return GenerationConfig.from_pretrained(str(folder))
     except Exception as e:
-        raise error(f"{where}/{GENERATION_CONFIG} cannot be read ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:120] if str(e) else ''})",
-                    "fix the file, or remove it") from None
+        raise error(
+            f"{where}/{GENERATION_CONFIG} cannot be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120] if str(e) else ''})",
+            "fix the file, or remove it",
+        ) from None
 
 
 def chat_ids(tok, messages: list[dict]) -> list[int]:
@@ -217,9 +262,11 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     try:
         template = tok.get_chat_template()
     except Exception as e:  # a template name that is not there, a list of templates without "default"
-        raise ArtifactError(f"the chat template in {where} cannot be used "
-                            f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
-                            "fix the chat template, or pass `use_template=False`") from None
+        raise ArtifactError(
+            f"the chat template in {where} cannot be used "
+            f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
+            "fix the chat template, or pass `use_template=False`",
+        ) from None
     text = templates.render(template, messages, where, add_generation_prompt=True, **tok.special_tokens_map)
     return encode(tok, text, add_special_tokens=False)
 
@@ -233,6 +280,8 @@ def encode(tok, text: str, **kw) -> list[int]:
     except BaseException as e:
         if not is_panic(e):
             raise
-        raise ArtifactError("the tokenizer failed on this text (its Rust code panicked: "
-                            f"{str(e).splitlines()[0][:120] if str(e) else 'no message'})",
-                            "a pre-tokenizer regex in tokenizer.json backtracks too much on it: fix tokenizer.json, or change the text") from None
+        raise ArtifactError(
+            "the tokenizer failed on this text (its Rust code panicked: "
+            f"{str(e).splitlines()[0][:120] if str(e) else 'no message'})",
+            "a pre-tokenizer regex in tokenizer.json backtracks too much on it: fix tokenizer.json, or change the text",
+        ) from None

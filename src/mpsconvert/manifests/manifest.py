@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from ..version import __version__
-from ..infra.atomic import write_text
 from ..errors import ArtifactError, MpsconvertError
-from ..infra.untrusted import LIMITS, bad_relpath, bounded, parse_json, read_bytes, read_json
+from ..infra.atomic import write_text
+from ..infra.untrusted import LIMITS, bad_relpath, bounded, parse_json, printable, read_bytes, read_json
 from ..infra.untrusted import field as json_field
-from ..infra.untrusted import printable
+from ..version import __version__
 from .hashing import sha256_file
 from .layout import MANIFEST_NAME
 from .pin import digest as pin_digest
@@ -53,8 +52,11 @@ def dist_versions(*dists: str) -> dict:
 
 def library_versions() -> dict:
     """Versions of the libraries that shape an artifact (None where not installed)."""
-    return {"mpsconvert": __version__, "python": platform.python_version(),
-            **dist_versions("torch", "transformers", "safetensors", "huggingface_hub", "compressed-tensors", "coremltools")}
+    return {
+        "mpsconvert": __version__,
+        "python": platform.python_version(),
+        **dist_versions("torch", "transformers", "safetensors", "huggingface_hub", "compressed-tensors", "coremltools"),
+    }
 
 
 @dataclass
@@ -132,7 +134,9 @@ class Manifest:
         """
         path = Path(folder) / MANIFEST_NAME
         if not path.is_file():
-            raise ArtifactError(f"{folder} has no {MANIFEST_NAME}", "is this an mpsconvert artifact? run `mpsconvert quantize` first")
+            raise ArtifactError(
+                f"{folder} has no {MANIFEST_NAME}", "is this an mpsconvert artifact? run `mpsconvert quantize` first"
+            )
         return cls.from_body(read_json(path, what=str(path), fix=REBUILD_FIX), path)
 
     @classmethod
@@ -149,35 +153,74 @@ class Manifest:
         kw = dict(what=str(path), fix=fix)
         tampered = "the manifest was corrupted or tampered with; re-create the artifact"
         if body.get("tool") != "mpsconvert":  # exactly: a lookalike ("mpsconvert\u200b") is another tool's file
-            raise ArtifactError(f"{path} says \"tool\": {printable(repr(body.get('tool')))[:60]}, not \"mpsconvert\"", tampered)
+            raise ArtifactError(
+                f'{path} says "tool": {printable(repr(body.get("tool")))[:60]}, not "mpsconvert"', tampered
+            )
         # the shape every artifact's manifest has: a verify that reads an empty or null field as
         # "nothing to check" would say ok about what it never checked
         files = json_field(body, "files", dict, **kw)
         if not files:
             raise ArtifactError(f"{path} lists no files, so nothing of the artifact could be checked", tampered)
         if len(files) > MAX_FILES:
-            raise ArtifactError(f"{path} lists {len(files)} files, more than the {MAX_FILES} an artifact can have (untrusted.LIMITS)", tampered)
+            raise ArtifactError(
+                f"{path} lists {len(files)} files, more than the {MAX_FILES} an artifact can have (untrusted.LIMITS)",
+                tampered,
+            )
         for name, rec in files.items():
             why = bad_relpath(name)
             if why is not None:
-                raise ArtifactError(f"{path} lists a file {name[:80]!r}, which {why}", "the manifest was corrupted or tampered with; re-create the artifact")
-            if not (isinstance(rec, dict) and isinstance(rec.get("sha256"), str) and _SHA256.match(rec["sha256"])
-                    and type(rec.get("size")) is int and rec["size"] >= 0):
+                raise ArtifactError(
+                    f"{path} lists a file {name[:80]!r}, which {why}",
+                    "the manifest was corrupted or tampered with; re-create the artifact",
+                )
+            if not (
+                isinstance(rec, dict)
+                and isinstance(rec.get("sha256"), str)
+                and _SHA256.match(rec["sha256"])
+                and type(rec.get("size")) is int
+                and rec["size"] >= 0
+            ):
                 raise ArtifactError(f"{path}: the record of {name!r} needs a sha256 (64 hex digits) and a size", fix)
         tensors = json_field(body, "tensors", dict, **kw)
-        bounded(len(tensors), "manifest tensor records", what=f"{path} records {len(tensors)} tensors, and the count",
-                error=ArtifactError, fix=tampered)
+        bounded(
+            len(tensors),
+            "manifest tensor records",
+            what=f"{path} records {len(tensors)} tensors, and the count",
+            error=ArtifactError,
+            fix=tampered,
+        )
         for name, r in tensors.items():
-            if not (isinstance(r, dict) and isinstance(r.get("dtype", ""), str) and isinstance(r.get("shape", []), list)
-                    and all(type(d) is int and d >= 0 for d in r.get("shape", []))):
-                raise ArtifactError(f"{path}: the record of tensor {printable(name)[:80]!r} must be an object with a dtype string "
-                                    "and a shape of non-negative integers", fix)
+            if not (
+                isinstance(r, dict)
+                and isinstance(r.get("dtype", ""), str)
+                and isinstance(r.get("shape", []), list)
+                and all(type(d) is int and d >= 0 for d in r.get("shape", []))
+            ):
+                raise ArtifactError(
+                    f"{path}: the record of tensor {printable(name)[:80]!r} must be an object with a dtype string "
+                    "and a shape of non-negative integers",
+                    fix,
+                )
         for kind in kinds():  # a top-level record present must be an object: `"pinned": null` is not "no pin"
             section = body if kind.SECTION is None else {}
             if kind.KEY in section and not isinstance(section[kind.KEY], dict):
-                raise ArtifactError(f"{path}: the `{kind.path()}` record is "
-                                    f"{type(section[kind.KEY]).__name__}, not an object", kind.FIX or tampered)
-        known = {"schema_version", "tool", "versions", "source", "recipe", "device", "summary", "tensors", "skipped", "files", "created"}
+                raise ArtifactError(
+                    f"{path}: the `{kind.path()}` record is {type(section[kind.KEY]).__name__}, not an object",
+                    kind.FIX or tampered,
+                )
+        known = {
+            "schema_version",
+            "tool",
+            "versions",
+            "source",
+            "recipe",
+            "device",
+            "summary",
+            "tensors",
+            "skipped",
+            "files",
+            "created",
+        }
         return cls(
             source=json_field(body, "source", dict, **kw),
             recipe=json_field(body, "recipe", dict, **kw),
@@ -199,10 +242,12 @@ def pinned_sha256(value: str) -> str:
     want = value.strip().lower() if isinstance(value, str) else value
     if not isinstance(want, str) or not _SHA256.match(want):
         shown = repr(value)[:80]
-        raise MpsconvertError(f"`manifest_sha256={shown}` is not a sha256 (64 hex digits; got "
-                              f"{len(value) if isinstance(value, str) else type(value).__name__}"
-                              f"{' characters' if isinstance(value, str) else ''})",
-                              "copy the whole value `mpsconvert quantize` printed (`mpsconvert verify DIR --json` prints it too)")
+        raise MpsconvertError(
+            f"`manifest_sha256={shown}` is not a sha256 (64 hex digits; got "
+            f"{len(value) if isinstance(value, str) else type(value).__name__}"
+            f"{' characters' if isinstance(value, str) else ''})",
+            "copy the whole value `mpsconvert quantize` printed (`mpsconvert verify DIR --json` prints it too)",
+        )
     return want
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 from .records import AppleExport, Pin, kinds
 
@@ -32,9 +31,13 @@ def seal(manifest) -> None:
     after = {k.KEY for k in kinds() if k.AFTER and k.SECTION is None}
     packages = [r.package_name + "/" for k in kinds(AppleExport) if (r := manifest.get(k)) is not None]
     body = json.loads(manifest.to_json())
-    manifest.put(Pin(keys=sorted(k for k in body if k not in ("files", "versions", Pin.KEY) and k not in after),
-                     versions=sorted(manifest.versions),
-                     files=sorted(f for f in manifest.files if f != CARD and not f.startswith(tuple(packages)))))
+    manifest.put(
+        Pin(
+            keys=sorted(k for k in body if k not in ("files", "versions", Pin.KEY) and k not in after),
+            versions=sorted(manifest.versions),
+            files=sorted(f for f in manifest.files if f != CARD and not f.startswith(tuple(packages))),
+        )
+    )
 
 
 def digest(body: dict) -> str | None:
@@ -45,7 +48,11 @@ def digest(body: dict) -> str | None:
     pin = Pin.read(body[Pin.KEY], "mpsconvert.json")
     files = body.get("files") if isinstance(body.get("files"), dict) else {}
     versions = body.get("versions") if isinstance(body.get("versions"), dict) else {}
-    part = {Pin.KEY: body[Pin.KEY], **{k: body.get(k) for k in pin.keys},
-            "versions": {k: versions.get(k) for k in pin.versions}, "files": {f: files.get(f) for f in pin.files}}
+    part = {
+        Pin.KEY: body[Pin.KEY],
+        **{k: body.get(k) for k in pin.keys},
+        "versions": {k: versions.get(k) for k in pin.versions},
+        "files": {f: files.get(f) for f in pin.files},
+    }
     text = json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -115,7 +115,7 @@ def _value(v, tp, where: str, fix: str):
         return [_value(x, it, f"{where}[{i}]", fix) for i, x in enumerate(v)]
     if tp is Any:
         return v
-    ok = (type(v) is int if tp is int else type(v) in (int, float) if tp is float else isinstance(v, _SCALAR[tp]))
+    ok = type(v) is int if tp is int else type(v) in (int, float) if tp is float else isinstance(v, _SCALAR[tp])
     if not ok:
         raise ArtifactError(f"{where} is {_shown(v)}, not {_type_name(tp)}", fix)
     return v
@@ -127,8 +127,14 @@ def _shown(v) -> str:
 
 
 def _type_name(tp) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
-            list: "a list"}.get(tp, getattr(tp, "__name__", str(tp).replace("typing.", "")))
+    return {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        dict: "an object",
+        list: "a list",
+    }.get(tp, getattr(tp, "__name__", str(tp).replace("typing.", "")))
 
 
 class Record(Typed):
@@ -136,7 +142,9 @@ class Record(Typed):
 
     KEY: ClassVar[str]
     SECTION: ClassVar[str | None] = None
-    AFTER: ClassVar[bool] = False  # written by a step after the conversion (validate, an export, upload): outside the pin (pin.py)
+    AFTER: ClassVar[bool] = (
+        False  # written by a step after the conversion (validate, an export, upload): outside the pin (pin.py)
+    )
 
     @classmethod
     def path(cls) -> str:
@@ -168,7 +176,7 @@ class MappingRecord(Record):
 def compact(value, limit: int = 100) -> str:
     """JSON of `value` in at most `limit` characters (inspect --json shows all of it)."""
     text = json.dumps(value)
-    return text if len(text) <= limit else f"{text[:limit - 3]}... (inspect --json for all)"
+    return text if len(text) <= limit else f"{text[: limit - 3]}... (inspect --json for all)"
 
 
 # --------------------------------------------------------------------------- validate
@@ -206,16 +214,28 @@ class Validation(MappingRecord):
             a, sp = r.accuracy, r.speedup or {}
             if r.kind == "causal-lm":
                 top1 = a.get("top1_agreement")
-                acc = (f"ppl {num(a.get('perplexity_bf16'), '.3f')} -> {num(a.get('perplexity_fp8'), '.3f')} "
-                       f"({num(a.get('perplexity_delta_pct'), '+.2f')}%), KL {num(a.get('mean_kl'), '.5f')}, "
-                       f"top-1 {num(100 * top1 if num(top1) != '?' else None, '.2f')}%")
+                acc = (
+                    f"ppl {num(a.get('perplexity_bf16'), '.3f')} -> {num(a.get('perplexity_fp8'), '.3f')} "
+                    f"({num(a.get('perplexity_delta_pct'), '+.2f')}%), KL {num(a.get('mean_kl'), '.5f')}, "
+                    f"top-1 {num(100 * top1 if num(top1) != '?' else None, '.2f')}%"
+                )
             elif r.kind == "diffusion-step":
-                acc = f"one denoising step: relative error {num(a.get('rel_error'), '.5f')}, cosine " f"{num(a.get('cosine'), '.6f')}"
+                acc = (
+                    f"one denoising step: relative error {num(a.get('rel_error'), '.5f')}, cosine "
+                    f"{num(a.get('cosine'), '.6f')}"
+                )
             else:
                 acc = f"embedding cosine mean {num(a.get('cosine_mean'), '.5f')}, min {num(a.get('cosine_min'), '.5f')}"
-            verdicts = r.verdict or {}  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
-            speeds = ", ".join(f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else num(v, '.2f') + 'x'}"
-                               for ph, v in sorted(sp.items())) or "latency not measured"
+            verdicts = (
+                r.verdict or {}
+            )  # the run's own verdict wins over the bare ratio (noise reads as "no clear difference")
+            speeds = (
+                ", ".join(
+                    f"{ph} {speed(verdicts[ph]) if isinstance(verdicts.get(ph), dict) else num(v, '.2f') + 'x'}"
+                    for ph, v in sorted(sp.items())
+                )
+                or "latency not measured"
+            )
             rows.append((f"validation {key}", f"{acc}; speedup vs BF16: {speeds} ({(r.measured_at or '')[:10]})"))
         return rows
 
@@ -267,9 +287,13 @@ class AppleExport(Record):
         raise NotImplementedError
 
     def summary_of(self, target: str | None, size: int | None, weights: str | None = None) -> str:
-        parts = [f"{self.package_name}: {self.task}" + (" stateful decoder" if self.stateful else ""),
-                 f"target {target}" if target else None, human(size) if size else None, f"weights {weights}" if weights else None,
-                 ("checks ok" if self.check.ok else "checks FAILED") if self.check else "not checked"]
+        parts = [
+            f"{self.package_name}: {self.task}" + (" stateful decoder" if self.stateful else ""),
+            f"target {target}" if target else None,
+            human(size) if size else None,
+            f"weights {weights}" if weights else None,
+            ("checks ok" if self.check.ok else "checks FAILED") if self.check else "not checked",
+        ]
         return ", ".join(p for p in parts if p)
 
     def inspect_rows(self) -> list[tuple[str, str]]:
@@ -295,8 +319,18 @@ class RuntimeResult(Record):
         if self.status != "ran":
             return f"not run ({self.reason or self.status})"
         rows = [r for r in self.rows if "error" not in r]
-        return "; ".join(f"{r.get('engine')}: " + (f"decode {r['decode_tokens_per_s']:.1f} tok/s" if isinstance(r.get("decode_tokens_per_s"), (int, float))
-                                                   else f"{r.get('latency_ms', 0):.2f} ms") for r in rows) or "no rows"
+        return (
+            "; ".join(
+                f"{r.get('engine')}: "
+                + (
+                    f"decode {r['decode_tokens_per_s']:.1f} tok/s"
+                    if isinstance(r.get("decode_tokens_per_s"), (int, float))
+                    else f"{r.get('latency_ms', 0):.2f} ms"
+                )
+                for r in rows
+            )
+            or "no rows"
+        )
 
     def inspect_rows(self) -> list[tuple[str, str]]:
         return [(f"{self.NAME} runtime", self.summary())]
@@ -398,10 +432,12 @@ class GGUFSource(Record):
         if not self.below_8_bits or self.lowest not in self.tensor_types:
             return None
         low = self.lowest
-        return (f"the source weights were already below 8 bits: {self.file} is GGUF {self.file_type or low} "
-                f"({self.tensor_types[low]} tensors {low}, {self.bits_per_weight.get(low, '?')} bits per weight with "
-                "their scales); FP8 keeps that coarser grid and cannot restore what it lost, and validate compares "
-                "against the same GGUF, dequantized")
+        return (
+            f"the source weights were already below 8 bits: {self.file} is GGUF {self.file_type or low} "
+            f"({self.tensor_types[low]} tensors {low}, {self.bits_per_weight.get(low, '?')} bits per weight with "
+            "their scales); FP8 keeps that coarser grid and cannot restore what it lost, and validate compares "
+            "against the same GGUF, dequantized"
+        )
 
 
 @dataclass(kw_only=True)
@@ -449,5 +485,15 @@ def kinds(base: type[R] = Record) -> list[type[R]]:
     return [k for k in _KINDS.values() if issubclass(k, base)]
 
 
-for _kind in (Validation, Experts, ExpertCalibration, CalibrationRecord, Hub, Pin, GGUFSource, DiffusionSource, VLLMBlock):
+for _kind in (
+    Validation,
+    Experts,
+    ExpertCalibration,
+    CalibrationRecord,
+    Hub,
+    Pin,
+    GGUFSource,
+    DiffusionSource,
+    VLLMBlock,
+):
     register(_kind)

@@ -24,8 +24,8 @@ import contextlib
 from pathlib import Path
 from typing import Iterator, TypeVar
 
-from ..infra import atomic, tempdirs
 from ..errors import ArtifactError
+from ..infra import atomic, tempdirs
 from . import card, pin
 from .hashing import folder_files, sha256_file
 from .layout import MANIFEST_NAME, is_ours, unlisted
@@ -62,7 +62,11 @@ class Transaction:
         self._rebuilt = False
         self._staged = False
         self._theirs: list[str] = []  # a rebuild's files that are not the artifact's, carried over as they are
-        self._card = (artifact / card.CARD_NAME).read_text(encoding="utf-8", errors="replace") if (artifact / card.CARD_NAME).is_file() else None
+        self._card = (
+            (artifact / card.CARD_NAME).read_text(encoding="utf-8", errors="replace")
+            if (artifact / card.CARD_NAME).is_file()
+            else None
+        )
 
     def get(self, kind: type[R]) -> R | None:
         return self.manifest.get(kind)
@@ -89,7 +93,9 @@ class Transaction:
         if self._folder is not None:
             raise RuntimeError("Transaction.rebuild() must come before any use of .folder")
         self._theirs = unlisted(self.artifact, set(self.manifest.files))
-        self._folder = self._stack.enter_context(atomic.output_dir(self.artifact, force=True, is_ours=is_ours, held=True))
+        self._folder = self._stack.enter_context(
+            atomic.output_dir(self.artifact, force=True, is_ours=is_ours, held=True)
+        )
         self._rebuilt = True  # new weights: the pin is sealed anew
         return self._folder
 
@@ -123,8 +129,14 @@ class Transaction:
 
 
 @contextlib.contextmanager
-def transaction(artifact: Path, *, verify: bool = False, trust_remote_code: bool = False, drop: tuple[str, ...] = (),
-                tempdir: str | None = None) -> Iterator[Transaction]:
+def transaction(
+    artifact: Path,
+    *,
+    verify: bool = False,
+    trust_remote_code: bool = False,
+    drop: tuple[str, ...] = (),
+    tempdir: str | None = None,
+) -> Iterator[Transaction]:
     """Change the artifact at `artifact` as one step (see the module's docstring).
 
     Args:
@@ -145,7 +157,9 @@ def transaction(artifact: Path, *, verify: bool = False, trust_remote_code: bool
         if tempdir is not None:
             stack.enter_context(tempdirs.private_tempdir(tempdir, redirect=True))
         if not (artifact / MANIFEST_NAME).is_file():
-            raise ArtifactError(f"{artifact} has no {MANIFEST_NAME}", "is this an mpsconvert artifact? run `mpsconvert quantize` first")
+            raise ArtifactError(
+                f"{artifact} has no {MANIFEST_NAME}", "is this an mpsconvert artifact? run `mpsconvert quantize` first"
+            )
         manifest = Manifest.read(artifact)
         if verify:
             from .verify import check_before_use

@@ -28,8 +28,12 @@ def floats(path: Path, info) -> np.ndarray:
     if info.dtype == "BF16":
         raw = np.fromfile(path, dtype="<u2", count=info.nbytes // 2, offset=info.start)
         return (raw.astype(np.uint32) << 16).view(np.float32)
-    return np.fromfile(path, dtype=np.dtype(_SCALE_NP[info.dtype]).newbyteorder("<"), count=info.nbytes // np.dtype(_SCALE_NP[info.dtype]).itemsize,
-                       offset=info.start).astype(np.float32)
+    return np.fromfile(
+        path,
+        dtype=np.dtype(_SCALE_NP[info.dtype]).newbyteorder("<"),
+        count=info.nbytes // np.dtype(_SCALE_NP[info.dtype]).itemsize,
+        offset=info.start,
+    ).astype(np.float32)
 
 
 def nan_codes(codes: np.ndarray) -> int:
@@ -39,16 +43,22 @@ def nan_codes(codes: np.ndarray) -> int:
 
 def fp8_ranges(header: Header) -> list[tuple[str, int, int]]:
     """(tensor, first byte, end byte) in the file of every F8_E4M3 tensor: what `hash_and_count` scans."""
-    return sorted(((n, i.start, i.start + i.nbytes) for n, i in header.tensors.items() if i.dtype == "F8_E4M3" and i.nbytes),
-                  key=lambda r: r[1])
+    return sorted(
+        ((n, i.start, i.start + i.nbytes) for n, i in header.tensors.items() if i.dtype == "F8_E4M3" and i.nbytes),
+        key=lambda r: r[1],
+    )
 
 
-def hash_and_count(path: Path, ranges: list[tuple[str, int, int]] = (), block: int = _BLOCK) -> tuple[str, dict[str, int]]:
+def hash_and_count(
+    path: Path, ranges: list[tuple[str, int, int]] = (), block: int = _BLOCK
+) -> tuple[str, dict[str, int]]:
     """The file's sha256 and, in the same read, the NaN codes of each range (`fp8_ranges`):
     (hex digest, {tensor: NaN codes}). Without ranges it is a plain streamed sha256."""
     h = hashlib.sha256()
     counts = {name: 0 for name, _, _ in ranges}
-    with os.fdopen(open_regular(path, raw_oserror=True), "rb", buffering=0) as f:  # a FIFO or device is refused, never read
+    with os.fdopen(
+        open_regular(path, raw_oserror=True), "rb", buffering=0
+    ) as f:  # a FIFO or device is refused, never read
         buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size)))
         view = memoryview(buf)
         arr = np.frombuffer(buf, dtype=np.uint8)
@@ -67,7 +77,9 @@ def hash_and_count(path: Path, ranges: list[tuple[str, int, int]] = (), block: i
     return h.hexdigest(), counts
 
 
-def check_values(headers: dict[str, Header], report, codes: bool = True, counted: dict[str, dict[str, int]] | None = None) -> None:
+def check_values(
+    headers: dict[str, Header], report, codes: bool = True, counted: dict[str, dict[str, int]] | None = None
+) -> None:
     """Every `*_scale` tensor finite and > 0; with `codes`, no NaN code in any F8_E4M3 tensor:
     counted while the files were hashed (`counted`: shard -> {tensor: NaN codes}), else here, in
     blocks of a memory map."""
@@ -78,17 +90,21 @@ def check_values(headers: dict[str, Header], report, codes: bool = True, counted
                 v = floats(h.path, info)
                 bad = ~(np.isfinite(v) & (v > 0))
                 if bad.any():
-                    report.problems.append(f"{name} in {shard} has {int(bad.sum())} value(s) that are not finite "
-                                           f"positive scales (e.g. {v[bad][0]})")
+                    report.problems.append(
+                        f"{name} in {shard} has {int(bad.sum())} value(s) that are not finite "
+                        f"positive scales (e.g. {v[bad][0]})"
+                    )
             elif codes and info.dtype == "F8_E4M3" and info.nbytes:
                 if shard in counted:
                     n = counted[shard].get(name, 0)
                 else:
                     mm = np.memmap(h.path, dtype=np.uint8, mode="r", offset=info.start, shape=(info.nbytes,))
-                    n = sum(nan_codes(mm[i:i + (64 << 20)]) for i in range(0, info.nbytes, 64 << 20))
+                    n = sum(nan_codes(mm[i : i + (64 << 20)]) for i in range(0, info.nbytes, 64 << 20))
                     del mm
                 if n:
-                    report.problems.append(f"{name} in {shard} holds {n} NaN code(s) (0x7F/0xFF), which no quantizer writes")
+                    report.problems.append(
+                        f"{name} in {shard} holds {n} NaN code(s) (0x7F/0xFF), which no quantizer writes"
+                    )
 
 
 def check_records(manifest, tensors: dict, report) -> None:
@@ -101,11 +117,15 @@ def check_records(manifest, tensors: dict, report) -> None:
         if info is None:
             found.append(f"{MANIFEST_NAME} records {name}, which no shard holds")
         elif info.dtype != rec.get("dtype", info.dtype) or list(info.shape) != rec.get("shape", list(info.shape)):
-            found.append(f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records "
-                         f"{rec.get('dtype')}{rec.get('shape')}")
+            found.append(
+                f"{name} is {info.dtype}{list(info.shape)} but {MANIFEST_NAME} records "
+                f"{rec.get('dtype')}{rec.get('shape')}"
+            )
     report.problems += found[:MAX_SAID]
     if len(found) > MAX_SAID:
-        report.problems.append(f"... and {len(found) - MAX_SAID} more tensor records of {MANIFEST_NAME} that the shards do not match")
+        report.problems.append(
+            f"... and {len(found) - MAX_SAID} more tensor records of {MANIFEST_NAME} that the shards do not match"
+        )
 
 
 MAX_SAID = 20  # problems of one kind said one by one

@@ -34,17 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ArtifactError, MpsconvertError
-
-from ..infra.safetensors_io import Header, read_header
 from ..format.ct_config import scheme_from_config
-from . import layout
 from ..infra.atomic import TMP_PREFIX
-from ..infra.untrusted import check_model_config, inside, read_json
 from ..infra.progress import Progress, or_silent
+from ..infra.safetensors_io import Header, read_header
+from ..infra.untrusted import check_model_config, inside, read_json
+from . import layout
 from .hashing import sha256_file
 from .layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME
 from .manifest import Manifest, pinned_sha256, read_once
-from .pin import CARD as CARD_NAME, Pin
+from .pin import CARD as CARD_NAME
+from .pin import Pin
 from .values import check_records, check_values, fp8_ranges, hash_and_count
 
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -59,7 +59,9 @@ class VerifyReport:
     scheme: str | None = None
     weights: str | None = None
     quantized: dict = field(default_factory=dict)  # module -> [N, K]
-    linears: set = field(default_factory=set, repr=False)  # the Linear modules of the model built from config.json (not reported)
+    linears: set = field(
+        default_factory=set, repr=False
+    )  # the Linear modules of the model built from config.json (not reported)
     shards: list = field(default_factory=list)
     headers: dict = field(default_factory=dict, repr=False)  # shard -> validated Header (not reported)
     unlisted: list = field(default_factory=list)  # files present that the manifest does not list
@@ -67,7 +69,9 @@ class VerifyReport:
     manifest_sha256: str | None = None
     pinned_sha256: str | None = None  # of the part the conversion sealed (manifests/pin.py): the pin that lasts
     pin: str | None = None  # what the pin given to verify covered
-    format: str | None = None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
+    format: str | None = (
+        None  # a diffusion artifact's format ("comfyui", "comfyui-legacy", "diffusers"); None: compressed-tensors
+    )
     manifest: Manifest | None = field(default=None, repr=False)  # parsed from the bytes that were hashed (not reported)
     # config.json is the one the manifest recorded (its sha256 checked, also without check_hashes:
     # a few KB): the records' shapes then already are the model's, and nothing needs building
@@ -86,11 +90,22 @@ class VerifyReport:
         return self.scheme is not None and not self.format and not self.config_recorded
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "hashes_checked": self.hashes_checked, "scheme": self.scheme,
-                "weights": self.weights, "quantized_modules": len(self.quantized), "files": self.files, "problems": self.problems,
-                "unlisted": self.unlisted, "warnings": self.warnings, "manifest_sha256": self.manifest_sha256,
-                "pinned_sha256": self.pinned_sha256, **({"pin": self.pin} if self.pin else {}),
-                **({"format": self.format} if self.format else {})}
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "hashes_checked": self.hashes_checked,
+            "scheme": self.scheme,
+            "weights": self.weights,
+            "quantized_modules": len(self.quantized),
+            "files": self.files,
+            "problems": self.problems,
+            "unlisted": self.unlisted,
+            "warnings": self.warnings,
+            "manifest_sha256": self.manifest_sha256,
+            "pinned_sha256": self.pinned_sha256,
+            **({"pin": self.pin} if self.pin else {}),
+            **({"format": self.format} if self.format else {}),
+        }
 
 
 def _problem(report: VerifyReport, msg: str) -> None:
@@ -115,7 +130,9 @@ def check_sizes(folder: Path, manifest: Manifest, report: VerifyReport) -> list[
         size = p.stat().st_size
         if size != rec.get("size"):
             report.files[name] = f"size {size}, manifest says {rec.get('size')}"
-            _problem(report, f"{name} is {size} bytes but {MANIFEST_NAME} records {rec.get('size')} (truncated or replaced)")
+            _problem(
+                report, f"{name} is {size} bytes but {MANIFEST_NAME} records {rec.get('size')} (truncated or replaced)"
+            )
         else:
             present.append(name)
     return present
@@ -145,10 +162,15 @@ def check_unlisted(folder: Path, manifest: Manifest, report: VerifyReport) -> No
         name = rel.rsplit("/", 1)[-1]
         report.unlisted.append(rel)
         if name.startswith(TMP_PREFIX):
-            report.warnings.append(f"{rel} was left by an interrupted run (the next write into the artifact removes it)")
+            report.warnings.append(
+                f"{rel} was left by an interrupted run (the next write into the artifact removes it)"
+            )
         elif name.endswith(".py"):
-            _problem(report, f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); "
-                             "it is never imported")
+            _problem(
+                report,
+                f"{rel} is code that {MANIFEST_NAME} does not list (added after the artifact was made); "
+                "it is never imported",
+            )
         else:
             report.warnings.append(f"{rel} is not listed in {MANIFEST_NAME} (not verified, not used)")
 
@@ -165,18 +187,28 @@ def check_manifest_sha256(folder: Path, want: str, report: VerifyReport, manifes
         sealed = manifest.get(Pin)
         later = sorted(set(manifest.extra) - set(sealed.keys) - {Pin.KEY})
         added = sorted(set(manifest.files) - set(sealed.files) - {CARD_NAME})
-        report.pin = (f"the conversion: {len(sealed.files)} files and the manifest's {', '.join(sealed.keys)}; not the card"
-                      + (f", the records added since ({', '.join(later)})" if later else "")
-                      + (f" or the {len(added)} files added since ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''})" if added else "")
-                      + ", which are checked against the manifest's hashes only")
+        report.pin = (
+            f"the conversion: {len(sealed.files)} files and the manifest's {', '.join(sealed.keys)}; not the card"
+            + (f", the records added since ({', '.join(later)})" if later else "")
+            + (
+                f" or the {len(added)} files added since ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''})"
+                if added
+                else ""
+            )
+            + ", which are checked against the manifest's hashes only"
+        )
     else:
-        _problem(report, f"{MANIFEST_NAME} is not the pinned one (the manifest was changed, or what the conversion sealed in it; "
-                         f"calibrate rewrites the weights: pin the new value verify prints): pinned {want}, the whole manifest's "
-                         f"sha256 is {got}, its sealed part's {report.pinned_sha256 or 'none'}")
+        _problem(
+            report,
+            f"{MANIFEST_NAME} is not the pinned one (the manifest was changed, or what the conversion sealed in it; "
+            f"calibrate rewrites the weights: pin the new value verify prints): pinned {want}, the whole manifest's "
+            f"sha256 is {got}, its sealed part's {report.pinned_sha256 or 'none'}",
+        )
 
 
-def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None,
-                  codes: bool = False) -> dict[str, dict[str, int]]:
+def _check_hashes(
+    folder: Path, manifest: Manifest, report: VerifyReport, progress: Progress | None = None, codes: bool = False
+) -> dict[str, dict[str, int]]:
     """Every listed file's sha256, a thread per file up to one per core (sha256 of one file is one
     core's work; hashlib releases the GIL), compared with the manifest. With `codes`, the NaN
     codes of every F8_E4M3 tensor of the safetensors files are counted in the same read; returns
@@ -188,7 +220,9 @@ def _check_hashes(folder: Path, manifest: Manifest, report: VerifyReport, progre
     digests, counted, done = {}, {}, 0
     names = check_sizes(folder, manifest, report)
     ranges = {name: _fp8_ranges(folder / name) for name in names if codes and name.endswith(".safetensors")}
-    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 2)), thread_name_prefix="mpsconvert-verify") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(len(names), os.cpu_count() or 2)), thread_name_prefix="mpsconvert-verify"
+    ) as pool:
         futures = {name: pool.submit(hash_and_count, folder / name, ranges.get(name) or ()) for name in names}
         for name, fut in futures.items():
             digests[name], found = fut.result()
@@ -208,7 +242,12 @@ def _is_recorded(folder: Path, manifest: Manifest, name: str, report: VerifyRepo
         return report.files[name] == "ok"
     try:
         p = inside(folder, name, what=f"{MANIFEST_NAME} files")
-        return bool(rec.get("sha256")) and p.is_file() and p.stat().st_size == rec.get("size") and sha256_file(p) == rec["sha256"]
+        return (
+            bool(rec.get("sha256"))
+            and p.is_file()
+            and p.stat().st_size == rec.get("size")
+            and sha256_file(p) == rec["sha256"]
+        )
     except (OSError, MpsconvertError):
         return False
 
@@ -249,9 +288,18 @@ def _shards(folder: Path, report: VerifyReport) -> dict[str, Header]:
     return headers
 
 
-def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = None, ignored: set | None = None,
-                    progress=None, manifest_sha256: str | None = None, check_codes: bool = True,
-                    manifest: Manifest | None = None, config: dict | None = None) -> VerifyReport:
+def verify_artifact(
+    path,
+    *,
+    check_hashes: bool = True,
+    shapes: dict | None = None,
+    ignored: set | None = None,
+    progress=None,
+    manifest_sha256: str | None = None,
+    check_codes: bool = True,
+    manifest: Manifest | None = None,
+    config: dict | None = None,
+) -> VerifyReport:
     """Check an artifact folder; returns a report listing every problem found (empty when sound).
 
     `manifest_sha256`: the manifest file must have this sha256. `check_codes`: scan every FP8
@@ -273,8 +321,11 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
             _problem(report, e.problem)
     else:
         manifest = None
-        _problem(report, f"cannot verify: {folder} has no {MANIFEST_NAME}, so there are no hashes to check the files against "
-                         "(made by another tool, or the manifest was deleted)")
+        _problem(
+            report,
+            f"cannot verify: {folder} has no {MANIFEST_NAME}, so there are no hashes to check the files against "
+            "(made by another tool, or the manifest was deleted)",
+        )
     report.manifest = manifest
     if manifest_sha256 is not None and report.manifest_sha256 is not None:
         check_manifest_sha256(folder, manifest_sha256, report, manifest)
@@ -316,9 +367,16 @@ def verify_artifact(path, *, check_hashes: bool = True, shapes: dict | None = No
         want = list(scheme.scale_shape(n, k))
         if sc is None:
             _problem(report, f"{name} has no {mod}.weight_scale")
-        elif sc.dtype not in FLOAT_SCALE_DTYPES or list(sc.shape) != want and not (want == [1] and math.prod(sc.shape) == 1):
-            _problem(report, f"{mod}.weight_scale is {sc.dtype}{list(sc.shape)}, the config's {scheme.weights} "
-                             f"strategy needs a float {want}")
+        elif (
+            sc.dtype not in FLOAT_SCALE_DTYPES
+            or list(sc.shape) != want
+            and not (want == [1] and math.prod(sc.shape) == 1)
+        ):
+            _problem(
+                report,
+                f"{mod}.weight_scale is {sc.dtype}{list(sc.shape)}, the config's {scheme.weights} "
+                f"strategy needs a float {want}",
+            )
         if scheme.activations == "tensor":
             isc = tensors.get(mod + ".input_scale")
             if isc is None or math.prod(isc.shape) != 1 or isc.dtype not in FLOAT_SCALE_DTYPES:
@@ -339,7 +397,10 @@ def check_model_shapes(report: VerifyReport, shapes: dict | None, ignored: set |
     (out, in)), and no module the config ignores is quantized."""
     for mod, (n, k) in sorted(report.quantized.items()):
         if shapes is not None and mod in shapes and list(shapes[mod]) != [n, k]:
-            _problem(report, f"{mod}.weight is {n}x{k} but the model built from config.json has {shapes[mod][0]}x{shapes[mod][1]}")
+            _problem(
+                report,
+                f"{mod}.weight is {n}x{k} but the model built from config.json has {shapes[mod][0]}x{shapes[mod][1]}",
+            )
         if ignored and mod in ignored:
             _problem(report, f"{mod} is quantized but the quantization_config ignores it")
 
@@ -372,12 +433,18 @@ def check_config_numbers(report: VerifyReport, config: dict, tensors: dict) -> N
         lo = min(held)
         if missing := sorted(set(range(n)) - held):
             like = sorted(t for t in tensors if t.startswith(f"{prefix}.{lo}.") and tensors[t].dtype == "F8_E4M3")
-            what = like[0].replace(f"{prefix}.{lo}.", f"{prefix}.{missing[0]}.", 1) if like else f"{prefix}.{missing[0]}"
-            found.append(f"config.json's model has {what}, which no shard holds ({len(missing)} layer(s) missing): "
-                         "config.json does not describe these weights")
+            what = (
+                like[0].replace(f"{prefix}.{lo}.", f"{prefix}.{missing[0]}.", 1) if like else f"{prefix}.{missing[0]}"
+            )
+            found.append(
+                f"config.json's model has {what}, which no shard holds ({len(missing)} layer(s) missing): "
+                "config.json does not describe these weights"
+            )
         if extra := sorted(held - set(range(n))):
-            found.append(f"the shards hold {len(extra)} layer(s) the model built from config.json does not have "
-                         f"({prefix}.{extra[0]}, ...): config.json does not describe these weights")
+            found.append(
+                f"the shards hold {len(extra)} layer(s) the model built from config.json does not have "
+                f"({prefix}.{extra[0]}, ...): config.json does not describe these weights"
+            )
     vocab, hidden, inner = (text.get(k) for k in ("vocab_size", "hidden_size", "intermediate_size"))
     for name, info in sorted(tensors.items()):
         shape = list(info.shape)
@@ -385,12 +452,16 @@ def check_config_numbers(report: VerifyReport, config: dict, tensors: dict) -> N
             want = [vocab if type(vocab) is int else shape[0], hidden if type(hidden) is int else shape[1]]
             if shape != want:
                 found.append(f"{name} is {shape} but the model built from config.json has {want}")
-        m = _MLP_WEIGHT.search(name)  # the dense MLP's own projections (not a shared expert's or an expert's: their sizes are others)
+        m = _MLP_WEIGHT.search(
+            name
+        )  # the dense MLP's own projections (not a shared expert's or an expert's: their sizes are others)
         proj = m.group(1) if m else None
         if proj in _MLP and type(inner) is int and len(shape) == 2 and shape[_MLP[proj]] != inner:
             want = list(shape)
             want[_MLP[proj]] = inner
-            found.append(f"{name} is {shape[0]}x{shape[1]} but the model built from config.json has {want[0]}x{want[1]}")
+            found.append(
+                f"{name} is {shape[0]}x{shape[1]} but the model built from config.json has {want[0]}x{want[1]}"
+            )
     report.problems += found[:20]
     if len(found) > 20:
         report.problems.append(f"... and {len(found) - 20} more differences between config.json's model and the shards")
@@ -414,15 +485,19 @@ def check_model_structure(report: VerifyReport, params: dict, modules: set) -> N
         if info is None:
             mod = name.rpartition(".")[0]
             if name.endswith(".weight") and mod in report.linears:
-                found.append(f"config.json's model has {name}, which no shard holds (config.json does not describe "
-                             "these weights)")
+                found.append(
+                    f"config.json's model has {name}, which no shard holds (config.json does not describe "
+                    "these weights)"
+                )
             continue
         if info.dtype != "F8_E4M3" and list(info.shape) != list(shape):
             found.append(f"{name} is {list(info.shape)} but the model built from config.json has {list(shape)}")
     extra = sorted({m.group(1) for n in tensors if (m := _LAYER.match(n)) and m.group(1) not in modules})
     if extra:
-        found.append(f"the shards hold {len(extra)} layer(s) the model built from config.json does not have ({extra[0]}, ...): "
-                     "config.json does not describe these weights")
+        found.append(
+            f"the shards hold {len(extra)} layer(s) the model built from config.json does not have ({extra[0]}, ...): "
+            "config.json does not describe these weights"
+        )
     report.problems += found[:20]
     if len(found) > 20:
         report.problems.append(f"... and {len(found) - 20} more differences between config.json's model and the shards")
@@ -447,9 +522,11 @@ def check_before_use(path, trust_remote_code: bool = False, manifest: Manifest |
 
 def failed(path, problem: str) -> ArtifactError:
     """The one error of an artifact that failed verification (a load, a check before use)."""
-    return ArtifactError(f"artifact {path} failed verification: {problem}",
-                         "re-download or re-create it (`mpsconvert quantize ... --force`); from Python, "
-                         "`mpsconvert.load(path, verify=False)` skips the check, only for files you trust")
+    return ArtifactError(
+        f"artifact {path} failed verification: {problem}",
+        "re-download or re-create it (`mpsconvert quantize ... --force`); from Python, "
+        "`mpsconvert.load(path, verify=False)` skips the check, only for files you trust",
+    )
 
 
 def raise_problems(path, report: VerifyReport) -> VerifyReport:

@@ -53,12 +53,14 @@ def model_class(config):
 
 def load_config(path, trust_remote_code: bool = False):
     """transformers' config of the model in `path`, with remote code refused unless allowed."""
-    import transformers
-
     from pathlib import Path
 
+    import transformers
+
     cfg = Path(path) / "config.json" if Path(path).is_dir() else None
-    if cfg is not None and (cfg.exists() or cfg.is_symlink()):  # read by us first: bounded, each key once, no NaN, a regular file
+    if cfg is not None and (
+        cfg.exists() or cfg.is_symlink()
+    ):  # read by us first: bounded, each key once, no NaN, a regular file
         fix = "fix config.json or re-create the model folder"
         check_model_config(read_json(cfg, what=str(cfg), error=SourceError, fix=fix), what=str(cfg), error=SourceError)
     try:
@@ -70,15 +72,21 @@ def load_config(path, trust_remote_code: bool = False):
                 "this model's architecture is defined by code inside the repo",
                 "review that code, then pass `trust_remote_code` to allow running it",
             ) from e
-        raise SourceError(f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model") from e
+        raise SourceError(
+            f"transformers cannot read config.json: {msg}", "upgrade transformers or check the model"
+        ) from e
     except Exception as e:  # a config.json of the wrong shape (transformers' dataclass validation, TypeError, ...)
-        raise SourceError(f"transformers cannot read config.json: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160] if str(e) else ''}",
-                          "fix config.json or re-create the model folder") from e
+        raise SourceError(
+            f"transformers cannot read config.json: {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else ''}",
+            "fix config.json or re-create the model folder",
+        ) from e
     check_counts(config)
     archs = getattr(config, "architectures", None)
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise SourceError(f"config.json: architectures is {str(archs)[:60]!r}, not a list of class names", "fix config.json")
+        raise SourceError(
+            f"config.json: architectures is {str(archs)[:60]!r}, not a list of class names", "fix config.json"
+        )
     return config
 
 

@@ -82,7 +82,11 @@ def _plain(layer, base, capacity: int) -> bool:
         return False
     if type(layer) is base:
         return True
-    return isinstance(layer, base) and type(layer).__name__ == "StaticSlidingWindowLayer" and layer.max_cache_len >= capacity
+    return (
+        isinstance(layer, base)
+        and type(layer).__name__ == "StaticSlidingWindowLayer"
+        and layer.max_cache_len >= capacity
+    )
 
 
 def write_at(cache, position, capacity: int) -> bool:
@@ -116,8 +120,10 @@ def static_cache_compiles(cache) -> bool:
     """Whether a captured decode step can replay over this StaticCache: False where a layer keeps
     its length in a Python int (a sliding-window layer that can fill), which would make every
     step compile anew."""
-    return not any(hasattr(layer, "cumulative_length_int") and type(layer) not in _POSITIONED.values()
-                   for layer in getattr(cache, "layers", ()))  # fmt: skip
+    return not any(
+        hasattr(layer, "cumulative_length_int") and type(layer) not in _POSITIONED.values()
+        for layer in getattr(cache, "layers", ())
+    )
 
 
 def rewind_cache(cache, steps: int) -> None:
@@ -127,7 +133,9 @@ def rewind_cache(cache, steps: int) -> None:
     the caller's position (`write_at`) or where they are told need nothing."""
     for layer in getattr(cache, "layers", ()):
         n = getattr(layer, "cumulative_length", None)
-        if hasattr(n, "sub_") and type(layer) not in _POSITIONED.values():  # a tensor, updated in place: a compiled step holds its address
+        if (
+            hasattr(n, "sub_") and type(layer) not in _POSITIONED.values()
+        ):  # a tensor, updated in place: a compiled step holds its address
             n.sub_(steps)
 
 
@@ -365,8 +373,12 @@ def load_converted(model, state: dict, model_dir, device, dtype) -> None:
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    config = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map={"": device}, dtype=dtype,
-                                 weight_mapping=get_model_conversion_mapping(model))
+    config = LoadStateDictConfig(
+        pretrained_model_name_or_path=str(model_dir),
+        device_map={"": device},
+        dtype=dtype,
+        weight_mapping=get_model_conversion_mapping(model),
+    )
     convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=config)
 
 
@@ -395,10 +407,28 @@ CHAT_TEMPLATE_RENDERER = ("transformers.utils.chat_template_utils", "render_jinj
 
 # --------------------------------------------------------------------------- names the scan knows
 
-PRIVATE = ("_attn_implementation", "_can_set_attn_implementation", ROTARY_FUNCTION, "find_packed_sequence_indices",
-           "sdpa_attention_forward", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", "masking_utils",
-           "_prepare_generation_config", "_get_default_generation_params", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-           "experts_implementation", "_apply_gate", "_default_apply_gate", "_weight_conversions",
-           "revert_weight_conversion", "get_model_conversion_mapping", "convert_and_load_state_dict_in_model",
-           "LoadStateDictConfig", "CacheLayerMixin", "__abstractmethods__", "chat_template_utils",
-           "render_jinja_template")
+PRIVATE = (
+    "_attn_implementation",
+    "_can_set_attn_implementation",
+    ROTARY_FUNCTION,
+    "find_packed_sequence_indices",
+    "sdpa_attention_forward",
+    "ALL_MASK_ATTENTION_FUNCTIONS",
+    "AttentionMaskInterface",
+    "masking_utils",
+    "_prepare_generation_config",
+    "_get_default_generation_params",
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "experts_implementation",
+    "_apply_gate",
+    "_default_apply_gate",
+    "_weight_conversions",
+    "revert_weight_conversion",
+    "get_model_conversion_mapping",
+    "convert_and_load_state_dict_in_model",
+    "LoadStateDictConfig",
+    "CacheLayerMixin",
+    "__abstractmethods__",
+    "chat_template_utils",
+    "render_jinja_template",
+)

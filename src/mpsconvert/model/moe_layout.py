@@ -72,8 +72,10 @@ def experts_modules(model) -> dict[str, torch.nn.Module]:
     found = {}
     for name, mod in model.named_modules():
         params = dict(mod.named_parameters(recurse=False))
-        if "down_proj" in params and params["down_proj"].ndim == 3 and (
-            "gate_up_proj" in params and params["gate_up_proj"].ndim == 3
+        if (
+            "down_proj" in params
+            and params["down_proj"].ndim == 3
+            and ("gate_up_proj" in params and params["gate_up_proj"].ndim == 3)
         ):
             found[name] = mod
     return found
@@ -111,7 +113,12 @@ def save_slices(model, name: str, shape: tuple[int, int, int]) -> list[Slice] | 
         first = int(lab[0])
         e, start = divmod(first, N)
         stop = start + lab.numel()
-        if key == name or not key.endswith(".weight") or stop > N or not torch.equal(lab, torch.arange(first, first + lab.numel(), dtype=lab.dtype)):
+        if (
+            key == name
+            or not key.endswith(".weight")
+            or stop > N
+            or not torch.equal(lab, torch.arange(first, first + lab.numel(), dtype=lab.dtype))
+        ):
             return None  # saved fused, or not as row blocks of single experts
         slices.append(Slice(key, e, start, stop))
     if sum(sl.stop - sl.start for sl in slices) != E * N:
@@ -146,7 +153,13 @@ def saved_names(model, names: list[str]) -> dict[str, str]:
         for mod in {n.rpartition(".")[0] for n in names}:
             stored = checkpoint_module_name(model, mod)
             if stored != mod:
-                out.update({stored + n[len(mod):]: torch.tensor([float(i)]) for i, n in enumerate(names) if n.rpartition(".")[0] == mod})
+                out.update(
+                    {
+                        stored + n[len(mod) :]: torch.tensor([float(i)])
+                        for i, n in enumerate(names)
+                        if n.rpartition(".")[0] == mod
+                    }
+                )
     renamed = {}
     for key, lab in out.items():
         if lab.numel() == 1 and float(lab) == int(lab) and 0 <= int(lab) < len(names) and names[int(lab)] != key:
@@ -197,7 +210,9 @@ def find_layout(model, stored: dict[str, tuple[int, ...]]) -> dict[str, ExpertPa
                     ep.split = split or []
                 else:
                     ep.layout = "unsupported"
-                    ep.why = f"checkpoint stores {key} as {list(stored[key])}, the model holds {list(ep.shape)}: kept as is"
+                    ep.why = (
+                        f"checkpoint stores {key} as {list(stored[key])}, the model holds {list(ep.shape)}: kept as is"
+                    )
                 continue
             if split is None:
                 ep.why = f"no checkpoint tensor {ep.name}, and transformers saves it fused: kept as is"
@@ -206,7 +221,10 @@ def find_layout(model, stored: dict[str, tuple[int, ...]]) -> dict[str, ExpertPa
             for sl in split:
                 skey = _strip_or_add_prefix(sl.key, stored, prefix)
                 if skey is None or tuple(stored[skey]) != (sl.stop - sl.start, ep.shape[2]):
-                    ep.why = f"checkpoint has no 2-D tensor {sl.key} of shape [{sl.stop - sl.start}, {ep.shape[2]}]: " "kept as is"
+                    ep.why = (
+                        f"checkpoint has no 2-D tensor {sl.key} of shape [{sl.stop - sl.start}, {ep.shape[2]}]: "
+                        "kept as is"
+                    )
                     break
                 found.append(Slice(skey, sl.expert, sl.start, sl.stop))
             else:

@@ -19,7 +19,6 @@ import regex
 import torch
 
 from ..errors import MpsconvertError, SourceError
-
 from .definition import build_from
 from .moe_layout import checkpoint_module_name, experts_modules
 
@@ -76,18 +75,24 @@ def _compiled(pattern: str):
     try:
         return regex.compile(pattern, regex.VERSION0)
     except (regex.error, ValueError, OverflowError, RecursionError) as e:
-        raise MpsconvertError(f"ignore pattern 're:{pattern[:80]}' is not a valid regular expression ({str(e)[:80]})",
-                              "fix the pattern (Python regex syntax after 're:'), or use a glob such as '*.mlp.down_proj'") from None
+        raise MpsconvertError(
+            f"ignore pattern 're:{pattern[:80]}' is not a valid regular expression ({str(e)[:80]})",
+            "fix the pattern (Python regex syntax after 're:'), or use a glob such as '*.mlp.down_proj'",
+        ) from None
 
 
 def check_patterns(patterns) -> list[str]:
     """Ignore patterns (from --ignore, a manifest or a config: any of them may be hostile) as a
     list of strings, every `re:` one compiled: a bad one is one line naming it."""
     if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-        raise MpsconvertError(f"ignore patterns must be a list of strings (got {str(patterns)[:80]!r})", "fix the ignore list")
+        raise MpsconvertError(
+            f"ignore patterns must be a list of strings (got {str(patterns)[:80]!r})", "fix the ignore list"
+        )
     for p in patterns:
         if len(p) > MAX_PATTERN:
-            raise MpsconvertError(f"ignore pattern {p[:40]!r}... is {len(p)} characters long (at most {MAX_PATTERN})", "shorten it")
+            raise MpsconvertError(
+                f"ignore pattern {p[:40]!r}... is {len(p)} characters long (at most {MAX_PATTERN})", "shorten it"
+            )
         if p.startswith("re:"):
             _compiled(p[3:])
     return list(patterns)
@@ -103,8 +108,11 @@ def matches(name: str, patterns: list[str]) -> str | None:
                 if _compiled(p[3:]).search(name, timeout=MATCH_SECONDS):
                     return p
             except TimeoutError:
-                raise MpsconvertError(f"ignore pattern {p[:80]!r} took more than {MATCH_SECONDS} s to match the module name "
-                                      f"{name[:80]!r} (catastrophic backtracking)", "simplify the pattern (no nested repeats such as (a+)+)") from None
+                raise MpsconvertError(
+                    f"ignore pattern {p[:80]!r} took more than {MATCH_SECONDS} s to match the module name "
+                    f"{name[:80]!r} (catastrophic backtracking)",
+                    "simplify the pattern (no nested repeats such as (a+)+)",
+                ) from None
         elif fnmatch.fnmatchcase(name, p) or name == p or name.endswith("." + p):
             return p
     return None
@@ -136,7 +144,9 @@ def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
             else:
                 plan.quantize[name] = (mod.out_features, mod.in_features)
         elif kind == "Conv1D":
-            plan.skipped[name] = "GPT-2 style Conv1D (weight stored [in, out]): compressed-tensors targets nn.Linear only, kept as is"
+            plan.skipped[name] = (
+                "GPT-2 style Conv1D (weight stored [in, out]): compressed-tensors targets nn.Linear only, kept as is"
+            )
         elif isinstance(mod, torch.nn.Embedding):
             plan.skipped[name] = "embedding: never quantized (transformers reads it as a dense lookup table)"
         elif isinstance(mod, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
@@ -151,7 +161,9 @@ def plan_from_model(model, config, ignore: list[str] | None = None) -> Plan:
         else:
             fused = [p for p, t in mod.named_parameters(recurse=False) if t.ndim == 3]
             if fused:
-                plan.skipped[name] = f"3-D parameters ({', '.join(fused)}) of {kind}: not an experts layout we know, kept as is"
+                plan.skipped[name] = (
+                    f"3-D parameters ({', '.join(fused)}) of {kind}: not an experts layout we know, kept as is"
+                )
     return plan
 
 
@@ -175,8 +187,18 @@ def plan_for(path, ignore: list[str] | None = None, trust_remote_code: bool = Fa
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # a float parameter may be stored as any of these
 # What FP8 formats store beside a weight (compressed-tensors, FineGrainedFP8, ComfyUI): read by the
 # source's format checks, not parameters of the model.
-_COMPANIONS = (".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point", ".input_zero_point",
-               ".weight_global_scale", ".input_global_scale", ".comfy_quant", ".scale_weight", ".scale_input")
+_COMPANIONS = (
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".input_scale",
+    ".weight_zero_point",
+    ".input_zero_point",
+    ".weight_global_scale",
+    ".input_global_scale",
+    ".comfy_quant",
+    ".scale_weight",
+    ".scale_input",
+)
 
 
 def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> None:
@@ -197,15 +219,25 @@ def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> 
     def defined(key: str) -> bool:
         if key.endswith(_COMPANIONS):
             return True
-        for cand in (key, f"{prefix}.{key}" if prefix else None, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None):
-            if cand and (cand in known or (bool(experts) and cand.startswith(experts))):  # per-expert tensors of fused experts
+        for cand in (
+            key,
+            f"{prefix}.{key}" if prefix else None,
+            key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None,
+        ):
+            if cand and (
+                cand in known or (bool(experts) and cand.startswith(experts))
+            ):  # per-expert tensors of fused experts
                 return True
         return False
 
     plan.unknown = sorted(name for h in headers.values() for name in h.tensors if not defined(name))
 
     def param_of(key: str):
-        for cand in (key, f"{prefix}.{key}" if prefix else None, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None):
+        for cand in (
+            key,
+            f"{prefix}.{key}" if prefix else None,
+            key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None,
+        ):
             if cand and cand in params:
                 return params[cand]
         return None
@@ -216,9 +248,13 @@ def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> 
             if p is None:
                 continue
             if tuple(p.shape) != tuple(info.shape):
-                raise SourceError(f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines "
-                                  f"has {list(p.shape)} there",
-                                  "the weights do not match config.json; re-download the model")
+                raise SourceError(
+                    f"{name} in {f} has shape {list(info.shape)}, but the model config.json defines "
+                    f"has {list(p.shape)} there",
+                    "the weights do not match config.json; re-download the model",
+                )
             if p.is_floating_point() and info.dtype not in floats:
-                raise SourceError(f"{name} in {f} is stored as {info.dtype}, but the model's parameter is a float",
-                                  "the weights do not match config.json; re-download the model")
+                raise SourceError(
+                    f"{name} in {f} is stored as {info.dtype}, but the model's parameter is a float",
+                    "the weights do not match config.json; re-download the model",
+                )

@@ -94,8 +94,9 @@ class _Worker:
 
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONDONTWRITEBYTECODE": "1"}
         args = [sys.executable, "-c", _WORKER, str(MAX_CHARS), str(MEMORY_BYTES), *hf_compat.CHAT_TEMPLATE_RENDERER]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
         self.buf = b""
         self.ready = False
 
@@ -145,8 +146,15 @@ def close() -> None:
         _worker = None
 
 
-def render(template: str, messages: list[dict], where: str, *, add_generation_prompt: bool = True, seconds: float | None = None,
-           **kwargs) -> str:
+def render(
+    template: str,
+    messages: list[dict],
+    where: str,
+    *,
+    add_generation_prompt: bool = True,
+    seconds: float | None = None,
+    **kwargs,
+) -> str:
     """`template` rendered for `messages` exactly as transformers' `apply_chat_template` renders
     it (`kwargs`: the tokenizer's special tokens), bounded in time, output and memory.
 
@@ -155,7 +163,9 @@ def render(template: str, messages: list[dict], where: str, *, add_generation_pr
     """
     global _worker
     seconds = seconds or RENDER_SECONDS
-    body = json.dumps({"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt, "kwargs": kwargs})
+    body = json.dumps(
+        {"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt, "kwargs": kwargs}
+    )
     fix = "fix or remove the chat template (or pass `use_template=False` to `generate`)"
     with _lock:
         if _worker is None:
@@ -164,8 +174,11 @@ def render(template: str, messages: list[dict], where: str, *, add_generation_pr
         if not w.ready:
             if w.line(time.monotonic() + START_SECONDS) is None:
                 close()
-                raise ArtifactError(f"the chat template renderer could not start (importing transformers and jinja2 in a worker "
-                                    f"took over {START_SECONDS:.0f} s, or failed)", "check that transformers and jinja2 import")
+                raise ArtifactError(
+                    f"the chat template renderer could not start (importing transformers and jinja2 in a worker "
+                    f"took over {START_SECONDS:.0f} s, or failed)",
+                    "check that transformers and jinja2 import",
+                )
             w.ready = True
         try:
             w.proc.stdin.write(body.encode() + b"\n")
@@ -176,8 +189,11 @@ def render(template: str, messages: list[dict], where: str, *, add_generation_pr
         line = w.line(time.monotonic() + seconds)
         if line is None:
             close()  # past the bound, or the worker died (the memory limit): a fresh one serves the next render
-            raise ArtifactError(f"the chat template in {where} did not finish rendering within {seconds:g} s "
-                                "(a loop that does not end, or more memory than it may use)", fix)
+            raise ArtifactError(
+                f"the chat template in {where} did not finish rendering within {seconds:g} s "
+                "(a loop that does not end, or more memory than it may use)",
+                fix,
+            )
     ans = json.loads(line)
     if "error" in ans:
         raise ArtifactError(f"the chat template in {where} {ans['error']}", fix)

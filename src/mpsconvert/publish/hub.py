@@ -20,11 +20,11 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from ..version import __version__
 from ..errors import MpsconvertError, UploadError
+from ..infra.untrusted import one_line, parse_json, read_bytes
 from ..manifests.hashing import read_verified
 from ..manifests.manifest import MANIFEST_NAME, Manifest
-from ..infra.untrusted import one_line, parse_json, read_bytes
+from ..version import __version__
 
 _TRUE = {"1", "on", "yes", "true"}
 _REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -39,7 +39,11 @@ def commit_message(manifest: Manifest) -> str:
     control characters removed (the source's id is a folder name or a repo id: untrusted)."""
     src, r = manifest.source, manifest.recipe
     where = str(src.get("id") or "a local model")
-    where += f"@{src['commit']}" if src.get("commit") else (f"@{src['revision']}" if src.get("revision") else " (local, no commit)")
+    where += (
+        f"@{src['commit']}"
+        if src.get("commit")
+        else (f"@{src['revision']}" if src.get("revision") else " (local, no commit)")
+    )
     return one_line(f"FP8 {r.get('name')} (weights per {r.get('weights')}) of {where}, by mpsconvert {__version__}")
 
 
@@ -64,7 +68,9 @@ def sendable(folder: Path) -> tuple[Manifest, list]:
             op = hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=data)
             ops.append(op)
             if op.upload_info.sha256.hex() != want["sha256"]:  # what huggingface_hub will announce to the hub
-                raise UploadError(f"{rel} does not match the sha256 in {MANIFEST_NAME} (changed after it was verified)", _CHANGED)
+                raise UploadError(
+                    f"{rel} does not match the sha256 in {MANIFEST_NAME} (changed after it was verified)", _CHANGED
+                )
     except BaseException:
         for op in ops:
             if hasattr(op.path_or_fileobj, "close"):
@@ -73,8 +79,9 @@ def sendable(folder: Path) -> tuple[Manifest, list]:
     return manifest, ops
 
 
-def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str | None = None,
-                  revision: str | None = None) -> dict:
+def upload_folder(
+    folder: Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None
+) -> dict:
     """Create `repo` (if absent) and upload the files the artifact's manifest lists, and the
     manifest, in one commit, as the bytes `sendable` verified (the caller holds the artifact's
     lock); returns what api.UploadResult holds (repo, url, revision, commit, commit_message,
@@ -86,8 +93,10 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
     """
     folder = Path(folder)
     if offline():
-        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
+        raise UploadError(
+            f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+            "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload",
+        )
     import huggingface_hub as hf
     from huggingface_hub import errors as hf_errors
 
@@ -98,15 +107,27 @@ def upload_folder(folder: Path, repo: str, *, private: bool = False, token: str 
     msg = commit_message(manifest)
     files = sorted(op.path_in_repo for op in ops)
     try:
-        return _send(api, ops, repo, msg, files, private=private, revision=revision, endpoint=endpoint, hf_errors=hf_errors)
+        return _send(
+            api, ops, repo, msg, files, private=private, revision=revision, endpoint=endpoint, hf_errors=hf_errors
+        )
     finally:
         for op in ops:
             if hasattr(op.path_or_fileobj, "close"):
                 op.path_or_fileobj.close()
 
 
-def _send(api, ops: list, repo: str, msg: str, files: list[str], *, private: bool, revision: str | None, endpoint: str,
-          hf_errors) -> dict:
+def _send(
+    api,
+    ops: list,
+    repo: str,
+    msg: str,
+    files: list[str],
+    *,
+    private: bool,
+    revision: str | None,
+    endpoint: str,
+    hf_errors,
+) -> dict:
     """Create the repo and send the commit; the hub's and the network's failures as one line."""
     try:
         url = api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
@@ -114,11 +135,15 @@ def _send(api, ops: list, repo: str, msg: str, files: list[str], *, private: boo
         # is gets reported, and --private never sends an artifact into a public repo.
         is_private = bool(api.model_info(repo, expand=["private"]).private)
         if private and not is_private:
-            raise UploadError(f"{repo} already exists and is public, so `private` does not apply to it; nothing was uploaded",
-                              "make the repo private on the hub first (its Settings), or upload without `private`")
+            raise UploadError(
+                f"{repo} already exists and is public, so `private` does not apply to it; nothing was uploaded",
+                "make the repo private on the hub first (its Settings), or upload without `private`",
+            )
         info = api.create_commit(repo_id=repo, repo_type="model", revision=revision, commit_message=msg, operations=ops)
     except hf_errors.OfflineModeIsEnabled as e:
-        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on", "unset HF_HUB_OFFLINE to upload") from e
+        raise UploadError(
+            f"cannot upload to {repo}: Hugging Face offline mode is on", "unset HF_HUB_OFFLINE to upload"
+        ) from e
     except hf_errors.HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         url_ = str(getattr(getattr(e.response, "request", None), "url", "") or "")
@@ -126,17 +151,29 @@ def _send(api, ops: list, repo: str, msg: str, files: list[str], *, private: boo
     except MpsconvertError:
         raise
     except Exception as e:
-        if (ours := _ours_in(e)) is not None:  # a file that changed while it was sent, wrapped by huggingface_hub's workers
+        if (
+            ours := _ours_in(e)
+        ) is not None:  # a file that changed while it was sent, wrapped by huggingface_hub's workers
             raise ours from e
         if not _is_transport_error(e):
             raise
         # hf_xet reports an HTTP answer as a "network error": an answer is not an unreachable hub
         if m := _HTTP_IN_MESSAGE.search(str(e)):
             raise http_failure(int(m.group(1)), f"{m.group(1)} {m.group(2)}", m.group(3) or "", endpoint, repo) from e
-        raise UploadError(f"cannot reach {endpoint} to upload {repo} ({type(e).__name__}: {str(e)[:120]})",
-                          "check the network, or HF_ENDPOINT") from e
-    return dict(repo=repo, url=str(url), revision=revision or "main", commit=getattr(info, "oid", None), commit_message=msg,
-                private=is_private, endpoint=endpoint, files=files)
+        raise UploadError(
+            f"cannot reach {endpoint} to upload {repo} ({type(e).__name__}: {str(e)[:120]})",
+            "check the network, or HF_ENDPOINT",
+        ) from e
+    return dict(
+        repo=repo,
+        url=str(url),
+        revision=revision or "main",
+        commit=getattr(info, "oid", None),
+        commit_message=msg,
+        private=is_private,
+        endpoint=endpoint,
+        files=files,
+    )
 
 
 # "HTTP status client error (404 Not Found), domain: http://host/api/models/me/x/xet-write-token/main"
@@ -147,18 +184,30 @@ def http_failure(status: int | None, detail: str, url: str, endpoint: str, repo:
     """What an HTTP answer of the hub means for this upload, as one line and its fix."""
     where = f" ({url.removeprefix(endpoint)})" if url.startswith(endpoint) else ""
     if status in (401, 403):
-        return UploadError(f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}",
-                           "pass a write token (`token` or HF_TOKEN) that may write to that repo or organization")
+        return UploadError(
+            f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}",
+            "pass a write token (`token` or HF_TOKEN) that may write to that repo or organization",
+        )
     if status == 404 and "xet" in url:
-        return UploadError(f"the hub at {endpoint} does not serve Xet storage (404 for its write token{where}), which huggingface_hub "
-                           "uploads through by default", "set HF_HUB_DISABLE_XET=1 to upload through the LFS path this hub speaks")
+        return UploadError(
+            f"the hub at {endpoint} does not serve Xet storage (404 for its write token{where}), which huggingface_hub "
+            "uploads through by default",
+            "set HF_HUB_DISABLE_XET=1 to upload through the LFS path this hub speaks",
+        )
     if status == 404:
-        return UploadError(f"the hub at {endpoint} answered 404 Not Found{where}: it has no such repo or endpoint for {repo}",
-                           "check the repo name and your rights on it, and that HF_ENDPOINT is a Hugging Face hub")
+        return UploadError(
+            f"the hub at {endpoint} answered 404 Not Found{where}: it has no such repo or endpoint for {repo}",
+            "check the repo name and your rights on it, and that HF_ENDPOINT is a Hugging Face hub",
+        )
     if status == 409:
-        return UploadError(f"the hub at {endpoint} refused the upload to {repo}: a conflict (409: {detail}){where}",
-                           "check the repo name and `revision`")
-    return UploadError(f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}", "retry, or check the hub's status")
+        return UploadError(
+            f"the hub at {endpoint} refused the upload to {repo}: a conflict (409: {detail}){where}",
+            "check the repo name and `revision`",
+        )
+    return UploadError(
+        f"the hub at {endpoint} refused the upload to {repo} ({status}: {detail}){where}",
+        "retry, or check the hub's status",
+    )
 
 
 def _ours_in(e: BaseException) -> MpsconvertError | None:
@@ -177,8 +226,9 @@ def _is_transport_error(e: BaseException) -> bool:
     huggingface_hub uses (its versions moved from requests to httpx and on): judged by the
     exception's classes, not by importing a client."""
     names = {c.__name__ for c in type(e).__mro__}
-    return isinstance(e, (OSError, ConnectionError)) or bool(names & {"TransportError", "ConnectError", "TimeoutException",
-                                                                        "NetworkError", "ConnectionError", "Timeout"})
+    return isinstance(e, (OSError, ConnectionError)) or bool(
+        names & {"TransportError", "ConnectError", "TimeoutException", "NetworkError", "ConnectionError", "Timeout"}
+    )
 
 
 def check_repo_id(repo: str) -> str:
@@ -192,19 +242,28 @@ def check_upload(repo: str, what: str = "`upload_repo`") -> None:
     """Said before any work: a repo id the hub would refuse, or offline mode (then nothing can go up)."""
     check_repo_id(repo)
     if offline():
-        raise UploadError(f"{what} {repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                          "unset HF_HUB_OFFLINE, or drop `upload_repo` and run `mpsconvert upload` later")
+        raise UploadError(
+            f"{what} {repo} needs the hub, and Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+            "unset HF_HUB_OFFLINE, or drop `upload_repo` and run `mpsconvert upload` later",
+        )
 
 
-def upload(artifact: Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None,
-           verify: Callable[[Path], object] | None = None) -> dict:
+def upload(
+    artifact: Path,
+    repo: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    verify: Callable[[Path], object] | None = None,
+) -> dict:
     """Publish an artifact (see api.upload): under its lock, `verify(artifact)` (a report with
     `ok` and `problems`: a damaged artifact is never uploaded); in one transaction, the card
     rewritten to name the repo (the manifest's `hub` record) in the staged copy, the staged copy
     sent in one commit, and swapped in only once the commit succeeded. Returns what
     `upload_folder` returns."""
-    from ..infra import atomic
     from ..errors import ArtifactError
+    from ..infra import atomic
     from ..manifests import layout
     from ..manifests.records import Hub
     from ..manifests.transaction import transaction
@@ -212,16 +271,23 @@ def upload(artifact: Path, repo: str, *, private: bool = False, token: str | Non
     artifact = Path(artifact)
     check_repo_id(repo)
     if not layout.is_artifact(artifact):
-        raise ArtifactError(f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})", "pass the folder `mpsconvert quantize` wrote")
+        raise ArtifactError(
+            f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})",
+            "pass the folder `mpsconvert quantize` wrote",
+        )
     if offline():  # before any work
-        raise UploadError(f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-                          "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload")
+        raise UploadError(
+            f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+            "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload",
+        )
     with atomic.claim(artifact):  # nothing changes the artifact between its check and the commit
         if verify is not None:
             report = verify(artifact)
             if not report.ok:
-                raise ArtifactError(f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
-                                    "re-create the artifact; a damaged one is never uploaded")
+                raise ArtifactError(
+                    f"{artifact} fails verification ({report.problems[0]}{' ...' if len(report.problems) > 1 else ''})",
+                    "re-create the artifact; a damaged one is never uploaded",
+                )
         with transaction(artifact) as t:
             t.put(Hub(repo=repo))
             # The card and the manifest naming the repo go into the staged copy, the upload is

@@ -11,12 +11,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..infra import filesystem
 from ..errors import SourceError
 from ..format.fp8_source import SourceFP8, source_fp8
+from ..infra import filesystem
+from ..infra.untrusted import check_model_config, inside, one_line, read_json
 from ..manifests.hashing import BackgroundHasher
 from ..manifests.layout import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, MODEL_INDEX, SINGLE_FILE, is_plain_shard_name
-from ..infra.untrusted import check_model_config, inside, one_line, read_json
 
 # What conversion needs from a repo: weights, their index, configs, tokenizer and chat files.
 ALLOW_PATTERNS = [
@@ -36,7 +36,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Non-weight files copied into the artifact as they are.
 COPY_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".md", ".py")
 SKIP_COPY = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME}
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"  # a diffusers component's weights (+ ".index.json" when sharded)
+DIFFUSERS_WEIGHTS = (
+    "diffusion_pytorch_model.safetensors"  # a diffusers component's weights (+ ".index.json" when sharded)
+)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -106,8 +108,11 @@ class Snapshot:
         background thread (idempotent): a conversion's first seconds are imports and planning,
         during which a second core is otherwise idle."""
         if self._hasher is None:
-            self._hasher = BackgroundHasher([self.origin] if self.origin is not None else
-                                            [self.path / f for f in self.weight_files if self.known_sha256(f) is None])
+            self._hasher = BackgroundHasher(
+                [self.origin]
+                if self.origin is not None
+                else [self.path / f for f in self.weight_files if self.known_sha256(f) is None]
+            )
 
     def sha256(self, name: str) -> str:
         """A weight file's sha256: the cache's, or the background hasher's (started if needed)."""
@@ -131,8 +136,14 @@ class Snapshot:
 
     def as_dict(self) -> dict:
         if self.origin is not None:
-            return {"kind": "local", "id": self.origin.name, "revision": None, "commit": None, "path": str(self.origin),
-                    **({"gguf": self.gguf} if self.gguf else {})}
+            return {
+                "kind": "local",
+                "id": self.origin.name,
+                "revision": None,
+                "commit": None,
+                "path": str(self.origin),
+                **({"gguf": self.gguf} if self.gguf else {}),
+            }
         return {
             "kind": self.kind,
             "id": self.repo_id or self.path.name,
@@ -167,8 +178,14 @@ def is_gguf(path: Path | None) -> bool:
     return path is not None and path.is_file() and path.suffix.lower() == GGUF_SUFFIX
 
 
-def resolve(src: str, revision: str | None = None, token: str | None = None, *, diffusion: bool = False,
-            component: str | None = None) -> Snapshot:
+def resolve(
+    src: str,
+    revision: str | None = None,
+    token: str | None = None,
+    *,
+    diffusion: bool = False,
+    component: str | None = None,
+) -> Snapshot:
     """A repo id or a folder -> a checked Snapshot. Raises SourceError with a fix on any problem.
 
     With `diffusion`, a diffusers model (a pipeline with model_index.json, a component folder
@@ -179,14 +196,19 @@ def resolve(src: str, revision: str | None = None, token: str | None = None, *, 
     if path is not None:
         no_revision(path, revision)
         if is_gguf(path):
-            raise SourceError(f"{src} is a GGUF file; only `mpsconvert quantize` reads GGUF files",
-                              "quantize it first (`mpsconvert quantize FILE.gguf`), then use the artifact, or pass a model folder")
+            raise SourceError(
+                f"{src} is a GGUF file; only `mpsconvert quantize` reads GGUF files",
+                "quantize it first (`mpsconvert quantize FILE.gguf`), then use the artifact, or pass a model folder",
+            )
         if diffusion and path.is_file() and path.suffix == ".safetensors":
             return _single_file(path.resolve(), revision)
         if not path.is_dir():
-            raise SourceError(f"{src} is a file, not a model folder",
-                              "pass the folder that holds config.json" + (", a .safetensors diffusion checkpoint" if diffusion else "")
-                              + " or a .gguf file to quantize")
+            raise SourceError(
+                f"{src} is a file, not a model folder",
+                "pass the folder that holds config.json"
+                + (", a .safetensors diffusion checkpoint" if diffusion else "")
+                + " or a .gguf file to quantize",
+            )
         snap = Snapshot(path=path.resolve(), kind="local", revision=revision)
         _from_cache_layout(snap)
     else:
@@ -196,8 +218,10 @@ def resolve(src: str, revision: str | None = None, token: str | None = None, *, 
     if diffusion and is_diffusers_folder(snap.path):
         return _inventory_diffusion(snap, component)
     if component is not None:
-        raise SourceError(f"`component={component}` applies to a diffusers pipeline, and {src} has no {MODEL_INDEX}",
-                          "drop `component`, or pass a diffusers pipeline folder or repo")
+        raise SourceError(
+            f"`component={component}` applies to a diffusers pipeline, and {src} has no {MODEL_INDEX}",
+            "drop `component`, or pass a diffusers pipeline folder or repo",
+        )
     return _inventory(snap)
 
 
@@ -205,9 +229,11 @@ def no_revision(path: Path, revision: str | None) -> None:
     """A local file or folder has no revisions to pick from: `--revision` with one is refused, not
     ignored (it would also be recorded as the source's revision in the manifest and the card)."""
     if revision is not None:
-        raise SourceError(f"`revision={one_line(revision, 80)}` applies to a hub repo, and {path} is a local "
-                          f"{'folder' if Path(path).is_dir() else 'file'}",
-                          "drop `revision` (check that revision out into the folder yourself), or pass the hub repo id")
+        raise SourceError(
+            f"`revision={one_line(revision, 80)}` applies to a hub repo, and {path} is a local "
+            f"{'folder' if Path(path).is_dir() else 'file'}",
+            "drop `revision` (check that revision out into the folder yourself), or pass the hub repo id",
+        )
 
 
 def is_diffusers_folder(path: Path) -> bool:
@@ -235,29 +261,43 @@ def _inventory_diffusion(snap: Snapshot, component: str | None) -> Snapshot:
     """A diffusers pipeline or component -> the snapshot of the component to quantize."""
     root = snap.path
     if (root / MODEL_INDEX).is_file():
-        index = read_json(root / MODEL_INDEX, what=str(root / MODEL_INDEX), error=SourceError, fix=f"fix or re-download {MODEL_INDEX}")
-        comps = {k: v for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0]}
+        index = read_json(
+            root / MODEL_INDEX, what=str(root / MODEL_INDEX), error=SourceError, fix=f"fix or re-download {MODEL_INDEX}"
+        )
+        comps = {
+            k: v for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0]
+        }
         name = component or ("transformer" if "transformer" in comps else None)
         if name is None or name not in comps:
             have = ", ".join(sorted(comps)) or "none"
             what = f"no component {component!r}" if component else "no transformer"
-            raise SourceError(f"the pipeline {snap.repo_id or root} has {what} (its components: {have})",
-                              "pass `component=NAME` of a diffusion transformer (Flux, Wan, Qwen-Image, SD3.5, Z-Image)")
+            raise SourceError(
+                f"the pipeline {snap.repo_id or root} has {what} (its components: {have})",
+                "pass `component=NAME` of a diffusion transformer (Flux, Wan, Qwen-Image, SD3.5, Z-Image)",
+            )
         check_inside(snap, name)
         path = root / name
         if not (path / CONFIG_NAME).is_file():
-            raise SourceError(f"component {name} of {snap.repo_id or root} has no config.json", "re-download the pipeline")
+            raise SourceError(
+                f"component {name} of {snap.repo_id or root} has no config.json", "re-download the pipeline"
+            )
         layout = "pipeline"
     else:
         if component is not None:
-            raise SourceError(f"`component={component}` applies to a diffusers pipeline, and {root} is one component",
-                              "drop `component`")
+            raise SourceError(
+                f"`component={component}` applies to a diffusers pipeline, and {root} is one component",
+                "drop `component`",
+            )
         name, path, layout = None, root, "component"
-    comp = Snapshot(path=path.resolve(), kind=snap.kind, repo_id=snap.repo_id, revision=snap.revision, commit=snap.commit)
+    comp = Snapshot(
+        path=path.resolve(), kind=snap.kind, repo_id=snap.repo_id, revision=snap.revision, commit=snap.commit
+    )
     comp.config = _read_config(path / CONFIG_NAME)
     if "quantization_config" in comp.config:
-        raise SourceError(f"{path} is already quantized ({str(comp.config['quantization_config'])[:60]})",
-                          "convert the model's BF16 / FP16 release")
+        raise SourceError(
+            f"{path} is already quantized ({str(comp.config['quantization_config'])[:60]})",
+            "convert the model's BF16 / FP16 release",
+        )
     if not _weights_from_index(comp, path / (DIFFUSERS_WEIGHTS + ".index.json")):
         comp.weight_files = filesystem.files(path, ".safetensors")  # AppleDouble `._*` companions left out
     if not comp.weight_files:
@@ -280,19 +320,27 @@ def _from_cache_layout(snap: Snapshot) -> None:
         in_cache = snap.path.is_relative_to(Path(constants.HF_HUB_CACHE).resolve())
     except (OSError, TypeError, ValueError):
         in_cache = False
-    if in_cache and len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--") and re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
+    if (
+        in_cache
+        and len(parts) >= 3
+        and parts[-2] == "snapshots"
+        and parts[-3].startswith("models--")
+        and re.fullmatch(r"[0-9a-f]{40}", parts[-1])
+    ):
         snap.repo_id = parts[-3][len("models--") :].replace("--", "/")
         snap.commit = parts[-1]
 
 
 def _download(repo_id: str, revision: str | None, token: str | None) -> Snapshot:
-    from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
+    from huggingface_hub import snapshot_download
 
     token = token or os.environ.get("HF_TOKEN") or None
     rev = revision or "main"
     try:
-        local = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
+        local = snapshot_download(
+            repo_id, revision=revision, token=token, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS
+        )
     except hf_errors.GatedRepoError as e:
         raise SourceError(
             f"{repo_id} is gated: your account has not been granted access",
@@ -313,7 +361,9 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Snapshot
             "connect and retry, download it first with `hf download`, or pass a local folder",
         ) from e
     except hf_errors.HfHubHTTPError as e:
-        raise SourceError(f"downloading {repo_id} failed: {str(e).splitlines()[0]}", "retry, or pass a local folder") from e
+        raise SourceError(
+            f"downloading {repo_id} failed: {str(e).splitlines()[0]}", "retry, or pass a local folder"
+        ) from e
     except OSError as e:
         raise SourceError(f"downloading {repo_id} failed: {e}", "check disk space and HF_HOME, then retry") from e
     snap = Snapshot(path=Path(local), kind="hub", repo_id=repo_id, revision=rev)
@@ -333,7 +383,9 @@ def _inventory(snap: Snapshot) -> Snapshot:
     check_inside(snap, CONFIG_NAME)
     snap.config = _read_config(cfg)
     if "quantization_config" in snap.config:
-        snap.fp8 = source_fp8(snap.config["quantization_config"], str(snap.repo_id or p))  # FP8 kept as it is, others refused
+        snap.fp8 = source_fp8(
+            snap.config["quantization_config"], str(snap.repo_id or p)
+        )  # FP8 kept as it is, others refused
 
     if not _weights_from_index(snap, p / INDEX_NAME):
         st = sorted(f for f in files if f.endswith(".safetensors"))

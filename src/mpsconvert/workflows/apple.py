@@ -68,8 +68,16 @@ def validation_part(artifact: Path, settings: dict, progress: Progress | None) -
 # --------------------------------------------------------------------------- the API's per-target functions
 
 
-def coreai_latency(artifact: str | Path, *, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
-                   prefill_repeats: int = 3, units: list[str] | None = None, write: bool = True) -> dict:
+def coreai_latency(
+    artifact: str | Path,
+    *,
+    prefill_len: int = 64,
+    decode_tokens: int = 16,
+    warmup: int = 2,
+    prefill_repeats: int = 3,
+    units: list[str] | None = None,
+    write: bool = True,
+) -> dict:
     """Prefill time and decode tokens/s of the artifact's Core AI asset beside PyTorch on the CPU,
     same prompt (real text), same number of tokens.
 
@@ -93,8 +101,16 @@ def coreai_latency(artifact: str | Path, *, prefill_len: int = 64, decode_tokens
         MissingExtraError: coreai-core is not installed.
         ArtifactError: there is no asset.
     """
-    return flow.measure(Path(artifact), "coreai", write=write, prefill_len=prefill_len, decode_tokens=decode_tokens, warmup=warmup,
-                        prefill_repeats=prefill_repeats, units=units)
+    return flow.measure(
+        Path(artifact),
+        "coreai",
+        write=write,
+        prefill_len=prefill_len,
+        decode_tokens=decode_tokens,
+        warmup=warmup,
+        prefill_repeats=prefill_repeats,
+        units=units,
+    )
 
 
 def export_coreml(
@@ -143,12 +159,25 @@ def export_coreml(
     """
     from ..apple.coreml import CheckOptions
 
-    opts = ExportOptions(seq_len=SeqLen.parse(seq_len), weights=weights, force=force, frontend=frontend, kv_cache=kv_cache, max_len=max_len)
+    opts = ExportOptions(
+        seq_len=SeqLen.parse(seq_len),
+        weights=weights,
+        force=force,
+        frontend=frontend,
+        kv_cache=kv_cache,
+        max_len=max_len,
+    )
     return flow.export(Path(artifact), "coreml", opts, check and CheckOptions(samples, decode_steps), progress)
 
 
-def check_coreml(artifact: str | Path, *, samples: int = 3, decode_steps: int = 16, progress: Progress | None = None,
-                 verify: bool = True) -> ExportResult:
+def check_coreml(
+    artifact: str | Path,
+    *,
+    samples: int = 3,
+    decode_steps: int = 16,
+    progress: Progress | None = None,
+    verify: bool = True,
+) -> ExportResult:
     """Check the Core ML package already in an artifact (no Apple hardware needed): its spec,
     every FP8 weight read back bit for bit, and a reference evaluation of the program (NOT the
     Core ML runtime) against PyTorch; the result is recorded in the manifest.
@@ -217,8 +246,15 @@ def export_coreai(
     return flow.export(Path(artifact), "coreai", opts, check and CheckOptions(prompt_len, decode_steps), progress)
 
 
-def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: int = 32, generate: int = 4,
-                 progress: Progress | None = None, verify: bool = True) -> ExportResult:
+def check_coreai(
+    artifact: str | Path,
+    *,
+    prompt_len: int = 64,
+    decode_steps: int = 32,
+    generate: int = 4,
+    progress: Progress | None = None,
+    verify: bool = True,
+) -> ExportResult:
     """Check the Core AI asset already in an artifact: its interface, every f8E4M3FN weight read
     back against the artifact, and the Core AI runtime bundled in coreai-core (on Linux: "Core AI
     runtime, Linux CPU") against PyTorch on the same dequantized weights: prefill, teacher-forced
@@ -243,4 +279,6 @@ def check_coreai(artifact: str | Path, *, prompt_len: int = 64, decode_steps: in
     """
     from ..apple.coreai import CheckOptions
 
-    return flow.check(Path(artifact), "coreai", CheckOptions(prompt_len, decode_steps, generate), verify=verify, progress=progress)
+    return flow.check(
+        Path(artifact), "coreai", CheckOptions(prompt_len, decode_steps, generate), verify=verify, progress=progress
+    )

@@ -26,8 +26,16 @@ class CalibrateResult:
     pin_sha256: str | None = None  # the artifact's new pin (the weights changed: a pin taken before no longer holds)
 
 
-def calibrate(target: str | Path, output: str | Path | None, options: CalibOptions | None, *, revision: str | None,
-              token: str | None, force: bool, progress: Progress | None) -> CalibrateResult:
+def calibrate(
+    target: str | Path,
+    output: str | Path | None,
+    options: CalibOptions | None,
+    *,
+    revision: str | None,
+    token: str | None,
+    force: bool,
+    progress: Progress | None,
+) -> CalibrateResult:
     """See api.calibrate."""
     from ..calibrate import CalibOptions
     from ..calibrate.artifact import calibrate_target
@@ -36,7 +44,13 @@ def calibrate(target: str | Path, output: str | Path | None, options: CalibOptio
     opts = options or CalibOptions()
     if opts.token is None and token is not None:
         opts = replace(opts, token=token)
-    cal, written_to, manifest = calibrate_target(target, output, opts, revision=revision, force=force,
-                                                 progress=progress)
-    return CalibrateResult(cal, written_to, into_artifact=manifest is not None, manifest=manifest,
-                           pin_sha256=read_once(written_to)[2] if manifest is not None else None)
+    cal, written_to, manifest = calibrate_target(
+        target, output, opts, revision=revision, force=force, progress=progress
+    )
+    return CalibrateResult(
+        cal,
+        written_to,
+        into_artifact=manifest is not None,
+        manifest=manifest,
+        pin_sha256=read_once(written_to)[2] if manifest is not None else None,
+    )

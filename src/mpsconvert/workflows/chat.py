@@ -21,12 +21,18 @@ class GenerateResult:
 
     text: str
     stats: Any  # runtime.engine.GenerationStats
-    load: dict | None = None  # the load's seconds by step (LoadInfo.seconds) where this generation's model was loaded by `load`
+    load: dict | None = (
+        None  # the load's seconds by step (LoadInfo.seconds) where this generation's model was loaded by `load`
+    )
     dropped: int = 0  # chat: the oldest messages dropped from the history so that it fits the model's context
 
     def as_dict(self) -> dict:
-        return {"text": self.text, **self.stats.as_dict(), **({"load_seconds": self.load} if self.load is not None else {}),
-                **({"dropped_messages": self.dropped} if self.dropped else {})}
+        return {
+            "text": self.text,
+            **self.stats.as_dict(),
+            **({"load_seconds": self.load} if self.load is not None else {}),
+            **({"dropped_messages": self.dropped} if self.dropped else {}),
+        }
 
 
 class Chat:
@@ -84,8 +90,14 @@ def backends() -> tuple[str, ...]:
     return ("torch", *registry.TARGETS)
 
 
-def open_decoder(artifact: Path, backend: str, device: str, stack: contextlib.ExitStack, progress: Progress | None,
-             compile: bool | str | None = None):
+def open_decoder(
+    artifact: Path,
+    backend: str,
+    device: str,
+    stack: contextlib.ExitStack,
+    progress: Progress | None,
+    compile: bool | str | None = None,
+):
     """(the decoder of `backend`, the model's config or None): the PyTorch model on `device`, or
     an Apple target's stateful package on its runtime (apple/flow.py's `decoder`)."""
     from ..runtime import engine as gen
@@ -98,8 +110,10 @@ def open_decoder(artifact: Path, backend: str, device: str, stack: contextlib.Ex
 
         model = loader.load(artifact, device=device, dtype=torch.bfloat16, verify=True, progress=progress)
         if not is_causal_lm(model.config):
-            raise ArtifactError(f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
-                                "generate and chat need a text-generation model; use `mpsconvert validate` for encoders")
+            raise ArtifactError(
+                f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",
+                "generate and chat need a text-generation model; use `mpsconvert validate` for encoders",
+            )
         return gen.Engine(model, compile=compile), model.config
     if backend not in registry.TARGETS:
         raise MpsconvertError(f"unknown backend {backend!r}", f"use one of: {', '.join(backends())}")
@@ -156,17 +170,23 @@ def chat(
     sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed)
     stack = contextlib.ExitStack()
     try:
-        decoder, config = open_decoder(artifact, backend, device, stack, progress, compile)  # the backend's own checks, then the artifact verified
+        decoder, config = open_decoder(
+            artifact, backend, device, stack, progress, compile
+        )  # the backend's own checks, then the artifact verified
         tok = gen.load_tokenizer(artifact)  # after: a verified copy of the listed files (manifests/loadable.verified)
         config = config or load_config(artifact, False)
-        conv = gen.Conversation(decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system)
+        conv = gen.Conversation(
+            decoder, tok, gen.eos_ids(config, gen.load_generation_config(artifact), tok), sampling, system
+        )
     except BaseException:
         stack.close()
         raise
     return Chat(conv, stack)
 
 
-def generate(artifact: str | Path, prompt: str, *, on_text=None, use_template: bool = True, **kw: Any) -> GenerateResult:
+def generate(
+    artifact: str | Path, prompt: str, *, on_text=None, use_template: bool = True, **kw: Any
+) -> GenerateResult:
     """Generate text for one prompt, streaming it through `on_text(piece)` as tokens come.
 
     Args:

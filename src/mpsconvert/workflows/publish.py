@@ -14,8 +14,14 @@ if TYPE_CHECKING:
     from ..manifests.verify import VerifyReport
 
 
-def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code: bool = False,
-           manifest_sha256: str | None = None, progress: Progress | None = None) -> VerifyReport:
+def verify(
+    artifact: str | Path,
+    *,
+    check_hashes: bool = True,
+    trust_remote_code: bool = False,
+    manifest_sha256: str | None = None,
+    progress: Progress | None = None,
+) -> VerifyReport:
     """See api.verify."""
     from ..infra import atomic
     from ..manifests.verify import verify_artifact
@@ -23,7 +29,9 @@ def verify(artifact: str | Path, *, check_hashes: bool = True, trust_remote_code
     artifact = Path(artifact)
     atomic.recover(artifact)
     report = verify_artifact(artifact, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
-    if report.needs_model:  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
+    if (
+        report.needs_model
+    ):  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
         from ..runtime.load import loader
 
         loader.check_built_model(artifact, report, trust_remote_code=trust_remote_code)
@@ -47,12 +55,26 @@ class UploadResult:
         return asdict(self)
 
 
-def upload(artifact: str | Path, repo: str, *, private: bool = False, token: str | None = None,
-           revision: str | None = None, verify_first: bool = True, progress: Progress | None = None,
-           check: Callable = verify) -> UploadResult:
+def upload(
+    artifact: str | Path,
+    repo: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    verify_first: bool = True,
+    progress: Progress | None = None,
+    check: Callable = verify,
+) -> UploadResult:
     """See api.upload; `check`: how the artifact is verified first (`verify`)."""
     from ..publish import hub
 
-    up = hub.upload(Path(artifact), repo, private=private, token=token, revision=revision,
-                    verify=(lambda a: check(a, progress=progress)) if verify_first else None)
+    up = hub.upload(
+        Path(artifact),
+        repo,
+        private=private,
+        token=token,
+        revision=revision,
+        verify=(lambda a: check(a, progress=progress)) if verify_first else None,
+    )
     return UploadResult(**up)

@@ -27,8 +27,12 @@ class QuantizeResult(ByTarget):
     output: Path
     manifest: Manifest
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
-    apple: dict[str, ExportResult] = field(default_factory=dict)  # target key -> the export asked for (also `result.<key>`)
-    manifest_sha256: str | None = None  # of the manifest file as written: pins everything, until the next step changes it
+    apple: dict[str, ExportResult] = field(
+        default_factory=dict
+    )  # target key -> the export asked for (also `result.<key>`)
+    manifest_sha256: str | None = (
+        None  # of the manifest file as written: pins everything, until the next step changes it
+    )
     pin_sha256: str | None = None  # of the part the conversion sealed: the pin that lasts (`verify --manifest-sha256`)
     upload: UploadResult | None = None  # when it was published to the hub too
     warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
@@ -38,13 +42,28 @@ class QuantizeResult(ByTarget):
         return self.manifest.summary
 
     def as_dict(self) -> dict:
-        return {"output": str(self.output), **self.summary, "manifest_sha256": self.manifest_sha256, "pin_sha256": self.pin_sha256,
-                **({"warnings": self.warnings} if self.warnings else {})}
+        return {
+            "output": str(self.output),
+            **self.summary,
+            "manifest_sha256": self.manifest_sha256,
+            "pin_sha256": self.pin_sha256,
+            **({"warnings": self.warnings} if self.warnings else {}),
+        }
 
 
-def quantize(source: str | Path, output: str | Path | None, *, calibration: CalibOptions | None, scales_file: str | Path | None,
-             exports: dict[str, Any], upload_repo: str | None, private: bool, token: str | None, progress: Progress | None,
-             **convert: Any) -> QuantizeResult:
+def quantize(
+    source: str | Path,
+    output: str | Path | None,
+    *,
+    calibration: CalibOptions | None,
+    scales_file: str | Path | None,
+    exports: dict[str, Any],
+    upload_repo: str | None,
+    private: bool,
+    token: str | None,
+    progress: Progress | None,
+    **convert: Any,
+) -> QuantizeResult:
     """See api.quantize (`convert`: its conversion settings, as convert.pipeline.claimed takes them)."""
     from ..apple import flow
     from ..calibrate import CalibOptions
@@ -55,13 +74,20 @@ def quantize(source: str | Path, output: str | Path | None, *, calibration: Cali
         from ..publish import hub
 
         hub.check_upload(upload_repo)
-    copts = replace(calibration or CalibOptions(), ignore=list(convert["ignore"]), trust_remote_code=convert["trust_remote_code"],
-                    token=(calibration.token if calibration is not None else None) or token)
-    given = {"`data`": calibration is not None and calibration.data is not None,  # the settings only scheme fp8 takes
-             "`scales_file`": scales_file is not None}
+    copts = replace(
+        calibration or CalibOptions(),
+        ignore=list(convert["ignore"]),
+        trust_remote_code=convert["trust_remote_code"],
+        token=(calibration.token if calibration is not None else None) or token,
+    )
+    given = {
+        "`data`": calibration is not None and calibration.data is not None,  # the settings only scheme fp8 takes
+        "`scales_file`": scales_file is not None,
+    }
     result = QuantizeResult(Path(), None)
-    with pipeline.claimed(source, output, token=token, calibration_given=given, exports=tuple(exports),
-                          progress=progress, **convert) as run:
+    with pipeline.claimed(
+        source, output, token=token, calibration_given=given, exports=tuple(exports), progress=progress, **convert
+    ) as run:
         flow.require_all(exports)  # the extras the exports need, before any work
         run.resolve()
         run.prepare()
@@ -77,5 +103,12 @@ def quantize(source: str | Path, output: str | Path | None, *, calibration: Cali
             with written_but(done.output, "its upload", retry, UploadError):
                 result.upload = upload(done.output, upload_repo, private=private, token=token, progress=progress)
     manifest, sha, pinned = read_once(done.output)  # as the exports and the upload left it
-    return replace(result, output=done.output, manifest=manifest, calibration=done.calibration, manifest_sha256=sha,
-                   pin_sha256=pinned, warnings=done.warnings)
+    return replace(
+        result,
+        output=done.output,
+        manifest=manifest,
+        calibration=done.calibration,
+        manifest_sha256=sha,
+        pin_sha256=pinned,
+        warnings=done.warnings,
+    )

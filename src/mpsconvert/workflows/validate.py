@@ -38,7 +38,9 @@ class ValidationResult(ByTarget):
     measured_at: str
     kernels: list = field(default_factory=list)
     dequantized_at_load: list = field(default_factory=list)
-    weights_held: dict = field(default_factory=dict)  # e4m3 codes or dequantized on this device, and a note where no memory is saved
+    weights_held: dict = field(
+        default_factory=dict
+    )  # e4m3 codes or dequantized on this device, and a note where no memory is saved
     latency: dict | None = None
     speedup: dict | None = None  # BF16 median / FP8 median per phase
     verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"

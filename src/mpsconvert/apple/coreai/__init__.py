@@ -79,12 +79,16 @@ class CoreAIExport(AppleExport):
 
     def card_lines(self, name: str, causal: bool) -> list[str]:
         run = f'mpsconvert generate {md.sh(name)} "Hello" --backend coreai'
-        return [f"Core AI: {md.code(self.asset)} ({md.text(self.task)}, native f8E4M3FN weights, needs "
-                f"{md.text(self.minimum_os)})"
-                + (f"; {md.code(run)} runs it with the Core AI runtime." if causal else "."), ""]
+        return [
+            f"Core AI: {md.code(self.asset)} ({md.text(self.task)}, native f8E4M3FN weights, needs "
+            f"{md.text(self.minimum_os)})" + (f"; {md.code(run)} runs it with the Core AI runtime." if causal else "."),
+            "",
+        ]
 
     def summary(self) -> str:
-        return self.summary_of(self.minimum_os, self.asset_bytes or (self.check.more.get("asset_bytes") if self.check else None))
+        return self.summary_of(
+            self.minimum_os, self.asset_bytes or (self.check.more.get("asset_bytes") if self.check else None)
+        )
 
 
 @dataclass(kw_only=True)

@@ -26,10 +26,10 @@ import torch
 
 from ...errors import MpsconvertError
 from .. import compare, stateful
+from ..protocol import package_in
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
 from . import RUNTIME_LABEL
 from .coreai_export import ASSET_NAME, TORCH_DTYPES, asset_bytes, storage_summary
-from ..protocol import package_in
 from .session import Session, coreai, quiet
 from .weights import blockwise_scale
 
@@ -142,10 +142,18 @@ def read_fp8_constants(asset_dir: Path) -> list[dict]:
         scale = None
         if s and s["dense"] is not None:
             scale = _dense_values(s["dense"], s["shape"], s["dtype"])
-        elif s and s["resource"] in blobs and _NP_DTYPES.get(s["dtype"]) is not None:  # a large scale is a resource blob too
+        elif (
+            s and s["resource"] in blobs and _NP_DTYPES.get(s["dtype"]) is not None
+        ):  # a large scale is a resource blob too
             scale = np.frombuffer(blobs[s["resource"]], dtype=_NP_DTYPES[s["dtype"]]).reshape(s["shape"])
-        out.append({"shape": c["shape"], "bytes": blobs.get(c["resource"], b""), "scale": scale,
-                    "scale_dtype": s["dtype"] if s else None})
+        out.append(
+            {
+                "shape": c["shape"],
+                "bytes": blobs.get(c["resource"], b""),
+                "scale": scale,
+                "scale_dtype": s["dtype"] if s else None,
+            }
+        )
     return out
 
 
@@ -164,7 +172,10 @@ def check_weights(asset_dir: Path, tm, record: dict) -> dict:
         key = (tuple(codes.shape), hashlib.sha256(codes.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
         cands = by_digest.get(key, [])
         want = (blockwise_scale(scale.float(), tuple(codes.shape)) * 2.0 ** enc.get("fp16_shift", 0)).to(dtype).numpy()
-        scale_ok = any(c["scale"] is not None and c["scale"].shape == want.shape and c["scale"].tobytes() == want.tobytes() for c in cands)
+        scale_ok = any(
+            c["scale"] is not None and c["scale"].shape == want.shape and c["scale"].tobytes() == want.tobytes()
+            for c in cands
+        )
         rows[name] = {"codes_equal": bool(cands), "scale_equal": scale_ok, "ok": bool(cands) and scale_ok}
     n_values = sum(int(c.numel()) for c, _ in tensors.values())
     stored = record.get("storage", {}).get("storage_types", {})
@@ -195,8 +206,10 @@ def decoder_runner(session: Session):
         def step(ids: np.ndarray, position: int) -> np.ndarray:
             if position < 0 or position + ids.shape[1] > max_len:
                 # the runtime does not bounds-check a state write: past the cache it corrupts memory
-                raise MpsconvertError(f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
-                                      "re-export with a larger `max_len`, or use fewer tokens")
+                raise MpsconvertError(
+                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
+                    "re-export with a larger `max_len`, or use fewer tokens",
+                )
             out = session.run({"input_ids": ids, "position": np.array([position], dtype=np.int32)}, state)
             return out[stateful.OUTPUT_NAME][0]
 
@@ -205,8 +218,18 @@ def decoder_runner(session: Session):
     return new_conversation
 
 
-def runtime_eval(artifact: Path, tm, max_len: int, unit: str | None = None, texts=None, prompt_len: int = compare.PROMPT_LEN,
-                 steps: int = compare.DECODE_STEPS, generate: int = compare.GENERATE, samples: int = 3, progress=None) -> dict:
+def runtime_eval(
+    artifact: Path,
+    tm,
+    max_len: int,
+    unit: str | None = None,
+    texts=None,
+    prompt_len: int = compare.PROMPT_LEN,
+    steps: int = compare.DECODE_STEPS,
+    generate: int = compare.GENERATE,
+    samples: int = 3,
+    progress=None,
+) -> dict:
     """Run the asset with the Core AI runtime and compare it with PyTorch (see compare.py)."""
     with quiet():
         session = Session(_asset(artifact), unit=unit)
@@ -228,8 +251,17 @@ def runtime_eval(artifact: Path, tm, max_len: int, unit: str | None = None, text
     return res | {"inputs": what, "runtime": runtime_label(unit), "reference": compare.REFERENCE_NAME}
 
 
-def check_asset(artifact: Path, record: dict, texts=None, prompt_len: int = compare.PROMPT_LEN, steps: int = compare.DECODE_STEPS,
-                generate: int = compare.GENERATE, samples: int = 3, evaluate: bool = True, progress=None) -> dict:
+def check_asset(
+    artifact: Path,
+    record: dict,
+    texts=None,
+    prompt_len: int = compare.PROMPT_LEN,
+    steps: int = compare.DECODE_STEPS,
+    generate: int = compare.GENERATE,
+    samples: int = 3,
+    evaluate: bool = True,
+    progress=None,
+) -> dict:
     """Every check that needs no Apple hardware of the asset in `artifact` that `record` (the
     manifest's `coreai` record) describes. Returns a dict (recorded, slimmed, by apple/flow.py)."""
     artifact = Path(artifact)
@@ -245,17 +277,37 @@ def check_asset(artifact: Path, record: dict, texts=None, prompt_len: int = comp
     res["size_ratio"] = round(res["asset_bytes"] / res["fp8_safetensors_bytes"], 4)
     res["weights"] = check_weights(asset, tm, {**record, "storage": res["storage"]})
     if evaluate:
-        res["runtime_eval"] = runtime_eval(artifact, tm, record["max_len"], texts=texts, prompt_len=prompt_len, steps=steps,
-                                           generate=generate, samples=samples, progress=progress)
-    res["ok"] = bool(res["interface"]["ok"] and res["weights"]["all_ok"] and res.get("runtime_eval", {}).get("ok", True))
+        res["runtime_eval"] = runtime_eval(
+            artifact,
+            tm,
+            record["max_len"],
+            texts=texts,
+            prompt_len=prompt_len,
+            steps=steps,
+            generate=generate,
+            samples=samples,
+            progress=progress,
+        )
+    res["ok"] = bool(
+        res["interface"]["ok"] and res["weights"]["all_ok"] and res.get("runtime_eval", {}).get("ok", True)
+    )
     return res
 
 
 # --------------------------------------------------------------------------- latency (validate)
 
 
-def coreai_latency(artifact: Path, record: dict, prefill_len: int = 64, decode_tokens: int = 16, warmup: int = 2,
-                   units=None, platform: str = sys.platform, texts=None, prefill_repeats: int = 3) -> dict:
+def coreai_latency(
+    artifact: Path,
+    record: dict,
+    prefill_len: int = 64,
+    decode_tokens: int = 16,
+    warmup: int = 2,
+    units=None,
+    platform: str = sys.platform,
+    texts=None,
+    prefill_repeats: int = 3,
+) -> dict:
     """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU, same prompt, same
     number of tokens (compare.decode_timing). Linux: the bundled CPU runtime (labelled). macOS: one row per compute unit
     (`units`, default cpu / gpu / neural_engine) through the OS runtime; a unit that fails is a
@@ -270,19 +322,25 @@ def coreai_latency(artifact: Path, record: dict, prefill_len: int = 64, decode_t
         prefill_len = max(1, rec["max_len"] - decode_tokens - warmup)
     ids, what = compare.prompt_ids(artifact, tm, prefill_len, texts)
     rows = []
-    for unit in (list(units or ("cpu", "gpu", "neural_engine")) if platform == "darwin" else [None]):
+    for unit in list(units or ("cpu", "gpu", "neural_engine")) if platform == "darwin" else [None]:
         row = {"engine": runtime_label(unit, platform)}
         try:
             with quiet():
                 session = Session(_asset(artifact), unit=unit)
             with session:
-                row.update(compare.decode_timing(compare.runner(decoder_runner(session), "coreai"), ids, decode_tokens, warmup, prefill_repeats))
+                row.update(
+                    compare.decode_timing(
+                        compare.runner(decoder_runner(session), "coreai"), ids, decode_tokens, warmup, prefill_repeats
+                    )
+                )
         except Exception as e:  # one compute unit failing is a result, reported in its row
             row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         rows.append(row)
-    torch_row = {"engine": f"PyTorch {torch.__version__} CPU, fp32 (dequantized weights, the runtime engine eager "
-                           "over a DynamicCache)",
-                 **compare.decode_timing(compare.torch_decoder(tm), ids, decode_tokens, warmup, prefill_repeats)}
+    torch_row = {
+        "engine": f"PyTorch {torch.__version__} CPU, fp32 (dequantized weights, the runtime engine eager "
+        "over a DynamicCache)",
+        **compare.decode_timing(compare.torch_decoder(tm), ids, decode_tokens, warmup, prefill_repeats),
+    }
     rows.append(torch_row)
     for r in rows:
         if "decode_tokens_per_s" in r:

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from ...errors import ExportError, MpsconvertError
-from ...manifests.manifest import Manifest, dist_versions
 from ...infra.progress import Progress, or_silent
+from ...manifests.manifest import Manifest, dist_versions
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, fp8_safetensors_bytes
 from . import ASSET_NAME, MINIMUM_OS, CoreAIOptions
@@ -47,7 +47,9 @@ class _Stored(torch.nn.Module):
         return x.to(self.dtype)
 
 
-def keep_stored_dtypes(model: torch.nn.Module, stored: dict[str, torch.dtype], dtype: torch.dtype, skip: set[str]) -> dict:
+def keep_stored_dtypes(
+    model: torch.nn.Module, stored: dict[str, torch.dtype], dtype: torch.dtype, skip: set[str]
+) -> dict:
     """Compute in `dtype` while every dense float parameter (not the FP8 weights in `skip`) stays
     in the dtype the artifact stores it in (`stored`: parameter name -> dtype): the model is cast
     to `dtype`, then each such parameter is put back in its stored dtype behind a cast. Tied
@@ -83,7 +85,7 @@ def _fp8_param_names(model, fp8_weights: dict) -> set[str]:
     prefix = getattr(model, "base_model_prefix", "") or ""
     out = set()
     for k in fp8_weights:
-        for cand in (k, f"{prefix}.{k}", k[len(prefix) + 1:] if prefix and k.startswith(prefix + ".") else None):
+        for cand in (k, f"{prefix}.{k}", k[len(prefix) + 1 :] if prefix and k.startswith(prefix + ".") else None):
             if cand in own:
                 out.add(cand)
     return out
@@ -94,7 +96,9 @@ def prepare(tm: TorchModel, opts: CoreAIOptions) -> tuple[torch.nn.Module, dict]
     stateful decoder (causal LMs) or the embeddings wrapper (encoders). Returns (module, record)."""
     dtype = TORCH_DTYPES[opts.compute]
     model = tm.model
-    dense = keep_stored_dtypes(model, tm.stored_dtypes, dtype, _fp8_param_names(model, tm.fp8_weights) | set(tm.fp8_experts))
+    dense = keep_stored_dtypes(
+        model, tm.stored_dtypes, dtype, _fp8_param_names(model, tm.fp8_weights) | set(tm.fp8_experts)
+    )
     encoded = swap_fp8_linears(model, tm.fp8_weights, dtype) | swap_fp8_experts(model, tm.fp8_experts, dtype)
     if tm.task == "causal-lm":
         module = stateful.StatefulCausalLM(model, opts.max_len, cache_dtype=dtype).eval()
@@ -112,8 +116,10 @@ def _export(module, tm: TorchModel, opts: CoreAIOptions):
         states = [s.target for s in ep.graph_signature.input_specs if s.target in mutated]
         want = stateful.state_names(module.num_layers)
         if sorted(states) != sorted(want):
-            raise ExportError(f"the exported decoder mutates {sorted(mutated)}, not exactly its KV caches",
-                              "this architecture writes other state during a forward pass; report the model")
+            raise ExportError(
+                f"the exported decoder mutates {sorted(mutated)}, not exactly its KV caches",
+                "this architecture writes other state during a forward pass; report the model",
+            )
         return ep, list(stateful.INPUT_NAMES), [stateful.OUTPUT_NAME], states
     hi = opts.max_len
     example = max(2, min(hi, 16))
@@ -121,7 +127,9 @@ def _export(module, tm: TorchModel, opts: CoreAIOptions):
     ids = torch.zeros(1, example, dtype=torch.int32)
     mask = torch.ones(1, example, dtype=torch.int32)
     with torch.no_grad():
-        ep = torch.export.export(module, (ids, mask), dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}}, strict=False)
+        ep = torch.export.export(
+            module, (ids, mask), dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}}, strict=False
+        )
     return ep.run_decompositions(table), tm.input_names, [tm.output_name], []
 
 
@@ -131,16 +139,25 @@ def convert(module, tm: TorchModel, opts: CoreAIOptions):
     try:
         with quiet() as log:
             ep, inputs, outputs, states = _export(module, tm, opts)
-            prog = (ct.TorchConverter(mode=ct.TorchConverter.Mode.RELEASE)
-                    .add_exported_program(ep, input_names=inputs, output_names=outputs, state_names=states or None)
-                    .to_coreai())
+            prog = (
+                ct.TorchConverter(mode=ct.TorchConverter.Mode.RELEASE)
+                .add_exported_program(ep, input_names=inputs, output_names=outputs, state_names=states or None)
+                .to_coreai()
+            )
     except MpsconvertError:
         raise
     except Exception as e:  # a torch op with no Core AI lowering, an export failure: name it, one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise ExportError(f"Core AI export of {type(tm.model).__name__} failed: {type(e).__name__}: {first}",
-                          "this architecture does not convert with coreai-torch yet; report the model") from e
-    return prog, {"inputs": inputs, "outputs": outputs, "states": states, "converter_log_lines": len("".join(log).splitlines())}
+        raise ExportError(
+            f"Core AI export of {type(tm.model).__name__} failed: {type(e).__name__}: {first}",
+            "this architecture does not convert with coreai-torch yet; report the model",
+        ) from e
+    return prog, {
+        "inputs": inputs,
+        "outputs": outputs,
+        "states": states,
+        "converter_log_lines": len("".join(log).splitlines()),
+    }
 
 
 def asset_bytes(asset_dir: Path) -> int:
@@ -155,9 +172,11 @@ def storage_summary(asset_dir: Path) -> dict:
     from coreai.authoring import AIModelAsset
 
     s = AIModelAsset.load(Path(asset_dir)).summary(include_statistics=True)
-    return {"storage_types": {str(t): int(n) for t, n in s.storage_types},
-            "compute_types": sorted(str(t) for t in s.compute_types),
-            "operations": {str(t): int(n) for t, n in s.operation_distribution}}
+    return {
+        "storage_types": {str(t): int(n) for t, n in s.storage_types},
+        "compute_types": sorted(str(t) for t in s.compute_types),
+        "operations": {str(t): int(n) for t, n in s.operation_distribution},
+    }
 
 
 def build(folder: Path, manifest: Manifest, opts: CoreAIOptions, progress: Progress | None = None) -> dict:
@@ -188,7 +207,9 @@ def build(folder: Path, manifest: Manifest, opts: CoreAIOptions, progress: Progr
     asset = artifact / ASSET_NAME
     prog.save_asset(asset)
     if not asset.is_dir():
-        raise ExportError(f"writing {ASSET_NAME} produced no folder", "report this: coreai-torch's save_asset wrote nothing")
+        raise ExportError(
+            f"writing {ASSET_NAME} produced no folder", "report this: coreai-torch's save_asset wrote nothing"
+        )
     progress("coreai export", 3, 4, "reading the asset back")
     record = _record(tm, opts, weights, signature(AIModelAsset.load(asset)), asset, artifact)
     manifest.versions.update(record["versions"])
@@ -202,8 +223,10 @@ def _record(tm: TorchModel, opts: CoreAIOptions, weights: dict, sig: dict, asset
         "task": tm.task,
         "interface": {
             "function": "main",
-            **{kind: [{"name": n, "dtype": dt, "shape": shape} for n, (dt, shape) in sig[kind].items()]
-               for kind in ("inputs", "outputs", "states")},
+            **{
+                kind: [{"name": n, "dtype": dt, "shape": shape} for n, (dt, shape) in sig[kind].items()]
+                for kind in ("inputs", "outputs", "states")
+            },
         },
         "pooling": ("mean" + (" + l2 normalize" if tm.normalize else "")) if tm.task == "encoder" else None,
         "max_len": opts.max_len,

@@ -25,14 +25,36 @@ class CoreAI(Target):
     check_options = CheckOptions
     check_fix = "re-export with `compute=fp32` to compare, or report the model"
     export_flags = (
-        Option("max_len", "--max-len", "Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input "
-               "[default: 2048, or the model's max_position_embeddings if smaller].", kind="int", minimum=2, quantize="--max-len"),
-        Option("compute", "--compute", "Compute dtype. FP8 weights stay f8E4M3FN and other tensors keep the artifact's dtype either way.",
-               kind=COMPUTE_DTYPES, default="fp32", quantize="--coreai-compute"),
+        Option(
+            "max_len",
+            "--max-len",
+            "Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input "
+            "[default: 2048, or the model's max_position_embeddings if smaller].",
+            kind="int",
+            minimum=2,
+            quantize="--max-len",
+        ),
+        Option(
+            "compute",
+            "--compute",
+            "Compute dtype. FP8 weights stay f8E4M3FN and other tensors keep the artifact's dtype either way.",
+            kind=COMPUTE_DTYPES,
+            default="fp32",
+            quantize="--coreai-compute",
+        ),
     )
     check_flags = (
-        Option("prompt_len", "--prompt-len", "Tokens of real text in the checked prefill.", kind="int", default=64, minimum=1),
-        Option("decode_steps", "--decode-steps", "Teacher-forced decode steps checked.", kind="int", default=32, minimum=1),
+        Option(
+            "prompt_len",
+            "--prompt-len",
+            "Tokens of real text in the checked prefill.",
+            kind="int",
+            default=64,
+            minimum=1,
+        ),
+        Option(
+            "decode_steps", "--decode-steps", "Teacher-forced decode steps checked.", kind="int", default=32, minimum=1
+        ),
     )
     backend_help = "the artifact's model.aimodel on the Core AI runtime (on Linux the CPU runtime in coreai-core)"
     quantize_help = "Also export a Core AI asset (model.aimodel) into the artifact; see `export-coreai`."
@@ -56,8 +78,14 @@ class CoreAI(Target):
     def check(self, folder, record, opts, progress):
         from .coreai_check import check_asset
 
-        return check_asset(folder, record.as_dict(), prompt_len=opts.prompt_len, steps=opts.decode_steps, generate=opts.generate,
-                           progress=progress)
+        return check_asset(
+            folder,
+            record.as_dict(),
+            prompt_len=opts.prompt_len,
+            steps=opts.decode_steps,
+            generate=opts.generate,
+            progress=progress,
+        )
 
     def open_decoder(self, package, record, close):
         from .coreai_check import decoder_runner
@@ -68,15 +96,33 @@ class CoreAI(Target):
         close(session)
         return decoder_runner(session), "Core AI runtime, macOS" if sys.platform == "darwin" else RUNTIME_LABEL
 
-    def measure(self, artifact, record, *, prefill_len=64, decode_tokens=16, warmup=2, prefill_repeats=3, units=None, progress=None):
+    def measure(
+        self,
+        artifact,
+        record,
+        *,
+        prefill_len=64,
+        decode_tokens=16,
+        warmup=2,
+        prefill_repeats=3,
+        units=None,
+        progress=None,
+    ):
         """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU (check.coreai_latency)."""
         from ...infra.extras import require
 
         require(self.module, self.extra, "the Core AI latency check")
         from .coreai_check import coreai_latency
 
-        return coreai_latency(artifact, record.as_dict(), prefill_len=prefill_len, decode_tokens=decode_tokens, warmup=warmup, units=units,
-                              prefill_repeats=prefill_repeats)
+        return coreai_latency(
+            artifact,
+            record.as_dict(),
+            prefill_len=prefill_len,
+            decode_tokens=decode_tokens,
+            warmup=warmup,
+            units=units,
+            prefill_repeats=prefill_repeats,
+        )
 
     def latency(self, artifact, record, settings, progress):
         if not settings["latency"]:
@@ -89,37 +135,92 @@ class CoreAI(Target):
             return {"status": "skipped", "reason": str(e)}
         progress("coreai latency", 0, None, "Core AI runtime beside PyTorch")
         # at most 3 timed prefills: on the Linux CPU runtime one prefill of 512 tokens takes tens of seconds
-        return self.measure(artifact, record, prefill_len=settings["prefill_len"], decode_tokens=settings["decode_tokens"],
-                            warmup=min(settings["warmup"], 2), prefill_repeats=min(settings["repeats"], 3))
+        return self.measure(
+            artifact,
+            record,
+            prefill_len=settings["prefill_len"],
+            decode_tokens=settings["decode_tokens"],
+            warmup=min(settings["warmup"], 2),
+            prefill_repeats=min(settings["repeats"], 3),
+        )
 
     def written(self, record: dict) -> str:
-        return (f"Core AI: {record['asset']} written ({record['task']}" + (", stateful decoder" if record["task"] == "causal-lm" else "")
-                + f", {record['compute']} compute)")
+        return (
+            f"Core AI: {record['asset']} written ({record['task']}"
+            + (", stateful decoder" if record["task"] == "causal-lm" else "")
+            + f", {record['compute']} compute)"
+        )
 
     def rows(self, artifact: Path, rec: dict, chk: dict):
         iface = rec.get("interface", {})
-        rows = [("task", f"{rec.get('task')}" + (" stateful decoder" if rec.get("task") == "causal-lm" else f" ({rec.get('pooling')} pooling)"), None),
-                ("function main", "; ".join(feature_text(f) for f in iface.get("inputs", [])) + " -> "
-                 + "; ".join(feature_text(f) for f in iface.get("outputs", [])), None)]
+        rows = [
+            (
+                "task",
+                f"{rec.get('task')}"
+                + (" stateful decoder" if rec.get("task") == "causal-lm" else f" ({rec.get('pooling')} pooling)"),
+                None,
+            ),
+            (
+                "function main",
+                "; ".join(feature_text(f) for f in iface.get("inputs", []))
+                + " -> "
+                + "; ".join(feature_text(f) for f in iface.get("outputs", [])),
+                None,
+            ),
+        ]
         if iface.get("states"):
             rows.append(("states", states_text(iface["states"]), None))
-        rows.append(("interface", "as the decoder contract says" if chk["interface"]["ok"] else "; ".join(chk["interface"]["problems"]),
-                     chk["interface"]["ok"]))
+        rows.append(
+            (
+                "interface",
+                "as the decoder contract says" if chk["interface"]["ok"] else "; ".join(chk["interface"]["problems"]),
+                chk["interface"]["ok"],
+            )
+        )
         v = rec.get("versions", {})
-        rows.append(("converted with", f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; "
-                                       f"compute {rec.get('compute')}; needs {rec.get('minimum_os')}", None))
+        rows.append(
+            (
+                "converted with",
+                f"coreai-torch {v.get('coreai_torch')}, coreai-core {v.get('coreai_core')}; "
+                f"compute {rec.get('compute')}; needs {rec.get('minimum_os')}",
+                None,
+            )
+        )
         st = chk["storage"]["storage_types"]
-        rows.append(("storage", ", ".join(f"{k} {n:,}" for k, n in sorted(st.items(), key=lambda kv: -kv[1]) if n > 1000) or str(st), None))
-        rows.append(("size", f"{human(chk['asset_bytes'])} asset vs {human(chk['fp8_safetensors_bytes'])} FP8 "
-                             f"safetensors ({chk['size_ratio']:.3f}x)", None))
+        rows.append(
+            (
+                "storage",
+                ", ".join(f"{k} {n:,}" for k, n in sorted(st.items(), key=lambda kv: -kv[1]) if n > 1000) or str(st),
+                None,
+            )
+        )
+        rows.append(
+            (
+                "size",
+                f"{human(chk['asset_bytes'])} asset vs {human(chk['fp8_safetensors_bytes'])} FP8 "
+                f"safetensors ({chk['size_ratio']:.3f}x)",
+                None,
+            )
+        )
         w = chk["weights"]
-        rows.append(("weight check", f"{w['checked']} FP8 tensors read back from the program: codes bit-exact "
-                                     f"{w['codes_bit_exact']}, scales exact {w['scales_exact']}; "
-                                     f"{w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for "
-                                     f"{w['fp8_values_in_artifact']:,} in the artifact"
-                     + ("" if w["all_ok"] else " MISMATCH"), w["all_ok"]))
+        rows.append(
+            (
+                "weight check",
+                f"{w['checked']} FP8 tensors read back from the program: codes bit-exact "
+                f"{w['codes_bit_exact']}, scales exact {w['scales_exact']}; "
+                f"{w['f8E4M3FN_values_stored']:,} f8E4M3FN values stored for "
+                f"{w['fp8_values_in_artifact']:,} in the artifact" + ("" if w["all_ok"] else " MISMATCH"),
+                w["all_ok"],
+            )
+        )
         ev = chk.get("runtime_eval")
         if ev and "prefill" not in ev:
-            rows.append((ev["runtime"], f"embedding cosine min {ev['cosine_min']:.6f} over {ev['samples']} samples ({ev['inputs']})"
-                         + (" ok" if ev["ok"] else " FAILED"), ev["ok"]))
+            rows.append(
+                (
+                    ev["runtime"],
+                    f"embedding cosine min {ev['cosine_min']:.6f} over {ev['samples']} samples ({ev['inputs']})"
+                    + (" ok" if ev["ok"] else " FAILED"),
+                    ev["ok"],
+                )
+            )
         return rows, (ev if ev and "prefill" in ev else None), (ev or {}).get("runtime", "")

@@ -102,8 +102,10 @@ def parse_signature(text: str) -> tuple[str, list[int | None]]:
 def signature(asset) -> dict:
     """The function `main` of an asset: inputs, outputs and states as {name: (dtype, shape)}."""
     s = asset.summary(include_statistics=False)
-    return {kind: {name: parse_signature(sig) for name, sig in getattr(s, f"function_{kind}")("main")}
-            for kind in ("inputs", "outputs", "states")}
+    return {
+        kind: {name: parse_signature(sig) for name, sig in getattr(s, f"function_{kind}")("main")}
+        for kind in ("inputs", "outputs", "states")
+    }
 
 
 def specialization(unit: str | None, runtime=None, platform: str = sys.platform):
@@ -115,11 +117,15 @@ def specialization(unit: str | None, runtime=None, platform: str = sys.platform)
     if unit not in COMPUTE_UNITS:
         raise ExportError(f"unknown Core AI compute unit {unit!r}", f"use one of: {', '.join(COMPUTE_UNITS)}")
     if platform != "darwin":
-        raise ExportError(f"Core AI compute unit {unit!r} needs macOS 27+", "run without a compute unit (the bundled CPU runtime)")
+        raise ExportError(
+            f"Core AI compute unit {unit!r} needs macOS 27+", "run without a compute unit (the bundled CPU runtime)"
+        )
     runtime = runtime or coreai()
     if not runtime.SpecializationOptions.is_supported():
-        raise ExportError("this coreai-core cannot specialize for a compute unit (the OS runtime is not in use)",
-                          "run on macOS 27+ with USE_OS_COREAI=1, as coreai-core documents")
+        raise ExportError(
+            "this coreai-core cannot specialize for a compute unit (the OS runtime is not in use)",
+            "run on macOS 27+ with USE_OS_COREAI=1, as coreai-core documents",
+        )
     kind = getattr(runtime.ComputeUnitKind, unit)()
     return runtime.SpecializationOptions.from_preferred_compute_unit_kind(kind)
 
@@ -170,15 +176,20 @@ class Session:
 
     def new_state(self) -> dict:
         """Zero-filled states for a new conversation, as the function declares them."""
-        return {name: self._rt.NDArray(np.zeros(shape, dtype=_DTYPES[dt.capitalize()]))
-                for name, (dt, shape) in self.signature["states"].items()}
+        return {
+            name: self._rt.NDArray(np.zeros(shape, dtype=_DTYPES[dt.capitalize()]))
+            for name, (dt, shape) in self.signature["states"].items()
+        }
 
     def run(self, inputs: dict[str, np.ndarray], state: dict | None = None) -> dict[str, np.ndarray]:
         feeds = {}
         for name, value in inputs.items():
             want = self.signature["inputs"].get(name)
             if want is None:
-                raise ExportError(f"the Core AI function has no input {name!r}", f"its inputs are {', '.join(self.signature['inputs'])}")
+                raise ExportError(
+                    f"the Core AI function has no input {name!r}",
+                    f"its inputs are {', '.join(self.signature['inputs'])}",
+                )
             feeds[name] = self._rt.NDArray(np.ascontiguousarray(value, dtype=_DTYPES[want[0].capitalize()]))
         out = self._loop.run_until_complete(self._fn(feeds, state=state or {}))
         return {k: np.array(v.numpy(), copy=True) for k, v in out.items()}

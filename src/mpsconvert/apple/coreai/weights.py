@@ -81,7 +81,9 @@ class Fp8Linear(torch.nn.Module):
         self.shift = fp16_shift(s) if dtype == torch.float16 else 0
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", (s * 2.0**self.shift).to(dtype).contiguous())
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+        self.bias = (
+            None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+        )
         self.dtype = dtype
         self.in_features, self.out_features = codes.shape[1], codes.shape[0]
 
@@ -89,7 +91,7 @@ class Fp8Linear(torch.nn.Module):
         w = torch.ops.coreai.constexpr_blockwise_shift_scale(self.codes, self.scale, None, None, None, self.dtype)
         y = torch.nn.functional.linear(x, w)
         if self.shift:
-            y = y * (2.0 ** -self.shift)
+            y = y * (2.0**-self.shift)
         return y if self.bias is None else y + self.bias
 
 
@@ -125,15 +127,21 @@ def swap_fp8_linears(model: torch.nn.Module, fp8_weights: dict, dtype: torch.dty
         parent, _, child = target.rpartition(".")
         layer = Fp8Linear(modules[target], codes, scale, dtype)
         setattr(modules[parent] if parent else model, child, layer)
-        record[name] = {"module": target, "scale_shape": list(layer.scale.shape), "scale_dtype": str(dtype).replace("torch.", ""),
-                        "fp16_shift": layer.shift}
+        record[name] = {
+            "module": target,
+            "scale_shape": list(layer.scale.shape),
+            "scale_dtype": str(dtype).replace("torch.", ""),
+            "fp16_shift": layer.shift,
+        }
     return record
 
 
 def _dequantized(param: str):
     def get(self):
         return torch.ops.coreai.constexpr_blockwise_shift_scale(
-            getattr(self, f"{param}_codes"), getattr(self, f"{param}_scale"), None, None, None, self.fp8_dtype)
+            getattr(self, f"{param}_codes"), getattr(self, f"{param}_scale"), None, None, None, self.fp8_dtype
+        )
+
     return property(get)
 
 
@@ -143,8 +151,11 @@ _EXPERT_CLASSES: dict[type, type] = {}
 def _fp8_experts_class(cls: type) -> type:
     """`cls` with its fused expert parameters read as Core AI dequantizations of FP8 buffers."""
     if cls not in _EXPERT_CLASSES:
-        _EXPERT_CLASSES[cls] = type(f"Fp8{cls.__name__}", (cls,), {"gate_up_proj": _dequantized("gate_up_proj"),
-                                                                   "down_proj": _dequantized("down_proj")})
+        _EXPERT_CLASSES[cls] = type(
+            f"Fp8{cls.__name__}",
+            (cls,),
+            {"gate_up_proj": _dequantized("gate_up_proj"), "down_proj": _dequantized("down_proj")},
+        )
     return _EXPERT_CLASSES[cls]
 
 
@@ -169,18 +180,28 @@ def swap_fp8_experts(model: torch.nn.Module, fp8_experts: dict, dtype: torch.dty
     for mod_name, params in by_module.items():
         mod = model.get_submodule(mod_name)
         if set(params) != {"gate_up_proj", "down_proj"}:
-            raise ExportError(f"MoE experts {mod_name} have FP8 weights for {sorted(params)} only",
-                              "Core AI export needs both gate_up_proj and down_proj in FP8, or neither")
+            raise ExportError(
+                f"MoE experts {mod_name} have FP8 weights for {sorted(params)} only",
+                "Core AI export needs both gate_up_proj and down_proj in FP8, or neither",
+            )
         for param, (codes, scale, keys) in params.items():
             s = blockwise_scale(scale.float(), tuple(codes.shape))
             shift = fp16_shift(s) if dtype == torch.float16 else 0
             if shift:
-                raise ExportError(f"MoE experts {mod_name}.{param} have scales below fp16's normal range", "export with `compute=fp32`")
+                raise ExportError(
+                    f"MoE experts {mod_name}.{param} have scales below fp16's normal range",
+                    "export with `compute=fp32`",
+                )
             del mod._parameters[param]
             mod.register_buffer(f"{param}_codes", codes.contiguous())
             mod.register_buffer(f"{param}_scale", s.to(dtype).contiguous())
-            record[f"{mod_name}.{param}"] = {"module": mod_name, "scale_shape": list(s.shape), "scale_dtype": str(dtype).replace("torch.", ""),
-                                             "fp16_shift": 0, "artifact_tensors": len(keys)}
+            record[f"{mod_name}.{param}"] = {
+                "module": mod_name,
+                "scale_shape": list(s.shape),
+                "scale_dtype": str(dtype).replace("torch.", ""),
+                "fp16_shift": 0,
+                "artifact_tensors": len(keys),
+            }
         mod.fp8_dtype = dtype
         mod.__class__ = _fp8_experts_class(type(mod))
     return record

@@ -37,11 +37,15 @@ class SeqLen:
         s = str(text).strip()
         m = re.fullmatch(r"(\d+)(?::(\d+))?", s)
         if not m:
-            raise MpsconvertError(f"`seq_len={s!r}` is not a length or a range", "use e.g. `seq_len=128` or `seq_len=1:512`")
+            raise MpsconvertError(
+                f"`seq_len={s!r}` is not a length or a range", "use e.g. `seq_len=128` or `seq_len=1:512`"
+            )
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) else lo
         if lo < 1 or hi < lo:
-            raise MpsconvertError(f"`seq_len={s!r}` is empty or starts below 1", "use 1 <= LO <= HI, e.g. `seq_len=1:512`")
+            raise MpsconvertError(
+                f"`seq_len={s!r}` is empty or starts below 1", "use 1 <= LO <= HI, e.g. `seq_len=1:512`"
+            )
         return cls(lo, hi)
 
     @property
@@ -104,9 +108,12 @@ class CoreMLExport(AppleExport):
     package_weight_bytes: int | None = None
 
     def card_lines(self, name: str, causal: bool) -> list[str]:
-        return [f"Core ML: {md.code(self.package)} ({md.text(self.task)}, target "
-                f"{md.text(self.minimum_deployment_target)}, weights {md.text(self.weights)}); in Swift, "
-                "`MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.", ""]
+        return [
+            f"Core ML: {md.code(self.package)} ({md.text(self.task)}, target "
+            f"{md.text(self.minimum_deployment_target)}, weights {md.text(self.weights)}); in Swift, "
+            "`MLModel(contentsOf:)` after `MLModel.compileModel(at:)`.",
+            "",
+        ]
 
     def summary(self) -> str:
         size = self.package_weight_bytes or (self.check.more.get("weight_bytes") if self.check else None)

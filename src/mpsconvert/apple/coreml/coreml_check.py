@@ -26,8 +26,8 @@ from ...format import fp8
 from ...infra import timing
 from .. import compare, stateful
 from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
-from ..torch_model import build_torch_model, fp8_safetensors_bytes
 from ..protocol import package_in
+from ..torch_model import build_torch_model, fp8_safetensors_bytes
 from .coreml_export import PACKAGE_NAME, e4m3_lut, weight_bytes_of_package
 
 EVALUATOR_NAME = "MIL reference evaluation (numpy, coremltools op definitions): not the Core ML runtime"
@@ -105,12 +105,16 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
             idx = np.asarray(lut_op.indices.val)
             lut = np.asarray(lut_op.lut.val).reshape(-1)
             r["indices_bytes"] = int(idx.nbytes)
-            r["indices_equal_fp8_codes"] = bool(idx.dtype == np.uint8 and idx.shape == codes.shape and np.array_equal(idx, codes))
+            r["indices_equal_fp8_codes"] = bool(
+                idx.dtype == np.uint8 and idx.shape == codes.shape and np.array_equal(idx, codes)
+            )
             if enc.get("lut_blocks"):  # one palette per block: decoded by coremltools' own op definition
                 want_lut = (s.numpy().astype(np.float32)[:, :, None] * base[None, None, :]).astype(np.float16)
                 if enc.get("transposed"):
                     want_lut, idx = want_lut.transpose(1, 0, 2), idx.T
-                    r["indices_equal_fp8_codes"] = bool(idx.dtype == np.uint8 and idx.shape == codes.shape and np.array_equal(idx, codes))
+                    r["indices_equal_fp8_codes"] = bool(
+                        idx.dtype == np.uint8 and idx.shape == codes.shape and np.array_equal(idx, codes)
+                    )
                 want_lut = want_lut.reshape(-1)
                 got = np.asarray(lut_op.materialized_val_inference()).astype(np.float16)
                 got = got.T if enc.get("transposed") else got
@@ -124,7 +128,9 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
                 want_row = (s.numpy().reshape(-1) * np.float32(2.0 ** enc["lut_exponent"])).astype(np.float16)
                 r["row_scale_equal"] = bool(row is not None and np.array_equal(row, want_row))
                 # The applied weight: LUT value x fp16 row scale (exact in fp32), seen in FP16.
-                got = (lut[idx].astype(np.float32) * (row if row is not None else want_row).astype(np.float32)[:, None]).astype(np.float16)
+                got = (
+                    lut[idx].astype(np.float32) * (row if row is not None else want_row).astype(np.float32)[:, None]
+                ).astype(np.float16)
             r["lut_equal_e4m3"] = bool(np.array_equal(lut.view(np.uint16), want_lut.view(np.uint16)))
             r["weights_equal_fp16_dequant"] = float(np.mean(got.view(np.uint16) == want16.view(np.uint16)))
             r["max_ulp_diff"] = _ulp_diff(got, want16)
@@ -133,10 +139,18 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
             # differ from the FP16 dequantization by the row scale's fp16 rounding (<= 1 ulp).
             exact = r["weights_equal_fp16_dequant"] == 1.0 if enc["row_scale"] is None else r["max_ulp_diff"] <= 1
             if "experts_lut_exponent" in enc:
-                r["row_scale_equal"] = any(np.array_equal(c.astype(np.float16), want_row) for c in consts_2d.get(want_row.shape, []))
-            r["ok"] = bool(r["indices_equal_fp8_codes"] and r["lut_equal_e4m3"] and r.get("row_scale_equal", True) and exact)
+                r["row_scale_equal"] = any(
+                    np.array_equal(c.astype(np.float16), want_row) for c in consts_2d.get(want_row.shape, [])
+                )
+            r["ok"] = bool(
+                r["indices_equal_fp8_codes"] and r["lut_equal_e4m3"] and r.get("row_scale_equal", True) and exact
+            )
         else:
-            cand = [op for n, op in ops.items() if n == enc["op"] or (n.startswith(enc["op"]) and op.op_type.startswith("constexpr_"))]
+            cand = [
+                op
+                for n, op in ops.items()
+                if n == enc["op"] or (n.startswith(enc["op"]) and op.op_type.startswith("constexpr_"))
+            ]
             op = next((o for o in cand if o.op_type == "constexpr_blockwise_shift_scale"), cand[0] if cand else None)
             if op is None:
                 rows[name] = {"ok": False, "why": f"op {enc['op']} not in the package"}
@@ -149,8 +163,14 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
             sig = float(np.sum(want16.astype(np.float64) ** 2))
             r["stored_as"] = op.op_type
             r["weights_equal_fp16_dequant"] = float(np.mean(got.view(np.uint16) == want16.view(np.uint16)))
-            r["sqnr_db_vs_fp8"] = None if not np.any(err) else round(float(10 * np.log10(sig / float(np.sum(err**2)))), 2)
-            r["ok"] = bool(r["weights_equal_fp16_dequant"] == 1.0 if record["weights"] == "fp16" else r["sqnr_db_vs_fp8"] is None or r["sqnr_db_vs_fp8"] > 30)
+            r["sqnr_db_vs_fp8"] = (
+                None if not np.any(err) else round(float(10 * np.log10(sig / float(np.sum(err**2)))), 2)
+            )
+            r["ok"] = bool(
+                r["weights_equal_fp16_dequant"] == 1.0
+                if record["weights"] == "fp16"
+                else r["sqnr_db_vs_fp8"] is None or r["sqnr_db_vs_fp8"] > 30
+            )
         rows[name] = r
     missing = sorted(set(fp8_weights) - set(record["encoded_tensors"]))
     return {
@@ -158,8 +178,12 @@ def check_weights(prog, record: dict, fp8_weights: dict) -> dict:
         "checked": len(rows),
         "missing": missing,
         "all_ok": not missing and all(r.get("ok") for r in rows.values()),
-        "codes_bit_exact": all(r.get("indices_equal_fp8_codes", False) for r in rows.values()) if record["weights"] == "fp8-lut" else None,
-        "min_fraction_equal_fp16_dequant": min((r.get("weights_equal_fp16_dequant", 0.0) for r in rows.values()), default=None),
+        "codes_bit_exact": all(r.get("indices_equal_fp8_codes", False) for r in rows.values())
+        if record["weights"] == "fp8-lut"
+        else None,
+        "min_fraction_equal_fp16_dequant": min(
+            (r.get("weights_equal_fp16_dequant", 0.0) for r in rows.values()), default=None
+        ),
         "max_ulp_diff": max((r["max_ulp_diff"] for r in rows.values() if "max_ulp_diff" in r), default=None),
     }
 
@@ -202,8 +226,13 @@ def mil_decoder(prog, how: Counter | None = None):
 
         def step(ids: np.ndarray, position: int) -> np.ndarray:
             if position + ids.shape[1] > max_len:
-                raise ArtifactError(f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}", "use fewer tokens")
-            outs, h = mil_eval.evaluate(prog, {"input_ids": ids, "position": np.array([position], dtype=np.int32)}, states=states, cache=cache)
+                raise ArtifactError(
+                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
+                    "use fewer tokens",
+                )
+            outs, h = mil_eval.evaluate(
+                prog, {"input_ids": ids, "position": np.array([position], dtype=np.int32)}, states=states, cache=cache
+            )
             how.update(h)
             return outs[stateful.OUTPUT_NAME][0]
 
@@ -212,21 +241,45 @@ def mil_decoder(prog, how: Counter | None = None):
     return new_conversation
 
 
-def reference_decode(prog, tm, artifact: Path, max_len: int, texts=None, prompt_len: int = compare.PROMPT_LEN,
-                     steps: int = 16, generate: int = compare.GENERATE, progress=None) -> dict:
+def reference_decode(
+    prog,
+    tm,
+    artifact: Path,
+    max_len: int,
+    texts=None,
+    prompt_len: int = compare.PROMPT_LEN,
+    steps: int = 16,
+    generate: int = compare.GENERATE,
+    progress=None,
+) -> dict:
     """The stateful package through the reference evaluator: prefill, teacher-forced decode
     through its states and greedy generation against PyTorch (compare.check_decoder)."""
     how: Counter = Counter()
     prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
     ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
     res = compare.check_decoder(mil_decoder(prog, how), tm, ids, prompt_len, steps, generate, progress)
-    return res | {"inputs": what, "evaluator": EVALUATOR_NAME, "reference": REFERENCE_NAME,
-                  "ops_by_implementation": {"coremltools": sum(v for k, v in how.items() if k.startswith("coremltools:")),
-                                            "mpsconvert": sorted({k.split(":", 1)[1] for k in how if k.startswith("mpsconvert:")})}}
+    return res | {
+        "inputs": what,
+        "evaluator": EVALUATOR_NAME,
+        "reference": REFERENCE_NAME,
+        "ops_by_implementation": {
+            "coremltools": sum(v for k, v in how.items() if k.startswith("coremltools:")),
+            "mpsconvert": sorted({k.split(":", 1)[1] for k in how if k.startswith("mpsconvert:")}),
+        },
+    }
 
 
-def check_package(artifact: Path, record: dict, texts=None, n_samples: int = 3, evaluate: bool = True, prompt_len: int = compare.PROMPT_LEN,
-                  steps: int = 16, generate: int = compare.GENERATE, progress=None) -> dict:
+def check_package(
+    artifact: Path,
+    record: dict,
+    texts=None,
+    n_samples: int = 3,
+    evaluate: bool = True,
+    prompt_len: int = compare.PROMPT_LEN,
+    steps: int = 16,
+    generate: int = compare.GENERATE,
+    progress=None,
+) -> dict:
     """Every check that needs no Apple hardware of the package in `artifact` that `record` (the
     manifest's `coreml` record) describes. Returns a dict (recorded, slimmed, by apple/flow.py).
 
@@ -243,11 +296,15 @@ def check_package(artifact: Path, record: dict, texts=None, n_samples: int = 3, 
         "spec": spec_summary(spec, prog),
         "weight_bytes": weight_bytes_of_package(pkg),
         "fp8_safetensors_bytes": fp8_safetensors_bytes(artifact),
-        "weights": check_weights(prog, record, {**tm.fp8_weights, **{n: (c, sc) for n, (c, sc, _) in tm.fp8_experts.items()}}),
+        "weights": check_weights(
+            prog, record, {**tm.fp8_weights, **{n: (c, sc) for n, (c, sc, _) in tm.fp8_experts.items()}}
+        ),
     }
     res["size_ratio"] = round(res["weight_bytes"] / res["fp8_safetensors_bytes"], 4)
     if evaluate and record.get("kv_cache"):
-        res["reference_eval"] = reference_decode(prog, tm, artifact, record["max_len"], texts, prompt_len, steps, generate, progress)
+        res["reference_eval"] = reference_decode(
+            prog, tm, artifact, record["max_len"], texts, prompt_len, steps, generate, progress
+        )
     elif evaluate:
         samples, what = sample_inputs(artifact, tm, record["seq_len"], texts or DEFAULT_TEXTS, n_samples)
         res["reference_eval"] = reference_eval(prog, tm, samples) | {"inputs": what}
@@ -269,7 +326,10 @@ def coreml_decoder(ml):
         state = ml.make_state()
 
         def step(ids: np.ndarray, position: int) -> np.ndarray:
-            out = ml.predict({"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)}, state=state)
+            out = ml.predict(
+                {"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)},
+                state=state,
+            )
             return np.asarray(out[stateful.OUTPUT_NAME])[0]
 
         return step
@@ -311,16 +371,29 @@ def _unit_rows(ct, pkg: Path, compute_units, measure) -> list[dict]:
     return rows
 
 
-def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNITS, runs: int = 20, min_cosine: float = MIN_COSINE, texts=None,
-                         prefill_len: int = 64, decode_tokens: int = 16, platform: str = sys.platform, ct=None) -> dict:
+def coreml_runtime_check(
+    artifact: Path,
+    record: dict,
+    compute_units=COMPUTE_UNITS,
+    runs: int = 20,
+    min_cosine: float = MIN_COSINE,
+    texts=None,
+    prefill_len: int = 64,
+    decode_tokens: int = 16,
+    platform: str = sys.platform,
+    ct=None,
+) -> dict:
     """Load the package with Core ML, compare with PyTorch, and time it per compute unit beside
     PyTorch on MPS. Stateful decoders: prefill of `prefill_len` tokens and `decode_tokens`
     single-token steps through `make_state()` states (median / p95, tokens/s), checked with
     compare.check_decoder; stateless packages: one predict. On anything but macOS:
     {"status": "skipped", ...}, never an error. `ct` is coremltools (a fake in tests)."""
     if platform != "darwin":
-        return {"status": "skipped", "reason": "needs macOS: Core ML loads and runs .mlpackage files only on Apple platforms",
-                "platform": platform}
+        return {
+            "status": "skipped",
+            "reason": "needs macOS: Core ML loads and runs .mlpackage files only on Apple platforms",
+            "platform": platform,
+        }
     if ct is None:
         import coremltools as ct
 
@@ -333,20 +406,45 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
 
         def decoder(ml, row):
             acc = compare.check_decoder(coreml_decoder(ml), tm, ids, prompt, steps, generate=2)
-            row.update({"prefill_top1": acc["prefill"]["top1_agreement"],
-                        "decode_top1": acc["decode"]["top1_agreement"],
-                        "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]), "ok": acc["ok"]})
+            row.update(
+                {
+                    "prefill_top1": acc["prefill"]["top1_agreement"],
+                    "decode_top1": acc["decode"]["top1_agreement"],
+                    "cosine_min": min(acc["prefill"]["cosine_min"], acc["decode"]["cosine_min"]),
+                    "ok": acc["ok"],
+                }
+            )
             run = compare.runner(coreml_decoder(ml), "coreml")
             row.update(compare.decode_timing(run, ids[:prompt], steps, warmup=2))
 
         rows = _unit_rows(ct, pkg, compute_units, decoder)
-        rows.append(_mps_row(tm, lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2)))
-        base = next((r.get("decode_tokens_per_s") for r in rows if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")), None)
+        rows.append(
+            _mps_row(
+                tm,
+                lambda: compare.decode_timing(compare.torch_decoder(tm, "mps", torch.float16), ids[:prompt], steps, 2),
+            )
+        )
+        base = next(
+            (
+                r.get("decode_tokens_per_s")
+                for r in rows
+                if r["engine"].startswith("pytorch") and r.get("decode_tokens_per_s")
+            ),
+            None,
+        )
         for r in rows:
             if base and r.get("decode_tokens_per_s"):
                 r["decode_vs_pytorch_mps"] = round(r["decode_tokens_per_s"] / base, 3)
-        return {"status": "ran", "kind": "stateful decoder", "reference": REFERENCE_NAME, "inputs": what, "prefill_tokens": prompt,
-                "decode_tokens": steps, "rows": rows, "ok": all(r.get("ok") is not False for r in rows)}
+        return {
+            "status": "ran",
+            "kind": "stateful decoder",
+            "reference": REFERENCE_NAME,
+            "inputs": what,
+            "prefill_tokens": prompt,
+            "decode_tokens": steps,
+            "rows": rows,
+            "ok": all(r.get("ok") is not False for r in rows),
+        }
     samples, what = sample_inputs(artifact, tm, record.get("seq_len", {"min": 8, "max": 8}), texts or DEFAULT_TEXTS, 1)
     x = samples[0]
     feeds = dict(zip(tm.input_names, x))
@@ -381,5 +479,12 @@ def coreml_runtime_check(artifact: Path, record: dict, compute_units=COMPUTE_UNI
     for r in rows:
         if base and "latency_ms" in r:
             r["speedup_vs_pytorch_mps"] = round(base / r["latency_ms"], 3)
-    return {"status": "ran", "kind": "one pass", "reference": REFERENCE_NAME, "inputs": what, "seq_len": int(x[0].shape[1]), "rows": rows,
-            "ok": all(r.get("ok") is not False for r in rows)}
+    return {
+        "status": "ran",
+        "kind": "one pass",
+        "reference": REFERENCE_NAME,
+        "inputs": what,
+        "seq_len": int(x[0].shape[1]),
+        "rows": rows,
+        "ok": all(r.get("ok") is not False for r in rows),
+    }

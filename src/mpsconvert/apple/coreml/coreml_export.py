@@ -27,21 +27,18 @@ import numpy as np
 import torch
 
 from ...errors import ExportError, MpsconvertError
-from ...manifests.manifest import Manifest
 from ...format import fp8
-from ...model import hf_compat
 from ...infra.progress import Progress, or_silent
+from ...manifests.manifest import Manifest
+from ...model import hf_compat
 from .. import stateful
 from ..torch_model import TorchModel, build_torch_model, example_inputs, fp8_safetensors_bytes
-
 from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, ExportOptions, SeqLen  # noqa: E402, F401  (light: the CLI and API read them without this module)
+
 DEPLOYMENT_TARGET = "iOS18 / macOS15"
 # e4m3fn NaN codes (0x7f, 0xff) never occur in an artifact (values are clamped before the cast);
 # their LUT entries are 0 so that the palette holds only finite values.
 _NAN_CODES = (0x7F, 0xFF)
-
-
-
 
 
 # --------------------------------------------------------------------------- conversion
@@ -50,8 +47,11 @@ _NAN_CODES = (0x7F, 0xFF)
 def _op_from_error(e: BaseException) -> tuple[str | None, bool]:
     """(the torch op a coremltools conversion error is about, whether it has no converter at all)."""
     text = str(e)
-    for pat, missing in ((r"convert function for op '([^']+)' not implemented", True), (r"Unsupported fx node [^,]+, kind (\S+)", True),
-                         (r"op '([^']+)'", False)):
+    for pat, missing in (
+        (r"convert function for op '([^']+)' not implemented", True),
+        (r"Unsupported fx node [^,]+, kind (\S+)", True),
+        (r"op '([^']+)'", False),
+    ):
         m = re.search(pat, text)
         if m:
             return m.group(1), missing
@@ -149,7 +149,11 @@ def lut_experts(tm: TorchModel) -> tuple[dict, dict]:
             getattr(mod, param).copy_(fp8.fp8_to_float(codes) * 2.0**-k)
         mod.register_buffer(f"{param}_row_scale", (s * 2.0**k).to(torch.float16).float())
         weights[name] = (codes, torch.tensor([2.0**-k]))
-        record[name] = {"lut_exponent": k, "row_scale": (s * 2.0**k).to(torch.float16).numpy(), "artifact_tensors": len(keys)}
+        record[name] = {
+            "lut_exponent": k,
+            "row_scale": (s * 2.0**k).to(torch.float16).numpy(),
+            "artifact_tensors": len(keys),
+        }
     for mod_name in {n.rpartition(".")[0] for n in tm.fp8_experts}:
         mod = tm.model.get_submodule(mod_name)
         mod.__class__ = type(f"LutExperts{type(mod).__name__}", (type(mod),), {"forward": _scaled_batched_mm})
@@ -170,8 +174,15 @@ def stateful_target(tm: TorchModel, max_len: int) -> Interface:
     seq = SeqLen(1, max_len)
     ids = example_inputs(tm, seq.example)[0].to(torch.int32)
     d = torch.export.Dim("seq_len", min=1, max=max_len)
-    return Interface(wrapper, (ids, torch.zeros(1, dtype=torch.int32)), list(stateful.INPUT_NAMES), stateful.OUTPUT_NAME,
-                  {"input_ids": {1: d}, "position": None}, seq, wrapper.states())
+    return Interface(
+        wrapper,
+        (ids, torch.zeros(1, dtype=torch.int32)),
+        list(stateful.INPUT_NAMES),
+        stateful.OUTPUT_NAME,
+        {"input_ids": {1: d}, "position": None},
+        seq,
+        wrapper.states(),
+    )
 
 
 def _ct_inputs(target: Interface):
@@ -188,7 +199,10 @@ def _ct_inputs(target: Interface):
 def _ct_states(target: Interface):
     import coremltools as ct
 
-    return [ct.StateType(wrapped_type=ct.TensorType(shape=s.shape, dtype=np.float16), name=s.name) for s in target.states or []]
+    return [
+        ct.StateType(wrapped_type=ct.TensorType(shape=s.shape, dtype=np.float16), name=s.name)
+        for s in target.states or []
+    ]
 
 
 def _convert_with(frontend: str, target: Interface):
@@ -238,7 +252,13 @@ def convert(tm: TorchModel, target: Interface, frontend: str = "auto"):
             continue
         return ml, {"frontend": fe, "failed_frontends": attempts, "registered_ops": list(added)}
     op, missing = _op_from_error(last)
-    what = "conversion failed" if op is None else f"torch op {op!r} has no Core ML converter" if missing else f"converting torch op {op!r} failed"
+    what = (
+        "conversion failed"
+        if op is None
+        else f"torch op {op!r} has no Core ML converter"
+        if missing
+        else f"converting torch op {op!r} failed"
+    )
     detail = "; ".join(f"{fe}: {msg}" for fe, msg in attempts.items())
     raise ExportError(
         f"Core ML export of {type(tm.module.model).__name__} failed: {what} ({detail})",
@@ -349,16 +369,37 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
                         lut = (tiles[:, :, None] * lut_base[None, None, :]).astype(np.float16)
                         if transposed:
                             idx, lut = idx.T.copy(), lut.transpose(1, 0, 2).copy()
-                        new = mb.constexpr_lut_to_dense(indices=idx, lut=lut[..., None], before_op=op, name=base + "_lut")
-                        op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
-                        info = {"lut": base + "_lut", "row_scale": None, "lut_exponent": None, "lut_blocks": list(tiles.shape),
-                                "encoding": "lut per block (e4m3 x block scale, fp16)"}
+                        new = mb.constexpr_lut_to_dense(
+                            indices=idx, lut=lut[..., None], before_op=op, name=base + "_lut"
+                        )
+                        op.enclosing_block.replace_uses_of_var_after_op(
+                            anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True
+                        )
+                        info = {
+                            "lut": base + "_lut",
+                            "row_scale": None,
+                            "lut_exponent": None,
+                            "lut_blocks": list(tiles.shape),
+                            "encoding": "lut per block (e4m3 x block scale, fp16)",
+                        }
                     elif scale.size == 1:
                         # fp32 product, one fp16 rounding: exactly the artifact's FP16 dequantization.
                         lut = (lut_base * scale[0]).astype(np.float16)
-                        new = mb.constexpr_lut_to_dense(indices=idx.T.copy() if transposed else idx, lut=lut.reshape((1,) * idx.ndim + (256, 1)), before_op=op, name=base + "_lut")
-                        op.enclosing_block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
-                        info = {"lut": base + "_lut", "row_scale": None, "lut_exponent": None, "encoding": "lut(e4m3 x tensor scale, fp16)"}
+                        new = mb.constexpr_lut_to_dense(
+                            indices=idx.T.copy() if transposed else idx,
+                            lut=lut.reshape((1,) * idx.ndim + (256, 1)),
+                            before_op=op,
+                            name=base + "_lut",
+                        )
+                        op.enclosing_block.replace_uses_of_var_after_op(
+                            anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True
+                        )
+                        info = {
+                            "lut": base + "_lut",
+                            "row_scale": None,
+                            "lut_exponent": None,
+                            "encoding": "lut(e4m3 x tensor scale, fp16)",
+                        }
                     else:
                         bad = [c.op_type for c in consumers if c.op_type != "linear" or c.weight is not op.outputs[0]]
                         if transposed or bad:
@@ -369,17 +410,30 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
                             )
                         k = lut_exponent(scale)
                         lut = (lut_base * np.float32(2.0**-k)).astype(np.float16)  # exact: powers of two
-                        dense = mb.constexpr_lut_to_dense(indices=idx, lut=lut.reshape(1, 1, 256, 1), before_op=op, name=base + "_lut")
+                        dense = mb.constexpr_lut_to_dense(
+                            indices=idx, lut=lut.reshape(1, 1, 256, 1), before_op=op, name=base + "_lut"
+                        )
                         row = (scale * np.float32(2.0**k)).astype(np.float16)
                         for lin in consumers:
                             y = mb.linear(x=lin.x, weight=dense, before_op=lin, name=lin.name + "_fp8codes")
-                            y = mb.mul(x=y, y=mb.const(val=row, name=base + "_row_scale", before_op=lin), before_op=lin, name=lin.name + "_rowscaled")
+                            y = mb.mul(
+                                x=y,
+                                y=mb.const(val=row, name=base + "_row_scale", before_op=lin),
+                                before_op=lin,
+                                name=lin.name + "_rowscaled",
+                            )
                             if lin.bias is not None and lin.bias.val is not None and np.any(lin.bias.val):
                                 y = mb.add(x=y, y=lin.bias, before_op=lin, name=lin.name + "_bias")
-                            lin.enclosing_block.replace_uses_of_var_after_op(anchor_op=lin, old_var=lin.outputs[0], new_var=y)
+                            lin.enclosing_block.replace_uses_of_var_after_op(
+                                anchor_op=lin, old_var=lin.outputs[0], new_var=y
+                            )
                             lin.enclosing_block.remove_ops([lin])
-                        info = {"lut": base + "_lut", "row_scale": base + "_row_scale", "lut_exponent": k,
-                                "encoding": "lut(e4m3 x 2^-k, fp16) -> linear -> x row scale x 2^k (fp16)"}
+                        info = {
+                            "lut": base + "_lut",
+                            "row_scale": base + "_row_scale",
+                            "lut_exponent": k,
+                            "encoding": "lut(e4m3 x 2^-k, fp16) -> linear -> x row scale x 2^k (fp16)",
+                        }
                     block.remove_ops([op])
                     for n in names:
                         record[n] = {"op": op.name, "transposed": transposed, **info}
@@ -408,15 +462,23 @@ def apply_weights(mlmodel, mode: str, fp8_weights: dict) -> tuple[object, dict]:
     if mode == "int8":
         prog = milproto_load(mlmodel.get_spec(), spec_version, mlmodel.weights_dir)
         matched = match_fp8_consts(prog, fp8_weights)
-        cfg = ct.optimize.coreml.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=0)
+        cfg = ct.optimize.coreml.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=0
+        )
         config = ct.optimize.coreml.OptimizationConfig(op_name_configs={const: cfg for const, _ in matched.values()})
         with _quiet():
             out = ct.optimize.coreml.linear_quantize_weights(mlmodel, config=config)
         for name, (const, tr) in matched.items():
-            record[name] = {"op": const, "transposed": tr, "encoding": "int8 per-channel (coremltools linear_quantize_weights)"}
+            record[name] = {
+                "op": const,
+                "transposed": tr,
+                "encoding": "int8 per-channel (coremltools linear_quantize_weights)",
+            }
         return out, record
     with _quiet():
-        out = _apply_graph_pass(mlmodel, _fp8_lut_pass(fp8_weights, record), spec_version=spec_version, skip_model_load=True)
+        out = _apply_graph_pass(
+            mlmodel, _fp8_lut_pass(fp8_weights, record), spec_version=spec_version, skip_model_load=True
+        )
     return out, record
 
 
@@ -441,12 +503,16 @@ def stable_package_ids(pkg: Path) -> None:
 
     mf = Path(pkg) / "Manifest.json"
     body = json.loads(mf.read_text(encoding="utf-8"))
-    ids = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"mpsconvert:{item.get('path')}"))
-           for old, item in body.get("itemInfoEntries", {}).items()}
+    ids = {
+        old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"mpsconvert:{item.get('path')}"))
+        for old, item in body.get("itemInfoEntries", {}).items()
+    }
     body["itemInfoEntries"] = {ids[k]: v for k, v in body["itemInfoEntries"].items()}
     if body.get("rootModelIdentifier") in ids:
         body["rootModelIdentifier"] = ids[body["rootModelIdentifier"]]
-    mf.write_text(json.dumps(body, indent=4, sort_keys=True) + "\n", encoding="utf-8")  # as libmodelpackage writes it on open
+    mf.write_text(
+        json.dumps(body, indent=4, sort_keys=True) + "\n", encoding="utf-8"
+    )  # as libmodelpackage writes it on open
 
 
 def weight_bytes_of_package(pkg: Path) -> int:
@@ -484,16 +550,26 @@ def build(folder: Path, manifest: Manifest, opts: ExportOptions, progress: Progr
         target = stateful_target(tm, max_len)
     else:
         if max_pos and opts.seq_len.hi > max_pos:
-            raise MpsconvertError(f"`seq_len={opts.seq_len}` exceeds the model's max_position_embeddings ({max_pos})", f"use at most {max_pos}")
+            raise MpsconvertError(
+                f"`seq_len={opts.seq_len}` exceeds the model's max_position_embeddings ({max_pos})",
+                f"use at most {max_pos}",
+            )
         target = stateless_target(tm, opts.seq_len)
     status("converting to a Core ML ML program" + (" (stateful decoder)" if stateful_lm else ""))
     mlmodel, conv = convert(tm, target, opts.frontend)
     status(f"converted with {conv['frontend']}; encoding weights as {opts.weights}")
     mlmodel, weights = apply_weights(mlmodel, opts.weights, fp8_tensors)
     for name, e in experts.items():
-        weights[name].update({"encoding": "lut(e4m3 x 2^-k, fp16) -> gather -> batched matmul -> x row scale x 2^k (fp16)",
-                              "experts_lut_exponent": e["lut_exponent"], "artifact_tensors": e["artifact_tensors"]})
-    mlmodel.short_description = f"mpsconvert {manifest.recipe.get('name')} artifact of {manifest.source.get('id')} ({opts.weights} weights)"
+        weights[name].update(
+            {
+                "encoding": "lut(e4m3 x 2^-k, fp16) -> gather -> batched matmul -> x row scale x 2^k (fp16)",
+                "experts_lut_exponent": e["lut_exponent"],
+                "artifact_tensors": e["artifact_tensors"],
+            }
+        )
+    mlmodel.short_description = (
+        f"mpsconvert {manifest.recipe.get('name')} artifact of {manifest.source.get('id')} ({opts.weights} weights)"
+    )
 
     def save(path: Path) -> None:
         with _quiet():

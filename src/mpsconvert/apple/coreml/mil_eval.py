@@ -266,7 +266,10 @@ def state_inputs(prog, function: str = "main") -> dict[str, tuple[tuple[int, ...
     for name, var in prog.functions[function].inputs.items():
         if types.is_state(var.sym_type):
             wrapped = var.sym_type.wrapped_type()
-            out[name] = (tuple(int(d) for d in wrapped.get_shape()), np.dtype(types.nptype_from_builtin(wrapped.get_primitive())))
+            out[name] = (
+                tuple(int(d) for d in wrapped.get_shape()),
+                np.dtype(types.nptype_from_builtin(wrapped.get_primitive())),
+            )
     return out
 
 
@@ -275,8 +278,13 @@ def new_states(prog, function: str = "main") -> dict[str, np.ndarray]:
     return {n: np.zeros(shape, dtype=dt) for n, (shape, dt) in state_inputs(prog, function).items()}
 
 
-def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main", states: dict[str, np.ndarray] | None = None,
-             cache: dict | None = None) -> tuple[dict[str, np.ndarray], Counter]:
+def evaluate(
+    prog,
+    inputs: dict[str, np.ndarray],
+    function: str = "main",
+    states: dict[str, np.ndarray] | None = None,
+    cache: dict | None = None,
+) -> tuple[dict[str, np.ndarray], Counter]:
     """Run `prog` on `inputs` (name -> array). Returns (outputs by name, ops evaluated by how:
     'coremltools:<op>' or 'mpsconvert:<op>').
 
@@ -296,7 +304,9 @@ def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main", states
             if states is None or name not in states:
                 raise EvalError(f"state {name!r} not given", "pass states=new_states(prog)")
             if states[name].shape != declared[name][0]:
-                raise EvalError(f"state {name!r} has shape {states[name].shape}, the program declares {declared[name][0]}")
+                raise EvalError(
+                    f"state {name!r} has shape {states[name].shape}, the program declares {declared[name][0]}"
+                )
             state_of[var.name] = name
             continue
         if name not in inputs:
@@ -332,12 +342,21 @@ def evaluate(prog, inputs: dict[str, np.ndarray], function: str = "main", states
                 val = type(op).value_inference(view)
                 how[f"coremltools:{op.op_type}"] += 1
             else:
-                raise EvalError(f"op {op.op_type} has no Python definition in coremltools or mpsconvert.apple.coreml.mil_eval", "add an implementation of it there")
+                raise EvalError(
+                    f"op {op.op_type} has no Python definition in coremltools or mpsconvert.apple.coreml.mil_eval",
+                    "add an implementation of it there",
+                )
         except EvalError:
             raise
         except Exception as e:
-            given = {k: (np.asarray(v.val).dtype.name, np.shape(v.val)) for k, v in view._input_vars.items() if isinstance(v, _Val)}
-            raise EvalError(f"evaluating op {op.op_type} ({op.name}) failed: {type(e).__name__}: {e}; inputs {given}") from e
+            given = {
+                k: (np.asarray(v.val).dtype.name, np.shape(v.val))
+                for k, v in view._input_vars.items()
+                if isinstance(v, _Val)
+            }
+            raise EvalError(
+                f"evaluating op {op.op_type} ({op.name}) failed: {type(e).__name__}: {e}; inputs {given}"
+            ) from e
         vals = val if len(op.outputs) > 1 else (val,)
         for out, v in zip(op.outputs, vals):
             # Keep the program's declared dtype (numpy promotes: real_div of int32 gives float64).

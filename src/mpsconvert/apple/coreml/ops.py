@@ -26,6 +26,7 @@ def _inputs(*args, **kwargs):
 def _kwinputs(*args, **kwargs):
     return _ops._get_kwinputs(*args, **kwargs)
 
+
 # The ops added here, by canonical (sanitized) name: tests and the export record list them.
 ADDED: list[str] = []
 _registered = False
@@ -76,7 +77,11 @@ def new_ones(context, node):
     dtype = inputs[2] if len(inputs) > 2 else None
     dtype = _kwinputs(context, node, "dtype", default=[dtype])[0]
     res = mb.fill(shape=size, value=1.0)
-    target = _ops.NUM_TO_DTYPE_STRING[dtype.val] if dtype is not None and dtype.val is not None else types.builtin_to_string(x.dtype)
+    target = (
+        _ops.NUM_TO_DTYPE_STRING[dtype.val]
+        if dtype is not None and dtype.val is not None
+        else types.builtin_to_string(x.dtype)
+    )
     if target == "bool":
         res = mb.cast(x=res, dtype="bool", name=node.name)
     elif target in ("fp32", "fp16", "int32"):

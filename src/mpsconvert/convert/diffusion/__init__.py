@@ -14,7 +14,7 @@ choices without torch.
 #   comfyui-legacy  the same file in ComfyUI's older layout: a `scaled_fp8` marker, `X.scale_weight`
 #   diffusers       a diffusers folder (the pipeline, or the component) loaded by `from_pretrained`
 #                   through its SDNQ backend: `X.weight` F8_E4M3 + `X.scale` [N, 1]
-from ...manifests.layout import DIFFUSION_FORMATS as FORMATS  # noqa: E402  (recorded in manifests, so defined there)
+from ...manifests.layout import DIFFUSION_FORMATS as FORMATS  # noqa: F401  (re-exported: recorded in manifests, so defined there)
 
 COMFYUI_FORMATS = ("comfyui", "comfyui-legacy")
 # The component a pipeline is quantized by default (`--component` picks another).

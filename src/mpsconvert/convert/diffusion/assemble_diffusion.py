@@ -15,13 +15,13 @@ import json
 import shutil
 from pathlib import Path
 
-from ...infra import atomic
 from ...format import fp8
+from ...infra import atomic
 from ...manifests import card
-from ...manifests.transaction import finish
 from ...manifests.hashing import sha256_file
 from ...manifests.layout import CONFIG_NAME, MANIFEST_NAME
 from ...manifests.manifest import Manifest
+from ...manifests.transaction import finish
 from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot, check_inside
 from ..assemble import Shards, _record_file, summarize, write_index
 from . import COMFYUI_FORMATS
@@ -53,7 +53,9 @@ def sdnq_config(p: DiffusionPlan) -> dict:
     }
 
 
-def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, shards: Shards, name: str) -> Manifest:
+def assemble(
+    tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, shards: Shards, name: str
+) -> Manifest:
     d = snap.diffusion
     comfy = opts.format in COMFYUI_FORMATS
     pipeline = d.layout == "pipeline" and not comfy
@@ -62,8 +64,14 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
     source_files = {f: snap.sha256(f) for f in snap.weight_files}
     where = tmp / d.component if pipeline else tmp
 
-    config = dict(snap.config) if snap.config else {"_class_name": p.family.classes[0],
-                                                     "_mpsconvert_note": "converted from a single original-repo file: no diffusers config"}
+    config = (
+        dict(snap.config)
+        if snap.config
+        else {
+            "_class_name": p.family.classes[0],
+            "_mpsconvert_note": "converted from a single original-repo file: no diffusers config",
+        }
+    )
     if not comfy:
         config["quantization_config"] = sdnq_config(p)
         write_index(shards, tmp, sub + INDEX, files)
@@ -76,7 +84,12 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
         mine = {f"{d.component}/{n}" for n in (*snap.weight_files, INDEX, CONFIG_NAME)}
         for src in sorted(root.rglob("*")):
             rel = src.relative_to(root).as_posix()
-            if src.is_dir() or rel in mine or any(part.startswith(".") for part in rel.split("/")) or rel in (MANIFEST_NAME, card.CARD_NAME):
+            if (
+                src.is_dir()
+                or rel in mine
+                or any(part.startswith(".") for part in rel.split("/"))
+                or rel in (MANIFEST_NAME, card.CARD_NAME)
+            ):
                 continue
             inside_snap = Snapshot(path=root, kind=snap.kind)
             check_inside(inside_snap, rel)
@@ -99,13 +112,20 @@ def assemble(tmp: Path, snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions
         "ignored_modules": dict(sorted(p.ignored.items())),
     }
     if comfy:
-        recipe |= {"file": next(iter(shards.files)),
-                   "loader": "ComfyUI: models/diffusion_models/ + Load Diffusion Model",
-                   "layer_config": COMFY_LAYER, "key_names": "original repo (converted from diffusers names)" if d.layout != "single-file"
-                   else "original repo (as the source file)"}
+        recipe |= {
+            "file": next(iter(shards.files)),
+            "loader": "ComfyUI: models/diffusion_models/ + Load Diffusion Model",
+            "layer_config": COMFY_LAYER,
+            "key_names": "original repo (converted from diffusers names)"
+            if d.layout != "single-file"
+            else "original repo (as the source file)",
+        }
     else:
-        recipe |= {"backend": "sdnq", "loader": "diffusers from_pretrained (SDNQ backend: pip install sdnq)",
-                   "weights_dir": d.component if pipeline else "."}
+        recipe |= {
+            "backend": "sdnq",
+            "loader": "diffusers from_pretrained (SDNQ backend: pip install sdnq)",
+            "weights_dir": d.component if pipeline else ".",
+        }
     manifest = Manifest(
         source=snap.as_dict() | {"files": dict(sorted(source_files.items()))},
         recipe=recipe,

@@ -64,7 +64,9 @@ _ZIMAGE_BLOCK = r"^(layers|context_refiner|noise_refiner)\.(\d+)\."
 
 FAMILIES: tuple[Family, ...] = (
     Family(
-        name="flux", label="Flux.1", classes=("FluxTransformer2DModel",),
+        name="flux",
+        label="Flux.1",
+        classes=("FluxTransformer2DModel",),
         detect=("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"),
         # BFL's embedders and final layer (Comfy-Org's and Kijai's fp8_scaled files keep these)
         keep=("img_in", "txt_in", "time_in.*", "vector_in.*", "guidance_in.*", "final_layer.*"),
@@ -101,10 +103,20 @@ FAMILIES: tuple[Family, ...] = (
         swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"),
     ),
     Family(
-        name="wan", label="Wan 2.x", classes=("WanTransformer3DModel",),
+        name="wan",
+        label="Wan 2.x",
+        classes=("WanTransformer3DModel",),
         detect=("blocks.0.self_attn.q.weight", "patch_embedding.weight"),
         # Kijai's list: norm, bias, time_in, patch_embedding, img_emb, modulation, text_embedding; plus the head
-        keep=("patch_embedding", "text_embedding.*", "time_embedding.*", "time_projection.*", "img_emb.*", "head.*", "*modulation*"),
+        keep=(
+            "patch_embedding",
+            "text_embedding.*",
+            "time_embedding.*",
+            "time_projection.*",
+            "img_emb.*",
+            "head.*",
+            "*modulation*",
+        ),
         renames=(
             *_embedder(r"^condition_embedder\.time_embedder\.", "time_embedding.0.", "time_embedding.2."),
             *_embedder(r"^condition_embedder\.text_embedder\.", "text_embedding.0.", "text_embedding.2."),
@@ -118,8 +130,13 @@ FAMILIES: tuple[Family, ...] = (
             (r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
             (r"^blocks\.(\d+)\.attn1\.", r"blocks.\1.self_attn."),
             (r"^blocks\.(\d+)\.attn2\.", r"blocks.\1.cross_attn."),
-            (r"\.to_q\.", ".q."), (r"\.to_k\.", ".k."), (r"\.to_v\.", ".v."), (r"\.to_out\.0\.", ".o."),
-            (r"\.add_k_proj\.", ".k_img."), (r"\.add_v_proj\.", ".v_img."), (r"\.norm_added_k\.", ".norm_k_img."),
+            (r"\.to_q\.", ".q."),
+            (r"\.to_k\.", ".k."),
+            (r"\.to_v\.", ".v."),
+            (r"\.to_out\.0\.", ".o."),
+            (r"\.add_k_proj\.", ".k_img."),
+            (r"\.add_v_proj\.", ".v_img."),
+            (r"\.norm_added_k\.", ".norm_k_img."),
             (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"blocks.\1.ffn.0."),
             (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"blocks.\1.ffn.2."),
             # diffusers' norm2 is the original norm3 and the other way round
@@ -131,12 +148,16 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         # Qwen-Image was released in diffusers layout, and ComfyUI's model uses those names
         # (comfy/model_detection.py: `txt_norm.weight` marks it): no renames.
-        name="qwen-image", label="Qwen-Image", classes=("QwenImageTransformer2DModel",),
+        name="qwen-image",
+        label="Qwen-Image",
+        classes=("QwenImageTransformer2DModel",),
         detect=("txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.add_q_proj.weight"),
         keep=("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out"),
     ),
     Family(
-        name="sd3", label="SD3.5", classes=("SD3Transformer2DModel",),
+        name="sd3",
+        label="SD3.5",
+        classes=("SD3Transformer2DModel",),
         detect=("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight"),
         keep=("x_embedder.*", "context_embedder", "t_embedder.*", "y_embedder.*", "final_layer.*", "pos_embed"),
         renames=(
@@ -169,10 +190,16 @@ FAMILIES: tuple[Family, ...] = (
             _fused(_SD3_BLOCK + r"attn2\.", r"joint_blocks.\1.x_block.attn2.qkv"),
         ),
         # the final norm, and the last block's context norm (AdaLayerNormContinuous in diffusers)
-        swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias", "@last:context_block.adaLN_modulation.1"),
+        swaps=(
+            "final_layer.adaLN_modulation.1.weight",
+            "final_layer.adaLN_modulation.1.bias",
+            "@last:context_block.adaLN_modulation.1",
+        ),
     ),
     Family(
-        name="z-image", label="Z-Image", classes=("ZImageTransformer2DModel",),
+        name="z-image",
+        label="Z-Image",
+        classes=("ZImageTransformer2DModel",),
         detect=("layers.0.attention.qkv.weight", "cap_embedder.1.weight"),
         keep=("x_embedder", "cap_embedder.*", "t_embedder.*", "final_layer.*", "*adaLN_modulation*"),
         renames=(
@@ -182,9 +209,7 @@ FAMILIES: tuple[Family, ...] = (
             (_ZIMAGE_BLOCK + r"attention\.norm_k\.", r"\1.\2.attention.k_norm."),
             (_ZIMAGE_BLOCK + r"attention\.to_out\.0\.", r"\1.\2.attention.out."),
         ),
-        fusions=(
-            _fused(_ZIMAGE_BLOCK + r"attention\.", r"\1.\2.attention.qkv"),
-        ),
+        fusions=(_fused(_ZIMAGE_BLOCK + r"attention\.", r"\1.\2.attention.qkv"),),
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
@@ -199,7 +224,7 @@ def strip_prefix(key: str) -> str:
     """An original single file's key without ComfyUI's checkpoint prefix (`model.diffusion_model.`)."""
     for p in _PREFIXES:
         if key.startswith(p):
-            return key[len(p):]
+            return key[len(p) :]
     return key
 
 
@@ -208,8 +233,10 @@ def family_of_class(class_name: str | None, where: str) -> Family:
     for f in FAMILIES:
         if class_name in f.classes:
             return f
-    raise SourceError(f"{where} is a {class_name or 'component with no _class_name'}, a model family mpsconvert does not convert",
-                      f"supported: {supported()}")
+    raise SourceError(
+        f"{where} is a {class_name or 'component with no _class_name'}, a model family mpsconvert does not convert",
+        f"supported: {supported()}",
+    )
 
 
 def detect_family(keys, where: str) -> Family:
@@ -219,8 +246,10 @@ def detect_family(keys, where: str) -> Family:
         if all(k in names for k in f.detect):
             return f
     sample = ", ".join(sorted(names)[:3]) or "no tensors"
-    raise SourceError(f"the keys of {where} ({len(names)} tensors, e.g. {sample}) match no diffusion family mpsconvert knows",
-                      f"supported single files: {', '.join(f'{f.label} ({f.detect[0]})' for f in FAMILIES)}")
+    raise SourceError(
+        f"the keys of {where} ({len(names)} tensors, e.g. {sample}) match no diffusion family mpsconvert knows",
+        f"supported single files: {', '.join(f'{f.label} ({f.detect[0]})' for f in FAMILIES)}",
+    )
 
 
 @dataclass

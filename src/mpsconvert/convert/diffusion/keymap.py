@@ -51,7 +51,7 @@ def _swapped(family: Family, shapes: dict[str, tuple]) -> set[str]:
         if s.startswith("@last:"):
             blocks = [int(m.group(1)) for k in shapes if (m := re.match(r"^transformer_blocks\.(\d+)\.", k))]
             if blocks:
-                out |= {f"joint_blocks.{max(blocks)}.{s[len('@last:'):]}.{leaf}" for leaf in ("weight", "bias")}
+                out |= {f"joint_blocks.{max(blocks)}.{s[len('@last:') :]}.{leaf}" for leaf in ("weight", "bias")}
         else:
             out.add(s)
     return out
@@ -82,8 +82,10 @@ def to_original(family: Family, shapes: dict[str, tuple[int, ...]]) -> list[Orig
         else:
             name = _rename(family, key)
             if name in singles:
-                raise QuantizationError(f"{key} and {singles[name].pieces[0].key} both map to {name} in the {family.label} layout",
-                                        "this model does not fit the family's key map; convert with `format=diffusers`")
+                raise QuantizationError(
+                    f"{key} and {singles[name].pieces[0].key} both map to {name} in the {family.label} layout",
+                    "this model does not fit the family's key map; convert with `format=diffusers`",
+                )
             n = shape[0] if shape else 0
             if name in swaps and shape and n % 2 == 0:
                 pieces = (Piece(key, n // 2, n), Piece(key, 0, n // 2))
@@ -100,16 +102,22 @@ def to_original(family: Family, shapes: dict[str, tuple[int, ...]]) -> list[Orig
         fu = next(f for f in family.fusions if set(members) <= set(f.members))
         missing = [m for m in fu.members if m not in members]
         if missing:
-            raise QuantizationError(f"{target}.{leaf} fuses {', '.join(fu.members)} but {', '.join(missing)} is missing",
-                                    "the checkpoint is incomplete, or not this family's layout")
+            raise QuantizationError(
+                f"{target}.{leaf} fuses {', '.join(fu.members)} but {', '.join(missing)} is missing",
+                "the checkpoint is incomplete, or not this family's layout",
+            )
         keys = [members[m] for m in fu.members]
         tails = {tuple(shapes[k][1:]) for k in keys}
         if len(tails) != 1:
-            raise QuantizationError(f"{target}.{leaf}: its parts {', '.join(keys)} differ in width", "the checkpoint is corrupt")
+            raise QuantizationError(
+                f"{target}.{leaf}: its parts {', '.join(keys)} differ in width", "the checkpoint is corrupt"
+            )
         rows = sum(shapes[k][0] for k in keys)
         name = f"{target}.{leaf}"
         if name in singles:
-            raise QuantizationError(f"{name} is both stored and fused from {', '.join(keys)}", "the checkpoint is corrupt")
+            raise QuantizationError(
+                f"{name} is both stored and fused from {', '.join(keys)}", "the checkpoint is corrupt"
+            )
         out.append(Original(name, (rows, *tails.pop()), tuple(Piece(k, 0, shapes[k][0]) for k in keys)))
     return out
 

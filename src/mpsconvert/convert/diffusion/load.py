@@ -21,12 +21,13 @@ import torch
 
 from ...errors import ArtifactError, SourceError
 from ...infra.extras import require
+from ...infra.untrusted import field as json_field
+from ...infra.untrusted import parse_json, read_json
 from ...manifests.manifest import Manifest
 from ...source.snapshot import resolve
 from .families import BY_NAME
 from .keymap import to_original
 from .write import LEGACY_MARKER
-from ...infra.untrusted import field as json_field, parse_json, read_json
 
 
 @dataclass
@@ -49,15 +50,22 @@ def baseline_path(artifact: Path, manifest: Manifest, baseline: str | None) -> P
     src = manifest.source
     d = src.get("diffusion") or {}
     if d.get("layout") == "single-file" and baseline is None:
-        raise SourceError(f"{artifact} was converted from a single original-repo file, which diffusers cannot build "
-                          "without its config",
-                          "pass `baseline` with the diffusers folder or repo of the same model")
+        raise SourceError(
+            f"{artifact} was converted from a single original-repo file, which diffusers cannot build "
+            "without its config",
+            "pass `baseline` with the diffusers folder or repo of the same model",
+        )
     cand = baseline or (src["id"] if src.get("kind") == "hub" else src.get("path"))
     if not cand:
         raise SourceError(f"the manifest of {artifact} names no source", "pass `baseline=<diffusers folder or repo>`")
     # a local pipeline is recorded by its component's folder; a hub one by the pipeline's id
     comp = d.get("component") if d.get("layout") == "pipeline" and not (Path(cand) / "config.json").is_file() else None
-    snap = resolve(str(cand), revision=None if baseline else src.get("commit") or src.get("revision"), diffusion=True, component=comp)
+    snap = resolve(
+        str(cand),
+        revision=None if baseline else src.get("commit") or src.get("revision"),
+        diffusion=True,
+        component=comp,
+    )
     if snap.diffusion is None:
         raise SourceError(f"the baseline {cand} is not a diffusers model", "pass `baseline=<diffusers folder or repo>`")
     return snap.path
@@ -76,7 +84,12 @@ def comfy_state_dict(path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[d
         sd = {k: fh.get_tensor(k) for k in fh.keys()}
     # comfy/utils.py convert_old_quants: the header's list, else the legacy marker's renames
     if "_quantization_metadata" in meta:
-        layers = json_field(parse_json(meta["_quantization_metadata"], what=f"{path.name}: _quantization_metadata"), "layers", dict, what=f"{path.name}: _quantization_metadata")
+        layers = json_field(
+            parse_json(meta["_quantization_metadata"], what=f"{path.name}: _quantization_metadata"),
+            "layers",
+            dict,
+            what=f"{path.name}: _quantization_metadata",
+        )
     elif LEGACY_MARKER in sd:
         full = sd.pop(LEGACY_MARKER).numel() == 2
         layers = {}
@@ -95,14 +108,23 @@ def comfy_state_dict(path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[d
         mod = k[: -len(".comfy_quant")]
         conf = parse_json(bytes(sd.pop(k).tolist()), what=f"{path.name}: {k}")
         if conf.get("format") != "float8_e4m3fn":
-            raise ArtifactError(f"{path.name}: layer {mod} has format {conf.get('format')!r}", "only float8_e4m3fn layers are read")
+            raise ArtifactError(
+                f"{path.name}: layer {mod} has format {conf.get('format')!r}", "only float8_e4m3fn layers are read"
+            )
         w, scale = sd.pop(mod + ".weight"), sd.pop(mod + ".weight_scale")
-        qt = QuantizedTensor(w.to(torch.float8_e4m3fn), "TensorCoreFP8Layout",
-                             TensorCoreFP8Layout.Params(scale=scale, orig_dtype=dtype, orig_shape=tuple(w.shape)))
+        qt = QuantizedTensor(
+            w.to(torch.float8_e4m3fn),
+            "TensorCoreFP8Layout",
+            TensorCoreFP8Layout.Params(scale=scale, orig_dtype=dtype, orig_shape=tuple(w.shape)),
+        )
         out[mod + ".weight"] = qt.dequantize()
         n += 1
     out.update(sd)
-    return out, {"fp8_layers": n, "layers_in_header": len(layers), "reader": "comfy-kitchen QuantizedTensor(TensorCoreFP8Layout).dequantize()"}
+    return out, {
+        "fp8_layers": n,
+        "layers_in_header": len(layers),
+        "reader": "comfy-kitchen QuantizedTensor(TensorCoreFP8Layout).dequantize()",
+    }
 
 
 def to_diffusers(family: str, original: dict, model: torch.nn.Module) -> dict:
@@ -116,9 +138,12 @@ def to_diffusers(family: str, original: dict, model: torch.nn.Module) -> dict:
         t, row = original.pop(o.name), 0
         for pc in o.pieces:
             n = pc.row1 - pc.row0
-            parts.setdefault(pc.key, []).append((pc.row0, t[row: row + n] if t.dim() else t))
+            parts.setdefault(pc.key, []).append((pc.row0, t[row : row + n] if t.dim() else t))
             row += n
-    return {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) if v[0][1].dim() else v[0][1] for k, v in parts.items()}
+    return {
+        k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) if v[0][1].dim() else v[0][1]
+        for k, v in parts.items()
+    }
 
 
 def load_pair(artifact: Path, manifest: Manifest, device: torch.device, baseline: str | None) -> Pair:
@@ -127,15 +152,25 @@ def load_pair(artifact: Path, manifest: Manifest, device: torch.device, baseline
 
     r = manifest.recipe
     base_dir = baseline_path(artifact, manifest, baseline)
-    cls = _diffusers_class(json_field(read_json(base_dir / "config.json", error=SourceError), "_class_name", str, what=f"{base_dir}/config.json", error=SourceError))
+    cls = _diffusers_class(
+        json_field(
+            read_json(base_dir / "config.json", error=SourceError),
+            "_class_name",
+            str,
+            what=f"{base_dir}/config.json",
+            error=SourceError,
+        )
+    )
     bf16 = cls.from_pretrained(str(base_dir), torch_dtype=torch.bfloat16).to(device).eval()
     config = dict(bf16.config)
     if r["format"] == "diffusers":
         require("sdnq", "diffusion", "loading an SDNQ (diffusers format) artifact")
         where = artifact / r.get("weights_dir", ".")
         fp8 = cls.from_pretrained(str(where), torch_dtype=torch.bfloat16).to(device).eval()
-        how = {"loader": f"diffusers {cls.__name__}.from_pretrained (SDNQ backend)",
-               "fp8_layers": sum(1 for m in fp8.modules() if type(m).__name__.startswith("SDNQ"))}
+        how = {
+            "loader": f"diffusers {cls.__name__}.from_pretrained (SDNQ backend)",
+            "fp8_layers": sum(1 for m in fp8.modules() if type(m).__name__.startswith("SDNQ")),
+        }
     else:
         sd, how = comfy_state_dict(artifact / r["file"])
         with init_empty_weights():

@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...infra import atomic
 from ...errors import MpsconvertError
+from ...infra import atomic
+from ...infra.progress import Progress, or_silent
 from ...manifests import layout
 from ...manifests.manifest import Manifest
-from ...infra.progress import Progress, or_silent
 from ...source.snapshot import Snapshot
 from . import COMFYUI_FORMATS, FORMATS
 
@@ -26,7 +26,11 @@ def default_format(snap: Snapshot) -> str:
 
 def default_output(snap: Snapshot, fmt: str) -> Path:
     """`<name>-fp8-<format>` in the current folder (the file's stem for a single file)."""
-    name = Path(snap.weight_files[0]).stem if snap.diffusion.layout == "single-file" else (snap.repo_id or snap.diffusion.root.name)
+    name = (
+        Path(snap.weight_files[0]).stem
+        if snap.diffusion.layout == "single-file"
+        else (snap.repo_id or snap.diffusion.root.name)
+    )
     return Path(f"{name.split('/')[-1]}-fp8-{fmt}")
 
 
@@ -34,17 +38,31 @@ def check_options(llm_only: dict) -> None:
     """LLM options given for a diffusion model are refused, not ignored."""
     given = [k for k, v in llm_only.items() if v]
     if given:
-        raise MpsconvertError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to language models, not to a diffusion model",
-                              "drop them: a diffusion transformer is converted weight-only (`format=comfyui` or diffusers)")
+        raise MpsconvertError(
+            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to language models, not to a diffusion model",
+            "drop them: a diffusion transformer is converted weight-only (`format=comfyui` or diffusers)",
+        )
 
 
-def quantize_source(snap: Snapshot, output: str | Path | None, fmt: str | None, *, ignore: list[str], force: bool,
-                    max_shard_size: int, llm_only: dict, progress: Progress | None, delete_unlisted: bool = False) -> tuple[Path, Manifest]:
+def quantize_source(
+    snap: Snapshot,
+    output: str | Path | None,
+    fmt: str | None,
+    *,
+    ignore: list[str],
+    force: bool,
+    max_shard_size: int,
+    llm_only: dict,
+    progress: Progress | None,
+    delete_unlisted: bool = False,
+) -> tuple[Path, Manifest]:
     """Convert the diffusion transformer of `snap`; returns the output folder and its manifest."""
     if snap.diffusion is None:
-        raise MpsconvertError(f"`format={fmt}` is for diffusion models, and {snap.repo_id or snap.path} is a transformers model "
-                              f"({', '.join(snap.config.get('architectures') or ['no architecture'])})",
-                              "drop `format`: a language model becomes a compressed-tensors artifact")
+        raise MpsconvertError(
+            f"`format={fmt}` is for diffusion models, and {snap.repo_id or snap.path} is a transformers model "
+            f"({', '.join(snap.config.get('architectures') or ['no architecture'])})",
+            "drop `format`: a language model becomes a compressed-tensors artifact",
+        )
     from .write import DiffusionOptions
 
     check_options(llm_only)
@@ -52,7 +70,9 @@ def quantize_source(snap: Snapshot, output: str | Path | None, fmt: str | None, 
     if fmt not in FORMATS:
         raise MpsconvertError(f"unknown format {fmt!r}", f"use one of: {', '.join(FORMATS)}")
     out = Path(output) if output is not None else default_output(snap, fmt)
-    opts = DiffusionOptions(format=fmt, ignore=list(ignore), force=force, max_shard_size=max_shard_size, delete_unlisted=delete_unlisted)
+    opts = DiffusionOptions(
+        format=fmt, ignore=list(ignore), force=force, max_shard_size=max_shard_size, delete_unlisted=delete_unlisted
+    )
     return out, quantize(snap, out, opts, progress)
 
 
@@ -70,20 +90,42 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
         p = plan(snap, opts)
         pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
         # a single file is the source, not the folder it sits in: an output beside it is fine
-        protect = ((snap.path / snap.weight_files[0],) if snap.diffusion.layout == "single-file"
-                   else (snap.path, snap.diffusion.root))
+        protect = (
+            (snap.path / snap.weight_files[0],)
+            if snap.diffusion.layout == "single-file"
+            else (snap.path, snap.diffusion.root)
+        )
         with (
-            atomic.output_dir(out, force=opts.force, min_free=estimate_bytes(p), protect=protect, delete_unlisted=opts.delete_unlisted,
-                              **layout.OUTPUT_RULES) as tmp,
+            atomic.output_dir(
+                out,
+                force=opts.force,
+                min_free=estimate_bytes(p),
+                protect=protect,
+                delete_unlisted=opts.delete_unlisted,
+                **layout.OUTPUT_RULES,
+            ) as tmp,
             atomic.BackgroundSync() as syncs,
             ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
         ):
             if opts.format in COMFYUI_FORMATS:
-                shards = write_comfyui(snap, p, opts, tmp / comfy_file_name(out), pool, workers, syncs, or_silent(progress))
+                shards = write_comfyui(
+                    snap, p, opts, tmp / comfy_file_name(out), pool, workers, syncs, or_silent(progress)
+                )
             else:
                 where = tmp / snap.diffusion.component if snap.diffusion.layout == "pipeline" else tmp
                 where.mkdir(parents=True, exist_ok=True)
                 o = Options(scheme=WEIGHT_ONLY_ROW, scale_leaf="scale", max_shard_size=opts.max_shard_size)
-                shards = _write_shards(snap, p.headers, p.quantize, {}, o, where, pool, workers, syncs, or_silent(progress),
-                                       shard_names=diffusers_shard_names)
+                shards = _write_shards(
+                    snap,
+                    p.headers,
+                    p.quantize,
+                    {},
+                    o,
+                    where,
+                    pool,
+                    workers,
+                    syncs,
+                    or_silent(progress),
+                    shard_names=diffusers_shard_names,
+                )
             return assemble(tmp, snap, p, opts, shards, Path(out).absolute().name)

@@ -26,17 +26,17 @@ from pathlib import Path
 
 import torch
 
-from ...format import fp8
 from ...errors import QuantizationError, SourceError
+from ...format import fp8
 from ...format.schemes import Scheme
-from ...infra.safetensors_io import DTYPES, torch_dtype, BufferPool, ShardReader, read_header
+from ...infra.safetensors_io import DTYPES, BufferPool, ShardReader, read_header, torch_dtype
 from ...infra.safetensors_writer import FiniteCheck, ShardWriter
-from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
 from ...model.plan import Plan, check_against_model
+from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
+from .. import FLOAT_CODES
 from ..quantize import QUANT_THREADS
 from ..quantize_plan import check_tensor_layout
 from ..quantize_tensors import Shard, quantize_matrix
-from .. import FLOAT_CODES
 from . import COMFYUI_FORMATS, FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
@@ -63,7 +63,9 @@ class DiffusionOptions:
 
     def __post_init__(self):
         if self.format not in FORMATS:
-            raise QuantizationError(f"unknown format {self.format!r} for a diffusion model", f"use one of: {', '.join(FORMATS)}")
+            raise QuantizationError(
+                f"unknown format {self.format!r} for a diffusion model", f"use one of: {', '.join(FORMATS)}"
+            )
 
 
 @dataclass
@@ -104,8 +106,10 @@ def meta_model(snap: Snapshot):
         with init_empty_weights():
             return cls.from_config(config)
     except (TypeError, ValueError, KeyError) as e:
-        raise SourceError(f"diffusers {diffusers.__version__} cannot build {cls.__name__} from {snap.path}/config.json: {e}",
-                          "upgrade diffusers, or re-download the model") from e
+        raise SourceError(
+            f"diffusers {diffusers.__version__} cannot build {cls.__name__} from {snap.path}/config.json: {e}",
+            "upgrade diffusers, or re-download the model",
+        ) from e
 
 
 def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
@@ -117,11 +121,16 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
     single = snap.diffusion.layout == "single-file"
     if single:
         if opts.format == "diffusers":
-            raise QuantizationError(f"{snap.weight_files[0]} is an original-repo single file; `format=diffusers` needs the diffusers model",
-                                    "pass `format=comfyui` for this file, or the diffusers repo / folder for `format=diffusers`")
+            raise QuantizationError(
+                f"{snap.weight_files[0]} is an original-repo single file; `format=diffusers` needs the diffusers model",
+                "pass `format=comfyui` for this file, or the diffusers repo / folder for `format=diffusers`",
+            )
         # no module types without the model: a 2-D float `.weight` is a Linear's (convolutions are 4-D / 5-D, norms 1-D)
-        p.linears = {n[: -len(".weight")]: i.shape for n, i in infos.items()
-                     if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT_CODES}
+        p.linears = {
+            n[: -len(".weight")]: i.shape
+            for n, i in infos.items()
+            if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT_CODES
+        }
     else:
         model = meta_model(snap)
         meta = Plan(architecture=snap.diffusion.class_name, meta_model=model)
@@ -156,11 +165,16 @@ def plan(snap: Snapshot, opts: DiffusionOptions) -> DiffusionPlan:
     else:  # the original name too, so that --ignore and the family's list may name either
         original = {pc.key: o.name for o in to_original(family, shapes) for pc in o.pieces}
         for key in shapes:
-            if decide(key, original[key][: -len(".weight")], [key[: -len(".weight")]] if key.endswith(".weight") else []):
+            if decide(
+                key, original[key][: -len(".weight")], [key[: -len(".weight")]] if key.endswith(".weight") else []
+            ):
                 p.quantize[key] = key[: -len(".weight")]
     if not p.quantize:
-        raise QuantizationError(f"nothing to quantize in {snap.path}: no float Linear weight outside the high-precision list "
-                                f"({len(p.ignored)} kept: {p.keep.source})", "check the `ignore` patterns")
+        raise QuantizationError(
+            f"nothing to quantize in {snap.path}: no float Linear weight outside the high-precision list "
+            f"({len(p.ignored)} kept: {p.keep.source})",
+            "check the `ignore` patterns",
+        )
     return p
 
 
@@ -196,16 +210,25 @@ def comfy_entries(p: DiffusionPlan, legacy: bool) -> tuple[list, dict]:
             if legacy:
                 entries.append((mod + ".scale_weight", "F32", ()))
             else:
-                entries += [(mod + ".weight_scale", "F32", ()), (mod + ".comfy_quant", "U8", (len(comfy_quant_bytes()),))]
+                entries += [
+                    (mod + ".weight_scale", "F32", ()),
+                    (mod + ".comfy_quant", "U8", (len(comfy_quant_bytes()),)),
+                ]
             layers[mod] = dict(COMFY_LAYER)
         else:
             entries.append((o.name, infos[o.pieces[0].key].dtype, o.shape))
     meta = {"format": "pt"}
     if not legacy:
         meta["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers}, sort_keys=True)
-    meta["mpsconvert"] = json.dumps({"format": "comfyui-legacy" if legacy else "comfyui", "family": p.family.name,
-                                     "loader": "ComfyUI Load Diffusion Model (models/diffusion_models/); diffusers' from_single_file "
-                                               "would ignore the FP8 scales"}, sort_keys=True)
+    meta["mpsconvert"] = json.dumps(
+        {
+            "format": "comfyui-legacy" if legacy else "comfyui",
+            "family": p.family.name,
+            "loader": "ComfyUI Load Diffusion Model (models/diffusion_models/); diffusers' from_single_file "
+            "would ignore the FP8 scales",
+        },
+        sort_keys=True,
+    )
     return entries, meta
 
 
@@ -213,8 +236,16 @@ def comfy_quant_bytes() -> bytes:
     return json.dumps(COMFY_LAYER, sort_keys=True).encode()
 
 
-def write_comfyui(snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, path: Path, pool: BufferPool,
-                  workers: ThreadPoolExecutor, syncs, progress):
+def write_comfyui(
+    snap: Snapshot,
+    p: DiffusionPlan,
+    opts: DiffusionOptions,
+    path: Path,
+    pool: BufferPool,
+    workers: ThreadPoolExecutor,
+    syncs,
+    progress,
+):
     """Stream every original-layout tensor into one ComfyUI file."""
     from ..assemble import Shards
 
@@ -236,11 +267,19 @@ def write_comfyui(snap: Snapshot, p: DiffusionPlan, opts: DiffusionOptions, path
                     for pc in o.pieces:
                         f, info = where[pc.key]
                         row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
-                        spans.append((readers[f], info.start + pc.row0 * row, (pc.row1 - pc.row0) * row if info.shape else info.nbytes))
+                        spans.append(
+                            (
+                                readers[f],
+                                info.start + pc.row0 * row,
+                                (pc.row1 - pc.row0) * row if info.shape else info.nbytes,
+                            )
+                        )
                     if o.name in p.quantize:
                         _quantize_original(sh, o, where[o.pieces[0].key][1], spans, legacy)
                     else:
-                        for pc, (reader, start, nbytes) in zip(o.pieces, spans):  # NaN/inf refused, counted as it is copied
+                        for pc, (reader, start, nbytes) in zip(
+                            o.pieces, spans
+                        ):  # NaN/inf refused, counted as it is copied
                             check = FiniteCheck(where[pc.key][1].dtype, pc.key, where[pc.key][0])
                             sh.then(writer.copy, o.name, reader.header.path, start, nbytes, (check,))
                     nbytes = sum(s[2] for s in spans)
@@ -287,8 +326,18 @@ def _quantize_original(sh: Shard, o: Original, info, spans: list, legacy: bool) 
             **stats.as_dict(),
         }
 
-    quantize_matrix(sh, o.name, _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]), 0, n, k,
-                     WEIGHT_ONLY_TENSOR, o.name, done, spans=spans)
+    quantize_matrix(
+        sh,
+        o.name,
+        _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]),
+        0,
+        n,
+        k,
+        WEIGHT_ONLY_TENSOR,
+        o.name,
+        done,
+        spans=spans,
+    )
 
 
 @dataclass(frozen=True)

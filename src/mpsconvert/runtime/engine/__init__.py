@@ -9,6 +9,22 @@ from .loop import Decoder, GenerationStats, RunnerDecoder, generate_ids, peak_me
 from .sampling import Draws, Sampling, next_token
 from .text import Conversation, TextStream, eos_ids, load_generation_config, load_tokenizer
 
-__all__ = ["DECODE_PATHS", "Conversation", "Decoder", "Draws", "Engine", "GenerationStats", "RunnerDecoder", "Sampling", "TextStream",
-           "compiles_by_default", "decode_path", "eos_ids", "generate_ids", "load_generation_config", "load_tokenizer", "next_token",
-           "peak_memory"]
+__all__ = [
+    "DECODE_PATHS",
+    "Conversation",
+    "Decoder",
+    "Draws",
+    "Engine",
+    "GenerationStats",
+    "RunnerDecoder",
+    "Sampling",
+    "TextStream",
+    "compiles_by_default",
+    "decode_path",
+    "eos_ids",
+    "generate_ids",
+    "load_generation_config",
+    "load_tokenizer",
+    "next_token",
+    "peak_memory",
+]

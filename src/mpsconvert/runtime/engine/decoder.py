@@ -4,21 +4,20 @@ prefill and a decode step, replayed as one CUDA graph on CUDA and eager elsewher
 Three decode paths (`decode_path` picks one; `Engine.decode_report` says which ran and what it
 cost, and `generate --json` prints it as `decode`):
 
-- "graph" (the default on CUDA: CUDA_DEFAULT; `compile="graph"`, `generate --decode graph`): the eager decode step (the model's forward over a preallocated
-  static cache, the FP8 Triton GEMVs and our attention as they run eagerly) captured once with
-  `torch.cuda.graph` and replayed per token (`CapturedStep`). No Dynamo and no Inductor: the
-  capture costs a few eager steps (fractions of a second), where torch.compile costs ~30 s in
-  every new process on an H100 (34.0 s in a fresh one, 29.6 s in the next with
-  Inductor's on-disk caches warm, so persisting its artifacts could not make a one-shot command
-  cheap: the tracing itself is what costs). The replay is checked against the eager step at
+- "graph" (the default on CUDA: CUDA_DEFAULT; `compile="graph"`, `generate --decode graph`): the
+  eager decode step (the model's forward over a preallocated static cache, the FP8 Triton GEMVs
+  and our attention as they run eagerly) captured once with `torch.cuda.graph` and replayed per
+  token (`CapturedStep`). No Dynamo and no Inductor: the capture costs a few eager steps (0.4 s on
+  the H100), where torch.compile costs 30-50 s in every new process (Inductor's on-disk caches
+  warm or not: the tracing itself is what costs). The replay is checked against the eager step at
   positions the capture never saw, over a cache with a history (a graph that had frozen a
   position on the host would differ there); a capture or a check that fails warns, names the
   eager path that runs instead, and `decode_report["fallback"]` keeps why.
-- "compile" (`compile=True`, `generate --decode compile`):
-  `torch.compile(mode="reduce-overhead")` of the same step: 297 vs 262 tok/s on the H100 for 2048
-  tokens of the Llama-3-8B shape (0.75 vs 0.66 of copy bandwidth), in return for 34 s of compile in
-  every process, which 2048 tokens save back only past ~75,000 tokens in one generation (Inductor folds the norms into the GEMVs and merges small kernels; see
-  INDUCTOR_OPTIONS).
+- "compile" (`compile=True`, `generate --decode compile`): `torch.compile(mode="reduce-overhead")`
+  of the same step (Inductor folds the norms into the GEMVs and merges small kernels; see
+  INDUCTOR_OPTIONS): 297 against 262 tok/s on the H100 for 2048 tokens of the Llama-3-8B shape
+  (0.75 against 0.66 of copy bandwidth), for 34 s of compile in every process, which it saves back
+  only past ~75,000 tokens in one generation.
 - "eager" (CPU, MPS, `compile=False`, `--no-compile`): the forward per token, over a DynamicCache.
 
 The static cache (`reserve`: rounded up to BUCKET positions) makes a step allocate nothing and
@@ -50,8 +49,8 @@ import warnings
 
 import torch
 
-from ...infra import devices, timing
 from ...errors import MpsconvertError
+from ...infra import devices, timing
 from ...model.hf_compat import accepts, cache_kwarg, rewind_cache, static_cache_compiles, write_at
 from ..ops.graph_fusion import FUSION
 
@@ -123,7 +122,9 @@ class CapturedStep:
 
     def __init__(self, fn, dev: torch.device, warm: int = WARM_STEPS):
         if dev.type != "cuda":
-            raise MpsconvertError(f"a CUDA graph needs a CUDA device, not {dev}", "run the eager loop (`compile=False`)")
+            raise MpsconvertError(
+                f"a CUDA graph needs a CUDA device, not {dev}", "run the eager loop (`compile=False`)"
+            )
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -150,20 +151,28 @@ class Engine:
         self.static = static  # None: a static cache where the step is compiled, else a dynamic one (see reset)
         self.dev = next(model.parameters()).device
         self.device = str(self.dev)
-        self.path = decode_path(self.dev, compile)  # what decodes: "graph", "compile" or "eager" (decode_path; a fallback moves it)
+        self.path = decode_path(
+            self.dev, compile
+        )  # what decodes: "graph", "compile" or "eager" (decode_path; a fallback moves it)
         self.asked = self.path  # what was asked (decode_report tells a fallback from a choice)
         self.compiled = self.path != "eager"  # a captured graph replays the step (captured eager, or torch.compile's)
         self.fallback: str | None = None  # why the asked path did not run, where it did not
         self.setup_seconds: float | None = None  # what capturing or compiling the step cost (the last reserve that did)
         self._graph: CapturedStep | None = None
-        self.graph_check: dict | None = None  # the last capture's check: its position, the RMS of the difference and of the logits
+        self.graph_check: dict | None = (
+            None  # the last capture's check: its position, the RMS of the difference and of the logits
+        )
         self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.keep = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
         self.capacity, self.cache, self.kw, self._step, self._static = 0, None, {}, None, False
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
         self.pos = 0
-        self.writes_at = None  # a static cache's layers write at: "position" (the engine's), "counter" (their own); see reserve
-        self.inductor_options = dict(INDUCTOR_OPTIONS)  # what the step is compiled with ({} once they failed: see reserve)
+        self.writes_at = (
+            None  # a static cache's layers write at: "position" (the engine's), "counter" (their own); see reserve
+        )
+        self.inductor_options = dict(
+            INDUCTOR_OPTIONS
+        )  # what the step is compiled with ({} once they failed: see reserve)
         self.graph_fusion = None  # what the last compile folded into the decode GEMVs (ops/graph_fusion.py)
 
     def reserve(self, tokens: int) -> float | None:
@@ -177,24 +186,41 @@ class Engine:
         cap = -(-tokens // BUCKET) * BUCKET
         cap = min(cap, self.max_len) if self.max_len else cap
         self._static = self.compiled if self.static is None else self.static
-        self.cache = StaticCache(config=self.model.config, max_cache_len=cap) if self._static else DynamicCache(config=self.model.config)
+        self.cache = (
+            StaticCache(config=self.model.config, max_cache_len=cap)
+            if self._static
+            else DynamicCache(config=self.model.config)
+        )
         # the step's position, 0-d: the static cache's layers write there (hf_compat.write_at), set before each forward
         self.pos_t = torch.zeros((), dtype=torch.long, device=self.dev)
-        self.writes_at = "position" if self._static and write_at(self.cache, self.pos_t, cap) else "counter" if self._static else None
+        self.writes_at = (
+            "position"
+            if self._static and write_at(self.cache, self.pos_t, cap)
+            else "counter"
+            if self._static
+            else None
+        )
         self.kw = cache_kwarg(self.model, self.cache)
         self.capacity = cap
-        own = getattr(getattr(self.model, "base_model", None), "mpsconvert_positions", None)  # runtime/patches/positions.py
+        own = getattr(
+            getattr(self.model, "base_model", None), "mpsconvert_positions", None
+        )  # runtime/patches/positions.py
         self.positions = own if own is not None and own.shape[-1] >= cap else torch.arange(cap, device=self.dev)[None]
         if self.compiled and not static_cache_compiles(self.cache):
-            warnings.warn("the decode step runs eagerly: this model's sliding-window cache layers keep their length in a Python "
-                          f"int, which a captured CUDA graph cannot follow past the window ({cap} positions reserved)", stacklevel=2)
+            warnings.warn(
+                "the decode step runs eagerly: this model's sliding-window cache layers keep their length in a Python "
+                f"int, which a captured CUDA graph cannot follow past the window ({cap} positions reserved)",
+                stacklevel=2,
+            )
             self.compiled, self.path = False, "eager"
             self.fallback = f"{self.asked}: a sliding-window cache layer keeps its length in a Python int"
         if not self.compiled:
             return None
         with torch.no_grad():  # transformers' StaticCache makes its tensors at its first update: made here, eager, they
             self.pos_t.fill_(cap - 1)  # live outside the CUDA graph's pool (made inside it, the next replay overwrites
-            self._decode(self.tok, self.pos_t)  # them under the prefill's writes; seen on the H200: "overwritten by a subsequent run")
+            self._decode(
+                self.tok, self.pos_t
+            )  # them under the prefill's writes; seen on the H200: "overwritten by a subsequent run")
         t = time.perf_counter()
         if self.path == "graph":
             self._capture(cap)
@@ -204,10 +230,12 @@ class Engine:
             except Exception as e:  # Inductor failed with its non-default options: torch's defaults, and said so
                 if not self.inductor_options:
                     raise
-                warnings.warn(f"the decode step failed to compile with Inductor's {self.inductor_options} "
-                              f"({type(e).__name__}: {str(e)[:200]}); compiled with torch's defaults instead "
-                              "(a few more kernel launches per token)",
-                              stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"the decode step failed to compile with Inductor's {self.inductor_options} "
+                    f"({type(e).__name__}: {str(e)[:200]}); compiled with torch's defaults instead "
+                    "(a few more kernel launches per token)",
+                    stacklevel=2,
+                )
                 self.inductor_options = {}
                 self._compile(cap)
         self.cache.reset()
@@ -231,8 +259,11 @@ class Engine:
             self._graph = graph
             return
         self.compiled, self.path, self.fallback = False, "eager", f"graph: {why}"
-        warnings.warn(f"the decode step runs eagerly (several times slower per token on CUDA): as a CUDA graph {why}; "
-                      "`--decode compile` compiles it with torch.compile instead", stacklevel=3)
+        warnings.warn(
+            f"the decode step runs eagerly (several times slower per token on CUDA): as a CUDA graph {why}; "
+            "`--decode compile` compiles it with torch.compile instead",
+            stacklevel=3,
+        )
 
     def _check_graph(self, graph: CapturedStep, cap: int) -> str | None:
         """Why the captured step cannot replace the eager one, or None: at a position the capture did not see (the
@@ -256,7 +287,10 @@ class Engine:
         self.tok.zero_()
         self.graph_check = {"position": at, "rms_diff": err, "rms_logits": scale}
         if not (err == err and scale == scale) or err > GRAPH_TOLERANCE * max(scale, 1e-6):
-            return f"its replay differs from the eager step at position {at}: RMS {err:.3g} against the logits' RMS " f"{scale:.3g}"
+            return (
+                f"its replay differs from the eager step at position {at}: RMS {err:.3g} against the logits' RMS "
+                f"{scale:.3g}"
+            )
         return None
 
     @property
@@ -264,8 +298,13 @@ class Engine:
         """Which decode path runs ("graph", "compile", "eager"), which was asked, what setting it up
         cost in its last reserve (seconds; None: nothing was set up), and why the asked one did not
         run (None where it did)."""
-        return {"path": self.path, "asked": self.asked, "seconds": None if self.setup_seconds is None else round(self.setup_seconds, 3),
-                "fallback": self.fallback, **({"check": self.graph_check} if self.graph_check is not None else {})}
+        return {
+            "path": self.path,
+            "asked": self.asked,
+            "seconds": None if self.setup_seconds is None else round(self.setup_seconds, 3),
+            "fallback": self.fallback,
+            **({"check": self.graph_check} if self.graph_check is not None else {}),
+        }
 
     def _compile(self, cap: int) -> None:
         """Compile the decode step and capture its graph: a few scratch steps at the last position
@@ -300,8 +339,10 @@ class Engine:
         n = len(ids)
         if self.pos + n + 1 > self.capacity:
             if self.pos:
-                raise MpsconvertError(f"the cache holds {self.capacity} tokens, {self.pos + n + 1} are needed",
-                                      "call reserve() with the whole conversation's length before its first prefill")
+                raise MpsconvertError(
+                    f"the cache holds {self.capacity} tokens, {self.pos + n + 1} are needed",
+                    "call reserve() with the whole conversation's length before its first prefill",
+                )
             self.reserve(n + 1)
         x = torch.tensor([ids], dtype=torch.long, device=self.dev)
         pos = self.positions[:, self.pos : self.pos + n]
@@ -312,7 +353,9 @@ class Engine:
                 from transformers import DynamicCache
 
                 dyn = DynamicCache(config=self.model.config)
-                out = self.model(input_ids=x, position_ids=pos, use_cache=True, **cache_kwarg(self.model, dyn), **self.keep).logits
+                out = self.model(
+                    input_ids=x, position_ids=pos, use_cache=True, **cache_kwarg(self.model, dyn), **self.keep
+                ).logits
                 for i, layer in enumerate(dyn.layers):
                     self.cache.update(layer.keys, layer.values, i)
             else:

@@ -19,8 +19,8 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from ...infra import devices
 from ...errors import MpsconvertError
+from ...infra import devices
 from .sampling import Draws, Sampling, choose
 
 
@@ -39,12 +39,16 @@ class GenerationStats:
     stop: str  # "eos" | "max_tokens" | "cache_full"
     tokens: list = field(default_factory=list)
     prompt_ids: list = field(default_factory=list)  # the prompt as token ids: replayable through model.generate()
-    compile_seconds: float | None = None  # capturing the decode step (CUDA graph) before the timer started; None: nothing set up now
+    compile_seconds: float | None = (
+        None  # capturing the decode step (CUDA graph) before the timer started; None: nothing set up now
+    )
     # which decode path ran and what setting it up cost in this generation (Engine.decode_report): {"path": "graph" |
     # "compile" | "eager", "asked", "seconds", "fallback": why the asked path did not run, or None}; None for a decoder
     # that has no paths
     decode: dict | None = None
-    step_seconds: list = field(default_factory=list)  # each decode step, the device synchronised (only when asked: time_steps)
+    step_seconds: list = field(
+        default_factory=list
+    )  # each decode step, the device synchronised (only when asked: time_steps)
 
     @property
     def prompt_tps(self) -> float:
@@ -57,8 +61,11 @@ class GenerationStats:
         return n / self.generation_seconds if n > 0 and self.generation_seconds > 0 else None
 
     def as_dict(self) -> dict:
-        return {**{k: v for k, v in self.__dict__.items() if k != "step_seconds"}, "prompt_tokens_per_s": round(self.prompt_tps, 2),
-                "generation_tokens_per_s": None if self.generation_tps is None else round(self.generation_tps, 2)}
+        return {
+            **{k: v for k, v in self.__dict__.items() if k != "step_seconds"},
+            "prompt_tokens_per_s": round(self.prompt_tps, 2),
+            "generation_tokens_per_s": None if self.generation_tps is None else round(self.generation_tps, 2),
+        }
 
 
 class Decoder(Protocol):
@@ -71,10 +78,12 @@ class Decoder(Protocol):
     def reserve(self, tokens: int) -> float | None:
         """Make room for `tokens` (prompt + generation) before the timer starts; returns the
         seconds spent compiling the decode step, None where nothing was compiled."""
+
     def reset(self) -> None: ...
     def prefill(self, ids: list[int]) -> torch.Tensor: ...
     def step(self, token: int) -> torch.Tensor: ...
     def sync(self) -> None: ...
+
     # Optional (engine.Engine on CUDA): `pipelined` True, `step_chosen(token tensor)` and
     # `rewind(steps)`, so the loop can start a step before reading the last token (_pipelined).
 
@@ -124,8 +133,14 @@ def peak_memory(dev_name: str) -> tuple[int | None, str]:
     return rss * (1 if sys.platform == "darwin" else 1024), "process peak RSS (getrusage)"
 
 
-def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_ids: Iterable[int] = (),
-                 on_token: Callable[[int], None] | None = None, time_steps: bool = False) -> GenerationStats:
+def generate_ids(
+    decoder: Decoder,
+    prompt: list[int],
+    sampling: Sampling,
+    stop_ids: Iterable[int] = (),
+    on_token: Callable[[int], None] | None = None,
+    time_steps: bool = False,
+) -> GenerationStats:
     """Prefill `prompt`, then sample up to `sampling.max_tokens` tokens (the first from the
     prefill's logits), calling `on_token` with each as soon as it is chosen. Stops at an id in
     `stop_ids` (not counted as text but counted as generated) or when the cache is full.
@@ -134,8 +149,10 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
     if not prompt:
         raise MpsconvertError("the prompt is empty after tokenization", "pass some text")
     if decoder.max_len is not None and len(prompt) >= decoder.max_len:
-        raise MpsconvertError(f"the prompt is {len(prompt)} tokens, the {decoder.backend} model holds {decoder.max_len}",
-                              "shorten the prompt, or re-export with a larger `max_len`")
+        raise MpsconvertError(
+            f"the prompt is {len(prompt)} tokens, the {decoder.backend} model holds {decoder.max_len}",
+            "shorten the prompt, or re-export with a larger `max_len`",
+        )
     stop_ids = set(stop_ids)
     gen = Draws(sampling.seed)
     compile_s = decoder.reserve(len(prompt) + sampling.max_tokens)
@@ -176,10 +193,22 @@ def generate_ids(decoder: Decoder, prompt: list[int], sampling: Sampling, stop_i
     decoder.sync()
     t2 = time.perf_counter()
     peak, source = peak_memory(decoder.device if decoder.backend == "torch" else "cpu")
-    return GenerationStats(backend=decoder.backend, device=decoder.device, prompt_tokens=len(prompt), prompt_seconds=t1 - t0,
-                           generated_tokens=len(tokens), generation_seconds=t2 - t1, peak_memory_bytes=peak,
-                           peak_memory_source=source, stop=stop, tokens=tokens, prompt_ids=list(prompt),
-                           compile_seconds=compile_s, step_seconds=steps, decode=decode)
+    return GenerationStats(
+        backend=decoder.backend,
+        device=decoder.device,
+        prompt_tokens=len(prompt),
+        prompt_seconds=t1 - t0,
+        generated_tokens=len(tokens),
+        generation_seconds=t2 - t1,
+        peak_memory_bytes=peak,
+        peak_memory_source=source,
+        stop=stop,
+        tokens=tokens,
+        prompt_ids=list(prompt),
+        compile_seconds=compile_s,
+        step_seconds=steps,
+        decode=decode,
+    )
 
 
 def _pipelined(decoder, sampling: Sampling, gen: Draws, chosen: torch.Tensor, tok: int, take, room) -> str:

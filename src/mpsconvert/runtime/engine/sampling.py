@@ -35,11 +35,15 @@ class Sampling:
         if self.seed is not None:
             bounded(self.seed, "seed")
         if self.max_tokens < 1:
-            raise MpsconvertError(f"`max_tokens` must be at least 1 (got {self.max_tokens})", "pass `max_tokens=1` or more")
+            raise MpsconvertError(
+                f"`max_tokens` must be at least 1 (got {self.max_tokens})", "pass `max_tokens=1` or more"
+            )
         if self.temp < 0:
             raise MpsconvertError(f"`temp` must be >= 0 (got {self.temp})", "pass `temp=0` for greedy decoding")
         if not 0 < self.top_p <= 1:
-            raise MpsconvertError(f"`top_p` must be in (0, 1] (got {self.top_p})", "pass `top_p=1.0` to keep every token")
+            raise MpsconvertError(
+                f"`top_p` must be in (0, 1] (got {self.top_p})", "pass `top_p=1.0` to keep every token"
+            )
         if self.top_k < 0:
             raise MpsconvertError(f"`top_k` must be >= 0 (got {self.top_k})", "pass `top_k=0` to keep every token")
 

@@ -25,12 +25,12 @@ class TextStream:
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""
-        piece, self.shown = text[self.shown:], len(text)
+        piece, self.shown = text[self.shown :], len(text)
         return piece
 
     def flush(self) -> str:
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        piece, self.shown = text[self.shown:], len(text)
+        piece, self.shown = text[self.shown :], len(text)
         return piece
 
 
@@ -74,16 +74,23 @@ class Conversation:
         if not isinstance(text, str):
             raise PromptError(f"{what} is {type(text).__name__}, not text", "pass a string")
         if len(text) > limit:
-            raise PromptError(f"{what} is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
-                              "pass a shorter text")
+            raise PromptError(
+                f"{what} is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
+                "pass a shorter text",
+            )
         cap = self.decoder.max_len
         if cap:
             if self._longest is None:
-                self._longest = max((len(t.encode("utf-8", "surrogatepass")) for t in self.tok.get_vocab()), default=1) or 1
+                self._longest = (
+                    max((len(t.encode("utf-8", "surrogatepass")) for t in self.tok.get_vocab()), default=1) or 1
+                )
             size = len(text.encode("utf-8", "surrogatepass"))
             if size > cap * self._longest:
-                raise PromptError(f"{what} is {size:,} bytes and the {self.decoder.backend} model holds {cap:,} tokens, of at most "
-                                  f"{self._longest} bytes each: it cannot fit", "pass a shorter text")
+                raise PromptError(
+                    f"{what} is {size:,} bytes and the {self.decoder.backend} model holds {cap:,} tokens, of at most "
+                    f"{self._longest} bytes each: it cannot fit",
+                    "pass a shorter text",
+                )
 
     @property
     def has_template(self) -> bool:
@@ -115,7 +122,9 @@ class Conversation:
     def require_template(self) -> None:
         """Raise the one-line error of a tokenizer that cannot chat (no chat template)."""
         if not self.has_template:
-            raise MpsconvertError("the artifact's tokenizer has no chat template", "use `mpsconvert generate` for plain text completion")
+            raise MpsconvertError(
+                "the artifact's tokenizer has no chat template", "use `mpsconvert generate` for plain text completion"
+            )
 
     def say(self, message: str, on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
         """One chat turn: the user's message, the model's reply (kept in the history)."""
@@ -132,8 +141,10 @@ class Conversation:
                 self.dropped += len(turn)
                 ids = self._template(msgs)
             if len(ids) >= cap:
-                raise PromptError(f"the message is {len(ids):,} tokens with the chat template, the model holds {cap:,}",
-                                  "send a shorter message")
+                raise PromptError(
+                    f"the message is {len(ids):,} tokens with the chat template, the model holds {cap:,}",
+                    "send a shorter message",
+                )
         text, stats = self.complete(ids, on_text)
         self.history = msgs + [{"role": "assistant", "content": text}]
         return text, stats

@@ -42,7 +42,9 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | N
     return nll[_cpu(mask).bool()] if mask is not None else nll.reshape(-1)
 
 
-def kl_divergence(base_logits: torch.Tensor, test_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def kl_divergence(
+    base_logits: torch.Tensor, test_logits: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-position KL(base || test) in nats, float64 on the CPU."""
     lp = F.log_softmax(cpu64(base_logits), dim=-1)
     lq = F.log_softmax(cpu64(test_logits), dim=-1)

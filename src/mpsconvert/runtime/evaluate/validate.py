@@ -23,14 +23,16 @@ from pathlib import Path
 
 import torch
 
-from ...infra import devices, timing
 from ...errors import DataError, MpsconvertError, SourceError
-from ...model import definition, reference
+from ...infra import devices, timing
 from ...infra.progress import Progress, or_silent
-from . import metrics
+from ...model import definition, reference
 from ..engine import Engine, Sampling, generate_ids
+from . import metrics
 
-PEAK_NOTE = "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
+PEAK_NOTE = (
+    "device peak allocated while this model was timed (both models resident); see weight_bytes for each model's own"
+)
 
 
 @dataclass
@@ -94,18 +96,31 @@ def resolve_baseline(artifact: Path, baseline: str | None) -> str:
     if baseline:
         return str(resolve(baseline).path)
     if not (artifact / MANIFEST_NAME).is_file():
-        raise SourceError(f"{artifact} has no {MANIFEST_NAME}, so its BF16 source is unknown", "pass `baseline=<hub id or folder>`")
+        raise SourceError(
+            f"{artifact} has no {MANIFEST_NAME}, so its BF16 source is unknown", "pass `baseline=<hub id or folder>`"
+        )
     src = Manifest.read(artifact).source
     if src.get("kind") == "hub":
         return str(resolve(src["id"], revision=src.get("commit") or src.get("revision")).path)
     for cand in (src.get("path"), src.get("id")):
         if cand and Path(cand).is_dir():
             return str(resolve(cand).path)
-    raise SourceError(f"the manifest names a local source ({src.get('id')!r}) that is not here", "pass `baseline=<folder of the BF16 model>`")
+    raise SourceError(
+        f"the manifest names a local source ({src.get('id')!r}) that is not here",
+        "pass `baseline=<folder of the BF16 model>`",
+    )
 
 
 # what must agree between an artifact and its baseline for a comparison to mean anything
-_SAME = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads")
+_SAME = (
+    "model_type",
+    "architectures",
+    "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "intermediate_size",
+    "num_attention_heads",
+)
 
 
 def check_baseline(artifact: Path, base_path: str) -> None:
@@ -116,8 +131,8 @@ def check_baseline(artifact: Path, base_path: str) -> None:
     Raises:
         SourceError: remote code, an unreadable config, or another model, in one line.
     """
-    from ...manifests.layout import CONFIG_NAME
     from ...infra.untrusted import read_json
+    from ...manifests.layout import CONFIG_NAME
 
     fix = "pass `baseline=<the model this artifact was made from>`"
     try:
@@ -128,7 +143,10 @@ def check_baseline(artifact: Path, base_path: str) -> None:
     for key in _SAME:
         a, b = mine.get(key), base.get(key)
         if a is not None and b is not None and a != b:
-            raise SourceError(f"the baseline {base_path} is another model: its {key} is {str(b)[:60]}, the artifact's {str(a)[:60]}", fix)
+            raise SourceError(
+                f"the baseline {base_path} is another model: its {key} is {str(b)[:60]}, the artifact's {str(a)[:60]}",
+                fix,
+            )
 
 
 def read_texts(path: str | None) -> tuple[list[str], str]:
@@ -137,7 +155,10 @@ def read_texts(path: str | None) -> tuple[list[str], str]:
 
     p = Path(path) if path is not None else BUILTIN
     if not p.is_file():
-        raise DataError(f"eval data {path} does not exist", "pass a .jsonl (one {'text': ...} per line), .json, .parquet or .txt file")
+        raise DataError(
+            f"eval data {path} does not exist",
+            "pass a .jsonl (one {'text': ...} per line), .json, .parquet or .txt file",
+        )
     texts = [t for t in read_documents(p) if t.strip()]
     if not texts:
         raise DataError(f"{p} holds no text", "pass a file with some text in it")
@@ -171,7 +192,9 @@ class _CausalTimer:
     def __init__(self, model, ids: torch.Tensor, opts: ValidateOptions, dev, use_compile: bool):
         self.opts, self.dev, self.compiled = opts, dev, use_compile
         self.engine = Engine(model, compile=use_compile)
-        room = opts.warmup + opts.decode_tokens + 2  # a model of fewer positions gets a shorter prompt (the result's "tokens" says it)
+        room = (
+            opts.warmup + opts.decode_tokens + 2
+        )  # a model of fewer positions gets a shorter prompt (the result's "tokens" says it)
         cap = self.engine.max_len - room if self.engine.max_len else opts.prefill_len
         self.prompt = ids[0, : max(1, min(opts.prefill_len, cap))].tolist()
         self.compile_seconds = self.engine.reserve(len(self.prompt) + opts.warmup + opts.decode_tokens + 2)
@@ -181,19 +204,28 @@ class _CausalTimer:
     def round(self) -> None:
         opts = self.opts
         warm = opts.warmup if not self.prefill_rounds else 1
-        runs = [generate_ids(self.engine, self.prompt, Sampling(max_tokens=1)).prompt_seconds for _ in range(warm + opts.repeats)]
+        runs = [
+            generate_ids(self.engine, self.prompt, Sampling(max_tokens=1)).prompt_seconds
+            for _ in range(warm + opts.repeats)
+        ]
         self.prefill_rounds.append(runs[warm:])
         skip = opts.warmup if not self.decode_rounds else 0  # the first steps of a run warm up its caches
         with timing.warm_guards(self.compiled):  # the step is warm: only its differentiating guards run
-            st = generate_ids(self.engine, self.prompt, Sampling(max_tokens=skip + opts.decode_tokens + 1), time_steps=True)
+            st = generate_ids(
+                self.engine, self.prompt, Sampling(max_tokens=skip + opts.decode_tokens + 1), time_steps=True
+            )
         self.decode_rounds.append(st.step_seconds[skip:])
 
     def result(self) -> dict:
         dec = timing.round_stats(self.decode_rounds)
         return {
             "prefill": timing.round_stats(self.prefill_rounds) | {"tokens": len(self.prompt)},
-            "decode": dec | {"tokens": sum(map(len, self.decode_rounds)), "compile_seconds": self.compile_seconds,
-                             "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None},  # fmt: skip
+            "decode": dec
+            | {
+                "tokens": sum(map(len, self.decode_rounds)),
+                "compile_seconds": self.compile_seconds,
+                "tokens_per_s": 1e3 / dec["median_ms"] if dec["median_ms"] else None,
+            },
         }
 
 
@@ -257,11 +289,19 @@ def activations_rounded(decisions: list[dict], rows: int) -> dict | None:
     if rows <= DECODE_MAX_M:
         hits = [d for d in decisions if d["activations"] and d["bucket"] == "decode"]
     else:  # the bucket a call of `rows` rows runs (CPU decides once for every length: M 0)
-        hits = [d for d in decisions if d["activations"] and d["bucket"] == "prefill" and d["m"] in (0, PREFILL_BUCKETS[bucket_index(rows)])]
+        hits = [
+            d
+            for d in decisions
+            if d["activations"] and d["bucket"] == "prefill" and d["m"] in (0, PREFILL_BUCKETS[bucket_index(rows)])
+        ]
     if not hits:
         return None
-    return {"rows": rows, "layers": sum(d["layers"] for d in hits), "rounded": sum(d["layers"] for d in hits if d["choice"] in ROUNDING),
-            "bf16_activation_kernels": sorted({d["choice"] for d in hits if d["choice"] not in ROUNDING})}
+    return {
+        "rows": rows,
+        "layers": sum(d["layers"] for d in hits),
+        "rounded": sum(d["layers"] for d in hits if d["choice"] in ROUNDING),
+        "bf16_activation_kernels": sorted({d["choice"] for d in hits if d["choice"] not in ROUNDING}),
+    }
 
 
 def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, *, record: bool = True) -> dict:
@@ -290,12 +330,21 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
     progress("load bf16", 0, 1, "")
     with devices.oom_hint(dev, "loading the BF16 baseline"):
         try:
-            base_model = reference.load(base_path, dtype=torch.bfloat16, device=dev,
-                                        task="causal-lm" if causal else "encoder")
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # weights transformers cannot read: the baseline's problem
-            raise SourceError(f"transformers cannot load the baseline {base_path}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
-                              "pass `baseline=<the model this artifact was made from>`") from e
+            base_model = reference.load(
+                base_path, dtype=torch.bfloat16, device=dev, task="causal-lm" if causal else "encoder"
+            )
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            RuntimeError,
+        ) as e:  # weights transformers cannot read: the baseline's problem
+            raise SourceError(
+                f"transformers cannot load the baseline {base_path}: "
+                f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
+                "pass `baseline=<the model this artifact was made from>`",
+            ) from e
     progress("load bf16", 1, 1, "")
     models = {"bf16": base_model, "fp8": fp8_model}
     result = {
@@ -305,8 +354,10 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
         "torch": torch.__version__,
         "baseline": base_path,
         "eval_data": data_path,
-        "settings": {k: v for k, v in asdict(opts).items() if k not in ("baseline", "eval_data", "kernel_cache", "full")}
-                    | {"compile": use_compile, "defaults": defaults_name(opts, gpu)},
+        "settings": {
+            k: v for k, v in asdict(opts).items() if k not in ("baseline", "eval_data", "kernel_cache", "full")
+        }
+        | {"compile": use_compile, "defaults": defaults_name(opts, gpu)},
         "scheme": fp8_model.mpsconvert.scheme,
         "weights": fp8_model.mpsconvert.weights,
         "kernels": fp8_model.mpsconvert.kernels,
@@ -318,7 +369,10 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
         ids = eval_ids(tok, texts, opts.seq_len * opts.max_samples)
         n = min(opts.max_samples, len(ids) // opts.seq_len)
         if n == 0:
-            raise MpsconvertError(f"the eval text has {len(ids)} tokens, fewer than `seq_len={opts.seq_len}`", "use more text or a smaller `seq_len`")
+            raise MpsconvertError(
+                f"the eval text has {len(ids)} tokens, fewer than `seq_len={opts.seq_len}`",
+                "use more text or a smaller `seq_len`",
+            )
         chunks = torch.tensor(ids[: n * opts.seq_len]).reshape(n, opts.seq_len)
         scores = metrics.CausalLMScores()
         progress("accuracy", 0, n, f"samples of {opts.seq_len} tokens")
@@ -340,8 +394,13 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
         with torch.no_grad():
             for start in range(0, len(order), 8):
                 idx = order[start : start + 8]
-                batch = tok([sents[i] for i in idx], padding=True, truncation=True, max_length=min(opts.seq_len, 256),
-                            return_tensors="pt").to(dev)  # fmt: skip
+                batch = tok(
+                    [sents[i] for i in idx],
+                    padding=True,
+                    truncation=True,
+                    max_length=min(opts.seq_len, 256),
+                    return_tensors="pt",
+                ).to(dev)
                 for out, model in ((eb, base_model), (ef, fp8_model)):
                     for i, e in zip(idx, metrics.mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])):
                         out[i] = e
@@ -354,7 +413,9 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
             make = lambda model: _CausalTimer(model, sample, opts, dev, use_compile)  # noqa: E731
         else:  # one sequence of --prefill-len tokens, batch 1, as a causal prefill is timed
             limit = getattr(fp8_model.config, "max_position_embeddings", None) or opts.prefill_len
-            one = tok(" ".join(texts), truncation=True, max_length=min(opts.prefill_len, limit), return_tensors="pt").to(dev)
+            one = tok(
+                " ".join(texts), truncation=True, max_length=min(opts.prefill_len, limit), return_tensors="pt"
+            ).to(dev)
             make = lambda model: _EncoderTimer(model, dict(one), opts, dev)  # noqa: E731
         result["latency"] = _latency(models, make, opts, dev, use_compile, progress)
         lb, lf = result["latency"]["bf16"], result["latency"]["fp8"]

@@ -42,19 +42,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...infra import atomic, devices
-from ...model import definition
-from ...infra.untrusted import read_json
-from ...format.fp8 import CODE_DTYPES, dequantize
-from ...errors import MpsconvertError, ArtifactError
-from ...manifests import layout, loadable
+from ...errors import ArtifactError, MpsconvertError
 from ...format.ct_config import scheme_from_config
-from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
+from ...format.fp8 import CODE_DTYPES, dequantize
+from ...infra import atomic, devices
 from ...infra.safetensors_io import torch_dtype
-from . import prewarm, prewarm_child, stream
+from ...infra.untrusted import read_json
+from ...manifests import layout, loadable
+from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
+from ...model import definition
 from .. import patches
 from ..ops.fp8linear import FP8Linear
 from ..ops.fuse import SharedInput
+from . import prewarm, prewarm_child, stream
 from .policy import KernelPolicy
 
 _FP8_PARTS = ("weight", "weight_scale", "input_scale", "bias")
@@ -75,9 +75,13 @@ class LoadInfo:
     kernels: list = field(default_factory=list)  # policy decisions
     weight_bytes: int = 0
     experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
-    patches: dict = field(default_factory=dict)  # patch name -> its report (runtime/patches: what each changed, left, or skipped)
+    patches: dict = field(
+        default_factory=dict
+    )  # patch name -> its report (runtime/patches: what each changed, left, or skipped)
     prewarm: dict = field(default_factory=dict)  # first-use calls made while the shards were read (CUDA)
-    weights_held: dict = field(default_factory=dict)  # how the FP8 weights are held once loaded: e4m3 codes, or dequantized, and why
+    weights_held: dict = field(
+        default_factory=dict
+    )  # how the FP8 weights are held once loaded: e4m3 codes, or dequantized, and why
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
@@ -101,7 +105,7 @@ def _resolver(model: nn.Module, renamed: dict[str, str] | None = None):
         elif mod in mod_renames and leaf in _FP8_PARTS:
             key = f"{mod_renames[mod]}.{leaf}"
         mod = key.rpartition(".")[0]
-        for cand in (key, f"{prefix}.{key}", key[len(prefix) + 1:] if key.startswith(prefix + ".") else None):
+        for cand in (key, f"{prefix}.{key}", key[len(prefix) + 1 :] if key.startswith(prefix + ".") else None):
             if cand and (cand in names or (leaf in _FP8_PARTS and cand.rpartition(".")[0] in modules)):
                 return cand
         return None
@@ -117,7 +121,10 @@ def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
     elif leaf in mod._buffers:
         mod._buffers[leaf] = value
     else:
-        raise ArtifactError(f"checkpoint tensor {key} has no place in {type(model).__name__}", "is config.json the one this checkpoint was made with?")
+        raise ArtifactError(
+            f"checkpoint tensor {key} has no place in {type(model).__name__}",
+            "is config.json the one this checkpoint was made with?",
+        )
 
 
 def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
@@ -134,17 +141,32 @@ def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
     raise_problems(path, report)
     manifest = report.manifest  # parsed from the bytes the pin was checked on, never read again
     present = check_sizes(path, manifest, report)
-    later = set(layout.weight_files(path)) | set(loadable.loader_files(path, manifest))  # hashed as they are read, below
+    later = set(layout.weight_files(path)) | set(
+        loadable.loader_files(path, manifest)
+    )  # hashed as they are read, below
     check_digests(manifest, report, {n: sha256_file(path / n) for n in present if n not in later})
     report.hashes_checked = False  # the shards are still to come
     raise_problems(path, report)
     return manifest
 
 
-def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify: bool = True, *,
-         kernel_cache=None, measure=None, trust_remote_code: bool = False, progress=None,
-         share_inputs: bool = True, manifest_sha256: str | None = None, decode_attention: bool = True,
-         eager_fusion: bool = True, compile: bool = True, prefill_graphs: bool = True):
+def load(
+    path,
+    device: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    verify: bool = True,
+    *,
+    kernel_cache=None,
+    measure=None,
+    trust_remote_code: bool = False,
+    progress=None,
+    share_inputs: bool = True,
+    manifest_sha256: str | None = None,
+    decode_attention: bool = True,
+    eager_fusion: bool = True,
+    compile: bool = True,
+    prefill_graphs: bool = True,
+):
     """Load an FP8 artifact as a transformers model in eval mode; `model.mpsconvert` says how.
 
     device: 'auto' | 'cuda' | 'cuda:N' | 'mps' | 'cpu' (devices.choose: an unavailable device is an
@@ -189,18 +211,48 @@ def load(path, device: str = "auto", dtype: torch.dtype = torch.bfloat16, verify
     # (a child process first, where one pays, from the artifact's own description)
     warm = prewarm.start(dev, lambda: prewarm_child.start(dev, path, dtype, kernel_cache)) if eager_fusion else None
     try:
-        return _load(path, dev, dtype, verify, warm, t0, kernel_cache=kernel_cache, measure=measure,
-                     trust_remote_code=trust_remote_code, progress=progress, share_inputs=share_inputs,
-                     manifest_sha256=manifest_sha256, decode_attention=decode_attention, eager_fusion=eager_fusion,
-                     compile=compile, prefill_graphs=prefill_graphs)
+        return _load(
+            path,
+            dev,
+            dtype,
+            verify,
+            warm,
+            t0,
+            kernel_cache=kernel_cache,
+            measure=measure,
+            trust_remote_code=trust_remote_code,
+            progress=progress,
+            share_inputs=share_inputs,
+            manifest_sha256=manifest_sha256,
+            decode_attention=decode_attention,
+            eager_fusion=eager_fusion,
+            compile=compile,
+            prefill_graphs=prefill_graphs,
+        )
     finally:
         if warm is not None:
             warm.cancel()  # a load that failed before the model was known: the thread ends
 
 
-def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm, t0: float, *, kernel_cache, measure,
-          trust_remote_code: bool, progress, share_inputs: bool, manifest_sha256: str | None, decode_attention: bool,
-          eager_fusion: bool, compile: bool, prefill_graphs: bool):
+def _load(
+    path: Path,
+    dev: torch.device,
+    dtype: torch.dtype,
+    verify: bool,
+    warm,
+    t0: float,
+    *,
+    kernel_cache,
+    measure,
+    trust_remote_code: bool,
+    progress,
+    share_inputs: bool,
+    manifest_sha256: str | None,
+    decode_attention: bool,
+    eager_fusion: bool,
+    compile: bool,
+    prefill_graphs: bool,
+):
     atomic.recover(path)
     config_path = path / layout.CONFIG_NAME
     if not config_path.is_file():
@@ -210,11 +262,15 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
         manifest = _verify_before_use(path, manifest_sha256, progress)
     elif verify:
         if manifest_sha256 is not None:
-            raise ArtifactError(f"{path} has no {layout.MANIFEST_NAME}, so the pinned manifest sha256 cannot be checked",
-                                "load the artifact that manifest belongs to")
+            raise ArtifactError(
+                f"{path} has no {layout.MANIFEST_NAME}, so the pinned manifest sha256 cannot be checked",
+                "load the artifact that manifest belongs to",
+            )
         import warnings
 
-        warnings.warn(f"{path} has no {layout.MANIFEST_NAME}: its files cannot be verified (made by another tool?)", stacklevel=3)
+        warnings.warn(
+            f"{path} has no {layout.MANIFEST_NAME}: its files cannot be verified (made by another tool?)", stacklevel=3
+        )
     # config.json (and any code it names) read from a copy verified as it was made, not from the
     # folder, where it could change after it was checked
     with contextlib.ExitStack() as stack:
@@ -230,12 +286,21 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
             raise
         qc = config_body.get("quantization_config")
         if not qc:
-            raise ArtifactError(f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint")
+            raise ArtifactError(
+                f"{path}/config.json has no quantization_config", "this is not an FP8 compressed-tensors checkpoint"
+            )
         scheme = scheme_from_config(qc)
         config, model = definition.build_from(defs, buffers="real", trust_remote_code=trust_remote_code)
     linears, ignored = _linear_layout(model, qc)
-    report = verify_artifact(path, check_hashes=False, shapes=linears, ignored=ignored, check_codes=False, manifest=manifest,
-                             config=config_body)
+    report = verify_artifact(
+        path,
+        check_hashes=False,
+        shapes=linears,
+        ignored=ignored,
+        check_codes=False,
+        manifest=manifest,
+        config=config_body,
+    )
     if manifest is None:  # a checkpoint of another tool, loaded unverified as asked (or warned above)
         report.problems = [p for p in report.problems if not p.startswith("cannot verify")]
     raise_problems(path, report)
@@ -247,8 +312,14 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
         plan = _Plan(model, report, dtype, dev)
-        digests = stream.read_shards(list(report.headers.values()), plan.dests, dev, hash_files=manifest is not None,
-                                     extra_files={}, progress=progress)
+        digests = stream.read_shards(
+            list(report.headers.values()),
+            plan.dests,
+            dev,
+            hash_files=manifest is not None,
+            extra_files={},
+            progress=progress,
+        )
         if dev.type != "cpu":
             devices.synchronize(dev)
         seconds["read_hash_copy"] = time.perf_counter() - t1
@@ -258,9 +329,17 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
         for key in plan.codes:  # on the device, where the codes now are: one compare each
             t = plan.dests[key]
             if t.numel() and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
-                raise ArtifactError(f"{key} holds NaN codes (0x7F/0xFF), which no quantizer writes", "re-create the artifact")
-        info = LoadInfo(path=str(path), device=str(dev), dtype=str(dtype).replace("torch.", ""), scheme=scheme.name,
-                        weights=scheme.weights, verify=report.as_dict())
+                raise ArtifactError(
+                    f"{key} holds NaN codes (0x7F/0xFF), which no quantizer writes", "re-create the artifact"
+                )
+        info = LoadInfo(
+            path=str(path),
+            device=str(dev),
+            dtype=str(dtype).replace("torch.", ""),
+            scheme=scheme.name,
+            weights=scheme.weights,
+            verify=report.as_dict(),
+        )
         t2 = time.perf_counter()
         plan.install(model, scheme.activations, info, scheme.block)
         del plan
@@ -271,11 +350,22 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
                 mod._buffers[name] = buf.to(dev)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if missing:
-        raise ArtifactError(f"{len(missing)} tensors of {type(model).__name__} are not in the checkpoint (e.g. {missing[0]})",
-                            "the checkpoint is incomplete; re-create it")
+        raise ArtifactError(
+            f"{len(missing)} tensors of {type(model).__name__} are not in the checkpoint (e.g. {missing[0]})",
+            "the checkpoint is incomplete; re-create it",
+        )
     model.eval().requires_grad_(False)
-    ctx = patches.Context(dev, dtype, {"share_inputs": share_inputs, "decode_attention": decode_attention, "eager_fusion": eager_fusion,
-                                      "compile": compile, "prefill_graphs": prefill_graphs})
+    ctx = patches.Context(
+        dev,
+        dtype,
+        {
+            "share_inputs": share_inputs,
+            "decode_attention": decode_attention,
+            "eager_fusion": eager_fusion,
+            "compile": compile,
+            "prefill_graphs": prefill_graphs,
+        },
+    )
     reports = patches.apply(model, ctx, "modules")
     seconds["install"] = time.perf_counter() - t2
     if warm is not None:
@@ -290,7 +380,9 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype, verify: bool, warm,
     patches.check(model, ctx, reports)
     info.patches = {name: r.as_dict() for name, r in reports.items()}
     seconds["patches"] = time.perf_counter() - t4
-    info.fp8_layers = sum(isinstance(m, FP8Linear) and not isinstance(p, SharedInput) for p in model.modules() for m in p.children())
+    info.fp8_layers = sum(
+        isinstance(m, FP8Linear) and not isinstance(p, SharedInput) for p in model.modules() for m in p.children()
+    )
     info.weights_held = weights_held(model, dev, dtype)
     info.weight_bytes = model_bytes(model)
     seconds["total"] = time.perf_counter() - t0
@@ -310,7 +402,9 @@ class _Plan:
         self.dtype, self.dev = dtype, dev
         self.code_dtype = devices.capabilities(dev).code_dtype  # float8_e4m3fn, or uint8 where the device has no float8
         stored = {k: info for h in report.headers.values() for k, info in h.tensors.items()}
-        self.codes = [k for k, info in stored.items() if info.dtype == "F8_E4M3"]  # e4m3 codes: checked for NaN codes once read
+        self.codes = [
+            k for k, info in stored.items() if info.dtype == "F8_E4M3"
+        ]  # e4m3 codes: checked for NaN codes once read
         self.dests: dict[str, torch.Tensor] = {}
         self.params: dict[str, str] = {}  # model key -> checkpoint key
         self.fp8: dict[str, dict[str, str]] = {}  # Linear module -> {part: checkpoint key}
@@ -322,8 +416,10 @@ class _Plan:
             for ep in find_layout(model, {k: i.shape for k, i in stored.items()}).values():
                 expert_params.add(ep.name)
                 if ep.layout not in ("fused", "per-expert"):
-                    raise ArtifactError(f"the experts {ep.name} cannot be loaded: {ep.why or ep.layout}",
-                                        "re-create the artifact with mpsconvert quantize")
+                    raise ArtifactError(
+                        f"the experts {ep.name} cannot be loaded: {ep.why or ep.layout}",
+                        "re-create the artifact with mpsconvert quantize",
+                    )
                 pieces = [(ep.key, None)] if ep.layout == "fused" else [(sl.key, sl) for sl in ep.slices]
                 if all(stored[k].dtype == "F8_E4M3" for k, _ in pieces):
                     codes = torch.empty(ep.shape, dtype=self.code_dtype, device=dev)
@@ -376,7 +472,16 @@ class _Plan:
             t = self.dests[key]
             _set_tensor(model, target, t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t)
         for mod_name, parts in self.fp8.items():
-            _install(model, mod_name, {leaf: self.dests[k] for leaf, k in parts.items()}, activations, self.dev, self.dtype, info, block)
+            _install(
+                model,
+                mod_name,
+                {leaf: self.dests[k] for leaf, k in parts.items()},
+                activations,
+                self.dev,
+                self.dtype,
+                info,
+                block,
+            )
         for ep, param, pieces in self.dense_experts:
             for k, sl in pieces:
                 dst = param if sl is None else param[sl.expert, sl.start : sl.stop]
@@ -385,7 +490,9 @@ class _Plan:
             _set_tensor(model, ep.name, param)
         for mod_name, params in self.experts.items():
             if set(params) != {"gate_up_proj", "down_proj"}:
-                raise ArtifactError(f"{mod_name} has FP8 {sorted(params)} only", "re-create the artifact with mpsconvert quantize")
+                raise ArtifactError(
+                    f"{mod_name} has FP8 {sorted(params)} only", "re-create the artifact with mpsconvert quantize"
+                )
             (ep13, c13), (ep2, c2) = params["gate_up_proj"], params["down_proj"]
             w13, s13, i13 = _fp8_param(ep13, self.dests, self.dev, codes=c13, block=block)
             w2, s2, i2 = _fp8_param(ep2, self.dests, self.dev, codes=c2, block=block)
@@ -401,17 +508,25 @@ def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadI
     mod = model.get_submodule(mod_name)
     w, scale = p.get("weight"), p.get("weight_scale")
     if w is None or scale is None or w.dtype not in CODE_DTYPES:
-        raise ArtifactError(f"{mod_name} has an incomplete FP8 weight (weight and weight_scale needed)", "re-create the checkpoint")
+        raise ArtifactError(
+            f"{mod_name} has an incomplete FP8 weight (weight and weight_scale needed)", "re-create the checkpoint"
+        )
     if not isinstance(mod, nn.Linear):  # no FP8 kernel for this module type: dense once, and say so
         _set_tensor(model, mod_name + ".weight", dequantize(w, scale.float(), dtype, block).to(dev))
         if "bias" in p:
             _set_tensor(model, mod_name + ".bias", p["bias"].to(dev, dtype))
-        info.dequantized.append(f"{mod_name} ({type(mod).__name__}: no FP8 kernel, dequantized to {info.dtype} at load)")
+        info.dequantized.append(
+            f"{mod_name} ({type(mod).__name__}: no FP8 kernel, dequantized to {info.dtype} at load)"
+        )
         return
     layer = FP8Linear.from_tensors(
-        w.to(dev), scale.float().to(dev), activations=activations,
+        w.to(dev),
+        scale.float().to(dev),
+        activations=activations,
         input_scale=p["input_scale"].float() if "input_scale" in p else None,
-        bias=p["bias"] if "bias" in p else None, dtype=dtype, block=block,
+        bias=p["bias"] if "bias" in p else None,
+        dtype=dtype,
+        block=block,
     )
     parent_name, _, leaf = mod_name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, layer)
@@ -423,20 +538,31 @@ def weights_held(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> dic
     saves no memory over BF16 (the user must not think otherwise)."""
     from ..ops.fp8_experts import FP8Experts
 
-    linears = [m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None]  # a fused group's members are views of its layer
+    linears = [
+        m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None
+    ]  # a fused group's members are views of its layer
     experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
-    out = {"e4m3": sum(m.weight is not None for m in linears) + sum(m.gate_up_codes is not None for m in experts),
-           "dequantized": sum(m.dense_weight is not None for m in linears) + sum(m.gate_up_dense is not None for m in experts),
-           "code_dtype": str(devices.capabilities(dev).code_dtype).replace("torch.", "")}
+    out = {
+        "e4m3": sum(m.weight is not None for m in linears) + sum(m.gate_up_codes is not None for m in experts),
+        "dequantized": sum(m.dense_weight is not None for m in linears)
+        + sum(m.gate_up_dense is not None for m in experts),
+        "code_dtype": str(devices.capabilities(dev).code_dtype).replace("torch.", ""),
+    }
     name = str(dtype).replace("torch.", "")
     if out["dequantized"] and not out["e4m3"] and dev.type == "cpu":
-        out["note"] = (f"CPU: every FP8 weight is dequantized to {name} once at load (FP8 matmul on CPU is orders of magnitude "
-                       f"slower), so the model takes as much memory as {name} (more while loading: the codes are read first) and "
-                       f"runs no faster than it (slower where the scheme rounds activations through e4m3); docs/runtime.md")
+        out["note"] = (
+            f"CPU: every FP8 weight is dequantized to {name} once at load (FP8 matmul on CPU is orders of magnitude "
+            f"slower), so the model takes as much memory as {name} (more while loading: the codes are read first) and "
+            f"runs no faster than it (slower where the scheme rounds activations through e4m3); docs/runtime.md"
+        )
     elif out["dequantized"] and not out["e4m3"]:
-        out["note"] = f"every FP8 weight is held dequantized in {name} (measured faster here): no memory is saved over {name}"
+        out["note"] = (
+            f"every FP8 weight is held dequantized in {name} (measured faster here): no memory is saved over {name}"
+        )
     elif out["dequantized"]:
-        out["note"] = f"{out['dequantized']} of {out['e4m3'] + out['dequantized']} weight groups are held dequantized in {name}"
+        out["note"] = (
+            f"{out['dequantized']} of {out['e4m3'] + out['dequantized']} weight groups are held dequantized in {name}"
+        )
     return out
 
 
@@ -476,8 +602,10 @@ def check_built_model(path, report, trust_remote_code: bool = False) -> None:
 
     path = Path(path)
     if trust_remote_code and not (report.ok and report.hashes_checked):
-        report.warnings.append("the model was not built from config.json: with --trust-remote-code, code runs only "
-                               "from an artifact that verified")
+        report.warnings.append(
+            "the model was not built from config.json: with --trust-remote-code, code runs only "
+            "from an artifact that verified"
+        )
         return
     try:
         qc = read_json(path / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config") or {}
@@ -488,7 +616,11 @@ def check_built_model(path, report, trust_remote_code: bool = False) -> None:
     check_model_shapes(report, linears, ignored)
     report.linears = set(linears)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    out = model.get_output_embeddings() if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_output_embeddings") else None
+    out = (
+        model.get_output_embeddings()
+        if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_output_embeddings")
+        else None
+    )
     for n, m in model.named_modules():  # a tied output embedding is the input embedding: not stored under its own name
         if out is not None and m is out:
             params.pop(f"{n}.weight", None)

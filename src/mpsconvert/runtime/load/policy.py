@@ -37,13 +37,14 @@ from typing import Callable
 
 import torch
 
-from ...infra import atomic, devices, timing
-from ...format.fp8 import relative_error
-from ...infra.filesystem import cache_dir
 from ...errors import MpsconvertError
+from ...format.fp8 import relative_error
+from ...infra import atomic, devices, timing
+from ...infra.filesystem import cache_dir
 from ...infra.progress import Progress, or_silent
 from ...infra.untrusted import read_json
-from ..ops import kernels, triton as tritonlib
+from ..ops import kernels
+from ..ops import triton as tritonlib
 from ..ops.fp8linear import PREFILL_BUCKETS, FP8Linear
 
 # measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
@@ -62,7 +63,9 @@ CHECK_BOUND = 0.1
 def _check(kernel: str, got: torch.Tensor, want: torch.Tensor) -> None:
     err = relative_error(got, want)
     if not err <= CHECK_BOUND:  # NaN fails too
-        raise RuntimeError(f"{kernel} disagrees with the dequantized product (relative error {err:.3g} > {CHECK_BOUND})")
+        raise RuntimeError(
+            f"{kernel} disagrees with the dequantized product (relative error {err:.3g} > {CHECK_BOUND})"
+        )
 
 
 @functools.cache
@@ -83,8 +86,10 @@ def cache_path() -> Path:
 def cache_key(device_name: str, sig: tuple, bucket: str, m: int) -> str:
     """The cache's key for a layer signature (N, K, weights, activations) in one bucket."""
     n, k, w, a = sig
-    return (f"{device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels "
-            f"{kernels_digest()}|{TIMING}|{n}x{k}|weights={w}|acts={a or 'bf16'}|{bucket} M={m}")
+    return (
+        f"{device_name}|torch {torch.__version__}|triton {tritonlib.version()}|kernels "
+        f"{kernels_digest()}|{TIMING}|{n}x{k}|weights={w}|acts={a or 'bf16'}|{bucket} M={m}"
+    )
 
 
 def _cache_file(cache: Path | None | bool) -> Path | None:
@@ -154,8 +159,15 @@ class Decision:
 
 
 class KernelPolicy:
-    def __init__(self, device: torch.device, *, decode_m: int = 1, measure: Measure | None = None,
-                 cache: Path | None | bool = None, capabilities: devices.Capabilities | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        decode_m: int = 1,
+        measure: Measure | None = None,
+        cache: Path | None | bool = None,
+        capabilities: devices.Capabilities | None = None,
+    ):
         """capabilities: what the device offers (default devices.capabilities, probed once per
         process); its name keys the cache, and without scaled_mm no FP8 x FP8 kernel is a candidate."""
         self.device = device
@@ -183,7 +195,10 @@ class KernelPolicy:
             self.cache_file.parent.mkdir(parents=True, exist_ok=True)
             atomic.write_text(self.cache_file, json.dumps(fresh, indent=1, sort_keys=True) + "\n")
         except OSError as e:  # a read-only home must not stop a load; the next load measures again
-            warnings.warn(f"mpsconvert kernel cache {self.cache_file} not written ({e.strerror}); set MPSCONVERT_CACHE_DIR", stacklevel=2)
+            warnings.warn(
+                f"mpsconvert kernel cache {self.cache_file} not written ({e.strerror}); set MPSCONVERT_CACHE_DIR",
+                stacklevel=2,
+            )
 
     # -- deciding ----------------------------------------------------------------------------
     def buckets(self) -> list[tuple[str, int]]:
@@ -195,11 +210,14 @@ class KernelPolicy:
     def _bucket(self, layer: FP8Linear, bucket: str, m: int) -> Decision:
         sig = layer.signature
         d = Decision(shape=sig[:2], weights=sig[2], activations=sig[3], bucket=bucket, m=m)
-        cands = kernels.candidates(self.device.type, layer.activations, layer.weights, bucket, layer.block, self.caps.scaled_mm)
+        cands = kernels.candidates(
+            self.device.type, layer.activations, layer.weights, bucket, layer.block, self.caps.scaled_mm
+        )
         if self.device.type == "cpu":
             d.timings_us, d.choice, d.source = {}, cands[0], "rule"
-            d.note = ("CPU: weights dequantized once at load (FP8 matmul on CPU is orders of magnitude slower)"
-                      + ("; activations rounded through e4m3 as the scheme says" if cands[0] == "dense_qact" else ""))
+            d.note = "CPU: weights dequantized once at load (FP8 matmul on CPU is orders of magnitude slower)" + (
+                "; activations rounded through e4m3 as the scheme says" if cands[0] == "dense_qact" else ""
+            )
             return d
         key = self.key(sig, bucket, m)
         hit = self._cache.get(key)
@@ -211,16 +229,23 @@ class KernelPolicy:
                     d.timings_us[c] = round(float(self.measure(c, layer, m)), 3)
                 except Exception as e:  # a kernel that cannot run this shape is recorded and reported, not hidden
                     d.timings_us[c] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                    warnings.warn(f"mpsconvert kernel {c} cannot run a {sig[0]}x{sig[1]} layer on {self.device_name} "
-                                  f"({d.timings_us[c][7:]}); the policy chooses among the others (see validate --explain)",
-                                  stacklevel=2)
-            self._cache[key] = {"timings_us": d.timings_us, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                    warnings.warn(
+                        f"mpsconvert kernel {c} cannot run a {sig[0]}x{sig[1]} layer on {self.device_name} "
+                        f"({d.timings_us[c][7:]}); the policy chooses among the others (see validate --explain)",
+                        stacklevel=2,
+                    )
+            self._cache[key] = {
+                "timings_us": d.timings_us,
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
         if self.caps.lacks:  # why only dequantizing kernels were candidates (warned once, by devices.capabilities)
             d.note = self.caps.lacks
         elif layer.weights == "block" and not any(c.startswith("scaled_mm") or c.startswith("gemv") for c in cands):
-            d.note = (f"no block-scaled FP8 kernel on {self.device.type} (F.scaled_mm there takes tensor- and "
-                      "row-wise scales only): this layer dequantizes its weight per call, or keeps a BF16 copy "
-                      "where that measured faster")
+            d.note = (
+                f"no block-scaled FP8 kernel on {self.device.type} (F.scaled_mm there takes tensor- and "
+                "row-wise scales only): this layer dequantizes its weight per call, or keeps a BF16 copy "
+                "where that measured faster"
+            )
         return d
 
     @staticmethod
@@ -245,14 +270,20 @@ class KernelPolicy:
         if all(b == "bf16" for b in best):
             for d in ds:
                 d.choice = "bf16"
-                d.note = _joined(d.note, "fallback: BF16 measured faster than every FP8 kernel in every bucket; "
-                                         "this layer keeps a BF16 weight")
+                d.note = _joined(
+                    d.note,
+                    "fallback: BF16 measured faster than every FP8 kernel in every bucket; "
+                    "this layer keeps a BF16 weight",
+                )
         else:
             for d, b in zip(ds, best):
                 d.choice = b if b != "bf16" else self._best(d.timings_us, exclude=("bf16",))
                 if b == "bf16":
-                    d.note = _joined(d.note, "BF16 was faster here but not in every bucket; FP8 kept "
-                                             "(a second, BF16 copy would double this layer's memory)")
+                    d.note = _joined(
+                        d.note,
+                        "BF16 was faster here but not in every bucket; FP8 kept "
+                        "(a second, BF16 copy would double this layer's memory)",
+                    )
         return ds
 
     def apply(self, model: torch.nn.Module, progress: Progress | None = None) -> list[Decision]:
@@ -263,7 +294,12 @@ class KernelPolicy:
         for mod in model.modules():
             if isinstance(mod, FP8Linear) and mod.group is None:  # members of a fused group run its inner layer
                 groups.setdefault(mod.signature, []).append(mod)
-        fused = {id(g.inner): (parent, g) for parent in model.modules() for g in parent.children() if isinstance(g, SharedInput)}
+        fused = {
+            id(g.inner): (parent, g)
+            for parent in model.modules()
+            for g in parent.children()
+            if isinstance(g, SharedInput)
+        }
         self.decisions, self._peers = [], groups
         progress = or_silent(progress)
         for i, (sig, layers) in enumerate(groups.items()):
@@ -272,7 +308,9 @@ class KernelPolicy:
             prefill = pre[0].choice if len(pre) == 1 else {d.m: d.choice for d in pre}
             for layer in layers:
                 layer.set_kernels(dec.choice, prefill)
-                if id(layer) in fused:  # its members at once: a dense kernel frees the group's codes before the next is made
+                if (
+                    id(layer) in fused
+                ):  # its members at once: a dense kernel frees the group's codes before the next is made
                     _settle(*fused[id(layer)])
             for d in (dec, *pre):
                 d.layers = len(layers)
@@ -294,14 +332,21 @@ class KernelPolicy:
         x = torch.randn(m, layer.in_features, device=self.device, dtype=layer.dtype)
         if kernel == "bf16":  # dense twins of the same shape; the layers themselves are untouched
             n = self.streamed(layer, layer.out_features * layer.in_features * x.element_size())
-            dense = [torch.randn(layer.out_features, layer.in_features, device=self.device, dtype=layer.dtype) for _ in range(n)]
+            dense = [
+                torch.randn(layer.out_features, layer.in_features, device=self.device, dtype=layer.dtype)
+                for _ in range(n)
+            ]
             fns = [lambda d=d: torch.nn.functional.linear(x, d, layer.bias) for d in dense]
         else:
             peers = self._peers.get(layer.signature, [layer])
             n = self.streamed(layer, layer.weight.numel() * layer.weight.element_size())
             fns = [lambda p=p: kernels.run(kernel, p, x) for p in [layer, *(p for p in peers if p is not layer)][:n]]
             if kernel in CHECKED:  # against the scheme's arithmetic: x rounded as the kernel's scheme rounds it
-                _check(kernel, fns[0](), kernels.run("dequant", layer, kernels.scheme_rounded(layer, x) if kernel == "gemv_w8a8" else x))
+                _check(
+                    kernel,
+                    fns[0](),
+                    kernels.run("dequant", layer, kernels.scheme_rounded(layer, x) if kernel == "gemv_w8a8" else x),
+                )
         turn = itertools.cycle(fns)
         return timing.per_call_us(lambda: next(turn)(), self.device)
 

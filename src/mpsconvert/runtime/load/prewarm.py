@@ -36,9 +36,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...infra.child import Child
-from ...format.schemes import Activations
 from ...format.scales import Granularity, scale_shape
+from ...format.schemes import Activations
+from ...infra.child import Child
 from ..ops.fp8linear import PROBE_ROWS
 from ..ops.fuse import SIBLINGS
 
@@ -83,26 +83,54 @@ def _heads(config):
     return (hq, hk, hd) if isinstance(hq, int) and isinstance(hk, int) and isinstance(hd, int) else None
 
 
-def _decode_kernels(n: int, k: int, weights: str, activations, block: int | None, dtype: torch.dtype, dev: torch.device,
-                    gated: bool = False) -> None:
+def _decode_kernels(
+    n: int,
+    k: int,
+    weights: str,
+    activations,
+    block: int | None,
+    dtype: torch.dtype,
+    dev: torch.device,
+    gated: bool = False,
+) -> None:
     """Compile every configuration of the Triton decode kernels for an n x k layer (several at
     once), then call each once, so that its autotuner times them here rather than in the policy;
     with `gated` (a gated MLP's fused gate/up) their gated forms too (kernels.GATED), which the
     fusion's install check calls first."""
+    from ...format.fp8 import FP8_DTYPE
     from ..ops import kernels
     from ..ops.fp8linear import FP8Linear
-    from ..ops.triton import moe_gemv as experts, gemv
-    from ...format.fp8 import FP8_DTYPE
+    from ..ops.triton import gemv
+    from ..ops.triton import moe_gemv as experts
 
-    scale = torch.ones(scale_shape("block", n, k, block), device=dev) if block else torch.ones(n if weights == "row" else 1, 1, device=dev)
-    layer = FP8Linear.from_tensors(torch.zeros(n, k, dtype=FP8_DTYPE, device=dev), scale, activations=activations, dtype=dtype,
-                                   input_scale=torch.ones(1, device=dev) if activations == "tensor" else None, block=block)
+    scale = (
+        torch.ones(scale_shape("block", n, k, block), device=dev)
+        if block
+        else torch.ones(n if weights == "row" else 1, 1, device=dev)
+    )
+    layer = FP8Linear.from_tensors(
+        torch.zeros(n, k, dtype=FP8_DTYPE, device=dev),
+        scale,
+        activations=activations,
+        dtype=dtype,
+        input_scale=torch.ones(1, device=dev) if activations == "tensor" else None,
+        block=block,
+    )
     x = torch.zeros(1, k, dtype=dtype, device=dev)
-    triton_kernels = [c for c in kernels.candidates("cuda", activations, weights, "decode", block) if c.startswith("gemv")]  # CUDA's
-    precompile = {"gemv": lambda gated=False: (gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block) if block else
-                                               gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=gated)),  # (also the interpreter's)
-                  "gemv_w8a8": lambda gated=False: gemv.precompile(x, layer.weight, layer.scale_flat, None, dot=True, gated=gated),
-                  "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row)}  # fmt: skip
+    triton_kernels = [
+        c for c in kernels.candidates("cuda", activations, weights, "decode", block) if c.startswith("gemv")
+    ]  # CUDA's
+    precompile = {
+        "gemv": lambda gated=False: (
+            gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block)
+            if block
+            else gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=gated)
+        ),  # (also the interpreter's)
+        "gemv_w8a8": lambda gated=False: gemv.precompile(
+            x, layer.weight, layer.scale_flat, None, dot=True, gated=gated
+        ),
+        "gemv_splitk": lambda: experts.precompile(x, layer.weight.unsqueeze(0), layer.scale_row),
+    }
     gated_kernels = [c for c in triton_kernels if kernels.FNS[c] in kernels.GATED] if gated and not block else []
     for c in triton_kernels:  # only the candidates the policy will time (no W8A8 for a weight-only scheme)
         precompile[c]()
@@ -133,12 +161,21 @@ def _first_use(report: dict) -> None:
     _step(report, "triton", triton_launch.mode)
 
 
-def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: int, rowwise: bool, report: dict,
-          decode: tuple | None = None, stop: threading.Event | None = None) -> None:
+def _work(
+    config,
+    linears: dict,
+    dtype: torch.dtype,
+    dev: torch.device,
+    rows: int,
+    rowwise: bool,
+    report: dict,
+    decode: tuple | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    from ...format.fp8 import FP8_DTYPE
+    from ..ops import triton as tritonlib
     from ..ops.triton import act_quant
     from ..ops.triton import rotary_kernel as rotary
-    from ..ops import triton as tritonlib
-    from ...format.fp8 import FP8_DTYPE
 
     def step(name, fn):
         _step(report, name, fn, stop)
@@ -148,20 +185,32 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
     eps = getattr(config, "rms_norm_eps", None)
     if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor", "block"):
         for n, k in sorted(gemms):
-            step(f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev, gated=n in gated))
+            step(
+                f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev, gated=n in gated)
+            )
     if tritonlib.available():
         for k in sorted({k for _, k in gemms}):
             step(f"quantize {k}", lambda k=k: act_quant.quantize(torch.empty(rows, k, dtype=dtype, device=dev)))
         for n in sorted(gated):
-            step(f"silu_mul_quantize {n}", lambda n=n: act_quant.silu_mul_quantize(torch.empty(rows, n, dtype=dtype, device=dev)))
+            step(
+                f"silu_mul_quantize {n}",
+                lambda n=n: act_quant.silu_mul_quantize(torch.empty(rows, n, dtype=dtype, device=dev)),
+            )
         if isinstance(hidden, int) and isinstance(eps, float):
             x, w = torch.zeros(rows, hidden, dtype=dtype, device=dev), torch.ones(hidden, dtype=dtype, device=dev)
-            step("rms_norm", lambda: (act_quant.rms_norm_quantize(x, w, eps, True), act_quant.rms_norm_quantize(x, w, eps, False),
-                                      act_quant.add_rms_norm_quantize(x, x, w, eps, True),
-                                      act_quant.rms_norm_quantize(x, w, eps, True, store_y=False),
-                                      act_quant.add_rms_norm_quantize(x, x, w, eps, True, store_y=False)))  # fmt: skip
+            step(
+                "rms_norm",
+                lambda: (
+                    act_quant.rms_norm_quantize(x, w, eps, True),
+                    act_quant.rms_norm_quantize(x, w, eps, False),
+                    act_quant.add_rms_norm_quantize(x, x, w, eps, True),
+                    act_quant.rms_norm_quantize(x, w, eps, True, store_y=False),
+                    act_quant.add_rms_norm_quantize(x, x, w, eps, True, store_y=False),
+                ),
+            )
     heads = _heads(config)
     for n, k in sorted(gemms) if rowwise else ():
+
         def mm(n=n, k=k):
             a = torch.zeros(rows, k, dtype=FP8_DTYPE, device=dev)
             b = torch.zeros(n, k, dtype=FP8_DTYPE, device=dev).t()
@@ -171,12 +220,16 @@ def _work(config, linears: dict, dtype: torch.dtype, dev: torch.device, rows: in
         step(f"scaled_mm {n}x{k}", mm)
     if heads is not None:
         hq, hk, hd = heads
-        qkv = torch.zeros(1, rows, (hq + 2 * hk) * hd, dtype=dtype, device=dev)  # q/k/v as views of one fused GEMM output
+        qkv = torch.zeros(
+            1, rows, (hq + 2 * hk) * hd, dtype=dtype, device=dev
+        )  # q/k/v as views of one fused GEMM output
         q, k, v = (t.view(1, rows, -1, hd).transpose(1, 2) for t in qkv.split([hq * hd, hk * hd, hk * hd], dim=-1))
         cos = torch.ones(1, rows, hd, dtype=dtype, device=dev)
         if rotary.fits(q, k, cos, cos):
             step("rotary", lambda: rotary.rotary(q, k, cos, cos))
-        step("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=hq != hk))
+        step(
+            "sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=hq != hk)
+        )
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -241,10 +294,17 @@ class Prewarm:
     def _child_report(self, answer: dict) -> dict:
         if "error" in answer:
             return {"started": True, "error": answer["error"]}
-        return {"started": True, "seconds": answer.get("seconds"), "warmed": answer.get("warmed", []),  # each step with its seconds
-                "failed": answer.get("failed", []), "waited_s": round(time.perf_counter() - self._begun, 3)}
+        return {
+            "started": True,
+            "seconds": answer.get("seconds"),
+            "warmed": answer.get("warmed", []),  # each step with its seconds
+            "failed": answer.get("failed", []),
+            "waited_s": round(time.perf_counter() - self._begun, 3),
+        }
 
-    def begin(self, config, linears: dict, dtype: torch.dtype, rows: int, rowwise: bool, decode: tuple | None = None) -> None:
+    def begin(
+        self, config, linears: dict, dtype: torch.dtype, rows: int, rowwise: bool, decode: tuple | None = None
+    ) -> None:
         """Warm up for a model of `config` whose FP8 Linears are `linears` ({name: (N, K)}),
         probed with `rows` tokens; `rowwise`: their prefill GEMMs are row-wise scaled (per-token
         activations, per-row weights); `decode`: (weight granularity, activation scheme, block

@@ -33,10 +33,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ...infra.child import MIN_CPUS, Child, serve
 from ...errors import MpsconvertError
 from ...format.ct_config import scheme_from_config
 from ...format.schemes import Activations
+from ...infra.child import MIN_CPUS, Child, serve
 from ...infra.safetensors_io import read_header
 from ...infra.untrusted import inside, read_json
 from ..ops import triton as tritonlib
@@ -44,7 +44,13 @@ from ..ops.fp8linear import signature
 from . import policy, prewarm
 
 # config.json's entries the warm-up reads (prewarm._work, `_heads`), each checked for its type and size
-CONFIG_KEYS = {"hidden_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "rms_norm_eps": float}
+CONFIG_KEYS = {
+    "hidden_size": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "rms_norm_eps": float,
+}
 MAX_WIDTH = 1 << 20  # no model's width comes near; a larger one in an untrusted config is not believed
 # GPU memory the child's CUDA context and scratch tensors may take beside the model's weights
 HEADROOM = 2 << 30
@@ -77,8 +83,16 @@ def request(path: Path, dtype: torch.dtype, dev: torch.device) -> dict | None:
         if isinstance(v, kind) and not isinstance(v, bool) and 0 < v <= MAX_WIDTH:
             config[key] = v
     rows, rowwise, decode = prewarm.job_of(scheme)
-    return {"device": dev.index if dev.index is not None else torch.cuda.current_device(), "dtype": str(dtype).removeprefix("torch."),
-            "config": config, "linears": linears, "rows": rows, "rowwise": rowwise, "decode": list(decode), "bytes": nbytes}
+    return {
+        "device": dev.index if dev.index is not None else torch.cuda.current_device(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "config": config,
+        "linears": linears,
+        "rows": rows,
+        "rowwise": rowwise,
+        "decode": list(decode),
+        "bytes": nbytes,
+    }
 
 
 def start(dev: torch.device, path: Path, dtype: torch.dtype, kernel_cache=None) -> Child | None:
@@ -112,8 +126,16 @@ def _main(request: dict) -> dict:
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if dev.type == "cuda":  # Triton's first use as a step of its own, so that the report tells it from the compiles
             prewarm._first_use(report)
-        prewarm._work(SimpleNamespace(**request["config"]), {k: tuple(v) for k, v in request["linears"].items()},
-                      getattr(torch, request["dtype"]), dev, request["rows"], request["rowwise"], report, decode)
+        prewarm._work(
+            SimpleNamespace(**request["config"]),
+            {k: tuple(v) for k, v in request["linears"].items()},
+            getattr(torch, request["dtype"]),
+            dev,
+            request["rows"],
+            request["rowwise"],
+            report,
+            decode,
+        )
     report["seconds"] = round(time.perf_counter() - t, 3)
     return report
 

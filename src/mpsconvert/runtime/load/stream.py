@@ -52,8 +52,9 @@ class _Progress:
             self.progress("load", self.done, self.total, detail)
 
 
-def _read_shard(header: Header, dests: dict[str, torch.Tensor], device: torch.device, hash_it: bool, block: int,
-                prog: _Progress) -> str | None:
+def _read_shard(
+    header: Header, dests: dict[str, torch.Tensor], device: torch.device, hash_it: bool, block: int, prog: _Progress
+) -> str | None:
     spans = sorted((header.tensors[n].start, header.tensors[n].end, _bytes(t)) for n, t in dests.items())
     cuda = device.type == "cuda"
     size = header.file_size
@@ -98,9 +99,17 @@ def _read_shard(header: Header, dests: dict[str, torch.Tensor], device: torch.de
     return h.hexdigest() if h is not None else None
 
 
-def read_shards(headers: list[Header], dests: dict[str, torch.Tensor], device: torch.device, *, hash_files: bool = True,
-                extra_files: dict[str, Path] | None = None, block: int = BLOCK, threads: int | None = None,
-                progress=None) -> dict[str, str | None]:
+def read_shards(
+    headers: list[Header],
+    dests: dict[str, torch.Tensor],
+    device: torch.device,
+    *,
+    hash_files: bool = True,
+    extra_files: dict[str, Path] | None = None,
+    block: int = BLOCK,
+    threads: int | None = None,
+    progress=None,
+) -> dict[str, str | None]:
     """Fill `dests` (checkpoint key -> contiguous tensor on `device`) from the shards, each read
     once on its own thread; returns {file name: sha256} for every shard (and every file of
     `extra_files`, name -> path, hashed beside them), or None per file when `hash_files` is False."""
@@ -110,13 +119,21 @@ def read_shards(headers: list[Header], dests: dict[str, torch.Tensor], device: t
         mine = {n: dests[n] for n in hd.tensors if n in dests}
         for n, t in mine.items():
             if t.numel() * t.element_size() != hd.tensors[n].nbytes:
-                raise ValueError(f"destination of {n} holds {t.numel() * t.element_size()} bytes, the file {hd.tensors[n].nbytes}")
+                raise ValueError(
+                    f"destination of {n} holds {t.numel() * t.element_size()} bytes, the file {hd.tensors[n].nbytes}"
+                )
         by_shard.append((hd, mine))
     prog = _Progress(progress, sum(hd.file_size for hd in headers))
-    workers = threads or max(1, min(len(headers), os.cpu_count() or 2))  # sha256 of one file is one core's work: a thread per file
+    workers = threads or max(
+        1, min(len(headers), os.cpu_count() or 2)
+    )  # sha256 of one file is one core's work: a thread per file
     out: dict[str, str | None] = {}
-    with ThreadPoolExecutor(max_workers=workers + (1 if extra_files else 0), thread_name_prefix="mpsconvert-load") as pool:
-        futs = {hd.path.name: pool.submit(_read_shard, hd, mine, device, hash_files, block, prog) for hd, mine in by_shard}
+    with ThreadPoolExecutor(
+        max_workers=workers + (1 if extra_files else 0), thread_name_prefix="mpsconvert-load"
+    ) as pool:
+        futs = {
+            hd.path.name: pool.submit(_read_shard, hd, mine, device, hash_files, block, prog) for hd, mine in by_shard
+        }
         extra = None
         if extra_files and hash_files:
             from ...manifests.hashing import sha256_file

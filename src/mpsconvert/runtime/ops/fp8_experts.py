@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...infra import devices
-from ...format import fp8
 from ...errors import ArtifactError
-from .triton import act_quant
+from ...format import fp8
+from ...infra import devices
+from ...infra.untrusted import read_json
+from ...model.moe_layout import ExpertParam, find_layout
 from . import triton as tritonlib
 from .fp8linear import hold
-from ...model.moe_layout import ExpertParam, find_layout
-from ...infra.untrusted import read_json
+from .triton import act_quant
 
 FP8 = fp8.FP8_DTYPE
 DECODE_PAIRS = 16  # token-expert pairs at or below which the GEMV kernel beats a grouped GEMM
@@ -81,12 +81,22 @@ def scaled_grouped_mm_available(device: torch.device) -> bool:
             a = torch.zeros(32, 32, dtype=FP8, device=device)
             b = torch.zeros(2, 32, 32, dtype=FP8, device=device).transpose(-2, -1)
             offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
-            torch._scaled_grouped_mm(a, b, torch.ones(32, device=device), torch.ones(2, 32, device=device), offs=offs, out_dtype=torch.bfloat16)
+            torch._scaled_grouped_mm(
+                a,
+                b,
+                torch.ones(32, device=device),
+                torch.ones(2, 32, device=device),
+                offs=offs,
+                out_dtype=torch.bfloat16,
+            )
             _PROBED[key] = True
         except (RuntimeError, NotImplementedError, TypeError) as e:
             _PROBED[key] = False
-            warnings.warn(f"torch._scaled_grouped_mm is present but failed on {device} "
-                          f"({str(e).splitlines()[0][:120]}): FP8 experts run the dequantized grouped_mm path", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"torch._scaled_grouped_mm is present but failed on {device} "
+                f"({str(e).splitlines()[0][:120]}): FP8 experts run the dequantized grouped_mm path",
+                stacklevel=2,
+            )
     return _PROBED[key]
 
 
@@ -160,9 +170,13 @@ class FP8Experts(nn.Module):
     ):
         super().__init__()
         if activations not in ("token", "tensor", None) and not (block and activations == "group"):
-            raise ValueError(f"activations must be 'token', 'tensor' or None ('group' with block scales), got {activations!r}")
+            raise ValueError(
+                f"activations must be 'token', 'tensor' or None ('group' with block scales), got {activations!r}"
+            )
         if activations == "tensor" and (gate_up_input_scale is None or down_input_scale is None):
-            raise ArtifactError("static FP8 experts need gate_up and down input scales", "re-run calibration for the experts")
+            raise ArtifactError(
+                "static FP8 experts need gate_up and down input scales", "re-run calibration for the experts"
+            )
         self.num_experts, n13, self.hidden_dim = gate_up.shape
         self.intermediate_dim = n13 // 2
         self.act_fn = act_fn
@@ -184,21 +198,31 @@ class FP8Experts(nn.Module):
             hold(self, name, None if s is None else s.float().reshape(E).to(device).contiguous())
         if block and path not in (None, "grouped_mm", "loop"):
             raise ValueError(f"block-scaled experts run the dequantized grouped_mm path, not {path!r}")
-        self.path = path or (("grouped_mm" if grouped_mm_available(device, dtype) else "loop") if block else self.choose_path(device))
+        self.path = path or (
+            ("grouped_mm" if grouped_mm_available(device, dtype) else "loop") if block else self.choose_path(device)
+        )
         self.decode_path = None if block else self._choose_decode_path(device) if decode_path == "auto" else decode_path
         dense = self.path in ("grouped_mm", "loop")
         for which in ("gate_up", "down"):
             # Dequantize once: the device has no FP8 grouped kernel (or the scheme keeps BF16
             # activations), and dequantizing on every call would cost more than BF16. The codes
             # go then, unless the decode GEMV reads them.
-            hold(self, f"{which}_dense", self._dense(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scale")) if dense else None)
+            hold(
+                self,
+                f"{which}_dense",
+                self._dense(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scale")) if dense else None,
+            )
             if dense and self.decode_path is None:
                 hold(self, f"{which}_codes", None)
 
     def dequantized(self, which: str) -> torch.Tensor:
         """The dense [E, N, K] weight of "gate_up" or "down": the one held, or made from the codes."""
         dense = getattr(self, f"{which}_dense")
-        return dense if dense is not None else self._dense(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scale"))
+        return (
+            dense
+            if dense is not None
+            else self._dense(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scale"))
+        )
 
     def _dense(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """codes [E, N, K] x their scales -> [E, N, K] in self.dtype, one expert at a time: the
@@ -226,14 +250,26 @@ class FP8Experts(nn.Module):
 
     @property
     def paths(self) -> dict:
-        held = [f"e4m3 codes ({str(self.gate_up_codes.dtype).replace('torch.', '')})"] if self.gate_up_codes is not None else []
-        held += [f"{str(self.dtype).replace('torch.', '')} (dequantized at load)"] if self.gate_up_dense is not None else []
-        return {"grouped": self.path, "decode": self.decode_path, "decode_pairs": self.decode_pairs if self.decode_path else None,
-                "weights": " + ".join(held)}
+        held = (
+            [f"e4m3 codes ({str(self.gate_up_codes.dtype).replace('torch.', '')})"]
+            if self.gate_up_codes is not None
+            else []
+        )
+        held += (
+            [f"{str(self.dtype).replace('torch.', '')} (dequantized at load)"] if self.gate_up_dense is not None else []
+        )
+        return {
+            "grouped": self.path,
+            "decode": self.decode_path,
+            "decode_pairs": self.decode_pairs if self.decode_path else None,
+            "weights": " + ".join(held),
+        }
 
     # -- forward ------------------------------------------------------------------------------
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         T, H = hidden_states.shape
         k = top_k_index.shape[-1]
         x = hidden_states.to(self.dtype)
@@ -262,16 +298,30 @@ class FP8Experts(nn.Module):
         else:
             q, s = act_quant.quantize(x)
             q, s = q[route.token_ids], s[route.token_ids]
-        h = torch._scaled_grouped_mm(q, self.gate_up_codes.transpose(-2, -1), s.reshape(-1), self.gate_up_scale,
-                                     offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True)  # fmt: skip
+        h = torch._scaled_grouped_mm(
+            q,
+            self.gate_up_codes.transpose(-2, -1),
+            s.reshape(-1),
+            self.gate_up_scale,
+            offs=route.offsets,
+            out_dtype=self.dtype,
+            use_fast_accum=True,
+        )
         rows = self.down_input_scale[route.expert_ids] if static else None
         if _is_silu(self.act_fn):
             q, s = act_quant.silu_mul_quantize(h, rows_scale=rows)
         else:
             gate, up = h.chunk(2, dim=-1)
             q, s = act_quant.quantize(self.act_fn(gate) * up, rows_scale=rows)
-        return torch._scaled_grouped_mm(q, self.down_codes.transpose(-2, -1), s.reshape(-1), self.down_scale,
-                                        offs=route.offsets, out_dtype=self.dtype, use_fast_accum=True)  # fmt: skip
+        return torch._scaled_grouped_mm(
+            q,
+            self.down_codes.transpose(-2, -1),
+            s.reshape(-1),
+            self.down_scale,
+            offs=route.offsets,
+            out_dtype=self.dtype,
+            use_fast_accum=True,
+        )
 
     def _project(self, x: torch.Tensor, route: Route, which: str) -> torch.Tensor:
         in_scale = getattr(self, f"{which}_input_scale")
@@ -293,11 +343,15 @@ class FP8Experts(nn.Module):
         pair = torch.arange(T * k, device=x.device, dtype=torch.int32)
         if _is_silu(self.act_fn):  # SiLU * up inside the down GEMV's load: no product kernel, no cast between the GEMVs
             h = moe_triton.expert_gemv(x, tok, ids, self.gate_up_codes, self.gate_up_scale, out_dtype=torch.float32)
-            y = moe_triton.expert_gemv(h, pair, ids, self.down_codes, self.down_scale, torch.float32, silu_dtype=self.dtype)
+            y = moe_triton.expert_gemv(
+                h, pair, ids, self.down_codes, self.down_scale, torch.float32, silu_dtype=self.dtype
+            )
             y = y.to(self.dtype)  # outside the op: Inductor folds the cast into the weighted sum below
         else:
             gate, up = moe_triton.expert_gemv(x, tok, ids, self.gate_up_codes, self.gate_up_scale).chunk(2, dim=-1)
-            y = moe_triton.expert_gemv((self.act_fn(gate) * up).to(self.dtype), pair, ids, self.down_codes, self.down_scale)
+            y = moe_triton.expert_gemv(
+                (self.act_fn(gate) * up).to(self.dtype), pair, ids, self.down_codes, self.down_scale
+            )
         y = y.view(T, k, H) * top_k_weights.view(T, k, 1).to(y.dtype)
         return y.sum(dim=1)
 
@@ -312,7 +366,9 @@ def _loop_mm(x: torch.Tensor, w: torch.Tensor, route: Route) -> torch.Tensor:
     return out
 
 
-def reference_forward(mod: FP8Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+def reference_forward(
+    mod: FP8Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+):
     """The per-expert Python loop with the same numerics (dequantized weights, the same
     activation quantization): what the grouped path must reproduce."""
     x = hidden_states.to(mod.dtype)
@@ -358,8 +414,9 @@ def _codes(tensors, key: str, device) -> torch.Tensor | None:
     return None if t is None else fp8.codes_to(t, device) if t.dtype == FP8 else t.to(device)
 
 
-def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = None, block: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _fp8_param(
+    ep: ExpertParam, tensors, device, codes: torch.Tensor | None = None, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes [E, N, K], scale [E, N] or [E, 1] (block: [E, N, ceil(K/b)]), input scale [E] or
     None) from the artifact. `codes`: the experts' codes already assembled on the device (the
     loader streams each per-expert tensor into its rows), so only the scales are read from `tensors`."""
@@ -375,24 +432,37 @@ def _fp8_param(ep: ExpertParam, tensors, device, codes: torch.Tensor | None = No
         codes = codes if codes is not None else _codes(tensors, ep.key, device)
         scale, ins = get(ep.key + "_scale"), get(ep.key + "_input_scale")
         if codes is None or codes.dtype not in fp8.CODE_DTYPES or scale is None:
-            raise ArtifactError(f"{ep.key} is not stored as FP8 with a {ep.key}_scale", "re-create the artifact with mpsconvert quantize")
+            raise ArtifactError(
+                f"{ep.key} is not stored as FP8 with a {ep.key}_scale",
+                "re-create the artifact with mpsconvert quantize",
+            )
         return codes, scale.float().reshape(E, -1), ins
     assembled = codes is not None
-    codes = codes if assembled else torch.empty(E, N, K, dtype=devices.capabilities(torch.device(device)).code_dtype, device=device)
+    codes = (
+        codes
+        if assembled
+        else torch.empty(E, N, K, dtype=devices.capabilities(torch.device(device)).code_dtype, device=device)
+    )
     scale = torch.empty(E, N, dtype=torch.float32, device=device)
     ins = [None] * E
     for sl in ep.slices:
         w = None if assembled else _codes(tensors, sl.key, device)
         s = get(sl.key + "_scale")
         if (not assembled and (w is None or w.dtype != codes.dtype)) or s is None:
-            raise ArtifactError(f"{sl.key} is not stored as FP8 with a weight_scale", "re-create the artifact with mpsconvert quantize")
+            raise ArtifactError(
+                f"{sl.key} is not stored as FP8 with a weight_scale", "re-create the artifact with mpsconvert quantize"
+            )
         if not assembled:
             codes[sl.expert, sl.start : sl.stop] = w
         scale[sl.expert, sl.start : sl.stop] = s.float().reshape(-1).expand(sl.stop - sl.start)
         i = get(sl.key[: -len("weight")] + "input_scale")
         if i is not None:
             # w1 and w3 (gate and up) of one expert read the same input: keep the larger scale
-            ins[sl.expert] = i.float().reshape(()) if ins[sl.expert] is None else torch.maximum(ins[sl.expert], i.float().reshape(()))
+            ins[sl.expert] = (
+                i.float().reshape(())
+                if ins[sl.expert] is None
+                else torch.maximum(ins[sl.expert], i.float().reshape(()))
+            )
     input_scale = torch.stack(ins) if all(v is not None for v in ins) else None
     return codes, scale, input_scale
 
@@ -408,13 +478,24 @@ def _fp8_block_param(ep: ExpertParam, tensors, device, codes, block: int):
     assembled = codes is not None
     pieces = [(ep.key, None)] if ep.layout == "fused" else [(sl.key, sl) for sl in ep.slices]
     if not assembled:
-        codes = _codes(tensors, ep.key, device) if ep.layout == "fused" else torch.empty(E, N, K, dtype=code_dtype, device=device)
+        codes = (
+            _codes(tensors, ep.key, device)
+            if ep.layout == "fused"
+            else torch.empty(E, N, K, dtype=code_dtype, device=device)
+        )
     scale = torch.empty(E, N, -(-K // block), dtype=torch.float32, device=device)
     ins = [None] * E
     for key, sl in pieces:
         s, w = get(key + "_scale"), None if assembled or sl is None else _codes(tensors, key, device)
-        if s is None or codes is None or codes.dtype != code_dtype or (sl is not None and not assembled and (w is None or w.dtype != code_dtype)):
-            raise ArtifactError(f"{key} is not stored as FP8 with a {key}_scale", "re-create the artifact with mpsconvert quantize")
+        if (
+            s is None
+            or codes is None
+            or codes.dtype != code_dtype
+            or (sl is not None and not assembled and (w is None or w.dtype != code_dtype))
+        ):
+            raise ArtifactError(
+                f"{key} is not stored as FP8 with a {key}_scale", "re-create the artifact with mpsconvert quantize"
+            )
         s = s.float().repeat_interleave(block, dim=-2)
         if sl is None:
             scale.copy_(s[:, :N])
@@ -426,7 +507,11 @@ def _fp8_block_param(ep: ExpertParam, tensors, device, codes, block: int):
             codes[sl.expert, sl.start : sl.stop] = w
         i = get(sl.key[: -len("weight")] + "input_scale")
         if i is not None:  # gate and up read the same input: the larger scale
-            ins[sl.expert] = i.float().reshape(()) if ins[sl.expert] is None else torch.maximum(ins[sl.expert], i.float().reshape(()))
+            ins[sl.expert] = (
+                i.float().reshape(())
+                if ins[sl.expert] is None
+                else torch.maximum(ins[sl.expert], i.float().reshape(()))
+            )
     input_scale = torch.stack(ins) if all(v is not None for v in ins) else None
     return codes, scale, input_scale
 
@@ -462,7 +547,9 @@ def _scheme_from(model, qc=None):
 FROM_CONFIG = "from-config"
 
 
-def replace_moe_experts(model, tensors, device, activations: str | None = FROM_CONFIG, dtype=torch.bfloat16) -> MoEReport:
+def replace_moe_experts(
+    model, tensors, device, activations: str | None = FROM_CONFIG, dtype=torch.bfloat16
+) -> MoEReport:
     """Swap every transformers fused-experts module of `model` for an `FP8Experts` built from
     the artifact's `tensors` (name -> tensor, e.g. a safetensors `safe_open` handle or dict).
 

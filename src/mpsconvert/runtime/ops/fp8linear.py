@@ -57,7 +57,9 @@ def hold(mod: nn.Module, name: str, t: torch.Tensor | None) -> None:
     if name in mod._buffers:
         del mod._buffers[name]
         mod._non_persistent_buffers_set.discard(name)
-    mod._parameters[name] = None if t is None else t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+    mod._parameters[name] = (
+        None if t is None else t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+    )
 
 
 def signature(n: int, k: int, weights: str, activations: str | None, block: int | None) -> tuple:
@@ -71,16 +73,35 @@ class FP8Linear(nn.Module):
 
     group = None  # fuse.SharedInput this layer belongs to (set there, not a submodule)
 
-    def __init__(self, in_features: int, out_features: int, *, weights: str, activations: str | None, bias: bool,
-                 dtype: torch.dtype = torch.bfloat16, device=None, block: int | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        weights: str,
+        activations: str | None,
+        bias: bool,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        block: int | None = None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weights, self.activations, self.dtype = weights, activations, dtype
         self.block = (block or DEFAULT_BLOCK) if weights == "block" else None
         hold(self, "weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        hold(self, "weight_scale", torch.ones(scale_shape(weights, out_features, in_features, self.block or DEFAULT_BLOCK),
-                                              dtype=torch.float32, device=device))
-        hold(self, "input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None)
+        hold(
+            self,
+            "weight_scale",
+            torch.ones(
+                scale_shape(weights, out_features, in_features, self.block or DEFAULT_BLOCK),
+                dtype=torch.float32,
+                device=device,
+            ),
+        )
+        hold(
+            self, "input_scale", torch.ones(1, dtype=torch.float32, device=device) if activations == "tensor" else None
+        )
         hold(self, "bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         hold(self, "dense_weight", None)  # a BF16 copy made once, only where a dense kernel runs
         self.kernels = {"decode": "dequant", "prefill": "dequant"}
@@ -88,20 +109,39 @@ class FP8Linear(nn.Module):
         self.prepare()
 
     @classmethod
-    def from_tensors(cls, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str | None,
-                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                     dtype: torch.dtype = torch.bfloat16, block: int | None = None) -> "FP8Linear":
+    def from_tensors(
+        cls,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        *,
+        activations: str | None,
+        input_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        block: int | None = None,
+    ) -> "FP8Linear":
         """Wrap loaded tensors (already on their device) without copying the FP8 weight (e4m3 codes,
         as float8_e4m3fn or as their uint8 bytes); `block`: the block edge of a block scale
         [ceil(N/b), ceil(K/b)]."""
         if weight.dtype not in CODE_DTYPES:
-            raise TypeError(f"FP8Linear needs e4m3 codes (float8_e4m3fn, or their uint8 bytes) as weight, got {weight.dtype}")
+            raise TypeError(
+                f"FP8Linear needs e4m3 codes (float8_e4m3fn, or their uint8 bytes) as weight, got {weight.dtype}"
+            )
         n, k = weight.shape
         if is_block_scale(weight_scale, n) and block is None:
             raise ValueError(f"a {list(weight_scale.shape)} block scale needs its block size")
         # with `block`, a [1, 1] scale is still one block (and its activations are per group)
         weights = "block" if block else "tensor" if weight_scale.numel() == 1 else "row"
-        mod = cls(k, n, weights=weights, activations=activations, bias=bias is not None, dtype=dtype, device="meta", block=block)
+        mod = cls(
+            k,
+            n,
+            weights=weights,
+            activations=activations,
+            bias=bias is not None,
+            dtype=dtype,
+            device="meta",
+            block=block,
+        )
         hold(mod, "weight", weight)
         hold(mod, "weight_scale", weight_scale.float().reshape(mod.weight_scale.shape).contiguous())
         if activations == "tensor":
@@ -119,9 +159,17 @@ class FP8Linear(nn.Module):
         if self.block:  # per-block: no row or tensor view; the blockwise GEMM's layout instead
             hold(self, "scale_blocks_t", kernels.blockwise_weight_scale(ws))
             return
-        row = ws.reshape(1, -1) if ws.numel() == self.out_features else ws.reshape(1, 1).expand(1, self.out_features).contiguous()
-        for name, value in (("scale_row", row), ("scale_flat", ws.reshape(-1)), ("scale_0d", ws.reshape(-1)[0] if ws.numel() == 1 else None),
-                            ("input_scale_0d", self.input_scale.reshape(()) if self.input_scale is not None else None)):
+        row = (
+            ws.reshape(1, -1)
+            if ws.numel() == self.out_features
+            else ws.reshape(1, 1).expand(1, self.out_features).contiguous()
+        )
+        for name, value in (
+            ("scale_row", row),
+            ("scale_flat", ws.reshape(-1)),
+            ("scale_0d", ws.reshape(-1)[0] if ws.numel() == 1 else None),
+            ("input_scale_0d", self.input_scale.reshape(()) if self.input_scale is not None else None),
+        ):
             hold(self, name, value)
 
     @property
@@ -142,7 +190,9 @@ class FP8Linear(nn.Module):
                 hold(self, "dense_weight", dequantize(self.weight, self.weight_scale, self.dtype, self.block))
             self.weight = None  # no FP8 copy kept beside the dense one
         elif decode in kernels.DENSE or any(k in kernels.DENSE for k in per):
-            raise ValueError("bf16 for some buckets only would keep two copies of the weight; choose FP8 kernels or bf16 for all")
+            raise ValueError(
+                "bf16 for some buckets only would keep two copies of the weight; choose FP8 kernels or bf16 for all"
+            )
         elif self.weight is None:
             raise ValueError("this layer's FP8 weight was already replaced by a dense BF16 one")
         self.kernels = {"decode": decode, "prefill": per[0] if len(set(per)) == 1 else dict(zip(PREFILL_BUCKETS, per))}
@@ -176,5 +226,7 @@ class FP8Linear(nn.Module):
         return fn(self, x2).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, weights={self.weights}, "
-                f"activations={self.activations}, decode={self.kernels['decode']}, prefill={self.kernels['prefill']}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, weights={self.weights}, "
+            f"activations={self.activations}, decode={self.kernels['decode']}, prefill={self.kernels['prefill']}"
+        )

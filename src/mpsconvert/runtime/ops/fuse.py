@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .triton import act_quant
 from . import kernels
 from .fp8linear import DECODE_MAX_M, FP8Linear, hold
+from .triton import act_quant
 
 # What siblings share at prefill: "gemm" (one quantization and one fused GEMM; the members get
 # strided slices of its output) or "quantization" (one quantized input, a GEMM per member,
@@ -49,7 +49,10 @@ def version(t: torch.Tensor) -> int:
 
 def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
     first = layers[0]
-    if any(l.in_features != first.in_features or l.activations != first.activations or l.dtype != first.dtype for l in layers):
+    if any(
+        l.in_features != first.in_features or l.activations != first.activations or l.dtype != first.dtype
+        for l in layers
+    ):
         raise ValueError("only layers with the same input size, activation scheme and dtype can be fused")
     weight = torch.cat([l.weight for l in layers], dim=0)
     scales = [l.weight_scale.float() for l in layers]
@@ -68,10 +71,21 @@ def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
     biases = [l.bias for l in layers]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else torch.zeros(l.out_features, dtype=first.dtype, device=weight.device)
-                          for b, l in zip(biases, layers)])
-    return FP8Linear.from_tensors(weight, scale, activations=first.activations, input_scale=input_scale, bias=bias, dtype=first.dtype,
-                                  block=first.block)
+        bias = torch.cat(
+            [
+                b if b is not None else torch.zeros(l.out_features, dtype=first.dtype, device=weight.device)
+                for b, l in zip(biases, layers)
+            ]
+        )
+    return FP8Linear.from_tensors(
+        weight,
+        scale,
+        activations=first.activations,
+        input_scale=input_scale,
+        bias=bias,
+        dtype=first.dtype,
+        block=first.block,
+    )
 
 
 class FusedFP8(nn.Module):
@@ -238,7 +252,10 @@ def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
             if not all(isinstance(m, FP8Linear) and m.weight is not None and m.group is None for m in mods):
                 continue
             first = mods[0]
-            if any(m.in_features != first.in_features or m.activations != first.activations or m.dtype != first.dtype for m in mods):
+            if any(
+                m.in_features != first.in_features or m.activations != first.activations or m.dtype != first.dtype
+                for m in mods
+            ):
                 continue
             if any(m.block != first.block or (m.block and m.out_features % m.block) for m in mods):
                 continue  # block scales stack only in whole blocks of rows

@@ -27,7 +27,6 @@ error), and no module's Python changes. The engine compiles its decode step with
 
 from __future__ import annotations
 
-
 import torch
 from torch import fx
 
@@ -86,20 +85,34 @@ def _rms_norm(y: fx.Node):
         if not _is(m, aten.mul.Tensor) or len(m.args) != 2:
             continue
         for x32, r in (m.args, m.args[::-1]):
-            if not (_is(r, aten.rsqrt.default) and _is(x32, prims.convert_element_type.default) and x32.args[1] == torch.float32):
+            if not (
+                _is(r, aten.rsqrt.default)
+                and _is(x32, prims.convert_element_type.default)
+                and x32.args[1] == torch.float32
+            ):
                 continue
             a = r.args[0]
             if not _is(a, aten.add.Tensor) or not isinstance(a.args[1], float) or "alpha" in a.kwargs:
                 continue
             mean = a.args[0]
-            if not _is(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1],) or not (len(mean.args) > 2 and mean.args[2]):
+            if (
+                not _is(mean, aten.mean.dim)
+                or list(mean.args[1]) not in ([-1],)
+                or not (len(mean.args) > 2 and mean.args[2])
+            ):
                 continue
             p = mean.args[0]
             if not (_is(p, aten.pow.Tensor_Scalar) and p.args[0] is x32 and p.args[1] == 2) or set(x32.users) != {p, m}:
                 continue
             x = x32.args[0]
             xv, wv, cv = _val(x), _val(w), _val(c)
-            if xv is None or wv is None or cv is None or cv.dtype != xv.dtype or xv.dtype not in (torch.bfloat16, torch.float16):
+            if (
+                xv is None
+                or wv is None
+                or cv is None
+                or cv.dtype != xv.dtype
+                or xv.dtype not in (torch.bfloat16, torch.float16)
+            ):
                 continue
             if wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or wv.dtype != xv.dtype:
                 continue
@@ -139,7 +152,12 @@ def _fold_residuals(graph: fx.Graph, op) -> int:
                 continue
             a = _args(g)
             gv, vv, rv, av = _val(g), _val(v), _val(r), _val(add)
-            if a["residual"] is not None or None in (gv, vv, rv, av) or rv.shape != vv.shape or not (rv.dtype == gv.dtype == av.dtype):
+            if (
+                a["residual"] is not None
+                or None in (gv, vv, rv, av)
+                or rv.shape != vv.shape
+                or not (rv.dtype == gv.dtype == av.dtype)
+            ):
                 continue
             with graph.inserting_before(add):
                 a["residual"] = _call(graph, aten.reshape.default, (r, list(gv.shape)))

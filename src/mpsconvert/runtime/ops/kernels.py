@@ -39,10 +39,22 @@ import torch
 import torch.nn.functional as F
 
 from ...format.fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_to_float, per_group_scale
-from .triton import act_quant, moe_gemv as moe_triton, gemv as triton_gemv
 from . import triton as tritonlib
+from .triton import act_quant
+from .triton import gemv as triton_gemv
+from .triton import moe_gemv as moe_triton
 
-KERNELS = ("scaled_mm_row", "scaled_mm_tensor", "scaled_mm_block", "gemv", "gemv_w8a8", "gemv_splitk", "dequant", "bf16", "dense_qact")
+KERNELS = (
+    "scaled_mm_row",
+    "scaled_mm_tensor",
+    "scaled_mm_block",
+    "gemv",
+    "gemv_w8a8",
+    "gemv_splitk",
+    "dequant",
+    "bf16",
+    "dense_qact",
+)
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
 # Kernels that round the activations through e4m3 as the scheme says (per token, per group, or the
 # static scale). The others read BF16 activations: a layer they run under a scheme that quantizes
@@ -71,8 +83,10 @@ def _mm(xq, sa, w, sb, out_dtype, functional: bool | None = None):
     form on CPU, where both exist)."""
     if functional if functional is not None else xq.device.type == "mps":
         if not hasattr(F, "scaled_mm"):
-            raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (torch >= 2.10 "
-                               "needed for FP8 matmul on MPS)")
+            raise RuntimeError(
+                f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (torch >= 2.10 "
+                "needed for FP8 matmul on MPS)"
+            )
         kind = F.ScalingType.TensorWise if sa.ndim == 0 else F.ScalingType.RowWise
         return F.scaled_mm(xq, w.t(), sa, kind, sb, kind, output_dtype=out_dtype)
     # Fast accumulation, as torchao float8 inference uses: ~5-10% faster on Hopper at 2048 tokens;
@@ -118,14 +132,24 @@ def _group_dequantize(xq: torch.Tensor, xs: torch.Tensor, group: int, dtype: tor
     return (fp8_to_float(xq) * xs.repeat_interleave(group, dim=1)[:, :k]).to(dtype)
 
 
-def _block_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor, out_dtype: torch.dtype):
-    return F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, scale_blocks_t,
-                       F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+def _block_mm(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor, out_dtype: torch.dtype
+):
+    return F.scaled_mm(
+        xq,
+        weight.t(),
+        xs.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        scale_blocks_t,
+        F.ScalingType.BlockWise128x128,
+        output_dtype=out_dtype,
+    )
 
 
 @torch.library.custom_op("mpsconvert::scaled_mm_block", mutates_args=())
-def scaled_mm_block_op(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor,
-                       out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm_block_op(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_blocks_t: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """The blockwise FP8 GEMM as one opaque op for torch.compile, as the FP8 GEMV is. On an H200
     with torch 2.11 each block-scaled layer breaks the compiled decode step (block decode runs at
     0.19x of row decode); torch 2.13 traces `F.scaled_mm` into `_scaled_mm_v2`, which dynamo
@@ -217,8 +241,17 @@ def dense_qact(mod, x):
     return F.linear(scheme_rounded(mod, x), mod.dense_weight, mod.bias)
 
 
-FNS = {"scaled_mm_row": scaled_mm_row, "scaled_mm_tensor": scaled_mm_tensor, "scaled_mm_block": scaled_mm_block, "gemv": gemv, "gemv_w8a8": gemv_w8a8, "gemv_splitk": gemv_splitk,
-       "dequant": dequant, "bf16": bf16, "dense_qact": dense_qact}  # fmt: skip
+FNS = {
+    "scaled_mm_row": scaled_mm_row,
+    "scaled_mm_tensor": scaled_mm_tensor,
+    "scaled_mm_block": scaled_mm_block,
+    "gemv": gemv,
+    "gemv_w8a8": gemv_w8a8,
+    "gemv_splitk": gemv_splitk,
+    "dequant": dequant,
+    "bf16": bf16,
+    "dense_qact": dense_qact,
+}
 
 
 def run(kernel: str, mod, x: torch.Tensor) -> torch.Tensor:
@@ -228,8 +261,14 @@ def run(kernel: str, mod, x: torch.Tensor) -> torch.Tensor:
     return fn(mod, x)
 
 
-def candidates(device_type: str, activations: str | None, weights: str, bucket: str, block: int | None = None,
-               scaled_mm: bool = True) -> list[str]:
+def candidates(
+    device_type: str,
+    activations: str | None,
+    weights: str,
+    bucket: str,
+    block: int | None = None,
+    scaled_mm: bool = True,
+) -> list[str]:
     """The kernels worth measuring for one layer on one device, for 'decode' or 'prefill'.
     `scaled_mm`: whether this device and torch run FP8 x FP8 matmuls (devices.capabilities,
     probed once per process); without, no scaled_mm kernel is offered, so none is timed and
@@ -249,7 +288,9 @@ def candidates(device_type: str, activations: str | None, weights: str, bucket: 
         if device_type == "cuda" and scaled_mm and activations == "group" and block == SCALED_MM_BLOCK:
             out.append("scaled_mm_block")
         if device_type == "cuda" and bucket == "decode" and tritonlib.available() and triton_gemv.takes_block(block):
-            out.append("gemv")  # reads the codes once, as for per-row scales (block decode ran at 0.66x of row's without it)
+            out.append(
+                "gemv"
+            )  # reads the codes once, as for per-row scales (block decode ran at 0.66x of row's without it)
         return out + ["dequant", "bf16"]
     if activations is not None and scaled_mm:
         out.append("scaled_mm_tensor" if (activations == "tensor" and weights == "tensor") else "scaled_mm_row")

@@ -63,7 +63,10 @@ class SharedInputs:
         from ..ops.fp8linear import FP8Linear
 
         if ctx.device.type == "cpu" and not any(isinstance(m, FP8Linear) and m.activations for m in model.modules()):
-            return "CPU, weights only: every layer holds a dense weight and no input is rounded, so there is " "nothing to share"
+            return (
+                "CPU, weights only: every layer holds a dense weight and no input is rounded, so there is "
+                "nothing to share"
+            )
         return None
 
     def install(self, model, ctx):
@@ -71,7 +74,9 @@ class SharedInputs:
 
         groups = share_inputs(model)
         names = {m: n for n, m in model.named_modules()}
-        return Report(self.name, installed=len(groups), details={"groups": [f"{names[g]}: {'+'.join(g.names)}" for g in groups]})
+        return Report(
+            self.name, installed=len(groups), details={"groups": [f"{names[g]}: {'+'.join(g.names)}" for g in groups]}
+        )
 
     def check(self, model, ctx, report):
         return []  # the kernel policy may split a group again where it measured faster apart: not a fault
@@ -92,7 +97,9 @@ class Attention:
         from . import attention
 
         if attention.install(model) is None:
-            return Report(self.name, left=[f"the model: transformers did not accept attention {attention.NAME!r} (hf_compat)"])
+            return Report(
+                self.name, left=[f"the model: transformers did not accept attention {attention.NAME!r} (hf_compat)"]
+            )
         return Report(self.name, installed=1, details={"implementation": attention.NAME})
 
     def check(self, model, ctx, report):
@@ -210,12 +217,18 @@ class LmHead:
         from . import lm_head
 
         r = lm_head.install(model)
-        return Report(self.name, installed=1) if r["installed"] else Report(self.name, left=[f"the output head: {r['left']}"])
+        return (
+            Report(self.name, installed=1)
+            if r["installed"]
+            else Report(self.name, left=[f"the output head: {r['left']}"])
+        )
 
     def check(self, model, ctx, report):
         from . import lm_head
 
-        return [] if not report.installed or lm_head.installed(model) else ["the output head lost its installed forward"]
+        return (
+            [] if not report.installed or lm_head.installed(model) else ["the output head lost its installed forward"]
+        )
 
 
 class Generate:
@@ -223,15 +236,24 @@ class Generate:
 
     def match(self, model, ctx):
         if ctx.device.type != "cuda":
-            return f"mpsconvert's engine takes generate() on CUDA only (this model is on {ctx.device.type}): " "transformers' default runs"
+            return (
+                f"mpsconvert's engine takes generate() on CUDA only (this model is on {ctx.device.type}): "
+                "transformers' default runs"
+            )
         return None if callable(getattr(model, "generate", None)) else "the model has no generate()"
 
     def install(self, model, ctx):
         from . import generate
 
         generate.install(model, ctx.device.type)
-        return Report(self.name, installed=1, details={"batch_1": "mpsconvert's engine (static cache, the decode step one CUDA graph, "
-                                                                "pipelined); settings it lacks: transformers' loop with a static cache"})
+        return Report(
+            self.name,
+            installed=1,
+            details={
+                "batch_1": "mpsconvert's engine (static cache, the decode step one CUDA graph, "
+                "pipelined); settings it lacks: transformers' loop with a static cache"
+            },
+        )
 
     def check(self, model, ctx, report):
         from . import generate
@@ -239,7 +261,16 @@ class Generate:
         return [] if generate.installed(model) else ["model.generate was replaced after the patch"]
 
 
-REGISTRY: tuple[Patch, ...] = (SharedInputs(), Attention(), Routing(), EagerFusion(), PrefillGraphs(), Positions(), LmHead(), Generate())
+REGISTRY: tuple[Patch, ...] = (
+    SharedInputs(),
+    Attention(),
+    Routing(),
+    EagerFusion(),
+    PrefillGraphs(),
+    Positions(),
+    LmHead(),
+    Generate(),
+)
 
 
 def apply(model: nn.Module, ctx: Context, phase: str, registry=REGISTRY) -> dict[str, Report]:
@@ -258,7 +289,9 @@ def apply(model: nn.Module, ctx: Context, phase: str, registry=REGISTRY) -> dict
         try:
             report = patch.install(model, ctx)
         except Exception as e:  # noqa: BLE001 - any failure: transformers' own code runs, and the report says so
-            report = Report(patch.name, skipped=f"install failed ({type(e).__name__}: {str(e)[:160]}); transformers' own code runs")
+            report = Report(
+                patch.name, skipped=f"install failed ({type(e).__name__}: {str(e)[:160]}); transformers' own code runs"
+            )
             report.left.append(f"the model: install failed ({type(e).__name__})")
         out[patch.name] = report
         warn_left(report)

@@ -21,9 +21,10 @@ the product with V (as flash attention does); tests compare with SDPA (TRITON_IN
 """
 
 from __future__ import annotations
+
+from ...model import hf_compat
 from ..ops import triton as tritonlib
 from ..ops.triton.attention_kernel import decode_attention, takes
-from ...model import hf_compat
 
 NAME = "mpsconvert_sdpa"  # contains "sdpa": transformers runs its SDPA checks for it
 
@@ -32,8 +33,20 @@ NAME = "mpsconvert_sdpa"  # contains "sdpa": transformers runs its SDPA checks f
 # kernel's result unchanged: the layer's own arguments, passed along unread by SDPA too
 # (`sliding_window` is in the boolean mask already). Anything else set (soft-capping, sinks,
 # attention biases, a future argument) runs SDPA: an allow-list, so what is new is never ignored.
-ACCEPTED = frozenset({"position_ids", "past_key_values", "cache", "use_cache", "cache_position", "position_embeddings",
-                      "sliding_window", "is_causal", "output_attentions", "layer_idx"})
+ACCEPTED = frozenset(
+    {
+        "position_ids",
+        "past_key_values",
+        "cache",
+        "use_cache",
+        "cache_position",
+        "position_embeddings",
+        "sliding_window",
+        "is_causal",
+        "output_attentions",
+        "layer_idx",
+    }
+)
 
 
 def accepts(kwargs: dict) -> bool:
@@ -41,7 +54,9 @@ def accepts(kwargs: dict) -> bool:
     return all(k in ACCEPTED or v is None or v is False for k, v in kwargs.items())
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+def attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """transformers' attention-function signature: the decode kernel where it applies, SDPA otherwise."""
     if accepts(kwargs) and takes(query, key, attention_mask, dropout):
         return decode_attention(query, key, value, attention_mask, scaling), None

@@ -33,25 +33,50 @@ from torch import nn
 from torch.nn.modules import module as _module
 from transformers import DynamicCache
 
-from ..ops import kernels
 from ...model import hf_compat
-from . import rotary
+from ..ops import kernels
 from ..ops.fp8linear import FP8Linear
 from ..ops.fuse import SharedInput, group_name
+from . import rotary
 
 QKV = ("q_proj", "k_proj", "v_proj")
 # The decoder layer's keyword arguments this path reads or that the attention does not read at
 # prefill (anything else, e.g. output_attentions or a flash-attention argument, takes the module's forward).
-KWARGS = frozenset({"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "cache_position", "position_embeddings",
-                    "output_router_logits"})  # the last: MoE layers pass it on, for their router (called as a module here)
+KWARGS = frozenset(
+    {
+        "attention_mask",
+        "position_ids",
+        "past_key_values",
+        "cache",
+        "use_cache",
+        "cache_position",
+        "position_embeddings",
+        "output_router_logits",
+    }
+)  # the last: MoE layers pass it on, for their router (called as a module here)
 SDPA = ("sdpa", "mpsconvert_sdpa")  # attention implementations whose prefill is transformers' sdpa_attention_forward
 
 
 class Plan:
     """What the direct path reads of one attention module, looked up once."""
 
-    __slots__ = ("attn", "group", "o_proj", "hq", "hk", "d", "scaling", "gqa", "layer_idx", "skipped", "groups", "layers", "frozen",
-                 "fused_mlp", "calls")  # fmt: skip
+    __slots__ = (
+        "attn",
+        "group",
+        "o_proj",
+        "hq",
+        "hk",
+        "d",
+        "scaling",
+        "gqa",
+        "layer_idx",
+        "skipped",
+        "groups",
+        "layers",
+        "frozen",
+        "fused_mlp",
+        "calls",
+    )
 
     def __init__(self, attn: nn.Module, group: SharedInput, o_proj: FP8Linear, hq: int, hk: int, d: int):
         self.attn, self.group, self.o_proj = attn, group, o_proj
@@ -73,7 +98,12 @@ def plan(attn: nn.Module) -> Plan | str:
     """The direct path's plan for an attention module, or why it has none."""
     group = attn._modules.get(group_name(QKV))
     o_proj = attn._modules.get("o_proj")
-    if not isinstance(group, SharedInput) or not isinstance(o_proj, FP8Linear) or o_proj.group is not None or o_proj.weight is None:
+    if (
+        not isinstance(group, SharedInput)
+        or not isinstance(o_proj, FP8Linear)
+        or o_proj.group is not None
+        or o_proj.weight is None
+    ):
         return "its q/k/v do not share one FP8 GEMM, or o_proj is not FP8"
     extra = sorted(set(attn._modules) - {*QKV, "o_proj", group_name(QKV)})
     if extra:
@@ -109,8 +139,16 @@ def takes(p: Plan, x: torch.Tensor, kwargs: dict):
         return None
     cos, sin = pe
     b, s, _ = x.shape
-    if (not all(g.quantizes(b * s) for g in p.groups) or cos.ndim != 3 or cos.shape[1] != s or cos.shape[-1] != p.d or cos.shape[0] not in (1, b)
-            or sin.shape != cos.shape or cos.dtype != x.dtype or sin.dtype != x.dtype):  # fmt: skip
+    if (
+        not all(g.quantizes(b * s) for g in p.groups)
+        or cos.ndim != 3
+        or cos.shape[1] != s
+        or cos.shape[-1] != p.d
+        or cos.shape[0] not in (1, b)
+        or sin.shape != cos.shape
+        or cos.dtype != x.dtype
+        or sin.dtype != x.dtype
+    ):
         return None
     cache = kwargs.get("past_key_values")
     cache = cache if cache is not None else kwargs.get("cache")

@@ -56,8 +56,14 @@ class Report:
         return self.skipped is None and self.installed > 0
 
     def as_dict(self) -> dict:
-        return {"patch": self.patch, "applied": self.applied, "installed": self.installed, "left": list(self.left),
-                "skipped": self.skipped, **({"details": self.details} if self.details else {})}
+        return {
+            "patch": self.patch,
+            "applied": self.applied,
+            "installed": self.installed,
+            "left": list(self.left),
+            "skipped": self.skipped,
+            **({"details": self.details} if self.details else {}),
+        }
 
 
 class Patch(Protocol):
@@ -97,5 +103,8 @@ def warn_left(report: Report) -> None:
             continue
         _WARNED.add(key)
         shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
-        warnings.warn(f"mpsconvert patch {report.patch!r} left {shown} with transformers' own code: {why}", PatchFallback,
-                      stacklevel=4)
+        warnings.warn(
+            f"mpsconvert patch {report.patch!r} left {shown} with transformers' own code: {why}",
+            PatchFallback,
+            stacklevel=4,
+        )

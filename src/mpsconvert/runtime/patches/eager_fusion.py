@@ -53,12 +53,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..ops.triton import act_quant, launch as triton_launch
-from . import attention_prefill, forwards, rotary
-from ..ops import kernels, triton as tritonlib
+from ...format.fp8 import relative_error
+from ..ops import kernels
+from ..ops import triton as tritonlib
 from ..ops.fp8linear import DECODE_MAX_M, PROBE_ROWS, FP8Linear
 from ..ops.fuse import SharedInput, Stash, group_name, version
-from ...format.fp8 import relative_error
+from ..ops.triton import act_quant
+from ..ops.triton import launch as triton_launch
+from . import attention_prefill, forwards, rotary
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a pre-norm decoder layer's modules
 NORM_MAX_ULP_FRACTION = 1e-3  # elements of a checked norm allowed off by at most two ulps (summation order)
@@ -72,13 +74,17 @@ def _eps(norm: nn.Module) -> float | None:
 
 def _is_rms_norm(mod: nn.Module) -> bool:
     w = getattr(mod, "weight", None)
-    return type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.ndim == 1 and _eps(mod) is not None
+    return (
+        type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.ndim == 1 and _eps(mod) is not None
+    )
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The installed forward of an RMSNorm (forwards.install)."""
     w = self.weight
-    if torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad or w.requires_grad:  # no backward here
+    if (
+        torch.compiler.is_compiling() or not act_quant.rms_norm_fits(x, w) or x.requires_grad or w.requires_grad
+    ):  # no backward here
         return self.mpsconvert_base.forward(self, x)
     pre = _handed(self, x)
     if pre is not None and pre[2] is not None:  # the layer before computed this norm of exactly x with its residual add
@@ -103,10 +109,14 @@ def _fused_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None 
     quant = group is not None and group.quantizes(x2.shape[0])
     scale = group.static_scale if quant else None
     if residual is None:
-        total, (y, q, s) = None, act_quant.rms_norm_quantize(x2, norm.weight, norm.mpsconvert_eps, quant, scale, store_y)
+        total, (y, q, s) = (
+            None,
+            act_quant.rms_norm_quantize(x2, norm.weight, norm.mpsconvert_eps, quant, scale, store_y),
+        )
     else:
-        total, y, q, s = act_quant.add_rms_norm_quantize(x2, residual.reshape(-1, k), norm.weight, norm.mpsconvert_eps, quant, scale,
-                                                         store_y)  # fmt: skip
+        total, y, q, s = act_quant.add_rms_norm_quantize(
+            x2, residual.reshape(-1, k), norm.weight, norm.mpsconvert_eps, quant, scale, store_y
+        )
         total = total.view(x.shape)
     y = y.view(x.shape) if y is not None else None
     if quant and y is not None:
@@ -119,7 +129,12 @@ def _mlp_parts(mlp: nn.Module):
     group = mlp._modules.get(group_name(("gate_proj", "up_proj")))
     down = mlp._modules.get("down_proj")
     act = getattr(mlp, "act_fn", None)
-    if not isinstance(group, SharedInput) or not isinstance(down, FP8Linear) or down.group is not None or down.weight is None:
+    if (
+        not isinstance(group, SharedInput)
+        or not isinstance(down, FP8Linear)
+        or down.group is not None
+        or down.weight is None
+    ):
         return None
     if not isinstance(act, nn.SiLU) and type(act).__name__ != "SiLUActivation":
         return None
@@ -134,9 +149,19 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= DECODE_MAX_M:
         gated = _gated_decode(self, x2)
-        return self.mpsconvert_base.forward(self, x) if gated is None else down(gated(group.inner, x2).view(*x.shape[:-1], -1))
-    if (torch.compiler.is_compiling() or not tritonlib.eager_on(x) or not group.quantizes(x2.shape[0])
-            or down.prefill_fn(x2.shape[0]) not in kernels.QUANTIZING or x2.dtype != down.dtype or x.requires_grad):  # fmt: skip
+        return (
+            self.mpsconvert_base.forward(self, x)
+            if gated is None
+            else down(gated(group.inner, x2).view(*x.shape[:-1], -1))
+        )
+    if (
+        torch.compiler.is_compiling()
+        or not tritonlib.eager_on(x)
+        or not group.quantizes(x2.shape[0])
+        or down.prefill_fn(x2.shape[0]) not in kernels.QUANTIZING
+        or x2.dtype != down.dtype
+        or x.requires_grad
+    ):
         return self.mpsconvert_base.forward(self, x)
     return _mlp_prefill(parts, x2, group.quantized_input(x, x2)).view(*x.shape[:-1], down.out_features)
 
@@ -166,8 +191,14 @@ def _add_norm(residual: torch.Tensor, x: torch.Tensor, norm: nn.Module, hand: bo
     its own forward hands them. With `hand`, the norm's output is kept for the norm's next call
     (on exactly that sum) and only the sum is returned. Calls the kernel does not take run the
     eager ops."""
-    if (x.shape != residual.shape or x.dtype != residual.dtype or not act_quant.rms_norm_fits(x, norm.weight)
-            or x.requires_grad or residual.requires_grad or norm.weight.requires_grad):  # fmt: skip (no backward here)
+    if (
+        x.shape != residual.shape
+        or x.dtype != residual.dtype
+        or not act_quant.rms_norm_fits(x, norm.weight)
+        or x.requires_grad
+        or residual.requires_grad
+        or norm.weight.requires_grad
+    ):  # fmt: skip (no backward here)
         total = residual + x
         return total if hand else (total, norm(total))
     total, y, codes = _fused_norm(norm, x, residual)
@@ -230,7 +261,9 @@ def take_handed_codes(layer: nn.Module, plan, x: torch.Tensor):
     return pre[3]
 
 
-def layer_rest(layer: nn.Module, plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tensor, cache, kv_out=None):
+def layer_rest(
+    layer: nn.Module, plan, x: torch.Tensor, codes, cos: torch.Tensor, sin: torch.Tensor, cache, kv_out=None
+):
     """The layer after its input norm, as direct calls: (x + attention, the MLP's output), whose
     sum is the layer's output. `codes`: the input norm's codes of x; `kv_out`: buffers the keys
     and values are copied into (runtime/patches/prefill_graphs.py)."""
@@ -254,7 +287,9 @@ def _direct_plan(parts: list, nxt: nn.Module | None):
         return "its input norm does not feed the q/k/v GEMM through the fused norm"
     plan.skipped += (in_norm,)  # also called without its module
     mlp_parts = getattr(mlp, "mpsconvert_parts", None)
-    if forwards.installed(mlp, _mlp_forward) and post.mpsconvert_feeds is mlp_parts[0]:  # else (an MoE block, say) called as a module
+    if (
+        forwards.installed(mlp, _mlp_forward) and post.mpsconvert_feeds is mlp_parts[0]
+    ):  # else (an MoE block, say) called as a module
         plan.fused_mlp = True
         plan.skipped += (mlp,)
         plan.groups += (mlp_parts[0],)
@@ -279,7 +314,9 @@ def _links(model: nn.Module, norms: list[nn.Module], layers: list[nn.Module]):
     nexts: dict[nn.Module, nn.Module] = {}
     calls: dict[nn.Module, dict] = {}
     hooks = [n.register_forward_hook(lambda mod, args, out: outputs.__setitem__(id(out), (out, mod))) for n in norms]
-    hooks += [m.register_forward_hook(lambda mod, args, out: layer_out.__setitem__(id(out), (out, mod))) for m in layers]
+    hooks += [
+        m.register_forward_hook(lambda mod, args, out: layer_out.__setitem__(id(out), (out, mod))) for m in layers
+    ]
 
     def called(layer, args, kwargs):
         if not args[1:] and "hidden_states" not in kwargs:
@@ -296,6 +333,7 @@ def _links(model: nn.Module, norms: list[nn.Module], layers: list[nn.Module]):
         def pre(mod, args):
             if (norm := producer(outputs, args)) is not None:
                 links.setdefault(norm, group)
+
         return pre
 
     def reads(norm, args):
@@ -330,7 +368,10 @@ def _check_norm(norm: nn.Module, quant_scale) -> str | None:
     ulp = torch.finfo(y.dtype).eps * want.float().abs().clamp(min=torch.finfo(y.dtype).tiny)
     off = diff > 0
     if bool((diff > 2 * ulp).any()) or float(off.float().mean()) > NORM_MAX_ULP_FRACTION:
-        return f"differs from its own forward (max abs {float(diff.max()):.3g}, {int(off.sum())} of {diff.numel()} " "elements)"
+        return (
+            f"differs from its own forward (max abs {float(diff.max()):.3g}, {int(off.sum())} of {diff.numel()} "
+            "elements)"
+        )
     q2, s2 = act_quant.torch_quantize(y, quant_scale)
     if not (torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))):
         return "its quantized output differs from act_quant.quantize of it"
@@ -366,8 +407,11 @@ def _check_gated(mlp: nn.Module) -> str | None:
         object.__setattr__(mlp, "mpsconvert_gated", True)  # for the probe call
         got = _mlp_forward(mlp, x).float()
         err = relative_error(got, want)
-        why = None if got.shape == want.shape and err <= MLP_MAX_REL_ERR else \
-            f"its gated decode differs from its own forward (relative error {err:.3g})"
+        why = (
+            None
+            if got.shape == want.shape and err <= MLP_MAX_REL_ERR
+            else f"its gated decode differs from its own forward (relative error {err:.3g})"
+        )
     except Exception as e:  # a kernel this Triton or device cannot run: the module's decode
         why = f"its gated decode failed ({type(e).__name__}: {str(e)[:120]})"
     object.__setattr__(mlp, "mpsconvert_gated", why is None)
@@ -403,7 +447,9 @@ def _same_norm(norm: nn.Module, handed: tuple, ref: torch.Tensor) -> bool:
     if y is not None and not torch.equal(y, ref):
         return False
     if codes is None:
-        return y is not None and (norm.mpsconvert_feeds is None or not norm.mpsconvert_feeds.quantizes(ref.numel() // ref.shape[-1]))
+        return y is not None and (
+            norm.mpsconvert_feeds is None or not norm.mpsconvert_feeds.quantizes(ref.numel() // ref.shape[-1])
+        )
     q, s = act_quant.quantize(ref.reshape(-1, ref.shape[-1]), norm.mpsconvert_feeds.static_scale)
     return torch.equal(codes[1], s) and torch.equal(codes[0].view(torch.uint8), q.view(torch.uint8))
 
@@ -412,7 +458,9 @@ def _check_call(layer: nn.Module, want_kw: dict, got_kw: dict, caches) -> str | 
     nxt = layer.mpsconvert_layer[4]
     post = layer.mpsconvert_layer[2]
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, PROBE_ROWS, post.weight.shape[0], generator=g).to(device=post.weight.device, dtype=post.weight.dtype)
+    x = torch.randn(1, PROBE_ROWS, post.weight.shape[0], generator=g).to(
+        device=post.weight.device, dtype=post.weight.dtype
+    )
     try:
         want = forwards.own_forward(layer)(layer, x, **want_kw)
         got = _layer_forward(layer, x, **got_kw)
@@ -443,7 +491,16 @@ def _check_call(layer: nn.Module, want_kw: dict, got_kw: dict, caches) -> str | 
 def install(model: nn.Module) -> dict:
     """Install the fused eager forwards into a loaded model (after share_inputs and the kernel
     policy, whose choices they read at call time); returns what was installed and what was not."""
-    report = {"norms": 0, "norms_quantizing": 0, "mlps": 0, "mlps_gated_decode": 0, "layers": 0, "attention": 0, "rotary": 0, "left": []}
+    report = {
+        "norms": 0,
+        "norms_quantizing": 0,
+        "mlps": 0,
+        "mlps_gated_decode": 0,
+        "layers": 0,
+        "attention": 0,
+        "rotary": 0,
+        "left": [],
+    }
     if not tritonlib.available():
         report["left"].append("Triton is not available here")
         return report

@@ -28,8 +28,17 @@ def install(mod: nn.Module, forward) -> None:
     base = _base(mod)
     sub = _SUBCLASSES.get((base, forward))
     if sub is None:
-        sub = type(base.__name__, (base,), {"forward": forward, "mpsconvert_base": base, "__module__": base.__module__,
-                                            "__qualname__": base.__qualname__, "__doc__": base.__doc__})  # fmt: skip
+        sub = type(
+            base.__name__,
+            (base,),
+            {
+                "forward": forward,
+                "mpsconvert_base": base,
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+            },
+        )
         _SUBCLASSES[(base, forward)] = sub
     mod.__class__ = sub
 

@@ -37,9 +37,25 @@ from ..engine import Engine, Sampling, generate_ids
 _CALLER_CACHE = ("cache_implementation", "past_key_values", "cache")
 # Settings the engine honours (they may differ from transformers' defaults), and the resolved
 # config's bookkeeping; every other field must keep its default for the engine to take the call.
-_ENGINE_SETTINGS = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                              "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version",
-                              "_from_model_config", "_commit_hash", "_original_object_hash"})  # fmt: skip
+_ENGINE_SETTINGS = frozenset(
+    {
+        "max_new_tokens",
+        "max_length",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",
+        "decoder_start_token_id",
+        "use_cache",
+        "transformers_version",
+        "_from_model_config",
+        "_commit_hash",
+        "_original_object_hash",
+    }
+)
 _MODES = ("greedy_search", "sample")
 ENGINE_DEVICES = ("cuda",)  # where the engine takes generate(): a CUDA graph and the pipelined loop pay there
 
@@ -67,14 +83,20 @@ def engine_call(model, ids, generation_config, kwargs: dict):
     string saying why it does not. Reads nothing on the device but the attention mask."""
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype != torch.long:
         return "the input is not one sequence of token ids"
-    if any(kwargs.get(k) is not None for k in _CALLER_CACHE) or getattr(generation_config, "cache_implementation", None):
+    if any(kwargs.get(k) is not None for k in _CALLER_CACHE) or getattr(
+        generation_config, "cache_implementation", None
+    ):
         return "the caller chose the cache"
     resolved = hf_compat.generation_config(model, generation_config, kwargs)
     if isinstance(resolved, str):
         return resolved
     gc, rest = resolved
     streamer, mask = rest.pop("streamer", None), rest.pop("attention_mask", None)
-    others = sorted(k for k, v in rest.items() if not (_off(v) or (isinstance(v, (list, tuple)) and not v) or k == "use_model_defaults"))
+    others = sorted(
+        k
+        for k, v in rest.items()
+        if not (_off(v) or (isinstance(v, (list, tuple)) and not v) or k == "use_model_defaults")
+    )
     if others:
         return f"generate() was given {', '.join(others)}"
     if mask is not None and not (mask.shape == ids.shape and bool(mask.all())):
@@ -83,23 +105,43 @@ def engine_call(model, ids, generation_config, kwargs: dict):
     if mode not in _MODES:
         return f"the generation mode is {mode}"
     default, mine = hf_compat.default_generation_config().to_dict(), gc.to_dict()
-    changed = sorted(k for k in set(mine) | set(default) if k not in _ENGINE_SETTINGS
-                     and not (mine.get(k) == default.get(k) or (_off(mine.get(k)) and _off(default.get(k)))))
+    changed = sorted(
+        k
+        for k in set(mine) | set(default)
+        if k not in _ENGINE_SETTINGS
+        and not (mine.get(k) == default.get(k) or (_off(mine.get(k)) and _off(default.get(k))))
+    )
     if changed:
         return f"the generation config sets {', '.join(changed)}"
     new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 0) - ids.shape[1]
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if new < 1 or (limit and ids.shape[1] + new > limit):
-        return f"{new} new tokens after {ids.shape[1]} do not fit the model's {limit} positions" if new >= 1 else "no new tokens asked for"
+        return (
+            f"{new} new tokens after {ids.shape[1]} do not fit the model's {limit} positions"
+            if new >= 1
+            else "no new tokens asked for"
+        )
     if gc.do_sample and not (gc.temperature or 0) > 0:
         return "sampling at temperature 0"
     if gc.do_sample and not 0 < (gc.top_p if gc.top_p is not None else 1.0) <= 1:
         return "top_p is outside (0, 1]"
-    sampling = Sampling(max_tokens=new, seed=None, temp=float(gc.temperature or 1.0) if gc.do_sample else 0.0,
-                        top_p=float(gc.top_p if gc.top_p is not None else 1.0) if gc.do_sample else 1.0,
-                        top_k=int(gc.top_k or 0) if gc.do_sample else 0)  # fmt: skip
+    sampling = Sampling(
+        max_tokens=new,
+        seed=None,
+        temp=float(gc.temperature or 1.0) if gc.do_sample else 0.0,
+        top_p=float(gc.top_p if gc.top_p is not None else 1.0) if gc.do_sample else 1.0,
+        top_k=int(gc.top_k or 0) if gc.do_sample else 0,
+    )
     eos = gc.eos_token_id
-    stops = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else eos)])
+    stops = (
+        []
+        if eos is None
+        else (
+            [int(eos)]
+            if isinstance(eos, int)
+            else [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else eos)]
+        )
+    )
     return sampling, stops, streamer
 
 
@@ -137,10 +179,15 @@ def _generate(self, inputs=None, generation_config=None, **kwargs):
         why = call
         if why not in self.__dict__.setdefault("mpsconvert_generate_warned", set()):
             self.mpsconvert_generate_warned.add(why)
-            warnings.warn(f"mpsconvert: model.generate() runs transformers' loop, not mpsconvert's engine: {why}", GenerateFallback,
-                          stacklevel=2)
-    static = static_by_default(self.mpsconvert_generate, batch, kwargs, generation_config) and \
-        getattr(self.generation_config, "cache_implementation", None) is None
+            warnings.warn(
+                f"mpsconvert: model.generate() runs transformers' loop, not mpsconvert's engine: {why}",
+                GenerateFallback,
+                stacklevel=2,
+            )
+    static = (
+        static_by_default(self.mpsconvert_generate, batch, kwargs, generation_config)
+        and getattr(self.generation_config, "cache_implementation", None) is None
+    )
     if static:
         kwargs["cache_implementation"] = "static"
     self.mpsconvert_generate_path = f"transformers{' (static cache)' if static else ''}: {why}"

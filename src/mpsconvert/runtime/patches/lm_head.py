@@ -60,8 +60,10 @@ def not_needed(model: nn.Module) -> str | None:
     mod = head(model)
     if mod is None or copies_weight(mod.weight.device, mod.weight.dtype):
         return None
-    return (f"torch {torch.__version__} computes the kept tokens' logits as one matrix product on {mod.weight.device.type} "
-            "(probed): the model's own head runs")
+    return (
+        f"torch {torch.__version__} computes the kept tokens' logits as one matrix product on {mod.weight.device.type} "
+        "(probed): the model's own head runs"
+    )
 
 
 def head(model: nn.Module) -> nn.Module | None:
@@ -78,7 +80,9 @@ def install(model: nn.Module) -> dict:
     if mod is None:
         return {"installed": False, "left": "the model has no plain nn.Linear output head"}
     w = mod.weight
-    probe = torch.randn(2, 3, mod.in_features, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)[:, -1:, :]
+    probe = torch.randn(2, 3, mod.in_features, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)[
+        :, -1:, :
+    ]
     with torch.no_grad():
         want = F.linear(probe.contiguous(), w, mod.bias)  # the folded product transformers' own model computes
         got = _head_forward(mod, probe)

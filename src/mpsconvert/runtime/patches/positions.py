@@ -39,16 +39,30 @@ from torch import nn
 from transformers import DynamicCache
 
 from ...model import hf_compat
-from . import forwards
 from ..ops.fuse import version
+from . import forwards
 
-MAX_POSITIONS = 32768  # the longest call with tables: 16 MB of cos / sin for 128-wide bf16 heads (Llama-3-8B, 8192: 4 MB)
+MAX_POSITIONS = (
+    32768  # the longest call with tables: 16 MB of cos / sin for 128-wide bf16 heads (Llama-3-8B, 8192: 4 MB)
+)
 PROBE_LENGTHS = (1, 7)
 # The calls that get the model's own positions: these arguments set, any other one unset (None or
 # False). An allow-list: positions or a cache position of the caller's, or an argument this code
 # does not know (a future one), run the model's own forward.
-ACCEPTED = frozenset({"input_ids", "inputs_embeds", "attention_mask", "past_key_values", "cache", "use_cache", "return_dict",
-                      "output_hidden_states", "output_attentions", "logits_to_keep"})
+ACCEPTED = frozenset(
+    {
+        "input_ids",
+        "inputs_embeds",
+        "attention_mask",
+        "past_key_values",
+        "cache",
+        "use_cache",
+        "return_dict",
+        "output_hidden_states",
+        "output_attentions",
+        "logits_to_keep",
+    }
+)
 
 
 def start(position_ids) -> int | None:
@@ -57,8 +71,13 @@ def start(position_ids) -> int | None:
     if not isinstance(position_ids, torch.Tensor):
         return None
     base = position_ids._base
-    if (base is None or getattr(base, "mpsconvert_positions", None) != version(base) or position_ids.ndim != 2
-            or position_ids.stride(-1) != 1 or (position_ids.shape[0] != 1 and position_ids.stride(0) != 0)):  # fmt: skip
+    if (
+        base is None
+        or getattr(base, "mpsconvert_positions", None) != version(base)
+        or position_ids.ndim != 2
+        or position_ids.stride(-1) != 1
+        or (position_ids.shape[0] != 1 and position_ids.stride(0) != 0)
+    ):
         return None
     return position_ids.storage_offset()
 
@@ -85,7 +104,11 @@ def _model_forward(self, *args, **kwargs):
     the buffer when the call has none (the values the model would make: 0 .. S-1 after what a
     DynamicCache holds, none without a cache)."""
     fwd = self.mpsconvert_base.forward
-    if torch.compiler.is_compiling() or len(args) > 1 or not all(k in ACCEPTED or v is None or v is False for k, v in kwargs.items()):
+    if (
+        torch.compiler.is_compiling()
+        or len(args) > 1
+        or not all(k in ACCEPTED or v is None or v is False for k, v in kwargs.items())
+    ):
         return fwd(self, *args, **kwargs)
     ids = args[0] if args else kwargs.get("input_ids")
     x = ids if ids is not None else kwargs.get("inputs_embeds")
@@ -114,7 +137,13 @@ def _held(cache) -> int | None:
 def _rotary_forward(self, x, position_ids, *args, **kwargs):
     """The installed forward of the rotary module: slices of its tables for own positions."""
     cos, sin = self.mpsconvert_tables
-    if not torch.compiler.is_compiling() and not args and not kwargs and x.dtype == cos.dtype and x.device == cos.device:
+    if (
+        not torch.compiler.is_compiling()
+        and not args
+        and not kwargs
+        and x.dtype == cos.dtype
+        and x.device == cos.device
+    ):
         p = start(position_ids)
         if p is not None:
             n = position_ids.shape[-1]
@@ -189,7 +218,9 @@ def install(model: nn.Module) -> dict:
         if why is None:
             if not isinstance(hf_compat.packed_sequence_check(), Dispatch):
                 hf_compat.set_packed_sequence_check(Dispatch(original))
-            caches = [hf_compat.cache_kwarg(base, DynamicCache(config=base.config)) for _ in range(2)]  # named by its own forward
+            caches = [
+                hf_compat.cache_kwarg(base, DynamicCache(config=base.config)) for _ in range(2)
+            ]  # named by its own forward
             forwards.install(base, _model_forward)
             why = _check_model(base, caches)
     if why is not None:  # the model's own code, and nothing of ours kept alive
@@ -206,12 +237,19 @@ def _check_model(base: nn.Module, caches: list[dict]) -> str | None:
     a DynamicCache (`caches`: two fresh ones as keyword arguments; the model's rotary module
     installed)."""
     s = max(PROBE_LENGTHS)
-    ids = torch.arange(1, s + 2, device=base.mpsconvert_positions.device)[None] % max(base.get_input_embeddings().num_embeddings, 1)
+    ids = torch.arange(1, s + 2, device=base.mpsconvert_positions.device)[None] % max(
+        base.get_input_embeddings().num_embeddings, 1
+    )
     own = forwards.own_forward(base)
     try:
         calls = [(own(base, input_ids=ids[:, :s], use_cache=False), base(input_ids=ids[:, :s], use_cache=False))]
         for part in (ids[:, :s], ids[:, s:]):
-            calls.append((own(base, input_ids=part, use_cache=True, **caches[0]), base(input_ids=part, use_cache=True, **caches[1])))
+            calls.append(
+                (
+                    own(base, input_ids=part, use_cache=True, **caches[0]),
+                    base(input_ids=part, use_cache=True, **caches[1]),
+                )
+            )
     except Exception as e:  # a model the probe cannot call this way keeps its own forward
         return f"its probe call failed ({type(e).__name__}: {str(e)[:120]})"
     for want, got in calls:

@@ -34,11 +34,10 @@ import warnings
 
 import torch
 from torch import nn
-
 from transformers import DynamicCache
 
-from . import eager_fusion, forwards
 from ..ops.fuse import version
+from . import eager_fusion, forwards
 from .base import PatchFallback
 
 PAD = 128  # prompt lengths are padded to a multiple of this: at most MAX_TOKENS / PAD lengths are captured
@@ -79,8 +78,13 @@ class Graphs:
 
     def takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether this call of a layer (that the direct path takes) replays a graph."""
-        return (self.off is None and x.shape[0] == 1 and x.shape[1] <= MAX_TOKENS and layer in self.index
-                and not (self.capture and torch.cuda.is_current_stream_capturing()))  # fmt: skip
+        return (
+            self.off is None
+            and x.shape[0] == 1
+            and x.shape[1] <= MAX_TOKENS
+            and layer in self.index
+            and not (self.capture and torch.cuda.is_current_stream_capturing())
+        )
 
     def run(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """The layer's output for x [1, s, hidden], as `_direct_layer` computes it, with the keys and
@@ -93,7 +97,9 @@ class Graphs:
             if graphs is None:
                 return eager_fusion._direct_layer(layer, layer.mpsconvert_attention, x, cos, sin, cache)
         plan = layer.mpsconvert_attention
-        eager_fusion.take_handed_codes(layer, plan, x)  # a direct-path layer before may have handed them over: unused here
+        eager_fusion.take_handed_codes(
+            layer, plan, x
+        )  # a direct-path layer before may have handed them over: unused here
         held = self._held
         if held is None or held[0] is not x or held[1] != version(x):
             self.x[:, :s].copy_(x)
@@ -117,8 +123,16 @@ class Graphs:
         plan = layer.mpsconvert_attention
         x = self.x[:, :size]
         codes = eager_fusion._fused_norm(layer.mpsconvert_layer[0], x, store_y=False)[2]
-        total, h = eager_fusion.layer_rest(layer, plan, x, codes, self.cos[:, :size], self.sin[:, :size], None,
-                                           (self.k[:, :, :size], self.v[:, :, :size]))  # fmt: skip
+        total, h = eager_fusion.layer_rest(
+            layer,
+            plan,
+            x,
+            codes,
+            self.cos[:, :size],
+            self.sin[:, :size],
+            None,
+            (self.k[:, :, :size], self.v[:, :, :size]),
+        )
         torch.add(total, h, out=x)
 
     def _capture(self, size: int):
@@ -134,7 +148,11 @@ class Graphs:
                 graphs = self._record(size)
         except Exception as e:  # noqa: BLE001 - a kernel that cannot be captured here: the direct path, said once
             self.off = f"capturing the {size}-token prefill failed ({type(e).__name__}: {str(e)[:160]})"
-            warnings.warn(f"mpsconvert: prefills replay no CUDA graphs: {self.off}; they run the direct calls", PatchFallback, stacklevel=4)
+            warnings.warn(
+                f"mpsconvert: prefills replay no CUDA graphs: {self.off}; they run the direct calls",
+                PatchFallback,
+                stacklevel=4,
+            )
             return None
         finally:
             for plan, n in zip((m.mpsconvert_attention for m in self.layers), calls):
@@ -154,7 +172,9 @@ class Graphs:
         graphs = []
         for layer in self.layers:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):  # another thread's CUDA calls (a
+            with torch.cuda.graph(
+                g, pool=self.pool, capture_error_mode="thread_local"
+            ):  # another thread's CUDA calls (a
                 # warm-up thread of load) neither break nor join the capture
                 self._body(layer, size)
             self.pool = self.pool if self.pool is not None else g.pool()
@@ -163,8 +183,15 @@ class Graphs:
         return graphs
 
     def report(self) -> dict:
-        return {"layers": len(self.layers), "pad": PAD, "max_tokens": MAX_TOKENS, "captured_s": dict(self.seconds),
-                "replays": self.replays, "mode": "CUDA graphs" if self.capture else "eager (no capture)", "off": self.off}
+        return {
+            "layers": len(self.layers),
+            "pad": PAD,
+            "max_tokens": MAX_TOKENS,
+            "captured_s": dict(self.seconds),
+            "replays": self.replays,
+            "mode": "CUDA graphs" if self.capture else "eager (no capture)",
+            "off": self.off,
+        }
 
 
 def of(model: nn.Module) -> Graphs | None:
@@ -174,8 +201,13 @@ def of(model: nn.Module) -> Graphs | None:
 
 def _eligible(model: nn.Module) -> list[nn.Module]:
     """The decoder layers whose whole prefill the direct path computes, in the model's order."""
-    return [m for m in model.modules() if forwards.installed(m, eager_fusion._layer_forward) and m.mpsconvert_attention is not None
-            and m.mpsconvert_attention.fused_mlp]  # fmt: skip
+    return [
+        m
+        for m in model.modules()
+        if forwards.installed(m, eager_fusion._layer_forward)
+        and m.mpsconvert_attention is not None
+        and m.mpsconvert_attention.fused_mlp
+    ]
 
 
 def _check(graphs: Graphs, layer: nn.Module) -> str | None:
@@ -192,7 +224,9 @@ def _check(graphs: Graphs, layer: nn.Module) -> str | None:
     caches = [DynamicCache(config=plan.attn.config) for _ in range(2)]
     nxt = layer.mpsconvert_layer[4]
     try:
-        want = eager_fusion._direct_layer(layer, plan, torch.cat([x, x.new_zeros(1, PAD - n, x.shape[-1])], dim=1), cos, sin, caches[0])
+        want = eager_fusion._direct_layer(
+            layer, plan, torch.cat([x, x.new_zeros(1, PAD - n, x.shape[-1])], dim=1), cos, sin, caches[0]
+        )
         if nxt is not None:
             nxt.mpsconvert_hand.pre = None
         got = graphs.run(layer, x, cos[:, :n], sin[:, :n], caches[1])
@@ -201,11 +235,16 @@ def _check(graphs: Graphs, layer: nn.Module) -> str | None:
     if graphs.off is not None:
         return graphs.off
     held = [caches[i].layers[plan.layer_idx] for i in range(2)]
-    if not (torch.equal(got, want[:, :n]) and torch.equal(held[1].keys, held[0].keys[:, :, :n])
-            and torch.equal(held[1].values, held[0].values[:, :, :n])):  # fmt: skip
+    if not (
+        torch.equal(got, want[:, :n])
+        and torch.equal(held[1].keys, held[0].keys[:, :, :n])
+        and torch.equal(held[1].values, held[0].values[:, :, :n])
+    ):
         return "its graph's output or cache differs from the direct path's"
-    if any(t.untyped_storage().data_ptr() in (graphs.k.untyped_storage().data_ptr(), graphs.v.untyped_storage().data_ptr())
-           for t in (held[1].keys, held[1].values)):  # fmt: skip
+    if any(
+        t.untyped_storage().data_ptr() in (graphs.k.untyped_storage().data_ptr(), graphs.v.untyped_storage().data_ptr())
+        for t in (held[1].keys, held[1].values)
+    ):
         return "the cache keeps the graph's buffers instead of copying them"
     return None
 

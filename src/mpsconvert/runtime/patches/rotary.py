@@ -23,12 +23,15 @@ modeling module's own function on a probe of the module's head counts and size.
 """
 
 from __future__ import annotations
+
 import contextvars
+
 import torch
 from torch import nn
+
 from ...model import hf_compat
-from . import forwards
 from ..ops.triton.rotary_kernel import fits, rotary
+from . import forwards
 
 NAME = hf_compat.ROTARY_FUNCTION
 PROBE_TOKENS = 9

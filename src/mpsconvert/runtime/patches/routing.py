@@ -26,13 +26,14 @@ weights within 1e-5.
 """
 
 from __future__ import annotations
+
 import torch
 from torch import nn
-from . import forwards
+
 from ..ops import triton as tritonlib
 from ..ops.triton.launch import TL_DTYPES
 from ..ops.triton.routing_kernel import MAX_EXPERTS, MAX_TOKENS, route_topk
-
+from . import forwards
 
 
 def _router_forward(self, hidden_states):
@@ -49,8 +50,15 @@ def _router_forward(self, hidden_states):
 def _candidate(mod: nn.Module) -> bool:
     w = getattr(mod, "weight", None)
     k = getattr(mod, "top_k", None)
-    return (isinstance(w, torch.Tensor) and w.ndim == 2 and isinstance(k, int) and 0 < k <= w.shape[0] <= MAX_EXPERTS
-            and getattr(mod, "bias", None) is None and w.dtype in TL_DTYPES and not isinstance(mod, nn.Linear))  # fmt: skip
+    return (
+        isinstance(w, torch.Tensor)
+        and w.ndim == 2
+        and isinstance(k, int)
+        and 0 < k <= w.shape[0] <= MAX_EXPERTS
+        and getattr(mod, "bias", None) is None
+        and w.dtype in TL_DTYPES
+        and not isinstance(mod, nn.Linear)
+    )
 
 
 def _matches(x, w, got, want, exact: bool) -> str | None:
@@ -99,7 +107,10 @@ def _check(mod: nn.Module) -> tuple[tuple[bool, torch.dtype] | None, str]:
             wants = [forwards.own_forward(mod)(mod, x) for x, _ in probes]
             for renorm in (True, False):
                 for score_dtype in dict.fromkeys((torch.float32, w.dtype)):
-                    fails = [_matches(x, w, route_topk(x, w, mod.top_k, renorm, score_dtype), want, ex) for (x, ex), want in zip(probes, wants)]
+                    fails = [
+                        _matches(x, w, route_topk(x, w, mod.top_k, renorm, score_dtype), want, ex)
+                        for (x, ex), want in zip(probes, wants)
+                    ]
                     if not any(fails):
                         return (renorm, score_dtype), ""
                     why = why or next(f for f in fails if f)

@@ -77,7 +77,10 @@ def compile_configs(autotuned, *args, **kwargs) -> int:
         for cfg in configs[1:]:
             one(cfg)
     else:
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) - 1))) as pool, AsyncCompileMode(pool):
+        with (
+            concurrent.futures.ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) - 1))) as pool,
+            AsyncCompileMode(pool),
+        ):
             for cfg in configs[1:]:
                 one(cfg)
     return len(configs)

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ....format.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
-from .launch import launch, next_pow2
 from . import INTERPRET, eager_on, tl, triton
+from .launch import launch, next_pow2
 
 # Under TRITON_INTERPRET=1 (the tests) the interpreter's float32 -> e4m3 cast rounds wrongly where
 # rounding carries into the exponent (126.9 -> 64), so in that mode the kernel rounds to the e4m3
@@ -49,7 +49,9 @@ def torch_quantize(x: torch.Tensor, scale: torch.Tensor | None = None, rows_scal
     if rows_scale is not None:
         s = rows_scale.float().reshape(-1, 1)
     elif scale is not None:
-        s = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # _scaled_mm takes contiguous row scales only
+        s = (
+            scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        )  # _scaled_mm takes contiguous row scales only
     else:
         s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_FLOOR)
     q = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -120,11 +122,19 @@ if triton is not None:
 
     @triton.jit
     def _quant_rows_kernel(
-        x_ptr, q_ptr, s_ptr, static_ptr,
-        K, stride_xm, stride_qm,
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        static_ptr,
+        K,
+        stride_xm,
+        stride_qm,
         MODE: tl.constexpr,  # 0 dynamic per row, 1 one static scale, 2 a static scale per row
-        SILU: tl.constexpr, ONE_PASS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        SILU: tl.constexpr,
+        ONE_PASS: tl.constexpr,
+        PRE_ROUND: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         m = tl.program_id(0).to(tl.int64)
         xrow = x_ptr + m * stride_xm
         qrow = q_ptr + m * stride_qm
@@ -153,14 +163,30 @@ if triton is not None:
                 tl.store(qrow + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + m, s)
 
-
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, static_ptr,
-        K, eps, stride_xm, stride_rm, stride_sum, stride_ym, stride_qm,
-        RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, STORE_Y: tl.constexpr, PRE_ROUND: tl.constexpr,
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        sum_ptr,
+        y_ptr,
+        q_ptr,
+        s_ptr,
+        static_ptr,
+        K,
+        eps,
+        stride_xm,
+        stride_rm,
+        stride_sum,
+        stride_ym,
+        stride_qm,
+        RESIDUAL: tl.constexpr,
+        QUANT: tl.constexpr,
+        STATIC: tl.constexpr,
+        STORE_Y: tl.constexpr,
+        PRE_ROUND: tl.constexpr,
         BLOCK: tl.constexpr,
-    ):  # fmt: skip
+    ):
         m = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < K
@@ -172,7 +198,9 @@ if triton is not None:
             tl.store(sum_ptr + m * stride_sum + offs, xf.to(sum_ptr.dtype.element_ty), mask=mask)
         r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)  # libdevice rsqrtf, as torch.rsqrt on CUDA
         h = _round_to(xf * r, x.dtype, PRE_ROUND)  # hidden_states.to(input_dtype)
-        y = _round_to(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * h, x.dtype, PRE_ROUND)  # weight * that
+        y = _round_to(
+            tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * h, x.dtype, PRE_ROUND
+        )  # weight * that
         if STORE_Y:  # off where only the codes are read (a prefill's direct path: runtime/patches/eager_fusion.py)
             tl.store(y_ptr + m * stride_ym + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
         if QUANT:
@@ -204,8 +232,12 @@ def _launch(x: torch.Tensor, k: int, scale, rows_scale, silu: bool):
     block = next_pow2(k) if one_pass else 4096
     warps = _warps(block)
     if m:  # arguments in the kernel's order: x, q, s, static, K, strides, MODE, SILU, ONE_PASS, PRE_ROUND, BLOCK
-        launch(_quant_rows_kernel, (m,), (x, q, s, static, k, x.stride(0), q.stride(0), mode, silu, one_pass, INTERPRET, block),
-               num_warps=warps)  # fmt: skip
+        launch(
+            _quant_rows_kernel,
+            (m,),
+            (x, q, s, static, k, x.stride(0), q.stride(0), mode, silu, one_pass, INTERPRET, block),
+            num_warps=warps,
+        )
     return q, s
 
 
@@ -236,8 +268,14 @@ def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return eager_on(x) and x.shape[-1] <= _ONE_PASS_MAX and weight.dtype == x.dtype and x.dtype.is_floating_point
 
 
-def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool, scale: torch.Tensor | None = None,
-                      store_y: bool = True):  # fmt: skip
+def rms_norm_quantize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    quantize: bool,
+    scale: torch.Tensor | None = None,
+    store_y: bool = True,
+):
     """RMSNorm of x [M, K] (`torch_rms_norm`'s arithmetic) -> (y [M, K] in x's dtype, and with
     `quantize` y's e4m3 codes and float32 dequant scale [M, 1] as `quantize(y, scale)` gives them,
     else None, None). One Triton program per row; the caller checks `rms_norm_fits` first. With
@@ -245,8 +283,15 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, quantiz
     return _norm(x, None, weight, eps, quantize, scale, store_y)[1:]
 
 
-def add_rms_norm_quantize(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool,
-                          scale: torch.Tensor | None = None, store_y: bool = True):  # fmt: skip
+def add_rms_norm_quantize(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    quantize: bool,
+    scale: torch.Tensor | None = None,
+    store_y: bool = True,
+):
     """`rms_norm_quantize(residual + x, ...)` with the sum in the same program: (residual + x
     [M, K] rounded to x's dtype as the eager add rounds it, y, codes, scale). A decoder layer's
     residual add followed by the next norm, one launch and one read of each row instead of two
@@ -270,7 +315,32 @@ def _norm(x, residual, weight, eps, quantize, scale, store_y=True):
     r, t = (residual, total) if residual is not None else (x, yp)  # unread where RESIDUAL is off
     block = next_pow2(k)
     if m:  # x, r, w, sum, y, q, s, static, K, eps, strides, RESIDUAL, QUANT, STATIC, STORE_Y, PRE_ROUND, BLOCK
-        launch(_rms_norm_kernel, (m,), (x, r, weight, t, yp, qp, sp, scale if scale is not None else sp, k, float(eps), x.stride(0),
-                                        r.stride(0), t.stride(0), yp.stride(0), qp.stride(0), residual is not None, quantize,
-                                        scale is not None, store_y, INTERPRET, block), num_warps=_warps(block))  # fmt: skip
+        launch(
+            _rms_norm_kernel,
+            (m,),
+            (
+                x,
+                r,
+                weight,
+                t,
+                yp,
+                qp,
+                sp,
+                scale if scale is not None else sp,
+                k,
+                float(eps),
+                x.stride(0),
+                r.stride(0),
+                t.stride(0),
+                yp.stride(0),
+                qp.stride(0),
+                residual is not None,
+                quantize,
+                scale is not None,
+                store_y,
+                INTERPRET,
+                block,
+            ),
+            num_warps=_warps(block),
+        )
     return (total if residual is not None else None, y, q, s)

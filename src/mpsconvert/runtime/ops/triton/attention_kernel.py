@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from .. import triton as tritonlib
-from .launch import next_pow2
 from . import INTERPRET, tl, triton
+from .launch import next_pow2
 
 MAX_QUERY = 4  # queries per sequence the decode kernel takes (decode, speculative steps)
 _BLOCK_KV = 64
@@ -20,12 +20,39 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
-        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, smb, smh, sml,
-        Hkv, G, Lq, Lk, CHUNK, S, scale,
-        HAS_MASK: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        mask_ptr,
+        acc_ptr,
+        m_ptr,
+        l_ptr,
+        sqb,
+        sqh,
+        sql,
+        skb,
+        skh,
+        skl,
+        svb,
+        svh,
+        svl,
+        smb,
+        smh,
+        sml,
+        Hkv,
+        G,
+        Lq,
+        Lk,
+        CHUNK,
+        S,
+        scale,
+        HAS_MASK: tl.constexpr,
+        ROWS: tl.constexpr,
+        D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_KV: tl.constexpr,
         F32: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program: one (batch, key/value head) and one chunk of the cache, for the G query
         # heads x Lq queries that read this key/value head (rows padded to ROWS >= 16 for tl.dot).
         bh = tl.program_id(0)
@@ -38,7 +65,11 @@ if triton is not None:
         ql = r % Lq
         d = tl.arange(0, D)
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + ql[:, None] * sql + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + b * sqb + h[:, None] * sqh + ql[:, None] * sql + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         if F32:  # the interpreter's tl.dot multiplies bf16 as raw integers: float32 there
             q = q.to(tl.float32)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -50,12 +81,22 @@ if triton is not None:
             k_ok = kpos < Lk
             allowed = row_ok[:, None] & k_ok[None, :]
             if HAS_MASK:
-                mv = tl.load(mask_ptr + b * smb + h[:, None] * smh + ql[:, None] * sml + kpos[None, :], mask=allowed, other=0)
+                mv = tl.load(
+                    mask_ptr + b * smb + h[:, None] * smh + ql[:, None] * sml + kpos[None, :], mask=allowed, other=0
+                )
                 allowed = allowed & (mv != 0)
             if tl.max(allowed.to(tl.int32)) > 0:  # a tile the mask excludes whole is not read
-                k = tl.load(k_ptr + b * skb + kvh * skh + kpos[:, None] * skl + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                k = tl.load(
+                    k_ptr + b * skb + kvh * skh + kpos[:, None] * skl + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
                 # V's load issued with K's: one trip to memory per tile, not two in a row
-                v = tl.load(v_ptr + b * svb + kvh * svh + kpos[:, None] * svl + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(
+                    v_ptr + b * svb + kvh * svh + kpos[:, None] * svl + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
                 if F32:
                     k = k.to(tl.float32)
                 s = tl.dot(q, tl.trans(k)) * scale
@@ -77,10 +118,22 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        acc_ptr, m_ptr, l_ptr, o_ptr,
-        sob, sol, soh, Hkv, G, Lq, S,
-        ROWS: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-    ):  # fmt: skip
+        acc_ptr,
+        m_ptr,
+        l_ptr,
+        o_ptr,
+        sob,
+        sol,
+        soh,
+        Hkv,
+        G,
+        Lq,
+        S,
+        ROWS: tl.constexpr,
+        D: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
         # One program per output row: the chunks' partial softmaxes rescaled to their common max.
         pid = tl.program_id(0)
         bh = pid // (G * Lq)
@@ -134,22 +187,67 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     else:
         mview, smb, smh, sml = q, 0, 0, 0
     _split_kernel[(B * Hkv, splits)](
-        q, k, v, mview, acc, m, l,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        smb, smh, sml, Hkv, G, Lq, Lk, chunk, splits, scale,
-        HAS_MASK=mask is not None, ROWS=rows, D=D, HEAD_DIM=hd, BLOCK_KV=_BLOCK_KV, F32=INTERPRET, num_warps=4,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mview,
+        acc,
+        m,
+        l,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        smb,
+        smh,
+        sml,
+        Hkv,
+        G,
+        Lq,
+        Lk,
+        chunk,
+        splits,
+        scale,
+        HAS_MASK=mask is not None,
+        ROWS=rows,
+        D=D,
+        HEAD_DIM=hd,
+        BLOCK_KV=_BLOCK_KV,
+        F32=INTERPRET,
+        num_warps=4,
+    )
     _combine_kernel[(B * Hkv * G * Lq,)](
-        acc, m, l, out, out.stride(0), out.stride(1), out.stride(2), Hkv, G, Lq, splits,
-        ROWS=rows, D=D, HEAD_DIM=hd, SPLITS=next_pow2(splits), num_warps=4,
-    )  # fmt: skip
+        acc,
+        m,
+        l,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        Hkv,
+        G,
+        Lq,
+        splits,
+        ROWS=rows,
+        D=D,
+        HEAD_DIM=hd,
+        SPLITS=next_pow2(splits),
+        num_warps=4,
+    )
     return out
 
 
 if triton is not None:
 
     @torch.library.custom_op("mpsconvert::decode_attention", mutates_args=())
-    def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def decode_attention_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         """softmax(q k^T * scale + mask) v for a few queries per head, grouped key/value heads."""
         return _launch(q, k, v, mask, scale)
 

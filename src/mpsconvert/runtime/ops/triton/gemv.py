@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from . import INTERPRET, compile_configs, tl, triton
 from ....format.scales import scale_shape
+from . import INTERPRET, compile_configs, tl, triton
 
 OP_NAME = "mpsconvert::fp8_gemv"
 # BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
@@ -31,9 +31,24 @@ OP_NAME = "mpsconvert::fp8_gemv"
 # once, which is what a GEMV bound by memory latency needs on the small shapes (o_proj 4096x4096).
 # (2, 2048, 4, 3) and (4, 1024, 4, 3): down_proj 4096x14336 in 22.7-22.9 us against 24.9 for the
 # autotuner's best of the others, timed as CUDA graphs on an H100 (results/gemv_designs_h100.log).
-_CONFIGS = ((4, 1024, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 256, 4, 2), (16, 512, 4, 2), (16, 512, 8, 2), (32, 256, 4, 2),
-            (32, 512, 8, 2), (2, 4096, 4, 1), (4, 2048, 4, 2), (4, 4096, 8, 1), (8, 2048, 8, 2), (8, 1024, 4, 3), (16, 512, 4, 4),
-            (2, 2048, 4, 3), (4, 1024, 4, 3))
+_CONFIGS = (
+    (4, 1024, 4, 2),
+    (8, 512, 4, 2),
+    (8, 1024, 4, 2),
+    (16, 256, 4, 2),
+    (16, 512, 4, 2),
+    (16, 512, 8, 2),
+    (32, 256, 4, 2),
+    (32, 512, 8, 2),
+    (2, 4096, 4, 1),
+    (4, 2048, 4, 2),
+    (4, 4096, 8, 1),
+    (8, 2048, 8, 2),
+    (8, 1024, 4, 3),
+    (16, 512, 4, 4),
+    (2, 2048, 4, 3),
+    (4, 1024, 4, 3),
+)
 
 
 def autotune(configs, key, **kw):
@@ -56,16 +71,39 @@ def _block_configs(table) -> list:
 
 
 if triton is not None:
-    from .act_quant import _round_to, _silu_mul  # the gated form's epilogue: silu(gate) * up, rounded as the module rounds it
+    from .act_quant import (  # the gated form's epilogue: silu(gate) * up, rounded as the module rounds it
+        _round_to,
+        _silu_mul,
+    )
 
     @triton.jit
     def _fp8_gemv_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, nw_ptr, r_ptr,
-        M, N, K,
-        stride_xm, stride_wn, stride_ym, stride_sn, stride_rm, eps,
-        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, PRE_ROUND: tl.constexpr,
-        NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        b_ptr,
+        y_ptr,
+        nw_ptr,
+        r_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        stride_sn,
+        stride_rm,
+        eps,
+        HAS_BIAS: tl.constexpr,
+        ROW_SCALE: tl.constexpr,
+        SCALE_BLOCK: tl.constexpr,
+        GATED: tl.constexpr,
+        PRE_ROUND: tl.constexpr,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         # GATED: w holds a gated MLP's [gate; up] rows (2N x K) and y[M, N] = silu(gate) * up, rounded as the module
         # rounds it (PRE_ROUND: every rounding to the output dtype by hand, where the interpreter's casts truncate).
         # NORM: x is an RMSNorm's input and nw its weight: the product is of nw * x, and the row's 1 / rms (its sum of
@@ -89,12 +127,22 @@ if triton is not None:
             if SCALE_BLOCK:
                 # block scales [ceil(N/B), ceil(K/B)]: a tile's BLOCK_N rows (BLOCK_N divides B) share
                 # one row of them, so each x element is scaled once, not each weight
-                x = x * tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0)
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+                x = x * tl.load(
+                    s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0
+                )
+            w = tl.load(
+                w_rows + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            ).to(tl.float32)
             if GATED:  # (never with block scales: `_args` refuses them)
-                wu = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                             eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+                wu = tl.load(
+                    w_rows + N * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                ).to(tl.float32)
                 acc_up += wu * x[None, :]
             acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
@@ -120,26 +168,56 @@ if triton is not None:
                 up = up + tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             y = _silu_mul(y, up, y_ptr.dtype.element_ty, PRE_ROUND)
         if RESIDUAL:
-            y = _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND) + tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + offs_n, _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty), mask=n_mask)
+            y = _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND) + tl.load(
+                r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0
+            ).to(tl.float32)
+        tl.store(
+            y_ptr + m * stride_ym + offs_n,
+            _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty),
+            mask=n_mask,
+        )
 
     _kernel = autotuned(_fp8_gemv_kernel, _block_configs(_CONFIGS), key=["N", "K", "M", "GATED", "NORM", "RESIDUAL"])
 
 
 # W8A8 decode: BLOCK_N, BLOCK_K, warps, pipeline stages (BLOCK_M is 16, the smallest tl.dot tile).
-_DOT_CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4), (64, 256, 4, 3),
-                (16, 512, 4, 3), (32, 512, 4, 4), (64, 512, 8, 3), (128, 256, 8, 3))
+_DOT_CONFIGS = (
+    (16, 256, 4, 4),
+    (32, 128, 4, 4),
+    (32, 256, 4, 3),
+    (32, 512, 4, 2),
+    (64, 128, 4, 4),
+    (64, 256, 4, 3),
+    (16, 512, 4, 3),
+    (32, 512, 4, 4),
+    (64, 512, 8, 3),
+    (128, 256, 8, 3),
+)
 
 if triton is not None:
 
     @triton.jit
     def _fp8_dot_kernel(
-        xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-        M, N, K,
-        stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr, PRE_ROUND: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        xq_ptr,
+        xs_ptr,
+        w_ptr,
+        s_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        ROW_SCALE: tl.constexpr,
+        GATED: tl.constexpr,
+        PRE_ROUND: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         # y[M, N] = (xq[M, K] @ w[N, K].T) * xs[M] * s[N]: e4m3 x e4m3 on the tensor cores, the
         # few rows of x padded to 16 (free: the step is bound by the weight bytes), so no weight
         # is converted element by element as the BF16-activation GEMV must.
@@ -154,7 +232,9 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
-            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(
+                xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
             b = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if GATED:  # the up rows, N below the gate rows; both loads in flight before either product
                 bu = tl.load(w_cols + N * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -177,14 +257,24 @@ if triton is not None:
             if HAS_BIAS:
                 up = up + tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             y = _silu_mul(y, up, y_ptr.dtype.element_ty, PRE_ROUND)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+        tl.store(
+            y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+            _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND).to(y_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
 
     _dot_kernel = autotuned(_fp8_dot_kernel, _block_configs(_DOT_CONFIGS), key=["N", "K", "M", "GATED"])
 
 
-def _launch_dot(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, gated: bool = False) -> torch.Tensor:
+def _launch_dot(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    gated: bool = False,
+) -> torch.Tensor:
     if xq.shape[0] > 16:
         raise ValueError(f"the W8A8 GEMV takes at most 16 rows, got {xq.shape[0]}")
     n = _out_features(weight, gated)
@@ -206,12 +296,42 @@ def _out_features(weight: torch.Tensor, gated: bool) -> int:
 def _dot_args(xq, xs, weight, scale, bias, y, gated: bool = False) -> tuple[tuple, dict]:
     """The W8A8 kernel's arguments, as its launch and `precompile` pass them."""
     (M, K), N = xq.shape, _out_features(weight, gated)
-    return ((xq, xs, weight, scale, bias if bias is not None else scale, y, M, N, K, xq.stride(0), weight.stride(0), y.stride(0)),
-            {"HAS_BIAS": bias is not None, "ROW_SCALE": scale.numel() != 1, "GATED": gated, "PRE_ROUND": INTERPRET, "BLOCK_M": 16})
+    return (
+        (
+            xq,
+            xs,
+            weight,
+            scale,
+            bias if bias is not None else scale,
+            y,
+            M,
+            N,
+            K,
+            xq.stride(0),
+            weight.stride(0),
+            y.stride(0),
+        ),
+        {
+            "HAS_BIAS": bias is not None,
+            "ROW_SCALE": scale.numel() != 1,
+            "GATED": gated,
+            "PRE_ROUND": INTERPRET,
+            "BLOCK_M": 16,
+        },
+    )
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
-            gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: int = 0,
+    gated: bool = False,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     if residual is not None and residual.stride(-1) != 1:
@@ -235,8 +355,18 @@ def takes_block(block: int | None) -> bool:
     return bool(block) and block % BLOCK_EDGE == 0
 
 
-def _args(x, weight, scale, bias, y, block: int = 0, gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
-          residual: torch.Tensor | None = None) -> tuple[tuple, dict]:
+def _args(
+    x,
+    weight,
+    scale,
+    bias,
+    y,
+    block: int = 0,
+    gated: bool = False,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> tuple[tuple, dict]:
     """The GEMV kernel's arguments, as its launch and `precompile` pass them. `block`: `scale` is
     the weight's [ceil(N/block), ceil(K/block)] block scales (0: per row [N] or per tensor [1]).
     `gated`: the weight holds [gate; up] rows, and the output is silu(gate) * up. `norm` (an
@@ -252,17 +382,50 @@ def _args(x, weight, scale, bias, y, block: int = 0, gated: bool = False, norm: 
     if block and not takes_block(block):
         raise ValueError(f"the GEMV takes block scales of edges that are multiples of {BLOCK_EDGE}, not {block}")
     if block and (scale.dim() != 2 or scale.stride(1) != 1 or tuple(scale.shape) != scale_shape("block", N, K, block)):
-        raise ValueError(f"block scales of a [{N}, {K}] weight in {block}-blocks are {list(scale_shape('block', N, K, block))}, "
-                         f"got {list(scale.shape)}")
-    return ((x, weight, scale, bias if bias is not None else scale, y, norm if norm is not None else scale,
-             residual if residual is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), scale.stride(0) if block else 0,
-             residual.stride(0) if residual is not None else 0, float(eps)),
-            {"HAS_BIAS": bias is not None, "ROW_SCALE": not block and scale.numel() != 1, "SCALE_BLOCK": block, "GATED": gated,
-             "PRE_ROUND": INTERPRET, "NORM": norm is not None, "RESIDUAL": residual is not None})
+        raise ValueError(
+            f"block scales of a [{N}, {K}] weight in {block}-blocks are {list(scale_shape('block', N, K, block))}, "
+            f"got {list(scale.shape)}"
+        )
+    return (
+        (
+            x,
+            weight,
+            scale,
+            bias if bias is not None else scale,
+            y,
+            norm if norm is not None else scale,
+            residual if residual is not None else y,
+            M,
+            N,
+            K,
+            x.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            scale.stride(0) if block else 0,
+            residual.stride(0) if residual is not None else 0,
+            float(eps),
+        ),
+        {
+            "HAS_BIAS": bias is not None,
+            "ROW_SCALE": not block and scale.numel() != 1,
+            "SCALE_BLOCK": block,
+            "GATED": gated,
+            "PRE_ROUND": INTERPRET,
+            "NORM": norm is not None,
+            "RESIDUAL": residual is not None,
+        },
+    )
 
 
-def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dot: bool = False,
-               block: int = 0, gated: bool = False) -> int:
+def precompile(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dot: bool = False,
+    block: int = 0,
+    gated: bool = False,
+) -> int:
     """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]; `block`:
     block scales; `gated`: silu(gate) * up of [gate; up] rows), or with `dot` of the W8A8 GEMV for
     x quantized, several at once (ops/triton `compile_configs`), so that the autotuner's first
@@ -281,9 +444,17 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
 if triton is not None:
 
     @torch.library.custom_op(OP_NAME, mutates_args=())
-    def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
-                 gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    def fp8_gemv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        block: int = 0,
+        gated: bool = False,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """y[M, N] = x[M, K] @ (weight[N, K] * scale).T + bias, x in BF16/FP16, weight e4m3,
         scale [N] (per row) or [1], or with `block` [ceil(N/block), ceil(K/block)] (per block);
         with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]; with `norm`
@@ -295,8 +466,15 @@ if triton is not None:
         return x.new_empty(x.shape[0], _out_features(weight, gated))
 
     @torch.library.custom_op("mpsconvert::fp8_dot_gemv", mutates_args=())
-    def fp8_dot_gemv(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                     out_dtype: torch.dtype, gated: bool = False) -> torch.Tensor:
+    def fp8_dot_gemv(
+        xq: torch.Tensor,
+        xs: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        gated: bool = False,
+    ) -> torch.Tensor:
         """y[M, N] = (xq @ weight.T) * xs * scale (+ bias), xq e4m3 [M <= 16, K] with row scales xs;
         with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]."""
         return _launch_dot(xq, xs, weight, scale, bias, out_dtype, gated)
@@ -319,8 +497,17 @@ def dot_gemv(xq, xs, weight, scale, bias, out_dtype, gated: bool = False) -> tor
     return _launch_dot(xq, xs.reshape(-1), weight, scale, bias, out_dtype, gated)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: int = 0,
-         gated: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: int = 0,
+    gated: bool = False,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The GEMV: the kernel itself in eager mode, the custom op under torch.compile. `block`:
     `scale` holds block scales of that edge (`takes_block`); `gated`: the weight holds a gated
     MLP's [gate; up] rows, and the result is silu(gate) * up. `norm`, `eps`, `residual`: the

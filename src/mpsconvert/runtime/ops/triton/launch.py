@@ -23,7 +23,11 @@ import torch
 
 from . import INTERPRET, tl, triton
 
-TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # torch dtype -> triton.language name
+TL_DTYPES = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+}  # torch dtype -> triton.language name
 _CACHE: dict = {}
 _MODE: list = []  # [mode string] once decided: "direct", or "kernel[grid] (why)"
 
@@ -108,7 +112,12 @@ def launch(kernel, grid: tuple, args: tuple, **options) -> None:
         kernel[grid](*args, **options)
         return
     device = args[0].device.index
-    key = (id(kernel), device, _specs(args), tuple(options.items()))  # id: a JITFunction hashes its source key (~2 us); kernels live for the process
+    key = (
+        id(kernel),
+        device,
+        _specs(args),
+        tuple(options.items()),
+    )  # id: a JITFunction hashes its source key (~2 us); kernels live for the process
     compiled = _CACHE.get(key)
     if compiled is None:
         _CACHE[key] = kernel[grid](*args, **options)

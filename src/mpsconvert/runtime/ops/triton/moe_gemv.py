@@ -16,17 +16,25 @@ from __future__ import annotations
 
 import torch
 
+from . import INTERPRET, compile_configs, tl, triton
 from .gemv import autotuned
 from .launch import TL_DTYPES
-from . import INTERPRET, compile_configs, tl, triton
-
 
 # BLOCK_N, BLOCK_K, SPLIT_K, warps. Split-K gives the down projection (N=4096, K=14336 at
 # Mixtral size, 2 pairs) enough programs to fill the GPU; the autotuner picks per (N, K).
 _CONFIGS = (
-    (16, 256, 1, 4), (32, 256, 1, 4), (64, 128, 1, 4), (8, 512, 1, 4), (16, 512, 1, 4),
-    (16, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 4), (8, 512, 4, 4), (16, 512, 8, 4), (64, 256, 2, 8),
-)  # fmt: skip
+    (16, 256, 1, 4),
+    (32, 256, 1, 4),
+    (64, 128, 1, 4),
+    (8, 512, 1, 4),
+    (16, 512, 1, 4),
+    (16, 256, 2, 4),
+    (16, 256, 4, 4),
+    (32, 256, 4, 4),
+    (8, 512, 4, 4),
+    (16, 512, 8, 4),
+    (64, 256, 2, 8),
+)
 # TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests) with one configuration: the autotuner
 # needs a GPU driver. The interpreter's casts round wrongly, so there the kernel rounds by hand.
 if triton is not None:
@@ -34,12 +42,26 @@ if triton is not None:
 
     @triton.jit
     def _expert_gemv_kernel(
-        x_ptr, tok_ptr, ids_ptr, w_ptr, s_ptr, y_ptr,
-        N, K,
-        stride_xm, stride_we, stride_wn, stride_se, stride_ym,
-        SILU: tl.constexpr, ACT: tl.constexpr, PRE_ROUND: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        tok_ptr,
+        ids_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        N,
+        K,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_ym,
+        SILU: tl.constexpr,
+        ACT: tl.constexpr,
+        PRE_ROUND: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
         pid_s = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -54,7 +76,9 @@ if triton is not None:
             k_ok = offs_k < K
             x = tl.load(x_ptr + t * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             if SILU:  # x is the gate half of a fused gate/up row, the up half follows at +K
-                x = _silu_mul(x, tl.load(x_ptr + t * stride_xm + K + offs_k, mask=k_ok, other=0.0).to(tl.float32), ACT, PRE_ROUND)
+                x = _silu_mul(
+                    x, tl.load(x_ptr + t * stride_xm + K + offs_k, mask=k_ok, other=0.0).to(tl.float32), ACT, PRE_ROUND
+                )
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
         s = tl.load(s_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)
@@ -69,8 +93,15 @@ if triton is not None:
     )
 
 
-def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                out_dtype: torch.dtype | None = None, silu_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def expert_gemv(
+    x: torch.Tensor,
+    tok: torch.Tensor,
+    ids: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    silu_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
     scale[E, N]) -> y [P, N] in `out_dtype` (default x's dtype; float32 leaves out the cast).
 
@@ -92,8 +123,24 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: to
 def _args(x, tok, ids, codes, scale, y, silu_dtype) -> tuple:
     """The kernel's arguments, as its launch and `precompile` pass them."""
     _, N, K = codes.shape
-    return (x, tok, ids, codes, scale, y, N, K, x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), y.stride(0),
-            silu_dtype is not None, getattr(tl, TL_DTYPES[silu_dtype or torch.float32]), INTERPRET)
+    return (
+        x,
+        tok,
+        ids,
+        codes,
+        scale,
+        y,
+        N,
+        K,
+        x.stride(0),
+        codes.stride(0),
+        codes.stride(1),
+        scale.stride(0),
+        y.stride(0),
+        silu_dtype is not None,
+        getattr(tl, TL_DTYPES[silu_dtype or torch.float32]),
+        INTERPRET,
+    )
 
 
 def precompile(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, silu_dtype: torch.dtype | None = None) -> int:
@@ -126,8 +173,15 @@ def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
 if triton is not None:
 
     @torch.library.custom_op("mpsconvert::expert_gemv", mutates_args=())
-    def _expert_gemv_op(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                        out_dtype: torch.dtype | None, silu_dtype: torch.dtype | None) -> torch.Tensor:  # fmt: skip
+    def _expert_gemv_op(
+        x: torch.Tensor,
+        tok: torch.Tensor,
+        ids: torch.Tensor,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        out_dtype: torch.dtype | None,
+        silu_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
         return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
 
     @_expert_gemv_op.register_fake

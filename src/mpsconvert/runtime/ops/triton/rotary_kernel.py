@@ -5,20 +5,34 @@ attention modules reach it: runtime/patches/rotary.py.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import triton as tritonlib
-from .launch import launch, next_pow2
 from . import tl, triton
-
+from .launch import launch, next_pow2
 
 if triton is not None:
     from .act_quant import _round_to
 
     @triton.jit
-    def _rotate(x_ptr, o_ptr, c, s, sign, d, partner, dmask, base_x, H, sxh, sxd, base_o, soh,
-                BLOCK_H: tl.constexpr, PRE_ROUND: tl.constexpr):  # fmt: skip
+    def _rotate(
+        x_ptr,
+        o_ptr,
+        c,
+        s,
+        sign,
+        d,
+        partner,
+        dmask,
+        base_x,
+        H,
+        sxh,
+        sxd,
+        base_o,
+        soh,
+        BLOCK_H: tl.constexpr,
+        PRE_ROUND: tl.constexpr,
+    ):
         # one token's heads: x * cos + rotate_half(x) * sin, each product and the sum rounded
         h = tl.arange(0, BLOCK_H)[:, None]
         mask = (h < H) & dmask[None, :]
@@ -31,11 +45,35 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(
-        q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-        S, HQ, HK,
-        sqb, sqh, sqs, sqd, skb, skh, sks, skd, scb, scs, scd, ssb, sss, ssd,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PRE_ROUND: tl.constexpr,
-    ):  # fmt: skip
+        q_ptr,
+        k_ptr,
+        cos_ptr,
+        sin_ptr,
+        qo_ptr,
+        ko_ptr,
+        S,
+        HQ,
+        HK,
+        sqb,
+        sqh,
+        sqs,
+        sqd,
+        skb,
+        skh,
+        sks,
+        skd,
+        scb,
+        scs,
+        scd,
+        ssb,
+        sss,
+        ssd,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_HQ: tl.constexpr,
+        BLOCK_HK: tl.constexpr,
+        PRE_ROUND: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         b = t // S
         si = t % S
@@ -47,8 +85,42 @@ if triton is not None:
         c = tl.load(cos_ptr + b * scb + si * scs + d * scd, mask=dmask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + b * ssb + si * sss + d * ssd, mask=dmask, other=0.0).to(tl.float32)
         # outputs laid out [B, S, H, D] (viewed as [B, H, S, D]), as the eager ops lay them out
-        _rotate(q_ptr, qo_ptr, c, s, sign, d, partner, dmask, b * sqb + si * sqs, HQ, sqh, sqd, t * HQ * D, D, BLOCK_HQ, PRE_ROUND)
-        _rotate(k_ptr, ko_ptr, c, s, sign, d, partner, dmask, b * skb + si * sks, HK, skh, skd, t * HK * D, D, BLOCK_HK, PRE_ROUND)
+        _rotate(
+            q_ptr,
+            qo_ptr,
+            c,
+            s,
+            sign,
+            d,
+            partner,
+            dmask,
+            b * sqb + si * sqs,
+            HQ,
+            sqh,
+            sqd,
+            t * HQ * D,
+            D,
+            BLOCK_HQ,
+            PRE_ROUND,
+        )
+        _rotate(
+            k_ptr,
+            ko_ptr,
+            c,
+            s,
+            sign,
+            d,
+            partner,
+            dmask,
+            b * skb + si * sks,
+            HK,
+            skh,
+            skd,
+            t * HK * D,
+            D,
+            BLOCK_HK,
+            PRE_ROUND,
+        )
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -76,7 +148,29 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         cb = cos.stride(0) if cos.shape[0] > 1 else 0
         sb = sin.stride(0) if sin.shape[0] > 1 else 0
         block_d = next_pow2(d)
-        args = (q, k, cos, sin, qo, ko, s, hq, hk, *q.stride(), *k.stride(), cb, cos.stride(1), cos.stride(2), sb, sin.stride(1),
-                sin.stride(2), d, block_d, next_pow2(hq), next_pow2(hk), tritonlib.INTERPRET)  # fmt: skip
+        args = (
+            q,
+            k,
+            cos,
+            sin,
+            qo,
+            ko,
+            s,
+            hq,
+            hk,
+            *q.stride(),
+            *k.stride(),
+            cb,
+            cos.stride(1),
+            cos.stride(2),
+            sb,
+            sin.stride(1),
+            sin.stride(2),
+            d,
+            block_d,
+            next_pow2(hq),
+            next_pow2(hk),
+            tritonlib.INTERPRET,
+        )
         launch(_rope_kernel, (b * s,), args, num_warps=4, enable_fp_fusion=False)
     return qo.transpose(1, 2), ko.transpose(1, 2)

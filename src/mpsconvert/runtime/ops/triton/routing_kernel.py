@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .launch import TL_DTYPES, next_pow2
 from . import tl, triton
+from .launch import TL_DTYPES, next_pow2
 
 MAX_TOKENS = 16  # rows per call the kernel takes: decode and speculative steps
 MAX_EXPERTS = 1024  # a program holds every expert's logit in registers
@@ -17,11 +17,22 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(
-        x_ptr, w_ptr, logits_ptr, scores_ptr, idx_ptr,
-        H, NE, stride_xm, stride_wn,
-        LOGIT_DT: tl.constexpr, SCORE_DT: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-        E: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        w_ptr,
+        logits_ptr,
+        scores_ptr,
+        idx_ptr,
+        H,
+        NE,
+        stride_xm,
+        stride_wn,
+        LOGIT_DT: tl.constexpr,
+        SCORE_DT: tl.constexpr,
+        TOP_K: tl.constexpr,
+        RENORM: tl.constexpr,
+        E: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E)
         e_ok = e < NE
@@ -67,26 +78,43 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool, sco
     # up to 32768 weights per tile (Mixtral's whole router, 8 x 4096, in one), 64 per thread
     block = max(16, min(next_pow2(H), _TILE // E))
     _route_kernel[(T,)](
-        x, weight, logits, scores, idx, H, NE, x.stride(0), weight.stride(0),
-        getattr(tl, TL_DTYPES[x.dtype]), getattr(tl, TL_DTYPES[score_dtype]), top_k, renorm, E, block,
+        x,
+        weight,
+        logits,
+        scores,
+        idx,
+        H,
+        NE,
+        x.stride(0),
+        weight.stride(0),
+        getattr(tl, TL_DTYPES[x.dtype]),
+        getattr(tl, TL_DTYPES[score_dtype]),
+        top_k,
+        renorm,
+        E,
+        block,
         num_warps=max(1, min(16, E * block // 2048)),
-    )  # fmt: skip
+    )
     return logits, scores, idx
 
 
 if triton is not None:
 
     @torch.library.custom_op("mpsconvert::route_topk", mutates_args=())
-    def route_topk_op(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool,
-                      score_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def route_topk_op(
+        x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm: bool, score_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, top-k weights, expert indices) of a softmax top-k router for rows of x."""
         return _launch(x, weight, top_k, renorm, score_dtype)
 
     @route_topk_op.register_fake
     def _(x, weight, top_k, renorm, score_dtype):
         T = x.shape[0]
-        return (x.new_empty(T, weight.shape[0]), x.new_empty(T, top_k, dtype=score_dtype),
-                x.new_empty(T, top_k, dtype=torch.int64))  # fmt: skip
+        return (
+            x.new_empty(T, weight.shape[0]),
+            x.new_empty(T, top_k, dtype=score_dtype),
+            x.new_empty(T, top_k, dtype=torch.int64),
+        )
 
 else:
     route_topk_op = None
