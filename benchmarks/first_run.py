@@ -67,7 +67,7 @@ def steady(art: Path, args) -> dict:
 
     import mpsconvert
     from mpsconvert.runtime import engine
-    from mpsconvert.runtime.load.loader import model_bytes
+    from mpsconvert.runtime.load.load_report import model_bytes
 
     t = time.perf_counter()
     model = mpsconvert.load(art, device=args.device)

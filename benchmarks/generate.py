@@ -105,7 +105,7 @@ def run_variant(name: str, src: Path, art: Path, args) -> dict:
     import mpsconvert
     from mpsconvert.infra import devices
     from mpsconvert.runtime import engine
-    from mpsconvert.runtime.load.loader import model_bytes
+    from mpsconvert.runtime.load.load_report import model_bytes
     from mpsconvert.runtime.patches import prefill_graphs
 
     dev = torch.device(args.device)

@@ -521,7 +521,7 @@ def decoder_layers(model):
 
 def weight_bytes(model) -> tuple[int, int]:
     """(bytes of all parameters and buffers, bytes of the input embedding)."""
-    from mpsconvert.runtime.load.loader import model_bytes
+    from mpsconvert.runtime.load.load_report import model_bytes
 
     emb = model.get_input_embeddings().weight
     return model_bytes(model), emb.numel() * emb.element_size()

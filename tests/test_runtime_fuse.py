@@ -677,7 +677,7 @@ def test_on_cpu_siblings_share_one_rounding_and_one_dense_weight(llama_art):
     dense weight a view of the group's (one copy in memory), and compute what they compute apart;
     also under torch.inference_mode, whose tensors have no version counter."""
     from mpsconvert import load
-    from mpsconvert.runtime.load.loader import model_bytes
+    from mpsconvert.runtime.load.load_report import model_bytes
 
     shared, apart = load(llama_art, device="cpu"), load(llama_art, device="cpu", share_inputs=False)
     groups = [m for m in shared.modules() if isinstance(m, SharedInput)]

@@ -419,7 +419,7 @@ def check_config_numbers(report: VerifyReport, config: dict, tensors: dict) -> N
     0..num_hidden_layers-1 (one stack of layers), the input embedding is [vocab_size, hidden_size],
     and a gated MLP's gate / up / down projections have intermediate_size on their inner axis.
     A config whose model the names do not show (several stacks, other names) is checked in full
-    where the model is built (runtime/load/loader.check_built_model)."""
+    where the model is built (runtime/load/model_check.check_built_model)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     found = []
     stacks: dict[str, set[int]] = {}

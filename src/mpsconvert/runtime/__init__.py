@@ -5,6 +5,7 @@ and shape by measurement, and validate accuracy and speed against BF16.
     model = load("qwen-fp8", device="auto")     # model.mpsconvert says what was verified and chosen
 """
 
-from .load.loader import LoadInfo, load
+from .load.load_report import LoadInfo
+from .load.loader import load
 
 __all__ = ["LoadInfo", "load"]

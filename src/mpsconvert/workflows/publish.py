@@ -32,9 +32,9 @@ def verify(
     if (
         report.needs_model
     ):  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
-        from ..runtime.load import loader
+        from ..runtime.load.model_check import check_built_model
 
-        loader.check_built_model(artifact, report, trust_remote_code=trust_remote_code)
+        check_built_model(artifact, report, trust_remote_code=trust_remote_code)
     return report
 
 

@@ -310,7 +310,8 @@ def validate(artifact, opts: ValidateOptions, progress: Progress | None = None, 
     its own transaction: `put_run`)."""
 
     from ...manifests import loadable
-    from ..load.loader import load, model_bytes
+    from ..load.load_report import model_bytes
+    from ..load.loader import load
 
     artifact = Path(artifact)
     progress = or_silent(progress)

@@ -30,23 +30,23 @@ How, and why this way:
   them (runtime/patches/eager_fusion.py, attention_prefill.py), MoE routers one kernel at
   decode (runtime/patches/routing.py), and a thread started before the shards are read pays the
   process's first-use costs of those kernels and libraries meanwhile (runtime/load/prewarm.py).
+
+This module is the driver: the order of the checks, the reads and the patches. Where each tensor
+goes and what it becomes is tensor_plan.py, the report attached to the model load_report.py, and
+the model built from config.json checked against the artifact model_check.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from ...errors import ArtifactError, MpsconvertError
+from ...errors import ArtifactError
 from ...format.ct_config import scheme_from_config
-from ...format.fp8 import CODE_DTYPES, dequantize
 from ...infra import atomic, devices
-from ...infra.safetensors_io import torch_dtype
 from ...infra.untrusted import read_json
 from ...manifests import layout, loadable
 from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
@@ -55,76 +55,10 @@ from .. import patches
 from ..ops.fp8linear import FP8Linear
 from ..ops.fuse import SharedInput
 from . import prewarm, prewarm_child, stream
+from .load_report import LoadInfo, model_bytes, weights_held
+from .model_check import linear_layout
 from .policy import KernelPolicy
-
-_FP8_PARTS = ("weight", "weight_scale", "input_scale", "bias")
-
-
-@dataclass
-class LoadInfo:
-    """What `load` did, attached to the model as `model.mpsconvert`."""
-
-    path: str
-    device: str
-    dtype: str
-    scheme: str
-    weights: str
-    verify: dict
-    fp8_layers: int = 0
-    dequantized: list = field(default_factory=list)  # FP8 tensors of non-Linear modules, made dense
-    kernels: list = field(default_factory=list)  # policy decisions
-    weight_bytes: int = 0
-    experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
-    patches: dict = field(
-        default_factory=dict
-    )  # patch name -> its report (runtime/patches: what each changed, left, or skipped)
-    prewarm: dict = field(default_factory=dict)  # first-use calls made while the shards were read (CUDA)
-    weights_held: dict = field(
-        default_factory=dict
-    )  # how the FP8 weights are held once loaded: e4m3 codes, or dequantized, and why
-    seconds: dict = field(default_factory=dict)  # where the load's time went
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-def _resolver(model: nn.Module, renamed: dict[str, str] | None = None):
-    """checkpoint key -> model key, allowing for a saved-with/without base_model_prefix and for
-    the names transformers changes on save (`renamed`: stored key -> model key; a renamed
-    `<m>.weight` renames its module's FP8 parts too)."""
-    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    modules = {n for n, _ in model.named_modules()}
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    renamed = renamed or {}
-    mod_renames = {k.rpartition(".")[0]: v.rpartition(".")[0] for k, v in renamed.items() if k.endswith(".weight")}
-
-    def resolve(key: str) -> str | None:
-        mod, _, leaf = key.rpartition(".")
-        if key in renamed:
-            key = renamed[key]
-        elif mod in mod_renames and leaf in _FP8_PARTS:
-            key = f"{mod_renames[mod]}.{leaf}"
-        mod = key.rpartition(".")[0]
-        for cand in (key, f"{prefix}.{key}", key[len(prefix) + 1 :] if key.startswith(prefix + ".") else None):
-            if cand and (cand in names or (leaf in _FP8_PARTS and cand.rpartition(".")[0] in modules)):
-                return cand
-        return None
-
-    return resolve
-
-
-def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
-    mod_name, _, leaf = key.rpartition(".")
-    mod = model.get_submodule(mod_name) if mod_name else model
-    if leaf in mod._parameters:
-        mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    elif leaf in mod._buffers:
-        mod._buffers[leaf] = value
-    else:
-        raise ArtifactError(
-            f"checkpoint tensor {key} has no place in {type(model).__name__}",
-            "is config.json the one this checkpoint was made with?",
-        )
+from .tensor_plan import TensorPlan
 
 
 def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
@@ -291,7 +225,7 @@ def _load(
             )
         scheme = scheme_from_config(qc)
         config, model = definition.build_from(defs, buffers="real", trust_remote_code=trust_remote_code)
-    linears, ignored = _linear_layout(model, qc)
+    linears, ignored = linear_layout(model, qc)
     report = verify_artifact(
         path,
         check_hashes=False,
@@ -311,7 +245,7 @@ def _load(
         warm.begin(config, {n: s for n, s in linears.items() if n not in ignored}, dtype, rows, rowwise, decode)
     t1 = time.perf_counter()
     with devices.oom_hint(dev, "loading the model"):
-        plan = _Plan(model, report, dtype, dev)
+        plan = TensorPlan(model, report, dtype, dev)
         digests = stream.read_shards(
             list(report.headers.values()),
             plan.dests,
@@ -389,239 +323,3 @@ def _load(
     info.seconds = {k: round(v, 3) for k, v in seconds.items()}
     model.mpsconvert = info
     return model
-
-
-class _Plan:
-    """Where every checkpoint tensor goes: a destination on the device for its bytes, and what
-    becomes of it once filled (a parameter, an FP8Linear part, rows of an FP8Experts)."""
-
-    def __init__(self, model: nn.Module, report, dtype: torch.dtype, dev: torch.device):
-        from ...model.moe_layout import experts_modules, find_layout, saved_names
-        from ..ops.fp8_experts import scale_keys
-
-        self.dtype, self.dev = dtype, dev
-        self.code_dtype = devices.capabilities(dev).code_dtype  # float8_e4m3fn, or uint8 where the device has no float8
-        stored = {k: info for h in report.headers.values() for k, info in h.tensors.items()}
-        self.codes = [
-            k for k, info in stored.items() if info.dtype == "F8_E4M3"
-        ]  # e4m3 codes: checked for NaN codes once read
-        self.dests: dict[str, torch.Tensor] = {}
-        self.params: dict[str, str] = {}  # model key -> checkpoint key
-        self.fp8: dict[str, dict[str, str]] = {}  # Linear module -> {part: checkpoint key}
-        self.experts: dict[str, dict] = {}  # experts module -> {param: (ExpertParam, codes)}
-        self.dense_experts: list = []  # (ExpertParam, 3-D parameter, pieces) of experts stored unquantized
-        claimed: set[str] = set()
-        expert_params = set()
-        if experts_modules(model):
-            for ep in find_layout(model, {k: i.shape for k, i in stored.items()}).values():
-                expert_params.add(ep.name)
-                if ep.layout not in ("fused", "per-expert"):
-                    raise ArtifactError(
-                        f"the experts {ep.name} cannot be loaded: {ep.why or ep.layout}",
-                        "re-create the artifact with mpsconvert quantize",
-                    )
-                pieces = [(ep.key, None)] if ep.layout == "fused" else [(sl.key, sl) for sl in ep.slices]
-                if all(stored[k].dtype == "F8_E4M3" for k, _ in pieces):
-                    codes = torch.empty(ep.shape, dtype=self.code_dtype, device=dev)
-                    for k, sl in pieces:
-                        self.dests[k] = codes if sl is None else codes[sl.expert, sl.start : sl.stop]
-                    for k in scale_keys(ep):
-                        if k in stored:
-                            self.dests[k] = self._alloc(stored[k])
-                            claimed.add(k)
-                    self.experts.setdefault(ep.module, {})[ep.param] = (ep, codes)
-                else:  # experts kept in full precision: assembled into the model's own 3-D parameter
-                    param = torch.empty(ep.shape, dtype=dtype, device=dev)
-                    for k, sl in pieces:
-                        dst = param if sl is None else param[sl.expert, sl.start : sl.stop]
-                        self.dests[k] = dst if stored[k].torch_dtype == dtype else self._alloc(stored[k])
-                    self.dense_experts.append((ep, param, pieces))
-                claimed.update(k for k, _ in pieces)
-        names = [n for n, _ in model.named_parameters() if n not in expert_params]
-        resolve = _resolver(model, saved_names(model, names))
-        fp8_modules = {t.rpartition(".")[0] for m in report.quantized if (t := resolve(m + ".weight"))}
-        unexpected = []
-        for key, info in stored.items():
-            if key in claimed:
-                continue
-            target = resolve(key)
-            if target is None:
-                unexpected.append(key)
-                continue
-            mod, _, leaf = target.rpartition(".")
-            self.dests[key] = self._alloc(info)
-            if mod in fp8_modules and leaf in _FP8_PARTS:
-                self.fp8.setdefault(mod, {})[leaf] = key
-            else:
-                self.params[target] = key
-        self.codes = [k for k in self.codes if k in self.dests]
-        if unexpected:
-            raise ArtifactError(
-                f"{len(unexpected)} checkpoint tensors have no place in {type(model).__name__} (e.g. {unexpected[0]})",
-                "is config.json the one this checkpoint was made with?",
-            )
-
-    def _alloc(self, info) -> torch.Tensor:
-        dtype = self.code_dtype if info.dtype == "F8_E4M3" else torch_dtype(info.dtype)
-        return torch.empty(info.shape, dtype=dtype, device=self.dev)
-
-    def install(self, model: nn.Module, activations, info: LoadInfo, block: int | None = None) -> None:
-        from ..ops.fp8_experts import FP8Experts, _fp8_param
-
-        for target, key in self.params.items():
-            t = self.dests[key]
-            _set_tensor(model, target, t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t)
-        for mod_name, parts in self.fp8.items():
-            _install(
-                model,
-                mod_name,
-                {leaf: self.dests[k] for leaf, k in parts.items()},
-                activations,
-                self.dev,
-                self.dtype,
-                info,
-                block,
-            )
-        for ep, param, pieces in self.dense_experts:
-            for k, sl in pieces:
-                dst = param if sl is None else param[sl.expert, sl.start : sl.stop]
-                if self.dests[k].data_ptr() != dst.data_ptr():  # stored in another dtype: converted here
-                    dst.copy_(self.dests[k])
-            _set_tensor(model, ep.name, param)
-        for mod_name, params in self.experts.items():
-            if set(params) != {"gate_up_proj", "down_proj"}:
-                raise ArtifactError(
-                    f"{mod_name} has FP8 {sorted(params)} only", "re-create the artifact with mpsconvert quantize"
-                )
-            (ep13, c13), (ep2, c2) = params["gate_up_proj"], params["down_proj"]
-            w13, s13, i13 = _fp8_param(ep13, self.dests, self.dev, codes=c13, block=block)
-            w2, s2, i2 = _fp8_param(ep2, self.dests, self.dev, codes=c2, block=block)
-            old = model.get_submodule(mod_name)
-            new = FP8Experts(w13, s13, w2, s2, old.act_fn, activations, i13, i2, dtype=self.dtype, block=block)
-            parent, _, leaf = mod_name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, new)
-            info.experts[mod_name] = {"layout": ep13.layout, **new.paths, "experts": new.num_experts}
-        self.dests.clear()
-
-
-def _install(model, mod_name: str, p: dict, activations, dev, dtype, info: LoadInfo, block: int | None = None) -> None:
-    mod = model.get_submodule(mod_name)
-    w, scale = p.get("weight"), p.get("weight_scale")
-    if w is None or scale is None or w.dtype not in CODE_DTYPES:
-        raise ArtifactError(
-            f"{mod_name} has an incomplete FP8 weight (weight and weight_scale needed)", "re-create the checkpoint"
-        )
-    if not isinstance(mod, nn.Linear):  # no FP8 kernel for this module type: dense once, and say so
-        _set_tensor(model, mod_name + ".weight", dequantize(w, scale.float(), dtype, block).to(dev))
-        if "bias" in p:
-            _set_tensor(model, mod_name + ".bias", p["bias"].to(dev, dtype))
-        info.dequantized.append(
-            f"{mod_name} ({type(mod).__name__}: no FP8 kernel, dequantized to {info.dtype} at load)"
-        )
-        return
-    layer = FP8Linear.from_tensors(
-        w.to(dev),
-        scale.float().to(dev),
-        activations=activations,
-        input_scale=p["input_scale"].float() if "input_scale" in p else None,
-        bias=p["bias"] if "bias" in p else None,
-        dtype=dtype,
-        block=block,
-    )
-    parent_name, _, leaf = mod_name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, layer)
-
-
-def weights_held(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> dict:
-    """How the loaded FP8 weights are held: as e4m3 codes (1 byte per weight) or dequantized
-    (2 bytes, as BF16), counted over Linears and MoE experts, and in words where the device
-    saves no memory over BF16 (the user must not think otherwise)."""
-    from ..ops.fp8_experts import FP8Experts
-
-    linears = [
-        m for m in model.modules() if isinstance(m, FP8Linear) and m.group is None
-    ]  # a fused group's members are views of its layer
-    experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
-    out = {
-        "e4m3": sum(m.weight is not None for m in linears) + sum(m.gate_up_codes is not None for m in experts),
-        "dequantized": sum(m.dense_weight is not None for m in linears)
-        + sum(m.gate_up_dense is not None for m in experts),
-        "code_dtype": str(devices.capabilities(dev).code_dtype).replace("torch.", ""),
-    }
-    name = str(dtype).replace("torch.", "")
-    if out["dequantized"] and not out["e4m3"] and dev.type == "cpu":
-        out["note"] = (
-            f"CPU: every FP8 weight is dequantized to {name} once at load (FP8 matmul on CPU is orders of magnitude "
-            f"slower), so the model takes as much memory as {name} (more while loading: the codes are read first) and "
-            f"runs no faster than it (slower where the scheme rounds activations through e4m3); docs/runtime.md"
-        )
-    elif out["dequantized"] and not out["e4m3"]:
-        out["note"] = (
-            f"every FP8 weight is held dequantized in {name} (measured faster here): no memory is saved over {name}"
-        )
-    elif out["dequantized"]:
-        out["note"] = (
-            f"{out['dequantized']} of {out['e4m3'] + out['dequantized']} weight groups are held dequantized in {name}"
-        )
-    return out
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters and buffers, each storage counted once (tied tensors, and the
-    views fused layers keep of one weight)."""
-    seen, total = set(), 0
-    tensors = list(model.parameters()) + list(model.buffers())
-    tensors += [m.dense_weight for m in model.modules() if isinstance(m, FP8Linear) and m.dense_weight is not None]
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
-
-
-def _linear_layout(model, qc: dict) -> tuple[dict, set]:
-    """The Linear shapes of the model built from config, and which of them the config ignores."""
-    from ...model.plan import matches
-
-    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    return linears, {n for n in linears if matches(n, list(qc.get("ignore") or []))}
-
-
-def check_built_model(path, report, trust_remote_code: bool = False) -> None:
-    """The part of `mpsconvert verify` that needs the model: build it from config.json (weightless)
-    and check every FP8 weight against its Linear's shape and the config's ignore list, adding
-    what disagrees to `report` (manifests/verify.py's, run first). verify asks for it only where
-    the manifest does not vouch for config.json (`report.needs_model`): a checkpoint of another
-    tool, a config.json changed since the conversion. With `trust_remote_code` the model's code
-    runs only once every file (that code included) matched its hash."""
-    from ...manifests.verify import check_model_shapes, check_model_structure
-
-    path = Path(path)
-    if trust_remote_code and not (report.ok and report.hashes_checked):
-        report.warnings.append(
-            "the model was not built from config.json: with --trust-remote-code, code runs only "
-            "from an artifact that verified"
-        )
-        return
-    try:
-        qc = read_json(path / layout.CONFIG_NAME, what=layout.CONFIG_NAME).get("quantization_config") or {}
-        _, model = definition.build_from(path, buffers="real", trust_remote_code=trust_remote_code)
-        linears, ignored = _linear_layout(model, qc if isinstance(qc, dict) else {})
-    except (OSError, ValueError, MpsconvertError):  # config missing or unreadable: verify_artifact said which
-        return
-    check_model_shapes(report, linears, ignored)
-    report.linears = set(linears)
-    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    out = (
-        model.get_output_embeddings()
-        if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_output_embeddings")
-        else None
-    )
-    for n, m in model.named_modules():  # a tied output embedding is the input embedding: not stored under its own name
-        if out is not None and m is out:
-            params.pop(f"{n}.weight", None)
-    check_model_structure(report, params, {n for n, _ in model.named_modules()})
