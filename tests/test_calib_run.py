@@ -51,7 +51,7 @@ def test_sequential_gives_the_same_scales_as_the_whole_model(request, which, obs
 
 def test_sequential_peak_is_about_one_block(llama, monkeypatch):
     """Only one block's weights are ever materialised at a time."""
-    from mpsconvert.calibrate import run
+    from mpsconvert.calibrate import calibration as run
 
     live, peak = set(), [0]
     real_mat, real_unload = run._materialize, run._unload

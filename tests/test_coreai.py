@@ -345,7 +345,7 @@ def test_latency_on_linux_is_labelled_beside_pytorch_cpu(exported):
 @pytest.mark.extra("coreai")
 def test_latency_on_macos_runs_one_row_per_compute_unit(exported, monkeypatch):
     """The macOS path, with a fake Session: one row per unit, a failing unit is a row with its error."""
-    from mpsconvert.apple.coreai import check as cc
+    from mpsconvert.apple.coreai import coreai_check as cc
 
     art, _, _ = exported["llama"]
     seen = []

@@ -202,5 +202,5 @@ def test_sampling_top_k_then_top_p_reads_the_renormalised_distribution():
     draws = Draws(0)
     assert {int(choose(logits, Sampling(temp=1.0, top_k=2, top_p=0.6), draws)) for _ in range(200)} == {0}
     assert {int(choose(logits, Sampling(temp=1.0, top_k=2), draws)) for _ in range(200)} == {0, 1}
-    with pytest.raises(Exception, match="top-k must be >= 0"):
+    with pytest.raises(Exception, match="`top_k` must be >= 0"):
         Sampling(top_k=-1)
