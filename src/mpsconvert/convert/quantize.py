@@ -253,8 +253,7 @@ def _write_shards(
             ShardReader(header, pool) as reader,
             ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer,
         ):
-            sh = Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
-            try:
+            with Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors).running() as sh:
                 for name in work:
                     info = header.tensors[name]
                     if name in tensor_module:
@@ -273,10 +272,6 @@ def _write_shards(
                             (FiniteCheck(info.dtype, name, src_name),),
                         )
                     sh.then(advance, info.nbytes, name)
-                sh.pump(0)
-            except BaseException:
-                sh.abandon()
-                raise
         syncs.add(writer.sync)
         for name, *_ in entries:
             out.weight_map[name] = out_name
