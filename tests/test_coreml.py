@@ -456,7 +456,7 @@ def test_coreml_runtime_check_on_macos_through_states_with_a_fake(stateful_packa
 
 
 def test_failed_stateful_export_leaves_artifact(stateful_packages, work, monkeypatch):
-    from mpsconvert.apple.coreml import export as coreml_export
+    from mpsconvert.apple.coreml import coreml_export
 
     art = _copy(stateful_packages["mistral"][0], work, "sf-mistral-fail")
     before = tree_hashes(art)
