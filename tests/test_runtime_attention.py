@@ -16,7 +16,7 @@ def test_decode_kernel_matches_sdpa():
     import torch
     import torch.nn.functional as F
 
-    from mpsconvert.runtime.ops.triton import attention as A
+    from mpsconvert.runtime.ops.triton import attention_kernel as A
 
     g = torch.Generator().manual_seed(0)
 
@@ -63,7 +63,7 @@ def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
     import torch
     from transformers import DynamicCache, StaticCache
 
-    from mpsconvert.runtime.ops.triton import attention as K
+    from mpsconvert.runtime.ops.triton import attention_kernel as K
     from mpsconvert.runtime.patches import attention as A
 
     from .models import tiny_model

@@ -28,6 +28,11 @@ import sys
 
 import torch
 
+# What transformers' decoder layers pass on to their attention besides its input: the positions and the KV cache
+# (under either of its names, `past_key_values` and `cache`).
+POSITION_AND_CACHE_KWARGS = frozenset(
+    {"position_ids", "past_key_values", "cache", "use_cache", "cache_position", "position_embeddings"}
+)
 ROTARY_FUNCTION = "apply_rotary_pos_emb"  # the modeling module's global that attention forwards call
 
 
