@@ -118,7 +118,7 @@ def test_triton_decode_gemv_interpreted():
     import torch
 
     from mpsconvert.runtime.ops.fp8_experts import reference_forward
-    from mpsconvert.runtime.ops.triton import experts as moe_triton
+    from mpsconvert.runtime.ops.triton import moe_gemv as moe_triton
 
     E, N, K = 4, 48, 96
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ def test_routers_match_their_own_forward_and_models_decode_alike():
     import torch
     from transformers import DynamicCache
 
-    from mpsconvert.runtime.ops.triton import routing as K
+    from mpsconvert.runtime.ops.triton import routing_kernel as K
     from mpsconvert.runtime.patches import forwards
     from mpsconvert.runtime.patches import routing as R
     from tests.models import tiny_moe_model
