@@ -1,41 +1,13 @@
 """mpsconvert: FP8 (float8_e4m3fn) artifacts for Apple Silicon, Core ML and Core AI, checked against BF16.
 
-The library API (mpsconvert/api.py) is re-exported here:
+The library API (mpsconvert/api.py, its `__all__`) is re-exported here with the errors it raises:
 
     from mpsconvert import quantize, calibrate, validate, verify, inspect, export, check, load
 """
 
-from .api import (  # noqa: E402
-    CalibrateResult,
-    Chat,
-    CoreAIResult,
-    CoreMLResult,
-    ExportResult,
-    GenerateResult,
-    QuantizeResult,
-    UploadResult,
-    ValidationResult,
-    calibrate,
-    calibration_options,
-    chat,
-    check,
-    check_coreai,
-    check_coreml,
-    coreai_latency,
-    export,
-    export_coreai,
-    export_coreml,
-    generate,
-    inspect,
-    load,
-    quantize,
-    targets,
-    upload,
-    validate,
-    validate_options,
-    verify,
-)
-from .errors import (  # noqa: E402
+from . import api
+from .api import *  # noqa: F403  (api.__all__ is the one list of the public operations and their types)
+from .errors import (
     ArtifactError,
     DataError,
     DeviceError,
@@ -51,34 +23,7 @@ from .version import __version__
 
 __all__ = [
     "__version__",
-    "quantize",
-    "calibrate",
-    "validate",
-    "verify",
-    "inspect",
-    "export",
-    "check",
-    "targets",
-    "export_coreml",
-    "check_coreml",
-    "export_coreai",
-    "check_coreai",
-    "coreai_latency",
-    "load",
-    "generate",
-    "chat",
-    "upload",
-    "calibration_options",
-    "validate_options",
-    "QuantizeResult",
-    "CalibrateResult",
-    "ValidationResult",
-    "ExportResult",
-    "CoreMLResult",
-    "CoreAIResult",
-    "GenerateResult",
-    "Chat",
-    "UploadResult",
+    *api.__all__,
     "MpsconvertError",
     "SourceError",
     "QuantizationError",

@@ -110,19 +110,8 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
             children.append(plan_child.PlanChild(snap.path, opts.ignore, snap.weight_files))
         child = children[0]
         prepared = _in_background(lambda: prepare(snap, opts, headers, plan=child.result()))
-    pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
-    with (
-        atomic.output_dir(
-            out,
-            force=opts.force,
-            min_free=estimate_output_bytes(headers, guessed or tensor_module, opts.scheme),
-            protect=(snap.path,),
-            delete_unlisted=opts.delete_unlisted,
-            **layout.OUTPUT_RULES,
-        ) as tmp,
-        atomic.BackgroundSync() as syncs,
-        ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
-    ):
+    min_free = estimate_output_bytes(headers, guessed or tensor_module, opts.scheme)
+    with writing(out, opts, min_free, protect=(snap.path,)) as (tmp, pool, syncs, workers):
         write = functools.partial(
             _write_shards,
             snap,
@@ -160,6 +149,27 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                     "names differed: shards written again)"
                 )
         return assemble(tmp, snap, plan, opts, shards, Path(out).absolute().name)
+
+
+@contextlib.contextmanager
+def writing(out: Path, opts, min_free: int, protect: tuple):
+    """What a conversion writes with: the output folder, written atomically (`tmp`, swapped in when the block ends
+    cleanly; `opts.force` and `opts.delete_unlisted` say what it may replace), the pooled read buffers, the
+    shards' background syncs and the quantizing threads. Yields (tmp, pool, syncs, workers)."""
+    pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
+    with (
+        atomic.output_dir(
+            out,
+            force=opts.force,
+            min_free=min_free,
+            protect=protect,
+            delete_unlisted=opts.delete_unlisted,
+            **layout.OUTPUT_RULES,
+        ) as tmp,
+        atomic.BackgroundSync() as syncs,
+        ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
+    ):
+        yield tmp, pool, syncs, workers
 
 
 def _in_background(fn) -> Future:
@@ -243,8 +253,7 @@ def _write_shards(
             ShardReader(header, pool) as reader,
             ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer,
         ):
-            sh = Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors)
-            try:
+            with Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors).running() as sh:
                 for name in work:
                     info = header.tensors[name]
                     if name in tensor_module:
@@ -263,10 +272,6 @@ def _write_shards(
                             (FiniteCheck(info.dtype, name, src_name),),
                         )
                     sh.then(advance, info.nbytes, name)
-                sh.pump(0)
-            except BaseException:
-                sh.abandon()
-                raise
         syncs.add(writer.sync)
         for name, *_ in entries:
             out.weight_map[name] = out_name

@@ -22,6 +22,7 @@ granularity dequantizes each block of rows with the source's scales and quantize
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import deque
@@ -98,6 +99,16 @@ class Shard:
                 job()
             else:
                 self.writer.write(out_name, *job.result())
+
+    @contextlib.contextmanager
+    def running(self):
+        """The block that queues this shard's work: leaving it runs what is still queued; an error abandons it."""
+        try:
+            yield self
+            self.pump(0)
+        except BaseException:
+            self.abandon()
+            raise
 
     def abandon(self) -> None:
         """After an error: let the workers finish with their buffers, drop what is queued."""

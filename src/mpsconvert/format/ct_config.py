@@ -108,14 +108,17 @@ def scheme_from_config(qc: dict) -> Scheme:
     return Scheme(name=name, weights=_GRANULARITY[w["strategy"]], **({"block_size": block} if block else {}))
 
 
+def is_block_pair(bs) -> bool:
+    """Whether a config's block shape is a list of two positive whole numbers (not yet that they are equal)."""
+    if not isinstance(bs, list) or len(bs) != 2:
+        return False
+    return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)
+
+
 def _block_size(w: dict) -> int:
     """The edge of square weight blocks (`block_structure: [b, b]`), checked."""
     bs = w.get("block_structure")
-    if not (
-        isinstance(bs, list)
-        and len(bs) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)
-    ):
+    if not is_block_pair(bs):
         raise ArtifactError(
             f"block weights have block_structure {bs!r}", "expected two positive whole numbers, e.g. [128, 128]"
         )

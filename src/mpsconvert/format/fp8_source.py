@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SourceError
-from .ct_config import scheme_from_config
+from .ct_config import is_block_pair, scheme_from_config
 from .scales import Granularity
 from .schemes import Scheme
 
@@ -98,11 +98,7 @@ def _fine_grained(qc: dict, where: str) -> SourceFP8:
     if bs is None:
         scheme = Scheme(name="fp8-dynamic", weights=Granularity.TENSOR)
     else:
-        if not (
-            isinstance(bs, list)
-            and len(bs) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)
-        ):
+        if not is_block_pair(bs):
             raise _refuse(f"{where} has weight_block_size {bs!r}: expected two positive whole numbers")
         if bs[0] != bs[1]:
             raise _refuse(

@@ -23,11 +23,17 @@ whether a forward takes `cache_position`), since those are the same kind of know
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 
 import torch
 
+# What transformers' decoder layers pass on to their attention besides its input: the positions and the KV cache
+# (under either of its names, `past_key_values` and `cache`).
+POSITION_AND_CACHE_KWARGS = frozenset(
+    {"position_ids", "past_key_values", "cache", "use_cache", "cache_position", "position_embeddings"}
+)
 ROTARY_FUNCTION = "apply_rotary_pos_emb"  # the modeling module's global that attention forwards call
 
 
@@ -320,15 +326,19 @@ class _Unloaded:
         return getattr(self._model, name)
 
 
+def _has(api: dict[str, list[str]]) -> bool:
+    """Whether every module of `api` imports and holds each of its names (a `from module import name` that works)."""
+    try:
+        return all(hasattr(importlib.import_module(m), n) for m, names in api.items() for n in names)
+    except ImportError:
+        return False
+
+
 def has_weight_conversion() -> bool:
     """Whether this transformers converts weights between checkpoint and model names and
     layouts (`core_model_loading`, transformers 5); older ones load checkpoints by the model's
     own names."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _has({"transformers.core_model_loading": ["revert_weight_conversion"]})
 
 
 def saved_form(model, tensors: dict) -> dict:
@@ -349,13 +359,13 @@ def saved_form(model, tensors: dict) -> dict:
 
 def can_load_converted() -> bool:
     """Whether this transformers has the API `load_converted` uses (transformers 5)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model  # noqa: F401
-        from transformers.modeling_utils import LoadStateDictConfig  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _has(
+        {
+            "transformers.conversion_mapping": ["get_model_conversion_mapping"],
+            "transformers.core_model_loading": ["convert_and_load_state_dict_in_model"],
+            "transformers.modeling_utils": ["LoadStateDictConfig"],
+        }
+    )
 
 
 def load_converted(model, state: dict, model_dir, device, dtype) -> None:

@@ -216,29 +216,31 @@ def check_against_model(plan: Plan, headers: dict, fp8_source: bool = False) -> 
     prefix = plan.prefix
     experts = tuple(e + "." for e in plan.experts)
 
+    def names(key: str) -> list[str]:
+        """`key` and, with a prefix, its name with the prefix added or taken off."""
+        return [
+            cand
+            for cand in (
+                key,
+                f"{prefix}.{key}" if prefix else None,
+                key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None,
+            )
+            if cand
+        ]
+
     def defined(key: str) -> bool:
         if key.endswith(_COMPANIONS):
             return True
-        for cand in (
-            key,
-            f"{prefix}.{key}" if prefix else None,
-            key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None,
-        ):
-            if cand and (
-                cand in known or (bool(experts) and cand.startswith(experts))
-            ):  # per-expert tensors of fused experts
+        for cand in names(key):
+            if cand in known or (bool(experts) and cand.startswith(experts)):  # per-expert tensors of fused experts
                 return True
         return False
 
     plan.unknown = sorted(name for h in headers.values() for name in h.tensors if not defined(name))
 
     def param_of(key: str):
-        for cand in (
-            key,
-            f"{prefix}.{key}" if prefix else None,
-            key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None,
-        ):
-            if cand and cand in params:
+        for cand in names(key):
+            if cand in params:
                 return params[cand]
         return None
 

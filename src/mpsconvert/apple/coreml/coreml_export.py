@@ -335,6 +335,16 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
 
     lut_base = e4m3_lut()
 
+    def in_place(op, indices, lut, encoding: str, blocks: list | None = None) -> dict:
+        """The weight const `op` replaced, for every use, by its codes through the palette `lut`; its record."""
+        name = op.name + "_fp8_lut"
+        new = mb.constexpr_lut_to_dense(indices=indices, lut=lut, before_op=op, name=name)
+        op.enclosing_block.replace_uses_of_var_after_op(
+            anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True
+        )
+        per_block = {} if blocks is None else {"lut_blocks": blocks}
+        return {"lut": name, "row_scale": None, "lut_exponent": None, **per_block, "encoding": encoding}
+
     class Fp8LutPass(AbstractGraphPass):
         def apply(self, prog):
             matched = match_fp8_consts(prog, fp8_weights)
@@ -369,37 +379,18 @@ def _fp8_lut_pass(fp8_weights: dict, record: dict):
                         lut = (tiles[:, :, None] * lut_base[None, None, :]).astype(np.float16)
                         if transposed:
                             idx, lut = idx.T.copy(), lut.transpose(1, 0, 2).copy()
-                        new = mb.constexpr_lut_to_dense(
-                            indices=idx, lut=lut[..., None], before_op=op, name=base + "_lut"
+                        info = in_place(
+                            op, idx, lut[..., None], "lut per block (e4m3 x block scale, fp16)", list(tiles.shape)
                         )
-                        op.enclosing_block.replace_uses_of_var_after_op(
-                            anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True
-                        )
-                        info = {
-                            "lut": base + "_lut",
-                            "row_scale": None,
-                            "lut_exponent": None,
-                            "lut_blocks": list(tiles.shape),
-                            "encoding": "lut per block (e4m3 x block scale, fp16)",
-                        }
                     elif scale.size == 1:
                         # fp32 product, one fp16 rounding: exactly the artifact's FP16 dequantization.
                         lut = (lut_base * scale[0]).astype(np.float16)
-                        new = mb.constexpr_lut_to_dense(
-                            indices=idx.T.copy() if transposed else idx,
-                            lut=lut.reshape((1,) * idx.ndim + (256, 1)),
-                            before_op=op,
-                            name=base + "_lut",
+                        info = in_place(
+                            op,
+                            idx.T.copy() if transposed else idx,
+                            lut.reshape((1,) * idx.ndim + (256, 1)),
+                            "lut(e4m3 x tensor scale, fp16)",
                         )
-                        op.enclosing_block.replace_uses_of_var_after_op(
-                            anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True
-                        )
-                        info = {
-                            "lut": base + "_lut",
-                            "row_scale": None,
-                            "lut_exponent": None,
-                            "encoding": "lut(e4m3 x tensor scale, fp16)",
-                        }
                     else:
                         bad = [c.op_type for c in consumers if c.op_type != "linear" or c.weight is not op.outputs[0]]
                         if transposed or bad:

@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import MpsconvertError
-from ...infra import atomic
 from ...infra.progress import Progress, or_silent
-from ...manifests import layout
 from ...manifests.manifest import Manifest
 from ...source.snapshot import Snapshot
 from . import COMFYUI_FORMATS, FORMATS
@@ -78,35 +76,20 @@ def quantize_source(
 
 def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progress | None = None) -> Manifest:
     """Write the FP8 artifact of a diffusion source to `out` (atomically); return its manifest."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ...infra.safetensors_io import BufferPool
-    from ..quantize import BLOCK_BYTES, QUANT_THREADS, _write_shards, converting
+    from ..quantize import _write_shards, converting, writing
     from ..quantize_options import Options
     from .assemble_diffusion import assemble
     from .write import WEIGHT_ONLY_ROW, comfy_file_name, diffusers_shard_names, estimate_bytes, plan, write_comfyui
 
     with converting(snap):  # one torch thread per quantizing thread; the source hashed from the start
         p = plan(snap, opts)
-        pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
         # a single file is the source, not the folder it sits in: an output beside it is fine
         protect = (
             (snap.path / snap.weight_files[0],)
             if snap.diffusion.layout == "single-file"
             else (snap.path, snap.diffusion.root)
         )
-        with (
-            atomic.output_dir(
-                out,
-                force=opts.force,
-                min_free=estimate_bytes(p),
-                protect=protect,
-                delete_unlisted=opts.delete_unlisted,
-                **layout.OUTPUT_RULES,
-            ) as tmp,
-            atomic.BackgroundSync() as syncs,
-            ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
-        ):
+        with writing(out, opts, estimate_bytes(p), protect) as (tmp, pool, syncs, workers):
             if opts.format in COMFYUI_FORMATS:
                 shards = write_comfyui(
                     snap, p, opts, tmp / comfy_file_name(out), pool, workers, syncs, or_silent(progress)

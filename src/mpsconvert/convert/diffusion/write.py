@@ -258,8 +258,7 @@ def write_comfyui(
     done = [0]
     try:
         with ShardWriter(path, entries, metadata=meta) as writer:
-            sh = Shard(None, writer, workers, QUANT_THREADS + 1, out.tensors)
-            try:
+            with Shard(None, writer, workers, QUANT_THREADS + 1, out.tensors).running() as sh:
                 if legacy:
                     sh.then(writer.write, LEGACY_MARKER, torch.zeros(2, dtype=fp8.FP8_DTYPE))
                 for o in p.originals:
@@ -289,10 +288,6 @@ def write_comfyui(
                         progress("quantize", done[0], total, name)
 
                     sh.then(advance)
-                sh.pump(0)
-            except BaseException:
-                sh.abandon()
-                raise
         syncs.add(writer.sync)
     finally:
         for r in readers.values():

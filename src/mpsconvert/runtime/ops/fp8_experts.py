@@ -455,16 +455,8 @@ def _fp8_param(
         if not assembled:
             codes[sl.expert, sl.start : sl.stop] = w
         scale[sl.expert, sl.start : sl.stop] = s.float().reshape(-1).expand(sl.stop - sl.start)
-        i = get(sl.key[: -len("weight")] + "input_scale")
-        if i is not None:
-            # w1 and w3 (gate and up) of one expert read the same input: keep the larger scale
-            ins[sl.expert] = (
-                i.float().reshape(())
-                if ins[sl.expert] is None
-                else torch.maximum(ins[sl.expert], i.float().reshape(()))
-            )
-    input_scale = torch.stack(ins) if all(v is not None for v in ins) else None
-    return codes, scale, input_scale
+        _take_input_scale(ins, sl.expert, get(sl.key[: -len("weight")] + "input_scale"))
+    return codes, scale, _stacked(ins)
 
 
 def _fp8_block_param(ep: ExpertParam, tensors, device, codes, block: int):
@@ -505,15 +497,21 @@ def _fp8_block_param(ep: ExpertParam, tensors, device, codes, block: int):
         scale[sl.expert, sl.start : sl.stop] = s[: sl.stop - sl.start]
         if w is not None:
             codes[sl.expert, sl.start : sl.stop] = w
-        i = get(sl.key[: -len("weight")] + "input_scale")
-        if i is not None:  # gate and up read the same input: the larger scale
-            ins[sl.expert] = (
-                i.float().reshape(())
-                if ins[sl.expert] is None
-                else torch.maximum(ins[sl.expert], i.float().reshape(()))
-            )
-    input_scale = torch.stack(ins) if all(v is not None for v in ins) else None
-    return codes, scale, input_scale
+        _take_input_scale(ins, sl.expert, get(sl.key[: -len("weight")] + "input_scale"))
+    return codes, scale, _stacked(ins)
+
+
+def _take_input_scale(ins: list, expert: int, i: torch.Tensor | None) -> None:
+    """One slice's stored input scale `i` into `ins[expert]`: w1 and w3 (gate and up) of one expert read the
+    same input, so the expert keeps the larger of theirs."""
+    if i is not None:
+        i = i.float().reshape(())
+        ins[expert] = i if ins[expert] is None else torch.maximum(ins[expert], i)
+
+
+def _stacked(ins: list) -> torch.Tensor | None:
+    """The experts' input scales [E], or None when one of them has none (the activations are not static)."""
+    return torch.stack(ins) if all(v is not None for v in ins) else None
 
 
 def scale_keys(ep: ExpertParam) -> list[str]:

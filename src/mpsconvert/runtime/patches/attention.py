@@ -33,20 +33,7 @@ NAME = "mpsconvert_sdpa"  # contains "sdpa": transformers runs its SDPA checks f
 # kernel's result unchanged: the layer's own arguments, passed along unread by SDPA too
 # (`sliding_window` is in the boolean mask already). Anything else set (soft-capping, sinks,
 # attention biases, a future argument) runs SDPA: an allow-list, so what is new is never ignored.
-ACCEPTED = frozenset(
-    {
-        "position_ids",
-        "past_key_values",
-        "cache",
-        "use_cache",
-        "cache_position",
-        "position_embeddings",
-        "sliding_window",
-        "is_causal",
-        "output_attentions",
-        "layer_idx",
-    }
-)
+ACCEPTED = hf_compat.POSITION_AND_CACHE_KWARGS | {"sliding_window", "is_causal", "output_attentions", "layer_idx"}
 
 
 def accepts(kwargs: dict) -> bool:

@@ -42,18 +42,8 @@ from . import rotary
 QKV = ("q_proj", "k_proj", "v_proj")
 # The decoder layer's keyword arguments this path reads or that the attention does not read at
 # prefill (anything else, e.g. output_attentions or a flash-attention argument, takes the module's forward).
-KWARGS = frozenset(
-    {
-        "attention_mask",
-        "position_ids",
-        "past_key_values",
-        "cache",
-        "use_cache",
-        "cache_position",
-        "position_embeddings",
-        "output_router_logits",
-    }
-)  # the last: MoE layers pass it on, for their router (called as a module here)
+# output_router_logits: MoE layers pass it on, for their router (called as a module here).
+KWARGS = hf_compat.POSITION_AND_CACHE_KWARGS | {"attention_mask", "output_router_logits"}
 SDPA = ("sdpa", "mpsconvert_sdpa")  # attention implementations whose prefill is transformers' sdpa_attention_forward
 
 
