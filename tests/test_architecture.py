@@ -90,7 +90,7 @@ def test_dependencies_go_one_way(path):
 
 def test_the_checker_sees_a_violation(tmp_path):
     """Negative control: the import parser resolves relative imports (else the test above is empty)."""
-    assert "api" in _imports(PKG / "cli" / "commands.py")
+    assert "api" in _imports(PKG / "cli" / "convert_commands.py")
     assert "manifests.layout" in _imports(PKG / "convert" / "quantize_plan.py")
     assert "errors" in _imports(PKG / "format" / "fp8.py")
 
