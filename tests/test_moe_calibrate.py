@@ -11,7 +11,7 @@ from mpsconvert.calibrate.expert_scales import ExpertObserver
 from mpsconvert.convert.quantize import quantize_snapshot
 from mpsconvert.convert.quantize_options import Options
 from mpsconvert.format.schemes import Scheme
-from mpsconvert.runtime.ops.fp8_experts import load_fp8_experts
+from mpsconvert.runtime.ops.expert_loading import load_fp8_experts
 from mpsconvert.source.snapshot import resolve
 
 from .models import tiny, tiny_moe_model

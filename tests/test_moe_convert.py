@@ -16,7 +16,8 @@ from mpsconvert.convert.quantize_options import Options
 from mpsconvert.errors import QuantizationError
 from mpsconvert.format import fp8
 from mpsconvert.format.schemes import Scheme
-from mpsconvert.runtime.ops.fp8_experts import FP8Experts, load_fp8_experts
+from mpsconvert.runtime.ops.expert_loading import load_fp8_experts
+from mpsconvert.runtime.ops.fp8_experts import FP8Experts
 from mpsconvert.source.snapshot import resolve
 
 from .helpers import logits

@@ -8,12 +8,12 @@ import torch
 
 from mpsconvert.errors import ArtifactError
 from mpsconvert.format import fp8
+from mpsconvert.runtime.ops.expert_loading import replace_moe_experts
 from mpsconvert.runtime.ops.fp8_experts import (
     FP8Experts,
     Route,
     grouped_mm_available,
     reference_forward,
-    replace_moe_experts,
 )
 
 E, H, I = 8, 64, 48

@@ -64,7 +64,7 @@ class TensorPlan:
 
     def __init__(self, model: nn.Module, report, dtype: torch.dtype, dev: torch.device):
         from ...model.moe_layout import experts_modules, find_layout, saved_names
-        from ..ops.fp8_experts import scale_keys
+        from ..ops.expert_loading import scale_keys
 
         self.dtype, self.dev = dtype, dev
         self.code_dtype = devices.capabilities(dev).code_dtype  # float8_e4m3fn, or uint8 where the device has no float8
@@ -133,7 +133,8 @@ class TensorPlan:
         return torch.empty(info.shape, dtype=dtype, device=self.dev)
 
     def install(self, model: nn.Module, activations, info: LoadInfo, block: int | None = None) -> None:
-        from ..ops.fp8_experts import FP8Experts, _fp8_param
+        from ..ops.expert_loading import _fp8_param
+        from ..ops.fp8_experts import FP8Experts
 
         for target, key in self.params.items():
             t = self.dests[key]
