@@ -5,14 +5,10 @@
     report = validate("qwen-fp8")                            # -> ValidationResult
     model = load("qwen-fp8", device="auto")                  # a transformers model with FP8 layers
 
-Each function takes typed keyword arguments, returns a small dataclass, and raises an
-`MpsconvertError` subclass (errors.py) for anything the caller can fix; the CLI is a thin layer
-over these functions. This module is a facade: each function is its signature, its docstring and
-one call into a workflow (workflows/: what joins the packages, under one lock) or a package.
-Importing it is cheap (no torch): heavy imports happen inside the calls, so `mpsconvert --help`
-stays fast and a conversion starts hashing its source before torch loads. The Apple targets come
-from a registry (apple/registry.py): `export(artifact, target)` and `check(artifact, target)` take
-any of them, `targets()` lists them; the per-target functions (`export_coreml`, ...) stay for their callers.
+A facade: each function is its typed signature, its docstring and one call into a workflow
+(workflows/: what joins the packages, under one lock) or a package; each returns a small dataclass
+and raises an `MpsconvertError` subclass (errors.py) for anything the caller can fix. Importing it
+loads no torch (heavy imports happen inside the calls), so `mpsconvert --help` stays fast.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from .apple import flow
 from .apple.coreai import COMPUTE_DTYPES as COREAI_COMPUTE_DTYPES  # noqa: F401
 from .apple.coreai import CoreAIOptions
 from .apple.coreml import FRONTENDS as COREML_FRONTENDS  # noqa: F401
-from .apple.coreml import ExportOptions, SeqLen
+from .apple.coreml import ExportOptions, SeqLen  # noqa: F401  (re-exported: __all__)
 from .apple.flow import ExportResult
 from .apple.protocol import Option, Target  # noqa: F401  (the CLI builds its Apple options from them)
 from .calibrate import DEFAULT_PERCENTILE, OBSERVERS  # noqa: F401
@@ -53,41 +49,14 @@ if TYPE_CHECKING:  # heavy modules, for annotations only
     from .manifests.verify import VerifyReport
     from .runtime.evaluate.validate import ValidateOptions
 
-__all__ = [
-    "quantize",
-    "calibrate",
-    "validate",
-    "verify",
-    "inspect",
-    "export",
-    "check",
-    "targets",
-    "export_coreml",
-    "check_coreml",
-    "export_coreai",
-    "check_coreai",
-    "coreai_latency",
-    "load",
-    "generate",
-    "chat",
-    "upload",
-    "QuantizeResult",
-    "CalibrateResult",
-    "GenerateResult",
-    "Chat",
-    "UploadResult",
-    "ValidationResult",
-    "ExportResult",
-    "CoreMLResult",
-    "CoreAIResult",
-    "ExportOptions",
-    "SeqLen",
-    "CoreAIOptions",
-    "calibration_options",
-    "validate_options",
-]
+__all__ = """
+quantize calibrate validate verify inspect export check targets export_coreml check_coreml export_coreai
+check_coreai coreai_latency load generate chat upload QuantizeResult CalibrateResult GenerateResult Chat
+UploadResult ValidationResult ExportResult CoreMLResult CoreAIResult ExportOptions SeqLen CoreAIOptions
+calibration_options validate_options
+""".split()
 
-# The results of the Apple targets are one type; the names of the two first targets stay for their callers.
+# One result type for every Apple target; the first two targets' names stay for their callers.
 CoreMLResult = CoreAIResult = ExportResult
 
 
@@ -100,9 +69,8 @@ def calibration_options(**kw: Any) -> CalibOptions:
 
 
 def validate_options(**kw: Any) -> ValidateOptions:
-    """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len,
-    decode_tokens, repeats, rounds, warmup, full, latency, compile, write):
-    `runtime.evaluate.validate.ValidateOptions`."""
+    """Validation settings (baseline, eval_data, device, seq_len, max_samples, prefill_len, decode_tokens,
+    repeats, rounds, warmup, full, latency, compile, write): `runtime.evaluate.validate.ValidateOptions`."""
     from .runtime.evaluate.validate import ValidateOptions
 
     return ValidateOptions(**kw)
@@ -153,23 +121,19 @@ def quantize(
         trust_remote_code: allow an architecture defined by code in the repo.
         experts_layout: fused MoE experts written "per-expert" (loads everywhere) or as in the
             "checkpoint" (fused; only mpsconvert's runtime loads it).
-        force: replace an existing output (only once the new one is complete); an artifact of
-            mpsconvert only, and one holding files its manifest does not list (a user's notes)
-            only with `delete_unlisted`.
-        delete_unlisted: with `force`, also delete the files of the old artifact its manifest
-            does not list [default: refused, naming them].
+        force: replace an existing output of mpsconvert (once the new one is complete).
+        delete_unlisted: with `force`, also delete files the old artifact's manifest does not list
+            (a user's notes) [default: refused, naming them].
         calibration: for scheme "fp8", how to calibrate [default: the built-in text, 128 x 512
             tokens, minmax]; ignored when `scales_file` is given.
         scales_file: for scheme "fp8", input scales written earlier by `calibrate(..., output=FILE)`.
         exports: also export into the artifact (and check) each Apple target named, {target key:
             its export options, or None for its defaults} (`targets()`).
-        coreml: also export a Core ML package into the artifact (and check it): `exports={"coreml": coreml}`.
-        coreai: also export a Core AI asset into the artifact (and check it): `exports={"coreai": coreai}`.
+        coreml, coreai: shorthands of `exports={"coreml": coreml}`, `exports={"coreai": coreai}`.
         dtype: "bfloat16", "float16" or "float32" for the tensors that stay unquantized
             (embeddings, lm_head, norms) [default: copied bit for bit in the source's dtype].
-        max_shard_size: the largest weight file, bytes or "1GB" / "500MB" / "2GiB" (as
-            `save_pretrained` reads it) [default: 1GB]: `runtime.load` hashes the files on a
-            thread each, so smaller shards verify faster.
+        max_shard_size: the largest weight file, bytes or "1GB" / "500MB" / "2GiB" [default: 1GB;
+            `runtime.load` hashes the files on a thread each, so smaller shards verify faster].
         upload_repo: then publish the artifact to this hub repo (`upload`), with `token`.
         private: create `upload_repo` private.
         format: for a diffusion model (a diffusers pipeline or component, or an original-repo
@@ -194,34 +158,9 @@ def quantize(
             offline mode is on (checked before converting).
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
-    return quantize_flow.quantize(
-        source,
-        output,
-        scheme=scheme,
-        weights=weights,
-        block_size=block_size,
-        revision=revision,
-        token=token,
-        ignore=ignore,
-        trust_remote_code=trust_remote_code,
-        experts_layout=experts_layout,
-        force=force,
-        delete_unlisted=delete_unlisted,
-        calibration=calibration,
-        scales_file=scales_file,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        upload_repo=upload_repo,
-        private=private,
-        format=format,
-        component=component,
-        progress=progress,
-        exports={
-            **(exports or {}),
-            **({"coreml": coreml} if coreml is not None else {}),
-            **({"coreai": coreai} if coreai is not None else {}),
-        },
-    )
+    exports = {**(exports or {}), **{k: v for k, v in (("coreml", coreml), ("coreai", coreai)) if v is not None}}
+    settings = {k: v for k, v in locals().items() if k not in ("coreml", "coreai")}  # the parameters, as given
+    return quantize_flow.quantize(**settings)
 
 
 def calibrate(
@@ -271,10 +210,8 @@ def verify(
     """Check an artifact: every file's sha256 against the manifest, and its consistency (every
     FP8 weight has its scale, shapes and dtypes as config.json's model says).
 
-    An artifact with its manifest is checked from JSON and safetensors headers alone (no torch,
-    no transformers: under a second); the model is built from config.json (weightless) only
-    where the manifest does not vouch for that file: a checkpoint of another tool, or a
-    config.json that is not the one recorded.
+    An artifact with its manifest is checked from JSON and safetensors headers alone (no torch:
+    under a second); the model is built weightless only where the manifest does not vouch for config.json.
 
     Args:
         artifact: the artifact folder (or any compressed-tensors FP8 checkpoint: then only the
@@ -291,13 +228,7 @@ def verify(
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    return publish_flow.verify(
-        artifact,
-        check_hashes=check_hashes,
-        trust_remote_code=trust_remote_code,
-        manifest_sha256=manifest_sha256,
-        progress=progress,
-    )
+    return publish_flow.verify(**locals())
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -314,8 +245,7 @@ def inspect(artifact: str | Path) -> Manifest:
 
 
 def engine_line(manifest: Manifest) -> str | None:
-    """Where the artifact of `manifest` loads and where not (vLLM GPU and CPU, transformers,
-    mpsconvert, Core ML / Core AI), with how each is known: the line its model card says
+    """Which engines load the artifact of `manifest` and which not, as its model card says
     (manifests/engines.py decides it); None for a diffusion artifact."""
     from .manifests import engines
 
@@ -328,9 +258,8 @@ def validate(
     """Accuracy and latency of an FP8 artifact against its BF16 baseline, on one device.
 
     Causal LMs: perplexity of both, mean KL and top-1 agreement; encoders: embedding cosine.
-    Latency: prefill and decode (batch 1), median and p95, peak memory. Results are recorded in
-    the manifest (`validation`) unless `options.write` is False; an artifact with a Core ML
-    package also gets the Core ML runtime check (macOS only; elsewhere the result says why not).
+    Latency: prefill and decode (batch 1), median and p95, peak memory. Recorded in the manifest
+    (`validation`) unless `options.write` is False, with each Apple package's runtime check.
 
     Args:
         artifact: the artifact folder.
@@ -357,10 +286,8 @@ def export(
     """Export an FP8 artifact to an Apple target's package inside it (Core ML: `model.mlpackage`,
     Core AI: `model.aimodel`; `targets()` lists them), then check it.
 
-    Under the artifact's lock the artifact is verified first (every hash, before any of it is
-    used); the package is built and checked in a staged copy of the artifact, and the package,
-    its record (with the check) and the model card replace the artifact in one swap: a failed
-    export leaves the artifact as it was.
+    The artifact is verified first, under its lock; the package is built and checked in a staged
+    copy, which replaces the artifact in one swap: a failed export leaves the artifact as it was.
 
     Args:
         artifact: the artifact folder.
@@ -418,11 +345,8 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
         dtype: the compute dtype of unquantized tensors and activations [default: bfloat16].
         verify: check every file's sha256 against the manifest (code and config before they are
             used, the weights as they are read, all before the model is returned).
-        **kw: `kernel_cache`, `measure`, `trust_remote_code`, `progress`, `compile` (on CUDA, the
-            model's generate() at batch 1 with a static cache, compiled by transformers; False: its default),
-            `manifest_sha256` (the manifest file's pinned sha256), `prefill_graphs` (on CUDA, a
-            prefill of up to 1024 tokens replays its layers as CUDA graphs; False: launched one
-            by one) (see `runtime.load.loader.load`).
+        **kw: `kernel_cache`, `measure`, `trust_remote_code`, `progress`, `compile`, `manifest_sha256`,
+            `prefill_graphs` (`runtime.load.loader.load` says what each does).
 
     Returns:
         The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each
@@ -451,12 +375,9 @@ def upload(
 ) -> UploadResult:
     """Publish an artifact to a Hugging Face hub model repo (created if absent).
 
-    The artifact is verified first (every sha256 against the manifest); its model card,
-    rewritten to name the repo (how to load it from there), and the manifest go into a staged
-    copy; the listed files go up from it in one commit with huggingface_hub, as the bytes that
-    were verified (never a path it would reopen), whose message names the scheme and the source
-    commit; the staged copy replaces the artifact only once the commit succeeded (a failed
-    upload changes nothing local).
+    The artifact is verified first; its card (naming the repo) and manifest go into a staged copy;
+    the listed files go up in one commit, as the bytes that were verified; the staged copy replaces
+    the artifact only once the commit succeeded (a failed upload changes nothing local).
 
     Args:
         artifact: the artifact folder.
@@ -476,13 +397,4 @@ def upload(
         ArtifactError: not an artifact, it fails verification, or a file changed after it was
             verified (nothing is sent).
     """
-    return publish_flow.upload(
-        artifact,
-        repo,
-        private=private,
-        token=token,
-        revision=revision,
-        verify_first=verify_first,
-        progress=progress,
-        check=verify,
-    )
+    return publish_flow.upload(**locals(), check=verify)
