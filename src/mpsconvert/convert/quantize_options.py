@@ -44,9 +44,8 @@ class Options:
     fp8_tensors: dict = field(default_factory=dict)
     source_scheme: Scheme | None = None  # the scheme an FP8 source's codes and scales are in
     repack: bool = False  # an FP8 source whose codes are kept (the scheme asked for is its own)
-    notes: list[str] = field(
-        default_factory=list
-    )  # what the conversion says about the source (tensors the model does not define)
+    # what the conversion says about the source (tensors the model does not define)
+    notes: list[str] = field(default_factory=list)
     # The leaf name of a weight's scale: compressed-tensors' `<m>.weight_scale`, or another
     # loader's (diffusers' SDNQ backend reads `<m>.scale`).
     scale_leaf: str = "weight_scale"

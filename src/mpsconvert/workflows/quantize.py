@@ -27,9 +27,8 @@ class QuantizeResult(ByTarget):
     output: Path
     manifest: Manifest
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
-    apple: dict[str, ExportResult] = field(
-        default_factory=dict
-    )  # target key -> the export asked for (also `result.<key>`)
+    # target key -> the export asked for (also `result.<key>`)
+    apple: dict[str, ExportResult] = field(default_factory=dict)
     manifest_sha256: str | None = (
         None  # of the manifest file as written: pins everything, until the next step changes it
     )

@@ -38,9 +38,8 @@ class ValidationResult(ByTarget):
     measured_at: str
     kernels: list = field(default_factory=list)
     dequantized_at_load: list = field(default_factory=list)
-    weights_held: dict = field(
-        default_factory=dict
-    )  # e4m3 codes or dequantized on this device, and a note where no memory is saved
+    # e4m3 codes or dequantized on this device, and a note where no memory is saved
+    weights_held: dict = field(default_factory=dict)
     latency: dict | None = None
     speedup: dict | None = None  # BF16 median / FP8 median per phase
     verdict: dict | None = None  # per phase: ratio, run-to-run spread, "faster" | "slower" | "no clear difference"
@@ -63,8 +62,9 @@ def validate(artifact: Path, opts, progress: Progress | None = None) -> Validati
     found = layout.is_artifact(artifact)
     write = opts.write and found
     with atomic.claim(artifact) if write else contextlib.nullcontext():
-        if found and layout.diffusion_format(Manifest.read(artifact)):  # one denoising step (docs/diffusion.md)
-            body, apple, records, failure = _diffusion(artifact, opts, progress), {}, [], None
+        manifest = Manifest.read(artifact) if found else None
+        if manifest is not None and layout.diffusion_format(manifest):  # one denoising step (docs/diffusion.md)
+            body, apple, records, failure = _diffusion(artifact, manifest, opts, progress), {}, [], None
         else:
             body = _torch(artifact, opts, progress)
             # The Apple parts run with the settings the PyTorch rows were measured with (their
@@ -94,7 +94,7 @@ def _torch(artifact: Path, opts, progress: Progress | None) -> dict:
     return body
 
 
-def _diffusion(artifact: Path, opts, progress: Progress | None) -> dict:
+def _diffusion(artifact: Path, manifest: Manifest, opts, progress: Progress | None) -> dict:
     """One denoising step of a diffusion artifact's transformer against its BF16 source, both
     loaded by the conversion package."""
     from ..convert.diffusion.load import load_pair
@@ -103,7 +103,6 @@ def _diffusion(artifact: Path, opts, progress: Progress | None) -> dict:
 
     progress = or_silent(progress)
     dev = devices.choose(opts.device)
-    manifest = Manifest.read(artifact)
     progress("load", 0, 2, "BF16 source and FP8 artifact")
     with devices.oom_hint(dev, "loading the two transformers"):
         pair = load_pair(artifact, manifest, dev, opts.baseline)

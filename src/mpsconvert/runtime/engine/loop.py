@@ -46,9 +46,8 @@ class GenerationStats:
     # "compile" | "eager", "asked", "seconds", "fallback": why the asked path did not run, or None}; None for a decoder
     # that has no paths
     decode: dict | None = None
-    step_seconds: list = field(
-        default_factory=list
-    )  # each decode step, the device synchronised (only when asked: time_steps)
+    # each decode step, the device synchronised (only when asked: time_steps)
+    step_seconds: list = field(default_factory=list)
 
     @property
     def prompt_tps(self) -> float:

@@ -30,13 +30,11 @@ class LoadInfo:
     kernels: list = field(default_factory=list)  # policy decisions
     weight_bytes: int = 0
     experts: dict = field(default_factory=dict)  # experts module -> how it is stored and which paths it runs
-    patches: dict = field(
-        default_factory=dict
-    )  # patch name -> its report (runtime/patches: what each changed, left, or skipped)
+    # patch name -> its report (runtime/patches: what each changed, left, or skipped)
+    patches: dict = field(default_factory=dict)
     prewarm: dict = field(default_factory=dict)  # first-use calls made while the shards were read (CUDA)
-    weights_held: dict = field(
-        default_factory=dict
-    )  # how the FP8 weights are held once loaded: e4m3 codes, or dequantized, and why
+    # how the FP8 weights are held once loaded: e4m3 codes, or dequantized, and why
+    weights_held: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)  # where the load's time went
 
     def as_dict(self) -> dict:
