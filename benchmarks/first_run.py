@@ -50,8 +50,11 @@ BF16_SCRIPT = """
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 src, prompt, n, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+import time
+t = time.perf_counter()
 tok = AutoTokenizer.from_pretrained(src)
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device)
+print("LOADED", time.perf_counter() - t)
 messages = [{"role": "user", "content": prompt}]
 enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 out = model.generate(**enc.to(device), max_new_tokens=n)
@@ -61,8 +64,10 @@ print("GENERATED", out.shape[1] - enc["input_ids"].shape[1])
 
 
 def steady(art: Path, args) -> dict:
-    """In this process: load, time from load() to the first token of an n-token chat generation,
-    then a long generation's steady tokens/s."""
+    """In this process: open the artifact with the public API (`mpsconvert.chat`: the model's
+    load, its tokenizer), the time from that returning to the first token of an n-token chat
+    generation (the template's render, the decode step's setup and the prefill, each also timed
+    on its own), then a long generation's steady tokens/s."""
     import torch
 
     import mpsconvert
@@ -70,19 +75,27 @@ def steady(art: Path, args) -> dict:
     from mpsconvert.runtime.load.load_report import model_bytes
 
     t = time.perf_counter()
-    model = mpsconvert.load(art, device=args.device)
+    chat = mpsconvert.chat(art, device=args.device, max_tokens=args.tokens, compile=args.decode)
+    conv, eng = chat._conv, chat._conv.decoder
+    model = eng.model
     out = {"load_s": round(time.perf_counter() - t, 3), "load_seconds": model.mpsconvert.seconds}
     t0 = time.perf_counter()
-    eng = engine.Engine(model, compile=args.decode)
-    conv = engine.Conversation(eng, engine.load_tokenizer(art), set(), engine.Sampling(max_tokens=args.tokens))
     ids = conv.encode(PROMPT, True)
+    t1 = time.perf_counter()
+    eng.reserve(len(ids) + args.tokens)
+    t2 = time.perf_counter()
     first: list[float] = []
     st = engine.generate_ids(
         eng, ids, engine.Sampling(max_tokens=args.tokens), on_token=lambda _: first or first.append(time.perf_counter())
     )
     out["ttft_after_load_s"] = round(first[0] - t0, 3)
+    out["ttft_parts_s"] = {
+        "render_and_tokenize": round(t1 - t0, 3),
+        "decode_setup": round(t2 - t1, 3),
+        "prefill_and_first_token": round(first[0] - t2, 3),
+    }
     out["first"] = {
-        "decode": st.decode,
+        "decode": eng.decode_report,
         "prompt_tokens": st.prompt_tokens,
         "prompt_s": round(st.prompt_seconds, 4),
         "tokens_per_s": round(st.generation_tps or 0, 2),
@@ -102,6 +115,36 @@ def steady(art: Path, args) -> dict:
     }
     if args.device == "cuda":
         out["device_name"] = torch.cuda.get_device_name()
+    return out
+
+
+def fresh_load(art: Path, args) -> dict:
+    """In this process, on caches made empty for it: `mpsconvert.load` as on a fresh machine, its
+    seconds by step, what its warm-up did, and what the autotuners and the kernel policy chose
+    (the tuning a fresh machine of this GPU pays for)."""
+    import mpsconvert
+
+    t = time.perf_counter()
+    model = mpsconvert.load(art, device=args.device)
+    info = model.mpsconvert
+    out = {"load_s": round(time.perf_counter() - t, 3), "load_seconds": info.seconds, "prewarm": info.prewarm}
+    out["tuning"] = {"autotuned": autotuned_choices(), "decisions": info.kernels}
+    return out
+
+
+def autotuned_choices() -> dict:
+    """What each autotuned decode kernel chose, per autotuning key (its names, then the values)."""
+    from mpsconvert.runtime.ops.triton import gemv, moe_gemv
+
+    out = {}
+    for name, fn in (("gemv", gemv._kernel), ("gemv_w8a8", gemv._dot_kernel), ("gemv_splitk", moe_gemv._kernel)):
+        out[name] = {
+            "keys": list(getattr(fn, "keys", [])),
+            "best": [
+                [[str(v) for v in key], {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}]
+                for key, cfg in getattr(fn, "cache", {}).items()
+            ],
+        }
     return out
 
 
@@ -139,9 +182,11 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # internal: the steady run in this process, of this artifact
     ap.add_argument("--decode", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fresh-load", action="store_true", help=argparse.SUPPRESS)  # internal: the child loads only
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(steady(Path(args.child), args)), flush=True)
+        body = fresh_load(Path(args.child), args) if args.fresh_load else steady(Path(args.child), args)
+        print("RESULT " + json.dumps(body, default=str), flush=True)
         return
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mpsconvert-first-run-"))
@@ -221,7 +266,8 @@ def main() -> None:
     for name in ("bf16 #1", "bf16 #2"):
         wall, out, _ = run([sys.executable, "-c", BF16_SCRIPT, str(src), PROMPT, str(args.tokens), args.device], env)
         gen = next((int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("GENERATED")), None)
-        rows[name] = {"wall_s": round(wall, 2), "generated": gen}
+        loaded = next((float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("LOADED")), None)
+        rows[name] = {"wall_s": round(wall, 2), "generated": gen, "load_s": round(loaded, 3)}
         print(f"{name}: {wall:.2f} s wall, {gen} tokens", flush=True)
     for name, decode in (
         ("steady", None if args.ours_decode == "auto" else args.ours_decode),
@@ -246,11 +292,25 @@ def main() -> None:
         r["long"]["bandwidth_fraction"] = round(r["long"]["step_bytes"] * r["long"]["tokens_per_s"] / bw, 4)
         rows[name] = r
         print(f"{name}: {r}", flush=True)
+    fresh = Path(tempfile.mkdtemp(prefix="caches-", dir=work))  # empty again: a fresh machine's first load()
+    fresh_env = dict(
+        env,
+        TRITON_CACHE_DIR=str(fresh / "triton"),
+        TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
+        MPSCONVERT_CACHE_DIR=str(fresh / "mpsconvert"),
+    )
+    wall, out, _ = run(
+        [sys.executable, __file__, "--child", str(art), "--device", args.device, "--fresh-load"], fresh_env
+    )
+    rows["fresh load"] = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+    print(f"fresh load: {rows['fresh load']['load_s']} s, {rows['fresh load']['load_seconds']}", flush=True)
     report["runs"] = rows
     ratios = {
         "ours #2 / bf16 #2 wall (target <= 0.6)": rows["ours #2"]["wall_s"] / rows["bf16 #2"]["wall_s"],
         "ours #1 / bf16 #1 wall (target <= 1.0)": rows["ours #1"]["wall_s"] / rows["bf16 #1"]["wall_s"],
         "TTFT after load() s (target <= 1.5)": rows["steady"]["ttft_after_load_s"],
+        "first load() on fresh caches / bf16 #1 from_pretrained (target <= 1.5)": rows["fresh load"]["load_s"]
+        / rows["bf16 #1"]["load_s"],
         f"steady decode -m {args.long}, fraction of copy bandwidth (target >= 0.75)": rows["steady"]["long"][
             "bandwidth_fraction"
         ],

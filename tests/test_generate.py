@@ -627,3 +627,23 @@ def test_a_capture_that_fails_falls_back_to_the_eager_step_with_a_warning():
 def test_no_compile_contradicting_decode_is_a_usage_error(art):
     res = CliRunner().invoke(main, ["generate", str(art), "x", "--device", "cpu", "--no-compile", "--decode", "graph"])
     assert res.exit_code == 2 and "--no-compile" in res.output and "--decode graph" in res.output, res.output
+
+
+def test_chat_starts_the_template_renderer_before_the_model_loads(art, work, monkeypatch):
+    """The renderer's worker (a process importing transformers) starts while the model loads, not after it."""
+    from mpsconvert.model import templates
+    from mpsconvert.runtime.load import loader
+
+    order = []
+    real_warm, real_load = templates.warm, loader.load
+    monkeypatch.setattr(templates, "warm", lambda: (order.append("renderer"), real_warm())[1])
+    monkeypatch.setattr(loader, "load", lambda *a, **k: (order.append("model"), real_load(*a, **k))[1])
+    with mpsconvert.chat(art, device="cpu", max_tokens=2):
+        pass
+    assert order[:2] == ["renderer", "model"]
+    plain = work / "plain-art"  # no chat template: no worker started for it
+    if plain.is_dir():
+        from mpsconvert.manifests import loadable
+
+        order.clear()
+        assert loadable.start_renderer(plain) is False and order == []

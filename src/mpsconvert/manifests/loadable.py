@@ -229,6 +229,24 @@ def tokenizer(
     return tok
 
 
+def start_renderer(folder: Path) -> bool:
+    """Start the chat template renderer's worker now where `folder` (an artifact) ships a chat
+    template, so that its start (a Python process importing transformers: seconds on a GPU host)
+    overlaps the model's load rather than delaying the first token. Reads only whether a template
+    file is there (tokenizer_config.json through the bounded reader); the tokenizer's own load
+    checks the files. Returns whether it started one."""
+    folder = Path(folder)
+    has = any((folder / f).is_file() for f in TEMPLATE_FILES[:2])
+    if not has and (folder / TOKENIZER_CONFIG).is_file():
+        try:
+            has = bool(read_json(folder / TOKENIZER_CONFIG, what=TOKENIZER_CONFIG).get("chat_template"))
+        except (MpsconvertError, AttributeError):
+            return False  # the tokenizer's load says what is wrong with the file
+    if has:
+        templates.warm()
+    return has
+
+
 def generation_config(folder: Path, where: str | None = None, *, error: type[MpsconvertError] = ArtifactError):
     """transformers' GenerationConfig of `folder` (of an artifact: from its verified files only;
     None when it has no generation_config.json), read through the bounded reader and

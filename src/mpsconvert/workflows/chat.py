@@ -12,6 +12,7 @@ from typing import Any
 from ..apple import flow, registry
 from ..errors import ArtifactError, MpsconvertError
 from ..infra.progress import Progress
+from ..manifests import loadable
 
 
 @dataclass
@@ -169,6 +170,7 @@ def chat(
     artifact = Path(artifact)
     sampling = gen.Sampling(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed)
     stack = contextlib.ExitStack()
+    loadable.start_renderer(artifact)  # its worker starts while the model loads, not before the first token
     try:
         decoder, config = open_decoder(
             artifact, backend, device, stack, progress, compile
