@@ -419,3 +419,98 @@ def test_a_kernel_is_timed_over_weights_that_outgrow_the_cache(monkeypatch):
     called.clear()
     pol._measure("dequant", layers[1], 1)
     assert {id(m) for m in called} == {id(layers[1])}
+
+
+def _prior_table(monkeypatch, device, sig, decode, prefill=None):
+    from mpsconvert.runtime.ops.triton import tuned
+
+    rows = {tuned.policy_key(sig, "decode", 1): decode}
+    rows.update({tuned.policy_key(sig, "prefill", m): prefill for m in PREFILL_BUCKETS} if prefill else {})
+    monkeypatch.setattr(tuned, "_table", lambda: {device: {"policy": rows}})
+
+
+def test_recorded_timings_stand_in_for_measuring_on_the_gpu_they_were_taken_on(tmp_path, with_triton, monkeypatch):
+    """ops/triton/tuned.json: on a GPU of the recorded name, a signature's recorded timings decide without
+    measuring (source "prior", not written to the user's cache); another GPU, a signature not
+    recorded, or MPSCONVERT_TUNED=0 measures."""
+    lay = layer(64, 32)
+    decode = {"scaled_mm_row": 5.0, "gemv": 9.0, "gemv_splitk": 9.5, "gemv_w8a8": 9.9, "bf16": 12.0}
+    prefill = {"scaled_mm_row": 20.0, "dequant": 90.0, "bf16": 30.0}
+    _prior_table(monkeypatch, "FakeGPU", lay.signature, decode, prefill)
+    m = fake({(1, "scaled_mm_row"): 20.0, (1, "gemv"): 1.0, (1, "gemv_splitk"): 3.0, (1, "gemv_w8a8"): 2.0,
+              (1, "bf16"): 4.0, (2048, "scaled_mm_row"): 9.0, (2048, "dequant"): 8.0, (2048, "bf16"): 7.0})  # fmt: skip
+    pol = policy(m, tmp_path)
+    assert pol.priors is False  # an injected measurement is never replaced
+    pol.priors = True
+    dec, *pre = pol.decide(lay)
+    assert (dec.source, dec.choice, dec.timings_us) == ("prior", "scaled_mm_row", decode)
+    assert all(d.source == "prior" and d.choice == "scaled_mm_row" for d in pre) and m.calls == []
+    pol.apply(Model(layer(64, 32)))
+    assert json.loads((tmp_path / "k.json").read_text()) == {}  # priors are not the user's measurements
+
+    monkeypatch.setenv("MPSCONVERT_TUNED", "0")
+    dec, *_ = pol.decide(lay)
+    assert (dec.source, dec.choice) == ("measured", "gemv") and m.calls
+    monkeypatch.delenv("MPSCONVERT_TUNED")
+    other = KernelPolicy(CUDA, measure=fake({(1, "gemv"): 1.0, (2048, "bf16"): 7.0}), cache=False,
+                         capabilities=Capabilities("cuda", True, True, "OtherGPU"))  # fmt: skip
+    other.priors = True
+    assert other.decide(lay)[0].source == "measured"
+
+
+def test_a_recorded_choice_that_computes_something_else_here_is_measured_instead(monkeypatch):
+    """The recorded fastest kernel, when it is one of our Triton kernels, is checked against the
+    dequantized product on this machine before the prior is taken."""
+    lay = layer(64, 32)
+    pol = KernelPolicy(torch.device("cpu"), cache=False, capabilities=FAKE_GPU)
+    prior = {"gemv": 1.0, "bf16": 2.0}
+    monkeypatch.setitem(kernels.FNS, "gemv", lambda mod, x: kernels.dequant(mod, x))
+    assert pol._prior_holds(lay, prior, 1)
+    monkeypatch.setitem(kernels.FNS, "gemv", lambda mod, x: torch.zeros(x.shape[0], mod.out_features, dtype=x.dtype))
+    with pytest.warns(UserWarning, match="recorded kernel choice does not hold here"):
+        assert not pol._prior_holds(lay, prior, 1)
+    assert pol._prior_holds(lay, {"scaled_mm_row": 1.0, "gemv": 2.0}, 1)  # torch's own kernel: not ours to check
+
+
+def test_the_autotuners_compile_only_the_recorded_configuration(monkeypatch):
+    """ops/triton/tuned.prune: on the recorded GPU and key, the one recorded configuration; otherwise all."""
+    from types import SimpleNamespace
+
+    from mpsconvert.runtime.ops.triton import tuned
+
+    cfg = lambda bn, bk, w, s: SimpleNamespace(kwargs={"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)  # noqa: E731
+    configs = [cfg(4, 1024, 4, 2), cfg(8, 512, 4, 2), cfg(2, 2048, 4, 3)]
+    rec = {"N=64,K=32,M=1,GATED=False": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2}}
+    monkeypatch.setattr(tuned, "_table", lambda: {"FakeGPU": {"autotune": {"gemv": rec}}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tuned, "_device_name", lambda i: "FakeGPU")
+    prune = tuned.prune("gemv", ["N", "K", "M", "GATED"])
+    assert prune(configs, {"N": 64, "K": 32}, M=1, GATED=False) == [configs[1]]
+    assert prune(configs, {"N": 64, "K": 64}, M=1, GATED=False) == configs  # a key not recorded
+    monkeypatch.setattr(tuned, "_device_name", lambda i: "OtherGPU")
+    assert prune(configs, {"N": 64, "K": 32}, M=1, GATED=False) == configs
+    monkeypatch.setattr(tuned, "_device_name", lambda i: "FakeGPU")
+    monkeypatch.setenv("MPSCONVERT_TUNED", "0")
+    assert prune(configs, {"N": 64, "K": 32}, M=1, GATED=False) == configs
+
+
+def test_the_shipped_table_names_real_candidates_and_configurations(with_triton):
+    """ops/triton/tuned.json: every recorded policy entry times exactly the candidates the policy offers a
+    CUDA machine for that bucket (else it would never be taken), and every recorded autotune
+    configuration is one of that kernel's own."""
+    from mpsconvert.runtime.ops.triton import gemv, moe_gemv, tuned
+
+    table = json.loads(tuned.FILE.read_text())
+    assert table, "ops/triton/tuned.json is empty"
+    own = {"gemv": gemv._CONFIGS, "gemv_w8a8": gemv._DOT_CONFIGS, "gemv_splitk": moe_gemv._CONFIGS}
+    fields = {"gemv_splitk": ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")}
+    for device, body in table.items():
+        for key, timings in body["policy"].items():
+            _, weights, acts, bucket = key.split("|")
+            acts = None if acts == "acts=bf16" else acts.removeprefix("acts=")
+            want = kernels.candidates("cuda", acts, weights.removeprefix("weights="), bucket.split()[0], None, True)
+            assert set(timings) == set(want), (device, key)
+        for name, rows in body["autotune"].items():
+            names = fields.get(name, ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+            assert all(tuple(cfg[f] for f in names) in own[name] for cfg in rows.values()), (device, name)

@@ -46,6 +46,7 @@ from ...infra.untrusted import read_json
 from ..ops import kernels
 from ..ops import triton as tritonlib
 from ..ops.fp8linear import PREFILL_BUCKETS, FP8Linear
+from ..ops.triton import tuned
 
 # measure(kernel, layer, m) -> microseconds per call; raises if the kernel cannot run.
 Measure = Callable[[str, FP8Linear, int], float]
@@ -148,7 +149,7 @@ class Decision:
     m: int
     timings_us: dict = field(default_factory=dict)  # kernel -> us, or "error: ..." when it cannot run
     choice: str = ""
-    source: str = "measured"  # measured | cache | rule
+    source: str = "measured"  # measured | cache | prior (ops/triton/tuned.json) | rule
     note: str = ""
     layers: int = 0
 
@@ -173,6 +174,7 @@ class KernelPolicy:
         self.device = device
         self.decode_m = decode_m
         self.measure = measure or self._measure
+        self.priors = measure is None  # recorded timings (ops/triton/tuned.py) stand in for our own measurement only
         self.cache_file = _cache_file(cache)
         self.caps = capabilities or devices.capabilities(device)
         self.device_name = self.caps.name
@@ -221,8 +223,14 @@ class KernelPolicy:
             return d
         key = self.key(sig, bucket, m)
         hit = self._cache.get(key)
+        prior = tuned.timings(self.device_name, sig, bucket, m) if self.priors else None
         if hit and set(hit.get("timings_us", {})) == set(cands):
             d.timings_us, d.source = hit["timings_us"], "cache"
+        elif prior is not None and set(prior) == set(cands) and self._prior_holds(layer, prior, m):
+            d.timings_us, d.source = prior, "prior"
+            d.note = (
+                f"timings recorded on a {self.device_name} (runtime/ops/triton/tuned.json; MPSCONVERT_TUNED=0 measures)"
+            )
         else:
             for c in cands:
                 try:
@@ -247,6 +255,22 @@ class KernelPolicy:
                 "where that measured faster"
             )
         return d
+
+    def _prior_holds(self, layer: FP8Linear, prior: dict, m: int) -> bool:
+        """Whether the kernel a prior (ops/triton/tuned.py) makes fastest computes this layer's product here: our
+        own Triton kernels are checked against the dequantized product as before timing (CHECKED); one that
+        fails is measured with the others instead (the check's warning says so)."""
+        best = self._best(prior)
+        if best not in CHECKED:
+            return True
+        x = torch.randn(m, layer.in_features, device=self.device, dtype=layer.dtype)
+        want = kernels.run("dequant", layer, kernels.scheme_rounded(layer, x) if best == "gemv_w8a8" else x)
+        try:
+            _check(best, kernels.run(best, layer, x), want)
+        except Exception as e:
+            warnings.warn(f"mpsconvert: the recorded kernel choice does not hold here ({e}); measuring", stacklevel=3)
+            return False
+        return True
 
     @staticmethod
     def _best(timings: dict, exclude: tuple = ()) -> str | None:

@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from ...format.scales import Granularity, scale_shape
 from ...format.schemes import Activations
 from ...infra.child import Child
-from ..ops.fp8linear import PROBE_ROWS
+from ..ops.fp8linear import PROBE_ROWS, signature
 from ..ops.fuse import SIBLINGS
+from ..ops.triton import tuned
 
 # How long the warm-up waits for its child once the model is known (then it does the work itself)
 CHILD_WAIT_S = 120.0
@@ -120,6 +121,10 @@ def _decode_kernels(
     triton_kernels = [
         c for c in kernels.candidates("cuda", activations, weights, "decode", block) if c.startswith("gemv")
     ]  # CUDA's
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None  # (the interpreter's tests: a CPU)
+    chosen = gpu and tuned.decode_choice(gpu, signature(n, k, weights, activations, block))
+    if chosen is not None:  # the policy takes the recorded choice (ops/triton/tuned.py): only that one is compiled
+        triton_kernels = [c for c in triton_kernels if c == chosen]
     precompile = {
         "gemv": lambda gated=False: (
             gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block)

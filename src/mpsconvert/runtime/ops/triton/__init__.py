@@ -68,6 +68,9 @@ def compile_configs(autotuned, *args, **kwargs) -> int:
     fn = getattr(autotuned, "fn", None)
     if fn is None or not configs or INTERPRET:
         return 0
+    prune = getattr(autotuned, "early_config_prune", None)
+    if prune is not None:  # only what the autotuner will time (one recorded configuration: ops/triton/tuned.py)
+        configs = list(prune(configs, dict(zip(autotuned.arg_names, args)), **kwargs))
 
     def one(cfg):
         fn.warmup(*args, grid=(1,), **kwargs, **cfg.all_kwargs())

@@ -23,7 +23,7 @@ import math
 import torch
 
 from ....format.scales import scale_shape
-from . import INTERPRET, compile_configs, tl, triton
+from . import INTERPRET, compile_configs, tl, triton, tuned
 
 OP_NAME = "mpsconvert::fp8_gemv"
 # BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
@@ -59,10 +59,13 @@ def autotune(configs, key, **kw):
         return triton.autotune(configs=configs, key=key, **kw)
 
 
-def autotuned(kernel, configs, key, **kw):
-    """`kernel` autotuned over `configs` (`autotune`); under TRITON_INTERPRET=1 the kernel itself,
-    which the tests launch with fixed blocks."""
-    return kernel if INTERPRET else autotune(configs, key, **kw)(kernel)
+def autotuned(kernel, configs, key, name: str, **kw):
+    """`kernel` autotuned over `configs` (`autotune`), only the configuration recorded for this
+    GPU and key where ops/triton/tuned.json has one (the policy's candidate `name`); under
+    TRITON_INTERPRET=1 the kernel itself, which the tests launch with fixed blocks."""
+    if INTERPRET:
+        return kernel
+    return autotune(configs, key, prune_configs_by={"early_config_prune": tuned.prune(name, key)}, **kw)(kernel)
 
 
 def _block_configs(table) -> list:
@@ -177,7 +180,9 @@ if triton is not None:
             mask=n_mask,
         )
 
-    _kernel = autotuned(_fp8_gemv_kernel, _block_configs(_CONFIGS), key=["N", "K", "M", "GATED", "NORM", "RESIDUAL"])
+    _kernel = autotuned(
+        _fp8_gemv_kernel, _block_configs(_CONFIGS), key=["N", "K", "M", "GATED", "NORM", "RESIDUAL"], name="gemv"
+    )
 
 
 # W8A8 decode: BLOCK_N, BLOCK_K, warps, pipeline stages (BLOCK_M is 16, the smallest tl.dot tile).
@@ -263,7 +268,9 @@ if triton is not None:
             mask=m_ok[:, None] & n_ok[None, :],
         )
 
-    _dot_kernel = autotuned(_fp8_dot_kernel, _block_configs(_DOT_CONFIGS), key=["N", "K", "M", "GATED"])
+    _dot_kernel = autotuned(
+        _fp8_dot_kernel, _block_configs(_DOT_CONFIGS), key=["N", "K", "M", "GATED"], name="gemv_w8a8"
+    )
 
 
 def _launch_dot(

@@ -89,6 +89,7 @@ if triton is not None:
         _expert_gemv_kernel,
         [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w) for bn, bk, sk, w in _CONFIGS],
         key=["N", "K"],
+        name="gemv_splitk",
         reset_to_zero=["y_ptr"],
     )
 
