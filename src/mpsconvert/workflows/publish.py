@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..infra.progress import Progress
+from ..publish.hub import UploadOptions
 
 if TYPE_CHECKING:
     from ..manifests.verify import VerifyReport
@@ -57,11 +58,8 @@ class UploadResult:
 
 def upload(
     artifact: str | Path,
-    repo: str,
+    to: UploadOptions,
     *,
-    private: bool = False,
-    token: str | None = None,
-    revision: str | None = None,
     verify_first: bool = True,
     progress: Progress | None = None,
     check: Callable = verify,
@@ -69,12 +67,5 @@ def upload(
     """See api.upload; `check`: how the artifact is verified first (`verify`)."""
     from ..publish import hub
 
-    up = hub.upload(
-        Path(artifact),
-        repo,
-        private=private,
-        token=token,
-        revision=revision,
-        verify=(lambda a: check(a, progress=progress)) if verify_first else None,
-    )
+    up = hub.upload(Path(artifact), to, verify=(lambda a: check(a, progress=progress)) if verify_first else None)
     return UploadResult(**up)
