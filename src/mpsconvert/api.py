@@ -38,7 +38,7 @@ from .workflows import validate as validate_flow
 from .workflows.apple import check_coreai, check_coreml, coreai_latency, export_coreai, export_coreml, targets  # noqa: F401
 from .workflows.calibrate import CalibrateResult
 from .workflows.chat import Chat, GenerateResult, backends, chat, generate  # noqa: F401
-from .workflows.publish import UploadOptions, UploadResult
+from .workflows.publish import UploadOptions, UploadResult, VerifyOptions
 from .workflows.quantize import QuantizeOptions, QuantizeResult
 from .workflows.validate import ValidationResult
 
@@ -227,7 +227,7 @@ def verify(
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    return publish_flow.verify(**locals())
+    return publish_flow.verify(artifact, VerifyOptions(check_hashes, trust_remote_code, manifest_sha256), progress)
 
 
 def inspect(artifact: str | Path) -> Manifest:
