@@ -4,6 +4,7 @@ the baseline), verify (files against the manifest) and upload (to the Hugging Fa
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -85,7 +86,6 @@ _VALIDATE_SIZES = {
     "--compile",
     type=click.Choice(["auto", "on", "off"]),
     default="auto",
-    show_default=True,
     help="torch.compile + CUDA graphs for decode (auto: on CUDA).",
 )
 @click.option("--no-write", is_flag=True, help="Do not record the results in the artifact's manifest.")
@@ -101,12 +101,7 @@ def validate(artifact, no_latency, no_write, as_json, explain, **settings):
     the table says so); --full runs the GPU's sizes there too."""
     opts = api.validate_options(latency=not no_latency, write=not no_write, **settings)
 
-    def show(res, as_json: bool) -> None:
-        if as_json:
-            render.print_json(res.as_dict())
-        else:
-            reports.validation(res, explain)
-
+    show = functools.partial(reports.validation, explain=explain)
     with progress_bars() as progress, showing_failed_checks(show, as_json):
         res = api.validate(artifact, options=opts, progress=progress)
     show(res, as_json)
@@ -138,7 +133,7 @@ def verify(artifact, no_hashes, trust_remote_code, manifest_sha256, as_json):
             manifest_sha256=manifest_sha256,
             progress=progress,
         )
-    reports.verify_report(artifact, report, as_json)
+    reports.verify_report(report, as_json, artifact)
     if not report.ok:
         sys.exit(1)
 

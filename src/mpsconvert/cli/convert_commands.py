@@ -52,7 +52,6 @@ from .progress_bars import progress_bars
     "--experts-layout",
     type=click.Choice(api.EXPERTS_LAYOUTS),
     default="per-expert",
-    show_default=True,
     help="MoE checkpoints that store experts fused (3-D): per-expert writes one FP8 tensor per expert and "
     "projection (loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused "
     "(loads only in mpsconvert's runtime).",
@@ -87,7 +86,6 @@ from .progress_bars import progress_bars
 @click.option(
     "--max-shard-size",
     default="1GB",
-    show_default=True,
     metavar="SIZE",
     help="Largest weight file written (e.g. 500MB, 2GiB; save_pretrained's units). Loading with "
     "verification hashes the files in parallel, one thread each, so smaller shards load faster.",

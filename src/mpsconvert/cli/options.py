@@ -33,7 +33,7 @@ def json_option(help: str):
 
 def device_option(help: str, **kw):
     """--device: where the work runs, "auto" by default (`kw`: a `type` of other spellings, a `metavar`)."""
-    return click.option("--device", default="auto", show_default=True, help=help, **kw)
+    return click.option("--device", default="auto", help=help, **kw)
 
 
 DEVICE_METAVAR = "auto|mps|cuda[:N]|cpu"
@@ -58,17 +58,7 @@ def source_options(revision: str, token: str, ignore: str):
 
 
 # The parameters `calibration_options` adds: the API's calibration settings of the same names.
-CALIBRATION = (
-    "data",
-    "num_samples",
-    "seq_len",
-    "seed",
-    "observer",
-    "percentile",
-    "device",
-    "sequential",
-    "data_revision",
-)
+CALIBRATION = "data num_samples seq_len seed observer percentile device sequential data_revision".split()
 
 calibration_options = stacked(  # the options shared by `quantize --scheme fp8` and `calibrate`
     click.option(
@@ -83,18 +73,14 @@ calibration_options = stacked(  # the options shared by `quantize --scheme fp8` 
         "--num-samples",
         type=click.IntRange(min=1),
         default=128,
-        show_default=True,
         help="Token windows to calibrate on.",
     ),
-    click.option("--seq-len", type=click.IntRange(min=16), default=512, show_default=True, help="Tokens per window."),
-    click.option(
-        "--seed", type=int, default=0, show_default=True, help="Seed of the (deterministic) document shuffle."
-    ),
+    click.option("--seq-len", type=click.IntRange(min=16), default=512, help="Tokens per window."),
+    click.option("--seed", type=int, default=0, help="Seed of the (deterministic) document shuffle."),
     click.option(
         "--observer",
         type=click.Choice(api.OBSERVERS),
         default="minmax",
-        show_default=True,
         help="minmax: the true maximum |x| (best measured on SmolLM2 and MiniLM). percentile: the "
         "--percentile of |x| (clips the largest activations; LLMs rely on those outliers, so it "
         "hurts them badly). mse: the clip that minimises the FP8 error on the observed "
@@ -104,7 +90,6 @@ calibration_options = stacked(  # the options shared by `quantize --scheme fp8` 
         "--percentile",
         type=float,
         default=api.DEFAULT_PERCENTILE,
-        show_default=True,
         help="For --observer percentile.",
     ),
     device_option(
@@ -141,6 +126,7 @@ def click_option(
             is_flag=True,
             flag_value=not o.default if o.negate else True,
             default=o.default if o.negate else False,
+            show_default=False,  # a negated flag's default (True) reads as the opposite of what it does
             help=help or o.help,
         )
     kind = (
@@ -152,7 +138,6 @@ def click_option(
         [flag or o.flag, name],
         type=kind,
         default=o.default,
-        show_default=o.default is not None,
         metavar=o.metavar,
         help=help or o.help,
     )
@@ -208,7 +193,6 @@ sampling_options = stacked(  # the options `generate` and `chat` share (mlx-lm's
         "--backend",
         type=_Backends(),
         default="torch",
-        show_default=True,
         help="torch: the FP8 model in PyTorch (runtime.load). "
         + " ".join(f"{key}: {t.backend_help}." for key, t in api.targets().items()),
     ),
@@ -221,31 +205,27 @@ sampling_options = stacked(  # the options `generate` and `chat` share (mlx-lm's
         "-m",
         type=click.IntRange(min=1),
         default=256,
-        show_default=True,
         help="Most tokens to generate.",
     ),
     click.option(
         "--temp",
         type=click.FloatRange(min=0),
         default=0.0,
-        show_default=True,
         help="Sampling temperature (0: greedy).",
     ),
     click.option(
         "--top-p",
         type=click.FloatRange(min=0, max=1, min_open=True),
         default=1.0,
-        show_default=True,
         help="Nucleus sampling: keep the most likely tokens up to this total probability.",
     ),
     click.option(
         "--top-k",
         type=click.IntRange(min=0),
         default=0,
-        show_default=True,
         help="Sample among the K most likely tokens only (0: all; applied before --top-p).",
     ),
-    click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler."),
+    click.option("--seed", type=int, default=0, help="Seed of the sampler."),
     click.option("--system", metavar="TEXT", help="A system message first."),
     json_option("Print the text and its stats as JSON on stdout (no streaming)."),
     click.option(
@@ -253,7 +233,6 @@ sampling_options = stacked(  # the options `generate` and `chat` share (mlx-lm's
         "decode",
         type=click.Choice(["auto", "graph", "compile", "eager"]),
         default="auto",
-        show_default=True,
         help="With --backend torch: how each token's step runs. auto: the graph on CUDA, eager "
         "elsewhere; graph: the eager step captured as a CUDA graph (seconds); "
         "compile: torch.compile (~30 s per process); eager: no graph. --json says which ran and "
