@@ -441,23 +441,13 @@ def decoder_check(title: str, ev: dict) -> None:
         t.add_column(c, justify="left" if c in ("check", "") else "right")
     th, p, d, g = ev["thresholds"], ev["prefill"], ev["decode"], ev["generation"]
 
-    def mark(ok: bool, need: float) -> str:
-        return ("ok" if ok else "[red]FAILED[/]") + f" (>= {need:.0%})"
+    def row(label: str, r: dict, need: float) -> None:  # prefill or decode: top-1 agreement and cosine as asked
+        ok = r["top1_agreement"] >= need and r["cosine_min"] >= th["cosine"]
+        mark = ("ok" if ok else "[red]FAILED[/]") + f" (>= {need:.0%})"
+        t.add_row(label, str(r["positions"]), f"{r['top1_agreement']:.1%}", f"{r['cosine_min']:.6f}", mark)
 
-    t.add_row(
-        f"prefill, {ev['prompt_len']} tokens",
-        str(p["positions"]),
-        f"{p['top1_agreement']:.1%}",
-        f"{p['cosine_min']:.6f}",
-        mark(p["top1_agreement"] >= th["prefill_top1"] and p["cosine_min"] >= th["cosine"], th["prefill_top1"]),
-    )
-    t.add_row(
-        f"teacher-forced decode, {ev['steps']} steps",
-        str(d["positions"]),
-        f"{d['top1_agreement']:.1%}",
-        f"{d['cosine_min']:.6f}",
-        mark(d["top1_agreement"] >= th["decode_top1"] and d["cosine_min"] >= th["cosine"], th["decode_top1"]),
-    )
+    row(f"prefill, {ev['prompt_len']} tokens", p, th["prefill_top1"])
+    row(f"teacher-forced decode, {ev['steps']} steps", d, th["decode_top1"])
     t.add_row(
         f"greedy generation, {len(g['tokens'])} tokens",
         str(len(g["tokens"])),
