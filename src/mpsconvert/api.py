@@ -396,4 +396,4 @@ def upload(
         ArtifactError: not an artifact, it fails verification, or a file changed once verified (nothing is sent).
     """
     to = UploadOptions(repo, private=private, token=token, revision=revision)
-    return publish_flow.upload(artifact, to, verify_first=verify_first, progress=progress, check=verify)
+    return publish_flow.upload(artifact, to, progress, check=verify if verify_first else None)

@@ -63,15 +63,10 @@ class UploadResult:
 
 
 def upload(
-    artifact: str | Path,
-    to: UploadOptions,
-    *,
-    verify_first: bool = True,
-    progress: Progress | None = None,
-    check: Callable = verify,
+    artifact: str | Path, to: UploadOptions, progress: Progress | None = None, check: Callable | None = verify
 ) -> UploadResult:
-    """See api.upload; `check`: how the artifact is verified first (`verify`)."""
+    """See api.upload; `check`: how the artifact is verified first (`verify`; None: it is not)."""
     from ..publish import hub
 
-    up = hub.upload(Path(artifact), to, verify=(lambda a: check(a, progress=progress)) if verify_first else None)
+    up = hub.upload(Path(artifact), to, verify=(lambda a: check(a, progress=progress)) if check else None)
     return UploadResult(**up)
