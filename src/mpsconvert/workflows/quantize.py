@@ -30,9 +30,8 @@ class QuantizeResult(ByTarget):
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
     # target key -> the export asked for (also `result.<key>`)
     apple: dict[str, ExportResult] = field(default_factory=dict)
-    manifest_sha256: str | None = (
-        None  # of the manifest file as written: pins everything, until the next step changes it
-    )
+    # of the manifest file as written: pins everything, until the next step changes it
+    manifest_sha256: str | None = None
     pin_sha256: str | None = None  # of the part the conversion sealed: the pin that lasts (`verify --manifest-sha256`)
     upload: UploadResult | None = None  # when it was published to the hub too
     warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
