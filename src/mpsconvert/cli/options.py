@@ -32,7 +32,7 @@ def json_option(help: str):
 
 
 def device_option(help: str, **kw):
-    """--device: where the work runs, "auto" by default (`kw`: a `type` of other spellings, a `metavar`)."""
+    """--device: where the work runs, "auto" by default (`kw`: the command's `type` or `metavar` for it)."""
     return click.option("--device", default="auto", help=help, **kw)
 
 
