@@ -38,8 +38,8 @@ from .workflows import validate as validate_flow
 from .workflows.apple import check_coreai, check_coreml, coreai_latency, export_coreai, export_coreml, targets  # noqa: F401
 from .workflows.calibrate import CalibrateResult
 from .workflows.chat import Chat, GenerateResult, backends, chat, generate  # noqa: F401
-from .workflows.publish import UploadResult
-from .workflows.quantize import QuantizeResult
+from .workflows.publish import UploadOptions, UploadResult, VerifyOptions
+from .workflows.quantize import QuantizeOptions, QuantizeResult
 from .workflows.validate import ValidationResult
 
 if TYPE_CHECKING:  # heavy modules, for annotations only
@@ -136,19 +136,17 @@ def quantize(
             `runtime.load` hashes the files on a thread each, so smaller shards verify faster].
         upload_repo: then publish the artifact to this hub repo (`upload`), with `token`.
         private: create `upload_repo` private.
-        format: for a diffusion model (a diffusers pipeline or component, or an original-repo
-            `.safetensors` file): "comfyui" (one file for ComfyUI, per-tensor scales),
-            "comfyui-legacy" (its older `scaled_fp8` layout) or "diffusers" (a folder that
-            diffusers loads through SDNQ, per-row scales) [default: diffusers; comfyui for a
-            single file]. Language models take no format (compressed-tensors).
+        format: for a diffusion model (a diffusers pipeline or component, or an original-repo `.safetensors` file):
+            "comfyui" (one file for ComfyUI, per-tensor scales), "comfyui-legacy" (its older `scaled_fp8` layout)
+            or "diffusers" (a folder that diffusers loads through SDNQ, per-row scales) [default: diffusers;
+            comfyui for a single file]. Language models take no format (compressed-tensors).
         component: the pipeline component to quantize [default: transformer].
         progress: `progress(phase, done, total, detail)` (phases "calibrate", "quantize", "coreml export",
             "coreai export", "decode check").
 
     Returns:
-        QuantizeResult: the output folder and its manifest (and the manifest file's sha256, to
-        pin); the calibration when one ran here; the Core ML package when asked for; the upload
-        when asked for.
+        QuantizeResult: the output folder and its manifest (and the manifest file's sha256, to pin); the
+        calibration when one ran here; the Core ML package when asked for; the upload when asked for.
 
     Raises:
         SourceError: the source cannot be found, downloaded or used (pickles, already quantized, ...).
@@ -159,8 +157,9 @@ def quantize(
         MpsconvertError: any other problem the caller can fix (output exists, disk full, ...).
     """
     exports = {**(exports or {}), **{k: v for k, v in (("coreml", coreml), ("coreai", coreai)) if v is not None}}
-    settings = {k: v for k, v in locals().items() if k not in ("coreml", "coreai")}  # the parameters, as given
-    return quantize_flow.quantize(**settings)
+    to = UploadOptions(upload_repo, private=private, token=token) if upload_repo is not None else None
+    steps = dict(calibration=calibration, scales_file=scales_file, exports=exports, upload_to=to, progress=progress)
+    return quantize_flow.quantize(source, output, QuantizeOptions.of(locals()), **steps)
 
 
 def calibrate(
@@ -228,7 +227,7 @@ def verify(
         problem: nothing can be verified), files present but unlisted (`report.unlisted`) and
         warnings; never raises for a bad artifact.
     """
-    return publish_flow.verify(**locals())
+    return publish_flow.verify(artifact, VerifyOptions(check_hashes, trust_remote_code, manifest_sha256), progress)
 
 
 def inspect(artifact: str | Path) -> Manifest:
@@ -394,7 +393,7 @@ def upload(
 
     Raises:
         UploadError: offline mode, the hub unreachable (HF_ENDPOINT), no write rights, a bad repo id.
-        ArtifactError: not an artifact, it fails verification, or a file changed after it was
-            verified (nothing is sent).
+        ArtifactError: not an artifact, it fails verification, or a file changed once verified (nothing is sent).
     """
-    return publish_flow.upload(**locals(), check=verify)
+    to = UploadOptions(repo, private=private, token=token, revision=revision)
+    return publish_flow.upload(artifact, to, progress, check=verify if verify_first else None)

@@ -115,7 +115,8 @@ class Commands(click.Group):
         return self.generate().get(name) or super().get_command(ctx, name)
 
 
-@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
+# Every command's --help shows each option's default (one that is None or a flag's off is left out).
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(api.__version__, prog_name="mpsconvert")
 @click.option(
     "-v",

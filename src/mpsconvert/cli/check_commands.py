@@ -4,6 +4,7 @@ the baseline), verify (files against the manifest) and upload (to the Hugging Fa
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import click
 from .. import api
 from . import render, reports
 from .app import friendly_errors
+from .options import device_option, json_option, stacked, token_option
 from .progress_bars import progress_bars
 
 
@@ -30,7 +32,7 @@ def showing_failed_checks(show, as_json: bool):
 
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@json_option("Print the whole manifest as JSON.")
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every quantized tensor with its SQNR.")
 @friendly_errors
 def inspect(artifact, as_json, show_tensors):
@@ -40,6 +42,19 @@ def inspect(artifact, as_json, show_tensors):
         render.out.print_json(m.to_json())
     else:
         reports.inspect_table(artifact, m, show_tensors)
+
+
+# validate's sizes: counts and lengths whose defaults depend on the device (runtime.evaluate.validate.DEFAULTS)
+_VALIDATE_SIZES = {
+    "--seq-len": "Tokens per accuracy sample [default: 512; on CPU 256].",
+    "--max-samples": "Accuracy samples (of --seq-len tokens) [default: 8; on CPU 4].",
+    "--prefill-len": "Tokens of the one sequence (batch 1) timed for prefill; encoders too [default: 512; on CPU 128].",
+    "--decode-tokens": "Tokens timed for decode (batch 1) [default: 32; on CPU 16].",
+    "--repeats": "Timed prefill runs per round, after --warmup [default: 10 on a GPU, 2 on CPU].",
+    "--rounds": "Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear "
+    "[default: 3; on CPU 2].",
+    "--warmup": "Untimed runs before the first round [default: 3 on a GPU, 1 on CPU].",
+}
 
 
 @click.command()
@@ -55,42 +70,11 @@ def inspect(artifact, as_json, show_tensors):
     type=click.Path(dir_okay=False),
     help="Eval text: .jsonl with a 'text' field per line, or .txt.",
 )
-@click.option(
-    "--device",
+@device_option(
+    "Where both models run; an unavailable device is an error, never a fallback.",
     type=click.Choice(["auto", "mps", "cuda", "cpu"]),
-    default="auto",
-    show_default=True,
-    help="Where both models run; an unavailable device is an error, never a fallback.",
 )
-@click.option("--seq-len", type=int, default=None, help="Tokens per accuracy sample [default: 512; on CPU 256].")
-@click.option(
-    "--max-samples", type=int, default=None, help="Accuracy samples (of --seq-len tokens) [default: 8; on CPU 4]."
-)
-@click.option(
-    "--prefill-len",
-    type=int,
-    default=None,
-    help="Tokens of the one sequence (batch 1) timed for prefill; encoders too [default: 512; on CPU 128].",
-)
-@click.option(
-    "--decode-tokens", type=int, default=None, help="Tokens timed for decode (batch 1) [default: 32; on CPU 16]."
-)
-@click.option(
-    "--repeats",
-    type=int,
-    default=None,
-    help="Timed prefill runs per round, after --warmup [default: 10 on a GPU, 2 on CPU].",
-)
-@click.option(
-    "--rounds",
-    type=int,
-    default=None,
-    help="Rounds of timing, alternating BF16 and FP8; their spread decides whether a difference is clear "
-    "[default: 3; on CPU 2].",
-)
-@click.option(
-    "--warmup", type=int, default=None, help="Untimed runs before the first round [default: 3 on a GPU, 1 on CPU]."
-)
+@stacked(*(click.option(flag, type=int, default=None, help=text) for flag, text in _VALIDATE_SIZES.items()))
 @click.option(
     "--full",
     is_flag=True,
@@ -100,64 +84,24 @@ def inspect(artifact, as_json, show_tensors):
 @click.option("--no-latency", is_flag=True, help="Accuracy only.")
 @click.option(
     "--compile",
-    "compile_mode",
     type=click.Choice(["auto", "on", "off"]),
     default="auto",
-    show_default=True,
     help="torch.compile + CUDA graphs for decode (auto: on CUDA).",
 )
 @click.option("--no-write", is_flag=True, help="Do not record the results in the artifact's manifest.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+@json_option("Print the results as JSON on stdout.")
 @click.option(
     "--explain", is_flag=True, help="Also print the kernel chosen for every layer shape, with the timings behind it."
 )
 @friendly_errors
-def validate(
-    artifact,
-    baseline,
-    eval_data,
-    device,
-    seq_len,
-    max_samples,
-    prefill_len,
-    decode_tokens,
-    repeats,
-    rounds,
-    warmup,
-    full,
-    no_latency,
-    compile_mode,
-    no_write,
-    as_json,
-    explain,
-):
+def validate(artifact, no_latency, no_write, as_json, explain, **settings):
     """Check ARTIFACT against its BF16 baseline: accuracy (perplexity, KL, top-1 / embedding cosine) and latency.
 
     On CPU the defaults are fewer and shorter samples (a few minutes for a 135M model on 2 cores;
     the table says so); --full runs the GPU's sizes there too."""
-    opts = api.validate_options(
-        baseline=baseline,
-        eval_data=eval_data,
-        device=device,
-        seq_len=seq_len,
-        max_samples=max_samples,
-        prefill_len=prefill_len,
-        decode_tokens=decode_tokens,
-        repeats=repeats,
-        rounds=rounds,
-        warmup=warmup,
-        full=full,
-        latency=not no_latency,
-        compile=compile_mode,
-        write=not no_write,
-    )
+    opts = api.validate_options(latency=not no_latency, write=not no_write, **settings)
 
-    def show(res, as_json: bool) -> None:
-        if as_json:
-            render.print_json(res.as_dict())
-        else:
-            reports.validation(res, explain)
-
+    show = functools.partial(reports.validation, explain=explain)
     with progress_bars() as progress, showing_failed_checks(show, as_json):
         res = api.validate(artifact, options=opts, progress=progress)
     show(res, as_json)
@@ -176,7 +120,7 @@ def validate(
     metavar="HEX",
     help="The sha256 the manifest itself must have (printed by quantize): pins the whole artifact.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option("Print the report as JSON.")
 @friendly_errors
 def verify(artifact, no_hashes, trust_remote_code, manifest_sha256, as_json):
     """Check every file of ARTIFACT against its manifest's sha256, and its internal consistency
@@ -189,7 +133,7 @@ def verify(artifact, no_hashes, trust_remote_code, manifest_sha256, as_json):
             manifest_sha256=manifest_sha256,
             progress=progress,
         )
-    reports.verify_report(artifact, report, as_json)
+    reports.verify_report(report, as_json, artifact)
     if not report.ok:
         sys.exit(1)
 
@@ -202,11 +146,9 @@ def verify(artifact, no_hashes, trust_remote_code, manifest_sha256, as_json):
     is_flag=True,
     help="Create the repo private. An existing repo keeps its visibility; a public one is refused with --private.",
 )
-@click.option(
-    "--token", envvar="HF_TOKEN", show_envvar=True, help="A Hugging Face write token [default: your stored login]."
-)
+@token_option("A Hugging Face write token [default: your stored login].")
 @click.option("--revision", help="The branch to commit to [default: main].")
-@click.option("--json", "as_json", is_flag=True, help="Print what was uploaded as JSON.")
+@json_option("Print what was uploaded as JSON.")
 @friendly_errors
 def upload(artifact, repo, private, token, revision, as_json):
     """Upload ARTIFACT to the Hugging Face repo REPO (org/name) in one commit, after verifying it.

@@ -11,7 +11,7 @@ import click
 from .. import api
 from . import render, reports
 from .app import friendly_errors
-from .options import APPLE_PREFIX, apple_exports, calibration, calibration_options
+from .options import APPLE_PREFIX, apple_exports, calibration, calibration_options, json_option, source_options
 from .progress_bars import progress_bars
 
 
@@ -42,21 +42,16 @@ from .progress_bars import progress_bars
     default=None,
     help="With --weights block: the edge of the square weight blocks [default: 128].",
 )
-@click.option("--revision", help="Branch, tag or commit of a hub repo [default: main].")
-@click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos.")
-@click.option(
-    "--ignore",
-    multiple=True,
-    metavar="PATTERN",
-    help="Keep matching Linear modules unquantized (glob, `re:` regex, or a name suffix such as "
-    "mlp.down_proj). Repeatable.",
+@source_options(
+    revision="Branch, tag or commit of a hub repo [default: main].",
+    token="Hugging Face token for gated or private repos.",
+    ignore="Keep matching Linear modules unquantized (glob, `re:` regex, or a name suffix such as mlp.down_proj). "
+    "Repeatable.",
 )
-@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
 @click.option(
     "--experts-layout",
     type=click.Choice(api.EXPERTS_LAYOUTS),
     default="per-expert",
-    show_default=True,
     help="MoE checkpoints that store experts fused (3-D): per-expert writes one FP8 tensor per expert and "
     "projection (loads in transformers + compressed-tensors and vLLM); checkpoint keeps them fused "
     "(loads only in mpsconvert's runtime).",
@@ -73,7 +68,7 @@ from .progress_bars import progress_bars
     is_flag=True,
     help="With --force: also delete the files in the old output that its manifest does not list.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@json_option("Print the summary as JSON on stdout.")
 @click.option(
     "--scales",
     "scales_file",
@@ -91,7 +86,6 @@ from .progress_bars import progress_bars
 @click.option(
     "--max-shard-size",
     default="1GB",
-    show_default=True,
     metavar="SIZE",
     help="Largest weight file written (e.g. 500MB, 2GiB; save_pretrained's units). Loading with "
     "verification hashes the files in parallel, one thread each, so smaller shards load faster.",
@@ -106,7 +100,6 @@ from .progress_bars import progress_bars
 )
 @click.option(
     "--format",
-    "fmt",
     type=click.Choice(api.DIFFUSION_FORMATS),
     default=None,
     help="Diffusion models (Flux.1, Wan 2.x, Qwen-Image, SD3.5, Z-Image): comfyui writes one file for ComfyUI's "
@@ -118,60 +111,16 @@ from .progress_bars import progress_bars
     "--component", metavar="NAME", help="The diffusers pipeline component to quantize [default: transformer]."
 )
 @friendly_errors
-def quantize(
-    source,
-    output,
-    scheme,
-    weights,
-    block_size,
-    revision,
-    token,
-    ignore,
-    trust_remote_code,
-    experts_layout,
-    force,
-    delete_unlisted,
-    as_json,
-    scales_file,
-    dtype,
-    max_shard_size,
-    upload_repo,
-    private,
-    fmt,
-    component,
-    **rest,
-):
+def quantize(source, output, as_json, **params):
     """Quantize SOURCE (a hub repo id, a local folder or a .gguf file) to an FP8 compressed-tensors artifact; a
     diffusers pipeline, component or original .safetensors file to FP8 for ComfyUI or diffusers.
 
     The artifact's README.md is a model card (front matter, what was done, how to load it, the
     source's own card below); `validate` adds its results to it."""
-    exports = apple_exports({k: rest.pop(k) for k in list(rest) if k.startswith(APPLE_PREFIX)})
-    with progress_bars() as progress:
-        res = api.quantize(
-            source,
-            output,
-            scheme=scheme,
-            weights=weights,
-            block_size=block_size,
-            revision=revision,
-            token=token,
-            ignore=list(ignore),
-            trust_remote_code=trust_remote_code,
-            experts_layout=experts_layout,
-            force=force,
-            delete_unlisted=delete_unlisted,
-            calibration=calibration(**rest),
-            scales_file=scales_file,
-            exports=exports,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            upload_repo=upload_repo,
-            private=private,
-            format=fmt,
-            component=component,
-            progress=progress,
-        )
+    exports = apple_exports({k: params.pop(k) for k in list(params) if k.startswith(APPLE_PREFIX)})
+    calib = calibration(params)
+    with progress_bars() as progress:  # the rest of `params`: api.quantize's keywords, as given
+        res = api.quantize(source, output, calibration=calib, exports=exports, progress=progress, **params)
     if res.calibration is not None:
         reports.calibration(res.calibration)
     for w in res.warnings:
@@ -198,17 +147,11 @@ def quantize(
     is_flag=True,
     help="Replace an existing -o FILE (a scales file mpsconvert wrote; any other file is refused).",
 )
-@click.option("--revision", help="Branch, tag or commit of a hub model repo [default: main].")
-@click.option(
-    "--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for gated or private repos and datasets."
+@source_options(
+    revision="Branch, tag or commit of a hub model repo [default: main].",
+    token="Hugging Face token for gated or private repos and datasets.",
+    ignore="Linear modules left unquantized (as given to quantize). Repeatable.",
 )
-@click.option(
-    "--ignore",
-    multiple=True,
-    metavar="PATTERN",
-    help="Linear modules left unquantized (as given to quantize). Repeatable.",
-)
-@click.option("--trust-remote-code", is_flag=True, help="Allow building an architecture defined by code in the repo.")
 @calibration_options
 @friendly_errors
 def calibrate(target, output, force, revision, token, ignore, trust_remote_code, **calib):
@@ -219,7 +162,7 @@ def calibrate(target, output, force, revision, token, ignore, trust_remote_code,
            <m>.input_scale into it (atomically; config and manifest become the static scheme).
     TARGET a source (hub id or folder): needs -o FILE; `quantize SRC --scheme fp8 --scales FILE` uses it.
     """
-    opts = calibration(**calib, ignore=list(ignore), trust_remote_code=trust_remote_code, token=token)
+    opts = calibration(calib, ignore=list(ignore), trust_remote_code=trust_remote_code, token=token)
     with progress_bars() as progress:
         res = api.calibrate(
             target, output, options=opts, revision=revision, token=token, force=force, progress=progress

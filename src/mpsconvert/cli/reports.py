@@ -5,6 +5,7 @@ their JSON with `--json`. Every name or number read from an artifact is `shown` 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -17,6 +18,20 @@ from .render import console, note, out, print_json, result, shown, warn
 
 def _d(x) -> dict:
     return x if isinstance(x, dict) else {}
+
+
+def json_or(show):
+    """A report of one result, called `(res, as_json, ...)`: with `as_json` the result's `as_dict()` as JSON,
+    else `show(res, ...)`."""
+
+    @functools.wraps(show)
+    def report(res, as_json: bool, *args, **kw) -> None:
+        if as_json:
+            print_json(res.as_dict())
+        else:
+            show(res, *args, **kw)
+
+    return report
 
 
 # --------------------------------------------------------------------------- quantize / calibrate
@@ -64,11 +79,9 @@ def _facts(title: str) -> Table:
     return t
 
 
-def quantize_summary(res, as_json: bool) -> None:
+@json_or
+def quantize_summary(res) -> None:
     manifest, s = res.manifest, res.summary
-    if as_json:
-        print_json(res.as_dict())
-        return
     t = _facts(shown(res.output))
     t.add_row(
         "scheme",
@@ -220,10 +233,8 @@ def natural_key(name: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
-def verify_report(artifact, report, as_json: bool) -> None:
-    if as_json:
-        print_json(report.as_dict())
-        return
+@json_or
+def verify_report(report, artifact) -> None:
     bad = {f: v for f, v in report.files.items() if v != "ok"}
     result(
         f"{artifact}: {len(report.files)} files hashed, {len(bad)} wrong; {len(report.quantized)} FP8 modules "
@@ -249,6 +260,7 @@ def verify_report(artifact, report, as_json: bool) -> None:
 # --------------------------------------------------------------------------- validate
 
 
+@json_or
 def validation(res, explain: bool = False) -> None:
     r = res.as_dict()
     a = r["accuracy"]
@@ -429,23 +441,13 @@ def decoder_check(title: str, ev: dict) -> None:
         t.add_column(c, justify="left" if c in ("check", "") else "right")
     th, p, d, g = ev["thresholds"], ev["prefill"], ev["decode"], ev["generation"]
 
-    def mark(ok: bool, need: float) -> str:
-        return ("ok" if ok else "[red]FAILED[/]") + f" (>= {need:.0%})"
+    def row(label: str, r: dict, need: float) -> None:  # prefill or decode: top-1 agreement and cosine as asked
+        ok = r["top1_agreement"] >= need and r["cosine_min"] >= th["cosine"]
+        mark = ("ok" if ok else "[red]FAILED[/]") + f" (>= {need:.0%})"
+        t.add_row(label, str(r["positions"]), f"{r['top1_agreement']:.1%}", f"{r['cosine_min']:.6f}", mark)
 
-    t.add_row(
-        f"prefill, {ev['prompt_len']} tokens",
-        str(p["positions"]),
-        f"{p['top1_agreement']:.1%}",
-        f"{p['cosine_min']:.6f}",
-        mark(p["top1_agreement"] >= th["prefill_top1"] and p["cosine_min"] >= th["cosine"], th["prefill_top1"]),
-    )
-    t.add_row(
-        f"teacher-forced decode, {ev['steps']} steps",
-        str(d["positions"]),
-        f"{d['top1_agreement']:.1%}",
-        f"{d['cosine_min']:.6f}",
-        mark(d["top1_agreement"] >= th["decode_top1"] and d["cosine_min"] >= th["cosine"], th["decode_top1"]),
-    )
+    row(f"prefill, {ev['prompt_len']} tokens", p, th["prefill_top1"])
+    row(f"teacher-forced decode, {ev['steps']} steps", d, th["decode_top1"])
     t.add_row(
         f"greedy generation, {len(g['tokens'])} tokens",
         str(len(g["tokens"])),
@@ -471,11 +473,9 @@ def export_result(res, as_json: bool) -> None:
         print_json(res.record)
 
 
-def check_result(res, as_json: bool) -> None:
+@json_or
+def check_result(res) -> None:
     """An Apple package's check: the target's rows (a failure in red), then its decoder check as a table."""
-    if as_json:
-        print_json(res.as_dict())
-        return
     rows, decoder, title = api.targets()[res.target].rows(res.artifact, res.record, res.check)
     t = _facts(f"{res.artifact}/{res.package.name}")
     for label, text, ok in rows:
@@ -537,10 +537,8 @@ def generation(res, as_json: bool, turn: bool = False) -> None:
     note(f"backend: {s.backend} on {s.device}")
 
 
-def uploaded(res, as_json: bool) -> None:
-    if as_json:
-        print_json(res.as_dict())
-        return
+@json_or
+def uploaded(res) -> None:
     result(
         f"uploaded {len(res.files)} files to {res.url} ({'private' if res.private else 'public'} repo, revision "
         f"{res.revision}, commit {(res.commit or '?')[:12]}): {res.commit_message}"

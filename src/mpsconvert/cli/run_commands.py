@@ -23,22 +23,10 @@ def _decode_arg(decode: str, no_compile: bool):
     return "eager" if no_compile else None if decode == "auto" else decode
 
 
-def _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile):
+def _open_chat(artifact, decode, no_compile, **sampling):
     """The loaded chat session that generate and chat drive, from their shared sampling options (`sampling_options`)."""
     with progress_bars() as progress:
-        return api.chat(
-            artifact,
-            backend=backend,
-            device=device,
-            max_tokens=max_tokens,
-            temp=temp,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            system=system_prompt,
-            progress=progress,
-            compile=_decode_arg(decode, no_compile),
-        )
+        return api.chat(artifact, progress=progress, compile=_decode_arg(decode, no_compile), **sampling)
 
 
 @click.command()
@@ -49,22 +37,7 @@ def _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, 
     "--ignore-chat-template", is_flag=True, help="Feed PROMPT as it is, not wrapped in the tokenizer's chat template."
 )
 @friendly_errors
-def generate(
-    artifact,
-    prompt,
-    backend,
-    device,
-    max_tokens,
-    temp,
-    top_p,
-    top_k,
-    seed,
-    system_prompt,
-    as_json,
-    decode,
-    no_compile,
-    ignore_chat_template,
-):
+def generate(artifact, prompt, as_json, ignore_chat_template, **sampling):
     """Generate text from ARTIFACT for PROMPT, streamed as it comes, then tokens/s, peak memory and device.
 
     \b
@@ -73,8 +46,7 @@ def generate(
     """
     if prompt == "-":
         prompt = render.read_prompt()
-    c = _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile)
-    with c:
+    with _open_chat(artifact, **sampling) as c:
         res = c.complete(prompt, None if as_json else render.stream, use_template=not ignore_chat_template)
     reports.generation(res, as_json)
 
@@ -90,11 +62,10 @@ CHAT_HELP = (
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @sampling_options
 @friendly_errors
-def chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, as_json, decode, no_compile):
+def chat(artifact, as_json, **sampling):
     """Chat with ARTIFACT: the tokenizer's chat template, the history kept; `/exit` (or `/quit`, or end
     of input) ends, `/reset` forgets, `/help` lists these."""
-    c = _open_chat(artifact, backend, device, max_tokens, temp, top_p, top_k, seed, system_prompt, decode, no_compile)
-    with c:
+    with _open_chat(artifact, **sampling) as c:
         c.require_template()  # before the prompt, not at the first message
         render.note(
             f"chatting with {artifact} ({c.backend} on {c.device}); /exit to end, /reset to forget the history, /help"

@@ -13,7 +13,7 @@ this one claim, so no other run can write the artifact between its conversion an
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,6 +29,36 @@ from ..source import snapshot as sources
 # (input scales, the calibration's record, what the calibration returned for the caller to show,
 # or None when the scales were read from a file)
 Scales = tuple[dict, dict, Any]
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What a conversion is asked for: api.quantize's conversion settings (its docstring says what each
+    does), built once by the API and handed down as they are, through the workflow to `claimed` and the
+    `Run` it yields."""
+
+    scheme: str | None = None
+    weights: str | None = None
+    block_size: int | None = None
+    revision: str | None = None
+    token: str | None = None
+    ignore: tuple[str, ...] = ()
+    trust_remote_code: bool = False
+    experts_layout: str = "per-expert"
+    force: bool = False
+    delete_unlisted: bool = False
+    dtype: str | None = None
+    max_shard_size: int | str = "1GB"
+    format: str | None = None
+    component: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+
+    @classmethod
+    def of(cls, params: dict[str, Any]) -> QuantizeOptions:
+        """The options among `params` (a call's parameters by name, more than these included)."""
+        return cls(**{f.name: params[f.name] for f in fields(cls)})
 
 
 @dataclass
@@ -58,8 +88,11 @@ class Run:
     gguf_file: Path | None
     sch: Scheme
     output_for: Any
-    settings: dict
+    opts: QuantizeOptions
     claimed: contextlib.ExitStack
+    calibration_given: dict[str, bool] = field(default_factory=dict)
+    exports: tuple[str, ...] = ()
+    progress: Progress | None = None
     shard_bytes: int = 0
     child: Any = None
     diffusion: bool = False
@@ -67,23 +100,23 @@ class Run:
     def resolve(self) -> None:
         """The source as files: a GGUF unpacked, a hub id downloaded (an FP8 or diffusion hub
         source names its default output itself: that one is claimed and checked too)."""
-        s = self.settings
+        o = self.opts
         if self.gguf_file is not None:
             from .gguf import unpacked
 
-            self.snap = self.claimed.enter_context(unpacked(self.gguf_file, s["dtype"]))
+            self.snap = self.claimed.enter_context(unpacked(self.gguf_file, o.dtype))
         elif self.snap is None:
             self.snap = sources.resolve(
-                str(self.source), revision=s["revision"], token=s["token"], diffusion=True, component=s["component"]
+                str(self.source), revision=o.revision, token=o.token, diffusion=True, component=o.component
             )
             if self.output_for(self.snap, self.snap.repo_id) != self.out:
                 self.out = self.output_for(self.snap, self.snap.repo_id)
                 self.claimed.enter_context(atomic.claim(self.out))
                 output_rule.check_replaceable(
-                    self.out, force=s["force"], delete_unlisted=s["delete_unlisted"], **layout.OUTPUT_RULES
+                    self.out, force=o.force, delete_unlisted=o.delete_unlisted, **layout.OUTPUT_RULES
                 )
-        self.diffusion = self.snap.diffusion is not None or s["format"] is not None
-        if not self.diffusion and self.snap.fp8 is not None and s["scheme"] is None and s["weights"] is None:
+        self.diffusion = self.snap.diffusion is not None or o.format is not None
+        if not self.diffusion and self.snap.fp8 is not None and o.scheme is None and o.weights is None:
             self.sch = self.snap.fp8.scheme  # the source's own: its e4m3 codes are kept as they are
 
     def prepare(self) -> None:
@@ -94,8 +127,7 @@ class Run:
         self.snap.start_hashing()  # overlaps the imports and planning below
         from . import plan_child
 
-        s = self.settings
-        self.child = plan_child.start_early(self.snap, self.sch, list(s["ignore"]), s["trust_remote_code"])
+        self.child = plan_child.start_early(self.snap, self.sch, list(self.opts.ignore), self.opts.trust_remote_code)
         if self.child is not None:
             self.claimed.callback(self.child.kill)  # a run that failed before the writing
         from .quantize_plan import check_fp8_source
@@ -113,69 +145,45 @@ class Run:
 
     def write(self, scales: Scales | None = None) -> Converted:
         """The conversion itself: `scales` (see Scales) when `needs_scales`."""
-        s = self.settings
+        o = self.opts
         if self.diffusion:
             from .diffusion.quantize_diffusion import quantize_source
 
             llm_only = {
-                "`scheme`": s["scheme"],
-                "`weights`": s["weights"],
-                **s["calibration_given"],
-                "`dtype`": s["dtype"],
-                "`experts_layout`": s["experts_layout"] != "per-expert",
-                **{f"`exports={k}`": True for k in s["exports"]},
+                "`scheme`": o.scheme,
+                "`weights`": o.weights,
+                **self.calibration_given,
+                "`dtype`": o.dtype,
+                "`experts_layout`": o.experts_layout != "per-expert",
+                **{f"`exports={k}`": True for k in self.exports},
             }
             out, manifest = quantize_source(
                 self.snap,
                 self.out,
-                s["format"],
-                ignore=list(s["ignore"]),
-                force=s["force"],
+                o.format,
+                ignore=list(o.ignore),
+                force=o.force,
                 max_shard_size=self.shard_bytes,
                 llm_only=llm_only,
-                progress=s["progress"],
-                delete_unlisted=s["delete_unlisted"],
+                progress=self.progress,
+                delete_unlisted=o.delete_unlisted,
             )
             return Converted(out, manifest)
         try:
-            return _convert_with(
-                self.snap,
-                self.out,
-                self.sch,
-                self.child,
-                scales,
-                shard_bytes=self.shard_bytes,
-                **{k: s[k] for k in _CONVERT},
-            )
+            return _convert_with(self.snap, self.out, self.sch, self.child, scales, o, self.shard_bytes, self.progress)
         finally:
             if self.child is not None:
                 self.child.kill()
-
-
-_CONVERT = ("ignore", "trust_remote_code", "experts_layout", "force", "delete_unlisted", "dtype", "progress")
 
 
 @contextlib.contextmanager
 def claimed(
     source: str | Path,
     output: str | Path | None,
+    opts: QuantizeOptions,
     *,
-    scheme: str | None,
-    weights: str | None,
-    block_size: int | None,
-    revision: str | None,
-    token: str | None,
-    ignore,
-    trust_remote_code: bool,
-    experts_layout: str,
-    force: bool,
     calibration_given: dict[str, bool],
-    dtype: str | None,
-    max_shard_size,
-    format: str | None,
-    component: str | None,
     exports: tuple[str, ...] = (),
-    delete_unlisted: bool = False,
     progress: Progress | None = None,
 ) -> Iterator[Run]:
     """Check the settings and claim the output of converting `source` (see api.quantize for every
@@ -183,6 +191,7 @@ def claimed(
     calibration data and a scales file were given ({"`data`": bool, "`scales_file`": bool}: only
     the fp8 scheme takes them), `exports` the Apple targets asked for (a diffusion model refuses
     them)."""
+    scheme, weights, block_size = opts.scheme, opts.weights, opts.block_size
     if block_size is not None and weights != "block":
         raise MpsconvertError(
             f"`block_size={block_size}` applies to block weights only", "add `weights=block`, or drop `block_size`"
@@ -197,10 +206,10 @@ def claimed(
     # config and an index), a hub id only named.
     path = sources.local_path(str(source))
     if path is not None:
-        sources.no_revision(path, revision)  # a GGUF file too: refused before the output is even named
+        sources.no_revision(path, opts.revision)  # a GGUF file too: refused before the output is even named
     gguf_file = path if sources.is_gguf(path) else None
     snap = (
-        sources.resolve(str(source), revision=revision, token=token, diffusion=True, component=component)
+        sources.resolve(str(source), revision=opts.revision, token=opts.token, diffusion=True, component=opts.component)
         if path is not None and gguf_file is None
         else None
     )
@@ -213,63 +222,33 @@ def claimed(
             from .diffusion.quantize_diffusion import default_format
             from .diffusion.quantize_diffusion import default_output as diffusion_output
 
-            return diffusion_output(snap, format or default_format(snap))
+            return diffusion_output(snap, opts.format or default_format(snap))
         own = (
             snap.fp8.scheme if snap is not None and snap.fp8 is not None and scheme is None and weights is None else sch
         )
         return default_output(name, own.name)
 
     out = output_for(snap, gguf_file.stem if gguf_file else snap.repo_id or snap.path.name if snap else str(source))
-    settings = dict(
-        scheme=scheme,
-        weights=weights,
-        revision=revision,
-        token=token,
-        ignore=ignore,
-        trust_remote_code=trust_remote_code,
-        experts_layout=experts_layout,
-        force=force,
-        calibration_given=calibration_given,
-        dtype=dtype,
-        format=format,
-        component=component,
-        exports=exports,
-        delete_unlisted=delete_unlisted,
-        progress=progress,
-    )
     with contextlib.ExitStack() as stack:
         stack.enter_context(atomic.claim(out))  # every step of the block (exports, upload) runs under this one lock
         output_rule.check_replaceable(
             out,
-            force=force,
+            force=opts.force,
             protect=(path,) if path is not None else (),
-            delete_unlisted=delete_unlisted,
+            delete_unlisted=opts.delete_unlisted,
             **layout.OUTPUT_RULES,
         )
         if snap is not None:
             snap.start_hashing()  # a local folder: hashed while torch and transformers load
         from . import shard_size_bytes
 
-        run = Run(source, out, snap, gguf_file, sch, output_for, settings, stack)
-        run.shard_bytes = shard_size_bytes(max_shard_size)  # a bad size is said before anything is downloaded
+        run = Run(source, out, snap, gguf_file, sch, output_for, opts, stack, calibration_given, exports, progress)
+        run.shard_bytes = shard_size_bytes(opts.max_shard_size)  # a bad size is said before anything is downloaded
         yield run
 
 
 def _convert_with(
-    snap,
-    out: Path,
-    sch: Scheme,
-    child,
-    scales: Scales | None,
-    *,
-    ignore,
-    trust_remote_code,
-    experts_layout,
-    force,
-    delete_unlisted,
-    dtype,
-    shard_bytes,
-    progress,
+    snap, out: Path, sch: Scheme, child, scales: Scales | None, o: QuantizeOptions, shard_bytes: int, progress
 ) -> Converted:
     """A language model's conversion once its source is resolved, its output claimed and its
     plan started (`child`)."""
@@ -278,12 +257,12 @@ def _convert_with(
 
     opts = Options(
         scheme=sch,
-        ignore=list(ignore),
-        force=force,
-        delete_unlisted=delete_unlisted,
-        trust_remote_code=trust_remote_code,
-        experts_layout=experts_layout,
-        dtype=dtype,
+        ignore=list(o.ignore),
+        force=o.force,
+        delete_unlisted=o.delete_unlisted,
+        trust_remote_code=o.trust_remote_code,
+        experts_layout=o.experts_layout,
+        dtype=o.dtype,
         max_shard_size=shard_bytes,
     )
     cal = None

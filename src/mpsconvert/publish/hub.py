@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +28,20 @@ from ..manifests.manifest import MANIFEST_NAME, Manifest
 from ..version import __version__
 
 _TRUE = {"1", "on", "yes", "true"}
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    """Where an artifact goes (see api.upload): the hub repo, whether it is created private, the write
+    token [default: HF_TOKEN, else the stored login] and the branch [default: main]; built once by the
+    API and handed down to the commit."""
+
+    repo: str
+    private: bool = False
+    token: str | None = None
+    revision: str | None = None
+
+
 _REPO_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.\-]*/)?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -79,10 +94,8 @@ def sendable(folder: Path) -> tuple[Manifest, list]:
     return manifest, ops
 
 
-def upload_folder(
-    folder: Path, repo: str, *, private: bool = False, token: str | None = None, revision: str | None = None
-) -> dict:
-    """Create `repo` (if absent) and upload the files the artifact's manifest lists, and the
+def upload_folder(folder: Path, to: UploadOptions) -> dict:
+    """Create `to.repo` (if absent) and upload the files the artifact's manifest lists, and the
     manifest, in one commit, as the bytes `sendable` verified (the caller holds the artifact's
     lock); returns what api.UploadResult holds (repo, url, revision, commit, commit_message,
     private, endpoint, files).
@@ -92,43 +105,26 @@ def upload_folder(
         ArtifactError: `folder` is not an artifact, or a file does not match its sha256.
     """
     folder = Path(folder)
-    if offline():
-        raise UploadError(
-            f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-            "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload",
-        )
+    _not_offline(to.repo)
     import huggingface_hub as hf
     from huggingface_hub import errors as hf_errors
 
     endpoint = (os.environ.get("HF_ENDPOINT") or hf.constants.ENDPOINT).rstrip("/")
-    token = token or os.environ.get("HF_TOKEN") or None
-    api = hf.HfApi(endpoint=endpoint, token=token)
+    api = hf.HfApi(endpoint=endpoint, token=to.token or os.environ.get("HF_TOKEN") or None)
     manifest, ops = sendable(folder)
     msg = commit_message(manifest)
     files = sorted(op.path_in_repo for op in ops)
     try:
-        return _send(
-            api, ops, repo, msg, files, private=private, revision=revision, endpoint=endpoint, hf_errors=hf_errors
-        )
+        return _send(api, ops, to, msg, files, endpoint=endpoint, hf_errors=hf_errors)
     finally:
         for op in ops:
             if hasattr(op.path_or_fileobj, "close"):
                 op.path_or_fileobj.close()
 
 
-def _send(
-    api,
-    ops: list,
-    repo: str,
-    msg: str,
-    files: list[str],
-    *,
-    private: bool,
-    revision: str | None,
-    endpoint: str,
-    hf_errors,
-) -> dict:
+def _send(api, ops: list, to: UploadOptions, msg: str, files: list[str], *, endpoint: str, hf_errors) -> dict:
     """Create the repo and send the commit; the hub's and the network's failures as one line."""
+    repo, private, revision = to.repo, to.private, to.revision
     try:
         url = api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
         # An existing repo keeps its visibility (create_repo leaves it as it is): what it really
@@ -231,6 +227,15 @@ def _is_transport_error(e: BaseException) -> bool:
     )
 
 
+def _not_offline(repo: str) -> None:
+    """Offline mode (`offline`) as the one-line error of an upload to `repo`, before any request."""
+    if offline():
+        raise UploadError(
+            f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+            "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload",
+        )
+
+
 def check_repo_id(repo: str) -> str:
     """`name` or `org/name` as the hub accepts it, else a one-line error (before any work)."""
     if not isinstance(repo, str) or not _REPO_ID.match(repo) or len(repo) > 96 or ".." in repo:
@@ -248,15 +253,7 @@ def check_upload(repo: str, what: str = "`upload_repo`") -> None:
         )
 
 
-def upload(
-    artifact: Path,
-    repo: str,
-    *,
-    private: bool = False,
-    token: str | None = None,
-    revision: str | None = None,
-    verify: Callable[[Path], object] | None = None,
-) -> dict:
+def upload(artifact: Path, to: UploadOptions, *, verify: Callable[[Path], object] | None = None) -> dict:
     """Publish an artifact (see api.upload): under its lock, `verify(artifact)` (a report with
     `ok` and `problems`: a damaged artifact is never uploaded); in one transaction, the card
     rewritten to name the repo (the manifest's `hub` record) in the staged copy, the staged copy
@@ -269,17 +266,13 @@ def upload(
     from ..manifests.transaction import transaction
 
     artifact = Path(artifact)
-    check_repo_id(repo)
+    check_repo_id(to.repo)
     if not layout.is_artifact(artifact):
         raise ArtifactError(
             f"{artifact} is not an mpsconvert artifact (no {layout.MANIFEST_NAME})",
             "pass the folder `mpsconvert quantize` wrote",
         )
-    if offline():  # before any work
-        raise UploadError(
-            f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-            "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload",
-        )
+    _not_offline(to.repo)  # before any work
     with atomic.claim(artifact):  # nothing changes the artifact between its check and the commit
         if verify is not None:
             report = verify(artifact)
@@ -289,7 +282,7 @@ def upload(
                     "re-create the artifact; a damaged one is never uploaded",
                 )
         with transaction(artifact) as t:
-            t.put(Hub(repo=repo))
+            t.put(Hub(repo=to.repo))
             # The card and the manifest naming the repo go into the staged copy, the upload is
             # sent from it, and it replaces the artifact only if the hub took the commit.
-            return upload_folder(t.stage(), repo, private=private, token=token, revision=revision)
+            return upload_folder(t.stage(), to)

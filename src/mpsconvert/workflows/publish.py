@@ -9,18 +9,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..infra.progress import Progress
+from ..publish.hub import UploadOptions
 
 if TYPE_CHECKING:
     from ..manifests.verify import VerifyReport
 
 
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How an artifact is checked (see api.verify): every file hashed or the structure only, whether code in
+    it may build its model, and the sha256 its manifest must have."""
+
+    check_hashes: bool = True
+    trust_remote_code: bool = False
+    manifest_sha256: str | None = None
+
+
 def verify(
-    artifact: str | Path,
-    *,
-    check_hashes: bool = True,
-    trust_remote_code: bool = False,
-    manifest_sha256: str | None = None,
-    progress: Progress | None = None,
+    artifact: str | Path, opts: VerifyOptions = VerifyOptions(), progress: Progress | None = None
 ) -> VerifyReport:
     """See api.verify."""
     from ..infra import atomic
@@ -28,13 +34,14 @@ def verify(
 
     artifact = Path(artifact)
     atomic.recover(artifact)
-    report = verify_artifact(artifact, check_hashes=check_hashes, progress=progress, manifest_sha256=manifest_sha256)
-    if (
-        report.needs_model
-    ):  # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
+    report = verify_artifact(
+        artifact, check_hashes=opts.check_hashes, progress=progress, manifest_sha256=opts.manifest_sha256
+    )
+    # only then torch and transformers: an artifact whose manifest vouches for it is JSON and headers
+    if report.needs_model:
         from ..runtime.load.model_check import check_built_model
 
-        check_built_model(artifact, report, trust_remote_code=trust_remote_code)
+        check_built_model(artifact, report, trust_remote_code=opts.trust_remote_code)
     return report
 
 
@@ -56,25 +63,10 @@ class UploadResult:
 
 
 def upload(
-    artifact: str | Path,
-    repo: str,
-    *,
-    private: bool = False,
-    token: str | None = None,
-    revision: str | None = None,
-    verify_first: bool = True,
-    progress: Progress | None = None,
-    check: Callable = verify,
+    artifact: str | Path, to: UploadOptions, progress: Progress | None = None, check: Callable | None = verify
 ) -> UploadResult:
-    """See api.upload; `check`: how the artifact is verified first (`verify`)."""
+    """See api.upload; `check`: how the artifact is verified first (`verify`; None: it is not)."""
     from ..publish import hub
 
-    up = hub.upload(
-        Path(artifact),
-        repo,
-        private=private,
-        token=token,
-        revision=revision,
-        verify=(lambda a: check(a, progress=progress)) if verify_first else None,
-    )
+    up = hub.upload(Path(artifact), to, verify=(lambda a: check(a, progress=progress)) if check else None)
     return UploadResult(**up)

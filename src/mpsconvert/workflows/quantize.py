@@ -9,11 +9,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..convert.pipeline import QuantizeOptions
 from ..errors import UploadError
 from ..infra.progress import Progress
 from ..manifests.manifest import Manifest
 from .apple import ByTarget, ExportResult, export_into, written_but
-from .publish import UploadResult, upload
+from .publish import UploadOptions, UploadResult, upload
 
 if TYPE_CHECKING:
     from ..calibrate import CalibOptions
@@ -29,9 +30,8 @@ class QuantizeResult(ByTarget):
     calibration: Calibration | None = None  # when the fp8 scheme was calibrated in this call
     # target key -> the export asked for (also `result.<key>`)
     apple: dict[str, ExportResult] = field(default_factory=dict)
-    manifest_sha256: str | None = (
-        None  # of the manifest file as written: pins everything, until the next step changes it
-    )
+    # of the manifest file as written: pins everything, until the next step changes it
+    manifest_sha256: str | None = None
     pin_sha256: str | None = None  # of the part the conversion sealed: the pin that lasts (`verify --manifest-sha256`)
     upload: UploadResult | None = None  # when it was published to the hub too
     warnings: list[str] = field(default_factory=list)  # e.g. an FP8 source quantized a second time
@@ -53,31 +53,29 @@ class QuantizeResult(ByTarget):
 def quantize(
     source: str | Path,
     output: str | Path | None,
+    opts: QuantizeOptions,
     *,
     calibration: CalibOptions | None,
     scales_file: str | Path | None,
     exports: dict[str, Any],
-    upload_repo: str | None,
-    private: bool,
-    token: str | None,
+    upload_to: UploadOptions | None,
     progress: Progress | None,
-    **convert: Any,
 ) -> QuantizeResult:
-    """See api.quantize (`convert`: its conversion settings, as convert.pipeline.claimed takes them)."""
+    """See api.quantize (`opts`: its conversion settings; `upload_to`: its upload, when asked for)."""
     from ..apple import flow
     from ..calibrate import CalibOptions
     from ..convert import pipeline
     from ..manifests.manifest import read_once
 
-    if upload_repo is not None:  # a bad repo id or offline mode: said before the conversion, not after
+    if upload_to is not None:  # a bad repo id or offline mode: said before the conversion, not after
         from ..publish import hub
 
-        hub.check_upload(upload_repo)
+        hub.check_upload(upload_to.repo)
     copts = replace(
         calibration or CalibOptions(),
-        ignore=list(convert["ignore"]),
-        trust_remote_code=convert["trust_remote_code"],
-        token=(calibration.token if calibration is not None else None) or token,
+        ignore=list(opts.ignore),
+        trust_remote_code=opts.trust_remote_code,
+        token=(calibration.token if calibration is not None else None) or opts.token,
     )
     given = {
         "`data`": calibration is not None and calibration.data is not None,  # the settings only scheme fp8 takes
@@ -85,7 +83,7 @@ def quantize(
     }
     result = QuantizeResult(Path(), None)
     with pipeline.claimed(
-        source, output, token=token, calibration_given=given, exports=tuple(exports), progress=progress, **convert
+        source, output, opts, calibration_given=given, exports=tuple(exports), progress=progress
     ) as run:
         flow.require_all(exports)  # the extras the exports need, before any work
         run.resolve()
@@ -97,10 +95,10 @@ def quantize(
             scales = for_quantize(scales_file, copts, run.snap.path, progress)
         done = run.write(scales)
         result.apple = export_into(done.output, exports, progress)
-        if upload_repo is not None:
-            retry = f"run `mpsconvert upload {done.output} {upload_repo}` to retry"
+        if upload_to is not None:
+            retry = f"run `mpsconvert upload {done.output} {upload_to.repo}` to retry"
             with written_but(done.output, "its upload", retry, UploadError):
-                result.upload = upload(done.output, upload_repo, private=private, token=token, progress=progress)
+                result.upload = upload(done.output, upload_to, progress=progress)
     manifest, sha, pinned = read_once(done.output)  # as the exports and the upload left it
     return replace(
         result,
