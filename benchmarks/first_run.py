@@ -148,6 +148,41 @@ def autotuned_choices() -> dict:
     return out
 
 
+def fresh_load_child(art: Path, args, env: dict, work: Path, **extra) -> dict:
+    """`fresh_load` in a child process on caches made empty for it (`extra`: more environment)."""
+    fresh = Path(tempfile.mkdtemp(prefix="caches-", dir=work))
+    env = dict(
+        env,
+        TRITON_CACHE_DIR=str(fresh / "triton"),
+        TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
+        MPSCONVERT_CACHE_DIR=str(fresh / "mpsconvert"),
+        **extra,
+    )
+    _, out, _ = run([sys.executable, __file__, "--child", str(art), "--device", args.device, "--fresh-load"], env)
+    return json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+
+
+def record_tuning(body: dict, device_name: str, torch_version: str, triton_version: str | None) -> dict:
+    """runtime/ops/triton/tuned.json's entry for this GPU from a fresh load measured with the table
+    off (MPSCONVERT_TUNED=0): the kernel policy's timings and each autotuner's choice per key."""
+    from mpsconvert.runtime.ops.triton import tuned
+
+    policy = {}
+    for d in body["tuning"]["decisions"]:
+        sig = (*d["shape"], d["weights"], d["activations"])
+        policy[tuned.policy_key(sig, d["bucket"], d["m"])] = d["timings_us"]
+    autotune = {
+        name: {tuned.autotune_key(v["keys"], dict(zip(v["keys"], key))): cfg for key, cfg in v["best"]}
+        for name, v in body["tuning"]["autotuned"].items()
+    }
+    when = time.strftime("%Y-%m-%d", time.gmtime())
+    measured = f"{when}, benchmarks/first_run.py --record-tuning, torch {torch_version}, Triton {triton_version}"
+    table = json.loads(tuned.FILE.read_text()) if tuned.FILE.is_file() else {}
+    table[device_name] = {"measured": measured, "policy": policy, "autotune": autotune}
+    tuned.FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return table[device_name]
+
+
 def run(argv: list[str], env: dict) -> tuple[float, str, str]:
     t = time.perf_counter()
     r = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -182,6 +217,11 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # internal: the steady run in this process, of this artifact
     ap.add_argument("--decode", default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--record-tuning",
+        action="store_true",
+        help="first measure a fresh load with runtime/ops/triton/tuned.json off and write this GPU's entry there",
+    )
     ap.add_argument("--fresh-load", action="store_true", help=argparse.SUPPRESS)  # internal: the child loads only
     args = ap.parse_args()
     if args.child:
@@ -231,6 +271,14 @@ def main() -> None:
     print(
         f"{report['device_name']}: copy bandwidth {bw / 1e9:.1f} GB/s; caches {caches} (empty at the start)", flush=True
     )
+
+    if args.record_tuning:  # measured with the table off, on caches of its own; the runs below start cold again
+        from mpsconvert.runtime.ops import triton as tritonlib
+
+        body = fresh_load_child(art, args, env, work, MPSCONVERT_TUNED="0")
+        entry = record_tuning(body, report["device_name"], torch.__version__, tritonlib.version())
+        report["recorded_tuning"] = {"load_s": body["load_s"], "policy_entries": len(entry["policy"])}
+        print(f"recorded tuning for {report['device_name']}: {report['recorded_tuning']}", flush=True)
 
     ours_argv = [
         sys.executable,
@@ -292,17 +340,7 @@ def main() -> None:
         r["long"]["bandwidth_fraction"] = round(r["long"]["step_bytes"] * r["long"]["tokens_per_s"] / bw, 4)
         rows[name] = r
         print(f"{name}: {r}", flush=True)
-    fresh = Path(tempfile.mkdtemp(prefix="caches-", dir=work))  # empty again: a fresh machine's first load()
-    fresh_env = dict(
-        env,
-        TRITON_CACHE_DIR=str(fresh / "triton"),
-        TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
-        MPSCONVERT_CACHE_DIR=str(fresh / "mpsconvert"),
-    )
-    wall, out, _ = run(
-        [sys.executable, __file__, "--child", str(art), "--device", args.device, "--fresh-load"], fresh_env
-    )
-    rows["fresh load"] = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+    rows["fresh load"] = fresh_load_child(art, args, env, work)
     print(f"fresh load: {rows['fresh load']['load_s']} s, {rows['fresh load']['load_seconds']}", flush=True)
     report["runs"] = rows
     ratios = {
