@@ -122,6 +122,38 @@ def _summary(cos: np.ndarray, top1: np.ndarray) -> dict:
     }
 
 
+def stateful_runner(
+    new_state: Callable,
+    run: Callable,
+    max_len: int | None = None,
+    *,
+    error: type[MpsconvertError] = MpsconvertError,
+    fix: str = "use fewer tokens",
+) -> Callable[[], Step]:
+    """`new_conversation()` over a stateful program, whatever runs it: `new_state()` once per
+    conversation, `run(inputs, state)` -> its outputs once per step. Tokens past a KV cache of
+    `max_len` are one `error` line (a runtime that does not bounds-check a state write would
+    corrupt memory past it)."""
+    from .stateful import OUTPUT_NAME
+
+    def new_conversation():
+        state = new_state()
+
+        def step(ids: np.ndarray, position: int) -> np.ndarray:
+            if max_len is not None and (position < 0 or position + ids.shape[1] > max_len):
+                raise error(
+                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}", fix
+                )
+            out = run(
+                {"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)}, state
+            )
+            return np.asarray(out[OUTPUT_NAME])[0]
+
+        return step
+
+    return new_conversation
+
+
 def runner(new_conversation: Callable[[], Step], backend: str = "package", device: str = "cpu"):
     """A runner as a decoder of the runtime's one generation loop (runtime.engine.RunnerDecoder)."""
     from ..runtime.engine import RunnerDecoder

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import MpsconvertError
 from .. import compare, stateful
 from ..protocol import package_in
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
@@ -198,24 +197,12 @@ def decoder_runner(session: Session):
     """`new_conversation()` for compare.check_decoder over a Core AI session."""
 
     shapes = [shape for _, shape in session.signature["states"].values()]
-    max_len = min(shape[2] for shape in shapes) if shapes else 0
-
-    def new_conversation():
-        state = session.new_state()
-
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            if position < 0 or position + ids.shape[1] > max_len:
-                # the runtime does not bounds-check a state write: past the cache it corrupts memory
-                raise MpsconvertError(
-                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
-                    "re-export with a larger `max_len`, or use fewer tokens",
-                )
-            out = session.run({"input_ids": ids, "position": np.array([position], dtype=np.int32)}, state)
-            return out[stateful.OUTPUT_NAME][0]
-
-        return step
-
-    return new_conversation
+    return compare.stateful_runner(
+        session.new_state,
+        session.run,
+        min(shape[2] for shape in shapes) if shapes else 0,
+        fix="re-export with a larger `max_len`, or use fewer tokens",
+    )
 
 
 def runtime_eval(

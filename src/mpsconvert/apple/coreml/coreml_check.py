@@ -24,7 +24,7 @@ import torch
 from ...errors import ArtifactError
 from ...format import fp8
 from ...infra import timing
-from .. import compare, stateful
+from .. import compare
 from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
 from ..protocol import package_in
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
@@ -221,24 +221,12 @@ def mil_decoder(prog, how: Counter | None = None):
     declared = mil_eval.state_inputs(prog)
     max_len = min(shape[2] for shape, _ in declared.values())
 
-    def new_conversation():
-        states = mil_eval.new_states(prog)
+    def run(inputs: dict, states) -> dict:
+        outs, h = mil_eval.evaluate(prog, inputs, states=states, cache=cache)
+        how.update(h)
+        return outs
 
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            if position + ids.shape[1] > max_len:
-                raise ArtifactError(
-                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
-                    "use fewer tokens",
-                )
-            outs, h = mil_eval.evaluate(
-                prog, {"input_ids": ids, "position": np.array([position], dtype=np.int32)}, states=states, cache=cache
-            )
-            how.update(h)
-            return outs[stateful.OUTPUT_NAME][0]
-
-        return step
-
-    return new_conversation
+    return compare.stateful_runner(lambda: mil_eval.new_states(prog), run, max_len, error=ArtifactError)
 
 
 def reference_decode(
@@ -321,20 +309,7 @@ _UNIT_NAMES = {"all": "ALL", "cpu_and_gpu": "CPU_AND_GPU", "cpu_and_ne": "CPU_AN
 def coreml_decoder(ml):
     """`new_conversation()` over a loaded stateful MLModel: `make_state()` per conversation,
     `predict(inputs, state=state)` per call (the Core ML API for iOS18 / macOS15 states)."""
-
-    def new_conversation():
-        state = ml.make_state()
-
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            out = ml.predict(
-                {"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)},
-                state=state,
-            )
-            return np.asarray(out[stateful.OUTPUT_NAME])[0]
-
-        return step
-
-    return new_conversation
+    return compare.stateful_runner(ml.make_state, lambda inputs, state: ml.predict(inputs, state=state))
 
 
 def _load(ct, pkg: Path, unit: str, row: dict):
