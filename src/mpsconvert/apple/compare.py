@@ -123,16 +123,11 @@ def _summary(cos: np.ndarray, top1: np.ndarray) -> dict:
 
 
 def stateful_runner(
-    new_state: Callable,
-    run: Callable,
-    max_len: int | None = None,
-    *,
-    error: type[MpsconvertError] = MpsconvertError,
-    fix: str = "use fewer tokens",
+    new_state: Callable, run: Callable, max_len: int | None = None, fix: str = "use fewer tokens"
 ) -> Callable[[], Step]:
     """`new_conversation()` over a stateful program, whatever runs it: `new_state()` once per
     conversation, `run(inputs, state)` -> its outputs once per step. Tokens past a KV cache of
-    `max_len` are one `error` line (a runtime that does not bounds-check a state write would
+    `max_len` are one error line (a runtime that does not bounds-check a state write would
     corrupt memory past it)."""
     from .stateful import OUTPUT_NAME
 
@@ -141,7 +136,7 @@ def stateful_runner(
 
         def step(ids: np.ndarray, position: int) -> np.ndarray:
             if max_len is not None and (position < 0 or position + ids.shape[1] > max_len):
-                raise error(
+                raise MpsconvertError(
                     f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}", fix
                 )
             out = run(
