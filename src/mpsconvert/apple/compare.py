@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -69,6 +70,25 @@ def fit_to_cache(prompt_len: int, steps: int, generate: int, max_len: int) -> tu
         return prompt_len, steps
     prompt = max(min(prompt_len, max_len // 4), max_len - need, 1)
     return prompt, min(steps, max_len - prompt)
+
+
+@dataclass(frozen=True)
+class DecodeCheck:
+    """What `check_decoder` runs on a stateful package: a prefill of `prompt_len` tokens of real
+    text (`texts`, default the bundled prose), `steps` teacher-forced decode steps, `generate`
+    greedy tokens."""
+
+    prompt_len: int = PROMPT_LEN
+    steps: int = DECODE_STEPS
+    generate: int = GENERATE
+    texts: list[str] | None = None
+
+    def run(self, new_conversation, artifact: Path, tm: TorchModel, max_len: int, progress=None) -> dict:
+        """`check_decoder` of the runner, its prompt and steps fitted to a cache of `max_len`;
+        `inputs` says which text the prompt is."""
+        prompt_len, steps = fit_to_cache(self.prompt_len, self.steps, self.generate, max_len)
+        ids, what = prompt_ids(artifact, tm, prompt_len + steps, self.texts)
+        return check_decoder(new_conversation, tm, ids, prompt_len, steps, self.generate, progress) | {"inputs": what}
 
 
 def builtin_prose() -> list[str]:

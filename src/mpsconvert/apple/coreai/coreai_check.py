@@ -209,22 +209,18 @@ def runtime_eval(
     artifact: Path,
     tm,
     max_len: int,
+    decode: compare.DecodeCheck,
     unit: str | None = None,
-    texts=None,
-    prompt_len: int = compare.PROMPT_LEN,
-    steps: int = compare.DECODE_STEPS,
-    generate: int = compare.GENERATE,
     samples: int = 3,
     progress=None,
 ) -> dict:
-    """Run the asset with the Core AI runtime and compare it with PyTorch (see compare.py)."""
+    """Run the asset with the Core AI runtime and compare it with PyTorch (see compare.py):
+    a decoder through `decode`, an encoder on `samples` one-pass samples."""
     with quiet():
         session = Session(_asset(artifact), unit=unit)
     with session:
         if tm.task == "causal-lm":
-            prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
-            ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
-            res = compare.check_decoder(decoder_runner(session), tm, ids, prompt_len, steps, generate, progress)
+            res = decode.run(decoder_runner(session), artifact, tm, max_len, progress)
         else:
             hi = min(max_len, 64)
             xs, what = compare.sample_inputs(artifact, tm, {"min": 1, "max": hi}, n=samples)
@@ -234,8 +230,8 @@ def runtime_eval(
                 with torch.no_grad():
                     ref = tm.module(*(torch.from_numpy(a.astype(np.int64)) for a in x)).float().numpy()
                 parts.append(compare.compare_outputs(tm.task, got, ref))
-            res = compare.merge_parts(tm.task, parts)
-    return res | {"inputs": what, "runtime": runtime_label(unit), "reference": compare.REFERENCE_NAME}
+            res = compare.merge_parts(tm.task, parts) | {"inputs": what}
+    return res | {"runtime": runtime_label(unit), "reference": compare.REFERENCE_NAME}
 
 
 def check_asset(
@@ -264,17 +260,8 @@ def check_asset(
     res["size_ratio"] = round(res["asset_bytes"] / res["fp8_safetensors_bytes"], 4)
     res["weights"] = check_weights(asset, tm, {**record, "storage": res["storage"]})
     if evaluate:
-        res["runtime_eval"] = runtime_eval(
-            artifact,
-            tm,
-            record["max_len"],
-            texts=texts,
-            prompt_len=prompt_len,
-            steps=steps,
-            generate=generate,
-            samples=samples,
-            progress=progress,
-        )
+        decode = compare.DecodeCheck(prompt_len, steps, generate, texts)
+        res["runtime_eval"] = runtime_eval(artifact, tm, record["max_len"], decode, samples=samples, progress=progress)
     res["ok"] = bool(
         res["interface"]["ok"] and res["weights"]["all_ok"] and res.get("runtime_eval", {}).get("ok", True)
     )

@@ -233,20 +233,14 @@ def reference_decode(
     tm,
     artifact: Path,
     max_len: int,
-    texts=None,
-    prompt_len: int = compare.PROMPT_LEN,
-    steps: int = 16,
-    generate: int = compare.GENERATE,
+    decode: compare.DecodeCheck,
     progress=None,
 ) -> dict:
     """The stateful package through the reference evaluator: prefill, teacher-forced decode
-    through its states and greedy generation against PyTorch (compare.check_decoder)."""
+    through its states and greedy generation against PyTorch (compare.DecodeCheck)."""
     how: Counter = Counter()
-    prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
-    ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
-    res = compare.check_decoder(mil_decoder(prog, how), tm, ids, prompt_len, steps, generate, progress)
+    res = decode.run(mil_decoder(prog, how), artifact, tm, max_len, progress)
     return res | {
-        "inputs": what,
         "evaluator": EVALUATOR_NAME,
         "reference": REFERENCE_NAME,
         "ops_by_implementation": {
@@ -289,9 +283,8 @@ def check_package(
     }
     res["size_ratio"] = round(res["weight_bytes"] / res["fp8_safetensors_bytes"], 4)
     if evaluate and record.get("kv_cache"):
-        res["reference_eval"] = reference_decode(
-            prog, tm, artifact, record["max_len"], texts, prompt_len, steps, generate, progress
-        )
+        decode = compare.DecodeCheck(prompt_len, steps, generate, texts)
+        res["reference_eval"] = reference_decode(prog, tm, artifact, record["max_len"], decode, progress)
     elif evaluate:
         samples, what = sample_inputs(artifact, tm, record["seq_len"], texts or DEFAULT_TEXTS, n_samples)
         res["reference_eval"] = reference_eval(prog, tm, samples) | {"inputs": what}
