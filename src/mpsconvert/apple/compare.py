@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -69,6 +70,25 @@ def fit_to_cache(prompt_len: int, steps: int, generate: int, max_len: int) -> tu
         return prompt_len, steps
     prompt = max(min(prompt_len, max_len // 4), max_len - need, 1)
     return prompt, min(steps, max_len - prompt)
+
+
+@dataclass(frozen=True)
+class DecodeCheck:
+    """What `check_decoder` runs on a stateful package: a prefill of `prompt_len` tokens of real
+    text (`texts`, default the bundled prose), `steps` teacher-forced decode steps, `generate`
+    greedy tokens."""
+
+    prompt_len: int = PROMPT_LEN
+    steps: int = DECODE_STEPS
+    generate: int = GENERATE
+    texts: list[str] | None = None
+
+    def run(self, new_conversation, artifact: Path, tm: TorchModel, max_len: int, progress=None) -> dict:
+        """`check_decoder` of the runner, its prompt and steps fitted to a cache of `max_len`;
+        `inputs` says which text the prompt is."""
+        prompt_len, steps = fit_to_cache(self.prompt_len, self.steps, self.generate, max_len)
+        ids, what = prompt_ids(artifact, tm, prompt_len + steps, self.texts)
+        return check_decoder(new_conversation, tm, ids, prompt_len, steps, self.generate, progress) | {"inputs": what}
 
 
 def builtin_prose() -> list[str]:
@@ -120,6 +140,33 @@ def _summary(cos: np.ndarray, top1: np.ndarray) -> dict:
         "cosine_min": float(cos.min()),
         "cosine_mean": float(cos.mean()),
     }
+
+
+def stateful_runner(
+    new_state: Callable, run: Callable, max_len: int | None = None, fix: str = "use fewer tokens"
+) -> Callable[[], Step]:
+    """`new_conversation()` over a stateful program, whatever runs it: `new_state()` once per
+    conversation, `run(inputs, state)` -> its outputs once per step. Tokens past a KV cache of
+    `max_len` are one error line (a runtime that does not bounds-check a state write would
+    corrupt memory past it)."""
+    from .stateful import OUTPUT_NAME
+
+    def new_conversation():
+        state = new_state()
+
+        def step(ids: np.ndarray, position: int) -> np.ndarray:
+            if max_len is not None and (position < 0 or position + ids.shape[1] > max_len):
+                raise MpsconvertError(
+                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}", fix
+                )
+            out = run(
+                {"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)}, state
+            )
+            return np.asarray(out[OUTPUT_NAME])[0]
+
+        return step
+
+    return new_conversation
 
 
 def runner(new_conversation: Callable[[], Step], backend: str = "package", device: str = "cpu"):

@@ -55,11 +55,14 @@ class ExportResult:
         return {"export": self.record, "check": self.check}
 
 
-def _slim(check: dict) -> ExportCheck:
-    """The check as recorded: without the per-tensor rows of the weights read back."""
-    body = {k: v for k, v in check.items() if k != "weights"}
-    body["weights"] = {k: v for k, v in check["weights"].items() if k != "tensors"}
-    return ExportCheck.from_dict(body, "the check")
+def _put(t, rec: AppleExport, check: dict | None) -> None:
+    """Record `rec` in the transaction `t`, with its check when one ran, as recorded: without the
+    per-tensor rows of the weights read back."""
+    if check is not None:
+        body = {k: v for k, v in check.items() if k != "weights"}
+        body["weights"] = {k: v for k, v in check["weights"].items() if k != "tensors"}
+        rec.check = ExportCheck.from_dict(body, "the check")
+    t.put(rec)
 
 
 def _result(artifact: Path, target: Target, rec: AppleExport, check: dict | None) -> ExportResult:
@@ -106,9 +109,7 @@ def export(
         t.add_files(target.package)
         atomic.kill_point("package-written")
         res = target.check(t.folder, rec, check, progress) if check is not None else None
-        if res is not None:
-            rec.check = _slim(res)
-        t.put(rec)
+        _put(t, rec, res)
     return _result(artifact, target, rec, res)
 
 
@@ -131,8 +132,7 @@ def check(
                 f"re-run `mpsconvert export-{target.key} --force`",
             )
         res = target.check(t.artifact, rec, opts, or_silent(progress))
-        rec.check = _slim(res)
-        t.put(rec)
+        _put(t, rec, res)
     return _result(artifact, target, rec, res)
 
 

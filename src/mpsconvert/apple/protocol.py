@@ -44,6 +44,13 @@ class Option:
     metavar: str | None = None
 
 
+def max_len_option(help: str) -> Option:
+    """The KV cache length every target exports with: one `--max-len` that `quantize` shares between
+    the targets, so its kind, minimum and spelling are the same everywhere; `help` says what it means
+    for the target."""
+    return Option("max_len", "--max-len", help, kind="int", minimum=2, quantize="--max-len")
+
+
 def check_numbers(opts, flags: tuple[Option, ...]) -> None:
     """Every integer setting of `opts` that one of `flags` declares, within untrusted.LIMITS for
     its API name (`--decode-steps 1000000000` is one line, not a run that never ends)."""
@@ -174,11 +181,17 @@ def feature_text(f: dict) -> str:
     return f"{f['name']} {f['dtype']} [{shape}]{rng}"
 
 
-def states_text(states: list[dict]) -> str:
-    """A stateful decoder's states in one line (the KV cache of every layer)."""
+def states_rows(interface: dict) -> list[tuple[str, str, None]]:
+    """A stateful decoder's states (the KV cache of every layer) as a check's one row; none for a
+    package without states."""
+    states = interface.get("states")
     if not states:
-        return "none"
-    return (
-        f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each "
-        f"{feature_text(states[0]).split(' ', 1)[1]}"
-    )
+        return []
+    return [
+        (
+            "states",
+            f"{len(states)}: key_cache_i / value_cache_i for {len(states) // 2} layers, each "
+            f"{feature_text(states[0]).split(' ', 1)[1]}",
+            None,
+        )
+    ]

@@ -48,13 +48,17 @@ def _combined_sha256(files: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def _dataset_files(root: Path) -> list[Path]:
+def _dataset_files(root: Path, what: str, fix: str) -> list[Path]:
+    """The readable files of a dataset folder (its training split where it has splits); none is
+    one DataError: "`what` holds no ... files", then `fix`."""
     files = sorted(
         p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in READABLE and not p.name.startswith(".")
     )
     files = [p for p in files if p.name.lower() not in ("dataset_infos.json", "dataset_info.json", "state.json")]
     # A dataset with splits: calibrate on the training split only, never on its test data.
     train = [p for p in files if "train" in p.relative_to(root).as_posix().lower()]
+    if not files:
+        raise DataError(f"{what} holds no .parquet/.jsonl/.json/.txt files", fix)
     return train or files
 
 
@@ -66,11 +70,7 @@ def load(spec: str | None, revision: str | None = None, token: str | None = None
     if path.is_file():
         return _from_files("file", str(path.resolve()), path.parent, [path])
     if path.is_dir():
-        files = _dataset_files(path)
-        if not files:
-            raise DataError(
-                f"{path} holds no .parquet/.jsonl/.json/.txt files", "point `data` at a file or a dataset folder"
-            )
+        files = _dataset_files(path, str(path), "point `data` at a file or a dataset folder")
         return _from_files("folder", str(path.resolve()), path, files)
     if not _REPO_ID.match(spec):
         raise DataError(
@@ -103,11 +103,7 @@ def _from_dataset(repo_id: str, revision: str | None, token: str | None) -> Corp
         raise DataError(
             f"downloading dataset {repo_id!r} failed: {str(e).splitlines()[0]}", "check the id and your network"
         ) from e
-    files = _dataset_files(root)
-    if not files:
-        raise DataError(
-            f"dataset {repo_id!r} has no parquet/jsonl/json/txt files", "choose a dataset with a 'text' column"
-        )
+    files = _dataset_files(root, f"dataset {repo_id!r}", "choose a dataset with a 'text' column")
     corpus = _from_files("dataset", repo_id, root, files)
     corpus.source["commit"] = root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None
     corpus.source["revision"] = revision

@@ -105,11 +105,9 @@ def observing(model: torch.nn.Module, linears: list[str], make: Callable[[], Obs
     memo = _LastInput()
     try:
         for name in linears:
-            mod = modules.get(name)
-            if mod is None:
-                continue
-            obs[name] = make()
-            handles.append(mod.register_forward_pre_hook(linear_hook(obs[name], memo)))
+            if name in modules:
+                obs[name] = make()
+                handles.append(modules[name].register_forward_pre_hook(linear_hook(obs[name], memo)))
         for name, mod in fused_experts(model).items():
             experts[name] = ExpertsObserver(mod, make)
             handles.append(mod.register_forward_hook(experts[name].hook, with_kwargs=True))

@@ -8,6 +8,7 @@ CPU the conversion is memory-bound and a whole-tensor float32 copy would double 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from dataclasses import dataclass
@@ -42,15 +43,14 @@ class QuantStats:
     sqnr_rows: int  # rows the SQNR was measured on (all rows up to 2**20 elements)
 
     def as_dict(self) -> dict:
-        return {
-            "amax": self.amax,
-            "scale_min": self.scale_min,
-            "scale_max": self.scale_max,
-            "sqnr_db": None if not math.isfinite(self.sqnr_db) else round(self.sqnr_db, 4),
-            **({"sqnr_undefined": True} if math.isnan(self.sqnr_db) else {}),
-            "zero_rows": self.zero_rows,
-            "sqnr_rows": self.sqnr_rows,
-        }
+        """The fields as JSON holds them: the SQNR rounded, null where it is not finite, and
+        `sqnr_undefined` where it is NaN (an all-zero tensor: no signal, so no ratio)."""
+        sqnr = round(self.sqnr_db, 4) if math.isfinite(self.sqnr_db) else None
+        return (
+            dataclasses.asdict(self)
+            | {"sqnr_db": sqnr}
+            | ({"sqnr_undefined": True} if math.isnan(self.sqnr_db) else {})
+        )
 
 
 # Fewer codes than this are cast on CPU too (a decode step's activations: 4 us against 23 us for

@@ -96,9 +96,24 @@ def write_text(path: Path, text: str) -> None:
         raise
 
 
-class BackgroundSync:
+class Closing:
+    """A with-block over work that must end one way or the other: `close()` when the block ends
+    well, `abort()` when it raises (the error being raised matters more than the work left); a
+    subclass defines both."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class BackgroundSync(Closing):
     """Runs fsyncs on a thread of their own, so that one file's flush to disk overlaps the work
-    on the next; `wait` (before the rename that publishes them) re-raises any failure."""
+    on the next; `close` (before the rename that publishes them) re-raises any failure."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpsconvert-fsync")
@@ -107,21 +122,16 @@ class BackgroundSync:
     def add(self, fn: Callable[[], None]) -> None:
         self._jobs.append(self._pool.submit(fn))
 
-    def wait(self) -> None:
+    def close(self) -> None:
         try:
             for job in self._jobs:
                 job.result()
         finally:
             self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> "BackgroundSync":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.wait()
-        else:  # the error being raised matters more than a failed flush of a file about to go
-            self._pool.shutdown(wait=True, cancel_futures=True)
+    def abort(self) -> None:
+        """Drop the fsyncs not started yet: a failed flush of a file about to go matters less."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def os_error(e: OSError, where: Path) -> MpsconvertError:

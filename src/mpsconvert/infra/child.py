@@ -72,9 +72,14 @@ class Child:
         return self._proc.poll() is None
 
     def kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait()
+        stop(self._proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End `proc` if it still runs, and reap it (no zombie is left behind)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
 
 
 def answer_for(main: Callable[[dict], dict], request: dict) -> dict:

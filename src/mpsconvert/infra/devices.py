@@ -85,10 +85,8 @@ def synchronize(device: torch.device) -> None:
 
 def empty_cache(device: torch.device) -> None:
     """Give cached blocks back between phases (calibration -> evaluation, model A -> model B)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    elif device.type == "mps":
-        torch.mps.empty_cache()
+    if device.type in ("cuda", "mps"):
+        getattr(torch, device.type).empty_cache()  # torch.cuda / torch.mps
 
 
 def reset_peak(device: torch.device) -> None:

@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from .atomic import Closing
 from .safetensors_io import DTYPES, _read_exact
 
 _COPY_BLOCK = 16 << 20  # ShardWriter.copy reads the source in blocks of this size
@@ -180,7 +181,7 @@ class OutputFile:
 HASH_BESIDE_COPY = (os.cpu_count() or 1) >= 4
 
 
-class ShardWriter:
+class ShardWriter(Closing):
     """Writes a safetensors file whose tensor list is known up front, data streamed in order.
 
     A tensor's bytes may come in several `write` calls (blocks of rows), or be copied from a
@@ -319,16 +320,6 @@ class ShardWriter:
             self._f.sync()
         finally:
             self._f.close()
-
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        """On success, close (the writes finish in the background); on any error, abort."""
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def abort(self) -> None:
         try:

@@ -190,14 +190,14 @@ def _size_rows(s: dict) -> list[str]:
 
 
 def _what_was_done(manifest: Manifest) -> list[str]:
-    r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = _where(src)
+    r = manifest.recipe
     kept = r.get("ignored_modules") if isinstance(r.get("ignored_modules"), dict) else {}
     name, weights = r.get("name"), r.get("weights")
     lines = [
         "## What was done",
         "",
-        f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted {where} to FP8 (`float8_e4m3fn`) in the "
+        f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted {_where(manifest.source)} to FP8 "
+        "(`float8_e4m3fn`) in the "
         "compressed-tensors `float-quantized` format.",
         "",
         "| | |",
@@ -205,7 +205,7 @@ def _what_was_done(manifest: Manifest) -> list[str]:
         f"| scheme | {_c(name)}: {_t(_SCHEME_TEXT.get(name, name)) if isinstance(name, str) else '?'} |",
         f"| weight scales | {_t(_GRANULARITY_TEXT.get(weights, weights)) if isinstance(weights, str) else '?'}; "
         "`scale = amax / 448`, values clamped to +-448 |",
-        *_size_rows(s),
+        *_size_rows(manifest.summary),
     ]
     g = manifest.get(GGUFSource)
     if g is not None:
@@ -469,8 +469,7 @@ def diffusion_intro(manifest: Manifest) -> str:
 
 
 def diffusion_done(manifest: Manifest) -> list[str]:
-    r, s, src = manifest.recipe, manifest.summary, manifest.source
-    where = _where(src)
+    r = manifest.recipe
     hp = r.get("high_precision") if isinstance(r.get("high_precision"), dict) else {}
     kept = r.get("ignored_modules") or {}
     fmt = r.get("format")
@@ -491,15 +490,15 @@ def diffusion_done(manifest: Manifest) -> list[str]:
         "## What was done",
         "",
         f"mpsconvert {_t(manifest.versions.get('mpsconvert'))} converted the {_t(r.get('family_label'))} "
-        f"{'transformer' if not r.get('component') else _c(r['component'])} of {where} to FP8 (`float8_e4m3fn`), "
-        "weights only: activations stay in 16 bits.",
+        f"{'transformer' if not r.get('component') else _c(r['component'])} of {_where(manifest.source)} to FP8 "
+        "(`float8_e4m3fn`), weights only: activations stay in 16 bits.",
         "",
         "| | |",
         "|---|---|",
         f"| format | {layout} |",
         f"| weight scales | {_t(_GRANULARITY_TEXT.get(r.get('weights'), r.get('weights')))}; `scale = amax / "
         "448`, values clamped to +-448 |",
-        *_size_rows(s),
+        *_size_rows(manifest.summary),
     ]
     patterns = hp.get("patterns") if isinstance(hp.get("patterns"), list) else []
     lines.append(

@@ -29,17 +29,20 @@ _REFUSED_EVERYWHERE = (
 )
 
 
-# (scheme, weights) -> the tests that load such an artifact with transformers + compressed-tensors; a pair
+# scheme -> weights -> the tests that load such an artifact with transformers + compressed-tensors; a pair
 # missing here is "from code" (fp8 static with per-row weights: no test loads one)
 _TRANSFORMERS_TESTS = {
-    ("fp8-dynamic", "row"): "tests/test_quantize.py",
-    ("fp8-dynamic", "tensor"): "tests/test_moe_convert.py (a MoE)",
-    ("fp8-dynamic", "block"): "tests/test_block.py",
-    ("fp8-weight-only", "row"): "tests/test_quantize.py (an encoder), tests/test_real_weights.py",
-    ("fp8-weight-only", "tensor"): "tests/test_quantize.py",
-    ("fp8-weight-only", "block"): "tests/test_block.py",
-    ("fp8", "tensor"): "tests/test_calib_run.py",
-    ("fp8", "block"): "tests/test_block.py",
+    "fp8-dynamic": {
+        "row": "tests/test_quantize.py",
+        "tensor": "tests/test_moe_convert.py (a MoE)",
+        "block": "tests/test_block.py",
+    },
+    "fp8-weight-only": {
+        "row": "tests/test_quantize.py (an encoder), tests/test_real_weights.py",
+        "tensor": "tests/test_quantize.py",
+        "block": "tests/test_block.py",
+    },
+    "fp8": {"tensor": "tests/test_calib_run.py", "block": "tests/test_block.py"},
 }
 # weights -> (the scheme, the tests) of the artifacts the Core ML / Core AI exports are run on here; others "from code"
 _APPLE_TESTS = {
@@ -193,18 +196,13 @@ def engines(recipe: dict, block: VLLMBlock | None = None) -> list[Engine]:
         )
     else:
         out.append(Engine("vLLM CPU", True, "verified", cpu))
-    key = (name, weights)
-    if key in _TRANSFORMERS_TESTS:
-        out.append(Engine("transformers + compressed-tensors", True, "verified", _TRANSFORMERS_TESTS[key]))
-    else:
-        out.append(
-            Engine(
-                "transformers + compressed-tensors",
-                True,
-                "from code",
-                "compressed-tensors' FP8 preset of this scheme; no test here loads it",
-            )
+    out.append(
+        _loads(
+            "transformers + compressed-tensors",
+            _TRANSFORMERS_TESTS.get(name, {}).get(weights),
+            "compressed-tensors' FP8 preset of this scheme; no test here loads it",
         )
+    )
     out.append(
         Engine(
             "mpsconvert",
@@ -213,27 +211,24 @@ def engines(recipe: dict, block: VLLMBlock | None = None) -> list[Engine]:
             "CPU and CUDA; MPS through the same code, FP8 kernels on MPS need torch >= 2.15",
         )
     )
-    if weights in _APPLE_TESTS and name == _APPLE_TESTS[weights][0]:
-        out.append(
-            Engine(
-                "Core ML / Core AI",
-                True,
-                "verified",
-                f"export-coreml / export-coreai ({_APPLE_TESTS[weights][1]}): "
-                "the weights; activations run in 16/32 bits",
-            )
+    apple = _APPLE_TESTS.get(weights)
+    out.append(
+        _loads(
+            "Core ML / Core AI",
+            f"export-coreml / export-coreai ({apple[1]}): the weights; activations run in 16/32 bits"
+            if apple and name == apple[0]
+            else None,
+            "export-coreml / export-coreai read the weight codes and "
+            "scales only (input scales dropped), laid out as a tested artifact's; activations run in 16/32 bits",
         )
-    else:
-        out.append(
-            Engine(
-                "Core ML / Core AI",
-                True,
-                "from code",
-                "export-coreml / export-coreai read the weight codes and "
-                "scales only (input scales dropped), laid out as a tested artifact's; activations run in 16/32 bits",
-            )
-        )
+    )
     return out
+
+
+def _loads(name: str, verified: str | None, from_code: str) -> Engine:
+    """An engine that loads the artifact: `verified` names the tests that show it, else it is known
+    from the code (`from_code` says how)."""
+    return Engine(name, True, "verified", verified) if verified else Engine(name, True, "from code", from_code)
 
 
 def line(manifest) -> str | None:

@@ -142,9 +142,16 @@ class Record(Typed):
 
     KEY: ClassVar[str]
     SECTION: ClassVar[str | None] = None
-    AFTER: ClassVar[bool] = (
-        False  # written by a step after the conversion (validate, an export, upload): outside the pin (pin.py)
-    )
+    # written by a step after the conversion (validate, an export, upload): outside the pin (pin.py)
+    AFTER: ClassVar[bool] = False
+
+    def __init_subclass__(cls, *, key=None, section=None, after=None, fix=None, name=None, **kw):
+        """A kind's place and words as class keywords: `class Hub(Record, key="hub", after=True,
+        fix="upload it again")` sets KEY, SECTION, AFTER, FIX and NAME (those given)."""
+        super().__init_subclass__(**kw)
+        for attr, value in (("KEY", key), ("SECTION", section), ("AFTER", after), ("FIX", fix), ("NAME", name)):
+            if value is not None:
+                setattr(cls, attr, value)
 
     @classmethod
     def path(cls) -> str:
@@ -200,12 +207,11 @@ class ValidationRun(Typed):
 
 
 @dataclass(kw_only=True)
-class Validation(MappingRecord):
+class Validation(
+    MappingRecord, key="validation", after=True, fix="run `mpsconvert validate` again (it rewrites the record)"
+):
     """Every `validate` run, keyed by "<device name> (<device>)": a run on another device adds a key."""
 
-    KEY: ClassVar[str] = "validation"
-    AFTER: ClassVar[bool] = True
-    FIX: ClassVar[str] = "run `mpsconvert validate` again (it rewrites the record)"
     runs: dict[str, ValidationRun] = field(default_factory=dict)
 
     def inspect_rows(self) -> list[tuple[str, str]]:
@@ -252,12 +258,10 @@ class ExportCheck(Typed):
 
 
 @dataclass(kw_only=True)
-class AppleExport(Record):
+class AppleExport(Record, after=True):
     """What an Apple target's export wrote: its package inside the artifact, the task and
     interface, and, once checked, the check. `package` names the file whatever the target calls
     it (Core AI records it as `asset`)."""
-
-    AFTER: ClassVar[bool] = True
 
     task: str
     max_len: int | None = None
@@ -301,11 +305,9 @@ class AppleExport(Record):
 
 
 @dataclass(kw_only=True)
-class RuntimeResult(Record):
+class RuntimeResult(Record, after=True):
     """A target's runtime part of `validate`: latency (and accuracy) beside PyTorch per engine,
     or why it did not run."""
-
-    AFTER: ClassVar[bool] = True
 
     NAME: ClassVar[str]  # the target's name ("Core ML")
     status: str  # "ran" | "skipped" | "failed"
@@ -340,10 +342,9 @@ class RuntimeResult(Record):
 
 
 @dataclass(kw_only=True)
-class Experts(Record):
+class Experts(Record, key="moe"):
     """Where the MoE experts' weights are (moe_layout) and how they were written."""
 
-    KEY: ClassVar[str] = "moe"
     experts_layout: str
     experts: dict[str, dict]
     scales: str | None = None
@@ -354,21 +355,16 @@ class Experts(Record):
 
 
 @dataclass(kw_only=True)
-class ExpertCalibration(MappingRecord):
+class ExpertCalibration(MappingRecord, key="calibration_experts", fix="calibrate again (`mpsconvert calibrate`)"):
     """Calibrated input scales of fused MoE experts: "<experts module>.<param>" -> one per expert."""
 
-    KEY: ClassVar[str] = "calibration_experts"
-    FIX: ClassVar[str] = "calibrate again (`mpsconvert calibrate`)"
     scales: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
-class CalibrationRecord(Record):
+class CalibrationRecord(Record, key="calibration", section="recipe", fix="calibrate again (`mpsconvert calibrate`)"):
     """How the static input scales were measured (calibrate/calibration.py's record), in the recipe."""
 
-    KEY: ClassVar[str] = "calibration"
-    SECTION: ClassVar[str | None] = "recipe"
-    FIX: ClassVar[str] = "calibrate again (`mpsconvert calibrate`)"
     device: str | None = None
     observer: str | None = None
     mode: str | None = None
@@ -380,12 +376,9 @@ class CalibrationRecord(Record):
 
 
 @dataclass(kw_only=True)
-class Hub(Record):
+class Hub(Record, key="hub", after=True, fix="upload it again (`mpsconvert upload`)"):
     """The hub repo the artifact was uploaded to: the card then loads from there."""
 
-    KEY: ClassVar[str] = "hub"
-    AFTER: ClassVar[bool] = True
-    FIX: ClassVar[str] = "upload it again (`mpsconvert upload`)"
     repo: str
     more: dict = field(default_factory=dict)
 
@@ -394,11 +387,10 @@ class Hub(Record):
 
 
 @dataclass(kw_only=True)
-class Pin(Record):
+class Pin(Record, key="pinned"):
     """What the conversion sealed (manifests/pin.py): the top-level keys, library versions and
     files of the manifest a pin covers."""
 
-    KEY: ClassVar[str] = "pinned"
     keys: list[str]
     versions: list[str]
     files: list[str]
@@ -411,11 +403,9 @@ class Pin(Record):
 
 
 @dataclass(kw_only=True)
-class GGUFSource(Record):
+class GGUFSource(Record, key="gguf", section="source"):
     """A source that was one GGUF file (convert/gguf.py): what it held and how it was unpacked."""
 
-    KEY: ClassVar[str] = "gguf"
-    SECTION: ClassVar[str | None] = "source"
     file: str
     architecture: str | None = None
     file_type: str | None = None
@@ -441,11 +431,9 @@ class GGUFSource(Record):
 
 
 @dataclass(kw_only=True)
-class DiffusionSource(Record):
+class DiffusionSource(Record, key="diffusion", section="source"):
     """A diffusion source (source.DiffusionSource): pipeline, component or single file, and the class."""
 
-    KEY: ClassVar[str] = "diffusion"
-    SECTION: ClassVar[str | None] = "source"
     layout: str
     component: str | None = None
     class_name: str | None = None
@@ -453,13 +441,11 @@ class DiffusionSource(Record):
 
 
 @dataclass(kw_only=True)
-class VLLMBlock(Record):
+class VLLMBlock(Record, key="vllm_block", section="recipe"):
     """Block weights checked against vLLM's rule at quantize time (manifests/engines.py): the
     merged layers (qkv_proj, gate_up_proj) and MoE experts vLLM would refuse, with their sizes.
     In the recipe, so the pin covers it; the card and inspect read it through engines.line."""
 
-    KEY: ClassVar[str] = "vllm_block"
-    SECTION: ClassVar[str | None] = "recipe"
     block: int
     vllm: str
     refused: list[str] = field(default_factory=list)

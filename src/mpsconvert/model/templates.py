@@ -30,6 +30,7 @@ import threading
 import time
 
 from ..errors import ArtifactError
+from ..infra.child import stop
 
 RENDER_SECONDS = 10.0
 MAX_CHARS = 16 << 20  # characters: a prompt beyond this fits no model's context (1M tokens is ~4M characters)
@@ -115,9 +116,7 @@ class _Worker:
         return line
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        stop(self.proc)
         for f in (self.proc.stdin, self.proc.stdout):
             try:
                 f.close()

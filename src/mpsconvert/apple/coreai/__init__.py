@@ -61,12 +61,9 @@ class CheckOptions:
 
 
 @dataclass(kw_only=True)
-class CoreAIExport(AppleExport):
+class CoreAIExport(AppleExport, key="coreai", name="Core AI", fix="re-export it (`mpsconvert export-coreai --force`)"):
     """The manifest's `coreai` record: the asset, its interface and how it stores and computes."""
 
-    KEY: ClassVar[str] = "coreai"
-    NAME: ClassVar[str] = "Core AI"
-    FIX: ClassVar[str] = "re-export it (`mpsconvert export-coreai --force`)"
     PACKAGE_FIELD: ClassVar[str] = "asset"
     asset: str
     max_len: int
@@ -92,10 +89,8 @@ class CoreAIExport(AppleExport):
 
 
 @dataclass(kw_only=True)
-class CoreAIRuntime(RuntimeResult):
+class CoreAIRuntime(
+    RuntimeResult, key="coreai_runtime", name="Core AI", fix="run `mpsconvert validate` again (it rewrites the record)"
+):
     """The manifest's `coreai_runtime` record: the asset's latency beside PyTorch (Linux CPU runtime, or per unit on
     macOS)."""
-
-    KEY: ClassVar[str] = "coreai_runtime"
-    NAME: ClassVar[str] = "Core AI"
-    FIX: ClassVar[str] = "run `mpsconvert validate` again (it rewrites the record)"

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import MpsconvertError
 from .. import compare, stateful
 from ..protocol import package_in
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
@@ -198,46 +197,30 @@ def decoder_runner(session: Session):
     """`new_conversation()` for compare.check_decoder over a Core AI session."""
 
     shapes = [shape for _, shape in session.signature["states"].values()]
-    max_len = min(shape[2] for shape in shapes) if shapes else 0
-
-    def new_conversation():
-        state = session.new_state()
-
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            if position < 0 or position + ids.shape[1] > max_len:
-                # the runtime does not bounds-check a state write: past the cache it corrupts memory
-                raise MpsconvertError(
-                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
-                    "re-export with a larger `max_len`, or use fewer tokens",
-                )
-            out = session.run({"input_ids": ids, "position": np.array([position], dtype=np.int32)}, state)
-            return out[stateful.OUTPUT_NAME][0]
-
-        return step
-
-    return new_conversation
+    return compare.stateful_runner(
+        session.new_state,
+        session.run,
+        min(shape[2] for shape in shapes) if shapes else 0,
+        fix="re-export with a larger `max_len`, or use fewer tokens",
+    )
 
 
 def runtime_eval(
     artifact: Path,
     tm,
     max_len: int,
+    decode: compare.DecodeCheck,
     unit: str | None = None,
-    texts=None,
-    prompt_len: int = compare.PROMPT_LEN,
-    steps: int = compare.DECODE_STEPS,
-    generate: int = compare.GENERATE,
     samples: int = 3,
     progress=None,
 ) -> dict:
-    """Run the asset with the Core AI runtime and compare it with PyTorch (see compare.py)."""
+    """Run the asset with the Core AI runtime and compare it with PyTorch (see compare.py):
+    a decoder through `decode`, an encoder on `samples` one-pass samples."""
     with quiet():
         session = Session(_asset(artifact), unit=unit)
     with session:
         if tm.task == "causal-lm":
-            prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
-            ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
-            res = compare.check_decoder(decoder_runner(session), tm, ids, prompt_len, steps, generate, progress)
+            res = decode.run(decoder_runner(session), artifact, tm, max_len, progress)
         else:
             hi = min(max_len, 64)
             xs, what = compare.sample_inputs(artifact, tm, {"min": 1, "max": hi}, n=samples)
@@ -247,8 +230,8 @@ def runtime_eval(
                 with torch.no_grad():
                     ref = tm.module(*(torch.from_numpy(a.astype(np.int64)) for a in x)).float().numpy()
                 parts.append(compare.compare_outputs(tm.task, got, ref))
-            res = compare.merge_parts(tm.task, parts)
-    return res | {"inputs": what, "runtime": runtime_label(unit), "reference": compare.REFERENCE_NAME}
+            res = compare.merge_parts(tm.task, parts) | {"inputs": what}
+    return res | {"runtime": runtime_label(unit), "reference": compare.REFERENCE_NAME}
 
 
 def check_asset(
@@ -277,17 +260,8 @@ def check_asset(
     res["size_ratio"] = round(res["asset_bytes"] / res["fp8_safetensors_bytes"], 4)
     res["weights"] = check_weights(asset, tm, {**record, "storage": res["storage"]})
     if evaluate:
-        res["runtime_eval"] = runtime_eval(
-            artifact,
-            tm,
-            record["max_len"],
-            texts=texts,
-            prompt_len=prompt_len,
-            steps=steps,
-            generate=generate,
-            samples=samples,
-            progress=progress,
-        )
+        decode = compare.DecodeCheck(prompt_len, steps, generate, texts)
+        res["runtime_eval"] = runtime_eval(artifact, tm, record["max_len"], decode, samples=samples, progress=progress)
     res["ok"] = bool(
         res["interface"]["ok"] and res["weights"]["all_ok"] and res.get("runtime_eval", {}).get("ok", True)
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import MpsconvertError
 from ...infra.units import human
-from ..protocol import Option, Target, feature_text, states_text
+from ..protocol import Option, Target, feature_text, max_len_option, states_rows
 from . import ASSET_NAME, COMPUTE_DTYPES, RUNTIME_LABEL, CheckOptions, CoreAIExport, CoreAIOptions, CoreAIRuntime
 
 
@@ -25,14 +25,9 @@ class CoreAI(Target):
     check_options = CheckOptions
     check_fix = "re-export with `compute=fp32` to compare, or report the model"
     export_flags = (
-        Option(
-            "max_len",
-            "--max-len",
+        max_len_option(
             "Causal LMs: KV cache length (input_ids of 1..N tokens, position + T <= N). Encoders: longest input "
             "[default: 2048, or the model's max_position_embeddings if smaller].",
-            kind="int",
-            minimum=2,
-            quantize="--max-len",
         ),
         Option(
             "compute",
@@ -168,8 +163,7 @@ class CoreAI(Target):
                 None,
             ),
         ]
-        if iface.get("states"):
-            rows.append(("states", states_text(iface["states"]), None))
+        rows += states_rows(iface)
         rows.append(
             (
                 "interface",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from ...errors import MpsconvertError
 from ...manifests import markdown as md
@@ -88,12 +87,9 @@ class CheckOptions:
 
 
 @dataclass(kw_only=True)
-class CoreMLExport(AppleExport):
+class CoreMLExport(AppleExport, key="coreml", name="Core ML", fix="re-export it (`mpsconvert export-coreml --force`)"):
     """The manifest's `coreml` record: the package, its interface and how its weights are stored."""
 
-    KEY: ClassVar[str] = "coreml"
-    NAME: ClassVar[str] = "Core ML"
-    FIX: ClassVar[str] = "re-export it (`mpsconvert export-coreml --force`)"
     package: str
     weights: str = "fp8-lut"
     kv_cache: bool = False
@@ -121,9 +117,10 @@ class CoreMLExport(AppleExport):
 
 
 @dataclass(kw_only=True)
-class CoreMLRuntime(RuntimeResult):
+class CoreMLRuntime(
+    RuntimeResult,
+    key="coreml_runtime",
+    name="Core ML",
+    fix="run `mpsconvert validate` again on macOS (it rewrites the record)",
+):
     """The manifest's `coreml_runtime` record: Core ML itself per compute unit beside PyTorch on MPS (macOS)."""
-
-    KEY: ClassVar[str] = "coreml_runtime"
-    NAME: ClassVar[str] = "Core ML"
-    FIX: ClassVar[str] = "run `mpsconvert validate` again on macOS (it rewrites the record)"

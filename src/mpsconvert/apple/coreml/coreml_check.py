@@ -21,10 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import ArtifactError
 from ...format import fp8
 from ...infra import timing
-from .. import compare, stateful
+from .. import compare
 from ..compare import DEFAULT_TEXTS, MIN_COSINE, REFERENCE_NAME, compare_outputs, merge_parts, sample_inputs
 from ..protocol import package_in
 from ..torch_model import build_torch_model, fp8_safetensors_bytes
@@ -221,24 +220,12 @@ def mil_decoder(prog, how: Counter | None = None):
     declared = mil_eval.state_inputs(prog)
     max_len = min(shape[2] for shape, _ in declared.values())
 
-    def new_conversation():
-        states = mil_eval.new_states(prog)
+    def run(inputs: dict, states) -> dict:
+        outs, h = mil_eval.evaluate(prog, inputs, states=states, cache=cache)
+        how.update(h)
+        return outs
 
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            if position + ids.shape[1] > max_len:
-                raise ArtifactError(
-                    f"tokens {position}..{position + ids.shape[1] - 1} do not fit the KV cache of {max_len}",
-                    "use fewer tokens",
-                )
-            outs, h = mil_eval.evaluate(
-                prog, {"input_ids": ids, "position": np.array([position], dtype=np.int32)}, states=states, cache=cache
-            )
-            how.update(h)
-            return outs[stateful.OUTPUT_NAME][0]
-
-        return step
-
-    return new_conversation
+    return compare.stateful_runner(lambda: mil_eval.new_states(prog), run, max_len)
 
 
 def reference_decode(
@@ -246,20 +233,14 @@ def reference_decode(
     tm,
     artifact: Path,
     max_len: int,
-    texts=None,
-    prompt_len: int = compare.PROMPT_LEN,
-    steps: int = 16,
-    generate: int = compare.GENERATE,
+    decode: compare.DecodeCheck,
     progress=None,
 ) -> dict:
     """The stateful package through the reference evaluator: prefill, teacher-forced decode
-    through its states and greedy generation against PyTorch (compare.check_decoder)."""
+    through its states and greedy generation against PyTorch (compare.DecodeCheck)."""
     how: Counter = Counter()
-    prompt_len, steps = compare.fit_to_cache(prompt_len, steps, generate, max_len)
-    ids, what = compare.prompt_ids(artifact, tm, prompt_len + steps, texts)
-    res = compare.check_decoder(mil_decoder(prog, how), tm, ids, prompt_len, steps, generate, progress)
+    res = decode.run(mil_decoder(prog, how), artifact, tm, max_len, progress)
     return res | {
-        "inputs": what,
         "evaluator": EVALUATOR_NAME,
         "reference": REFERENCE_NAME,
         "ops_by_implementation": {
@@ -302,9 +283,8 @@ def check_package(
     }
     res["size_ratio"] = round(res["weight_bytes"] / res["fp8_safetensors_bytes"], 4)
     if evaluate and record.get("kv_cache"):
-        res["reference_eval"] = reference_decode(
-            prog, tm, artifact, record["max_len"], texts, prompt_len, steps, generate, progress
-        )
+        decode = compare.DecodeCheck(prompt_len, steps, generate, texts)
+        res["reference_eval"] = reference_decode(prog, tm, artifact, record["max_len"], decode, progress)
     elif evaluate:
         samples, what = sample_inputs(artifact, tm, record["seq_len"], texts or DEFAULT_TEXTS, n_samples)
         res["reference_eval"] = reference_eval(prog, tm, samples) | {"inputs": what}
@@ -321,20 +301,7 @@ _UNIT_NAMES = {"all": "ALL", "cpu_and_gpu": "CPU_AND_GPU", "cpu_and_ne": "CPU_AN
 def coreml_decoder(ml):
     """`new_conversation()` over a loaded stateful MLModel: `make_state()` per conversation,
     `predict(inputs, state=state)` per call (the Core ML API for iOS18 / macOS15 states)."""
-
-    def new_conversation():
-        state = ml.make_state()
-
-        def step(ids: np.ndarray, position: int) -> np.ndarray:
-            out = ml.predict(
-                {"input_ids": np.asarray(ids, dtype=np.int32), "position": np.array([position], dtype=np.int32)},
-                state=state,
-            )
-            return np.asarray(out[stateful.OUTPUT_NAME])[0]
-
-        return step
-
-    return new_conversation
+    return compare.stateful_runner(ml.make_state, lambda inputs, state: ml.predict(inputs, state=state))
 
 
 def _load(ct, pkg: Path, unit: str, row: dict):

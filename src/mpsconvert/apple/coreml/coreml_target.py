@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import MpsconvertError
 from ...infra.units import human
-from ..protocol import Option, Target, feature_text, states_text
+from ..protocol import Option, Target, feature_text, max_len_option, states_rows
 from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, CheckOptions, CoreMLExport, CoreMLRuntime, ExportOptions, SeqLen
 
 
@@ -25,14 +25,9 @@ class CoreML(Target):
     check_options = CheckOptions
     check_fix = "re-export with --coreml-weights fp16 to compare, or report the model"
     export_flags = (
-        Option(
-            "max_len",
-            "--max-len",
+        max_len_option(
             "Causal LMs: KV cache length of the stateful decoder (input_ids of 1..N tokens, position + T <= N) "
             "[default: 2048, or the model's max_position_embeddings if smaller].",
-            kind="int",
-            minimum=2,
-            quantize="--max-len",
         ),
         Option(
             "kv_cache",
@@ -171,8 +166,7 @@ class CoreML(Target):
             ("inputs", "; ".join(feature_text(f) for f in spec["inputs"]), None),
             ("outputs", "; ".join(feature_text(f) for f in spec["outputs"]), None),
         ]
-        if spec.get("states"):
-            rows.append(("states", states_text(spec["states"]), None))
+        rows += states_rows(spec)
         rows.append(
             (
                 "ops",

@@ -58,6 +58,12 @@ def _embedder(prefix: str, first: str, second: str) -> tuple[tuple[str, str], ..
     return (prefix + r"linear_1\.", first), (prefix + r"linear_2\.", second)
 
 
+def _within(block: str, target: str, renames: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """`renames` inside a block: each diffusers pattern follows `block` (a regex whose groups number
+    the block) and each original name follows `target` (which refers to those groups)."""
+    return tuple((block + d, target + o) for d, o in renames)
+
+
 _FLUX_BLOCK = r"^transformer_blocks\.(\d+)\."
 _SD3_BLOCK = r"^transformer_blocks\.(\d+)\."
 _ZIMAGE_BLOCK = r"^(layers|context_refiner|noise_refiner)\.(\d+)\."
@@ -78,18 +84,24 @@ FAMILIES: tuple[Family, ...] = (
             (r"^x_embedder\.", "img_in."),
             (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
             (r"^proj_out\.", "final_layer.linear."),
-            (_FLUX_BLOCK + r"norm1\.linear\.", r"double_blocks.\1.img_mod.lin."),
-            (_FLUX_BLOCK + r"norm1_context\.linear\.", r"double_blocks.\1.txt_mod.lin."),
-            (_FLUX_BLOCK + r"attn\.norm_q\.weight$", r"double_blocks.\1.img_attn.norm.query_norm.scale"),
-            (_FLUX_BLOCK + r"attn\.norm_k\.weight$", r"double_blocks.\1.img_attn.norm.key_norm.scale"),
-            (_FLUX_BLOCK + r"attn\.norm_added_q\.weight$", r"double_blocks.\1.txt_attn.norm.query_norm.scale"),
-            (_FLUX_BLOCK + r"attn\.norm_added_k\.weight$", r"double_blocks.\1.txt_attn.norm.key_norm.scale"),
-            (_FLUX_BLOCK + r"ff\.net\.0\.proj\.", r"double_blocks.\1.img_mlp.0."),
-            (_FLUX_BLOCK + r"ff\.net\.2\.", r"double_blocks.\1.img_mlp.2."),
-            (_FLUX_BLOCK + r"ff_context\.net\.0\.proj\.", r"double_blocks.\1.txt_mlp.0."),
-            (_FLUX_BLOCK + r"ff_context\.net\.2\.", r"double_blocks.\1.txt_mlp.2."),
-            (_FLUX_BLOCK + r"attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
-            (_FLUX_BLOCK + r"attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+            *_within(
+                _FLUX_BLOCK,
+                r"double_blocks.\1.",
+                (
+                    (r"norm1\.linear\.", "img_mod.lin."),
+                    (r"norm1_context\.linear\.", "txt_mod.lin."),
+                    (r"attn\.norm_q\.weight$", "img_attn.norm.query_norm.scale"),
+                    (r"attn\.norm_k\.weight$", "img_attn.norm.key_norm.scale"),
+                    (r"attn\.norm_added_q\.weight$", "txt_attn.norm.query_norm.scale"),
+                    (r"attn\.norm_added_k\.weight$", "txt_attn.norm.key_norm.scale"),
+                    (r"ff\.net\.0\.proj\.", "img_mlp.0."),
+                    (r"ff\.net\.2\.", "img_mlp.2."),
+                    (r"ff_context\.net\.0\.proj\.", "txt_mlp.0."),
+                    (r"ff_context\.net\.2\.", "txt_mlp.2."),
+                    (r"attn\.to_out\.0\.", "img_attn.proj."),
+                    (r"attn\.to_add_out\.", "txt_attn.proj."),
+                ),
+            ),
             (r"^single_transformer_blocks\.(\d+)\.norm\.linear\.", r"single_blocks.\1.modulation.lin."),
             (r"^single_transformer_blocks\.(\d+)\.attn\.norm_q\.weight$", r"single_blocks.\1.norm.query_norm.scale"),
             (r"^single_transformer_blocks\.(\d+)\.attn\.norm_k\.weight$", r"single_blocks.\1.norm.key_norm.scale"),
@@ -168,21 +180,33 @@ FAMILIES: tuple[Family, ...] = (
             (r"^pos_embed\.pos_embed$", "pos_embed"),
             (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
             (r"^proj_out\.", "final_layer.linear."),
-            (_SD3_BLOCK + r"norm1_context\.linear\.", r"joint_blocks.\1.context_block.adaLN_modulation.1."),
-            (_SD3_BLOCK + r"attn\.to_add_out\.", r"joint_blocks.\1.context_block.attn.proj."),
-            (_SD3_BLOCK + r"ff_context\.net\.0\.proj\.", r"joint_blocks.\1.context_block.mlp.fc1."),
-            (_SD3_BLOCK + r"ff_context\.net\.2\.", r"joint_blocks.\1.context_block.mlp.fc2."),
-            (_SD3_BLOCK + r"attn\.norm_added_q\.", r"joint_blocks.\1.context_block.attn.ln_q."),
-            (_SD3_BLOCK + r"attn\.norm_added_k\.", r"joint_blocks.\1.context_block.attn.ln_k."),
-            (_SD3_BLOCK + r"norm1\.linear\.", r"joint_blocks.\1.x_block.adaLN_modulation.1."),
-            (_SD3_BLOCK + r"attn\.to_out\.0\.", r"joint_blocks.\1.x_block.attn.proj."),
-            (_SD3_BLOCK + r"attn\.norm_q\.", r"joint_blocks.\1.x_block.attn.ln_q."),
-            (_SD3_BLOCK + r"attn\.norm_k\.", r"joint_blocks.\1.x_block.attn.ln_k."),
-            (_SD3_BLOCK + r"attn2\.to_out\.0\.", r"joint_blocks.\1.x_block.attn2.proj."),
-            (_SD3_BLOCK + r"attn2\.norm_q\.", r"joint_blocks.\1.x_block.attn2.ln_q."),
-            (_SD3_BLOCK + r"attn2\.norm_k\.", r"joint_blocks.\1.x_block.attn2.ln_k."),
-            (_SD3_BLOCK + r"ff\.net\.0\.proj\.", r"joint_blocks.\1.x_block.mlp.fc1."),
-            (_SD3_BLOCK + r"ff\.net\.2\.", r"joint_blocks.\1.x_block.mlp.fc2."),
+            *_within(
+                _SD3_BLOCK,
+                r"joint_blocks.\1.context_block.",
+                (
+                    (r"norm1_context\.linear\.", "adaLN_modulation.1."),
+                    (r"attn\.to_add_out\.", "attn.proj."),
+                    (r"ff_context\.net\.0\.proj\.", "mlp.fc1."),
+                    (r"ff_context\.net\.2\.", "mlp.fc2."),
+                    (r"attn\.norm_added_q\.", "attn.ln_q."),
+                    (r"attn\.norm_added_k\.", "attn.ln_k."),
+                ),
+            ),
+            *_within(
+                _SD3_BLOCK,
+                r"joint_blocks.\1.x_block.",
+                (
+                    (r"norm1\.linear\.", "adaLN_modulation.1."),
+                    (r"attn\.to_out\.0\.", "attn.proj."),
+                    (r"attn\.norm_q\.", "attn.ln_q."),
+                    (r"attn\.norm_k\.", "attn.ln_k."),
+                    (r"attn2\.to_out\.0\.", "attn2.proj."),
+                    (r"attn2\.norm_q\.", "attn2.ln_q."),
+                    (r"attn2\.norm_k\.", "attn2.ln_k."),
+                    (r"ff\.net\.0\.proj\.", "mlp.fc1."),
+                    (r"ff\.net\.2\.", "mlp.fc2."),
+                ),
+            ),
         ),
         fusions=(
             _fused(_SD3_BLOCK + r"attn\.", r"joint_blocks.\1.x_block.attn.qkv"),
@@ -205,9 +229,15 @@ FAMILIES: tuple[Family, ...] = (
         renames=(
             (r"^all_final_layer\.2-1\.", "final_layer."),
             (r"^all_x_embedder\.2-1\.", "x_embedder."),
-            (_ZIMAGE_BLOCK + r"attention\.norm_q\.", r"\1.\2.attention.q_norm."),
-            (_ZIMAGE_BLOCK + r"attention\.norm_k\.", r"\1.\2.attention.k_norm."),
-            (_ZIMAGE_BLOCK + r"attention\.to_out\.0\.", r"\1.\2.attention.out."),
+            *_within(
+                _ZIMAGE_BLOCK + r"attention\.",
+                r"\1.\2.attention.",
+                (
+                    (r"norm_q\.", "q_norm."),
+                    (r"norm_k\.", "k_norm."),
+                    (r"to_out\.0\.", "out."),
+                ),
+            ),
         ),
         fusions=(_fused(_ZIMAGE_BLOCK + r"attention\.", r"\1.\2.attention.qkv"),),
     ),

@@ -37,7 +37,7 @@ from .. import FLOAT_CODES
 from ..quantize import QUANT_THREADS
 from ..quantize_plan import check_tensor_layout
 from ..quantize_tensors import Shard, quantize_matrix
-from . import COMFYUI_FORMATS, FORMATS
+from . import COMFYUI_FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
 
@@ -55,17 +55,13 @@ WEIGHT_ONLY_TENSOR = Scheme("fp8-weight-only", "tensor")
 
 @dataclass
 class DiffusionOptions:
+    """How a diffusion model is written; `format` is one of FORMATS (quantize_diffusion checks it)."""
+
     format: str = "diffusers"
     ignore: list[str] = field(default_factory=list)  # replaces the family's high-precision list
     force: bool = False
     delete_unlisted: bool = False  # with force: also delete files the old artifact's manifest does not list
     max_shard_size: int = 10**9  # diffusers format only; ComfyUI reads one file
-
-    def __post_init__(self):
-        if self.format not in FORMATS:
-            raise QuantizationError(
-                f"unknown format {self.format!r} for a diffusion model", f"use one of: {', '.join(FORMATS)}"
-            )
 
 
 @dataclass
