@@ -47,12 +47,18 @@ def version(t: torch.Tensor) -> int:
     return -2 if t.is_inference() else t._version
 
 
-def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
+def _unlike(layers: list[FP8Linear]) -> bool:
+    """Whether these FP8 layers differ in input size, activation scheme or dtype: then no one GEMM computes them."""
     first = layers[0]
-    if any(
+    return any(
         l.in_features != first.in_features or l.activations != first.activations or l.dtype != first.dtype
         for l in layers
-    ):
+    )
+
+
+def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
+    first = layers[0]
+    if _unlike(layers):
         raise ValueError("only layers with the same input size, activation scheme and dtype can be fused")
     weight = torch.cat([l.weight for l in layers], dim=0)
     scales = [l.weight_scale.float() for l in layers]
@@ -252,10 +258,7 @@ def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
             if not all(isinstance(m, FP8Linear) and m.weight is not None and m.group is None for m in mods):
                 continue
             first = mods[0]
-            if any(
-                m.in_features != first.in_features or m.activations != first.activations or m.dtype != first.dtype
-                for m in mods
-            ):
+            if _unlike(mods):
                 continue
             if any(m.block != first.block or (m.block and m.out_features % m.block) for m in mods):
                 continue  # block scales stack only in whole blocks of rows
