@@ -40,6 +40,11 @@ PREFILL_SHARES = "gemm"
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
 
+def lone_fp8(m: nn.Module | None) -> bool:
+    """Whether `m` is an FP8Linear that holds its weight and runs its own GEMM (no group's member)."""
+    return isinstance(m, FP8Linear) and m.weight is not None and m.group is None
+
+
 def version(t: torch.Tensor) -> int:
     """t's in-place version counter, by which a hand-over checks that its tensor was not changed
     since; -2 for an inference tensor (made under torch.inference_mode), which has none and
@@ -255,7 +260,7 @@ def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
     for parent in model.modules():
         for names in SIBLINGS:
             mods = [parent._modules.get(n) for n in names]
-            if not all(isinstance(m, FP8Linear) and m.weight is not None and m.group is None for m in mods):
+            if not all(lone_fp8(m) for m in mods):
                 continue
             first = mods[0]
             if _unlike(mods):
