@@ -190,6 +190,7 @@ def _launch(
         smb, smh, sml = mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2)
     else:
         mview, smb, smh, sml = q, 0, 0, 0
+    tile = {"ROWS": rows, "D": D, "HEAD_DIM": hd, "num_warps": 4}  # both kernels' rows, head width and warps
     _split_kernel[(B * Hkv, splits)](
         q,
         k,
@@ -212,12 +213,9 @@ def _launch(
         splits,
         scale,
         HAS_MASK=mask is not None,
-        ROWS=rows,
-        D=D,
-        HEAD_DIM=hd,
         BLOCK_KV=_BLOCK_KV,
         F32=INTERPRET,
-        num_warps=4,
+        **tile,
     )
     _combine_kernel[(B * Hkv * G * Lq,)](
         acc,
@@ -229,11 +227,8 @@ def _launch(
         G,
         Lq,
         splits,
-        ROWS=rows,
-        D=D,
-        HEAD_DIM=hd,
         SPLITS=next_pow2(splits),
-        num_warps=4,
+        **tile,
     )
     return out
 
