@@ -5,7 +5,9 @@ so a module-level `import triton` anywhere in the package breaks every command t
 defined only when the import succeeded (a `@triton.jit` helper) breaks whoever imports it. Every
 kernel module takes `triton` and `tl` from here (None without Triton), defines its kernels under
 `if triton is not None:`, and asks `available()` / `runs_on()` / `eager_on()` before launching;
-tests/test_architecture.py checks that no other module imports `triton`.
+tests/test_architecture.py checks that no other module imports `triton`. `custom_op` and
+`eager_or_op` give a kernel its entry point: the launcher itself in eager mode, an opaque custom op
+under torch.compile.
 
 TRITON_INTERPRET=1 (`INTERPRET`) runs the kernels on CPU tensors: the tests' way of checking
 them on a machine without a GPU.
