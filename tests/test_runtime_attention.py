@@ -63,7 +63,6 @@ def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
     import torch
     from transformers import DynamicCache, StaticCache
 
-    from mpsconvert.runtime.ops.triton import attention_kernel as K
     from mpsconvert.runtime.patches import attention as A
 
     from .models import tiny_model
@@ -73,8 +72,8 @@ def test_model_decodes_like_sdpa_and_prefills_as_sdpa():
     assert A.install(ours) == A.NAME and ours.config._attn_implementation == A.NAME
     assert ref.config._attn_implementation == "sdpa"
     calls = []
-    launch = K._launch
-    K._launch = lambda *a: calls.append(a[0].shape) or launch(*a)
+    launch = A.decode_attention  # eager: the kernel itself
+    A.decode_attention = lambda *a: calls.append(a[0].shape) or launch(*a)
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, ref(ids).logits)  # prefill: SDPA itself

@@ -29,23 +29,27 @@ class Sampling:
     def __post_init__(self):
         from ...infra.untrusted import bounded
 
-        bounded(self.max_tokens, "max_tokens", fix="pass `max_tokens=1` or more")
-        bounded(self.temp, "temp", integer=False, fix="pass `temp=0` for greedy decoding")
-        bounded(self.top_p, "top_p", integer=False, fix="pass `top_p=1.0` to keep every token")
+        bounded(self.max_tokens, "max_tokens", fix=_FIXES["max_tokens"])
+        bounded(self.temp, "temp", integer=False, fix=_FIXES["temp"])
+        bounded(self.top_p, "top_p", integer=False, fix=_FIXES["top_p"])
         if self.seed is not None:
             bounded(self.seed, "seed")
-        if self.max_tokens < 1:
-            raise MpsconvertError(
-                f"`max_tokens` must be at least 1 (got {self.max_tokens})", "pass `max_tokens=1` or more"
-            )
-        if self.temp < 0:
-            raise MpsconvertError(f"`temp` must be >= 0 (got {self.temp})", "pass `temp=0` for greedy decoding")
-        if not 0 < self.top_p <= 1:
-            raise MpsconvertError(
-                f"`top_p` must be in (0, 1] (got {self.top_p})", "pass `top_p=1.0` to keep every token"
-            )
-        if self.top_k < 0:
-            raise MpsconvertError(f"`top_k` must be >= 0 (got {self.top_k})", "pass `top_k=0` to keep every token")
+        for name, wrong, want in (
+            ("max_tokens", self.max_tokens < 1, "at least 1"),
+            ("temp", self.temp < 0, ">= 0"),
+            ("top_p", not 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k < 0, ">= 0"),
+        ):
+            if wrong:
+                raise MpsconvertError(f"`{name}` must be {want} (got {getattr(self, name)})", _FIXES[name])
+
+
+_FIXES = {  # what to pass instead of an option's value out of range
+    "max_tokens": "pass `max_tokens=1` or more",
+    "temp": "pass `temp=0` for greedy decoding",
+    "top_p": "pass `top_p=1.0` to keep every token",
+    "top_k": "pass `top_k=0` to keep every token",
+}
 
 
 class Draws:

@@ -295,26 +295,23 @@ class FP8Experts(nn.Module):
         else:
             q, s = act_quant.quantize(x)
             q, s = q[route.token_ids], s[route.token_ids]
-        h = torch._scaled_grouped_mm(
-            q,
-            self.gate_up_codes.transpose(-2, -1),
-            s.reshape(-1),
-            self.gate_up_scale,
-            offs=route.offsets,
-            out_dtype=self.dtype,
-            use_fast_accum=True,
-        )
+        h = self._scaled_grouped_mm(q, s, route, "gate_up")
         rows = self.down_input_scale[route.expert_ids] if static else None
         if _is_silu(self.act_fn):
             q, s = act_quant.silu_mul_quantize(h, rows_scale=rows)
         else:
             gate, up = h.chunk(2, dim=-1)
             q, s = act_quant.quantize(self.act_fn(gate) * up, rows_scale=rows)
+        return self._scaled_grouped_mm(q, s, route, "down")
+
+    def _scaled_grouped_mm(self, q: torch.Tensor, s: torch.Tensor, route: Route, which: str) -> torch.Tensor:
+        """e4m3 rows q (row scales s, grouped by expert as `route` orders them) times `which`'s
+        ("gate_up" or "down") expert codes, in the module's dtype."""
         return torch._scaled_grouped_mm(
             q,
-            self.down_codes.transpose(-2, -1),
+            getattr(self, f"{which}_codes").transpose(-2, -1),
             s.reshape(-1),
-            self.down_scale,
+            getattr(self, f"{which}_scale"),
             offs=route.offsets,
             out_dtype=self.dtype,
             use_fast_accum=True,

@@ -40,6 +40,11 @@ PREFILL_SHARES = "gemm"
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
 
+def lone_fp8(m: nn.Module | None) -> bool:
+    """Whether `m` is an FP8Linear that holds its weight and runs its own GEMM (no group's member)."""
+    return isinstance(m, FP8Linear) and m.weight is not None and m.group is None
+
+
 def version(t: torch.Tensor) -> int:
     """t's in-place version counter, by which a hand-over checks that its tensor was not changed
     since; -2 for an inference tensor (made under torch.inference_mode), which has none and
@@ -47,12 +52,18 @@ def version(t: torch.Tensor) -> int:
     return -2 if t.is_inference() else t._version
 
 
-def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
+def _unlike(layers: list[FP8Linear]) -> bool:
+    """Whether these FP8 layers differ in input size, activation scheme or dtype: then no one GEMM computes them."""
     first = layers[0]
-    if any(
+    return any(
         l.in_features != first.in_features or l.activations != first.activations or l.dtype != first.dtype
         for l in layers
-    ):
+    )
+
+
+def fuse_fp8(layers: list[FP8Linear]) -> FP8Linear:
+    first = layers[0]
+    if _unlike(layers):
         raise ValueError("only layers with the same input size, activation scheme and dtype can be fused")
     weight = torch.cat([l.weight for l in layers], dim=0)
     scales = [l.weight_scale.float() for l in layers]
@@ -249,13 +260,10 @@ def find_siblings(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
     for parent in model.modules():
         for names in SIBLINGS:
             mods = [parent._modules.get(n) for n in names]
-            if not all(isinstance(m, FP8Linear) and m.weight is not None and m.group is None for m in mods):
+            if not all(lone_fp8(m) for m in mods):
                 continue
             first = mods[0]
-            if any(
-                m.in_features != first.in_features or m.activations != first.activations or m.dtype != first.dtype
-                for m in mods
-            ):
+            if _unlike(mods):
                 continue
             if any(m.block != first.block or (m.block and m.out_features % m.block) for m in mods):
                 continue  # block scales stack only in whole blocks of rows

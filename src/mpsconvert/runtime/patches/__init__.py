@@ -48,6 +48,14 @@ def _lost(report: Report, n: int, what: str) -> list[str]:
     return [] if n == report.installed else [f"{report.installed - n} {what}"]
 
 
+def _model_report(name: str, r: dict, installed: int) -> Report:
+    """The report of a patch installed on the model as a whole, from its install's result `r`
+    ({"installed": ..., "left": why not, ...its own figures}): its figures, or why it left the model."""
+    if not r["installed"]:
+        return Report(name, left=[f"the model: {r['left']}"])
+    return Report(name, installed=installed, details={k: v for k, v in r.items() if k != "installed"})
+
+
 def _needs_cuda_triton(ctx: Context) -> str | None:
     if ctx.device.type != "cuda":
         return f"runs on CUDA only (this model is on {ctx.device.type})"
@@ -168,9 +176,7 @@ class PrefillGraphs:
         from . import prefill_graphs
 
         r = prefill_graphs.install(model)
-        if not r["installed"]:
-            return Report(self.name, left=[f"the model: {r['left']}"])
-        return Report(self.name, installed=r["installed"], details={k: v for k, v in r.items() if k != "installed"})
+        return _model_report(self.name, r, r["installed"])
 
     def check(self, model, ctx, report):
         n = sum(getattr(m, "mpsconvert_graphs", None) is not None for m in model.modules())
@@ -188,10 +194,7 @@ class Positions:
     def install(self, model, ctx):
         from . import positions
 
-        r = positions.install(model)
-        if not r["installed"]:
-            return Report(self.name, left=[f"the model: {r['left']}"])
-        return Report(self.name, installed=1, details={k: v for k, v in r.items() if k != "installed"})
+        return _model_report(self.name, positions.install(model), 1)
 
     def check(self, model, ctx, report):
         from . import positions

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from ...model import hf_compat
 from ..ops import kernels
 from ..ops.fp8linear import FP8Linear
-from ..ops.fuse import SharedInput, group_name
+from ..ops.fuse import SharedInput, group_name, lone_fp8
 from . import rotary
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -88,12 +88,7 @@ def plan(attn: nn.Module) -> Plan | str:
     """The direct path's plan for an attention module, or why it has none."""
     group = attn._modules.get(group_name(QKV))
     o_proj = attn._modules.get("o_proj")
-    if (
-        not isinstance(group, SharedInput)
-        or not isinstance(o_proj, FP8Linear)
-        or o_proj.group is not None
-        or o_proj.weight is None
-    ):
+    if not isinstance(group, SharedInput) or not lone_fp8(o_proj):
         return "its q/k/v do not share one FP8 GEMM, or o_proj is not FP8"
     extra = sorted(set(attn._modules) - {*QKV, "o_proj", group_name(QKV)})
     if extra:

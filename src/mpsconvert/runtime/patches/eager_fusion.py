@@ -57,7 +57,7 @@ from ...format.fp8 import relative_error
 from ..ops import kernels
 from ..ops import triton as tritonlib
 from ..ops.fp8linear import DECODE_MAX_M, PROBE_ROWS, FP8Linear
-from ..ops.fuse import SharedInput, Stash, group_name, version
+from ..ops.fuse import SharedInput, Stash, group_name, lone_fp8, version
 from ..ops.triton import act_quant
 from ..ops.triton import launch as triton_launch
 from . import attention_prefill, forwards, rotary
@@ -129,12 +129,7 @@ def _mlp_parts(mlp: nn.Module):
     group = mlp._modules.get(group_name(("gate_proj", "up_proj")))
     down = mlp._modules.get("down_proj")
     act = getattr(mlp, "act_fn", None)
-    if (
-        not isinstance(group, SharedInput)
-        or not isinstance(down, FP8Linear)
-        or down.group is not None
-        or down.weight is None
-    ):
+    if not isinstance(group, SharedInput) or not lone_fp8(down):
         return None
     if not isinstance(act, nn.SiLU) and type(act).__name__ != "SiLUActivation":
         return None

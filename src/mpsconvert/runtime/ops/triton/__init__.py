@@ -5,7 +5,9 @@ so a module-level `import triton` anywhere in the package breaks every command t
 defined only when the import succeeded (a `@triton.jit` helper) breaks whoever imports it. Every
 kernel module takes `triton` and `tl` from here (None without Triton), defines its kernels under
 `if triton is not None:`, and asks `available()` / `runs_on()` / `eager_on()` before launching;
-tests/test_architecture.py checks that no other module imports `triton`.
+tests/test_architecture.py checks that no other module imports `triton`. `custom_op` and
+`eager_or_op` give a kernel its entry point: the launcher itself in eager mode, an opaque custom op
+under torch.compile.
 
 TRITON_INTERPRET=1 (`INTERPRET`) runs the kernels on CPU tensors: the tests' way of checking
 them on a machine without a GPU.
@@ -13,6 +15,7 @@ them on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -47,6 +50,32 @@ def eager_on(t: torch.Tensor) -> bool:
 def version() -> str | None:
     """Triton's version (kernel-cache keys), or None without Triton."""
     return getattr(triton, "__version__", None)
+
+
+def custom_op(name: str, launch, fake):
+    """`launch` (a kernel's launcher, every parameter annotated) registered as the custom op `name`
+    with the fake implementation `fake` (its output's shape and dtype), so that torch.compile sees an
+    opaque op; None without Triton."""
+    if triton is None:
+        return None
+    op = torch.library.custom_op(name, launch, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+def eager_or_op(launch, op):
+    """A kernel's entry point, with `launch`'s signature: `launch` itself in eager mode (a custom op's
+    dispatch costs host time on every call), the custom op `op` (`custom_op`) under torch.compile."""
+
+    @functools.wraps(launch)
+    def call(*args, **kwargs):
+        if op is None:
+            raise RuntimeError("triton is not installed")
+        if torch.compiler.is_compiling():
+            return op(*args, **kwargs)
+        return launch(*args, **kwargs)
+
+    return call
 
 
 def compile_configs(autotuned, *args, **kwargs) -> int:

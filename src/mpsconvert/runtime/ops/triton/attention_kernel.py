@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import triton as tritonlib
-from . import INTERPRET, tl, triton
+from . import INTERPRET, custom_op, eager_or_op, tl, triton
 from .launch import next_pow2
 
 MAX_QUERY = 4  # queries per sequence the decode kernel takes (decode, speculative steps)
@@ -158,8 +158,12 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask bool [B, 1|Hq, Lq, Lk] or None -> [B, Lq, Hq, D]."""
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for a few queries per head, grouped key/value heads: q [B, Hq, Lq, D],
+    k/v [B, Hkv, Lk, D], mask bool [B, 1|Hq, Lq, Lk] or None, scale (default D ** -0.5) -> [B, Lq, Hq, D]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     B, Hq, Lq, hd = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -186,6 +190,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         smb, smh, sml = mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2)
     else:
         mview, smb, smh, sml = q, 0, 0, 0
+    tile = {"ROWS": rows, "D": D, "HEAD_DIM": hd, "num_warps": 4}  # both kernels' rows, head width and warps
     _split_kernel[(B * Hkv, splits)](
         q,
         k,
@@ -194,15 +199,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         acc,
         m,
         l,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
         smb,
         smh,
         sml,
@@ -214,49 +213,33 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         splits,
         scale,
         HAS_MASK=mask is not None,
-        ROWS=rows,
-        D=D,
-        HEAD_DIM=hd,
         BLOCK_KV=_BLOCK_KV,
         F32=INTERPRET,
-        num_warps=4,
+        **tile,
     )
     _combine_kernel[(B * Hkv * G * Lq,)](
         acc,
         m,
         l,
         out,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
+        *out.stride()[:3],
         Hkv,
         G,
         Lq,
         splits,
-        ROWS=rows,
-        D=D,
-        HEAD_DIM=hd,
         SPLITS=next_pow2(splits),
-        num_warps=4,
+        **tile,
     )
     return out
 
 
-if triton is not None:
+def _fake(q, k, v, mask=None, scale=None):
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
-    @torch.library.custom_op("mpsconvert::decode_attention", mutates_args=())
-    def decode_attention_op(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-    ) -> torch.Tensor:
-        """softmax(q k^T * scale + mask) v for a few queries per head, grouped key/value heads."""
-        return _launch(q, k, v, mask, scale)
 
-    @decode_attention_op.register_fake
-    def _(q, k, v, mask, scale):
-        return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
-
-else:
-    decode_attention_op = None
+decode_attention_op = custom_op("mpsconvert::decode_attention", _launch, _fake)
+# The kernel in eager mode, the custom op under torch.compile.
+decode_attention = eager_or_op(_launch, decode_attention_op)
 
 
 def takes(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, dropout: float) -> bool:
@@ -270,11 +253,3 @@ def takes(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, dro
     if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype:
         return False
     return mask is None or (mask.dtype == torch.bool and mask.ndim == 4)
-
-
-def decode_attention(q, k, v, mask=None, scale: float | None = None) -> torch.Tensor:
-    """The kernel in eager mode, the custom op under torch.compile; returns [B, Lq, Hq, D]."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if torch.compiler.is_compiling():
-        return decode_attention_op(q, k, v, mask, scale)
-    return _launch(q, k, v, mask, scale)

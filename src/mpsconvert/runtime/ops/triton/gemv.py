@@ -23,7 +23,7 @@ import math
 import torch
 
 from ....format.scales import scale_shape
-from . import INTERPRET, compile_configs, tl, triton, tuned
+from . import INTERPRET, compile_configs, custom_op, eager_or_op, tl, triton, tuned
 
 OP_NAME = "mpsconvert::fp8_gemv"
 # BLOCK_N, BLOCK_K, warps, stages: few enough that a cold start compiles and times them in seconds.
@@ -282,11 +282,14 @@ def _launch_dot(
     out_dtype: torch.dtype,
     gated: bool = False,
 ) -> torch.Tensor:
+    """The W8A8 GEMV: y[M, N] = (xq @ weight.T) * xs * scale (+ bias), xq e4m3 [M <= 16, K] with row
+    scales xs [M] or [M, 1]; with `gated` (the weight holds a gated MLP's [gate; up] rows), silu(gate) * up
+    of the product's halves, [M, N / 2]."""
     if xq.shape[0] > 16:
         raise ValueError(f"the W8A8 GEMV takes at most 16 rows, got {xq.shape[0]}")
     n = _out_features(weight, gated)
     y = torch.empty(xq.shape[0], n, dtype=out_dtype, device=xq.device)
-    args, kw = _dot_args(xq, xs, weight, scale, bias, y, gated)
+    args, kw = _dot_args(xq, xs.reshape(-1), weight, scale, bias, y, gated)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 32} if INTERPRET else {}
     _dot_kernel[grid](*args, **kw, **fixed)
@@ -339,6 +342,12 @@ def _launch(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The GEMV: y[M, N] = x[M, K] @ (weight[N, K] * scale).T + bias, x in BF16/FP16, weight e4m3,
+    scale [N] (per row) or [1], or with `block` [ceil(N/block), ceil(K/block)] (per block, an edge
+    `takes_block` takes); with `gated` (the weight holds a gated MLP's [gate; up] rows), silu(gate) * up
+    of the product's halves, [M, N / 2]. `norm`, `eps`, `residual`: the RMSNorm before it (x is its
+    input, `norm` its weight) and the residual add after it (+ residual [M, N]), folded in
+    (ops/graph_fusion.py puts them there in a compiled decode step)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if residual is not None and residual.stride(-1) != 1:
@@ -448,80 +457,15 @@ def precompile(
     return compile_configs(_dot_kernel, *args, **kw)
 
 
-if triton is not None:
-
-    @torch.library.custom_op(OP_NAME, mutates_args=())
-    def fp8_gemv(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        block: int = 0,
-        gated: bool = False,
-        norm: torch.Tensor | None = None,
-        eps: float = 0.0,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """y[M, N] = x[M, K] @ (weight[N, K] * scale).T + bias, x in BF16/FP16, weight e4m3,
-        scale [N] (per row) or [1], or with `block` [ceil(N/block), ceil(K/block)] (per block);
-        with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]; with `norm`
-        x is an RMSNorm's input (its weight `norm`, `eps`); with `residual`, + residual [M, N]."""
-        return _launch(x, weight, scale, bias, block, gated, norm, eps, residual)
-
-    @fp8_gemv.register_fake
-    def _(x, weight, scale, bias, block=0, gated=False, norm=None, eps=0.0, residual=None):
-        return x.new_empty(x.shape[0], _out_features(weight, gated))
-
-    @torch.library.custom_op("mpsconvert::fp8_dot_gemv", mutates_args=())
-    def fp8_dot_gemv(
-        xq: torch.Tensor,
-        xs: torch.Tensor,
-        weight: torch.Tensor,
-        scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        out_dtype: torch.dtype,
-        gated: bool = False,
-    ) -> torch.Tensor:
-        """y[M, N] = (xq @ weight.T) * xs * scale (+ bias), xq e4m3 [M <= 16, K] with row scales xs;
-        with `gated`, silu(gate) * up of the product's halves [gate; up], [M, N / 2]."""
-        return _launch_dot(xq, xs, weight, scale, bias, out_dtype, gated)
-
-    @fp8_dot_gemv.register_fake
-    def _(xq, xs, weight, scale, bias, out_dtype, gated=False):
-        return xq.new_empty(xq.shape[0], _out_features(weight, gated), dtype=out_dtype)
-
-else:
-    fp8_gemv = fp8_dot_gemv = None
+def _gemv_fake(x, weight, scale, bias, block=0, gated=False, norm=None, eps=0.0, residual=None):
+    return x.new_empty(x.shape[0], _out_features(weight, gated))
 
 
-def dot_gemv(xq, xs, weight, scale, bias, out_dtype, gated: bool = False) -> torch.Tensor:
-    """The W8A8 GEMV: the kernel itself in eager mode, the custom op under torch.compile.
-    `gated`: the weight holds a gated MLP's [gate; up] rows, and the result is silu(gate) * up."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    if torch.compiler.is_compiling():
-        return fp8_dot_gemv(xq, xs.reshape(-1), weight, scale, bias, out_dtype, gated)
-    return _launch_dot(xq, xs.reshape(-1), weight, scale, bias, out_dtype, gated)
+def _dot_fake(xq, xs, weight, scale, bias, out_dtype, gated=False):
+    return xq.new_empty(xq.shape[0], _out_features(weight, gated), dtype=out_dtype)
 
 
-def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    block: int = 0,
-    gated: bool = False,
-    norm: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The GEMV: the kernel itself in eager mode, the custom op under torch.compile. `block`:
-    `scale` holds block scales of that edge (`takes_block`); `gated`: the weight holds a gated
-    MLP's [gate; up] rows, and the result is silu(gate) * up. `norm`, `eps`, `residual`: the
-    RMSNorm before it and the residual add after it, folded in (ops/graph_fusion.py puts them
-    there in a compiled decode step)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    if torch.compiler.is_compiling():
-        return fp8_gemv(x, weight, scale, bias, block, gated, norm, eps, residual)
-    return _launch(x, weight, scale, bias, block, gated, norm, eps, residual)
+fp8_gemv = custom_op(OP_NAME, _launch, _gemv_fake)
+fp8_dot_gemv = custom_op("mpsconvert::fp8_dot_gemv", _launch_dot, _dot_fake)
+gemv = eager_or_op(_launch, fp8_gemv)
+dot_gemv = eager_or_op(_launch_dot, fp8_dot_gemv)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import INTERPRET, compile_configs, tl, triton
+from . import INTERPRET, compile_configs, custom_op, eager_or_op, tl, triton
 from .gemv import autotuned
 from .launch import TL_DTYPES
 
@@ -94,33 +94,6 @@ if triton is not None:
     )
 
 
-def expert_gemv(
-    x: torch.Tensor,
-    tok: torch.Tensor,
-    ids: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    out_dtype: torch.dtype | None = None,
-    silu_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
-    scale[E, N]) -> y [P, N] in `out_dtype` (default x's dtype; float32 leaves out the cast).
-
-    silu_dtype: x [*, 2K] holds fused gate/up rows (e.g. this function's float32 output), and
-    the product is taken with `silu(gate) * up`, each step rounded to silu_dtype as the
-    expert's `act_fn(gate) * up` on a silu_dtype tensor rounds it.
-
-    The kernel itself in eager mode; under torch.compile the custom op `mpsconvert::expert_gemv`
-    (opaque to dynamo, with a fake implementation)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    if silu_dtype is not None and silu_dtype not in TL_DTYPES:
-        raise ValueError(f"silu_dtype must be one of {list(TL_DTYPES)}, got {silu_dtype}")
-    if torch.compiler.is_compiling():
-        return _expert_gemv_op(x, tok, ids, codes, scale, out_dtype, silu_dtype)
-    return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
-
-
 def _args(x, tok, ids, codes, scale, y, silu_dtype) -> tuple:
     """The kernel's arguments, as its launch and `precompile` pass them."""
     _, N, K = codes.shape
@@ -156,10 +129,27 @@ def precompile(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, silu_d
 
 def _out_dtype(x: torch.Tensor, out_dtype, silu_dtype) -> torch.dtype:
     """y's dtype when the caller names none: the SiLU input's rounding dtype, else x's."""
+    if silu_dtype is not None and silu_dtype not in TL_DTYPES:
+        raise ValueError(f"silu_dtype must be one of {list(TL_DTYPES)}, got {silu_dtype}")
     return out_dtype or silu_dtype or x.dtype
 
 
-def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
+def _launch(
+    x: torch.Tensor,
+    tok: torch.Tensor,
+    ids: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    silu_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """For each pair p: x[tok[p]] [K] times expert ids[p]'s FP8 weight [N, K] (row scales
+    scale[E, N]) -> y [P, N] in `out_dtype` (default x's dtype; float32 leaves out the cast).
+
+    silu_dtype: x [*, 2K] holds fused gate/up rows (e.g. this function's float32 output), and
+    the product is taken with `silu(gate) * up`, each step rounded to silu_dtype as the
+    expert's `act_fn(gate) * up` on a silu_dtype tensor rounds it."""
+    out_dtype = _out_dtype(x, out_dtype, silu_dtype)
     P = ids.numel()
     E, N, K = codes.shape
     x = x.contiguous()
@@ -167,24 +157,12 @@ def _launch(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
     grid = lambda meta: (P, triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     fixed = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2} if INTERPRET else {}
     _kernel[grid](*_args(x, tok, ids, codes, scale, y, silu_dtype), **fixed)
-    out_dtype = _out_dtype(x, out_dtype, silu_dtype)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
-if triton is not None:
+def _fake(x, tok, ids, codes, scale, out_dtype=None, silu_dtype=None):
+    return x.new_empty(ids.numel(), codes.shape[1], dtype=_out_dtype(x, out_dtype, silu_dtype))
 
-    @torch.library.custom_op("mpsconvert::expert_gemv", mutates_args=())
-    def _expert_gemv_op(
-        x: torch.Tensor,
-        tok: torch.Tensor,
-        ids: torch.Tensor,
-        codes: torch.Tensor,
-        scale: torch.Tensor,
-        out_dtype: torch.dtype | None,
-        silu_dtype: torch.dtype | None,
-    ) -> torch.Tensor:
-        return _launch(x, tok, ids, codes, scale, out_dtype, silu_dtype)
 
-    @_expert_gemv_op.register_fake
-    def _(x, tok, ids, codes, scale, out_dtype, silu_dtype):
-        return x.new_empty(ids.numel(), codes.shape[1], dtype=_out_dtype(x, out_dtype, silu_dtype))
+# The kernel itself in eager mode; under torch.compile the custom op `mpsconvert::expert_gemv`.
+expert_gemv = eager_or_op(_launch, custom_op("mpsconvert::expert_gemv", _launch, _fake))
