@@ -66,8 +66,8 @@ class Target:
     """An Apple export target. Subclasses set the class attributes and implement the methods;
     each method imports its heavy modules (torch, the target's library) when it is called."""
 
-    key: ClassVar[str]  # "coreml": the manifest record's key, `export-<key>`, `quantize --<key>`, `--backend <key>`
-    name: ClassVar[str]  # "Core ML"
+    key: ClassVar[str]  # "coreml" (the record's KEY): `export-<key>`, `quantize --<key>`, `--backend <key>`
+    name: ClassVar[str]  # "Core ML" (the record's NAME)
     package: ClassVar[str]  # "model.mlpackage": the package's name inside the artifact
     noun: ClassVar[str]  # "package" | "asset": what the messages call it
     module: ClassVar[str]  # the import that says the target's library is installed
@@ -82,6 +82,13 @@ class Target:
     quantize_help: ClassVar[str]  # `quantize --<key>`'s help
     backend_help: ClassVar[str]  # `generate --backend <key>`'s help: what runs the package, where
     check_fix: ClassVar[str]  # what to try when its checks fail
+
+    def __init_subclass__(cls, **kw):
+        """`key` and `name` default to the record's KEY and NAME, so that a target says them once."""
+        super().__init_subclass__(**kw)
+        if "record" in vars(cls):
+            cls.key = vars(cls).get("key", cls.record.KEY)
+            cls.name = vars(cls).get("name", cls.record.NAME)
 
     def make_options(self, **kw):
         """The export options from keyword settings (the CLI's and the API's values)."""

@@ -13,8 +13,6 @@ from . import ASSET_NAME, COMPUTE_DTYPES, RUNTIME_LABEL, CheckOptions, CoreAIExp
 
 
 class CoreAI(Target):
-    key = "coreai"
-    name = "Core AI"
     package = ASSET_NAME
     noun = "asset"
     module = "coreai.authoring"

@@ -13,8 +13,6 @@ from . import FRONTENDS, PACKAGE_NAME, WEIGHT_MODES, CheckOptions, CoreMLExport,
 
 
 class CoreML(Target):
-    key = "coreml"
-    name = "Core ML"
     package = PACKAGE_NAME
     noun = "package"
     module = "coremltools"
