@@ -115,6 +115,11 @@ def calibration(params: dict, **kw):
 APPLE_PREFIX = "apple__"  # the prefix of quantize's parameters that its Apple options fill
 
 
+def _apple_param(spelling: str) -> str:
+    """quantize's parameter that the Apple option spelled `spelling` (`--coreml-seq-len`) fills."""
+    return f"{APPLE_PREFIX}{spelling.lstrip('-').replace('-', '_')}"
+
+
 def click_option(
     o: api.Option, flag: str | None = None, name: str | None = None, help: str | None = None
 ) -> click.Option:
@@ -153,8 +158,8 @@ def quantize_options() -> list[click.Option]:
             if o.quantize:
                 shared.setdefault(o.quantize, (o, []))[1].append(key)
     for spelling, (o, keys) in shared.items():
-        name = f"{APPLE_PREFIX}{spelling.lstrip('-').replace('-', '_')}"
-        params.append(click_option(o, spelling, name, f"With {' / '.join('--' + k for k in keys)}: {o.help}"))
+        text = f"With {' / '.join('--' + k for k in keys)}: {o.help}"
+        params.append(click_option(o, spelling, _apple_param(spelling), text))
     return params
 
 
@@ -164,11 +169,7 @@ def apple_exports(values: dict) -> dict:
     for key, t in api.targets().items():
         if values.get(f"{APPLE_PREFIX}{key}"):
             out[key] = t.make_options(
-                **{
-                    o.name: values[f"{APPLE_PREFIX}{o.quantize.lstrip('-').replace('-', '_')}"]
-                    for o in t.export_flags
-                    if o.quantize
-                }
+                **{o.name: values[_apple_param(o.quantize)] for o in t.export_flags if o.quantize}
             )
     return out
 
