@@ -89,33 +89,15 @@ class CoreAI(Target):
         close(session)
         return decoder_runner(session), "Core AI runtime, macOS" if sys.platform == "darwin" else RUNTIME_LABEL
 
-    def measure(
-        self,
-        artifact,
-        record,
-        *,
-        prefill_len=64,
-        decode_tokens=16,
-        warmup=2,
-        prefill_repeats=3,
-        units=None,
-        progress=None,
-    ):
-        """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU (check.coreai_latency)."""
+    def measure(self, artifact, record, **settings):
+        """Prefill time and decode tokens/s of the asset beside PyTorch on the CPU: coreai_check.coreai_latency
+        with `settings` (prefill_len, decode_tokens, warmup, prefill_repeats, units), its defaults for the rest."""
         from ...infra.extras import require
 
         require(self.module, self.extra, "the Core AI latency check")
         from .coreai_check import coreai_latency
 
-        return coreai_latency(
-            artifact,
-            record.as_dict(),
-            prefill_len=prefill_len,
-            decode_tokens=decode_tokens,
-            warmup=warmup,
-            units=units,
-            prefill_repeats=prefill_repeats,
-        )
+        return coreai_latency(artifact, record.as_dict(), **settings)
 
     def latency(self, artifact, record, settings, progress):
         if not settings["latency"]:
