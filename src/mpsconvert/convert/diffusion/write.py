@@ -36,7 +36,7 @@ from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
 from .. import FLOAT_CODES
 from ..quantize import QUANT_THREADS
 from ..quantize_plan import check_tensor_layout
-from ..quantize_tensors import Shard, quantize_matrix
+from ..quantize_tensors import Rows, Shard, quantize_matrix
 from . import COMFYUI_FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
@@ -319,11 +319,7 @@ def _quantize_original(sh: Shard, o: Original, info, spans: list, legacy: bool) 
 
     quantize_matrix(
         sh,
-        o.name,
-        _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]),
-        0,
-        n,
-        k,
+        Rows(o.name, _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]), 0, n, k),
         WEIGHT_ONLY_TENSOR,
         o.name,
         done,
