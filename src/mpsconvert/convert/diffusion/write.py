@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +28,12 @@ import torch
 from ...errors import QuantizationError, SourceError
 from ...format import fp8
 from ...format.schemes import Scheme
-from ...infra.safetensors_io import DTYPES, BufferPool, ShardReader, read_header, torch_dtype
+from ...infra.safetensors_io import DTYPES, ShardReader, read_header, torch_dtype
 from ...infra.safetensors_writer import FiniteCheck, ShardWriter
 from ...model.plan import Plan, check_against_model
 from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
 from .. import FLOAT_CODES
-from ..quantize import QUANT_THREADS
+from ..quantize import QUANT_THREADS, Writing
 from ..quantize_plan import check_tensor_layout
 from ..quantize_tensors import Rows, Shard, quantize_matrix
 from . import COMFYUI_FORMATS
@@ -237,9 +236,7 @@ def write_comfyui(
     p: DiffusionPlan,
     opts: DiffusionOptions,
     path: Path,
-    pool: BufferPool,
-    workers: ThreadPoolExecutor,
-    syncs,
+    w: Writing,
     progress,
 ):
     """Stream every original-layout tensor into one ComfyUI file."""
@@ -248,13 +245,13 @@ def write_comfyui(
     legacy = opts.format == "comfyui-legacy"
     entries, meta = comfy_entries(p, legacy)
     where = {n: (f, i) for f, h in p.headers.items() for n, i in h.tensors.items()}
-    readers = {f: ShardReader(h, pool) for f, h in p.headers.items()}
+    readers = {f: ShardReader(h, w.pool) for f, h in p.headers.items()}
     out = Shards()
     total = out.bytes_in = sum(h.file_size for h in p.headers.values())
     done = [0]
     try:
         with ShardWriter(path, entries, metadata=meta) as writer:
-            with Shard(None, writer, workers, QUANT_THREADS + 1, out.tensors).running() as sh:
+            with Shard(None, writer, w.workers, QUANT_THREADS + 1, out.tensors).running() as sh:
                 if legacy:
                     sh.then(writer.write, LEGACY_MARKER, torch.zeros(2, dtype=fp8.FP8_DTYPE))
                 for o in p.originals:
@@ -284,7 +281,7 @@ def write_comfyui(
                         progress("quantize", done[0], total, name)
 
                     sh.then(advance)
-        syncs.add(writer.sync)
+        w.syncs.add(writer.sync)
     finally:
         for r in readers.values():
             r.close()
