@@ -21,6 +21,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -111,16 +112,14 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
         child = children[0]
         prepared = _in_background(lambda: prepare(snap, opts, headers, plan=child.result()))
     min_free = estimate_output_bytes(headers, guessed or tensor_module, opts.scheme)
-    with writing(out, opts, min_free, protect=(snap.path,)) as (tmp, pool, syncs, workers):
+    with writing(out, opts, min_free, protect=(snap.path,)) as w:
         write = functools.partial(
             _write_shards,
             snap,
             headers,
             opts=opts,
-            tmp=tmp,
-            pool=pool,
-            workers=workers,
-            syncs=syncs,
+            folder=w.tmp,
+            w=w,
             progress=or_silent(progress),
             consumed=source_keys(snap, opts) if snap.fp8 else set(),
         )
@@ -141,21 +140,32 @@ def _quantize_snapshot(snap: Snapshot, out: Path, opts: Options, progress: Progr
                 )
             except _GuessDiffers:
                 plan, headers, tensor_module, expert_tensors = prepared.result()
-                for f in tmp.glob("*.safetensors"):
+                for f in w.tmp.glob("*.safetensors"):
                     f.unlink()
                 shards = write(tensor_module, expert_tensors)
                 shards.plan_source = (
                     f"the model definition, read by {child.built_by} (the guess from the tensor "
                     "names differed: shards written again)"
                 )
-        return assemble(tmp, snap, plan, opts, shards, Path(out).absolute().name)
+        return assemble(w.tmp, snap, plan, opts, shards, Path(out).absolute().name)
+
+
+@dataclass(frozen=True)
+class Writing:
+    """What a conversion writes with: the output folder, written atomically (`tmp`, swapped in when
+    the block ends cleanly), the pooled read buffers, the shards' background syncs and the
+    quantizing threads."""
+
+    tmp: Path
+    pool: BufferPool
+    syncs: atomic.BackgroundSync
+    workers: ThreadPoolExecutor
 
 
 @contextlib.contextmanager
 def writing(out: Path, opts, min_free: int, protect: tuple):
-    """What a conversion writes with: the output folder, written atomically (`tmp`, swapped in when the block ends
-    cleanly; `opts.force` and `opts.delete_unlisted` say what it may replace), the pooled read buffers, the
-    shards' background syncs and the quantizing threads. Yields (tmp, pool, syncs, workers)."""
+    """The `Writing` of a conversion into `out` (`opts.force` and `opts.delete_unlisted` say what it
+    may replace), for the block's length."""
     pool = BufferPool(count=2 * QUANT_THREADS + 8, nbytes=BLOCK_BYTES)
     with (
         atomic.output_dir(
@@ -169,7 +179,7 @@ def writing(out: Path, opts, min_free: int, protect: tuple):
         atomic.BackgroundSync() as syncs,
         ThreadPoolExecutor(max_workers=QUANT_THREADS, thread_name_prefix="mpsconvert-quant") as workers,
     ):
-        yield tmp, pool, syncs, workers
+        yield Writing(tmp, pool, syncs, workers)
 
 
 def _in_background(fn) -> Future:
@@ -192,16 +202,14 @@ def _write_shards(
     tensor_module: dict,
     expert_tensors: dict,
     opts: Options,
-    tmp: Path,
-    pool: BufferPool,
-    workers: ThreadPoolExecutor,
-    syncs,
+    folder: Path,
+    w: Writing,
     progress,
     consumed: set = frozenset(),
     shard_names: Callable[[int], list[str]] = layout.shard_names,
     between: Callable[[], None] = lambda: None,
 ) -> Shards:
-    """Stream every source shard into its output shards (more than one where its output would
+    """Stream every source shard into its output shards in `folder` (more than one where its output would
     exceed `opts.max_shard_size`, named by `shard_names`): quantized tensors first, then the ones
     copied as they are (the writer thread copies those, an embedding is half a GB, while this
     thread goes on)."""
@@ -250,10 +258,10 @@ def _write_shards(
             finished(*behind.popleft())
         header = headers[src_name]
         with (
-            ShardReader(header, pool) as reader,
-            ShardWriter(tmp / out_name, entries, metadata={"format": "pt"}) as writer,
+            ShardReader(header, w.pool) as reader,
+            ShardWriter(folder / out_name, entries, metadata={"format": "pt"}) as writer,
         ):
-            with Shard(reader, writer, workers, QUANT_THREADS + 1, out.tensors).running() as sh:
+            with Shard(reader, writer, w.workers, QUANT_THREADS + 1, out.tensors).running() as sh:
                 for name in work:
                     info = header.tensors[name]
                     if name in tensor_module:
@@ -272,7 +280,7 @@ def _write_shards(
                             (FiniteCheck(info.dtype, name, src_name),),
                         )
                     sh.then(advance, info.nbytes, name)
-        syncs.add(writer.sync)
+        w.syncs.add(writer.sync)
         for name, *_ in entries:
             out.weight_map[name] = out_name
         behind.append((out_name, writer))

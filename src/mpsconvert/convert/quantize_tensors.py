@@ -140,9 +140,9 @@ def quantize_one(
             "requantized_from": f"FP8 source ({opts.source_scheme.weights} scales); sqnr_db is the round trip's",
         }
         input_scale = None
-        _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, decode=decode, **extra)
+        _quantize_rows(sh, Rows(name, info, 0, n, k), module, scheme, opts, input_scale, decode=decode, **extra)
         return
-    _quantize_rows(sh, name, info, 0, n, k, module, scheme, opts, input_scale, **extra)
+    _quantize_rows(sh, Rows(name, info, 0, n, k), module, scheme, opts, input_scale, **extra)
 
 
 def _repack_one(
@@ -184,24 +184,32 @@ def _repack_one(
         sh.then(sh.writer.write, name[: -len("weight")] + "input_scale", src.input_scale.reshape(1).contiguous())
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows [first, first + n) of `info`'s tensor seen as [rows, k], written as the tensor `out`."""
+
+    out: str
+    info: TensorInfo
+    first: int
+    n: int
+    k: int
+
+
 def quantize_matrix(
     sh: Shard,
-    out_name: str,
-    info: TensorInfo,
-    first_row: int,
-    n: int,
-    k: int,
+    part: Rows,
     scheme: Scheme,
     name: str,
     done: Callable[[torch.Tensor, fp8.QuantStats], None],
     decode: Callable | None = None,
     spans: list | None = None,
 ) -> None:
-    """Rows [first_row, first_row + n) of a float tensor seen as [rows, K] -> e4m3 codes appended
-    to `out_name`, block by block (pooled buffers, so memory stays at a few blocks; for block
-    scales each read is whole blocks of rows); then `done(scale, stats)`, in order. `spans`
+    """`part`'s rows of a float tensor -> e4m3 codes appended to `part.out`, block by block
+    (pooled buffers, so memory stays at a few blocks; for block scales each read is whole blocks
+    of rows); then `done(scale, stats)`, in order. `spans`
     ((reader, byte start, nbytes), ...) reads the n rows from several places instead, one after
     the other (a tensor fused from row ranges of others: Flux's qkv for ComfyUI)."""
+    info, first_row, n, k = part.info, part.first, part.n, part.k
     elem = info.nbytes // max(1, math.prod(info.shape))
     row_bytes = k * elem
     if spans is None:
@@ -243,18 +251,14 @@ def quantize_matrix(
         # The code buffer is taken here, not on the worker: only this thread ever waits for the
         # pool, and what it waits for (workers, the writer) never waits for it.
         out, give_back = spans[0][0].pool.acquire(buf.numel() // elem)  # one byte per weight
-        sh.block(out_name, quantize_block, buf, release, out, give_back, row)
+        sh.block(part.out, quantize_block, buf, release, out, give_back, row)
         row += buf.numel() // row_bytes
     sh.then(lambda: done(*qz.finish()))
 
 
 def _quantize_rows(
     sh: Shard,
-    out_name: str,
-    info: TensorInfo,
-    first_row: int,
-    n: int,
-    k: int,
+    part: Rows,
     module: str,
     scheme: Scheme,
     opts: Options,
@@ -270,11 +274,11 @@ def _quantize_rows(
         )
 
     def done(scale: torch.Tensor, stats: fp8.QuantStats) -> None:
-        sh.writer.write(scale_name(out_name, opts.scale_leaf), scale.contiguous())
+        sh.writer.write(scale_name(part.out, opts.scale_leaf), scale.contiguous())
         record = {
             "module": module,
-            "shape": [n, k],
-            "source_dtype": info.dtype,
+            "shape": [part.n, part.k],
+            "source_dtype": part.info.dtype,
             "dtype": "F8_E4M3",
             "weight_scale_shape": list(scale.shape),
             **stats.as_dict(),
@@ -282,12 +286,12 @@ def _quantize_rows(
         }
         if scheme.needs_calibration:
             sh.writer.write(
-                out_name[: -len("weight")] + "input_scale", torch.tensor([input_scale], dtype=torch.float32)
+                part.out[: -len("weight")] + "input_scale", torch.tensor([input_scale], dtype=torch.float32)
             )
             record["input_scale"] = input_scale
-        sh.records[out_name] = record
+        sh.records[part.out] = record
 
-    quantize_matrix(sh, out_name, info, first_row, n, k, scheme, out_name, done, decode)
+    quantize_matrix(sh, part, scheme, part.out, done, decode)
 
 
 def expert_entries(name: str, info: TensorInfo, et: ExpertTensor, scheme: Scheme) -> list:
@@ -338,11 +342,7 @@ def quantize_expert(sh: Shard, name: str, info: TensorInfo, et: ExpertTensor, sc
             module = sl.key[: -len(".weight")]
             _quantize_rows(
                 sh,
-                sl.key,
-                info,
-                sl.expert * N + sl.start,
-                sl.stop - sl.start,
-                K,
+                Rows(sl.key, info, sl.expert * N + sl.start, sl.stop - sl.start, K),
                 module,
                 scheme,
                 opts,
@@ -363,7 +363,7 @@ def quantize_expert(sh: Shard, name: str, info: TensorInfo, et: ExpertTensor, sc
         per_expert.append(stats)
 
     for e in range(E):
-        quantize_matrix(sh, name, info, e * N, N, K, scheme, f"{name}[{e}]", expert_done)
+        quantize_matrix(sh, Rows(name, info, e * N, N, K), scheme, f"{name}[{e}]", expert_done)
 
     def done() -> None:
         sh.writer.write(name + "_scale", torch.stack(scales).contiguous())

@@ -522,6 +522,13 @@ _EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
 _POSITIVE_KEYS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")
 _NONNEGATIVE_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")
+# each rule: the keys, the range their (finite, non-bool) numbers must lie in, and that range in words
+_NUMBER_RULES = (
+    (_EPS_KEYS, lambda v: 0 <= v < 1, "a finite number in [0, 1)"),
+    (_POSITIVE_KEYS, lambda v: v > 0, "a finite positive number"),
+    (_NONNEGATIVE_KEYS, lambda v: v >= 0, "a finite number >= 0"),
+    (("partial_rotary_factor",), lambda v: 0 < v <= 1, "in (0, 1]"),
+)
 
 
 def check_model_config(
@@ -552,12 +559,13 @@ def check_model_config(
                     v if isinstance(v, list) and len(v) <= MAX_LIST else [v]
                 ):  # per block / per layer lists (diffusers' UNets, some LMs)
                     bounded(x, limit, what=f"{where}: {key}", error=error, fix=fix)
-        for key in _EPS_KEYS:
-            v = d.get(key)
-            if v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1
-            ):
-                raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not a finite number in [0, 1)", fix)
+        for keys, ok, want in _NUMBER_RULES:
+            for key in keys:
+                v = d.get(key)
+                if v is not None and (
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v) or not math.isfinite(v)
+                ):
+                    raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not {want}", fix)
         for key in _ROPE_KEYS:
             rope = d.get(key)
             if rope is None:
@@ -574,21 +582,6 @@ def check_model_config(
                     },
                 )
             )
-        for key in _POSITIVE_KEYS:
-            v = d.get(key)
-            if v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
-            ):
-                raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not a finite positive number", fix)
-        for key in _NONNEGATIVE_KEYS:
-            v = d.get(key)
-            if v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-            ):
-                raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not a finite number >= 0", fix)
-        v = d.get("partial_rotary_factor")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
-            raise error(f"{where}: partial_rotary_factor is {printable(repr(v))[:60]}, not in (0, 1]", fix)
         todo += [
             (f"{where} {k}", v)
             for k, v in d.items()

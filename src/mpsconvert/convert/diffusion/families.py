@@ -65,6 +65,8 @@ def _within(block: str, target: str, renames: tuple[tuple[str, str], ...]) -> tu
 
 
 _FLUX_BLOCK = r"^transformer_blocks\.(\d+)\."
+_FLUX_SINGLE_BLOCK = r"^single_transformer_blocks\.(\d+)\."
+_WAN_BLOCK = r"^blocks\.(\d+)\."
 _SD3_BLOCK = r"^transformer_blocks\.(\d+)\."
 _ZIMAGE_BLOCK = r"^(layers|context_refiner|noise_refiner)\.(\d+)\."
 
@@ -102,15 +104,21 @@ FAMILIES: tuple[Family, ...] = (
                     (r"attn\.to_add_out\.", "txt_attn.proj."),
                 ),
             ),
-            (r"^single_transformer_blocks\.(\d+)\.norm\.linear\.", r"single_blocks.\1.modulation.lin."),
-            (r"^single_transformer_blocks\.(\d+)\.attn\.norm_q\.weight$", r"single_blocks.\1.norm.query_norm.scale"),
-            (r"^single_transformer_blocks\.(\d+)\.attn\.norm_k\.weight$", r"single_blocks.\1.norm.key_norm.scale"),
-            (r"^single_transformer_blocks\.(\d+)\.proj_out\.", r"single_blocks.\1.linear2."),
+            *_within(
+                _FLUX_SINGLE_BLOCK,
+                r"single_blocks.\1.",
+                (
+                    (r"norm\.linear\.", "modulation.lin."),
+                    (r"attn\.norm_q\.weight$", "norm.query_norm.scale"),
+                    (r"attn\.norm_k\.weight$", "norm.key_norm.scale"),
+                    (r"proj_out\.", "linear2."),
+                ),
+            ),
         ),
         fusions=(
             _fused(_FLUX_BLOCK + r"attn\.", r"double_blocks.\1.img_attn.qkv"),
             _fused(_FLUX_BLOCK + r"attn\.", r"double_blocks.\1.txt_attn.qkv", _ADDED_QKV),
-            _fused(r"^single_transformer_blocks\.(\d+)\.(?:attn\.)?", r"single_blocks.\1.linear1", (*_QKV, "proj_mlp")),
+            _fused(_FLUX_SINGLE_BLOCK + r"(?:attn\.)?", r"single_blocks.\1.linear1", (*_QKV, "proj_mlp")),
         ),
         swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"),
     ),
@@ -139,9 +147,15 @@ FAMILIES: tuple[Family, ...] = (
             (r"^condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
             (r"^scale_shift_table$", "head.modulation"),
             (r"^proj_out\.", "head.head."),
-            (r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
-            (r"^blocks\.(\d+)\.attn1\.", r"blocks.\1.self_attn."),
-            (r"^blocks\.(\d+)\.attn2\.", r"blocks.\1.cross_attn."),
+            *_within(
+                _WAN_BLOCK,
+                r"blocks.\1.",
+                (
+                    (r"scale_shift_table$", "modulation"),
+                    (r"attn1\.", "self_attn."),
+                    (r"attn2\.", "cross_attn."),
+                ),
+            ),
             (r"\.to_q\.", ".q."),
             (r"\.to_k\.", ".k."),
             (r"\.to_v\.", ".v."),
@@ -149,12 +163,18 @@ FAMILIES: tuple[Family, ...] = (
             (r"\.add_k_proj\.", ".k_img."),
             (r"\.add_v_proj\.", ".v_img."),
             (r"\.norm_added_k\.", ".norm_k_img."),
-            (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"blocks.\1.ffn.0."),
-            (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"blocks.\1.ffn.2."),
-            # diffusers' norm2 is the original norm3 and the other way round
-            (r"^blocks\.(\d+)\.norm2\.", r"blocks.\1.norm__3."),
-            (r"^blocks\.(\d+)\.norm3\.", r"blocks.\1.norm2."),
-            (r"^blocks\.(\d+)\.norm__3\.", r"blocks.\1.norm3."),
+            *_within(
+                _WAN_BLOCK,
+                r"blocks.\1.",
+                (
+                    (r"ffn\.net\.0\.proj\.", "ffn.0."),
+                    (r"ffn\.net\.2\.", "ffn.2."),
+                    # diffusers' norm2 is the original norm3 and the other way round
+                    (r"norm2\.", "norm__3."),
+                    (r"norm3\.", "norm2."),
+                    (r"norm__3\.", "norm3."),
+                ),
+            ),
         ),
     ),
     Family(

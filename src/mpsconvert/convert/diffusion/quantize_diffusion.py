@@ -89,13 +89,11 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
             if snap.diffusion.layout == "single-file"
             else (snap.path, snap.diffusion.root)
         )
-        with writing(out, opts, estimate_bytes(p), protect) as (tmp, pool, syncs, workers):
+        with writing(out, opts, estimate_bytes(p), protect) as w:
             if opts.format in COMFYUI_FORMATS:
-                shards = write_comfyui(
-                    snap, p, opts, tmp / comfy_file_name(out), pool, workers, syncs, or_silent(progress)
-                )
+                shards = write_comfyui(snap, p, opts, w.tmp / comfy_file_name(out), w, or_silent(progress))
             else:
-                where = tmp / snap.diffusion.component if snap.diffusion.layout == "pipeline" else tmp
+                where = w.tmp / snap.diffusion.component if snap.diffusion.layout == "pipeline" else w.tmp
                 where.mkdir(parents=True, exist_ok=True)
                 o = Options(scheme=WEIGHT_ONLY_ROW, scale_leaf="scale", max_shard_size=opts.max_shard_size)
                 shards = _write_shards(
@@ -105,10 +103,8 @@ def quantize(snap: Snapshot, out: Path, opts: DiffusionOptions, progress: Progre
                     {},
                     o,
                     where,
-                    pool,
-                    workers,
-                    syncs,
+                    w,
                     or_silent(progress),
                     shard_names=diffusers_shard_names,
                 )
-            return assemble(tmp, snap, p, opts, shards, Path(out).absolute().name)
+            return assemble(w.tmp, snap, p, opts, shards, Path(out).absolute().name)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,14 +28,14 @@ import torch
 from ...errors import QuantizationError, SourceError
 from ...format import fp8
 from ...format.schemes import Scheme
-from ...infra.safetensors_io import DTYPES, BufferPool, ShardReader, read_header, torch_dtype
+from ...infra.safetensors_io import DTYPES, ShardReader, read_header, torch_dtype
 from ...infra.safetensors_writer import FiniteCheck, ShardWriter
 from ...model.plan import Plan, check_against_model
 from ...source.snapshot import DIFFUSERS_WEIGHTS, Snapshot
 from .. import FLOAT_CODES
-from ..quantize import QUANT_THREADS
+from ..quantize import QUANT_THREADS, Writing
 from ..quantize_plan import check_tensor_layout
-from ..quantize_tensors import Shard, quantize_matrix
+from ..quantize_tensors import Rows, Shard, quantize_matrix
 from . import COMFYUI_FORMATS
 from .families import Family, KeepRule, detect_family, family_of_class, strip_prefix
 from .keymap import Original, identity, to_original
@@ -237,9 +236,7 @@ def write_comfyui(
     p: DiffusionPlan,
     opts: DiffusionOptions,
     path: Path,
-    pool: BufferPool,
-    workers: ThreadPoolExecutor,
-    syncs,
+    w: Writing,
     progress,
 ):
     """Stream every original-layout tensor into one ComfyUI file."""
@@ -248,13 +245,13 @@ def write_comfyui(
     legacy = opts.format == "comfyui-legacy"
     entries, meta = comfy_entries(p, legacy)
     where = {n: (f, i) for f, h in p.headers.items() for n, i in h.tensors.items()}
-    readers = {f: ShardReader(h, pool) for f, h in p.headers.items()}
+    readers = {f: ShardReader(h, w.pool) for f, h in p.headers.items()}
     out = Shards()
     total = out.bytes_in = sum(h.file_size for h in p.headers.values())
     done = [0]
     try:
         with ShardWriter(path, entries, metadata=meta) as writer:
-            with Shard(None, writer, workers, QUANT_THREADS + 1, out.tensors).running() as sh:
+            with Shard(None, writer, w.workers, QUANT_THREADS + 1, out.tensors).running() as sh:
                 if legacy:
                     sh.then(writer.write, LEGACY_MARKER, torch.zeros(2, dtype=fp8.FP8_DTYPE))
                 for o in p.originals:
@@ -284,7 +281,7 @@ def write_comfyui(
                         progress("quantize", done[0], total, name)
 
                     sh.then(advance)
-        syncs.add(writer.sync)
+        w.syncs.add(writer.sync)
     finally:
         for r in readers.values():
             r.close()
@@ -319,11 +316,7 @@ def _quantize_original(sh: Shard, o: Original, info, spans: list, legacy: bool) 
 
     quantize_matrix(
         sh,
-        o.name,
-        _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]),
-        0,
-        n,
-        k,
+        Rows(o.name, _Stacked(info.dtype, (n, k), math.prod((n, k)) * DTYPES[info.dtype][0]), 0, n, k),
         WEIGHT_ONLY_TENSOR,
         o.name,
         done,
