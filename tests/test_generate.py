@@ -485,6 +485,25 @@ def test_a_rewound_step_is_forgotten_by_the_static_cache(writes, monkeypatch):
     assert torch.equal(a.step(13), b.step(13))
 
 
+def test_a_static_step_writes_its_token_at_the_engine_position():
+    """A decode step over the static cache writes its one token's keys and values at the engine's
+    position (hf_compat.write_at: the position tensor itself is the index) and nowhere else: its
+    logits are those of a step over a dynamic cache, and the cache past the last step is empty."""
+    from mpsconvert.runtime import engine
+
+    model = _tiny_causal()
+    s, d = engine.Engine(model, static=True), engine.Engine(model, static=False)
+    for e in (s, d):
+        e.reserve(32)
+        e.reset()
+        e.prefill([5, 6, 7, 8])
+    assert s.writes_at == "position"
+    for t in (9, 10, 11):
+        torch.testing.assert_close(s.step(t), d.step(t))
+    keys = s.cache.layers[0].keys
+    assert bool(keys[:, :, 4:7].abs().sum(-1).all()) and not keys[:, :, 7:].any()
+
+
 @pytest.mark.parametrize("window", [4096, 5])
 def test_the_compiled_engine_decodes_a_sliding_window_model(window):
     """Mistral-style models declare a sliding window; transformers' StaticCache then makes
