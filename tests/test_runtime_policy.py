@@ -10,6 +10,7 @@ import torch
 from mpsconvert.errors import DeviceError
 from mpsconvert.format import fp8
 from mpsconvert.infra.devices import Capabilities
+from mpsconvert.runtime.load import policy as policy_mod
 from mpsconvert.runtime.load.policy import KernelPolicy
 from mpsconvert.runtime.ops import kernels
 from mpsconvert.runtime.ops import triton as tritonlib
@@ -431,7 +432,8 @@ def _prior_table(monkeypatch, device, sig, decode, prefill=None):
 
 def test_recorded_timings_stand_in_for_measuring_on_the_gpu_they_were_taken_on(tmp_path, with_triton, monkeypatch):
     """ops/triton/tuned.json: on a GPU of the recorded name, a signature's recorded timings decide without
-    measuring (source "prior", not written to the user's cache); another GPU, a signature not
+    measuring (source "prior"; the user's cache records only that they were used, so that the next load starts
+    no warm-up child); another GPU, a signature not
     recorded, or MPSCONVERT_TUNED=0 measures."""
     lay = layer(64, 32)
     decode = {"scaled_mm_row": 5.0, "gemv": 9.0, "gemv_splitk": 9.5, "gemv_w8a8": 9.9, "bf16": 12.0}
@@ -446,7 +448,10 @@ def test_recorded_timings_stand_in_for_measuring_on_the_gpu_they_were_taken_on(t
     assert (dec.source, dec.choice, dec.timings_us) == ("prior", "scaled_mm_row", decode)
     assert all(d.source == "prior" and d.choice == "scaled_mm_row" for d in pre) and m.calls == []
     pol.apply(Model(layer(64, 32)))
-    assert json.loads((tmp_path / "k.json").read_text()) == {}  # priors are not the user's measurements
+    cached = json.loads((tmp_path / "k.json").read_text())  # priors are not the user's measurements: no timings,
+    assert cached and all(set(v) == {"source", "used"} and v["source"] == "prior" for v in cached.values())
+    assert policy_mod.decided_before("FakeGPU", [lay.signature], tmp_path / "k.json")  # but their kernels ran here
+    assert pol.decide(lay)[0].source == "prior"  # and the table is read again, not the cache
 
     monkeypatch.setenv("MPSCONVERT_TUNED", "0")
     dec, *_ = pol.decide(lay)

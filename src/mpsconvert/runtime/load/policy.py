@@ -109,8 +109,9 @@ def _read_cache_file(path: Path | None) -> dict:
 
 def decided_before(device_name: str, sigs, cache=None, decode_m: int = 1) -> bool:
     """Whether the cache (`cache` as KernelPolicy takes it) holds the decode decision of every
-    signature: these kernels were measured on this machine, by this code, so their first use
-    (Triton's compiles and autotuning, which fill its own on-disk cache then) was paid before."""
+    signature: these kernels were measured on this machine by this code, or chosen by its recorded
+    timings (ops/triton/tuned.py) and run, so their first use (Triton's compiles and autotuning,
+    which fill its own on-disk cache then) was paid before."""
     body = _read_cache_file(_cache_file(cache))
     return bool(body) and all(cache_key(device_name, sig, "decode", decode_m) in body for sig in sigs)
 
@@ -224,13 +225,16 @@ class KernelPolicy:
         key = self.key(sig, bucket, m)
         hit = self._cache.get(key)
         prior = tuned.timings(self.device_name, sig, bucket, m) if self.priors else None
-        if hit and set(hit.get("timings_us", {})) == set(cands):
+        if hit and hit.get("source") != "prior" and set(hit.get("timings_us", {})) == set(cands):
             d.timings_us, d.source = hit["timings_us"], "cache"
         elif prior is not None and set(prior) == set(cands) and self._prior_holds(layer, prior, m):
             d.timings_us, d.source = prior, "prior"
             d.note = (
                 f"timings recorded on a {self.device_name} (runtime/ops/triton/tuned.json; MPSCONVERT_TUNED=0 measures)"
             )
+            # no timings of ours, only that this machine has run these kernels (`decided_before`): the next
+            # load reads the table again and starts no warm-up child
+            self._cache[key] = {"source": "prior", "used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         else:
             for c in cands:
                 try:
