@@ -54,11 +54,9 @@ FLAGS = {name: "--" + name.replace("_", "-") for name in _OPTIONS} | {
     "scales_file": "--scales",
     "delete_unlisted": "--force-delete-unlisted",
 }
-_SPELLED = {
-    "use_template=False": "--ignore-chat-template",
-    "compile=False": "--no-compile",
-    "latency=False": "--no-latency",
-    "kv_cache=False": "--no-kv-cache",
+# A setting turned off by a flag of its own: `--no-<name>`, but for the chat template's.
+_SPELLED = {"use_template=False": "--ignore-chat-template"} | {
+    f"{name}=False": f"--no-{name.replace('_', '-')}" for name in ("compile", "latency", "kv_cache")
 }
 _NAMED = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]+))?`")
 

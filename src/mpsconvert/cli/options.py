@@ -69,12 +69,7 @@ calibration_options = stacked(  # the options shared by `quantize --scheme fp8` 
         "with a 'text' field, a folder of those, or a Hugging Face dataset repo id "
         "[default: the small built-in set of prose, code and dialogue].",
     ),
-    click.option(
-        "--num-samples",
-        type=click.IntRange(min=1),
-        default=128,
-        help="Token windows to calibrate on.",
-    ),
+    click.option("--num-samples", type=click.IntRange(min=1), default=128, help="Token windows to calibrate on."),
     click.option("--seq-len", type=click.IntRange(min=16), default=512, help="Tokens per window."),
     click.option("--seed", type=int, default=0, help="Seed of the (deterministic) document shuffle."),
     click.option(
@@ -86,12 +81,7 @@ calibration_options = stacked(  # the options shared by `quantize --scheme fp8` 
         "hurts them badly). mse: the clip that minimises the FP8 error on the observed "
         "activations.",
     ),
-    click.option(
-        "--percentile",
-        type=float,
-        default=api.DEFAULT_PERCENTILE,
-        help="For --observer percentile.",
-    ),
+    click.option("--percentile", type=float, default=api.DEFAULT_PERCENTILE, help="For --observer percentile."),
     device_option(
         "Where calibration runs (auto: mps, then cuda, then cpu; a missing device is an error).",
         metavar=DEVICE_METAVAR,
@@ -201,19 +191,8 @@ sampling_options = stacked(  # the options `generate` and `chat` share (mlx-lm's
         "With --backend torch: where it runs (auto: mps, then cuda, then cpu; a missing device is an error).",
         metavar=DEVICE_METAVAR,
     ),
-    click.option(
-        "--max-tokens",
-        "-m",
-        type=click.IntRange(min=1),
-        default=256,
-        help="Most tokens to generate.",
-    ),
-    click.option(
-        "--temp",
-        type=click.FloatRange(min=0),
-        default=0.0,
-        help="Sampling temperature (0: greedy).",
-    ),
+    click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=256, help="Most tokens to generate."),
+    click.option("--temp", type=click.FloatRange(min=0), default=0.0, help="Sampling temperature (0: greedy)."),
     click.option(
         "--top-p",
         type=click.FloatRange(min=0, max=1, min_open=True),

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import PromptError
-from ..infra.untrusted import LIMITS, printable, shown_text
+from ..infra.untrusted import LIMITS, printable, prompt_length, shown_text
 
 console = Console(stderr=True)  # progress, status, warnings, errors
 out = Console()  # results
@@ -109,11 +109,7 @@ def ask() -> str | None:
             "send a shorter message",
         )
     text = _decoded(raw, "the message").removesuffix("\n")
-    if len(text) > limit:
-        raise PromptError(
-            f"the message is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
-            "send a shorter message",
-        )
+    prompt_length(text, "the message", "send a shorter message")
     return text
 
 

@@ -38,7 +38,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArtifactError, MpsconvertError
+from ..errors import ArtifactError, MpsconvertError, PromptError
 
 MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 256 << 20  # a manifest of a 1000-shard MoE is a few MB; a config a few KB
@@ -460,6 +460,16 @@ def bounded(
             fix or f"give a value in {_span(lo, hi)}",
         )
     return value
+
+
+def prompt_length(text: str, what: str, fix: str) -> None:
+    """Refuse (one PromptError line) text a person typed or piped that is longer than the limit on
+    prompt characters; `what` names it ("the message"), `fix` says what to do instead."""
+    limit = int(LIMITS["prompt characters"][1])
+    if len(text) > limit:
+        raise PromptError(
+            f"{what} is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)", fix
+        )
 
 
 def _span(lo, hi) -> str:

@@ -81,7 +81,7 @@ def quantize(
         "`data`": calibration is not None and calibration.data is not None,  # the settings only scheme fp8 takes
         "`scales_file`": scales_file is not None,
     }
-    result = QuantizeResult(Path(), None)
+    uploaded = None
     with pipeline.claimed(
         source, output, opts, calibration_given=given, exports=tuple(exports), progress=progress
     ) as run:
@@ -94,18 +94,11 @@ def quantize(
 
             scales = for_quantize(scales_file, copts, run.snap.path, progress)
         done = run.write(scales)
-        result.apple = export_into(done.output, exports, progress)
+        apple = export_into(done.output, exports, progress)
         if upload_to is not None:
             retry = f"run `mpsconvert upload {done.output} {upload_to.repo}` to retry"
             with written_but(done.output, "its upload", retry, UploadError):
-                result.upload = upload(done.output, upload_to, progress=progress)
-    manifest, sha, pinned = read_once(done.output)  # as the exports and the upload left it
-    return replace(
-        result,
-        output=done.output,
-        manifest=manifest,
-        calibration=done.calibration,
-        manifest_sha256=sha,
-        pin_sha256=pinned,
-        warnings=done.warnings,
-    )
+                uploaded = upload(done.output, upload_to, progress=progress)
+    done.manifest, sha, pinned = read_once(done.output)  # as the exports and the upload left it
+    # what the conversion wrote (output, manifest, calibration, warnings), and what followed it
+    return QuantizeResult(**vars(done), apple=apple, manifest_sha256=sha, pin_sha256=pinned, upload=uploaded)

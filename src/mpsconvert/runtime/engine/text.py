@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...errors import MpsconvertError, PromptError
-from ...infra.untrusted import LIMITS
+from ...infra.untrusted import prompt_length
 from ...manifests import loadable
 from .loop import Decoder, GenerationStats, generate_ids
 from .sampling import Sampling
@@ -70,14 +70,9 @@ class Conversation:
         """Refuse `text` before it is rendered or tokenized when it cannot be used: longer than the
         limit on prompt characters, or more bytes than the model's context could hold even at the
         vocabulary's longest token per position (a 5 MB line is not tokenized to find out)."""
-        limit = int(LIMITS["prompt characters"][1])
         if not isinstance(text, str):
             raise PromptError(f"{what} is {type(text).__name__}, not text", "pass a string")
-        if len(text) > limit:
-            raise PromptError(
-                f"{what} is {len(text):,} characters, more than {limit:,} (the limit on prompt characters)",
-                "pass a shorter text",
-            )
+        prompt_length(text, what, "pass a shorter text")
         cap = self.decoder.max_len
         if cap:
             if self._longest is None:
