@@ -541,6 +541,11 @@ _NUMBER_RULES = (
 )
 
 
+def _given(d: dict, keys) -> list[tuple[str, Any]]:
+    """(key, value) for each of `keys` that `d` holds with a value other than None, in `keys`' order."""
+    return [(key, d[key]) for key in keys if d.get(key) is not None]
+
+
 def check_model_config(
     body: dict,
     *,
@@ -561,25 +566,16 @@ def check_model_config(
         if mt is not None and not isinstance(mt, str):
             raise error(f"{where}: model_type is {printable(repr(mt))[:60]}, not a string", fix)
         for limit, keys in _SIZE_KEYS.items():
-            for key in keys:
-                v = d.get(key)
-                if v is None:
-                    continue
+            for key, v in _given(d, keys):
                 for x in (
                     v if isinstance(v, list) and len(v) <= MAX_LIST else [v]
                 ):  # per block / per layer lists (diffusers' UNets, some LMs)
                     bounded(x, limit, what=f"{where}: {key}", error=error, fix=fix)
         for keys, ok, want in _NUMBER_RULES:
-            for key in keys:
-                v = d.get(key)
-                if v is not None and (
-                    isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v) or not math.isfinite(v)
-                ):
+            for key, v in _given(d, keys):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v) or not math.isfinite(v):
                     raise error(f"{where}: {key} is {printable(repr(v))[:60]}, not {want}", fix)
-        for key in _ROPE_KEYS:
-            rope = d.get(key)
-            if rope is None:
-                continue
+        for key, rope in _given(d, _ROPE_KEYS):
             if not isinstance(rope, dict):
                 raise error(f"{where}: {key} is {type(rope).__name__}, not an object", fix)
             todo.append(

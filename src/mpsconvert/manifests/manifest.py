@@ -261,10 +261,21 @@ def read_once(folder: Path) -> tuple[Manifest, str, str | None]:
     """
     import hashlib
 
+    manifest, raw, body = read_raw(folder)
+    return manifest, hashlib.sha256(raw).hexdigest(), pin_digest(body)
+
+
+def read_raw(folder: Path) -> tuple[Manifest, bytes, dict]:
+    """The manifest of `folder`, the bytes it was parsed from and its parsed body, from one read
+    (what is parsed is what a caller hashes or sends).
+
+    Raises:
+        ArtifactError: no manifest, or one that `Manifest.read` would refuse.
+    """
     path = Path(folder) / MANIFEST_NAME
     raw = read_bytes(path, what=MANIFEST_NAME, fix="re-create the artifact")
     body = parse_json(raw, what=str(path), fix=REBUILD_FIX)
-    return Manifest.from_body(body, path), hashlib.sha256(raw).hexdigest(), pin_digest(body)
+    return Manifest.from_body(body, path), raw, body
 
 
 def manifest_sha256(folder: Path) -> str:

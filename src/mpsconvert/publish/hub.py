@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import MpsconvertError, UploadError
-from ..infra.untrusted import one_line, parse_json, read_bytes
+from ..infra.untrusted import one_line
 from ..manifests.hashing import read_verified
-from ..manifests.manifest import MANIFEST_NAME, Manifest
+from ..manifests.manifest import MANIFEST_NAME, Manifest, read_raw
 from ..version import __version__
 
 _TRUE = {"1", "on", "yes", "true"}
@@ -73,8 +73,7 @@ def sendable(folder: Path) -> tuple[Manifest, list]:
     import huggingface_hub as hf
 
     folder = Path(folder)
-    raw = read_bytes(folder / MANIFEST_NAME, what=MANIFEST_NAME, fix="re-create the artifact")
-    manifest = Manifest.from_body(parse_json(raw, what=str(folder / MANIFEST_NAME)), folder / MANIFEST_NAME)
+    manifest, raw, _ = read_raw(folder)
     ops = [hf.CommitOperationAdd(path_in_repo=MANIFEST_NAME, path_or_fileobj=raw)]
     try:
         for rel in sorted(manifest.files):
