@@ -19,6 +19,16 @@ _WAVES = 4  # programs per SM the cache is split into: fewer tiles each, less of
 if triton is not None:
 
     @triton.jit
+    def _kv_tile(ptr, b, kvh, sb, sh, sl, kpos, k_ok, d, d_ok):
+        # The key or value tile [BLOCK_KV, D] of sequence b's key/value head kvh at cache positions kpos (strides sb,
+        # sh, sl of a [B, Hkv, Lk, D] cache), zero past the cache's end and the head's width.
+        return tl.load(
+            ptr + b * sb + kvh * sh + kpos[:, None] * sl + d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+
+    @triton.jit
     def _split_kernel(
         q_ptr,
         k_ptr,
@@ -86,17 +96,9 @@ if triton is not None:
                 )
                 allowed = allowed & (mv != 0)
             if tl.max(allowed.to(tl.int32)) > 0:  # a tile the mask excludes whole is not read
-                k = tl.load(
-                    k_ptr + b * skb + kvh * skh + kpos[:, None] * skl + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
+                k = _kv_tile(k_ptr, b, kvh, skb, skh, skl, kpos, k_ok, d, d_ok)
                 # V's load issued with K's: one trip to memory per tile, not two in a row
-                v = tl.load(
-                    v_ptr + b * svb + kvh * svh + kpos[:, None] * svl + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
+                v = _kv_tile(v_ptr, b, kvh, svb, svh, svl, kpos, k_ok, d, d_ok)
                 if F32:
                     k = k.to(tl.float32)
                 s = tl.dot(q, tl.trans(k)) * scale
