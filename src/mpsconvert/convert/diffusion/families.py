@@ -64,11 +64,22 @@ def _within(block: str, target: str, renames: tuple[tuple[str, str], ...]) -> tu
     return tuple((block + d, target + o) for d, o in renames)
 
 
-_FLUX_BLOCK = r"^transformer_blocks\.(\d+)\."
+_JOINT_BLOCK = r"^transformer_blocks\.(\d+)\."  # diffusers' joint (MMDiT) blocks: Flux's double blocks, SD3's
 _FLUX_SINGLE_BLOCK = r"^single_transformer_blocks\.(\d+)\."
 _WAN_BLOCK = r"^blocks\.(\d+)\."
-_SD3_BLOCK = r"^transformer_blocks\.(\d+)\."
 _ZIMAGE_BLOCK = r"^(layers|context_refiner|noise_refiner)\.(\d+)\."
+
+
+def _joint_qkv(image: str, context: str) -> tuple[Fusion, Fusion]:
+    """The fused q/k/v of a joint block's two streams: the image stream's (`to_q`...) into `image`,
+    the context stream's (`add_q_proj`...) into `context` (targets refer to the block's group)."""
+    return _fused(_JOINT_BLOCK + r"attn\.", image), _fused(_JOINT_BLOCK + r"attn\.", context, _ADDED_QKV)
+
+
+# The final layer of the MMDiT transformers (Flux, SD3): diffusers' AdaLayerNormContinuous and Linear are
+# the original `final_layer`, whose modulation stores (shift, scale) where diffusers stores (scale, shift).
+_FINAL_LAYER = ((r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."), (r"^proj_out\.", "final_layer.linear."))
+_FINAL_LAYER_SWAPS = ("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias")
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -84,10 +95,9 @@ FAMILIES: tuple[Family, ...] = (
             *_embedder(r"^time_text_embed\.guidance_embedder\.", "guidance_in.in_layer.", "guidance_in.out_layer."),
             (r"^context_embedder\.", "txt_in."),
             (r"^x_embedder\.", "img_in."),
-            (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
-            (r"^proj_out\.", "final_layer.linear."),
+            *_FINAL_LAYER,
             *_within(
-                _FLUX_BLOCK,
+                _JOINT_BLOCK,
                 r"double_blocks.\1.",
                 (
                     (r"norm1\.linear\.", "img_mod.lin."),
@@ -116,11 +126,10 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         fusions=(
-            _fused(_FLUX_BLOCK + r"attn\.", r"double_blocks.\1.img_attn.qkv"),
-            _fused(_FLUX_BLOCK + r"attn\.", r"double_blocks.\1.txt_attn.qkv", _ADDED_QKV),
+            *_joint_qkv(r"double_blocks.\1.img_attn.qkv", r"double_blocks.\1.txt_attn.qkv"),
             _fused(_FLUX_SINGLE_BLOCK + r"(?:attn\.)?", r"single_blocks.\1.linear1", (*_QKV, "proj_mlp")),
         ),
-        swaps=("final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"),
+        swaps=_FINAL_LAYER_SWAPS,
     ),
     Family(
         name="wan",
@@ -198,10 +207,9 @@ FAMILIES: tuple[Family, ...] = (
             *_embedder(r"^time_text_embed\.text_embedder\.", "y_embedder.mlp.0.", "y_embedder.mlp.2."),
             (r"^pos_embed\.proj\.", "x_embedder.proj."),
             (r"^pos_embed\.pos_embed$", "pos_embed"),
-            (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
-            (r"^proj_out\.", "final_layer.linear."),
+            *_FINAL_LAYER,
             *_within(
-                _SD3_BLOCK,
+                _JOINT_BLOCK,
                 r"joint_blocks.\1.context_block.",
                 (
                     (r"norm1_context\.linear\.", "adaLN_modulation.1."),
@@ -213,7 +221,7 @@ FAMILIES: tuple[Family, ...] = (
                 ),
             ),
             *_within(
-                _SD3_BLOCK,
+                _JOINT_BLOCK,
                 r"joint_blocks.\1.x_block.",
                 (
                     (r"norm1\.linear\.", "adaLN_modulation.1."),
@@ -229,14 +237,12 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         fusions=(
-            _fused(_SD3_BLOCK + r"attn\.", r"joint_blocks.\1.x_block.attn.qkv"),
-            _fused(_SD3_BLOCK + r"attn\.", r"joint_blocks.\1.context_block.attn.qkv", _ADDED_QKV),
-            _fused(_SD3_BLOCK + r"attn2\.", r"joint_blocks.\1.x_block.attn2.qkv"),
+            *_joint_qkv(r"joint_blocks.\1.x_block.attn.qkv", r"joint_blocks.\1.context_block.attn.qkv"),
+            _fused(_JOINT_BLOCK + r"attn2\.", r"joint_blocks.\1.x_block.attn2.qkv"),
         ),
         # the final norm, and the last block's context norm (AdaLayerNormContinuous in diffusers)
         swaps=(
-            "final_layer.adaLN_modulation.1.weight",
-            "final_layer.adaLN_modulation.1.bias",
+            *_FINAL_LAYER_SWAPS,
             "@last:context_block.adaLN_modulation.1",
         ),
     ),
