@@ -14,9 +14,13 @@ What runs, each in a process of its own (what a user starts), in this order:
              fraction of the device's copy bandwidth (weights and the KV cache at the midpoint per
              step, as benchmarks/generate.py counts them)
   compile    (`--compile-too`) the same with `--decode compile` (torch.compile), for comparison
+  fresh load `mpsconvert.load` on empty caches, timed as the BF16 script times `from_pretrained`
+             (after `import torch` and transformers' auto classes, whose import is timed apart)
+  warm load  the same on this run's caches (filled by the commands before it)
 
 Ratios against BF16 come from the same run; targets (CUDA): ours #2 / bf16 #2 <= 0.6,
-ours #1 / bf16 #1 <= 1.0, TTFT after load <= 1.5 s, steady decode >= 0.75 of copy bandwidth.
+ours #1 / bf16 #1 <= 1.0, TTFT after load <= 1.5 s, steady decode >= 0.75 of copy bandwidth,
+fresh load / bf16 #1's `from_pretrained` <= 1.5.
 The model is benchmarks/generate.py's Llama-3-8B shape (`_sources.config_for("llama", 32)`) with
 random weights and a 32k-token byte-level BPE with a ChatML template (benchmarks/chat_template.py).
 
@@ -47,10 +51,12 @@ PROMPT = "Tell me about the history of Paris."
 VOCAB = 32000
 
 BF16_SCRIPT = """
+import time
+t = time.perf_counter()
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 src, prompt, n, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-import time
+print("IMPORTED", time.perf_counter() - t)
 t = time.perf_counter()
 tok = AutoTokenizer.from_pretrained(src)
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device)
@@ -119,15 +125,22 @@ def steady(art: Path, args) -> dict:
 
 
 def fresh_load(art: Path, args) -> dict:
-    """In this process, on caches made empty for it: `mpsconvert.load` as on a fresh machine, its
-    seconds by step, what its warm-up did, and what the autotuners and the kernel policy chose
-    (the tuning a fresh machine of this GPU pays for)."""
+    """In this process, on the caches the parent gives it (empty: a fresh machine's): `mpsconvert.load`,
+    timed as the BF16 script times `from_pretrained` (torch and transformers' auto classes imported
+    before the clock starts, their import timed apart), its seconds by step, what its warm-up did,
+    and what the autotuners and the kernel policy chose (the tuning a fresh machine of this GPU pays for)."""
+    t = time.perf_counter()
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
     import mpsconvert
 
+    imports = time.perf_counter() - t
     t = time.perf_counter()
     model = mpsconvert.load(art, device=args.device)
     info = model.mpsconvert
     out = {"load_s": round(time.perf_counter() - t, 3), "load_seconds": info.seconds, "prewarm": info.prewarm}
+    out["imports_s"] = round(imports, 3)
     out["tuning"] = {"autotuned": autotuned_choices(), "decisions": info.kernels}
     return out
 
@@ -148,14 +161,21 @@ def autotuned_choices() -> dict:
     return out
 
 
-def fresh_load_child(art: Path, args, env: dict, work: Path, **extra) -> dict:
-    """`fresh_load` in a child process on caches made empty for it (`extra`: more environment)."""
+def fresh_load_child(art: Path, args, env: dict, work: Path, warm: bool = False, **extra) -> dict:
+    """`fresh_load` in a child process on caches made empty for it, or with `warm` on the run's own
+    (filled by the commands before it) (`extra`: more environment)."""
     fresh = Path(tempfile.mkdtemp(prefix="caches-", dir=work))
     env = dict(
         env,
-        TRITON_CACHE_DIR=str(fresh / "triton"),
-        TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
-        MPSCONVERT_CACHE_DIR=str(fresh / "mpsconvert"),
+        **(
+            {}
+            if warm
+            else {
+                "TRITON_CACHE_DIR": str(fresh / "triton"),
+                "TORCHINDUCTOR_CACHE_DIR": str(fresh / "inductor"),
+                "MPSCONVERT_CACHE_DIR": str(fresh / "mpsconvert"),
+            }
+        ),
         **extra,
     )
     _, out, _ = run([sys.executable, __file__, "--child", str(art), "--device", args.device, "--fresh-load"], env)
@@ -314,8 +334,11 @@ def main() -> None:
     for name in ("bf16 #1", "bf16 #2"):
         wall, out, _ = run([sys.executable, "-c", BF16_SCRIPT, str(src), PROMPT, str(args.tokens), args.device], env)
         gen = next((int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("GENERATED")), None)
-        loaded = next((float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("LOADED")), None)
-        rows[name] = {"wall_s": round(wall, 2), "generated": gen, "load_s": round(loaded, 3)}
+        loaded, imported = (
+            next((float(ln.split()[1]) for ln in out.splitlines() if ln.startswith(word)), None)
+            for word in ("LOADED", "IMPORTED")
+        )
+        rows[name] = {"wall_s": round(wall, 2), "generated": gen, "load_s": round(loaded, 3), "imports_s": imported}
         print(f"{name}: {wall:.2f} s wall, {gen} tokens", flush=True)
     for name, decode in (
         ("steady", None if args.ours_decode == "auto" else args.ours_decode),
@@ -341,7 +364,10 @@ def main() -> None:
         rows[name] = r
         print(f"{name}: {r}", flush=True)
     rows["fresh load"] = fresh_load_child(art, args, env, work)
-    print(f"fresh load: {rows['fresh load']['load_s']} s, {rows['fresh load']['load_seconds']}", flush=True)
+    rows["warm load"] = fresh_load_child(art, args, env, work, warm=True)
+    for name in ("fresh load", "warm load"):
+        r = rows[name]
+        print(f"{name}: {r['load_s']} s (imports before it {r['imports_s']} s), {r['load_seconds']}", flush=True)
     report["runs"] = rows
     ratios = {
         "ours #2 / bf16 #2 wall (target <= 0.6)": rows["ours #2"]["wall_s"] / rows["bf16 #2"]["wall_s"],
@@ -349,6 +375,8 @@ def main() -> None:
         "TTFT after load() s (target <= 1.5)": rows["steady"]["ttft_after_load_s"],
         "first load() on fresh caches / bf16 #1 from_pretrained (target <= 1.5)": rows["fresh load"]["load_s"]
         / rows["bf16 #1"]["load_s"],
+        "load() on this run's caches / bf16 #2 from_pretrained": rows["warm load"]["load_s"]
+        / rows["bf16 #2"]["load_s"],
         f"steady decode -m {args.long}, fraction of copy bandwidth (target >= 0.75)": rows["steady"]["long"][
             "bandwidth_fraction"
         ],
