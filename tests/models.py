@@ -176,6 +176,28 @@ def fp8_layers(model, decode: str = "scaled_mm_row"):
     return model
 
 
+def fp8_gemv_model(arch: str, gate_up: str = "gemv"):
+    """A tiny FP8 model whose decode runs the Triton GEMV for every layer (`gate_up`: the fused
+    gate/up layer's decode kernel, "gemv" or "gemv_w8a8"), the patches installed as on CUDA (the
+    device faked: only the patches' match reads it); its patch reports in `model.reports`."""
+    import warnings
+
+    from mpsconvert.runtime import patches
+
+    model = fp8_layers(tiny_model(arch, dtype=torch.bfloat16).requires_grad_(False), decode="gemv")
+    model.config._attn_implementation = "sdpa"
+    ctx = patches.Context(torch.device("cuda"), torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reports = patches.apply(model, ctx, "modules")
+        for g in model.modules():
+            if type(g).__name__ == "SharedInput":
+                g.inner.set_kernels(gate_up if g.names == ["gate_proj", "up_proj"] else "gemv", "scaled_mm_row")
+        reports |= patches.apply(model, ctx, "forwards")
+    model.reports = reports
+    return model
+
+
 def with_chat_template(src: Path, template: str) -> Path:
     """`src`'s tokenizer given `template` as its chat template (saved in place); returns `src`."""
     from transformers import AutoTokenizer

@@ -5,12 +5,12 @@ and a graph it cannot rewrite safely is left as it is."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from mpsconvert.runtime.ops import graph_fusion
+
+from .models import fp8_gemv_model
 
 K, N = 64, 48
 
@@ -99,26 +99,6 @@ def test_what_is_not_the_pattern_is_left_alone():
     assert torch.equal(got, _compiled(other, x, nw, w1, s1, fusion=False))
 
 
-def _fp8_model(arch):
-    """A tiny FP8 model whose decode runs the Triton GEMV for every layer, the patches installed
-    as on CUDA (the device faked: only the patches' match reads it)."""
-    from mpsconvert.runtime import patches
-
-    from .models import fp8_layers, tiny_model
-
-    model = fp8_layers(tiny_model(arch, dtype=torch.bfloat16).requires_grad_(False), decode="gemv")
-    model.config._attn_implementation = "sdpa"
-    ctx = patches.Context(torch.device("cuda"), torch.bfloat16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        patches.apply(model, ctx, "modules")
-        for g in model.modules():
-            if type(g).__name__ == "SharedInput":
-                g.inner.set_kernels("gemv", "scaled_mm_row")
-        patches.apply(model, ctx, "forwards")
-    return model
-
-
 @pytest.mark.triton("interpret")
 @pytest.mark.parametrize("arch,folds", [("llama", 4), ("qwen2", 4), ("mixtral", 2), ("qwen2_moe", 2)])
 def test_the_engine_folds_every_layers_norms_and_adds_into_its_gemvs(arch, folds):
@@ -131,7 +111,7 @@ def test_the_engine_folds_every_layers_norms_and_adds_into_its_gemvs(arch, folds
 
     from mpsconvert.runtime import engine
 
-    model = _fp8_model(arch)
+    model = fp8_gemv_model(arch)
     prompt = [5, 6, 7, 8]
     want = engine.generate_ids(engine.Engine(model, compile=False), prompt, engine.Sampling(max_tokens=6)).tokens
     eng = engine.Engine(model, compile=True)

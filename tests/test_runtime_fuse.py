@@ -358,6 +358,7 @@ def test_eager_fusion_of_norms_and_mlp_interpreted():
                 "mlps": 2,
                 "mlps_gated_decode": 0,
                 "layers": 2,
+                "layers_direct_decode": 0,
                 "attention": 2,
                 "rotary": 2,
                 "left": [],

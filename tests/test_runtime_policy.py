@@ -478,7 +478,8 @@ def test_a_recorded_choice_that_computes_something_else_here_is_measured_instead
 
 
 def test_the_autotuners_compile_only_the_recorded_configuration(monkeypatch):
-    """ops/triton/tuned.prune: on the recorded GPU and key, the one recorded configuration; otherwise all."""
+    """ops/triton/tuned.prune: on the recorded GPU and key, the one recorded configuration (a fused norm or
+    residual form not recorded: its plain form's); otherwise all."""
     from types import SimpleNamespace
 
     from mpsconvert.runtime.ops.triton import tuned
@@ -496,6 +497,13 @@ def test_the_autotuners_compile_only_the_recorded_configuration(monkeypatch):
     monkeypatch.setattr(tuned, "_device_name", lambda i: "OtherGPU")
     assert prune(configs, {"N": 64, "K": 32}, M=1, GATED=False) == configs
     monkeypatch.setattr(tuned, "_device_name", lambda i: "FakeGPU")
+    fused = tuned.prune("gemv", ["N", "K", "M", "GATED", "NORM", "RESIDUAL"])
+    rec["N=64,K=32,M=1,GATED=False,NORM=False,RESIDUAL=False"] = rec["N=64,K=32,M=1,GATED=False"]
+    rec["N=64,K=32,M=1,GATED=False,NORM=True,RESIDUAL=False"] = {**rec["N=64,K=32,M=1,GATED=False"], "BLOCK_N": 2}
+    plain = {"N": 64, "K": 32, "M": 1, "GATED": False}
+    assert fused(configs, plain, NORM=True, RESIDUAL=False) == configs  # its own record: not among the configs
+    assert fused(configs, plain, NORM=False, RESIDUAL=True) == [configs[1]]  # not recorded: the plain form's tile
+    assert fused(configs, {**plain, "K": 64}, NORM=False, RESIDUAL=True) == configs  # neither recorded
     monkeypatch.setenv("MPSCONVERT_TUNED", "0")
     assert prune(configs, {"N": 64, "K": 32}, M=1, GATED=False) == configs
 

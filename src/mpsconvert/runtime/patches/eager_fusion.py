@@ -28,6 +28,9 @@ written and SiLU * up is not a kernel of its own (inductor's fused silu-mul was 
 and one launch per layer of the H200's 3.2 ms Llama-3-8B decode step). It is checked at install
 on a decode-sized probe against the module's own forward, as the prefill path is.
 
+A decode step (batch 1, one token) of a Llama-style layer whose GEMVs have the fused forms runs as
+direct calls with its norms and residual adds folded into its GEMVs (runtime/patches/direct_decode.py).
+
 A prefill whose attention module is Llama-style runs the whole layer as direct calls
 (`_direct_layer`, runtime/patches/attention_prefill.py): the same kernels, none of the modules' Python
 between them, and norms that write only the codes their GEMMs read.
@@ -60,7 +63,7 @@ from ..ops.fp8linear import DECODE_MAX_M, PROBE_ROWS, FP8Linear
 from ..ops.fuse import SharedInput, Stash, group_name, lone_fp8, version
 from ..ops.triton import act_quant
 from ..ops.triton import launch as triton_launch
-from . import attention_prefill, forwards, rotary
+from . import attention_prefill, direct_decode, forwards, rotary
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a pre-norm decoder layer's modules
 NORM_MAX_ULP_FRACTION = 1e-3  # elements of a checked norm allowed off by at most two ulps (summation order)
@@ -211,6 +214,9 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     that the direct attention path takes runs `_direct_layer`."""
     if torch.compiler.is_compiling() or args or hidden_states.requires_grad:
         return self.mpsconvert_base.forward(self, hidden_states, *args, **kwargs)
+    decode = self.mpsconvert_decode
+    if decode is not None and (call := direct_decode.takes(decode, hidden_states, kwargs)) is not None:
+        return direct_decode.forward(decode, hidden_states, *call)
     plan = self.mpsconvert_attention
     if plan is not None:
         call = attention_prefill.takes(plan, hidden_states, kwargs)
@@ -492,6 +498,7 @@ def install(model: nn.Module) -> dict:
         "mlps": 0,
         "mlps_gated_decode": 0,
         "layers": 0,
+        "layers_direct_decode": 0,
         "attention": 0,
         "rotary": 0,
         "left": [],
@@ -563,6 +570,7 @@ def install(model: nn.Module) -> dict:
             plan = None
         object.__setattr__(layer, "mpsconvert_attention", plan)
         object.__setattr__(layer, "mpsconvert_graphs", None)  # the prefill's CUDA graphs (prefill_graphs.install)
+        object.__setattr__(layer, "mpsconvert_decode", None)  # the direct decode (direct_decode.py): on once checked
         forwards.install(layer, _layer_forward)
         why = _check_layer(layer, calls[layer])
         if why and plan is not None:  # the layer without the direct attention path
@@ -573,4 +581,14 @@ def install(model: nn.Module) -> dict:
         if not kept(layer, why, "layers"):
             continue
         report["attention"] += layer.mpsconvert_attention is not None
+        # the direct decode where the layer's structure and the policy's kernels have its forms (else not
+        # a finding: its decode step runs the modules, as before); said in `left` where its check fails
+        dec = direct_decode.plan(parts) if parts[0] in fused else None
+        if isinstance(dec, direct_decode.Plan) and direct_decode.kernels_fit(dec):
+            why = direct_decode.check(layer, dec, calls[layer], _layer_forward)
+            if why:
+                report["left"].append(f"{names[layer]}: {why}; its decode step runs the modules")
+            else:
+                object.__setattr__(layer, "mpsconvert_decode", dec)
+                report["layers_direct_decode"] += 1
     return report

@@ -77,16 +77,24 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+# Key flags of a GEMV's fused forms (ops/triton/gemv.py: an RMSNorm before it, a residual add after it),
+# a few loads more than its plain form, whose recorded configuration they take where none of their own is
+FUSED_FORMS = ("NORM", "RESIDUAL")
+
+
 def prune(kernel: str, keys: list[str]):
     """Triton's `early_config_prune` for the autotuned `kernel`: on a GPU whose recorded
-    configuration for these key values is among `configs`, that one alone (one compile, no timing);
-    else every configuration."""
+    configuration for these key values is among `configs` (or, for a fused form, its plain form's:
+    FUSED_FORMS), that one alone (one compile, no timing); else every configuration."""
 
     def early_config_prune(configs, named_args, **kwargs):
         if not enabled() or not torch.cuda.is_available():
             return configs
         rows = _table().get(_device_name(torch.cuda.current_device()), {}).get("autotune", {}).get(kernel, {})
-        want = rows.get(autotune_key(keys, {**named_args, **kwargs}))
+        args = {**named_args, **kwargs}
+        want = rows.get(autotune_key(keys, args))
+        if want is None:  # a fused norm prologue or residual epilogue not recorded: its plain form's tile
+            want = rows.get(autotune_key(keys, {**args, **{k: False for k in FUSED_FORMS if k in keys}}))
         if not isinstance(want, dict):
             return configs
         same = [c for c in configs if {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} == want]

@@ -1,0 +1,94 @@
+"""runtime/patches/direct_decode.py through the Triton interpreter: a decoder layer's decode step
+as direct calls with its norms and residual adds folded into the GEMVs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpsconvert.format.fp8 import relative_error
+
+from .models import fp8_gemv_model
+
+pytestmark = pytest.mark.triton("interpret")
+
+
+def _plans(model):
+    return [layer.mpsconvert_decode for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("arch,gate_up", [("llama", "gemv"), ("llama", "gemv_w8a8"), ("qwen2", "gemv")])
+def test_the_direct_decode_is_the_layers_own_decode_over_the_static_cache(arch, gate_up):
+    """Every layer of a model whose GEMVs have the forms takes the direct decode (checked at
+    install); the engine's steps over its static cache then run it (each layer once a step) and
+    give the logits of the modules' own decode (the same kernels, each norm and add on its own)
+    within the norm prologue's rounding, and the same greedy tokens. Qwen2's q/k/v carry a bias."""
+    from mpsconvert.runtime import engine
+
+    model = fp8_gemv_model(arch, gate_up)
+    details = model.reports["eager_fusion"].details
+    plans = _plans(model)
+    assert details["layers_direct_decode"] == len(plans) and all(p is not None for p in plans), details
+    prompt = [5, 6, 7, 8, 9]
+
+    def run():
+        e = engine.Engine(model, static=True)
+        e.reserve(32)
+        e.reset()
+        e.prefill(prompt)
+        assert e.writes_at == "position"
+        return [e.step(t) for t in (10, 11, 12)]
+
+    calls = [p.calls for p in plans]
+    got = run()
+    assert [p.calls for p in plans] == [c + 3 for c in calls]  # the prefill takes the other path
+    for layer in model.model.layers:
+        object.__setattr__(layer, "mpsconvert_decode", None)
+    want = run()
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < 2**-7, relative_error(g, w)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    for layer, p in zip(model.model.layers, plans):
+        object.__setattr__(layer, "mpsconvert_decode", p)
+
+
+def test_a_call_it_does_not_take_runs_the_modules():
+    """Two rows, a gradient, a hook on a skipped module, or a policy that moved a layer off the
+    GEMV: the layer's decode runs its modules (the plan stays; the next fitting call takes it)."""
+    from mpsconvert.runtime.patches import direct_decode
+
+    model = fp8_gemv_model("llama")
+    layer = model.model.layers[0]
+    p = layer.mpsconvert_decode
+    d = p.d
+    x = torch.randn(1, 1, model.config.hidden_size, dtype=torch.bfloat16)
+    kw = {"position_embeddings": (torch.ones(1, 1, d, dtype=x.dtype),) * 2, "past_key_values": object()}
+    assert direct_decode.takes(p, x, kw) is None  # a cache without update
+    from transformers import DynamicCache
+
+    kw["past_key_values"] = DynamicCache(config=model.config)
+    assert direct_decode.takes(p, x, kw) is not None
+    assert direct_decode.takes(p, torch.cat([x, x]), kw) is None  # batch 2
+    assert direct_decode.takes(p, x.requires_grad_(True), kw) is None
+    x = x.detach()
+    h = p.o_proj.register_forward_hook(lambda *a: None)
+    assert direct_decode.takes(p, x, kw) is None
+    h.remove()
+    p.o_proj.set_kernels("scaled_mm_row", "scaled_mm_row")
+    assert direct_decode.takes(p, x, kw) is None
+    p.o_proj.set_kernels("gemv", "scaled_mm_row")
+    assert direct_decode.takes(p, x, {**kw, "output_attentions": True}) is None
+
+
+def test_a_layer_whose_direct_decode_differs_keeps_its_modules(monkeypatch):
+    """The install check compares one decode step after a prompt with the layer's own forward: a
+    direct decode that computes something else is not switched on, and the report says why."""
+    from mpsconvert.runtime.patches import direct_decode
+
+    real = direct_decode.forward
+    monkeypatch.setattr(direct_decode, "forward", lambda p, x, *a: real(p, x, *a) * 1.5)
+    model = fp8_gemv_model("llama")
+    details = model.reports["eager_fusion"].details
+    assert details["layers_direct_decode"] == 0 and all(p is None for p in _plans(model))
+    left = model.reports["eager_fusion"].left
+    assert any("its direct decode differs from its own forward" in why for why in left), left
