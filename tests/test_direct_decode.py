@@ -18,11 +18,13 @@ def _plans(model):
 
 
 @pytest.mark.parametrize("arch,gate_up", [("llama", "gemv"), ("llama", "gemv_w8a8"), ("qwen2", "gemv")])
-def test_the_direct_decode_is_the_layers_own_decode_over_the_static_cache(arch, gate_up):
+def test_the_direct_decode_is_the_layers_own_decode_over_the_static_cache(arch, gate_up, monkeypatch):
     """Every layer of a model whose GEMVs have the forms takes the direct decode (checked at
-    install); the engine's steps over its static cache then run it (each layer once a step) and
-    give the logits of the modules' own decode (the same kernels, each norm and add on its own)
-    within the norm prologue's rounding, and the same greedy tokens. Qwen2's q/k/v carry a bias."""
+    install); the engine's steps over its static cache then run it (each layer once a step, its key
+    and value written by the rotary kernel) and give the logits of the modules' own decode (the
+    same kernels, the gate/up on the BF16 GEMV where the policy chose the W8A8 one, each norm and
+    add on its own) within the norm prologue's rounding, and the same greedy tokens. Qwen2's q/k/v
+    carry a bias."""
     from mpsconvert.runtime import engine
 
     model = fp8_gemv_model(arch, gate_up)
@@ -39,17 +41,21 @@ def test_the_direct_decode_is_the_layers_own_decode_over_the_static_cache(arch, 
         assert e.writes_at == "position"
         return [e.step(t) for t in (10, 11, 12)]
 
+    from mpsconvert.runtime.ops.triton import rotary_kernel
+
+    stored, real = [], rotary_kernel.rotary_store
+    monkeypatch.setattr(rotary_kernel, "rotary_store", lambda *a: stored.append(1) or real(*a))
     calls = [p.calls for p in plans]
     got = run()
     assert [p.calls for p in plans] == [c + 3 for c in calls]  # the prefill takes the other path
-    for layer in model.model.layers:
+    assert len(stored) == 3 * len(plans)  # the engine's static cache: written by the rotary kernel
+    for layer in model.model.layers:  # the modules, their gate/up on the BF16 GEMV the direct decode runs
         object.__setattr__(layer, "mpsconvert_decode", None)
+        layer.mlp.fused_gate_proj_up_proj.inner.set_kernels("gemv", "scaled_mm_row")
     want = run()
     for g, w in zip(got, want):
         assert relative_error(g, w) < 2**-7, relative_error(g, w)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
-    for layer, p in zip(model.model.layers, plans):
-        object.__setattr__(layer, "mpsconvert_decode", p)
 
 
 def test_a_call_it_does_not_take_runs_the_modules():
@@ -92,3 +98,28 @@ def test_a_layer_whose_direct_decode_differs_keeps_its_modules(monkeypatch):
     assert details["layers_direct_decode"] == 0 and all(p is None for p in _plans(model))
     left = model.reports["eager_fusion"].left
     assert any("its direct decode differs from its own forward" in why for why in left), left
+
+
+def test_the_rotary_store_writes_what_the_rotary_and_the_cache_update_write():
+    """ops/triton/rotary_kernel.rotary_store (interpreted): q as `rotary` rotates it, bit for bit,
+    and the cache rows at the device-held position what `rotary` then `index_copy_` write; the
+    other rows untouched."""
+    from mpsconvert.runtime.ops.triton import rotary_kernel
+
+    g = torch.Generator().manual_seed(0)
+    hq, hk, d, cap = 4, 2, 16, 6
+    qkv = (torch.randn(1, 1, (hq + 2 * hk) * d, generator=g) * 3).to(torch.bfloat16)
+    q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in qkv.split([hq * d, hk * d, hk * d], -1))
+    angle = torch.randn(1, 1, d, generator=g) * 4
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    keys, values = (torch.randn(1, hk, cap, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    want_k, want_v = keys.clone(), values.clone()
+    at = torch.tensor(3)
+    want_q, rk = rotary_kernel.rotary(q, k, cos, sin)
+    want_k.index_copy_(2, at.view(1), rk)
+    want_v.index_copy_(2, at.view(1), v)
+    assert rotary_kernel.stores(q, k, v, keys, values)
+    got_q = rotary_kernel.rotary_store(q, k, v, cos, sin, keys, values, at)
+    assert torch.equal(got_q, want_q) and got_q.shape == q.shape
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+    assert not rotary_kernel.stores(q, k, v, keys[:, :1], values)  # caches of other heads

@@ -125,6 +125,16 @@ def write_at(cache, position, capacity: int) -> bool:
     return True
 
 
+def positioned_slot(cache, layer_idx: int):
+    """(keys, values, position) of a cache layer that `write_at` made write at the caller's position,
+    once it holds its tensors, for a caller that writes a decode token there itself; else None."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if isinstance(layers, list) and 0 <= layer_idx < len(layers) else None
+    if type(layer) not in _POSITIONED.values() or not layer.is_initialized:
+        return None
+    return layer.keys, layer.values, layer.cumulative_length
+
+
 def static_cache_compiles(cache) -> bool:
     """Whether a captured decode step can replay over this StaticCache: False where a layer keeps
     its length in a Python int (a sliding-window layer that can fill), which would make every

@@ -1,50 +1,51 @@
 """A decoder layer's eager decode step (one token) as direct calls, its RMSNorms and residual adds
-folded into the GEMVs around them: what ops/graph_fusion.py does to the compiled step, for the
-eager step that the engine captures as a CUDA graph (its default on CUDA).
+folded into the GEMVs around them (what ops/graph_fusion.py does to the compiled step), and its
+key and value written into the engine's static cache by the rotary kernel: for the eager step
+that the engine captures as a CUDA graph (its default on CUDA).
 
 Why: the captured eager step ran about 12 kernels a layer (Llama-3-8B shape, H100): the input
 norm (with the previous layer's residual add), q/k/v, rotary, two cache writes, attention's two,
 o_proj, the post-attention add + norm + quantization, gate/up, its activations' quantization and
-down_proj. The norms, the quantization and the launch gap after each were ~0.3 ms of a 3.85 ms
-step. Here a layer is:
+down_proj. The norms, the quantization, the cache writes and the launch gap after each were
+~0.5 ms of a 3.8 ms step. Here a layer is seven kernels:
 
-    qkv  = gemv(x, norm=input_layernorm)            the norm as the GEMV's prologue
-    q, k = rotary(q, k); K, V = cache.update(k, v)
-    h    = gemv(attention(q, K, V), residual=x)     o_proj, the residual add as its epilogue
-    g    = gated gate/up of post_attention_layernorm(h)
-    out  = gemv(g, residual=h)                      down_proj, the residual add as its epilogue
+    qkv  = gemv(x, norm=input_layernorm)                the norm as the GEMV's prologue
+    q    = rotary_store(q, k, v -> the cache's row)     (other caches: rotary, then their update)
+    h    = gemv(attention(q, K, V), residual=x)         o_proj (attention: two kernels)
+    g    = gemv(h, gated, norm=post_attention_layernorm) silu(gate) * up of the normed h
+    out  = gemv(g, residual=h)                          down_proj
 
-The gate/up product is the one the kernel policy chose for it: the BF16-activation GEMV takes the
-norm as its prologue; the W8A8 GEMV takes the codes of the norm's output, written by one norm +
-quantize kernel (act_quant.rms_norm_quantize, the codes `act_quant.quantize` gives of it). The
-layer's output is its residual sum, which the next layer's q/k/v GEMV normalizes itself: no norm
-is handed on (eager_fusion's `_add_norm`), and the model's final norm computes its own.
+The layer's output is its residual sum, which the next layer's q/k/v normalizes itself: no norm
+is handed on (eager_fusion's `_add_norm`), and the model's final norm computes its own. The gated
+gate/up is the BF16-activation GEMV even where the kernel policy chose the W8A8 one for the
+layer alone: that one needs the codes of the norm's output, one norm + quantize kernel before it,
+and the two time about the same alone (H100: 45.2 against 44.0 us, runtime/ops/triton/tuned.json).
 
-Numbers: the residual epilogues are the adds bit for bit, and the gate/up product is the module
-path's. The q/k/v prologue (and the gate/up one where it is the BF16 GEMV) multiplies in float32
-without the norm output's two roundings to the activation dtype, as the compiled step's does: at
-least as close to the exact product as the module's, not equal to it. Checked at install on a
-decode probe over a DynamicCache against the layer's own forward (`check`).
+Numbers: the residual epilogues are the adds bit for bit, and the cache row is what the module's
+rotary and the cache's update write. The norm prologues multiply in float32 without the norm
+output's two roundings to the activation dtype (as the compiled step's do): at least as close to
+the exact product as the module's, not equal to it. Checked at install on a decode step after a
+prompt, over a DynamicCache, against the layer's own forward with its gate/up on the same kernel
+(`check`; within MAX_REL_ERR).
 
 Which calls: eager on the Triton path, batch 1 and one token, no gradient, a cache, a boolean
 mask or none, the keyword arguments the direct prefill path takes, no hooks on the modules it
-skips, and every GEMV's decode kernel one with those forms (the policy's choice, read per call).
-Every other call runs the layer's forward as before.
+skips, and a GEMV as every layer's decode kernel (the policy's choice, read per call). Every
+other call runs the layer's forward as before.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from ...format.fp8 import relative_error
+from ...model import hf_compat
 from ..ops import kernels
 from ..ops.fp8linear import PROBE_ROWS
 from ..ops.fuse import SharedInput, group_name, lone_fp8
-from ..ops.triton import act_quant
+from ..ops.triton import act_quant, rotary_kernel
 from ..ops.triton import gemv as triton_gemv
 from . import attention, attention_prefill, forwards, rotary
 
@@ -109,7 +110,7 @@ def plan(parts: list) -> Plan | str:
 def kernels_fit(p: Plan) -> bool:
     """Whether the layers' decode kernels (the policy's choice, which a later policy may change) have
     the forms this path runs: the BF16-activation GEMV for q/k/v, o_proj and down_proj (prologue,
-    epilogue), either GEMV for the gated gate/up; per-row or per-tensor scales."""
+    epilogue), either GEMV for the gated gate/up (which runs the BF16 one); per-row or per-tensor scales."""
     plain = (p.qkv.inner, p.o_proj, p.down)
     if any(m._decode_fn is not kernels.gemv or m.block for m in plain) or p.gate_up.inner.block:
         return False
@@ -149,30 +150,27 @@ def forward(p: Plan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask
     q = qkv[:, : p.hq * d].view(1, 1, p.hq, d).transpose(1, 2)  # as the module's view + transpose make them
     k = qkv[:, p.hq * d : (p.hq + p.hk) * d].view(1, 1, p.hk, d).transpose(1, 2)
     v = qkv[:, (p.hq + p.hk) * d :].view(1, 1, p.hk, d).transpose(1, 2)
-    q, k = rotary.rotary(q, k, cos, sin)
-    keys, values = cache.update(k, v, p.layer_idx)
+    slot = hf_compat.positioned_slot(cache, p.layer_idx)
+    if slot is not None and rotary_kernel.stores(q, k, v, slot[0], slot[1]):  # the engine's static cache
+        keys, values, position = slot
+        q = rotary_kernel.rotary_store(q, k, v, cos, sin, keys, values, position)
+    else:
+        q, k = rotary_kernel.rotary(q, k, cos, sin)
+        keys, values = cache.update(k, v, p.layer_idx)
     o, _ = attention.attention_forward(p.attn, q, keys, values, mask, scaling=p.scaling)
-    o_proj = p.o_proj
+    o_proj, gu, post, down = p.o_proj, p.gate_up.inner, p.post, p.down
     h = triton_gemv.gemv(o.reshape(1, -1), o_proj.weight, o_proj.scale_flat, o_proj.bias, residual=x2)
-    gu, post = p.gate_up.inner, p.post
-    if gu._decode_fn is kernels.gemv:
-        g = triton_gemv.gemv(
-            h, gu.weight, gu.scale_flat, gu.bias, gated=True, norm=post.weight, eps=post.mpsconvert_eps
-        )
-    else:  # the W8A8 GEMV, from the codes of the norm's output
-        _, codes, scale = act_quant.rms_norm_quantize(
-            h, post.weight, post.mpsconvert_eps, True, kernels.static_scale(gu), store_y=False
-        )
-        g = triton_gemv.dot_gemv(codes, scale, gu.weight, gu.scale_flat, gu.bias, h.dtype, gated=True)
-    down = p.down
+    g = triton_gemv.gemv(h, gu.weight, gu.scale_flat, gu.bias, gated=True, norm=post.weight, eps=post.mpsconvert_eps)
     return triton_gemv.gemv(g, down.weight, down.scale_flat, down.bias, residual=h).view(x.shape)
 
 
 def check(layer: nn.Module, p: Plan, kwargs: dict, layer_forward) -> str | None:
     """None if the direct decode of one token after a prompt gives the layer's own forward (its
-    modules' installed forwards) within MAX_REL_ERR, with the keys and values it caches; else why
-    not. `kwargs`: the layer's call in the install's probe forward; `layer_forward`: the installed
-    forward, which must take this path for the call. Leaves the layer's `mpsconvert_decode` None."""
+    modules' installed forwards, its gate/up on the kernel this path runs) within MAX_REL_ERR, with
+    the keys and values it caches, over a DynamicCache and over a static cache that writes at the
+    caller's position (the engine's, which `rotary_store` writes); else why not. `kwargs`: the
+    layer's call in the install's probe forward; `layer_forward`: the installed forward, which
+    must take this path for the call. Leaves the layer's `mpsconvert_decode` None."""
     name = next((k for k in ("past_key_values", "cache") if k in kwargs), None)
     pe = kwargs.get("position_embeddings")
     if name is None or not isinstance(pe, tuple) or pe[0].shape[1] < PROMPT_ROWS + 1:
@@ -180,26 +178,54 @@ def check(layer: nn.Module, p: Plan, kwargs: dict, layer_forward) -> str | None:
     w = p.post.weight
     g = torch.Generator(device="cpu").manual_seed(2)
     x = (torch.randn(1, PROMPT_ROWS + 1, w.shape[0], generator=g) * 2).to(device=w.device, dtype=w.dtype)
-    own = forwards.own_forward(layer)
     # no mask: the prompt is causal (SDPA's is_causal), the step's one query attends to every cached position
+    # (the static cache holds exactly the prompt and the step)
     prompt = {**kwargs, "position_embeddings": tuple(t[:, :PROMPT_ROWS] for t in pe), "attention_mask": None}
     step = {**kwargs, "position_embeddings": tuple(t[:, PROMPT_ROWS : PROMPT_ROWS + 1] for t in pe)}
     step["attention_mask"] = None
+    position = torch.zeros((), dtype=torch.long, device=w.device)
+
+    def static():
+        cache = StaticCache(config=p.attn.config, max_cache_len=PROMPT_ROWS + 1)
+        return cache if hf_compat.write_at(cache, position, PROMPT_ROWS + 1) else None
+
+    for make in (lambda: DynamicCache(config=p.attn.config), static):
+        position.zero_()
+        try:
+            caches = [make() for _ in range(2)]
+            if caches[0] is None:
+                continue  # (a transformers whose StaticCache cannot write at a position: the update path runs)
+            why = _probe(layer, p, x, {**prompt, "use_cache": True}, {**step, "use_cache": True}, name, caches,
+                         position, layer_forward)  # fmt: skip
+        except Exception as e:  # a layer the probe cannot call this way: it keeps the module path
+            why = f"its decode probe failed ({type(e).__name__}: {str(e)[:120]})"
+        finally:
+            object.__setattr__(layer, "mpsconvert_decode", None)  # the caller switches it on once checked
+            for n in (p.in_norm, p.post):
+                if getattr(n, "mpsconvert_feeds", None) is not None:
+                    n.mpsconvert_feeds.stash.pre = None
+        if why:
+            return why
+    return None
+
+
+def _probe(layer, p: Plan, x, prompt: dict, step: dict, name: str, caches: list, position, layer_forward):
+    """One `check` over a pair of fresh caches: the prompt into both by the layer's own forward, then
+    the step by its own forward (into the first) and the direct decode (the second); why they differ."""
+    own = forwards.own_forward(layer)
+    for cache in caches:
+        own(layer, x[:, :PROMPT_ROWS], **{**prompt, name: cache})
+    position.fill_(PROMPT_ROWS)
+    gu = p.gate_up.inner
+    chosen = dict(gu.kernels)
+    gu.set_kernels("gemv", chosen["prefill"])
     try:
-        cache = DynamicCache(config=p.attn.config)
-        own(layer, x[:, :PROMPT_ROWS], **{**prompt, name: cache, "use_cache": True})
-        caches = [cache, copy.deepcopy(cache)]
-        want = own(layer, x[:, PROMPT_ROWS:], **{**step, name: caches[0], "use_cache": True})
-        taken = p.calls
-        object.__setattr__(layer, "mpsconvert_decode", p)  # for the probe call
-        got = layer_forward(layer, x[:, PROMPT_ROWS:], **{**step, name: caches[1], "use_cache": True})
-    except Exception as e:  # a layer the probe cannot call this way: it keeps the module path
-        return f"its decode probe failed ({type(e).__name__}: {str(e)[:120]})"
+        want = own(layer, x[:, PROMPT_ROWS:], **{**step, name: caches[0]})
     finally:
-        object.__setattr__(layer, "mpsconvert_decode", None)  # the caller switches it on once checked
-        for n in (p.in_norm, p.post):
-            if getattr(n, "mpsconvert_feeds", None) is not None:
-                n.mpsconvert_feeds.stash.pre = None
+        gu.set_kernels(**chosen)
+    taken = p.calls
+    object.__setattr__(layer, "mpsconvert_decode", p)  # for the probe call
+    got = layer_forward(layer, x[:, PROMPT_ROWS:], **{**step, name: caches[1]})
     if p.calls == taken:
         return "its decode probe did not take the direct decode"
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
