@@ -49,7 +49,10 @@ from ..ops.triton import act_quant, rotary_kernel
 from ..ops.triton import gemv as triton_gemv
 from . import attention, attention_prefill, forwards, rotary
 
-MAX_REL_ERR = 2**-8  # relative (Frobenius) error of the layer's output and cached keys against its own forward
+# Relative (Frobenius) error of the layer's output and cached keys against its own forward: a few BF16 roundings
+# (unit roundoff 2^-8) of the norm outputs the prologues skip, carried through the layer (H100, Llama-3-8B shape:
+# 0.0055); a wrong sum, scale or norm is off by far more
+MAX_REL_ERR = 2**-6
 PROMPT_ROWS = PROBE_ROWS - 1  # the check's prompt: its decode step is the install probe's last position
 
 
