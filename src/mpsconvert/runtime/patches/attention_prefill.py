@@ -84,8 +84,10 @@ class Plan:
         self.calls = 0  # calls the direct path ran (the install check and the tests read it)
 
 
-def plan(attn: nn.Module) -> Plan | str:
-    """The direct path's plan for an attention module, or why it has none."""
+def llama_attention(attn: nn.Module):
+    """(its q/k/v group, o_proj, (query heads, key/value heads, head size)) of a Llama-style attention
+    module (q/k/v sharing one FP8 GEMM, o_proj FP8, nothing else; its head counts, scaling and layer
+    index known), or why it is not one. The direct prefill and the direct decode read it alike."""
     group = attn._modules.get(group_name(QKV))
     o_proj = attn._modules.get("o_proj")
     if not isinstance(group, SharedInput) or not lone_fp8(o_proj):
@@ -93,8 +95,6 @@ def plan(attn: nn.Module) -> Plan | str:
     extra = sorted(set(attn._modules) - {*QKV, "o_proj", group_name(QKV)})
     if extra:
         return f"it has modules the direct path does not run ({', '.join(extra)})"
-    if not o_proj.prefill_quantizes or not group.inner.prefill_quantizes:
-        return "its prefill kernels do not quantize activations"
     heads = rotary._heads(attn)
     scaling, idx = getattr(attn, "scaling", None), getattr(attn, "layer_idx", None)
     if heads is None or not isinstance(scaling, (int, float)) or not isinstance(idx, int):
@@ -102,7 +102,18 @@ def plan(attn: nn.Module) -> Plan | str:
     hq, hk, d = heads
     if group.sizes != [hq * d, hk * d, hk * d] or o_proj.in_features != hq * d:
         return f"its projections are not {hq} + 2 x {hk} heads of {d}"
-    return Plan(attn, group, o_proj, hq, hk, d)
+    return group, o_proj, heads
+
+
+def plan(attn: nn.Module) -> Plan | str:
+    """The direct path's plan for an attention module, or why it has none."""
+    found = llama_attention(attn)
+    if isinstance(found, str):
+        return found
+    group, o_proj, heads = found
+    if not o_proj.prefill_quantizes or not group.inner.prefill_quantizes:
+        return "its prefill kernels do not quantize activations"
+    return Plan(attn, group, o_proj, *heads)
 
 
 def _hooked(mods) -> bool:

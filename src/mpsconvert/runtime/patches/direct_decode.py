@@ -44,10 +44,10 @@ from ...format.fp8 import relative_error
 from ...model import hf_compat
 from ..ops import kernels
 from ..ops.fp8linear import PROBE_ROWS
-from ..ops.fuse import SharedInput, group_name, lone_fp8
+from ..ops.fuse import SharedInput
 from ..ops.triton import act_quant, rotary_kernel
 from ..ops.triton import gemv as triton_gemv
-from . import attention, attention_prefill, forwards, rotary
+from . import attention, attention_prefill, forwards
 
 # Relative (Frobenius) error of the layer's output and cached keys against its own forward: a few BF16 roundings
 # (unit roundoff 2^-8) of the norm outputs the prologues skip, carried through the layer (H100, Llama-3-8B shape:
@@ -58,23 +58,6 @@ PROMPT_ROWS = PROBE_ROWS - 1  # the check's prompt: its decode step is the insta
 
 class Plan:
     """What a layer's direct decode reads, looked up once at install."""
-
-    __slots__ = (
-        "attn",
-        "qkv",
-        "o_proj",
-        "gate_up",
-        "down",
-        "in_norm",
-        "post",
-        "hq",
-        "hk",
-        "d",
-        "scaling",
-        "layer_idx",
-        "skipped",
-        "calls",
-    )
 
     def __init__(self, parts, qkv: SharedInput, gate_up: SharedInput, down, heads):
         self.in_norm, self.attn, self.post, mlp = parts
@@ -91,22 +74,15 @@ def plan(parts: list) -> Plan | str:
     """The direct decode's plan for a decoder layer of LAYER_PARTS (input norm, attention,
     post-attention norm, MLP) whose norms and MLP eager_fusion installed, or why it has none."""
     in_norm, attn, post, mlp = parts
-    qkv, o_proj = attn._modules.get(group_name(attention_prefill.QKV)), attn._modules.get("o_proj")
-    if not isinstance(qkv, SharedInput) or not lone_fp8(o_proj):
-        return "its q/k/v do not share one FP8 GEMM, or o_proj is not FP8"
-    if sorted(set(attn._modules) - {*attention_prefill.QKV, "o_proj", group_name(attention_prefill.QKV)}):
-        return "its attention has modules the direct decode does not run"
+    found = attention_prefill.llama_attention(attn)
+    if isinstance(found, str):
+        return found
     mlp_parts = getattr(mlp, "mpsconvert_parts", None)
     if mlp_parts is None or not getattr(mlp, "mpsconvert_gated", False):
         return "its MLP has no gated decode"
     if any(getattr(n, "mpsconvert_eps", None) is None for n in (in_norm, post)):
         return "its norms are not fused ones"
-    heads = rotary._heads(attn)
-    if heads is None or not isinstance(getattr(attn, "scaling", None), (int, float)):
-        return "no head counts or scaling"
-    hq, hk, d = heads
-    if qkv.sizes != [hq * d, hk * d, hk * d] or o_proj.in_features != hq * d:
-        return f"its projections are not {hq} + 2 x {hk} heads of {d}"
+    qkv, _, heads = found
     return Plan(parts, qkv, mlp_parts[0], mlp_parts[1], heads)
 
 
