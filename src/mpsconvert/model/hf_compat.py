@@ -35,6 +35,7 @@ POSITION_AND_CACHE_KWARGS = frozenset(
     {"position_ids", "past_key_values", "cache", "use_cache", "cache_position", "position_embeddings"}
 )
 ROTARY_FUNCTION = "apply_rotary_pos_emb"  # the modeling module's global that attention forwards call
+CACHE_ARGS = ("past_key_values", "cache")  # the KV cache's keyword names, the older first (`cache`: 5.24 on)
 
 
 # --------------------------------------------------------------------------- call conventions
@@ -46,6 +47,16 @@ def accepts(model, arg: str, default: bool = False) -> bool:
         return arg in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return default
+
+
+def passed_cache(kwargs: dict):
+    """The KV cache a forward was called with, under either of its names (None where none was)."""
+    return next((kwargs[k] for k in CACHE_ARGS if kwargs.get(k) is not None), None)
+
+
+def cache_arg(kwargs: dict) -> str | None:
+    """The name a call's KV cache argument has in `kwargs` (set or None), or None where it has none."""
+    return next((k for k in CACHE_ARGS if k in kwargs), None)
 
 
 def cache_kwarg(model, cache) -> dict:

@@ -146,8 +146,7 @@ def takes(p: Plan, x: torch.Tensor, kwargs: dict):
         or sin.dtype != x.dtype
     ):
         return None
-    cache = kwargs.get("past_key_values")
-    cache = cache if cache is not None else kwargs.get("cache")
+    cache = hf_compat.passed_cache(kwargs)
     if cache is not None and (type(cache) is not DynamicCache or cache.get_seq_length(p.layer_idx) != 0):
         return None
     attn = p.attn

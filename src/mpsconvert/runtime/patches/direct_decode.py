@@ -70,18 +70,18 @@ class Plan:
         self.calls = 0  # calls the direct decode ran (the check and the tests read it)
 
 
-def plan(parts: list) -> Plan | str:
+def plan(parts: list) -> Plan | None:
     """The direct decode's plan for a decoder layer of LAYER_PARTS (input norm, attention,
-    post-attention norm, MLP) whose norms and MLP eager_fusion installed, or why it has none."""
+    post-attention norm, MLP) whose norms and MLP eager_fusion installed, or None where the layer
+    is not of that structure (a Llama-style attention, a gated MLP with its gated decode on, fused
+    norms): not a finding, its decode runs the modules as before."""
     in_norm, attn, post, mlp = parts
     found = attention_prefill.llama_attention(attn)
-    if isinstance(found, str):
-        return found
     mlp_parts = getattr(mlp, "mpsconvert_parts", None)
-    if mlp_parts is None or not getattr(mlp, "mpsconvert_gated", False):
-        return "its MLP has no gated decode"
+    if isinstance(found, str) or mlp_parts is None or not getattr(mlp, "mpsconvert_gated", False):
+        return None
     if any(getattr(n, "mpsconvert_eps", None) is None for n in (in_norm, post)):
-        return "its norms are not fused ones"
+        return None
     qkv, _, heads = found
     return Plan(parts, qkv, mlp_parts[0], mlp_parts[1], heads)
 
@@ -103,8 +103,7 @@ def takes(p: Plan, x: torch.Tensor, kwargs: dict):
     if not kwargs.keys() <= attention_prefill.KWARGS or not act_quant.rms_norm_fits(x, p.in_norm.weight):
         return None
     pe = kwargs.get("position_embeddings")
-    cache = kwargs.get("past_key_values")
-    cache = cache if cache is not None else kwargs.get("cache")
+    cache = hf_compat.passed_cache(kwargs)
     mask = kwargs.get("attention_mask")
     if not isinstance(pe, tuple) or len(pe) != 2 or cache is None or not hasattr(cache, "update"):
         return None
@@ -150,7 +149,7 @@ def check(layer: nn.Module, p: Plan, kwargs: dict, layer_forward) -> str | None:
     caller's position (the engine's, which `rotary_store` writes); else why not. `kwargs`: the
     layer's call in the install's probe forward; `layer_forward`: the installed forward, which
     must take this path for the call. Leaves the layer's `mpsconvert_decode` None."""
-    name = next((k for k in ("past_key_values", "cache") if k in kwargs), None)
+    name = hf_compat.cache_arg(kwargs)
     pe = kwargs.get("position_embeddings")
     if name is None or not isinstance(pe, tuple) or pe[0].shape[1] < PROMPT_ROWS + 1:
         return "its probe call has no cache argument or position embeddings"

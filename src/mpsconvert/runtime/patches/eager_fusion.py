@@ -57,6 +57,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from ...format.fp8 import relative_error
+from ...model import hf_compat
 from ..ops import kernels
 from ..ops import triton as tritonlib
 from ..ops.fp8linear import DECODE_MAX_M, PROBE_ROWS, FP8Linear
@@ -427,7 +428,7 @@ def _check_layer(layer: nn.Module, kwargs: dict) -> str | None:
     probes = [(kwargs, kwargs, None)]  # (the own forward's arguments, the installed forward's, their caches)
     plan = layer.mpsconvert_attention
     if plan is not None:
-        name = next((k for k in ("past_key_values", "cache") if k in kwargs), None)
+        name = hf_compat.cache_arg(kwargs)
         if name is not None:
             caches = [DynamicCache(config=plan.attn.config) for _ in range(2)]
             probes.append(tuple({**kwargs, name: c, "use_cache": True} for c in caches) + (caches,))
@@ -584,7 +585,7 @@ def install(model: nn.Module) -> dict:
         # the direct decode where the layer's structure and the policy's kernels have its forms (else not
         # a finding: its decode step runs the modules, as before); said in `left` where its check fails
         dec = direct_decode.plan(parts) if parts[0] in fused else None
-        if isinstance(dec, direct_decode.Plan) and direct_decode.kernels_fit(dec):
+        if dec is not None and direct_decode.kernels_fit(dec):
             why = direct_decode.check(layer, dec, calls[layer], _layer_forward)
             if why:
                 report["left"].append(f"{names[layer]}: {why}; its decode step runs the modules")

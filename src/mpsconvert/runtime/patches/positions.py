@@ -114,8 +114,7 @@ def _model_forward(self, *args, **kwargs):
     x = ids if ids is not None else kwargs.get("inputs_embeds")
     buf = self.mpsconvert_positions
     n = None if x is None or x.ndim < 2 else (x.shape[-1] if ids is not None else x.shape[-2])
-    cache = kwargs.get("past_key_values")
-    past = _held(cache if cache is not None else kwargs.get("cache"))
+    past = _held(hf_compat.passed_cache(kwargs))
     if not n or past is None or past + n > buf.shape[-1] or x.device != buf.device:
         return fwd(self, *args, **kwargs)
     kwargs["position_ids"] = buf[:, past : past + n]
@@ -159,7 +158,7 @@ def _base_model(model: nn.Module):
     if not isinstance(rot, nn.Module):
         return None, "no model-level rotary module"
     params = inspect.signature(forwards.own_forward(base)).parameters
-    if "position_ids" not in params or not ({"past_key_values", "cache"} & set(params)):
+    if "position_ids" not in params or not (set(hf_compat.CACHE_ARGS) & set(params)):
         return None, f"{type(base).__name__}.forward takes no position_ids or cache"
     if getattr(rot, "rope_type", "default") in ("dynamic", "longrope"):  # inv_freq changes with the length
         return None, f"its rotary embedding is {rot.rope_type} (frequencies depend on the length)"
