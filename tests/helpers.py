@@ -78,3 +78,12 @@ def logits(model, ids) -> torch.Tensor:
     """A causal LM's float32 logits for `ids` [batch, tokens], without grad."""
     with torch.no_grad():
         return model(ids).logits.float()
+
+
+def prefilled(engine, prompt: list[int], capacity: int = 32):
+    """`engine` (runtime.engine.Engine) with a cache for `capacity` positions, reset, after a prefill
+    of `prompt`: where a test's decode steps start."""
+    engine.reserve(capacity)
+    engine.reset()
+    engine.prefill(prompt)
+    return engine

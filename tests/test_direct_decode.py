@@ -8,6 +8,7 @@ import torch
 
 from mpsconvert.format.fp8 import relative_error
 
+from .helpers import prefilled
 from .models import fp8_gemv_model
 
 pytestmark = pytest.mark.triton("interpret")
@@ -34,10 +35,7 @@ def test_the_direct_decode_is_the_layers_own_decode_over_the_static_cache(arch, 
     prompt = [5, 6, 7, 8, 9]
 
     def run():
-        e = engine.Engine(model, static=True)
-        e.reserve(32)
-        e.reset()
-        e.prefill(prompt)
+        e = prefilled(engine.Engine(model, static=True), prompt)
         assert e.writes_at == "position"
         return [e.step(t) for t in (10, 11, 12)]
 

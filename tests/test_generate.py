@@ -12,6 +12,7 @@ import mpsconvert
 from mpsconvert.cli import main
 
 from . import models
+from .helpers import prefilled
 
 pytestmark = pytest.mark.core  # CI's floor lane runs these on the lowest torch and transformers
 
@@ -474,9 +475,7 @@ def test_a_rewound_step_is_forgotten_by_the_static_cache(writes, monkeypatch):
     model = _tiny_causal()
     a, b = engine.Engine(model, static=True), engine.Engine(model, static=True)
     for e in (a, b):
-        e.reserve(32)
-        e.reset()
-        e.prefill([5, 6, 7, 8])
+        prefilled(e, [5, 6, 7, 8])
         assert e.writes_at == writes
         assert all((layer.cumulative_length is e.pos_t) == (writes == "position") for layer in e.cache.layers)
     a.step(9)
@@ -494,9 +493,7 @@ def test_a_static_step_writes_its_token_at_the_engine_position():
     model = _tiny_causal()
     s, d = engine.Engine(model, static=True), engine.Engine(model, static=False)
     for e in (s, d):
-        e.reserve(32)
-        e.reset()
-        e.prefill([5, 6, 7, 8])
+        prefilled(e, [5, 6, 7, 8])
     assert s.writes_at == "position"
     for t in (9, 10, 11):
         torch.testing.assert_close(s.step(t), d.step(t))
