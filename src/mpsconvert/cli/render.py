@@ -46,6 +46,13 @@ def note(message: str) -> None:
     console.print(printable(message), highlight=False, markup=False)
 
 
+def kernels_note(chat) -> None:
+    """Said as a chat closes on a machine's first run, before it waits for the GPU kernels still
+    compiling (api.Chat.close), so that the wait is not taken for a hang."""
+    if chat.kernels_held:
+        note("compiling this machine's GPU kernels for the next run (first run only)...")
+
+
 def result(message: str) -> None:
     out.print(printable(message), highlight=False, markup=False)
 

@@ -48,7 +48,8 @@ def generate(artifact, prompt, as_json, ignore_chat_template, **sampling):
         prompt = render.read_prompt()
     with _open_chat(artifact, **sampling) as c:
         res = c.complete(prompt, None if as_json else render.stream, use_template=not ignore_chat_template)
-    reports.generation(res, as_json)
+        reports.generation(res, as_json)
+        render.kernels_note(c)
 
 
 # chat's commands: a line of one word starting with "/" that is none of these is not sent to the model
@@ -101,3 +102,4 @@ def chat(artifact, as_json, **sampling):
                     f"the history outgrew the model's context: the {res.dropped} oldest message(s) were dropped"
                 )
             reports.generation(res, as_json, turn=True)
+        render.kernels_note(c)

@@ -55,6 +55,15 @@ class Chat:
     def device(self) -> str:
         return self._conv.decoder.device
 
+    @property
+    def kernels_held(self) -> bool:
+        """Whether the model still runs torch's kernels while this machine's first compile of
+        mpsconvert's GPU kernels runs (runtime/load/held.py): closing then waits for it."""
+        from ..runtime.load import held
+
+        model = getattr(self._conv.decoder, "model", None)
+        return model is not None and held.held(model) is not None
+
     def require_template(self) -> None:
         """Raises MpsconvertError where the tokenizer has no chat template (`say` would, at the first message)."""
         self._conv.require_template()
@@ -77,13 +86,16 @@ class Chat:
         self._conv.history[:] = [m for m in self._conv.history if m["role"] == "system"]
 
     def close(self) -> None:
+        """Close the Apple runtime session; on a machine's first run with the torch backend, first
+        wait for the GPU kernels still compiling, so that the next process loads with them
+        (runtime/load/held.py)."""
         self._closer.close()
 
     def __enter__(self) -> "Chat":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self._closer.__exit__(*exc)
 
 
 def backends() -> tuple[str, ...]:
@@ -107,9 +119,16 @@ def open_decoder(
         import torch
 
         from ..model.definition import is_causal_lm
-        from ..runtime.load import loader
+        from ..runtime.load import held, loader
 
         model = loader.load(artifact, device=device, dtype=torch.bfloat16, verify=True, progress=progress)
+
+        def finish_held(kind, *_) -> bool:  # a machine's first run: its GPU kernels, for the next process
+            if kind is None:  # nothing is waited for after an error (Ctrl-C too)
+                held.finish(model)
+            return False
+
+        stack.push(finish_held)
         if not is_causal_lm(model.config):
             raise ArtifactError(
                 f"{artifact} is not a causal LM ({', '.join(model.config.architectures or ['?'])})",

@@ -179,6 +179,9 @@ class Engine:
         """A static cache for at least `tokens` (rounded up to BUCKET, at most max_len); the
         compiled step captured for it. Returns the seconds compiling took, None when nothing was
         compiled now."""
+        held = self.model.__dict__.get("mpsconvert_held")  # runtime/load/held.py: a machine's first run
+        if held is not None and held.take_if_ready():
+            self.capacity = 0  # the step was captured with torch's kernels: captured again with ours
         if tokens <= self.capacity:
             return None
         from transformers import DynamicCache, StaticCache
@@ -298,12 +301,14 @@ class Engine:
         """Which decode path runs ("graph", "compile", "eager"), which was asked, what setting it up
         cost in its last reserve (seconds; None: nothing was set up), and why the asked one did not
         run (None where it did)."""
+        held = self.model.__dict__.get("mpsconvert_held")
         return {
             "path": self.path,
             "asked": self.asked,
             "seconds": None if self.setup_seconds is None else round(self.setup_seconds, 3),
             "fallback": self.fallback,
             **({"check": self.graph_check} if self.graph_check is not None else {}),
+            **({"kernels": held.NOTE} if held is not None else {}),
         }
 
     def _compile(self, cap: int) -> None:

@@ -30,6 +30,9 @@ How, and why this way:
   them (runtime/patches/eager_fusion.py, attention_prefill.py), MoE routers one kernel at
   decode (runtime/patches/routing.py), and a thread started before the shards are read pays the
   process's first-use costs of those kernels and libraries meanwhile (runtime/load/prewarm.py).
+- On a machine's first run (the policy's cache has no record of these kernels here), `load` does
+  not wait for that thread's Triton compiles: it returns with the model on torch's kernels, and
+  the model takes ours once they are compiled (runtime/load/held.py).
 
 This module is the driver: the order of the checks, the reads and the patches. Where each tensor
 goes and what it becomes is tensor_plan.py, the report attached to the model load_report.py, and
@@ -52,12 +55,13 @@ from ...manifests import layout, loadable
 from ...manifests.verify import check_artifact, check_digests, check_sizes, failed, raise_problems, verify_artifact
 from ...model import definition
 from .. import patches
+from ..ops import triton as tritonlib
 from ..ops.fp8linear import FP8Linear
 from ..ops.fuse import SharedInput
-from . import prewarm, prewarm_child, stream
+from . import held, prewarm, prewarm_child, stream
 from .load_report import LoadInfo, model_bytes, weights_held
 from .model_check import linear_layout
-from .policy import KernelPolicy
+from .policy import KernelPolicy, decided_before
 from .tensor_plan import TensorPlan
 
 
@@ -82,6 +86,47 @@ def _verify_before_use(path: Path, manifest_sha256: str | None, progress):
     report.hashes_checked = False  # the shards are still to come
     raise_problems(path, report)
     return manifest
+
+
+def _kernels_and_forwards(model, ctx, reports, info, seconds, warm, policy, progress, registry=patches.REGISTRY):
+    """The load's steps after the modules' patches: wait for the warm-up (`warm`, if given), the
+    kernel policy, then the patches of phase "forwards" of `registry` and every patch's check;
+    into `info` and `seconds`."""
+    if warm is not None:
+        info.prewarm = warm.join()
+        seconds["prewarm_wait"] = info.prewarm["waited_s"]
+    t = time.perf_counter()
+    info.kernels = [d.as_dict() for d in policy.apply(model, progress)]
+    seconds["kernels"] = time.perf_counter() - t
+    t = time.perf_counter()
+    reports |= patches.apply(model, ctx, "forwards", registry)
+    patches.check(model, ctx, reports)
+    info.patches = {name: r.as_dict() for name, r in reports.items()}
+    seconds["patches"] = time.perf_counter() - t
+
+
+def _holds(dev: torch.device, warm, kernel_cache, measure, linears: dict, scheme) -> bool:
+    """Whether `load` holds our Triton kernels back (held.py): a warm-up runs (CUDA, eager fusion),
+    Triton is here, the policy measures and caches as it does by default, and its cache has no
+    record of this machine running the decode kernels of these FP8 `linears` ({name: (N, K)})."""
+    if warm is None or not tritonlib.available() or kernel_cache is False or measure is not None:
+        return False
+    sigs = prewarm.signatures(linears, prewarm.job_of(scheme)[2])
+    return not decided_before(devices.capabilities(dev).name, sigs, kernel_cache)
+
+
+def _install_held(model, ctx, reports: dict, info: LoadInfo, kernel_cache, warm) -> dict:
+    """What `load` installs on a warm machine after the reading, for a model loaded with it held
+    (`ctx.held`): once `warm` is done, the held patches and the kernel policy, each checked as at
+    load; the seconds of each step."""
+    seconds, todo = {}, patches.held_back(reports)
+    ctx = patches.Context(ctx.device, ctx.dtype, ctx.options)
+    t = time.perf_counter()
+    reports |= patches.apply(model, ctx, "modules", todo)
+    seconds["install"] = time.perf_counter() - t
+    policy = KernelPolicy(ctx.device, cache=kernel_cache)
+    _kernels_and_forwards(model, ctx, reports, info, seconds, warm, policy, None, todo)
+    return {k: round(v, 3) for k, v in seconds.items()}
 
 
 def load(
@@ -132,6 +177,10 @@ def load(
     on that length's first prompt (runtime/patches/prefill_graphs.py; the 128-row ones at load);
     False launches the direct calls one by one (a 512-token prefill takes 2x as long on an H100:
     docs/benchmarks.md).
+    On a machine's first run (CUDA; the kernel cache has no record of running these kernels here)
+    the Triton kernels and the patches that need them are held back while they compile: the model
+    runs torch's kernels until then, the engine switches at the first generation after they are
+    ready, and `model.mpsconvert_held` is not None until it has (runtime/load/held.py).
     Every change to the model is a patch of runtime/patches, reported in
     `model.mpsconvert.patches`; what a patch left is warned once.
     progress(phase, done, total, detail).
@@ -145,7 +194,7 @@ def load(
     # (a child process first, where one pays, from the artifact's own description)
     warm = prewarm.start(dev, lambda: prewarm_child.start(dev, path, dtype, kernel_cache)) if eager_fusion else None
     try:
-        return _load(
+        model = _load(
             path,
             dev,
             dtype,
@@ -163,9 +212,13 @@ def load(
             compile=compile,
             prefill_graphs=prefill_graphs,
         )
-    finally:
+    except BaseException:
         if warm is not None:
-            warm.cancel()  # a load that failed before the model was known: the thread ends
+            warm.cancel()  # a load that failed: the thread ends
+        raise
+    if warm is not None and held.held(model) is None:
+        warm.cancel()  # joined already: a child it could not wait for is killed
+    return model
 
 
 def _load(
@@ -289,31 +342,23 @@ def _load(
             "the checkpoint is incomplete; re-create it",
         )
     model.eval().requires_grad_(False)
-    ctx = patches.Context(
-        dev,
-        dtype,
-        {
-            "share_inputs": share_inputs,
-            "decode_attention": decode_attention,
-            "eager_fusion": eager_fusion,
-            "compile": compile,
-            "prefill_graphs": prefill_graphs,
-        },
-    )
-    reports = patches.apply(model, ctx, "modules")
-    seconds["install"] = time.perf_counter() - t2
-    if warm is not None:
-        info.prewarm = warm.join()
-        seconds["prewarm_wait"] = info.prewarm["waited_s"]
-    t3 = time.perf_counter()
-    policy = KernelPolicy(dev, measure=measure, cache=kernel_cache)
-    info.kernels = [d.as_dict() for d in policy.apply(model, progress)]
-    seconds["kernels"] = time.perf_counter() - t3
-    t4 = time.perf_counter()
-    reports |= patches.apply(model, ctx, "forwards")
-    patches.check(model, ctx, reports)
-    info.patches = {name: r.as_dict() for name, r in reports.items()}
-    seconds["patches"] = time.perf_counter() - t4
+    hold = _holds(dev, warm, kernel_cache, measure, {n: s for n, s in linears.items() if n not in ignored}, scheme)
+    options = {
+        "share_inputs": share_inputs,
+        "decode_attention": decode_attention,
+        "eager_fusion": eager_fusion,
+        "compile": compile,
+        "prefill_graphs": prefill_graphs,
+    }
+    ctx = patches.Context(dev, dtype, options, held=hold)
+    with tritonlib.holding() if hold else contextlib.nullcontext():  # the patches' checks run the model too
+        reports = patches.apply(model, ctx, "modules")
+        seconds["install"] = time.perf_counter() - t2
+        policy = KernelPolicy(dev, measure=measure, cache=kernel_cache, held=hold)
+        _kernels_and_forwards(model, ctx, reports, info, seconds, None if hold else warm, policy, progress)
+    if hold:
+        info.prewarm = {"pending": "compiling while the model runs torch's kernels (held.py)"}
+        held.HeldKernels(model, warm, lambda: _install_held(model, ctx, reports, info, kernel_cache, warm))
     info.fp8_layers = sum(
         isinstance(m, FP8Linear) and not isinstance(p, SharedInput) for p in model.modules() for m in p.children()
     )

@@ -169,10 +169,14 @@ class KernelPolicy:
         measure: Measure | None = None,
         cache: Path | None | bool = None,
         capabilities: devices.Capabilities | None = None,
+        held: bool = False,
     ):
         """capabilities: what the device offers (default devices.capabilities, probed once per
-        process); its name keys the cache, and without scaled_mm no FP8 x FP8 kernel is a candidate."""
+        process); its name keys the cache, and without scaled_mm no FP8 x FP8 kernel is a candidate.
+        held: our Triton kernels are held back (runtime/load/held.py): each layer runs what
+        `kernels.without_triton` picks, by rule, nothing measured and nothing cached."""
         self.device = device
+        self.held = held
         self.decode_m = decode_m
         self.measure = measure or self._measure
         self.priors = measure is None  # recorded timings (ops/triton/tuned.py) stand in for our own measurement only
@@ -205,9 +209,9 @@ class KernelPolicy:
 
     # -- deciding ----------------------------------------------------------------------------
     def buckets(self) -> list[tuple[str, int]]:
-        """(bucket, M) measured per layer signature: decode, then every prefill bucket. CPU
-        decides by rule, the same for every length: one prefill decision (M 0: any)."""
-        prefill = [0] if self.device.type == "cpu" else list(PREFILL_BUCKETS)
+        """(bucket, M) measured per layer signature: decode, then every prefill bucket. CPU and a
+        held policy decide by rule, the same for every length: one prefill decision (M 0: any)."""
+        prefill = [0] if self.device.type == "cpu" or self.held else list(PREFILL_BUCKETS)
         return [("decode", self.decode_m)] + [("prefill", m) for m in prefill]
 
     def _bucket(self, layer: FP8Linear, bucket: str, m: int) -> Decision:
@@ -221,6 +225,10 @@ class KernelPolicy:
             d.note = "CPU: weights dequantized once at load (FP8 matmul on CPU is orders of magnitude slower)" + (
                 "; activations rounded through e4m3 as the scheme says" if cands[0] == "dense_qact" else ""
             )
+            return d
+        if self.held:
+            d.choice, d.source = kernels.without_triton(cands), "rule"
+            d.note = "held: torch's kernels until this machine's first compile of ours is done (runtime/load/held.py)"
             return d
         key = self.key(sig, bucket, m)
         hit = self._cache.get(key)
@@ -284,7 +292,7 @@ class KernelPolicy:
     def decide(self, layer: FP8Linear) -> list[Decision]:
         """One decision per bucket of `buckets()`: decode first."""
         ds = [self._bucket(layer, b, m) for b, m in self.buckets()]
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.held:
             return ds
         best = [self._best(d.timings_us) for d in ds]
         if None in best:
@@ -344,7 +352,7 @@ class KernelPolicy:
                 d.layers = len(layers)
             self.decisions += [dec, *pre]
         self._peers = {}
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and not self.held:
             self._write_cache()
         return self.decisions
 

@@ -68,6 +68,12 @@ def _shapes(linears: dict[str, tuple[int, int]]) -> tuple[set, set]:
     return gemms, gated
 
 
+def signatures(linears: dict[str, tuple[int, int]], decode: tuple) -> list[tuple]:
+    """The kernel policy's signatures (fp8linear.signature) of the GEMMs `_shapes` finds, for
+    decode kernels `decode` (job_of's third): what `policy.decided_before` is asked about."""
+    return [signature(n, k, *decode) for n, k in sorted(_shapes(linears)[0])]
+
+
 def job_of(scheme) -> tuple[int, bool, tuple]:
     """What `Prewarm.begin` takes besides the model for an artifact of `scheme`: the rows of the
     fusion's probe, whether the prefill GEMMs are row-wise scaled (per-token activations, per-row

@@ -40,7 +40,6 @@ from ...infra.child import MIN_CPUS, Child, serve
 from ...infra.safetensors_io import read_header
 from ...infra.untrusted import inside, read_json
 from ..ops import triton as tritonlib
-from ..ops.fp8linear import signature
 from . import policy, prewarm
 
 # config.json's entries the warm-up reads (prewarm._work, `_heads`), each checked for its type and size
@@ -107,8 +106,7 @@ def start(dev: torch.device, path: Path, dtype: torch.dtype, kernel_cache=None) 
     body = request(path, dtype, dev)
     if body is None:
         return None
-    gemms, _ = prewarm._shapes({k: tuple(v) for k, v in body["linears"].items()})
-    sigs = [signature(n, k, *body["decode"]) for n, k in gemms]
+    sigs = prewarm.signatures({k: tuple(v) for k, v in body["linears"].items()}, body["decode"])
     if kernel_cache is False or policy.decided_before(torch.cuda.get_device_name(dev), sigs, kernel_cache):
         return None
     if torch.cuda.mem_get_info(dev)[0] < body["bytes"] + HEADROOM:  # the weights and a second context

@@ -56,6 +56,7 @@ KERNELS = (
     "dense_qact",
 )
 DENSE = ("bf16", "dense_qact")  # kernels that read a dense weight made once at load
+TRITON = ("gemv", "gemv_w8a8", "gemv_splitk")  # kernels that are our Triton kernels (compiled at first use)
 # Kernels that round the activations through e4m3 as the scheme says (per token, per group, or the
 # static scale). The others read BF16 activations: a layer they run under a scheme that quantizes
 # activations computes weight-only arithmetic (closer to BF16 than the scheme; validate says where).
@@ -300,3 +301,10 @@ def candidates(
         out.append("dequant")
     out.append("bf16")
     return out
+
+
+def without_triton(cands: list[str]) -> str:
+    """What a layer runs while our Triton kernels are held back (a machine's first run, until they
+    are compiled: runtime/load/held.py): the first of `cands` that is an FP8 GEMM of torch's (its
+    activations then quantized by torch ops), else dequantizing per call, never a dense copy."""
+    return next((c for c in cands if c not in TRITON and c not in DENSE), "dequant")

@@ -35,7 +35,7 @@ from ..ops import triton as tritonlib
 from . import forwards
 from .base import Context, Patch, PatchFallback, Report, warn_left
 
-__all__ = ["Context", "Patch", "PatchFallback", "Report", "REGISTRY", "apply"]
+__all__ = ["Context", "HELD", "Patch", "PatchFallback", "Report", "REGISTRY", "apply", "check", "held_back"]
 
 
 def _installed(model: nn.Module, *fns) -> int:
@@ -56,12 +56,16 @@ def _model_report(name: str, r: dict, installed: int) -> Report:
     return Report(name, installed=installed, details={k: v for k, v in r.items() if k != "installed"})
 
 
+# Why a Triton patch waits (Context.held): installed by runtime/load/held.py once the kernels are compiled
+HELD = "held back until this machine's first compile of its Triton kernels is done (installed then)"
+
+
 def _needs_cuda_triton(ctx: Context) -> str | None:
     if ctx.device.type != "cuda":
         return f"runs on CUDA only (this model is on {ctx.device.type})"
     if not tritonlib.available():
         return "needs Triton, which is not installed here"
-    return None
+    return HELD if ctx.held else None
 
 
 class SharedInputs:
@@ -299,6 +303,11 @@ def apply(model: nn.Module, ctx: Context, phase: str, registry=REGISTRY) -> dict
         out[patch.name] = report
         warn_left(report)
     return out
+
+
+def held_back(reports: dict[str, Report]) -> tuple[Patch, ...]:
+    """The patches of REGISTRY that `reports` says were held back (HELD), in registry order."""
+    return tuple(p for p in REGISTRY if reports.get(p.name) is not None and reports[p.name].skipped == HELD)
 
 
 def check(model: nn.Module, ctx: Context, reports: dict[str, Report], registry=REGISTRY) -> None:

@@ -34,6 +34,8 @@ class Context:
     device: torch.device
     dtype: torch.dtype
     options: dict = field(default_factory=dict)  # load()'s switches: share_inputs, decode_attention, eager_fusion
+    # our Triton kernels are held back until they are compiled (a machine's first run: runtime/load/held.py)
+    held: bool = False
 
     def on(self, option: str) -> bool:
         return bool(self.options.get(option, True))

@@ -11,10 +11,16 @@ under torch.compile.
 
 TRITON_INTERPRET=1 (`INTERPRET`) runs the kernels on CPU tensors: the tests' way of checking
 them on a machine without a GPU.
+
+`holding()` holds our kernels back for the calls made inside it (`eager_on` False there): the
+callers then run the plain torch ops, which need no compile. A model loaded on a machine's first
+run computes that way until its Triton kernels are compiled (runtime/load/held.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -41,10 +47,29 @@ def runs_on(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
+_HELD = contextvars.ContextVar("mpsconvert_triton_held", default=False)
+
+
+def held() -> bool:
+    """Whether the calls being made are inside `holding()`: our kernels are held back."""
+    return _HELD.get()
+
+
+@contextlib.contextmanager
+def holding():
+    """Within: `eager_on` is False, so every kernel's caller runs its torch ops (no Triton compile)."""
+    token = _HELD.set(True)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+
+
 def eager_on(t: torch.Tensor) -> bool:
-    """`runs_on(t)` outside torch.compile: the kernel itself runs. Inside a compiled region the
-    callers run plain torch ops instead, which Inductor fuses into their neighbours."""
-    return runs_on(t) and not torch.compiler.is_compiling()
+    """`runs_on(t)` outside torch.compile and outside `holding()`: the kernel itself runs. Inside a
+    compiled region the callers run plain torch ops instead, which Inductor fuses into their
+    neighbours; inside `holding()` too."""
+    return runs_on(t) and not torch.compiler.is_compiling() and not _HELD.get()
 
 
 def version() -> str | None:
