@@ -81,29 +81,25 @@ def check_replaceable(
             raise MpsconvertError(
                 f"{what} {target} is {kind}; mpsconvert never replaces it", "remove it yourself, or choose another -o"
             )
-        if is_ours is not None and not is_ours(target):
-            raise MpsconvertError(
-                f"{what} {target} exists and is not a file mpsconvert wrote; --force replaces only those",
-                "choose another -o, or remove it yourself",
-            )
-        if not force:
-            raise MpsconvertError(f"{what} {target} already exists", "pass --force to replace it, or choose another -o")
-        return
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+    elif stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"
         raise MpsconvertError(
-            f"output {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
+            f"{what} {target} is {kind}, not an mpsconvert artifact; mpsconvert never replaces it",
             "remove it yourself, or choose another -o",
         )
     if is_ours is not None and not is_ours(target):  # said first: --force would not replace it, so it is not the fix
+        ours = (
+            "a file mpsconvert wrote"
+            if file
+            else "an mpsconvert artifact (no mpsconvert.json that parses and names mpsconvert)"
+        )
         raise MpsconvertError(
-            f"output {target} exists and is not an mpsconvert artifact (no mpsconvert.json "
-            "that parses and names mpsconvert); --force replaces only those",
+            f"{what} {target} exists and is not {ours}; --force replaces only those",
             "choose another -o, or remove it yourself",
         )
     if not force:
-        raise MpsconvertError(f"output {target} already exists", "pass --force to replace it, or choose another -o")
-    if unlisted is not None and not delete_unlisted and (theirs := unlisted(target)):
+        raise MpsconvertError(f"{what} {target} already exists", "pass --force to replace it, or choose another -o")
+    if not file and unlisted is not None and not delete_unlisted and (theirs := unlisted(target)):
         shown = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
         raise MpsconvertError(
             f"output {target} holds {len(theirs)} file{'s' if len(theirs) > 1 else ''} its manifest does not list "

@@ -136,9 +136,7 @@ def _send(api, ops: list, to: UploadOptions, msg: str, files: list[str], *, endp
             )
         info = api.create_commit(repo_id=repo, repo_type="model", revision=revision, commit_message=msg, operations=ops)
     except hf_errors.OfflineModeIsEnabled as e:
-        raise UploadError(
-            f"cannot upload to {repo}: Hugging Face offline mode is on", "unset HF_HUB_OFFLINE to upload"
-        ) from e
+        raise _offline_error(repo) from e
     except hf_errors.HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         url_ = str(getattr(getattr(e.response, "request", None), "url", "") or "")
@@ -226,13 +224,19 @@ def _is_transport_error(e: BaseException) -> bool:
     )
 
 
+def _offline_error(repo: str) -> UploadError:
+    """Offline mode as the one-line error of an upload to `repo`: said before any request
+    (`_not_offline`), and where huggingface_hub refuses a request for it."""
+    return UploadError(
+        f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
+        "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload",
+    )
+
+
 def _not_offline(repo: str) -> None:
     """Offline mode (`offline`) as the one-line error of an upload to `repo`, before any request."""
     if offline():
-        raise UploadError(
-            f"cannot upload to {repo}: Hugging Face offline mode is on (HF_HUB_OFFLINE)",
-            "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to upload",
-        )
+        raise _offline_error(repo)
 
 
 def check_repo_id(repo: str) -> str:
