@@ -41,6 +41,7 @@ class _Said:
     `fails` raised from it: what the CLI does with the text is under test, not the model."""
 
     backend, device, history = "torch", "cpu", []
+    kernels_held = False  # api.Chat's: no GPU kernels compiling for the next run
 
     def __init__(self, reply: str = HOSTILE, fails: BaseException | None = None):
         self.reply, self.fails = reply, fails
@@ -316,3 +317,19 @@ def test_markup_and_escape_sequences_in_names_are_printed_literally(chat_art, mo
     res = cli("inspect", chat_art)
     one_error(res, "[bold red]boom[/]", "\\x1b]0;pwned\\x07", "speedup")
     assert "\x1b" not in res.output and "\x07" not in res.output
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_first_run_says_why_it_waits_after_the_answer(monkeypatch, tmp_path, command):
+    """On a machine's first run closing waits for the GPU kernels still compiling (api.Chat.close):
+    the CLI says so after the answer, so that the wait is not taken for a hang; not otherwise."""
+    for held in (True, False):
+        chat = _Said(reply="the answer")
+        chat.kernels_held = held
+        monkeypatch.setattr(api, "chat", lambda *a, _c=chat, **k: _c)
+        res = cli(command, tmp_path, *(["hi"] if command == "generate" else []), input="hi\n/exit\n")
+        assert res.exit_code == 0, res.output
+        said = "compiling this machine's GPU kernels for the next run" in res.output
+        assert said == held, res.output
+        if held:
+            assert res.output.index("the answer") < res.output.index("compiling this machine's GPU kernels")
