@@ -349,7 +349,7 @@ def load(path: str | Path, device: str = "auto", dtype: torch.dtype | None = Non
 
     Returns:
         The model; `model.mpsconvert` (LoadInfo) says what was verified and which kernel each
-        layer shape runs.
+        layer shape runs (on a CUDA machine's first run: torch's until ours compile; runtime/load/held.py).
 
     Raises:
         ArtifactError: the artifact fails verification or does not fit its config.
