@@ -43,14 +43,14 @@ def launches(monkeypatch):
 
 @pytest.fixture
 def warm(monkeypatch):
-    """A load's warm-up thread whose compiles last until `warm.done.set()` (off CUDA: its work faked)."""
+    """A load's warm-up thread whose compiles last until `warm.release.set()` (off CUDA: its work faked)."""
     done = threading.Event()
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(prewarm, "_first_use", lambda report: None)
     monkeypatch.setattr(prewarm, "_work", lambda *a: done.wait(30))
     w = prewarm.Prewarm(torch.device("cpu"))
     w.begin(None, {}, torch.bfloat16, 1, True)
-    w.done = done
+    w.release = done
     yield w
     done.set()
     w.join()
@@ -99,7 +99,7 @@ def test_a_held_model_launches_no_triton_kernel_until_its_warm_up_is_done(monkey
     assert launches == [] and e.decode_report["kernels"] == held.HeldKernels.NOTE
     assert held.held(model) is not None and not tritonlib.held()  # held inside the model's forward only
 
-    warm.done.set()
+    warm.release.set()
     warm._thread.join(10)
     e.reserve(32)  # the engine's next generation: takes them
     assert held.held(model) is None and e.capacity >= 32
@@ -125,7 +125,7 @@ def test_take_if_ready_waits_for_nothing_and_finish_waits_for_the_warm_up(monkey
     model, _ = _loaded_held(monkeypatch, warm, tmp_path / "kernels.json")
     h = held.held(model)
     assert not h.ready() and not h.take_if_ready() and held.held(model) is h
-    threading.Timer(0.2, warm.done.set).start()
+    threading.Timer(0.2, warm.release.set).start()
     assert held.finish(model) and held.held(model) is None and "forward" not in model.__dict__
     assert not held.finish(model)
     assert model.mpsconvert.seconds["held"]["prewarm_wait"] >= 0.1

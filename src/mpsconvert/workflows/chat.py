@@ -61,8 +61,7 @@ class Chat:
         mpsconvert's GPU kernels runs (runtime/load/held.py): closing then waits for it."""
         from ..runtime.load import held
 
-        model = getattr(self._conv.decoder, "model", None)
-        return model is not None and held.held(model) is not None
+        return held.held(getattr(self._conv.decoder, "model", None)) is not None
 
     def require_template(self) -> None:
         """Raises MpsconvertError where the tokenizer has no chat template (`say` would, at the first message)."""

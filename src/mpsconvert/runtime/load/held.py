@@ -60,7 +60,7 @@ class HeldKernels:
 
     def ready(self) -> bool:
         """Whether the warm-up is done, so that `finish` would not wait for it."""
-        return self.warm is None or not self.warm._thread.is_alive()
+        return self.warm is None or self.warm.done()
 
     def take_if_ready(self) -> bool:
         """Install the held kernels where the warm-up is done; whether it did (the model's

@@ -56,7 +56,7 @@ Measure = Callable[[str, FP8Linear, int], float]
 # enough for the summation orders of the kernels (W8A8: against x rounded to e4m3 with the layer's own
 # scales, so a static scale that clips random inputs clips the reference alike), far below a wrong
 # kernel's (~100%).
-CHECKED = ("gemv", "gemv_splitk", "gemv_w8a8")
+CHECKED = kernels.TRITON  # our own kernels
 TIMING = "streamed"  # how a kernel is timed (in the cache key: timings taken otherwise are taken again)
 CHECK_BOUND = 0.1
 

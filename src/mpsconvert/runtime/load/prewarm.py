@@ -337,6 +337,10 @@ class Prewarm:
             if self._child is not None:
                 self._child.kill()
 
+    def done(self) -> bool:
+        """Whether the thread has finished (so that `join` would not wait)."""
+        return not self._thread.is_alive()
+
     def join(self) -> dict:
         t = time.perf_counter()
         self._thread.join()
