@@ -39,14 +39,14 @@ def test_the_direct_decode_is_the_layers_own_decode_over_the_static_cache(arch, 
         assert e.writes_at == "position"
         return [e.step(t) for t in (10, 11, 12)]
 
-    from mpsconvert.runtime.ops.triton import rotary_kernel
+    from mpsconvert.runtime.ops.triton import qkv_rotary
 
-    stored, real = [], rotary_kernel.rotary_store
-    monkeypatch.setattr(rotary_kernel, "rotary_store", lambda *a: stored.append(1) or real(*a))
+    stored, real = [], qkv_rotary.qkv_rotary
+    monkeypatch.setattr(qkv_rotary, "qkv_rotary", lambda *a: stored.append(1) or real(*a))
     calls = [p.calls for p in plans]
     got = run()
     assert [p.calls for p in plans] == [c + 3 for c in calls]  # the prefill takes the other path
-    assert len(stored) == 3 * len(plans)  # the engine's static cache: written by the rotary kernel
+    assert len(stored) == 3 * len(plans)  # the engine's static cache: written by the q/k/v GEMV
     for layer in model.model.layers:  # the modules, their gate/up on the BF16 GEMV the direct decode runs
         object.__setattr__(layer, "mpsconvert_decode", None)
         layer.mlp.fused_gate_proj_up_proj.inner.set_kernels("gemv", "scaled_mm_row")
@@ -98,26 +98,34 @@ def test_a_layer_whose_direct_decode_differs_keeps_its_modules(monkeypatch):
     assert any("its direct decode differs from its own forward" in why for why in left), left
 
 
-def test_the_rotary_store_writes_what_the_rotary_and_the_cache_update_write():
-    """ops/triton/rotary_kernel.rotary_store (interpreted): q as `rotary` rotates it, bit for bit,
-    and the cache rows at the device-held position what `rotary` then `index_copy_` write; the
-    other rows untouched."""
-    from mpsconvert.runtime.ops.triton import rotary_kernel
+@pytest.mark.parametrize("bias,per_tensor", [(False, False), (True, False), (False, True)])
+def test_the_qkv_rotary_gemv_writes_what_the_gemv_rotary_and_cache_update_write(bias, per_tensor):
+    """ops/triton/qkv_rotary (interpreted): q as the normed GEMV then `rotary` give it, bit for bit,
+    and the cache rows at the device-held position what `rotary` then `index_copy_` write; the other
+    rows untouched. With a bias (Qwen2's q/k/v) and with one scale for the tensor."""
+    from mpsconvert.format.fp8 import quantize
+    from mpsconvert.runtime.ops.triton import gemv, qkv_rotary, rotary_kernel
 
     g = torch.Generator().manual_seed(0)
-    hq, hk, d, cap = 4, 2, 16, 6
-    qkv = (torch.randn(1, 1, (hq + 2 * hk) * d, generator=g) * 3).to(torch.bfloat16)
-    q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in qkv.split([hq * d, hk * d, hk * d], -1))
+    hq, hk, d, cap, hidden = 4, 2, 16, 6, 96
+    w, scale, _ = quantize(torch.randn((hq + 2 * hk) * d, hidden, generator=g), "tensor" if per_tensor else "row")
+    scale = scale.reshape(-1).float()
+    b = (torch.randn(w.shape[0], generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    x = (torch.randn(1, hidden, generator=g) * 3).to(torch.bfloat16)
+    norm = (1 + torch.randn(hidden, generator=g) * 0.1).to(torch.bfloat16)
     angle = torch.randn(1, 1, d, generator=g) * 4
     cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
     keys, values = (torch.randn(1, hk, cap, d, generator=g).to(torch.bfloat16) for _ in range(2))
     want_k, want_v = keys.clone(), values.clone()
     at = torch.tensor(3)
+    qkv = gemv.gemv(x, w, scale, b, norm=norm, eps=1e-5).view(1, 1, -1)
+    q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in qkv.split([hq * d, hk * d, hk * d], -1))
     want_q, rk = rotary_kernel.rotary(q, k, cos, sin)
     want_k.index_copy_(2, at.view(1), rk)
     want_v.index_copy_(2, at.view(1), v)
-    assert rotary_kernel.stores(q, k, v, keys, values)
-    got_q = rotary_kernel.rotary_store(q, k, v, cos, sin, keys, values, at)
+    assert qkv_rotary.fits(x, w, scale, (hq, hk, d), keys, values)
+    got_q = qkv_rotary.qkv_rotary(x, w, scale, b, norm, 1e-5, cos, sin, keys, values, at, (hq, hk, d))
     assert torch.equal(got_q, want_q) and got_q.shape == q.shape
     assert torch.equal(keys, want_k) and torch.equal(values, want_v)
-    assert not rotary_kernel.stores(q, k, v, keys[:, :1], values)  # caches of other heads
+    assert not qkv_rotary.fits(x, w, scale, (hq, hk, d), keys[:, :1], values)  # caches of other heads
+    assert not qkv_rotary.fits(x, w[:-d], scale[:-d], (hq, hk, d), keys, values)  # not [q; k; v] of these heads

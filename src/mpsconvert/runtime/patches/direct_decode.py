@@ -1,16 +1,17 @@
 """A decoder layer's eager decode step (one token) as direct calls, its RMSNorms and residual adds
 folded into the GEMVs around them (what ops/graph_fusion.py does to the compiled step), and its
-key and value written into the engine's static cache by the rotary kernel: for the eager step
+key and value rotated and written into the engine's static cache by the q/k/v GEMV: for the eager step
 that the engine captures as a CUDA graph (its default on CUDA).
 
 Why: the captured eager step ran about 12 kernels a layer (Llama-3-8B shape, H100): the input
 norm (with the previous layer's residual add), q/k/v, rotary, two cache writes, attention's two,
 o_proj, the post-attention add + norm + quantization, gate/up, its activations' quantization and
 down_proj. The norms, the quantization, the cache writes and the launch gap after each were
-~0.5 ms of a 3.8 ms step. Here a layer is seven kernels:
+~0.5 ms of a 3.8 ms step. Here a layer is six kernels:
 
-    qkv  = gemv(x, norm=input_layernorm)                the norm as the GEMV's prologue
-    q    = rotary_store(q, k, v -> the cache's row)     (other caches: rotary, then their update)
+    q    = gemv(x, norm=input_layernorm, rotary)       the norm as the GEMV's prologue; rotary, and k and v
+                                                        into the cache's row, as its epilogue (qkv_rotary.py;
+                                                        other caches: the GEMV, rotary, then their update)
     h    = gemv(attention(q, K, V), residual=x)         o_proj (attention: two kernels)
     g    = gemv(h, gated, norm=post_attention_layernorm) silu(gate) * up of the normed h
     out  = gemv(g, residual=h)                          down_proj
@@ -45,7 +46,7 @@ from ...model import hf_compat
 from ..ops import kernels
 from ..ops.fp8linear import PROBE_ROWS
 from ..ops.fuse import SharedInput
-from ..ops.triton import act_quant, rotary_kernel
+from ..ops.triton import act_quant, qkv_rotary, rotary_kernel
 from ..ops.triton import gemv as triton_gemv
 from . import attention, attention_prefill, forwards
 
@@ -122,17 +123,18 @@ def forward(p: Plan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask
     p.calls += 1
     x2 = x.view(1, -1)
     inner, d = p.qkv.inner, p.d
-    qkv = triton_gemv.gemv(
-        x2, inner.weight, inner.scale_flat, inner.bias, norm=p.in_norm.weight, eps=p.in_norm.mpsconvert_eps
-    )
-    q = qkv[:, : p.hq * d].view(1, 1, p.hq, d).transpose(1, 2)  # as the module's view + transpose make them
-    k = qkv[:, p.hq * d : (p.hq + p.hk) * d].view(1, 1, p.hk, d).transpose(1, 2)
-    v = qkv[:, (p.hq + p.hk) * d :].view(1, 1, p.hk, d).transpose(1, 2)
+    heads, norm, eps = (p.hq, p.hk, d), p.in_norm.weight, p.in_norm.mpsconvert_eps
     slot = hf_compat.positioned_slot(cache, p.layer_idx)
-    if slot is not None and rotary_kernel.stores(q, k, v, slot[0], slot[1]):  # the engine's static cache
-        keys, values, position = slot
-        q = rotary_kernel.rotary_store(q, k, v, cos, sin, keys, values, position)
+    if slot is not None and qkv_rotary.fits(x2, inner.weight, inner.scale_flat, heads, slot[0], slot[1]):
+        keys, values, position = slot  # the engine's static cache, written by the q/k/v GEMV
+        q = qkv_rotary.qkv_rotary(
+            x2, inner.weight, inner.scale_flat, inner.bias, norm, eps, cos, sin, keys, values, position, heads
+        )
     else:
+        qkv = triton_gemv.gemv(x2, inner.weight, inner.scale_flat, inner.bias, norm=norm, eps=eps)
+        q = qkv[:, : p.hq * d].view(1, 1, p.hq, d).transpose(1, 2)  # as the module's view + transpose make them
+        k = qkv[:, p.hq * d : (p.hq + p.hk) * d].view(1, 1, p.hk, d).transpose(1, 2)
+        v = qkv[:, (p.hq + p.hk) * d :].view(1, 1, p.hk, d).transpose(1, 2)
         q, k = rotary_kernel.rotary(q, k, cos, sin)
         keys, values = cache.update(k, v, p.layer_idx)
     o, _ = attention.attention_forward(p.attn, q, keys, values, mask, scaling=p.scaling)
@@ -146,7 +148,7 @@ def check(layer: nn.Module, p: Plan, kwargs: dict, layer_forward) -> str | None:
     """None if the direct decode of one token after a prompt gives the layer's own forward (its
     modules' installed forwards, its gate/up on the kernel this path runs) within MAX_REL_ERR, with
     the keys and values it caches, over a DynamicCache and over a static cache that writes at the
-    caller's position (the engine's, which `rotary_store` writes); else why not. `kwargs`: the
+    caller's position (the engine's, which the q/k/v GEMV writes); else why not. `kwargs`: the
     layer's call in the install's probe forward; `layer_forward`: the installed forward, which
     must take this path for the call. Leaves the layer's `mpsconvert_decode` None."""
     name = hf_compat.cache_arg(kwargs)

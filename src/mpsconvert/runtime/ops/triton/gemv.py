@@ -80,6 +80,54 @@ if triton is not None:
     )
 
     @triton.jit
+    def _row_sums(
+        x_ptr,
+        w_rows,
+        pair_offset,
+        nw_ptr,
+        s_row,
+        K,
+        n_mask,
+        NORM: tl.constexpr,
+        PAIRED: tl.constexpr,
+        SCALE_BLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # The GEMV's one pass over K: (the BLOCK_N rows' products with x, with PAIRED those of the rows
+        # `pair_offset` below them (0 otherwise), x's sum of squares). NORM: x is an RMSNorm's input and nw its
+        # weight: the products are of nw * x (the caller multiplies by 1 / rms). SCALE_BLOCK: s_row is the tile's
+        # row of block scales, applied to x, so that each x element is scaled once, not each weight.
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_pair = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            if NORM:
+                sq += x * x
+                x = x * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            if SCALE_BLOCK:
+                x = x * tl.load(s_row + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0)
+            w = tl.load(
+                w_rows + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            ).to(tl.float32)
+            if PAIRED:
+                wp = tl.load(
+                    w_rows + pair_offset + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                ).to(tl.float32)
+                acc_pair += wp * x[None, :]
+            acc += w * x[None, :]
+        return tl.sum(acc, axis=1), tl.sum(acc_pair, axis=1), tl.sum(sq, axis=0)
+
+    @triton.jit
     def _fp8_gemv_kernel(
         x_ptr,
         w_ptr,
@@ -116,41 +164,16 @@ if triton is not None:
         m = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            if NORM:
-                sq += x * x
-                x = x * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            if SCALE_BLOCK:
-                # block scales [ceil(N/B), ceil(K/B)]: a tile's BLOCK_N rows (BLOCK_N divides B) share
-                # one row of them, so each x element is scaled once, not each weight
-                x = x * tl.load(
-                    s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0
-                )
-            w = tl.load(
-                w_rows + offs_k[None, :],
-                mask=n_mask[:, None] & k_mask[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            ).to(tl.float32)
-            if GATED:  # (never with block scales: `_args` refuses them)
-                wu = tl.load(
-                    w_rows + N * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0,
-                    eviction_policy="evict_first",
-                ).to(tl.float32)
-                acc_up += wu * x[None, :]
-            acc += w * x[None, :]
-        y = tl.sum(acc, axis=1)
+        s_row = s_ptr
+        if SCALE_BLOCK:  # block scales [ceil(N/B), ceil(K/B)]: a tile's BLOCK_N rows (BLOCK_N divides B) share a row
+            s_row = s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn
+        x_row = x_ptr + m * stride_xm
+        y, up, sq = _row_sums(
+            x_row, w_rows, N * stride_wn, nw_ptr, s_row, K, n_mask, NORM, GATED, SCALE_BLOCK, BLOCK_N, BLOCK_K
+        )
         if NORM:
-            rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            rstd = tl.math.rsqrt(sq / K + eps)
             y = y * rstd
         if not SCALE_BLOCK:  # (block scales were applied to x above)
             if ROW_SCALE:
@@ -160,7 +183,6 @@ if triton is not None:
         if HAS_BIAS:
             y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATED:
-            up = tl.sum(acc_up, axis=1)
             if NORM:
                 up = up * rstd
             if ROW_SCALE:

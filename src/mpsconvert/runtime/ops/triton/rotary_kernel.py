@@ -1,8 +1,7 @@
 """q and k rotated by one Triton kernel (`rotary`), bit for bit transformers' `apply_rotary_pos_emb`
 (each product, then the sum, rounded to the activation dtype; no FMA contraction). Where the
-attention modules reach it: runtime/patches/rotary.py. `rotary_store`: a decode token's rotary
-with its key and value written into a static cache in the same launch (runtime/patches/direct_decode.py),
-where the cache's own update is two more kernels a layer.
+attention modules reach it: runtime/patches/rotary.py; a decode token's q/k/v GEMV rotates in its
+epilogue instead where it writes a static cache (qkv_rotary.py).
 """
 
 from __future__ import annotations
@@ -124,54 +123,6 @@ if triton is not None:
             PRE_ROUND,
         )
 
-    @triton.jit
-    def _rope_store_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        cos_ptr,
-        sin_ptr,
-        qo_ptr,
-        kc_ptr,
-        vc_ptr,
-        pos_ptr,
-        HQ,
-        HK,
-        sqh,
-        sqd,
-        skh,
-        skd,
-        svh,
-        svd,
-        scd,
-        ssd,
-        skch,
-        skcp,
-        svch,
-        svcp,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_HQ: tl.constexpr,
-        BLOCK_HK: tl.constexpr,
-        PRE_ROUND: tl.constexpr,
-    ):
-        # one token of one sequence: q rotated into qo [HQ, D]; k rotated into, and v copied into, the key and
-        # value caches' row at the position held on the device (read here, so a captured step follows it)
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        half = D // 2
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)  # rotate_half: (-x2, x1)
-        c = tl.load(cos_ptr + d * scd, mask=dmask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + d * ssd, mask=dmask, other=0.0).to(tl.float32)
-        pos = tl.load(pos_ptr).to(tl.int64)
-        _rotate(q_ptr, qo_ptr, c, s, sign, d, partner, dmask, 0, HQ, sqh, sqd, 0, D, BLOCK_HQ, PRE_ROUND)
-        _rotate(k_ptr, kc_ptr, c, s, sign, d, partner, dmask, 0, HK, skh, skd, pos * skcp, skch, BLOCK_HK, PRE_ROUND)
-        h = tl.arange(0, BLOCK_HK)[:, None]
-        mask = (h < HK) & dmask[None, :]
-        v = tl.load(v_ptr + h * svh + d[None, :] * svd, mask=mask, other=0.0)
-        tl.store(vc_ptr + pos * svcp + h * svch + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mask)
-
 
 def fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether `rotary` takes this call: eager on the Triton path, q [B, H, S, D] and k
@@ -224,68 +175,3 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         )
         launch(_rope_kernel, (b * s,), args, num_warps=4, enable_fp_fusion=False)
     return qo.transpose(1, 2), ko.transpose(1, 2)
-
-
-def stores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `rotary_store` takes this call (`fits` checked for q, k, cos, sin): one token of one
-    sequence, v as k, caches [1, Hk, L, D] of their dtype with rows of contiguous D."""
-    if q.shape[0] != 1 or q.shape[2] != 1 or v.shape != k.shape or v.dtype != k.dtype:
-        return False
-    want = (1, k.shape[1], keys.shape[2], k.shape[3])
-    return (
-        keys.shape == values.shape == torch.Size(want)
-        and keys.dtype == values.dtype == k.dtype
-        and keys.stride(-1) == values.stride(-1) == 1
-        and keys.device == values.device == q.device
-    )
-
-
-def rotary_store(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    position: torch.Tensor,
-) -> torch.Tensor:
-    """One decode token's `rotary` with its keys and values written into a static cache in the same
-    launch: k rotated into `keys[:, :, position]`, v copied into `values[:, :, position]` (what the
-    cache's `index_copy_` writes; `position` a 0-d or [1] integer tensor on the device, read by the
-    kernel). Returns q rotated, [1, H, 1, D]; the caller checks `fits` and `stores` first."""
-    hq, d = q.shape[1], q.shape[3]
-    hk = k.shape[1]
-    qo = torch.empty(1, 1, hq, d, dtype=q.dtype, device=q.device)
-    args = (
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        qo,
-        keys,
-        values,
-        position,
-        hq,
-        hk,
-        q.stride(1),
-        q.stride(3),
-        k.stride(1),
-        k.stride(3),
-        v.stride(1),
-        v.stride(3),
-        cos.stride(2),
-        sin.stride(2),
-        keys.stride(1),
-        keys.stride(2),
-        values.stride(1),
-        values.stride(2),
-        d,
-        next_pow2(d),
-        next_pow2(hq),
-        next_pow2(hk),
-        tritonlib.INTERPRET,
-    )
-    launch(_rope_store_kernel, (1,), args, num_warps=4, enable_fp_fusion=False)
-    return qo.transpose(1, 2)
