@@ -99,15 +99,20 @@ def _decode_kernels(
     dtype: torch.dtype,
     dev: torch.device,
     gated: bool = False,
+    fused: tuple = (),
+    qkv_heads: tuple | None = None,
 ) -> None:
     """Compile every configuration of the Triton decode kernels for an n x k layer (several at
     once), then call each once, so that its autotuner times them here rather than in the policy;
     with `gated` (a gated MLP's fused gate/up) their gated forms too (kernels.GATED), which the
-    fusion's install check calls first."""
+    fusion's install check calls first. Where the GEMV is a candidate, also its `fused` forms
+    (gemv.precompile's keywords) and with `qkv_heads` (hq, hk, d) of a [q; k; v] layer its rotary
+    form: what the direct decode runs (runtime/patches/direct_decode.py), compiled here rather
+    than in its install check."""
     from ...format.fp8 import FP8_DTYPE
     from ..ops import kernels
     from ..ops.fp8linear import FP8Linear
-    from ..ops.triton import gemv
+    from ..ops.triton import gemv, qkv_rotary
     from ..ops.triton import moe_gemv as experts
 
     scale = (
@@ -132,10 +137,10 @@ def _decode_kernels(
     if chosen is not None:  # the policy takes the recorded choice (ops/triton/tuned.py): only that one is compiled
         triton_kernels = [c for c in triton_kernels if c == chosen]
     precompile = {
-        "gemv": lambda gated=False: (
+        "gemv": lambda **form: (
             gemv.precompile(x, layer.weight, layer.weight_scale, None, block=block)
             if block
-            else gemv.precompile(x, layer.weight, layer.scale_flat, None, gated=gated)
+            else gemv.precompile(x, layer.weight, layer.scale_flat, None, **form)
         ),  # (also the interpreter's)
         "gemv_w8a8": lambda gated=False: gemv.precompile(
             x, layer.weight, layer.scale_flat, None, dot=True, gated=gated
@@ -151,6 +156,18 @@ def _decode_kernels(
         kernels.run(c, layer, x)
     for c in gated_kernels:
         kernels.GATED[kernels.FNS[c]](layer, x)
+    if "gemv" not in triton_kernels or block:
+        return
+    for form in fused:
+        precompile["gemv"](**form)
+        nw = torch.ones(k, dtype=dtype, device=dev) if form.get("norm") else None
+        rows = n // 2 if form.get("gated") else n
+        r = torch.zeros(1, rows, dtype=dtype, device=dev) if form.get("residual") else None
+        gemv.gemv(
+            x, layer.weight, layer.scale_flat, None, gated=form.get("gated", False), norm=nw, eps=1e-6, residual=r
+        )
+    if qkv_heads is not None:
+        qkv_rotary.precompile(x, layer.weight, layer.scale_flat, qkv_heads)
 
 
 def _step(report: dict, name: str, fn, stop: threading.Event | None = None) -> None:
@@ -194,10 +211,19 @@ def _work(
     gemms, gated = _shapes(linears)
     hidden = getattr(config, "hidden_size", None)
     eps = getattr(config, "rms_norm_eps", None)
+    heads = _heads(config)
+    qkv = (heads[0] + 2 * heads[1]) * heads[2] if heads is not None else None
+
+    def direct_decode(n, k) -> dict:  # the fused forms the direct decode runs for an n x k layer
+        fused = [{"norm": True}] * (n == qkv and k == hidden) + [{"residual": True}] * (n == hidden)
+        fused += [{"gated": True, "norm": True}] * (n in gated)
+        return {"fused": tuple(fused), "qkv_heads": heads if n == qkv and k == hidden else None}
+
     if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor", "block"):
         for n, k in sorted(gemms):
             step(
-                f"decode kernels {n}x{k}", lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev, gated=n in gated)
+                f"decode kernels {n}x{k}",
+                lambda n=n, k=k: _decode_kernels(n, k, *decode, dtype, dev, gated=n in gated, **direct_decode(n, k)),
             )
     if tritonlib.available():
         for k in sorted({k for _, k in gemms}):
@@ -219,7 +245,6 @@ def _work(
                     act_quant.add_rms_norm_quantize(x, x, w, eps, True, store_y=False),
                 ),
             )
-    heads = _heads(config)
     for n, k in sorted(gemms) if rowwise else ():
 
         def mm(n=n, k=k):

@@ -463,16 +463,20 @@ def precompile(
     dot: bool = False,
     block: int = 0,
     gated: bool = False,
+    norm: bool = False,
+    residual: bool = False,
 ) -> int:
     """Compile every configuration of the GEMV for arguments like these (x BF16 [M, K]; `block`:
-    block scales; `gated`: silu(gate) * up of [gate; up] rows), or with `dot` of the W8A8 GEMV for
-    x quantized, several at once (ops/triton `compile_configs`), so that the autotuner's first
-    call only times them. Returns how many were compiled."""
+    block scales; `gated`: silu(gate) * up of [gate; up] rows; `norm`, `residual`: its RMSNorm
+    prologue, its residual epilogue), or with `dot` of the W8A8 GEMV for x quantized, several at
+    once (ops/triton `compile_configs`), so that the autotuner's first call only times them.
+    Returns how many were compiled."""
     if triton is None or INTERPRET:
         return 0
     y = torch.empty(x.shape[0], _out_features(weight, gated), dtype=x.dtype, device=x.device)
     if not dot:
-        args, kw = _args(x, weight, scale, bias, y, block, gated)
+        nw = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
+        args, kw = _args(x, weight, scale, bias, y, block, gated, nw, 1e-6, torch.zeros_like(y) if residual else None)
         return compile_configs(_kernel, *args, **kw)
     xq, xs = torch.zeros_like(x, dtype=weight.dtype), torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
     args, kw = _dot_args(xq, xs, weight, scale, bias, y, gated)

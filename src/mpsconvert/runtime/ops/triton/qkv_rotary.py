@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import INTERPRET, tl, triton
+from . import INTERPRET, compile_configs, tl, triton
 from . import gemv as plain
 
 # The GEMV's configurations whose BLOCK_N pairs rows (BLOCK_N / 2 of them at least 2)
@@ -164,11 +164,20 @@ def qkv_rotary(
     sin [1, 1, d] (`rotary_kernel.rotary`), k and v written into `keys` and `values` at
     `position` (a 0-d or [1] integer tensor on the device, read by the kernel, so a captured step
     follows it). Returns q, [1, hq, 1, d]. `heads`: (hq, hk, d); the caller checks `fits` first."""
-    hq, hk, d = heads
-    n, k = weight.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    qo = torch.empty(1, 1, hq, d, dtype=x.dtype, device=x.device)
+    qo = torch.empty(1, 1, heads[0], heads[2], dtype=x.dtype, device=x.device)
+    args, kw = _args(x, weight, scale, bias, norm, eps, cos, sin, qo, keys, values, position, heads)
+    grid = lambda meta: (triton.cdiv(weight.shape[0] // 2, meta["BLOCK_N"] // 2),)  # noqa: E731
+    fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
+    _kernel[grid](*args, **kw, **fixed)
+    return qo.transpose(1, 2)
+
+
+def _args(x, weight, scale, bias, norm, eps, cos, sin, qo, keys, values, position, heads) -> tuple[tuple, dict]:
+    """The kernel's arguments, as `qkv_rotary` and `precompile` pass them."""
+    hq, hk, d = heads
+    n, k = weight.shape
     args = (
         x,
         weight,
@@ -204,7 +213,25 @@ def qkv_rotary(
         "PRE_ROUND": INTERPRET,
         "D": d,
     }
-    grid = lambda meta: (triton.cdiv(n // 2, meta["BLOCK_N"] // 2),)  # noqa: E731
-    fixed = {"BLOCK_N": 16, "BLOCK_K": 64} if INTERPRET else {}
-    _kernel[grid](*args, **kw, **fixed)
-    return qo.transpose(1, 2)
+    return args, kw
+
+
+def precompile(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, heads: tuple) -> int:
+    """Compile the kernel's configurations for a [q; k; v] weight like this one (x [1, K] in the
+    activation dtype; `heads` (hq, hk, d)) and call it once on scratch tensors, so that its
+    autotuner's choice is on disk for the load's own first call (runtime/load/prewarm.py).
+    Returns how many were compiled."""
+    if triton is None or INTERPRET:
+        return 0
+    hq, hk, d = heads
+    cos = torch.ones(1, 1, d, dtype=x.dtype, device=x.device)
+    cache = [torch.zeros(1, hk, 1, d, dtype=x.dtype, device=x.device) for _ in range(2)]
+    norm, position = (
+        torch.ones(x.shape[1], dtype=x.dtype, device=x.device),
+        torch.zeros((), dtype=torch.long, device=x.device),
+    )
+    qo = torch.empty(1, 1, hq, d, dtype=x.dtype, device=x.device)
+    args, kw = _args(x, weight, scale, None, norm, 1e-6, cos, cos, qo, *cache, position, heads)
+    compiled = compile_configs(_kernel, *args, **kw)
+    qkv_rotary(x, weight, scale, None, norm, 1e-6, cos, cos, *cache, position, heads)
+    return compiled
