@@ -110,20 +110,14 @@ if triton is not None:
                 x = x * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if SCALE_BLOCK:
                 x = x * tl.load(s_row + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0)
-            w = tl.load(
-                w_rows + offs_k[None, :],
-                mask=n_mask[:, None] & k_mask[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            ).to(tl.float32)
+            mask = n_mask[:, None] & k_mask[None, :]
+            # (the weights are read once: evicted first, so that x and the scales stay in cache)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             if PAIRED:
                 wp = tl.load(
-                    w_rows + pair_offset + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0,
-                    eviction_policy="evict_first",
-                ).to(tl.float32)
-                acc_pair += wp * x[None, :]
+                    w_rows + pair_offset + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+                )
+                acc_pair += wp.to(tl.float32) * x[None, :]
             acc += w * x[None, :]
         return tl.sum(acc, axis=1), tl.sum(acc_pair, axis=1), tl.sum(sq, axis=0)
 
