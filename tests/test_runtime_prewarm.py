@@ -220,6 +220,61 @@ def test_every_warm_up_call_is_valid():
     ]
 
 
+@pytest.mark.triton("interpret")
+def test_the_warm_up_compiles_the_direct_decodes_fused_gemv_forms(monkeypatch):
+    """Besides each shape's plain (and gated) GEMV, the warm-up compiles the forms the direct decode
+    runs (runtime/patches/direct_decode.py): q/k/v with the norm prologue and its rotary form,
+    o_proj and down_proj with the residual epilogue, gate/up gated with the norm prologue; for
+    block-scaled weights (no direct decode) none of them."""
+    import torch
+
+    from mpsconvert.runtime.load import prewarm
+    from mpsconvert.runtime.ops.triton import gemv, qkv_rotary
+
+    from .models import tiny_config
+
+    cfg = tiny_config("llama", intermediate_size=96, rms_norm_eps=1e-5)
+    hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // hq
+    linears = {
+        "l.q_proj": (hq * d, 64),
+        "l.k_proj": (hk * d, 64),
+        "l.v_proj": (hk * d, 64),
+        "l.o_proj": (64, hq * d),
+        "l.gate_proj": (96, 64),
+        "l.up_proj": (96, 64),
+        "l.down_proj": (64, 96),
+    }
+    calls = []
+    monkeypatch.setattr(gemv, "precompile", lambda x, w, s, b, **kw: calls.append((tuple(w.shape), kw)) or 0)
+    monkeypatch.setattr(qkv_rotary, "precompile", lambda x, w, s, heads: calls.append((tuple(w.shape), heads)) or 0)
+    report = {"warmed": [], "failed": []}
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("row", "tensor", None))
+    assert report["failed"] == [], report["failed"]
+    qkv = ((hq + 2 * hk) * d, 64)
+    got = [(shape, form) for shape, form in calls if not (isinstance(form, dict) and form.get("dot"))]
+    assert sorted(map(repr, got)) == sorted(
+        map(
+            repr,
+            [
+                (qkv, {}),
+                (qkv, {"norm": True}),
+                (qkv, (hq, hk, d)),
+                ((64, hq * d), {}),
+                ((64, hq * d), {"residual": True}),
+                ((64, 96), {}),
+                ((64, 96), {"residual": True}),
+                ((192, 64), {}),
+                ((192, 64), {"gated": True}),
+                ((192, 64), {"gated": True, "norm": True}),
+            ],
+        )
+    )
+    calls.clear()
+    prewarm._work(cfg, linears, torch.bfloat16, torch.device("cpu"), 9, False, report, decode=("block", None, 32))
+    assert calls and all(form == {"block": 32} for _, form in calls), calls
+
+
 def test_compile_configs_compiles_each_configuration_once_the_first_before_the_others():
     """What the autotuner's first call would compile one by one: every configuration, with the
     call's own arguments and constants, the first on the calling thread (it makes Triton's
