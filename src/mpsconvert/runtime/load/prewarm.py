@@ -161,8 +161,7 @@ def _decode_kernels(
     for form in fused:
         precompile["gemv"](**form)
         nw = torch.ones(k, dtype=dtype, device=dev) if form.get("norm") else None
-        rows = n // 2 if form.get("gated") else n
-        r = torch.zeros(1, rows, dtype=dtype, device=dev) if form.get("residual") else None
+        r = torch.zeros(1, n, dtype=dtype, device=dev) if form.get("residual") else None  # (never with `gated`)
         gemv.gemv(
             x, layer.weight, layer.scale_flat, None, gated=form.get("gated", False), norm=nw, eps=1e-6, residual=r
         )
@@ -215,9 +214,15 @@ def _work(
     qkv = (heads[0] + 2 * heads[1]) * heads[2] if heads is not None else None
 
     def direct_decode(n, k) -> dict:  # the fused forms the direct decode runs for an n x k layer
-        fused = [{"norm": True}] * (n == qkv and k == hidden) + [{"residual": True}] * (n == hidden)
-        fused += [{"gated": True, "norm": True}] * (n in gated)
-        return {"fused": tuple(fused), "qkv_heads": heads if n == qkv and k == hidden else None}
+        is_qkv = n == qkv and k == hidden
+        fused = []
+        if is_qkv:
+            fused.append({"norm": True})  # (and its rotary form, `qkv_heads`)
+        if n == hidden:  # o_proj, down_proj
+            fused.append({"residual": True})
+        if n in gated:
+            fused.append({"gated": True, "norm": True})
+        return {"fused": tuple(fused), "qkv_heads": heads if is_qkv else None}
 
     if tritonlib.available() and decode is not None and decode[0] in ("row", "tensor", "block"):
         for n, k in sorted(gemms):

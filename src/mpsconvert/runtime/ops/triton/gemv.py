@@ -122,6 +122,22 @@ if triton is not None:
         return tl.sum(acc, axis=1), tl.sum(acc_pair, axis=1), tl.sum(sq, axis=0)
 
     @triton.jit
+    def _scaled(y, rows, mask, rstd, s_ptr, b_ptr, NORM: tl.constexpr, SCALED: tl.constexpr, ROW_SCALE: tl.constexpr,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+        # `_row_sums`' sums for output `rows` finished: times the norm's 1 / rms (NORM), the weight's scale (SCALED:
+        # per row, or one for the tensor; block scales were applied to x), plus the bias
+        if NORM:
+            y = y * rstd
+        if SCALED:
+            if ROW_SCALE:
+                y = y * tl.load(s_ptr + rows, mask=mask, other=0.0)
+            else:
+                y = y * tl.load(s_ptr)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
     def _fp8_gemv_kernel(
         x_ptr,
         w_ptr,
@@ -166,25 +182,12 @@ if triton is not None:
         y, up, sq = _row_sums(
             x_row, w_rows, N * stride_wn, nw_ptr, s_row, K, n_mask, NORM, GATED, SCALE_BLOCK, BLOCK_N, BLOCK_K
         )
+        rstd = 1.0
         if NORM:
             rstd = tl.math.rsqrt(sq / K + eps)
-            y = y * rstd
-        if not SCALE_BLOCK:  # (block scales were applied to x above)
-            if ROW_SCALE:
-                y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-            else:
-                y = y * tl.load(s_ptr)
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if GATED:
-            if NORM:
-                up = up * rstd
-            if ROW_SCALE:
-                up = up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)
-            else:
-                up = up * tl.load(s_ptr)
-            if HAS_BIAS:
-                up = up + tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        y = _scaled(y, offs_n, n_mask, rstd, s_ptr, b_ptr, NORM, not SCALE_BLOCK, ROW_SCALE, HAS_BIAS)
+        if GATED:  # the up rows, N below (never with block scales: `_args` refuses them)
+            up = _scaled(up, N + offs_n, n_mask, rstd, s_ptr, b_ptr, NORM, True, ROW_SCALE, HAS_BIAS)
             y = _silu_mul(y, up, y_ptr.dtype.element_ty, PRE_ROUND)
         if RESIDUAL:
             y = _round_to(y, y_ptr.dtype.element_ty, PRE_ROUND) + tl.load(

@@ -22,19 +22,13 @@ import torch
 from . import INTERPRET, compile_configs, tl, triton
 from . import gemv as plain
 
-# The GEMV's configurations whose BLOCK_N pairs rows (BLOCK_N / 2 of them at least 2)
+# The GEMV's configurations whose BLOCK_N makes pairs: BLOCK_N / 2 rows and their partners, at least 2 of each
 _CONFIGS = tuple(c for c in plain._CONFIGS if c[0] >= 4)
 
 if triton is not None:
     from .act_quant import _round_to
-    from .gemv import _row_sums  # the GEMV's loop over K
-
-    @triton.jit
-    def _rotated(y, yp, c, s, SIGN: tl.constexpr, dt: tl.constexpr, PRE_ROUND: tl.constexpr):
-        # y * cos + rotate_half's partner * sin, each product and the sum rounded (rotary_kernel's `_rotate`)
-        a = _round_to(y * c, dt, PRE_ROUND)
-        b = _round_to(SIGN * yp * s, dt, PRE_ROUND)
-        return _round_to(a + b, dt, PRE_ROUND)
+    from .gemv import _row_sums, _scaled  # the GEMV's loop over K, its scales, norm and bias
+    from .rotary_kernel import _rotated  # the rotary's arithmetic and roundings
 
     @triton.jit
     def _store_rows(rows, y, NQ, NK, qo_ptr, kc_ptr, vc_ptr, k_base, v_base, skch, svch, mask, D: tl.constexpr):
@@ -93,22 +87,12 @@ if triton is not None:
         w_rows = w_ptr + lo[:, None].to(tl.int64) * stride_wn
         pair = (D // 2) * stride_wn
         y, yp, sq = _row_sums(x_ptr, w_rows, pair, nw_ptr, s_ptr, K, mask, NORM, True, 0, BLOCK_N // 2, BLOCK_K)
+        rstd = 1.0
         if NORM:
             rstd = tl.math.rsqrt(sq / K + eps)
-            y = y * rstd
-            yp = yp * rstd
-        if ROW_SCALE:
-            y = y * tl.load(s_ptr + lo, mask=mask, other=0.0)
-            yp = yp * tl.load(s_ptr + hi, mask=mask, other=0.0)
-        else:
-            y = y * tl.load(s_ptr)
-            yp = yp * tl.load(s_ptr)
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + lo, mask=mask, other=0.0).to(tl.float32)
-            yp = yp + tl.load(b_ptr + hi, mask=mask, other=0.0).to(tl.float32)
-        dt = qo_ptr.dtype.element_ty
-        y = _round_to(y, dt, PRE_ROUND)  # the GEMV's output as it would store it
-        yp = _round_to(yp, dt, PRE_ROUND)
+        dt = qo_ptr.dtype.element_ty  # each output as the GEMV would store it:
+        y = _round_to(_scaled(y, lo, mask, rstd, s_ptr, b_ptr, NORM, True, ROW_SCALE, HAS_BIAS), dt, PRE_ROUND)
+        yp = _round_to(_scaled(yp, hi, mask, rstd, s_ptr, b_ptr, NORM, True, ROW_SCALE, HAS_BIAS), dt, PRE_ROUND)
         c_lo = tl.load(cos_ptr + d * scd, mask=mask, other=0.0).to(tl.float32)
         s_lo = tl.load(sin_ptr + d * ssd, mask=mask, other=0.0).to(tl.float32)
         c_hi = tl.load(cos_ptr + (d + D // 2) * scd, mask=mask, other=0.0).to(tl.float32)

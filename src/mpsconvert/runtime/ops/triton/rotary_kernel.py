@@ -16,6 +16,14 @@ if triton is not None:
     from .act_quant import _round_to
 
     @triton.jit
+    def _rotated(x, xp, c, s, sign, dt: tl.constexpr, PRE_ROUND: tl.constexpr):
+        # x * cos + sign * partner * sin (rotate_half's: -x2 for the first half, x1 for the second) of float32 x
+        # and partner xp holding dt values, each product and the sum rounded to dt, as the eager ops round them
+        a = _round_to(x * c, dt, PRE_ROUND)
+        b = _round_to(sign * xp * s, dt, PRE_ROUND)
+        return _round_to(a + b, dt, PRE_ROUND)
+
+    @triton.jit
     def _rotate(
         x_ptr,
         o_ptr,
@@ -39,9 +47,7 @@ if triton is not None:
         mask = (h < H) & dmask[None, :]
         x = tl.load(x_ptr + base_x + h * sxh + d[None, :] * sxd, mask=mask, other=0.0)
         xp = tl.load(x_ptr + base_x + h * sxh + partner[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
-        a = _round_to(x.to(tl.float32) * c[None, :], x.dtype, PRE_ROUND)
-        b = _round_to(sign[None, :] * xp * s[None, :], x.dtype, PRE_ROUND)
-        y = _round_to(a + b, x.dtype, PRE_ROUND)
+        y = _rotated(x.to(tl.float32), xp, c[None, :], s[None, :], sign[None, :], x.dtype, PRE_ROUND)
         tl.store(o_ptr + base_o + h * soh + d[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
